@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Train a Llama model with torchrun. Usage (torchtitan conventions):
+#   NGPU=2 CONFIG_FILE=train_configs/debug_model.toml LOG_RANK=0 ./run_llama_train.sh [--section.key value ...]
+# NGPU: processes on this node (default: number of GPUs, or 1 without a GPU).
+# LOG_RANK: ranks whose output is shown (e.g. 0, 0,1); "all" shows every rank.
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/ensure_env.sh
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')
+fi
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+LOG_RANK=${LOG_RANK:-0}
+rank_filter=()
+[ "$LOG_RANK" != "all" ] && rank_filter=(--local-ranks-filter "$LOG_RANK")
+
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+  --role rank --tee 3 "${rank_filter[@]}" \
+  train.py --job.config_file "$CONFIG_FILE" "$@"

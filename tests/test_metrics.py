@@ -1,0 +1,230 @@
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_amp import metrics
+from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_memory_gib
+
+CPU = torch.device("cpu")
+BASE_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(metrics.time, "perf_counter", fake)
+    return fake
+
+
+def make_logger(folder: Path, **overrides) -> MetricsLogger:
+    kwargs = dict(
+        log_freq=10,
+        enable_tensorboard=False,
+        is_logging_rank=True,
+        flops_per_token=6e9,
+        peak_flops=60e12,
+        device=CPU,
+    )
+    kwargs.update(overrides)
+    return MetricsLogger(folder, **kwargs)
+
+
+def read_jsonl(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_peak_flops_cpu_is_positive_finite_and_cached() -> None:
+    first = peak_flops(CPU, torch.float32)
+    hits_before = metrics._measure_cpu_matmul_flops.cache_info().hits
+    start = time.perf_counter()
+    second = peak_flops(CPU, torch.float32)
+    assert time.perf_counter() - start < 0.01
+    assert metrics._measure_cpu_matmul_flops.cache_info().hits == hits_before + 1
+    assert first == second
+    assert first > 0 and math.isfinite(first)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "expected"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10G", 125e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA B200", 2.25e15),
+        ("AMD Instinct MI300X", 1307e12),
+    ],
+)
+def test_peak_flops_cuda_table(
+    monkeypatch: pytest.MonkeyPatch, device_name: str, expected: float
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert peak_flops(torch.device("cuda"), torch.bfloat16) == expected
+    # fp32 runs are still measured against the bf16 peak.
+    assert peak_flops(torch.device("cuda"), torch.float32) == expected
+
+
+def test_peak_flops_unknown_gpu_falls_back_to_h100_and_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Mystery GPU 9000")
+    with caplog.at_level(logging.WARNING, logger="torchtitan_amp"):
+        assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
+        assert peak_flops(torch.device("cuda"), torch.bfloat16) == 989e12
+    warnings = [r for r in caplog.records if "Mystery GPU 9000" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_peak_memory_cpu_is_positive() -> None:
+    assert peak_memory_gib(CPU) > 0
+
+
+def test_should_log(tmp_path: Path) -> None:
+    logger = make_logger(tmp_path, log_freq=5)
+    assert [s for s in range(1, 16) if logger.should_log(s)] == [1, 5, 10, 15]
+    logger.close()
+
+
+def test_tps_tflops_mfu_from_recorded_tokens(tmp_path: Path, clock: FakeClock) -> None:
+    logger = make_logger(tmp_path)
+    logger.record_tokens(1000)
+    logger.record_tokens(500)
+    clock.now += 1.5
+    m = logger.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
+    assert m is not None
+    assert m.tps == pytest.approx(1000.0)
+    assert m.tflops == pytest.approx(6.0)
+    assert m.mfu == pytest.approx(10.0)
+    assert m.elapsed_s == pytest.approx(1.5)
+
+    # Counters restart at each log, while elapsed_s keeps counting from construction.
+    logger.record_tokens(8000)
+    clock.now += 2.0
+    m = logger.log(10, loss=2.0, grad_norm=1.0, lr=1e-3)
+    assert m is not None
+    assert m.tps == pytest.approx(4000.0)
+    assert m.elapsed_s == pytest.approx(3.5)
+    logger.close()
+
+
+def test_num_ranks_for_mfu_divides_flops_not_tps(tmp_path: Path, clock: FakeClock) -> None:
+    logger = make_logger(tmp_path, num_ranks_for_mfu=2)
+    logger.record_tokens(1000)
+    clock.now += 1.0
+    m = logger.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
+    assert m is not None
+    assert m.tps == pytest.approx(1000.0)
+    assert m.tflops == pytest.approx(3.0)
+    assert m.mfu == pytest.approx(5.0)
+    logger.close()
+
+
+def test_log_line_format(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    logger = make_logger(tmp_path)
+    logger.record_tokens(24690)
+    clock.now += 2.0
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        logger.log(10, 5.4321, 1.2345, 3e-4, extra={"loss_scale": 65536.0, "skipped_steps": 0})
+    logger.close()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "torchtitan_amp"]
+    for fragment in [
+        "step:  10",
+        "loss:  5.4321",
+        "grad_norm:  1.2345",
+        "lr: 3.0000e-04",
+        "GiB",
+        "tps: 12,345",
+        "tflops: 74.07",
+        "mfu: 123.45%",
+        "loss_scale: 65536",
+        "skipped_steps: 0",
+    ]:
+        assert fragment in line, (fragment, line)
+
+
+def test_jsonl_one_object_per_step_appended_across_loggers(tmp_path: Path) -> None:
+    first = make_logger(tmp_path)
+    first.log(1, 3.0, 1.0, 1e-3, extra={"loss_scale": 1024.0})
+    first.log(10, 2.5, 0.9, 1e-3, extra={"loss_scale": 1024.0})
+    first.close()
+    resumed = make_logger(tmp_path)
+    resumed.log(20, 2.0, 0.8, 5e-4, extra={"loss_scale": 2048.0})
+    resumed.close()
+
+    records = read_jsonl(tmp_path)
+    assert [r["step"] for r in records] == [1, 10, 20]
+    for record in records:
+        assert set(record) == BASE_KEYS | {"loss_scale"}
+    assert records[2]["loss"] == 2.0
+    assert records[2]["loss_scale"] == 2048.0
+
+
+def test_jsonl_is_flushed_before_close(tmp_path: Path) -> None:
+    logger = make_logger(tmp_path)
+    logger.log(1, 3.0, 1.0, 1e-3)
+    assert len(read_jsonl(tmp_path)) == 1
+    logger.close()
+
+
+def test_non_finite_values_written_as_null(tmp_path: Path) -> None:
+    logger = make_logger(tmp_path)
+    m = logger.log(1, float("nan"), float("inf"), 1e-3)
+    logger.close()
+    assert m is not None and math.isnan(m.loss)
+    (record,) = read_jsonl(tmp_path)
+    assert record["loss"] is None
+    assert record["grad_norm"] is None
+    assert record["lr"] == 1e-3
+
+
+def test_non_logging_rank_writes_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "dump"
+    logger = make_logger(folder, is_logging_rank=False, enable_tensorboard=True)
+    logger.record_tokens(100)
+    assert logger.log(1, 3.0, 1.0, 1e-3) is None
+    logger.close()
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("is_logging_rank", [True, False])
+def test_extra_clashing_with_builtin_key_is_rejected_on_every_rank(
+    tmp_path: Path, is_logging_rank: bool
+) -> None:
+    logger = make_logger(tmp_path, is_logging_rank=is_logging_rank)
+    with pytest.raises(ValueError, match="loss"):
+        logger.log(1, 3.0, 1.0, 1e-3, extra={"loss": 1.0})
+    logger.close()
+
+
+def test_tensorboard_scalars_written(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = make_logger(tmp_path, enable_tensorboard=True, tensorboard_folder="tb")
+    logger.log(1, 3.0, 1.0, 1e-3, extra={"loss_scale": 1024.0})
+    logger.log(10, 2.5, 0.9, 1e-3, extra={"loss_scale": 2048.0})
+    logger.close()
+
+    event_files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(event_files) == 1 and event_files[0].stat().st_size > 0
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    loss = accumulator.Scalars("train/loss")
+    assert [(e.step, e.value) for e in loss] == [(1, 3.0), (10, 2.5)]
+    assert [e.value for e in accumulator.Scalars("train/loss_scale")] == [1024.0, 2048.0]

@@ -1,0 +1,528 @@
+"""Job configuration: one dataclass per TOML section, CLI overrides, validation and --help.
+
+Precedence is CLI > TOML > dataclass defaults. Every error is a `ConfigError` with a one-line
+message naming the field and what is allowed; `train.py` turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad job config: the message is a single line meant for the user."""
+
+
+def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """A config field: `help` becomes the --help line, `choices` the allowed set."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Job:
+    config_file: str = _f("", "TOML job config to load before CLI overrides.")
+    dump_folder: str = _f("./outputs", "Folder for logs, metrics.jsonl, reports and checkpoints.")
+    description: str = _f("", "Free-text description of the job, printed at start-up.")
+    print_config: bool = _f(False, "Print the resolved config (TOML) at start-up.")
+
+
+@dataclass
+class Model:
+    name: str = _f("llama3", "Model family.", ("llama3",))
+    flavor: str = _f(
+        "debugmodel",
+        "Model size.",
+        ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"),
+    )
+    tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS) or a path to a tokenizer.json.")
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("AdamW", "Optimizer.", ("AdamW",))
+    lr: float = _f(8e-4, "Peak learning rate.")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    implementation: str = _f(
+        "auto",
+        "AdamW kernel: 'auto' picks fused where the device supports it, else foreach.",
+        ("auto", "fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.")
+    decay_ratio: float = _f(
+        -1.0, "Fraction of steps spent decaying at the end (-1: all steps after warm-up)."
+    )
+    decay_type: str = _f("linear", "Shape of the decay.", ("linear", "cosine", "sqrt"))
+    min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.")
+
+
+@dataclass
+class Training:
+    dataset: str = _f(
+        "pydoc",
+        "'pydoc' (CPython's bundled docs, no download) or 'path:/file/or/folder' (.txt, .jsonl).",
+    )
+    local_batch_size: int = _f(8, "Sequences per micro-batch per data-parallel rank.")
+    global_batch_size: int = _f(
+        -1,
+        "Sequences per optimizer step over all ranks (-1: local_batch_size x dp degree); "
+        "larger values accumulate gradients.",
+    )
+    seq_len: int = _f(2048, "Tokens per sequence.")
+    steps: int = _f(10000, "Optimizer steps to train.")
+    max_norm: float = _f(1.0, "Gradient clipping by global norm (<= 0 disables).")
+    seed: int = _f(0, "Seed for model init and data order.")
+    deterministic: bool = _f(False, "Use deterministic algorithms (slower).")
+    device: str = _f("auto", "'auto' picks CUDA when a GPU is present, else CPU.", ("auto", "cpu", "cuda"))
+    dtype: str = _f(
+        "float32",
+        "Storage dtype of parameters (float32 = fp32 master weights; bfloat16 = pure-bf16 "
+        "training, which needs mixed_precision.enabled = false or param_dtype = bfloat16).",
+        ("float32", "bfloat16"),
+    )
+    mixed_precision_param: str = _f(
+        "", "Alias of mixed_precision.param_dtype (torchtitan spelling).", ("",) + DTYPES
+    )
+    mixed_precision_reduce: str = _f(
+        "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).", ("",) + DTYPES
+    )
+    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, "Replicas (DDP, or the replicate dim of HSDP).")
+    data_parallel_shard_degree: int = _f(
+        -1, "FSDP shard degree; -1 fills the ranks not used by the other degrees."
+    )
+    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree.")
+    pipeline_parallel_degree: int = _f(1, "Pipeline-parallel degree.")
+    enable_sequence_parallel: bool = _f(True, "Shard norms/activations along the sequence under TP.")
+    disable_loss_parallel: bool = _f(False, "Gather logits before the loss under TP.")
+    pipeline_parallel_schedule: str = _f(
+        "1F1B", "Pipeline schedule.", ("GPipe", "1F1B", "Interleaved1F1B")
+    )
+    pipeline_parallel_microbatch_size: int = _f(1, "Sequences per pipeline micro-batch.")
+    pipeline_parallel_split_points: list[str] = _f(
+        [], "Module names starting each stage after the first (e.g. layers.4); empty: even split."
+    )
+    fsdp_reshard_after_forward: str = _f(
+        "default",
+        "Free gathered params after forward ('default': yes, except the last group).",
+        ("default", "always", "never"),
+    )
+    backend: str = _f(
+        "auto", "Process-group backend: 'auto' is nccl on CUDA, gloo on CPU.", ("auto", "gloo", "nccl")
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _f(False, "Save and resume distributed checkpoints.")
+    folder: str = _f("checkpoint", "Checkpoint folder, under job.dump_folder.")
+    interval: int = _f(500, "Save every N steps (and at the last step).")
+    keep_latest_k: int = _f(0, "Keep only the newest K checkpoints (0 keeps all).")
+    load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, "Log every N steps (and at step 1).")
+    enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
+    save_tb_folder: str = _f("tb", "TensorBoard folder, under job.dump_folder.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", "Recompute activations in backward.", ("none", "full", "selective"))
+    selective_ac_option: str = _f(
+        "2", "With mode=selective: an integer N (every N-th block) or 'op' (op-level save list)."
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = _f(False, "torch.compile each transformer block.")
+
+
+@dataclass
+class MixedPrecision:
+    enabled: bool = _f(True, "Train in mixed precision (false: fp32 everywhere).")
+    param_dtype: str = _f("bfloat16", "Compute dtype of lower-precision-safe modules.", DTYPES)
+    reduce_dtype: str = _f("float32", "Dtype of gradients on the wire.", DTYPES)
+    output_dtype: str = _f("float32", "Dtype of the model's outputs (logits).", DTYPES)
+    lower_precision_safe_modules: list[str] = _f(
+        ["torch.nn.Linear"],
+        "Module classes whose compute/gathers/gradients may use param/reduce dtype; others stay fp32.",
+    )
+    init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.")
+    growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
+    backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.")
+    growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    # "section.key" of every field set by TOML or CLI, so aliases can detect real conflicts.
+    explicit: set[str] = field(default_factory=set, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in section_names()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Introspection
+
+
+def section_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(JobConfig) if f.name != "explicit"]
+
+
+def _section_type(section: str) -> type:
+    return typing.get_type_hints(JobConfig)[section]
+
+
+def _field_types(section: str) -> dict[str, Any]:
+    return typing.get_type_hints(_section_type(section))
+
+
+def _field_meta(section: str, key: str) -> dataclasses.Field:
+    return {f.name: f for f in dataclasses.fields(_section_type(section))}[key]
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _check_known(section: str, key: str | None) -> None:
+    sections = section_names()
+    if section not in sections:
+        raise ConfigError(
+            f"unknown config section '{section}'{_suggest(section, sections)} "
+            f"(sections: {', '.join(sections)})"
+        )
+    if key is not None:
+        keys = list(_field_types(section))
+        if key not in keys:
+            dotted = [f"{section}.{k}" for k in keys]
+            raise ConfigError(
+                f"unknown config key '{section}.{key}'{_suggest(f'{section}.{key}', dotted)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Value conversion
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, "a list of strings"
+    )
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) in (list, types.GenericAlias) or tp == list[str]
+
+
+def _from_toml(name: str, tp: Any, value: Any) -> Any:
+    """Type-check a TOML value: TOML already typed it, so only exact kinds are accepted."""
+    if _is_list(tp):
+        if isinstance(value, str):
+            return _split_list(value)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"'{name}' must be {_type_name(tp)}, got {value!r}")
+
+
+def _split_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def _from_cli(name: str, tp: Any, text: str) -> Any:
+    """Parse a CLI string into the field's type."""
+    try:
+        if _is_list(tp):
+            return _split_list(text)
+        if tp is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"'--{name}' must be {_type_name(tp)}, got {text!r}") from None
+
+
+def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
+    meta = _field_meta(section, key).metadata
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
+    setattr(getattr(config, section), key, value)
+    config.explicit.add(f"{section}.{key}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text") from None
+
+
+def apply_toml(config: JobConfig, data: dict[str, Any]) -> None:
+    for section, values in data.items():
+        _check_known(section, None)
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{section}' must be a TOML table ([{section}])")
+        types_ = _field_types(section)
+        for key, value in values.items():
+            _check_known(section, key)
+            _set(config, section, key, _from_toml(f"{section}.{key}", types_[key], value))
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
+    """Split argv into (section, key, raw value) triples; booleans may be bare flags."""
+    out: list[tuple[str, str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}': use --section.key value (see --help)")
+        name, eq, inline = arg[2:].partition("=")
+        negated = name.startswith("no-")
+        if negated:
+            name = name[3:]
+        section, _, key = name.partition(".")
+        _check_known(section, key)
+        tp = _field_types(section)[key]
+        if negated:
+            if tp is not bool or eq:
+                raise ConfigError(f"'--no-{name}' only applies to boolean fields without a value")
+            out.append((section, key, "false"))
+        elif eq:
+            out.append((section, key, inline))
+        elif tp is bool and (i + 1 == len(argv) or argv[i + 1].lower() not in _TRUE + _FALSE):
+            out.append((section, key, "true"))
+        elif i + 1 < len(argv):
+            i += 1
+            out.append((section, key, argv[i]))
+        else:
+            raise ConfigError(f"'--{name}' needs a value")
+        i += 1
+    return out
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Resolve defaults, then the TOML named by --job.config_file, then CLI overrides."""
+    overrides = parse_cli(argv)
+    config = JobConfig()
+    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), "")
+    if config_file:
+        apply_toml(config, load_toml(config_file))
+    for section, key, raw in overrides:
+        name = f"{section}.{key}"
+        _set(config, section, key, _from_cli(name, _field_types(section)[key], raw))
+    _resolve_aliases(config)
+    validate(config)
+    return config
+
+
+def _resolve_aliases(config: JobConfig) -> None:
+    pairs = (
+        ("training.mixed_precision_param", "mixed_precision.param_dtype"),
+        ("training.mixed_precision_reduce", "mixed_precision.reduce_dtype"),
+    )
+    for alias, canonical in pairs:
+        a_sec, a_key = alias.split(".")
+        c_sec, c_key = canonical.split(".")
+        alias_value = getattr(getattr(config, a_sec), a_key)
+        if not alias_value:
+            continue
+        canonical_value = getattr(getattr(config, c_sec), c_key)
+        if canonical in config.explicit and canonical_value != alias_value:
+            raise ConfigError(
+                f"'{alias}' = {alias_value!r} conflicts with '{canonical}' = {canonical_value!r}; "
+                f"set only one of them"
+            )
+        setattr(getattr(config, c_sec), c_key, alias_value)
+        config.explicit.add(canonical)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of single fields and of combinations that need no world size
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(config: JobConfig) -> None:
+    t, o, p, lr = config.training, config.optimizer, config.parallelism, config.lr_scheduler
+    _require(t.seq_len >= 2, f"'training.seq_len' must be >= 2, got {t.seq_len}")
+    _require(t.local_batch_size >= 1, f"'training.local_batch_size' must be >= 1, got {t.local_batch_size}")
+    _require(
+        t.global_batch_size == -1 or t.global_batch_size >= 1,
+        f"'training.global_batch_size' must be -1 or >= 1, got {t.global_batch_size}",
+    )
+    _require(t.steps >= 1, f"'training.steps' must be >= 1, got {t.steps}")
+    _require(t.gc_freq >= 0, f"'training.gc_freq' must be >= 0, got {t.gc_freq}")
+    _require(o.lr > 0, f"'optimizer.lr' must be > 0, got {o.lr}")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "'optimizer.beta1/beta2' must be in [0, 1)")
+    _require(o.eps > 0, f"'optimizer.eps' must be > 0, got {o.eps}")
+    _require(o.weight_decay >= 0, f"'optimizer.weight_decay' must be >= 0, got {o.weight_decay}")
+    _require(lr.warmup_steps >= 0, f"'lr_scheduler.warmup_steps' must be >= 0, got {lr.warmup_steps}")
+    _require(
+        lr.decay_ratio == -1.0 or 0.0 <= lr.decay_ratio <= 1.0,
+        f"'lr_scheduler.decay_ratio' must be -1 or in [0, 1], got {lr.decay_ratio}",
+    )
+    _require(
+        0.0 <= lr.min_lr_factor <= 1.0,
+        f"'lr_scheduler.min_lr_factor' must be in [0, 1], got {lr.min_lr_factor}",
+    )
+    for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+        value = getattr(p, name)
+        _require(value >= 1, f"'parallelism.{name}' must be >= 1, got {value}")
+    _require(
+        p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        f"'parallelism.data_parallel_shard_degree' must be -1 or >= 1, got {p.data_parallel_shard_degree}",
+    )
+    _require(
+        p.pipeline_parallel_microbatch_size >= 1,
+        "'parallelism.pipeline_parallel_microbatch_size' must be >= 1",
+    )
+    _require(config.metrics.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {config.metrics.log_freq}")
+    _require(config.checkpoint.interval >= 1, "'checkpoint.interval' must be >= 1")
+    _require(config.checkpoint.keep_latest_k >= 0, "'checkpoint.keep_latest_k' must be >= 0")
+    ac = config.activation_checkpoint
+    _require(
+        ac.mode != "selective" or ac.selective_ac_option == "op" or ac.selective_ac_option.isdigit()
+        and int(ac.selective_ac_option) >= 1,
+        f"'activation_checkpoint.selective_ac_option' must be a positive integer or 'op', "
+        f"got {ac.selective_ac_option!r}",
+    )
+    _validate_mixed_precision(config)
+
+
+def _validate_mixed_precision(config: JobConfig) -> None:
+    mp = config.mixed_precision
+    for name in ("init_scale", "growth_factor"):
+        _require(getattr(mp, name) > 0, f"'mixed_precision.{name}' must be > 0")
+    _require(mp.growth_factor > 1.0, f"'mixed_precision.growth_factor' must be > 1, got {mp.growth_factor}")
+    _require(
+        0.0 < mp.backoff_factor < 1.0,
+        f"'mixed_precision.backoff_factor' must be in (0, 1), got {mp.backoff_factor}",
+    )
+    _require(mp.growth_interval >= 1, "'mixed_precision.growth_interval' must be >= 1")
+    # Importability of lower_precision_safe_modules is checked by the precision plan, which owns
+    # the meaning of those names; dtype combinations are checked there too.
+
+
+# ---------------------------------------------------------------------------------------------
+# Presentation
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_format_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(config: JobConfig) -> str:
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_format_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    lines = [
+        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...]",
+        "",
+        "Overrides: --section.key VALUE, --section.key=VALUE; booleans as a bare flag (true),",
+        "--section.key true|false or --no-section.key; lists comma-separated.",
+        "Precedence: CLI > TOML (--job.config_file) > defaults.",
+    ]
+    for section in section_names():
+        lines += ["", f"[{section}]"]
+        for f in dataclasses.fields(_section_type(section)):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            allowed = f"  {{{', '.join(map(str, (c for c in choices if c != '')))}}}" if choices else ""
+            lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}")
+            lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)

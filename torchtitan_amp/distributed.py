@@ -1,0 +1,72 @@
+"""Device and process-group set-up: CUDA + nccl when a GPU is there, CPU + gloo otherwise."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_amp.config import ConfigError, JobConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def choose_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("'training.device' = 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    if requested == "nccl" and device.type != "cuda":
+        raise ConfigError("'parallelism.backend' = 'nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def resolve(config: JobConfig) -> DistInfo:
+    """Decide device and backend from config and torchrun's environment; starts nothing."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = choose_device(config.training.device, local_rank)
+    backend = choose_backend(config.parallelism.backend, device)
+    return DistInfo(int(os.environ.get("RANK", "0")), local_rank, world_size_from_env(), device, backend)
+
+
+def init(info: DistInfo, timeout_s: float = 300.0) -> None:
+    """Start the process group when launched by torchrun (even with one process)."""
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group(info.backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=info.device if info.device.type == "cuda" else None)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def mean_across(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
+    """Mean of a scalar over a group, summed in fp32 (gloo has no AVG reduce op)."""
+    if group is None or not dist.is_initialized():
+        return float(value)
+    total = value.detach().float().clone()
+    dist.all_reduce(total, group=group)
+    return float(total) / dist.get_world_size(group)

@@ -1,0 +1,290 @@
+"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, TensorBoard)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+logger = logging.getLogger("torchtitan_amp")
+
+# Dense (non-sparse) bf16 tensor-core peak FLOP/s, matched as case-insensitive substrings of
+# torch.cuda.get_device_name. Order matters: a more specific name must precede any entry that
+# is a substring of it (e.g. "H100 NVL" before "H100", "L40S" before "L40").
+_GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("A100", 312e12),
+    ("A10G", 125e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM; its device name carries no form-factor suffix
+    ("H200", 989e12),
+    ("B200", 2.25e15),
+    ("L40S", 362e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    # Each MI250X GCD is its own torch device, so this is half the package figure.
+    ("MI250X", 191.5e12),
+)
+_FALLBACK_GPU = "H100"
+
+# 1024^3 takes milliseconds in fp32/bf16 on a few cores: long enough to hit the GEMM kernel's
+# steady state, short enough that the one-off measurement doesn't delay startup.
+_CPU_MATMUL_SIZE = 1024
+_CPU_WARMUP_REPS = 2
+_CPU_TIMING_BUDGET_S = 0.3
+
+_GIB = 2**30
+_JSONL_NAME = "metrics.jsonl"
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """Per-device peak FLOP/s used as the MFU denominator."""
+    if device.type == "cuda":
+        # dtype is deliberately ignored: like torchtitan, MFU is always relative to the bf16
+        # tensor-core peak, so fp32 (TF32) runs show the utilization they leave on the table
+        # instead of looking efficient against a lower ceiling.
+        return _gpu_peak_flops(torch.cuda.get_device_name(device))
+    if device.type == "cpu":
+        # Thread count is part of the key because the measured peak scales with it.
+        return _measure_cpu_matmul_flops(dtype, torch.get_num_threads())
+    raise ValueError(f"peak_flops: unsupported device type {device.type!r}")
+
+
+def _gpu_peak_flops(device_name: str) -> float:
+    lowered = device_name.lower()
+    for name, flops in _GPU_PEAK_BF16_FLOPS:
+        if name.lower() in lowered:
+            return flops
+    _warn_unknown_gpu(device_name)
+    return dict(_GPU_PEAK_BF16_FLOPS)[_FALLBACK_GPU]
+
+
+@functools.cache
+def _warn_unknown_gpu(device_name: str) -> None:
+    # Cached so the warning appears once per GPU model, not once per call.
+    logger.warning(
+        "Peak FLOP/s of GPU %r is unknown; MFU assumes %s (%.0f TFLOP/s bf16)",
+        device_name,
+        _FALLBACK_GPU,
+        dict(_GPU_PEAK_BF16_FLOPS)[_FALLBACK_GPU] / 1e12,
+    )
+
+
+@functools.cache
+def _measure_cpu_matmul_flops(dtype: torch.dtype, num_threads: int) -> float:
+    # CPUs have no spec-sheet number that means anything for torch's GEMM in a given dtype
+    # (AMX/AVX512-bf16 vs fp32 differ several-fold), so measure what a matmul actually achieves.
+    n = _CPU_MATMUL_SIZE
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    for _ in range(_CPU_WARMUP_REPS):
+        torch.mm(a, b)
+    # Best-of rather than mean: interference from other processes only ever makes a rep slower.
+    best_s = math.inf
+    deadline = time.perf_counter() + _CPU_TIMING_BUDGET_S
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        end = time.perf_counter()
+        best_s = min(best_s, end - start)
+        if end >= deadline:
+            break
+    return 2 * n**3 / best_s
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the last reset_peak_memory (CUDA) or process start (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / _GIB
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is KiB on Linux but bytes on macOS.
+    rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
+    return rss_bytes / _GIB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    # Peak RSS on CPU cannot be reset by the process, so CPU peaks are lifetime peaks.
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tps: float
+    tflops: float
+    mfu: float
+    memory_gib: float
+    elapsed_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+# Fixed order of the built-in fields in every sink; extras follow them.
+_BASE_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "extra")
+
+
+class MetricsLogger:
+    """Turns per-step scalars into throughput/MFU and writes them to every enabled sink.
+
+    Every rank must call record_tokens and log so that interval counters stay in step;
+    only the logging rank writes anything.
+    """
+
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        *,
+        log_freq: int,
+        enable_tensorboard: bool,
+        tensorboard_folder: str = "tb",
+        is_logging_rank: bool,
+        flops_per_token: float,
+        peak_flops: float,
+        device: torch.device,
+        num_ranks_for_mfu: int = 1,
+    ) -> None:
+        """num_ranks_for_mfu: ranks that jointly process the same tokens (TP x PP x CP degree),
+        so one device does only 1/num_ranks_for_mfu of the FLOPs of the tokens it records."""
+        if log_freq < 1:
+            raise ValueError(f"log_freq must be >= 1, got {log_freq}")
+        if num_ranks_for_mfu < 1:
+            raise ValueError(f"num_ranks_for_mfu must be >= 1, got {num_ranks_for_mfu}")
+        self._log_freq = log_freq
+        self._is_logging_rank = is_logging_rank
+        self._flops_per_token = float(flops_per_token)
+        self._peak_flops = float(peak_flops)
+        self._device = device
+        self._num_ranks_for_mfu = num_ranks_for_mfu
+
+        self._start_time = time.perf_counter()
+        self._last_log_time = self._start_time
+        self._tokens_since_log = 0
+
+        self._jsonl: IO[str] | None = None
+        self._tb_writer: SummaryWriter | None = None
+        if is_logging_rank:
+            folder = Path(dump_folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            # Append so a resumed run continues the same history instead of truncating it.
+            self._jsonl = open(folder / _JSONL_NAME, "a", encoding="utf-8")
+            if enable_tensorboard:
+                # Imported lazily so tensorboard is only required when it is enabled.
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb_writer = SummaryWriter(log_dir=str(folder / tensorboard_folder))
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self._log_freq == 0
+
+    def record_tokens(self, n: int) -> None:
+        self._tokens_since_log += n
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+    ) -> StepMetrics | None:
+        # Validated on every rank so a bad call fails everywhere instead of hanging the others.
+        extra = {k: float(v) for k, v in (extra or {}).items()}
+        clashing = extra.keys() & set(_BASE_KEYS)
+        if clashing:
+            raise ValueError(f"extra metrics clash with built-in keys: {sorted(clashing)}")
+
+        now = time.perf_counter()
+        interval_s = now - self._last_log_time
+        tokens = self._tokens_since_log
+        self._last_log_time = now
+        self._tokens_since_log = 0
+        if not self._is_logging_rank:
+            return None
+
+        tps = tokens / interval_s if interval_s > 0 else 0.0
+        device_flops = tps * self._flops_per_token / self._num_ranks_for_mfu
+        metrics = StepMetrics(
+            step=step,
+            loss=float(loss),
+            grad_norm=float(grad_norm),
+            lr=float(lr),
+            tps=tps,
+            tflops=device_flops / 1e12,
+            mfu=100.0 * device_flops / self._peak_flops,
+            memory_gib=peak_memory_gib(self._device),
+            elapsed_s=now - self._start_time,
+            extra=extra,
+        )
+        # Each line reports the peak of its own interval rather than of the whole run.
+        reset_peak_memory(self._device)
+
+        logger.info(_format_line(metrics))
+        self._write_jsonl(metrics)
+        self._write_tensorboard(metrics)
+        return metrics
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb_writer is not None:
+            self._tb_writer.close()
+            self._tb_writer = None
+
+    def _write_jsonl(self, metrics: StepMetrics) -> None:
+        assert self._jsonl is not None
+        record = {k: _json_number(v) for k, v in _flat_items(metrics)}
+        # allow_nan=False keeps the file strict JSON; non-finite values are already null.
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        # Flush per line so a crash or kill loses at most the line being written.
+        self._jsonl.flush()
+
+    def _write_tensorboard(self, metrics: StepMetrics) -> None:
+        if self._tb_writer is None:
+            return
+        for key, value in _flat_items(metrics):
+            if key != "step":
+                self._tb_writer.add_scalar(f"train/{key}", value, metrics.step)
+        self._tb_writer.flush()
+
+
+def _format_line(m: StepMetrics) -> str:
+    line = (
+        f"step: {m.step:3d}  loss: {m.loss:7.4f}  grad_norm: {m.grad_norm:7.4f}  "
+        f"lr: {m.lr:.4e}  memory: {m.memory_gib:5.2f}GiB  tps: {m.tps:,.0f}  "
+        f"tflops: {m.tflops:,.2f}  mfu: {m.mfu:.2f}%"
+    )
+    extras = "".join(f"  {k}: {_format_extra(v)}" for k, v in m.extra.items())
+    return line + extras
+
+
+def _format_extra(value: float) -> str:
+    # Counters and power-of-two loss scales read best as plain integers ("65536", not "6.554e+04").
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def _flat_items(m: StepMetrics) -> list[tuple[str, float]]:
+    return [(k, getattr(m, k)) for k in _BASE_KEYS] + list(m.extra.items())
+
+
+def _json_number(value: float) -> float | None:
+    # JSON has no NaN/Infinity; null keeps the line parseable by strict readers.
+    return value if math.isfinite(value) else None

@@ -1,0 +1,398 @@
+"""The precision plan: the only place where precision is decided.
+
+`PrecisionPlan.from_config` turns the job config and the parallel layout into one of three paths:
+
+- "fsdp":     data-parallel sharding is on; FSDP2 `MixedPrecisionPolicy` per module group does the
+              casting, fp32 master params, fp32 policy for modules outside the safe list.
+- "autocast": no sharding (single process, DDP/replicate, TP, PP); a forward-only `torch.autocast`
+              around forward + loss, a separate backward context without autocast, and a gradient
+              comm hook sending safe modules' gradients in `reduce_dtype` when DDP is on.
+- "full":     one dtype everywhere (fp32, or pure bf16 when `training.dtype = "bfloat16"`).
+
+Everything else (parallelize, trainer, checkpoint) asks the plan and never re-decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.parallel_dims import ParallelDims
+
+logger = logging.getLogger("torchtitan_amp")
+
+Path_ = Literal["fsdp", "autocast", "full"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# Ops we keep in fp32 whatever the path. The norm and rotary upcasts live in the model (CPU
+# autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
+FP32_ISLANDS = ("RMSNorm (computes in fp32, returns input dtype)", "rotary tables and rotation",
+                "cross-entropy on fp32 logits", "loss and metric accumulators")
+
+
+class PrecisionError(ConfigError):
+    """A precision setting that cannot be honoured: raised at config time, never a fallback."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_module_classes(names: list[str]) -> tuple[type[nn.Module], ...]:
+    """Import each fully qualified class name; any failure is a config error naming it."""
+    classes = []
+    for name in names:
+        module_name, _, cls_name = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name) if module_name else None
+        except (ImportError, AttributeError):
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise PrecisionError(
+                f"'mixed_precision.lower_precision_safe_modules' entry '{name}' is not an importable "
+                f"nn.Module class (use a fully qualified name such as 'torch.nn.Linear')"
+            )
+        classes.append(cls)
+    return tuple(classes)
+
+
+def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        return
+    if not torch.amp.is_autocast_available(device_type):
+        raise PrecisionError(f"mixed precision is not available on device type '{device_type}'")
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise PrecisionError(
+            "'mixed_precision.param_dtype' = 'bfloat16' but this GPU has no bf16 support; "
+            "use 'float16' (with loss scaling) or set mixed_precision.enabled = false"
+        )
+    if device_type == "cuda" and dtype == torch.float16 and torch.cuda.get_device_capability() < (5, 3):
+        raise PrecisionError("'mixed_precision.param_dtype' = 'float16' needs a GPU with compute capability >= 5.3")
+
+
+def _choose_path(enabled: bool, storage: torch.dtype, param: torch.dtype, reduce: torch.dtype,
+                 dims: ParallelDims) -> Path_:
+    if not enabled or storage != torch.float32:
+        return "full"
+    if dims.fsdp_enabled:
+        return "fsdp"
+    if param == torch.float32 and (reduce == torch.float32 or not dims.ddp_enabled):
+        return "full"
+    return "autocast"
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    path: Path_
+    device_type: str
+    storage_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    output_dtype: torch.dtype
+    safe_modules: tuple[type[nn.Module], ...]
+    comm_hook: Literal["bf16_compress", "fp16_compress", "none"]
+    grad_scaler: Literal["none", "GradScaler", "ShardedGradScaler"]
+    scaler_kwargs: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    # -----------------------------------------------------------------------------------------
+    # Construction
+
+    @classmethod
+    def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str) -> "PrecisionPlan":
+        mp = config.mixed_precision
+        storage = _DTYPES[config.training.dtype]
+        notes: list[str] = []
+        if storage != torch.float32 and mp.enabled and _DTYPES[mp.param_dtype] != storage:
+            raise PrecisionError(
+                f"'training.dtype' = '{config.training.dtype}' (pure low-precision training) conflicts "
+                f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
+                f"= false, or drop training.dtype to train in mixed precision"
+            )
+        enabled = mp.enabled and storage == torch.float32
+        param = _DTYPES[mp.param_dtype] if enabled else storage
+        reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
+        output = _DTYPES[mp.output_dtype] if enabled else storage
+        if param == torch.bfloat16 and reduce == torch.float16:
+            raise PrecisionError(
+                "'mixed_precision.reduce_dtype' = 'float16' with param_dtype = 'bfloat16' can overflow "
+                "(bf16-range gradients exceed fp16's 65504); use reduce_dtype 'bfloat16' or 'float32'"
+            )
+        _check_device_support(device_type, param)
+        safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
+        path = _choose_path(enabled, storage, param, reduce, dims)
+        comm_hook = "none"
+        if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
+            comm_hook = "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
+        grad_scaler = "none"
+        if param == torch.float16 and path != "full":
+            grad_scaler = "ShardedGradScaler" if path == "fsdp" else "GradScaler"
+        elif enabled and "mixed_precision.init_scale" in config.explicit:
+            notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
+        if not mp.enabled:
+            notes.append("mixed_precision.enabled = false: every path trains in one dtype")
+        scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
+                         "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
+        return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
+                   scaler_kwargs, tuple(notes))
+
+    # -----------------------------------------------------------------------------------------
+    # Questions the rest of the code asks
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self.param_dtype if self.path == "autocast" and self.param_dtype != torch.float32 else None
+
+    def is_safe(self, module: nn.Module) -> bool:
+        return isinstance(module, self.safe_modules)
+
+    def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
+        """Policy for one `fully_shard` group: safe modules in param/reduce dtype, others fp32.
+
+        An fp32 group must not cast its inputs: the residual stream around it is in param dtype,
+        and our fp32 modules (RMSNorm) upcast internally and hand back their input's dtype.
+        """
+        if low_precision:
+            return MixedPrecisionPolicy(self.param_dtype, self.reduce_dtype, output_dtype, True)
+        return MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype, False)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Wraps forward + loss. Never wrap backward in it: autocast belongs to forward only."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        """Backward runs with autocast explicitly off, whatever a caller's context holds."""
+        return torch.autocast(self.device_type, enabled=False)
+
+    def cast_output(self, output: torch.Tensor) -> torch.Tensor:
+        """On the autocast path the model's output dtype is ours to set (FSDP sets it itself)."""
+        if self.path == "autocast" and output.is_floating_point():
+            return output.to(self.output_dtype)
+        return output
+
+    def check_no_user_autocast(self) -> None:
+        """Called at every step's entry: a caller's autocast would override this plan silently."""
+        for device_type in {self.device_type, "cpu"}:
+            if torch.is_autocast_enabled(device_type):
+                dtype = dtype_name(torch.get_autocast_dtype(device_type))
+                raise PrecisionError(
+                    f"the train step is running inside a torch.autocast('{device_type}') region "
+                    f"(dtype {dtype}); remove it and set mixed_precision.param_dtype = '{dtype}' "
+                    f"in the job config instead"
+                )
+
+    def build_scaler(self) -> "LossScaler":
+        if self.grad_scaler == "ShardedGradScaler":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return LossScaler(ShardedGradScaler(self.device_type, **self.scaler_kwargs))
+        if self.grad_scaler == "GradScaler":
+            return LossScaler(torch.amp.GradScaler(self.device_type, **self.scaler_kwargs))
+        return LossScaler(None)
+
+    def comm_hook_state(self, model: nn.Module, group: dist.ProcessGroup | None) -> "CompressHookState | None":
+        """State for `compress_hook` on the DDP path, or None when gradients travel in fp32."""
+        if self.comm_hook == "none":
+            return None
+        low = {id(p) for m in model.modules() if self.is_safe(m) for p in m.parameters(recurse=False)}
+        return CompressHookState(group, self.reduce_dtype, frozenset(low))
+
+    # -----------------------------------------------------------------------------------------
+    # Report
+
+    def _param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"num_params": 0})
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            low = self.is_safe(module) and self.path != "full"
+            compute = self.param_dtype if low else self.storage_dtype
+            if self.path == "autocast" and not low:
+                compute = torch.float32
+            name = f"{type(module).__module__}.{type(module).__qualname__}"
+            reduce = self.reduce_dtype if low else self.storage_dtype
+            if self.path == "autocast" and self.comm_hook == "none":
+                reduce = self.storage_dtype
+            g = groups[name]
+            g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
+                     compute_dtype=dtype_name(compute), reduce_dtype=dtype_name(reduce))
+            g["num_params"] += sum(p.numel() for p in own)
+        return list(groups.values())
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        groups = self._param_groups(model)
+        return {
+            "path": self.path,
+            "param_dtype": dtype_name(self.param_dtype),
+            "reduce_dtype": dtype_name(self.reduce_dtype),
+            "output_dtype": dtype_name(self.output_dtype),
+            "storage_dtype": dtype_name(self.storage_dtype),
+            "autocast_dtype": dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
+            "comm_hook": self.comm_hook,
+            "grad_scaler": self.grad_scaler,
+            "lower_precision_safe_modules": [f"{c.__module__}.{c.__qualname__}" for c in self.safe_modules],
+            "fp32_modules": sorted({g["module_type"] for g in groups if g["compute_dtype"] == "float32"}),
+            "fp32_islands": list(FP32_ISLANDS),
+            "param_groups": groups,
+            "notes": list(self.notes),
+        }
+
+    def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
+        report = self.report(model)
+        if is_writer:
+            Path(dump_folder).mkdir(parents=True, exist_ok=True)
+            (Path(dump_folder) / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
+            logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
+                        self.path, _SHORT[self.param_dtype], _SHORT[self.reduce_dtype],
+                        _SHORT[self.output_dtype], self.comm_hook, self.grad_scaler)
+            logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
+            for g in report["param_groups"]:
+                logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1],
+                            f"{g['num_params']:,}", *(_SHORT[_DTYPES[g[k]]] for k in
+                                                      ("storage_dtype", "compute_dtype", "reduce_dtype")))
+            for note in self.notes:
+                logger.info("  note: %s", note)
+        return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling
+
+
+class LossScaler:
+    """fp16 dynamic loss scaling behind one interface; a no-op when the plan needs none.
+
+    Contract per optimizer step: `scale(loss)` every micro-batch, `unscale_(opt)` once before
+    clipping, `step(opt)` returns False when the step was skipped for inf/nan gradients.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler | None) -> None:
+        self.scaler = scaler
+        self.skipped_steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaler is not None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # update() backs the scale off exactly when this step found inf/nan and skipped.
+        stepped = self.scaler.get_scale() >= before
+        self.skipped_steps += not stepped
+        return stepped
+
+    def get_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.scaler.state_dict() if self.scaler else {}
+        return {"scaler": state, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP gradient compression that honours lower_precision_safe_modules and works on gloo and nccl
+
+
+@dataclass
+class CompressHookState:
+    group: dist.ProcessGroup | None
+    dtype: torch.dtype
+    low_precision_params: frozenset[int]
+    # Bytes this rank put on the wire for gradients, by dtype name: what tests and benchmarks read.
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+def _bucket_slices(bucket: dist.GradBucket) -> Iterator[tuple[int, int, int]]:
+    """(parameter id, start, end) of each gradient inside the bucket's flat buffer."""
+    buffer = bucket.buffer()
+    base, size = buffer.data_ptr(), buffer.element_size()
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        start = (g.data_ptr() - base) // size
+        yield id(p), start, start + g.numel()
+
+
+def _all_reduce_mean(flat: torch.Tensor, state: CompressHookState) -> torch.futures.Future:
+    world = dist.get_world_size(state.group)
+    flat.div_(world)
+    state.bytes_sent[dtype_name(flat.dtype)] += flat.numel() * flat.element_size()
+    return dist.all_reduce(flat, group=state.group, async_op=True).get_future()
+
+
+def _gather(buffer: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    if len(ranges) == 1:
+        start, end = ranges[0]
+        return buffer[start:end].to(dtype, copy=True)
+    return torch.cat([buffer[s:e] for s, e in ranges]).to(dtype)
+
+
+def _scatter(buffer: torch.Tensor, ranges: list[tuple[int, int]], flat: torch.Tensor) -> None:
+    offset = 0
+    for start, end in ranges:
+        buffer[start:end].copy_(flat[offset:offset + end - start])
+        offset += end - start
+
+
+def compress_hook(state: CompressHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce safe modules' gradients in `state.dtype`, the rest in fp32; return fp32.
+
+    torch's bf16_compress_hook refuses non-NCCL backends by name and casts whole buckets, so it
+    can neither run on gloo nor keep norm/embedding gradients in fp32.
+    """
+    buffer = bucket.buffer()
+    ranges: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for pid, start, end in _bucket_slices(bucket):
+        ranges[pid in state.low_precision_params].append((start, end))
+    parts: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
+    futures = []
+    for low, dtype in ((True, state.dtype), (False, buffer.dtype)):
+        if ranges[low]:
+            flat = _gather(buffer, ranges[low], dtype)
+            parts.append((ranges[low], flat))
+            futures.append(_all_reduce_mean(flat, state))
+
+    def decompress(_: torch.futures.Future) -> torch.Tensor:
+        for rngs, flat in parts:
+            _scatter(buffer, rngs, flat)
+        return buffer
+
+    return torch.futures.collect_all(futures).then(decompress)
+
+
+def install_comm_hook(model: nn.Module, state: CompressHookState | None) -> None:
+    if state is not None:
+        model.register_comm_hook(state, compress_hook)
+
