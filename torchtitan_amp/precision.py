@@ -69,6 +69,15 @@ def resolve_module_classes(names: list[str]) -> tuple[type[nn.Module], ...]:
     return tuple(classes)
 
 
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _user_class(module: nn.Module) -> type:
+    """The model's own class: FSDP2 and replicate swap in dynamic subclasses of it."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
 def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         return
@@ -226,7 +235,7 @@ class PrecisionPlan:
             compute = self.param_dtype if low else self.storage_dtype
             if self.path == "autocast" and not low:
                 compute = torch.float32
-            name = f"{type(module).__module__}.{type(module).__qualname__}"
+            name = _class_name(_user_class(module))
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
                 reduce = self.storage_dtype
@@ -247,7 +256,7 @@ class PrecisionPlan:
             "autocast_dtype": dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
             "comm_hook": self.comm_hook,
             "grad_scaler": self.grad_scaler,
-            "lower_precision_safe_modules": [f"{c.__module__}.{c.__qualname__}" for c in self.safe_modules],
+            "lower_precision_safe_modules": [_class_name(c) for c in self.safe_modules],
             "fp32_modules": sorted({g["module_type"] for g in groups if g["compute_dtype"] == "float32"}),
             "fp32_islands": list(FP32_ISLANDS),
             "param_groups": groups,
@@ -366,7 +375,9 @@ def _scatter(buffer: torch.Tensor, ranges: list[tuple[int, int]], flat: torch.Te
         offset += end - start
 
 
-def compress_hook(state: CompressHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+# No annotations on purpose: DDP compares them to the real classes, and this module's postponed
+# annotations are strings.
+def compress_hook(state, bucket):  # type: ignore[no-untyped-def]
     """All-reduce safe modules' gradients in `state.dtype`, the rest in fp32; return fp32.
 
     torch's bf16_compress_hook refuses non-NCCL backends by name and casts whole buckets, so it
