@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Train a Llama model with torchrun. Usage (torchtitan conventions):
 #   NGPU=2 CONFIG_FILE=train_configs/debug_model.toml LOG_RANK=0 ./run_llama_train.sh [--section.key value ...]
-# NGPU: processes on this node (default: number of GPUs, or 1 without a GPU).
+# NGPU: processes on this node (default: number of GPUs, or 1 without a GPU; on CPU each
+#       process is one gloo rank).
 # LOG_RANK: ranks whose output is shown (e.g. 0, 0,1); "all" shows every rank.
+# Sets up ./.venv on first use when the current Python lacks the dependencies (scripts/ensure_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/ensure_env.sh
 
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+# Check the command line before starting any process (no torch import): a bad config is one
+# "error: ..." line and exit code 2 here, not a failure report from every torchrun worker.
+"$PYTHON" -c 'import sys, train; sys.exit(train.check_config(sys.argv[1:]))' \
+  --job.config_file "$CONFIG_FILE" "$@" || exit $?
+for arg in "$@"; do
+  case "$arg" in -h|--help) exit 0 ;; esac
+done
+
 if [ -z "${NGPU:-}" ]; then
   NGPU=$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')
 fi
-CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
 LOG_RANK=${LOG_RANK:-0}
 rank_filter=()
 [ "$LOG_RANK" != "all" ] && rank_filter=(--local-ranks-filter "$LOG_RANK")

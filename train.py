@@ -1,4 +1,8 @@
-"""Entry point: `torchrun ... train.py --job.config_file FILE [--section.key VALUE ...]`."""
+"""Entry point: `torchrun ... train.py --job.config_file FILE [--section.key VALUE ...]`.
+
+Exit codes: 0 done (or --help), 2 bad config or data (one `error: ...` line on stderr, raised
+before any process group or model exists), anything else is a crash with its traceback.
+"""
 
 from __future__ import annotations
 
@@ -14,22 +18,51 @@ def _setup_logging() -> None:
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
 
 
+def _fail(error: Exception) -> int:
+    # One line whatever the message holds, so launchers and logs show it whole.
+    print("error: " + " ".join(str(error).splitlines()), file=sys.stderr)
+    return 2
+
+
+def check_config(argv: list[str]) -> int:
+    """Parse and validate the command line without importing torch (what run_llama_train.sh
+    calls before starting torchrun). Checks that need the world size run later, in Trainer."""
+    from torchtitan_amp.config import ConfigError, help_text, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        load_config(argv)
+    except ConfigError as e:
+        return _fail(e)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from torchtitan_amp.config import ConfigError, help_text, load_config
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
+    try:
+        # Before importing torch: a mistyped override fails in a fraction of a second.
+        config = load_config(argv)
+    except ConfigError as e:
+        return _fail(e)
     _setup_logging()
     from torchtitan_amp import distributed
+    from torchtitan_amp.checkpoint import CheckpointError, install_preemption_handlers
     from torchtitan_amp.data import DataError
     from torchtitan_amp.trainer import Trainer
 
+    # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
+    install_preemption_handlers()
     try:
-        trainer = Trainer(load_config(argv))
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        trainer = Trainer(config)
+    except (ConfigError, DataError, CheckpointError) as e:
+        distributed.shutdown()
+        return _fail(e)
     try:
         trainer.train()
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import sys
 import types
 import typing
@@ -111,6 +112,11 @@ class Training:
         "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).", ("",) + DTYPES
     )
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
+    fault_inject_at_step: int = _f(
+        0, "Testing only: rank fault_inject_rank exits hard (os._exit(1)) after step N, once per "
+        "dump folder (a marker file there records it); 0 disables."
+    )
+    fault_inject_rank: int = _f(0, "Testing only: the rank that fault_inject_at_step kills.")
 
 
 @dataclass
@@ -145,8 +151,33 @@ class Checkpoint:
     enable: bool = _f(False, "Save and resume distributed checkpoints.")
     folder: str = _f("checkpoint", "Checkpoint folder, under job.dump_folder.")
     interval: int = _f(500, "Save every N steps (and at the last step).")
-    keep_latest_k: int = _f(0, "Keep only the newest K checkpoints (0 keeps all).")
+    keep_latest_k: int = _f(
+        0, "Keep only the newest K full checkpoints (0 keeps all); older ones are removed only "
+        "after a newer one is complete. Seed checkpoints and model-only exports are kept."
+    )
     load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).")
+    initial_load_path: str = _f(
+        "", "Weights to start from when the folder holds no checkpoint: a step folder (seed, full "
+        "or model-only export) or a folder of them. Loads the model only; training starts at step 0."
+    )
+    last_save_model_only: bool = _f(
+        False, "At the last step write only the model, as one torch.save file in export_dtype "
+        "(step-N/model.pt): an export, not a resume point."
+    )
+    export_dtype: str = _f("float32", "Dtype of model-only exports.", DTYPES)
+    async_mode: str = _f(
+        "disabled", "'async' writes checkpoints in a background thread after a synchronous copy; "
+        "'async_with_pinned_mem' (CUDA only) stages through pinned host memory.",
+        ("disabled", "async", "async_with_pinned_mem"),
+    )
+    exclude_from_loading: list[str] = _f(
+        [], "States not to restore on load, from: model, optimizer, lr_scheduler, scaler, "
+        "train_state, dataloader, rng."
+    )
+    create_seed_checkpoint: bool = _f(
+        False, "Initialise the model, save it as step-0 (model only) and exit; run on one process. "
+        "Every parallel layout can start from it."
+    )
 
 
 @dataclass
@@ -200,6 +231,9 @@ class JobConfig:
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     # "section.key" of every field set by TOML or CLI, so aliases can detect real conflicts.
     explicit: set[str] = field(default_factory=set, repr=False, compare=False)
+    # Where each explicit field was last set ("toml" or "cli"): an alias and its canonical name
+    # conflict only within one source; across sources the usual precedence (CLI > TOML) applies.
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in section_names()}
@@ -210,7 +244,7 @@ class JobConfig:
 
 
 def section_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(JobConfig) if f.name != "explicit"]
+    return [f.name for f in dataclasses.fields(JobConfig) if f.name not in ("explicit", "sources")]
 
 
 def _section_type(section: str) -> type:
@@ -310,7 +344,7 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
         raise ConfigError(f"'--{name}' must be {_type_name(tp)}, got {text!r}") from None
 
 
-def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
+def _set(config: JobConfig, section: str, key: str, value: Any, source: str) -> None:
     meta = _field_meta(section, key).metadata
     choices = meta.get("choices")
     if choices is not None and value not in choices:
@@ -318,6 +352,7 @@ def _set(config: JobConfig, section: str, key: str, value: Any) -> None:
         raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
     setattr(getattr(config, section), key, value)
     config.explicit.add(f"{section}.{key}")
+    config.sources[f"{section}.{key}"] = source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +380,13 @@ def apply_toml(config: JobConfig, data: dict[str, Any]) -> None:
         types_ = _field_types(section)
         for key, value in values.items():
             _check_known(section, key)
-            _set(config, section, key, _from_toml(f"{section}.{key}", types_[key], value))
+            _set(config, section, key, _from_toml(f"{section}.{key}", types_[key], value), "toml")
+
+
+def _is_option(arg: str) -> bool:
+    """`--x...` is the next option, not a value (negative numbers have one dash; a value that
+    really starts with `--` can be given as --section.key=--value)."""
+    return arg.startswith("--") and len(arg) > 2
 
 
 def parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
@@ -371,7 +412,7 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
             out.append((section, key, inline))
         elif tp is bool and (i + 1 == len(argv) or argv[i + 1].lower() not in _TRUE + _FALSE):
             out.append((section, key, "true"))
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and not _is_option(argv[i + 1]):
             i += 1
             out.append((section, key, argv[i]))
         else:
@@ -384,22 +425,26 @@ def load_config(argv: list[str]) -> JobConfig:
     """Resolve defaults, then the TOML named by --job.config_file, then CLI overrides."""
     overrides = parse_cli(argv)
     config = JobConfig()
-    config_file = next((v for s, k, v in overrides if (s, k) == ("job", "config_file")), "")
+    # The last --job.config_file wins, like every other repeated override.
+    config_file = next((v for s, k, v in reversed(overrides) if (s, k) == ("job", "config_file")), "")
     if config_file:
         apply_toml(config, load_toml(config_file))
     for section, key, raw in overrides:
         name = f"{section}.{key}"
-        _set(config, section, key, _from_cli(name, _field_types(section)[key], raw))
+        _set(config, section, key, _from_cli(name, _field_types(section)[key], raw), "cli")
     _resolve_aliases(config)
     validate(config)
     return config
 
 
 def _resolve_aliases(config: JobConfig) -> None:
+    """Map torchtitan's spellings onto mixed_precision.*: precedence decides between sources,
+    and both spellings set differently in the same source (TOML or CLI) is an error."""
     pairs = (
         ("training.mixed_precision_param", "mixed_precision.param_dtype"),
         ("training.mixed_precision_reduce", "mixed_precision.reduce_dtype"),
     )
+    rank = {"toml": 1, "cli": 2}
     for alias, canonical in pairs:
         a_sec, a_key = alias.split(".")
         c_sec, c_key = canonical.split(".")
@@ -407,13 +452,20 @@ def _resolve_aliases(config: JobConfig) -> None:
         if not alias_value:
             continue
         canonical_value = getattr(getattr(config, c_sec), c_key)
-        if canonical in config.explicit and canonical_value != alias_value:
+        alias_rank = rank[config.sources.get(alias, "cli")]
+        canonical_rank = rank.get(config.sources.get(canonical, ""), 0)
+        if canonical_rank == alias_rank and canonical_value != alias_value:
+            where = "on the command line" if alias_rank == rank["cli"] else "in the config file"
             raise ConfigError(
-                f"'{alias}' = {alias_value!r} conflicts with '{canonical}' = {canonical_value!r}; "
-                f"set only one of them"
+                f"'{alias}' = {alias_value!r} conflicts with '{canonical}' = {canonical_value!r} "
+                f"{where}; set only one of them"
             )
-        setattr(getattr(config, c_sec), c_key, alias_value)
-        config.explicit.add(canonical)
+        if alias_rank > canonical_rank:
+            setattr(getattr(config, c_sec), c_key, alias_value)
+            config.explicit.add(canonical)
+            config.sources[canonical] = config.sources[alias]
+        # Mirror the winner so the resolved config (--job.print_config) is self-consistent.
+        setattr(getattr(config, a_sec), a_key, getattr(getattr(config, c_sec), c_key))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,6 +514,8 @@ def validate(config: JobConfig) -> None:
     _require(config.metrics.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {config.metrics.log_freq}")
     _require(config.checkpoint.interval >= 1, "'checkpoint.interval' must be >= 1")
     _require(config.checkpoint.keep_latest_k >= 0, "'checkpoint.keep_latest_k' must be >= 0")
+    _require(config.checkpoint.load_step >= -1, "'checkpoint.load_step' must be -1 (newest) or a step >= 0")
+    _require(t.fault_inject_at_step >= 0, "'training.fault_inject_at_step' must be >= 0 (0: off)")
     ac = config.activation_checkpoint
     _require(
         ac.mode != "selective" or ac.selective_ac_option == "op" or ac.selective_ac_option.isdigit()
@@ -494,7 +548,8 @@ def _format_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return f'"{value}"'
+        # JSON string escapes are valid TOML basic-string escapes: quotes and backslashes survive.
+        return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_format_value(v) for v in value) + "]"
     return repr(value)

@@ -11,13 +11,13 @@ from torch import nn
 from torchtitan_amp.config import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, device: torch.device) -> torch.optim.Optimizer:
     impl = cfg.implementation
     if impl == "auto":
         # Fused AdamW handles DTensor and plain params on CUDA; foreach is the safe CPU default.
         impl = "fused" if device.type == "cuda" else "foreach"
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
         fused=impl == "fused", foreach=impl == "foreach",
     )
@@ -28,11 +28,14 @@ def lr_factor(step: int, *, warmup: int, total: int, decay_ratio: float, decay_t
     """Multiplier of the peak LR after `step` optimizer steps (step 0 = before the first step).
 
     Warm-up runs from 1/(warmup+1) to 1 so the first step never uses LR 0; then a stable phase,
-    then decay over the last `decay_ratio` of steps (-1: all steps after warm-up).
+    then decay over the last `decay_ratio` of steps (-1: all steps after warm-up) down to
+    `min_lr_factor`, reached at step `total`. Decay never overlaps warm-up: when warmup + decay
+    exceed `total`, decay is shortened so that it starts from the peak at the end of warm-up.
     """
     if step < warmup:
         return (step + 1) / (warmup + 1)
     decay_steps = total - warmup if decay_ratio < 0 else round(total * decay_ratio)
+    decay_steps = min(decay_steps, total - warmup)
     decay_start = total - decay_steps
     if step < decay_start or decay_steps <= 0:
         return 1.0

@@ -5,6 +5,7 @@ Precision is not decided here: every dtype choice comes from the `PrecisionPlan`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 
@@ -14,6 +15,15 @@ from torch.distributed._composable import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
@@ -31,21 +41,47 @@ _SAVE_LIST = {
 }
 
 
-def validate_layout(dims: ParallelDims) -> None:
-    """Refuse combinations this build cannot run, naming the working alternative."""
+def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int) -> None:
+    """Refuse combinations torch cannot run, naming the working alternative."""
+    if dims.ddp_enabled and dims.tp_enabled:
+        raise ConfigError(
+            "'parallelism.data_parallel_replicate_degree' > 1 with tensor_parallel_degree > 1 and no "
+            "sharding is not possible: DDP cannot hold DTensor parameters; use "
+            "data_parallel_shard_degree (FSDP x TP) or both degrees (HSDP x TP) instead"
+        )
     if dims.tp_enabled:
+        for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if heads % dims.tp:
+                raise ConfigError(
+                    f"'parallelism.tensor_parallel_degree' = {dims.tp} must divide the model's "
+                    f"{name} = {heads}"
+                )
+    t, p = config.training, config.parallelism
+    if dims.tp_enabled and p.enable_sequence_parallel and t.seq_len % dims.tp:
         raise ConfigError(
-            "'parallelism.tensor_parallel_degree' > 1 is not supported yet in this build; "
-            "use data_parallel_shard_degree (FSDP) or data_parallel_replicate_degree (DDP)"
+            f"'training.seq_len' = {t.seq_len} must be divisible by tensor_parallel_degree = {dims.tp} "
+            f"with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
         )
-    if dims.pp_enabled:
+    if dims.pp_enabled and t.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError(
-            "'parallelism.pipeline_parallel_degree' > 1 is not supported yet in this build; "
-            "use data_parallel_shard_degree (FSDP) or data_parallel_replicate_degree (DDP)"
+            f"'training.local_batch_size' = {t.local_batch_size} must be a multiple of "
+            f"'parallelism.pipeline_parallel_microbatch_size' = {p.pipeline_parallel_microbatch_size}"
         )
+
+
+def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
+    return dims.tp_enabled and not config.parallelism.disable_loss_parallel
+
+
+def parallel_context(dims: ParallelDims, config: JobConfig) -> contextlib.AbstractContextManager:
+    """The context both forward+loss and backward need for parallelism (not precision)."""
+    return loss_parallel() if loss_parallel_enabled(dims, config) else contextlib.nullcontext()
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig) -> nn.Module:
+    if dims.tp_enabled:
+        apply_tp(model, dims.mesh["tp"], loss_parallel_enabled(dims, config),
+                 config.parallelism.enable_sequence_parallel)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint)
     if config.compile.enable:
@@ -58,16 +94,75 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     return model
 
 
+def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel_on: bool, sequence_parallel: bool) -> None:
+    """Megatron-style TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; norms sequence-parallel.
+
+    Absent stage ends (pipeline parallel sets them to None) are skipped.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+            use_local_output=not loss_parallel_on,
+        )
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        block_plan: dict[str, object] = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            block_plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
+        else:
+            _replicate_params(block.attention_norm, mesh)
+            _replicate_params(block.ffn_norm, mesh)
+        parallelize_module(block, mesh, block_plan)
+    if model.norm is not None and not sequence_parallel:
+        _replicate_params(model.norm, mesh)
+    logger.info("applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
+                mesh.size(), sequence_parallel, loss_parallel_on)
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make a module's params replicated DTensors while its inputs/outputs stay plain tensors,
+    so that foreach optimizer and norm kernels never see plain and DTensor params mixed."""
+    distribute_module(
+        module, mesh,
+        input_fn=lambda _m, args, mesh: tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
+        output_fn=lambda _m, out, _mesh: out.to_local(),
+    )
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _wrap_block(block: nn.Module, ac: ActivationCheckpoint) -> nn.Module:
     if ac.mode == "selective" and ac.selective_ac_option == "op":
-        return checkpoint_wrapper(
-            block, context_fn=partial(create_selective_checkpoint_contexts, _selective_policy),
-            preserve_rng_state=False,
-        )
+        # Op-level SAC wraps attention and feed-forward, not the block: the norms' own fp32 FSDP
+        # groups would run their hooks inside the region, and SAC's replay requires the
+        # recompute to issue exactly the forward's ops.
+        for name in ("attention", "feed_forward"):
+            wrapped = checkpoint_wrapper(
+                getattr(block, name), preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+            block.register_module(name, wrapped)
+        return block
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 

@@ -148,7 +148,10 @@ class PrecisionPlan:
             comm_hook = "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
         grad_scaler = "none"
         if param == torch.float16 and path != "full":
-            grad_scaler = "ShardedGradScaler" if path == "fsdp" else "GradScaler"
+            # Ranks holding different gradient shards (FSDP, TP, PP) must agree on inf/nan, or
+            # some would step while others skip; ShardedGradScaler all-reduces found_inf.
+            sharded = path == "fsdp" or dims.tp_enabled or dims.pp_enabled
+            grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
         elif enabled and "mixed_precision.init_scale" in config.explicit:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
         if not mp.enabled:

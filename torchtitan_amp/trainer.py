@@ -8,18 +8,22 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import distributed
+from torchtitan_amp.checkpoint import CheckpointManager, maybe_inject_fault
+from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training, to_toml
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.metrics import MetricsLogger, peak_flops
 from torchtitan_amp.models.llama import Transformer, build_model_args, count_params, flops_per_token
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.parallelize import parallelize_llama, validate_layout
+from torchtitan_amp.parallelize import parallel_context, parallelize_llama, validate_layout
+from torchtitan_amp.pipeline import Pipeline, build_pipeline
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tokenizer import build_tokenizer
 
@@ -47,14 +51,34 @@ def grad_accum_steps(t: Training, dp_degree: int) -> int:
     return t.global_batch_size // per_step
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global grad norm (over every shard), clipping when max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
+    """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh:
+    foreach kernels refuse mixtures (e.g. TP without sequence parallel keeps norms plain)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    return list(groups.values())
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global grad norm (over every shard and pipeline stage), clipping when max_norm > 0."""
+    groups = _grad_groups(params)
+    squares = []
+    for grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        # Stages hold disjoint parameters: add squared norms across them.
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
 
 
@@ -72,41 +96,56 @@ class Trainer:
         # Everything that can reject the config runs before any process group exists.
         self.info = distributed.resolve(config)
         self.dims = ParallelDims.from_config(config.parallelism, self.info.world_size)
-        validate_layout(self.dims)
         self.accum = grad_accum_steps(t, self.dims.dp_degree)
         self.plan = PrecisionPlan.from_config(config, self.dims, self.info.device.type)
+        validate_checkpoint_config(config, self.info.world_size, self.info.device.type)
         tokenizer = build_tokenizer(config.model.tokenizer)
         self.model_args = build_model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
+        validate_layout(self.dims, config, self.model_args.n_heads, self.model_args.kv_heads)
 
         distributed.init(self.info)
         self.device = self.info.device
         self.is_logging_rank = self.info.rank == 0
         if self.is_logging_rank and config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(config))
-        dp_rank, dp_group = 0, None
+        dp_rank, self.dp_group, self.pp_group = 0, None, None
         if self.info.world_size > 1:
             mesh = self.dims.build_mesh(self.device.type)
-            dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
-        self.dp_group = dp_group
+            dp_rank, self.dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+            self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dataloader = build_dataloader(t.dataset, tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank, self.dims.dp_degree, t.seed)
-        self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
         self.scaler = self.plan.build_scaler()
-        self.plan.log_and_write_report(self.model, config.job.dump_folder, self.is_logging_rank)
+        self.pipeline: Pipeline | None = None
+        self.model_parts = self._build_model()
+        self.model = self.model_parts[0]
+        self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, config.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
+        self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
+                                       self.is_logging_rank)
         self.metrics = MetricsLogger(
             config.job.dump_folder, log_freq=config.metrics.log_freq,
             enable_tensorboard=config.metrics.enable_tensorboard,
             tensorboard_folder=config.metrics.save_tb_folder, is_logging_rank=self.is_logging_rank,
             flops_per_token=self.flops_per_token,
             peak_flops=peak_flops(self.device, self.plan.param_dtype), device=self.device,
+            num_ranks_for_mfu=self.dims.tp * self.dims.pp,
         )
         self.step = 0
+        self.tokens_seen = 0
+        self.checkpointer = CheckpointManager(
+            config, model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            scaler=self.scaler, dataloader=self.dataloader, model_args=self.model_args,
+            device=self.device, partial_model=self.dims.pp_enabled)
+        resumed = self.checkpointer.load()
+        if resumed is not None:
+            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
 
-    def _build_model(self) -> nn.Module:
+    def _build_model(self) -> list[nn.Module]:
+        """Build on meta, initialise, then split into pipeline stages and parallelize each."""
         args, t = self.model_args, self.config.training
         with torch.device("meta"):
             model = Transformer(args)
@@ -114,32 +153,58 @@ class Trainer:
         num_params = count_params(model)
         self.flops_per_token = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
         torch.manual_seed(t.seed)
-        if num_params <= FULL_INIT_MAX_PARAMS:
+        # Small models: every rank initialises the full model from the seed, so all layouts start
+        # from identical weights. Large ones are initialised after sharding, on the device.
+        full_init = num_params <= FULL_INIT_MAX_PARAMS
+        if full_init:
             model.to_empty(device="cpu")
             with torch.no_grad():
                 model.init_weights()
             model.to(self.device)
-            parallelize_llama(model, self.dims, self.plan, self.config)
+
+        def parallelize(part: nn.Module) -> nn.Module:
+            parallelize_llama(part, self.dims, self.plan, self.config)
+            if not full_init:
+                part.to_empty(device=self.device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=self.device)
+            return part.train()
+
+        if self.dims.pp_enabled:
+            self.pipeline = build_pipeline(
+                model, self.dims, self.config.parallelism, t.local_batch_size, self.device,
+                self._pipeline_loss, parallelize, self.plan.forward_context)
+            parts = self.pipeline.model_parts
         else:
-            parallelize_llama(model, self.dims, self.plan, self.config)
-            model.to_empty(device=self.device)
-            with torch.no_grad():
-                model.init_weights(buffer_device=self.device)
+            parts = [parallelize(model)]
         if self.is_logging_rank:
             logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
                         self.config.model.flavor, f"{num_params:,}", self.flops_per_token, self.accum)
-        return model.train()
+        return parts
 
     # -----------------------------------------------------------------------------------------
 
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss on the last stage, called by the schedule per microbatch (scaled for fp16)."""
+        return self.scaler.scale(loss_fn(self.plan.cast_output(output), labels) / self.accum)
+
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch: forward + loss under the plan's forward context, backward outside it."""
-        with self.plan.forward_context():
+        """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss)."""
+        if self.pipeline is not None:
+            with parallel_context(self.dims, self.config):
+                losses = self.pipeline.step(inputs, labels)
+            if not losses:
+                return torch.zeros((), device=self.device)
+            # The schedule saw scaled losses; report the true one.
+            return torch.stack([x.detach().float() for x in losses]).mean() / self.scaler.get_scale()
+        with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs))
             loss = loss_fn(logits, labels) / self.accum
-        with self.plan.backward_context():
+        with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()
-        return loss.detach()
+        loss = loss.detach()
+        # Under loss parallel the loss is a replicated DTensor.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
         self.plan.check_no_user_autocast()
@@ -150,12 +215,12 @@ class Trainer:
             inputs, labels = next(batches)
             if self.dims.ddp_enabled:
                 # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
-                self.model.set_requires_gradient_sync(micro == self.accum - 1)
+                for part in self.model_parts:
+                    part.set_requires_gradient_sync(micro == self.accum - 1)
             loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device)).float()
             self.metrics.record_tokens(inputs.numel())
         self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
         stepped = self.scaler.step(self.optimizer)
         if stepped:
             # A skipped fp16 step must not advance the schedule.
@@ -164,7 +229,15 @@ class Trainer:
 
     def train(self) -> None:
         t = self.config.training
-        batches = iter(self.dataloader)
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            self.metrics.close()
+            return
+        # Creating the iterator draws a seed from the global RNG; fork so that a resumed run's RNG
+        # (restored from the checkpoint) matches the uninterrupted run's.
+        with torch.random.fork_rng(devices=[]):
+            batches = iter(self.dataloader)
+        tokens_per_step = t.local_batch_size * t.seq_len * self.accum * self.dims.dp_degree
         logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
                     self.info.backend, self.info.world_size) if self.is_logging_rank else None
         start = time.perf_counter()
@@ -174,8 +247,15 @@ class Trainer:
                 gc.collect(1)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss, grad_norm, _ = self.train_step(batches)
+            self.tokens_seen += tokens_per_step
+            maybe_inject_fault(self.config, self.step, self.info.rank)
             if self.metrics.should_log(self.step) or self.step == t.steps:
                 self._log(loss, grad_norm, lr)
+            stop = self.checkpointer.should_stop()  # SIGTERM/SIGUSR1 on any rank: save and exit
+            self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
+            if stop:
+                break
+        self.checkpointer.close()
         if self.is_logging_rank:
             logger.info("finished %d steps in %.1f s", self.step, time.perf_counter() - start)
         self.metrics.close()
@@ -184,4 +264,8 @@ class Trainer:
         extra = {"epoch": float(self.dataloader.epoch)}
         if self.scaler.enabled:
             extra.update(loss_scale=self.scaler.get_scale(), skipped_steps=float(self.scaler.skipped_steps))
+        if self.pp_group is not None:
+            # Only the last stage computed the loss; the others hold 0.
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.pp_group)
         self.metrics.log(self.step, distributed.mean_across(loss, self.dp_group), float(grad_norm), lr, extra)

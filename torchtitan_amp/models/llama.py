@@ -169,9 +169,11 @@ def apply_rotary_emb(
     Rotates interleaved pairs (x[2i], x[2i+1]), the layout of Meta's Llama
     checkpoints and of torchtitan's complex implementation.
     """
-    # Broadcast over batch and heads.
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
+    # Tables may be longer than the sequence: slice here, where q holds the whole sequence even
+    # when sequence parallel has split the residual stream outside attention.
+    seqlen = xq.shape[1]
+    cos = cos[:seqlen, None, :]
+    sin = sin[:seqlen, None, :]
     return _rotate(xq, cos, sin), _rotate(xk, cos, sin)
 
 
@@ -352,10 +354,8 @@ class Transformer(nn.Module):
         """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
         without embeddings/output, hidden states [B, S, dim] in and/or out."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,119 @@
+"""Shared helpers for tests that launch real training processes.
+
+`run_train(tmp_path, nproc, *overrides)` starts
+`python -m torch.distributed.run --standalone --nproc_per_node N train.py ...` with its own dump
+folder and returns exit code, output and the metrics.jsonl rows. `run_python(...)` runs any
+command-line script of the repo (train.py without torchrun, a worker under tests/workers/, ...).
+
+Every launch costs ~5 s of process start-up on a 2-core CPU, so tests share launches where they can
+and keep models tiny: TINY below is the standard small run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+# Small enough that a step takes tens of milliseconds on CPU; large enough that the loss falls
+# visibly within a dozen steps at this learning rate.
+TINY = (
+    "--model.flavor", "debugmodel",
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "4",
+    "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+)
+
+_counter = itertools.count()
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    dump_folder: Path
+    metrics: list[dict]
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def describe(self, tail: int = 3000) -> str:
+        """The end of the output, for assertion messages."""
+        return f"exit code {self.returncode}\n--- stdout ---\n{self.stdout[-tail:]}\n--- stderr ---\n{self.stderr[-tail:]}"
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    # Workers under tests/workers import torchtitan_amp from the repo, like train.py does.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # A launch inside a launch (pytest itself under torchrun) must not inherit the outer group.
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd: Path = REPO, dump_folder: Path | None = None) -> RunResult:
+    """Run `cmd` in its own process group; on timeout kill the whole group (torchrun's workers too)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    rows: list[dict] = []
+    if dump_folder is not None and (dump_folder / "metrics.jsonl").is_file():
+        rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines() if line]
+    return RunResult(proc.returncode, stdout, stderr, dump_folder or cwd, rows)
+
+
+def new_dump_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / f"dump{next(_counter)}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def run_train(tmp_path: Path, nproc: int, *overrides: str, timeout: float = 240,
+              script: str | Path = "train.py", env: dict[str, str] | None = None) -> RunResult:
+    """torchrun `script` (default train.py) on `nproc` CPU processes (gloo) with a fresh dump folder
+    under tmp_path, passed as --job.dump_folder before `overrides` (so an override can replace it)."""
+    dump = new_dump_folder(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), "--job.dump_folder", str(dump), *overrides]
+    return run_command(cmd, timeout=timeout, env=env, dump_folder=dump)
+
+
+def run_python(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+               cwd: Path = REPO) -> RunResult:
+    """`python <args>` from the repo root, without torchrun (e.g. `run_python("train.py", "--help")`)."""
+    return run_command([sys.executable, *args], timeout=timeout, env=env, cwd=cwd)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def assert_loss_falls(rows: list[dict], k: int = 3) -> None:
+    """The mean of the last k logged losses is below the mean of the first k."""
+    losses = [r["loss"] for r in rows]
+    assert len(losses) >= 2 * k, losses
+    assert mean(losses[-k:]) < mean(losses[:k]), f"loss did not fall: {losses}"

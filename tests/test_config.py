@@ -1,0 +1,379 @@
+"""Job config: TOML -> dataclasses, CLI overrides, precedence, --help, and one-line config errors.
+
+Most checks run load_config in-process; a few go through `python train.py` to prove the user sees
+exit code 2 and a single `error: ...` line without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_python
+from torchtitan_amp import config as config_mod
+from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "job.toml") -> str:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+def load(tmp_path: Path, toml: str | None, *argv: str) -> JobConfig:
+    args = list(argv)
+    if toml is not None:
+        args = ["--job.config_file", write(tmp_path, toml), *args]
+    return load_config(args)
+
+
+def error_of(tmp_path: Path, toml: str | None, *argv: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, toml, *argv)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def all_fields() -> list[tuple[str, dataclasses.Field]]:
+    return [(s, f) for s in section_names() for f in dataclasses.fields(getattr(JobConfig(), s))]
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML and defaults
+
+
+def test_defaults_without_any_input() -> None:
+    config = load_config([])
+    assert config == JobConfig()
+    assert config.training.seq_len == 2048 and config.mixed_precision.param_dtype == "bfloat16"
+    assert config.explicit == set()
+
+
+def test_toml_sections_map_to_dataclasses(tmp_path: Path) -> None:
+    config = load(tmp_path, """
+        [job]
+        description = "a test"
+        [optimizer]
+        lr = 1            # an integer is a valid number
+        [training]
+        steps = 7
+        seq_len = 32
+        deterministic = true
+        [parallelism]
+        pipeline_parallel_split_points = ["layers.1", "layers.3"]
+        [mixed_precision]
+        lower_precision_safe_modules = "torch.nn.Linear, torch.nn.Embedding"
+    """)
+    assert config.job.description == "a test"
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    assert (config.training.steps, config.training.seq_len, config.training.deterministic) == (7, 32, True)
+    assert config.parallelism.pipeline_parallel_split_points == ["layers.1", "layers.3"]
+    assert config.mixed_precision.lower_precision_safe_modules == ["torch.nn.Linear", "torch.nn.Embedding"]
+    # Untouched fields keep their defaults.
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size
+    assert "training.steps" in config.explicit and "training.local_batch_size" not in config.explicit
+
+
+def test_every_shipped_config_loads() -> None:
+    configs = sorted((REPO / "train_configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        config = load_config(["--job.config_file", str(path)])
+        assert config.job.config_file == str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI overrides
+
+
+@pytest.mark.parametrize("argv", [
+    ["--training.steps", "7"],
+    ["--training.steps=7"],
+])
+def test_cli_value_forms(argv: list[str]) -> None:
+    assert load_config(argv).training.steps == 7
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compile.enable"], True),                                   # bare flag
+    (["--compile.enable", "--training.steps", "3"], True),          # bare flag before another option
+    (["--compile.enable", "true"], True),
+    (["--compile.enable", "True"], True),
+    (["--compile.enable", "false"], False),
+    (["--compile.enable=false"], False),
+    (["--compile.enable=true"], True),
+    (["--compile.enable", "--no-compile.enable"], False),
+    (["--no-compile.enable"], False),
+])
+def test_cli_booleans(argv: list[str], expected: bool) -> None:
+    assert load_config(argv).compile.enable is expected
+
+
+def test_no_flag_turns_off_a_default_true() -> None:
+    assert JobConfig().mixed_precision.enabled is True
+    assert load_config(["--no-mixed_precision.enabled"]).mixed_precision.enabled is False
+
+
+def test_cli_lists_are_comma_separated() -> None:
+    config = load_config(["--mixed_precision.lower_precision_safe_modules",
+                          "torch.nn.Linear, torch.nn.Embedding,", "--parallelism.pipeline_parallel_split_points=layers.2"])
+    assert config.mixed_precision.lower_precision_safe_modules == ["torch.nn.Linear", "torch.nn.Embedding"]
+    assert config.parallelism.pipeline_parallel_split_points == ["layers.2"]
+
+
+def test_cli_negative_numbers_are_values() -> None:
+    config = load_config(["--training.global_batch_size", "-1", "--parallelism.data_parallel_shard_degree", "-1",
+                          "--lr_scheduler.decay_ratio", "-1"])
+    assert config.training.global_batch_size == -1 and config.lr_scheduler.decay_ratio == -1.0
+
+
+def test_cli_value_cannot_swallow_the_next_option() -> None:
+    # `--job.description --training.steps 3` forgot the description; it must not become one.
+    with pytest.raises(ConfigError, match=r"'--job.description' needs a value"):
+        load_config(["--job.description", "--training.steps", "3"])
+    # A value that really starts with -- can still be given with '='.
+    assert load_config(["--job.description=--odd"]).job.description == "--odd"
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
+    toml = "[training]\nsteps = 5\nseq_len = 32\n"
+    defaults = JobConfig().training
+    for argv in (["--training.steps", "9"], []):
+        config = load(tmp_path, toml, *argv)
+        assert config.training.seq_len == 32                                  # TOML over default
+        assert config.training.steps == (9 if argv else 5)                    # CLI over TOML
+        assert config.training.local_batch_size == defaults.local_batch_size  # default
+    # The CLI wins even when it comes before --job.config_file on the command line.
+    path = write(tmp_path, toml)
+    assert load_config(["--training.steps", "9", "--job.config_file", path]).training.steps == 9
+
+
+def test_repeated_overrides_last_wins(tmp_path: Path) -> None:
+    a = write(tmp_path, "[training]\nsteps = 1\n", "a.toml")
+    b = write(tmp_path, "[training]\nsteps = 2\n", "b.toml")
+    assert load_config(["--training.steps", "3", "--training.steps", "4"]).training.steps == 4
+    config = load_config(["--job.config_file", a, "--job.config_file", b])
+    assert config.job.config_file == b and config.training.steps == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# torchtitan's spelling of the precision dtypes
+
+
+def test_alias_sets_the_canonical_field() -> None:
+    config = load_config(["--training.mixed_precision_param", "float16",
+                          "--training.mixed_precision_reduce", "bfloat16"])
+    assert config.mixed_precision.param_dtype == "float16"
+    assert config.mixed_precision.reduce_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("alias, canonical", [
+    ("training.mixed_precision_param", "mixed_precision.param_dtype"),
+    ("training.mixed_precision_reduce", "mixed_precision.reduce_dtype"),
+])
+def test_alias_and_canonical_set_differently_is_an_error(tmp_path: Path, alias: str, canonical: str) -> None:
+    message = error_of(tmp_path, None, f"--{alias}", "float16", f"--{canonical}", "float32")
+    assert alias in message and canonical in message and "set only one" in message
+    a_sec, a_key = alias.split(".")
+    c_sec, c_key = canonical.split(".")
+    toml = f'[{a_sec}]\n{a_key} = "float16"\n[{c_sec}]\n{c_key} = "float32"\n'
+    message = error_of(tmp_path, toml)
+    assert alias in message and canonical in message
+    # The same value under both names is consistent, not a conflict.
+    config = load_config([f"--{alias}", "float16", f"--{canonical}", "float16"])
+    assert getattr(getattr(config, c_sec), c_key) == "float16"
+
+
+def test_alias_follows_precedence_across_sources(tmp_path: Path) -> None:
+    # The shipped debug config sets mixed_precision.param_dtype; the torchtitan spelling on the
+    # command line must override it like any other CLI value.
+    config = load(tmp_path, '[mixed_precision]\nparam_dtype = "bfloat16"\n', "--training.mixed_precision_param", "float16")
+    assert config.mixed_precision.param_dtype == "float16"
+    config = load(tmp_path, '[training]\nmixed_precision_param = "float16"\n', "--mixed_precision.param_dtype", "float32")
+    assert config.mixed_precision.param_dtype == "float32"
+    assert config.training.mixed_precision_param == "float32"  # the resolved config agrees with itself
+
+
+# ---------------------------------------------------------------------------------------------
+# --help and --job.print_config
+
+
+def test_help_lists_every_field_with_default_and_doc() -> None:
+    text = help_text()
+    for section, f in all_fields():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        line = next((l for l in text.splitlines() if l.strip().startswith(f"--{section}.{f.name} ")), None)
+        assert line is not None, f"--{section}.{f.name} missing from --help"
+        assert f"(default {config_mod._format_value(default)})" in line
+        assert f.metadata["help"] in text
+        for choice in f.metadata.get("choices") or ():
+            assert str(choice) in line
+    assert "Precedence: CLI > TOML" in text
+
+
+def test_train_py_help_exits_0() -> None:
+    result = run_python("train.py", "--help", timeout=60)
+    assert result.returncode == 0, result.describe()
+    assert "--training.local_batch_size (default 8)" in result.stdout
+    assert "--mixed_precision.param_dtype" in result.stdout and result.stderr == ""
+
+
+def test_printed_config_round_trips(tmp_path: Path) -> None:
+    config = load_config(["--training.steps", "3", "--job.description", 'say "hi" \\ bye',
+                          "--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear,torch.nn.Embedding",
+                          "--optimizer.eps", "1e-12", "--no-mixed_precision.enabled"])
+    again = load_config(["--job.config_file", write(tmp_path, to_toml(config))])
+    again.job.config_file = config.job.config_file
+    assert again == config
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line, naming the field and what is allowed
+
+
+@pytest.mark.parametrize("toml, argv, expected", [
+    # unknown section / key, with the closest valid name
+    (None, ["--trainig.steps", "3"], ["unknown config section 'trainig'", "did you mean 'training'"]),
+    (None, ["--training.step", "3"], ["unknown config key 'training.step'", "did you mean 'training.steps'"]),
+    (None, ["--mixed_precision.param_dtyp=float16"], ["did you mean 'mixed_precision.param_dtype'"]),
+    ("[optimiser]\nlr = 1.0\n", [], ["unknown config section 'optimiser'", "did you mean 'optimizer'"]),
+    ("[training]\nlocal_batch = 2\n", [], ["unknown config key 'training.local_batch'",
+                                           "did you mean 'training.local_batch_size'"]),
+    ("training = 3\n", [], ["'training' must be a TOML table"]),
+    # wrong type
+    (None, ["--training.steps", "ten"], ["'--training.steps' must be an integer, got 'ten'"]),
+    (None, ["--training.steps", "2.5"], ["'--training.steps' must be an integer"]),
+    (None, ["--optimizer.lr", "fast"], ["'--optimizer.lr' must be a number"]),
+    (None, ["--compile.enable=maybe"], ["'--compile.enable' must be true or false"]),
+    ('[training]\nsteps = "10"\n', [], ["'training.steps' must be an integer, got '10'"]),
+    ("[training]\nsteps = 10.0\n", [], ["'training.steps' must be an integer"]),
+    ("[optimizer]\nlr = true\n", [], ["'optimizer.lr' must be a number"]),
+    ('[compile]\nenable = "yes"\n', [], ["'compile.enable' must be true or false"]),
+    ("[mixed_precision]\nlower_precision_safe_modules = [1]\n", [], ["must be a list of strings"]),
+    # outside the allowed set, listing it
+    (None, ["--model.flavor", "tiny"], ["'model.flavor' = 'tiny' is not allowed",
+                                       "'debugmodel', 'debugmodel_h64', 'llama3_8b'"]),
+    (None, ["--mixed_precision.param_dtype", "fp16"], ["'float32', 'bfloat16', 'float16'"]),
+    (None, ["--training.mixed_precision_reduce", "fp8"], ["'training.mixed_precision_reduce' = 'fp8'"]),
+    ('[lr_scheduler]\ndecay_type = "step"\n', [], ["'lr_scheduler.decay_type' = 'step'", "'linear', 'cosine', 'sqrt'"]),
+    # inconsistent or out-of-range values that need no world size
+    (None, ["--training.seq_len", "1"], ["'training.seq_len' must be >= 2, got 1"]),
+    (None, ["--training.local_batch_size", "0"], ["'training.local_batch_size' must be >= 1"]),
+    (None, ["--training.global_batch_size", "0"], ["'training.global_batch_size' must be -1 or >= 1"]),
+    (None, ["--training.steps", "0"], ["'training.steps' must be >= 1"]),
+    (None, ["--optimizer.lr", "0"], ["'optimizer.lr' must be > 0"]),
+    (None, ["--lr_scheduler.warmup_steps", "-1"], ["'lr_scheduler.warmup_steps' must be >= 0"]),
+    (None, ["--lr_scheduler.min_lr_factor", "1.5"], ["'lr_scheduler.min_lr_factor' must be in [0, 1]"]),
+    (None, ["--lr_scheduler.decay_ratio", "2"], ["'lr_scheduler.decay_ratio' must be -1 or in [0, 1]"]),
+    (None, ["--parallelism.data_parallel_shard_degree", "0"], ["'parallelism.data_parallel_shard_degree'"]),
+    (None, ["--metrics.log_freq", "0"], ["'metrics.log_freq' must be >= 1"]),
+    (None, ["--mixed_precision.backoff_factor", "1"], ["'mixed_precision.backoff_factor' must be in (0, 1)"]),
+    # malformed command lines
+    (None, ["steps=3"], ["unexpected argument 'steps=3'"]),
+    (None, ["--training.steps"], ["'--training.steps' needs a value"]),
+    (None, ["--no-training.steps"], ["'--no-training.steps' only applies to boolean fields"]),
+    (None, ["--no-compile.enable=true"], ["only applies to boolean fields without a value"]),
+])
+def test_config_errors(tmp_path: Path, toml: str | None, argv: list[str], expected: list[str]) -> None:
+    message = error_of(tmp_path, toml, *argv)
+    for part in expected:
+        assert part in message, message
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file '.*nope.toml' does not exist"):
+        load_config(["--job.config_file", str(tmp_path / "nope.toml")])
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    message = error_of(tmp_path, "[training]\nsteps = = 3\n")
+    assert "is not valid TOML" in message and "line 2" in message
+
+
+def test_non_utf8_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, b'[job]\ndescription = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="is not UTF-8 text|is not valid TOML"):
+        load_config(["--job.config_file", path])
+
+
+def test_no_config_error_leaves_a_partial_config(tmp_path: Path) -> None:
+    """A failing load raises instead of returning a config with some fields silently skipped."""
+    with pytest.raises(ConfigError):
+        load(tmp_path, "[training]\nsteps = 3\nbogus = 1\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that need the world size run in Trainer before any process group or model exists
+
+
+@pytest.fixture
+def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes starting a process group or building the model a test failure."""
+    from torchtitan_amp import distributed, trainer
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("a bad config reached process-group / model construction")
+
+    monkeypatch.setattr(distributed, "init", forbidden)
+    monkeypatch.setattr(trainer.Trainer, "_build_model", forbidden)
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("world_size, argv, expected", [
+    (2, ["--training.local_batch_size", "4", "--training.global_batch_size", "12"],
+     ["'training.global_batch_size' = 12 is not a multiple of", "4 x 2 = 8"]),
+    (1, ["--training.local_batch_size", "4", "--training.global_batch_size", "6"], ["is not a multiple of"]),
+    (2, ["--parallelism.data_parallel_replicate_degree", "3"], ["does not divide the world size 2"]),
+    (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+     ["differs from the world size 4"]),
+    (1, ["--parallelism.data_parallel_shard_degree", "2"], ["differs from the world size 1"]),
+])
+def test_world_size_checks_run_before_any_process_group(no_process_group: None, monkeypatch: pytest.MonkeyPatch,
+                                                        world_size: int, argv: list[str], expected: list[str]) -> None:
+    from torchtitan_amp.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    config = load_config(["--training.seq_len", "16", *argv])
+    with pytest.raises(ConfigError) as info:
+        Trainer(config)
+    for part in expected:
+        assert part in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the user sees: exit code 2, one line on stderr, no traceback
+
+
+def assert_one_line_error(result, *expected: str) -> None:
+    assert result.returncode == 2, result.describe()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.describe()
+    assert "Traceback" not in result.output
+    for part in expected:
+        assert part in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--training.stepz", "3"], ["did you mean 'training.steps'"]),
+    (["--model.flavor", "huge"], ["is not allowed; choose one of:"]),
+    (["--job.config_file", "does/not/exist.toml"], ["config file 'does/not/exist.toml' does not exist"]),
+])
+def test_train_py_rejects_bad_config(args: list[str], expected: list[str]) -> None:
+    assert_one_line_error(run_python("train.py", *args, timeout=60), *expected)
+
+
+def test_train_py_rejects_invalid_toml(tmp_path: Path) -> None:
+    path = write(tmp_path, "[training\nsteps = 3\n")
+    assert_one_line_error(run_python("train.py", "--job.config_file", path, timeout=60), "is not valid TOML")
+
+
+def test_train_py_rejects_world_size_mismatch() -> None:
+    # Found by Trainer (needs torch and the world size), still before any process group.
+    result = run_python("train.py", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "16",
+                        timeout=120)
+    assert_one_line_error(result, "differs from the world size 1")

@@ -1,0 +1,71 @@
+"""Test worker: run one training step inside torchrun and dump what each rank saw and computed.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/first_step.py \
+        --job.dump_folder DIR [--section.key value ...]
+
+Writes DIR/first_step_rank{R}.pt with: the rank's first batch (`inputs`, `labels`, `batch_sha256`),
+its local `loss`, the global `grad_norm`, and `grads` (name -> full fp32 gradient after the
+data-parallel reduction; FSDP shards are gathered). On the DDP path it first runs the same batch
+without gradient sync and stores those per-rank gradients as `local_grads`. With
+WORKER_TRAIN=1 it then calls Trainer.train() for training.steps more steps (metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan_amp import distributed
+from torchtitan_amp.config import load_config
+from torchtitan_amp.trainer import Trainer
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).float().clone()
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Every rank walks the same names in the same order: full_tensor() is a collective.
+    return {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '0')}] %(message)s",
+                        stream=sys.stdout)
+    trainer = Trainer(load_config(argv))
+    inputs, labels = next(iter(trainer.dataloader))
+    out: dict = {
+        "rank": trainer.info.rank,
+        "world_size": trainer.info.world_size,
+        "ddp": trainer.dims.ddp_enabled,
+        "fsdp": trainer.dims.fsdp_enabled,
+        "path": trainer.plan.path,
+        "inputs": inputs.clone(),
+        "labels": labels.clone(),
+        "batch_sha256": hashlib.sha256(inputs.numpy().tobytes()).hexdigest(),
+    }
+    if trainer.dims.ddp_enabled:
+        trainer.model.set_requires_gradient_sync(False)
+        trainer.forward_backward(inputs, labels)
+        out["local_grads"] = _grads(trainer.model)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    # The real step (sync back on for its last micro-batch) on the same batch.
+    loss, grad_norm, stepped = trainer.train_step(iter([(inputs, labels)] * trainer.accum))
+    out.update(loss=float(loss), grad_norm=float(grad_norm), stepped=bool(stepped),
+               grads=_grads(trainer.model))
+    folder = Path(trainer.config.job.dump_folder)
+    torch.save(out, folder / f"first_step_rank{trainer.info.rank}.pt")
+    if os.environ.get("WORKER_TRAIN") == "1":
+        trainer.train()
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,833 @@
+"""Distributed checkpoints: save, resume bit for bit, reshard, survive crashes and preemption.
+
+What a full checkpoint `<job.dump_folder>/<checkpoint.folder>/step-N/` holds:
+
+- DCP (`torch.distributed.checkpoint`, one `__<rank>_0.distcp` per rank plus `.metadata`):
+  `model` and `optimizer` (FQN-keyed via the `state_dict` helpers, so any parallel layout can
+  load them), `lr_scheduler`, `scaler` (the precision plan's LossScaler: GradScaler scale, growth
+  tracker, skipped steps) and `train_state` (step, tokens seen).
+- `rank_<r>.pt`, one per global rank (torch.save): that rank's dataloader position (keyed by its
+  data-parallel rank) and RNG states (python, torch CPU, CUDA). Per-rank files instead of
+  rank-keyed DCP entries keep DCP's content layout-free: a resharded load reads the DCP part and
+  picks per-rank files only where the layouts agree.
+- `checkpoint.json`, written last: the completion marker and manifest (every file and its size,
+  step, kind, world size, dp degree, model args, the job config).
+
+A save writes `step-N.tmp/`, waits for every rank, then rank 0 writes the marker and renames
+the folder to `step-N`. The loader only considers `step-N` folders whose marker and manifest
+check out; anything else is named in the log and skipped. See docs/checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtitan_amp.config import ConfigError, JobConfig
+
+logger = logging.getLogger("torchtitan_amp")
+
+FORMAT_VERSION = 1
+MARKER = "checkpoint.json"
+EXPORT_FILE = "model.pt"
+# Everything a full checkpoint restores; `checkpoint.exclude_from_loading` names a subset.
+STATE_NAMES = ("model", "optimizer", "lr_scheduler", "scaler", "train_state", "dataloader", "rng")
+DCP_STATES = ("model", "optimizer", "lr_scheduler", "scaler", "train_state")
+# Kinds of complete checkpoint: full (a resume point), seed (step 0, DCP model only),
+# model_only (the last step's single-file export; not a resume point).
+KINDS = ("full", "seed", "model_only")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+# Flattened optimizer keys ("state.<fqn>.exp_avg") do not depend on param order, which pipeline
+# stages need, and make optimizer resharding a pure key match.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used or written; the message is one line. Exit code 2."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config checks that need the world size or device (the rest are in config.validate)
+
+
+def validate_config(config: JobConfig, world_size: int, device_type: str) -> None:
+    c = config.checkpoint
+    unknown = [n for n in c.exclude_from_loading if n not in STATE_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"'checkpoint.exclude_from_loading' has unknown state {unknown[0]!r}; "
+            f"choose from: {', '.join(STATE_NAMES)}"
+        )
+    if c.async_mode == "async_with_pinned_mem" and device_type != "cuda":
+        raise ConfigError(
+            "'checkpoint.async_mode' = 'async_with_pinned_mem' needs CUDA (pinned host memory for "
+            f"device-to-host copies); on {device_type} use 'async' or 'disabled'"
+        )
+    if c.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            f"'checkpoint.create_seed_checkpoint' must run on one process (world size is {world_size}): "
+            "the seed is layout-free and every layout loads it"
+        )
+    t = config.training
+    if t.fault_inject_at_step and not 0 <= t.fault_inject_rank < world_size:
+        raise ConfigError(
+            f"'training.fault_inject_rank' = {t.fault_inject_rank} is not a rank of this job "
+            f"(world size {world_size})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption: SIGTERM / SIGUSR1 ask every rank to finish its step, save, and exit 0
+
+
+_stop_signal: str | None = None
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signal.Signals(signum).name
+        # Not logging here: the logging module's locks are not signal-safe.
+        sys.stderr.write(f"received {_stop_signal}: will save a checkpoint after this step and exit\n")
+
+
+def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+    """Call from the main thread of the entry point (train.py)."""
+    for sig in signals:
+        signal.signal(sig, _on_signal)
+
+
+def stop_requested() -> str | None:
+    """The name of the signal that asked this process to stop, if any."""
+    return _stop_signal
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection (testing only)
+
+
+def maybe_inject_fault(config: JobConfig, step: int, rank: int) -> None:
+    """`training.fault_inject_at_step`: kill one rank hard after step N, once per dump folder.
+
+    The marker file makes it fire once, so a job restarted by `torchrun --max-restarts` (or a
+    requeued one) runs through; delete the marker to fire it again.
+    """
+    t = config.training
+    if not t.fault_inject_at_step or step != t.fault_inject_at_step or rank != t.fault_inject_rank:
+        return
+    marker = Path(config.job.dump_folder) / f".fault_injected_at_step_{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with open(marker, "w") as fh:
+        fh.write(f"rank {rank} killed at step {step}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    sys.stderr.write(f"fault injection: rank {rank} exits hard after step {step}\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspecting checkpoints on disk (no process group needed)
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    kind: str
+    meta: dict[str, Any]
+
+
+def _dir_sizes(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Validate one complete checkpoint folder; CheckpointError says what is wrong with it."""
+    path = Path(path)
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(f"{path} has no {MARKER} completion marker (the save never finished)")
+    try:
+        meta = json.loads(marker.read_text())
+        step, kind, files = int(meta["step"]), meta["kind"], meta["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/{MARKER} is unreadable ({_one_line(e)})") from None
+    if meta.get("format") != FORMAT_VERSION or kind not in KINDS:
+        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} / kind {kind!r}")
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"{path}: file {name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or corrupt)"
+            )
+    if kind != "model_only":
+        try:
+            dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any failure means the DCP metadata is unusable
+            raise CheckpointError(f"{path}: DCP .metadata is unreadable ({_one_line(e)})") from None
+    return CheckpointInfo(path, step, kind, meta)
+
+
+def scan_folder(folder: str | Path) -> tuple[dict[int, CheckpointInfo], list[str]]:
+    """Complete checkpoints by step, and one line for every folder entry that is not one."""
+    folder = Path(folder)
+    complete: dict[int, CheckpointInfo] = {}
+    problems: list[str] = []
+    if not folder.is_dir():
+        return complete, problems
+    for entry in sorted(folder.iterdir()):
+        if _TMP_DIR.match(entry.name):
+            problems.append(f"ignoring {entry}: an unfinished save")
+        elif _STEP_DIR.match(entry.name) and entry.is_dir():
+            try:
+                info = inspect_checkpoint(entry)
+            except CheckpointError as e:
+                problems.append(f"skipping {e}")
+                continue
+            if info.step != int(_STEP_DIR.match(entry.name).group(1)):
+                problems.append(f"skipping {entry}: its marker says step {info.step}")
+                continue
+            complete[info.step] = info
+    return complete, problems
+
+
+def _describe_steps(complete: dict[int, CheckpointInfo]) -> str:
+    if not complete:
+        return "none"
+    return ", ".join(f"{s}" + ("" if i.kind == "full" else f" ({i.kind})") for s, i in sorted(complete.items()))
+
+
+def _check_model_fits(path: Path, model_sd: dict[str, Any], prefix: str, complete_model: bool) -> None:
+    """Name the first key whose presence or global shape differs between checkpoint and model."""
+    saved = {
+        k[len(prefix):]: v for k, v in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if k.startswith(prefix)
+    }
+    for key, value in model_sd.items():
+        if key not in saved:
+            raise CheckpointError(f"{path} does not fit this model: it has no '{key}'")
+        saved_shape = tuple(getattr(saved[key], "size", ()))
+        if saved_shape != tuple(value.shape):
+            raise CheckpointError(
+                f"{path} does not fit this model: '{key}' has shape {saved_shape} in the checkpoint "
+                f"but {tuple(value.shape)} in the model (different model flavor or vocab?)"
+            )
+    extra = sorted(set(saved) - set(model_sd))
+    if complete_model and extra:
+        raise CheckpointError(f"{path} does not fit this model: the model has no '{extra[0]}'")
+
+
+def _cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def export_checkpoint(step_dir: str | Path, output: str | Path, dtype: str = "float32") -> Path:
+    """Write a checkpoint's model as one torch.save file of a plain state dict (single process).
+
+    The result loads with `Transformer(LlamaModelArgs(**meta['model_args'])).load_state_dict`.
+    """
+    from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
+
+    info = inspect_checkpoint(step_dir)
+    if info.kind == "model_only":
+        sd = torch.load(info.path / EXPORT_FILE, weights_only=True)
+    else:
+        with torch.device("meta"):
+            model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
+        model.to_empty(device="cpu")
+        sd = model.state_dict()
+        dcp.load({"model": sd}, checkpoint_id=str(info.path), no_dist=True)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(_cast_floats(sd, _DTYPES[dtype]), output)
+    return output
+
+
+def _merge_parts(parts: list[nn.Module]) -> nn.Module:
+    """One module over several pipeline stages of this rank, with the stages' own FQNs.
+
+    The state_dict helpers take one model; stage FQNs never collide (layers are a ModuleDict
+    keyed by global layer index), so merging the top-level children keeps every name.
+    """
+    merged = nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict) and isinstance(merged._modules.get(name), nn.ModuleDict):
+                merged._modules[name].update(child)
+            elif isinstance(child, nn.ModuleDict):
+                merged.add_module(name, nn.ModuleDict(child))
+            elif child is not None:
+                merged.add_module(name, child)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+@dataclass
+class _PendingSave:
+    future: Future
+    step: int
+    tmp: Path
+    final: Path
+    kind: str
+    started: float
+
+
+class CheckpointManager:
+    """Saves and loads everything a run needs to continue exactly where it stopped.
+
+    `model` / `optimizer` may be lists (pipeline stages on this rank, one optimizer each): their
+    FQN-keyed state dicts are merged, which works because stage FQNs never collide.
+    Collective calls (every rank must make them): load, maybe_save, should_stop, close.
+    """
+
+    def __init__(
+        self,
+        config: JobConfig,
+        *,
+        model: nn.Module | list[nn.Module],
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        lr_scheduler: Any,
+        scaler: Any,
+        dataloader: Any,
+        model_args: Any,
+        device: torch.device,
+        partial_model: bool = False,
+    ) -> None:
+        c = config.checkpoint
+        self.config = config
+        self.enabled = c.enable or c.create_seed_checkpoint
+        self.model_parts = model if isinstance(model, list) else [model]
+        self._model = self.model_parts[0] if len(self.model_parts) == 1 else _merge_parts(self.model_parts)
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+        self.lr_scheduler = lr_scheduler
+        self.scaler = scaler
+        self.dataloader = dataloader
+        self.model_args = model_args
+        self.device = device
+        self.partial_model = partial_model
+        self.folder = Path(config.job.dump_folder) / c.folder
+        self.rank = _rank()
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp_rank = getattr(dataloader, "dp_rank", 0)
+        self.dp_degree = getattr(dataloader, "dp_world_size", 1)
+        self.last_saved_step = -1
+        self._pending: _PendingSave | None = None
+        self._async_pg = None
+        if not self.enabled:
+            return
+        if c.async_mode != "disabled" and dist.is_initialized():
+            # The upload thread's collectives must not interleave with training's on the default group.
+            self._async_pg = dist.new_group(backend="gloo")
+        self._agree(self._probe_writable)
+        logger.info("checkpointing to %s (every %d steps%s, async %s)", self.folder, c.interval,
+                    f", keeping the latest {c.keep_latest_k}" if c.keep_latest_k else "", c.async_mode) \
+            if self.rank == 0 else None
+
+    # -----------------------------------------------------------------------------------------
+    # Collective helpers
+
+    def _agree(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on rank 0 and hand every rank its result, or raise its error on every rank."""
+        result: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                result = [fn(), None]
+            except (CheckpointError, OSError) as e:
+                result = [None, str(e) if isinstance(e, CheckpointError) else _one_line(e)]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(result, src=0)
+        if result[1] is not None:
+            raise CheckpointError(result[1])
+        return result[0]
+
+    def _all_ok(self, error: str | None, extra: Any = None) -> list[Any]:
+        """Gather (error, extra) from every rank; raise the first error everywhere."""
+        gathered: list[Any] = [(error, extra)]
+        if dist.is_initialized() and self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, (error, extra))
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            raise CheckpointError(errors[0])
+        return [x for _, x in gathered]
+
+    def _probe_writable(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe = self.folder / f".write_probe_{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint folder {self.folder} is not writable: {e.strerror or _one_line(e)}"
+            ) from None
+
+    # -----------------------------------------------------------------------------------------
+    # State dicts
+
+    def _model_state_dict(self, options: StateDictOptions | None = None) -> dict[str, Any]:
+        return get_model_state_dict(self._model, options=options)
+
+    def _optimizer_state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self._model, self.optimizers, options=_OPTIM_OPTIONS)
+
+    def _dcp_state(self, names: tuple[str, ...], train_state: TrainState) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        if "model" in names:
+            sd["model"] = self._model_state_dict()
+        if "optimizer" in names:
+            sd["optimizer"] = self._optimizer_state_dict()
+        if "lr_scheduler" in names:
+            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if "scaler" in names:
+            sd["scaler"] = self.scaler.state_dict()
+        if "train_state" in names:
+            sd["train_state"] = dataclasses.asdict(train_state)
+        return sd
+
+    def _rank_state(self) -> dict[str, Any]:
+        return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
+                "world_size": self.world_size, "dataloader": self.dataloader.state_dict(),
+                "rng": _rng_state(self.device)}
+
+    # -----------------------------------------------------------------------------------------
+    # Saving
+
+    def maybe_save(self, step: int, tokens_seen: int, *, last: bool = False, force: bool = False) -> None:
+        """Save at every `interval` steps, at the last step, and when forced (preemption)."""
+        if not self.enabled or step == self.last_saved_step:
+            return
+        if not (force or last or step % self.config.checkpoint.interval == 0):
+            return
+        kind = "model_only" if last and self.config.checkpoint.last_save_model_only else "full"
+        self.save(step, tokens_seen, kind=kind)
+
+    def save_seed(self) -> None:
+        """Step 0, model only, DCP: any layout can start from it."""
+        if (self.folder / "step-0").exists():
+            raise CheckpointError(f"{self.folder / 'step-0'} already exists; remove it to create a new seed")
+        self.save(0, 0, kind="seed")
+
+    @torch.no_grad()
+    def save(self, step: int, tokens_seen: int, *, kind: str = "full") -> None:
+        self._finish_pending()
+        begin = time.monotonic()
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        self._agree(lambda: self._prepare_tmp(tmp))
+        state = TrainState(step, tokens_seen)
+        if kind == "model_only":
+            self._write_export(tmp)
+            self._commit(step, tmp, final, kind, begin)
+            return
+        names = ("model",) if kind == "seed" else DCP_STATES
+        sd = self._dcp_state(names, state)
+        error = None
+        if kind == "full":
+            try:
+                torch.save(self._rank_state(), tmp / f"rank_{self.rank}.pt")
+            except OSError as e:
+                error = f"rank {self.rank} could not write {tmp}/rank_{self.rank}.pt: {_one_line(e)}"
+        self._all_ok(error)
+        if self.config.checkpoint.async_mode == "disabled" or kind == "seed":
+            dcp.save(sd, checkpoint_id=str(tmp))
+            self._commit(step, tmp, final, kind, begin)
+        else:
+            self._pending = _PendingSave(self._async_save(sd, tmp), step, tmp, final, kind, begin)
+            self.last_saved_step = step
+            logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
+                        time.monotonic() - begin) if self.rank == 0 else None
+
+    def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:
+        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._async_pg}
+        if self.config.checkpoint.async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                                  use_async_staging=True, use_non_blocking_copy=True))
+        response = dcp.async_save(sd, **kwargs)
+        if isinstance(response, Future):
+            return response
+        # An AsyncSaveResponse: the next optimizer step must not run before staging has copied
+        # the tensors, so wait for it here; only the upload overlaps training.
+        response.staging_completion.result()
+        return response.upload_completion
+
+    def _write_export(self, tmp: Path) -> None:
+        """Gather the full model (every rank takes part), rank 0 writes it in export_dtype."""
+        sd = self._model_state_dict(StateDictOptions(full_state_dict=True, cpu_offload=True))
+        error = None
+        if self.rank == 0:
+            try:
+                torch.save(_cast_floats(sd, _DTYPES[self.config.checkpoint.export_dtype]), tmp / EXPORT_FILE)
+            except OSError as e:
+                error = f"could not write {tmp / EXPORT_FILE}: {_one_line(e)}"
+        self._all_ok(error)
+
+    def _prepare_tmp(self, tmp: Path) -> None:
+        # No save is in flight (pending async saves were finished), so any .tmp is a dead one.
+        for stale in self.folder.glob("step-*.tmp"):
+            logger.info("removing %s, left by a save that never finished", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def _commit(self, step: int, tmp: Path, final: Path, kind: str, begin: float) -> None:
+        """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final."""
+        rank_dp = self._all_ok(None, (self.rank, self.dp_rank))
+        meta = {
+            "format": FORMAT_VERSION, "step": step, "kind": kind, "world_size": self.world_size,
+            "dp_degree": self.dp_degree, "rank_dp": sorted(rank_dp),
+            "model_args": dataclasses.asdict(self.model_args),
+            "export_dtype": self.config.checkpoint.export_dtype if kind == "model_only" else None,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+            "job_config": self.config.to_dict(),
+        }
+        self._agree(lambda: self._publish(tmp, final, meta))
+        self.last_saved_step = step
+        if self.rank == 0:
+            logger.info("saved %s checkpoint %s in %.2f s", kind, final, time.monotonic() - begin)
+        self._agree(self._purge)
+
+    def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        meta["files"] = _dir_sizes(tmp)
+        with open(tmp / MARKER, "w") as fh:
+            json.dump(meta, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if final.exists():
+            try:
+                inspect_checkpoint(final)
+                aside = final.with_name(final.name + ".replaced")
+                logger.warning("replacing existing checkpoint %s", final)
+            except CheckpointError:
+                aside = final.with_name(final.name + ".corrupt")
+                logger.warning("%s exists but is not a complete checkpoint; keeping it as %s", final, aside.name)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            if aside.name.endswith(".replaced"):
+                shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _purge(self) -> None:
+        """keep_latest_k counts full checkpoints only; it runs after a newer one is complete."""
+        k = self.config.checkpoint.keep_latest_k
+        if not k:
+            return
+        complete, _ = scan_folder(self.folder)
+        full = sorted(s for s, info in complete.items() if info.kind == "full")
+        for step in full[:-k]:
+            path = self.folder / f"step-{step}"
+            doomed = path.with_name(path.name + ".deleting")
+            os.rename(path, doomed)  # a half-deleted folder must never look like a checkpoint
+            shutil.rmtree(doomed, ignore_errors=True)
+            logger.info("removed %s (keep_latest_k = %d)", path, k)
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error = None
+        try:
+            pending.future.result()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"background save of {pending.tmp} failed: {_one_line(e)}"
+        self._all_ok(error)
+        self._commit(pending.step, pending.tmp, pending.final, pending.kind, pending.started)
+
+    # -----------------------------------------------------------------------------------------
+    # Per-step agreement and shutdown
+
+    def should_stop(self) -> bool:
+        """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
+        finished background save is committed here too. Call once per step on every rank."""
+        flags = [stop_requested() is not None, self._pending is not None and not self._pending.future.done()]
+        if dist.is_initialized() and self.world_size > 1:
+            t = torch.tensor([float(f) for f in flags], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = [bool(x) for x in t.tolist()]
+        stop, still_writing = flags
+        if self._pending is not None and not still_writing:
+            self._finish_pending()
+        if stop and self.rank == 0:
+            logger.warning("stop requested (%s on some rank): saving and exiting", stop_requested() or "signal")
+        return stop
+
+    def close(self) -> None:
+        """Finish any background save. Collective."""
+        self._finish_pending()
+
+    # -----------------------------------------------------------------------------------------
+    # Loading
+
+    @torch.no_grad()
+    def load(self) -> TrainState | None:
+        """Resume from the newest complete checkpoint (or load_step), else initial_load_path.
+
+        Returns the restored step and tokens, or None when starting fresh.
+        """
+        c = self.config.checkpoint
+        if not self.enabled or c.create_seed_checkpoint:
+            return None
+        choice = self._agree(self._choose)
+        if choice is None:
+            return None
+        path, kind, meta, initial = Path(choice[0]), choice[1], choice[2], choice[3]
+        begin = time.monotonic()
+        names = tuple(n for n in (("model",) if initial or kind != "full" else STATE_NAMES)
+                      if n not in c.exclude_from_loading)
+        if kind == "model_only":
+            self._load_export(path)
+        else:
+            self._load_dcp(path, meta, names)
+        state = TrainState()
+        if "train_state" in names:
+            state = self._loaded_train_state
+        if kind == "full":
+            self._load_rank_state(path, meta, names)
+        if self.rank == 0:
+            skipped = [n for n in STATE_NAMES if n not in names]
+            logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
+                        time.monotonic() - begin, state.step,
+                        f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
+        self.last_saved_step = state.step
+        return state
+
+    def _choose(self) -> tuple[str, str, dict[str, Any], bool] | None:
+        """Rank 0 picks the checkpoint; every rank then loads the same one."""
+        c = self.config.checkpoint
+        complete, problems = scan_folder(self.folder)
+        for line in problems:
+            logger.warning("checkpoint: %s", line)
+        if c.load_step >= 0:
+            info = complete.get(c.load_step)
+            if info is None:
+                broken = [p for p in problems if f"step-{c.load_step}" in p]
+                why = f" ({broken[0]})" if broken else ""
+                raise CheckpointError(
+                    f"checkpoint.load_step = {c.load_step}: no complete checkpoint step-{c.load_step} in "
+                    f"{self.folder}{why}; available steps: {_describe_steps(complete)}"
+                )
+            if info.kind == "model_only":
+                raise CheckpointError(
+                    f"checkpoint.load_step = {c.load_step}: {info.path} is a model-only export, not a resume "
+                    f"point; use checkpoint.initial_load_path = '{info.path}' to start from its weights"
+                )
+            return str(info.path), info.kind, info.meta, False
+        resumable = {s: i for s, i in complete.items() if i.kind != "model_only"}
+        if resumable:
+            info = resumable[max(resumable)]
+            newer = [s for s in complete if s > info.step]
+            if newer:
+                logger.info("checkpoint: step-%s is a model-only export, not a resume point", newer[0])
+            if problems:
+                logger.warning("checkpoint: resuming from the newest complete checkpoint, %s", info.path)
+            return str(info.path), info.kind, info.meta, False
+        if c.initial_load_path:
+            return self._choose_initial(Path(c.initial_load_path))
+        if problems:
+            logger.warning("checkpoint: no complete checkpoint in %s; starting from scratch", self.folder)
+        return None
+
+    def _choose_initial(self, path: Path) -> tuple[str, str, dict[str, Any], bool]:
+        if not path.exists():
+            raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
+        if (path / MARKER).is_file():
+            info = inspect_checkpoint(path)
+            return str(path), info.kind, info.meta, True
+        if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
+            return str(path), "seed", {}, True
+        complete, problems = scan_folder(path)
+        for line in problems:
+            logger.warning("checkpoint: %s", line)
+        if not complete:
+            raise CheckpointError(f"checkpoint.initial_load_path {path} holds no complete checkpoint")
+        info = complete[max(complete)]
+        return str(info.path), info.kind, info.meta, True
+
+    def _load_dcp(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        train_state = TrainState()
+        names = tuple(n for n in names if n in DCP_STATES)
+        error = None
+        try:
+            if "model" in names:
+                _check_model_fits(path, self._model_state_dict(), "model.", not self.partial_model)
+            if "scaler" in names and self.scaler.enabled and not any(k.startswith("scaler.scaler.") for k in saved_keys):
+                if self.rank == 0:
+                    logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
+                                   "starting from the configured init_scale", path)
+                names = tuple(n for n in names if n != "scaler")
+            if "optimizer" in names and not any(k.startswith("optimizer.") for k in saved_keys):
+                raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
+                                      "checkpoint.exclude_from_loading to load it anyway")
+        except CheckpointError as e:
+            error = str(e)
+        self._all_ok(error)
+        sd = self._dcp_state(names, train_state)
+        if "scaler" in sd and not self.scaler.enabled:
+            sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
+        try:
+            dcp.load(sd, checkpoint_id=str(path))
+        except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
+            raise CheckpointError(f"could not load {path}: {_one_line(e)}") from None
+        if "model" in sd:
+            set_model_state_dict(self._model, sd["model"])
+        if "optimizer" in sd:
+            set_optimizer_state_dict(self._model, self.optimizers, sd["optimizer"], options=_OPTIM_OPTIONS)
+        if "lr_scheduler" in sd:
+            self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if "scaler" in sd:
+            self.scaler.load_state_dict(sd["scaler"])
+        if "train_state" in sd:
+            train_state = TrainState(int(sd["train_state"]["step"]), int(sd["train_state"]["tokens_seen"]))
+        self._loaded_train_state = train_state
+
+    def _load_export(self, path: Path) -> None:
+        """A model-only export (full tensors, maybe another dtype) as starting weights."""
+        sd = torch.load(path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
+        error = None
+        try:
+            own = self._model_state_dict()
+            for key, value in own.items():
+                if key not in sd or tuple(sd[key].shape) != tuple(value.shape):
+                    got = tuple(sd[key].shape) if key in sd else "nothing"
+                    raise CheckpointError(f"{path} does not fit this model: '{key}' has shape {got} in the "
+                                          f"export but {tuple(value.shape)} in the model")
+        except CheckpointError as e:
+            error = str(e)
+        self._all_ok(error)
+        mine = {k: v for k, v in sd.items() if k in own}
+        set_model_state_dict(self._model, mine, options=StateDictOptions(full_state_dict=True))
+        self._loaded_train_state = TrainState()
+
+    def _load_rank_state(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+        error = None
+        try:
+            if "dataloader" in names:
+                if meta["dp_degree"] != self.dp_degree:
+                    raise CheckpointError(
+                        f"{path} was saved with data-parallel degree {meta['dp_degree']} but this run has "
+                        f"{self.dp_degree}: the data position cannot be resharded; add 'dataloader' to "
+                        "checkpoint.exclude_from_loading to restart the data stream"
+                    )
+                sources = [r for r, d in meta["rank_dp"] if d == self.dp_rank]
+                src = self.rank if self.rank in sources else sources[0]
+                data = torch.load(path / f"rank_{src}.pt", weights_only=True)["dataloader"]
+                self.dataloader.load_state_dict(data)
+            if "rng" in names:
+                if meta["world_size"] == self.world_size:
+                    _set_rng_state(torch.load(path / f"rank_{self.rank}.pt", weights_only=True)["rng"],
+                                   self.device)
+                elif self.rank == 0:
+                    logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d",
+                                   path, meta["world_size"], self.world_size)
+        except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
+            error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {_one_line(e)}"
+        self._all_ok(error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: python -m torchtitan_amp.checkpoint {list FOLDER | export STEP_DIR OUTPUT [DTYPE]}
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "list":
+        complete, problems = scan_folder(argv[1])
+        for step, info in sorted(complete.items()):
+            print(f"step-{step}\t{info.kind}\tworld_size {info.meta.get('world_size')}\t{info.meta.get('saved_at')}")
+        for line in problems:
+            print(line)
+        return 0
+    if len(argv) in (3, 4) and argv[0] == "export":
+        dtype = argv[3] if len(argv) == 4 else "float32"
+        if dtype not in _DTYPES:
+            print(f"error: dtype must be one of {', '.join(_DTYPES)}", file=sys.stderr)
+            return 2
+        try:
+            print(export_checkpoint(argv[1], argv[2], dtype))
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    print("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
+          "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

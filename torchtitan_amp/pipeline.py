@@ -1,0 +1,131 @@
+"""Pipeline parallel: split the Llama model into stages and build a torch.distributed.pipelining schedule."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
+
+from torchtitan_amp.config import ConfigError, Parallelism
+from torchtitan_amp.parallel_dims import ParallelDims
+
+logger = logging.getLogger("torchtitan_amp")
+
+# Schedules that hold more than one stage per rank (looped placement: rank r holds r, r+pp, ...).
+_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+
+
+@dataclass
+class Pipeline:
+    schedule: _PipelineSchedule
+    model_parts: list[nn.Module]
+    has_first_stage: bool
+    has_last_stage: bool
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward + backward of one batch; returns the last stage's per-microbatch losses."""
+        losses: list[torch.Tensor] = []
+        targets = labels if self.has_last_stage else None
+        if self.has_first_stage:
+            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(target=targets, losses=losses, return_outputs=False)
+        return losses
+
+
+def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:
+    """First layer index of each stage; `split_points` names them as 'layers.N'."""
+    if split_points:
+        try:
+            starts = [int(s.removeprefix("layers.")) for s in split_points]
+        except ValueError:
+            raise ConfigError(
+                f"'parallelism.pipeline_parallel_split_points' must look like 'layers.N', got {split_points}"
+            ) from None
+        if len(starts) != num_stages - 1 or starts != sorted(set(starts)) or not 0 < starts[0] <= starts[-1] < n_layers:
+            raise ConfigError(
+                f"'parallelism.pipeline_parallel_split_points' needs {num_stages - 1} increasing "
+                f"layer indices in 1..{n_layers - 1}, got {split_points}"
+            )
+        return [0] + starts
+    if n_layers < num_stages:
+        raise ConfigError(f"{num_stages} pipeline stages need at least as many layers; the model has {n_layers}")
+    base, extra = divmod(n_layers, num_stages)
+    # Earlier stages take the remainder: the last stage also carries the output head.
+    sizes = [base + (i < extra) for i in range(num_stages)]
+    return [sum(sizes[:i]) for i in range(num_stages)]
+
+
+def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Module:
+    """A copy of the model holding only this stage's layers (FQNs unchanged) and ends."""
+    n_layers = len(model.layers)
+    start = boundaries[stage]
+    end = boundaries[stage + 1] if stage + 1 < len(boundaries) else n_layers
+    part = copy.deepcopy(model)
+    for i in range(n_layers):
+        if not start <= i < end:
+            del part.layers[str(i)]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != len(boundaries) - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def wrap_forward(module: nn.Module, context: Callable[[], object]) -> None:
+    """Run only this module's forward inside `context` (autocast): the schedule interleaves
+    forward and backward, so a context around `schedule.step` would also cover backward."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def forward_in_context(*args, **kwargs):
+        with context():
+            return forward(*args, **kwargs)
+
+    module.forward = forward_in_context
+
+
+def build_pipeline(
+    model: nn.Module,
+    dims: ParallelDims,
+    p: Parallelism,
+    local_batch_size: int,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    parallelize: Callable[[nn.Module], nn.Module],
+    forward_context: Callable[[], object],
+) -> Pipeline:
+    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
+    num_stages = dims.pp * stages_per_rank
+    boundaries = stage_boundaries(len(model.layers), num_stages, p.pipeline_parallel_split_points)
+    n_microbatches = local_batch_size // p.pipeline_parallel_microbatch_size
+    if stages_per_rank > 1 and n_microbatches % dims.pp:
+        raise ConfigError(
+            f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
+            f"microbatch_size = {n_microbatches}) to be a multiple of pipeline_parallel_degree = {dims.pp}"
+        )
+    pp_mesh = dims.mesh["pp"]
+    pp_rank = pp_mesh.get_local_rank()
+    stage_ids = [pp_rank + i * dims.pp for i in range(stages_per_rank)]
+    parts, stages = [], []
+    for sid in stage_ids:
+        part = parallelize(stage_module(model, sid, boundaries))
+        wrap_forward(part, forward_context)
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group()))
+    schedule_cls = get_schedule_class(p.pipeline_parallel_schedule)
+    if issubclass(schedule_cls, PipelineScheduleMulti):
+        schedule = schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    else:
+        schedule = schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    logger.info("pipeline: %s, %d stages, layer boundaries %s, %d microbatches; this rank holds stages %s",
+                p.pipeline_parallel_schedule, num_stages, boundaries, n_microbatches, stage_ids)
+    return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids)
