@@ -79,6 +79,7 @@ def parallel_context(dims: ParallelDims, config: JobConfig) -> contextlib.Abstra
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig) -> nn.Module:
+    plan.apply_fp32_islands(model)
     if dims.tp_enabled:
         apply_tp(model, dims.mesh["tp"], loss_parallel_enabled(dims, config),
                  config.parallelism.enable_sequence_parallel)
@@ -198,8 +199,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
                       reshard_after_forward=_reshard(reshard_policy, False))
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
-        shard(block, mp_policy=plan.fsdp_policy(low_precision=True),
+        # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
+        shard(block, mp_policy=plan.fsdp_policy(low_precision=True, cast_forward_inputs=False),
               reshard_after_forward=_reshard(reshard_policy, i == len(blocks) - 1))
+        plan.cast_block_inputs(block)
     # The root's forward ends the step, so keeping its params gathered saves one all-gather.
     shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=plan.output_dtype),
           reshard_after_forward=_reshard(reshard_policy, True))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,19 +79,6 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     return part
 
 
-def wrap_forward(module: nn.Module, context: Callable[[], object]) -> None:
-    """Run only this module's forward inside `context` (autocast): the schedule interleaves
-    forward and backward, so a context around `schedule.step` would also cover backward."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def forward_in_context(*args, **kwargs):
-        with context():
-            return forward(*args, **kwargs)
-
-    module.forward = forward_in_context
-
-
 def build_pipeline(
     model: nn.Module,
     dims: ParallelDims,
@@ -101,8 +87,11 @@ def build_pipeline(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     parallelize: Callable[[nn.Module], nn.Module],
-    forward_context: Callable[[], object],
+    apply_forward_context: Callable[[nn.Module], None],
 ) -> Pipeline:
+    """Split, parallelize each stage, and wrap each stage's forward (only) in the precision
+    plan's forward context: the schedule interleaves forward and backward, so a context around
+    `schedule.step` would also cover backward."""
     stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
     num_stages = dims.pp * stages_per_rank
     boundaries = stage_boundaries(len(model.layers), num_stages, p.pipeline_parallel_split_points)
@@ -118,7 +107,7 @@ def build_pipeline(
     parts, stages = [], []
     for sid in stage_ids:
         part = parallelize(stage_module(model, sid, boundaries))
-        wrap_forward(part, forward_context)
+        apply_forward_context(part)
         parts.append(part)
         stages.append(PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group()))
     schedule_cls = get_schedule_class(p.pipeline_parallel_schedule)

@@ -15,13 +15,14 @@ Everything else (parallelize, trainer, checkpoint) asks the plan and never re-de
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -171,15 +172,34 @@ class PrecisionPlan:
     def is_safe(self, module: nn.Module) -> bool:
         return isinstance(module, self.safe_modules)
 
-    def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
+    def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None,
+                    cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
         """Policy for one `fully_shard` group: safe modules in param/reduce dtype, others fp32.
 
-        An fp32 group must not cast its inputs: the residual stream around it is in param dtype,
-        and our fp32 modules (RMSNorm) upcast internally and hand back their input's dtype.
+        Transformer blocks pass `cast_forward_inputs=False` and get `cast_block_inputs` instead:
+        FSDP's own input cast converts every floating argument, the rotary cos/sin tables too.
         """
+        if self.path != "fsdp":
+            return MixedPrecisionPolicy(output_dtype=output_dtype)
         if low_precision:
-            return MixedPrecisionPolicy(self.param_dtype, self.reduce_dtype, output_dtype, True)
-        return MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype, False)
+            return MixedPrecisionPolicy(self.param_dtype, self.reduce_dtype, output_dtype, cast_forward_inputs)
+        # fp32 in, fp32 compute, and back to param dtype out, so the bf16 ops around it continue.
+        return MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype or self.param_dtype, True)
+
+    def cast_block_inputs(self, block: nn.Module) -> None:
+        """FSDP path: cast a block's hidden state (its first argument) to param_dtype, and nothing
+        else. The rotary tables that follow it stay fp32 (an fp32 island): FSDP's
+        `cast_forward_inputs` would round them to bf16, blurring positions by ~2**-9."""
+        if self.path != "fsdp" or self.param_dtype == torch.float32:
+            return
+        dtype = self.param_dtype
+
+        def cast_hidden_state(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                return (args[0].to(dtype),) + tuple(args[1:])
+            return args
+
+        block.register_forward_pre_hook(cast_hidden_state)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Wraps forward + loss. Never wrap backward in it: autocast belongs to forward only."""
@@ -187,6 +207,22 @@ class PrecisionPlan:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
+
+    def apply_forward_context(self, module: nn.Module) -> None:
+        """Run `module`'s forward (only) in the forward context: for pipeline stages, whose
+        schedule interleaves forward and backward so no context can wrap forward alone."""
+        _wrap_forward(module, self.forward_context)
+
+    def apply_fp32_islands(self, model: nn.Module) -> None:
+        """On the autocast path, run modules outside the safe list in fp32 (autocast off, float
+        inputs upcast). The FSDP path gets the same from its fp32 groups' policy."""
+        if self.autocast_dtype is None:
+            return
+        no_autocast = functools.partial(torch.autocast, self.device_type, enabled=False)
+        for module in model.modules():
+            owns_params = any(True for _ in module.parameters(recurse=False))
+            if owns_params and not self.is_safe(module) and not getattr(module, "computes_in_fp32", False):
+                _wrap_forward(module, no_autocast, cast_inputs=torch.float32)
 
     def backward_context(self) -> contextlib.AbstractContextManager:
         """Backward runs with autocast explicitly off, whatever a caller's context holds."""
@@ -282,6 +318,28 @@ class PrecisionPlan:
             for note in self.notes:
                 logger.info("  note: %s", note)
         return report
+
+
+def _wrap_forward(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager],
+                  cast_inputs: torch.dtype | None = None) -> None:
+    """Make `module(...)` run its forward inside `context()`, optionally upcasting float inputs.
+
+    An instance attribute, not a wrapper module, so parameter names (and checkpoints) are unchanged.
+    """
+    forward = module.forward
+
+    def cast(x: Any) -> Any:
+        return x.to(cast_inputs) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    @functools.wraps(forward)
+    def forward_in_context(*args: Any, **kwargs: Any) -> Any:
+        if cast_inputs is not None:
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        with context():
+            return forward(*args, **kwargs)
+
+    module.forward = forward_in_context
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ class Trainer:
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(
                 model, self.dims, self.config.parallelism, t.local_batch_size, self.device,
-                self._pipeline_loss, parallelize, self.plan.forward_context)
+                self._pipeline_loss, parallelize, self.plan.apply_forward_context)
             parts = self.pipeline.model_parts
         else:
             parts = [parallelize(model)]

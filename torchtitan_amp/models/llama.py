@@ -207,6 +207,10 @@ class RMSNorm(nn.Module):
     whether a backend's bf16 kernel accumulates in fp32 is its own choice.
     """
 
+    # Tells the precision plan that no autocast guard is needed around this module.
+    computes_in_fp32 = True
+
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
