@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import json
 import sys
 import types
@@ -285,7 +286,7 @@ def _check_known(section: str, key: str | None) -> None:
 
 
 def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+    return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}.get(
         tp, "a list of strings"
     )
 
@@ -308,7 +309,7 @@ def _from_toml(name: str, tp: Any, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -338,7 +339,10 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
         if tp is int:
             return int(text)
         if tp is float:
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
         return text
     except ValueError:
         raise ConfigError(f"'--{name}' must be {_type_name(tp)}, got {text!r}") from None
