@@ -4,6 +4,7 @@
 # NGPU: processes on this node (default: number of GPUs, or 1 without a GPU; on CPU each
 #       process is one gloo rank).
 # LOG_RANK: ranks whose output is shown (e.g. 0, 0,1); "all" shows every rank.
+# COMM_MODE=fake_backend: dry run instead of training (NGPU simulated ranks, DRY_RUN_RANK reported).
 # Sets up ./.venv on first use when the current Python lacks the dependencies (scripts/ensure_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,6 +19,14 @@ for arg in "$@"; do
   case "$arg" in -h|--help) exit 0 ;; esac
 done
 
+# COMM_MODE=fake_backend: plan without the hardware. One process, no torchrun: it simulates NGPU
+# ranks (unset: the product of the configured degrees) with a fake process group and reports rank
+# DRY_RUN_RANK's (default 0) memory and traffic per step (see torchtitan_amp/dry_run.py).
+if [ "${COMM_MODE:-}" = "fake_backend" ]; then
+  exec "$PYTHON" train.py --job.config_file "$CONFIG_FILE" --job.dry_run \
+    --dry_run.world_size "${NGPU:--1}" --dry_run.rank "${DRY_RUN_RANK:-0}" "$@"
+fi
+
 if [ -z "${NGPU:-}" ]; then
   NGPU=$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')
 fi
@@ -26,5 +35,5 @@ rank_filter=()
 [ "$LOG_RANK" != "all" ] && rank_filter=(--local-ranks-filter "$LOG_RANK")
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
-  --role rank --tee 3 "${rank_filter[@]}" \
+  --role rank --tee 3 ${rank_filter[@]+"${rank_filter[@]}"} \
   train.py --job.config_file "$CONFIG_FILE" "$@"

@@ -51,6 +51,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return _fail(e)
     _setup_logging()
+    if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
+        # Plan without hardware: one process, fake process group, meta model, no training.
+        from torchtitan_amp import dry_run
+
+        try:
+            return dry_run.main(config)
+        except (ConfigError, ValueError) as e:
+            return _fail(e)
     from torchtitan_amp import distributed
     from torchtitan_amp.checkpoint import CheckpointError, install_preemption_handlers
     from torchtitan_amp.data import DataError

@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# Source me: makes sure a Python with torchtitan_amp's dependencies is on PATH.
-# Reuses the active environment when it already has them; otherwise creates ./.venv once
-# (torch==2.13.0 unless a torch is already importable, so a CUDA user keeps theirs).
-# Sets PYTHON to the interpreter to use.
+# Source me: makes sure a Python with torchtitan_amp's dependencies is available and sets PYTHON.
+#
+# 1. The interpreter in $PYTHON (else python3, else python) is used as is when it already has
+#    torch >= 2.13 and everything in requirements.txt.
+# 2. Otherwise ./.venv is used when it has them (created by an earlier run).
+# 3. Otherwise ./.venv is created once and filled with `pip install torch==2.13.0` plus
+#    requirements.txt. When the interpreter already has a torch >= 2.13 (e.g. a CUDA build), the
+#    venv sees it (--system-site-packages) instead of downloading another; a venv made from an
+#    interpreter without a usable torch is isolated, so an old system torch can never leak in.
 
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_DEPS_CHECK='import torch, torchdata, tensorboard, pytest; import sys; sys.version_info >= (3, 11) or __import__("tomli")'
+_TORCH_OK='import torch, sys; sys.exit(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13))'
+_DEPS_CHECK="$_TORCH_OK"'
+import torchdata, tensorboard, pytest
+sys.version_info >= (3, 11) or __import__("tomli")'
 
 _find_python() {
-  for p in "${PYTHON:-}" python3 python; do
-    [ -n "$p" ] && command -v "$p" >/dev/null 2>&1 && { echo "$p"; return 0; }
+  if [ -n "${PYTHON:-}" ]; then
+    command -v "$PYTHON" >/dev/null 2>&1 && { echo "$PYTHON"; return 0; }
+    echo "error: PYTHON=$PYTHON is not an executable" >&2
+    return 1
+  fi
+  for p in python3 python; do
+    command -v "$p" >/dev/null 2>&1 && { echo "$p"; return 0; }
   done
   echo "error: no python3 on PATH (Python 3.10+ is required)" >&2
   return 1
 }
 
 _ensure_env() {
-  local py venv="$_ROOT/.venv"
+  local py venv="$_ROOT/.venv" system_site=()
   py="$(_find_python)" || return 1
   if "$py" -c "$_DEPS_CHECK" >/dev/null 2>&1; then
     PYTHON="$py"; return 0
@@ -26,13 +39,22 @@ _ensure_env() {
   fi
   "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
     echo "error: $("$py" --version 2>&1) is too old; Python 3.10+ is required" >&2; return 1; }
-  echo "setting up $venv (one time) ..." >&2
-  # --system-site-packages lets a torch that is already installed (e.g. a CUDA build) be reused.
-  "$py" -m venv --system-site-packages "$venv" || return 1
+  if "$py" -c "$_TORCH_OK" >/dev/null 2>&1; then
+    system_site=(--system-site-packages)
+    echo "setting up $venv (one time), reusing the torch of $py ..." >&2
+  else
+    echo "setting up $venv (one time): torch==2.13.0 and requirements.txt ..." >&2
+  fi
+  # An existing .venv without the dependencies (e.g. an interrupted install) is completed, not replaced.
+  if [ ! -x "$venv/bin/python" ]; then
+    "$py" -m venv ${system_site[@]+"${system_site[@]}"} "$venv" || return 1
+  fi
   local torch_req="torch==2.13.0"
-  "$venv/bin/python" -c "import torch" >/dev/null 2>&1 && torch_req=""
+  "$venv/bin/python" -c "$_TORCH_OK" >/dev/null 2>&1 && torch_req=""
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     -r "$_ROOT/requirements.txt" $torch_req || return 1
+  "$venv/bin/python" -c "$_DEPS_CHECK" || {
+    echo "error: $venv was set up but still lacks a dependency" >&2; return 1; }
   PYTHON="$venv/bin/python"
 }
 

@@ -20,6 +20,7 @@ check out; anything else is named in the log and skipped. See docs/checkpointing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,10 +31,11 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -80,6 +82,14 @@ class TrainState:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process save that it assumes a single process: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _one_line(e: BaseException) -> str:
@@ -332,7 +342,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 @dataclass
 class _PendingSave:
     future: Future
-    step: int
+    state: TrainState
     tmp: Path
     final: Path
     kind: str
@@ -485,7 +495,7 @@ class CheckpointManager:
         state = TrainState(step, tokens_seen)
         if kind == "model_only":
             self._write_export(tmp)
-            self._commit(step, tmp, final, kind, begin)
+            self._commit(state, tmp, final, kind, begin)
             return
         names = ("model",) if kind == "seed" else DCP_STATES
         sd = self._dcp_state(names, state)
@@ -497,22 +507,25 @@ class CheckpointManager:
                 error = f"rank {self.rank} could not write {tmp}/rank_{self.rank}.pt: {_one_line(e)}"
         self._all_ok(error)
         if self.config.checkpoint.async_mode == "disabled" or kind == "seed":
-            dcp.save(sd, checkpoint_id=str(tmp))
-            self._commit(step, tmp, final, kind, begin)
+            with _quiet_single_process():
+                dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+            self._commit(state, tmp, final, kind, begin)
         else:
-            self._pending = _PendingSave(self._async_save(sd, tmp), step, tmp, final, kind, begin)
+            self._pending = _PendingSave(self._async_save(sd, tmp), state, tmp, final, kind, begin)
             self.last_saved_step = step
             logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
                         time.monotonic() - begin) if self.rank == 0 else None
 
     def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:
-        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._async_pg}
+        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._async_pg,
+                                  "no_dist": not dist.is_initialized()}
         if self.config.checkpoint.async_mode == "async_with_pinned_mem":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                                   use_async_staging=True, use_non_blocking_copy=True))
-        response = dcp.async_save(sd, **kwargs)
+        with _quiet_single_process():
+            response = dcp.async_save(sd, **kwargs)
         if isinstance(response, Future):
             return response
         # An AsyncSaveResponse: the next optimizer step must not run before staging has copied
@@ -538,11 +551,12 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
 
-    def _commit(self, step: int, tmp: Path, final: Path, kind: str, begin: float) -> None:
+    def _commit(self, state: TrainState, tmp: Path, final: Path, kind: str, begin: float) -> None:
         """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final."""
         rank_dp = self._all_ok(None, (self.rank, self.dp_rank))
         meta = {
-            "format": FORMAT_VERSION, "step": step, "kind": kind, "world_size": self.world_size,
+            "format": FORMAT_VERSION, "step": state.step, "tokens_seen": state.tokens_seen, "kind": kind,
+            "world_size": self.world_size,
             "dp_degree": self.dp_degree, "rank_dp": sorted(rank_dp),
             "model_args": dataclasses.asdict(self.model_args),
             "export_dtype": self.config.checkpoint.export_dtype if kind == "model_only" else None,
@@ -550,7 +564,7 @@ class CheckpointManager:
             "job_config": self.config.to_dict(),
         }
         self._agree(lambda: self._publish(tmp, final, meta))
-        self.last_saved_step = step
+        self.last_saved_step = state.step
         if self.rank == 0:
             logger.info("saved %s checkpoint %s in %.2f s", kind, final, time.monotonic() - begin)
         self._agree(self._purge)
@@ -606,7 +620,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"background save of {pending.tmp} failed: {_one_line(e)}"
         self._all_ok(error)
-        self._commit(pending.step, pending.tmp, pending.final, pending.kind, pending.started)
+        self._commit(pending.state, pending.tmp, pending.final, pending.kind, pending.started)
 
     # -----------------------------------------------------------------------------------------
     # Per-step agreement and shutdown
@@ -741,7 +755,7 @@ class CheckpointManager:
         if "scaler" in sd and not self.scaler.enabled:
             sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         try:
-            dcp.load(sd, checkpoint_id=str(path))
+            dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
             raise CheckpointError(f"could not load {path}: {_one_line(e)}") from None
         if "model" in sd:

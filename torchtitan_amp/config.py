@@ -44,6 +44,12 @@ class Job:
     dump_folder: str = _f("./outputs", "Folder for logs, metrics.jsonl, reports and checkpoints.")
     description: str = _f("", "Free-text description of the job, printed at start-up.")
     print_config: bool = _f(False, "Print the resolved config (TOML) at start-up.")
+    dry_run: bool = _f(
+        False, "Plan without hardware: one process builds the model on the meta device with a fake "
+        "process group for dry_run.world_size ranks and reports rank dry_run.rank's parameter, "
+        "gradient, optimizer, activation memory and communication per step (also set by "
+        "COMM_MODE=fake_backend); writes <dump_folder>/dry_run.json. No training."
+    )
 
 
 @dataclass
@@ -130,6 +136,10 @@ class Parallelism:
     pipeline_parallel_degree: int = _f(1, "Pipeline-parallel degree.")
     enable_sequence_parallel: bool = _f(True, "Shard norms/activations along the sequence under TP.")
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss under TP.")
+    enable_async_tensor_parallel: bool = _f(
+        False, "Async TP: overlap TP collectives with matmuls (inductor micro-pipelining); needs "
+        "CUDA, compile.enable and tensor_parallel_degree > 1."
+    )
     pipeline_parallel_schedule: str = _f(
         "1F1B", "Pipeline schedule.", ("GPipe", "1F1B", "Interleaved1F1B")
     )
@@ -218,6 +228,19 @@ class MixedPrecision:
 
 
 @dataclass
+class DryRun:
+    world_size: int = _f(
+        -1, "Ranks to simulate with job.dry_run (-1: the product of the parallel degrees, counting "
+        "data_parallel_shard_degree = -1 as 1)."
+    )
+    rank: int = _f(0, "The rank whose memory and traffic job.dry_run reports.")
+    vocab_size: int = _f(
+        0, "Vocabulary size for job.dry_run (0: the tokenizer's; e.g. 128256 to size a run that "
+        "will use Llama 3's tokenizer)."
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -230,6 +253,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    dry_run: DryRun = field(default_factory=DryRun)
     # "section.key" of every field set by TOML or CLI, so aliases can detect real conflicts.
     explicit: set[str] = field(default_factory=set, repr=False, compare=False)
     # Where each explicit field was last set ("toml" or "cli"): an alias and its canonical name
@@ -527,6 +551,11 @@ def validate(config: JobConfig) -> None:
         f"'activation_checkpoint.selective_ac_option' must be a positive integer or 'op', "
         f"got {ac.selective_ac_option!r}",
     )
+    dr = config.dry_run
+    _require(dr.world_size == -1 or dr.world_size >= 1,
+             f"'dry_run.world_size' must be -1 or >= 1, got {dr.world_size}")
+    _require(dr.rank >= 0, f"'dry_run.rank' must be >= 0, got {dr.rank}")
+    _require(dr.vocab_size >= 0, f"'dry_run.vocab_size' must be >= 0 (0: the tokenizer's), got {dr.vocab_size}")
     _validate_mixed_precision(config)
 
 

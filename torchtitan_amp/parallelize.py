@@ -26,8 +26,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from torchtitan_amp import distributed
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
+from torchtitan_amp.models.llama import LLAMA3_FLAVORS
 from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.pipeline import validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
 
 logger = logging.getLogger("torchtitan_amp")
@@ -62,11 +65,21 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
             f"'training.seq_len' = {t.seq_len} must be divisible by tensor_parallel_degree = {dims.tp} "
             f"with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
         )
-    if dims.pp_enabled and t.local_batch_size % p.pipeline_parallel_microbatch_size:
-        raise ConfigError(
-            f"'training.local_batch_size' = {t.local_batch_size} must be a multiple of "
-            f"'parallelism.pipeline_parallel_microbatch_size' = {p.pipeline_parallel_microbatch_size}"
-        )
+    if dims.pp_enabled:
+        # Split points, microbatch counts per schedule: before any process group exists.
+        validate_pipeline(dims, p, LLAMA3_FLAVORS[config.model.flavor].n_layers, t.local_batch_size)
+    if p.enable_async_tensor_parallel:
+        device_type = distributed.resolve(config).device.type
+        unmet = {f"a CUDA device (this run is on {device_type})": device_type != "cuda",
+                 "compile.enable = true": not config.compile.enable,
+                 "tensor_parallel_degree > 1": not dims.tp_enabled}
+        missing = [need for need, bad in unmet.items() if bad]
+        if missing:
+            raise ConfigError(
+                "'parallelism.enable_async_tensor_parallel' needs " + ", ".join(missing)
+                + " (inductor overlaps TP collectives with the matmuls of compiled blocks, on CUDA only); "
+                "set it to false otherwise"
+            )
 
 
 def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
@@ -83,6 +96,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     if dims.tp_enabled:
         apply_tp(model, dims.mesh["tp"], loss_parallel_enabled(dims, config),
                  config.parallelism.enable_sequence_parallel)
+        if config.parallelism.enable_async_tensor_parallel:
+            apply_async_tp(dims.mesh["tp"])
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint)
     if config.compile.enable:
@@ -136,6 +151,21 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel_on: bool, sequenc
         _replicate_params(model.norm, mesh)
     logger.info("applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
                 mesh.size(), sequence_parallel, loss_parallel_on)
+
+
+def apply_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let inductor micro-pipeline TP (all-gather/reduce-scatter fused with the matmuls) in the
+    compiled blocks. validate_layout has checked CUDA + compile + TP degree > 1."""
+    import torch._inductor.config
+    from torch.distributed import _symmetric_memory
+
+    torch._inductor.config._micro_pipeline_tp = True
+    # Older torch needs the TP group registered for symmetric memory; newer torch (2.13 here)
+    # registers groups itself and marks this call deprecated.
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None and not getattr(enable, "__deprecated__", None):
+        enable(tp_mesh.get_group().group_name)
+    logger.info("async tensor parallel enabled (inductor micro-pipeline TP)")
 
 
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate import DDP as ReplicateModule
+from torch.distributed._composable.replicate import replicate
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
+from torch.nn.parallel.distributed import _find_tensors
 
 from torchtitan_amp.config import ConfigError, Parallelism
 from torchtitan_amp.parallel_dims import ParallelDims
@@ -37,6 +40,37 @@ class Pipeline:
         else:
             self.schedule.step(target=targets, losses=losses, return_outputs=False)
         return losses
+
+
+class _Stage(PipelineStage):
+    """A stage that accumulates gradients over microbatches under `replicate()` (our DDP).
+
+    torch's PipelineStage special-cases the `DistributedDataParallel` class and FSDP modules, not
+    the composable `replicate()`: its reducer, armed by every forward, all-reduced after the first
+    microbatch's backward and ignored the rest, so each rank kept avg(g_1) + its own g_2..g_n.
+    As torch does for the DDP class: no forward arms the reducer (metadata inference's included),
+    backwards accumulate locally, and the last microbatch's backward arms it, so one all-reduce
+    (through the comm hook) carries the summed gradient.
+    """
+
+    def __init__(self, submod: nn.Module, *args, **kwargs) -> None:
+        super().__init__(submod, *args, **kwargs)
+        self._replicate = replicate.state(submod) if isinstance(submod, ReplicateModule) else None
+        if self._replicate is not None:
+            # Runs after replicate's own pre-hook, before its post-hook (which would arm).
+            submod.register_forward_pre_hook(self._disarm)
+
+    def _disarm(self, module: nn.Module, args: tuple) -> None:
+        self._replicate._ddp.require_backward_grad_sync = False
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        state = self._replicate
+        # _no_sync set by the trainer means "accumulate this whole step" (gradient accumulation).
+        if state is not None and last_backward and not state._no_sync:
+            if backward_type != "full":
+                raise NotImplementedError("replicate() stages support only full-backward schedules")
+            state._ddp.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
 
 def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:
@@ -79,6 +113,31 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     return part
 
 
+def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
+                      local_batch_size: int) -> tuple[list[int], int]:
+    """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count)."""
+    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
+    boundaries = stage_boundaries(n_layers, dims.pp * stages_per_rank, p.pipeline_parallel_split_points)
+    if local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise ConfigError(
+            f"'training.local_batch_size' = {local_batch_size} must be a multiple of "
+            f"'parallelism.pipeline_parallel_microbatch_size' = {p.pipeline_parallel_microbatch_size}"
+        )
+    n_microbatches = local_batch_size // p.pipeline_parallel_microbatch_size
+    if stages_per_rank > 1 and n_microbatches % dims.pp:
+        raise ConfigError(
+            f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
+            f"microbatch_size = {n_microbatches}) to be a multiple of pipeline_parallel_degree = {dims.pp}"
+        )
+    if p.pipeline_parallel_schedule == "1F1B" and n_microbatches < dims.pp:
+        raise ConfigError(
+            f"1F1B needs at least pipeline_parallel_degree = {dims.pp} microbatches, got "
+            f"local_batch_size / microbatch_size = {n_microbatches}; raise training.local_batch_size "
+            f"or use pipeline_parallel_schedule = 'GPipe'"
+        )
+    return boundaries, n_microbatches
+
+
 def build_pipeline(
     model: nn.Module,
     dims: ParallelDims,
@@ -92,15 +151,9 @@ def build_pipeline(
     """Split, parallelize each stage, and wrap each stage's forward (only) in the precision
     plan's forward context: the schedule interleaves forward and backward, so a context around
     `schedule.step` would also cover backward."""
+    boundaries, n_microbatches = validate_pipeline(dims, p, len(model.layers), local_batch_size)
     stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
     num_stages = dims.pp * stages_per_rank
-    boundaries = stage_boundaries(len(model.layers), num_stages, p.pipeline_parallel_split_points)
-    n_microbatches = local_batch_size // p.pipeline_parallel_microbatch_size
-    if stages_per_rank > 1 and n_microbatches % dims.pp:
-        raise ConfigError(
-            f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
-            f"microbatch_size = {n_microbatches}) to be a multiple of pipeline_parallel_degree = {dims.pp}"
-        )
     pp_mesh = dims.mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = [pp_rank + i * dims.pp for i in range(stages_per_rank)]
@@ -109,7 +162,7 @@ def build_pipeline(
         part = parallelize(stage_module(model, sid, boundaries))
         apply_forward_context(part)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(_Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
     schedule_cls = get_schedule_class(p.pipeline_parallel_schedule)
     if issubclass(schedule_cls, PipelineScheduleMulti):
         schedule = schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)

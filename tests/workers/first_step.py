@@ -7,7 +7,8 @@ Writes DIR/first_step_rank{R}.pt with: the rank's first batch (`inputs`, `labels
 its local `loss`, the global `grad_norm`, and `grads` (name -> full fp32 gradient after the
 data-parallel reduction; FSDP shards are gathered). On the DDP path it first runs the same batch
 without gradient sync and stores those per-rank gradients as `local_grads`. With
-WORKER_TRAIN=1 it then calls Trainer.train() for training.steps more steps (metrics.jsonl).
+WORKER_TRAIN=1 it then continues with Trainer.train() up to training.steps (metrics.jsonl has
+steps 2..training.steps).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main(argv: list[str]) -> None:
     folder = Path(trainer.config.job.dump_folder)
     torch.save(out, folder / f"first_step_rank{trainer.info.rank}.pt")
     if os.environ.get("WORKER_TRAIN") == "1":
+        # The step above was step 1 (it advanced the LR schedule); train() logs steps 2..steps.
+        trainer.step = 1
         trainer.train()
     distributed.shutdown()
 

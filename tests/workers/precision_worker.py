@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,12 @@ BASE = [
 RANK = int(os.environ.get("RANK", "0"))
 
 
+_T0 = time.perf_counter()
+
+
 def log(*args: Any) -> None:
     if RANK == 0:
-        print("[precision_worker]", *args, flush=True)
+        print(f"[precision_worker {time.perf_counter() - _T0:6.1f} s]", *args, flush=True)
 
 
 def dname(dtype: torch.dtype) -> str:
@@ -141,7 +145,10 @@ class Recorder:
             if isinstance(m, nn.Linear):
                 self.handles.append(m.register_forward_hook(self._linear))
             elif isinstance(m, llama.RMSNorm):
-                self.handles.append(m.register_forward_hook(self._norm))
+                # The caller's view: the input before any FSDP pre-forward cast (prepend), the
+                # output after FSDP's post-forward cast (appended last).
+                self.handles.append(m.register_forward_pre_hook(self._norm_in, prepend=True))
+                self.handles.append(m.register_forward_hook(self._norm_out))
             elif isinstance(m, llama.Attention):
                 self.handles.append(m.register_forward_pre_hook(self._attention))
         self._patches: list[tuple[Any, str, Any]] = []
@@ -152,10 +159,13 @@ class Recorder:
         self.linear_out.add(dname(local(out).dtype))
         self.linear_weight.add(dname(local(m.weight).dtype))
 
-    def _norm(self, m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    def _norm_in(self, m: nn.Module, args: tuple) -> None:
+        self._norm_input_dtype = args[0].dtype
         self.norm_in.add(dname(args[0].dtype))
+
+    def _norm_out(self, m: nn.Module, args: tuple, out: torch.Tensor) -> None:
         self.norm_out.add(dname(out.dtype))
-        self.norm_mismatch += out.dtype != args[0].dtype
+        self.norm_mismatch += out.dtype != self._norm_input_dtype
 
     def _attention(self, m: nn.Module, args: tuple) -> None:
         # (x, cos, sin): the rotary tables as the attention receives them.
@@ -189,7 +199,7 @@ class Recorder:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: sorted(v) if isinstance(v, set) else v for k, v in vars(self).items()
-                if k not in ("handles", "_patches")}
+                if not k.startswith("_") and k != "handles"}
 
 
 class WireCounter:
@@ -409,6 +419,7 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
     finally:
         PrecisionPlan.comm_hook_state = orig_state  # type: ignore[method-assign]
     plan, dims = trainer.plan, trainer.dims
+    parts = list(getattr(trainer, "model_parts", None) or [trainer.model])
     hook_state = captured[0] if captured else None
     if dims.ddp_enabled and hook_state is None:
         # fp32 reduce: no hook of ours is installed; count DDP's plain fp32 all-reduce instead.
@@ -417,17 +428,18 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
     init = full_state(trainer.model)
     batches = take_batches(trainer, trainer.accum)
     lr = trainer.optimizer.param_groups[0]["lr"]
-    recorder, ops, wire = Recorder(trainer.model), OpDtypes(), WireCounter()
+    recorder, ops, wire = Recorder(nn.ModuleList(parts)), OpDtypes(), WireCounter()
     with recorder.patched(), wire.patched(), ops:
         loss, grad_norm, stepped = trainer.train_step(iter(batches))
     result: dict[str, Any] = {
+        "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "world_size")},
         "path": plan.path, "accum": trainer.accum, "loss": float(loss), "loss_dtype": dname(loss.dtype),
         "grad_norm": float(grad_norm), "stepped": bool(stepped),
         "dtypes": recorder.as_dict(), "ops": {k: sorted(v) for k, v in ops.seen.items()},
         "tensors": tensor_dtypes(trainer),
         "fsdp_wire": wire.as_dict(),
         "ddp_wire": dict(hook_state.bytes_sent) if hook_state is not None else None,
-        "numel": numel_by_safety(trainer.model, plan.safe_modules or (nn.Linear,)),
+        "numel": numel_by_safety(nn.ModuleList(parts), plan.safe_modules or (nn.Linear,)),
         "report": json.loads((out / name / "precision_report.json").read_text()) if RANK == 0 else None,
         "rope_buffer_dtype": dname(trainer.model.rope_cos.dtype),
     }
@@ -443,11 +455,17 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
 
 
 def scenario_probe(out: Path, overrides: list[str]) -> dict[str, Any]:
-    results = {"bf16_reduce_bf16": probe_one(out, "probe_rbf16", overrides,
-                                             ["--mixed_precision.reduce_dtype", "bfloat16"]),
-               "bf16_reduce_fp32": probe_one(out, "probe_rfp32", overrides,
-                                             ["--mixed_precision.reduce_dtype", "float32"]),
-               "disabled": probe_one(out, "probe_off", overrides, ["--mixed_precision.enabled", "false"])}
+    """Probes: the default config; bf16 reduce (data parallel only); for FSDP layouts an
+    fp32-param run with the same FSDP groups (the all-gather baseline); enabled = false."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = {"default": probe_one(out, "probe_default", overrides, [])}
+    if world > 1:
+        results["reduce_bf16"] = probe_one(out, "probe_reduce_bf16", overrides,
+                                           ["--mixed_precision.reduce_dtype", "bfloat16"])
+    if results["default"]["path"] == "fsdp":
+        results["param_fp32"] = probe_one(out, "probe_param_fp32", overrides,
+                                          ["--mixed_precision.param_dtype", "float32"])
+    results["disabled"] = probe_one(out, "probe_disabled", overrides, ["--mixed_precision.enabled", "false"])
     return results
 
 
@@ -470,10 +488,11 @@ def scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
 
     # 1. Planted overflow: init_scale 2**40 overflows fp16 activation gradients until the scale
     #    has backed off far enough. Record every step.
-    steps = 10
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the process group starts with the trainer
     trainer = make_trainer(out, "fp16_overflow", overrides, fp16 + [
         "--mixed_precision.init_scale", str(2.0 ** 40), "--mixed_precision.backoff_factor", "0.0625",
-        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "3"])
+        "--training.steps", "14", "--lr_scheduler.warmup_steps", "2",
+        "--training.global_batch_size", str(2 * world)])
     per_step: list[dict[str, Any]] = []
     orig_step = trainer.train_step
     params = params_of(trainer)
@@ -503,6 +522,7 @@ def scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
                        "grad_scaler": trainer.plan.grad_scaler, "scaler_type": type(trainer.scaler.scaler).__name__,
                        "metrics": read_metrics(out / "fp16_overflow") if RANK == 0 else []}
 
+    log("fp16 overflow run done")
     # 2. Clipping sees unscaled gradients: step-1 grad norm under fp16 (scale 2**12, no overflow)
     #    against the fp32 trainer's on the same weights and data.
     norms = {}
@@ -519,8 +539,8 @@ def scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
                        "post_clip_norm": float(sq.sqrt())}
     res["norms"] = norms
 
+    log("fp16 norm runs done")
     # 3. Accumulation: global batch 4 x world as 4 micro-batches of 1 vs micro-batches of 4.
-    world = max(dist.get_world_size(), 1) if dist.is_initialized() else 1
     gb = str(4 * world)
     accum_runs = {}
     for name, lb in (("fp16_accum4", "1"), ("fp16_accum1", "4")):
@@ -556,8 +576,9 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"overrides": overrides, "shrink": shrink,
                               "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    started = time.perf_counter()
     for scenario in scenarios:
-        log("scenario", scenario)
+        log(f"scenario {scenario} at {time.perf_counter() - started:.1f} s")
         if scenario == "probe":
             result["probe"] = scenario_probe(out, overrides)
         elif scenario == "curve":
@@ -572,6 +593,7 @@ def main(argv: list[str]) -> int:
             result["fp16"] = scenario_fp16(out, overrides)
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
+    log(f"done at {time.perf_counter() - started:.1f} s")
     if RANK == 0:
         (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     if dist.is_initialized():

@@ -1,0 +1,437 @@
+"""Checkpoints: bitwise resume on every precision x layout, atomic saves, resharding, seed and
+export, preemption, crash + torchrun restart, and clear errors for bad input.
+
+Multi-process tests launch torchrun (gloo, CPU). To keep launches few, tests/workers/ckpt_jobs.py
+runs several jobs in one process: the uninterrupted job A, then job B that starts from a copy of
+A's step-3 checkpoint; B's steps 4..6 must equal A's exactly (==). Crash, preemption and seed
+tests use fresh processes, so a resume there also starts from a cold process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.checkpoint import (
+    CheckpointError,
+    export_checkpoint,
+    inspect_checkpoint,
+    scan_folder,
+    validate_config,
+)
+from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "ckpt_jobs.py"
+TRAIN = ROOT / "train.py"
+
+STEPS, RESUME_FROM = 6, 3
+BASE = [
+    "--model.flavor", "debugmodel_h64", "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3", "--checkpoint.enable", "--checkpoint.interval", "3",
+]
+PRECISIONS = {
+    "fp32": ["--mixed_precision.enabled", "false"],
+    "bf16": ["--mixed_precision.param_dtype", "bfloat16"],
+    # A large initial scale with fast growth: steps 1, 2 and 5 overflow and are skipped, the scale
+    # grows in between, so a resume that lost the scale or growth tracker diverges at once.
+    "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", "1048576",
+             "--mixed_precision.growth_interval", "2"],
+}
+LAYOUTS = {
+    "single": (1, []),
+    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+}
+# Fields of a metrics.jsonl record that must match exactly (timing fields are left out).
+EXACT = ("loss", "grad_norm", "lr", "epoch", "loss_scale", "skipped_steps")
+# Resharding changes which rank computes what, not the math: fp32 losses agree to float rounding.
+RESHARD_RTOL = 1e-5
+
+
+def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:
+    return [*BASE, *LAYOUTS[layout][1], *PRECISIONS[precision], "--job.dump_folder", str(dump), *extra]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("MASTER_ADDR", None)
+    return env
+
+
+def _command(entry: Path, args: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
+    if nproc == 1 and not max_restarts:
+        return [sys.executable, str(entry), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}", str(entry), *args]
+
+
+def launch(entry: Path, args: list[str], nproc: int, *, timeout: float = 240, max_restarts: int = 0,
+           check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(entry, args, nproc, max_restarts), cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def launch_jobs(tmp: Path, jobs: list[dict], nproc: int, **spec_extra) -> subprocess.CompletedProcess:
+    spec = tmp / f"spec_{len(list(tmp.glob('spec_*.json')))}.json"
+    spec.write_text(json.dumps({"jobs": jobs, **spec_extra}))
+    return launch(WORKER, [str(spec)], nproc, check=not spec_extra.get("crash_in_save_step"))
+
+
+def records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def by_step(dump: Path) -> dict[int, dict]:
+    """The last record of each step: a resumed run appends to metrics.jsonl."""
+    return {r["step"]: r for r in records(dump)}
+
+
+def assert_same_steps(got: dict[int, dict], want: dict[int, dict], steps) -> None:
+    for step in steps:
+        for key in EXACT:
+            assert got[step].get(key) == want[step].get(key), (step, key, got[step].get(key), want[step].get(key))
+
+
+def complete_steps(folder: Path) -> dict[int, str]:
+    return {s: info.kind for s, info in scan_folder(folder)[0].items()}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bitwise resume: precision x layout, one launch per layout
+
+
+_MATRIX: dict[str, Path] = {}
+
+
+def _async(layout: str, precision: str) -> list[str]:
+    # The async writer is exercised where it is cheapest to check: its checkpoint must resume
+    # bit for bit like a synchronous one.
+    return ["--checkpoint.async_mode", "async"] if (layout, precision) == ("ddp", "bf16") else []
+
+
+def _export(layout: str, precision: str) -> list[str]:
+    if (layout, precision) == ("fsdp", "fp32"):
+        return ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    def run(layout: str) -> Path:
+        if layout not in _MATRIX:
+            root = tmp_path_factory.mktemp(f"matrix_{layout}")
+            jobs = []
+            for precision in PRECISIONS:
+                a, b = root / precision / "a", root / precision / "b"
+                jobs.append({"args": job_args(layout, precision, a, *_async(layout, precision)),
+                             "perturb_rng": True, "rng_out": str(root / precision / "rng_a.json")})
+                jobs.append({"args": job_args(layout, precision, b, *_async(layout, precision),
+                                              *_export(layout, precision)),
+                             "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"),
+                                       str(b / "checkpoint" / f"step-{RESUME_FROM}")]],
+                             "rng_out": str(root / precision / "rng_b.json")})
+            launch_jobs(root, jobs, LAYOUTS[layout][0])
+            _MATRIX[layout] = root
+        return _MATRIX[layout]
+
+    return run
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bitwise(matrix, layout, precision):
+    root = matrix(layout)
+    a, b = by_step(root / precision / "a"), by_step(root / precision / "b")
+    assert sorted(a) == list(range(1, STEPS + 1))
+    # B really resumed: its first logged step is the one after the checkpoint.
+    assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1))
+    assert_same_steps(b, a, range(RESUME_FROM + 1, STEPS + 1))
+    # RNG states are saved per rank and restored (A reseeded each rank differently).
+    rng_a = json.loads((root / precision / "rng_a.json").read_text())
+    assert rng_a == json.loads((root / precision / "rng_b.json").read_text())
+    assert len({json.dumps(r) for r in rng_a}) == len(rng_a)
+    a_ckpt = inspect_checkpoint(root / precision / "a" / "checkpoint" / f"step-{STEPS}")
+    tokens = STEPS * 2 * 32 * LAYOUTS[layout][0]
+    assert a_ckpt.meta["tokens_seen"] == tokens
+    if not _export(layout, precision):
+        assert inspect_checkpoint(root / precision / "b" / "checkpoint" / f"step-{STEPS}").meta["tokens_seen"] == tokens
+    if precision == "fp16":
+        # The scaler state is what this case is about: make sure the run really exercises it.
+        assert a[RESUME_FROM]["skipped_steps"] > 0
+        assert len({a[s]["loss_scale"] for s in range(RESUME_FROM, STEPS + 1)}) > 1
+
+
+def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
+    root = matrix("fsdp") / "fp32"
+    final = root / "b" / "checkpoint" / f"step-{STEPS}"
+    info = inspect_checkpoint(final)
+    assert info.kind == "model_only" and sorted(p.name for p in final.iterdir()) == ["checkpoint.json", "model.pt"]
+    exported = torch.load(final / "model.pt", weights_only=True)
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
+    # Same weights as A's full DCP checkpoint of the same step (resume is bitwise), cast to bf16.
+    reference = torch.load(export_checkpoint(root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt",
+                                             "bfloat16"), weights_only=True)
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) for k in exported)
+    model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
+    model.load_state_dict(exported, strict=True)
+    # A model-only export is never taken as a resume point.
+    assert complete_steps(root / "b" / "checkpoint") == {RESUME_FROM: "full", STEPS: "model_only"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding: FSDP 2 checkpoint -> single process, DDP 2, FSDP 2
+
+
+def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
+    folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
+    before = snapshot(folder)
+
+    def probe(layout: str, *extra: str) -> dict:
+        out = tmp_path / f"probe_{layout}.json"
+        args = job_args(layout, "fp32", tmp_path / layout, "--checkpoint.folder", str(folder),
+                        "--checkpoint.load_step", str(STEPS), *extra)
+        return {"args": args, "probe": str(out)}
+
+    launch_jobs(tmp_path, [probe("fsdp"), probe("ddp")], 2)
+    # One process cannot take over two ranks' data positions: it restarts the data stream.
+    launch_jobs(tmp_path, [probe("single", "--checkpoint.exclude_from_loading", "dataloader")], 1)
+    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in ("fsdp", "ddp", "single")}
+    ref = results["fsdp"]
+    for layout, r in results.items():
+        assert r["step"] == STEPS, layout
+        assert r["checksum"] == ref["checksum"], layout  # the same full weights, exactly
+        for key in ("loss_before", "train_loss", "grad_norm", "loss_after"):
+            assert r[key] == pytest.approx(ref[key], rel=RESHARD_RTOL), (layout, key)
+    # One step moved the loss well beyond the tolerance, so the optimizer state (not just the
+    # weights) was resharded: fresh AdamW moments would step differently.
+    assert abs(ref["loss_after"] - ref["loss_before"]) > 1e3 * RESHARD_RTOL * abs(ref["loss_before"])
+    assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash + restart, preemption
+
+
+def test_fault_injection_restart_resumes_bitwise(matrix, tmp_path):
+    reference = by_step(matrix("fsdp") / "bf16" / "a")
+    dump = tmp_path / "job"
+    proc = launch(TRAIN, job_args("fsdp", "bf16", dump, "--training.fault_inject_at_step", "5",
+                                  "--training.fault_inject_rank", "1"), 2, max_restarts=1)
+    assert (dump / ".fault_injected_at_step_5").exists()
+    assert f"checkpoint/step-{RESUME_FROM} (" in proc.stdout  # the restarted job loaded step-3
+    steps = [r["step"] for r in records(dump)]
+    assert steps.count(RESUME_FROM + 1) == 2  # step 4 ran before the crash and again after it
+    assert_same_steps(by_step(dump), reference, range(1, STEPS + 1))
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """torchrun's worker processes by RANK."""
+    pids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher_pid:
+                env = (stat.parent / "environ").read_bytes().split(b"\0")
+                rank = next(int(e[5:]) for e in env if e.startswith(b"RANK="))
+                pids[rank] = int(stat.parent.name)
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return pids
+
+
+def _wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before it could be signalled"
+        jsonl = dump / "metrics.jsonl"
+        if jsonl.exists() and any(json.loads(line)["step"] >= step for line in jsonl.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} not reached in {timeout} s")
+
+
+@pytest.mark.parametrize("sig,nproc,target_rank", [(signal.SIGUSR1, 2, 1), (signal.SIGTERM, 1, 0)])
+def test_preemption_signal_saves_and_exits_zero(matrix, tmp_path, sig, nproc, target_rank):
+    layout = "fsdp" if nproc == 2 else "single"
+    dump = tmp_path / "job"
+    # No interval saves: the only checkpoint is the one the signal causes. Steps are slowed down
+    # so the signal lands mid-run.
+    args = job_args(layout, "fp32", dump, "--checkpoint.interval", "1000")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"jobs": [{"args": args}], "step_delay": 0.5}))
+    proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_step(dump, 2, proc)
+        pid = proc.pid if nproc == 1 else _rank_pids(proc.pid)[target_rank]
+        sent = time.monotonic()
+        os.kill(pid, sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert time.monotonic() - sent < 60
+    saved = complete_steps(dump / "checkpoint")
+    stopped_at = max(r["step"] for r in records(dump))
+    assert saved == {stopped_at: "full"} and 2 <= stopped_at < STEPS, (saved, stopped_at)
+    if nproc == 2:
+        # The other rank never saw the signal, yet both stopped after the same step and the
+        # resumed job continues exactly like the uninterrupted one.
+        launch(TRAIN, job_args(layout, "fp32", dump), nproc)
+        assert_same_steps(by_step(dump), by_step(matrix(layout) / "fp32" / "a"), range(1, STEPS + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic saves, corrupt checkpoints, keep_latest_k
+
+
+def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
+    reference_root = matrix("single") / "bf16" / "a"
+    dump = tmp_path / "job"
+    folder = dump / "checkpoint"
+    args = job_args("single", "bf16", dump, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1")
+    # Die after every file of step-4 is written but before its completion marker.
+    proc = launch_jobs(tmp_path, [{"args": args}], 1, crash_in_save_step=4)
+    assert proc.returncode != 0
+    assert complete_steps(folder) == {2: "full"}  # step-2 is only removed once step-4 is complete
+    assert (folder / "step-4.tmp" / "rank_0.pt").exists() and not (folder / "step-4").exists()
+    # A newer checkpoint with a truncated file, and one without a completion marker.
+    shutil.copytree(reference_root / "checkpoint" / "step-3", folder / "step-3")
+    with open(folder / "step-3" / "__0_0.distcp", "r+b") as fh:
+        fh.truncate(1000)
+    shutil.copytree(folder / "step-2", folder / "step-5")
+    (folder / "step-5" / "checkpoint.json").unlink()
+
+    proc = launch_jobs(tmp_path, [{"args": args}], 1)
+    log = proc.stdout + proc.stderr
+    assert "step-3: file __0_0.distcp has 1000 bytes" in log
+    assert "step-5 has no checkpoint.json" in log
+    assert "step-4.tmp: an unfinished save" in log
+    assert "resuming from the newest complete checkpoint" in log and "step-2" in log
+    assert_same_steps(by_step(dump), by_step(reference_root), range(3, STEPS + 1))
+    # keep_latest_k = 1 left the newest; the broken folders were not deleted, the dead .tmp was.
+    assert complete_steps(folder) == {STEPS: "full"}
+    assert (folder / "step-3").is_dir() and (folder / "step-5").is_dir()
+    assert not list(folder.glob("*.tmp"))
+    # Asking for the corrupt step by name is an error that says why, not a silent fallback.
+    with pytest.raises(CheckpointError, match=r"load_step = 3: no complete checkpoint step-3 .*1000 bytes.*available steps: 6"):
+        trainer_module.Trainer(load_config(args + ["--checkpoint.load_step", "3"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Seed checkpoint and initial_load_path
+
+
+def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
+    seed_dump = tmp_path / "seed"
+    launch(TRAIN, job_args("single", "fp32", seed_dump, "--checkpoint.create_seed_checkpoint",
+                           "--training.seed", "7"), 1)
+    seed = seed_dump / "checkpoint" / "step-0"
+    assert complete_steps(seed_dump / "checkpoint") == {0: "seed"}
+    assert not (seed_dump / "metrics.jsonl").exists() or not records(seed_dump)  # nothing trained
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(seed)).read_metadata().state_dict_metadata
+    assert keys and all(k.startswith("model.") for k in keys)
+
+    short = ["--training.steps", "2"]
+    x, y = tmp_path / "x", tmp_path / "y"
+    launch_jobs(tmp_path, [
+        {"args": job_args("fsdp", "fp32", x, *short), "copy": [[str(seed), str(x / "checkpoint" / "step-0")]]},
+        {"args": job_args("fsdp", "fp32", y, *short, "--checkpoint.initial_load_path", str(seed))},
+    ], 2)
+    rx, ry = by_step(x), by_step(y)
+    assert sorted(rx) == [1, 2]
+    assert_same_steps(ry, rx, [1, 2])
+    # The seed's weights (training.seed 7) were used, not this job's own init (seed 0).
+    assert rx[1]["loss"] != by_step(matrix("fsdp") / "fp32" / "a")[1]["loss"]
+    assert complete_steps(y / "checkpoint") == {2: "full"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one-line errors, nothing saved is touched
+
+
+def test_missing_load_step_is_a_one_line_error(matrix):
+    folder = matrix("single") / "bf16" / "a" / "checkpoint"
+    before = snapshot(folder)
+    proc = launch(TRAIN, job_args("single", "bf16", folder.parent / "other", "--checkpoint.folder", str(folder),
+                                  "--checkpoint.load_step", "99"), 1, check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert f"no complete checkpoint step-99 in {folder}; available steps: 3, 6" in errors[0]
+    assert snapshot(folder) == before
+
+
+def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
+    folder = matrix("single") / "bf16" / "a" / "checkpoint"
+    original = trainer_module.build_model_args
+    monkeypatch.setattr(trainer_module, "build_model_args",
+                        lambda *a: dataclasses.replace(original(*a), dim=128))
+    before = snapshot(folder)
+    with pytest.raises(CheckpointError) as e:
+        trainer_module.Trainer(load_config(job_args("single", "bf16", folder.parent / "other",
+                                                    "--checkpoint.folder", str(folder))))
+    assert "'tok_embeddings.weight' has shape (258, 256) in the checkpoint but (258, 128) in the model" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert snapshot(folder) == before
+
+
+def test_data_position_is_not_resharded_silently(matrix):
+    folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
+    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*exclude_from_loading"):
+        trainer_module.Trainer(load_config(job_args("single", "fp32", folder.parent / "other",
+                                                    "--checkpoint.folder", str(folder))))
+
+
+def test_unwritable_checkpoint_folder(tmp_path):
+    dump = tmp_path / "job"
+    dump.mkdir()
+    (dump / "checkpoint").write_text("a file where the folder should be")
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoint is not writable"):
+        trainer_module.Trainer(load_config(job_args("single", "fp32", dump)))
+    assert (dump / "checkpoint").read_text() == "a file where the folder should be"
+    if os.geteuid() != 0:  # root ignores permission bits
+        locked = tmp_path / "locked"
+        (locked / "checkpoint").mkdir(parents=True)
+        (locked / "checkpoint" / "keep.txt").write_text("saved")
+        (locked / "checkpoint").chmod(0o555)
+        try:
+            with pytest.raises(CheckpointError, match="not writable: Permission denied"):
+                trainer_module.Trainer(load_config(job_args("single", "fp32", locked)))
+        finally:
+            (locked / "checkpoint").chmod(0o755)
+        assert (locked / "checkpoint" / "keep.txt").read_text() == "saved"
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--checkpoint.async_mode", "async_with_pinned_mem"], 1, "needs CUDA"),
+    (["--checkpoint.create_seed_checkpoint"], 2, "must run on one process"),
+    (["--checkpoint.exclude_from_loading", "model,optimiser"], 1, "unknown state 'optimiser'"),
+])
+def test_checkpoint_config_errors(tmp_path, extra, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(load_config(job_args("single", "fp32", tmp_path, *extra)), world, "cpu")

@@ -1,0 +1,290 @@
+"""Parallel degrees, layout validation and the named device mesh: fast, in one process.
+
+Degree arithmetic and every config-time refusal run without a process group. The mesh tests use
+torch's fake process group (one process pretending to be rank R of 8), so they check real
+`init_device_mesh` layouts for 8-rank worlds in milliseconds; tests/test_parallelisms.py checks
+the same on real 4-process runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchtitan_amp.config import ConfigError, Parallelism, load_config
+from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
+from torchtitan_amp.parallelize import apply_async_tp, validate_layout
+from torchtitan_amp.pipeline import stage_boundaries, validate_pipeline
+
+DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
+
+
+def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1) -> ParallelDims:
+    return ParallelDims.from_config(
+        Parallelism(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
+                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp), world)
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# Degrees against the world size
+
+
+@pytest.mark.parametrize("world, degrees, product", [
+    (4, dict(rep=2, shard=2, tp=2), "replicate x shard x tp x pp = 2 x 2 x 2 x 1 = 8"),
+    (8, dict(shard=2, tp=2), "replicate x shard x tp x pp = 1 x 2 x 2 x 1 = 4"),
+    (2, dict(rep=1, shard=1, pp=4), "replicate x shard x tp x pp = 1 x 1 x 1 x 4 = 4"),
+])
+def test_degrees_that_do_not_multiply_to_the_world_size(world, degrees, product) -> None:
+    with pytest.raises(ConfigError) as e:
+        dims_of(world, **degrees)
+    assert one_line_error(e) == f"{product} differs from the world size {world}"
+
+
+def test_fill_degree_that_cannot_divide_the_world_size() -> None:
+    with pytest.raises(ConfigError) as e:
+        dims_of(4, rep=1, tp=3)
+    assert one_line_error(e) == "replicate x tp x pp = 1 x 3 x 1 = 3 does not divide the world size 4"
+
+
+@pytest.mark.parametrize("world, degrees, shard", [
+    (1, dict(), 1),
+    (8, dict(), 8),
+    (8, dict(tp=2), 4),
+    (8, dict(rep=2, tp=2), 2),
+    (8, dict(pp=2, tp=2), 2),
+    (8, dict(pp=2, rep=2, tp=2), 1),
+    (4, dict(tp=4), 1),
+])
+def test_shard_degree_minus_one_fills_the_remaining_ranks(world, degrees, shard) -> None:
+    dims = dims_of(world, **degrees)
+    assert dims.dp_shard == shard
+    assert dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp == world == dims.world_size
+
+
+@pytest.mark.parametrize("rep, shard, tp, pp, expected", [
+    # (fsdp, ddp, hsdp, tp, pp, dp degree)
+    (1, 1, 1, 1, (False, False, False, False, False, 1)),
+    (1, 2, 1, 1, (True, False, False, False, False, 2)),
+    (2, 1, 1, 1, (False, True, False, False, False, 2)),
+    (2, 2, 1, 1, (True, False, True, False, False, 4)),
+    (1, 1, 2, 1, (False, False, False, True, False, 1)),
+    (1, 1, 1, 2, (False, False, False, False, True, 1)),
+    (1, 2, 2, 2, (True, False, False, True, True, 2)),
+    (2, 1, 1, 2, (False, True, False, False, True, 2)),
+])
+def test_enabled_properties(rep, shard, tp, pp, expected) -> None:
+    dims = dims_of(rep * shard * tp * pp, rep, shard, tp, pp)
+    got = (dims.fsdp_enabled, dims.ddp_enabled, dims.hsdp_enabled, dims.tp_enabled, dims.pp_enabled,
+           dims.dp_degree)
+    assert got == expected
+    assert dims.dp_enabled == (expected[-1] > 1)
+
+
+def test_mesh_before_build_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        _ = dims_of(1).mesh
+
+
+@pytest.mark.parametrize("flag, value", [("tensor_parallel_degree", "0"), ("data_parallel_shard_degree", "-2"),
+                                         ("pipeline_parallel_degree", "0")])
+def test_degree_values_are_checked_at_parse_time(flag, value) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--parallelism.{flag}", value])
+    assert f"parallelism.{flag}" in one_line_error(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts refused at config time (before any process group), each naming what to do instead
+
+
+def layout(world: int, *overrides: str, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1,
+           heads: tuple[int, int] = DEBUG_HEADS) -> None:
+    config = load_config(list(overrides))
+    validate_layout(dims_of(world, rep, shard, tp, pp), config, *heads)
+
+
+def test_ddp_with_tp_is_refused_naming_fsdp_or_hsdp() -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(4, rep=2, shard=1, tp=2)
+    message = one_line_error(e)
+    assert "DDP cannot hold DTensor parameters" in message
+    assert "data_parallel_shard_degree (FSDP x TP)" in message and "HSDP x TP" in message
+    # The named alternatives are accepted.
+    layout(4, shard=2, tp=2)
+    layout(8, rep=2, shard=2, tp=2)
+
+
+@pytest.mark.parametrize("heads, tp, name", [((16, 16), 3, "n_heads = 16"), ((8, 2), 4, "n_kv_heads = 2"),
+                                            ((6, 6), 4, "n_heads = 6")])
+def test_tp_degree_must_divide_query_and_kv_heads(heads, tp, name) -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(tp, "--training.seq_len", "48", tp=tp, heads=heads)
+    assert one_line_error(e) == f"'parallelism.tensor_parallel_degree' = {tp} must divide the model's {name}"
+
+
+def test_gqa_heads_divisible_by_tp_are_accepted() -> None:
+    layout(4, "--training.seq_len", "64", tp=4, heads=(32, 8))
+
+
+def test_seq_len_must_divide_by_tp_under_sequence_parallel() -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(2, "--training.seq_len", "33", tp=2)
+    message = one_line_error(e)
+    assert "'training.seq_len' = 33 must be divisible by tensor_parallel_degree = 2" in message
+    assert "enable_sequence_parallel = false" in message
+    layout(2, "--training.seq_len", "33", "--parallelism.enable_sequence_parallel", "false", tp=2)
+
+
+def test_local_batch_must_be_a_multiple_of_the_pipeline_microbatch() -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(2, "--training.local_batch_size", "5", "--parallelism.pipeline_parallel_microbatch_size", "2",
+               "--parallelism.pipeline_parallel_schedule", "GPipe", pp=2)
+    assert "'training.local_batch_size' = 5 must be a multiple of " \
+           "'parallelism.pipeline_parallel_microbatch_size' = 2" in one_line_error(e)
+
+
+def test_interleaved_1f1b_needs_a_multiple_of_pp_microbatches() -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(2, "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_schedule",
+               "Interleaved1F1B", pp=2)
+    assert "Interleaved1F1B needs the number of microbatches (local_batch_size / microbatch_size = 3) " \
+           "to be a multiple of pipeline_parallel_degree = 2" in one_line_error(e)
+    layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule",
+           "Interleaved1F1B", pp=2)
+
+
+def test_1f1b_needs_at_least_pp_microbatches() -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(4, "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_schedule", "1F1B", pp=4)
+    assert "1F1B needs at least pipeline_parallel_degree = 4 microbatches" in one_line_error(e)
+    layout(4, "--training.local_batch_size", "2", "--parallelism.pipeline_parallel_schedule", "GPipe", pp=4)
+
+
+def test_split_points_are_checked_before_any_process_group() -> None:
+    # debugmodel has 6 layers; PP 2 x Interleaved = 4 stages need 3 split points.
+    with pytest.raises(ConfigError) as e:
+        layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule",
+               "Interleaved1F1B", "--parallelism.pipeline_parallel_split_points", "layers.3", pp=2)
+    assert "needs 3 increasing layer indices in 1..5" in one_line_error(e)
+    layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_split_points", "layers.1", pp=2)
+
+
+@pytest.mark.parametrize("points", [["layers.3", "layers.2"], ["layers.2", "layers.2"], ["layers.0", "layers.3"],
+                                    ["layers.2", "layers.6"], ["layers.2"]])
+def test_bad_split_points(points) -> None:
+    with pytest.raises(ConfigError) as e:
+        stage_boundaries(6, 3, points)
+    assert one_line_error(e) == ("'parallelism.pipeline_parallel_split_points' needs 2 increasing layer "
+                                 f"indices in 1..5, got {points}")
+
+
+def test_split_points_must_name_layers() -> None:
+    with pytest.raises(ConfigError) as e:
+        stage_boundaries(6, 2, ["norm"])
+    assert "must look like 'layers.N'" in one_line_error(e)
+
+
+@pytest.mark.parametrize("n_layers, stages, points, expected", [
+    (6, 2, [], [0, 3]),
+    (6, 4, [], [0, 2, 4, 5]),  # the remainder goes to early stages: the last one holds the head
+    (5, 5, [], [0, 1, 2, 3, 4]),
+    (6, 3, ["layers.1", "layers.5"], [0, 1, 5]),
+])
+def test_stage_boundaries(n_layers, stages, points, expected) -> None:
+    assert stage_boundaries(n_layers, stages, points) == expected
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(ConfigError) as e:
+        stage_boundaries(6, 8, [])
+    assert one_line_error(e) == "8 pipeline stages need at least as many layers; the model has 6"
+
+
+def test_validate_pipeline_returns_boundaries_and_microbatches() -> None:
+    p = Parallelism(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
+                    pipeline_parallel_microbatch_size=2)
+    assert validate_pipeline(dims_of(2, pp=2), p, 6, 8) == ([0, 2, 4, 5], 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Async TP
+
+
+@pytest.mark.parametrize("overrides, world, tp, missing", [
+    ((), 2, 2, ["a CUDA device (this run is on cpu)", "compile.enable = true"]),
+    (("--compile.enable",), 2, 2, ["a CUDA device (this run is on cpu)"]),
+    (("--compile.enable",), 1, 1, ["a CUDA device (this run is on cpu)", "tensor_parallel_degree > 1"]),
+])
+def test_async_tp_outside_cuda_compile_and_tp_is_refused(overrides, world, tp, missing) -> None:
+    with pytest.raises(ConfigError) as e:
+        layout(world, "--parallelism.enable_async_tensor_parallel", "--training.device", "cpu", *overrides, tp=tp)
+    message = one_line_error(e)
+    assert message.startswith("'parallelism.enable_async_tensor_parallel' needs " + ", ".join(missing) + " (")
+    assert message.endswith("set it to false otherwise")
+
+
+def test_async_tp_is_off_by_default() -> None:
+    assert load_config([]).parallelism.enable_async_tensor_parallel is False
+
+
+def test_apply_async_tp_turns_on_inductor_micro_pipelining(monkeypatch) -> None:
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+
+    class Mesh:
+        def get_group(self):
+            raise AssertionError("torch 2.13 registers symmetric memory itself: no group lookup expected")
+
+    apply_async_tp(Mesh())  # type: ignore[arg-type]
+    assert inductor_config._micro_pipeline_tp is True
+
+
+# ---------------------------------------------------------------------------------------------
+# The named mesh, on torch's fake process group (rank RANK of an 8-rank world)
+
+WORLD, RANK = 8, 5
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
+@pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(rep=2, tp=2), dict(pp=2, tp=2),
+                                     dict(pp=2, rep=2, shard=1, tp=2), dict(rep=2, shard=4)])
+def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
+    dims = dims_of(WORLD, **degrees)
+    mesh = dims.build_mesh("cpu")
+    assert mesh is dims.mesh
+    assert mesh.mesh_dim_names == MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    assert tuple(mesh.shape) == shape
+    # Row-major rank order: tp is innermost (TP peers are neighbouring ranks, on one node), pp outermost.
+    assert torch.equal(mesh.mesh, torch.arange(WORLD).reshape(shape))
+    coord = list(mesh.get_coordinate())
+    assert coord == [int(c) for c in torch.nonzero(mesh.mesh == RANK)[0]]
+    for name, size in zip(MESH_DIMS, shape):
+        assert mesh[name].size() == size
+    # The flattened dp view: every rank with this rank's pp and tp coordinates, in replicate-major order.
+    dp = mesh["dp"]
+    assert dp.size() == dims.dp_degree
+    pp_i, rep_i, shard_i, tp_i = coord
+    assert dp.mesh.tolist() == mesh.mesh[pp_i, :, :, tp_i].flatten().tolist()
+    assert dp.get_local_rank() == rep_i * dims.dp_shard + shard_i

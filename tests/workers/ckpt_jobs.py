@@ -1,0 +1,132 @@
+"""Runs several training jobs in one process (one torchrun launch) for tests/test_checkpoint.py.
+
+Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is
+  {"step_delay": seconds slept after every train step (to give a signal time to arrive),
+   "crash_in_save_step": N (die with os._exit(1) after every rank wrote step-N.tmp, before the
+                            completion marker: a save interrupted half way),
+   "jobs": [{"args": [CLI overrides],
+             "copy": [[src_dir, dst_dir], ...]   rank 0 copies before the job starts,
+             "perturb_rng": true                 reseed python/torch RNGs per rank after loading,
+             "rng_out": "file"                   write every rank's RNG draws after the job,
+             "probe": "file",                    instead of training: loss on a fixed batch, one
+                                                 train step on it, loss again, state checksum
+            }, ...]}
+Every job builds a fresh Trainer (the process group is shared); preemption handlers are
+installed as train.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torchtitan_amp import checkpoint  # noqa: E402
+from torchtitan_amp.config import load_config  # noqa: E402
+from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _gather(obj: object) -> list[object]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _install_test_hooks(spec: dict) -> None:
+    delay = spec.get("step_delay", 0)
+    if delay:
+        original_step = Trainer.train_step
+
+        def slow_step(self, batches):  # type: ignore[no-untyped-def]
+            out = original_step(self, batches)
+            time.sleep(delay)
+            return out
+
+        Trainer.train_step = slow_step
+    crash_step = spec.get("crash_in_save_step")
+    if crash_step is not None:
+        original_commit = checkpoint.CheckpointManager._commit
+
+        def crashing_commit(self, state, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if state.step == crash_step:
+                _barrier()  # every rank has written its files into step-N.tmp
+                os._exit(1)
+            return original_commit(self, state, *args, **kwargs)
+
+        checkpoint.CheckpointManager._commit = crashing_commit
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _probe(trainer: Trainer) -> dict:
+    """Same global batch on every rank and every layout: losses must agree across layouts."""
+    args = trainer.model_args
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g)
+    inputs, labels = tokens[:, :-1].to(trainer.device), tokens[:, 1:].to(trainer.device)
+
+    def loss_now() -> float:
+        with torch.no_grad(), trainer.plan.forward_context():
+            return float(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels))
+
+    checksum = sum(float(_full(v).double().sum()) for v in trainer.model.state_dict().values())
+    before = loss_now()
+    loss, grad_norm, _ = trainer.train_step(iter([(inputs, labels)]))
+    return {"loss_before": before, "train_loss": float(loss), "grad_norm": float(grad_norm),
+            "loss_after": loss_now(), "checksum": checksum, "step": trainer.step}
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    _install_test_hooks(spec)
+    checkpoint.install_preemption_handlers()
+    for job in spec["jobs"]:
+        if _rank() == 0:
+            for src, dst in job.get("copy", []):
+                shutil.copytree(src, dst)
+        _barrier()
+        trainer = Trainer(load_config(job["args"]))
+        if job.get("perturb_rng"):
+            torch.manual_seed(1000 + _rank())
+            random.seed(2000 + _rank())
+        if job.get("probe"):
+            result = _probe(trainer)
+            if _rank() == 0:
+                Path(job["probe"]).write_text(json.dumps(result))
+            trainer.metrics.close()
+            continue
+        trainer.train()
+        if job.get("rng_out"):
+            draws = _gather({"torch": torch.rand(4).tolist(), "python": random.random()})
+            if _rank() == 0:
+                Path(job["rng_out"]).write_text(json.dumps(draws))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,83 @@
+"""Test worker: train several parallel layouts one after another inside one torchrun launch.
+
+    python -m torch.distributed.run --standalone --nproc_per_node N tests/workers/layouts.py SPEC.json
+
+SPEC.json is {"out": DIR, "runs": [{"name": NAME, "args": [--section.key, value, ...]}, ...]}.
+Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
+`train()`, exactly what train.py does; process start-up (~5 s per launch on a 2-core CPU) is paid
+once for all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
+mesh coordinates, data-parallel rank and what AC / compile wrapped; rank 0's metrics.jsonl and
+precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
+stops the launch (later runs do not start).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from torchtitan_amp import distributed
+from torchtitan_amp.config import load_config
+from torchtitan_amp.trainer import Trainer
+
+
+def _rank_info(trainer: Trainer) -> dict:
+    dims = trainer.dims
+    modules = [(name, m) for part in trainer.model_parts for name, m in part.named_modules()]
+    info = {"rank": trainer.info.rank, "world_size": trainer.info.world_size,
+            "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                        "tp": dims.tp},
+            "dp_rank": trainer.dataloader.dp_rank, "dp_world_size": trainer.dataloader.dp_world_size,
+            "path": trainer.plan.path,
+            # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
+            "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
+            "compiled": [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None],
+            "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"])}
+    if trainer.info.world_size > 1:
+        mesh = dims.mesh
+        info["mesh_dim_names"] = list(mesh.mesh_dim_names)
+        info["mesh_shape"] = list(mesh.shape)
+        info["coordinate"] = list(mesh.get_coordinate())
+        info["dp_mesh_size"] = mesh["dp"].size()
+    return info
+
+
+def main(spec_path: str) -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    for run in spec["runs"]:
+        folder = out / run["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            trainer = Trainer(load_config([*run["args"], "--job.dump_folder", str(folder)]))
+            trainer.train()
+            (folder / f"rank{rank}.json").write_text(json.dumps(_rank_info(trainer)))
+        except BaseException:
+            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+            raise
+        del trainer
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == "0":
+            (folder / "wall_s.txt").write_text(f"{time.perf_counter() - start:.2f}\n")
+            print(f"[layouts] {run['name']} done in {time.perf_counter() - start:.1f} s", flush=True)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,413 @@
+"""Fake-backend dry run: size one rank of a large job on a laptop, without its hardware.
+
+`python train.py --job.dry_run --dry_run.world_size 512 --dry_run.rank 0 ...` (or
+`COMM_MODE=fake_backend NGPU=512 ./run_llama_train.sh`) runs one process that
+
+1. joins a fake process group (torch's "fake" backend over a FakeStore) as `rank` of
+   `world_size`, so every collective is a no-op but every group and mesh is real;
+2. runs the real layout code on a model built on the meta device: `ParallelDims` and its mesh,
+   `PrecisionPlan.from_config`, `pipeline.stage_boundaries` / `stage_module` for this rank's stages,
+   and `parallelize_llama` (TP, AC, FSDP2/HSDP or DDP), exactly as `Trainer` does minus weight
+   initialisation; nothing is allocated (meta tensors have shapes only);
+3. reads this rank's parameter shards from the result (DTensor local shapes and FSDP2's padded
+   shards), its FSDP groups (mixed-precision policy, reshard-after-forward) and DDP's safe set,
+   and adds what a meta model cannot show (activations, TP and PP traffic) from the formulas in
+   `torchtitan_amp.memory`;
+4. prints a table and writes `<dump_folder>/dry_run.json`.
+
+Parameter, gradient, optimizer and FSDP/DDP traffic numbers are checked against real
+multi-process runs in tests/test_dry_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan_amp import memory
+from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.memory import ByDtype, FsdpGroup, Layout, ModelDims, PrecisionSpec, Stage
+from torchtitan_amp.models.llama import Transformer, build_model_args, count_params
+from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
+from torchtitan_amp.parallelize import parallelize_llama, validate_layout
+from torchtitan_amp.pipeline import _STAGES_PER_RANK, stage_boundaries, stage_module
+from torchtitan_amp.precision import PrecisionPlan, dtype_name
+from torchtitan_amp.tokenizer import build_tokenizer
+from torchtitan_amp.trainer import _cast_params, grad_accum_steps
+
+logger = logging.getLogger("torchtitan_amp")
+
+REPORT_NAME = "dry_run.json"
+
+
+def resolve_world_size(config: JobConfig) -> int:
+    ws = config.dry_run.world_size
+    if ws != -1:
+        return ws
+    p = config.parallelism
+    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
+
+def init_fake_process_group(world_size: int, rank: int) -> bool:
+    """Join a fake process group (collectives do nothing); False when one already exists."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already exists; "
+                f"the dry run needs rank {rank} of {world_size}"
+            )
+        return False
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return True
+
+
+def _layout(config: JobConfig, dims: ParallelDims, accum: int, boundaries: list[int]) -> Layout:
+    p, t, ac = config.parallelism, config.training, config.activation_checkpoint
+    return Layout(
+        dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
+        seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=accum,
+        pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
+        sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
+        ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+        reshard_after_forward=p.fsdp_reshard_after_forward, split_points=tuple(boundaries[1:]),
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
+    """id(sharded parameter) -> its FSDPParam, for padded shard sizes."""
+    out = {}
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        out[id(fp.sharded_param)] = fp
+    return out
+
+
+def measure_state(parts: list[nn.Module]) -> memory.StateBytes:
+    """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq like the param, plus a
+    0-d fp32 `step` per tensor), read off the meta model. Grads have the param's local shape and
+    dtype, except a TP-sharded embedding outside FSDP, whose gradient DTensor's embedding backward
+    returns replicated (the full table; see memory.state_bytes)."""
+    out = memory.StateBytes()
+    fsdp = _fsdp_params(parts)
+    for part in parts:
+        for module in part.modules():
+            for p in module.parameters(recurse=False):
+                local = _local(p)
+                dtype, size = dtype_name(local.dtype), local.element_size()
+                fp = fsdp.get(id(p))
+                padded = fp.padded_sharded_param_size.numel() if fp is not None else local.numel()
+                out.num_params += local.numel()
+                out.num_tensors += 1
+                memory.add_bytes(out.params, dtype, local.numel() * size)
+                memory.add_bytes(out.params_padded, dtype, padded * size)
+                if p.requires_grad:
+                    replicated_grad = isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
+                    grad = p.numel() if replicated_grad else local.numel()
+                    memory.add_bytes(out.grads, dtype, grad * size)
+                    memory.add_bytes(out.optimizer, dtype, 2 * local.numel() * size)
+                    memory.add_bytes(out.optimizer, "float32", memory.ADAMW_STEP_BYTES)
+    return out
+
+
+def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
+    """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup."""
+    groups = []
+    for name, module in part.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for g in module._get_fsdp_state()._fsdp_param_groups:
+            orig = dtype_name(g.fsdp_params[0].sharded_param.dtype)
+            gather = dtype_name(g.mp_policy.param_dtype) if g.mp_policy.param_dtype else orig
+            reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather
+            kind = "root" if module is part else "block" if name.count(".") == 1 and name.startswith("layers.") else "fp32"
+            groups.append(FsdpGroup(
+                name or "root", sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
+                gather, reduce, g.post_forward_mesh_info is not None, kind))
+    return groups
+
+
+def _ddp_params(parts: list[nn.Module], plan: PrecisionPlan) -> list[tuple[int, bool]]:
+    return [(_local(p).numel(), plan.is_safe(m)) for part in parts for m in part.modules()
+            for p in m.parameters(recurse=False) if p.requires_grad]
+
+
+def _coordinates(dims: ParallelDims, world_size: int) -> dict[str, int]:
+    if world_size == 1:
+        return dict.fromkeys(MESH_DIMS, 0)
+    return dict(zip(MESH_DIMS, dims.mesh.get_coordinate()))
+
+
+@dataclass
+class Resolved:
+    """Everything the dry run decides before building anything."""
+
+    world_size: int
+    dims: ParallelDims
+    plan: PrecisionPlan
+    args: Any  # LlamaModelArgs
+    accum: int
+    num_stages: int
+    boundaries: list[int]
+    layout: Layout
+
+    @property
+    def model_dims(self) -> ModelDims:
+        return ModelDims.from_args(self.args)
+
+    @property
+    def precision(self) -> PrecisionSpec:
+        return PrecisionSpec.from_plan(self.plan)
+
+
+def resolve(config: JobConfig, world_size: int | None = None) -> Resolved:
+    """Validate the layout for `world_size` ranks and derive the analytic inputs (ModelDims,
+    PrecisionSpec, Layout for torchtitan_amp.memory) with the code the trainer uses; raises
+    ConfigError as the trainer would. Cheap: no process group, no model."""
+    t, p = config.training, config.parallelism
+    world_size = resolve_world_size(config) if world_size is None else world_size
+    dims = ParallelDims.from_config(p, world_size)
+    accum = grad_accum_steps(t, dims.dp_degree)
+    # Precision is decided for the CPU here (no device checks for a GPU we do not have); the
+    # plan's dtypes do not depend on the device type.
+    plan = PrecisionPlan.from_config(config, dims, "cpu")
+    vocab = config.dry_run.vocab_size or build_tokenizer(config.model.tokenizer).vocab_size
+    args = build_model_args(config.model.flavor, vocab, t.seq_len)
+    validate_layout(dims, config, args.n_heads, args.kv_heads)
+    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule] if dims.pp_enabled else 1
+    num_stages = dims.pp * stages_per_rank
+    boundaries = [0]
+    if dims.pp_enabled:
+        boundaries = stage_boundaries(args.n_layers, num_stages, p.pipeline_parallel_split_points)
+        n_mb = t.local_batch_size // p.pipeline_parallel_microbatch_size
+        if stages_per_rank > 1 and n_mb % dims.pp:
+            raise ConfigError(
+                f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
+                f"microbatch_size = {n_mb}) to be a multiple of pipeline_parallel_degree = {dims.pp}")
+    return Resolved(world_size, dims, plan, args, accum, num_stages, boundaries,
+                    _layout(config, dims, accum, boundaries))
+
+
+def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
+        write: bool = True) -> dict[str, Any]:
+    """Dry-run one rank; returns the report (and writes <dump_folder>/dry_run.json)."""
+    start = time.perf_counter()
+    res = resolve(config, world_size)
+    world_size, dims, plan, args = res.world_size, res.dims, res.plan, res.args
+    rank = config.dry_run.rank if rank is None else rank
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"'dry_run.rank' = {rank} must be in [0, {world_size}) for world size {world_size}")
+    created = init_fake_process_group(world_size, rank) if world_size > 1 else False
+    try:
+        if world_size > 1:
+            dims.build_mesh("cpu")
+        coords = _coordinates(dims, world_size)
+        with torch.device("meta"):
+            model = Transformer(args)
+        _cast_params(model, plan.storage_dtype)
+        total_params = count_params(model)
+        layout = res.layout
+        stage_ids = layout.stage_ids(coords["pp"])
+        ranges = memory.stage_layer_ranges(args.n_layers, res.num_stages, res.boundaries[1:])
+        stages = [Stage(s, ranges[s], s == 0, s == res.num_stages - 1) for s in stage_ids]
+        parts = []
+        for sid in stage_ids:
+            part = stage_module(model, sid, res.boundaries) if dims.pp_enabled else model
+            parts.append(parallelize_llama(part, dims, plan, config))
+        report = _report(config, dims, plan, args, layout, coords, stages, parts, total_params,
+                         world_size, rank, res.accum, res.num_stages)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    report["elapsed_s"] = round(time.perf_counter() - start, 2)
+    if write:
+        folder = Path(config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _report(config: JobConfig, dims: ParallelDims, plan: PrecisionPlan, args: Any, layout: Layout,
+            coords: dict[str, int], stages: list[Stage], parts: list[nn.Module], total_params: int,
+            world_size: int, rank: int, accum: int, num_stages: int) -> dict[str, Any]:
+    model_dims = ModelDims.from_args(args)
+    prec = PrecisionSpec.from_plan(plan)
+    state = measure_state(parts)
+    analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
+                                  dp_shard_rank=coords["dp_shard"])
+    stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []
+    comm: dict[str, ByDtype] = {}
+    if dims.fsdp_enabled:
+        comm.update(memory.fsdp_comm(stage_groups, layout))
+    elif dims.ddp_enabled:
+        comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
+    comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
+    comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
+    if dims.fsdp_enabled:
+        transient = memory.fsdp_transient(stage_groups, layout)
+    elif dims.ddp_enabled:
+        transient = dict(state.grads)  # DDP's gradient buckets
+    else:
+        transient = {}
+    acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
+    state_total = sum(memory.sum_bytes(d) for d in (state.params_padded, state.grads, state.optimizer))
+    transient_total = memory.sum_bytes(transient)
+    all_stages = memory.stage_layer_ranges(args.n_layers, num_stages, layout.split_points)
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "coordinates": coords,
+        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "model": {"flavor": config.model.flavor, "total_params": total_params, "dim": args.dim,
+                  "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
+                  "ffn_hidden": model_dims.ffn_hidden, "vocab_size": args.vocab_size},
+        "training": {"seq_len": layout.seq_len, "local_batch_size": layout.local_batch_size,
+                     "grad_accum_steps": accum, "microbatches": layout.microbatches,
+                     "tokens_per_microbatch": layout.microbatch_tokens,
+                     "activation_checkpoint": layout.ac_mode if layout.ac_mode != "selective"
+                     else f"selective({layout.ac_option})"},
+        "precision": {"path": plan.path, "storage_dtype": prec.storage, "param_dtype": prec.param,
+                      "reduce_dtype": prec.reduce, "output_dtype": prec.output, "comm_hook": plan.comm_hook,
+                      "residual_dtype": prec.residual, "matmul_dtype": prec.compute},
+        "pipeline": {
+            "schedule": layout.pp_schedule if dims.pp_enabled else None,
+            "num_stages": num_stages,
+            "stages": [{"stage": s, "pp_rank": s % dims.pp, "layers": [r.start, r.stop],
+                        "embeddings": s == 0, "output": s == num_stages - 1} for s, r in enumerate(all_stages)],
+            "this_rank": [s.index for s in stages],
+        },
+        "memory": {
+            "params": state.params, "params_padded": state.params_padded, "grads": state.grads,
+            "optimizer": state.optimizer, "num_params_local": state.num_params,
+            "num_param_tensors": state.num_tensors,
+            "analytic_state_matches": (analytic.params, analytic.grads, analytic.optimizer,
+                                       analytic.params_padded) == (state.params, state.grads,
+                                                                   state.optimizer, state.params_padded),
+            "transient": transient,
+            "activations": acts.to_dict(),
+            "peak_estimate": {"ac_none": state_total + transient_total + acts.none,
+                              "ac_full": state_total + transient_total + acts.full,
+                              "configured": state_total + transient_total + acts.configured},
+        },
+        "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
+                         "unsharded_numel": g.unsharded_numel(dims.dp_shard), "gather_dtype": g.gather_dtype,
+                         "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward}
+                        for s, gs in stage_groups for g in gs],
+        "communication": comm,
+        "communication_total": memory.merge(*comm.values()),
+        "formulas": FORMULAS,
+    }
+
+
+FORMULAS = {
+    "params": "local elements (TP shard, then FSDP dim-0 shard, torch.chunk rows) x bytes(storage)",
+    "params_padded": "FSDP2 allocates each shard padded to ceil(dim0 / dp_shard) rows",
+    "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads)",
+    "optimizer": "AdamW: exp_avg + exp_avg_sq in storage dtype (2 x params) + 4-byte fp32 step per tensor",
+    "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
+                 "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
+                 "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
+    "activations": "in-flight microbatches x tokens x (layers x per-layer + ends); per layer (bytes/token): "
+                   "2(4d+4)/sp + k*c*d + 4(d+kv)/t + (c(2d+2kv')+4H)/t + c*d/t + 4c*f/t; full AC keeps "
+                   "r*d/sp per layer plus one recomputed layer (see torchtitan_amp.memory.activation_terms)",
+    "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
+                       "rest) per forward, x2 for groups resharded after forward (backward re-gathers)",
+    "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
+    "hsdp_all_reduce": "padded grad shard in reduce dtype after each reduce-scatter",
+    "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "
+                      "storage dtype; once per step",
+    "tp": "per block: SP fwd 2 all-gather (residual dtype) + 2 reduce-scatter (matmul dtype), bwd the "
+          "mirror; no SP: 2 + 2 all-reduce; [tokens, dim] each; recomputed blocks repeat forward; "
+          "+ embedding / head input collectives, loss-parallel statistics (3 fp32 [tokens]), and "
+          "under FSDP+SP the Partial norm-weight gradients (norms x dim)",
+    "pp": "per microbatch per stage boundary: [mb, seq/sp, dim] each way, in the residual dtype, or "
+          "in output_dtype under FSDP (each stage root casts its output)",
+    "volume": "full tensor size: all-gather output, reduce-scatter input, all-reduce buffer, p2p tensor",
+}
+
+
+def format_table(r: dict[str, Any]) -> str:
+    fb, fd = memory.fmt_bytes, memory.fmt_by_dtype
+    m, pr, deg = r["memory"], r["precision"], r["degrees"]
+    lines = [
+        f"dry run: {r['model']['flavor']} ({r['model']['total_params']:,} params, vocab "
+        f"{r['model']['vocab_size']:,}), rank {r['rank']} of {r['world_size']}",
+        f"  layout   pp {deg['pp']} x dp_replicate {deg['dp_replicate']} x dp_shard {deg['dp_shard']} x "
+        f"tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
+        f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
+        f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
+        f"matmuls {pr['matmul_dtype']})",
+        f"  batch    seq {r['training']['seq_len']} x local batch {r['training']['local_batch_size']}, "
+        f"{r['training']['grad_accum_steps']} accumulation step(s), {r['training']['microbatches']} "
+        f"microbatch(es) of {r['training']['tokens_per_microbatch']:,} tokens, AC "
+        f"{r['training']['activation_checkpoint']}",
+    ]
+    pipe = r["pipeline"]
+    if pipe["schedule"]:
+        lines.append(f"  pipeline {pipe['schedule']}, {pipe['num_stages']} stages; this rank holds {pipe['this_rank']}")
+        for s in pipe["stages"]:
+            ends = " +embeddings" * s["embeddings"] + " +norm/output" * s["output"]
+            mark = "  <- this rank" if s["stage"] in pipe["this_rank"] else ""
+            lines.append(f"    stage {s['stage']:3d} (pp rank {s['pp_rank']}): layers "
+                         f"{s['layers'][0]}-{s['layers'][1] - 1}{ends}{mark}")
+    acts = m["activations"]
+    rows = [
+        ("parameters", m["params"]),
+        ("  as allocated (padded)", m["params_padded"]),
+        ("gradients", m["grads"]),
+        ("optimizer state (AdamW)", m["optimizer"]),
+        ("transient (gathers, buckets)", m["transient"]),
+        ("activations, AC none", {"est": acts["none"]}),
+        ("activations, AC full", {"est": acts["full"]}),
+    ]
+    if acts["configured_mode"] not in ("none", "full"):
+        rows.append((f"activations, AC {acts['configured_mode']}", {"est": acts["configured"]}))
+    lines += ["", f"  {'memory per rank':34s} {'total':>12s}  by dtype"]
+    for name, d in rows:
+        by = "" if "est" in d else fd(d)
+        lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {by}")
+    pk = m["peak_estimate"]
+    lines.append(f"  {'peak estimate (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
+                 f"  (configured: {fb(pk['configured'])})")
+    lines += ["", f"  {'communication per step':34s} {'total':>12s}  by dtype"]
+    for name, d in r["communication"].items():
+        lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {fd(d)}")
+    if not r["communication"]:
+        lines.append("  (none: a single rank)")
+    lines.append(f"  {'total':34s} {fb(memory.sum_bytes(r['communication_total'])):>12s}  "
+                 f"{fd(r['communication_total'])}")
+    lines.append(f"  (volumes are full tensor sizes; dry run took {r.get('elapsed_s', 0):.1f} s)")
+    return "\n".join(lines)
+
+
+def main(config: JobConfig) -> int:
+    """train.py's entry for job.dry_run / COMM_MODE=fake_backend."""
+    report = run(config)
+    print(format_table(report), flush=True)
+    logger.info("dry run report written to %s", Path(config.job.dump_folder) / REPORT_NAME)
+    return 0
+
+
+def requested(config: JobConfig) -> bool:
+    return config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend"
+
