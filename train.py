@@ -67,12 +67,9 @@ def main(argv: list[str]) -> int:
     # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
     install_preemption_handlers()
     try:
-        trainer = Trainer(config)
+        Trainer(config).train()
     except (ConfigError, DataError, CheckpointError) as e:
-        distributed.shutdown()
         return _fail(e)
-    try:
-        trainer.train()
     finally:
         distributed.shutdown()
     return 0

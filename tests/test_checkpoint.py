@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_amp import checkpoint as checkpoint_module
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.checkpoint import (
     CheckpointError,
@@ -60,6 +61,12 @@ LAYOUTS = {
 EXACT = ("loss", "grad_norm", "lr", "epoch", "loss_scale", "skipped_steps")
 # Resharding changes which rank computes what, not the math: fp32 losses agree to float rounding.
 RESHARD_RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch):
+    """In-process Trainers: skip MFU's matmul benchmark (the workers skip it too)."""
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
 
 
 def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:
@@ -205,22 +212,25 @@ def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
 
 
 def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
+    from tests.workers.ckpt_jobs import probe
+
     folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
     before = snapshot(folder)
 
-    def probe(layout: str, *extra: str) -> dict:
-        out = tmp_path / f"probe_{layout}.json"
-        args = job_args(layout, "fp32", tmp_path / layout, "--checkpoint.folder", str(folder),
-                        "--checkpoint.load_step", str(STEPS), *extra)
-        return {"args": args, "probe": str(out)}
+    def args(layout: str, *extra: str) -> list[str]:
+        return job_args(layout, "fp32", tmp_path / layout, "--checkpoint.folder", str(folder),
+                        "--checkpoint.load_step", str(RESUME_FROM), *extra)
 
-    launch_jobs(tmp_path, [probe("fsdp"), probe("ddp")], 2)
+    launch_jobs(tmp_path, [{"args": args(layout), "probe": str(tmp_path / f"probe_{layout}.json")}
+                           for layout in ("fsdp", "ddp")], 2)
+    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in ("fsdp", "ddp")}
     # One process cannot take over two ranks' data positions: it restarts the data stream.
-    launch_jobs(tmp_path, [probe("single", "--checkpoint.exclude_from_loading", "dataloader")], 1)
-    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in ("fsdp", "ddp", "single")}
+    single = trainer_module.Trainer(load_config(args("single", "--checkpoint.exclude_from_loading", "dataloader")))
+    results["single"] = probe(single)
+    single.metrics.close()
     ref = results["fsdp"]
     for layout, r in results.items():
-        assert r["step"] == STEPS, layout
+        assert r["step"] == RESUME_FROM, layout
         assert r["checksum"] == ref["checksum"], layout  # the same full weights, exactly
         for key in ("loss_before", "train_loss", "grad_norm", "loss_after"):
             assert r[key] == pytest.approx(ref[key], rel=RESHARD_RTOL), (layout, key)
@@ -272,35 +282,50 @@ def _wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float
     pytest.fail(f"step {step} not reached in {timeout} s")
 
 
-@pytest.mark.parametrize("sig,nproc,target_rank", [(signal.SIGUSR1, 2, 1), (signal.SIGTERM, 1, 0)])
-def test_preemption_signal_saves_and_exits_zero(matrix, tmp_path, sig, nproc, target_rank):
-    layout = "fsdp" if nproc == 2 else "single"
+def test_sigterm_and_sigusr1_request_a_stop(monkeypatch):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for sig in previous:
+            monkeypatch.setattr(checkpoint_module, "_stop_signal", None)
+            checkpoint_module.install_preemption_handlers()
+            assert checkpoint_module.stop_requested() is None
+            os.kill(os.getpid(), sig)
+            assert checkpoint_module.stop_requested() == sig.name
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
+    layout, nproc, target_rank = "fsdp", 2, 1
     dump = tmp_path / "job"
     # No interval saves: the only checkpoint is the one the signal causes. Steps are slowed down
     # so the signal lands mid-run.
     args = job_args(layout, "fp32", dump, "--checkpoint.interval", "1000")
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": [{"args": args}], "step_delay": 0.5}))
-    proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_for_step(dump, 2, proc)
-        pid = proc.pid if nproc == 1 else _rank_pids(proc.pid)[target_rank]
-        sent = time.monotonic()
-        os.kill(pid, sig)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    log = tmp_path / "log.txt"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(),
+                                stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            _wait_for_step(dump, 2, proc)
+            sent = time.monotonic()
+            os.kill(_rank_pids(proc.pid)[target_rank], signal.SIGUSR1)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - sent < 60
     saved = complete_steps(dump / "checkpoint")
     stopped_at = max(r["step"] for r in records(dump))
     assert saved == {stopped_at: "full"} and 2 <= stopped_at < STEPS, (saved, stopped_at)
-    if nproc == 2:
-        # The other rank never saw the signal, yet both stopped after the same step and the
-        # resumed job continues exactly like the uninterrupted one.
-        launch(TRAIN, job_args(layout, "fp32", dump), nproc)
-        assert_same_steps(by_step(dump), by_step(matrix(layout) / "fp32" / "a"), range(1, STEPS + 1))
+    assert "stop requested (SIGUSR1" in out
+    # Rank 0 never saw the signal, yet both stopped after the same step (a save needs every
+    # rank), and the resumed job continues exactly like the uninterrupted one.
+    launch(TRAIN, job_args(layout, "fp32", dump), nproc)
+    assert_same_steps(by_step(dump), by_step(matrix(layout) / "fp32" / "a"), range(1, STEPS + 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,8 +371,8 @@ def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
 
 def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
     seed_dump = tmp_path / "seed"
-    launch(TRAIN, job_args("single", "fp32", seed_dump, "--checkpoint.create_seed_checkpoint",
-                           "--training.seed", "7"), 1)
+    trainer_module.Trainer(load_config(job_args("single", "fp32", seed_dump, "--checkpoint.create_seed_checkpoint",
+                                                "--training.seed", "7"))).train()
     seed = seed_dump / "checkpoint" / "step-0"
     assert complete_steps(seed_dump / "checkpoint") == {0: "seed"}
     assert not (seed_dump / "metrics.jsonl").exists() or not records(seed_dump)  # nothing trained

@@ -92,12 +92,14 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             for key in ("params", "grads", "optimizer"):
                 assert mem[key] == measured[key], f"{where}: {key} dry run {mem[key]} != real {measured[key]}"
             # Traffic of the forward/backward passes: every category, every dtype, every byte.
-            # Gradient-norm scalars and optimizer-step redistributions (tagged by the worker with
-            # their phase) are outside the model and must stay negligible.
+            # What the worker tagged with its phase (gradient-norm scalars; under TP without FSDP
+            # the Partial norm-weight gradients, redistributed by the norm and AdamW: 4 x per step)
+            # is outside the model and bounded by that description.
             modelled = {k: v for k, v in measured["comm"].items() if ":" not in k}
             assert report["communication"] == modelled, f"{where}: dry run {report['communication']} != real {modelled}"
             unmodelled = _total(measured["comm"]) - _total(modelled)
-            assert unmodelled <= 0.01 * max(_total(modelled), 1) + 64, f"{where}: {measured['comm']}"
+            norm_grads = (2 * report["model"]["n_layers"] + 1) * report["model"]["dim"] * 4
+            assert unmodelled <= 4 * norm_grads + 16 * mem["num_param_tensors"], f"{where}: {measured['comm']}"
             # The analytic model (no model built: what the planner sees) agrees with the dry run.
             c = report["coordinates"]
             kw = dict(pp_rank=c["pp"], tp_rank=c["tp"])

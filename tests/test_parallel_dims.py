@@ -90,6 +90,8 @@ def test_enabled_properties(rep, shard, tp, pp, expected) -> None:
 def test_mesh_before_build_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="build_mesh"):
         _ = dims_of(1).mesh
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        _ = dims_of(1).dp_mesh
 
 
 @pytest.mark.parametrize("flag, value", [("tensor_parallel_degree", "0"), ("data_parallel_shard_degree", "-2"),
@@ -283,7 +285,9 @@ def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     for name, size in zip(MESH_DIMS, shape):
         assert mesh[name].size() == size
     # The flattened dp view: every rank with this rank's pp and tp coordinates, in replicate-major order.
-    dp = mesh["dp"]
+    dp = dims.dp_mesh
+    assert dp.mesh_dim_names == ("dp",)
+    assert mesh["dp"].mesh.tolist() == dp.mesh.tolist()  # what the trainer slices today
     assert dp.size() == dims.dp_degree
     pp_i, rep_i, shard_i, tp_i = coord
     assert dp.mesh.tolist() == mesh.mesh[pp_i, :, :, tp_i].flatten().tolist()

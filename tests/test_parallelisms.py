@@ -97,6 +97,7 @@ LAYOUTS = {
     "fsdp2_tp2": Layout(4, (SHARD, "2", TP, "2"), dp=2, tp=True),
     "pp2_ddp2": Layout(4, (PP, "2", REPLICATE, "2", SHARD, "1", SCHEDULE, "1F1B"), dp=2),
     "pp2_fsdp2": Layout(4, (PP, "2", SHARD, "2", SCHEDULE, "Interleaved1F1B"), dp=2),
+    "pp2_tp2": Layout(4, (PP, "2", TP, "2", SCHEDULE, "1F1B"), tp=True),
 }
 SINGLE = Layout(1, ())
 

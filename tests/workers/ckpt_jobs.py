@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchtitan_amp import checkpoint  # noqa: E402
+from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
@@ -54,6 +55,9 @@ def _gather(obj: object) -> list[object]:
 
 
 def _install_test_hooks(spec: dict) -> None:
+    # MFU's CPU peak is measured with a 1024^3 matmul per dtype, which takes tens of seconds in
+    # fp16 on a CPU without fp16 GEMM; these tests never read MFU.
+    trainer_module.peak_flops = lambda device, dtype: 1e12
     delay = spec.get("step_delay", 0)
     if delay:
         original_step = Trainer.train_step
@@ -81,7 +85,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _probe(trainer: Trainer) -> dict:
+def probe(trainer: Trainer) -> dict:
     """Same global batch on every rank and every layout: losses must agree across layouts."""
     args = trainer.model_args
     g = torch.Generator().manual_seed(1234)
@@ -102,6 +106,8 @@ def _probe(trainer: Trainer) -> dict:
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     _install_test_hooks(spec)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
     checkpoint.install_preemption_handlers()
     for job in spec["jobs"]:
         if _rank() == 0:
@@ -113,7 +119,7 @@ def main(spec_path: str) -> int:
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())
         if job.get("probe"):
-            result = _probe(trainer)
+            result = probe(trainer)
             if _rank() == 0:
                 Path(job["probe"]).write_text(json.dumps(result))
             trainer.metrics.close()

@@ -48,7 +48,7 @@ def _rank_info(trainer: Trainer) -> dict:
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
         info["mesh_shape"] = list(mesh.shape)
         info["coordinate"] = list(mesh.get_coordinate())
-        info["dp_mesh_size"] = mesh["dp"].size()
+        info["dp_mesh_size"] = dims.dp_mesh.size()
     return info
 
 
