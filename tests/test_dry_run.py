@@ -42,7 +42,8 @@ JOBS = {
                            "--parallelism.data_parallel_shard_degree", "1", "--mixed_precision.reduce_dtype", "bfloat16"],
         "ddp2_fp32": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
         "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-        "tp2_no_sp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false"],
+        "tp2_no_sp_ac": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false",
+                         "--activation_checkpoint.mode", "full"],
     },
     4: {
         "fsdp4": [],
@@ -121,8 +122,10 @@ def _stage_numel(model: memory.ModelDims, stage: memory.Stage) -> int:
 ])
 def test_large_configs_dry_run_fast_and_shard_params(tmp_path: Path, config_file: str, world: int, rank: int,
                                                      degrees: dict[str, int]) -> None:
+    # 8 sequences per pipeline rank: 1F1B needs at least pp microbatches.
     config = load_config(["--job.config_file", str(REPO / "train_configs" / config_file),
-                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256"])
+                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256",
+                          "--training.local_batch_size", "8" if degrees["pp"] > 1 else "1"])
     report = dry_run.run(config, world_size=world, rank=rank)
     assert report["elapsed_s"] < 60, report["elapsed_s"]
     assert {k: report["degrees"][k] for k in degrees} == degrees

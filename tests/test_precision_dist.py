@@ -9,15 +9,20 @@ Model: the debugmodel flavour cut to 2 layers (dim 256, 16 heads, vocab 258) for
 for fp16), local batch 2, global batch 8: 1, 2 and 4 data-parallel ranks accumulate 4, 2 and 1
 micro-batches and see the same 8 sequences per step (test_data_union_matches_single_process).
 
-Measured on this 2-core CPU (torch 2.13), 30 steps, loss ~6.17 -> ~2.75:
+Measured on this 2-core CPU (torch 2.13), 30 steps, loss 6.171 -> 2.754 (fp32 single process):
 - |loss - fp32 loss| over all 30 steps: max 0.0019 (single), 0.0015 (DDP, fp32 and bf16 reduce),
   0.0024 / 0.0021 (FSDP fp32 / bf16 reduce), 0.0029 / 0.0024 (HSDP); the mean over the curve
-  differs by at most 3e-4. Two fp32 runs that differ only in reduction order (single vs DDP)
-  drift apart by ~1e-3 too: after a few steps the gap is dominated by chaotic amplification of
-  any perturbation, not by bf16 error, so the whole-curve tolerance is CURVE_TOL = 0.01.
-- step 1 (same weights, same data): mixed precision vs fp32 differs by 3.4e-4 (autocast path)
-  and 5.3e-4 (FSDP path: bf16 residual stream); two paths of the same family agree to 5e-7
-  (single vs DDP, FSDP vs HSDP: only fp32 summation order differs) -> SAME_FAMILY_STEP1_TOL.
+  differs by at most 3e-4 -> CURVE_TOL = 0.01, CURVE_MEAN_TOL = 2e-3.
+- Two mixed-precision paths differ from each other by as much (max 0.0010-0.0022 over 30 steps):
+  under bf16 each micro-batch's weight gradient comes out of a bf16 matmul, i.e. is rounded to
+  bf16 before it is accumulated in fp32, and different layouts group the same 8 sequences into
+  different micro-batches, so they round differently. This is noise, not bias: fp32 single and
+  fp32 DDP, which group the data the same way, stay within 4.8e-7 of each other for 30 steps
+  (FP32_CURVE_TOL).
+- The tighter tolerance between mixed-precision paths holds at step 1 (same weights, same data):
+  vs fp32 the loss differs by 3.4e-4 (autocast path) and 5.3e-4 (FSDP path: bf16 residual
+  stream), while two paths of one family agree to 5e-7 (single vs DDP, FSDP vs HSDP)
+  -> SAME_FAMILY_STEP1_TOL = 1e-5.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -44,6 +48,8 @@ CURVE_MEAN_TOL = 2e-3
 STEP1_TOL, STEP1_MIN = 2e-3, 1e-5
 # Step 1 between two mixed-precision paths of one family: measured 5e-7.
 SAME_FAMILY_STEP1_TOL = 1e-5
+# Whole curve, fp32 single process vs fp32 DDP (same micro-batch grouping per rank): measured 4.8e-7.
+FP32_CURVE_TOL = 1e-5
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class Layout:
 
 LAYOUTS = {
     "single": Layout(1, (), "autocast", "probe,curve,fp32curve,fp16"),
-    # DDP trains its curve through our bf16 compress hook; its fp32 curve is the noise floor.
+    # DDP trains its curve through our bf16 compress hook; its fp32 curve must equal single's.
     "ddp": Layout(2, ("--parallelism.data_parallel_replicate_degree", "2",
                       "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve_rbf16,fp32curve"),
     "fsdp": Layout(2, ("--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve,fp16"),
@@ -276,10 +282,10 @@ def test_mixed_precision_paths_agree_tighter_within_a_family(run):  # type: igno
     # Across families the numerics differ (bf16 residual stream under FSDP), but by less than
     # either differs from fp32 at step 1.
     assert abs(step1["fsdp"] - step1["single"]) < STEP1_TOL
-    # The noise floor: fp32 single vs fp32 DDP differ only in reduction order.
+    # In fp32 the layouts agree for the whole curve: the data union, the gradient averaging and
+    # the accumulation are right, and the 1e-3 spread above is bf16 rounding, not a bug.
     fp32_single, fp32_ddp = run("single")["fp32curve"]["loss"], run("ddp")["fp32curve"]["loss"]
-    assert abs(fp32_single[0] - fp32_ddp[0]) < SAME_FAMILY_STEP1_TOL
-    assert max(abs(a - b) for a, b in zip(fp32_single, fp32_ddp)) < CURVE_TOL
+    assert max(abs(a - b) for a, b in zip(fp32_single, fp32_ddp)) < FP32_CURVE_TOL
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def _rank() -> int:
 
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every single-process save that it assumes a single process: we know."""
+    """DCP warns on every single-process save or load that it assumes one process: we know."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -296,7 +296,8 @@ def export_checkpoint(step_dir: str | Path, output: str | Path, dtype: str = "fl
             model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
         model.to_empty(device="cpu")
         sd = model.state_dict()
-        dcp.load({"model": sd}, checkpoint_id=str(info.path), no_dist=True)
+        with _quiet_single_process():
+            dcp.load({"model": sd}, checkpoint_id=str(info.path), no_dist=True)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(_cast_floats(sd, _DTYPES[dtype]), output)
@@ -356,8 +357,9 @@ class _PendingSave:
 class CheckpointManager:
     """Saves and loads everything a run needs to continue exactly where it stopped.
 
-    `model` / `optimizer` may be lists (pipeline stages on this rank, one optimizer each): their
-    FQN-keyed state dicts are merged, which works because stage FQNs never collide.
+    `model` may be a list (the pipeline stages this rank holds) and `optimizer` one optimizer
+    over all of them or a list: the stages are merged into one module for the state_dict
+    helpers, which works because stage FQNs never collide.
     Collective calls (every rank must make them): load, maybe_save, should_stop, close.
     """
 
@@ -400,9 +402,9 @@ class CheckpointManager:
             # The upload thread's collectives must not interleave with training's on the default group.
             self._async_pg = dist.new_group(backend="gloo")
         self._agree(self._probe_writable)
-        logger.info("checkpointing to %s (every %d steps%s, async %s)", self.folder, c.interval,
-                    f", keeping the latest {c.keep_latest_k}" if c.keep_latest_k else "", c.async_mode) \
-            if self.rank == 0 else None
+        if self.rank == 0:
+            logger.info("checkpointing to %s (every %d steps%s, async %s)", self.folder, c.interval,
+                        f", keeping the latest {c.keep_latest_k}" if c.keep_latest_k else "", c.async_mode)
 
     # -----------------------------------------------------------------------------------------
     # Collective helpers
@@ -517,8 +519,9 @@ class CheckpointManager:
         else:
             self._pending = _PendingSave(self._async_save(sd, tmp), state, tmp, final, kind, begin)
             self.last_saved_step = step
-            logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
-                        time.monotonic() - begin) if self.rank == 0 else None
+            if self.rank == 0:
+                logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
+                            time.monotonic() - begin)
 
     def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._async_pg,
@@ -642,8 +645,9 @@ class CheckpointManager:
         if self._pending is not None and not still_writing:
             self._finish_pending()
         if signum and self.rank == 0:
-            logger.warning("stop requested (%s on some rank): saving a checkpoint and exiting",
-                           signal.Signals(signum).name)
+            logger.warning("stop requested (%s on some rank): %s", signal.Signals(signum).name,
+                           "saving a checkpoint and exiting" if self.enabled else
+                           "exiting after this step (checkpoint.enable is false: nothing is saved)")
         return bool(signum)
 
     def close(self) -> None:
@@ -761,7 +765,8 @@ class CheckpointManager:
         if "scaler" in sd and not self.scaler.enabled:
             sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         try:
-            dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            with _quiet_single_process():
+                dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
             raise CheckpointError(f"could not load {path}: {_one_line(e)}") from None
         if "model" in sd:

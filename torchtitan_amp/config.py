@@ -26,6 +26,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 class ConfigError(ValueError):
     """A bad job config: the message is a single line meant for the user."""
 
+    def __init__(self, message: str) -> None:
+        # User input (a stray "--x=\n") can carry newlines into the message; keep it one line.
+        super().__init__(" ".join(str(message).splitlines()))
+
 
 def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
     """A config field: `help` becomes the --help line, `choices` the allowed set."""

@@ -6,7 +6,7 @@
 1. joins a fake process group (torch's "fake" backend over a FakeStore) as `rank` of
    `world_size`, so every collective is a no-op but every group and mesh is real;
 2. runs the real layout code on a model built on the meta device: `ParallelDims` and its mesh,
-   `PrecisionPlan.from_config`, `pipeline.stage_boundaries` / `stage_module` for this rank's stages,
+   `PrecisionPlan.from_config`, `pipeline.validate_pipeline` / `stage_module` for this rank's stages,
    and `parallelize_llama` (TP, AC, FSDP2/HSDP or DDP), exactly as `Trainer` does minus weight
    initialisation; nothing is allocated (meta tensors have shapes only);
 3. reads this rank's parameter shards from the result (DTensor local shapes and FSDP2's padded
@@ -41,7 +41,7 @@ from torchtitan_amp.memory import ByDtype, FsdpGroup, Layout, ModelDims, Precisi
 from torchtitan_amp.models.llama import Transformer, build_model_args, count_params
 from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
 from torchtitan_amp.parallelize import parallelize_llama, validate_layout
-from torchtitan_amp.pipeline import _STAGES_PER_RANK, stage_boundaries, stage_module
+from torchtitan_amp.pipeline import _STAGES_PER_RANK, stage_module, validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
 from torchtitan_amp.tokenizer import build_tokenizer
 from torchtitan_amp.trainer import _cast_params, grad_accum_steps
@@ -198,12 +198,7 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Resolved:
     num_stages = dims.pp * stages_per_rank
     boundaries = [0]
     if dims.pp_enabled:
-        boundaries = stage_boundaries(args.n_layers, num_stages, p.pipeline_parallel_split_points)
-        n_mb = t.local_batch_size // p.pipeline_parallel_microbatch_size
-        if stages_per_rank > 1 and n_mb % dims.pp:
-            raise ConfigError(
-                f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
-                f"microbatch_size = {n_mb}) to be a multiple of pipeline_parallel_degree = {dims.pp}")
+        boundaries, _ = validate_pipeline(dims, p, args.n_layers, t.local_batch_size)
     return Resolved(world_size, dims, plan, args, accum, num_stages, boundaries,
                     _layout(config, dims, accum, boundaries))
 
@@ -337,7 +332,8 @@ FORMULAS = {
     "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "
                       "storage dtype; once per step",
     "tp": "per block: SP fwd 2 all-gather (residual dtype) + 2 reduce-scatter (matmul dtype), bwd the "
-          "mirror; no SP: 2 + 2 all-reduce; [tokens, dim] each; recomputed blocks repeat forward; "
+          "mirror; no SP: 2 + 2 all-reduce; [tokens, dim] each; recomputed blocks repeat forward but "
+          "the last (w2) collective; "
           "+ embedding / head input collectives, loss-parallel statistics (3 fp32 [tokens]), and "
           "under FSDP+SP the Partial norm-weight gradients (norms x dim)",
     "pp": "per microbatch per stage boundary: [mb, seq/sp, dim] each way, in the residual dtype, or "

@@ -678,7 +678,9 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                  dtype) before its reduce-scatter. (Without FSDP they stay Partial and the
                  gradient-norm and AdamW steps all-reduce them, 4 x norms x dim x 4 bytes per
                  step on torch 2.13: not in this total, nor are gradient-norm scalars.)
-    Recomputed blocks (full AC) repeat their forward collectives in backward.
+    Recomputed blocks (full AC) repeat their forward collectives in backward except the last
+    (w2's reduce-scatter / all-reduce): non-reentrant checkpointing stops recomputing once the
+    last saved tensor is rebuilt.
     x microbatches (PP) x gradient-accumulation steps.
     """
     if layout.tp == 1:
@@ -699,15 +701,14 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
         elif layout.ac_mode == "selective" and layout.ac_option != "op":
             recompute = len(range(0, n, int(layout.ac_option)))
         else:
-            recompute = 0  # op-level SAC saves the collectives' outputs' consumers... approx.
-        fwd = n + recompute
+            recompute = 0  # op-level SAC: not modelled (approximate)
         if layout.sp:
-            add_bytes(ag, r, passes * 2 * fwd * full * DTYPE_BYTES[r])
-            add_bytes(rs, c, passes * 2 * fwd * full * DTYPE_BYTES[c])
+            add_bytes(ag, r, passes * (2 * n + 2 * recompute) * full * DTYPE_BYTES[r])
+            add_bytes(rs, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
             add_bytes(rs, r, passes * 2 * n * full * DTYPE_BYTES[r])
             add_bytes(ag, c, passes * 2 * n * full * DTYPE_BYTES[c])
         else:
-            add_bytes(ar, c, passes * 2 * fwd * full * DTYPE_BYTES[c])
+            add_bytes(ar, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
             add_bytes(ar, r, passes * 2 * n * full * DTYPE_BYTES[r])
         if stage.first:
             if layout.sp:

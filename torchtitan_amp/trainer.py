@@ -224,7 +224,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
         stepped = self.scaler.step(self.optimizer)
-        if True:
+        if stepped:
             # A skipped fp16 step must not advance the schedule.
             self.lr_scheduler.step()
         return loss_sum, grad_norm, stepped

@@ -17,6 +17,7 @@ installed as train.py does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -81,6 +83,10 @@ def _install_test_hooks(spec: dict) -> None:
         checkpoint.CheckpointManager._commit = crashing_commit
 
 
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -96,11 +102,18 @@ def probe(trainer: Trainer) -> dict:
         with torch.no_grad(), trainer.plan.forward_context():
             return float(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels))
 
-    checksum = sum(float(_full(v).double().sum()) for v in trainer.model.state_dict().values())
+    # Digests of the full (unsharded) loaded state: equal across layouts and to the
+    # checkpoint's own tensors, or something was not loaded or resharded bit for bit.
+    model_sums = {k: digest(_full(v)) for k, v in trainer.model.state_dict().items()}
+    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+    optim_sums = {k: digest(_full(v)) for k, v in optim.items()
+                  if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
     before = loss_now()
     loss, grad_norm, _ = trainer.train_step(iter([(inputs, labels)]))
     return {"loss_before": before, "train_loss": float(loss), "grad_norm": float(grad_norm),
-            "loss_after": loss_now(), "checksum": checksum, "step": trainer.step}
+            "loss_after": loss_now(), "model_sums": model_sums, "optim_sums": optim_sums,
+            "step": trainer.step}
 
 
 def main(spec_path: str) -> int:

@@ -44,7 +44,7 @@ from torchtitan_amp.trainer import Trainer  # noqa: E402
 
 _state = threading.local()
 COUNTS: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-GROUP_DIMS: dict[str, str] = {}  # process-group name -> mesh dim
+GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
 ENABLED = {"on": False}
 CALLS: list = []
 HSDP = {"on": False}
@@ -60,8 +60,15 @@ def _group_name(group) -> str:  # type: ignore[no-untyped-def]
     return funcol._resolve_group_name(group)
 
 
+def _group_ranks(group) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    """Groups are identified by their ranks, not their objects: DTensor may run a collective on
+    an equivalent group of an earlier job's mesh."""
+    pg = dist.distributed_c10d._resolve_process_group(_group_name(group))
+    return tuple(sorted(dist.get_process_group_ranks(pg)))
+
+
 def _category(op: str, group) -> str:  # type: ignore[no-untyped-def]
-    dim = GROUP_DIMS.get(_group_name(group), "other")
+    dim = GROUP_DIMS.get(_group_ranks(group), "other")
     phase = getattr(_state, "phase", None)
     if phase:
         return f"{phase}:{op}:{dim}"
@@ -187,7 +194,7 @@ def run_job(args: list[str]) -> dict:
     if trainer.info.world_size > 1:
         for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
             if getattr(trainer.dims, dim) > 1:
-                GROUP_DIMS[trainer.dims.mesh[dim].get_group().group_name] = dim
+                GROUP_DIMS[_group_ranks(trainer.dims.mesh[dim].get_group())] = dim
     HSDP["on"] = trainer.dims.hsdp_enabled
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)

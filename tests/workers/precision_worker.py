@@ -16,8 +16,9 @@ Scenarios (comma-separated, all in one launch to pay process start-up once):
             matmul / log-softmax in forward and backward (a TorchDispatchMode), the rotary
             tables' dtype at the attention, fp32 params / grads / AdamW state, bytes on the wire
             by dtype (DDP: the comm hook; FSDP: reduce-scatter / all-gather / all-reduce), the
-            precision report, and an exact hand-written reference of the same step. Runs for
-            reduce_dtype bfloat16 and float32, and once with `enabled = false`.
+            precision report, and an exact hand-written reference of the same step. Runs the
+            default config (reduce float32), reduce_dtype bfloat16 (data-parallel layouts),
+            param_dtype float32 (FSDP layouts: the all-gather baseline) and `enabled = false`.
 - `curve`   trains `steps` steps with the layout's defaults (reduce_dtype float32) and keeps
             the loss curve from metrics.jsonl; `curve_rbf16` the same with reduce_dtype bfloat16
             (DDP: our compress hook; FSDP: bf16 reduce-scatter).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -54,11 +56,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from torchtitan_amp import precision as precision_mod  # noqa: E402
 from torchtitan_amp import trainer as trainer_mod  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp.models import llama  # noqa: E402
-from torchtitan_amp.precision import CompressHookState, PrecisionPlan, compress_hook  # noqa: E402
+from torchtitan_amp.precision import CompressHookState, PrecisionPlan  # noqa: E402
 from torchtitan_amp.trainer import Trainer  # noqa: E402
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
@@ -146,6 +147,7 @@ class Recorder:
         self.loss_logits: set[str] = set()
         self.cross_entropy_input: set[str] = set()
         self.handles = []
+        self._norm_input_dtype: torch.dtype | None = None
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 self.handles.append(m.register_forward_hook(self._linear))
@@ -156,7 +158,6 @@ class Recorder:
                 self.handles.append(m.register_forward_hook(self._norm_out))
             elif isinstance(m, llama.Attention):
                 self.handles.append(m.register_forward_pre_hook(self._attention))
-        self._patches: list[tuple[Any, str, Any]] = []
 
     def _linear(self, m: nn.Module, args: tuple, out: torch.Tensor) -> None:
         self.linear_count += 1
@@ -396,7 +397,6 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
             p.grad = reduce(p.grad, n)
     grads = {n: p.grad.detach().clone() for n, p in master.items()}
     opt = trainer.optimizer
-    import inspect
     accepted = inspect.signature(type(opt).__init__).parameters
     ref_opt = type(opt)(list(master.values()), **{k: v for k, v in opt.defaults.items() if k in accepted})
     for g in ref_opt.param_groups:

@@ -1,0 +1,138 @@
+"""Shared pieces of the CPU benchmarks: models, torchrun launches of a worker, timing, machine info.
+
+Benchmarks are not tests: each prints numbers measured side by side in one run, and ratios between
+them, because absolute times on a shared machine vary by 2x from run to run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+# The CPU models. "large" is the size at which this CPU's bf16 matmuls pay off (dim 1024, 8
+# layers, head dim 64, 103M parameters); the debug model's head dim 16 makes CPU bf16 attention
+# slow, so "debug_h64" (same size, 4 heads) shows the debug scale without that artefact.
+CPU_MODELS: dict[str, dict[str, Any]] = {
+    "debug": {"flavor": "debugmodel"},
+    "debug_h64": {"flavor": "debugmodel_h64"},
+    "large": {"flavor": "debugmodel", "replace": {"dim": 1024, "n_layers": 8, "n_heads": 16}},
+}
+
+
+def use_model(name: str) -> list[str]:
+    """Make model `name` buildable by the Trainer in this process; returns its config overrides.
+
+    The config accepts only the registered flavours, so "large" replaces the debug flavour's
+    shape in this process's flavour table (nothing on disk changes)."""
+    from torchtitan_amp.models import llama
+
+    spec = CPU_MODELS[name]
+    if "replace" in spec:
+        llama.LLAMA3_FLAVORS[spec["flavor"]] = dataclasses.replace(llama.LLAMA3_FLAVORS[spec["flavor"]],
+                                                                   **spec["replace"])
+    return ["--model.flavor", spec["flavor"]]
+
+
+def model_args(name: str, vocab_size: int = 258, seq_len: int = 2048):  # type: ignore[no-untyped-def]
+    from torchtitan_amp.models import llama
+
+    use_model(name)
+    return llama.build_model_args(CPU_MODELS[name]["flavor"], vocab_size, seq_len)
+
+
+def num_params(name: str) -> int:
+    from torchtitan_amp.memory import ModelDims
+
+    return ModelDims.from_args(model_args(name)).total_params()
+
+
+def summarize(times: list[float]) -> float:
+    """Median step time: robust to the one slow step another process's burst causes."""
+    return statistics.median(times)
+
+
+def env_with_repo(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout: float = 3600,
+             env: dict[str, str] | None = None) -> int:
+    """Run `script args` under torchrun with nproc CPU ranks; output to `log`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env_with_repo(env), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return -9
+
+
+def run_jobs(script: Path, nproc: int, jobs: list[dict[str, Any]], out: Path, name: str) -> list[dict[str, Any]]:
+    """Launch `script --worker SPEC OUT` once for all jobs; the worker writes a JSON list of results."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec, result = out / f"{name}_spec.json", out / f"{name}_result.json"
+    spec.write_text(json.dumps(jobs, indent=1))
+    result.unlink(missing_ok=True)
+    rc = torchrun(script, nproc, ["--worker", str(spec), str(result)], out / f"{name}.log")
+    if rc != 0 or not result.is_file():
+        tail = (out / f"{name}.log").read_text()[-4000:]
+        raise RuntimeError(f"{script.name} worker ({nproc} processes) failed with exit code {rc}:\n{tail}")
+    return json.loads(result.read_text())
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
+    return (f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def header(title: str) -> str:
+    return (f"## {title}\n\nmachine: {machine()}\nload average at start (1/5/15 min): {load_average()}\n"
+            f"date: {time.strftime('%Y-%m-%d %H:%M')}\n")
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Train the debug model on every parallel layout x precision that fits this machine and tabulate
+how far each loss curve lands from the fp32 single-process reference.
+
+    python scripts/numerics_matrix.py                      # everything up to 4 processes
+    python scripts/numerics_matrix.py --max-procs 2 --steps 10 --only 'single|FSDP'
+    python scripts/numerics_matrix.py --output docs/numerics_table.md
+
+Every run sees the same data: the global batch is fixed (`--global-batch`, default 4 sequences)
+and a D-way data-parallel layout runs local_batch_size = global / D (the loader deals each step's
+sequences round-robin over the data-parallel ranks, so their union is the single process's batch),
+with the same seed, hence the same initial weights. Differences therefore come from precision and
+from reduction order only.
+
+Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2 (2); HSDP 2x2, FSDP 2 x TP 2 (4).
+Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp32: the default,
+realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
+data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
+(training.dtype = bfloat16: bf16 params, grads and AdamW state).
+
+Runs are grouped by process count: one torchrun launch trains all runs of that size one after
+another (this file's --worker mode), paying process start-up once. A run that fails is reported in
+the table and the launch is resumed with the runs after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SHARD = "--parallelism.data_parallel_shard_degree"
+REPLICATE = "--parallelism.data_parallel_replicate_degree"
+TP = "--parallelism.tensor_parallel_degree"
+PP = "--parallelism.pipeline_parallel_degree"
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    name: str
+    nproc: int
+    dp: int  # data-parallel degree: local batch = global batch / dp
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    name: str
+    args: tuple[str, ...]
+    needs_dp: bool = False  # only meaningful where gradients are reduced over data parallel ranks
+
+
+LAYOUTS = (
+    LayoutSpec("single", 1, 1, ()),
+    LayoutSpec("DDP 2", 2, 2, (REPLICATE, "2", SHARD, "1")),
+    LayoutSpec("FSDP 2", 2, 2, (SHARD, "2")),
+    LayoutSpec("TP 2", 2, 1, (SHARD, "1", TP, "2")),
+    LayoutSpec("PP 2", 2, 1, (SHARD, "1", PP, "2")),
+    LayoutSpec("HSDP 2x2", 4, 4, (REPLICATE, "2", SHARD, "2")),
+    LayoutSpec("FSDP 2 x TP 2", 4, 2, (SHARD, "2", TP, "2")),
+)
+
+PRECISIONS = (
+    PrecisionSpec("fp32", ("--mixed_precision.enabled", "false")),
+    PrecisionSpec("bf16", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")),
+    PrecisionSpec("bf16 + bf16 reduce", ("--mixed_precision.param_dtype", "bfloat16",
+                                         "--mixed_precision.reduce_dtype", "bfloat16"), needs_dp=True),
+    PrecisionSpec("fp16 + loss scaling", ("--mixed_precision.param_dtype", "float16",
+                                          "--mixed_precision.reduce_dtype", "float32")),
+    PrecisionSpec("pure bf16", ("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false")),
+)
+
+# Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
+# kernel (~10x slower than fp32 at these sizes), so fp16 runs on the 2-process layouts only.
+SKIPPED = {
+    ("HSDP 2x2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by FSDP 2 and DDP 2",
+    ("FSDP 2 x TP 2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by FSDP 2 and TP 2",
+    ("TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("PP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("HSDP 2x2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("FSDP 2 x TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+}
+
+
+@dataclass
+class Run:
+    layout: LayoutSpec
+    precision: PrecisionSpec
+
+    @property
+    def key(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "_", f"{self.layout.name} {self.precision.name}".lower()).strip("_")
+
+    @property
+    def label(self) -> str:
+        return f"{self.layout.name} / {self.precision.name}"
+
+
+@dataclass
+class Result:
+    run: Run
+    losses: dict[int, float] = field(default_factory=dict)
+    path: str = ""
+    skipped_steps: int = 0
+    error: str = ""
+    wall_s: float = 0.0
+
+
+def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]:
+    runs, notes = [], []
+    for layout in LAYOUTS:
+        for prec in PRECISIONS:
+            run = Run(layout, prec)
+            if prec.needs_dp and layout.dp == 1:
+                continue
+            if only and not re.search(only, run.label) and run.label != "single / fp32":
+                continue
+            if (layout.name, prec.name) in SKIPPED:
+                notes.append(f"{run.label}: not run ({SKIPPED[layout.name, prec.name]})")
+                continue
+            if layout.nproc > max_procs:
+                notes.append(f"{run.label}: not run (needs {layout.nproc} processes, --max-procs {max_procs})")
+                continue
+            runs.append(run)
+    return runs, notes
+
+
+def train_args(run: Run, a: argparse.Namespace) -> list[str]:
+    if a.global_batch % run.layout.dp:
+        raise SystemExit(f"--global-batch {a.global_batch} is not divisible by {run.layout.name}'s dp degree")
+    return ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
+            "--training.local_batch_size", str(a.global_batch // run.layout.dp),
+            "--training.steps", str(a.steps), "--training.seed", str(a.seed),
+            "--optimizer.lr", str(a.lr), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+            *run.layout.args, *run.precision.args]
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: runs inside torchrun, trains each run of the spec in turn
+
+
+def worker(spec_path: str) -> int:
+    import logging
+
+    import torch.distributed as dist
+
+    from torchtitan_amp import distributed
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.trainer import Trainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
+    spec = json.loads(Path(spec_path).read_text())
+    for run in spec["runs"]:
+        folder = Path(run["dump_folder"])
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            trainer = Trainer(load_config([*run["args"], "--job.dump_folder", str(folder)]))
+            trainer.train()
+        except BaseException:
+            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+            raise
+        del trainer
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            (folder / "done.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
+            print(f"[numerics_matrix] {run['name']} done in {time.perf_counter() - start:.1f} s", flush=True)
+    distributed.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def read_result(run: Run, folder: Path) -> Result:
+    result = Result(run)
+    done = folder / "done.json"
+    metrics = folder / "metrics.jsonl"
+    if done.is_file() and metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            result.losses[int(row["step"])] = math.nan if row["loss"] is None else float(row["loss"])
+            result.skipped_steps = int(row.get("skipped_steps") or 0)
+        result.wall_s = json.loads(done.read_text())["wall_s"]
+        report = folder / "precision_report.json"
+        if report.is_file():
+            result.path = json.loads(report.read_text())["path"]
+    else:
+        errors = sorted(folder.glob("error_rank*.txt"))
+        lines = errors[0].read_text().strip().splitlines() if errors else []
+        result.error = lines[-1][:200] if lines else "did not finish (see the launch log)"
+    return result
+
+
+def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dict[str, Result]:
+    """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest."""
+    results: dict[str, Result] = {}
+    pending = list(runs)
+    attempt = 0
+    while pending:
+        spec = {"runs": [{"name": r.label, "dump_folder": str(out / r.key), "args": train_args(r, a)}
+                         for r in pending]}
+        for r in pending:  # metrics.jsonl appends: start each run from an empty folder
+            for f in ("metrics.jsonl", "done.json", "precision_report.json", *[p.name for p in (out / r.key).glob("error_rank*.txt")]):
+                (out / r.key / f).unlink(missing_ok=True)
+        spec_path = out / f"spec_{nproc}proc_{attempt}.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(Path(__file__).resolve()), "--worker", str(spec_path)]
+        print(f"launching {len(pending)} run(s) on {nproc} process(es): {', '.join(r.label for r in pending)}",
+              flush=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+        with open(out / f"launch_{nproc}proc_{attempt}.log", "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+                proc.wait()
+                log.write(f"\n[numerics_matrix] launch killed after --timeout {a.timeout:.0f} s\n")
+        still = []
+        failed_one = False
+        for r in pending:
+            res = read_result(r, out / r.key)
+            if not res.error:
+                results[r.label] = res
+                print(f"  {r.label}: final loss {res.losses[max(res.losses)]:.5f} ({res.wall_s:.1f} s)", flush=True)
+            elif not failed_one:
+                # The first unfinished run is the one that failed (runs go in order).
+                if proc.returncode == 0:
+                    res.error = res.error or "did not finish"
+                results[r.label] = res
+                failed_one = True
+                print(f"  {r.label}: FAILED: {res.error}", flush=True)
+            else:
+                still.append(r)
+        pending = still
+        attempt += 1
+    return results
+
+
+def fmt(x: float, spec: str = ".2e") -> str:
+    return "nan" if math.isnan(x) else format(x, spec)
+
+
+def max_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
+    """(max abs, max rel) difference over common steps."""
+    steps = sorted(a.keys() & b.keys())
+    diffs = [abs(a[s] - b[s]) for s in steps]
+    rels = [abs(a[s] - b[s]) / max(abs(a[s]), abs(b[s]), 1e-12) for s in steps]
+    if any(math.isnan(d) for d in diffs):
+        return math.nan, math.nan
+    return max(diffs, default=0.0), max(rels, default=0.0)
+
+
+def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
+    ref = results.get("single / fp32")
+    lines = [
+        "| layout | precision | path | final loss | Δ final vs fp32 single | max \\|Δ\\| over steps vs fp32 single (rel) "
+        "| max \\|Δ\\| vs same precision, single | skipped fp16 steps |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in runs:
+        res = results.get(run.label)
+        if res is None:
+            continue
+        if res.error:
+            lines.append(f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | |")
+            continue
+        final = res.losses[max(res.losses)]
+        cells = [run.layout.name, run.precision.name, res.path, f"{final:.5f}"]
+        if ref is not None and not ref.error:
+            ref_final = ref.losses[max(ref.losses)]
+            mabs, mrel = max_diff(res.losses, ref.losses)
+            cells += [f"{final - ref_final:+.2e}", f"{fmt(mabs)} ({fmt(mrel)})"]
+        else:
+            cells += ["-", "-"]
+        same = results.get(f"single / {run.precision.name}")
+        if run.layout.name == "single":
+            cells.append("(reference)")
+        elif same is not None and not same.error:
+            cells.append(fmt(max_diff(res.losses, same.losses)[0]))
+        elif run.precision.needs_dp:
+            bf16 = results.get("single / bf16")
+            cells.append(f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-")
+        else:
+            cells.append("-")
+        cells.append(str(res.skipped_steps) if "fp16" in run.precision.name else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks (default %(default)s)")
+    p.add_argument("--flavor", default="debugmodel", help="model flavour (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, 2 warm-up steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
+    p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
+                   "(the fp32 single-process reference always runs)")
+    p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
+    p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        return worker(a.worker)
+    runs, notes = select_runs(a.max_procs, a.only)
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    results: dict[str, Result] = {}
+    for nproc in sorted({r.layout.nproc for r in runs}):
+        results.update(launch([r for r in runs if r.layout.nproc == nproc], nproc, a, out))
+    elapsed = time.perf_counter() - start
+    command = shlex.join(["python", "scripts/numerics_matrix.py", *argv])
+    md = [
+        f"Command: `{command}`",
+        "",
+        f"{a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, {a.steps} steps, "
+        f"lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
+        f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min.",
+        "",
+        table(results, runs, a.steps),
+    ]
+    if notes:
+        md += ["", *[f"- {n}" for n in notes]]
+    text = "\n".join(md) + "\n"
+    print()
+    print(text)
+    if a.output:
+        Path(a.output).write_text(text)
+    return 1 if any(r.error for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

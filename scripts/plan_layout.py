@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Rank parallel layouts for a Llama 3 run before having the hardware.
+
+    python scripts/plan_layout.py --flavor llama3_70b --gpus 64 --gpu-mem-gib 80 --seq-len 8192
+
+Tries every valid (dp_replicate, dp_shard, tp, pp) factorization of --gpus x precision setting
+(bf16 compute with fp32 or bf16 gradient reduce, or fp32) x activation checkpointing (none, full),
+checks each with the trainer's own validation (the config overrides printed are what `train.py`
+accepts), estimates each rank's peak memory with torchtitan_amp.memory (analytic: no model, no
+process group; the same formulas the fake-backend dry run is tested on), drops layouts that do not
+fit, and ranks the rest by the estimated step time of the cost model below.
+
+Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the derivation):
+  tokens   = global batch x seq_len; every layout processes the same tokens per step
+  compute  = tokens x FLOPs/token / gpus / (MFU x peak), FLOPs/token = 6N + 12 L H d_head s
+             (train.py's MFU formula, N without the embedding table), + 2N + 4 L H d_head s under
+             full AC (the forward recomputed); fp32 layouts run at --fp32-speed x that rate
+  bubble   = compute x (pp - 1) / microbatches  (1F1B: idle fraction (pp-1)/(m+pp-1) of the step)
+  collective time = volume x (n - 1) / n / bandwidth for all-gather / reduce-scatter (x 2 for
+             all-reduce), volume / bandwidth for pipeline sends; volumes per category from
+             torchtitan_amp.memory.comm; bandwidth: --intra-node-gbps when the group's ranks
+             share a node (tp innermost, then dp_shard, dp_replicate, pp), else --inter-node-gbps
+  exposed  = tp + pp time (on the critical path, x --tp-exposed)
+             + max(--dp-exposed x dp time, dp time - compute)  (FSDP/DDP traffic overlaps
+               compute, but never more than there is compute to hide it)
+  step     = compute + bubble + exposed
+Memory per GPU (max over pipeline stages) must be <= --gpu-mem-gib x --mem-fraction. Layouts are
+ranked by step time; times within ~1% are a tie, broken by lower memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from torchtitan_amp import memory  # noqa: E402
+from torchtitan_amp.config import ConfigError, load_config  # noqa: E402
+
+GIB = 2**30
+PRECISIONS = {
+    # name: config overrides
+    "bf16/fp32-reduce": [],
+    "bf16/bf16-reduce": ["--mixed_precision.reduce_dtype", "bfloat16"],
+    "fp32": ["--mixed_precision.enabled", "false"],
+}
+AC_MODES = ("none", "full")
+DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce")
+
+
+@dataclass
+class Candidate:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    precision: str
+    ac: str
+    microbatches: int
+    grad_accum: int
+    overrides: list[str]
+    memory_gib: float = 0.0
+    memory_by_stage_gib: list[float] = field(default_factory=list)
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    dp_comm_s: float = 0.0
+    dp_exposed_s: float = 0.0
+    tp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    mfu: float = 0.0
+    fits: bool = False
+
+    @property
+    def degrees(self) -> tuple[int, int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp, self.pp
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"DDP {self.dp_replicate}" if self.dp_shard == 1 else f"HSDP {self.dp_replicate}x{self.dp_shard}")
+        if self.dp_shard > 1 and self.dp_replicate == 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}")
+        return " x ".join(parts) or "single"
+
+
+def factorizations(gpus: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp, pp) whose product is `gpus`."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    out = []
+    for tp in divisors:
+        for pp in divisors:
+            if gpus % (tp * pp):
+                continue
+            rest = gpus // (tp * pp)
+            for r in divisors:
+                if rest % r == 0:
+                    out.append((r, rest // r, tp, pp))
+    return out
+
+
+def structurally_valid(degrees: tuple[int, int, int, int], args: Any, n_layers: int) -> bool:
+    """The planner's own rules on top of the trainer's validation: TP stays within a node."""
+    _r, _s, tp, pp = degrees
+    return args.gpus_per_node % tp == 0 and pp <= n_layers
+
+
+def _group_bandwidth(dim: str, degrees: tuple[int, int, int, int], args: Any) -> float:
+    """Bytes/s for a collective over `dim`: intra-node when the group's span fits in a node. The
+    mesh is (pp, dp_replicate, dp_shard, tp), tp innermost, so a group's ranks are
+    `stride` apart with stride = product of the inner degrees."""
+    r, s, t, p = degrees
+    stride = {"tp": 1, "dp_shard": t, "dp_replicate": t * s, "pp": t * s * r}[dim]
+    size = {"tp": t, "dp_shard": s, "dp_replicate": r, "pp": p}[dim]
+    gbps = args.intra_node_gbps if stride * size <= args.gpus_per_node else args.inter_node_gbps
+    return gbps * 1e9
+
+
+def _collective_seconds(category: str, nbytes: float, degrees: tuple[int, int, int, int], args: Any) -> float:
+    dim = {"fsdp_all_gather": "dp_shard", "fsdp_reduce_scatter": "dp_shard", "hsdp_all_reduce": "dp_replicate",
+           "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp"}.get(category, "tp")
+    n = {"dp_shard": degrees[1], "dp_replicate": degrees[0], "tp": degrees[2], "pp": degrees[3]}[dim]
+    if n == 1 or category == "pp_recv":  # a receive is the other end of a send
+        return 0.0
+    bw = _group_bandwidth(dim, degrees, args)
+    if category.startswith("pp_"):
+        return nbytes / bw
+    factor = 2 if category.endswith("all_reduce") else 1
+    return factor * nbytes * (n - 1) / n / bw
+
+
+def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
+    """Fill in memory and time estimates for a candidate validated by dry_run.resolve."""
+    from torchtitan_amp.models.llama import flops_per_token
+
+    model, prec, layout = res.model_dims, res.precision, res.layout
+    # Pipeline rank 0 holds the most in-flight microbatches, the last one the output head.
+    pp_ranks = sorted({0, layout.pp - 1})
+    usable = args.gpu_mem_gib * args.mem_fraction
+    cand.memory_by_stage_gib = [memory.estimate(model, prec, layout, pp_rank=r).peak() / GIB for r in pp_ranks]
+    cand.memory_gib = max(cand.memory_by_stage_gib)
+    cand.fits = cand.memory_gib <= usable
+
+    tokens = args.global_batch_size * args.seq_len
+    # The MFU numerator of train.py: 6N (N without the embedding table) + attention.
+    n_no_emb = model.total_params() - model.vocab_size * model.dim
+    model_flops = flops_per_token(res.args, n_no_emb, args.seq_len)
+    attn = model_flops - 6 * n_no_emb
+    # Full AC runs each block's forward again in backward: + 2N + attention's forward third.
+    flops_tok = model_flops + ((2 * n_no_emb + attn / 3) if layout.ac_mode == "full" else 0)
+    rate = args.mfu * args.peak_tflops * 1e12 * (args.fp32_speed if cand.precision == "fp32" else 1.0)
+    cand.compute_s = tokens * flops_tok / args.gpus / rate
+    cand.bubble_s = cand.compute_s * (layout.pp - 1) / cand.microbatches if layout.pp > 1 else 0.0
+
+    comm: dict[str, float] = {}
+    for r in pp_ranks:  # the slowest stage sets the pace
+        for category, by_dtype in memory.comm(model, prec, layout, pp_rank=r).items():
+            t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args)
+            comm[category] = max(comm.get(category, 0.0), t)
+    cand.dp_comm_s = sum(v for k, v in comm.items() if k in DP_CATEGORIES)
+    cand.tp_comm_s = sum(v for k, v in comm.items() if k.startswith("tp_")) * args.tp_exposed
+    cand.pp_comm_s = sum(v for k, v in comm.items() if k.startswith("pp_"))
+    cand.dp_exposed_s = max(args.dp_exposed * cand.dp_comm_s, cand.dp_comm_s - cand.compute_s)
+    cand.step_s = cand.compute_s + cand.bubble_s + cand.dp_exposed_s + cand.tp_comm_s + cand.pp_comm_s
+    cand.tokens_per_s_per_gpu = tokens / cand.step_s / args.gpus
+    cand.mfu = tokens * model_flops / cand.step_s / args.gpus / (args.peak_tflops * 1e12)
+    return cand
+
+
+def candidates(args: Any) -> tuple[list[Candidate], int]:
+    """Every valid, evaluated candidate (fitting or not) and the number of rejected ones."""
+    from torchtitan_amp import dry_run
+    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+
+    n_layers = LLAMA3_FLAVORS[args.flavor].n_layers
+    out: list[Candidate] = []
+    rejected = 0
+    for degrees in factorizations(args.gpus):
+        if not structurally_valid(degrees, args, n_layers):
+            rejected += 1
+            continue
+        r, s, t, p = degrees
+        dp = r * s
+        if args.global_batch_size % (dp * args.local_batch_size):
+            rejected += 1
+            continue
+        per_dp = args.global_batch_size // dp  # sequences per data-parallel rank per step
+        layout_args = [
+            "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
+            "--parallelism.data_parallel_replicate_degree", str(r),
+            "--parallelism.data_parallel_shard_degree", str(s),
+            "--parallelism.tensor_parallel_degree", str(t),
+            "--parallelism.pipeline_parallel_degree", str(p),
+        ]
+        if p > 1:
+            # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
+            layout_args += ["--training.local_batch_size", str(per_dp),
+                            "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
+            microbatches, accum = per_dp // args.local_batch_size, 1
+        else:
+            layout_args += ["--training.local_batch_size", str(args.local_batch_size),
+                            "--training.global_batch_size", str(args.global_batch_size)]
+            microbatches, accum = 1, per_dp // args.local_batch_size
+        for prec_name, prec_args in PRECISIONS.items():
+            for ac in AC_MODES:
+                overrides = layout_args + prec_args + ["--activation_checkpoint.mode", ac]
+                try:
+                    res = dry_run.resolve(load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]),
+                                          args.gpus)
+                except ConfigError:
+                    rejected += 1
+                    continue
+                cand = Candidate(r, s, t, p, prec_name, ac, microbatches, accum, overrides)
+                out.append(evaluate(cand, res, args))
+    return out, rejected
+
+
+def rank_key(c: Candidate) -> tuple[int, float]:
+    """Step time, with times within ~1% of each other counted as a tie (the model cannot tell
+    them apart) broken by lower memory: headroom is worth more than a rounding error."""
+    return math.floor(math.log(c.step_s) / math.log(1.01)), c.memory_gib
+
+
+def plan(args: Any, evaluated: tuple[list[Candidate], int] | None = None) -> dict[str, Any]:
+    """Rank the candidates that fit. `evaluated`: candidates() of the same job with another
+    --gpu-mem-gib (memory and time estimates do not depend on it), re-filtered here."""
+    cands, rejected = evaluated if evaluated is not None else candidates(args)
+    for c in cands:
+        c.fits = c.memory_gib <= args.gpu_mem_gib * args.mem_fraction
+    fitting = sorted((c for c in cands if c.fits), key=rank_key)
+    return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected,
+            "fitting": fitting, "not_fitting": sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)}
+
+
+def format_plan(result: dict[str, Any], top: int) -> str:
+    a = result["args"]
+    lines = [
+        f"{a['flavor']} on {a['gpus']} GPUs ({a['gpu_mem_gib']:g} GiB, {a['mem_fraction']:.0%} usable), "
+        f"seq {a['seq_len']}, global batch {a['global_batch_size']} x {a['seq_len']} tokens, "
+        f"microbatch {a['local_batch_size']} sequence(s); MFU {a['mfu']:.0%} of {a['peak_tflops']:g} TFLOP/s; "
+        f"{a['intra_node_gbps']:g} GB/s in a node of {a['gpus_per_node']}, {a['inter_node_gbps']:g} GB/s between",
+        f"{result['evaluated']} valid candidates ({result['rejected_invalid']} invalid combinations skipped), "
+        f"{len(result['fitting'])} fit in memory",
+        "",
+        f"{'#':>3} {'layout':22s} {'precision':17s} {'AC':4s} {'mb':>4s} {'mem GiB':>8s} {'step s':>8s} "
+        f"{'compute':>8s} {'bubble':>7s} {'dp exp':>7s} {'tp':>7s} {'pp':>6s} {'tok/s/GPU':>10s} {'MFU':>6s}",
+    ]
+    for i, c in enumerate(result["fitting"][:top], 1):
+        mb = c.microbatches if c.pp > 1 else c.grad_accum
+        lines.append(
+            f"{i:3d} {c.describe():22s} {c.precision:17s} {c.ac:4s} {mb:4d} {c.memory_gib:8.1f} {c.step_s:8.2f} "
+            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s:7.2f} {c.pp_comm_s:6.2f} "
+            f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}")
+    if not result["fitting"]:
+        lines.append("  (nothing fits; smallest footprints:)")
+        for c in result["not_fitting"][:5]:
+            lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.ac:4s} {c.memory_gib:8.1f} GiB")
+    lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
+              "FSDP/DDP traffic; tp/pp: TP and PP traffic time", ""]
+    for i, c in enumerate(result["fitting"][:top], 1):
+        lines.append(f"#{i}: " + " ".join(c.overrides))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", required=True, help="Model flavour (llama3_8b, llama3_70b, llama3_405b, ...).")
+    ap.add_argument("--gpus", type=int, required=True, help="Number of GPUs (the world size).")
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="Memory per GPU, GiB (default 80).")
+    ap.add_argument("--mem-fraction", type=float, default=0.9,
+                    help="Usable fraction of it (allocator fragmentation, CUDA context, NCCL buffers; default 0.9).")
+    ap.add_argument("--seq-len", type=int, default=8192, help="Tokens per sequence (default 8192).")
+    ap.add_argument("--local-batch-size", type=int, default=1,
+                    help="Sequences per forward pass: the microbatch (PP) or accumulation step (default 1).")
+    ap.add_argument("--global-batch-size", type=int, default=0,
+                    help="Sequences per optimizer step (default: gpus x local batch size).")
+    ap.add_argument("--vocab-size", type=int, default=128256, help="Vocabulary (default Llama 3's 128256).")
+    ap.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation of the compute (default 0.4).")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989: H100 SXM).")
+    ap.add_argument("--fp32-speed", type=float, default=0.5,
+                    help="fp32 compute rate relative to bf16 (default 0.5: TF32 tensor cores; ~0.07 without TF32).")
+    ap.add_argument("--intra-node-gbps", type=float, default=450.0,
+                    help="Per-GPU bandwidth inside a node, GB/s (bytes; default 450: NVLink 4 one way).")
+    ap.add_argument("--inter-node-gbps", type=float, default=50.0,
+                    help="Per-GPU bandwidth between nodes, GB/s (bytes; default 50: 400 Gb/s InfiniBand).")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8); TP stays inside a node.")
+    ap.add_argument("--dp-exposed", type=float, default=0.2,
+                    help="Fraction of FSDP/DDP traffic never hidden behind compute (default 0.2).")
+    ap.add_argument("--tp-exposed", type=float, default=1.0,
+                    help="Fraction of TP traffic on the critical path (default 1.0: no async TP).")
+    ap.add_argument("--top", type=int, default=10, help="Layouts to print (default 10).")
+    ap.add_argument("--json", default="", help="Also write every evaluated candidate to this JSON file.")
+    args = ap.parse_args(argv)
+    if args.global_batch_size <= 0:
+        args.global_batch_size = args.gpus * args.local_batch_size
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+
+    if args.flavor not in LLAMA3_FLAVORS:
+        print(f"error: unknown flavour {args.flavor!r}; choose one of {', '.join(LLAMA3_FLAVORS)}", file=sys.stderr)
+        return 2
+    result = plan(args)
+    print(format_plan(result, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {**{k: v for k, v in result.items() if k not in ("fitting", "not_fitting")},
+             "fitting": [asdict(c) for c in result["fitting"]],
+             "not_fitting": [asdict(c) for c in result["not_fitting"]]}, indent=1) + "\n")
+    return 0 if result["fitting"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

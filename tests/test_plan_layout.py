@@ -1,0 +1,136 @@
+"""scripts/plan_layout.py: valid factorizations, the memory filter, and the ranking's sense."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from torchtitan_amp import dry_run
+from torchtitan_amp.config import load_config
+from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+
+
+def _module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("plan_layout", REPO / "scripts" / "plan_layout.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["plan_layout"] = mod  # dataclasses look their module up while being built
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+pl = _module()
+
+
+EIGHT_B = ("--flavor", "llama3_8b", "--gpus", "8", "--seq-len", "8192")
+
+
+@cache
+def _evaluated() -> tuple[list, int]:
+    """8B on 8 GPUs, evaluated once; the memory limit only filters."""
+    return pl.candidates(pl.parse_args(list(EIGHT_B)))
+
+
+def _plan(*argv: str) -> dict:
+    assert argv[:len(EIGHT_B)] == EIGHT_B
+    return pl.plan(pl.parse_args(list(argv)), _evaluated())
+
+
+def test_factorizations_are_exactly_the_valid_layouts() -> None:
+    for gpus in (1, 8, 12, 64):
+        facts = pl.factorizations(gpus)
+        assert len(facts) == len(set(facts))
+        assert all(r * s * t * p == gpus for r, s, t, p in facts)
+        brute = {(r, s, t, p) for r in range(1, gpus + 1) for s in range(1, gpus + 1)
+                 for t in range(1, gpus + 1) for p in range(1, gpus + 1) if r * s * t * p == gpus}
+        assert set(facts) == brute
+    result = _plan(*EIGHT_B, "--gpu-mem-gib", "1000")
+    heads = LLAMA3_FLAVORS["llama3_8b"].n_heads
+    kv = LLAMA3_FLAVORS["llama3_8b"].n_kv_heads
+    cands = result["fitting"] + result["not_fitting"]
+    seen = {c.degrees for c in cands}
+    for r, s, t, p in seen:
+        assert 8 % t == 0 and heads % t == 0 and kv % t == 0 and p <= 32
+        assert not (r > 1 and s == 1 and t > 1), "DDP x TP is rejected by the trainer"
+    assert (1, 8, 1, 1) in seen and (8, 1, 1, 1) in seen and (1, 1, 8, 1) in seen and (1, 2, 2, 2) in seen
+    assert (2, 1, 4, 1) not in seen  # DDP x TP
+    # Every printed override set is one the trainer accepts, with the same degrees.
+    for c in cands[::17]:
+        res = dry_run.resolve(load_config(c.overrides), 8)
+        assert (res.dims.dp_replicate, res.dims.dp_shard, res.dims.tp, res.dims.pp) == c.degrees
+        assert res.layout.ac_mode == c.ac
+
+
+def test_tp_beyond_a_node_is_excluded() -> None:
+    args = pl.parse_args([*EIGHT_B, "--gpus-per-node", "4"])
+    assert not pl.structurally_valid((1, 1, 8, 1), args, 32)
+    assert pl.structurally_valid((1, 2, 4, 1), args, 32)
+    assert not pl.structurally_valid((1, 1, 1, 64), args, 32)
+
+
+def test_memory_filter() -> None:
+    small = _plan(*EIGHT_B, "--gpu-mem-gib", "40")
+    assert small["fitting"] and small["not_fitting"]
+    assert all(c.memory_gib <= 40 * 0.9 for c in small["fitting"])
+    assert all(c.memory_gib > 40 * 0.9 for c in small["not_fitting"])
+    # DDP holds the whole model's state (16 bytes/param, ~112 GiB): never fits in 40 GiB.
+    assert not any(c.degrees == (8, 1, 1, 1) for c in small["fitting"])
+    tiny = pl.plan(pl.parse_args([*EIGHT_B, "--gpu-mem-gib", "4"]))  # a full run, not re-filtered
+    assert not tiny["fitting"] and len(tiny["not_fitting"]) == len(small["fitting"]) + len(small["not_fitting"])
+    assert "nothing fits" in pl.format_plan(tiny, 5)
+
+
+def test_ranking_8b_on_8_gpus_picks_fsdp_8() -> None:
+    result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
+    best = result["fitting"][0]
+    assert best.degrees == (1, 8, 1, 1) and best.ac == "none" and best.precision.startswith("bf16")
+    keys = [pl.rank_key(c) for c in result["fitting"]]
+    assert keys == sorted(keys)
+    assert all(c.step_s >= best.step_s / 1.01 for c in result["fitting"])
+    # fp32 compute is slower than bf16 for the same layout; bf16 reduce never sends more.
+    same = {(c.precision, c.ac): c for c in result["fitting"] if c.degrees == (1, 8, 1, 1)}
+    assert same[("fp32", "full")].step_s > same[("bf16/fp32-reduce", "full")].step_s
+    assert same[("bf16/bf16-reduce", "none")].dp_comm_s < same[("bf16/fp32-reduce", "none")].dp_comm_s
+
+
+def test_more_memory_allows_less_activation_checkpointing() -> None:
+    def best_fsdp8(mem: str) -> str:
+        result = _plan(*EIGHT_B, "--gpu-mem-gib", mem)
+        return next(c for c in result["fitting"] if c.degrees == (1, 8, 1, 1)).ac
+
+    assert best_fsdp8("80") == "full"
+    assert best_fsdp8("141") == "none"
+    # And AC costs time: the same layout is faster without it.
+    result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
+    by_ac = {c.ac: c for c in result["fitting"] if c.degrees == (1, 8, 1, 1) and c.precision == "bf16/fp32-reduce"}
+    assert by_ac["full"].compute_s > by_ac["none"].compute_s
+
+
+def test_pipeline_bubble_and_bandwidth() -> None:
+    args = pl.parse_args([*EIGHT_B, "--gpu-mem-gib", "1000"])
+    result = _plan(*EIGHT_B, "--gpu-mem-gib", "1000")
+    pp = [c for c in result["fitting"] if c.pp > 1]
+    assert pp
+    for c in pp:
+        assert c.bubble_s == pytest.approx(c.compute_s * (c.pp - 1) / c.microbatches)
+    # Groups that leave the node use the inter-node bandwidth (mesh: pp, dp_replicate, dp_shard, tp).
+    assert pl._group_bandwidth("tp", (1, 8, 8, 1), args) == 450e9
+    assert pl._group_bandwidth("dp_shard", (1, 8, 8, 1), args) == 50e9
+    assert pl._group_bandwidth("dp_shard", (1, 2, 4, 1), args) == 450e9
+    assert pl._group_bandwidth("dp_replicate", (2, 2, 4, 1), args) == 50e9
+
+
+def test_cli_prints_overrides_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert pl.main([*EIGHT_B, "--gpu-mem-gib", "80", "--top", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "#1: --model.flavor llama3_8b" in text and "--parallelism.data_parallel_shard_degree" in text
+    data = json.loads(out.read_text())
+    assert len(data["fitting"]) >= 3
+    assert data["fitting"][0]["step_s"] <= 1.01 * min(c["step_s"] for c in data["fitting"])
+    assert pl.main(["--flavor", "nope", "--gpus", "8"]) == 2
