@@ -123,6 +123,10 @@ class Training:
         "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).", ("",) + DTYPES
     )
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
+    skip_nonfinite_steps: bool = _f(
+        False, "Skip (and count) a step whose loss or grad norm is inf/nan instead of stopping the job "
+        "(fp16 overflow is always handled by the loss scaler, not by this)."
+    )
     fault_inject_at_step: int = _f(
         0, "Testing only: rank fault_inject_rank exits hard (os._exit(1)) after step N, once per "
         "dump folder (a marker file there records it); 0 disables."
@@ -245,6 +249,24 @@ class DryRun:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "Write torch.profiler traces (Chrome JSON) every profile_freq steps.")
+    profile_freq: int = _f(10, "Steps between traces; each trace records one step after one warm-up step.")
+    save_traces_folder: str = _f("profile_traces", "Trace folder, under job.dump_folder.")
+    enable_memory_snapshot: bool = _f(False, "CUDA only: record allocator history, dump a snapshot at the end.")
+    save_memory_snapshot_folder: str = _f("memory_snapshot", "Snapshot folder, under job.dump_folder.")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _f(300, "Timeout for process-group start-up and the first step.")
+    timeout_seconds: int = _f(
+        600, "Timeout of every collective after the first step: a rank that died or hangs ends the "
+        "job with an error after this long instead of blocking it forever."
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -258,6 +280,8 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     dry_run: DryRun = field(default_factory=DryRun)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
     # "section.key" of every field set by TOML or CLI, so aliases can detect real conflicts.
     explicit: set[str] = field(default_factory=set, repr=False, compare=False)
     # Where each explicit field was last set ("toml" or "cli"): an alias and its canonical name
@@ -544,6 +568,9 @@ def validate(config: JobConfig) -> None:
         "'parallelism.pipeline_parallel_microbatch_size' must be >= 1",
     )
     _require(config.metrics.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {config.metrics.log_freq}")
+    for name in ("init_timeout_seconds", "timeout_seconds"):
+        value = getattr(config.comm, name)
+        _require(value >= 1, f"'comm.{name}' must be >= 1, got {value}")
     _require(config.checkpoint.interval >= 1, "'checkpoint.interval' must be >= 1")
     _require(config.checkpoint.keep_latest_k >= 0, "'checkpoint.keep_latest_k' must be >= 0")
     _require(config.checkpoint.load_step >= -1, "'checkpoint.load_step' must be -1 (newest) or a step >= 0")

@@ -83,11 +83,22 @@ def _warn_unknown_gpu(device_name: str) -> None:
     )
 
 
+def _time_mm(n: int, dtype: torch.dtype) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    start = time.perf_counter()
+    torch.mm(a, a)
+    return time.perf_counter() - start
+
+
 @functools.cache
 def _measure_cpu_matmul_flops(dtype: torch.dtype, num_threads: int) -> float:
     # CPUs have no spec-sheet number that means anything for torch's GEMM in a given dtype
     # (AMX/AVX512-bf16 vs fp32 differ several-fold), so measure what a matmul actually achieves.
-    n = _CPU_MATMUL_SIZE
+    # Grow the size only while a matmul stays cheap: fp16 GEMM on some CPUs runs at ~1 GFLOP/s,
+    # where 1024^3 would cost seconds of start-up per process.
+    n = 128
+    while n < _CPU_MATMUL_SIZE and _time_mm(2 * n, dtype) < 0.02:
+        n *= 2
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     for _ in range(_CPU_WARMUP_REPS):
