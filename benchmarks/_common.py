@@ -25,10 +25,12 @@ for p in (REPO, REPO / "scripts"):
 
 # The CPU models. "large" is the size at which this CPU's bf16 matmuls pay off (dim 1024, 8
 # layers, head dim 64, 103M parameters); the debug model's head dim 16 makes CPU bf16 attention
-# slow, so "debug_h64" (same size, 4 heads) shows the debug scale without that artefact.
+# slow, so "debug_h64" (same size, 4 heads) shows the debug scale without that artefact. "medium"
+# (dim 512, 8 layers, 27M parameters) is where parameter state outweighs small-batch activations.
 CPU_MODELS: dict[str, dict[str, Any]] = {
     "debug": {"flavor": "debugmodel"},
     "debug_h64": {"flavor": "debugmodel_h64"},
+    "medium": {"flavor": "debugmodel", "replace": {"dim": 512, "n_layers": 8, "n_heads": 8}},
     "large": {"flavor": "debugmodel", "replace": {"dim": 1024, "n_layers": 8, "n_heads": 16}},
 }
 

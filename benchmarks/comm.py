@@ -27,6 +27,7 @@ import gc
 import inspect
 import json
 import statistics
+import shlex
 import sys
 import threading
 import time
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
                       f"seq {SHAPES[m][0]} x global batch {SHAPES[m][1]}" for m in a.models.split(","))
     text = (header("Communication per step (2 CPU ranks, gloo)")
             + f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; {sizes}\n"
-            + f"command: python benchmarks/comm.py {' '.join(argv)}\n\n" + report(results) + "\n")
+            + f"command: python benchmarks/comm.py {shlex.join(argv)}\n\n" + report(results) + "\n")
     print(text)
     if a.output:
         Path(a.output).write_text(text)

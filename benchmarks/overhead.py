@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ def main(argv: list[str]) -> int:
                      for m in a.models.split(","))
     text += (f"load average at end: {load_average()}; {torch.get_num_threads()} threads; median of {a.steps} "
              f"alternating steps after {a.warmup} warm-up steps each; {seqs}\n"
-             f"command: python benchmarks/overhead.py {' '.join(argv)}\n\n")
+             f"command: python benchmarks/overhead.py {shlex.join(argv)}\n\n")
     text += md_table(["model", "precision", "hand-written loop ms", "Trainer.train_step ms", "ratio",
                       "difference ms"], rows) + "\n"
     print(text)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -149,7 +150,7 @@ def main(argv: list[str]) -> int:
     from _common import load_average
 
     text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
-             f"command: python benchmarks/precision_speed.py {' '.join(argv)}\n\n" + report(results) + "\n")
+             f"command: python benchmarks/precision_speed.py {shlex.join(argv)}\n\n" + report(results) + "\n")
     print(text)
     if a.output:
         Path(a.output).write_text(text)

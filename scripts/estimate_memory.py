@@ -58,6 +58,29 @@ MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap an
 # Estimate
 
 
+def apply_shape(flavor: str, shape: str | None) -> None:
+    """--shape dim=512,n_layers=8: change the flavour's shape in this process (a what-if, or a
+    model size between the registered flavours). Nothing on disk changes."""
+    if not shape:
+        return
+    import dataclasses
+
+    from torchtitan_amp.models import llama
+
+    fields = {f.name: f.type for f in dataclasses.fields(llama.LlamaModelArgs)}
+    changes: dict[str, Any] = {}
+    for item in shape.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in fields or not value:
+            raise ConfigError(f"--shape entry '{item}': expected KEY=VALUE with KEY one of {', '.join(fields)}")
+        try:
+            changes[key] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:
+            raise ConfigError(f"--shape entry '{item}': '{value}' is not a number") from None
+    llama.LLAMA3_FLAVORS[flavor] = dataclasses.replace(llama.LLAMA3_FLAVORS[flavor], **changes)
+
+
 def estimate(config: JobConfig, ngpu: int | None) -> dict[str, Any]:
     """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict."""
     from torchtitan_amp.dry_run import resolve
@@ -159,7 +182,7 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
     gc.collect()
 
 
-def measure_child(argv: list[str], steps: int, out_path: str) -> int:
+def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -167,6 +190,7 @@ def measure_child(argv: list[str], steps: int, out_path: str) -> int:
     from torchtitan_amp.trainer import Trainer
 
     config = load_config(argv)
+    apply_shape(config.model.flavor, shape)
     _warm_up(resolve(config, int(os.environ.get("WORLD_SIZE", "1"))).plan.param_dtype)
     marks: dict[str, int] = {}
     build = Trainer._build_model
@@ -208,13 +232,14 @@ def measure_child(argv: list[str], steps: int, out_path: str) -> int:
     return 0
 
 
-def measure(overrides: list[str], ngpu: int, steps: int, out_dir: Path) -> list[dict[str, Any]]:
+def measure(overrides: list[str], ngpu: int, steps: int, out_dir: Path,
+            shape: str | None = None) -> list[dict[str, Any]]:
     """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "measured.json"
     out.unlink(missing_ok=True)
     child = [str(Path(__file__).resolve()), "--measure-child", str(out), "--steps", str(steps),
-             *overrides, "--job.dump_folder", str(out_dir)]
+             *(["--shape", shape] if shape else []), *overrides, "--job.dump_folder", str(out_dir)]
     if ngpu > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}", *child]
     else:
@@ -266,12 +291,15 @@ def main(argv: list[str]) -> int:
                    "second runs with the optimizer state alive, the steady state)")
     p.add_argument("--out", default="outputs/estimate_memory", help="dump folder of the --measure run")
     p.add_argument("--json", metavar="FILE", help="write the estimate (and measurement) as JSON")
+    p.add_argument("--shape", metavar="K=V,...", help="change the flavour's shape, e.g. dim=512,n_layers=8,n_heads=8 "
+                   "(fields of torchtitan_amp.models.llama.LlamaModelArgs)")
     p.add_argument("--measure-child", metavar="OUT", help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args(argv)
     if args.measure_child:
-        return measure_child(overrides, args.steps, args.measure_child)
+        return measure_child(overrides, args.steps, args.measure_child, args.shape)
     try:
         config = load_config(overrides)
+        apply_shape(config.model.flavor, args.shape)
         est = estimate(config, args.ngpu)
     except (ConfigError, ValueError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
@@ -280,7 +308,7 @@ def main(argv: list[str]) -> int:
     ok = True
     if args.measure:
         start = time.perf_counter()
-        measured = measure(overrides, est["world_size"], args.steps, Path(args.out).resolve())
+        measured = measure(overrides, est["world_size"], args.steps, Path(args.out).resolve(), args.shape)
         text, ok = format_measured(est, measured)
         print(text)
         print(f"  (measurement took {time.perf_counter() - start:.1f} s)")

@@ -34,7 +34,10 @@ from torchtitan_amp.checkpoint import (
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
 
+from .conftest import RunResult, _env, run_command
+
 ROOT = Path(__file__).resolve().parents[1]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 WORKER = ROOT / "tests" / "workers" / "ckpt_jobs.py"
 TRAIN = ROOT / "train.py"
 
@@ -54,6 +57,8 @@ PRECISIONS = {
 }
 LAYOUTS = {
     "single": (1, []),
+    "tp": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "pp": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
 }
@@ -73,12 +78,6 @@ def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:
     return [*BASE, *LAYOUTS[layout][1], *PRECISIONS[precision], "--job.dump_folder", str(dump), *extra]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("MASTER_ADDR", None)
-    return env
-
-
 def _command(entry: Path, args: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
     if nproc == 1 and not max_restarts:
         return [sys.executable, str(entry), *args]
@@ -87,15 +86,15 @@ def _command(entry: Path, args: list[str], nproc: int, max_restarts: int = 0) ->
 
 
 def launch(entry: Path, args: list[str], nproc: int, *, timeout: float = 240, max_restarts: int = 0,
-           check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_command(entry, args, nproc, max_restarts), cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
+           check: bool = True) -> RunResult:
+    """One process directly (no torchrun) or torchrun with nproc ranks; one thread per rank."""
+    result = run_command(_command(entry, args, nproc, max_restarts), timeout=timeout, env=ONE_THREAD)
+    if check and result.returncode != 0:
+        pytest.fail(result.describe())
+    return result
 
 
-def launch_jobs(tmp: Path, jobs: list[dict], nproc: int, **spec_extra) -> subprocess.CompletedProcess:
+def launch_jobs(tmp: Path, jobs: list[dict], nproc: int, **spec_extra) -> RunResult:
     spec = tmp / f"spec_{len(list(tmp.glob('spec_*.json')))}.json"
     spec.write_text(json.dumps({"jobs": jobs, **spec_extra}))
     return launch(WORKER, [str(spec)], nproc, check=not spec_extra.get("crash_in_save_step"))
@@ -165,8 +164,11 @@ def matrix(tmp_path_factory):
     return run
 
 
+MATRIX_LAYOUTS = ("single", "ddp", "fsdp")
+
+
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", MATRIX_LAYOUTS)
 def test_resume_is_bitwise(matrix, layout, precision):
     root = matrix(layout)
     a, b = by_step(root / precision / "a"), by_step(root / precision / "b")
@@ -189,6 +191,21 @@ def test_resume_is_bitwise(matrix, layout, precision):
         assert len({a[s]["loss_scale"] for s in range(RESUME_FROM, STEPS + 1)}) > 1
 
 
+def test_resume_is_bitwise_tensor_and_pipeline_parallel(tmp_path):
+    """TP 2 (DTensor params, loss parallel) and PP 2 (one stage per rank, its own keys only), bf16."""
+    jobs = []
+    for layout in ("tp", "pp"):
+        a, b = tmp_path / layout / "a", tmp_path / layout / "b"
+        jobs += [{"args": job_args(layout, "bf16", a)},
+                 {"args": job_args(layout, "bf16", b),
+                  "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]]}]
+    launch_jobs(tmp_path, jobs, 2)
+    for layout in ("tp", "pp"):
+        a, b = by_step(tmp_path / layout / "a"), by_step(tmp_path / layout / "b")
+        assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1)), layout
+        assert_same_steps(b, a, range(RESUME_FROM + 1, STEPS + 1))
+
+
 def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
     root = matrix("fsdp") / "fp32"
     final = root / "b" / "checkpoint" / f"step-{STEPS}"
@@ -208,7 +225,7 @@ def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Resharding: FSDP 2 checkpoint -> single process, DDP 2, FSDP 2
+# Resharding: FSDP 2 checkpoint -> single process, DDP 2, TP 2, FSDP 2
 
 
 def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
@@ -221,9 +238,10 @@ def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
         return job_args(layout, "fp32", tmp_path / layout, "--checkpoint.folder", str(folder),
                         "--checkpoint.load_step", str(RESUME_FROM), *extra)
 
-    launch_jobs(tmp_path, [{"args": args(layout), "probe": str(tmp_path / f"probe_{layout}.json")}
-                           for layout in ("fsdp", "ddp")], 2)
-    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in ("fsdp", "ddp")}
+    two_rank = {"fsdp": (), "ddp": (), "tp": ("--checkpoint.exclude_from_loading", "dataloader")}
+    launch_jobs(tmp_path, [{"args": args(layout, *extra), "probe": str(tmp_path / f"probe_{layout}.json")}
+                           for layout, extra in two_rank.items()], 2)
+    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in two_rank}
     # One process cannot take over two ranks' data positions: it restarts the data stream.
     single = trainer_module.Trainer(load_config(args("single", "--checkpoint.exclude_from_loading", "dataloader")))
     results["single"] = probe(single)
@@ -329,15 +347,16 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     spec.write_text(json.dumps({"jobs": [{"args": args}], "step_delay": 0.5}))
     log = tmp_path / "log.txt"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(),
-                                stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(ONE_THREAD),
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_for_step(dump, 2, proc)
             sent = time.monotonic()
             os.kill(_rank_pids(proc.pid)[target_rank], signal.SIGUSR1)
             proc.wait(timeout=120)
         finally:
-            proc.kill()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - sent < 60

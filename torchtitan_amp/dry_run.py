@@ -317,16 +317,18 @@ def _report(config: JobConfig, dims: ParallelDims, plan: PrecisionPlan, args: An
 FORMULAS = {
     "params": "local elements (TP shard, then FSDP dim-0 shard, torch.chunk rows) x bytes(storage)",
     "params_padded": "FSDP2 allocates each shard padded to ceil(dim0 / dp_shard) rows",
-    "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads)",
+    "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads); a "
+             "TP-sharded embedding outside FSDP gets a replicated full-table gradient",
     "optimizer": "AdamW: exp_avg + exp_avg_sq in storage dtype (2 x params) + 4-byte fp32 step per tensor",
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
                  "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
     "activations": "in-flight microbatches x tokens x (layers x per-layer + ends); per layer (bytes/token): "
-                   "2(4d+4)/sp + k*c*d + 4(d+kv)/t + (c(2d+2kv')+4H)/t + c*d/t + 4c*f/t; full AC keeps "
+                   "2(8d+4)/sp + k*c*d + c(2d/t+2kv') + 4H/t + 4c*f/t; full AC keeps "
                    "r*d/sp per layer plus one recomputed layer (see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
-                       "rest) per forward, x2 for groups resharded after forward (backward re-gathers)",
+                       "rest) per forward, x2 for groups resharded after forward (backward re-gathers); "
+                       "under PP only when the group is sharded at that pass",
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
     "hsdp_all_reduce": "padded grad shard in reduce dtype after each reduce-scatter",
     "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "

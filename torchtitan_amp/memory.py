@@ -4,9 +4,9 @@ Used by the fake-backend dry run (`torchtitan_amp/dry_run.py`, for the terms a m
 show: activations, TP and PP traffic), by the layout planner (`scripts/plan_layout.py`, for
 everything) and by the memory estimate script. Every number is bytes on one rank for one
 optimizer step, computed from shapes alone; the formulas are stated next to the code and in
-docs/scaling.md. The dry-run tests check the parameter, gradient, optimizer and FSDP/DDP traffic
-terms here against real multi-process runs and the per-layer activation term against the tensors
-autograd actually saves.
+docs/scaling.md. tests/test_dry_run.py checks the parameter, gradient and optimizer terms and
+every traffic term here against real multi-process runs (exact, per rank, by dtype) and the
+per-layer activation term against the tensors autograd saves (exact).
 
 Conventions
 - A collective's volume is the size of the full tensor it produces or consumes: an all-gather's
@@ -549,8 +549,9 @@ class ActivationTerms:
 
 def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
     """Saved-for-backward bytes per token, the Megatron-LM estimate (Korthikanti et al. 2022,
-    s*b*h*(34 + 5*a*s/h) in 16-bit) redone for this Llama block and checked against the tensors
-    autograd saves (tests/test_dry_run.py):
+    s*b*h*(34 + 5*a*s/h) in 16-bit) redone for this Llama block; equal to the bytes autograd saves
+    in a real forward pass on CPU (tests/test_dry_run.py; the FSDP-path and TP variants follow
+    from the same tensors with other dtypes and shards):
 
         norms      2 x (8d + 4) / sp        RMSNorm upcasts: fp32 input, fp32 normalized x, rstd
         linear in  (k_attn + k_ffn) x c x d   q/k/v and w1/w3 inputs; the whole sequence (DTensor

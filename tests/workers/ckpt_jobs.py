@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torchtitan_amp import checkpoint  # noqa: E402
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
+from torchtitan_amp.parallelize import parallel_context  # noqa: E402
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 
@@ -99,8 +100,8 @@ def probe(trainer: Trainer) -> dict:
     inputs, labels = tokens[:, :-1].to(trainer.device), tokens[:, 1:].to(trainer.device)
 
     def loss_now() -> float:
-        with torch.no_grad(), trainer.plan.forward_context():
-            return float(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels))
+        with torch.no_grad(), parallel_context(trainer.dims, trainer.config), trainer.plan.forward_context():
+            return float(_full(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels)))
 
     # Digests of the full (unsharded) loaded state: equal across layouts and to the
     # checkpoint's own tensors, or something was not loaded or resharded bit for bit.

@@ -60,7 +60,7 @@ from torchtitan_amp import trainer as trainer_mod  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp.models import llama  # noqa: E402
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan  # noqa: E402
-from torchtitan_amp.trainer import Trainer  # noqa: E402
+from torchtitan_amp.trainer import Trainer, clip_grad_norm_  # noqa: E402
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
 # (local batch 2, with 4 / 2 / 1 accumulation micro-batches) see exactly the same 8 sequences per
@@ -293,6 +293,20 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def merge_ranks(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lists become their sorted union over ranks, counts their sum."""
+    merged: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, list):
+                merged[k] = sorted(set(merged.get(k, [])) | set(v))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                merged[k] = merged.get(k, 0) + v
+            else:
+                merged.setdefault(k, v)
+    return merged
+
+
 def numel_by_safety(model: nn.Module, safe: tuple[type, ...]) -> dict[str, int]:
     counts = {"safe": 0, "unsafe": 0}
     for m in model.modules():
@@ -440,7 +454,9 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
         "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "world_size")},
         "path": plan.path, "accum": trainer.accum, "loss": float(loss), "loss_dtype": dname(loss.dtype),
         "grad_norm": float(grad_norm), "stepped": bool(stepped),
-        "dtypes": recorder.as_dict(), "ops": {k: sorted(v) for k, v in ops.seen.items()},
+        # Union over ranks: under PP the loss and the last blocks run on another rank than rank 0.
+        "dtypes": merge_ranks(gather_objects(recorder.as_dict())),
+        "ops": merge_ranks(gather_objects({k: sorted(v) for k, v in ops.seen.items()})),
         "tensors": tensor_dtypes(trainer),
         "fsdp_wire": wire.as_dict(),
         "ddp_wire": dict(hook_state.bytes_sent) if hook_state is not None else None,
@@ -553,13 +569,11 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
                         ("fp32_norm", ["--mixed_precision.enabled", "false"])):
         t = make_trainer(out, name, overrides, extra + ["--training.max_norm", "1e-3"])
         loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.accum)))
-        grads = [local(p.grad) for p in params_of(t) if p.grad is not None]
         # After clipping to 1e-3 the gradients' own norm must be 1e-3: clipping acted on true grads.
-        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        if dist.is_initialized() and t.dims.fsdp_enabled:
-            dist.all_reduce(sq, group=t.dp_group)
+        # The trainer's norm (max_norm 0: measure only) covers every shard, TP and PP included.
+        post = clip_grad_norm_(t.params, 0.0, t.pp_group)
         norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.scaler.get_scale(),
-                       "post_clip_norm": float(sq.sqrt())}
+                       "post_clip_norm": float(post)}
     res["norms"] = norms
 
     # 3. Accumulation: global batch 4 x world as 4 micro-batches of 1 vs micro-batches of 4.

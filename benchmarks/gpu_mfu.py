@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Throughput, MFU and peak memory of a Llama-3-8B-shaped model on one GPU: the bf16 FSDP policy
+vs bf16 autocast vs fp32, each eager and compiled.
+
+    python benchmarks/gpu_mfu.py                  # one CUDA GPU, fits in one 10-minute call
+    benchmarks/gpu_mfu.sh                         # the same under `timeout`, JSON into $OUT
+    python benchmarks/gpu_mfu.py --tiny           # CPU (or GPU) smoke run with a tiny shape
+
+The model is Llama 3 8B's block (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256) with as
+many layers as fit: the largest count whose torchtitan_amp.memory estimate (parameters, gradients,
+AdamW state, activations) for the hungriest configuration stays under --mem-fraction of the GPU's
+memory (an out-of-memory error still lowers the count by a quarter and retries). Every
+configuration uses torchtitan_amp's own pieces in the Trainer's order: PrecisionPlan, fp32
+islands, activation checkpointing (--ac), torch.compile of each block, FSDP2 fully_shard with the
+plan's MixedPrecisionPolicy, loss_fn, clip_grad_norm_, AdamW (fused on CUDA). On one GPU the FSDP
+"shard" is the whole model (a 1-rank mesh): what is measured is the policy (bf16 gathered weights,
+fp32 master weights and gradients), which torchtitan_amp otherwise applies only with >= 2
+data-parallel ranks.
+
+Reported per configuration: tokens/s/GPU, TFLOP/s, MFU against the GPU's bf16 dense peak (as
+torchtitan: fp32 runs show what they leave unused), peak memory allocated / reserved, and the
+warm-up time (compilation). fp32 matmuls run in true fp32 unless --tf32. A time budget
+(--time-budget) skips configurations that would not finish; the JSON is rewritten after each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from torchtitan_amp import memory  # noqa: E402
+from torchtitan_amp.config import ActivationCheckpoint, load_config  # noqa: E402
+from torchtitan_amp.metrics import peak_flops  # noqa: E402
+from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs, Transformer, count_params, flops_per_token  # noqa: E402
+from torchtitan_amp.optim import build_optimizer  # noqa: E402
+from torchtitan_amp.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_amp.parallelize import apply_ac, apply_compile, apply_fsdp  # noqa: E402
+from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
+from torchtitan_amp.trainer import clip_grad_norm_, loss_fn  # noqa: E402
+
+LLAMA3_VOCAB = 128256
+CONFIGS = {
+    "fsdp": ("bf16 FSDP policy", ["--mixed_precision.param_dtype", "bfloat16"]),
+    "autocast": ("bf16 autocast", ["--mixed_precision.param_dtype", "bfloat16"]),
+    "fp32": ("fp32", ["--mixed_precision.enabled", "false"]),
+}
+# What each configuration's activations look like to torchtitan_amp.memory.
+SPEC_PATH = {"fsdp": "fsdp", "autocast": "autocast", "fp32": "full"}
+GIB = 2**30
+
+
+def model_args(a: argparse.Namespace, n_layers: int) -> LlamaModelArgs:
+    if a.tiny:
+        # The 8B block's features (GQA, FFN multiplier, scaled rope) at toy size.
+        return LlamaModelArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
+                              ffn_dim_multiplier=1.3, max_seq_len=a.seq_len)
+    return dataclasses.replace(LLAMA3_FLAVORS["llama3_8b"], n_layers=n_layers, vocab_size=LLAMA3_VOCAB,
+                               max_seq_len=a.seq_len)
+
+
+def estimated_peak(args: LlamaModelArgs, a: argparse.Namespace, configs: list[str]) -> int:
+    """The largest torchtitan_amp.memory peak estimate over the configurations."""
+    dims = memory.ModelDims.from_args(args)
+    layout = memory.Layout(seq_len=a.seq_len, local_batch_size=a.batch, ac_mode=a.ac)
+    return max(memory.estimate(dims, memory.PrecisionSpec.simple(SPEC_PATH[c]), layout).peak() for c in configs)
+
+
+def choose_layers(a: argparse.Namespace, device: torch.device, configs: list[str]) -> tuple[int, str]:
+    if a.layers != "auto":
+        return int(a.layers), "given by --layers"
+    if a.tiny or device.type != "cuda":
+        return 2, "tiny"
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = a.mem_fraction * total - 2 * GIB  # CUDA context, cuBLAS/compile workspaces
+    best = 0
+    for n in range(1, 33):
+        if estimated_peak(model_args(a, n), a, configs) <= budget:
+            best = n
+    if best == 0:
+        raise SystemExit(f"not even one 8B layer fits {a.mem_fraction:.0%} of {total / GIB:.0f} GiB at seq_len "
+                         f"{a.seq_len} x batch {a.batch}; lower --seq-len or use --ac full")
+    est = estimated_peak(model_args(a, best), a, configs)
+    return best, (f"estimated peak {est / GIB:.1f} GiB <= {a.mem_fraction:.0%} of {total / GIB:.0f} GiB - 2 GiB "
+                  f"(torchtitan_amp.memory)")
+
+
+def init_process_group(device: torch.device) -> None:
+    """A 1-rank group: FSDP2 needs a mesh even when it shards over one device."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def plan_for(name: str, device: torch.device) -> PrecisionPlan:
+    config = load_config(CONFIGS[name][1])
+    plan = PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, 1), device.type)
+    if name == "fsdp":
+        # One rank: torchtitan_amp's planner would choose autocast (no sharding); force the policy.
+        plan = dataclasses.replace(plan, path="fsdp")
+    assert plan.path == SPEC_PATH[name], (name, plan.path)
+    return plan
+
+
+def reset_memory(device: torch.device) -> int:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    import estimate_memory
+
+    estimate_memory.reset_peak_rss()
+    return estimate_memory.rss_bytes()
+
+
+def peak_memory(device: torch.device, baseline: int) -> tuple[float, float]:
+    """(allocated, reserved) peak in GiB; on CPU the RSS growth since reset_memory, twice."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+    import estimate_memory
+
+    rss = (estimate_memory.peak_rss_bytes() - baseline) / GIB
+    return rss, rss
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device,
+               mesh: Any) -> dict[str, Any]:
+    plan = plan_for(name, device)
+    args = model_args(a, n_layers)
+    torch._dynamo.reset()
+    baseline = reset_memory(device)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    fpt = flops_per_token(args, count_params(model, exclude_embedding=True), a.seq_len)
+    n_params = count_params(model)
+    # The Trainer's order (parallelize_llama): fp32 islands, (TP), AC, compile, FSDP.
+    plan.apply_fp32_islands(model)
+    if a.ac != "none":
+        apply_ac(model, ActivationCheckpoint(mode=a.ac))
+    if compiled:
+        apply_compile(model)
+    if plan.path == "fsdp":
+        apply_fsdp(model, mesh, plan, "default")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, load_config([]).optimizer, device)
+    tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step() -> torch.Tensor:
+        with plan.forward_context():
+            loss = loss_fn(plan.cast_output(model(inputs)), labels)
+        with plan.backward_context():
+            loss.backward()
+        clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    start = time.perf_counter()
+    for _ in range(a.warmup):
+        loss = step()
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    times = []
+    measure_start = time.perf_counter()
+    while len(times) < a.steps and (len(times) < 3 or time.perf_counter() - measure_start < a.max_measure_s):
+        t0 = time.perf_counter()
+        loss = step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    final_loss = float(loss)
+    allocated, reserved = peak_memory(device, baseline)
+    step_s = sorted(times)[len(times) // 2]
+    tps = a.batch * a.seq_len / step_s
+    peak = peak_flops(device, torch.bfloat16)
+    del model, optimizer, params, tokens, inputs, labels, loss
+    reset_memory(device)
+    return {"config": name, "precision": CONFIGS[name][0], "path": plan.path, "compile": compiled,
+            "layers": n_layers, "params": n_params, "flops_per_token": fpt, "step_s": step_s,
+            "steps_timed": len(times), "tokens_per_s": tps, "tflops": tps * fpt / 1e12,
+            "mfu_pct": 100 * tps * fpt / peak, "peak_flops": peak, "mem_allocated_gib": allocated,
+            "mem_reserved_gib": reserved, "warmup_s": warmup_s, "final_loss": final_loss,
+            "loss_finite": math.isfinite(final_loss)}
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| precision | compile | layers | params | tokens/s/GPU | TFLOP/s | MFU | peak mem GiB (alloc / reserved) "
+             "| warm-up s | loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {CONFIGS[r['config']][0]} | {'yes' if r['compile'] else 'no'} | {r.get('layers', '')} "
+                         f"| | {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['precision']} | {'yes' if r['compile'] else 'no'} | {r['layers']} | {r['params'] / 1e9:.2f}B "
+            f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f}% "
+            f"| {r['mem_allocated_gib']:.1f} / {r['mem_reserved_gib']:.1f} | {r['warmup_s']:.0f} | {r['final_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="toy shape (dim 64, 2 layers, seq 32): a smoke run, CPU or GPU")
+    p.add_argument("--configs", default="fsdp,autocast,fp32", help="from fsdp, autocast, fp32 (in this order)")
+    p.add_argument("--compile", default="off,on", help="off, on, or off,on (default: both, eager first)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 8192; 32 with --tiny)")
+    p.add_argument("--batch", type=int, help="sequences per step (default 1; 2 with --tiny)")
+    p.add_argument("--layers", default="auto", help="transformer blocks, or 'auto': as many as fit")
+    p.add_argument("--ac", default="none", choices=["none", "full"], help="activation checkpointing")
+    p.add_argument("--steps", type=int, help="timed steps (default 10; 2 with --tiny)")
+    p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; 1 with --tiny)")
+    p.add_argument("--max-measure-s", type=float, default=30.0, help="stop timing a config after this (>= 3 steps)")
+    p.add_argument("--time-budget", type=float, default=500.0, help="skip configs that would start after "
+                   "this many seconds minus their expected duration (default %(default)s)")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="share of GPU memory --layers auto may plan for")
+    p.add_argument("--tf32", action="store_true", help="let fp32 matmuls use TF32 tensor cores")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (rewritten after each config)")
+    a = p.parse_args(argv)
+    tiny = a.tiny
+    a.seq_len = a.seq_len or (32 if tiny else 8192)
+    a.batch = a.batch or (2 if tiny else 1)
+    a.steps = a.steps or (2 if tiny else 10)
+    a.warmup = a.warmup or (1 if tiny else 3)
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif not a.tiny:
+        print("error: no CUDA GPU here; an 8B-shaped model needs one (use --tiny for a CPU smoke run)", file=sys.stderr)
+        return 2
+    configs = [c.strip() for c in a.configs.split(",")]
+    compiles = [{"off": False, "on": True}[c.strip()] for c in a.compile.split(",")]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"error: unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = a.tf32
+    torch.backends.cudnn.allow_tf32 = a.tf32
+    start = time.perf_counter()
+    init_process_group(device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    layers, why = choose_layers(a, device, configs)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,
+            "batch": a.batch, "ac": a.ac, "tf32": a.tf32, "layers_chosen": layers, "layers_reason": why,
+            "command": shlex.join(["python", "benchmarks/gpu_mfu.py", *argv])}
+    print(f"gpu_mfu: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
+          f"{'tiny shape' if a.tiny else 'Llama-3-8B shape'}, {layers} layers ({why}); seq {a.seq_len} x batch "
+          f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "
+          f"{peak_flops(device, torch.bfloat16) / 1e12:.1f} TFLOP/s", flush=True)
+    results: list[dict[str, Any]] = []
+    durations: dict[tuple[str, bool], float] = {}
+    failed = False
+    for compiled in compiles:
+        for cfg in configs:
+            elapsed = time.perf_counter() - start
+            # Expected duration: the eager run of the same config, plus a compile allowance.
+            expected = durations.get((cfg, False), 30.0) + (90.0 if compiled else 0.0)
+            if not a.tiny and elapsed + expected > a.time_budget:
+                results.append({"config": cfg, "compile": compiled, "error": f"skipped: time budget "
+                                f"({elapsed:.0f} s used, ~{expected:.0f} s needed, --time-budget {a.time_budget:.0f})"})
+                print(f"  {cfg} compile={compiled}: skipped (time budget)", flush=True)
+                continue
+            for attempt in range(3):
+                t0 = time.perf_counter()
+                error = None
+                try:
+                    r = run_config(cfg, compiled, layers, a, device, mesh)
+                except Exception as e:  # noqa: BLE001 - report and go on: one failure must not lose the rest
+                    error = (is_oom(e), f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
+                if error is None:
+                    break
+                # Outside the except block: the traceback, which holds the failed run's tensors, is gone.
+                reset_memory(device)
+                oom, message = error
+                if oom and layers > 1 and attempt < 2:
+                    layers = max(1, layers * 3 // 4)
+                    print(f"  {cfg} compile={compiled}: out of memory, retrying with {layers} layers", flush=True)
+                    continue
+                r = {"config": cfg, "compile": compiled, "layers": layers, "error": message}
+                failed = True
+                break
+            durations[cfg, compiled] = time.perf_counter() - t0
+            results.append(r)
+            if "error" in r:
+                print(f"  {cfg} compile={compiled}: FAILED {r['error']}", flush=True)
+            else:
+                failed |= not r["loss_finite"]
+                print(f"  {r['precision']:17s} compile={'on ' if compiled else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
+                      f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
+                      f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}", flush=True)
+            if a.json:
+                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.json).write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
+    print()
+    print(table(results))
+    print(f"\n{info['command']}: {time.perf_counter() - start:.0f} s")
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
