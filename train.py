@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     from torchtitan_amp import distributed
     from torchtitan_amp.checkpoint import CheckpointError, install_preemption_handlers
     from torchtitan_amp.data import DataError
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.trainer import NonFiniteError, Trainer
 
     # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
     install_preemption_handlers()
@@ -70,6 +70,9 @@ def main(argv: list[str]) -> int:
         Trainer(config).train()
     except (ConfigError, DataError, CheckpointError) as e:
         return _fail(e)
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         distributed.shutdown()
     return 0

@@ -53,8 +53,7 @@ JOBS = {
         "pp2_fsdp2_interleaved": [*PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
         "pp2_ddp2_gpipe": [*PP, "--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.pipeline_parallel_schedule", "GPipe", "--mixed_precision.reduce_dtype", "bfloat16"],
-        # Loss parallel under PP fails in the trainer itself (DTensor losses), so it is off here.
-        "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"],
+        "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2"],
     },
 }
 

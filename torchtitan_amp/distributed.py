@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_amp.config import ConfigError, JobConfig
+
+if TYPE_CHECKING:
+    from torchtitan_amp.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,20 @@ def init(info: DistInfo, timeout_s: float = 300.0) -> None:
         store = dist.PrefixStore(f"torchtitan_amp/attempt_{attempt}", store)
         dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=info.device if info.device.type == "cuda" else None)
+
+
+def set_timeouts(timeout_s: float, dims: "ParallelDims") -> None:
+    """Give every process group the steady-state timeout: a collective that a dead or hung rank
+    never joins then fails after `timeout_s` instead of blocking the job forever."""
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    groups: list[dist.ProcessGroup | None] = [None]
+    if dims.world_size > 1:
+        mesh = dims.mesh
+        groups += [mesh.get_group(name) for name in mesh.mesh_dim_names] + [dims.dp_mesh.get_group()]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def shutdown() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import distributed
+from torchtitan_amp import distributed, profiling
 from torchtitan_amp.checkpoint import CheckpointManager, maybe_inject_fault
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training, to_toml
@@ -99,6 +101,7 @@ class Trainer:
         self.accum = grad_accum_steps(t, self.dims.dp_degree)
         self.plan = PrecisionPlan.from_config(config, self.dims, self.info.device.type)
         validate_checkpoint_config(config, self.info.world_size, self.info.device.type)
+        profiling.validate(config, self.info.device.type)
         tokenizer = build_tokenizer(config.model.tokenizer)
         self.model_args = build_model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
         validate_layout(self.dims, config, self.model_args.n_heads, self.model_args.kv_heads)
@@ -106,7 +109,7 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset, tokenizer, t.seq_len, t.local_batch_size,
                                            self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed)
 
-        distributed.init(self.info)
+        distributed.init(self.info, config.comm.init_timeout_seconds)
         self.device = self.info.device
         self.is_logging_rank = self.info.rank == 0
         if self.is_logging_rank and config.job.print_config:
@@ -138,6 +141,8 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+        self.nonfinite_skipped = 0
+        self.data_time_s = 0.0
         self.checkpointer = CheckpointManager(
             config, model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             scaler=self.scaler, dataloader=self.dataloader, model_args=self.model_args,
@@ -214,7 +219,9 @@ class Trainer:
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(self.accum):
+            data_start = time.perf_counter()
             inputs, labels = next(batches)
+            self.data_time_s += time.perf_counter() - data_start
             if self.dims.ddp_enabled:
                 # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
                 for part in self.model_parts:
@@ -223,6 +230,19 @@ class Trainer:
             self.metrics.record_tokens(inputs.numel())
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
+        if not self.scaler.enabled and not torch.isfinite(grad_norm):
+            # The norm is global, so every rank takes the same branch. Under fp16 the scaler
+            # owns this case (skip + back off), so it never gets here.
+            if not self.config.training.skip_nonfinite_steps:
+                raise NonFiniteError(
+                    f"step {self.step}: gradient norm is {float(grad_norm)} (loss on this rank "
+                    f"{float(loss_sum)}); try a lower optimizer.lr or more lr_scheduler.warmup_steps, "
+                    f"training.max_norm > 0, bfloat16 instead of float16, or "
+                    f"training.skip_nonfinite_steps = true to skip such steps")
+            self.nonfinite_skipped += 1
+            logger.warning("step %d: non-finite gradient norm %s, step skipped (%d so far)",
+                           self.step, float(grad_norm), self.nonfinite_skipped)
+            return loss_sum, grad_norm, False
         stepped = self.scaler.step(self.optimizer)
         if stepped:
             # A skipped fp16 step must not advance the schedule.
@@ -243,31 +263,95 @@ class Trainer:
         logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
                     self.info.backend, self.info.world_size) if self.is_logging_rank else None
         start = time.perf_counter()
-        while self.step < t.steps:
-            self.step += 1
-            if t.gc_freq and self.step % t.gc_freq == 0:
-                gc.collect(1)
-            lr = self.lr_scheduler.get_last_lr()[0]
-            loss, grad_norm, _ = self.train_step(batches)
-            self.tokens_seen += tokens_per_step
-            maybe_inject_fault(self.config, self.step, self.info.rank)
-            if self.metrics.should_log(self.step) or self.step == t.steps:
-                self._log(loss, grad_norm, lr)
-            stop = self.checkpointer.should_stop()  # SIGTERM/SIGUSR1 on any rank: save and exit
-            self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
-            if stop:
-                break
+        self._summary = _RunSummary(first_step=self.step, last_step=self.step)
+        with profiling.maybe_profile(self.config, self.info.rank, self.step) as prof, \
+                profiling.maybe_memory_snapshot(self.config, self.info.rank):
+            while self.step < t.steps:
+                self.step += 1
+                if t.gc_freq and self.step % t.gc_freq == 0:
+                    gc.collect(1)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                loss, grad_norm, _ = self.train_step(batches)
+                self.tokens_seen += tokens_per_step
+                if self.step == self._summary.first_step + 1:
+                    # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
+                    distributed.set_timeouts(self.config.comm.timeout_seconds, self.dims)
+                maybe_inject_fault(self.config, self.step, self.info.rank)
+                if self.metrics.should_log(self.step) or self.step == t.steps:
+                    self._log(loss, grad_norm, lr, start)
+                stop = self.checkpointer.should_stop()  # SIGTERM/SIGUSR1 on any rank: save and exit
+                saved_before = self.checkpointer.last_saved_step
+                self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
+                self._summary.checkpoints += self.checkpointer.last_saved_step != saved_before
+                if prof is not None:
+                    prof.step()
+                if stop:
+                    break
         self.checkpointer.close()
         if self.is_logging_rank:
-            logger.info("finished %d steps in %.1f s", self.step, time.perf_counter() - start)
+            self._summary.log(self.step, self.tokens_seen, time.perf_counter() - start)
         self.metrics.close()
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
-        extra = {"epoch": float(self.dataloader.epoch)}
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, start: float) -> None:
+        now = time.perf_counter()
+        steps_done = self.step - self._summary.first_step
+        extra = {"epoch": float(self.dataloader.epoch),
+                 "step_time_s": (now - self._summary.last_log_time(start)) / max(self.step - self._summary.last_step, 1),
+                 "data_time_s": self.data_time_s}
+        self.data_time_s = 0.0
+        if self.nonfinite_skipped:
+            extra["nonfinite_skipped"] = float(self.nonfinite_skipped)
         if self.scaler.enabled:
             extra.update(loss_scale=self.scaler.get_scale(), skipped_steps=float(self.scaler.skipped_steps))
         if self.pp_group is not None:
             # Only the last stage computed the loss; the others hold 0.
             loss = loss.clone()
             dist.all_reduce(loss, group=self.pp_group)
-        self.metrics.log(self.step, distributed.mean_across(loss, self.dp_group), float(grad_norm), lr, extra)
+        mean_loss = distributed.mean_across(loss, self.dp_group)
+        if not math.isfinite(mean_loss) and not self.scaler.enabled and not self.config.training.skip_nonfinite_steps:
+            raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
+                                 f"training.max_norm > 0, or training.skip_nonfinite_steps = true")
+        logged = self.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
+        self._summary.record(self.step, now, logged)
+        if self.is_logging_rank and steps_done:
+            remaining = (now - start) / steps_done * (self.config.training.steps - self.step)
+            logger.info("progress: %d/%d steps, elapsed %s, eta: %s", self.step, self.config.training.steps,
+                        _hms(now - start), _hms(remaining))
+
+
+def _hms(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradient norm became inf/nan outside fp16 loss scaling."""
+
+
+@dataclass
+class _RunSummary:
+    """What the end-of-run summary reports, gathered from the logged steps."""
+
+    first_step: int
+    last_step: int = 0
+    checkpoints: int = 0
+    _last_time: float | None = None
+    logged: list = field(default_factory=list)
+
+    def last_log_time(self, start: float) -> float:
+        return start if self._last_time is None else self._last_time
+
+    def record(self, step: int, now: float, metrics: object) -> None:
+        self.last_step, self._last_time = step, now
+        if metrics is not None:
+            self.logged.append(metrics)
+
+    def log(self, steps: int, tokens: int, wall_s: float) -> None:
+        # Step 1's throughput includes start-up; leave it out of the means when there is more.
+        steady = [m for m in self.logged if m.step > self.first_step + 1] or self.logged
+        mean = lambda key: sum(getattr(m, key) for m in steady) / max(len(steady), 1)  # noqa: E731
+        peak = max((m.memory_gib for m in self.logged), default=0.0)
+        logger.info("summary: %d steps, %s tokens, mean tps %s, mean mfu %.2f%%, peak memory %.2fGiB, "
+                    "wall time %s, checkpoints written %d", steps, f"{tokens:,}", f"{mean('tps'):,.0f}",
+                    mean("mfu"), peak, _hms(wall_s), self.checkpoints)

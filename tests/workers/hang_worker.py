@@ -1,0 +1,40 @@
+"""Rank 1 stops answering at step 3 (as if stuck or wedged); the others must not wait forever.
+
+Usage: torchrun ... hang_worker.py DUMP_FOLDER [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torchtitan_amp import distributed  # noqa: E402
+from torchtitan_amp.config import load_config  # noqa: E402
+from torchtitan_amp.trainer import Trainer  # noqa: E402
+
+HANG_AT_STEP = 3
+
+
+def main() -> None:
+    dump, overrides = sys.argv[1], sys.argv[2:]
+    trainer = Trainer(load_config(["--job.dump_folder", dump, *overrides]))
+    step_fn = trainer.train_step
+
+    def train_step(batches):  # type: ignore[no-untyped-def]
+        if int(os.environ["RANK"]) == 1 and trainer.step == HANG_AT_STEP:
+            time.sleep(600)
+        return step_fn(batches)
+
+    trainer.train_step = train_step  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:
+        distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
