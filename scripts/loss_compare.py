@@ -14,11 +14,11 @@ this script starts with torchrun (train.py with the given overrides, metrics log
         --run-b "--training.local_batch_size 2" --nproc-b 2 \\
         --rtol 1e-4
 
-    # a finished baseline against a fresh run
-    python scripts/loss_compare.py outputs/baseline --run-b "--compile.enable" --common "..."
+    # a finished baseline against a fresh run (a single override needs "=": --run-b=--compile.enable)
+    python scripts/loss_compare.py outputs/baseline --run-b="--compile.enable" --common "..."
 
-It prints one row per step (loss of A and B, absolute and relative difference) and the maximum
-differences. For CI:
+It prints one row per step (loss of A and B, absolute difference, and relative difference |A - B|
+/ |A|: A is the reference) and the maximum differences. For CI:
 
 - `--assert-equal`: exit 1 unless both runs logged the same steps with bit-identical losses;
 - `--rtol R` / `--atol A`: exit 1 if any step's relative / absolute difference exceeds R / A.
@@ -99,9 +99,10 @@ class Row:
 
     @property
     def rel_diff(self) -> float:
+        """Relative to A, the reference side (to the larger value where A is 0)."""
         if self.a == self.b:  # also 0 == 0
             return 0.0
-        return abs(self.a - self.b) / max(abs(self.a), abs(self.b))
+        return abs(self.a - self.b) / (abs(self.a) or abs(self.b))
 
 
 @dataclass

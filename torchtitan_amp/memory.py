@@ -735,10 +735,9 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
 
 
 def pp_dtype(prec: PrecisionSpec, layout: Layout) -> str:
-    """dtype of the tensors stages exchange: under FSDP each stage is an FSDP root whose policy
-    casts its output to mixed_precision.output_dtype (fp32 by default), so hidden states travel in
-    the output dtype; otherwise in the residual dtype."""
-    return prec.output if layout.dp_shard > 1 else prec.residual
+    """dtype of the tensors stages exchange: the residual stream's (param dtype under FSDP, whose
+    non-last stage roots do not cast to output_dtype; fp32 under autocast)."""
+    return prec.residual
 
 
 def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:

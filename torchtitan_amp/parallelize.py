@@ -234,7 +234,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
               reshard_after_forward=_reshard(reshard_policy, i == len(blocks) - 1))
         plan.cast_block_inputs(block)
     # The root's forward ends the step, so keeping its params gathered saves one all-gather.
-    shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=plan.output_dtype),
+    # Only the stage that produces logits casts to output_dtype: earlier pipeline stages send
+    # hidden states to the next stage in param dtype, not at twice the bytes in fp32.
+    output_dtype = plan.output_dtype if model.output is not None else None
+    shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=output_dtype),
           reshard_after_forward=_reshard(reshard_policy, True))
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 

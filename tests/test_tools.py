@@ -1,0 +1,293 @@
+"""The numerics and benchmark tools of issue 6: scripts/loss_compare.py, scripts/numerics_matrix.py,
+scripts/estimate_memory.py and the CPU tiny-shape mode of benchmarks/gpu_mfu.py.
+
+Launches are the cost (~5 s of start-up each on 2 cores), so one small numerics matrix (3 steps,
+single + DDP 2, fp32 + bf16) is shared by the matrix and loss_compare tests, and the estimate is
+checked against two measured runs only (debug model, fp32, AC none and full). No timing asserts:
+the benchmarks themselves are not tests (docs/performance.md has their numbers).
+
+Memory tolerance (stated, and measured on this 2-core CPU, torch 2.13): parameters + gradients +
+AdamW state summed over the real tensors equal the estimate exactly; the RSS growth from just before
+model build to the peak of 2 training steps was 0.96-1.09x the estimate over fp32/bf16, AC none/full,
+single/DDP 2/FSDP 2 (debug model, seq 256 x batch 8), so the test allows 0.8-1.25x; the AC saving
+(peak without AC minus peak with full AC) is allowed +-25% of the estimated saving.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_command, run_python
+
+SCRIPTS = REPO / "scripts"
+BENCH = REPO / "benchmarks"
+
+
+def _load(path: Path):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_metrics(path: Path, losses: dict[int, float | None]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "loss": v, "grad_norm": 1.0}) + "\n" for s, v in losses.items()))
+    return path
+
+
+def _compare(*args: str):  # type: ignore[no-untyped-def]
+    return run_python(str(SCRIPTS / "loss_compare.py"), *args, timeout=600)
+
+
+# ---------------------------------------------------------------------------------------------
+# loss_compare: reading, differences and exit codes (no training)
+
+
+def test_loss_compare_checks_and_exit_codes(tmp_path: Path) -> None:
+    base = {1: 5.0, 2: 4.0, 3: 3.0}
+    a = _write_metrics(tmp_path / "a" / "metrics.jsonl", base)
+    same = _write_metrics(tmp_path / "same.jsonl", base)
+    # Step 2 off by 4e-3 absolute = 1e-3 relative; a resumed run re-logs step 3 (the last entry wins).
+    off = _write_metrics(tmp_path / "off.jsonl", {1: 5.0, 2: 4.004, 3: 9.0})
+    with off.open("a") as fh:
+        fh.write(json.dumps({"step": 3, "loss": 3.0}) + "\n")
+
+    r = _compare(str(a.parent), str(same), "--assert-equal")  # a dump folder or a file
+    assert r.returncode == 0 and "bit-identical: yes" in r.stdout and "PASS" in r.stdout, r.describe()
+
+    r = _compare(str(a), str(off), "--assert-equal")
+    assert r.returncode == 1 and "--assert-equal" in r.stderr, r.describe()
+    assert "max abs diff 4.000e-03, max rel diff 1.000e-03 over 3 common steps" in r.stdout, r.stdout
+    row2 = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["2"])
+    assert row2.split()[1:] == ["4.0000000", "4.0040000", "4.000e-03", "1.000e-03"], row2
+
+    assert _compare(str(a), str(off), "--rtol", "2e-3").returncode == 0
+    assert _compare(str(a), str(off), "--rtol", "5e-4").returncode == 1
+    assert _compare(str(a), str(off), "--atol", "5e-3").returncode == 0
+    assert _compare(str(a), str(off), "--atol", "1e-3").returncode == 1
+    # Without a check the comparison only reports.
+    assert _compare(str(a), str(off)).returncode == 0
+
+    nan = _write_metrics(tmp_path / "nan.jsonl", {1: 5.0, 2: None, 3: 3.0})
+    assert _compare(str(a), str(nan), "--rtol", "1").returncode == 1  # a diverged run never passes
+    fewer = _write_metrics(tmp_path / "fewer.jsonl", {1: 5.0, 2: 4.0})
+    r = _compare(str(a), str(fewer), "--assert-equal")
+    assert r.returncode == 1 and "steps only in one run: [3]" in r.stderr, r.describe()
+
+    for bad in ([str(a), str(tmp_path / "missing")], [str(a)], [str(a), str(_write_metrics(tmp_path / "x.jsonl", {9: 1.0}))]):
+        r = _compare(*bad)
+        assert r.returncode == 2, (bad, r.describe())
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics_matrix: which runs exist, and a small real matrix shared with loss_compare's run mode
+
+
+def test_numerics_matrix_covers_every_layout_and_precision() -> None:
+    nm = _load(SCRIPTS / "numerics_matrix.py")
+    runs, notes = nm.select_runs(4, None)
+    got = {(r.layout.name, r.precision.name) for r in runs}
+    layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2"}
+    assert {layout.name for layout in nm.LAYOUTS} == layouts
+    for layout in layouts:
+        assert (layout, "fp32") in got and (layout, "bf16") in got, layout
+    dp = {"DDP 2", "FSDP 2", "HSDP 2x2", "FSDP 2 x TP 2"}
+    assert {lay for lay, p in got if p == "bf16 + bf16 reduce"} == dp
+    assert {lay for lay, p in got if p == "fp16 + loss scaling"} == {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2"}
+    assert {lay for lay, p in got if p == "pure bf16"} == {"single", "DDP 2", "FSDP 2"}
+    # Every combination left out says why; --max-procs drops the 4-process layouts.
+    assert all("not run (" in n for n in notes) and len(notes) == len(nm.SKIPPED)
+    runs2, notes2 = nm.select_runs(2, None)
+    assert max(r.layout.nproc for r in runs2) == 2 and any("--max-procs 2" in n for n in notes2)
+    # Data-parallel layouts split the same global batch.
+    a = nm.parse_args(["--global-batch", "4"])
+    hsdp = next(r for r in runs if r.layout.name == "HSDP 2x2")
+    args = nm.train_args(hsdp, a)
+    assert args[args.index("--training.local_batch_size") + 1] == "1"
+
+
+MATRIX_ONLY = "^(single / bf16|DDP 2 / fp32|DDP 2 / bf16)$"
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("matrix")
+    r = run_python(str(SCRIPTS / "numerics_matrix.py"), "--steps", "3", "--max-procs", "2", "--only", MATRIX_ONLY,
+                   "--out", str(out), "--output", str(out / "table.md"), timeout=900)
+    assert r.returncode == 0, r.describe()
+    return out, (out / "table.md").read_text()
+
+
+def _rows(md: str) -> dict[tuple[str, str], list[str]]:
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 8 and cells[0] not in ("layout", "---"):
+            rows[cells[0], cells[1]] = cells
+    return rows
+
+
+def test_numerics_matrix_table(matrix: tuple[Path, str]) -> None:
+    _, md = matrix
+    assert md.startswith("Command: `python scripts/numerics_matrix.py --steps 3 --max-procs 2 --only")
+    rows = _rows(md)
+    assert set(rows) == {("single", "fp32"), ("single", "bf16"), ("DDP 2", "fp32"), ("DDP 2", "bf16")}, md
+    assert {k: v[2] for k, v in rows.items()} == {("single", "fp32"): "full", ("single", "bf16"): "autocast",
+                                                  ("DDP 2", "fp32"): "full", ("DDP 2", "bf16"): "autocast"}
+
+    def max_abs(cell: str) -> float:
+        return float(cell.split()[0])
+
+    # fp32 DDP differs from one process by reduction order only; bf16 differs visibly but little.
+    assert max_abs(rows["DDP 2", "fp32"][5]) < 1e-5, rows["DDP 2", "fp32"]
+    for key in (("single", "bf16"), ("DDP 2", "bf16")):
+        assert 1e-5 < max_abs(rows[key][5]) < 5e-2, rows[key]
+    # DDP bf16 against single-process bf16: the same arithmetic up to reduction order.
+    assert max_abs(rows["DDP 2", "bf16"][6]) < 1e-3, rows["DDP 2", "bf16"]
+    assert rows["single", "fp32"][6] == "(reference)"
+
+
+def test_loss_compare_runs_train(matrix: tuple[Path, str], tmp_path: Path) -> None:
+    """Run mode: a fresh single-process fp32 run reproduces the matrix's reference bit for bit (same
+    seed, data and process count), and differs from the bf16 run."""
+    out, _ = matrix
+    nm = _load(SCRIPTS / "numerics_matrix.py")
+    ref = next(r for r in nm.select_runs(1, None)[0] if r.label == "single / fp32")
+    args = nm.train_args(ref, nm.parse_args(["--steps", "3"]))
+    r = _compare("--run-a", shlex.join(args), "--nproc-a", "1", str(out / ref.key), "--assert-equal",
+                 "--out", str(tmp_path), "--json", str(tmp_path / "cmp.json"))
+    assert r.returncode == 0, r.describe()
+    cmp = json.loads((tmp_path / "cmp.json").read_text())
+    assert cmp["steps"] == [1, 2, 3] and cmp["bit_identical"] and cmp["a"][-1] < cmp["a"][0]
+    r = _compare(str(tmp_path / "a"), str(out / "single_bf16"), "--rtol", "1e-6")
+    assert r.returncode == 1 and "--rtol 1e-06" in r.stderr, r.describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# estimate_memory
+
+
+def _estimate(tmp_path: Path, name: str, *args: str):  # type: ignore[no-untyped-def]
+    out = tmp_path / f"{name}.json"
+    r = run_python(str(SCRIPTS / "estimate_memory.py"), *args, "--json", str(out), "--out", str(tmp_path / name),
+                   timeout=600)
+    assert r.returncode == 0, r.describe()
+    return json.loads(out.read_text()), r
+
+
+def _total(by_dtype: dict[str, int]) -> int:
+    return sum(by_dtype.values())
+
+
+def test_estimate_memory_llama3_8b(tmp_path: Path) -> None:
+    base = ("--job.config_file", "train_configs/llama3_8b.toml", "--dry_run.vocab_size", "128256")
+    est, r = _estimate(tmp_path, "fsdp8", "--ngpu", "8", *base)
+    assert "llama3_8b (8,030,261,248 params), rank 0 of 8" in r.stdout, r.stdout
+    st = est["state"]
+    # fp32 master weights, sharded 8 ways (dims of the 8B model all divide by 8: no padding).
+    assert _total(st["params"]) == _total(st["params_padded"]) == 8_030_261_248 * 4 // 8
+    assert st["grads"] == st["params"]
+    assert _total(st["optimizer"]) == 2 * _total(st["params"]) + 4 * st["num_tensors"]
+    acts = est["activations"]
+    assert acts["full"] < acts["configured"] < acts["none"]  # selective(op) in the config
+    assert est["peak"]["ac_none"] - est["peak"]["ac_full"] == acts["none"] - acts["full"]
+    assert _total(est["transient"]) > 0 and est["precision"]["path"] == "fsdp"
+    # Pure bf16 halves the state; TP 2 halves it per rank again and shrinks the activations.
+    bf16, _ = _estimate(tmp_path, "bf16", "--ngpu", "8", *base, "--training.dtype", "bfloat16",
+                        "--mixed_precision.enabled", "false")
+    assert bf16["state"]["params"] == {"bfloat16": _total(st["params"]) // 2}
+    tp, _ = _estimate(tmp_path, "tp", "--ngpu", "8", *base, "--parallelism.tensor_parallel_degree", "2")
+    assert _total(tp["state"]["params"]) == pytest.approx(_total(st["params"]), rel=1e-3)  # 4 x 2 vs 8 shards
+    assert tp["activations"]["none"] < acts["none"]
+    r = run_python(str(SCRIPTS / "estimate_memory.py"), "--training.stepz", "1")
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown config key 'training.stepz'"), r.describe()
+
+
+MEASURE = ("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "8",
+           "--mixed_precision.enabled", "false", "--measure")
+
+
+def test_estimate_memory_matches_measured_cpu_run(tmp_path: Path) -> None:
+    results = {}
+    for ac in ("none", "full"):
+        est, r = _estimate(tmp_path, ac, *MEASURE, "--activation_checkpoint.mode", ac)
+        print(r.stdout.splitlines()[-2])
+        (m,) = est["measured"]
+        # Exact: the tensors the trainer holds after 2 steps are what the formulas say.
+        for key in ("params", "grads", "optimizer"):
+            assert m[key] == est["state"][key], (key, m[key], est["state"][key])
+        assert "(= estimate)" in r.stdout
+        peak = est["peak"]["configured"]
+        ratio = m["rss_peak_delta"] / peak
+        assert 0.8 < ratio < 1.25, (ac, m["rss_peak_delta"], peak)
+        state = sum(_total(est["state"][k]) for k in ("params", "grads", "optimizer"))
+        assert 0.9 < m["rss_end_delta"] / state < 1.5, (ac, m["rss_end_delta"], state)
+        results[ac] = (m["rss_peak_delta"], est["activations"])
+    measured_saving = results["none"][0] - results["full"][0]
+    acts = results["none"][1]
+    estimated_saving = acts["none"] - acts["full"]
+    assert estimated_saving > 100 * 2**20  # ~209 MiB: the check below has something to measure
+    assert abs(measured_saving - estimated_saving) < 0.25 * estimated_saving, (measured_saving, estimated_saving)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks: the GPU script's CPU tiny mode (through its wrapper), and every benchmark's --help
+
+
+@pytest.fixture(scope="module")
+def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    if shutil.which("timeout") is None:
+        pytest.skip("benchmarks/gpu_mfu.sh needs coreutils' timeout")
+    out = tmp_path_factory.mktemp("gpu_mfu")
+    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu"], timeout=900,
+                    env={"OUT": str(out), "PYTHON": sys.executable})
+    assert (out / "gpu_mfu.json").is_file(), r.describe()
+    data = json.loads((out / "gpu_mfu.json").read_text())
+    data["returncode"], data["output"] = r.returncode, r.output
+    return data
+
+
+def test_gpu_mfu_tiny_runs_on_cpu(gpu_tiny: dict) -> None:
+    results = {(r["config"], r["compile"]): r for r in gpu_tiny["results"]}
+    assert set(results) == {(c, comp) for c in ("fsdp", "autocast", "fp32") for comp in (False, True)}
+    assert gpu_tiny["layers_chosen"] == 2 and gpu_tiny["device"] == "CPU"
+    ok = [k for k in results if k != ("fsdp", True)]
+    for key in ok:
+        r = results[key]
+        assert "error" not in r, (key, r)
+        assert r["loss_finite"] and 4.0 < r["final_loss"] < 7.0, r  # ln(256) = 5.5 at init
+        assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["steps_timed"] == 2
+        assert r["path"] == {"fsdp": "fsdp", "autocast": "autocast", "fp32": "full"}[key[0]]
+    # Every precision trains the same tiny model from the same seed: close losses, not equal ones.
+    eager = [results[c, False]["final_loss"] for c in ("fsdp", "autocast", "fp32")]
+    assert max(eager) - min(eager) < 0.05 and len(set(eager)) > 1, eager
+    assert "| precision | compile | layers |" in gpu_tiny["output"]
+
+
+@pytest.mark.xfail(strict=True, reason="framework bug, reported: on the FSDP path apply_fsdp makes RMSNorm/"
+                   "Embedding their own fp32 fully_shard groups; their hooks run inside blocks that apply_compile "
+                   "compiled with fullgraph=True, and dynamo refuses them ('Attempted to call function marked as "
+                   "skipped'). train.py --compile.enable with data_parallel_shard_degree 2 fails the same way.")
+def test_gpu_mfu_tiny_fsdp_policy_compiles(gpu_tiny: dict) -> None:
+    r = next(r for r in gpu_tiny["results"] if r["config"] == "fsdp" and r["compile"])
+    assert "error" not in r, r["error"]
+    assert gpu_tiny["returncode"] == 0
+
+
+@pytest.mark.parametrize("script", ["precision_speed.py", "overhead.py", "comm.py", "memory_peak.py", "gpu_mfu.py"])
+def test_benchmark_help(script: str) -> None:
+    r = run_python(str(BENCH / script), "--help", timeout=120)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.describe()
+    first = r.stdout.split("\n\n")[1] if "\n\n" in r.stdout else ""
+    assert len(first) > 20, r.stdout
