@@ -349,14 +349,21 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     with open(log, "w") as fh:
         proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(ONE_THREAD),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        ranks: dict[int, int] = {}
         try:
             _wait_for_step(dump, 2, proc)
+            ranks = _rank_pids(proc.pid)
             sent = time.monotonic()
-            os.kill(_rank_pids(proc.pid)[target_rank], signal.SIGUSR1)
+            os.kill(ranks[target_rank], signal.SIGUSR1)
             proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
+            if proc.poll() is None:  # hung: kill torchrun and its workers, which may have left its group
                 os.killpg(proc.pid, signal.SIGKILL)
+                for pid in ranks.values():
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
     out = log.read_text()
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - sent < 60

@@ -366,6 +366,11 @@ class LossScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:
+            if self.scaler._scale is None:
+                # A pipeline stage without the loss never called scale(): create the scale the
+                # same lazy way, so that unscale_ / step / update run (and agree) on every rank.
+                device = next(p.device for g in optimizer.param_groups for p in g["params"])
+                self.scaler.scale(torch.zeros((), device=device))
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
