@@ -6,8 +6,11 @@ policy, single process and 2 ranks, for the debug model and a 103M model (dim 10
     python benchmarks/precision_speed.py --models debug_h64 --steps 5 --output /tmp/speed.md
 
 Every configuration trains through torchtitan_amp's Trainer (train_step), one torchrun launch per
-process count. The global batch is the same in every layout (2 ranks run half the local batch), so
-the tokens per step are equal and step times compare directly. MFU = achieved FLOP/s per process /
+process count. fp32 and bf16 Trainers of the same model and layout are built side by side in one
+process and their timed steps alternate, so that load from other processes on a shared machine
+hits both alike: the speed-up column is the robust number, absolute times are not. The global
+batch is the same in every layout (2 ranks run half the local batch), so the tokens per step are
+equal and step times compare directly. MFU = achieved FLOP/s per process /
 the bf16 matmul peak this CPU reached with the same thread count, measured at start-up the way
 torchtitan_amp.metrics does (so fp32 runs show what they leave on the table, like torchtitan's
 GPU MFU). FSDP needs at least 2 data-parallel ranks in torchtitan_amp, so the FSDP policy appears
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CPU_MODELS, REPO, header, md_table, num_params, run_jobs, summarize, use_model  # noqa: E402
+from _common import CPU_MODELS, header, md_table, num_params, run_jobs, summarize, use_model  # noqa: E402
 
 SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}  # seq_len, global batch
 FP32 = ["--mixed_precision.enabled", "false"]
@@ -54,24 +57,33 @@ def worker(spec_path: str, out_path: str) -> int:
     peaks = {name: peak_flops(cpu, dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     results = []
     for job in jobs:
+        # Both precisions of a (model, layout) live in this process and their steps alternate
+        # (fp32, bf16, fp32, ...), so load changes on a shared machine hit both alike.
         overrides = use_model(job["model"])
-        trainer = Trainer(load_config([*overrides, *job["args"]]))
-        with torch.random.fork_rng(devices=[]):
-            batches = iter(trainer.dataloader)
+        trainers, iters = [], []
+        for prec in job["precisions"]:
+            trainer = Trainer(load_config([*overrides, *job["args"], *prec["args"]]))
+            with torch.random.fork_rng(devices=[]):
+                iters.append(iter(trainer.dataloader))
+            trainers.append(trainer)
         for _ in range(job["warmup"]):
-            trainer.train_step(batches)
-        if dist.is_initialized():
-            dist.barrier()
-        times = []
+            for trainer, batches in zip(trainers, iters):
+                trainer.train_step(batches)
+        times: list[list[float]] = [[] for _ in trainers]
         for _ in range(job["steps"]):
-            start = time.perf_counter()
-            trainer.train_step(batches)
-            times.append(time.perf_counter() - start)
-        results.append({**job, "times": times, "path": trainer.plan.path,
-                        "flops_per_token": trainer.flops_per_token, "threads": torch.get_num_threads(),
-                        "world_size": trainer.info.world_size, "peaks": peaks})
-        trainer.metrics.close()
-        del trainer, batches
+            for i, (trainer, batches) in enumerate(zip(trainers, iters)):
+                if dist.is_initialized():
+                    dist.barrier()
+                start = time.perf_counter()
+                trainer.train_step(batches)
+                times[i].append(time.perf_counter() - start)
+        for prec, trainer, t in zip(job["precisions"], trainers, times):
+            results.append({**{k: v for k, v in job.items() if k not in ("precisions", "args")},
+                            "precision": prec["name"], "times": t, "path": trainer.plan.path,
+                            "flops_per_token": trainer.flops_per_token, "threads": torch.get_num_threads(),
+                            "world_size": trainer.info.world_size, "peaks": peaks})
+            trainer.metrics.close()
+        del trainers, iters, trainer, batches
         gc.collect()
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -85,15 +97,15 @@ def jobs_for(nproc: int, models: list[str], steps: int, warmup: int, out: Path) 
         seq, batch = SHAPES[model]
         big = model == "large"
         for layout, layout_args in LAYOUTS[nproc]:
-            for prec, prec_args in (("fp32", FP32), ("bf16", BF16)):
-                jobs.append({
-                    "model": model, "layout": layout, "precision": prec, "nproc": nproc,
-                    "tokens_per_step": seq * batch, "warmup": 1 if big else warmup, "steps": steps,
-                    "args": ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch // nproc),
-                             "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2",
-                             "--job.dump_folder", str(out / f"{model}_{layout}_{prec}".replace(" ", "")),
-                             *layout_args, *prec_args],
-                })
+            folder = out / f"{model}_{layout}".replace(" ", "")
+            jobs.append({
+                "model": model, "layout": layout, "nproc": nproc, "tokens_per_step": seq * batch,
+                "warmup": 1 if big else warmup, "steps": steps,
+                "args": ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch // nproc),
+                         "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2", *layout_args],
+                "precisions": [{"name": name, "args": [*args, "--job.dump_folder", str(folder / name)]}
+                               for name, args in (("fp32", FP32), ("bf16", BF16))],
+            })
     return jobs
 
 

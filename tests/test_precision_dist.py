@@ -48,6 +48,10 @@ CURVE_MEAN_TOL = 2e-3
 STEP1_TOL, STEP1_MIN = 2e-3, 1e-5
 # Step 1 between two mixed-precision paths of one family: measured 5e-7.
 SAME_FAMILY_STEP1_TOL = 1e-5
+# TP and PP split the same bf16 matmuls differently (sharded reductions, microbatches of 1), so
+# their step-1 loss rounds differently from single's: measured 2.5e-5 (PP); still far below the
+# 3.4e-4 by which bf16 differs from fp32.
+SPLIT_MATMUL_STEP1_TOL = 1e-4
 # Whole curve, fp32 single process vs fp32 DDP (same micro-batch grouping per rank): measured 4.8e-7.
 FP32_CURVE_TOL = 1e-5
 
@@ -283,10 +287,10 @@ def test_loss_curves_match_fp32_reference(run):  # type: ignore[no-untyped-def]
 
 def test_mixed_precision_paths_agree_tighter_within_a_family(run):  # type: ignore[no-untyped-def]
     step1 = {name: _curve(run(name))[0] for name in LAYOUTS}
-    for family in ("autocast", "fsdp"):
-        names = [n for n in LAYOUTS if LAYOUTS[n].family == family]
-        for other in names[1:]:
-            assert abs(step1[other] - step1[names[0]]) < SAME_FAMILY_STEP1_TOL, step1
+    for names in (("single", "ddp"), ("fsdp", "hsdp")):
+        assert abs(step1[names[1]] - step1[names[0]]) < SAME_FAMILY_STEP1_TOL, step1
+    for name in ("tp", "pp"):
+        assert abs(step1[name] - step1["single"]) < SPLIT_MATMUL_STEP1_TOL, step1
     # Across families the numerics differ (bf16 residual stream under FSDP), but by less than
     # either differs from fp32 at step 1.
     assert abs(step1["fsdp"] - step1["single"]) < STEP1_TOL

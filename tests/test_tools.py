@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
-import re
 import shlex
 import shutil
 import sys
@@ -30,6 +28,7 @@ from tests.conftest import REPO, run_command, run_python
 
 SCRIPTS = REPO / "scripts"
 BENCH = REPO / "benchmarks"
+HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "cc"))
 
 
 def _load(path: Path):  # type: ignore[no-untyped-def]
@@ -250,8 +249,10 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if shutil.which("timeout") is None:
         pytest.skip("benchmarks/gpu_mfu.sh needs coreutils' timeout")
     out = tmp_path_factory.mktemp("gpu_mfu")
-    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu"], timeout=900,
-                    env={"OUT": str(out), "PYTHON": sys.executable})
+    # Inductor on CPU needs a C++ compiler; without one only the eager configurations run.
+    compiles = "off,on" if HAVE_COMPILER else "off"
+    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", "--compile", compiles],
+                    timeout=900, env={"OUT": str(out), "PYTHON": sys.executable})
     assert (out / "gpu_mfu.json").is_file(), r.describe()
     data = json.loads((out / "gpu_mfu.json").read_text())
     data["returncode"], data["output"] = r.returncode, r.output
@@ -259,8 +260,11 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_gpu_mfu_tiny_runs_on_cpu(gpu_tiny: dict) -> None:
+    """All three precisions, eager and (with a C++ compiler) compiled, train the tiny shape: a cold
+    inductor cache makes the first run ~1.5 min on 2 cores, a warm one ~15 s."""
     results = {(r["config"], r["compile"]): r for r in gpu_tiny["results"]}
-    assert set(results) == {(c, comp) for c in ("fsdp", "autocast", "fp32") for comp in (False, True)}
+    compiled = (False, True) if HAVE_COMPILER else (False,)
+    assert set(results) == {(c, comp) for c in ("fsdp", "autocast", "fp32") for comp in compiled}
     assert gpu_tiny["layers_chosen"] == 2 and gpu_tiny["device"] == "CPU"
     ok = [k for k in results if k != ("fsdp", True)]
     for key in ok:
@@ -275,6 +279,7 @@ def test_gpu_mfu_tiny_runs_on_cpu(gpu_tiny: dict) -> None:
     assert "| precision | compile | layers |" in gpu_tiny["output"]
 
 
+@pytest.mark.skipif(not HAVE_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
 @pytest.mark.xfail(strict=True, reason="framework bug, reported: on the FSDP path apply_fsdp makes RMSNorm/"
                    "Embedding their own fp32 fully_shard groups; their hooks run inside blocks that apply_compile "
                    "compiled with fullgraph=True, and dynamo refuses them ('Attempted to call function marked as "

@@ -118,7 +118,7 @@ def test_single_process_run(tmp_path: Path) -> None:
     # --job.print_config prints the resolved config, CLI overrides included.
     assert "resolved config" in result.stdout and "[training]" in result.stdout
     assert "seq_len = 64" in result.stdout and "steps = 10" in result.stdout
-    assert "step:" in result.stdout and "finished 10 steps" in result.stdout
+    assert "step:" in result.stdout and "summary: 10 steps" in result.stdout
     assert (result.dump_folder / "precision_report.json").is_file()
     assert "Traceback" not in result.output
 
@@ -191,7 +191,7 @@ def test_launcher_default_debug_run(tmp_path: Path) -> None:
     result = launcher(tmp_path, "--training.steps", "3")
     assert result.returncode == 0, result.describe()
     assert "step:   1" in result.stdout and "step:   3" in result.stdout
-    assert "finished 3 steps" in result.stdout
+    assert "summary: 3 steps" in result.stdout
     assert [r["step"] for r in result.metrics] == [1, 3]  # log_freq 10: the first and the last step
 
 

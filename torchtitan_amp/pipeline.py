@@ -31,6 +31,7 @@ class Pipeline:
     model_parts: list[nn.Module]
     has_first_stage: bool
     has_last_stage: bool
+    n_microbatches: int
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """Forward + backward of one batch; returns the last stage's per-microbatch losses."""
@@ -166,10 +167,11 @@ def build_pipeline(
         parts.append(part)
         stages.append(_Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
     schedule_cls = get_schedule_class(p.pipeline_parallel_schedule)
-    if issubclass(schedule_cls, PipelineScheduleMulti):
-        schedule = schedule_cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    else:
-        schedule = schedule_cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+    # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
+    # holds, including those accumulated by earlier gradient-accumulation steps. The loss
+    # function divides by n_microbatches instead (see Trainer._pipeline_loss).
+    stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
+    schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     logger.info("pipeline: %s, %d stages, layer boundaries %s, %d microbatches; this rank holds stages %s",
                 p.pipeline_parallel_schedule, num_stages, boundaries, n_microbatches, stage_ids)
-    return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids)
+    return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches)

@@ -192,8 +192,10 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
 
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss on the last stage, called by the schedule per microbatch (scaled for fp16)."""
-        return self.scaler.scale(loss_fn(self.plan.cast_output(output), labels) / self.accum)
+        """Loss on the last stage, called by the schedule per microbatch (scaled for fp16); divided
+        so that the microbatches of all accumulation steps sum to the batch mean."""
+        loss = loss_fn(self.plan.cast_output(output), labels) / (self.accum * self.pipeline.n_microbatches)
+        return self.scaler.scale(loss)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss)."""
@@ -202,8 +204,8 @@ class Trainer:
                 losses = self.pipeline.step(inputs, labels)
             if not losses:
                 return torch.zeros((), device=self.device)
-            # The schedule saw scaled losses; report the true one.
-            return torch.stack([x.detach().float() for x in losses]).mean() / self.scaler.get_scale()
+            # The schedule saw scaled, pre-divided losses: their sum is this step's share of the mean.
+            return torch.stack([x.detach().float() for x in losses]).sum() / self.scaler.get_scale()
         with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs))
             loss = loss_fn(logits, labels) / self.accum
