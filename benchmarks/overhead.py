@@ -9,9 +9,9 @@ The hand-written loop is nanoGPT's: `torch.autocast` around forward + loss (bf16
 (fp32), cross-entropy on fp32 logits, backward, `clip_grad_norm_`, foreach AdamW, zero_grad. The
 Trainer step adds what the framework does per step: the data loader (packed pydoc text, the
 loop gets pre-made random tokens), the precision plan's fp32 islands and contexts, the global grad
-norm, the loss scaler interface and the LR schedule. Steps alternate between the two (T, H, T,
-H, ...) after warm-up so that load changes on a shared machine hit both alike; the ratio of the
-median step times is the overhead.
+norm, the loss scaler interface and the LR schedule. Steps alternate between the two (T H, H T,
+T H, ...) after warm-up so that load changes on a shared machine hit both alike and neither always
+runs first; the ratio of the median step times is the overhead.
 """
 
 from __future__ import annotations
@@ -77,13 +77,17 @@ def measure(model_name: str, precision: str, steps: int, warmup: int, out: Path)
         trainer.train_step(batches)
         hand()
     t_times, h_times = [], []
-    for _ in range(steps):
+
+    def timed(fn, times: list[float]) -> None:  # type: ignore[no-untyped-def]
         start = time.perf_counter()
-        trainer.train_step(batches)
-        mid = time.perf_counter()
-        hand()
-        t_times.append(mid - start)
-        h_times.append(time.perf_counter() - mid)
+        fn()
+        times.append(time.perf_counter() - start)
+
+    for i in range(steps):
+        # Alternate which loop goes first, so that neither always inherits the other's freed memory.
+        pair = [(lambda: trainer.train_step(batches), t_times), (hand, h_times)]
+        for fn, times in (pair if i % 2 == 0 else pair[::-1]):
+            timed(fn, times)
     trainer.metrics.close()
     del trainer
     gc.collect()
