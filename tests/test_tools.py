@@ -116,7 +116,8 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     assert args[args.index("--training.local_batch_size") + 1] == "1"
 
 
-MATRIX_ONLY = "^(single / bf16|DDP 2 / fp32|DDP 2 / bf16)$"
+# + PP 2 fp16: the first pipeline stage never scales a loss; it must still unscale and step.
+MATRIX_ONLY = "^(single / bf16|DDP 2 / fp32|DDP 2 / bf16|PP 2 / fp16 \\+ loss scaling)$"
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +142,13 @@ def test_numerics_matrix_table(matrix: tuple[Path, str]) -> None:
     _, md = matrix
     assert md.startswith("Command: `python scripts/numerics_matrix.py --steps 3 --max-procs 2 --only")
     rows = _rows(md)
-    assert set(rows) == {("single", "fp32"), ("single", "bf16"), ("DDP 2", "fp32"), ("DDP 2", "bf16")}, md
+    assert set(rows) == {("single", "fp32"), ("single", "bf16"), ("DDP 2", "fp32"), ("DDP 2", "bf16"),
+                         ("PP 2", "fp16 + loss scaling")}, md
     assert {k: v[2] for k, v in rows.items()} == {("single", "fp32"): "full", ("single", "bf16"): "autocast",
-                                                  ("DDP 2", "fp32"): "full", ("DDP 2", "bf16"): "autocast"}
+                                                  ("DDP 2", "fp32"): "full", ("DDP 2", "bf16"): "autocast",
+                                                  ("PP 2", "fp16 + loss scaling"): "autocast"}
+    pp16 = rows["PP 2", "fp16 + loss scaling"]
+    assert pp16[7] == "0" and float(pp16[5].split()[0]) < 5e-2, pp16  # trained, no overflow in 3 steps
 
     def max_abs(cell: str) -> float:
         return float(cell.split()[0])
