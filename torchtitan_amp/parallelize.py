@@ -101,7 +101,9 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint)
     if config.compile.enable:
-        apply_compile(model)
+        # Blocks hold nested fp32 FSDP groups (norms) on the FSDP path, whose hooks dynamo cannot
+        # trace: allow graph breaks there instead of failing.
+        apply_compile(model, fullgraph=not (dims.fsdp_enabled and plan.path == "fsdp"))
     if dims.fsdp_enabled:
         mesh_dims = ("dp_replicate", "dp_shard") if dims.hsdp_enabled else ("dp_shard",)
         apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward)
@@ -207,10 +209,10 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
                 f"selective ({ac.selective_ac_option})")
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile each block in place; in-place `compile()` keeps parameter names unchanged."""
     for block in model.layers.children():
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=fullgraph)
     logger.info("compiled each transformer block with torch.compile")
 
 
