@@ -249,4 +249,6 @@ def main(out_path: str, jobs_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    from _exit import exit_process
+
+    exit_process(main(sys.argv[1], sys.argv[2]))

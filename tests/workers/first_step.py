@@ -71,4 +71,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_process
+
     main(sys.argv[1:])
+    exit_process(0)

@@ -80,4 +80,7 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from _exit import exit_process
+
     main(sys.argv[1])
+    exit_process(0)
