@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchtitan_amp.config import JobConfig
 
 
 def _setup_logging() -> None:
@@ -24,32 +28,33 @@ def _fail(error: Exception) -> int:
     return 2
 
 
-def check_config(argv: list[str]) -> int:
-    """Parse and validate the command line without importing torch (what run_llama_train.sh
-    calls before starting torchrun). Checks that need the world size run later, in Trainer."""
+def _parse(argv: list[str]) -> "JobConfig | int":
+    """The resolved config, or an exit code: 0 after --help, 2 after a one-line error.
+    Imports no torch, so a mistyped override fails in a fraction of a second."""
     from torchtitan_amp.config import ConfigError, help_text, load_config
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
     try:
-        load_config(argv)
+        return load_config(argv)
     except ConfigError as e:
         return _fail(e)
-    return 0
+
+
+def check_config(argv: list[str]) -> int:
+    """What run_llama_train.sh calls before starting torchrun. Checks that need the world size
+    run later, in Trainer."""
+    parsed = _parse(argv)
+    return parsed if isinstance(parsed, int) else 0
 
 
 def main(argv: list[str]) -> int:
-    from torchtitan_amp.config import ConfigError, help_text, load_config
+    config = _parse(argv)
+    if isinstance(config, int):
+        return config
+    from torchtitan_amp.config import ConfigError
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        return 0
-    try:
-        # Before importing torch: a mistyped override fails in a fraction of a second.
-        config = load_config(argv)
-    except ConfigError as e:
-        return _fail(e)
     _setup_logging()
     if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
         # Plan without hardware: one process, fake process group, meta model, no training.
