@@ -61,6 +61,10 @@ LAYOUTS = {
     "pp": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    # Two stages per rank (stages 0 and 2 on rank 0): the manager merges them into one module.
+    "pp_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "fsdp_tp": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 # Fields of a metrics.jsonl record that must match exactly (timing fields are left out).
 EXACT = ("loss", "grad_norm", "lr", "epoch", "loss_scale", "skipped_steps")
@@ -191,41 +195,54 @@ def test_resume_is_bitwise(matrix, layout, precision):
         assert len({a[s]["loss_scale"] for s in range(RESUME_FROM, STEPS + 1)}) > 1
 
 
+PP_EXPORT = ("--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+
+
 def test_resume_is_bitwise_tensor_and_pipeline_parallel(tmp_path):
-    """TP 2 (DTensor params, loss parallel) and PP 2 (one stage per rank, its own keys only), bf16."""
+    """TP 2 (DTensor params, loss parallel), PP 2 (one stage per rank, its own keys only) and
+    Interleaved1F1B (two stages per rank), bf16. The interleaved resume ends with a model-only
+    export, which must gather every rank's stages into one file."""
+    layouts = ("tp", "pp", "pp_interleaved")
     jobs = []
-    for layout in ("tp", "pp"):
+    for layout in layouts:
         a, b = tmp_path / layout / "a", tmp_path / layout / "b"
+        export = PP_EXPORT if layout == "pp_interleaved" else ()
         jobs += [{"args": job_args(layout, "bf16", a)},
-                 {"args": job_args(layout, "bf16", b),
+                 {"args": job_args(layout, "bf16", b, *export),
                   "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]]}]
     launch_jobs(tmp_path, jobs, 2)
-    for layout in ("tp", "pp"):
+    for layout in layouts:
         a, b = by_step(tmp_path / layout / "a"), by_step(tmp_path / layout / "b")
         assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1)), layout
         assert_same_steps(b, a, range(RESUME_FROM + 1, STEPS + 1))
+    # Every rank's stages of A's full checkpoint hold the same weights as B's export (resume is bitwise).
+    root = tmp_path / "pp_interleaved"
+    assert_export_equals_checkpoint(root / "b" / "checkpoint" / f"step-{STEPS}",
+                                    root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt")
+
+
+def assert_export_equals_checkpoint(export_dir: Path, full_dir: Path, scratch: Path) -> None:
+    """A model-only export (bf16) holds exactly the full checkpoint's weights, loads strictly
+    into a plain Transformer, and is not taken as a resume point."""
+    info = inspect_checkpoint(export_dir)
+    assert info.kind == "model_only" and sorted(p.name for p in export_dir.iterdir()) == ["checkpoint.json", "model.pt"]
+    exported = torch.load(export_dir / "model.pt", weights_only=True)
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
+    reference = torch.load(export_checkpoint(full_dir, scratch, "bfloat16"), weights_only=True)
+    assert list(exported) == list(reference)  # the plain model's key order
+    assert all(torch.equal(exported[k], reference[k]) for k in exported)
+    Transformer(LlamaModelArgs(**info.meta["model_args"])).load_state_dict(exported, strict=True)
+    assert complete_steps(export_dir.parent) == {RESUME_FROM: "full", STEPS: "model_only"}
 
 
 def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
     root = matrix("fsdp") / "fp32"
-    final = root / "b" / "checkpoint" / f"step-{STEPS}"
-    info = inspect_checkpoint(final)
-    assert info.kind == "model_only" and sorted(p.name for p in final.iterdir()) == ["checkpoint.json", "model.pt"]
-    exported = torch.load(final / "model.pt", weights_only=True)
-    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
-    # Same weights as A's full DCP checkpoint of the same step (resume is bitwise), cast to bf16.
-    reference = torch.load(export_checkpoint(root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt",
-                                             "bfloat16"), weights_only=True)
-    assert exported.keys() == reference.keys()
-    assert all(torch.equal(exported[k], reference[k]) for k in exported)
-    model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
-    model.load_state_dict(exported, strict=True)
-    # A model-only export is never taken as a resume point.
-    assert complete_steps(root / "b" / "checkpoint") == {RESUME_FROM: "full", STEPS: "model_only"}
+    assert_export_equals_checkpoint(root / "b" / "checkpoint" / f"step-{STEPS}",
+                                    root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt")
 
 
 # ---------------------------------------------------------------------------------------------
-# Resharding: FSDP 2 checkpoint -> single process, DDP 2, TP 2, FSDP 2
+# Resharding: FSDP 2 checkpoint -> single process, DDP 2, TP 2, FSDP 2, FSDP 2 x TP 2
 
 
 def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
@@ -241,7 +258,9 @@ def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
     two_rank = {"fsdp": (), "ddp": (), "tp": ("--checkpoint.exclude_from_loading", "dataloader")}
     launch_jobs(tmp_path, [{"args": args(layout, *extra), "probe": str(tmp_path / f"probe_{layout}.json")}
                            for layout, extra in two_rank.items()], 2)
-    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in two_rank}
+    # FSDP 2 x TP 2: 2-D DTensors (Shard(0) over dp_shard, then TP's placements); same dp degree.
+    launch_jobs(tmp_path, [{"args": args("fsdp_tp"), "probe": str(tmp_path / "probe_fsdp_tp.json")}], 4)
+    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in (*two_rank, "fsdp_tp")}
     # One process cannot take over two ranks' data positions: it restarts the data stream.
     single = trainer_module.Trainer(load_config(args("single", "--checkpoint.exclude_from_loading", "dataloader")))
     results["single"] = probe(single)
@@ -412,6 +431,32 @@ def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
     # Asking for the corrupt step by name is an error that says why, not a silent fallback.
     with pytest.raises(CheckpointError, match=r"load_step = 3: no complete checkpoint step-3 .*1000 bytes.*available steps: 6"):
         trainer_module.Trainer(load_config(args + ["--checkpoint.load_step", "3"]))
+
+
+def test_bit_flip_is_caught_by_checksums(matrix, tmp_path):
+    """One flipped bit, same size: only the CRC-32 can tell. Of 2 ranks, rank 1 checks this file
+    (ranks split the files); the job names it, resumes from the previous checkpoint, and keeps
+    the bad one aside when it saves that step again."""
+    dump = tmp_path / "job"
+    shutil.copytree(matrix("ddp") / "fp32" / "a" / "checkpoint", dump / "checkpoint")
+    bad = dump / "checkpoint" / f"step-{STEPS}" / "__0_0.distcp"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    bad.write_bytes(bytes(data))
+    assert inspect_checkpoint(bad.parent).step == STEPS  # the sizes alone pass
+    verify = [sys.executable, "-m", "torchtitan_amp.checkpoint", "verify"]
+    cli = run_command([*verify, str(bad.parent)], timeout=120)
+    assert cli.returncode == 2 and "__0_0.distcp has CRC-32" in cli.stderr
+    # Asking for it by name is an error that says why, never a fallback.
+    with pytest.raises(CheckpointError, match=rf"load_step = {STEPS}: no complete checkpoint step-{STEPS} .*"
+                                              r"__0_0.distcp has CRC-32 \w+, the manifest says \w+ \(corrupt\)"):
+        trainer_module.Trainer(load_config(job_args("single", "fp32", dump, "--checkpoint.load_step", str(STEPS))))
+
+    proc = launch_jobs(tmp_path, [{"args": job_args("ddp", "fp32", dump)}], 2)
+    assert f"skipping {bad.parent}: file __0_0.distcp has CRC-32" in proc.stdout + proc.stderr
+    assert_same_steps(by_step(dump), by_step(matrix("ddp") / "fp32" / "a"), range(RESUME_FROM + 1, STEPS + 1))
+    assert (dump / "checkpoint" / f"step-{STEPS}.corrupt" / "__0_0.distcp").read_bytes() == bytes(data)
+    assert run_command([*verify, str(bad.parent)], timeout=120).returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------

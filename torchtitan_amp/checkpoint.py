@@ -32,10 +32,11 @@ import signal
 import sys
 import time
 import warnings
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, JobConfig
 
@@ -199,6 +201,30 @@ def _dir_sizes(path: Path) -> dict[str, int]:
     return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
+    """CRC-32 of a file as 8 hex digits (zlib: ~4 GiB/s here, so checking costs about one read)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def verify_checksums(path: str | Path, meta: dict[str, Any], part: tuple[int, int] = (0, 1)) -> str | None:
+    """Recompute the manifest's CRC-32s of files part[0], part[0] + part[1], ... (ranks split the
+    work); the first mismatch as one line, or None. Checkpoints saved without checksums pass."""
+    path = Path(path)
+    crcs = meta.get("crc32") or {}
+    for name in sorted(crcs)[part[0]::part[1]]:
+        try:
+            got = file_crc32(path / name)
+        except OSError as e:
+            return f"{path}: file {name} cannot be read ({_one_line(e)})"
+        if got != crcs[name]:
+            return f"{path}: file {name} has CRC-32 {got}, the manifest says {crcs[name]} (corrupt)"
+    return None
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Validate one complete checkpoint folder; CheckpointError says what is wrong with it."""
     path = Path(path)
@@ -322,6 +348,25 @@ def _merge_parts(parts: list[nn.Module]) -> nn.Module:
     return merged
 
 
+def _merge_export_parts(tmp: Path, pp_degree: int, model_args: Any) -> None:
+    """model.stage<p>.pt of every pipeline stage -> one model.pt in the plain model's key order."""
+    from torchtitan_amp.models.llama import Transformer
+
+    merged: dict[str, torch.Tensor] = {}
+    parts = [tmp / f"model.stage{p}.pt" for p in range(pp_degree)]
+    for part in parts:
+        merged.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
+    with torch.device("meta"):
+        order = list(Transformer(model_args).state_dict())
+    missing = [k for k in order if k not in merged]
+    if missing or len(merged) != len(order):
+        raise CheckpointError(f"pipeline stages exported {len(merged)} tensors, the model has {len(order)}"
+                              + (f" (missing '{missing[0]}')" if missing else ""))
+    torch.save({k: merged[k] for k in order}, tmp / EXPORT_FILE)
+    for part in parts:
+        part.unlink()
+
+
 # ---------------------------------------------------------------------------------------------
 # RNG
 
@@ -342,6 +387,15 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The manager
+
+
+class _Choice(NamedTuple):
+    """The checkpoint rank 0 picked to load (broadcast to every rank)."""
+    path: str
+    kind: str
+    meta: dict[str, Any]
+    initial: bool  # from checkpoint.initial_load_path: weights only, no fallback
+    step: int
 
 
 @dataclass
@@ -374,7 +428,7 @@ class CheckpointManager:
         dataloader: Any,
         model_args: Any,
         device: torch.device,
-        partial_model: bool = False,
+        pp_degree: int = 1,
     ) -> None:
         c = config.checkpoint
         self.config = config
@@ -387,10 +441,13 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.model_args = model_args
         self.device = device
-        self.partial_model = partial_model
+        self.pp_degree = pp_degree
         self.folder = Path(config.job.dump_folder) / c.folder
         self.rank = _rank()
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # The mesh is row-major with pp outermost: each stage owns a contiguous block of ranks.
+        self.stage_ranks = self.world_size // pp_degree
+        self.pp_rank = self.rank // self.stage_ranks
         self.dp_rank = getattr(dataloader, "dp_rank", 0)
         self.dp_degree = getattr(dataloader, "dp_world_size", 1)
         self.last_saved_step = -1
@@ -541,15 +598,29 @@ class CheckpointManager:
         return response.upload_completion
 
     def _write_export(self, tmp: Path) -> None:
-        """Gather the full model (every rank takes part), rank 0 writes it in export_dtype."""
-        sd = self._model_state_dict(StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """The full model as one torch.save file in export_dtype. Every rank takes part.
+
+        The first rank of each pipeline stage gathers its stages' tensors one at a time (so a
+        rank holds at most one unsharded tensor on the device beyond its shards) and writes
+        them; with several stages rank 0 then merges the parts into model.pt.
+        """
+        dtype = _DTYPES[self.config.checkpoint.export_dtype]
+        writer = self.rank % self.stage_ranks == 0
+        part: dict[str, torch.Tensor] = {}
+        for key, value in self._model_state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if writer:
+                part[key] = (full.to(dtype) if full.is_floating_point() else full).cpu()
+        name = EXPORT_FILE if self.pp_degree == 1 else f"model.stage{self.pp_rank}.pt"
         error = None
-        if self.rank == 0:
+        if writer:
             try:
-                torch.save(_cast_floats(sd, _DTYPES[self.config.checkpoint.export_dtype]), tmp / EXPORT_FILE)
+                torch.save(part, tmp / name)
             except OSError as e:
-                error = f"could not write {tmp / EXPORT_FILE}: {_one_line(e)}"
+                error = f"could not write {tmp / name}: {_one_line(e)}"
         self._all_ok(error)
+        if self.pp_degree > 1:
+            self._agree(lambda: _merge_export_parts(tmp, self.pp_degree, self.model_args))
 
     def _prepare_tmp(self, tmp: Path) -> None:
         # No save is in flight (pending async saves were finished), so any .tmp is a dead one.
@@ -560,7 +631,9 @@ class CheckpointManager:
 
     def _commit(self, state: TrainState, tmp: Path, final: Path, kind: str, begin: float) -> None:
         """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final."""
-        rank_dp = self._all_ok(None, (self.rank, self.dp_rank))
+        crcs, error = self._checksum_share(tmp)
+        gathered = self._all_ok(error, (self.rank, self.dp_rank, crcs))
+        rank_dp = [(r, d) for r, d, _ in gathered]
         meta = {
             "format": FORMAT_VERSION, "step": state.step, "tokens_seen": state.tokens_seen, "kind": kind,
             "world_size": self.world_size,
@@ -570,11 +643,24 @@ class CheckpointManager:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
             "job_config": self.config.to_dict(),
         }
+        if self.config.checkpoint.checksums:
+            meta["crc32"] = {name: crc for *_, share in gathered for name, crc in sorted(share.items())}
         self._agree(lambda: self._publish(tmp, final, meta))
         self.last_saved_step = state.step
         if self.rank == 0:
             logger.info("saved %s checkpoint %s in %.2f s", kind, final, time.monotonic() - begin)
         self._agree(self._purge)
+
+    def _checksum_share(self, tmp: Path) -> tuple[dict[str, str], str | None]:
+        """CRC-32s of this rank's share of the files in tmp (ranks split them, so the cost is
+        about one read of 1/world of the checkpoint per rank)."""
+        if not self.config.checkpoint.checksums:
+            return {}, None
+        names = self._agree(lambda: sorted(_dir_sizes(tmp)))
+        try:
+            return {n: file_crc32(tmp / n) for n in names[self.rank::self.world_size]}, None
+        except OSError as e:
+            return {}, f"rank {self.rank} could not checksum {tmp}: {_one_line(e)}"
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         meta["files"] = _dir_sizes(tmp)
@@ -584,7 +670,10 @@ class CheckpointManager:
             os.fsync(fh.fileno())
         if final.exists():
             try:
-                inspect_checkpoint(final)
+                old = inspect_checkpoint(final)
+                bad = verify_checksums(final, old.meta)
+                if bad:
+                    raise CheckpointError(bad)
                 aside = final.with_name(final.name + ".replaced")
                 logger.warning("replacing existing checkpoint %s", final)
             except CheckpointError:
@@ -666,10 +755,10 @@ class CheckpointManager:
         c = self.config.checkpoint
         if not self.enabled or c.create_seed_checkpoint:
             return None
-        choice = self._agree(self._choose)
+        choice = self._choose_verified()
         if choice is None:
             return None
-        path, kind, meta, initial = Path(choice[0]), choice[1], choice[2], choice[3]
+        path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
         begin = time.monotonic()
         names = tuple(n for n in (("model",) if initial or kind != "full" else STATE_NAMES)
                       if n not in c.exclude_from_loading)
@@ -690,12 +779,35 @@ class CheckpointManager:
         self.last_saved_step = state.step
         return state
 
-    def _choose(self) -> tuple[str, str, dict[str, Any], bool] | None:
-        """Rank 0 picks the checkpoint; every rank then loads the same one."""
+    def _choose_verified(self) -> _Choice | None:
+        """Rank 0 picks a checkpoint, every rank checks the CRC-32s of a share of its files; a
+        corrupt one is named and the next older one is tried (unless it was asked for by name)."""
+        corrupt: dict[int, str] = {}
+        while True:
+            choice = self._agree(lambda: self._choose(corrupt))
+            if choice is None or not self.config.checkpoint.checksums:
+                return choice
+            share = verify_checksums(choice.path, choice.meta, (self.rank, self.world_size))
+            bad = next((b for b in self._all_ok(None, share) if b), None)
+            if bad is None:
+                return choice
+            if choice.initial:
+                raise CheckpointError(f"checkpoint.initial_load_path: {bad}")
+            if self.rank == 0:
+                logger.warning("checkpoint: skipping %s", bad)
+            corrupt[choice.step] = bad
+
+    def _choose(self, corrupt: dict[int, str]) -> _Choice | None:
+        """Rank 0 picks the checkpoint; every rank then loads the same one. `corrupt`: steps
+        that failed their checksum, with the reason (already logged)."""
         c = self.config.checkpoint
         complete, problems = scan_folder(self.folder)
-        for line in problems:
-            logger.warning("checkpoint: %s", line)
+        if not corrupt:
+            for line in problems:
+                logger.warning("checkpoint: %s", line)
+        for step, why in corrupt.items():
+            complete.pop(step, None)
+            problems.append(f"skipping {why}")
         if c.load_step >= 0:
             info = complete.get(c.load_step)
             if info is None:
@@ -710,7 +822,7 @@ class CheckpointManager:
                     f"checkpoint.load_step = {c.load_step}: {info.path} is a model-only export, not a resume "
                     f"point; use checkpoint.initial_load_path = '{info.path}' to start from its weights"
                 )
-            return str(info.path), info.kind, info.meta, False
+            return _Choice(str(info.path), info.kind, info.meta, False, info.step)
         resumable = {s: i for s, i in complete.items() if i.kind != "model_only"}
         if resumable:
             info = resumable[max(resumable)]
@@ -719,28 +831,28 @@ class CheckpointManager:
                 logger.info("checkpoint: step-%s is a model-only export, not a resume point", newer[0])
             if problems:
                 logger.warning("checkpoint: resuming from the newest complete checkpoint, %s", info.path)
-            return str(info.path), info.kind, info.meta, False
+            return _Choice(str(info.path), info.kind, info.meta, False, info.step)
         if c.initial_load_path:
             return self._choose_initial(Path(c.initial_load_path))
         if problems:
             logger.warning("checkpoint: no complete checkpoint in %s; starting from scratch", self.folder)
         return None
 
-    def _choose_initial(self, path: Path) -> tuple[str, str, dict[str, Any], bool]:
+    def _choose_initial(self, path: Path) -> _Choice:
         if not path.exists():
             raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
         if (path / MARKER).is_file():
             info = inspect_checkpoint(path)
-            return str(path), info.kind, info.meta, True
+            return _Choice(str(path), info.kind, info.meta, True, info.step)
         if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
-            return str(path), "seed", {}, True
+            return _Choice(str(path), "seed", {}, True, 0)
         complete, problems = scan_folder(path)
         for line in problems:
             logger.warning("checkpoint: %s", line)
         if not complete:
             raise CheckpointError(f"checkpoint.initial_load_path {path} holds no complete checkpoint")
         info = complete[max(complete)]
-        return str(info.path), info.kind, info.meta, True
+        return _Choice(str(info.path), info.kind, info.meta, True, info.step)
 
     def _load_dcp(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
         saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -749,7 +861,7 @@ class CheckpointManager:
         error = None
         try:
             if "model" in names:
-                _check_model_fits(path, self._model_state_dict(), "model.", not self.partial_model)
+                _check_model_fits(path, self._model_state_dict(), "model.", self.pp_degree == 1)
             if "scaler" in names and self.scaler.enabled and not any(k.startswith("scaler.scaler.") for k in saved_keys):
                 if self.rank == 0:
                     logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
@@ -826,7 +938,7 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line: python -m torchtitan_amp.checkpoint {list FOLDER | export STEP_DIR OUTPUT [DTYPE]}
+# Command line: python -m torchtitan_amp.checkpoint {list FOLDER | verify STEP_DIR | export STEP_DIR OUTPUT [DTYPE]}
 
 
 def _main(argv: list[str]) -> int:
@@ -836,6 +948,20 @@ def _main(argv: list[str]) -> int:
             print(f"step-{step}\t{info.kind}\tworld_size {info.meta.get('world_size')}\t{info.meta.get('saved_at')}")
         for line in problems:
             print(line)
+        return 0
+    if len(argv) == 2 and argv[0] == "verify":
+        try:
+            info = inspect_checkpoint(argv[1])
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        bad = verify_checksums(info.path, info.meta)
+        if bad:
+            print(f"error: {bad}", file=sys.stderr)
+            return 2
+        n = len(info.meta.get("crc32") or {})
+        print(f"{info.path}: complete, {len(info.meta['files'])} files"
+              + (f", {n} CRC-32s match" if n else " (saved without checksums: sizes checked)"))
         return 0
     if len(argv) in (3, 4) and argv[0] == "export":
         dtype = argv[3] if len(argv) == 4 else "float32"
@@ -849,6 +975,7 @@ def _main(argv: list[str]) -> int:
             return 2
         return 0
     print("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
+          "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
           "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]",
           file=sys.stderr)
     return 2

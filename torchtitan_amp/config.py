@@ -197,6 +197,11 @@ class Checkpoint:
         False, "Initialise the model, save it as step-0 (model only) and exit; run on one process. "
         "Every parallel layout can start from it."
     )
+    checksums: bool = _f(
+        True, "Record a CRC-32 of every checkpoint file at save and verify them before loading "
+        "(ranks split the files); a corrupt checkpoint is named and the previous one loaded. "
+        "false: check file sizes only."
+    )
 
 
 @dataclass

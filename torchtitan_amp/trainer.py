@@ -146,7 +146,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             config, model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             scaler=self.scaler, dataloader=self.dataloader, model_args=self.model_args,
-            device=self.device, partial_model=self.dims.pp_enabled)
+            device=self.device, pp_degree=self.dims.pp)
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
