@@ -31,7 +31,6 @@ import gc
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import signal
@@ -45,6 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks._common import machine  # noqa: E402
 
 SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"
@@ -310,20 +311,6 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
         cells.append(str(res.skipped_steps) if "fp16" in run.precision.name else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
