@@ -22,19 +22,16 @@ memory: a CPU's gloo sums bf16 no faster than fp32, so fewer bytes need not mean
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import inspect
 import json
 import statistics
 import shlex
 import sys
-import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _collectives as collectives  # noqa: E402
 from _common import CPU_MODELS, header, load_average, md_table, num_params, run_jobs, use_model  # noqa: E402
 
 SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}
@@ -55,56 +52,23 @@ CONFIGS = [
 # ---------------------------------------------------------------------------------------------
 # Worker side: count collectives
 
-_local = threading.local()
-COUNTS: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-COUNTING = {"on": False}
 HOOK_STATES: list = []
 
 
-def _wrap(module, name: str, op: str, tensor_arg: str) -> None:  # type: ignore[no-untyped-def]
-    original = getattr(module, name)
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        outer = getattr(_local, "inside", False)
-        if COUNTING["on"] and not outer:  # a collective built on another counts once
-            t = sig.bind(*args, **kwargs).arguments[tensor_arg]
-            COUNTS[op][str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
-        _local.inside = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _local.inside = outer
-
-    setattr(module, name, counted)
-
-
 def install_counters() -> None:
-    import torch.distributed as dist
-
+    """Count the collectives (benchmarks/_collectives.py, by op), make DDP's default all-reduce
+    visible, and keep every compress-hook state installed so that its own byte count can be read."""
     from torchtitan_amp import parallelize
 
-    _wrap(dist, "all_gather_single", "all_gather", "output_tensor")
-    _wrap(dist, "all_gather_into_tensor", "all_gather", "output_tensor")
-    _wrap(dist, "reduce_scatter_single", "reduce_scatter", "input")
-    _wrap(dist, "reduce_scatter_tensor", "reduce_scatter", "input")
-    _wrap(dist, "all_reduce", "all_reduce", "tensor")
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    original_ddp, original_install = parallelize.apply_ddp, parallelize.install_comm_hook
+    collectives.install()
+    collectives.install_default_ddp_hook()
+    original_install = parallelize.install_comm_hook
 
     def install_comm_hook(model, state):  # type: ignore[no-untyped-def]
         HOOK_STATES.append(state)
         original_install(model, state)
 
-    def apply_ddp(model, mesh, plan):  # type: ignore[no-untyped-def]
-        original_ddp(model, mesh, plan)
-        if plan.comm_hook == "none":  # make the C++ default all-reduce visible (same buckets, fp32)
-            model.register_comm_hook(mesh.get_group(), allreduce_hook)
-
     parallelize.install_comm_hook = install_comm_hook
-    parallelize.apply_ddp = apply_ddp
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -129,10 +93,9 @@ def worker(spec_path: str, out_path: str) -> int:
             batches = iter(trainer.dataloader)
         trainer.train_step(batches)  # warm-up: lazy init
         hook_before = {k: v for s in HOOK_STATES if s for k, v in s.bytes_sent.items()}
-        COUNTS.clear()
-        COUNTING["on"] = True
-        trainer.train_step(batches)
-        COUNTING["on"] = False
+        with collectives.counting():
+            trainer.train_step(batches)
+        counted = collectives.snapshot()
         hook = {k: v - hook_before.get(k, 0) for s in HOOK_STATES if s for k, v in s.bytes_sent.items()}
         times = []
         for _ in range(job["timed_steps"]):
@@ -142,7 +105,7 @@ def worker(spec_path: str, out_path: str) -> int:
             times.append(time.perf_counter() - start)
         res = resolve(config, trainer.info.world_size)
         predicted = memory.comm(res.model_dims, res.precision, res.layout)
-        results.append({**job, "counted": {k: dict(v) for k, v in COUNTS.items()}, "hook_bytes_sent": hook,
+        results.append({**job, "counted": counted, "hook_bytes_sent": hook,
                         "predicted": predicted, "path": trainer.plan.path, "comm_hook": trainer.plan.comm_hook,
                         "step_s": statistics.median(times) if times else None})
         trainer.metrics.close()

@@ -5,13 +5,9 @@ Usage: torchrun --nproc_per_node N dry_run_worker.py OUT.json JOBS.json, where J
 runs one train step (warm-up: lazy init, pipeline shape inference), then counts one more step:
 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
-- bytes of every collective it issues, by category and dtype, by wrapping the Python entry points
-  they go through: torch.distributed's all_gather_single / all_gather_into_tensor /
-  reduce_scatter_single / reduce_scatter_tensor / all_reduce / send / recv (FSDP2, the DDP comm
-  hooks), pipelining's _batch_p2p helpers (its sends and receives) and
-  torch.distributed._functional_collectives (DTensor, i.e. TP). DDP without a compress hook all-reduces in C++; there the worker registers torch's
-  default-equivalent `allreduce_hook` (same buckets, same dtype, via dist.all_reduce) so that its
-  traffic is seen too.
+- bytes of every collective it issues, by category and dtype (benchmarks/_collectives.py: the
+  torch.distributed, point-to-point and functional-collective entry points, and torch's
+  `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too).
 
 Volumes follow the dry run's convention: all-gather output, reduce-scatter input, all-reduce
 buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} to OUT.
@@ -20,7 +16,6 @@ buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
 import sys
@@ -30,40 +25,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan_amp import parallelize  # noqa: E402
+from benchmarks import _collectives as collectives  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.trainer import Trainer  # noqa: E402
 
 _state = threading.local()
-COUNTS: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
-ENABLED = {"on": False}
-CALLS: list = []
 HSDP = {"on": False}
-
-
-def _group_name(group) -> str:  # type: ignore[no-untyped-def]
-    if group is None:
-        group = dist.group.WORLD
-    if isinstance(group, str):
-        return group
-    if isinstance(group, dist.ProcessGroup):
-        return group.group_name
-    return funcol._resolve_group_name(group)
 
 
 def _group_ranks(group) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
     """Groups are identified by their ranks, not their objects: DTensor may run a collective on
     an equivalent group of an earlier job's mesh."""
-    pg = dist.distributed_c10d._resolve_process_group(_group_name(group))
+    pg = dist.distributed_c10d._resolve_process_group(collectives.group_name(group))
     return tuple(sorted(dist.get_process_group_ranks(pg)))
 
 
@@ -83,70 +62,6 @@ def _category(op: str, group) -> str:  # type: ignore[no-untyped-def]
     return f"other:{op}:{dim}"
 
 
-def _record(op: str, group, tensor: torch.Tensor, factor: int = 1) -> None:  # type: ignore[no-untyped-def]
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    COUNTS[_category(op, group)][dtype] += tensor.numel() * tensor.element_size() * factor
-    if os.environ.get("DRY_RUN_WORKER_LOG"):
-        CALLS.append((_category(op, group), dtype, list(tensor.shape), factor))
-
-
-def _wrap(module, name: str, op: str, tensor_arg: str, factor=None) -> None:  # type: ignore[no-untyped-def]
-    original = getattr(module, name)
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if ENABLED["on"] and not getattr(_state, "inside", False):
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            group = bound.arguments.get("group")
-            n = factor(group) if factor else 1
-            _record(op, group, bound.arguments[tensor_arg], n)
-        depth = getattr(_state, "inside", False)
-        _state.inside = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _state.inside = depth
-
-    setattr(module, name, counted)
-
-
-def _wrap_batch_p2p() -> None:
-    """Pipelining sends and receives through this helper (_sorted_batch_p2p calls it too; P2POp
-    insists on the original isend/irecv, so those cannot be wrapped themselves)."""
-    for name in ("_batch_p2p",):
-        original = getattr(schedules, name)
-
-        def counted(p2p_ops, *args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            if ENABLED["on"]:
-                for op in p2p_ops:
-                    _record("send" if op.op is dist.distributed_c10d.isend else "recv", op.group, op.tensor)
-            return _original(p2p_ops, *args, **kwargs)
-
-        setattr(schedules, name, counted)
-
-
-def _group_size(group) -> int:  # type: ignore[no-untyped-def]
-    return dist.distributed_c10d._get_group_size_by_name(_group_name(group))
-
-
-def install_counters() -> None:
-    _wrap(dist, "all_gather_single", "all_gather", "output_tensor")
-    _wrap(dist, "all_gather_into_tensor", "all_gather", "output_tensor")
-    _wrap(dist, "reduce_scatter_single", "reduce_scatter", "input")
-    _wrap(dist, "reduce_scatter_tensor", "reduce_scatter", "input")
-    _wrap(dist, "all_reduce", "all_reduce", "tensor")
-    for name, op in (("send", "send"), ("recv", "recv")):
-        _wrap(dist, name, op, "tensor")
-    _wrap_batch_p2p()
-    _wrap(funcol, "all_gather_single", "all_gather", "self", factor=_group_size)
-    _wrap(funcol, "all_gather_tensor", "all_gather", "self", factor=_group_size)
-    _wrap(funcol, "reduce_scatter_single", "reduce_scatter", "self")
-    _wrap(funcol, "reduce_scatter_tensor", "reduce_scatter", "self")
-    _wrap(funcol, "all_reduce", "all_reduce", "self")
-
-
 def _in_phase(fn, phase: str):  # type: ignore[no-untyped-def]
     @functools.wraps(fn)
     def tagged(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -164,19 +79,6 @@ def install_phase_tags() -> None:
     Partial gradients) are tagged "grad_norm:..." / "optimizer:...": the dry run reports the
     forward/backward traffic."""
     trainer_module.clip_grad_norm_ = _in_phase(trainer_module.clip_grad_norm_, "grad_norm")
-
-
-def install_default_ddp_hook() -> None:
-    """DDP without a compress hook reduces in C++, out of our wrappers' sight: give it torch's
-    Python equivalent of its default all-reduce (fp32 buckets, mean) so the bytes are seen."""
-    original = parallelize.apply_ddp
-
-    def apply_ddp(model, mesh, plan):  # type: ignore[no-untyped-def]
-        original(model, mesh, plan)
-        if plan.comm_hook == "none":
-            model.register_comm_hook(mesh.get_group(), allreduce_hook)
-
-    parallelize.apply_ddp = apply_ddp
 
 
 def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -199,21 +101,18 @@ def run_job(args: list[str]) -> dict:
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)
     trainer.train_step(batches)  # warm-up: lazy init, pipeline shape inference
-    COUNTS.clear()
-    CALLS.clear()
-    ENABLED["on"] = True
-    trainer.train_step(batches)
-    ENABLED["on"] = False
+    with collectives.counting():
+        trainer.train_step(batches)
     params = [p for part in trainer.model_parts for p in part.parameters()]
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     result = {
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
         "optimizer": _by_dtype(state),
-        "comm": {k: dict(v) for k, v in COUNTS.items()},
+        "comm": collectives.snapshot(),
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
-        result["calls"] = list(CALLS)
+        result["calls"] = list(collectives.CALLS)
         result["grad_shapes"] = {n: [list(p.shape), list((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).shape), str(getattr(p.grad, "placements", ""))]
                                  for part in trainer.model_parts for n, p in part.named_parameters() if p.grad is not None and "layers.1" not in n and "layers.2" not in n}
     trainer.metrics.close()
@@ -228,8 +127,9 @@ def fast_init() -> None:
 
 def main(out_path: str, jobs_path: str) -> int:
     fast_init()
-    install_counters()
-    install_default_ddp_hook()
+    collectives.install(_category, point_to_point=True, functional=True,
+                        record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
+    collectives.install_default_ddp_hook()
     install_phase_tags()
     jobs = json.loads(Path(jobs_path).read_text())
     results = {}

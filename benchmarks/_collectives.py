@@ -1,0 +1,175 @@
+"""Count the bytes torch.distributed collectives move, by category and dtype.
+
+One implementation for benchmarks/comm.py (traffic per training step) and
+tests/workers/dry_run_worker.py (the real runs the dry run must predict exactly). `install()`
+wraps, once per process, the Python entry points the collectives go through:
+
+- torch.distributed's all_gather_single / all_gather_into_tensor / reduce_scatter_single /
+  reduce_scatter_tensor / all_reduce (FSDP2, the DDP comm hooks);
+- with `point_to_point=True`: dist.send / dist.recv, and pipelining's `_batch_p2p` helper
+  (_sorted_batch_p2p calls it too; P2POp insists on the original isend/irecv, so those cannot be
+  wrapped themselves);
+- with `functional=True`: torch.distributed._functional_collectives (DTensor, i.e. TP); their
+  all-gathers take the input shard, so they count it times the group size.
+
+Volumes: all-gather output, reduce-scatter input, all-reduce buffer, point-to-point tensor (the
+convention of torchtitan_amp.memory and the dry run). A collective built on another counts once.
+Only calls inside `counting()` are counted, under the category `install(categorize=...)` gives
+an (op, group) pair; by default the op: "all_gather", "reduce_scatter", "all_reduce", "send",
+"recv".
+
+DDP without a compress hook all-reduces in C++, out of these wrappers' sight:
+`install_default_ddp_hook()` gives it torch's Python equivalent (`allreduce_hook`: the same fp32
+buckets, through dist.all_reduce) so that its traffic is seen too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Categorize = Callable[[str, Any], str]
+
+COUNTS: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+# With install(record_calls=True): (category, dtype, shape, factor) of every counted call.
+CALLS: list[tuple[str, str, list[int], int]] = []
+
+_state = threading.local()
+_settings: dict[str, Any] = {"on": False, "installed": False, "categorize": None, "record_calls": False}
+
+
+def _by_op(op: str, group: Any) -> str:
+    return op
+
+
+def group_name(group: Any) -> str:
+    """The name of a process group given as None (the default group), a name, a ProcessGroup or
+    anything else functional collectives accept (a mesh, a list of ranks)."""
+    if group is None:
+        group = dist.group.WORLD
+    if isinstance(group, str):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol._resolve_group_name(group)
+
+
+def group_size(group: Any) -> int:
+    return dist.distributed_c10d._get_group_size_by_name(group_name(group))
+
+
+def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
+    """Count one call's tensor (times `factor`) under its category and dtype."""
+    category = _settings["categorize"](op, group)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    COUNTS[category][dtype] += tensor.numel() * tensor.element_size() * factor
+    if _settings["record_calls"]:
+        CALLS.append((category, dtype, list(tensor.shape), factor))
+
+
+def _wrap(module: Any, name: str, op: str, tensor_arg: str, factor: Callable[[Any], int] | None = None) -> None:
+    original = getattr(module, name)
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        outer = getattr(_state, "inside", False)
+        if _settings["on"] and not outer:  # a collective built on another counts once
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            group = bound.arguments.get("group")
+            record(op, group, bound.arguments[tensor_arg], factor(group) if factor else 1)
+        _state.inside = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.inside = outer
+
+    setattr(module, name, counted)
+
+
+def _wrap_batch_p2p() -> None:
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    @functools.wraps(original)
+    def counted(p2p_ops, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if _settings["on"]:
+            for op in p2p_ops:
+                record("send" if op.op is dist.distributed_c10d.isend else "recv", op.group, op.tensor)
+        return original(p2p_ops, *args, **kwargs)
+
+    schedules._batch_p2p = counted
+
+
+def install(categorize: Categorize | None = None, *, point_to_point: bool = False, functional: bool = False,
+            record_calls: bool = False) -> None:
+    """Wrap the collectives (once per process; counting starts with `counting()`)."""
+    if _settings["installed"]:
+        raise RuntimeError("collective counters are already installed in this process")
+    _settings.update(installed=True, categorize=categorize or _by_op, record_calls=record_calls)
+    _wrap(dist, "all_gather_single", "all_gather", "output_tensor")
+    _wrap(dist, "all_gather_into_tensor", "all_gather", "output_tensor")
+    _wrap(dist, "reduce_scatter_single", "reduce_scatter", "input")
+    _wrap(dist, "reduce_scatter_tensor", "reduce_scatter", "input")
+    _wrap(dist, "all_reduce", "all_reduce", "tensor")
+    if point_to_point:
+        _wrap(dist, "send", "send", "tensor")
+        _wrap(dist, "recv", "recv", "tensor")
+        _wrap_batch_p2p()
+    if functional:
+        import torch.distributed._functional_collectives as funcol
+
+        _wrap(funcol, "all_gather_single", "all_gather", "self", factor=group_size)
+        _wrap(funcol, "all_gather_tensor", "all_gather", "self", factor=group_size)
+        _wrap(funcol, "reduce_scatter_single", "reduce_scatter", "self")
+        _wrap(funcol, "reduce_scatter_tensor", "reduce_scatter", "self")
+        _wrap(funcol, "all_reduce", "all_reduce", "self")
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict[str, dict[str, int]]]:
+    """Count the collectives issued inside the block, from zero; yields the live counts (read
+    them, or `snapshot()`, after the block)."""
+    if not _settings["installed"]:
+        raise RuntimeError("install() the collective counters first")
+    COUNTS.clear()
+    CALLS.clear()
+    _settings["on"] = True
+    try:
+        yield COUNTS
+    finally:
+        _settings["on"] = False
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    """The counts as plain dicts: {category: {dtype: bytes}}."""
+    return {category: dict(by_dtype) for category, by_dtype in COUNTS.items()}
+
+
+def install_default_ddp_hook() -> None:
+    """Make DDP's C++ default all-reduce visible: where torchtitan_amp's apply_ddp installs no
+    compress hook, register torch's `allreduce_hook` (same buckets, same dtype, mean)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from torchtitan_amp import parallelize
+
+    original = parallelize.apply_ddp
+
+    def apply_ddp(model, mesh, plan):  # type: ignore[no-untyped-def]
+        original(model, mesh, plan)
+        if plan.comm_hook == "none":
+            model.register_comm_hook(mesh.get_group(), allreduce_hook)
+
+    parallelize.apply_ddp = apply_ddp
