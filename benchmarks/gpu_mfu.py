@@ -10,12 +10,16 @@ The model is Llama 3 8B's block (dim 4096, 32 heads, 8 KV heads, FFN 14336, voca
 many layers as fit: the largest count whose torchtitan_amp.memory estimate (parameters, gradients,
 AdamW state, activations) for the hungriest configuration stays under --mem-fraction of the GPU's
 memory (an out-of-memory error still lowers the count by a quarter and retries). Every
-configuration uses torchtitan_amp's own pieces in the Trainer's order: PrecisionPlan, fp32
-islands, activation checkpointing (--ac), torch.compile of each block, FSDP2 fully_shard with the
-plan's MixedPrecisionPolicy, loss_fn, clip_grad_norm_, AdamW (fused on CUDA). On one GPU the FSDP
-"shard" is the whole model (a 1-rank mesh): what is measured is the policy (bf16 gathered weights,
-fp32 master weights and gradients), which torchtitan_amp otherwise applies only with >= 2
-data-parallel ranks.
+configuration is built as the Trainer builds its model: a JobConfig (load_config with the
+configuration's overrides: precision, --ac, compile), ParallelDims and its device mesh,
+PrecisionPlan.from_config, then torchtitan_amp.trainer.build_model and parallelize_part
+(parallelize_llama: fp32 islands, activation checkpointing, torch.compile of each block, FSDP2
+fully_shard with the plan's MixedPrecisionPolicy), and trained with loss_fn, clip_grad_norm_ and
+build_optimizer (AdamW, fused on CUDA). On one GPU the FSDP "shard" is the whole model (a 1-rank
+mesh): what is measured is the policy (bf16 gathered weights, fp32 master weights and gradients),
+which torchtitan_amp otherwise applies only with >= 2 data-parallel ranks; the fsdp configuration
+therefore declares FSDP enabled on its 1-rank dp_shard dim (ParallelDims below), and the planner
+and parallelize_llama take the FSDP path from there.
 
 Reported per configuration: tokens/s/GPU, TFLOP/s, MFU against the GPU's bf16 dense peak (as
 torchtitan: fp32 runs show what they leave unused), peak memory allocated / reserved, and the
@@ -30,7 +34,6 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import shlex
 import socket
 import sys
@@ -47,14 +50,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from torchtitan_amp import memory  # noqa: E402
-from torchtitan_amp.config import ActivationCheckpoint, load_config  # noqa: E402
+from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
 from torchtitan_amp.metrics import peak_flops  # noqa: E402
-from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs, Transformer, count_params, flops_per_token  # noqa: E402
+from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs, count_params, flops_per_token  # noqa: E402
 from torchtitan_amp.optim import build_optimizer  # noqa: E402
 from torchtitan_amp.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_amp.parallelize import apply_ac, apply_compile, apply_fsdp  # noqa: E402
 from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
-from torchtitan_amp.trainer import clip_grad_norm_, loss_fn  # noqa: E402
+from torchtitan_amp.trainer import build_model, clip_grad_norm_, loss_fn, parallelize_part  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 CONFIGS = {
@@ -114,14 +116,29 @@ def init_process_group(device: torch.device) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
-def plan_for(name: str, device: torch.device) -> PrecisionPlan:
-    config = load_config(CONFIGS[name][1])
-    plan = PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, 1), device.type)
-    if name == "fsdp":
-        # One rank: torchtitan_amp's planner would choose autocast (no sharding); force the policy.
-        plan = dataclasses.replace(plan, path="fsdp")
-    assert plan.path == SPEC_PATH[name], (name, plan.path)
-    return plan
+class WholeModelShard(ParallelDims):
+    """One rank with FSDP on: fully_shard over the 1-rank dp_shard dim. torchtitan_amp enables FSDP
+    only with >= 2 shards (one GPU gets the autocast path); the benchmark measures the FSDP
+    policy on one GPU, so this says FSDP is on and everything downstream (the planner's path,
+    parallelize_llama's FSDP and compile choices) follows as for a sharded run."""
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return True
+
+
+def job_config(name: str, compiled: bool, a: argparse.Namespace, device: torch.device) -> JobConfig:
+    return load_config([*CONFIGS[name][1], "--training.device", device.type, "--training.seq_len", str(a.seq_len),
+                        "--training.local_batch_size", str(a.batch), "--activation_checkpoint.mode", a.ac,
+                        "--compile.enable", "true" if compiled else "false"])
+
+
+def parallel_dims(name: str, config: JobConfig, mesh: ParallelDims) -> ParallelDims:
+    """ParallelDims.from_config on one rank, over the mesh main built once (a mesh per
+    configuration would create new process groups each time)."""
+    d = ParallelDims.from_config(config.parallelism, 1)
+    cls = WholeModelShard if name == "fsdp" else ParallelDims
+    return cls(d.dp_replicate, d.dp_shard, d.tp, d.pp, d.world_size, mesh.mesh, mesh.dp_mesh)
 
 
 def reset_memory(device: torch.device) -> int:
@@ -152,31 +169,22 @@ def sync(device: torch.device) -> None:
 
 
 def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device,
-               mesh: Any) -> dict[str, Any]:
-    plan = plan_for(name, device)
+               mesh: ParallelDims) -> dict[str, Any]:
+    config = job_config(name, compiled, a, device)
+    dims = parallel_dims(name, config, mesh)
+    plan = PrecisionPlan.from_config(config, dims, device.type)
+    assert plan.path == SPEC_PATH[name], (name, plan.path)
     args = model_args(a, n_layers)
     torch._dynamo.reset()
     baseline = reset_memory(device)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(args)
+    # The Trainer's model: built on meta, initialised (on CPU then moved, or on the device after
+    # sharding), parallelize_llama (fp32 islands, AC, compile, FSDP), in training mode.
+    model, initialised = build_model(args, plan, config.training.seed, device)
     fpt = flops_per_token(args, count_params(model, exclude_embedding=True), a.seq_len)
     n_params = count_params(model)
-    # The Trainer's order (parallelize_llama): fp32 islands, (TP), AC, compile, FSDP.
-    plan.apply_fp32_islands(model)
-    if a.ac != "none":
-        apply_ac(model, ActivationCheckpoint(mode=a.ac))
-    if compiled:
-        # As parallelize_llama: graph breaks allowed where nested fp32 FSDP groups sit in blocks.
-        apply_compile(model, fullgraph=plan.path != "fsdp")
-    if plan.path == "fsdp":
-        apply_fsdp(model, mesh, plan, "default")
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
-    model.train()
+    model = parallelize_part(model, dims, plan, config, device, initialised)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, load_config([]).optimizer, device)
+    optimizer = build_optimizer(params, config.optimizer, device)
     tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -185,7 +193,7 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
             loss = loss_fn(plan.cast_output(model(inputs)), labels)
         with plan.backward_context():
             loss.backward()
-        clip_grad_norm_(params, 1.0)
+        clip_grad_norm_(params, config.training.max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -271,6 +279,8 @@ def main(argv: list[str]) -> int:
     else:
         device = torch.device(a.device)
     if device.type == "cuda":
+        # An index, as the Trainer's devices have: init_process_group(device_id=...) refuses "cuda".
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     elif not a.tiny:
         print("error: no CUDA GPU here; an 8B-shaped model needs one (use --tiny for a CPU smoke run)", file=sys.stderr)
@@ -285,9 +295,9 @@ def main(argv: list[str]) -> int:
     torch.backends.cudnn.allow_tf32 = a.tf32
     start = time.perf_counter()
     init_process_group(device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    # One mesh (every dim of size 1) for all configurations: each would otherwise create new groups.
+    mesh = ParallelDims.from_config(load_config([]).parallelism, 1)
+    mesh.build_mesh(device.type)
     layers, why = choose_layers(a, device, configs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,

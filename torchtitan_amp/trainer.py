@@ -8,6 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_con
 from torchtitan_amp.config import ConfigError, JobConfig, Training, to_toml
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.metrics import MetricsLogger, peak_flops
-from torchtitan_amp.models.llama import Transformer, build_model_args, count_params, flops_per_token
+from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, build_model_args, count_params, flops_per_token
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.parallelize import parallel_context, parallelize_llama, validate_layout
@@ -91,6 +92,36 @@ def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
             module.register_parameter(name, nn.Parameter(p.detach().to(dtype), p.requires_grad))
 
 
+def build_model(args: LlamaModelArgs, plan: PrecisionPlan, seed: int, device: torch.device) -> tuple[nn.Module, bool]:
+    """The model in the plan's storage dtype, built on meta. Small models are initialised here
+    from `seed` on every rank (so every parallel layout starts from identical weights) and moved
+    to `device`; larger ones stay on meta for `parallelize_part` to initialise after sharding.
+    Returns (model, initialised)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    _cast_params(model, plan.storage_dtype)
+    torch.manual_seed(seed)
+    initialised = count_params(model) <= FULL_INIT_MAX_PARAMS
+    if initialised:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        model.to(device)
+    return model, initialised
+
+
+def parallelize_part(part: nn.Module, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig,
+                     device: torch.device, initialised: bool) -> nn.Module:
+    """parallelize_llama on the model (or one pipeline stage of it), then initialise it on the
+    device if build_model did not; returns it in training mode."""
+    parallelize_llama(part, dims, plan, config)
+    if not initialised:
+        part.to_empty(device=device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=device)
+    return part.train()
+
+
 class Trainer:
     def __init__(self, config: JobConfig) -> None:
         self.config = config
@@ -154,29 +185,11 @@ class Trainer:
     def _build_model(self) -> list[nn.Module]:
         """Build on meta, initialise, then split into pipeline stages and parallelize each."""
         args, t = self.model_args, self.config.training
-        with torch.device("meta"):
-            model = Transformer(args)
-        _cast_params(model, self.plan.storage_dtype)
+        model, initialised = build_model(args, self.plan, t.seed, self.device)
         num_params = count_params(model)
         self.flops_per_token = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
-        torch.manual_seed(t.seed)
-        # Small models: every rank initialises the full model from the seed, so all layouts start
-        # from identical weights. Large ones are initialised after sharding, on the device.
-        full_init = num_params <= FULL_INIT_MAX_PARAMS
-        if full_init:
-            model.to_empty(device="cpu")
-            with torch.no_grad():
-                model.init_weights()
-            model.to(self.device)
-
-        def parallelize(part: nn.Module) -> nn.Module:
-            parallelize_llama(part, self.dims, self.plan, self.config)
-            if not full_init:
-                part.to_empty(device=self.device)
-                with torch.no_grad():
-                    part.init_weights(buffer_device=self.device)
-            return part.train()
-
+        parallelize = partial(parallelize_part, dims=self.dims, plan=self.plan, config=self.config,
+                              device=self.device, initialised=initialised)
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(
                 model, self.dims, self.config.parallelism, t.local_batch_size, self.device,
