@@ -122,6 +122,54 @@ def test_tps_tflops_mfu_from_recorded_tokens(tmp_path: Path, clock: FakeClock) -
     logger.close()
 
 
+def test_run_step_times_progress_and_summary(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After start_run the logger owns the run's timing: intervals start at the run (a resumed one
+    at its step), a progress line follows each log line, and the summary averages the steady
+    steps (the first step's start-up is left out) over the run's wall time."""
+    logger = make_logger(tmp_path, log_freq=2)
+    clock.now += 30.0  # construction to loop start (e.g. a checkpoint load) counts in no interval
+    logger.start_run(first_step=2, total_steps=6)
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        times, logged = [], []
+        for step, (seconds, tokens) in enumerate([(10.0, 1000), (2.0, 1000), (2.0, 1000), (4.0, 1000)], start=3):
+            clock.now += seconds
+            logger.record_tokens(tokens)
+            if logger.should_log(step) or step == 6:
+                times.append(logger.step_time_s(step))
+                logged.append(logger.log(step, loss=2.0, grad_norm=1.0, lr=1e-3))
+        logger.log_summary(steps=6, tokens=4000, checkpoints=1)
+    # Steps 3-4 (10 s + 2 s), then 5-6 (2 s + 4 s).
+    assert times == [pytest.approx(6.0), pytest.approx(3.0)]
+    assert [m.tps for m in logged] == [pytest.approx(2000 / 12), pytest.approx(2000 / 6)]
+    assert logged[0].elapsed_s == pytest.approx(42.0)  # elapsed_s still counts from construction
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchtitan_amp"]
+    assert [x for x in lines if x.startswith("progress")] == [
+        "progress: 4/6 steps, elapsed 0m12s, eta: 0m12s", "progress: 6/6 steps, elapsed 0m18s, eta: 0m00s"]
+    # Both logged steps are past the resumed run's first step: both count in the means.
+    assert lines[-1] == ("summary: 6 steps, 4,000 tokens, mean tps 250, mean mfu 2.50%, peak memory "
+                         f"{max(m.memory_gib for m in logged):.2f}GiB, wall time 0m18s, checkpoints written 1")
+    logger.close()
+
+
+def test_summary_without_start_run_or_off_the_logging_rank_logs_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        plain = make_logger(tmp_path / "a")
+        plain.log(1, 2.0, 1.0, 1e-3)
+        plain.log_summary(1, 10, 0)
+        other = make_logger(tmp_path / "b", is_logging_rank=False)
+        other.start_run(0, 1)
+        other.log(1, 2.0, 1.0, 1e-3)
+        other.log_summary(1, 10, 0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchtitan_amp"]
+    assert len(lines) == 1 and lines[0].startswith("step:"), lines
+    plain.close()
+    other.close()
+
+
 def test_num_ranks_for_mfu_divides_flops_not_tps(tmp_path: Path, clock: FakeClock) -> None:
     logger = make_logger(tmp_path, num_ranks_for_mfu=2)
     logger.record_tokens(1000)

@@ -1,4 +1,5 @@
-"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, TensorBoard)."""
+"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, TensorBoard);
+the run's step times, progress line and end-of-run summary."""
 
 from __future__ import annotations
 
@@ -186,6 +187,12 @@ class MetricsLogger:
         self._start_time = time.perf_counter()
         self._last_log_time = self._start_time
         self._tokens_since_log = 0
+        # The training loop's run (start_run): step times, progress and the end-of-run summary.
+        self._run_start: float | None = None
+        self._total_steps = 0
+        self._first_step = 0
+        self._last_logged_step = 0
+        self._logged: list[StepMetrics] = []
 
         self._jsonl: IO[str] | None = None
         self._tb_writer: SummaryWriter | None = None
@@ -199,6 +206,21 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb_writer = SummaryWriter(log_dir=str(folder / tensorboard_folder))
+
+    def start_run(self, first_step: int, total_steps: int) -> None:
+        """The training loop starts after `first_step` (0, or the step a run resumed from) and
+        ends at `total_steps`: from now on intervals are measured from here, each log line is
+        followed by a progress line, and `log_summary` reports the run."""
+        now = time.perf_counter()
+        self._run_start = self._last_log_time = now
+        self._first_step = self._last_logged_step = first_step
+        self._total_steps = total_steps
+        self._logged = []
+
+    def step_time_s(self, step: int) -> float:
+        """Mean time of the steps since the last log (or the run's start) up to `step`."""
+        now = time.perf_counter()
+        return (now - self._last_log_time) / max(step - self._last_logged_step, 1)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self._log_freq == 0
@@ -224,6 +246,7 @@ class MetricsLogger:
         interval_s = now - self._last_log_time
         tokens = self._tokens_since_log
         self._last_log_time = now
+        self._last_logged_step = step
         self._tokens_since_log = 0
         if not self._is_logging_rank:
             return None
@@ -248,7 +271,28 @@ class MetricsLogger:
         logger.info(_format_line(metrics))
         self._write_jsonl(metrics)
         self._write_tensorboard(metrics)
+        if self._run_start is not None:
+            self._logged.append(metrics)
+            steps_done = step - self._first_step
+            if steps_done:
+                run_s = now - self._run_start
+                remaining = run_s / steps_done * (self._total_steps - step)
+                logger.info("progress: %d/%d steps, elapsed %s, eta: %s", step, self._total_steps,
+                            _hms(run_s), _hms(remaining))
         return metrics
+
+    def log_summary(self, steps: int, tokens: int, checkpoints: int) -> None:
+        """The end-of-run line (logging rank): means over the logged steps of this run, leaving
+        out the first step's start-up (compile, first all-gathers) when there is more."""
+        if not self._is_logging_rank or self._run_start is None:
+            return
+        wall_s = time.perf_counter() - self._run_start
+        steady = [m for m in self._logged if m.step > self._first_step + 1] or self._logged
+        mean = lambda key: sum(getattr(m, key) for m in steady) / max(len(steady), 1)  # noqa: E731
+        peak = max((m.memory_gib for m in self._logged), default=0.0)
+        logger.info("summary: %d steps, %s tokens, mean tps %s, mean mfu %.2f%%, peak memory %.2fGiB, "
+                    "wall time %s, checkpoints written %d", steps, f"{tokens:,}", f"{mean('tps'):,.0f}",
+                    mean("mfu"), peak, _hms(wall_s), checkpoints)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -273,6 +317,12 @@ class MetricsLogger:
             if key != "step":
                 self._tb_writer.add_scalar(f"train/{key}", value, metrics.step)
         self._tb_writer.flush()
+
+
+def _hms(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _format_line(m: StepMetrics) -> str:

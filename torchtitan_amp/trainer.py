@@ -6,7 +6,6 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from collections.abc import Iterator
 from functools import partial
 
@@ -277,8 +276,8 @@ class Trainer:
         tokens_per_step = t.local_batch_size * t.seq_len * self.accum * self.dims.dp_degree
         logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
                     self.info.backend, self.info.world_size) if self.is_logging_rank else None
-        start = time.perf_counter()
-        self._summary = _RunSummary(first_step=self.step, last_step=self.step)
+        first_step, checkpoints = self.step, 0
+        self.metrics.start_run(first_step, t.steps)
         with profiling.maybe_profile(self.config, self.info.rank, self.step) as prof, \
                 profiling.maybe_memory_snapshot(self.config, self.info.rank):
             while self.step < t.steps:
@@ -288,30 +287,26 @@ class Trainer:
                 lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm, _ = self.train_step(batches)
                 self.tokens_seen += tokens_per_step
-                if self.step == self._summary.first_step + 1:
+                if self.step == first_step + 1:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
                     distributed.set_timeouts(self.config.comm.timeout_seconds, self.dims)
                 maybe_inject_fault(self.config, self.step, self.info.rank)
                 if self.metrics.should_log(self.step) or self.step == t.steps:
-                    self._log(loss, grad_norm, lr, start)
+                    self._log(loss, grad_norm, lr)
                 stop = self.checkpointer.should_stop()  # SIGTERM/SIGUSR1 on any rank: save and exit
                 saved_before = self.checkpointer.last_saved_step
                 self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
-                self._summary.checkpoints += self.checkpointer.last_saved_step != saved_before
+                checkpoints += self.checkpointer.last_saved_step != saved_before
                 if prof is not None:
                     prof.step()
                 if stop:
                     break
         self.checkpointer.close()
-        if self.is_logging_rank:
-            self._summary.log(self.step, self.tokens_seen, time.perf_counter() - start)
+        self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, start: float) -> None:
-        now = time.perf_counter()
-        steps_done = self.step - self._summary.first_step
-        extra = {"epoch": float(self.dataloader.epoch),
-                 "step_time_s": (now - self._summary.last_log_time(start)) / max(self.step - self._summary.last_step, 1),
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        extra = {"epoch": float(self.dataloader.epoch), "step_time_s": self.metrics.step_time_s(self.step),
                  "data_time_s": self.data_time_s}
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
@@ -326,47 +321,8 @@ class Trainer:
         if not math.isfinite(mean_loss) and not self.scaler.enabled and not self.config.training.skip_nonfinite_steps:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
                                  f"training.max_norm > 0, or training.skip_nonfinite_steps = true")
-        logged = self.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
-        self._summary.record(self.step, now, logged)
-        if self.is_logging_rank and steps_done:
-            remaining = (now - start) / steps_done * (self.config.training.steps - self.step)
-            logger.info("progress: %d/%d steps, elapsed %s, eta: %s", self.step, self.config.training.steps,
-                        _hms(now - start), _hms(remaining))
-
-
-def _hms(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+        self.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
 
 
 class NonFiniteError(RuntimeError):
     """Loss or gradient norm became inf/nan outside fp16 loss scaling."""
-
-
-@dataclass
-class _RunSummary:
-    """What the end-of-run summary reports, gathered from the logged steps."""
-
-    first_step: int
-    last_step: int = 0
-    checkpoints: int = 0
-    _last_time: float | None = None
-    logged: list = field(default_factory=list)
-
-    def last_log_time(self, start: float) -> float:
-        return start if self._last_time is None else self._last_time
-
-    def record(self, step: int, now: float, metrics: object) -> None:
-        self.last_step, self._last_time = step, now
-        if metrics is not None:
-            self.logged.append(metrics)
-
-    def log(self, steps: int, tokens: int, wall_s: float) -> None:
-        # Step 1's throughput includes start-up; leave it out of the means when there is more.
-        steady = [m for m in self.logged if m.step > self.first_step + 1] or self.logged
-        mean = lambda key: sum(getattr(m, key) for m in steady) / max(len(steady), 1)  # noqa: E731
-        peak = max((m.memory_gib for m in self.logged), default=0.0)
-        logger.info("summary: %d steps, %s tokens, mean tps %s, mean mfu %.2f%%, peak memory %.2fGiB, "
-                    "wall time %s, checkpoints written %d", steps, f"{tokens:,}", f"{mean('tps'):,.0f}",
-                    mean("mfu"), peak, _hms(wall_s), self.checkpoints)
