@@ -293,7 +293,21 @@ def test_gpu_mfu_tiny_fsdp_policy_compiles(gpu_tiny: dict) -> None:
     assert gpu_tiny["returncode"] == 0
 
 
-@pytest.mark.parametrize("script", ["precision_speed.py", "overhead.py", "comm.py", "memory_peak.py", "gpu_mfu.py"])
+def test_reduce_precision_emulation() -> None:
+    """The ring's per-hop rounding adds error to the one-time cast, and more with more ranks."""
+    r = run_python(str(BENCH / "reduce_precision.py"), "--max-ranks", "4", "--seq-len", "32", timeout=300)
+    assert r.returncode == 0, r.describe()
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    table = {int(cells[0]): [float(c) for c in cells[1:]] for cells in rows}
+    assert sorted(table) == [1, 2, 4]
+    bf16_cast, bf16_ring = table[1][0], table[1][1]
+    assert bf16_ring == bf16_cast and 1e-4 < bf16_cast < 1e-2  # one rank: the cast is all there is
+    assert table[1][1] < table[2][1] < table[4][1]  # bf16 ring error grows with the rank count
+    assert all(row[2] < row[0] and row[3] < row[1] for row in table.values())  # fp16: 3 more mantissa bits
+
+
+@pytest.mark.parametrize("script", ["precision_speed.py", "overhead.py", "comm.py", "memory_peak.py", "gpu_mfu.py",
+                                    "reduce_precision.py"])
 def test_benchmark_help(script: str) -> None:
     r = run_python(str(BENCH / script), "--help", timeout=120)
     assert r.returncode == 0 and "usage:" in r.stdout, r.describe()
