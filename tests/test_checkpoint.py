@@ -459,6 +459,24 @@ def test_bit_flip_is_caught_by_checksums(matrix, tmp_path):
     assert run_command([*verify, str(bad.parent)], timeout=120).returncode == 0
 
 
+def test_keep_latest_k_never_counts_checkpoints_of_later_steps(matrix, tmp_path):
+    """A run resumed from step 3 past a corrupt step-6 saves steps 4 and 5 with keep_latest_k = 1:
+    it removes 3 and 4 but keeps 5, the one it just wrote, and leaves step-6 (a later step from
+    another timeline) alone rather than counting it as the latest."""
+    reference = matrix("single") / "fp32" / "a"
+    dump = tmp_path / "job"
+    shutil.copytree(reference / "checkpoint", dump / "checkpoint")
+    later = dump / "checkpoint" / f"step-{STEPS}" / "__0_0.distcp"
+    data = bytearray(later.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    later.write_bytes(bytes(data))
+    trainer_module.Trainer(load_config(job_args("single", "fp32", dump, "--training.steps", "5", "--checkpoint.interval",
+                                                "2", "--checkpoint.keep_latest_k", "1"))).train()
+    assert complete_steps(dump / "checkpoint") == {5: "full", STEPS: "full"}
+    assert later.read_bytes() == bytes(data)
+    assert sorted(by_step(dump)) == [RESUME_FROM + 1, 5]  # resumed from step-3, past the corrupt step-6
+
+
 # ---------------------------------------------------------------------------------------------
 # Seed checkpoint and initial_load_path
 

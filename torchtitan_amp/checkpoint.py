@@ -693,12 +693,17 @@ class CheckpointManager:
             os.close(fd)
 
     def _purge(self) -> None:
-        """keep_latest_k counts full checkpoints only; it runs after a newer one is complete."""
+        """keep_latest_k counts full checkpoints only; it runs after a newer one is complete.
+
+        Checkpoints of later steps than the one just saved (left by a run resumed from an older
+        step: a load_step, or a newer checkpoint that failed its checksum) are neither counted
+        nor removed: counting them would delete the checkpoint just written.
+        """
         k = self.config.checkpoint.keep_latest_k
         if not k:
             return
         complete, _ = scan_folder(self.folder)
-        full = sorted(s for s, info in complete.items() if info.kind == "full")
+        full = sorted(s for s, info in complete.items() if info.kind == "full" and s <= self.last_saved_step)
         for step in full[:-k]:
             path = self.folder / f"step-{step}"
             doomed = path.with_name(path.name + ".deleting")
