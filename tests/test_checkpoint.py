@@ -451,6 +451,10 @@ def test_bit_flip_is_caught_by_checksums(matrix, tmp_path):
     with pytest.raises(CheckpointError, match=rf"load_step = {STEPS}: no complete checkpoint step-{STEPS} .*"
                                               r"__0_0.distcp has CRC-32 \w+, the manifest says \w+ \(corrupt\)"):
         trainer_module.Trainer(load_config(job_args("single", "fp32", dump, "--checkpoint.load_step", str(STEPS))))
+    # So is starting a new job from its weights.
+    with pytest.raises(CheckpointError, match=r"initial_load_path: .*__0_0.distcp has CRC-32"):
+        trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "other", "--checkpoint.initial_load_path",
+                                                    str(bad.parent))))
 
     proc = launch_jobs(tmp_path, [{"args": job_args("ddp", "fp32", dump)}], 2)
     assert f"skipping {bad.parent}: file __0_0.distcp has CRC-32" in proc.stdout + proc.stderr
