@@ -287,11 +287,15 @@ class JobConfig:
     dry_run: DryRun = field(default_factory=DryRun)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
-    # "section.key" of every field set by TOML or CLI, so aliases can detect real conflicts.
-    explicit: set[str] = field(default_factory=set, repr=False, compare=False)
-    # Where each explicit field was last set ("toml" or "cli"): an alias and its canonical name
-    # conflict only within one source; across sources the usual precedence (CLI > TOML) applies.
+    # "section.key" of every field set by TOML or CLI -> where it was last set ("toml" or "cli"):
+    # an alias and its canonical name conflict only within one source; across sources the usual
+    # precedence (CLI > TOML) applies.
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def explicit(self) -> set[str]:
+        """Every field set by TOML or CLI (not left at its default), as "section.key"."""
+        return set(self.sources)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in section_names()}
@@ -302,7 +306,7 @@ class JobConfig:
 
 
 def section_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(JobConfig) if f.name not in ("explicit", "sources")]
+    return [f.name for f in dataclasses.fields(JobConfig) if f.name != "sources"]
 
 
 def _section_type(section: str) -> type:
@@ -412,7 +416,6 @@ def _set(config: JobConfig, section: str, key: str, value: Any, source: str) -> 
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
     setattr(getattr(config, section), key, value)
-    config.explicit.add(f"{section}.{key}")
     config.sources[f"{section}.{key}"] = source
 
 
@@ -523,7 +526,6 @@ def _resolve_aliases(config: JobConfig) -> None:
             )
         if alias_rank > canonical_rank:
             setattr(getattr(config, c_sec), c_key, alias_value)
-            config.explicit.add(canonical)
             config.sources[canonical] = config.sources[alias]
         # Mirror the winner so the resolved config (--job.print_config) is self-consistent.
         setattr(getattr(config, a_sec), a_key, getattr(getattr(config, c_sec), c_key))
