@@ -356,6 +356,10 @@ class LossScaler:
     def __init__(self, scaler: torch.amp.GradScaler | None) -> None:
         self.scaler = scaler
         self.skipped_steps = 0
+        # The scale as a Python float, read back from the device once per step (in `step`), so
+        # that `get_scale()` in the loop and the log never synchronises. Only `update()` and
+        # `load_state_dict` change it. Before the first `scale()` this is init_scale (no sync).
+        self._scale = scaler.get_scale() if scaler else 1.0
 
     @property
     def enabled(self) -> bool:
@@ -377,16 +381,16 @@ class LossScaler:
         if self.scaler is None:
             optimizer.step()
             return True
-        before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
         # update() backs the scale off exactly when this step found inf/nan and skipped.
-        stepped = self.scaler.get_scale() >= before
+        before, self._scale = self._scale, self.scaler.get_scale()
+        stepped = self._scale >= before
         self.skipped_steps += not stepped
         return stepped
 
     def get_scale(self) -> float:
-        return self.scaler.get_scale() if self.scaler else 1.0
+        return self._scale
 
     def state_dict(self) -> dict[str, Any]:
         state = self.scaler.state_dict() if self.scaler else {}
@@ -395,6 +399,7 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self._scale = self.scaler.get_scale()
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
