@@ -100,16 +100,19 @@ def test_should_log(tmp_path: Path) -> None:
     logger.close()
 
 
-def test_tps_tflops_mfu_from_recorded_tokens(tmp_path: Path, clock: FakeClock) -> None:
-    logger = make_logger(tmp_path)
+@pytest.mark.parametrize("num_ranks_for_mfu", [1, 2])
+def test_tps_tflops_mfu_from_recorded_tokens(tmp_path: Path, clock: FakeClock, num_ranks_for_mfu: int) -> None:
+    """tps counts this rank's tokens; tflops and mfu are divided by the ranks (TP x PP x CP) that
+    jointly process those tokens, tps is not."""
+    logger = make_logger(tmp_path, num_ranks_for_mfu=num_ranks_for_mfu)
     logger.record_tokens(1000)
     logger.record_tokens(500)
     clock.now += 1.5
     m = logger.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
     assert m is not None
     assert m.tps == pytest.approx(1000.0)
-    assert m.tflops == pytest.approx(6.0)
-    assert m.mfu == pytest.approx(10.0)
+    assert m.tflops == pytest.approx(6.0 / num_ranks_for_mfu)
+    assert m.mfu == pytest.approx(10.0 / num_ranks_for_mfu)
     assert m.elapsed_s == pytest.approx(1.5)
 
     # Counters restart at each log, while elapsed_s keeps counting from construction.
@@ -118,6 +121,8 @@ def test_tps_tflops_mfu_from_recorded_tokens(tmp_path: Path, clock: FakeClock) -
     m = logger.log(10, loss=2.0, grad_norm=1.0, lr=1e-3)
     assert m is not None
     assert m.tps == pytest.approx(4000.0)
+    assert m.tflops == pytest.approx(24.0 / num_ranks_for_mfu)
+    assert m.mfu == pytest.approx(40.0 / num_ranks_for_mfu)
     assert m.elapsed_s == pytest.approx(3.5)
     logger.close()
 
@@ -168,18 +173,6 @@ def test_summary_without_start_run_or_off_the_logging_rank_logs_nothing(
     assert len(lines) == 1 and lines[0].startswith("step:"), lines
     plain.close()
     other.close()
-
-
-def test_num_ranks_for_mfu_divides_flops_not_tps(tmp_path: Path, clock: FakeClock) -> None:
-    logger = make_logger(tmp_path, num_ranks_for_mfu=2)
-    logger.record_tokens(1000)
-    clock.now += 1.0
-    m = logger.log(1, loss=2.0, grad_norm=1.0, lr=1e-3)
-    assert m is not None
-    assert m.tps == pytest.approx(1000.0)
-    assert m.tflops == pytest.approx(3.0)
-    assert m.mfu == pytest.approx(5.0)
-    logger.close()
 
 
 def test_log_line_format(
