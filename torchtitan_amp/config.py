@@ -11,7 +11,6 @@ import difflib
 import math
 import json
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,7 +352,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _is_list(tp: Any) -> bool:
-    return typing.get_origin(tp) in (list, types.GenericAlias) or tp == list[str]
+    return typing.get_origin(tp) is list
 
 
 def _from_toml(name: str, tp: Any, value: Any) -> Any:
@@ -599,8 +598,7 @@ def validate(config: JobConfig) -> None:
 
 def _validate_mixed_precision(config: JobConfig) -> None:
     mp = config.mixed_precision
-    for name in ("init_scale", "growth_factor"):
-        _require(getattr(mp, name) > 0, f"'mixed_precision.{name}' must be > 0")
+    _require(mp.init_scale > 0, f"'mixed_precision.init_scale' must be > 0, got {mp.init_scale}")
     _require(mp.growth_factor > 1.0, f"'mixed_precision.growth_factor' must be > 1, got {mp.growth_factor}")
     _require(
         0.0 < mp.backoff_factor < 1.0,
