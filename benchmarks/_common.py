@@ -78,7 +78,8 @@ def env_with_repo(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout: float = 3600,
              env: dict[str, str] | None = None) -> int:
-    """Run `script args` under torchrun with nproc CPU ranks; output to `log`."""
+    """Run `script args` under torchrun with nproc CPU ranks; output to `log`. Past `timeout`
+    seconds torchrun and its workers are killed (the log says so) and the exit code is -9."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     with open(log, "w") as fh:
@@ -89,6 +90,7 @@ def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout: floa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            fh.write(f"\n[{script.name}] launch killed after its timeout of {timeout:.0f} s\n")
             return -9
 
 

@@ -33,8 +33,6 @@ import math
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -45,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine  # noqa: E402
+from benchmarks._common import machine, torchrun  # noqa: E402
 
 SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"
@@ -227,20 +225,10 @@ def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dic
                 (out / r.key / f).unlink(missing_ok=True)
         spec_path = out / f"spec_{nproc}proc_{attempt}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(Path(__file__).resolve()), "--worker", str(spec_path)]
         print(f"launching {len(pending)} run(s) on {nproc} process(es): {', '.join(r.label for r in pending)}",
               flush=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
-        with open(out / f"launch_{nproc}proc_{attempt}.log", "w") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                proc.wait(timeout=a.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-                proc.wait()
-                log.write(f"\n[numerics_matrix] launch killed after --timeout {a.timeout:.0f} s\n")
+        returncode = torchrun(Path(__file__).resolve(), nproc, ["--worker", str(spec_path)],
+                              out / f"launch_{nproc}proc_{attempt}.log", timeout=a.timeout)
         still = []
         failed_one = False
         for r in pending:
@@ -250,7 +238,7 @@ def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dic
                 print(f"  {r.label}: final loss {res.losses[max(res.losses)]:.5f} ({res.wall_s:.1f} s)", flush=True)
             elif not failed_one:
                 # The first unfinished run is the one that failed (runs go in order).
-                if proc.returncode == 0:
+                if returncode == 0:
                     res.error = res.error or "did not finish"
                 results[r.label] = res
                 failed_one = True
