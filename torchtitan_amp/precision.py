@@ -93,9 +93,9 @@ def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
         raise PrecisionError("'mixed_precision.param_dtype' = 'float16' needs a GPU with compute capability >= 5.3")
 
 
-def _choose_path(enabled: bool, storage: torch.dtype, param: torch.dtype, reduce: torch.dtype,
-                 dims: ParallelDims) -> Path_:
-    if not enabled or storage != torch.float32:
+def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
+    """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
+    if not enabled:
         return "full"
     if dims.fsdp_enabled:
         return "fsdp"
@@ -143,7 +143,7 @@ class PrecisionPlan:
             )
         _check_device_support(device_type, param)
         safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
-        path = _choose_path(enabled, storage, param, reduce, dims)
+        path = _choose_path(enabled, param, reduce, dims)
         comm_hook = "none"
         if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
             comm_hook = "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
@@ -271,9 +271,8 @@ class PrecisionPlan:
             if not own:
                 continue
             low = self.is_safe(module) and self.path != "full"
+            # Off the "full" path storage is fp32: modules outside the safe list compute in it.
             compute = self.param_dtype if low else self.storage_dtype
-            if self.path == "autocast" and not low:
-                compute = torch.float32
             name = _class_name(_user_class(module))
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
