@@ -645,11 +645,14 @@ class CheckpointManager:
         }
         if self.config.checkpoint.checksums:
             meta["crc32"] = {name: crc for *_, share in gathered for name, crc in sorted(share.items())}
-        self._agree(lambda: self._publish(tmp, final, meta))
-        self.last_saved_step = state.step
-        if self.rank == 0:
+
+        def publish_and_purge() -> None:  # rank 0; one broadcast hands every rank the outcome
+            self._publish(tmp, final, meta)
             logger.info("saved %s checkpoint %s in %.2f s", kind, final, time.monotonic() - begin)
-        self._agree(self._purge)
+            self._purge(state.step)
+
+        self._agree(publish_and_purge)
+        self.last_saved_step = state.step
 
     def _checksum_share(self, tmp: Path) -> tuple[dict[str, str], str | None]:
         """CRC-32s of this rank's share of the files in tmp (ranks split them, so the cost is
@@ -692,7 +695,7 @@ class CheckpointManager:
         finally:
             os.close(fd)
 
-    def _purge(self) -> None:
+    def _purge(self, saved_step: int) -> None:
         """keep_latest_k counts full checkpoints only; it runs after a newer one is complete.
 
         Checkpoints of later steps than the one just saved (left by a run resumed from an older
@@ -703,7 +706,7 @@ class CheckpointManager:
         if not k:
             return
         complete, _ = scan_folder(self.folder)
-        full = sorted(s for s, info in complete.items() if info.kind == "full" and s <= self.last_saved_step)
+        full = sorted(s for s, info in complete.items() if info.kind == "full" and s <= saved_step)
         for step in full[:-k]:
             path = self.folder / f"step-{step}"
             doomed = path.with_name(path.name + ".deleting")
