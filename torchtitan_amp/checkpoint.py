@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -920,6 +921,10 @@ class CheckpointManager:
         self._loaded_train_state = TrainState()
 
     def _load_rank_state(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+        @functools.cache
+        def rank_file(rank: int) -> dict[str, Any]:  # dataloader and RNG usually share one file
+            return torch.load(path / f"rank_{rank}.pt", weights_only=True)
+
         error = None
         try:
             if "dataloader" in names:
@@ -931,12 +936,10 @@ class CheckpointManager:
                     )
                 sources = [r for r, d in meta["rank_dp"] if d == self.dp_rank]
                 src = self.rank if self.rank in sources else sources[0]
-                data = torch.load(path / f"rank_{src}.pt", weights_only=True)["dataloader"]
-                self.dataloader.load_state_dict(data)
+                self.dataloader.load_state_dict(rank_file(src)["dataloader"])
             if "rng" in names:
                 if meta["world_size"] == self.world_size:
-                    _set_rng_state(torch.load(path / f"rank_{self.rank}.pt", weights_only=True)["rng"],
-                                   self.device)
+                    _set_rng_state(rank_file(self.rank)["rng"], self.device)
                 elif self.rank == 0:
                     logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d",
                                    path, meta["world_size"], self.world_size)
