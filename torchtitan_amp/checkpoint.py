@@ -284,12 +284,11 @@ def _describe_steps(complete: dict[int, CheckpointInfo]) -> str:
     return ", ".join(f"{s}" + ("" if i.kind == "full" else f" ({i.kind})") for s, i in sorted(complete.items()))
 
 
-def _check_model_fits(path: Path, model_sd: dict[str, Any], prefix: str, complete_model: bool) -> None:
-    """Name the first key whose presence or global shape differs between checkpoint and model."""
-    saved = {
-        k[len(prefix):]: v for k, v in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-        if k.startswith(prefix)
-    }
+def _check_model_fits(path: Path, saved_metadata: dict[str, Any], model_sd: dict[str, Any], prefix: str,
+                      complete_model: bool) -> None:
+    """Name the first key whose presence or global shape differs between checkpoint (its DCP
+    state_dict_metadata) and model."""
+    saved = {k[len(prefix):]: v for k, v in saved_metadata.items() if k.startswith(prefix)}
     for key, value in model_sd.items():
         if key not in saved:
             raise CheckpointError(f"{path} does not fit this model: it has no '{key}'")
@@ -864,27 +863,26 @@ class CheckpointManager:
         return _Choice(str(info.path), info.kind, info.meta, True, info.step)
 
     def _load_dcp(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
-        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         train_state = TrainState()
-        names = tuple(n for n in names if n in DCP_STATES)
+        sd = self._dcp_state(tuple(n for n in names if n in DCP_STATES), train_state)
+        if "scaler" in sd and not self.scaler.enabled:
+            sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         error = None
         try:
-            if "model" in names:
-                _check_model_fits(path, self._model_state_dict(), "model.", self.pp_degree == 1)
-            if "scaler" in names and self.scaler.enabled and not any(k.startswith("scaler.scaler.") for k in saved_keys):
+            if "model" in sd:
+                _check_model_fits(path, saved, sd["model"], "model.", self.pp_degree == 1)
+            if "scaler" in sd and not any(k.startswith("scaler.scaler.") for k in saved):
                 if self.rank == 0:
                     logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
                                    "starting from the configured init_scale", path)
-                names = tuple(n for n in names if n != "scaler")
-            if "optimizer" in names and not any(k.startswith("optimizer.") for k in saved_keys):
+                sd.pop("scaler")
+            if "optimizer" in sd and not any(k.startswith("optimizer.") for k in saved):
                 raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
                                       "checkpoint.exclude_from_loading to load it anyway")
         except CheckpointError as e:
             error = str(e)
         self._all_ok(error)
-        sd = self._dcp_state(names, train_state)
-        if "scaler" in sd and not self.scaler.enabled:
-            sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         try:
             with _quiet_single_process():
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
