@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -35,7 +34,6 @@ import re
 import shlex
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine, torchrun  # noqa: E402
+from benchmarks._common import machine, torchrun, train_in_turn  # noqa: E402
 
 SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"
@@ -158,32 +156,15 @@ def train_args(run: Run, a: argparse.Namespace) -> list[str]:
 def worker(spec_path: str) -> int:
     import logging
 
-    import torch.distributed as dist
-
     from torchtitan_amp import distributed
-    from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
-    spec = json.loads(Path(spec_path).read_text())
-    for run in spec["runs"]:
-        folder = Path(run["dump_folder"])
-        folder.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        try:
-            trainer = Trainer(load_config([*run["args"], "--job.dump_folder", str(folder)]))
-            trainer.train()
-        except BaseException:
-            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-            raise
-        del trainer
-        gc.collect()
-        if dist.is_initialized():
-            dist.barrier()
+    runs = json.loads(Path(spec_path).read_text())["runs"]
+    for i, wall_s in train_in_turn([(Path(run["dump_folder"]), run["args"]) for run in runs]):
         if rank == 0:
-            (folder / "done.json").write_text(json.dumps({"wall_s": time.perf_counter() - start}))
-            print(f"[numerics_matrix] {run['name']} done in {time.perf_counter() - start:.1f} s", flush=True)
+            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s}))
+            print(f"[numerics_matrix] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
     distributed.shutdown()
     return 0
 

@@ -4,8 +4,9 @@
 
 SPEC.json is {"out": DIR, "runs": [{"name": NAME, "args": [--section.key, value, ...]}, ...]}.
 Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
-`train()`, exactly what train.py does; process start-up (~5 s per launch on a 2-core CPU) is paid
-once for all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
+`train()`, exactly what train.py does (benchmarks/_common.train_in_turn, shared with
+scripts/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
+all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
 mesh coordinates, data-parallel rank and what AC / compile wrapped; rank 0's metrics.jsonl and
 precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
 stops the launch (later runs do not start).
@@ -13,21 +14,17 @@ stops the launch (later runs do not start).
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from benchmarks._common import train_in_turn
 from torchtitan_amp import distributed
-from torchtitan_amp.config import load_config
 from torchtitan_amp.trainer import Trainer
 
 
@@ -57,25 +54,11 @@ def main(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
     spec = json.loads(Path(spec_path).read_text())
-    out = Path(spec["out"])
-    for run in spec["runs"]:
-        folder = out / run["name"]
-        folder.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        try:
-            trainer = Trainer(load_config([*run["args"], "--job.dump_folder", str(folder)]))
-            trainer.train()
-            (folder / f"rank{rank}.json").write_text(json.dumps(_rank_info(trainer)))
-        except BaseException:
-            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-            raise
-        del trainer
-        gc.collect()
-        if dist.is_initialized():
-            dist.barrier()
+    out, runs = Path(spec["out"]), spec["runs"]
+    for i, wall_s in train_in_turn([(out / run["name"], run["args"]) for run in runs], inspect=_rank_info):
         if rank == "0":
-            (folder / "wall_s.txt").write_text(f"{time.perf_counter() - start:.2f}\n")
-            print(f"[layouts] {run['name']} done in {time.perf_counter() - start:.1f} s", flush=True)
+            (out / runs[i]["name"] / "wall_s.txt").write_text(f"{wall_s:.2f}\n")
+            print(f"[layouts] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
     distributed.shutdown()
 
 
