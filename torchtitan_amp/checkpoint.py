@@ -770,13 +770,11 @@ class CheckpointManager:
         begin = time.monotonic()
         names = tuple(n for n in (("model",) if initial or kind != "full" else STATE_NAMES)
                       if n not in c.exclude_from_loading)
+        state = TrainState()
         if kind == "model_only":
             self._load_export(path)
         else:
-            self._load_dcp(path, meta, names)
-        state = TrainState()
-        if "train_state" in names:
-            state = self._loaded_train_state
+            state = self._load_dcp(path, names)
         if kind == "full":
             self._load_rank_state(path, meta, names)
         if self.rank == 0:
@@ -862,10 +860,10 @@ class CheckpointManager:
         info = complete[max(complete)]
         return _Choice(str(info.path), info.kind, info.meta, True, info.step)
 
-    def _load_dcp(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+    def _load_dcp(self, path: Path, names: tuple[str, ...]) -> TrainState:
+        """Load the DCP states among `names`; the saved TrainState, or a fresh one without it."""
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        train_state = TrainState()
-        sd = self._dcp_state(tuple(n for n in names if n in DCP_STATES), train_state)
+        sd = self._dcp_state(tuple(n for n in names if n in DCP_STATES), TrainState())
         if "scaler" in sd and not self.scaler.enabled:
             sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         error = None
@@ -897,8 +895,8 @@ class CheckpointManager:
         if "scaler" in sd:
             self.scaler.load_state_dict(sd["scaler"])
         if "train_state" in sd:
-            train_state = TrainState(int(sd["train_state"]["step"]), int(sd["train_state"]["tokens_seen"]))
-        self._loaded_train_state = train_state
+            return TrainState(int(sd["train_state"]["step"]), int(sd["train_state"]["tokens_seen"]))
+        return TrainState()
 
     def _load_export(self, path: Path) -> None:
         """A model-only export (full tensors, maybe another dtype) as starting weights."""
@@ -916,7 +914,6 @@ class CheckpointManager:
         self._all_ok(error)
         mine = {k: v for k, v in sd.items() if k in own}
         set_model_state_dict(self._model, mine, options=StateDictOptions(full_state_dict=True))
-        self._loaded_train_state = TrainState()
 
     def _load_rank_state(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
         @functools.cache
