@@ -338,8 +338,8 @@ FORMULAS = {
           "the last (w2) collective; "
           "+ embedding / head input collectives, loss-parallel statistics (3 fp32 [tokens]), and "
           "under FSDP+SP the Partial norm-weight gradients (norms x dim)",
-    "pp": "per microbatch per stage boundary: [mb, seq/sp, dim] each way, in the residual dtype, or "
-          "in output_dtype under FSDP (each stage root casts its output)",
+    "pp": "per microbatch per stage boundary: [mb, seq/sp, dim] each way, in the residual dtype "
+          "(param_dtype under FSDP: only the last stage's root casts to output_dtype; fp32 under autocast)",
     "volume": "full tensor size: all-gather output, reduce-scatter input, all-reduce buffer, p2p tensor",
 }
 

@@ -734,19 +734,15 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     return {k: v for k, v in (("tp_all_gather", ag), ("tp_reduce_scatter", rs), ("tp_all_reduce", ar)) if v}
 
 
-def pp_dtype(prec: PrecisionSpec, layout: Layout) -> str:
-    """dtype of the tensors stages exchange: the residual stream's (param dtype under FSDP, whose
-    non-last stage roots do not cast to output_dtype; fp32 under autocast)."""
-    return prec.residual
-
-
 def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
     """Pipeline point-to-point traffic of one rank per step: each microbatch sends its stage
-    output [mb, seq / sp, dim] (pp_dtype) forward and receives its gradient back, and the mirror
-    image at the stage's input. x microbatches x gradient-accumulation steps."""
+    output [mb, seq / sp, dim] forward and receives its gradient back, and the mirror image at the
+    stage's input, in the residual stream's dtype (PrecisionSpec.residual: param dtype under FSDP,
+    whose non-last stage roots do not cast to output_dtype; fp32 under autocast).
+    x microbatches x gradient-accumulation steps."""
     if layout.pp == 1:
         return {}
-    r = pp_dtype(prec, layout)
+    r = prec.residual
     sp = layout.tp if layout.sp else 1
     size = layout.pp_microbatch_size * (layout.seq_len // sp) * model.dim * DTYPE_BYTES[r]
     passes = layout.microbatches * layout.grad_accum
