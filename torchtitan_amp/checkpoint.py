@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.config import DTYPES, ConfigError, JobConfig
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -65,7 +65,7 @@ DCP_STATES = ("model", "optimizer", "lr_scheduler", "scaler", "train_state")
 # Kinds of complete checkpoint: full (a resume point), seed (step 0, DCP model only),
 # model_only (the last step's single-file export; not a resume point).
 KINDS = ("full", "seed", "model_only")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # checkpoint.export_dtype's choices
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 # Flattened optimizer keys ("state.<fqn>.exp_avg") do not depend on param order, which pipeline
