@@ -224,9 +224,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     """Shard bottom-up: fp32 groups for modules outside the safe list, then blocks, then root."""
     shard = partial(fully_shard, mesh=mesh)
     if plan.path == "fsdp":
-        for module in reversed(list(model.modules())):
-            owns_params = any(True for _ in module.parameters(recurse=False))
-            if module is not model and owns_params and not plan.is_safe(module):
+        for module in reversed(plan.fp32_modules(model)):
+            if module is not model:
                 shard(module, mp_policy=plan.fsdp_policy(low_precision=False),
                       reshard_after_forward=_reshard(reshard_policy, False))
     blocks = list(model.layers.children())

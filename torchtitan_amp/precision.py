@@ -172,6 +172,12 @@ class PrecisionPlan:
     def is_safe(self, module: nn.Module) -> bool:
         return isinstance(module, self.safe_modules)
 
+    def fp32_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules owning parameters outside the safe list, in `model.modules()` order: they run in
+        fp32 (autocast off on the autocast path, an fp32 FSDP group on the FSDP path)."""
+        return [m for m in model.modules()
+                if not self.is_safe(m) and any(True for _ in m.parameters(recurse=False))]
+
     def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None,
                     cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
         """Policy for one `fully_shard` group: safe modules in param/reduce dtype, others fp32.
@@ -219,9 +225,8 @@ class PrecisionPlan:
         if self.autocast_dtype is None:
             return
         no_autocast = functools.partial(torch.autocast, self.device_type, enabled=False)
-        for module in model.modules():
-            owns_params = any(True for _ in module.parameters(recurse=False))
-            if owns_params and not self.is_safe(module) and not getattr(module, "computes_in_fp32", False):
+        for module in self.fp32_modules(model):
+            if not getattr(module, "computes_in_fp32", False):
                 _wrap_forward(module, no_autocast, cast_inputs=torch.float32)
 
     def backward_context(self) -> contextlib.AbstractContextManager:
