@@ -37,6 +37,9 @@ CPU_MODELS: dict[str, dict[str, Any]] = {
     "large": {"flavor": "debugmodel", "replace": {"dim": 1024, "n_layers": 8, "n_heads": 16}},
 }
 
+# (seq_len, global batch) of each model in the step benchmarks (comm, overhead, precision_speed).
+SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}
+
 
 def use_model(name: str) -> list[str]:
     """Make model `name` buildable by the Trainer in this process; returns its config overrides.
@@ -170,6 +173,13 @@ def machine() -> str:
 def header(title: str) -> str:
     return (f"## {title}\n\nmachine: {machine()}\nload average at start (1/5/15 min): {load_average()}\n"
             f"date: {time.strftime('%Y-%m-%d %H:%M')}\n")
+
+
+def emit(text: str, output: str | None) -> None:
+    """Print a benchmark's report; with --output FILE, also write it there."""
+    print(text)
+    if output:
+        Path(output).write_text(text)
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

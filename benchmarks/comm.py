@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _collectives as collectives  # noqa: E402
-from _common import CPU_MODELS, header, load_average, md_table, num_params, run_jobs, use_model  # noqa: E402
+from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
+                     use_model)
 
-SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
 FP32 = ["--mixed_precision.enabled", "false"]
@@ -183,9 +183,7 @@ def main(argv: list[str]) -> int:
     text = (header("Communication per step (2 CPU ranks, gloo)")
             + f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; {sizes}\n"
             + f"command: python benchmarks/comm.py {shlex.join(argv)}\n\n" + report(results) + "\n")
-    print(text)
-    if a.output:
-        Path(a.output).write_text(text)
+    emit(text, a.output)
     bad = [r for r in results if r["hook_bytes_sent"] and r["hook_bytes_sent"] != {
         k: v for k, v in r["counted"].get("all_reduce", {}).items() if v > 1024}]
     return 1 if bad else 0

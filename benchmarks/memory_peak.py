@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CPU_MODELS, header, load_average, md_table, num_params  # noqa: E402
+from _common import CPU_MODELS, emit, header, load_average, md_table, num_params  # noqa: E402
 
 import estimate_memory  # noqa: E402  (scripts/, put on sys.path by _common)
 
@@ -84,9 +84,7 @@ def main(argv: list[str]) -> int:
     text += md_table(["layout", "ranks", "params+grads+AdamW (tensors)", "(estimate)", "transient (estimate)",
                       "activations (estimate)", "peak RSS growth (measured)", "peak (estimate)",
                       "measured / estimate"], rows) + "\n"
-    print(text)
-    if a.output:
-        Path(a.output).write_text(text)
+    emit(text, a.output)
     return 0
 
 

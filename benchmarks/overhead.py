@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CPU_MODELS, header, load_average, md_table, num_params, use_model  # noqa: E402
-
-SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}
+from _common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, use_model  # noqa: E402
 
 
 def hand_written(args, precision: str, seq: int, batch: int, lr: float):  # type: ignore[no-untyped-def]
@@ -127,9 +125,7 @@ def main(argv: list[str]) -> int:
     text += md_table(["model", "precision", "hand-written loop ms (median)", "Trainer.train_step ms (median)",
                       "ratio of medians", "hand-written ms (best)", "Trainer ms (best)", "ratio of bests"],
                      rows) + "\n"
-    print(text)
-    if a.output:
-        Path(a.output).write_text(text)
+    emit(text, a.output)
     return 0
 
 

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CPU_MODELS, header, md_table, num_params, run_jobs, summarize, use_model  # noqa: E402
+from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
+                     summarize, use_model)
 
-SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}  # seq_len, global batch
 FP32 = ["--mixed_precision.enabled", "false"]
 BF16 = ["--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16"]
 LAYOUTS = {
@@ -159,13 +159,9 @@ def main(argv: list[str]) -> int:
     for nproc in (int(n) for n in a.nprocs.split(",")):
         results += run_jobs(Path(__file__).resolve(), nproc, jobs_for(nproc, models, a.steps, a.warmup, out),
                             out, f"{nproc}proc")
-    from _common import load_average
-
     text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
              f"command: python benchmarks/precision_speed.py {shlex.join(argv)}\n\n" + report(results) + "\n")
-    print(text)
-    if a.output:
-        Path(a.output).write_text(text)
+    emit(text, a.output)
     return 0
 
 
