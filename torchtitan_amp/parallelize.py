@@ -103,7 +103,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     if config.compile.enable:
         # Blocks hold nested fp32 FSDP groups (norms) on the FSDP path, whose hooks dynamo cannot
         # trace: allow graph breaks there instead of failing.
-        apply_compile(model, fullgraph=not (dims.fsdp_enabled and plan.path == "fsdp"))
+        apply_compile(model, fullgraph=plan.path != "fsdp")
     if dims.fsdp_enabled:
         mesh_dims = ("dp_replicate", "dp_shard") if dims.hsdp_enabled else ("dp_shard",)
         apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward)
