@@ -41,7 +41,7 @@ from torchtitan_amp.memory import ByDtype, FsdpGroup, Layout, ModelDims, Precisi
 from torchtitan_amp.models.llama import Transformer, build_model_args, count_params
 from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
 from torchtitan_amp.parallelize import parallelize_llama, validate_layout
-from torchtitan_amp.pipeline import _STAGES_PER_RANK, stage_module, validate_pipeline
+from torchtitan_amp.pipeline import stage_module, validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
 from torchtitan_amp.tokenizer import build_tokenizer
 from torchtitan_amp.trainer import _cast_params, grad_accum_steps
@@ -167,9 +167,12 @@ class Resolved:
     plan: PrecisionPlan
     args: Any  # LlamaModelArgs
     accum: int
-    num_stages: int
     boundaries: list[int]
     layout: Layout
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
 
     @property
     def model_dims(self) -> ModelDims:
@@ -194,13 +197,10 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Resolved:
     vocab = config.dry_run.vocab_size or build_tokenizer(config.model.tokenizer).vocab_size
     args = build_model_args(config.model.flavor, vocab, t.seq_len)
     validate_layout(dims, config, args.n_heads, args.kv_heads)
-    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule] if dims.pp_enabled else 1
-    num_stages = dims.pp * stages_per_rank
     boundaries = [0]
     if dims.pp_enabled:
         boundaries, _ = validate_pipeline(dims, p, args.n_layers, t.local_batch_size)
-    return Resolved(world_size, dims, plan, args, accum, num_stages, boundaries,
-                    _layout(config, dims, accum, boundaries))
+    return Resolved(world_size, dims, plan, args, accum, boundaries, _layout(config, dims, accum, boundaries))
 
 
 def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
@@ -222,12 +222,10 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
         _cast_params(model, plan.storage_dtype)
         total_params = count_params(model)
         layout = res.layout
-        stage_ids = layout.stage_ids(coords["pp"])
-        ranges = memory.stage_layer_ranges(args.n_layers, res.num_stages, res.boundaries[1:])
-        stages = [Stage(s, ranges[s], s == 0, s == res.num_stages - 1) for s in stage_ids]
+        stages = memory.rank_stages(res.model_dims, layout, coords["pp"])
         parts = []
-        for sid in stage_ids:
-            part = stage_module(model, sid, res.boundaries) if dims.pp_enabled else model
+        for stage in stages:
+            part = stage_module(model, stage.index, res.boundaries) if dims.pp_enabled else model
             parts.append(parallelize_llama(part, dims, plan, config))
         report = _report(config, dims, plan, args, layout, coords, stages, parts, total_params,
                          world_size, rank, res.accum, res.num_stages)
