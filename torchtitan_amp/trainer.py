@@ -216,8 +216,9 @@ class Trainer:
                 losses = self.pipeline.step(inputs, labels)
             if not losses:
                 return torch.zeros((), device=self.device)
-            # The schedule saw scaled, pre-divided losses: their sum is this step's share of the mean.
-            return torch.stack([x.detach().float() for x in losses]).sum() / self.scaler.get_scale()
+            # The schedule saw scaled, pre-divided fp32 losses (Pipeline.step detached them): their
+            # sum is this step's share of the mean.
+            return torch.stack(losses).sum() / self.scaler.get_scale()
         with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs))
             loss = loss_fn(logits, labels) / self.accum
@@ -240,7 +241,7 @@ class Trainer:
                 # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
                 for part in self.model_parts:
                     part.set_requires_gradient_sync(micro == self.accum - 1)
-            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device)).float()
+            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
             self.metrics.record_tokens(inputs.numel())
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
