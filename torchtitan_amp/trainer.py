@@ -275,8 +275,9 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             batches = iter(self.dataloader)
         tokens_per_step = t.local_batch_size * t.seq_len * self.accum * self.dims.dp_degree
-        logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
-                    self.info.backend, self.info.world_size) if self.is_logging_rank else None
+        if self.is_logging_rank:
+            logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
+                        self.info.backend, self.info.world_size)
         first_step, checkpoints = self.step, 0
         self.metrics.start_run(first_step, t.steps)
         with profiling.maybe_profile(self.config, self.info.rank, self.step) as prof, \
