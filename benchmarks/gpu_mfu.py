@@ -64,8 +64,8 @@ CONFIGS = {
     "autocast": ("bf16 autocast", ["--mixed_precision.param_dtype", "bfloat16"]),
     "fp32": ("fp32", ["--mixed_precision.enabled", "false"]),
 }
-# What each configuration's activations look like to torchtitan_amp.memory.
-SPEC_PATH = {"fsdp": "fsdp", "autocast": "autocast", "fp32": "full"}
+# The precision path each configuration exists to measure (run_config checks that the plan took it).
+EXPECTED_PATH = {"fsdp": "fsdp", "autocast": "autocast", "fp32": "full"}
 GIB = 2**30
 
 
@@ -78,14 +78,14 @@ def model_args(a: argparse.Namespace, n_layers: int) -> LlamaModelArgs:
                                max_seq_len=a.seq_len)
 
 
-def estimated_peak(args: LlamaModelArgs, a: argparse.Namespace, configs: list[str]) -> int:
-    """The largest torchtitan_amp.memory peak estimate over the configurations."""
+def estimated_peak(args: LlamaModelArgs, a: argparse.Namespace, specs: list[memory.PrecisionSpec]) -> int:
+    """The largest torchtitan_amp.memory peak estimate over the configurations' precision plans."""
     dims = memory.ModelDims.from_args(args)
     layout = memory.Layout(seq_len=a.seq_len, local_batch_size=a.batch, ac_mode=a.ac)
-    return max(memory.estimate(dims, memory.PrecisionSpec.simple(SPEC_PATH[c]), layout).peak() for c in configs)
+    return max(memory.estimate(dims, spec, layout).peak() for spec in specs)
 
 
-def choose_layers(a: argparse.Namespace, device: torch.device, configs: list[str]) -> tuple[int, str]:
+def choose_layers(a: argparse.Namespace, device: torch.device, specs: list[memory.PrecisionSpec]) -> tuple[int, str]:
     if a.layers != "auto":
         return int(a.layers), "given by --layers"
     if a.tiny or device.type != "cuda":
@@ -94,12 +94,12 @@ def choose_layers(a: argparse.Namespace, device: torch.device, configs: list[str
     budget = a.mem_fraction * total - 2 * GIB  # CUDA context, cuBLAS/compile workspaces
     best = 0
     for n in range(1, 33):
-        if estimated_peak(model_args(a, n), a, configs) <= budget:
+        if estimated_peak(model_args(a, n), a, specs) <= budget:
             best = n
     if best == 0:
         raise SystemExit(f"not even one 8B layer fits {a.mem_fraction:.0%} of {total / GIB:.0f} GiB at seq_len "
                          f"{a.seq_len} x batch {a.batch}; lower --seq-len or use --ac full")
-    est = estimated_peak(model_args(a, best), a, configs)
+    est = estimated_peak(model_args(a, best), a, specs)
     return best, (f"estimated peak {est / GIB:.1f} GiB <= {a.mem_fraction:.0%} of {total / GIB:.0f} GiB - 2 GiB "
                   f"(torchtitan_amp.memory)")
 
@@ -141,6 +141,14 @@ def parallel_dims(name: str, config: JobConfig, mesh: ParallelDims) -> ParallelD
     return cls(d.dp_replicate, d.dp_shard, d.tp, d.pp, d.world_size, mesh.mesh, mesh.dp_mesh)
 
 
+def build_plan(name: str, compiled: bool, a: argparse.Namespace, device: torch.device,
+               mesh: ParallelDims) -> tuple[JobConfig, ParallelDims, PrecisionPlan]:
+    """A configuration's JobConfig, ParallelDims and the PrecisionPlan the planner makes of them."""
+    config = job_config(name, compiled, a, device)
+    dims = parallel_dims(name, config, mesh)
+    return config, dims, PrecisionPlan.from_config(config, dims, device.type)
+
+
 def reset_memory(device: torch.device) -> int:
     gc.collect()
     if device.type == "cuda":
@@ -170,10 +178,8 @@ def sync(device: torch.device) -> None:
 
 def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device,
                mesh: ParallelDims) -> dict[str, Any]:
-    config = job_config(name, compiled, a, device)
-    dims = parallel_dims(name, config, mesh)
-    plan = PrecisionPlan.from_config(config, dims, device.type)
-    assert plan.path == SPEC_PATH[name], (name, plan.path)
+    config, dims, plan = build_plan(name, compiled, a, device, mesh)
+    assert plan.path == EXPECTED_PATH[name], (name, plan.path)
     args = model_args(a, n_layers)
     torch._dynamo.reset()
     baseline = reset_memory(device)
@@ -298,7 +304,9 @@ def main(argv: list[str]) -> int:
     # One mesh (every dim of size 1) for all configurations: each would otherwise create new groups.
     mesh = ParallelDims.from_config(load_config([]).parallelism, 1)
     mesh.build_mesh(device.type)
-    layers, why = choose_layers(a, device, configs)
+    # --layers auto sizes the model for what the planner decides for each configuration.
+    specs = [memory.PrecisionSpec.from_plan(build_plan(c, False, a, device, mesh)[2]) for c in configs]
+    layers, why = choose_layers(a, device, specs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,
             "batch": a.batch, "ac": a.ac, "tf32": a.tf32, "layers_chosen": layers, "layers_reason": why,
