@@ -227,8 +227,7 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
         for stage in stages:
             part = stage_module(model, stage.index, res.boundaries) if dims.pp_enabled else model
             parts.append(parallelize_llama(part, dims, plan, config))
-        report = _report(config, dims, plan, args, layout, coords, stages, parts, total_params,
-                         world_size, rank, res.accum, res.num_stages)
+        report = _report(config, res, rank, coords, stages, parts, total_params)
     finally:
         if created:
             dist.destroy_process_group()
@@ -240,34 +239,30 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
     return report
 
 
-def _report(config: JobConfig, dims: ParallelDims, plan: PrecisionPlan, args: Any, layout: Layout,
-            coords: dict[str, int], stages: list[Stage], parts: list[nn.Module], total_params: int,
-            world_size: int, rank: int, accum: int, num_stages: int) -> dict[str, Any]:
-    model_dims = ModelDims.from_args(args)
-    prec = PrecisionSpec.from_plan(plan)
+def _report(config: JobConfig, res: Resolved, rank: int, coords: dict[str, int], stages: list[Stage],
+            parts: list[nn.Module], total_params: int) -> dict[str, Any]:
+    dims, plan, args, layout, num_stages = res.dims, res.plan, res.args, res.layout, res.num_stages
+    model_dims, prec = res.model_dims, res.precision
     state = measure_state(parts)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
                                   dp_shard_rank=coords["dp_shard"])
     stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []
     comm: dict[str, ByDtype] = {}
+    transient: ByDtype = {}
     if dims.fsdp_enabled:
         comm.update(memory.fsdp_comm(stage_groups, layout))
-    elif dims.ddp_enabled:
-        comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
-    comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
-    comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
-    if dims.fsdp_enabled:
         transient = memory.fsdp_transient(stage_groups, layout)
     elif dims.ddp_enabled:
+        comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
         transient = dict(state.grads)  # DDP's gradient buckets
-    else:
-        transient = {}
+    comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
+    comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
-    state_total = sum(memory.sum_bytes(d) for d in (state.params_padded, state.grads, state.optimizer))
-    transient_total = memory.sum_bytes(transient)
+    # Measured state and FSDP groups, analytic activations.
+    estimate = memory.MemoryEstimate(state, transient, acts)
     all_stages = memory.stage_layer_ranges(args.n_layers, num_stages, layout.split_points)
     return {
-        "world_size": world_size,
+        "world_size": res.world_size,
         "rank": rank,
         "coordinates": coords,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
@@ -275,7 +270,7 @@ def _report(config: JobConfig, dims: ParallelDims, plan: PrecisionPlan, args: An
                   "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
                   "ffn_hidden": model_dims.ffn_hidden, "vocab_size": args.vocab_size},
         "training": {"seq_len": layout.seq_len, "local_batch_size": layout.local_batch_size,
-                     "grad_accum_steps": accum, "microbatches": layout.microbatches,
+                     "grad_accum_steps": res.accum, "microbatches": layout.microbatches,
                      "tokens_per_microbatch": layout.microbatch_tokens,
                      "activation_checkpoint": layout.ac_mode if layout.ac_mode != "selective"
                      else f"selective({layout.ac_option})"},
@@ -298,9 +293,7 @@ def _report(config: JobConfig, dims: ParallelDims, plan: PrecisionPlan, args: An
                                                                    state.optimizer, state.params_padded),
             "transient": transient,
             "activations": acts.to_dict(),
-            "peak_estimate": {"ac_none": state_total + transient_total + acts.none,
-                              "ac_full": state_total + transient_total + acts.full,
-                              "configured": state_total + transient_total + acts.configured},
+            "peak_estimate": estimate.to_dict()["peak"],
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
                          "unsharded_numel": g.unsharded_numel(dims.dp_shard), "gather_dtype": g.gather_dtype,
