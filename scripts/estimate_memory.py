@@ -92,8 +92,7 @@ def estimate(config: JobConfig, ngpu: int | None) -> dict[str, Any]:
              layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "tp": res.dims.tp,
                      "pp": res.dims.pp, "seq_len": res.layout.seq_len,
                      "local_batch_size": res.layout.local_batch_size, "grad_accum": res.layout.grad_accum,
-                     "ac": res.layout.ac_mode if res.layout.ac_mode != "selective"
-                     else f"selective({res.layout.ac_option})"},
+                     "ac": res.layout.ac_label},
              precision={"path": res.plan.path, "storage": res.precision.storage, "param": res.precision.param,
                         "reduce": res.precision.reduce, "comm_hook": res.plan.comm_hook})
     return d

@@ -171,6 +171,11 @@ class Layout:
         return self.tp > 1 and self.sequence_parallel
 
     @property
+    def ac_label(self) -> str:
+        """The AC mode as reports print it: "none", "full" or "selective(<option>)"."""
+        return f"selective({self.ac_option})" if self.ac_mode == "selective" else self.ac_mode
+
+    @property
     def num_stages(self) -> int:
         return self.pp * STAGES_PER_RANK[self.pp_schedule] if self.pp > 1 else 1
 
