@@ -152,10 +152,12 @@ def reset_peak_rss() -> None:
 def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
     from torch.distributed.tensor import DTensor
 
+    from torchtitan_amp.precision import dtype_name
+
     out: dict[str, int] = {}
     for t in tensors:
         local = t.to_local() if isinstance(t, DTensor) else t
-        memory.add_bytes(out, str(local.dtype).removeprefix("torch."), local.numel() * local.element_size())
+        memory.add_bytes(out, dtype_name(local.dtype), local.numel() * local.element_size())
     return out
 
 

@@ -109,9 +109,7 @@ class PrecisionSpec:
         from torch import nn
 
         from torchtitan_amp.models.llama import RMSNorm
-
-        def name(dtype: Any) -> str:
-            return str(dtype).removeprefix("torch.")
+        from torchtitan_amp.precision import dtype_name as name
 
         kinds = set()
         for cls_, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"), (RMSNorm, "norm")):
