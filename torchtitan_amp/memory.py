@@ -698,6 +698,17 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     rs: ByDtype = {}
     ar: ByDtype = {}
     passes = layout.microbatches * layout.grad_accum
+
+    def conjugate_pair(dtype: str) -> None:
+        """A [T, d] collective one way and its mirror the other: a reduce-scatter and an
+        all-gather under sequence parallel, a single all-reduce without it."""
+        nbytes = passes * full * DTYPE_BYTES[dtype]
+        if layout.sp:
+            add_bytes(rs, dtype, nbytes)
+            add_bytes(ag, dtype, nbytes)
+        else:
+            add_bytes(ar, dtype, nbytes)
+
     for stage in rank_stages(model, layout, pp_rank):
         n = len(stage.layers)
         if layout.ac_mode == "full":
@@ -715,17 +726,9 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             add_bytes(ar, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
             add_bytes(ar, r, passes * 2 * n * full * DTYPE_BYTES[r])
         if stage.first:
-            if layout.sp:
-                add_bytes(rs, emb, passes * full * DTYPE_BYTES[emb])
-                add_bytes(ag, emb, passes * full * DTYPE_BYTES[emb])
-            else:
-                add_bytes(ar, emb, passes * full * DTYPE_BYTES[emb])
+            conjugate_pair(emb)  # embedding output
         if stage.last:
-            if layout.sp:
-                add_bytes(ag, r, passes * full * DTYPE_BYTES[r])
-                add_bytes(rs, r, passes * full * DTYPE_BYTES[r])
-            else:
-                add_bytes(ar, r, passes * full * DTYPE_BYTES[r])
+            conjugate_pair(r)  # output-head input
             if layout.loss_parallel:
                 add_bytes(ar, "float32", passes * 3 * layout.microbatch_tokens * 4)
             else:
