@@ -143,16 +143,15 @@ def _collective_seconds(category: str, nbytes: float, degrees: tuple[int, int, i
 
 
 def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
-    """Fill in memory and time estimates for a candidate validated by dry_run.resolve."""
+    """Fill in memory and time estimates for a candidate validated by dry_run.resolve (whether
+    it fits is plan's to decide, for the --gpu-mem-gib at hand)."""
     from torchtitan_amp.models.llama import flops_per_token
 
     model, prec, layout = res.model_dims, res.precision, res.layout
     # Pipeline rank 0 holds the most in-flight microbatches, the last one the output head.
     pp_ranks = sorted({0, layout.pp - 1})
-    usable = args.gpu_mem_gib * args.mem_fraction
     cand.memory_by_stage_gib = [memory.estimate(model, prec, layout, pp_rank=r).peak() / GIB for r in pp_ranks]
     cand.memory_gib = max(cand.memory_by_stage_gib)
-    cand.fits = cand.memory_gib <= usable
 
     tokens = args.global_batch_size * args.seq_len
     # The MFU numerator of train.py: 6N (N without the embedding table) + attention.
