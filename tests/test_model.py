@@ -202,8 +202,14 @@ def test_pipeline_stage_passes_hidden_states() -> None:
     del full["5"]
     model.init_weights()  # must skip the removed ends
     hidden = torch.randn(2, 8, model.model_args.dim)
-    out = model(hidden)
+    with torch.no_grad():
+        out = model(hidden)
+        # Exactly blocks 0-4 in order, no final norm, no output projection.
+        expected = hidden
+        for i in range(5):
+            expected = full[str(i)](expected, model.rope_cos, model.rope_sin)
     assert out.shape == hidden.shape
+    assert torch.equal(out, expected) and not torch.equal(out, hidden)
     assert list(model.state_dict())[0].startswith("layers.0.")
     assert not any(k.startswith("layers.5.") for k in model.state_dict())
 
