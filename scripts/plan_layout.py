@@ -208,11 +208,9 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
             # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
             layout_args += ["--training.local_batch_size", str(per_dp),
                             "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
-            microbatches, accum = per_dp // args.local_batch_size, 1
-        else:
+        else:  # gradient accumulation over --local-batch-size sequences
             layout_args += ["--training.local_batch_size", str(args.local_batch_size),
                             "--training.global_batch_size", str(args.global_batch_size)]
-            microbatches, accum = 1, per_dp // args.local_batch_size
         for prec_name, prec_args in PRECISIONS.items():
             for ac in AC_MODES:
                 overrides = layout_args + prec_args + ["--activation_checkpoint.mode", ac]
@@ -222,7 +220,8 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
                 except ConfigError:
                     rejected += 1
                     continue
-                cand = Candidate(r, s, t, p, prec_name, ac, microbatches, accum, overrides)
+                cand = Candidate(r, s, t, p, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
+                                 overrides)
                 out.append(evaluate(cand, res, args))
     return out, rejected
 
