@@ -164,6 +164,9 @@ def test_linear_computes_in_bf16_and_fp32_islands_stay_fp32(run, name):  # type:
         # fp32 islands: RMSNorm computes in fp32 and hands back its caller's dtype ...
         assert d["rms_norm_compute"] == ["float32"], d
         assert d["norm_mismatch"] == 0, d
+        # ... and norm / embedding weights reach their forward in fp32 (rms_norm_compute alone
+        # cannot tell: RMSNorm upcasts whatever weight FSDP gathered) ...
+        assert d["norm_weight"] == d["embedding_weight"] == ["float32"], d
         # ... rotary tables reach the attention in fp32 (FSDP's input cast used to round them) ...
         assert d["rotary"] == ["float32"], d
         assert probe["rope_buffer_dtype"] == "float32"
@@ -182,6 +185,7 @@ def test_disabled_runs_everything_in_fp32(run, name):  # type: ignore[no-untyped
     d, ops = probe["dtypes"], probe["ops"]
     assert probe["path"] == "full"
     assert d["linear_out"] == d["linear_in"] == d["linear_weight"] == ["float32"]
+    assert d["norm_weight"] == d["embedding_weight"] == ["float32"], d
     assert all(v == ["float32"] for v in ops.values()), ops
     wire = probe["fsdp_wire"]
     assert all(set(by_dtype) == {"float32"} for by_dtype in wire.values()), wire

@@ -146,6 +146,10 @@ class Recorder:
         self.rotary: set[str] = set()
         self.loss_logits: set[str] = set()
         self.cross_entropy_input: set[str] = set()
+        # The weights of the fp32 islands as their forward sees them (after FSDP's all-gather):
+        # RMSNorm's own upcast hides a bf16-gathered weight from rms_norm_compute.
+        self.norm_weight: set[str] = set()
+        self.embedding_weight: set[str] = set()
         self.handles = []
         self._norm_input_dtype: torch.dtype | None = None
         for m in model.modules():
@@ -156,6 +160,10 @@ class Recorder:
                 # output after FSDP's post-forward cast (appended last).
                 self.handles.append(m.register_forward_pre_hook(self._norm_in, prepend=True))
                 self.handles.append(m.register_forward_hook(self._norm_out))
+                # Not prepended: runs after FSDP's pre-forward unshard.
+                self.handles.append(m.register_forward_pre_hook(self._weight_hook(self.norm_weight)))
+            elif isinstance(m, nn.Embedding):
+                self.handles.append(m.register_forward_pre_hook(self._weight_hook(self.embedding_weight)))
             elif isinstance(m, llama.Attention):
                 self.handles.append(m.register_forward_pre_hook(self._attention))
 
@@ -164,6 +172,13 @@ class Recorder:
         self.linear_in.add(dname(local(args[0]).dtype))
         self.linear_out.add(dname(local(out).dtype))
         self.linear_weight.add(dname(local(m.weight).dtype))
+
+    @staticmethod
+    def _weight_hook(seen: set[str]):  # type: ignore[no-untyped-def]
+        def hook(m: nn.Module, args: tuple) -> None:
+            seen.add(dname(local(m.weight).dtype))
+
+        return hook
 
     def _norm_in(self, m: nn.Module, args: tuple) -> None:
         self._norm_input_dtype = args[0].dtype
