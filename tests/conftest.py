@@ -80,10 +80,23 @@ def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = 
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    rows: list[dict] = []
-    if dump_folder is not None and (dump_folder / "metrics.jsonl").is_file():
-        rows = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines() if line]
+    rows = read_metrics(dump_folder) if dump_folder is not None else []
     return RunResult(proc.returncode, stdout, stderr, dump_folder or cwd, rows)
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    """The records of folder/metrics.jsonl, in file order (a resumed run appends); [] if it has none."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def torchrun_cmd(nproc: int, *args: str | Path, max_restarts: int | None = None) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N [--max-restarts=R] ARGS...`"""
+    restarts = [] if max_restarts is None else [f"--max-restarts={max_restarts}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
+            *map(str, args)]
 
 
 def new_dump_folder(tmp_path: Path) -> Path:
@@ -97,8 +110,7 @@ def run_train(tmp_path: Path, nproc: int, *overrides: str, timeout: float = 240,
     """torchrun `script` (default train.py) on `nproc` CPU processes (gloo) with a fresh dump folder
     under tmp_path, passed as --job.dump_folder before `overrides` (so an override can replace it)."""
     dump = new_dump_folder(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), "--job.dump_folder", str(dump), *overrides]
+    cmd = torchrun_cmd(nproc, script, "--job.dump_folder", dump, *overrides)
     return run_command(cmd, timeout=timeout, env=env, dump_folder=dump)
 
 

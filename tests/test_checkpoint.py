@@ -34,7 +34,7 @@ from torchtitan_amp.checkpoint import (
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
 
-from .conftest import RunResult, _env, run_command
+from .conftest import RunResult, _env, read_metrics, run_command, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -85,8 +85,7 @@ def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:
 def _command(entry: Path, args: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
     if nproc == 1 and not max_restarts:
         return [sys.executable, str(entry), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            f"--max-restarts={max_restarts}", str(entry), *args]
+    return torchrun_cmd(nproc, entry, *args, max_restarts=max_restarts)
 
 
 def launch(entry: Path, args: list[str], nproc: int, *, timeout: float = 240, max_restarts: int = 0,
@@ -104,13 +103,9 @@ def launch_jobs(tmp: Path, jobs: list[dict], nproc: int, **spec_extra) -> RunRes
     return launch(WORKER, [str(spec)], nproc, check=not spec_extra.get("crash_in_save_step"))
 
 
-def records(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-
-
 def by_step(dump: Path) -> dict[int, dict]:
     """The last record of each step: a resumed run appends to metrics.jsonl."""
-    return {r["step"]: r for r in records(dump)}
+    return {r["step"]: r for r in read_metrics(dump)}
 
 
 def assert_same_steps(got: dict[int, dict], want: dict[int, dict], steps) -> None:
@@ -313,7 +308,7 @@ def test_fault_injection_restart_resumes_bitwise(matrix, tmp_path):
                                   "--training.fault_inject_rank", "1"), 2, max_restarts=1)
     assert (dump / ".fault_injected_at_step_5").exists()
     assert f"checkpoint/step-{RESUME_FROM} (" in proc.stdout  # the restarted job loaded step-3
-    steps = [r["step"] for r in records(dump)]
+    steps = [r["step"] for r in read_metrics(dump)]
     assert steps.count(RESUME_FROM + 1) == 2  # step 4 ran before the crash and again after it
     assert_same_steps(by_step(dump), reference, range(1, STEPS + 1))
 
@@ -389,7 +384,7 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert time.monotonic() - sent < 60
     saved = complete_steps(dump / "checkpoint")
-    stopped_at = max(r["step"] for r in records(dump))
+    stopped_at = max(r["step"] for r in read_metrics(dump))
     assert saved == {stopped_at: "full"} and 2 <= stopped_at < STEPS, (saved, stopped_at)
     assert "stop requested (SIGUSR1" in out
     # Rank 0 never saw the signal, yet both stopped after the same step (a save needs every
@@ -493,7 +488,7 @@ def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
                                                 "--training.seed", "7"))).train()
     seed = seed_dump / "checkpoint" / "step-0"
     assert complete_steps(seed_dump / "checkpoint") == {0: "seed"}
-    assert not (seed_dump / "metrics.jsonl").exists() or not records(seed_dump)  # nothing trained
+    assert not read_metrics(seed_dump)  # nothing trained
     import torch.distributed.checkpoint as dcp
 
     keys = dcp.FileSystemReader(str(seed)).read_metadata().state_dict_metadata

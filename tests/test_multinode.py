@@ -4,13 +4,12 @@ scripts/multinode_trainer.slurm does across hosts, and train with FSDP across th
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, _env, read_metrics
 
 
 def _free_port() -> int:
@@ -31,7 +30,7 @@ def test_two_node_rendezvous_trains_with_fsdp(tmp_path: Path) -> None:
         "--training.local_batch_size", "2", "--metrics.log_freq", "1",
         "--parallelism.data_parallel_shard_degree", "2",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = _env(None)  # the repo on PYTHONPATH, no RANK / MASTER_* inherited from an outer launch
     agents = [subprocess.Popen(cmd(i), cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
     outputs = []
@@ -43,7 +42,7 @@ def test_two_node_rendezvous_trains_with_fsdp(tmp_path: Path) -> None:
         outputs.append(out)
         assert agent.returncode == 0, out[-3000:]
     assert "world size 2" in outputs[0]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(dump)
     assert [r["step"] for r in rows] == [1, 2, 3]
     report = json.loads((dump / "precision_report.json").read_text())
     assert report["path"] == "fsdp"

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, WORKERS, new_dump_folder, run_command
+from tests.conftest import WORKERS, new_dump_folder, read_metrics, run_command, torchrun_cmd
 from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.trainer import NonFiniteError, Trainer
@@ -40,7 +39,7 @@ def test_nonfinite_stops_with_step_and_advice(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(NonFiniteError, match=r"step 3: gradient norm is nan.*skip_nonfinite_steps"):
         trainer.train()
     # Steps 1-2 were logged; nothing of step 3 reached the optimizer.
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
 
 
@@ -65,7 +64,7 @@ def test_skip_nonfinite_steps_counts_and_keeps_weights_and_lr(tmp_path: Path, mo
         assert all((a == b).all() for a, b in zip(before, after)), f"step {step} changed weights"
     # The schedule did not advance on skipped steps: step 4 uses the LR step 2 would have used.
     assert snapshots[4][2] == snapshots[2][2]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert rows[-1]["nonfinite_skipped"] == 2 and math.isfinite(rows[-1]["loss"])
 
 
@@ -75,7 +74,8 @@ def test_progress_eta_summary_and_timing_metrics(tmp_path: Path, caplog: pytest.
     text = caplog.text
     assert "progress: 2/4 steps" in text and "eta: " in text
     assert "summary: 4 steps, 256 tokens, mean tps" in text and "checkpoints written 0" in text
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 4]  # the first step, then every log_freq
     assert all(r["step_time_s"] > 0 and r["data_time_s"] >= 0 for r in rows)
 
 
@@ -100,14 +100,13 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 stops at step 3; rank 0's next collective fails after comm.timeout_seconds and the
     job exits non-zero instead of hanging (the worker would otherwise sleep 600 s)."""
     dump = new_dump_folder(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKERS / "hang_worker.py"), str(dump), *TINY, "--training.steps", "6",
-           "--comm.timeout_seconds", "5"]
+    cmd = torchrun_cmd(2, WORKERS / "hang_worker.py", dump, *TINY, "--training.steps", "6",
+                       "--comm.timeout_seconds", "5")
     begin = time.monotonic()
     res = run_command(cmd, timeout=180)
     elapsed = time.monotonic() - begin
     assert res.returncode != 0, res.describe()
     assert elapsed < 150, f"took {elapsed:.0f} s"
     assert "timed out" in res.output.lower() or "timeout" in res.output.lower(), res.describe()
-    rows = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(dump)
     assert [r["step"] for r in rows] == [1, 2]
