@@ -44,7 +44,7 @@ from torchtitan_amp.parallelize import parallelize_llama, validate_layout
 from torchtitan_amp.pipeline import stage_module, validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
 from torchtitan_amp.tokenizer import build_tokenizer
-from torchtitan_amp.trainer import _cast_params, grad_accum_steps
+from torchtitan_amp.trainer import grad_accum_steps
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -219,7 +219,7 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
         coords = _coordinates(dims, world_size)
         with torch.device("meta"):
             model = Transformer(args)
-        _cast_params(model, plan.storage_dtype)
+        plan.apply_storage_dtype(model)
         total_params = count_params(model)
         layout = res.layout
         stages = memory.rank_stages(res.model_dims, layout, coords["pp"])

@@ -219,6 +219,13 @@ class PrecisionPlan:
         schedule interleaves forward and backward so no context can wrap forward alone."""
         _wrap_forward(module, self.forward_context)
 
+    def apply_storage_dtype(self, model: nn.Module) -> None:
+        """Store parameters (only) in storage_dtype: fp32 master weights for mixed precision,
+        bf16 for pure-bf16 training. Buffers stay as built: the rotary tables must stay fp32."""
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(p.detach().to(self.storage_dtype), p.requires_grad))
+
     def apply_fp32_islands(self, model: nn.Module) -> None:
         """On the autocast path, run modules outside the safe list in fp32 (autocast off, float
         inputs upcast). The FSDP path gets the same from its fp32 groups' policy."""

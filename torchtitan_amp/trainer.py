@@ -72,7 +72,8 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     for grads in groups:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    # A stage whose parameters got no gradient still joins the pipeline all-reduce, on their device.
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=params[0].device if params else None)
     if pp_group is not None:
         # Stages hold disjoint parameters: add squared norms across them.
         dist.all_reduce(total, group=pp_group)
@@ -84,13 +85,6 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     return total
 
 
-def _cast_params(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast parameters only: rotary buffers must stay fp32 even in pure low-precision training."""
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(p.detach().to(dtype), p.requires_grad))
-
-
 def build_model(args: LlamaModelArgs, plan: PrecisionPlan, seed: int, device: torch.device) -> tuple[nn.Module, bool]:
     """The model in the plan's storage dtype, built on meta. Small models are initialised here
     from `seed` on every rank (so every parallel layout starts from identical weights) and moved
@@ -98,7 +92,7 @@ def build_model(args: LlamaModelArgs, plan: PrecisionPlan, seed: int, device: to
     Returns (model, initialised)."""
     with torch.device("meta"):
         model = Transformer(args)
-    _cast_params(model, plan.storage_dtype)
+    plan.apply_storage_dtype(model)
     torch.manual_seed(seed)
     initialised = count_params(model) <= FULL_INIT_MAX_PARAMS
     if initialised:
