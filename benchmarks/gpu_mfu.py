@@ -220,7 +220,7 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     allocated, reserved = peak_memory(device, baseline)
     step_s = sorted(times)[len(times) // 2]
     tps = a.batch * a.seq_len / step_s
-    peak = peak_flops(device, torch.bfloat16)
+    peak = peak_flops(device, [torch.bfloat16])
     del model, optimizer, params, tokens, inputs, labels, loss
     reset_memory(device)
     return {"config": name, "precision": CONFIGS[name][0], "path": plan.path, "compile": compiled,
@@ -314,7 +314,7 @@ def main(argv: list[str]) -> int:
     print(f"gpu_mfu: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
           f"{'tiny shape' if a.tiny else 'Llama-3-8B shape'}, {layers} layers ({why}); seq {a.seq_len} x batch "
           f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "
-          f"{peak_flops(device, torch.bfloat16) / 1e12:.1f} TFLOP/s", flush=True)
+          f"{peak_flops(device, [torch.bfloat16]) / 1e12:.1f} TFLOP/s", flush=True)
     results: list[dict[str, Any]] = []
     durations: dict[tuple[str, bool], float] = {}
     failed = False

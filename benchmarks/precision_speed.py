@@ -54,7 +54,7 @@ def worker(spec_path: str, out_path: str) -> int:
     logging.basicConfig(level=logging.WARNING)
     jobs = json.loads(Path(spec_path).read_text())
     cpu = torch.device("cpu")
-    peaks = {name: peak_flops(cpu, dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    peaks = {name: peak_flops(cpu, [dtype]) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     results = []
     for job in jobs:
         # Both precisions of a (model, layout) live in this process and their steps alternate

@@ -169,7 +169,7 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
     from torchtitan_amp.metrics import peak_flops
     from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
 
-    peak_flops(torch.device("cpu"), param_dtype)
+    peak_flops(torch.device("cpu"), {torch.float32, param_dtype})
     model = Transformer(LlamaModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16))
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), foreach=True)

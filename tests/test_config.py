@@ -113,8 +113,45 @@ def test_cli_booleans(argv: list[str], expected: bool) -> None:
 
 
 def test_no_flag_turns_off_a_default_true() -> None:
-    assert JobConfig().mixed_precision.enabled is True
-    assert load_config(["--no-mixed_precision.enabled"]).mixed_precision.enabled is False
+    assert JobConfig().training.deterministic is False and JobConfig().metrics.enable_tensorboard is False
+    assert load_config(["--no-parallelism.enable_sequence_parallel"]).parallelism.enable_sequence_parallel is False
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], "auto"),
+    (["--no-mixed_precision.enabled"], False),
+    (["--mixed_precision.enabled"], True),
+    (["--mixed_precision.enabled", "auto"], "auto"),
+    (["--mixed_precision.enabled=AUTO"], "auto"),
+    (["--mixed_precision.enabled", "false"], False),
+    (["--mixed_precision.enabled", "--training.steps", "3"], True),
+    (["--mixed_precision.enabled", "auto", "--no-mixed_precision.enabled"], False),
+])
+def test_mixed_precision_enabled_is_a_boolean_or_auto(argv: list[str], expected: object) -> None:
+    assert load_config(argv).mixed_precision.enabled == expected
+    assert type(load_config(argv).mixed_precision.enabled) is type(expected)
+
+
+@pytest.mark.parametrize(("toml", "expected"), [("true", True), ("false", False), ('"auto"', "auto")])
+def test_mixed_precision_enabled_from_toml_round_trips(tmp_path: Path, toml: str, expected: object) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(f"[mixed_precision]\nenabled = {toml}\n")
+    config = load_config(["--job.config_file", str(path)])
+    assert config.mixed_precision.enabled == expected
+    path.write_text(to_toml(config))
+    assert load_config(["--job.config_file", str(path)]).mixed_precision.enabled == expected
+
+
+@pytest.mark.parametrize(("toml", "cli"), [('"on"', None), ("1", None), (None, "maybe")])
+def test_mixed_precision_enabled_rejects_other_values(tmp_path: Path, toml: str | None, cli: str | None) -> None:
+    argv = [f"--mixed_precision.enabled={cli}"] if cli else []
+    if toml:
+        path = tmp_path / "job.toml"
+        path.write_text(f"[mixed_precision]\nenabled = {toml}\n")
+        argv = ["--job.config_file", str(path)]
+    with pytest.raises(ConfigError, match="mixed_precision.enabled") as e:
+        load_config(argv)
+    assert "auto" in str(e.value)
 
 
 def test_cli_lists_are_comma_separated() -> None:
@@ -210,7 +247,7 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
         assert f"(default {config_mod._format_value(default)})" in line
         assert f.metadata["help"] in text
         for choice in f.metadata.get("choices") or ():
-            assert str(choice) in line
+            assert config_mod._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp import metrics
+from tests.conftest import TINY
+from torchtitan_amp import matmul_speed, metrics
 from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_memory_gib
 
 CPU = torch.device("cpu")
@@ -47,14 +48,74 @@ def read_jsonl(folder: Path) -> list[dict]:
 
 
 def test_peak_flops_cpu_is_positive_finite_and_cached() -> None:
-    first = peak_flops(CPU, torch.float32)
-    hits_before = metrics._measure_cpu_matmul_flops.cache_info().hits
+    first = peak_flops(CPU, [torch.float32])
+    hits_before = matmul_speed.cpu_matmul_flops.cache_info().hits
     start = time.perf_counter()
-    second = peak_flops(CPU, torch.float32)
+    second = peak_flops(CPU, [torch.float32])
     assert time.perf_counter() - start < 0.01
-    assert metrics._measure_cpu_matmul_flops.cache_info().hits == hits_before + 1
+    assert matmul_speed.cpu_matmul_flops.cache_info().hits == hits_before + 1
     assert first == second
     assert first > 0 and math.isfinite(first)
+
+
+def test_cpu_peak_is_the_fastest_dtype_the_step_computes_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16-autocast step on a CPU that emulates bf16 still runs fp32 at full speed: the peak is
+    fp32's (the bf16 rate alone made MFU read 106% on such a CPU)."""
+    rates = {torch.float32: 75e9, torch.bfloat16: 1.3e9}
+    monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: rates[dtype])
+    assert peak_flops(CPU, [torch.float32, torch.bfloat16]) == 75e9
+    assert peak_flops(CPU, [torch.bfloat16]) == 1.3e9
+    assert metrics.describe_peak(CPU, [torch.float32, torch.bfloat16]) == "best measured bfloat16/float32 matmul on this CPU"
+
+
+def test_mfu_never_exceeds_100_percent_with_a_low_first_peak(
+    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up peak came out 1000x too low (a busy machine): the first step that beats it
+    triggers one fresh measurement; what a step achieved is a lower bound of the peak anyway."""
+    remeasured = []
+
+    def remeasure() -> float:
+        remeasured.append(1)
+        return 50e12
+
+    logger = make_logger(tmp_path, peak_flops=60e9, remeasure_peak=remeasure, peak_label="test peak")
+    logger.start_run(0, 3)
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        for step, tokens in ((1, 1000), (2, 1000), (3, 20_000)):
+            logger.record_tokens(tokens)  # 6e9 FLOPs/token: 6, 6, then 120 TFLOP/s over 1 s
+            clock.now += 1.0
+            m = logger.log(step, 2.0, 1.0, 1e-3)
+            assert m is not None and m.mfu <= 100.0
+        logger.log_summary(3, 22_000, 0)
+    logger.close()
+    assert len(remeasured) == 1
+    mfus = [r["mfu"] for r in read_jsonl(tmp_path)]
+    # Step 1 beat 60 GFLOP/s -> re-measured 50 TFLOP/s; step 3 beat that -> its own 120 TFLOP/s.
+    assert mfus == [pytest.approx(12.0), pytest.approx(12.0), pytest.approx(100.0)]
+    assert logger.peak_flops == pytest.approx(120e12)
+    assert sum("above the peak measured at start-up" in r.getMessage() for r in caplog.records) == 2
+    assert caplog.records[-1].getMessage().endswith("mfu peak 120 TFLOP/s (test peak)")
+
+
+def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real run whose start-up peak measurement is absurdly low (1 kFLOP/s): the trainer's
+    logger measures again and no logged MFU passes 100%; the summary names the peak it used."""
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.trainer import Trainer
+
+    monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: 1e3)
+    trainer = Trainer(load_config([*TINY, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
+                                   "--training.seq_len", "16", "--no-mixed_precision.enabled"]))
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        trainer.train()
+    mfus = [r["mfu"] for r in read_jsonl(tmp_path)]
+    assert len(mfus) == 3 and all(0 < m <= 100.0 for m in mfus), mfus
+    assert trainer.metrics.peak_flops > 1e9  # the fresh measurement replaced the bad one
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:"))
+    assert "(best measured float32 matmul on this CPU)" in summary, summary
 
 
 @pytest.mark.parametrize(
@@ -154,7 +215,8 @@ def test_run_step_times_progress_and_summary(
         "progress: 4/6 steps, elapsed 0m12s, eta: 0m12s", "progress: 6/6 steps, elapsed 0m18s, eta: 0m00s"]
     # Both logged steps are past the resumed run's first step: both count in the means.
     assert lines[-1] == ("summary: 6 steps, 4,000 tokens, mean tps 250, mean mfu 2.50%, peak memory "
-                         f"{max(m.memory_gib for m in logged):.2f}GiB, wall time 0m18s, checkpoints written 1")
+                         f"{max(m.memory_gib for m in logged):.2f}GiB, wall time 0m18s, checkpoints written 1, "
+                         "mfu peak 60 TFLOP/s")
     logger.close()
 
 
@@ -178,7 +240,7 @@ def test_summary_without_start_run_or_off_the_logging_rank_logs_nothing(
 def test_log_line_format(
     tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    logger = make_logger(tmp_path)
+    logger = make_logger(tmp_path, peak_flops=100e12)
     logger.record_tokens(24690)
     clock.now += 2.0
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
@@ -193,7 +255,7 @@ def test_log_line_format(
         "GiB",
         "tps: 12,345",
         "tflops: 74.07",
-        "mfu: 123.45%",
+        "mfu: 74.07%",
         "loss_scale: 65536",
         "skipped_steps: 0",
     ]:

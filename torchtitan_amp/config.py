@@ -225,7 +225,13 @@ class Compile:
 
 @dataclass
 class MixedPrecision:
-    enabled: bool = _f(True, "Train in mixed precision (false: fp32 everywhere).")
+    enabled: bool | str = _f(
+        "auto",
+        "Train in mixed precision (false: fp32 everywhere). 'auto': yes on GPUs and on CPUs whose "
+        "param_dtype matmul is native (measured at start-up), fp32 where the CPU emulates it "
+        "(~50x slower); the start-up log and precision_report.json say what was decided.",
+        (True, False, "auto"),
+    )
     param_dtype: str = _f("bfloat16", "Compute dtype of lower-precision-safe modules.", DTYPES)
     reduce_dtype: str = _f("float32", "Dtype of gradients on the wire.", DTYPES)
     output_dtype: str = _f("float32", "Dtype of the model's outputs (logits).", DTYPES)
@@ -345,10 +351,22 @@ def _check_known(section: str, key: str | None) -> None:
 # Value conversion
 
 
+# A boolean that may also be "auto" (mixed_precision.enabled).
+BoolOrAuto = bool | str
+_AUTO = "auto"
+
+
 def _type_name(tp: Any) -> str:
+    if tp == BoolOrAuto:
+        return 'true, false or "auto"'
     return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}.get(
         tp, "a list of strings"
     )
+
+
+def _is_flag(tp: Any) -> bool:
+    """Fields that take --no-x and a bare --x."""
+    return tp is bool or tp == BoolOrAuto
 
 
 def _is_list(tp: Any) -> bool:
@@ -364,6 +382,9 @@ def _from_toml(name: str, tp: Any, value: Any) -> Any:
             return list(value)
     elif tp is bool:
         if isinstance(value, bool):
+            return value
+    elif tp == BoolOrAuto:
+        if isinstance(value, bool) or value == _AUTO:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -390,7 +411,9 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
     try:
         if _is_list(tp):
             return _split_list(text)
-        if tp is bool:
+        if _is_flag(tp):
+            if tp == BoolOrAuto and text.lower() == _AUTO:
+                return _AUTO
             if text.lower() in _TRUE:
                 return True
             if text.lower() in _FALSE:
@@ -468,12 +491,12 @@ def parse_cli(argv: list[str]) -> list[tuple[str, str, str]]:
         _check_known(section, key)
         tp = _field_types(section)[key]
         if negated:
-            if tp is not bool or eq:
+            if not _is_flag(tp) or eq:
                 raise ConfigError(f"'--no-{name}' only applies to boolean fields without a value")
             out.append((section, key, "false"))
         elif eq:
             out.append((section, key, inline))
-        elif tp is bool and (i + 1 == len(argv) or argv[i + 1].lower() not in _TRUE + _FALSE):
+        elif _is_flag(tp) and (i + 1 == len(argv) or argv[i + 1].lower() not in _TRUE + _FALSE + (_AUTO,)):
             out.append((section, key, "true"))
         elif i + 1 < len(argv) and not _is_option(argv[i + 1]):
             i += 1
@@ -624,6 +647,10 @@ def _format_value(value: Any) -> str:
     return repr(value)
 
 
+def _format_choice(value: Any) -> str:
+    return _format_value(value) if isinstance(value, bool) else str(value)
+
+
 def to_toml(config: JobConfig) -> str:
     lines: list[str] = []
     for section, values in config.to_dict().items():
@@ -646,7 +673,7 @@ def help_text() -> str:
         for f in dataclasses.fields(_section_type(section)):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = f.metadata.get("choices")
-            allowed = f"  {{{', '.join(map(str, (c for c in choices if c != '')))}}}" if choices else ""
+            allowed = f"  {{{', '.join(_format_choice(c) for c in choices if c != '')}}}" if choices else ""
             lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}")
             lines.append(f"      {f.metadata['help']}")
     return "\n".join(lines)

@@ -192,8 +192,9 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Resolved:
     dims = ParallelDims.from_config(p, world_size)
     accum = grad_accum_steps(t, dims.dp_degree)
     # Precision is decided for the CPU here (no device checks for a GPU we do not have); the
-    # plan's dtypes do not depend on the device type.
-    plan = PrecisionPlan.from_config(config, dims, "cpu")
+    # plan's dtypes do not depend on the device type. No probe: this machine's CPU says nothing
+    # about the GPUs being sized, so mixed_precision.enabled = "auto" means on.
+    plan = PrecisionPlan.from_config(config, dims, "cpu", probe=None)
     vocab = config.dry_run.vocab_size or build_tokenizer(config.model.tokenizer).vocab_size
     args = build_model_args(config.model.flavor, vocab, t.seq_len)
     validate_layout(dims, config, args.n_heads, args.kv_heads)

@@ -4,7 +4,6 @@ the run's step times, progress line and end-of-run summary."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -13,108 +12,46 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Callable, Iterable
 
 import torch
+
+from torchtitan_amp.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 logger = logging.getLogger("torchtitan_amp")
 
-# Dense (non-sparse) bf16 tensor-core peak FLOP/s, matched as case-insensitive substrings of
-# torch.cuda.get_device_name. Order matters: a more specific name must precede any entry that
-# is a substring of it (e.g. "H100 NVL" before "H100", "L40S" before "L40").
-_GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("A100", 312e12),
-    ("A10G", 125e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM; its device name carries no form-factor suffix
-    ("H200", 989e12),
-    ("B200", 2.25e15),
-    ("L40S", 362e12),
-    ("MI300X", 1307e12),
-    ("MI325X", 1307e12),
-    # Each MI250X GCD is its own torch device, so this is half the package figure.
-    ("MI250X", 191.5e12),
-)
-_FALLBACK_GPU = "H100"
-
-# 1024^3 takes milliseconds in fp32/bf16 on a few cores: long enough to hit the GEMM kernel's
-# steady state, short enough that the one-off measurement doesn't delay startup.
-_CPU_MATMUL_SIZE = 1024
-_CPU_WARMUP_REPS = 2
-_CPU_TIMING_BUDGET_S = 0.3
-
 _GIB = 2**30
 _JSONL_NAME = "metrics.jsonl"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Per-device peak FLOP/s used as the MFU denominator."""
+def peak_flops(device: torch.device, dtypes: Iterable[torch.dtype]) -> float:
+    """Per-device peak FLOP/s used as the MFU denominator; `dtypes`: those the step computes in."""
     if device.type == "cuda":
-        # dtype is deliberately ignored: like torchtitan, MFU is always relative to the bf16
+        # dtypes are deliberately ignored: like torchtitan, MFU is always relative to the bf16
         # tensor-core peak, so fp32 (TF32) runs show the utilization they leave on the table
         # instead of looking efficient against a lower ceiling.
-        return _gpu_peak_flops(torch.cuda.get_device_name(device))
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
     if device.type == "cpu":
-        # Thread count is part of the key because the measured peak scales with it.
-        return _measure_cpu_matmul_flops(dtype, torch.get_num_threads())
+        # The fastest of the step's dtypes: a bf16-autocast step still runs its fp32 islands, and
+        # on a CPU that emulates bf16 the fp32 rate is the ceiling (the bf16 rate alone made MFU
+        # read 106% there).
+        return max(cpu_matmul_flops(d, torch.get_num_threads()) for d in set(dtypes))
     raise ValueError(f"peak_flops: unsupported device type {device.type!r}")
 
 
-def _gpu_peak_flops(device_name: str) -> float:
-    lowered = device_name.lower()
-    for name, flops in _GPU_PEAK_BF16_FLOPS:
-        if name.lower() in lowered:
-            return flops
-    _warn_unknown_gpu(device_name)
-    return dict(_GPU_PEAK_BF16_FLOPS)[_FALLBACK_GPU]
+def describe_peak(device: torch.device, dtypes: Iterable[torch.dtype]) -> str:
+    if device.type == "cuda":
+        return f"bf16 tensor-core peak of {torch.cuda.get_device_name(device)}"
+    names = "/".join(sorted(str(d).removeprefix("torch.") for d in set(dtypes)))
+    return f"best measured {names} matmul on this {device.type.upper()}"
 
 
-@functools.cache
-def _warn_unknown_gpu(device_name: str) -> None:
-    # Cached so the warning appears once per GPU model, not once per call.
-    logger.warning(
-        "Peak FLOP/s of GPU %r is unknown; MFU assumes %s (%.0f TFLOP/s bf16)",
-        device_name,
-        _FALLBACK_GPU,
-        dict(_GPU_PEAK_BF16_FLOPS)[_FALLBACK_GPU] / 1e12,
-    )
-
-
-def _time_mm(n: int, dtype: torch.dtype) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    start = time.perf_counter()
-    torch.mm(a, a)
-    return time.perf_counter() - start
-
-
-@functools.cache
-def _measure_cpu_matmul_flops(dtype: torch.dtype, num_threads: int) -> float:
-    # CPUs have no spec-sheet number that means anything for torch's GEMM in a given dtype
-    # (AMX/AVX512-bf16 vs fp32 differ several-fold), so measure what a matmul actually achieves.
-    # Grow the size only while a matmul stays cheap: fp16 GEMM on some CPUs runs at ~1 GFLOP/s,
-    # where 1024^3 would cost seconds of start-up per process.
-    n = 128
-    while n < _CPU_MATMUL_SIZE and _time_mm(2 * n, dtype) < 0.02:
-        n *= 2
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    for _ in range(_CPU_WARMUP_REPS):
-        torch.mm(a, b)
-    # Best-of rather than mean: interference from other processes only ever makes a rep slower.
-    best_s = math.inf
-    deadline = time.perf_counter() + _CPU_TIMING_BUDGET_S
-    while True:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        end = time.perf_counter()
-        best_s = min(best_s, end - start)
-        if end >= deadline:
-            break
-    return 2 * n**3 / best_s
+def remeasure_cpu_peak(dtypes: Iterable[torch.dtype]) -> float:
+    """A fresh measurement (no cache), for when the first one was beaten by a real step."""
+    return max(measure_cpu_matmul_flops(d) for d in set(dtypes))
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -170,9 +107,14 @@ class MetricsLogger:
         peak_flops: float,
         device: torch.device,
         num_ranks_for_mfu: int = 1,
+        peak_label: str = "",
+        remeasure_peak: Callable[[], float] | None = None,
     ) -> None:
         """num_ranks_for_mfu: ranks that jointly process the same tokens (TP x PP x CP degree),
-        so one device does only 1/num_ranks_for_mfu of the FLOPs of the tokens it records."""
+        so one device does only 1/num_ranks_for_mfu of the FLOPs of the tokens it records.
+        peak_label: where peak_flops comes from (e.g. "best measured fp32/bf16 matmul"), for the
+        log. remeasure_peak: called once if a step beats peak_flops (a start-up measurement
+        taken while the machine was busy): MFU is never above 100%."""
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
         if num_ranks_for_mfu < 1:
@@ -181,6 +123,8 @@ class MetricsLogger:
         self._is_logging_rank = is_logging_rank
         self._flops_per_token = float(flops_per_token)
         self._peak_flops = float(peak_flops)
+        self._peak_label = peak_label
+        self._remeasure_peak = remeasure_peak
         self._device = device
         self._num_ranks_for_mfu = num_ranks_for_mfu
 
@@ -253,6 +197,8 @@ class MetricsLogger:
 
         tps = tokens / interval_s if interval_s > 0 else 0.0
         device_flops = tps * self._flops_per_token / self._num_ranks_for_mfu
+        if device_flops > self._peak_flops:
+            self._raise_peak(device_flops)
         metrics = StepMetrics(
             step=step,
             loss=float(loss),
@@ -281,6 +227,22 @@ class MetricsLogger:
                             _hms(run_s), _hms(remaining))
         return metrics
 
+    @property
+    def peak_flops(self) -> float:
+        return self._peak_flops
+
+    def _raise_peak(self, achieved: float) -> None:
+        """A step ran faster than the peak: the peak measurement was too low. Measure again once;
+        what a step achieved is a lower bound of the peak in any case."""
+        old = self._peak_flops
+        if self._remeasure_peak is not None:
+            self._peak_flops = max(self._peak_flops, self._remeasure_peak())
+            self._remeasure_peak = None
+        self._peak_flops = max(self._peak_flops, achieved)
+        logger.warning("a step reached %.1f GFLOP/s, above the peak measured at start-up (%.1f "
+                       "GFLOP/s): measured again, MFU now relative to %.1f GFLOP/s",
+                       achieved / 1e9, old / 1e9, self._peak_flops / 1e9)
+
     def log_summary(self, steps: int, tokens: int, checkpoints: int) -> None:
         """The end-of-run line (logging rank): means over the logged steps of this run, leaving
         out the first step's start-up (compile, first all-gathers) when there is more."""
@@ -291,8 +253,12 @@ class MetricsLogger:
         mean = lambda key: sum(getattr(m, key) for m in steady) / max(len(steady), 1)  # noqa: E731
         peak = max((m.memory_gib for m in self._logged), default=0.0)
         logger.info("summary: %d steps, %s tokens, mean tps %s, mean mfu %.2f%%, peak memory %.2fGiB, "
-                    "wall time %s, checkpoints written %d", steps, f"{tokens:,}", f"{mean('tps'):,.0f}",
-                    mean("mfu"), peak, _hms(wall_s), checkpoints)
+                    "wall time %s, checkpoints written %d, mfu peak %s", steps, f"{tokens:,}",
+                    f"{mean('tps'):,.0f}", mean("mfu"), peak, _hms(wall_s), checkpoints, self.describe_peak())
+
+    def describe_peak(self) -> str:
+        rate = f"{self._peak_flops / 1e12:.3g} TFLOP/s"
+        return f"{rate} ({self._peak_label})" if self._peak_label else rate
 
     def close(self) -> None:
         if self._jsonl is not None:

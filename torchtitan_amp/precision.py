@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
 
 logger = logging.getLogger("torchtitan_amp")
@@ -93,6 +94,25 @@ def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
         raise PrecisionError("'mixed_precision.param_dtype' = 'float16' needs a GPU with compute capability >= 5.3")
 
 
+def _emulated_warning(speed: LowPrecisionSpeed, config: JobConfig) -> str:
+    pure = config.training.dtype != "float32"
+    avoid = ("--training.dtype float32" if pure
+             else '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto")')
+    return (f"{speed.describe()}; training in {dtype_name(speed.dtype)} as configured anyway. "
+            f"{avoid} trains in fp32 instead")
+
+
+def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch.dtype,
+                   speed: LowPrecisionSpeed | None) -> str:
+    """What the job trains in and why, in one line."""
+    if path == "full":
+        what = "fp32" if storage == torch.float32 else f"pure {_SHORT[storage]}"
+    else:
+        what = f"{_SHORT[param]} mixed precision ({path} path)"
+    why = f": {speed.describe()}" if speed is not None else ""
+    return f"mixed_precision.enabled = {setting} -> {what}{why}"
+
+
 def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
     """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
     if not enabled:
@@ -117,22 +137,40 @@ class PrecisionPlan:
     grad_scaler: Literal["none", "GradScaler", "ShardedGradScaler"]
     scaler_kwargs: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    enabled_setting: str = "true"  # mixed_precision.enabled as configured: "true", "false", "auto"
+    speed: LowPrecisionSpeed | None = None  # the low-precision matmul check, when one was made
+    decision: str = ""  # the start-up line saying what precision the job trains in, and why
+    warnings: tuple[str, ...] = ()
 
     # -----------------------------------------------------------------------------------------
     # Construction
 
     @classmethod
-    def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str) -> "PrecisionPlan":
+    def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str, *,
+                    probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
+                    ) -> "PrecisionPlan":
+        """`probe` answers whether a low-precision matmul is native on `device_type` (measured
+        on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
+        `mixed_precision.enabled = "auto"` means on."""
         mp = config.mixed_precision
         storage = _DTYPES[config.training.dtype]
+        setting = mp.enabled if isinstance(mp.enabled, str) else ("true" if mp.enabled else "false")
         notes: list[str] = []
-        if storage != torch.float32 and mp.enabled and _DTYPES[mp.param_dtype] != storage:
+        if storage != torch.float32 and mp.enabled is not False and _DTYPES[mp.param_dtype] != storage:
             raise PrecisionError(
                 f"'training.dtype' = '{config.training.dtype}' (pure low-precision training) conflicts "
                 f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
                 f"= false, or drop training.dtype to train in mixed precision"
             )
-        enabled = mp.enabled and storage == torch.float32
+        enabled = mp.enabled is not False and storage == torch.float32
+        low = _DTYPES[mp.param_dtype] if enabled else storage  # what the matmuls would run in
+        speed = probe(device_type, low) if probe is not None and low != torch.float32 else None
+        warnings: list[str] = []
+        if speed is not None and not speed.native:
+            if setting == "auto" and enabled:
+                enabled = False
+            else:
+                warnings.append(_emulated_warning(speed, config))
         param = _DTYPES[mp.param_dtype] if enabled else storage
         reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
         output = _DTYPES[mp.output_dtype] if enabled else storage
@@ -155,15 +193,21 @@ class PrecisionPlan:
             grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
         elif enabled and "mixed_precision.init_scale" in config.explicit:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
-        if not mp.enabled:
+        if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
                          "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
+        decision = _decision_line(setting, path, param, storage, speed)
         return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
-                   scaler_kwargs, tuple(notes))
+                   scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings))
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
+
+    @property
+    def compute_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes the step's matmuls run in: storage (fp32 islands, or everything) and param."""
+        return tuple(sorted({self.storage_dtype, self.param_dtype}, key=str))
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -310,7 +354,12 @@ class PrecisionPlan:
             "fp32_modules": sorted({g["module_type"] for g in groups if g["compute_dtype"] == "float32"}),
             "fp32_islands": list(FP32_ISLANDS),
             "param_groups": groups,
+            "mixed_precision_enabled": self.enabled_setting,
+            "decision": self.decision,
+            "low_precision_matmul": self.speed.to_dict() if self.speed else None,
+            "compute_dtypes": [dtype_name(d) for d in self.compute_dtypes],
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
         }
 
     def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
@@ -318,6 +367,9 @@ class PrecisionPlan:
         if is_writer:
             Path(dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(dump_folder) / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
+            logger.info("precision: %s", self.decision)
+            for warning in self.warnings:
+                logger.warning("precision: %s", warning)
             logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
                         self.path, _SHORT[self.param_dtype], _SHORT[self.reduce_dtype],
                         _SHORT[self.output_dtype], self.comm_hook, self.grad_scaler)

@@ -20,7 +20,7 @@ from torchtitan_amp.checkpoint import CheckpointManager, maybe_inject_fault
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training, to_toml
 from torchtitan_amp.data import build_dataloader
-from torchtitan_amp.metrics import MetricsLogger, peak_flops
+from torchtitan_amp.metrics import MetricsLogger, describe_peak, peak_flops, remeasure_cpu_peak
 from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, build_model_args, count_params, flops_per_token
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallel_dims import ParallelDims
@@ -160,8 +160,11 @@ class Trainer:
             enable_tensorboard=config.metrics.enable_tensorboard,
             tensorboard_folder=config.metrics.save_tb_folder, is_logging_rank=self.is_logging_rank,
             flops_per_token=self.flops_per_token,
-            peak_flops=peak_flops(self.device, self.plan.param_dtype), device=self.device,
+            peak_flops=peak_flops(self.device, self.plan.compute_dtypes), device=self.device,
             num_ranks_for_mfu=self.dims.tp * self.dims.pp,
+            peak_label=describe_peak(self.device, self.plan.compute_dtypes),
+            remeasure_peak=(partial(remeasure_cpu_peak, self.plan.compute_dtypes)
+                            if self.device.type == "cpu" else None),
         )
         self.step = 0
         self.tokens_seen = 0

@@ -1,0 +1,154 @@
+"""What the precision plan makes of the device: `mixed_precision.enabled = "auto"` on a CPU that
+emulates bf16 (AVX2-only: ~50x slower than fp32) trains in fp32 and says so; an explicit bf16
+there trains in bf16 with a warning quoting the measured slowdown; where bf16 is native, "auto"
+is mixed precision. The "no native bf16" answer is forced here (a fake probe, or the
+TORCHTITAN_AMP_LOWP_MATMUL variable) so every CPU kind runs the same assertions; one test checks
+that the real measurement sees through the AVX2 emulation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_python
+from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
+from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan
+
+SINGLE = ParallelDims(1, 1, 1, 1, 1)
+FSDP = ParallelDims(1, 2, 1, 1, 2)
+TINY_RUN = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "1",
+            "--training.steps", "1")
+
+
+def fake_probe(native: bool, calls: list | None = None):  # type: ignore[no-untyped-def]
+    def probe(device_type: str, dtype: torch.dtype) -> LowPrecisionSpeed:
+        if calls is not None:
+            calls.append(dtype)
+        gflops = 150.0 if native else 1.3
+        return LowPrecisionSpeed(device_type, "AVX2" if not native else "AVX512", dtype, native,
+                                 "measured", gflops, 74.7)
+    return probe
+
+
+def make_plan(*argv: str, native: bool, dims: ParallelDims = SINGLE, calls: list | None = None) -> PrecisionPlan:
+    return PrecisionPlan.from_config(load_config(list(argv)), dims, "cpu", probe=fake_probe(native, calls))
+
+
+def test_auto_on_a_cpu_without_native_bf16_trains_fp32_and_says_why() -> None:
+    for dims in (SINGLE, FSDP):
+        plan = make_plan(native=False, dims=dims)
+        assert (plan.path, plan.param_dtype, plan.autocast_dtype) == ("full", torch.float32, None)
+        assert plan.compute_dtypes == (torch.float32,) and plan.warnings == ()
+        assert plan.decision == ("mixed_precision.enabled = auto -> fp32: bf16 matmul on this CPU (AVX2) is "
+                                 "emulated: measured 1.3 vs 74.7 GFLOP/s in fp32, 57x slower")
+
+
+def test_auto_where_bf16_is_native_is_mixed_precision() -> None:
+    plan = make_plan(native=True)
+    assert (plan.path, plan.autocast_dtype, plan.warnings) == ("autocast", torch.bfloat16, ())
+    assert plan.compute_dtypes == (torch.bfloat16, torch.float32)
+    assert plan.decision.startswith("mixed_precision.enabled = auto -> bf16 mixed precision (autocast path): "
+                                    "bf16 matmul on this CPU (AVX512) is native")
+    assert make_plan(native=True, dims=FSDP).path == "fsdp"
+
+
+def test_explicit_bf16_on_an_emulating_cpu_is_honoured_with_a_warning() -> None:
+    plan = make_plan("--mixed_precision.enabled", "true", native=False)
+    assert (plan.path, plan.autocast_dtype) == ("autocast", torch.bfloat16)
+    (warning,) = plan.warnings
+    assert "measured 1.3 vs 74.7 GFLOP/s in fp32, 57x slower" in warning
+    assert "training in bfloat16 as configured anyway" in warning
+    assert '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto") trains in fp32' in warning
+    assert plan.decision.startswith("mixed_precision.enabled = true -> bf16 mixed precision")
+
+
+def test_explicit_pure_bf16_on_an_emulating_cpu_warns_with_its_own_flag() -> None:
+    plan = make_plan("--training.dtype", "bfloat16", native=False)
+    assert (plan.path, plan.storage_dtype) == ("full", torch.bfloat16)
+    assert plan.decision.startswith("mixed_precision.enabled = auto -> pure bf16")
+    assert "--training.dtype float32 trains in fp32 instead" in plan.warnings[0]
+
+
+def test_fp16_is_checked_too_and_fp32_asks_nothing() -> None:
+    calls: list = []
+    assert make_plan("--mixed_precision.param_dtype", "float16", native=False, calls=calls).path == "full"
+    assert calls == [torch.float16]
+    calls.clear()
+    assert make_plan("--no-mixed_precision.enabled", native=False, calls=calls).decision == (
+        "mixed_precision.enabled = false -> fp32")
+    assert make_plan("--mixed_precision.param_dtype", "float32", native=False, calls=calls).path == "full"
+    assert calls == []
+
+
+def test_report_records_the_setting_the_measurement_and_the_decision() -> None:
+    plan = make_plan(native=False)
+    report = plan.report(torch.nn.Linear(2, 2))
+    assert report["mixed_precision_enabled"] == "auto" and report["decision"] == plan.decision
+    assert report["low_precision_matmul"] == {
+        "device_type": "cpu", "capability": "AVX2", "dtype": "bfloat16", "native": False,
+        "source": "measured", "gflops": 1.3, "fp32_gflops": 74.7}
+    assert report["compute_dtypes"] == ["float32"] and report["warnings"] == []
+
+
+def test_environment_pins_the_answer_and_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOWP_ENV, "emulated")
+    speed = low_precision_speed("cpu", torch.bfloat16)
+    assert (speed.native, speed.source, speed.gflops) == (False, "env", None)
+    assert speed.describe().endswith(f"is emulated ({LOWP_ENV} says so)")
+    monkeypatch.setenv(LOWP_ENV, "Native")
+    assert low_precision_speed("cpu", torch.bfloat16).native
+    monkeypatch.setenv(LOWP_ENV, "fast")
+    with pytest.raises(ConfigError, match=f"{LOWP_ENV}='fast' is not allowed; use 'native' or 'emulated'"):
+        low_precision_speed("cpu", torch.bfloat16)
+    # Not a CPU: GPUs multiply bf16 natively, nothing is measured.
+    assert low_precision_speed("cuda", torch.bfloat16).source == "assumed"
+
+
+@pytest.mark.parametrize(("enabled", "level", "expected"), [
+    ("auto", logging.INFO, "precision: mixed_precision.enabled = auto -> fp32: bf16 matmul on this CPU"),
+    ("true", logging.WARNING, "training in bfloat16 as configured anyway"),
+])
+def test_trainer_writes_the_decision_to_the_log_and_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        enabled: str, level: int, expected: str) -> None:
+    from torchtitan_amp.trainer import Trainer
+
+    monkeypatch.setenv(LOWP_ENV, "emulated")
+    with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        trainer = Trainer(load_config([*TINY_RUN, "--job.dump_folder", str(tmp_path),
+                                       "--mixed_precision.enabled", enabled]))
+    lines = [r for r in caplog.records if r.getMessage().startswith("precision: mixed_precision.enabled")]
+    assert len(lines) == 1
+    matching = [r for r in caplog.records if expected in r.getMessage()]
+    assert len(matching) == 1 and matching[0].levelno == level, [r.getMessage() for r in caplog.records]
+    report = json.loads((tmp_path / "precision_report.json").read_text())
+    assert report["path"] == ("full" if enabled == "auto" else "autocast")
+    assert report["low_precision_matmul"]["source"] == "env" and report["mixed_precision_enabled"] == enabled
+    trainer.metrics.close()
+
+
+def test_dry_run_plans_for_the_gpus_it_sizes_not_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan_amp import dry_run
+
+    monkeypatch.setenv(LOWP_ENV, "emulated")
+    resolved = dry_run.resolve(load_config(["--model.flavor", "debugmodel"]), world_size=2)
+    assert resolved.plan.path == "fsdp" and resolved.plan.speed is None
+
+
+def test_the_measurement_sees_through_avx2_emulation() -> None:
+    """With torch and oneDNN held to AVX2, bf16 matmul is emulated on any x86 CPU: the real
+    measurement (one thread, fp32 and bf16 timed in turn) must call it so."""
+    code = ("import torch; from torchtitan_amp.matmul_speed import low_precision_speed as s; "
+            "r = s('cpu', torch.bfloat16); print(r.capability, r.native, r.slowdown)")
+    result = run_python("-c", code, timeout=120,
+                        env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", LOWP_ENV: ""})
+    assert result.returncode == 0, result.describe()
+    capability, native, slowdown = result.stdout.split()
+    assert (capability, native) == ("AVX2", "False") and float(slowdown) > 1 / 0.25, result.stdout
