@@ -54,7 +54,9 @@ def main(argv: list[str]) -> int:
     if isinstance(config, int):
         return config
     from torchtitan_amp.config import ConfigError
+    from torchtitan_amp.environment import require
 
+    require()  # an old torch or a missing torchdata: one line with the install command, exit 2
     _setup_logging()
     if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
         # Plan without hardware: one process, fake process group, meta model, no training.

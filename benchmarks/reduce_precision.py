@@ -24,11 +24,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import CPU_MODELS, header, md_table, use_model  # noqa: E402
+
+import torch  # noqa: E402
 
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402

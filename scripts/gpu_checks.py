@@ -31,12 +31,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from torchtitan_amp.environment import require  # noqa: E402
+
+require()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402

@@ -8,7 +8,7 @@ source scripts/ensure_env.sh
 for arg in "$@"; do
   case "$arg" in
     -*) ;;
-    *) if [ -e "${arg%%::*}" ]; then exec "$PYTHON" -m pytest -q "$@"; fi ;;
+    *) if [ -e "${arg%%::*}" ]; then exec "$PYTHON" -m pytest -q --durations=15 "$@"; fi ;;
   esac
 done
-exec "$PYTHON" -m pytest -q "$@" tests
+exec "$PYTHON" -m pytest -q --durations=15 "$@" tests

@@ -129,3 +129,31 @@ def assert_loss_falls(rows: list[dict], k: int = 3) -> None:
     losses = [r["loss"] for r in rows]
     assert len(losses) >= 2 * k, losses
     assert mean(losses[-k:]) < mean(losses[:k]), f"loss did not fall: {losses}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers. `unit`: in-process, seconds in all. `dist`: modules that launch training or tool
+# processes (torchrun on gloo, fake-backend dry runs). `slow`: the parity sweeps that train every
+# layout x precision (minutes). `./scripts/run_tests.sh` (CI) runs all three; `-m unit`,
+# `-m "not slow"` select less. A module is tiered whole: most mix a few in-process checks into
+# the launches they share fixtures with.
+SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist"})
+DIST_MODULES = SLOW_MODULES | {"test_checkpoint", "test_dry_run", "test_gpu_checks", "test_multinode",
+                               "test_operations", "test_tools", "test_train_integration"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "unit: in-process tests, no launched processes (seconds)")
+    config.addinivalue_line("markers", "dist: launches training or tool processes (torchrun on gloo)")
+    config.addinivalue_line("markers", "slow: layout x precision parity sweeps (minutes)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if module in DIST_MODULES:
+            item.add_marker(pytest.mark.dist)
+        else:
+            item.add_marker(pytest.mark.unit)

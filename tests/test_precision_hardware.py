@@ -76,10 +76,26 @@ def test_explicit_pure_bf16_on_an_emulating_cpu_warns_with_its_own_flag() -> Non
     assert "--training.dtype float32 trains in fp32 instead" in plan.warnings[0]
 
 
-def test_fp16_is_checked_too_and_fp32_asks_nothing() -> None:
+def test_naming_the_dtype_is_asking_for_it() -> None:
+    """"auto" decides only for users who named no dtype: an explicit param_dtype (or torchtitan's
+    alias) is honoured on an emulating CPU, with the warning."""
+    for argv in (("--mixed_precision.param_dtype", "bfloat16"), ("--training.mixed_precision_param", "bfloat16")):
+        plan = make_plan(*argv, native=False)
+        assert plan.path == "autocast" and len(plan.warnings) == 1, argv
+        assert plan.decision.startswith("mixed_precision.enabled = auto, param_dtype = bfloat16 set -> bf16 mixed")
+        assert plan.report(torch.nn.Linear(2, 2))["mixed_precision_enabled"] == "auto, param_dtype = bfloat16 set"
+
+
+def test_fp16_is_checked_too_and_fp32_asks_nothing(tmp_path: Path) -> None:
     calls: list = []
-    assert make_plan("--mixed_precision.param_dtype", "float16", native=False, calls=calls).path == "full"
-    assert calls == [torch.float16]
+    toml = tmp_path / "fp16.toml"
+    toml.write_text('[mixed_precision]\nenabled = "auto"\n')
+    config = load_config(["--job.config_file", str(toml)])
+    config.mixed_precision.param_dtype = "float16"  # a default-like fp16, not set by the user
+    plan = PrecisionPlan.from_config(config, SINGLE, "cpu", probe=fake_probe(False, calls))
+    assert plan.path == "full" and calls == [torch.float16]
+    plan = make_plan("--mixed_precision.param_dtype", "float16", native=False, calls=calls)
+    assert plan.grad_scaler == "GradScaler" and "fp16 matmul" in plan.warnings[0]
     calls.clear()
     assert make_plan("--no-mixed_precision.enabled", native=False, calls=calls).decision == (
         "mixed_precision.enabled = false -> fp32")

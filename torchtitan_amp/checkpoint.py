@@ -20,6 +20,11 @@ check out; anything else is named in the log and skipped. See docs/checkpointing
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI: an old torch is one line, before torch is imported
+    from torchtitan_amp.environment import require
+
+    require()
+
 import contextlib
 import dataclasses
 import functools

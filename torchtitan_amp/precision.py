@@ -137,7 +137,9 @@ class PrecisionPlan:
     grad_scaler: Literal["none", "GradScaler", "ShardedGradScaler"]
     scaler_kwargs: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    enabled_setting: str = "true"  # mixed_precision.enabled as configured: "true", "false", "auto"
+    # mixed_precision.enabled as configured: "true", "false", "auto" (or "auto, param_dtype = X
+    # set": an explicit dtype is honoured like "true")
+    enabled_setting: str = "true"
     speed: LowPrecisionSpeed | None = None  # the low-precision matmul check, when one was made
     decision: str = ""  # the start-up line saying what precision the job trains in, and why
     warnings: tuple[str, ...] = ()
@@ -166,6 +168,9 @@ class PrecisionPlan:
         low = _DTYPES[mp.param_dtype] if enabled else storage  # what the matmuls would run in
         speed = probe(device_type, low) if probe is not None and low != torch.float32 else None
         warnings: list[str] = []
+        if setting == "auto" and "mixed_precision.param_dtype" in config.explicit:
+            # Naming the dtype is asking for it: "auto" only decides for users who did not.
+            setting = f"auto, param_dtype = {mp.param_dtype} set"
         if speed is not None and not speed.native:
             if setting == "auto" and enabled:
                 enabled = False

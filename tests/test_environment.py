@@ -1,0 +1,58 @@
+"""An unusable Python is one line naming the fix: torch older than 2.13, or torchdata missing,
+caught before any torchtitan_amp module imports them (train.py, the tools)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_python
+from torchtitan_amp import environment
+
+
+def test_this_environment_is_fine() -> None:
+    assert environment.problem() is None
+
+
+@pytest.mark.parametrize(("version", "ok"), [("2.13.0", True), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),
+                                             ("3.0", True), ("2.12.1", False), ("2.1.0+cu118", False)])
+def test_torch_version_floor(monkeypatch: pytest.MonkeyPatch, version: str, ok: bool) -> None:
+    monkeypatch.setattr(environment, "_torch_version", lambda: version)
+    message = environment.problem()
+    assert (message is None) == ok, message
+    if not ok:
+        assert message.startswith(f"torch {version} is older than the supported 2.13")
+        assert message.endswith("install it with: pip install torch==2.13.0 -r requirements.txt")
+
+
+def test_no_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(environment, "_torch_version", lambda: None)
+    assert environment.problem().startswith("torch is not installed in ")
+
+
+def _fake_site(tmp_path: Path, torch_version: str | None = None, break_torchdata: bool = False) -> dict[str, str]:
+    """A folder put first on PYTHONPATH: fake torch metadata, or a torchdata that fails to import."""
+    if torch_version:
+        meta = tmp_path / f"torch-{torch_version}.dist-info"
+        meta.mkdir()
+        (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n")
+    if break_torchdata:
+        (tmp_path / "torchdata").mkdir()
+        (tmp_path / "torchdata" / "__init__.py").write_text("raise ImportError('No module named torchdata')\n")
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("old_torch", "error: torch 2.1.0 is older than the supported 2.13"),
+    ("no_torchdata", "error: torchdata is missing or broken (No module named torchdata); install it with: "
+                     "pip install torchdata==0.11.0"),
+])
+def test_train_py_says_what_to_install_in_one_line(tmp_path: Path, kind: str, expected: str) -> None:
+    env = _fake_site(tmp_path, torch_version="2.1.0" if kind == "old_torch" else None,
+                     break_torchdata=kind == "no_torchdata")
+    result = run_python("train.py", "--training.steps", "1", "--job.dump_folder", str(tmp_path / "out"),
+                        env=env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), result.describe()
+    assert not (tmp_path / "out").exists()  # nothing ran
