@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
@@ -168,3 +168,13 @@ def test_the_measurement_sees_through_avx2_emulation() -> None:
     assert result.returncode == 0, result.describe()
     capability, native, slowdown = result.stdout.split()
     assert (capability, native) == ("AVX2", "False") and float(slowdown) > 1 / 0.25, result.stdout
+
+
+def test_the_readme_debug_run_follows_the_device() -> None:
+    """train_configs/debug_model.toml (the README's first command) leaves the choice to "auto":
+    fp32 where bf16 is emulated, bf16 mixed precision where it is native."""
+    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
+    assert make_plan(*argv, native=False).path == "full"
+    assert make_plan(*argv, native=True, dims=FSDP).path == "fsdp"
+    for toml in (REPO / "train_configs").glob("llama3_*.toml"):  # GPU jobs name their precision
+        assert make_plan("--job.config_file", str(toml), native=False).warnings, toml
