@@ -12,7 +12,7 @@ AdamW state, activations) for the hungriest configuration stays under --mem-frac
 memory (an out-of-memory error still lowers the count by a quarter and retries). Every
 configuration is built as the Trainer builds its model: a JobConfig (load_config with the
 configuration's overrides: precision, --ac, compile), ParallelDims and its device mesh,
-PrecisionPlan.from_config, then torchtitan_amp.trainer.build_model and parallelize_part
+PrecisionPlan.from_config, then torchtitan_amp.job.build_model_parts
 (parallelize_llama: fp32 islands, activation checkpointing, torch.compile of each block, FSDP2
 fully_shard with the plan's MixedPrecisionPolicy), and trained with loss_fn, clip_grad_norm_ and
 build_optimizer (AdamW, fused on CUDA). On one GPU the FSDP "shard" is the whole model (a 1-rank
@@ -56,11 +56,12 @@ import torch.distributed as dist  # noqa: E402
 from torchtitan_amp import memory  # noqa: E402
 from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
 from torchtitan_amp.metrics import peak_flops  # noqa: E402
-from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs, count_params, flops_per_token  # noqa: E402
+from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
 from torchtitan_amp.optim import build_optimizer  # noqa: E402
 from torchtitan_amp.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
-from torchtitan_amp.trainer import build_model, clip_grad_norm_, loss_fn, parallelize_part  # noqa: E402
+from torchtitan_amp.job import Job, build_model_parts  # noqa: E402
+from torchtitan_amp.trainer import clip_grad_norm_, loss_fn  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 CONFIGS = {
@@ -189,10 +190,9 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     baseline = reset_memory(device)
     # The Trainer's model: built on meta, initialised (on CPU then moved, or on the device after
     # sharding), parallelize_llama (fp32 islands, AC, compile, FSDP), in training mode.
-    model, initialised = build_model(args, plan, config.training.seed, device)
-    fpt = flops_per_token(args, count_params(model, exclude_embedding=True), a.seq_len)
-    n_params = count_params(model)
-    model = parallelize_part(model, dims, plan, config, device, initialised)
+    job = Job(config, dims.world_size, device.type, dims, 1, plan, None, args, (0,), 1)
+    built = build_model_parts(job, device, [0])
+    model, fpt, n_params = built.parts[0], built.flops_per_token, built.num_params
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config.optimizer, device)
     tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)

@@ -156,7 +156,7 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     tokens = args.global_batch_size * args.seq_len
     # The MFU numerator of train.py: 6N (N without the embedding table) + attention.
     n_no_emb = model.total_params() - model.vocab_size * model.dim
-    model_flops = flops_per_token(res.args, n_no_emb, args.seq_len)
+    model_flops = flops_per_token(res.model_args, n_no_emb, args.seq_len)
     attn = model_flops - 6 * n_no_emb
     # Full AC runs each block's forward again in backward: + 2N + attention's forward third.
     flops_tok = model_flops + ((2 * n_no_emb + attn / 3) if layout.ac_mode == "full" else 0)

@@ -24,7 +24,10 @@ from tests.conftest import REPO, WORKERS, new_dump_folder, run_command
 from torchtitan_amp import dry_run, memory
 from torchtitan_amp.config import ConfigError, load_config
 
-BASE = ("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "2")
+# Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
+# against must not fall back to fp32 on a CPU that emulates bf16.
+BASE = ("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--mixed_precision.enabled", "true")
 PP = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2")
 
 # Layouts per process count. The debug model's vocab (258) splits unevenly over 4 FSDP shards,
@@ -218,7 +221,7 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str)
     from torchtitan_amp.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan
 
-    args = ["--mixed_precision.enabled", "false"] if precision == "fp32" else []
+    args = ["--mixed_precision.enabled", "false" if precision == "fp32" else "true"]
     config = load_config(args)
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
@@ -244,9 +247,11 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str)
 
 
 def test_stage_split_and_chunks_mirror_torch_and_pipeline() -> None:
-    from torchtitan_amp.pipeline import _STAGES_PER_RANK, stage_boundaries
+    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+    from torchtitan_amp.pipeline import stage_boundaries
+    from torchtitan_amp.rules import FLAVORS
 
-    assert memory.STAGES_PER_RANK == _STAGES_PER_RANK
+    assert tuple(LLAMA3_FLAVORS) == FLAVORS  # the torch-free flavour list names every model
     for n_layers in (6, 32, 80, 126):
         for stages in (1, 2, 3, 8, 16):
             if stages <= n_layers:

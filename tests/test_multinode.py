@@ -28,7 +28,7 @@ def test_two_node_rendezvous_trains_with_fsdp(tmp_path: Path) -> None:
         "train.py", "--job.config_file", "train_configs/debug_model.toml",
         "--job.dump_folder", str(dump), "--training.steps", "3", "--training.seq_len", "32",
         "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--parallelism.data_parallel_shard_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "2", "--mixed_precision.enabled", "true",
     ]
     env = _env(None)  # the repo on PYTHONPATH, no RANK / MASTER_* inherited from an outer launch
     agents = [subprocess.Popen(cmd(i), cwd=REPO, env=env, stdout=subprocess.PIPE,

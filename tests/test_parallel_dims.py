@@ -18,6 +18,7 @@ from torchtitan_amp.parallelize import apply_async_tp, validate_layout
 from torchtitan_amp.pipeline import stage_boundaries, validate_pipeline
 
 DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
+DEBUG_LAYERS = 6
 
 
 def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1) -> ParallelDims:
@@ -109,7 +110,7 @@ def test_degree_values_are_checked_at_parse_time(flag, value) -> None:
 def layout(world: int, *overrides: str, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1,
            heads: tuple[int, int] = DEBUG_HEADS) -> None:
     config = load_config(list(overrides))
-    validate_layout(dims_of(world, rep, shard, tp, pp), config, *heads)
+    validate_layout(dims_of(world, rep, shard, tp, pp), config, *heads, DEBUG_LAYERS, "cpu")
 
 
 def test_ddp_with_tp_is_refused_naming_fsdp_or_hsdp() -> None:

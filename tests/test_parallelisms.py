@@ -236,19 +236,13 @@ def bf16_rounding_sigma() -> float:
     property of the arithmetic, not of this CPU's kernels."""
     from torchtitan_amp.config import load_config
     from torchtitan_amp.data import build_dataloader
-    from torchtitan_amp.models.llama import build_model_args
-    from torchtitan_amp.parallel_dims import ParallelDims
-    from torchtitan_amp.precision import PrecisionPlan
-    from torchtitan_amp.tokenizer import build_tokenizer
-    from torchtitan_amp.trainer import build_model, loss_fn
+    from torchtitan_amp.job import build_model_parts, resolve
+    from torchtitan_amp.trainer import loss_fn
 
-    config = load_config([*BASE, *PRECISIONS["fp32"]])
-    t = config.training
-    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
-    tokenizer = build_tokenizer(config.model.tokenizer)
-    model, _ = build_model(build_model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len), plan,
-                           t.seed, torch.device("cpu"))
-    inputs, labels = next(iter(build_dataloader(t.dataset, tokenizer, t.seq_len, GLOBAL_BATCH, 0, 1, t.seed)))
+    job = resolve(load_config([*BASE, *PRECISIONS["fp32"]]), 1, "cpu")
+    t = job.config.training
+    model = build_model_parts(job, torch.device("cpu"), [0]).parts[0]
+    inputs, labels = next(iter(build_dataloader(t.dataset, job.tokenizer, t.seq_len, GLOBAL_BATCH, 0, 1, t.seed)))
     outputs: list[torch.Tensor] = []
 
     def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:

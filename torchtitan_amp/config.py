@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtitan_amp.rules import DTYPES, FLAVORS, PP_SCHEDULES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -38,9 +40,6 @@ def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclass
 class Job:
     config_file: str = _f("", "TOML job config to load before CLI overrides.")
@@ -61,7 +60,7 @@ class Model:
     flavor: str = _f(
         "debugmodel",
         "Model size.",
-        ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"),
+        FLAVORS,
     )
     tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS) or a path to a tokenizer.json.")
 
@@ -148,7 +147,7 @@ class Parallelism:
         "CUDA, compile.enable and tensor_parallel_degree > 1."
     )
     pipeline_parallel_schedule: str = _f(
-        "1F1B", "Pipeline schedule.", ("GPipe", "1F1B", "Interleaved1F1B")
+        "1F1B", "Pipeline schedule.", PP_SCHEDULES
     )
     pipeline_parallel_microbatch_size: int = _f(1, "Sequences per pipeline micro-batch.")
     pipeline_parallel_split_points: list[str] = _f(

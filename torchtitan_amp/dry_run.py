@@ -5,10 +5,10 @@
 
 1. joins a fake process group (torch's "fake" backend over a FakeStore) as `rank` of
    `world_size`, so every collective is a no-op but every group and mesh is real;
-2. runs the real layout code on a model built on the meta device: `ParallelDims` and its mesh,
-   `PrecisionPlan.from_config`, `pipeline.validate_pipeline` / `stage_module` for this rank's stages,
-   and `parallelize_llama` (TP, AC, FSDP2/HSDP or DDP), exactly as `Trainer` does minus weight
-   initialisation; nothing is allocated (meta tensors have shapes only);
+2. runs the trainer's own set-up on a model built on the meta device: `job.resolve` (every
+   config-time check, the precision plan, the pipeline split) and `job.build_model_parts` for this
+   rank's stages (TP, AC, FSDP2/HSDP or DDP), minus weight initialisation; nothing is allocated
+   (meta tensors have shapes only);
 3. reads this rank's parameter shards from the result (DTensor local shapes and FSDP2's padded
    shards), its FSDP groups (mixed-precision policy, reshard-after-forward) and DDP's safe set,
    and adds what a meta model cannot show (activations, TP and PP traffic) from the formulas in
@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,11 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, JobConfig
-from torchtitan_amp.memory import ByDtype, FsdpGroup, Layout, ModelDims, PrecisionSpec, Stage
-from torchtitan_amp.models.llama import Transformer, build_model_args, count_params
+from torchtitan_amp.job import Job, build_model_parts
+from torchtitan_amp.job import resolve as resolve_job
+from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
-from torchtitan_amp.parallelize import parallelize_llama, validate_layout
-from torchtitan_amp.pipeline import stage_module, validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
-from torchtitan_amp.tokenizer import build_tokenizer
-from torchtitan_amp.trainer import grad_accum_steps
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -73,18 +69,6 @@ def init_fake_process_group(world_size: int, rank: int) -> bool:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     return True
-
-
-def _layout(config: JobConfig, dims: ParallelDims, accum: int, boundaries: list[int]) -> Layout:
-    p, t, ac = config.parallelism, config.training, config.activation_checkpoint
-    return Layout(
-        dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
-        seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=accum,
-        pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
-        sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
-        ac_mode=ac.mode, ac_option=ac.selective_ac_option,
-        reshard_after_forward=p.fsdp_reshard_after_forward, split_points=tuple(boundaries[1:]),
-    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -158,50 +142,14 @@ def _coordinates(dims: ParallelDims, world_size: int) -> dict[str, int]:
     return dict(zip(MESH_DIMS, dims.mesh.get_coordinate()))
 
 
-@dataclass
-class Resolved:
-    """Everything the dry run decides before building anything."""
-
-    world_size: int
-    dims: ParallelDims
-    plan: PrecisionPlan
-    args: Any  # LlamaModelArgs
-    accum: int
-    boundaries: list[int]
-    layout: Layout
-
-    @property
-    def num_stages(self) -> int:
-        return self.layout.num_stages
-
-    @property
-    def model_dims(self) -> ModelDims:
-        return ModelDims.from_args(self.args)
-
-    @property
-    def precision(self) -> PrecisionSpec:
-        return PrecisionSpec.from_plan(self.plan)
-
-
-def resolve(config: JobConfig, world_size: int | None = None) -> Resolved:
-    """Validate the layout for `world_size` ranks and derive the analytic inputs (ModelDims,
-    PrecisionSpec, Layout for torchtitan_amp.memory) with the code the trainer uses; raises
-    ConfigError as the trainer would. Cheap: no process group, no model."""
-    t, p = config.training, config.parallelism
+def resolve(config: JobConfig, world_size: int | None = None) -> Job:
+    """Validate the layout for `world_size` ranks (default: dry_run.world_size, else the product
+    of the degrees) with the trainer's own checks (job.resolve) and derive the analytic inputs;
+    raises ConfigError as the trainer would. Cheap: no process group, no model. Precision is
+    decided for the CPU (no device checks for GPUs we do not have): its dtypes do not depend on
+    the device type."""
     world_size = resolve_world_size(config) if world_size is None else world_size
-    dims = ParallelDims.from_config(p, world_size)
-    accum = grad_accum_steps(t, dims.dp_degree)
-    # Precision is decided for the CPU here (no device checks for a GPU we do not have); the
-    # plan's dtypes do not depend on the device type. No probe: this machine's CPU says nothing
-    # about the GPUs being sized, so mixed_precision.enabled = "auto" means on.
-    plan = PrecisionPlan.from_config(config, dims, "cpu", probe=None)
-    vocab = config.dry_run.vocab_size or build_tokenizer(config.model.tokenizer).vocab_size
-    args = build_model_args(config.model.flavor, vocab, t.seq_len)
-    validate_layout(dims, config, args.n_heads, args.kv_heads)
-    boundaries = [0]
-    if dims.pp_enabled:
-        boundaries, _ = validate_pipeline(dims, p, args.n_layers, t.local_batch_size)
-    return Resolved(world_size, dims, plan, args, accum, boundaries, _layout(config, dims, accum, boundaries))
+    return resolve_job(config, world_size, "cpu", dry_run=True)
 
 
 def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
@@ -209,7 +157,7 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
     """Dry-run one rank; returns the report (and writes <dump_folder>/dry_run.json)."""
     start = time.perf_counter()
     res = resolve(config, world_size)
-    world_size, dims, plan, args = res.world_size, res.dims, res.plan, res.args
+    world_size, dims = res.world_size, res.dims
     rank = config.dry_run.rank if rank is None else rank
     if not 0 <= rank < world_size:
         raise ConfigError(f"'dry_run.rank' = {rank} must be in [0, {world_size}) for world size {world_size}")
@@ -218,17 +166,9 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
         if world_size > 1:
             dims.build_mesh("cpu")
         coords = _coordinates(dims, world_size)
-        with torch.device("meta"):
-            model = Transformer(args)
-        plan.apply_storage_dtype(model)
-        total_params = count_params(model)
-        layout = res.layout
-        stages = memory.rank_stages(res.model_dims, layout, coords["pp"])
-        parts = []
-        for stage in stages:
-            part = stage_module(model, stage.index, res.boundaries) if dims.pp_enabled else model
-            parts.append(parallelize_llama(part, dims, plan, config))
-        report = _report(config, res, rank, coords, stages, parts, total_params)
+        stages = memory.rank_stages(res.model_dims, res.layout, coords["pp"])
+        built = build_model_parts(res, torch.device("meta"), [s.index for s in stages], materialize=False)
+        report = _report(config, res, rank, coords, stages, built.parts, built.num_params)
     finally:
         if created:
             dist.destroy_process_group()
@@ -240,9 +180,9 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
     return report
 
 
-def _report(config: JobConfig, res: Resolved, rank: int, coords: dict[str, int], stages: list[Stage],
+def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stages: list[Stage],
             parts: list[nn.Module], total_params: int) -> dict[str, Any]:
-    dims, plan, args, layout, num_stages = res.dims, res.plan, res.args, res.layout, res.num_stages
+    dims, plan, args, layout, num_stages = res.dims, res.plan, res.model_args, res.layout, res.num_stages
     model_dims, prec = res.model_dims, res.precision
     state = measure_state(parts)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],

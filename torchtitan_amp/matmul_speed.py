@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_amp.config import ConfigError
+from torchtitan_amp.rules import SHORT
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -149,7 +150,8 @@ def single_thread_rates(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def _short(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    name = str(dtype).removeprefix("torch.")
+    return SHORT.get(name, name)
 
 
 @dataclass(frozen=True)

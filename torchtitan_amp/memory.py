@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+from torchtitan_amp.rules import (DTYPE_BYTES, SHORT, STAGES_PER_RANK, reshard_after_forward, stage_ids,
+                                  stage_layer_ranges)
+
+__all__ = ["DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "stage_layer_ranges"]  # re-exported rules
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
 ADAMW_STEP_BYTES = 4
 # Schedules that place more than one stage on a rank (torchtitan_amp.pipeline agrees).
-STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 
 ByDtype = dict[str, int]
 
@@ -189,27 +190,11 @@ class Layout:
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """Stages held by a pipeline rank: rank r holds r, r + pp, ... (looped placement)."""
-        if self.pp == 1:
-            return [0]
-        return [pp_rank + i * self.pp for i in range(STAGES_PER_RANK[self.pp_schedule])]
+        return stage_ids(pp_rank, self.pp, self.pp_schedule) if self.pp > 1 else [0]
 
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline stages
-
-
-def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Iterable[int] = ()) -> list[range]:
-    """Layers of each stage: an even split, earlier stages taking the remainder (the last stage
-    also carries the output head), as torchtitan_amp.pipeline.stage_boundaries."""
-    starts = list(split_points)
-    if starts:
-        starts = [0] + starts
-    else:
-        base, extra = divmod(n_layers, num_stages)
-        sizes = [base + (i < extra) for i in range(num_stages)]
-        starts = [sum(sizes[:i]) for i in range(num_stages)]
-    ends = starts[1:] + [n_layers]
-    return [range(s, e) for s, e in zip(starts, ends)]
 
 
 @dataclass(frozen=True)
@@ -393,15 +378,11 @@ class FsdpGroup:
         return self.padded_shard_numel * shards
 
 
-def _reshard(policy: str, is_last: bool) -> bool:
-    return {"always": True, "never": False}.get(policy, not is_last)
-
-
 def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage,
                 tp_rank: int = 0) -> list[FsdpGroup]:
     """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path each module outside
-    the safe list is its own fp32 group; each block is a group (resharded after forward except
-    the last); the root holds the rest and is not resharded (the step ends with it)."""
+    the safe list is its own fp32 group; each block is a group; the root holds the rest. Which
+    reshard after forward: rules.reshard_after_forward."""
     n = layout.dp_shard
     specs = param_specs(model, stage)
 
@@ -411,21 +392,21 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     mp = prec.path == "fsdp"
     low_gather = prec.param if mp else prec.storage
     low_reduce = prec.reduce if mp else prec.storage
-    policy = layout.reshard_after_forward
+    policy, pp = layout.reshard_after_forward, layout.pp > 1
     groups: list[FsdpGroup] = []
     own = [s for s in specs if mp and not prec.low(s.kind)]
     for s in own:  # one group per module; every module here owns a single weight
         groups.append(FsdpGroup(s.name.rsplit(".", 1)[0], numel([s]), "float32", "float32",
-                                _reshard(policy, False), "fp32"))
+                                reshard_after_forward(policy, False, pp), "fp32"))
     rest = [s for s in specs if s not in own]
     layers = list(stage.layers)
     for j, i in enumerate(layers):
         block = [s for s in rest if s.block == i]
         groups.append(FsdpGroup(f"layers.{i}", numel(block), low_gather, low_reduce,
-                                _reshard(policy, j == len(layers) - 1), "block"))
+                                reshard_after_forward(policy, j == len(layers) - 1, pp), "block"))
     root = [s for s in rest if s.block is None]
     if root:
-        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce, _reshard(policy, True), "root"))
+        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce, reshard_after_forward(policy, True, pp), "root"))
     return groups
 
 

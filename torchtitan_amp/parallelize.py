@@ -26,12 +26,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan_amp import distributed
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
-from torchtitan_amp.models.llama import LLAMA3_FLAVORS
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
+from torchtitan_amp.rules import reshard_after_forward
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -44,8 +43,10 @@ _SAVE_LIST = {
 }
 
 
-def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int) -> None:
-    """Refuse combinations torch cannot run, naming the working alternative."""
+def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int,
+                    device_type: str) -> tuple[list[int], int]:
+    """Refuse combinations torch cannot run, naming the working alternative. Returns the pipeline
+    split (first layer of each stage, microbatches per local batch): ([0], 1) without PP."""
     if dims.ddp_enabled and dims.tp_enabled:
         raise ConfigError(
             "'parallelism.data_parallel_replicate_degree' > 1 with tensor_parallel_degree > 1 and no "
@@ -65,11 +66,7 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
             f"'training.seq_len' = {t.seq_len} must be divisible by tensor_parallel_degree = {dims.tp} "
             f"with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
         )
-    if dims.pp_enabled:
-        # Split points, microbatch counts per schedule: before any process group exists.
-        validate_pipeline(dims, p, LLAMA3_FLAVORS[config.model.flavor].n_layers, t.local_batch_size)
     if p.enable_async_tensor_parallel:
-        device_type = distributed.resolve(config).device.type
         unmet = {f"a CUDA device (this run is on {device_type})": device_type != "cuda",
                  "compile.enable = true": not config.compile.enable,
                  "tensor_parallel_degree > 1": not dims.tp_enabled}
@@ -80,6 +77,10 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
                 + " (inductor overlaps TP collectives with the matmuls of compiled blocks, on CUDA only); "
                 "set it to false otherwise"
             )
+    if dims.pp_enabled:
+        # Split points, microbatch counts per schedule: before any process group exists.
+        return validate_pipeline(dims, p, n_layers, t.local_batch_size)
+    return [0], 1
 
 
 def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
@@ -106,7 +107,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
         apply_compile(model, fullgraph=plan.path != "fsdp")
     if dims.fsdp_enabled:
         mesh_dims = ("dp_replicate", "dp_shard") if dims.hsdp_enabled else ("dp_shard",)
-        apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward)
+        apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward,
+                   dims.pp_enabled)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh["dp_replicate"], plan)
     return model
@@ -216,30 +218,29 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     logger.info("compiled each transformer block with torch.compile")
 
 
-def _reshard(policy: str, is_last: bool) -> bool:
-    return {"always": True, "never": False}.get(policy, not is_last)
-
-
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_policy: str) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_policy: str,
+               pp_enabled: bool = False) -> None:
     """Shard bottom-up: fp32 groups for modules outside the safe list, then blocks, then root."""
     shard = partial(fully_shard, mesh=mesh)
+    reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if plan.path == "fsdp":
         for module in reversed(plan.fp32_modules(model)):
             if module is not model:
                 shard(module, mp_policy=plan.fsdp_policy(low_precision=False),
-                      reshard_after_forward=_reshard(reshard_policy, False))
+                      reshard_after_forward=reshard(False))
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
         shard(block, mp_policy=plan.fsdp_policy(low_precision=True, cast_forward_inputs=False),
-              reshard_after_forward=_reshard(reshard_policy, i == len(blocks) - 1))
+              reshard_after_forward=reshard(i == len(blocks) - 1))
         plan.cast_block_inputs(block)
-    # The root's forward ends the step, so keeping its params gathered saves one all-gather.
+    # The root's forward ends the step, so keeping its params gathered saves one all-gather
+    # (rules.reshard_after_forward's is_last).
     # Only the stage that produces logits casts to output_dtype: earlier pipeline stages send
     # hidden states to the next stage in param dtype, not at twice the bytes in fp32.
     output_dtype = plan.output_dtype if model.output is not None else None
     shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=output_dtype),
-          reshard_after_forward=_reshard(reshard_policy, True))
+          reshard_after_forward=reshard(True))
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 
 

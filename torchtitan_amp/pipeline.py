@@ -18,11 +18,10 @@ from torch.nn.parallel.distributed import _find_tensors
 
 from torchtitan_amp.config import ConfigError, Parallelism
 from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.rules import STAGES_PER_RANK, even_stage_starts
 
 logger = logging.getLogger("torchtitan_amp")
 
-# Schedules that hold more than one stage per rank (looped placement: rank r holds r, r+pp, ...).
-_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
 
 
 @dataclass
@@ -93,10 +92,7 @@ def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) ->
         return [0] + starts
     if n_layers < num_stages:
         raise ConfigError(f"{num_stages} pipeline stages need at least as many layers; the model has {n_layers}")
-    base, extra = divmod(n_layers, num_stages)
-    # Earlier stages take the remainder: the last stage also carries the output head.
-    sizes = [base + (i < extra) for i in range(num_stages)]
-    return [sum(sizes[:i]) for i in range(num_stages)]
+    return even_stage_starts(n_layers, num_stages)
 
 
 def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Module:
@@ -119,7 +115,7 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
 def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
                       local_batch_size: int) -> tuple[list[int], int]:
     """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count)."""
-    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
+    stages_per_rank = STAGES_PER_RANK[p.pipeline_parallel_schedule]
     boundaries = stage_boundaries(n_layers, dims.pp * stages_per_rank, p.pipeline_parallel_split_points)
     if local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError(
@@ -142,36 +138,30 @@ def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
 
 
 def build_pipeline(
-    model: nn.Module,
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    num_stages: int,
+    n_microbatches: int,
     dims: ParallelDims,
-    p: Parallelism,
-    local_batch_size: int,
+    schedule_name: str,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    parallelize: Callable[[nn.Module], nn.Module],
     apply_forward_context: Callable[[nn.Module], None],
 ) -> Pipeline:
-    """Split, parallelize each stage, and wrap each stage's forward (only) in the precision
-    plan's forward context: the schedule interleaves forward and backward, so a context around
-    `schedule.step` would also cover backward."""
-    boundaries, n_microbatches = validate_pipeline(dims, p, len(model.layers), local_batch_size)
-    stages_per_rank = _STAGES_PER_RANK[p.pipeline_parallel_schedule]
-    num_stages = dims.pp * stages_per_rank
+    """Wrap this rank's parallelized stages (job.build_model_parts) in a schedule, each stage's
+    forward (only) in the precision plan's forward context: the schedule interleaves forward and
+    backward, so a context around `schedule.step` would also cover backward."""
     pp_mesh = dims.mesh["pp"]
-    pp_rank = pp_mesh.get_local_rank()
-    stage_ids = [pp_rank + i * dims.pp for i in range(stages_per_rank)]
-    parts, stages = [], []
-    for sid in stage_ids:
-        part = parallelize(stage_module(model, sid, boundaries))
+    stages = []
+    for sid, part in zip(stage_ids, parts):
         apply_forward_context(part)
-        parts.append(part)
         stages.append(_Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
-    schedule_cls = get_schedule_class(p.pipeline_parallel_schedule)
+    schedule_cls = get_schedule_class(schedule_name)
     # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
     # holds, including those accumulated by earlier gradient-accumulation steps. The loss
     # function divides by n_microbatches instead (see Trainer._pipeline_loss).
     stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
     schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    logger.info("pipeline: %s, %d stages, layer boundaries %s, %d microbatches; this rank holds stages %s",
-                p.pipeline_parallel_schedule, num_stages, boundaries, n_microbatches, stage_ids)
+    logger.info("pipeline: %s, %d stages, %d microbatches; this rank holds stages %s",
+                schedule_name, num_stages, n_microbatches, stage_ids)
     return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches)

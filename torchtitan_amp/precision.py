@@ -32,12 +32,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan_amp.config import ConfigError, JobConfig
 from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.rules import DTYPES, SHORT
 
 logger = logging.getLogger("torchtitan_amp")
 
 Path_ = Literal["fsdp", "autocast", "full"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+_SHORT = {getattr(torch, name): short for name, short in SHORT.items()}
 
 # Ops we keep in fp32 whatever the path. The norm and rotary upcasts live in the model (CPU
 # autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
@@ -92,6 +93,37 @@ def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
         )
     if device_type == "cuda" and dtype == torch.float16 and torch.cuda.get_device_capability() < (5, 3):
         raise PrecisionError("'mixed_precision.param_dtype' = 'float16' needs a GPU with compute capability >= 5.3")
+
+
+def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> None:
+    """Settings no machine can honour. Checked whatever "auto" then decides on this machine, so
+    that a config is refused (or accepted) the same way everywhere."""
+    mp = config.mixed_precision
+    if storage != torch.float32 and mp.enabled is not False and _DTYPES[mp.param_dtype] != storage:
+        raise PrecisionError(
+            f"'training.dtype' = '{config.training.dtype}' (pure low-precision training) conflicts "
+            f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
+            f"= false, or drop training.dtype to train in mixed precision"
+        )
+    if not asked:
+        return
+    if mp.param_dtype == "bfloat16" and mp.reduce_dtype == "float16":
+        raise PrecisionError(
+            "'mixed_precision.reduce_dtype' = 'float16' with param_dtype = 'bfloat16' can overflow "
+            "(bf16-range gradients exceed fp16's 65504); use reduce_dtype 'bfloat16' or 'float32'"
+        )
+    resolve_module_classes(mp.lower_precision_safe_modules)
+
+
+def _setting_name(config: JobConfig) -> str:
+    """mixed_precision.enabled as the user left it, for the report and the start-up line."""
+    mp = config.mixed_precision
+    if mp.enabled is not True and mp.enabled is not False:
+        # Naming the dtype is asking for it: "auto" only decides for users who did not.
+        if "mixed_precision.param_dtype" in config.explicit:
+            return f"auto, param_dtype = {mp.param_dtype} set"
+        return "auto"
+    return "true" if mp.enabled else "false"
 
 
 def _emulated_warning(speed: LowPrecisionSpeed, config: JobConfig) -> str:
@@ -156,34 +188,21 @@ class PrecisionPlan:
         `mixed_precision.enabled = "auto"` means on."""
         mp = config.mixed_precision
         storage = _DTYPES[config.training.dtype]
-        setting = mp.enabled if isinstance(mp.enabled, str) else ("true" if mp.enabled else "false")
-        notes: list[str] = []
-        if storage != torch.float32 and mp.enabled is not False and _DTYPES[mp.param_dtype] != storage:
-            raise PrecisionError(
-                f"'training.dtype' = '{config.training.dtype}' (pure low-precision training) conflicts "
-                f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
-                f"= false, or drop training.dtype to train in mixed precision"
-            )
-        enabled = mp.enabled is not False and storage == torch.float32
-        low = _DTYPES[mp.param_dtype] if enabled else storage  # what the matmuls would run in
+        # Mixed precision asked for, or left to "auto" (pure low precision is the "full" path).
+        asked = mp.enabled is not False and storage == torch.float32
+        _check_settings(config, storage, asked)
+        setting = _setting_name(config)
+        low = _DTYPES[mp.param_dtype] if asked else storage  # what the matmuls would run in
         speed = probe(device_type, low) if probe is not None and low != torch.float32 else None
-        warnings: list[str] = []
-        if setting == "auto" and "mixed_precision.param_dtype" in config.explicit:
-            # Naming the dtype is asking for it: "auto" only decides for users who did not.
-            setting = f"auto, param_dtype = {mp.param_dtype} set"
+        enabled, notes, warnings = asked, [], []
         if speed is not None and not speed.native:
-            if setting == "auto" and enabled:
+            if setting == "auto" and asked:
                 enabled = False
             else:
                 warnings.append(_emulated_warning(speed, config))
         param = _DTYPES[mp.param_dtype] if enabled else storage
         reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
         output = _DTYPES[mp.output_dtype] if enabled else storage
-        if param == torch.bfloat16 and reduce == torch.float16:
-            raise PrecisionError(
-                "'mixed_precision.reduce_dtype' = 'float16' with param_dtype = 'bfloat16' can overflow "
-                "(bf16-range gradients exceed fp16's 65504); use reduce_dtype 'bfloat16' or 'float32'"
-            )
         _check_device_support(device_type, param)
         safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
         path = _choose_path(enabled, param, reduce, dims)

@@ -17,40 +17,20 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import distributed, profiling
 from torchtitan_amp.checkpoint import CheckpointManager, maybe_inject_fault
-from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
-from torchtitan_amp.config import ConfigError, JobConfig, Training, to_toml
+from torchtitan_amp.config import JobConfig, to_toml
 from torchtitan_amp.data import build_dataloader
+from torchtitan_amp.job import build_model_parts
+from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.metrics import MetricsLogger, describe_peak, peak_flops, remeasure_cpu_peak
-from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, build_model_args, count_params, flops_per_token
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
-from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.parallelize import parallel_context, parallelize_llama, validate_layout
+from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.pipeline import Pipeline, build_pipeline
-from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.tokenizer import build_tokenizer
 
 logger = logging.getLogger("torchtitan_amp")
-
-# Below this size every rank initialises the full model from the seed and then shards it, so any
-# parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
-FULL_INIT_MAX_PARAMS = 2_000_000_000
-
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on fp32 logits, whatever dtype the model produced them in."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def grad_accum_steps(t: Training, dp_degree: int) -> int:
-    per_step = t.local_batch_size * dp_degree
-    if t.global_batch_size == -1:
-        return 1
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"'training.global_batch_size' = {t.global_batch_size} is not a multiple of "
-            f"local_batch_size x dp degree = {t.local_batch_size} x {dp_degree} = {per_step}"
-        )
-    return t.global_batch_size // per_step
 
 
 def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
@@ -85,52 +65,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     return total
 
 
-def build_model(args: LlamaModelArgs, plan: PrecisionPlan, seed: int, device: torch.device) -> tuple[nn.Module, bool]:
-    """The model in the plan's storage dtype, built on meta. Small models are initialised here
-    from `seed` on every rank (so every parallel layout starts from identical weights) and moved
-    to `device`; larger ones stay on meta for `parallelize_part` to initialise after sharding.
-    Returns (model, initialised)."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    plan.apply_storage_dtype(model)
-    torch.manual_seed(seed)
-    initialised = count_params(model) <= FULL_INIT_MAX_PARAMS
-    if initialised:
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        model.to(device)
-    return model, initialised
-
-
-def parallelize_part(part: nn.Module, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig,
-                     device: torch.device, initialised: bool) -> nn.Module:
-    """parallelize_llama on the model (or one pipeline stage of it), then initialise it on the
-    device if build_model did not; returns it in training mode."""
-    parallelize_llama(part, dims, plan, config)
-    if not initialised:
-        part.to_empty(device=device)
-        with torch.no_grad():
-            part.init_weights(buffer_device=device)
-    return part.train()
-
-
 class Trainer:
     def __init__(self, config: JobConfig) -> None:
         self.config = config
         t = config.training
         # Everything that can reject the config runs before any process group exists.
         self.info = distributed.resolve(config)
-        self.dims = ParallelDims.from_config(config.parallelism, self.info.world_size)
-        self.accum = grad_accum_steps(t, self.dims.dp_degree)
-        self.plan = PrecisionPlan.from_config(config, self.dims, self.info.device.type)
-        validate_checkpoint_config(config, self.info.world_size, self.info.device.type)
-        profiling.validate(config, self.info.device.type)
-        tokenizer = build_tokenizer(config.model.tokenizer)
-        self.model_args = build_model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
-        validate_layout(self.dims, config, self.model_args.n_heads, self.model_args.kv_heads)
+        self.job = resolve_job(config, self.info.world_size, self.info.device.type)
+        self.dims, self.accum, self.plan = self.job.dims, self.job.accum, self.job.plan
+        self.model_args = self.job.model_args
         # Bad data is a config-time error too: the loader is built before any process group.
-        self.dataloader = build_dataloader(t.dataset, tokenizer, t.seq_len, t.local_batch_size,
+        self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
                                            self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed)
 
         distributed.init(self.info, config.comm.init_timeout_seconds)
@@ -179,24 +124,19 @@ class Trainer:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
 
     def _build_model(self) -> list[nn.Module]:
-        """Build on meta, initialise, then split into pipeline stages and parallelize each."""
-        args, t = self.model_args, self.config.training
-        model, initialised = build_model(args, self.plan, t.seed, self.device)
-        num_params = count_params(model)
-        self.flops_per_token = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
-        parallelize = partial(parallelize_part, dims=self.dims, plan=self.plan, config=self.config,
-                              device=self.device, initialised=initialised)
+        """This rank's model parts (job.build_model_parts); under PP, wrapped in a schedule."""
+        pp_rank = self.dims.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0
+        built = build_model_parts(self.job, self.device, self.job.stage_ids(pp_rank))
+        self.flops_per_token = built.flops_per_token
         if self.dims.pp_enabled:
             self.pipeline = build_pipeline(
-                model, self.dims, self.config.parallelism, t.local_batch_size, self.device,
-                self._pipeline_loss, parallelize, self.plan.apply_forward_context)
-            parts = self.pipeline.model_parts
-        else:
-            parts = [parallelize(model)]
+                built.parts, built.stage_ids, self.job.num_stages, self.job.n_microbatches, self.dims,
+                self.config.parallelism.pipeline_parallel_schedule, self.device, self._pipeline_loss,
+                self.plan.apply_forward_context)
         if self.is_logging_rank:
             logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
-                        self.config.model.flavor, f"{num_params:,}", self.flops_per_token, self.accum)
-        return parts
+                        self.config.model.flavor, f"{built.num_params:,}", self.flops_per_token, self.accum)
+        return built.parts
 
     # -----------------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ from torchtitan_amp.trainer import Trainer, clip_grad_norm_  # noqa: E402
 # step: rank r of R takes permutation positions r, r+R, ..., so the union over ranks of micro-batch
 # k ... equals the single process's positions 8s .. 8s+7 (checked by `data_union` below).
 BASE = [
+    "--mixed_precision.enabled", "true",  # bf16 on every CPU kind: these are bf16's proofs
     "--model.flavor", "debugmodel",
     "--training.seq_len", "32",
     "--training.local_batch_size", "2",

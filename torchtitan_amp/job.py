@@ -1,0 +1,149 @@
+"""One setup path for every entry point: `resolve` turns a job config and a world size into a
+`Job`, running every config-time check in one ordered place before any process group exists, and
+`build_model_parts` builds this rank's parallelized model parts from it. The trainer, the dry run
+and the tools call these two, so a dry run cannot drift from a real run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_amp import memory, profiling
+from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
+from torchtitan_amp.config import ConfigError, JobConfig, Training
+from torchtitan_amp.matmul_speed import low_precision_speed
+from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, build_model_args, count_params, flops_per_token
+from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.parallelize import parallelize_llama, validate_layout
+from torchtitan_amp.pipeline import stage_module
+from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.tokenizer import build_tokenizer
+
+# Below this size every rank initialises the full model from the seed and then shards it, so any
+# parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
+FULL_INIT_MAX_PARAMS = 2_000_000_000
+
+
+def grad_accum_steps(t: Training, dp_degree: int) -> int:
+    per_step = t.local_batch_size * dp_degree
+    if t.global_batch_size == -1:
+        return 1
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"'training.global_batch_size' = {t.global_batch_size} is not a multiple of "
+            f"local_batch_size x dp degree = {t.local_batch_size} x {dp_degree} = {per_step}"
+        )
+    return t.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job config resolved for `world_size` ranks on `device_type`: everything decided before
+    a process group or a model exists."""
+
+    config: JobConfig
+    world_size: int
+    device_type: str
+    dims: ParallelDims
+    accum: int  # gradient-accumulation steps per optimizer step
+    plan: PrecisionPlan
+    tokenizer: Any  # None in a dry run given dry_run.vocab_size
+    model_args: LlamaModelArgs
+    boundaries: tuple[int, ...]  # first layer of each pipeline stage; (0,) without PP
+    n_microbatches: int  # pipeline microbatches per local batch; 1 without PP
+
+    @property
+    def layout(self) -> memory.Layout:
+        p, t, ac = self.config.parallelism, self.config.training, self.config.activation_checkpoint
+        dims = self.dims
+        return memory.Layout(
+            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
+            seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=self.accum,
+            pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
+            sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
+            ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+            reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
+        )
+
+    @property
+    def model_dims(self) -> memory.ModelDims:
+        return memory.ModelDims.from_args(self.model_args)
+
+    @property
+    def precision(self) -> memory.PrecisionSpec:
+        return memory.PrecisionSpec.from_plan(self.plan)
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The pipeline stages rank `pp_rank` holds ([0] without PP)."""
+        return self.layout.stage_ids(pp_rank)
+
+
+def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False) -> Job:
+    """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
+    the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
+    is not asked whether bf16 is native ("auto" means on), `dry_run.vocab_size` may replace the
+    tokenizer's, and this machine's checkpoint folder and profiler are not checked."""
+    t, p = config.training, config.parallelism
+    dims = ParallelDims.from_config(p, world_size)
+    accum = grad_accum_steps(t, dims.dp_degree)
+    plan = PrecisionPlan.from_config(config, dims, device_type, probe=None if dry_run else low_precision_speed)
+    if not dry_run:
+        validate_checkpoint_config(config, world_size, device_type)
+        profiling.validate(config, device_type)
+    # A dry run told the vocabulary size need not read a tokenizer file of the machines it sizes.
+    tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)
+    vocab = tokenizer.vocab_size if tokenizer is not None else config.dry_run.vocab_size
+    args = build_model_args(config.model.flavor, vocab, t.seq_len)
+    boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
+                                                 device_type)
+    return Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
+               n_microbatches)
+
+
+@dataclass
+class ModelParts:
+    parts: list[nn.Module]  # one per pipeline stage this rank holds (the whole model without PP)
+    stage_ids: list[int]
+    num_params: int  # of the whole model
+    flops_per_token: float  # of the whole model, training (forward + backward)
+
+
+def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
+                      materialize: bool = True) -> ModelParts:
+    """Build on meta in the plan's storage dtype, split into `stage_ids`, parallelize each part
+    (TP, AC, compile, FSDP/DDP). Models up to FULL_INIT_MAX_PARAMS are initialised from the seed
+    on every rank before sharding, so every layout starts from identical weights; larger ones are
+    initialised on their shards. `materialize=False` (dry run): everything stays on meta."""
+    args, t = job.model_args, job.config.training
+    with torch.device("meta"):
+        model = Transformer(args)
+    job.plan.apply_storage_dtype(model)
+    num_params = count_params(model)
+    fpt = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
+    torch.manual_seed(t.seed)
+    initialised = materialize and num_params <= FULL_INIT_MAX_PARAMS
+    if initialised:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        model.to(device)
+    parts = []
+    for sid in stage_ids:
+        part = stage_module(model, sid, list(job.boundaries)) if job.dims.pp_enabled else model
+        parallelize_llama(part, job.dims, job.plan, job.config)
+        if materialize:
+            if not initialised:
+                part.to_empty(device=device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=device)
+            part.train()
+        parts.append(part)
+    return ModelParts(parts, list(stage_ids), num_params, fpt)

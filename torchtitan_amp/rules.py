@@ -1,0 +1,67 @@
+"""Rules that the runtime and the analytic model (memory.py, plan_layout) must agree on, written
+once and importing no torch: dtype names and sizes, pipeline stage split and placement, the FSDP
+reshard-after-forward policy, model flavour names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes, by the name torch gives them without the "torch." prefix
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+# ---------------------------------------------------------------------------------------------
+# Model flavours (their shapes live in models/llama.py, which needs torch)
+
+FLAVORS = ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b")
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages
+
+# Stages each rank holds per schedule; looped placement: pp rank r holds stages r, r + pp, ...
+STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
+PP_SCHEDULES = tuple(STAGES_PER_RANK)
+
+
+def even_stage_starts(n_layers: int, num_stages: int) -> list[int]:
+    """First layer of each stage of an even split; earlier stages take the remainder (the last
+    stage also carries the output head)."""
+    base, extra = divmod(n_layers, num_stages)
+    sizes = [base + (i < extra) for i in range(num_stages)]
+    return [sum(sizes[:i]) for i in range(num_stages)]
+
+
+def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Iterable[int] = ()) -> list[range]:
+    """Layers of each stage: after the given split points (first layers of stages 1..), else even."""
+    starts = list(split_points)
+    starts = [0] + starts if starts else even_stage_starts(n_layers, num_stages)
+    ends = starts[1:] + [n_layers]
+    return [range(s, e) for s, e in zip(starts, ends)]
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
+    """The stages pipeline rank `pp_rank` of `pp` holds under `schedule`."""
+    return [pp_rank + i * pp for i in range(STAGES_PER_RANK[schedule])]
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP
+
+
+def reshard_after_forward(policy: str, is_last: bool, pp_enabled: bool) -> bool:
+    """Whether an FSDP group frees its gathered parameters after forward.
+
+    "default" follows torchtitan: yes, except the last group (backward needs it at once), and no
+    group at all under pipeline parallel, where each stage runs forward once per microbatch and
+    resharding would all-gather again every time.
+    """
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return not is_last and not pp_enabled
+
