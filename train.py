@@ -1,7 +1,9 @@
 """Entry point: `torchrun ... train.py --job.config_file FILE [--section.key VALUE ...]`.
 
-Exit codes: 0 done (or --help), 2 bad config or data (one `error: ...` line on stderr, raised
-before any process group or model exists), anything else is a crash with its traceback.
+Exit codes (torchtitan_amp/errors.py): 0 done (or --help), 2 bad config, data, checkpoint or
+environment (one `error: ...` line on stderr, raised before any process group or model exists
+where the check needs none), 1 a diverged run (non-finite loss), anything else is a crash with
+its traceback.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ def _setup_logging() -> None:
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
 
 
-def _fail(error: Exception) -> int:
+def _fail(error: Exception, code: int = 2) -> int:
     # One line whatever the message holds, so launchers and logs show it whole.
     print("error: " + " ".join(str(error).splitlines()), file=sys.stderr)
-    return 2
+    return code
 
 
 def _parse(argv: list[str]) -> "JobConfig | int":
@@ -53,10 +55,11 @@ def main(argv: list[str]) -> int:
     config = _parse(argv)
     if isinstance(config, int):
         return config
-    from torchtitan_amp.config import ConfigError
-    from torchtitan_amp.environment import require
+    from torchtitan_amp.environment import require, separate_inductor_cache
+    from torchtitan_amp.errors import NonFiniteError, UserError
 
     require()  # an old torch or a missing torchdata: one line with the install command, exit 2
+    separate_inductor_cache()
     _setup_logging()
     if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
         # Plan without hardware: one process, fake process group, meta model, no training.
@@ -64,22 +67,18 @@ def main(argv: list[str]) -> int:
 
         try:
             return dry_run.main(config)
-        except (ConfigError, ValueError) as e:
+        except ValueError as e:  # UserError, or a shape no layout accepts
             return _fail(e)
     from torchtitan_amp import distributed
-    from torchtitan_amp.checkpoint import CheckpointError, install_preemption_handlers
-    from torchtitan_amp.data import DataError
-    from torchtitan_amp.trainer import NonFiniteError, Trainer
+    from torchtitan_amp.run_control import install_preemption_handlers
+    from torchtitan_amp.trainer import Trainer
 
     # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
     install_preemption_handlers()
     try:
         Trainer(config).train()
-    except (ConfigError, DataError, CheckpointError) as e:
-        return _fail(e)
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/errors.py
+        return _fail(e, e.exit_code)
     finally:
         distributed.shutdown()
     return 0

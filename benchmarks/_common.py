@@ -26,9 +26,10 @@ for p in (REPO, REPO / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from torchtitan_amp.environment import require  # noqa: E402
+from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
-require()  # before any benchmark imports torch
+require()
+separate_inductor_cache()  # before any benchmark imports torch
 
 # The CPU models. "large" is the size at which this CPU's bf16 matmuls pay off (dim 1024, 8
 # layers, head dim 64, 103M parameters); the debug model's head dim 16 makes CPU bf16 attention

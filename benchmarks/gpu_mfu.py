@@ -46,9 +46,10 @@ for p in (REPO, REPO / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from torchtitan_amp.environment import require  # noqa: E402
+from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
 require()
+separate_inductor_cache()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -34,9 +34,10 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan_amp.environment import require  # noqa: E402
+from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
 require()
+separate_inductor_cache()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

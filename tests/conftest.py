@@ -23,6 +23,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every process the suite starts inherits this: under AVX2 emulation (ATEN_CPU_CAPABILITY=avx2)
+# torch.compile must not reuse kernels compiled natively, or the reverse (see environment.py).
+from torchtitan_amp.environment import separate_inductor_cache  # noqa: E402
+
+separate_inductor_cache()
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 # Small enough that a step takes tens of milliseconds on CPU; large enough that the loss falls

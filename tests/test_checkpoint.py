@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp import checkpoint as checkpoint_module
+from torchtitan_amp import job as job_module
+from torchtitan_amp import run_control
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.checkpoint import (
     CheckpointError,
@@ -343,11 +344,11 @@ def test_sigterm_and_sigusr1_request_a_stop(monkeypatch):
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         for sig in previous:
-            monkeypatch.setattr(checkpoint_module, "_stop_signal", None)
-            checkpoint_module.install_preemption_handlers()
-            assert checkpoint_module.stop_requested() is None
+            monkeypatch.setattr(run_control, "_stop_signal", None)
+            run_control.install_preemption_handlers()
+            assert run_control.stop_requested() is None
             os.kill(os.getpid(), sig)
-            assert checkpoint_module.stop_requested() == sig.name
+            assert run_control.stop_requested() == sig.name
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -526,8 +527,8 @@ def test_missing_load_step_is_a_one_line_error(matrix):
 
 def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
     folder = matrix("single") / "bf16" / "a" / "checkpoint"
-    original = trainer_module.build_model_args
-    monkeypatch.setattr(trainer_module, "build_model_args",
+    original = job_module.build_model_args
+    monkeypatch.setattr(job_module, "build_model_args",
                         lambda *a: dataclasses.replace(original(*a), dim=128))
     before = snapshot(folder)
     with pytest.raises(CheckpointError) as e:

@@ -246,7 +246,7 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
         assert line is not None, f"--{section}.{f.name} missing from --help"
         assert f"(default {config_mod._format_value(default)})" in line
         assert f.metadata["help"] in text
-        for choice in f.metadata.get("choices") or ():
+        for choice in config_mod.choices_of(config_mod._field_types(section)[f.name]) or ():
             assert config_mod._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
 

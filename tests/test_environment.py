@@ -3,6 +3,7 @@ caught before any torchtitan_amp module imports them (train.py, the tools)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,23 @@ def test_torch_version_floor(monkeypatch: pytest.MonkeyPatch, version: str, ok: 
 def test_no_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(environment, "_torch_version", lambda: None)
     assert environment.problem().startswith("torch is not installed in ")
+
+
+@pytest.mark.parametrize(("capability", "preset", "expected_suffix"), [
+    ("avx2", None, "_avx2"), ("AVX512", None, "_avx512"), (None, None, None), ("avx2", "/my/cache", None)])
+def test_emulated_capabilities_get_their_own_compile_cache(monkeypatch: pytest.MonkeyPatch, capability: str | None,
+                                                           preset: str | None, expected_suffix: str | None) -> None:
+    for name, value in (("ATEN_CPU_CAPABILITY", capability), ("TORCHINDUCTOR_CACHE_DIR", preset)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    environment.separate_inductor_cache()
+    got = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if expected_suffix is None:
+        assert got == preset
+    else:
+        assert got is not None and Path(got).name.startswith("torchinductor_") and got.endswith(expected_suffix)
 
 
 def _fake_site(tmp_path: Path, torch_version: str | None = None, break_torchdata: bool = False) -> dict[str, str]:

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import json
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from torchtitan_amp.rules import DTYPES, FLAVORS, PP_SCHEDULES
+from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.rules import DtypeName, Flavor, PipelineSchedule, ReshardPolicy
+
+# A boolean that may also be "auto" (mixed_precision.enabled).
+BoolOrAuto = bool | Literal["auto"]
+_AUTO = "auto"
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,17 +30,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A bad job config: the message is a single line meant for the user."""
-
-    def __init__(self, message: str) -> None:
-        # User input (a stray "--x=\n") can carry newlines into the message; keep it one line.
-        super().__init__(" ".join(str(message).splitlines()))
-
-
-def _f(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    """A config field: `help` becomes the --help line, `choices` the allowed set."""
-    meta = {"help": help, "choices": choices}
+def _f(default: Any, help: str) -> Any:
+    """A config field: `help` becomes the --help line; a Literal type is the allowed set."""
+    meta = {"help": help}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -56,28 +54,21 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = _f("llama3", "Model family.", ("llama3",))
-    flavor: str = _f(
-        "debugmodel",
-        "Model size.",
-        FLAVORS,
-    )
+    name: Literal["llama3"] = _f("llama3", "Model family.")
+    flavor: Flavor = _f("debugmodel", "Model size.")
     tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS) or a path to a tokenizer.json.")
 
 
 @dataclass
 class Optimizer:
-    name: str = _f("AdamW", "Optimizer.", ("AdamW",))
+    name: Literal["AdamW"] = _f("AdamW", "Optimizer.")
     lr: float = _f(8e-4, "Peak learning rate.")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     weight_decay: float = _f(0.1, "Decoupled weight decay.")
-    implementation: str = _f(
-        "auto",
-        "AdamW kernel: 'auto' picks fused where the device supports it, else foreach.",
-        ("auto", "fused", "foreach", "for-loop"),
-    )
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
+        "auto", "AdamW kernel: 'auto' picks fused where the device supports it, else foreach.")
 
 
 @dataclass
@@ -86,7 +77,7 @@ class LRScheduler:
     decay_ratio: float = _f(
         -1.0, "Fraction of steps spent decaying at the end (-1: all steps after warm-up)."
     )
-    decay_type: str = _f("linear", "Shape of the decay.", ("linear", "cosine", "sqrt"))
+    decay_type: Literal["linear", "cosine", "sqrt"] = _f("linear", "Shape of the decay.")
     min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.")
 
 
@@ -107,19 +98,16 @@ class Training:
     max_norm: float = _f(1.0, "Gradient clipping by global norm (<= 0 disables).")
     seed: int = _f(0, "Seed for model init and data order.")
     deterministic: bool = _f(False, "Use deterministic algorithms (slower).")
-    device: str = _f("auto", "'auto' picks CUDA when a GPU is present, else CPU.", ("auto", "cpu", "cuda"))
-    dtype: str = _f(
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "'auto' picks CUDA when a GPU is present, else CPU.")
+    dtype: Literal["float32", "bfloat16"] = _f(
         "float32",
         "Storage dtype of parameters (float32 = fp32 master weights; bfloat16 = pure-bf16 "
         "training, which needs mixed_precision.enabled = false or param_dtype = bfloat16).",
-        ("float32", "bfloat16"),
     )
-    mixed_precision_param: str = _f(
-        "", "Alias of mixed_precision.param_dtype (torchtitan spelling).", ("",) + DTYPES
-    )
-    mixed_precision_reduce: str = _f(
-        "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).", ("",) + DTYPES
-    )
+    mixed_precision_param: Literal["", DtypeName] = _f(
+        "", "Alias of mixed_precision.param_dtype (torchtitan spelling).")
+    mixed_precision_reduce: Literal["", DtypeName] = _f(
+        "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).")
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
     skip_nonfinite_steps: bool = _f(
         False, "Skip (and count) a step whose loss or grad norm is inf/nan instead of stopping the job "
@@ -146,21 +134,17 @@ class Parallelism:
         False, "Async TP: overlap TP collectives with matmuls (inductor micro-pipelining); needs "
         "CUDA, compile.enable and tensor_parallel_degree > 1."
     )
-    pipeline_parallel_schedule: str = _f(
-        "1F1B", "Pipeline schedule.", PP_SCHEDULES
-    )
+    pipeline_parallel_schedule: PipelineSchedule = _f("1F1B", "Pipeline schedule.")
     pipeline_parallel_microbatch_size: int = _f(1, "Sequences per pipeline micro-batch.")
     pipeline_parallel_split_points: list[str] = _f(
         [], "Module names starting each stage after the first (e.g. layers.4); empty: even split."
     )
-    fsdp_reshard_after_forward: str = _f(
+    fsdp_reshard_after_forward: ReshardPolicy = _f(
         "default",
-        "Free gathered params after forward ('default': yes, except the last group).",
-        ("default", "always", "never"),
+        "Free gathered params after forward ('default': yes, except the last group, and no group "
+        "under pipeline parallel, as torchtitan).",
     )
-    backend: str = _f(
-        "auto", "Process-group backend: 'auto' is nccl on CUDA, gloo on CPU.", ("auto", "gloo", "nccl")
-    )
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto", "Process-group backend: 'auto' is nccl on CUDA, gloo on CPU.")
 
 
 @dataclass
@@ -181,11 +165,10 @@ class Checkpoint:
         False, "At the last step write only the model, as one torch.save file in export_dtype "
         "(step-N/model.pt): an export, not a resume point."
     )
-    export_dtype: str = _f("float32", "Dtype of model-only exports.", DTYPES)
-    async_mode: str = _f(
+    export_dtype: DtypeName = _f("float32", "Dtype of model-only exports.")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
         "disabled", "'async' writes checkpoints in a background thread after a synchronous copy; "
         "'async_with_pinned_mem' (CUDA only) stages through pinned host memory.",
-        ("disabled", "async", "async_with_pinned_mem"),
     )
     exclude_from_loading: list[str] = _f(
         [], "States not to restore on load, from: model, optimizer, lr_scheduler, scaler, "
@@ -211,7 +194,7 @@ class Metrics:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = _f("none", "Recompute activations in backward.", ("none", "full", "selective"))
+    mode: Literal["none", "full", "selective"] = _f("none", "Recompute activations in backward.")
     selective_ac_option: str = _f(
         "2", "With mode=selective: an integer N (every N-th block) or 'op' (op-level save list)."
     )
@@ -224,16 +207,15 @@ class Compile:
 
 @dataclass
 class MixedPrecision:
-    enabled: bool | str = _f(
+    enabled: BoolOrAuto = _f(
         "auto",
         "Train in mixed precision (false: fp32 everywhere). 'auto': yes on GPUs and on CPUs whose "
         "param_dtype matmul is native (measured at start-up), fp32 where the CPU emulates it "
         "(~50x slower); the start-up log and precision_report.json say what was decided.",
-        (True, False, "auto"),
     )
-    param_dtype: str = _f("bfloat16", "Compute dtype of lower-precision-safe modules.", DTYPES)
-    reduce_dtype: str = _f("float32", "Dtype of gradients on the wire.", DTYPES)
-    output_dtype: str = _f("float32", "Dtype of the model's outputs (logits).", DTYPES)
+    param_dtype: DtypeName = _f("bfloat16", "Compute dtype of lower-precision-safe modules.")
+    reduce_dtype: DtypeName = _f("float32", "Dtype of gradients on the wire.")
+    output_dtype: DtypeName = _f("float32", "Dtype of the model's outputs (logits).")
     lower_precision_safe_modules: list[str] = _f(
         ["torch.nn.Linear"],
         "Module classes whose compute/gathers/gradients may use param/reduce dtype; others stay fp32.",
@@ -317,12 +299,9 @@ def _section_type(section: str) -> type:
     return typing.get_type_hints(JobConfig)[section]
 
 
+@functools.cache
 def _field_types(section: str) -> dict[str, Any]:
     return typing.get_type_hints(_section_type(section))
-
-
-def _field_meta(section: str, key: str) -> dataclasses.Field:
-    return {f.name: f for f in dataclasses.fields(_section_type(section))}[key]
 
 
 def _suggest(name: str, candidates: list[str]) -> str:
@@ -350,12 +329,18 @@ def _check_known(section: str, key: str | None) -> None:
 # Value conversion
 
 
-# A boolean that may also be "auto" (mixed_precision.enabled).
-BoolOrAuto = bool | str
-_AUTO = "auto"
+def choices_of(tp: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a field's type: a Literal's, or true/false/"auto"."""
+    if tp == BoolOrAuto:
+        return (True, False, _AUTO)
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return None
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "a string"
     if tp == BoolOrAuto:
         return 'true, false or "auto"'
     return {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}.get(
@@ -391,7 +376,7 @@ def _from_toml(name: str, tp: Any, value: Any) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
-    elif tp is str:
+    elif tp is str or typing.get_origin(tp) is Literal:
         if isinstance(value, str):
             return value
     raise ConfigError(f"'{name}' must be {_type_name(tp)}, got {value!r}")
@@ -431,8 +416,7 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
 
 
 def _set(config: JobConfig, section: str, key: str, value: Any, source: str) -> None:
-    meta = _field_meta(section, key).metadata
-    choices = meta.get("choices")
+    choices = choices_of(_field_types(section)[key])
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
@@ -671,7 +655,7 @@ def help_text() -> str:
         lines += ["", f"[{section}]"]
         for f in dataclasses.fields(_section_type(section)):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            choices = f.metadata.get("choices")
+            choices = choices_of(_field_types(section)[f.name])
             allowed = f"  {{{', '.join(_format_choice(c) for c in choices if c != '')}}}" if choices else ""
             lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}")
             lines.append(f"      {f.metadata['help']}")

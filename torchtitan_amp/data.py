@@ -10,6 +10,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan_amp.errors import DataError
+
 if TYPE_CHECKING:
     # Only for annotations: tokenizer.py imports DataError from here.
     from torchtitan_amp.tokenizer import Tokenizer
@@ -19,10 +21,6 @@ _JSONL_SUFFIX = ".jsonl"
 _DATASET_FORMS = "'pydoc' or 'path:<.txt/.md/.jsonl file or directory>'"
 
 Sample = tuple[torch.Tensor, torch.Tensor]
-
-
-class DataError(ValueError):
-    """A dataset, tokenizer file or data config that cannot be used; the message is one line."""
 
 
 def _load_pydoc() -> list[tuple[str, str]]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import sys
+import tempfile
 
 MIN_TORCH = (2, 13)
 INSTALL = "pip install torch==2.13.0 -r requirements.txt"
@@ -49,6 +51,30 @@ def problem() -> str | None:
         except ImportError as e:
             return f"{package.split('=')[0]} is missing or broken ({e}); install it with: pip install {package}"
     return None
+
+
+def separate_inductor_cache() -> None:
+    """Give each emulated CPU capability its own torch.compile cache.
+
+    Inductor's cache key ignores ATEN_CPU_CAPABILITY, which picks the vector ISA it generates:
+    measured on torch 2.13, blocks compiled natively (AVX512) and then loaded under
+    ATEN_CPU_CAPABILITY=avx2 computed NaN, and the reverse corrupted the heap (malloc abort). A
+    run that sets the variable (docs/performance.md's AVX2 emulation) gets
+    <tmp>/torchinductor_<user>_<capability> unless TORCHINDUCTOR_CACHE_DIR is set already."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        user = "".join(c if c.isalnum() else "_" for c in _user())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{user}_{capability}")
+
+
+def _user() -> str:
+    try:
+        import getpass
+
+        return getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        return f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
 
 
 def require() -> None:

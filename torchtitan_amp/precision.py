@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.errors import PrecisionError
 from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.rules import DTYPES, SHORT
@@ -44,10 +45,6 @@ _SHORT = {getattr(torch, name): short for name, short in SHORT.items()}
 # autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
 FP32_ISLANDS = ("RMSNorm (computes in fp32, returns input dtype)", "rotary tables and rotation",
                 "cross-entropy on fp32 logits", "loss and metric accumulators")
-
-
-class PrecisionError(ConfigError):
-    """A precision setting that cannot be honoured: raised at config time, never a fallback."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

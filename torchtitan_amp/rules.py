@@ -5,26 +5,31 @@ reshard-after-forward policy, model flavour names.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
+from typing import Literal
 
 # ---------------------------------------------------------------------------------------------
 # Dtypes, by the name torch gives them without the "torch." prefix
 
-DTYPES = ("float32", "bfloat16", "float16")
+DtypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = typing.get_args(DtypeName)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # ---------------------------------------------------------------------------------------------
 # Model flavours (their shapes live in models/llama.py, which needs torch)
 
-FLAVORS = ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b")
+Flavor = Literal["debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"]
+FLAVORS: tuple[str, ...] = typing.get_args(Flavor)
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline stages
 
 # Stages each rank holds per schedule; looped placement: pp rank r holds stages r, r + pp, ...
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B"]
 STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}
-PP_SCHEDULES = tuple(STAGES_PER_RANK)
+PP_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 def even_stage_starts(n_layers: int, num_stages: int) -> list[int]:
@@ -52,7 +57,10 @@ def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
 # FSDP
 
 
-def reshard_after_forward(policy: str, is_last: bool, pp_enabled: bool) -> bool:
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool) -> bool:
     """Whether an FSDP group frees its gathered parameters after forward.
 
     "default" follows torchtitan: yes, except the last group (backward needs it at once), and no

@@ -16,14 +16,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import distributed, profiling
-from torchtitan_amp.checkpoint import CheckpointManager, maybe_inject_fault
+from torchtitan_amp.checkpoint import CheckpointManager
 from torchtitan_amp.config import JobConfig, to_toml
 from torchtitan_amp.data import build_dataloader
+from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.metrics import MetricsLogger, describe_peak, peak_flops, remeasure_cpu_peak
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
+from torchtitan_amp.run_control import maybe_inject_fault
 from torchtitan_amp.pipeline import Pipeline, build_pipeline
 
 logger = logging.getLogger("torchtitan_amp")
@@ -261,7 +263,3 @@ class Trainer:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
                                  f"training.max_norm > 0, or training.skip_nonfinite_steps = true")
         self.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
-
-
-class NonFiniteError(RuntimeError):
-    """Loss or gradient norm became inf/nan outside fp16 loss scaling."""

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan_amp import checkpoint  # noqa: E402
+from torchtitan_amp import checkpoint, run_control  # noqa: E402
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
@@ -122,7 +122,7 @@ def main(spec_path: str) -> int:
     _install_test_hooks(spec)
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
-    checkpoint.install_preemption_handlers()
+    run_control.install_preemption_handlers()
     for job in spec["jobs"]:
         if _rank() == 0:
             for src, dst in job.get("copy", []):

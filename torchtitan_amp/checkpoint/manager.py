@@ -1,48 +1,28 @@
-"""Distributed checkpoints: save, resume bit for bit, reshard, survive crashes and preemption.
+"""The checkpoint manager: saves and loads everything a run needs to continue exactly where it
+stopped, driven by one table of stateful parts (`PARTS`): a new state to save is one entry.
 
-What a full checkpoint `<job.dump_folder>/<checkpoint.folder>/step-N/` holds:
-
-- DCP (`torch.distributed.checkpoint`, one `__<rank>_0.distcp` per rank plus `.metadata`):
-  `model` and `optimizer` (FQN-keyed via the `state_dict` helpers, so any parallel layout can
-  load them), `lr_scheduler`, `scaler` (the precision plan's LossScaler: GradScaler scale, growth
-  tracker, skipped steps) and `train_state` (step, tokens seen).
-- `rank_<r>.pt`, one per global rank (torch.save): that rank's dataloader position (keyed by its
-  data-parallel rank) and RNG states (python, torch CPU, CUDA). Per-rank files instead of
-  rank-keyed DCP entries keep DCP's content layout-free: a resharded load reads the DCP part and
-  picks per-rank files only where the layouts agree.
-- `checkpoint.json`, written last: the completion marker and manifest (every file and its size,
-  step, kind, world size, dp degree, model args, the job config).
-
-A save writes `step-N.tmp/`, waits for every rank, then rank 0 writes the marker and renames
-the folder to `step-N`. The loader only considers `step-N` folders whose marker and manifest
-check out; anything else is named in the log and skipped. See docs/checkpointing.md.
+Saving writes `step-N.tmp/`, waits for every rank, then rank 0 writes the marker and renames the
+folder to `step-N` (format.py). DCP holds the layout-free parts (model and optimizer keyed by FQN,
+so any parallel layout can load them, LR schedule, loss scaler, train state); `rank_<r>.pt`
+holds each rank's own (dataloader position keyed by data-parallel rank, RNG states).
 """
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the CLI: an old torch is one line, before torch is imported
-    from torchtitan_amp.environment import require
-
-    require()
-
-import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
-import sys
 import time
-import warnings
-import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,29 +37,31 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.config import DTYPES, ConfigError, JobConfig
+from torchtitan_amp.checkpoint.format import (
+    EXPORT_FILE,
+    FORMAT_VERSION,
+    MARKER,
+    TORCH_DTYPES,
+    check_model_fits,
+    describe_steps,
+    dir_sizes,
+    inspect_checkpoint,
+    merge_export_parts,
+    merge_parts,
+    one_line,
+    quiet_single_process,
+    scan_folder,
+)
+from torchtitan_amp.checkpoint.integrity import file_crc32, verify_checksums
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.errors import CheckpointError, ConfigError
+from torchtitan_amp.run_control import stop_requested
 
 logger = logging.getLogger("torchtitan_amp")
 
-FORMAT_VERSION = 1
-MARKER = "checkpoint.json"
-EXPORT_FILE = "model.pt"
-# Everything a full checkpoint restores; `checkpoint.exclude_from_loading` names a subset.
-STATE_NAMES = ("model", "optimizer", "lr_scheduler", "scaler", "train_state", "dataloader", "rng")
-DCP_STATES = ("model", "optimizer", "lr_scheduler", "scaler", "train_state")
-# Kinds of complete checkpoint: full (a resume point), seed (step 0, DCP model only),
-# model_only (the last step's single-file export; not a resume point).
-KINDS = ("full", "seed", "model_only")
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # checkpoint.export_dtype's choices
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 # Flattened optimizer keys ("state.<fqn>.exp_avg") do not depend on param order, which pipeline
 # stages need, and make optimizer resharding a pure key match.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used or written; the message is one line. Exit code 2."""
 
 
 @dataclass
@@ -88,21 +70,118 @@ class TrainState:
     tokens_seen: int = 0
 
 
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every single-process save or load that it assumes one process: we know."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The stateful parts
+
+
+def _always(*_: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One thing a full checkpoint restores. `get` returns its state (for DCP parts, also the
+    template DCP loads into), `put` restores it. DCP parts may refuse (raise CheckpointError) or
+    skip (return False, after saying why) in `loadable`, given the saved DCP metadata; per-rank
+    parts name the rank whose file holds this rank's state in `source_rank` (None: skip)."""
+
+    name: str
+    in_dcp: bool
+    get: Callable[["CheckpointManager"], Any]
+    put: Callable[["CheckpointManager", Any], None]
+    loadable: Callable[["CheckpointManager", Path, dict[str, Any], Any], bool] = _always
+    source_rank: Callable[["CheckpointManager", Path, dict[str, Any]], int | None] = lambda m, path, meta: m.rank
+
+
+def _model_fits(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> bool:
+    check_model_fits(path, saved, template, "model.", m.pp_degree == 1)
+    return True
+
+
+def _has_optimizer(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> bool:
+    if not any(k.startswith("optimizer.") for k in saved):
+        raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
+                              "checkpoint.exclude_from_loading to load it anyway")
+    return True
+
+
+def _has_scaler(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> bool:
+    if not m.scaler.enabled:
+        return False  # an fp16 checkpoint resumed without fp16: nothing to restore
+    if not any(k.startswith("scaler.scaler.") for k in saved):
+        if m.rank == 0:
+            logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
+                           "starting from the configured init_scale", path)
+        return False
+    return True
+
+
+def _dataloader_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int:
+    if meta["dp_degree"] != m.dp_degree:
+        raise CheckpointError(
+            f"{path} was saved with data-parallel degree {meta['dp_degree']} but this run has "
+            f"{m.dp_degree}: the data position cannot be resharded; add 'dataloader' to "
+            "checkpoint.exclude_from_loading to restart the data stream"
+        )
+    sources = [r for r, d in meta["rank_dp"] if d == m.dp_rank]
+    return m.rank if m.rank in sources else sources[0]
+
+
+def _rng_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int | None:
+    if meta["world_size"] == m.world_size:
+        return m.rank
+    if m.rank == 0:
+        logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d",
+                       path, meta["world_size"], m.world_size)
+    return None
+
+
+def _put_train_state(m: "CheckpointManager", state: dict[str, Any]) -> None:
+    m.train_state = TrainState(int(state["step"]), int(state["tokens_seen"]))
+
+
+# In load order. exclude_from_loading names entries of this table.
+PARTS: tuple[StatePart, ...] = (
+    StatePart("model", True, lambda m: m._model_state_dict(),
+              lambda m, sd: set_model_state_dict(m._model, sd), _model_fits),
+    StatePart("optimizer", True,
+              lambda m: get_optimizer_state_dict(m._model, m.optimizers, options=_OPTIM_OPTIONS),
+              lambda m, sd: set_optimizer_state_dict(m._model, m.optimizers, sd, options=_OPTIM_OPTIONS),
+              _has_optimizer),
+    StatePart("lr_scheduler", True, lambda m: m.lr_scheduler.state_dict(),
+              lambda m, sd: m.lr_scheduler.load_state_dict(sd)),
+    StatePart("scaler", True, lambda m: m.scaler.state_dict(), lambda m, sd: m.scaler.load_state_dict(sd),
+              _has_scaler),
+    StatePart("train_state", True, lambda m: dataclasses.asdict(m.train_state), _put_train_state),
+    StatePart("dataloader", False, lambda m: m.dataloader.state_dict(),
+              lambda m, sd: m.dataloader.load_state_dict(sd), source_rank=_dataloader_source),
+    StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
+              source_rank=_rng_source),
+)
+DCP_PARTS = tuple(p for p in PARTS if p.in_dcp)
+RANK_PARTS = tuple(p for p in PARTS if not p.in_dcp)
+STATE_NAMES = tuple(p.name for p in PARTS)
+DCP_STATES = tuple(p.name for p in DCP_PARTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,261 +212,6 @@ def validate_config(config: JobConfig, world_size: int, device_type: str) -> Non
             f"'training.fault_inject_rank' = {t.fault_inject_rank} is not a rank of this job "
             f"(world size {world_size})"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# Preemption: SIGTERM / SIGUSR1 ask every rank to finish its step, save, and exit 0
-
-
-_stop_signal: str | None = None
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    global _stop_signal
-    if _stop_signal is not None:
-        # A second signal: stop now (a half-written save stays a .tmp and is never loaded).
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    _stop_signal = signal.Signals(signum).name
-    # Not logging here: the logging module's locks are not signal-safe.
-    sys.stderr.write(f"received {_stop_signal}: will save a checkpoint after this step and exit\n")
-
-
-def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
-    """Call from the main thread of the entry point (train.py)."""
-    for sig in signals:
-        signal.signal(sig, _on_signal)
-
-
-def stop_requested() -> str | None:
-    """The name of the signal that asked this process to stop, if any."""
-    return _stop_signal
-
-
-# ---------------------------------------------------------------------------------------------
-# Fault injection (testing only)
-
-
-def maybe_inject_fault(config: JobConfig, step: int, rank: int) -> None:
-    """`training.fault_inject_at_step`: kill one rank hard after step N, once per dump folder.
-
-    The marker file makes it fire once, so a job restarted by `torchrun --max-restarts` (or a
-    requeued one) runs through; delete the marker to fire it again.
-    """
-    t = config.training
-    if not t.fault_inject_at_step or step != t.fault_inject_at_step or rank != t.fault_inject_rank:
-        return
-    marker = Path(config.job.dump_folder) / f".fault_injected_at_step_{step}"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    with open(marker, "w") as fh:
-        fh.write(f"rank {rank} killed at step {step}\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    sys.stderr.write(f"fault injection: rank {rank} exits hard after step {step}\n")
-    sys.stderr.flush()
-    os._exit(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Inspecting checkpoints on disk (no process group needed)
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int
-    kind: str
-    meta: dict[str, Any]
-
-
-def _dir_sizes(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
-    """CRC-32 of a file as 8 hex digits (zlib: ~4 GiB/s here, so checking costs about one read)."""
-    crc = 0
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
-
-
-def verify_checksums(path: str | Path, meta: dict[str, Any], part: tuple[int, int] = (0, 1)) -> str | None:
-    """Recompute the manifest's CRC-32s of files part[0], part[0] + part[1], ... (ranks split the
-    work); the first mismatch as one line, or None. Checkpoints saved without checksums pass."""
-    path = Path(path)
-    crcs = meta.get("crc32") or {}
-    for name in sorted(crcs)[part[0]::part[1]]:
-        try:
-            got = file_crc32(path / name)
-        except OSError as e:
-            return f"{path}: file {name} cannot be read ({_one_line(e)})"
-        if got != crcs[name]:
-            return f"{path}: file {name} has CRC-32 {got}, the manifest says {crcs[name]} (corrupt)"
-    return None
-
-
-def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
-    """Validate one complete checkpoint folder; CheckpointError says what is wrong with it."""
-    path = Path(path)
-    marker = path / MARKER
-    if not marker.is_file():
-        raise CheckpointError(f"{path} has no {MARKER} completion marker (the save never finished)")
-    try:
-        meta = json.loads(marker.read_text())
-        step, kind, files = int(meta["step"]), meta["kind"], meta["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}/{MARKER} is unreadable ({_one_line(e)})") from None
-    if meta.get("format") != FORMAT_VERSION or kind not in KINDS:
-        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} / kind {kind!r}")
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(
-                f"{path}: file {name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or corrupt)"
-            )
-    if kind != "model_only":
-        try:
-            dcp.FileSystemReader(str(path)).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any failure means the DCP metadata is unusable
-            raise CheckpointError(f"{path}: DCP .metadata is unreadable ({_one_line(e)})") from None
-    return CheckpointInfo(path, step, kind, meta)
-
-
-def scan_folder(folder: str | Path) -> tuple[dict[int, CheckpointInfo], list[str]]:
-    """Complete checkpoints by step, and one line for every folder entry that is not one."""
-    folder = Path(folder)
-    complete: dict[int, CheckpointInfo] = {}
-    problems: list[str] = []
-    if not folder.is_dir():
-        return complete, problems
-    for entry in sorted(folder.iterdir()):
-        if _TMP_DIR.match(entry.name):
-            problems.append(f"ignoring {entry}: an unfinished save")
-        elif _STEP_DIR.match(entry.name) and entry.is_dir():
-            try:
-                info = inspect_checkpoint(entry)
-            except CheckpointError as e:
-                problems.append(f"skipping {e}")
-                continue
-            if info.step != int(_STEP_DIR.match(entry.name).group(1)):
-                problems.append(f"skipping {entry}: its marker says step {info.step}")
-                continue
-            complete[info.step] = info
-    return complete, problems
-
-
-def _describe_steps(complete: dict[int, CheckpointInfo]) -> str:
-    if not complete:
-        return "none"
-    return ", ".join(f"{s}" + ("" if i.kind == "full" else f" ({i.kind})") for s, i in sorted(complete.items()))
-
-
-def _check_model_fits(path: Path, saved_metadata: dict[str, Any], model_sd: dict[str, Any], prefix: str,
-                      complete_model: bool) -> None:
-    """Name the first key whose presence or global shape differs between checkpoint (its DCP
-    state_dict_metadata) and model."""
-    saved = {k[len(prefix):]: v for k, v in saved_metadata.items() if k.startswith(prefix)}
-    for key, value in model_sd.items():
-        if key not in saved:
-            raise CheckpointError(f"{path} does not fit this model: it has no '{key}'")
-        saved_shape = tuple(getattr(saved[key], "size", ()))
-        if saved_shape != tuple(value.shape):
-            raise CheckpointError(
-                f"{path} does not fit this model: '{key}' has shape {saved_shape} in the checkpoint "
-                f"but {tuple(value.shape)} in the model (different model flavor or vocab?)"
-            )
-    extra = sorted(set(saved) - set(model_sd))
-    if complete_model and extra:
-        raise CheckpointError(f"{path} does not fit this model: the model has no '{extra[0]}'")
-
-
-def _cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-
-
-def export_checkpoint(step_dir: str | Path, output: str | Path, dtype: str = "float32") -> Path:
-    """Write a checkpoint's model as one torch.save file of a plain state dict (single process).
-
-    The result loads with `Transformer(LlamaModelArgs(**meta['model_args'])).load_state_dict`.
-    """
-    from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
-
-    info = inspect_checkpoint(step_dir)
-    if info.kind == "model_only":
-        sd = torch.load(info.path / EXPORT_FILE, weights_only=True)
-    else:
-        with torch.device("meta"):
-            model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
-        model.to_empty(device="cpu")
-        sd = model.state_dict()
-        with _quiet_single_process():
-            dcp.load({"model": sd}, checkpoint_id=str(info.path), no_dist=True)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(_cast_floats(sd, _DTYPES[dtype]), output)
-    return output
-
-
-def _merge_parts(parts: list[nn.Module]) -> nn.Module:
-    """One module over several pipeline stages of this rank, with the stages' own FQNs.
-
-    The state_dict helpers take one model; stage FQNs never collide (layers are a ModuleDict
-    keyed by global layer index), so merging the top-level children keeps every name.
-    """
-    merged = nn.Module()
-    for part in parts:
-        for name, child in part.named_children():
-            if isinstance(child, nn.ModuleDict) and isinstance(merged._modules.get(name), nn.ModuleDict):
-                merged._modules[name].update(child)
-            elif isinstance(child, nn.ModuleDict):
-                merged.add_module(name, nn.ModuleDict(child))
-            elif child is not None:
-                merged.add_module(name, child)
-    return merged
-
-
-def _merge_export_parts(tmp: Path, pp_degree: int, model_args: Any) -> None:
-    """model.stage<p>.pt of every pipeline stage -> one model.pt in the plain model's key order."""
-    from torchtitan_amp.models.llama import Transformer
-
-    merged: dict[str, torch.Tensor] = {}
-    parts = [tmp / f"model.stage{p}.pt" for p in range(pp_degree)]
-    for part in parts:
-        merged.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
-    with torch.device("meta"):
-        order = list(Transformer(model_args).state_dict())
-    missing = [k for k in order if k not in merged]
-    if missing or len(merged) != len(order):
-        raise CheckpointError(f"pipeline stages exported {len(merged)} tensors, the model has {len(order)}"
-                              + (f" (missing '{missing[0]}')" if missing else ""))
-    torch.save({k: merged[k] for k in order}, tmp / EXPORT_FILE)
-    for part in parts:
-        part.unlink()
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +263,7 @@ class CheckpointManager:
         self.config = config
         self.enabled = c.enable or c.create_seed_checkpoint
         self.model_parts = model if isinstance(model, list) else [model]
-        self._model = self.model_parts[0] if len(self.model_parts) == 1 else _merge_parts(self.model_parts)
+        self._model = self.model_parts[0] if len(self.model_parts) == 1 else merge_parts(self.model_parts)
         self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
@@ -456,6 +280,7 @@ class CheckpointManager:
         self.dp_rank = getattr(dataloader, "dp_rank", 0)
         self.dp_degree = getattr(dataloader, "dp_world_size", 1)
         self.last_saved_step = -1
+        self.train_state = TrainState()  # what PARTS' train_state entry saves and restores
         self._pending: _PendingSave | None = None
         self._async_pg = None
         if not self.enabled:
@@ -478,7 +303,7 @@ class CheckpointManager:
             try:
                 result = [fn(), None]
             except (CheckpointError, OSError) as e:
-                result = [None, str(e) if isinstance(e, CheckpointError) else _one_line(e)]
+                result = [None, str(e) if isinstance(e, CheckpointError) else one_line(e)]
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(result, src=0)
         if result[1] is not None:
@@ -504,7 +329,7 @@ class CheckpointManager:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(
-                f"checkpoint folder {self.folder} is not writable: {e.strerror or _one_line(e)}"
+                f"checkpoint folder {self.folder} is not writable: {e.strerror or one_line(e)}"
             ) from None
 
     # -----------------------------------------------------------------------------------------
@@ -513,27 +338,14 @@ class CheckpointManager:
     def _model_state_dict(self, options: StateDictOptions | None = None) -> dict[str, Any]:
         return get_model_state_dict(self._model, options=options)
 
-    def _optimizer_state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self._model, self.optimizers, options=_OPTIM_OPTIONS)
-
     def _dcp_state(self, names: tuple[str, ...], train_state: TrainState) -> dict[str, Any]:
-        sd: dict[str, Any] = {}
-        if "model" in names:
-            sd["model"] = self._model_state_dict()
-        if "optimizer" in names:
-            sd["optimizer"] = self._optimizer_state_dict()
-        if "lr_scheduler" in names:
-            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
-        if "scaler" in names:
-            sd["scaler"] = self.scaler.state_dict()
-        if "train_state" in names:
-            sd["train_state"] = dataclasses.asdict(train_state)
-        return sd
+        """The DCP parts among `names`, as state dicts (also the templates DCP loads into)."""
+        self.train_state = train_state
+        return {p.name: p.get(self) for p in DCP_PARTS if p.name in names}
 
     def _rank_state(self) -> dict[str, Any]:
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
-                "world_size": self.world_size, "dataloader": self.dataloader.state_dict(),
-                "rng": _rng_state(self.device)}
+                "world_size": self.world_size, **{p.name: p.get(self) for p in RANK_PARTS}}
 
     # -----------------------------------------------------------------------------------------
     # Saving
@@ -572,10 +384,10 @@ class CheckpointManager:
             try:
                 torch.save(self._rank_state(), tmp / f"rank_{self.rank}.pt")
             except OSError as e:
-                error = f"rank {self.rank} could not write {tmp}/rank_{self.rank}.pt: {_one_line(e)}"
+                error = f"rank {self.rank} could not write {tmp}/rank_{self.rank}.pt: {one_line(e)}"
         self._all_ok(error)
         if self.config.checkpoint.async_mode == "disabled" or kind == "seed":
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.save(sd, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
             self._commit(state, tmp, final, kind, begin)
         else:
@@ -593,7 +405,7 @@ class CheckpointManager:
 
             kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                                   use_async_staging=True, use_non_blocking_copy=True))
-        with _quiet_single_process():
+        with quiet_single_process():
             response = dcp.async_save(sd, **kwargs)
         if isinstance(response, Future):
             return response
@@ -609,7 +421,7 @@ class CheckpointManager:
         rank holds at most one unsharded tensor on the device beyond its shards) and writes
         them; with several stages rank 0 then merges the parts into model.pt.
         """
-        dtype = _DTYPES[self.config.checkpoint.export_dtype]
+        dtype = TORCH_DTYPES[self.config.checkpoint.export_dtype]
         writer = self.rank % self.stage_ranks == 0
         part: dict[str, torch.Tensor] = {}
         for key, value in self._model_state_dict().items():
@@ -622,10 +434,10 @@ class CheckpointManager:
             try:
                 torch.save(part, tmp / name)
             except OSError as e:
-                error = f"could not write {tmp / name}: {_one_line(e)}"
+                error = f"could not write {tmp / name}: {one_line(e)}"
         self._all_ok(error)
         if self.pp_degree > 1:
-            self._agree(lambda: _merge_export_parts(tmp, self.pp_degree, self.model_args))
+            self._agree(lambda: merge_export_parts(tmp, self.pp_degree, self.model_args))
 
     def _prepare_tmp(self, tmp: Path) -> None:
         # No save is in flight (pending async saves were finished), so any .tmp is a dead one.
@@ -664,14 +476,14 @@ class CheckpointManager:
         about one read of 1/world of the checkpoint per rank)."""
         if not self.config.checkpoint.checksums:
             return {}, None
-        names = self._agree(lambda: sorted(_dir_sizes(tmp)))
+        names = self._agree(lambda: sorted(dir_sizes(tmp)))
         try:
             return {n: file_crc32(tmp / n) for n in names[self.rank::self.world_size]}, None
         except OSError as e:
-            return {}, f"rank {self.rank} could not checksum {tmp}: {_one_line(e)}"
+            return {}, f"rank {self.rank} could not checksum {tmp}: {one_line(e)}"
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-        meta["files"] = _dir_sizes(tmp)
+        meta["files"] = dir_sizes(tmp)
         with open(tmp / MARKER, "w") as fh:
             json.dump(meta, fh, indent=1)
             fh.flush()
@@ -727,7 +539,7 @@ class CheckpointManager:
         try:
             pending.future.result()
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"background save of {pending.tmp} failed: {_one_line(e)}"
+            error = f"background save of {pending.tmp} failed: {one_line(e)}"
         self._all_ok(error)
         self._commit(pending.state, pending.tmp, pending.final, pending.kind, pending.started)
 
@@ -737,7 +549,8 @@ class CheckpointManager:
     def should_stop(self) -> bool:
         """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
         finished background save is committed here too. Call once per step on every rank."""
-        signum = int(signal.Signals[_stop_signal]) if _stop_signal else 0
+        stop = stop_requested()
+        signum = int(signal.Signals[stop]) if stop else 0
         flags = [signum, int(self._pending is not None and not self._pending.future.done())]
         if dist.is_initialized() and self.world_size > 1:
             t = torch.tensor(flags, dtype=torch.int64, device=self.device)
@@ -826,7 +639,7 @@ class CheckpointManager:
                 why = f" ({broken[0]})" if broken else ""
                 raise CheckpointError(
                     f"checkpoint.load_step = {c.load_step}: no complete checkpoint step-{c.load_step} in "
-                    f"{self.folder}{why}; available steps: {_describe_steps(complete)}"
+                    f"{self.folder}{why}; available steps: {describe_steps(complete)}"
                 )
             if info.kind == "model_only":
                 raise CheckpointError(
@@ -866,42 +679,27 @@ class CheckpointManager:
         return _Choice(str(info.path), info.kind, info.meta, True, info.step)
 
     def _load_dcp(self, path: Path, names: tuple[str, ...]) -> TrainState:
-        """Load the DCP states among `names`; the saved TrainState, or a fresh one without it."""
+        """Load the DCP parts among `names`; the saved TrainState, or a fresh one without it."""
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         sd = self._dcp_state(tuple(n for n in names if n in DCP_STATES), TrainState())
-        if "scaler" in sd and not self.scaler.enabled:
-            sd.pop("scaler")  # an fp16 checkpoint resumed without fp16: nothing to restore
         error = None
         try:
-            if "model" in sd:
-                _check_model_fits(path, saved, sd["model"], "model.", self.pp_degree == 1)
-            if "scaler" in sd and not any(k.startswith("scaler.scaler.") for k in saved):
-                if self.rank == 0:
-                    logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
-                                   "starting from the configured init_scale", path)
-                sd.pop("scaler")
-            if "optimizer" in sd and not any(k.startswith("optimizer.") for k in saved):
-                raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
-                                      "checkpoint.exclude_from_loading to load it anyway")
+            for part in DCP_PARTS:
+                if part.name in sd and not part.loadable(self, path, saved, sd[part.name]):
+                    sd.pop(part.name)
         except CheckpointError as e:
             error = str(e)
         self._all_ok(error)
         try:
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
-            raise CheckpointError(f"could not load {path}: {_one_line(e)}") from None
-        if "model" in sd:
-            set_model_state_dict(self._model, sd["model"])
-        if "optimizer" in sd:
-            set_optimizer_state_dict(self._model, self.optimizers, sd["optimizer"], options=_OPTIM_OPTIONS)
-        if "lr_scheduler" in sd:
-            self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
-        if "scaler" in sd:
-            self.scaler.load_state_dict(sd["scaler"])
-        if "train_state" in sd:
-            return TrainState(int(sd["train_state"]["step"]), int(sd["train_state"]["tokens_seen"]))
-        return TrainState()
+            raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
+        self.train_state = TrainState()
+        for part in DCP_PARTS:
+            if part.name in sd:
+                part.put(self, sd[part.name])
+        return self.train_state
 
     def _load_export(self, path: Path) -> None:
         """A model-only export (full tensors, maybe another dtype) as starting weights."""
@@ -922,75 +720,15 @@ class CheckpointManager:
 
     def _load_rank_state(self, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
         @functools.cache
-        def rank_file(rank: int) -> dict[str, Any]:  # dataloader and RNG usually share one file
+        def rank_file(rank: int) -> dict[str, Any]:  # the parts usually share one file
             return torch.load(path / f"rank_{rank}.pt", weights_only=True)
 
         error = None
         try:
-            if "dataloader" in names:
-                if meta["dp_degree"] != self.dp_degree:
-                    raise CheckpointError(
-                        f"{path} was saved with data-parallel degree {meta['dp_degree']} but this run has "
-                        f"{self.dp_degree}: the data position cannot be resharded; add 'dataloader' to "
-                        "checkpoint.exclude_from_loading to restart the data stream"
-                    )
-                sources = [r for r, d in meta["rank_dp"] if d == self.dp_rank]
-                src = self.rank if self.rank in sources else sources[0]
-                self.dataloader.load_state_dict(rank_file(src)["dataloader"])
-            if "rng" in names:
-                if meta["world_size"] == self.world_size:
-                    _set_rng_state(rank_file(self.rank)["rng"], self.device)
-                elif self.rank == 0:
-                    logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d",
-                                   path, meta["world_size"], self.world_size)
+            for part in RANK_PARTS:
+                source = part.source_rank(self, path, meta) if part.name in names else None
+                if source is not None:
+                    part.put(self, rank_file(source)[part.name])
         except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
-            error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {_one_line(e)}"
+            error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"
         self._all_ok(error)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: python -m torchtitan_amp.checkpoint {list FOLDER | verify STEP_DIR | export STEP_DIR OUTPUT [DTYPE]}
-
-
-def _main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "list":
-        complete, problems = scan_folder(argv[1])
-        for step, info in sorted(complete.items()):
-            print(f"step-{step}\t{info.kind}\tworld_size {info.meta.get('world_size')}\t{info.meta.get('saved_at')}")
-        for line in problems:
-            print(line)
-        return 0
-    if len(argv) == 2 and argv[0] == "verify":
-        try:
-            info = inspect_checkpoint(argv[1])
-        except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        bad = verify_checksums(info.path, info.meta)
-        if bad:
-            print(f"error: {bad}", file=sys.stderr)
-            return 2
-        n = len(info.meta.get("crc32") or {})
-        print(f"{info.path}: complete, {len(info.meta['files'])} files"
-              + (f", {n} CRC-32s match" if n else " (saved without checksums: sizes checked)"))
-        return 0
-    if len(argv) in (3, 4) and argv[0] == "export":
-        dtype = argv[3] if len(argv) == 4 else "float32"
-        if dtype not in _DTYPES:
-            print(f"error: dtype must be one of {', '.join(_DTYPES)}", file=sys.stderr)
-            return 2
-        try:
-            print(export_checkpoint(argv[1], argv[2], dtype))
-        except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    print("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
-          "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
-          "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]",
-          file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

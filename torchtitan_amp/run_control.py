@@ -1,0 +1,64 @@
+"""Run control: pre-emption signals (SIGTERM / SIGUSR1 ask every rank to finish its step, save
+and exit 0) and fault injection for the restart tests. The collective timeouts that end a job
+whose rank died live with the process groups (distributed.set_timeouts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchtitan_amp.config import JobConfig
+
+
+_stop_signal: str | None = None
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    global _stop_signal
+    if _stop_signal is not None:
+        # A second signal: stop now (a half-written save stays a .tmp and is never loaded).
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _stop_signal = signal.Signals(signum).name
+    # Not logging here: the logging module's locks are not signal-safe.
+    sys.stderr.write(f"received {_stop_signal}: will save a checkpoint after this step and exit\n")
+
+
+def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+    """Call from the main thread of the entry point (train.py)."""
+    for sig in signals:
+        signal.signal(sig, _on_signal)
+
+
+def stop_requested() -> str | None:
+    """The name of the signal that asked this process to stop, if any."""
+    return _stop_signal
+
+
+# Fault injection (testing only)
+
+
+def maybe_inject_fault(config: JobConfig, step: int, rank: int) -> None:
+    """`training.fault_inject_at_step`: kill one rank hard after step N, once per dump folder.
+
+    The marker file makes it fire once, so a job restarted by `torchrun --max-restarts` (or a
+    requeued one) runs through; delete the marker to fire it again.
+    """
+    t = config.training
+    if not t.fault_inject_at_step or step != t.fault_inject_at_step or rank != t.fault_inject_rank:
+        return
+    marker = Path(config.job.dump_folder) / f".fault_injected_at_step_{step}"
+    if marker.exists():
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    with open(marker, "w") as fh:
+        fh.write(f"rank {rank} killed at step {step}\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    sys.stderr.write(f"fault injection: rank {rank} exits hard after step {step}\n")
+    sys.stderr.flush()
+    os._exit(1)
