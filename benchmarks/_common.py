@@ -16,8 +16,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,39 +114,6 @@ def run_jobs(script: Path, nproc: int, jobs: list[dict[str, Any]], out: Path, na
         tail = (out / f"{name}.log").read_text()[-4000:]
         raise RuntimeError(f"{script.name} worker ({nproc} processes) failed with exit code {rc}:\n{tail}")
     return json.loads(result.read_text())
-
-
-def train_in_turn(runs: list[tuple[Path, list[str]]],
-                  inspect: Callable[[Any], dict] | None = None) -> Iterator[tuple[int, float]]:
-    """Worker side of a launch that trains several configurations one after another (process
-    start-up paid once): for each (dump folder, overrides), a fresh Trainer and `train()`, exactly
-    what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
-    runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)
-    after training. Yields (index of the run, seconds it took) once every rank has finished it."""
-    import gc
-
-    import torch.distributed as dist
-
-    from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
-
-    rank = os.environ.get("RANK", "0")
-    for index, (folder, args) in enumerate(runs):
-        folder.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        try:
-            trainer = Trainer(load_config([*args, "--job.dump_folder", str(folder)]))
-            trainer.train()
-            if inspect is not None:
-                (folder / f"rank{rank}.json").write_text(json.dumps(inspect(trainer)))
-        except BaseException:
-            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-            raise
-        del trainer
-        gc.collect()
-        if dist.is_initialized():
-            dist.barrier()
-        yield index, time.perf_counter() - start
 
 
 def load_average() -> str:

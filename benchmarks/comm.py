@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _collectives as collectives  # noqa: E402
+from torchtitan_amp import traffic as collectives  # noqa: E402
 from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
                      use_model)
 
@@ -56,7 +56,7 @@ HOOK_STATES: list = []
 
 
 def install_counters() -> None:
-    """Count the collectives (benchmarks/_collectives.py, by op), make DDP's default all-reduce
+    """Count the collectives (torchtitan_amp/traffic.py, by op), make DDP's default all-reduce
     visible, and keep every compress-hook state installed so that its own byte count can be read."""
     from torchtitan_amp import parallelize
 

@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks._common import machine, torchrun, train_in_turn  # noqa: E402
+from benchmarks._common import machine, torchrun  # noqa: E402
+from torchtitan_amp.trainer import train_in_turn  # noqa: E402
 
 SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"

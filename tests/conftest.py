@@ -11,6 +11,7 @@ and keep models tiny: TINY below is the standard small run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -163,3 +164,76 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.dist)
         else:
             item.add_marker(pytest.mark.unit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances of the precision proofs (test_precision_dist, test_parallelisms). Measured on the
+# debug model, bf16 autocast / FSDP policy vs fp32; each says what it was measured at.
+
+# Whole 30-step curve vs the fp32 single-process curve: measured max 0.0029 (test_precision_dist).
+CURVE_TOL = 0.01
+# Mean over the curve vs fp32: a systematic bias (e.g. a low-precision loss) would show here;
+# measured <= 3e-4.
+CURVE_MEAN_TOL = 2e-3
+# Step 1 vs fp32: measured 3.4e-4 / 5.3e-4; must be non-zero, or bf16 never ran.
+STEP1_TOL, STEP1_MIN = 2e-3, 1e-5
+# Step 1 between two mixed-precision paths of one family: measured 5e-7.
+SAME_FAMILY_STEP1_TOL = 1e-5
+# TP and PP split the same bf16 matmuls differently (row-wise TP rounds two partial sums and their
+# sum instead of one product; the split shapes and PP's microbatches of 1 take other GEMM
+# blockings), so their step-1 loss rounds differently from the unsplit run's. Bound in units of the
+# loss's bf16 rounding noise `bf16_rounding_sigma` (~1.8e-4 for these models): if the two runs
+# rounded every linear output independently their step-1 losses would differ by N(0, 2 sigma^2);
+# a split changes a subset of those roundings, so |delta| < 3 sigma unless a layout rounds more
+# than bf16 does. Measured: TP 7.1e-5 = 0.4 sigma, PP 2.5e-5, on a CPU with native bf16; TP
+# 2.3e-4 = 1.25 sigma under AVX2 emulation, where fixed bounds tuned on the first kind (2e-4,
+# 1e-4) failed.
+SPLIT_MATMUL_STEP1_SIGMAS = 3.0
+# Whole curve, fp32 single process vs fp32 DDP (same micro-batch grouping per rank): measured 4.8e-7
+# (loss), 2.3e-7 relative (grad norm).
+FP32_CURVE_TOL = 1e-5
+# Grad norm vs the fp32 curve, relative: measured max 1.55e-2 over 30 steps (bf16 rounding of the
+# gradients), <= 5.5e-4 at step 1. A gradient off by a constant factor (a sum over ranks instead
+# of a mean, a missing 1/accum) is off by 100% here, while AdamW, being scale invariant, leaves the
+# loss curve within its tolerances.
+GRAD_NORM_CURVE_RTOL = 0.05
+GRAD_NORM_STEP1_RTOL = 5e-3
+
+
+@functools.cache
+def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, n_layers: int | None = None) -> float:
+    """Standard deviation of the step-1 loss if every linear output of the debug model (config
+    `overrides`, optionally cut to `n_layers`) on the first `batch` sequences of its data were
+    rounded once to bf16, to first order: round-to-nearest moves y by at most u|y| (u = 2**-8),
+    uniformly, so by u|y|/sqrt(3) rms; independent errors move the loss by
+    sqrt(sum((dL/dy * y)**2)) * u / sqrt(3). Computed in fp64 from the fp32 model, so it is a
+    property of the arithmetic, not of this CPU's kernels."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from torchtitan_amp import job as job_mod
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.data import build_dataloader
+    from torchtitan_amp.trainer import loss_fn
+
+    job = job_mod.resolve(load_config(["--model.flavor", "debugmodel", *overrides,
+                                       "--mixed_precision.enabled", "false"]), 1, "cpu")
+    if n_layers is not None:
+        job = dataclasses.replace(job, model_args=dataclasses.replace(job.model_args, n_layers=n_layers))
+    t = job.config.training
+    model = job_mod.build_model_parts(job, torch.device("cpu"), [0]).parts[0]
+    inputs, labels = next(iter(build_dataloader(t.dataset, job.tokenizer, t.seq_len, batch, 0, 1, t.seed)))
+    outputs: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.retain_grad()
+        outputs.append(out)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(keep)
+    loss_fn(model(inputs), labels).backward()
+    total = sum(float((y.grad.double() * y.detach().double()).pow(2).sum()) for y in outputs)
+    return 2.0**-8 / math.sqrt(3) * math.sqrt(total)

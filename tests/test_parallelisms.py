@@ -18,14 +18,13 @@ measured (pytest -s shows it):
   (|delta| max 2.5e-3 < CURVE_TOL, mean 5e-4 < CURVE_MEAN_TOL); step 1 differs from fp32 by
   1.5e-4..8.3e-4 (bf16 ran) and from the same path's single layout by <= 5e-7 (with TP 7e-5 on a
   CPU with native bf16, 2.3e-4 under AVX2 emulation: TP rounds in other places, bounded by
-  TP_SAME_FAMILY_STEP1_SIGMAS).
+  SPLIT_MATMUL_STEP1_SIGMAS in conftest).
 - AC (full, selective 2, op) and compile: bit-identical losses to the same run without AC;
   compiled blocks under bf16 autocast match eager bf16 to 7.3e-5 relative.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -37,8 +36,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import WORKERS, run_command
-from tests.test_precision_dist import CURVE_MEAN_TOL, CURVE_TOL, SAME_FAMILY_STEP1_TOL, STEP1_MIN, STEP1_TOL
+from tests.conftest import (
+    CURVE_MEAN_TOL,
+    CURVE_TOL,
+    SAME_FAMILY_STEP1_TOL,
+    SPLIT_MATMUL_STEP1_SIGMAS,
+    STEP1_MIN,
+    STEP1_TOL,
+    WORKERS,
+    run_command,
+)
+from tests.conftest import bf16_rounding_sigma as rounding_sigma
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -56,16 +64,6 @@ PRECISIONS = {
 
 # The issue's bound for fp32 layouts (relative, loss and grad norm, every step).
 FP32_REL_TOL = 1e-4
-# Step 1 of a bf16 TP layout vs the same path without TP, in units of the loss's bf16 rounding noise
-# `bf16_rounding_sigma()` (1.8e-4 for this model and batch). TP changes where the forward rounds to
-# bf16: row-wise layers round two partial sums and their sum instead of one product, and the split
-# shapes take other GEMM blockings. If the two runs rounded every linear output independently their
-# step-1 losses would differ by N(0, 2 sigma^2); TP changes a subset of those roundings, so
-# |delta| < 3 sigma (5.5e-4) unless a layout rounds more than bf16 does. Measured: 7.1e-5 = 0.4 sigma
-# (autocast) and 1.6e-5 (FSDP) on a CPU with native bf16; 2.3e-4 = 1.25 sigma with AVX2 emulation,
-# where a fixed 2e-4 tuned on the first kind failed. The bf16 run still differs from fp32 (STEP1_MIN)
-# and the dtype probes in test_precision_dist prove TP computes in bf16.
-TP_SAME_FAMILY_STEP1_SIGMAS = 3.0
 # AC recomputes with the same kernels: measured bit-identical.
 AC_REL_TOL = 1e-6
 # Compiled vs eager blocks under bf16 autocast, 3 steps: measured 7.3e-5 (inductor fuses and
@@ -227,34 +225,9 @@ def run_of(trained: Launches, name: str, precision: str) -> Run:
     return trained.run(f"{name}_{precision}", nproc)
 
 
-@functools.cache
 def bf16_rounding_sigma() -> float:
-    """Standard deviation of the step-1 loss if every linear output of BASE's model on its first
-    batch were rounded once to bf16, to first order: round-to-nearest moves y by at most u|y|
-    (u = 2**-8), uniformly, so by u|y|/sqrt(3) rms; independent errors move the loss by
-    sqrt(sum((dL/dy * y)**2)) * u / sqrt(3). Computed in fp64 from the fp32 model, so it is a
-    property of the arithmetic, not of this CPU's kernels."""
-    from torchtitan_amp.config import load_config
-    from torchtitan_amp.data import build_dataloader
-    from torchtitan_amp.job import build_model_parts, resolve
-    from torchtitan_amp.trainer import loss_fn
-
-    job = resolve(load_config([*BASE, *PRECISIONS["fp32"]]), 1, "cpu")
-    t = job.config.training
-    model = build_model_parts(job, torch.device("cpu"), [0]).parts[0]
-    inputs, labels = next(iter(build_dataloader(t.dataset, job.tokenizer, t.seq_len, GLOBAL_BATCH, 0, 1, t.seed)))
-    outputs: list[torch.Tensor] = []
-
-    def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-        out.retain_grad()
-        outputs.append(out)
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(keep)
-    loss_fn(model(inputs), labels).backward()
-    total = sum(float((y.grad.double() * y.detach().double()).pow(2).sum()) for y in outputs)
-    return 2.0**-8 / math.sqrt(3) * math.sqrt(total)
+    """The loss's bf16 rounding noise for BASE's model and batch (conftest.bf16_rounding_sigma)."""
+    return rounding_sigma(tuple(BASE), GLOBAL_BATCH)
 
 
 def test_bf16_rounding_sigma_is_the_scale_of_bf16_noise() -> None:
@@ -332,7 +305,7 @@ def test_bf16_loss_within_precision_tolerance(trained: Launches, name: str) -> N
     assert max(map(abs, deltas)) < CURVE_TOL, deltas
     assert abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
     assert STEP1_MIN < abs(deltas[0]) < STEP1_TOL, deltas[0]  # bf16 really ran
-    tolerance = TP_SAME_FAMILY_STEP1_SIGMAS * bf16_rounding_sigma() if layout.tp else SAME_FAMILY_STEP1_TOL
+    tolerance = SPLIT_MATMUL_STEP1_SIGMAS * bf16_rounding_sigma() if layout.tp else SAME_FAMILY_STEP1_TOL
     assert same_path < tolerance, (run.losses, family, tolerance)
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
+import os
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import distributed, profiling
 from torchtitan_amp.checkpoint import CheckpointManager
-from torchtitan_amp.config import JobConfig, to_toml
+from torchtitan_amp.config import JobConfig, load_config, to_toml
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
@@ -263,3 +267,29 @@ class Trainer:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
                                  f"training.max_norm > 0, or training.skip_nonfinite_steps = true")
         self.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
+
+
+def train_in_turn(runs: list[tuple[Path, list[str]]],
+                  inspect: Callable[[Trainer], dict] | None = None) -> Iterator[tuple[int, float]]:
+    """Several jobs in one launch (tests, numerics_matrix): train configurations one after another
+    (process start-up paid once): for each (dump folder, overrides), a fresh Trainer and `train()`, exactly
+    what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
+    runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)
+    after training. Yields (index of the run, seconds it took) once every rank has finished it."""
+    rank = os.environ.get("RANK", "0")
+    for index, (folder, args) in enumerate(runs):
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            trainer = Trainer(load_config([*args, "--job.dump_folder", str(folder)]))
+            trainer.train()
+            if inspect is not None:
+                (folder / f"rank{rank}.json").write_text(json.dumps(inspect(trainer)))
+        except BaseException:
+            (folder / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+            raise
+        del trainer
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
+        yield index, time.perf_counter() - start

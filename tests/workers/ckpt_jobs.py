@@ -31,13 +31,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchtitan_amp import checkpoint, run_control  # noqa: E402
-from torchtitan_amp import trainer as trainer_module  # noqa: E402
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.parallelize import parallel_context  # noqa: E402
-from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
+from torchtitan_amp import checkpoint, run_control
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.config import load_config
+from torchtitan_amp.parallelize import parallel_context
+from torchtitan_amp.trainer import Trainer, loss_fn
 
 
 def _rank() -> int:

@@ -5,7 +5,7 @@ Usage: torchrun --nproc_per_node N dry_run_worker.py OUT.json JOBS.json, where J
 runs one train step (warm-up: lazy init, pipeline shape inference), then counts one more step:
 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
-- bytes of every collective it issues, by category and dtype (benchmarks/_collectives.py: the
+- bytes of every collective it issues, by category and dtype (torchtitan_amp/traffic.py: the
   torch.distributed, point-to-point and functional-collective entry points, and torch's
   `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too).
 
@@ -27,12 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks import _collectives as collectives  # noqa: E402
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp import trainer as trainer_module  # noqa: E402
-from torchtitan_amp.trainer import Trainer  # noqa: E402
+from torchtitan_amp.config import load_config
+from torchtitan_amp import traffic as collectives
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.trainer import Trainer
 
 _state = threading.local()
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim

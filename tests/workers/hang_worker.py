@@ -8,13 +8,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from torchtitan_amp import distributed  # noqa: E402
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.trainer import Trainer  # noqa: E402
+from torchtitan_amp import distributed
+from torchtitan_amp.config import load_config
+from torchtitan_amp.trainer import Trainer
 
 HANG_AT_STEP = 3
 

@@ -4,7 +4,7 @@
 
 SPEC.json is {"out": DIR, "runs": [{"name": NAME, "args": [--section.key, value, ...]}, ...]}.
 Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
-`train()`, exactly what train.py does (benchmarks/_common.train_in_turn, shared with
+`train()`, exactly what train.py does (torchtitan_amp.trainer.train_in_turn, shared with
 scripts/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
 mesh coordinates, data-parallel rank and what AC / compile wrapped; rank 0's metrics.jsonl and
@@ -23,9 +23,8 @@ from pathlib import Path
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from benchmarks._common import train_in_turn
 from torchtitan_amp import distributed
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.trainer import Trainer, train_in_turn
 
 
 def _rank_info(trainer: Trainer) -> dict:

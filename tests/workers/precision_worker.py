@@ -53,14 +53,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from torchtitan_amp import trainer as trainer_mod  # noqa: E402
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.models import llama  # noqa: E402
-from torchtitan_amp.precision import CompressHookState, PrecisionPlan  # noqa: E402
-from torchtitan_amp.trainer import Trainer, clip_grad_norm_  # noqa: E402
+from torchtitan_amp import trainer as trainer_mod
+from torchtitan_amp.config import load_config
+from torchtitan_amp.models import llama
+from torchtitan_amp.precision import CompressHookState, PrecisionPlan
+from torchtitan_amp.trainer import Trainer, clip_grad_norm_
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
 # (local batch 2, with 4 / 2 / 1 accumulation micro-batches) see exactly the same 8 sequences per

@@ -11,27 +11,26 @@ Pre-emption signals and fault injection are run control (torchtitan_amp/run_cont
 docs/checkpointing.md.
 """
 
-from torchtitan_amp.checkpoint.format import (
-    EXPORT_FILE,
-    FORMAT_VERSION,
-    KINDS,
-    MARKER,
-    CheckpointInfo,
-    export_checkpoint,
-    inspect_checkpoint,
-    scan_folder,
-)
-from torchtitan_amp.checkpoint.integrity import file_crc32, verify_checksums
-from torchtitan_amp.checkpoint.manager import (
-    PARTS,
-    STATE_NAMES,
-    CheckpointManager,
-    StatePart,
-    TrainState,
-    validate_config,
-)
-from torchtitan_amp.errors import CheckpointError
+import importlib
+from typing import Any
 
-__all__ = ["EXPORT_FILE", "FORMAT_VERSION", "KINDS", "MARKER", "PARTS", "STATE_NAMES", "CheckpointError",
-           "CheckpointInfo", "CheckpointManager", "StatePart", "TrainState", "export_checkpoint", "file_crc32",
-           "inspect_checkpoint", "scan_folder", "validate_config", "verify_checksums"]
+# Resolved on first use (PEP 562), so that `python -m torchtitan_amp.checkpoint` can check the
+# environment (an old torch, no torchdata) before anything imports torch.
+_EXPORTS = {
+    "format": ("EXPORT_FILE", "FORMAT_VERSION", "KINDS", "MARKER", "CheckpointInfo", "export_checkpoint",
+               "inspect_checkpoint", "scan_folder"),
+    "integrity": ("file_crc32", "verify_checksums"),
+    "manager": ("PARTS", "STATE_NAMES", "CheckpointManager", "StatePart", "TrainState", "validate_config"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted([*_HOME, "CheckpointError"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointError":
+        from torchtitan_amp.errors import CheckpointError
+
+        return CheckpointError
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

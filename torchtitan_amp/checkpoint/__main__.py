@@ -1,11 +1,9 @@
-"""`python -m torchtitan_amp.checkpoint ...`: an old torch is one line, before torch is imported."""
-
-import sys
+"""`python -m torchtitan_amp.checkpoint ...`: the environment is checked before torch is imported."""
 
 from torchtitan_amp.environment import require
 
 require()
 
-from torchtitan_amp.checkpoint.cli import main  # noqa: E402
+from torchtitan_amp.checkpoint.cli import cli  # noqa: E402
 
-sys.exit(main(sys.argv[1:]))
+cli()

@@ -47,3 +47,11 @@ def main(argv: list[str]) -> int:
           "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]",
           file=sys.stderr)
     return 2
+
+
+def cli() -> None:
+    """Console entry point (`torchtitan-amp-checkpoint`)."""
+    from torchtitan_amp.environment import require
+
+    require()
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """Count the bytes torch.distributed collectives move, by category and dtype.
 
 One implementation for benchmarks/comm.py (traffic per training step) and
-tests/workers/dry_run_worker.py (the real runs the dry run must predict exactly). `install()`
+tests/workers/dry_run_worker.py (the real runs the dry run must predict exactly); a user can
+count a job's traffic the same way. `install()`
 wraps, once per process, the Python entry points the collectives go through:
 
 - torch.distributed's all_gather_single / all_gather_into_tensor / reduce_scatter_single /

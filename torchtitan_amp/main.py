@@ -1,0 +1,98 @@
+"""The training entry point behind `train.py`, the `torchtitan-amp-train` command and
+`python -m torchtitan_amp`: `torchrun ... train.py --job.config_file FILE [--section.key VALUE ...]`.
+
+Exit codes (torchtitan_amp/errors.py): 0 done (or --help), 2 bad config, data, checkpoint or
+environment (one `error: ...` line on stderr, raised before any process group or model exists
+where the check needs none), 1 a diverged run (non-finite loss), anything else is a crash with
+its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchtitan_amp.config import JobConfig
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK")
+    tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+
+
+def _fail(error: Exception, code: int = 2) -> int:
+    # One line whatever the message holds, so launchers and logs show it whole.
+    print("error: " + " ".join(str(error).splitlines()), file=sys.stderr)
+    return code
+
+
+def _parse(argv: list[str]) -> "JobConfig | int":
+    """The resolved config, or an exit code: 0 after --help, 2 after a one-line error.
+    Imports no torch, so a mistyped override fails in a fraction of a second."""
+    from torchtitan_amp.config import ConfigError, help_text, load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        return _fail(e)
+
+
+def check_config(argv: list[str]) -> int:
+    """What run_llama_train.sh calls before starting torchrun. Checks that need the world size
+    run later, in Trainer."""
+    parsed = _parse(argv)
+    return parsed if isinstance(parsed, int) else 0
+
+
+def main(argv: list[str]) -> int:
+    config = _parse(argv)
+    if isinstance(config, int):
+        return config
+    from torchtitan_amp.environment import require, separate_inductor_cache
+    from torchtitan_amp.errors import NonFiniteError, UserError
+
+    require()  # an old torch or a missing torchdata: one line with the install command, exit 2
+    separate_inductor_cache()
+    _setup_logging()
+    if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
+        # Plan without hardware: one process, fake process group, meta model, no training.
+        from torchtitan_amp import dry_run
+
+        try:
+            return dry_run.main(config)
+        except ValueError as e:  # UserError, or a shape no layout accepts
+            return _fail(e)
+    from torchtitan_amp import distributed
+    from torchtitan_amp.run_control import install_preemption_handlers
+    from torchtitan_amp.trainer import Trainer
+
+    # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
+    install_preemption_handlers()
+    try:
+        Trainer(config).train()
+    except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/errors.py
+        return _fail(e, e.exit_code)
+    finally:
+        distributed.shutdown()
+    return 0
+
+
+def cli() -> None:
+    """Console entry point: run main, then leave without interpreter finalization."""
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: everything is closed by now (process group destroyed,
+    # metrics and checkpoints flushed), and gloo's worker threads can still abort a finishing
+    # process there ("terminate called without an active exception", seen ~1 in 40 launches here;
+    # the failure mode of pytorch/pytorch#179291), turning a finished run into exit code -6.
+    os._exit(code)
