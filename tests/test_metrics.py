@@ -107,10 +107,11 @@ def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low
     from torchtitan_amp.trainer import Trainer
 
     monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: 1e3)
-    trainer = Trainer(load_config([*TINY, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
-                                   "--training.seq_len", "16", "--no-mixed_precision.enabled"]))
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
+        trainer = Trainer(load_config([*TINY, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
+                                       "--training.seq_len", "16", "--no-mixed_precision.enabled"]))
         trainer.train()
+    assert "mfu is relative to 1e-09 TFLOP/s (best measured float32 matmul on this CPU)" in caplog.messages
     mfus = [r["mfu"] for r in read_jsonl(tmp_path)]
     assert len(mfus) == 3 and all(0 < m <= 100.0 for m in mfus), mfus
     assert trainer.metrics.peak_flops > 1e9  # the fresh measurement replaced the bad one

@@ -117,6 +117,8 @@ class Trainer:
             remeasure_peak=(partial(remeasure_cpu_peak, self.plan.compute_dtypes)
                             if self.device.type == "cpu" else None),
         )
+        if self.is_logging_rank:
+            logger.info("mfu is relative to %s", self.metrics.describe_peak())
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_skipped = 0
