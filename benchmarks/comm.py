@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torchtitan_amp import traffic as collectives  # noqa: E402
 from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
                      use_model)
+
+from torchtitan_amp import traffic as collectives  # noqa: E402  (the repo is on sys.path via _common)
 
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]

@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CPU_MODELS, emit, header, load_average, md_table, num_params  # noqa: E402
 
 import estimate_memory  # noqa: E402  (scripts/, put on sys.path by _common)

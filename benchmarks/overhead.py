@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, use_model  # noqa: E402
 
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import CPU_MODELS, header, md_table, use_model  # noqa: E402
 

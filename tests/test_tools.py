@@ -308,8 +308,17 @@ def test_reduce_precision_emulation() -> None:
 
 @pytest.mark.parametrize("script", ["precision_speed.py", "overhead.py", "comm.py", "memory_peak.py", "gpu_mfu.py",
                                     "reduce_precision.py"])
-def test_benchmark_help(script: str) -> None:
-    r = run_python(str(BENCH / script), "--help", timeout=120)
+def test_benchmark_help(script: str, tmp_path: Path) -> None:
+    # As a user runs it: from anywhere, the repo neither installed nor on PYTHONPATH.
+    r = run_python(str(BENCH / script), "--help", timeout=120, env={"PYTHONPATH": ""}, cwd=tmp_path)
     assert r.returncode == 0 and "usage:" in r.stdout, r.describe()
     first = r.stdout.split("\n\n")[1] if "\n\n" in r.stdout else ""
     assert len(first) > 20, r.stdout
+
+
+@pytest.mark.parametrize("script", ["plan_layout.py", "estimate_memory.py", "loss_compare.py", "numerics_matrix.py",
+                                    "gpu_checks.py", "../train.py"])
+def test_tools_run_from_a_checkout_without_install(script: str, tmp_path: Path) -> None:
+    """`python scripts/X.py --help` from anywhere, the repo neither installed nor on PYTHONPATH."""
+    r = run_python(str(SCRIPTS / script), "--help", timeout=120, env={"PYTHONPATH": ""}, cwd=tmp_path)
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.describe()

@@ -178,10 +178,7 @@ PARTS: tuple[StatePart, ...] = (
     StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
               source_rank=_rng_source),
 )
-DCP_PARTS = tuple(p for p in PARTS if p.in_dcp)
-RANK_PARTS = tuple(p for p in PARTS if not p.in_dcp)
 STATE_NAMES = tuple(p.name for p in PARTS)
-DCP_STATES = tuple(p.name for p in DCP_PARTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,11 +187,12 @@ DCP_STATES = tuple(p.name for p in DCP_PARTS)
 
 def validate_config(config: JobConfig, world_size: int, device_type: str) -> None:
     c = config.checkpoint
-    unknown = [n for n in c.exclude_from_loading if n not in STATE_NAMES]
+    names = [p.name for p in PARTS]  # read at call time: a part added to PARTS counts at once
+    unknown = [n for n in c.exclude_from_loading if n not in names]
     if unknown:
         raise ConfigError(
             f"'checkpoint.exclude_from_loading' has unknown state {unknown[0]!r}; "
-            f"choose from: {', '.join(STATE_NAMES)}"
+            f"choose from: {', '.join(names)}"
         )
     if c.async_mode == "async_with_pinned_mem" and device_type != "cuda":
         raise ConfigError(
@@ -281,6 +279,9 @@ class CheckpointManager:
         self.dp_degree = getattr(dataloader, "dp_world_size", 1)
         self.last_saved_step = -1
         self.train_state = TrainState()  # what PARTS' train_state entry saves and restores
+        self.parts = PARTS  # read once: the table in force when the run started
+        self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)
+        self.rank_parts = tuple(p for p in PARTS if not p.in_dcp)
         self._pending: _PendingSave | None = None
         self._async_pg = None
         if not self.enabled:
@@ -341,11 +342,11 @@ class CheckpointManager:
     def _dcp_state(self, names: tuple[str, ...], train_state: TrainState) -> dict[str, Any]:
         """The DCP parts among `names`, as state dicts (also the templates DCP loads into)."""
         self.train_state = train_state
-        return {p.name: p.get(self) for p in DCP_PARTS if p.name in names}
+        return {p.name: p.get(self) for p in self.dcp_parts if p.name in names}
 
     def _rank_state(self) -> dict[str, Any]:
         return {"rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
-                "world_size": self.world_size, **{p.name: p.get(self) for p in RANK_PARTS}}
+                "world_size": self.world_size, **{p.name: p.get(self) for p in self.rank_parts}}
 
     # -----------------------------------------------------------------------------------------
     # Saving
@@ -377,7 +378,7 @@ class CheckpointManager:
             self._write_export(tmp)
             self._commit(state, tmp, final, kind, begin)
             return
-        names = ("model",) if kind == "seed" else DCP_STATES
+        names = ("model",) if kind == "seed" else tuple(p.name for p in self.dcp_parts)
         sd = self._dcp_state(names, state)
         error = None
         if kind == "full":
@@ -586,7 +587,8 @@ class CheckpointManager:
             return None
         path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
         begin = time.monotonic()
-        names = tuple(n for n in (("model",) if initial or kind != "full" else STATE_NAMES)
+        every = tuple(p.name for p in self.parts)
+        names = tuple(n for n in (("model",) if initial or kind != "full" else every)
                       if n not in c.exclude_from_loading)
         state = TrainState()
         if kind == "model_only":
@@ -596,7 +598,7 @@ class CheckpointManager:
         if kind == "full":
             self._load_rank_state(path, meta, names)
         if self.rank == 0:
-            skipped = [n for n in STATE_NAMES if n not in names]
+            skipped = [n for n in every if n not in names]
             logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
                         time.monotonic() - begin, state.step,
                         f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
@@ -681,10 +683,10 @@ class CheckpointManager:
     def _load_dcp(self, path: Path, names: tuple[str, ...]) -> TrainState:
         """Load the DCP parts among `names`; the saved TrainState, or a fresh one without it."""
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        sd = self._dcp_state(tuple(n for n in names if n in DCP_STATES), TrainState())
+        sd = self._dcp_state(names, TrainState())
         error = None
         try:
-            for part in DCP_PARTS:
+            for part in self.dcp_parts:
                 if part.name in sd and not part.loadable(self, path, saved, sd[part.name]):
                     sd.pop(part.name)
         except CheckpointError as e:
@@ -696,7 +698,7 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
             raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
         self.train_state = TrainState()
-        for part in DCP_PARTS:
+        for part in self.dcp_parts:
             if part.name in sd:
                 part.put(self, sd[part.name])
         return self.train_state
@@ -725,7 +727,7 @@ class CheckpointManager:
 
         error = None
         try:
-            for part in RANK_PARTS:
+            for part in self.rank_parts:
                 source = part.source_rank(self, path, meta) if part.name in names else None
                 if source is not None:
                     part.put(self, rank_file(source)[part.name])
