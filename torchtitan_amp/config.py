@@ -211,7 +211,7 @@ class MixedPrecision:
         "auto",
         "Train in mixed precision (false: fp32 everywhere). 'auto': yes on GPUs and on CPUs whose "
         "param_dtype matmul is native (measured at start-up), fp32 where the CPU emulates it "
-        "(~50x slower); the start-up log and precision_report.json say what was decided.",
+        "(30-60x slower); the start-up log and precision_report.json say what was decided.",
     )
     param_dtype: DtypeName = _f("bfloat16", "Compute dtype of lower-precision-safe modules.")
     reduce_dtype: DtypeName = _f("float32", "Dtype of gradients on the wire.")
