@@ -185,9 +185,9 @@ SAME_FAMILY_STEP1_TOL = 1e-5
 # loss's bf16 rounding noise `bf16_rounding_sigma` (~1.8e-4 for these models): if the two runs
 # rounded every linear output independently their step-1 losses would differ by N(0, 2 sigma^2);
 # a split changes a subset of those roundings, so |delta| < 3 sigma unless a layout rounds more
-# than bf16 does. Measured: TP 7.1e-5 = 0.4 sigma, PP 2.5e-5, on a CPU with native bf16; TP
-# 2.3e-4 = 1.25 sigma under AVX2 emulation, where fixed bounds tuned on the first kind (2e-4,
-# 1e-4) failed.
+# than bf16 does. Measured (native bf16 / AVX2 emulation): test_parallelisms' TP 7.1e-5 (0.4 sigma)
+# / 2.3e-4 (1.25 sigma), where the fixed 2e-4 tuned on the native kind failed; test_precision_dist's
+# TP 2.5e-5 / 8.0e-5 (0.5 sigma), PP 0 / 4.8e-7.
 SPLIT_MATMUL_STEP1_SIGMAS = 3.0
 # Whole curve, fp32 single process vs fp32 DDP (same micro-batch grouping per rank): measured 4.8e-7
 # (loss), 2.3e-7 relative (grad norm).

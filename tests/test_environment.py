@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 from torchtitan_amp import environment
 
 
@@ -74,3 +74,12 @@ def test_train_py_says_what_to_install_in_one_line(tmp_path: Path, kind: str, ex
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), result.describe()
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_checkpoint_cli_checks_the_environment_before_importing_torch(tmp_path: Path) -> None:
+    env = _fake_site(tmp_path, torch_version="2.1.0")
+    env["PYTHONPATH"] += os.pathsep + str(REPO)
+    result = run_python("-m", "torchtitan_amp.checkpoint", "list", str(tmp_path), env=env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.describe()
+    assert lines[0].startswith("error: torch 2.1.0 is older than the supported 2.13")

@@ -65,7 +65,7 @@ def test_cpu_peak_is_the_fastest_dtype_the_step_computes_in(monkeypatch: pytest.
     monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: rates[dtype])
     assert peak_flops(CPU, [torch.float32, torch.bfloat16]) == 75e9
     assert peak_flops(CPU, [torch.bfloat16]) == 1.3e9
-    assert metrics.describe_peak(CPU, [torch.float32, torch.bfloat16]) == "best measured bfloat16/float32 matmul on this CPU"
+    assert metrics.peak_label(CPU, [torch.float32, torch.bfloat16]) == "best measured bfloat16/float32 matmul on this CPU"
 
 
 def test_mfu_never_exceeds_100_percent_with_a_low_first_peak(

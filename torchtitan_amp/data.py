@@ -4,17 +4,14 @@ import array
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_amp.errors import DataError
-
-if TYPE_CHECKING:
-    # Only for annotations: tokenizer.py imports DataError from here.
-    from torchtitan_amp.tokenizer import Tokenizer
+from torchtitan_amp.tokenizer import Tokenizer
 
 _TEXT_SUFFIXES = (".txt", ".md")
 _JSONL_SUFFIX = ".jsonl"
@@ -86,7 +83,7 @@ def load_texts(dataset: str) -> list[tuple[str, str]]:
     return docs
 
 
-def tokenize_corpus(docs: Iterable[tuple[str, str]], tokenizer: "Tokenizer") -> torch.Tensor:
+def tokenize_corpus(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer) -> torch.Tensor:
     """Concatenates BOS + text + EOS of every document into one int32 tensor.
 
     int32 halves the memory of the long-lived corpus; windows are widened to int64 when sliced.
@@ -102,7 +99,7 @@ def tokenize_corpus(docs: Iterable[tuple[str, str]], tokenizer: "Tokenizer") -> 
 _CORPUS_CACHE: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def _corpus_tokens(dataset: str, tokenizer: "Tokenizer") -> torch.Tensor:
+def _corpus_tokens(dataset: str, tokenizer: Tokenizer) -> torch.Tensor:
     # A tokenizer without a cache_key (e.g. a test double) cannot be told apart from a
     # differently configured one of the same type, so it is never cached.
     cache_key = getattr(tokenizer, "cache_key", None)
@@ -245,7 +242,7 @@ class ParallelAwareDataLoader(StatefulDataLoader):
 
 def build_dataloader(
     dataset: str,
-    tokenizer: "Tokenizer",
+    tokenizer: Tokenizer,
     seq_len: int,
     local_batch_size: int,
     dp_rank: int,

@@ -39,8 +39,3 @@ class NonFiniteError(RuntimeError):
     """Loss or gradient norm became inf/nan outside fp16 loss scaling."""
 
     exit_code = 1
-
-
-def exit_code(error: BaseException) -> int:
-    """The process exit code for an error train.py or a tool caught (1 for anything unexpected)."""
-    return getattr(error, "exit_code", 1)

@@ -7,7 +7,6 @@ and the tools call these two, so a dry run cannot drift from a real run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.parallelize import parallelize_llama, validate_layout
 from torchtitan_amp.pipeline import stage_module
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.tokenizer import build_tokenizer
+from torchtitan_amp.tokenizer import Tokenizer, build_tokenizer
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
 # parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
@@ -51,7 +50,7 @@ class Job:
     dims: ParallelDims
     accum: int  # gradient-accumulation steps per optimizer step
     plan: PrecisionPlan
-    tokenizer: Any  # None in a dry run given dry_run.vocab_size
+    tokenizer: Tokenizer | None  # None in a dry run given dry_run.vocab_size
     model_args: LlamaModelArgs
     boundaries: tuple[int, ...]  # first layer of each pipeline stage; (0,) without PP
     n_microbatches: int  # pipeline microbatches per local batch; 1 without PP

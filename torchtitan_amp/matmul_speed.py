@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_amp.config import ConfigError
-from torchtitan_amp.rules import SHORT
+from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.rules import dtype_name, short_name
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -149,11 +149,6 @@ def single_thread_rates(dtype: torch.dtype) -> tuple[float, float]:
     return flops / best[1], flops / best[0]
 
 
-def _short(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    return SHORT.get(name, name)
-
-
 @dataclass(frozen=True)
 class LowPrecisionSpeed:
     """How a low-precision matmul compares with fp32 on this device: the fact behind
@@ -176,9 +171,9 @@ class LowPrecisionSpeed:
 
     def describe(self) -> str:
         """One clause for log lines: what was measured and what it means."""
-        what = f"{_short(self.dtype)} matmul on this {self.device_type.upper()} ({self.capability})"
+        what = f"{short_name(self.dtype)} matmul on this {self.device_type.upper()} ({self.capability})"
         if self.source == "assumed":
-            return f"{_short(self.dtype)} matmul on {self.device_type} is native"
+            return f"{short_name(self.dtype)} matmul on {self.device_type} is native"
         if self.source == "env":
             return f"{what} is {'native' if self.native else 'emulated'} ({LOWP_ENV} says so)"
         speed = f"{self.gflops:.1f} vs {self.fp32_gflops:.1f} GFLOP/s in fp32"
@@ -188,7 +183,7 @@ class LowPrecisionSpeed:
 
     def to_dict(self) -> dict[str, object]:
         return {"device_type": self.device_type, "capability": self.capability,
-                "dtype": str(self.dtype).removeprefix("torch."), "native": self.native,
+                "dtype": dtype_name(self.dtype), "native": self.native,
                 "source": self.source, "gflops": self.gflops, "fp32_gflops": self.fp32_gflops}
 
 

@@ -24,13 +24,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_amp.rules import (DTYPE_BYTES, SHORT, STAGES_PER_RANK, reshard_after_forward, stage_ids,
-                                  stage_layer_ranges)
+# DTYPE_BYTES, SHORT, STAGES_PER_RANK and stage_layer_ranges are also used as memory.X by callers.
+from torchtitan_amp.rules import (DTYPE_BYTES, SHORT, STAGES_PER_RANK, reshard_after_forward,  # noqa: F401
+                                  stage_ids, stage_layer_ranges)
 
-__all__ = ["DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "stage_layer_ranges"]  # re-exported rules
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
 ADAMW_STEP_BYTES = 4
-# Schedules that place more than one stage on a rank (torchtitan_amp.pipeline agrees).
 
 ByDtype = dict[str, int]
 
@@ -406,7 +405,8 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
                                 reshard_after_forward(policy, j == len(layers) - 1, pp), "block"))
     root = [s for s in rest if s.block is None]
     if root:
-        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce, reshard_after_forward(policy, True, pp), "root"))
+        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce,
+                                reshard_after_forward(policy, True, pp), "root"))
     return groups
 
 

@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Callable, Iterable
 import torch
 
 from torchtitan_amp.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
+from torchtitan_amp.rules import dtype_name
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -42,10 +43,11 @@ def peak_flops(device: torch.device, dtypes: Iterable[torch.dtype]) -> float:
     raise ValueError(f"peak_flops: unsupported device type {device.type!r}")
 
 
-def describe_peak(device: torch.device, dtypes: Iterable[torch.dtype]) -> str:
+def peak_label(device: torch.device, dtypes: Iterable[torch.dtype]) -> str:
+    """Where peak_flops(device, dtypes) comes from, for the log."""
     if device.type == "cuda":
         return f"bf16 tensor-core peak of {torch.cuda.get_device_name(device)}"
-    names = "/".join(sorted(str(d).removeprefix("torch.") for d in set(dtypes)))
+    names = "/".join(sorted(dtype_name(d) for d in set(dtypes)))
     return f"best measured {names} matmul on this {device.type.upper()}"
 
 

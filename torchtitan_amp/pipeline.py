@@ -23,7 +23,6 @@ from torchtitan_amp.rules import STAGES_PER_RANK, even_stage_starts
 logger = logging.getLogger("torchtitan_amp")
 
 
-
 @dataclass
 class Pipeline:
     schedule: _PipelineSchedule

@@ -33,22 +33,17 @@ from torchtitan_amp.config import JobConfig
 from torchtitan_amp.errors import PrecisionError
 from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.rules import DTYPES, SHORT
+from torchtitan_amp.rules import DTYPES, dtype_name, short_name
 
 logger = logging.getLogger("torchtitan_amp")
 
 Path_ = Literal["fsdp", "autocast", "full"]
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
-_SHORT = {getattr(torch, name): short for name, short in SHORT.items()}
 
 # Ops we keep in fp32 whatever the path. The norm and rotary upcasts live in the model (CPU
 # autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
 FP32_ISLANDS = ("RMSNorm (computes in fp32, returns input dtype)", "rotary tables and rotation",
                 "cross-entropy on fp32 logits", "loss and metric accumulators")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def resolve_module_classes(names: list[str]) -> tuple[type[nn.Module], ...]:
@@ -135,9 +130,9 @@ def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch
                    speed: LowPrecisionSpeed | None) -> str:
     """What the job trains in and why, in one line."""
     if path == "full":
-        what = "fp32" if storage == torch.float32 else f"pure {_SHORT[storage]}"
+        what = "fp32" if storage == torch.float32 else f"pure {short_name(storage)}"
     else:
-        what = f"{_SHORT[param]} mixed precision ({path} path)"
+        what = f"{short_name(param)} mixed precision ({path} path)"
     why = f": {speed.describe()}" if speed is not None else ""
     return f"mixed_precision.enabled = {setting} -> {what}{why}"
 
@@ -392,12 +387,12 @@ class PrecisionPlan:
             for warning in self.warnings:
                 logger.warning("precision: %s", warning)
             logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
-                        self.path, _SHORT[self.param_dtype], _SHORT[self.reduce_dtype],
-                        _SHORT[self.output_dtype], self.comm_hook, self.grad_scaler)
+                        self.path, short_name(self.param_dtype), short_name(self.reduce_dtype),
+                        short_name(self.output_dtype), self.comm_hook, self.grad_scaler)
             logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
             for g in report["param_groups"]:
                 logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1],
-                            f"{g['num_params']:,}", *(_SHORT[_DTYPES[g[k]]] for k in
+                            f"{g['num_params']:,}", *(short_name(g[k]) for k in
                                                       ("storage_dtype", "compute_dtype", "reduce_dtype")))
             for note in self.notes:
                 logger.info("  note: %s", note)

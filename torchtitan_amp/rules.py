@@ -17,6 +17,17 @@ DTYPES: tuple[str, ...] = typing.get_args(DtypeName)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
+
+def dtype_name(dtype: object) -> str:
+    """"bfloat16" for torch.bfloat16 (any object whose str() is "torch.<name>"; no torch import)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def short_name(dtype: object) -> str:
+    """"bf16" for torch.bfloat16 or "bfloat16"."""
+    name = dtype_name(dtype)
+    return SHORT.get(name, name)
+
 # ---------------------------------------------------------------------------------------------
 # Model flavours (their shapes live in models/llama.py, which needs torch)
 

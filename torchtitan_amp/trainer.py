@@ -26,7 +26,7 @@ from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
-from torchtitan_amp.metrics import MetricsLogger, describe_peak, peak_flops, remeasure_cpu_peak
+from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.run_control import maybe_inject_fault
@@ -113,7 +113,7 @@ class Trainer:
             flops_per_token=self.flops_per_token,
             peak_flops=peak_flops(self.device, self.plan.compute_dtypes), device=self.device,
             num_ranks_for_mfu=self.dims.tp * self.dims.pp,
-            peak_label=describe_peak(self.device, self.plan.compute_dtypes),
+            peak_label=peak_label(self.device, self.plan.compute_dtypes),
             remeasure_peak=(partial(remeasure_cpu_peak, self.plan.compute_dtypes)
                             if self.device.type == "cpu" else None),
         )
@@ -273,9 +273,8 @@ class Trainer:
 
 def train_in_turn(runs: list[tuple[Path, list[str]]],
                   inspect: Callable[[Trainer], dict] | None = None) -> Iterator[tuple[int, float]]:
-    """Several jobs in one launch (tests, numerics_matrix): train configurations one after another
-    (process start-up paid once): for each (dump folder, overrides), a fresh Trainer and `train()`, exactly
-    what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
+    """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each
+    (dump folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
     runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)
     after training. Yields (index of the run, seconds it took) once every rank has finished it."""
     rank = os.environ.get("RANK", "0")

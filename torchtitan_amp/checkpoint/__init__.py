@@ -20,7 +20,7 @@ _EXPORTS = {
     "format": ("EXPORT_FILE", "FORMAT_VERSION", "KINDS", "MARKER", "CheckpointInfo", "export_checkpoint",
                "inspect_checkpoint", "scan_folder"),
     "integrity": ("file_crc32", "verify_checksums"),
-    "manager": ("PARTS", "STATE_NAMES", "CheckpointManager", "StatePart", "TrainState", "validate_config"),
+    "manager": ("PARTS", "CheckpointManager", "StatePart", "TrainState", "validate_config"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted([*_HOME, "CheckpointError"])

@@ -1,9 +1,5 @@
-"""`python -m torchtitan_amp.checkpoint ...`: the environment is checked before torch is imported."""
+"""`python -m torchtitan_amp.checkpoint ...` (cli.cli checks the environment first)."""
 
-from torchtitan_amp.environment import require
-
-require()
-
-from torchtitan_amp.checkpoint.cli import cli  # noqa: E402
+from torchtitan_amp.checkpoint.cli import cli
 
 cli()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_amp.checkpoint.format import TORCH_DTYPES, export_checkpoint, inspect_checkpoint, scan_folder
-from torchtitan_amp.checkpoint.integrity import verify_checksums
 from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.rules import DTYPES
 
 
 def main(argv: list[str]) -> int:
+    # Imported here, not at the top: cli() checks the environment before anything imports torch.
+    from torchtitan_amp.checkpoint.format import export_checkpoint, inspect_checkpoint, scan_folder
+    from torchtitan_amp.checkpoint.integrity import verify_checksums
+
     if len(argv) >= 2 and argv[0] == "list":
         complete, problems = scan_folder(argv[1])
         for step, info in sorted(complete.items()):
@@ -33,8 +36,8 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) in (3, 4) and argv[0] == "export":
         dtype = argv[3] if len(argv) == 4 else "float32"
-        if dtype not in TORCH_DTYPES:
-            print(f"error: dtype must be one of {', '.join(TORCH_DTYPES)}", file=sys.stderr)
+        if dtype not in DTYPES:
+            print(f"error: dtype must be one of {', '.join(DTYPES)}", file=sys.stderr)
             return 2
         try:
             print(export_checkpoint(argv[1], argv[2], dtype))
@@ -50,7 +53,7 @@ def main(argv: list[str]) -> int:
 
 
 def cli() -> None:
-    """Console entry point (`torchtitan-amp-checkpoint`)."""
+    """Console entry point (`torchtitan-amp-checkpoint`, `python -m torchtitan_amp.checkpoint`)."""
     from torchtitan_amp.environment import require
 
     require()

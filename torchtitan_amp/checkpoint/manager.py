@@ -178,7 +178,6 @@ PARTS: tuple[StatePart, ...] = (
     StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
               source_rank=_rng_source),
 )
-STATE_NAMES = tuple(p.name for p in PARTS)
 
 
 # ---------------------------------------------------------------------------------------------
