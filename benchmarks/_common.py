@@ -1,5 +1,6 @@
-"""Shared pieces of the CPU benchmarks and scripts: models, torchrun launches of a worker (and the
-worker's loop over trainings), timing, machine info.
+"""Shared pieces of the CPU benchmarks: models, torchrun launches of a worker (and the worker's
+loop over trainings), timing, report formatting. Benchmarks run from the repository root as
+`python -m benchmarks.NAME`.
 
 Benchmarks are not tests: each prints numbers measured side by side in one run, and ratios between
 them, because absolute times on a shared machine vary by 2x from run to run.
@@ -9,22 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
+from torchtitan_amp.environment import require, separate_inductor_cache
+from torchtitan_amp.tools.common import load_average, machine, torchrun
 
 require()
 separate_inductor_cache()  # before any benchmark imports torch
@@ -76,68 +68,18 @@ def summarize(times: list[float]) -> float:
     return statistics.median(times)
 
 
-def env_with_repo(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env.update(extra or {})
-    return env
-
-
-def torchrun(script: Path, nproc: int, args: list[str], log: Path, timeout: float = 3600,
-             env: dict[str, str] | None = None) -> int:
-    """Run `script args` under torchrun with nproc CPU ranks; output to `log`. Past `timeout`
-    seconds torchrun and its workers are killed (the log says so) and the exit code is -9."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env_with_repo(env), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            fh.write(f"\n[{script.name}] launch killed after its timeout of {timeout:.0f} s\n")
-            return -9
-
-
-def run_jobs(script: Path, nproc: int, jobs: list[dict[str, Any]], out: Path, name: str) -> list[dict[str, Any]]:
-    """Launch `script --worker SPEC OUT` once for all jobs; the worker writes a JSON list of results."""
+def run_jobs(module: str, nproc: int, jobs: list[dict[str, Any]], out: Path, name: str) -> list[dict[str, Any]]:
+    """Launch `python -m MODULE --worker SPEC OUT` once for all jobs; the worker writes a JSON list of
+    results."""
     out.mkdir(parents=True, exist_ok=True)
     spec, result = out / f"{name}_spec.json", out / f"{name}_result.json"
     spec.write_text(json.dumps(jobs, indent=1))
     result.unlink(missing_ok=True)
-    rc = torchrun(script, nproc, ["--worker", str(spec), str(result)], out / f"{name}.log")
+    rc = torchrun(module, nproc, ["--worker", str(spec), str(result)], out / f"{name}.log")
     if rc != 0 or not result.is_file():
         tail = (out / f"{name}.log").read_text()[-4000:]
-        raise RuntimeError(f"{script.name} worker ({nproc} processes) failed with exit code {rc}:\n{tail}")
+        raise RuntimeError(f"{module} worker ({nproc} processes) failed with exit code {rc}:\n{tail}")
     return json.loads(result.read_text())
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
-    return (f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
 
 
 def header(title: str) -> str:

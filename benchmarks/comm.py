@@ -2,8 +2,8 @@
 """Gradient and parameter traffic per step, counted on 2 CPU ranks: DDP fp32 vs DDP with the bf16
 compress hook, FSDP fp32 vs the FSDP bf16 policy (with fp32 or bf16 gradient reduction).
 
-    python benchmarks/comm.py                       # debug model, ~1-2 min
-    python benchmarks/comm.py --models debug,large --output /tmp/comm.md
+    python -m benchmarks.comm                       # debug model, ~1-2 min
+    python -m benchmarks.comm --models debug,large --output /tmp/comm.md
 
 Counted, not estimated: every rank wraps torch.distributed's all_gather_single /
 all_gather_into_tensor / reduce_scatter_single / reduce_scatter_tensor / all_reduce (what FSDP2
@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
+from benchmarks._common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,
                      use_model)
 
-from torchtitan_amp import traffic as collectives  # noqa: E402  (the repo is on sys.path via _common)
+from torchtitan_amp import traffic as collectives
 
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
@@ -177,12 +177,12 @@ def main(argv: list[str]) -> int:
                                   str(out / f"{model}_{layout}_{precision}".replace(" ", "").replace(",", "_")),
                                   *args]})
     start = time.perf_counter()
-    results = run_jobs(Path(__file__).resolve(), 2, jobs, out, "comm")
+    results = run_jobs(__spec__.name, 2, jobs, out, "comm")
     sizes = "; ".join(f"{m}: {num_params(m) / 1e6:.1f}M parameters ({num_params(m) * 4 / 2**20:,.1f} MiB in fp32), "
                       f"seq {SHAPES[m][0]} x global batch {SHAPES[m][1]}" for m in a.models.split(","))
     text = (header("Communication per step (2 CPU ranks, gloo)")
             + f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; {sizes}\n"
-            + f"command: python benchmarks/comm.py {shlex.join(argv)}\n\n" + report(results) + "\n")
+            + f"command: python -m benchmarks.comm {shlex.join(argv)}\n\n" + report(results) + "\n")
     emit(text, a.output)
     bad = [r for r in results if r["hook_bytes_sent"] and r["hook_bytes_sent"] != {
         k: v for k, v in r["counted"].get("all_reduce", {}).items() if v > 1024}]

@@ -2,9 +2,9 @@
 """Throughput, MFU and peak memory of a Llama-3-8B-shaped model on one GPU: the bf16 FSDP policy
 vs bf16 autocast vs fp32, each eager and compiled.
 
-    python benchmarks/gpu_mfu.py                  # one CUDA GPU, fits in one 10-minute call
+    python -m benchmarks.gpu_mfu                  # one CUDA GPU, fits in one 10-minute call
     benchmarks/gpu_mfu.sh                         # the same under `timeout`, JSON into $OUT
-    python benchmarks/gpu_mfu.py --tiny           # CPU (or GPU) smoke run with a tiny shape
+    python -m benchmarks.gpu_mfu --tiny           # CPU (or GPU) smoke run with a tiny shape
 
 The model is Llama 3 8B's block (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256) with as
 many layers as fit: the largest count whose torchtitan_amp.memory estimate (parameters, gradients,
@@ -40,11 +40,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
@@ -161,7 +156,7 @@ def reset_memory(device: torch.device) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return 0
-    import estimate_memory
+    from torchtitan_amp.tools import estimate_memory
 
     estimate_memory.reset_peak_rss()
     return estimate_memory.rss_bytes()
@@ -171,7 +166,7 @@ def peak_memory(device: torch.device, baseline: int) -> tuple[float, float]:
     """(allocated, reserved) peak in GiB; on CPU the RSS growth since reset_memory, twice."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
-    import estimate_memory
+    from torchtitan_amp.tools import estimate_memory
 
     rss = (estimate_memory.peak_rss_bytes() - baseline) / GIB
     return rss, rss
@@ -315,7 +310,7 @@ def main(argv: list[str]) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,
             "batch": a.batch, "ac": a.ac, "tf32": a.tf32, "layers_chosen": layers, "layers_reason": why,
-            "command": shlex.join(["python", "benchmarks/gpu_mfu.py", *argv])}
+            "command": shlex.join(["python", "-m", "benchmarks.gpu_mfu", *argv])}
     print(f"gpu_mfu: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
           f"{'tiny shape' if a.tiny else 'Llama-3-8B shape'}, {layers} layers ({why}); seq {a.seq_len} x batch "
           f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "

@@ -13,4 +13,4 @@ OUT_DIR=${OUT:-outputs}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 exec timeout --signal=INT --kill-after=20 "${GPU_MFU_TIMEOUT:-590}" \
-  "$PYTHON" benchmarks/gpu_mfu.py --json "$OUT_DIR/gpu_mfu.json" "$@"
+  "$PYTHON" -m benchmarks.gpu_mfu --json "$OUT_DIR/gpu_mfu.json" "$@"

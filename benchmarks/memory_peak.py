@@ -2,10 +2,10 @@
 """Peak memory per rank, DDP vs FSDP, at 1, 2 and 4 CPU ranks, measured, with the analytic
 estimate of torchtitan_amp.memory alongside.
 
-    python benchmarks/memory_peak.py                        # medium model (27.5M params), ~3-5 min
-    python benchmarks/memory_peak.py --model debug --precision bf16
+    python -m benchmarks.memory_peak                        # medium model (27.5M params), ~3-5 min
+    python -m benchmarks.memory_peak --model debug --precision bf16
 
-Each layout trains 2 steps in a fresh torchrun launch (scripts/estimate_memory.py --measure):
+Each layout trains 2 steps in a fresh torchrun launch (torchtitan_amp/tools/estimate_memory.py --measure):
 per rank, the growth of resident memory (RSS) from just before the model is built to its peak
 during build + 2 steps (VmHWM reset at that point; glibc told to unmap freed tensors), and the
 exact bytes of parameters + gradients + AdamW state summed over the real tensors. The local batch
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import CPU_MODELS, emit, header, load_average, md_table, num_params  # noqa: E402
+from benchmarks._common import CPU_MODELS, emit, header, load_average, md_table, num_params
 
-import estimate_memory  # noqa: E402  (scripts/, put on sys.path by _common)
+from torchtitan_amp.tools import estimate_memory
 
 LAYOUTS = {
     "single": (1, []),
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
              f"model {a.model} ({num_params(a.model) / 1e6:.1f}M parameters), {a.precision}, seq {a.seq_len} x local "
              f"batch {a.local_batch} per rank, 2 steps; the largest rank of each layout\n"
-             f"command: python benchmarks/memory_peak.py {shlex.join(argv)}\n\n")
+             f"command: python -m benchmarks.memory_peak {shlex.join(argv)}\n\n")
     text += md_table(["layout", "ranks", "params+grads+AdamW (tensors)", "(estimate)", "transient (estimate)",
                       "activations (estimate)", "peak RSS growth (measured)", "peak (estimate)",
                       "measured / estimate"], rows) + "\n"

@@ -2,8 +2,8 @@
 """Framework overhead: torchtitan_amp's Trainer.train_step vs a minimal hand-written PyTorch loop,
 same model, same precision, same batch, same optimizer, in one process.
 
-    python benchmarks/overhead.py                       # debug model, fp32 and bf16
-    python benchmarks/overhead.py --models debug,large --steps 10
+    python -m benchmarks.overhead                       # debug model, fp32 and bf16
+    python -m benchmarks.overhead --models debug,large --steps 10
 
 The hand-written loop is nanoGPT's: `torch.autocast` around forward + loss (bf16) or nothing
 (fp32), cross-entropy on fp32 logits, backward, `clip_grad_norm_`, foreach AdamW, zero_grad. The
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, use_model  # noqa: E402
+from benchmarks._common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, use_model
 
 
 def hand_written(args, precision: str, seq: int, batch: int, lr: float):  # type: ignore[no-untyped-def]
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
                      for m in a.models.split(","))
     text += (f"load average at end: {load_average()}; {torch.get_num_threads()} threads; median of {a.steps} "
              f"alternating steps after {a.warmup} warm-up steps each; {seqs}\n"
-             f"command: python benchmarks/overhead.py {shlex.join(argv)}\n\n")
+             f"command: python -m benchmarks.overhead {shlex.join(argv)}\n\n")
     text += md_table(["model", "precision", "hand-written loop ms (median)", "Trainer.train_step ms (median)",
                       "ratio of medians", "hand-written ms (best)", "Trainer ms (best)", "ratio of bests"],
                      rows) + "\n"

@@ -2,8 +2,8 @@
 """Precision speed on CPU: step time, tokens/s and MFU of fp32 vs bf16 autocast vs the FSDP bf16
 policy, single process and 2 ranks, for the debug model and a 103M model (dim 1024, 8 layers).
 
-    python benchmarks/precision_speed.py                    # debug + large, ~5-10 min on 2 cores
-    python benchmarks/precision_speed.py --models debug_h64 --steps 5 --output /tmp/speed.md
+    python -m benchmarks.precision_speed                    # debug + large, ~5-10 min on 2 cores
+    python -m benchmarks.precision_speed --models debug_h64 --steps 5 --output /tmp/speed.md
 
 Every configuration trains through torchtitan_amp's Trainer (train_step), one torchrun launch per
 process count. fp32 and bf16 Trainers of the same model and layout are built side by side in one
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,  # noqa: E402
+from benchmarks._common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,
                      summarize, use_model)
 
 FP32 = ["--mixed_precision.enabled", "false"]
@@ -158,10 +158,10 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     results = []
     for nproc in (int(n) for n in a.nprocs.split(",")):
-        results += run_jobs(Path(__file__).resolve(), nproc, jobs_for(nproc, models, a.steps, a.warmup, out),
+        results += run_jobs(__spec__.name, nproc, jobs_for(nproc, models, a.steps, a.warmup, out),
                             out, f"{nproc}proc")
     text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
-             f"command: python benchmarks/precision_speed.py {shlex.join(argv)}\n\n" + report(results) + "\n")
+             f"command: python -m benchmarks.precision_speed {shlex.join(argv)}\n\n" + report(results) + "\n")
     emit(text, a.output)
     return 0
 

@@ -15,7 +15,7 @@ fp32 mean, and the same for the one-time cast of the mean (the error a bf16 wire
 minimum). An emulation of the arithmetic, not a measurement of NCCL: ring order and partial-sum
 placement differ in detail; the growth with N is the point.
 
-    python benchmarks/reduce_precision.py [--max-ranks 64] [--model debug_h64]
+    python -m benchmarks.reduce_precision [--max-ranks 64] [--model debug_h64]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import argparse
 import sys
 
 
-from _common import CPU_MODELS, header, md_table, use_model  # noqa: E402
+from benchmarks._common import CPU_MODELS, header, md_table, use_model
 
 import torch  # noqa: E402
 

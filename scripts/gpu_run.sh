@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should run, as one device call of at most ~9 minutes:
-#   1. scripts/gpu_checks.py   (~2-3 min)  CUDA autocast dtypes, loss curves, pinned-memory async resume
+#   1. torchtitan_amp/tools/gpu_checks.py   (~2-3 min)  CUDA autocast dtypes, loss curves, pinned-memory async resume
 #   2. benchmarks/gpu_mfu.sh   (the rest)  8B-shaped model: tokens/s/GPU, MFU, peak memory
 # Results: $OUT/gpu_checks.json, $OUT/gpu_mfu.json, $OUT/gpu_run.log.
 # The machine has its own torch (2.11 when last seen) and no torchdata: carry the wheel in .whl/
@@ -19,7 +19,7 @@ if ! "$PYTHON" -c "import torchdata" 2>/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-timeout --kill-after=10 "${GPU_CHECKS_TIMEOUT:-240}" "$PYTHON" scripts/gpu_checks.py --json "$OUT/gpu_checks.json" "$@"
+timeout --kill-after=10 "${GPU_CHECKS_TIMEOUT:-240}" "$PYTHON" -m torchtitan_amp.tools.gpu_checks --json "$OUT/gpu_checks.json" "$@"
 checks=$?
 GPU_MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-300} PYTHON=$PYTHON bash benchmarks/gpu_mfu.sh --time-budget "${GPU_MFU_BUDGET:-240}"
 mfu=$?

@@ -35,11 +35,21 @@ from torchtitan_amp.checkpoint import (
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
 
-from .conftest import RunResult, _env, read_metrics, run_command, torchrun_cmd
+from tests.support import (
+    ONE_THREAD,
+    WORKERS,
+    RunResult,
+    _env,
+    digest,
+    launch_cmd,
+    launch_worker,
+    probe_trainer,
+    read_metrics,
+    run_command,
+    write_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-WORKER = ROOT / "tests" / "workers" / "ckpt_jobs.py"
 TRAIN = ROOT / "train.py"
 
 STEPS, RESUME_FROM = 6, 3
@@ -83,25 +93,12 @@ def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:
     return [*BASE, *LAYOUTS[layout][1], *PRECISIONS[precision], "--job.dump_folder", str(dump), *extra]
 
 
-def _command(entry: Path, args: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
-    if nproc == 1 and not max_restarts:
-        return [sys.executable, str(entry), *args]
-    return torchrun_cmd(nproc, entry, *args, max_restarts=max_restarts)
-
-
-def launch(entry: Path, args: list[str], nproc: int, *, timeout: float = 240, max_restarts: int = 0,
-           check: bool = True) -> RunResult:
-    """One process directly (no torchrun) or torchrun with nproc ranks; one thread per rank."""
-    result = run_command(_command(entry, args, nproc, max_restarts), timeout=timeout, env=ONE_THREAD)
+def launch_train(args: list[str], nproc: int, *, max_restarts: int = 0, check: bool = True) -> RunResult:
+    """train.py on one process directly (no torchrun) or under torchrun with nproc ranks; one thread each."""
+    result = run_command(launch_cmd(nproc, TRAIN, *args, max_restarts=max_restarts), timeout=240, env=ONE_THREAD)
     if check and result.returncode != 0:
         pytest.fail(result.describe())
     return result
-
-
-def launch_jobs(tmp: Path, jobs: list[dict], nproc: int, **spec_extra) -> RunResult:
-    spec = tmp / f"spec_{len(list(tmp.glob('spec_*.json')))}.json"
-    spec.write_text(json.dumps({"jobs": jobs, **spec_extra}))
-    return launch(WORKER, [str(spec)], nproc, check=not spec_extra.get("crash_in_save_step"))
 
 
 def by_step(dump: Path) -> dict[int, dict]:
@@ -159,7 +156,7 @@ def matrix(tmp_path_factory):
                              "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"),
                                        str(b / "checkpoint" / f"step-{RESUME_FROM}")]],
                              "rng_out": str(root / precision / "rng_b.json")})
-            launch_jobs(root, jobs, LAYOUTS[layout][0])
+            launch_worker("ckpt_jobs", root, jobs, LAYOUTS[layout][0])
             _MATRIX[layout] = root
         return _MATRIX[layout]
 
@@ -208,7 +205,7 @@ def test_resume_is_bitwise_tensor_and_pipeline_parallel(tmp_path):
         jobs += [{"args": job_args(layout, "bf16", a)},
                  {"args": job_args(layout, "bf16", b, *export),
                   "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]]}]
-    launch_jobs(tmp_path, jobs, 2)
+    launch_worker("ckpt_jobs", tmp_path, jobs, 2)
     for layout in layouts:
         a, b = by_step(tmp_path / layout / "a"), by_step(tmp_path / layout / "b")
         assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1)), layout
@@ -244,8 +241,6 @@ def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
 
 
 def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
-    from tests.workers.ckpt_jobs import digest, probe
-
     folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
     before = snapshot(folder)
 
@@ -254,14 +249,14 @@ def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
                         "--checkpoint.load_step", str(RESUME_FROM), *extra)
 
     two_rank = {"fsdp": (), "ddp": (), "tp": ("--checkpoint.exclude_from_loading", "dataloader")}
-    launch_jobs(tmp_path, [{"args": args(layout, *extra), "probe": str(tmp_path / f"probe_{layout}.json")}
+    launch_worker("ckpt_jobs", tmp_path, [{"args": args(layout, *extra), "probe": str(tmp_path / f"probe_{layout}.json")}
                            for layout, extra in two_rank.items()], 2)
     # FSDP 2 x TP 2: 2-D DTensors (Shard(0) over dp_shard, then TP's placements); same dp degree.
-    launch_jobs(tmp_path, [{"args": args("fsdp_tp"), "probe": str(tmp_path / "probe_fsdp_tp.json")}], 4)
+    launch_worker("ckpt_jobs", tmp_path, [{"args": args("fsdp_tp"), "probe": str(tmp_path / "probe_fsdp_tp.json")}], 4)
     results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in (*two_rank, "fsdp_tp")}
     # One process cannot take over two ranks' data positions: it restarts the data stream.
     single = trainer_module.Trainer(load_config(args("single", "--checkpoint.exclude_from_loading", "dataloader")))
-    results["single"] = probe(single)
+    results["single"] = probe_trainer(single)
     single.metrics.close()
     # The checkpoint's own tensors, read on one process without any model.
     saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"),
@@ -305,7 +300,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def test_fault_injection_restart_resumes_bitwise(matrix, tmp_path):
     reference = by_step(matrix("fsdp") / "bf16" / "a")
     dump = tmp_path / "job"
-    proc = launch(TRAIN, job_args("fsdp", "bf16", dump, "--training.fault_inject_at_step", "5",
+    proc = launch_train(job_args("fsdp", "bf16", dump, "--training.fault_inject_at_step", "5",
                                   "--training.fault_inject_rank", "1"), 2, max_restarts=1)
     assert (dump / ".fault_injected_at_step_5").exists()
     assert f"checkpoint/step-{RESUME_FROM} (" in proc.stdout  # the restarted job loaded step-3
@@ -360,11 +355,10 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     # No interval saves: the only checkpoint is the one the signal causes. Steps are slowed down
     # so the signal lands mid-run.
     args = job_args(layout, "fp32", dump, "--checkpoint.interval", "1000")
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"jobs": [{"args": args}], "step_delay": 0.5}))
+    spec = write_spec(tmp_path / "spec", [{"args": args}], step_delay=0.5)
     log = tmp_path / "log.txt"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(_command(WORKER, [str(spec)], nproc), cwd=ROOT, env=_env(ONE_THREAD),
+        proc = subprocess.Popen(launch_cmd(nproc, WORKERS / "ckpt_jobs.py", spec), cwd=ROOT, env=_env(ONE_THREAD),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         ranks: dict[int, int] = {}
         try:
@@ -390,7 +384,7 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     assert "stop requested (SIGUSR1" in out
     # Rank 0 never saw the signal, yet both stopped after the same step (a save needs every
     # rank), and the resumed job continues exactly like the uninterrupted one.
-    launch(TRAIN, job_args(layout, "fp32", dump), nproc)
+    launch_train(job_args(layout, "fp32", dump), nproc)
     assert_same_steps(by_step(dump), by_step(matrix(layout) / "fp32" / "a"), range(1, STEPS + 1))
 
 
@@ -404,7 +398,7 @@ def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
     folder = dump / "checkpoint"
     args = job_args("single", "bf16", dump, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "1")
     # Die after every file of step-4 is written but before its completion marker.
-    proc = launch_jobs(tmp_path, [{"args": args}], 1, crash_in_save_step=4)
+    proc = launch_worker("ckpt_jobs", tmp_path, [{"args": args}], 1, check=False, crash_in_save_step=4)
     assert proc.returncode != 0
     assert complete_steps(folder) == {2: "full"}  # step-2 is only removed once step-4 is complete
     assert (folder / "step-4.tmp" / "rank_0.pt").exists() and not (folder / "step-4").exists()
@@ -415,7 +409,7 @@ def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
     shutil.copytree(folder / "step-2", folder / "step-5")
     (folder / "step-5" / "checkpoint.json").unlink()
 
-    proc = launch_jobs(tmp_path, [{"args": args}], 1)
+    proc = launch_worker("ckpt_jobs", tmp_path, [{"args": args}], 1)
     log = proc.stdout + proc.stderr
     assert "step-3: file __0_0.distcp has 1000 bytes" in log
     assert "step-5 has no checkpoint.json" in log
@@ -454,7 +448,7 @@ def test_bit_flip_is_caught_by_checksums(matrix, tmp_path):
         trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "other", "--checkpoint.initial_load_path",
                                                     str(bad.parent))))
 
-    proc = launch_jobs(tmp_path, [{"args": job_args("ddp", "fp32", dump)}], 2)
+    proc = launch_worker("ckpt_jobs", tmp_path, [{"args": job_args("ddp", "fp32", dump)}], 2)
     assert f"skipping {bad.parent}: file __0_0.distcp has CRC-32" in proc.stdout + proc.stderr
     assert_same_steps(by_step(dump), by_step(matrix("ddp") / "fp32" / "a"), range(RESUME_FROM + 1, STEPS + 1))
     assert (dump / "checkpoint" / f"step-{STEPS}.corrupt" / "__0_0.distcp").read_bytes() == bytes(data)
@@ -497,7 +491,7 @@ def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
 
     short = ["--training.steps", "2"]
     x, y = tmp_path / "x", tmp_path / "y"
-    launch_jobs(tmp_path, [
+    launch_worker("ckpt_jobs", tmp_path, [
         {"args": job_args("fsdp", "fp32", x, *short), "copy": [[str(seed), str(x / "checkpoint" / "step-0")]]},
         {"args": job_args("fsdp", "fp32", y, *short, "--checkpoint.initial_load_path", str(seed))},
     ], 2)
@@ -516,7 +510,7 @@ def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
 def test_missing_load_step_is_a_one_line_error(matrix):
     folder = matrix("single") / "bf16" / "a" / "checkpoint"
     before = snapshot(folder)
-    proc = launch(TRAIN, job_args("single", "bf16", folder.parent / "other", "--checkpoint.folder", str(folder),
+    proc = launch_train(job_args("single", "bf16", folder.parent / "other", "--checkpoint.folder", str(folder),
                                   "--checkpoint.load_step", "99"), 1, check=False)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

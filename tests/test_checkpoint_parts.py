@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY
+from tests.support import TINY
 from torchtitan_amp.checkpoint import manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.errors import ConfigError

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, WORKERS, new_dump_folder, run_command
+from tests.support import REPO, launch_worker, new_dump_folder, run_command
 from torchtitan_amp import dry_run, memory
 from torchtitan_amp.config import ConfigError, load_config
 
@@ -64,18 +63,9 @@ JOBS = {
 def _real_runs(tmp_path: Path, nproc: int) -> tuple[dict, dict[str, list[str]]]:
     jobs = {name: ["--job.dump_folder", str(new_dump_folder(tmp_path)), *BASE, *extra]
             for name, extra in JOBS[nproc].items()}
-    spec = tmp_path / "jobs.json"
-    spec.write_text(json.dumps([{"name": n, "args": a} for n, a in jobs.items()]))
-    out = tmp_path / "out.json"
-    worker = str(WORKERS / "dry_run_worker.py")
-    if nproc == 1:
-        cmd = [sys.executable, worker, str(out), str(spec)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               worker, str(out), str(spec)]
-    result = run_command(cmd, timeout=300)
-    assert result.returncode == 0 and out.is_file(), result.describe()
-    return json.loads(out.read_text()), jobs
+    out = tmp_path / "out"
+    launch_worker("dry_run_worker", out, [{"name": n, "args": a} for n, a in jobs.items()], nproc, timeout=300)
+    return json.loads((out / "result.json").read_text()), jobs
 
 
 def _total(comm: dict[str, dict[str, int]]) -> int:

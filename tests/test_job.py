@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_python
+from tests.support import run_python
 from torchtitan_amp import memory, rules
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.data import DataError

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY
+from tests.support import TINY
 from torchtitan_amp import matmul_speed, metrics
 from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_memory_gib
 

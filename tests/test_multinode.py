@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, _env, read_metrics
+from tests.support import REPO, _env, read_metrics
 
 
 def _free_port() -> int:

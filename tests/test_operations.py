@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import WORKERS, new_dump_folder, read_metrics, run_command, torchrun_cmd
+from tests.support import WORKERS, read_metrics, run_train
 from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.trainer import NonFiniteError, Trainer
@@ -99,14 +99,11 @@ def test_profiling_config_errors(tmp_path: Path) -> None:
 def test_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 stops at step 3; rank 0's next collective fails after comm.timeout_seconds and the
     job exits non-zero instead of hanging (the worker would otherwise sleep 600 s)."""
-    dump = new_dump_folder(tmp_path)
-    cmd = torchrun_cmd(2, WORKERS / "hang_worker.py", dump, *TINY, "--training.steps", "6",
-                       "--comm.timeout_seconds", "5")
     begin = time.monotonic()
-    res = run_command(cmd, timeout=180)
+    res = run_train(tmp_path, 2, *TINY, "--training.steps", "6", "--comm.timeout_seconds", "5",
+                    script=WORKERS / "hang_worker.py", timeout=180)
     elapsed = time.monotonic() - begin
     assert res.returncode != 0, res.describe()
     assert elapsed < 150, f"took {elapsed:.0f} s"
     assert "timed out" in res.output.lower() or "timeout" in res.output.lower(), res.describe()
-    rows = read_metrics(dump)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in res.metrics] == [1, 2]

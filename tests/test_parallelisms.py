@@ -18,7 +18,7 @@ measured (pytest -s shows it):
   (|delta| max 2.5e-3 < CURVE_TOL, mean 5e-4 < CURVE_MEAN_TOL); step 1 differs from fp32 by
   1.5e-4..8.3e-4 (bf16 ran) and from the same path's single layout by <= 5e-7 (with TP 7e-5 on a
   CPU with native bf16, 2.3e-4 under AVX2 emulation: TP rounds in other places, bounded by
-  SPLIT_MATMUL_STEP1_SIGMAS in conftest).
+  SPLIT_MATMUL_STEP1_SIGMAS in tests/support.py).
 - AC (full, selective 2, op) and compile: bit-identical losses to the same run without AC;
   compiled blocks under bf16 autocast match eager bf16 to 7.3e-5 relative.
 """
@@ -29,28 +29,25 @@ import json
 import math
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import (
+from tests.support import (
     CURVE_MEAN_TOL,
     CURVE_TOL,
     SAME_FAMILY_STEP1_TOL,
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
     STEP1_TOL,
-    WORKERS,
-    run_command,
+    launch_worker,
 )
-from tests.conftest import bf16_rounding_sigma as rounding_sigma
+from tests.support import bf16_rounding_sigma as rounding_sigma
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
-LAYOUTS_WORKER = WORKERS / "layouts.py"
 STEPS = 10
 GLOBAL_BATCH = 4
 BASE = ("--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.steps", str(STEPS),
@@ -195,17 +192,9 @@ class Launches:
         self.outputs: dict[str, str] = {}
 
     def launch(self, nproc: int, runs: list[dict], key: str, timeout: float) -> None:
-        out = self.root / key
-        out.mkdir(parents=True, exist_ok=True)
-        spec = out / "spec.json"
-        spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-        # One thread per process, as torchrun gives each of N > 1 ranks: comparable numerics and no
-        # oversubscription of the 2 cores.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(LAYOUTS_WORKER), str(spec)]
         # Set first: if the launch times out (pytest.fail), later tests report it instead of relaunching.
         self.outputs[key] = f"the {key} launch did not finish within {timeout} s"
-        result = run_command(cmd, timeout=timeout, env={"OMP_NUM_THREADS": "1"})
+        result = launch_worker("layouts", self.root / key, runs, nproc, timeout=timeout, check=False)
         self.outputs[key] = result.describe(6000)
 
     def run(self, name: str, nproc: int) -> Run:
@@ -226,7 +215,7 @@ def run_of(trained: Launches, name: str, precision: str) -> Run:
 
 
 def bf16_rounding_sigma() -> float:
-    """The loss's bf16 rounding noise for BASE's model and batch (conftest.bf16_rounding_sigma)."""
+    """The loss's bf16 rounding noise for BASE's model and batch (support.bf16_rounding_sigma)."""
     return rounding_sigma(tuple(BASE), GLOBAL_BATCH)
 
 

@@ -1,30 +1,19 @@
-"""scripts/plan_layout.py: valid factorizations, the memory filter, and the ranking's sense."""
+"""torchtitan_amp/tools/plan_layout.py: valid factorizations, the memory filter, and the ranking's sense."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
 from torchtitan_amp import dry_run
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+from torchtitan_amp.tools import plan_layout as pl
 
 
-def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("plan_layout", REPO / "scripts" / "plan_layout.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["plan_layout"] = mod  # dataclasses look their module up while being built
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
-
-
-pl = _module()
 
 
 EIGHT_B = ("--flavor", "llama3_8b", "--gpus", "8", "--seq-len", "8192")

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass
 
 import pytest
 
-from tests.conftest import (
+from tests.support import (
     CURVE_MEAN_TOL,
     CURVE_TOL,
     FP32_CURVE_TOL,
@@ -44,13 +43,12 @@ from tests.conftest import (
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
     STEP1_TOL,
-    WORKERS,
     bf16_rounding_sigma,
-    run_command,
+    launch_worker,
 )
 
-WORKER = WORKERS / "precision_worker.py"
-BF16_SHRINK = "n_layers=2"
+BF16_SHRINK = {"n_layers": 2}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -86,15 +84,8 @@ def launch(tmp_path_factory: pytest.TempPathFactory, name: str) -> dict:
     if name not in _results:
         layout = LAYOUTS[name]
         out = tmp_path_factory.mktemp(f"precision_{name}")
-        args = [str(WORKER), str(out), layout.scenarios, "--shrink", BF16_SHRINK, "--", *layout.overrides]
-        if layout.nproc == 1:
-            cmd = [sys.executable, *args]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={layout.nproc}", *args]
-        # One thread per process: on a busy 2-core machine a 2-thread process can run 10x slower.
-        res = run_command(cmd, timeout=420, env={"OMP_NUM_THREADS": "1"})
-        assert res.returncode == 0, res.describe()
+        jobs = [{"name": scenario, "args": list(layout.overrides)} for scenario in layout.scenarios.split(",")]
+        launch_worker("precision_worker", out, jobs, layout.nproc, timeout=420, shrink=BF16_SHRINK)
         _results[name] = json.loads((out / "result.json").read_text())
     return _results[name]
 
@@ -299,7 +290,7 @@ def test_mixed_precision_paths_agree_tighter_within_a_family(run):  # type: igno
     for names in (("single", "ddp"), ("fsdp", "hsdp")):
         assert abs(step1[names[1]] - step1[names[0]]) < SAME_FAMILY_STEP1_TOL, step1
     # The worker's model: debugmodel cut to BF16_SHRINK's 2 layers, its 8 sequences of step 1.
-    sigma = bf16_rounding_sigma(("--training.seq_len", "32", "--training.seed", "0"), batch=8, n_layers=2)
+    sigma = bf16_rounding_sigma(("--training.seq_len", "32", "--training.seed", "0"), batch=8, n_layers=BF16_SHRINK["n_layers"])
     for name in ("tp", "pp"):
         assert abs(step1[name] - step1["single"]) < SPLIT_MATMUL_STEP1_SIGMAS * sigma, (step1, sigma)
     # Across families the numerics differ (bf16 residual stream under FSDP), but by less than

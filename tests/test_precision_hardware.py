@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_python
+from tests.support import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims

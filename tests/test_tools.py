@@ -1,5 +1,5 @@
-"""The numerics and benchmark tools of issue 6: scripts/loss_compare.py, scripts/numerics_matrix.py,
-scripts/estimate_memory.py and the CPU tiny-shape mode of benchmarks/gpu_mfu.py.
+"""The numerics and benchmark tools of issue 6: scripts/loss_compare.py, torchtitan_amp.tools'
+numerics_matrix and estimate_memory, and the CPU tiny-shape mode of benchmarks/gpu_mfu.py.
 
 Launches are the cost (~5 s of start-up each on 2 cores), so one small numerics matrix (3 steps,
 single + DDP 2, fp32 + bf16) is shared by the matrix and loss_compare tests, and the estimate is
@@ -15,7 +15,6 @@ single/DDP 2/FSDP 2 (debug model, seq 256 x batch 8), so the test allows 0.8-1.2
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import shutil
@@ -24,19 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_command, run_python
+from tests.support import REPO, run_command, run_python
 
 SCRIPTS = REPO / "scripts"
 BENCH = REPO / "benchmarks"
 HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "cc"))
-
-
-def _load(path: Path):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_metrics(path: Path, losses: dict[int, float | None]) -> Path:
@@ -94,7 +85,7 @@ def test_loss_compare_checks_and_exit_codes(tmp_path: Path) -> None:
 
 
 def test_numerics_matrix_covers_every_layout_and_precision() -> None:
-    nm = _load(SCRIPTS / "numerics_matrix.py")
+    from torchtitan_amp.tools import numerics_matrix as nm
     runs, notes = nm.select_runs(4, None)
     got = {(r.layout.name, r.precision.name) for r in runs}
     layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2"}
@@ -123,7 +114,7 @@ MATRIX_ONLY = "^(single / bf16|DDP 2 / fp32|DDP 2 / bf16|PP 2 / fp16 \\+ loss sc
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("matrix")
-    r = run_python(str(SCRIPTS / "numerics_matrix.py"), "--steps", "3", "--max-procs", "2", "--only", MATRIX_ONLY,
+    r = run_python("-m", "torchtitan_amp.tools.numerics_matrix", "--steps", "3", "--max-procs", "2", "--only", MATRIX_ONLY,
                    "--out", str(out), "--output", str(out / "table.md"), timeout=900)
     assert r.returncode == 0, r.describe()
     return out, (out / "table.md").read_text()
@@ -140,7 +131,7 @@ def _rows(md: str) -> dict[tuple[str, str], list[str]]:
 
 def test_numerics_matrix_table(matrix: tuple[Path, str]) -> None:
     _, md = matrix
-    assert md.startswith("Command: `python scripts/numerics_matrix.py --steps 3 --max-procs 2 --only")
+    assert md.startswith("Command: `python -m torchtitan_amp.tools.numerics_matrix --steps 3 --max-procs 2 --only")
     rows = _rows(md)
     assert set(rows) == {("single", "fp32"), ("single", "bf16"), ("DDP 2", "fp32"), ("DDP 2", "bf16"),
                          ("PP 2", "fp16 + loss scaling")}, md
@@ -166,7 +157,7 @@ def test_loss_compare_runs_train(matrix: tuple[Path, str], tmp_path: Path) -> No
     """Run mode: a fresh single-process fp32 run reproduces the matrix's reference bit for bit (same
     seed, data and process count), and differs from the bf16 run."""
     out, _ = matrix
-    nm = _load(SCRIPTS / "numerics_matrix.py")
+    from torchtitan_amp.tools import numerics_matrix as nm
     ref = next(r for r in nm.select_runs(1, None)[0] if r.label == "single / fp32")
     args = nm.train_args(ref, nm.parse_args(["--steps", "3"]))
     r = _compare("--run-a", shlex.join(args), "--nproc-a", "1", str(out / ref.key), "--assert-equal",
@@ -184,7 +175,7 @@ def test_loss_compare_runs_train(matrix: tuple[Path, str], tmp_path: Path) -> No
 
 def _estimate(tmp_path: Path, name: str, *args: str):  # type: ignore[no-untyped-def]
     out = tmp_path / f"{name}.json"
-    r = run_python(str(SCRIPTS / "estimate_memory.py"), *args, "--json", str(out), "--out", str(tmp_path / name),
+    r = run_python("-m", "torchtitan_amp.tools.estimate_memory", *args, "--json", str(out), "--out", str(tmp_path / name),
                    timeout=600)
     assert r.returncode == 0, r.describe()
     return json.loads(out.read_text()), r
@@ -214,7 +205,7 @@ def test_estimate_memory_llama3_8b(tmp_path: Path) -> None:
     tp, _ = _estimate(tmp_path, "tp", "--ngpu", "8", *base, "--parallelism.tensor_parallel_degree", "2")
     assert _total(tp["state"]["params"]) == pytest.approx(_total(st["params"]), rel=1e-3)  # 4 x 2 vs 8 shards
     assert tp["activations"]["none"] < acts["none"]
-    r = run_python(str(SCRIPTS / "estimate_memory.py"), "--training.stepz", "1")
+    r = run_python("-m", "torchtitan_amp.tools.estimate_memory", "--training.stepz", "1")
     assert r.returncode == 2 and r.stderr.startswith("error: unknown config key 'training.stepz'"), r.describe()
 
 
@@ -295,7 +286,7 @@ def test_gpu_mfu_tiny_fsdp_policy_compiles(gpu_tiny: dict) -> None:
 
 def test_reduce_precision_emulation() -> None:
     """The ring's per-hop rounding adds error to the one-time cast, and more with more ranks."""
-    r = run_python(str(BENCH / "reduce_precision.py"), "--max-ranks", "4", "--seq-len", "32", timeout=300)
+    r = run_python("-m", "benchmarks.reduce_precision", "--max-ranks", "4", "--seq-len", "32", timeout=300)
     assert r.returncode == 0, r.describe()
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     table = {int(cells[0]): [float(c) for c in cells[1:]] for cells in rows}
@@ -306,19 +297,24 @@ def test_reduce_precision_emulation() -> None:
     assert all(row[2] < row[0] and row[3] < row[1] for row in table.values())  # fp16: 3 more mantissa bits
 
 
-@pytest.mark.parametrize("script", ["precision_speed.py", "overhead.py", "comm.py", "memory_peak.py", "gpu_mfu.py",
-                                    "reduce_precision.py"])
-def test_benchmark_help(script: str, tmp_path: Path) -> None:
-    # As a user runs it: from anywhere, the repo neither installed nor on PYTHONPATH.
-    r = run_python(str(BENCH / script), "--help", timeout=120, env={"PYTHONPATH": ""}, cwd=tmp_path)
+@pytest.mark.parametrize("name", ["precision_speed", "overhead", "comm", "memory_peak", "gpu_mfu", "reduce_precision"])
+def test_benchmark_help(name: str) -> None:
+    # As a user runs it: `python -m benchmarks.NAME` from the checkout's root, nothing installed.
+    r = run_python("-m", f"benchmarks.{name}", "--help", timeout=120, env={"PYTHONPATH": ""})
     assert r.returncode == 0 and "usage:" in r.stdout, r.describe()
     first = r.stdout.split("\n\n")[1] if "\n\n" in r.stdout else ""
     assert len(first) > 20, r.stdout
 
 
-@pytest.mark.parametrize("script", ["plan_layout.py", "estimate_memory.py", "loss_compare.py", "numerics_matrix.py",
-                                    "gpu_checks.py", "../train.py"])
-def test_tools_run_from_a_checkout_without_install(script: str, tmp_path: Path) -> None:
-    """`python scripts/X.py --help` from anywhere, the repo neither installed nor on PYTHONPATH."""
-    r = run_python(str(SCRIPTS / script), "--help", timeout=120, env={"PYTHONPATH": ""}, cwd=tmp_path)
+@pytest.mark.parametrize("name", ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks"])
+def test_tools_run_from_a_checkout_without_install(name: str) -> None:
+    """`python -m torchtitan_amp.tools.NAME --help` from the checkout's root, nothing installed."""
+    r = run_python("-m", f"torchtitan_amp.tools.{name}", "--help", timeout=120, env={"PYTHONPATH": ""})
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.describe()
+
+
+@pytest.mark.parametrize("script", ["scripts/loss_compare.py", "train.py"])
+def test_scripts_run_from_anywhere_without_install(script: str, tmp_path: Path) -> None:
+    """`python PATH/X.py --help` from any folder, the repo neither installed nor on PYTHONPATH."""
+    r = run_python(str(REPO / script), "--help", timeout=120, env={"PYTHONPATH": ""}, cwd=tmp_path)
     assert r.returncode == 0 and "usage" in r.stdout.lower(), r.describe()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
+from tests.support import REPO, TINY, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
 from torchtitan_amp.config import load_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

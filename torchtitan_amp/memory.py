@@ -1,7 +1,7 @@
 """Analytic per-rank memory and communication of a Llama training layout: pure functions, no torch.
 
 Used by the fake-backend dry run (`torchtitan_amp/dry_run.py`, for the terms a meta model cannot
-show: activations, TP and PP traffic), by the layout planner (`scripts/plan_layout.py`, for
+show: activations, TP and PP traffic), by the layout planner (`torchtitan_amp/tools/plan_layout.py`, for
 everything) and by the memory estimate script. Every number is bytes on one rank for one
 optimizer step, computed from shapes alone; the formulas are stated next to the code and in
 docs/scaling.md. tests/test_dry_run.py checks the parameter, gradient and optimizer terms and

@@ -1,23 +1,22 @@
 """Runs several training jobs in one process (one torchrun launch) for tests/test_checkpoint.py.
 
-Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is
-  {"step_delay": seconds slept after every train step (to give a signal time to arrive),
-   "crash_in_save_step": N (die with os._exit(1) after every rank wrote step-N.tmp, before the
-                            completion marker: a save interrupted half way),
-   "jobs": [{"args": [CLI overrides],
+Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's spec with
+  "options": {"step_delay": seconds slept after every train step (to give a signal time to arrive),
+              "crash_in_save_step": N (die with os._exit(1) after every rank wrote step-N.tmp,
+                                       before the completion marker: a save interrupted half way)},
+  "jobs": [{"name": NAME, "args": [CLI overrides],
              "copy": [[src_dir, dst_dir], ...]   rank 0 copies before the job starts,
              "perturb_rng": true                 reseed python/torch RNGs per rank after loading,
              "rng_out": "file"                   write every rank's RNG draws after the job,
              "probe": "file",                    instead of training: loss on a fixed batch, one
                                                  train step on it, loss again, state checksum
-            }, ...]}
+           }, ...]
 Every job builds a fresh Trainer (the process group is shared); preemption handlers are
 installed as train.py does.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -28,15 +27,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor
-
 
 from torchtitan_amp import checkpoint, run_control
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
-from torchtitan_amp.parallelize import parallel_context
-from torchtitan_amp.trainer import Trainer, loss_fn
+from torchtitan_amp.trainer import Trainer
+from tests.support import exit_process, probe_trainer, read_spec
 
 
 def _rank() -> int:
@@ -56,11 +52,11 @@ def _gather(obj: object) -> list[object]:
     return out
 
 
-def _install_test_hooks(spec: dict) -> None:
+def _install_test_hooks(options: dict) -> None:
     # MFU's CPU peak is measured with a 1024^3 matmul per dtype, which takes tens of seconds in
     # fp16 on a CPU without fp16 GEMM; these tests never read MFU.
     trainer_module.peak_flops = lambda device, dtype: 1e12
-    delay = spec.get("step_delay", 0)
+    delay = options.get("step_delay", 0)
     if delay:
         original_step = Trainer.train_step
 
@@ -70,7 +66,7 @@ def _install_test_hooks(spec: dict) -> None:
             return out
 
         Trainer.train_step = slow_step
-    crash_step = spec.get("crash_in_save_step")
+    crash_step = options.get("crash_in_save_step")
     if crash_step is not None:
         original_commit = checkpoint.CheckpointManager._commit
 
@@ -83,46 +79,13 @@ def _install_test_hooks(spec: dict) -> None:
         checkpoint.CheckpointManager._commit = crashing_commit
 
 
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def probe(trainer: Trainer) -> dict:
-    """Same global batch on every rank and every layout: losses must agree across layouts."""
-    args = trainer.model_args
-    g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g)
-    inputs, labels = tokens[:, :-1].to(trainer.device), tokens[:, 1:].to(trainer.device)
-
-    def loss_now() -> float:
-        with torch.no_grad(), parallel_context(trainer.dims, trainer.config), trainer.plan.forward_context():
-            return float(_full(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels)))
-
-    # Digests of the full (unsharded) loaded state: equal across layouts and to the
-    # checkpoint's own tensors, or something was not loaded or resharded bit for bit.
-    model_sums = {k: digest(_full(v)) for k, v in trainer.model.state_dict().items()}
-    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
-    optim_sums = {k: digest(_full(v)) for k, v in optim.items()
-                  if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
-    before = loss_now()
-    loss, grad_norm, _ = trainer.train_step(iter([(inputs, labels)]))
-    return {"loss_before": before, "train_loss": float(loss), "grad_norm": float(grad_norm),
-            "loss_after": loss_now(), "model_sums": model_sums, "optim_sums": optim_sums,
-            "step": trainer.step}
-
-
 def main(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    _install_test_hooks(spec)
+    spec = read_spec(spec_path)
+    _install_test_hooks(spec.options)
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
     run_control.install_preemption_handlers()
-    for job in spec["jobs"]:
+    for job in spec.jobs:
         if _rank() == 0:
             for src, dst in job.get("copy", []):
                 shutil.copytree(src, dst)
@@ -132,7 +95,7 @@ def main(spec_path: str) -> int:
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())
         if job.get("probe"):
-            result = probe(trainer)
+            result = probe_trainer(trainer)
             if _rank() == 0:
                 Path(job["probe"]).write_text(json.dumps(result))
             trainer.metrics.close()
@@ -148,6 +111,4 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    from _exit import exit_process
-
     exit_process(main(sys.argv[1]))

@@ -1,7 +1,7 @@
 """Measures what the dry run predicts, in real runs: for tests/test_dry_run.py.
 
-Usage: torchrun --nproc_per_node N dry_run_worker.py OUT.json JOBS.json, where JOBS is a list of
-{"name": str, "args": [CLI overrides]}. For each job every rank builds `Trainer(load_config(args))`,
+Usage: torchrun --nproc_per_node N dry_run_worker.py SPEC.json (tests/support.py's spec: jobs of
+{"name": str, "args": [CLI overrides]}, no options). For each job every rank builds `Trainer(load_config(args))`,
 runs one train step (warm-up: lazy init, pipeline shape inference), then counts one more step:
 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
@@ -10,7 +10,7 @@ runs one train step (warm-up: lazy init, pipeline shape inference), then counts 
   `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too).
 
 Volumes follow the dry run's convention: all-gather output, reduce-scatter input, all-reduce
-buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} to OUT.
+buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} to OUT/result.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp import traffic as collectives
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.trainer import Trainer
+from tests.support import exit_process, read_spec
 
 _state = threading.local()
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
@@ -123,15 +123,15 @@ def fast_init() -> None:
     torch.nn.init.trunc_normal_ = lambda t, mean=0.0, std=1.0, a=-2.0, b=2.0: t.detach().normal_(mean, std)
 
 
-def main(out_path: str, jobs_path: str) -> int:
+def main(spec_path: str) -> int:
     fast_init()
     collectives.install(_category, point_to_point=True, functional=True,
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()
     install_phase_tags()
-    jobs = json.loads(Path(jobs_path).read_text())
+    spec = read_spec(spec_path)
     results = {}
-    for job in jobs:
+    for job in spec.jobs:
         result = run_job(job["args"])
         if dist.is_initialized():
             gathered: list = [None] * dist.get_world_size()
@@ -140,13 +140,11 @@ def main(out_path: str, jobs_path: str) -> int:
             gathered = [result]
         results[job["name"]] = gathered
     if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results, indent=1))
+        (spec.out / "result.json").write_text(json.dumps(results, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    from _exit import exit_process
-
-    exit_process(main(sys.argv[1], sys.argv[2]))
+    exit_process(main(sys.argv[1]))

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_amp import distributed
 from torchtitan_amp.config import load_config
 from torchtitan_amp.trainer import Trainer
+from tests.support import exit_process
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from _exit import exit_process
-
     main(sys.argv[1:])
     exit_process(0)

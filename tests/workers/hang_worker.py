@@ -1,6 +1,6 @@
 """Rank 1 stops answering at step 3 (as if stuck or wedged); the others must not wait forever.
 
-Usage: torchrun ... hang_worker.py DUMP_FOLDER [--section.key value ...]
+Usage: torchrun ... hang_worker.py [--section.key value ...] (train.py's command line)
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ HANG_AT_STEP = 3
 
 
 def main() -> None:
-    dump, overrides = sys.argv[1], sys.argv[2:]
-    trainer = Trainer(load_config(["--job.dump_folder", dump, *overrides]))
+    trainer = Trainer(load_config(sys.argv[1:]))
     step_fn = trainer.train_step
 
     def train_step(batches):  # type: ignore[no-untyped-def]

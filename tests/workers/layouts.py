@@ -2,10 +2,10 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node N tests/workers/layouts.py SPEC.json
 
-SPEC.json is {"out": DIR, "runs": [{"name": NAME, "args": [--section.key, value, ...]}, ...]}.
-Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
+SPEC.json is tests/support.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
+no options. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
 `train()`, exactly what train.py does (torchtitan_amp.trainer.train_in_turn, shared with
-scripts/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
+torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
 mesh coordinates, data-parallel rank and what AC / compile wrapped; rank 0's metrics.jsonl and
 precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
@@ -14,17 +14,16 @@ stops the launch (later runs do not start).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_amp import distributed
 from torchtitan_amp.trainer import Trainer, train_in_turn
+from tests.support import exit_process, read_spec
 
 
 def _rank_info(trainer: Trainer) -> dict:
@@ -52,8 +51,8 @@ def main(spec_path: str) -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
-    spec = json.loads(Path(spec_path).read_text())
-    out, runs = Path(spec["out"]), spec["runs"]
+    spec = read_spec(spec_path)
+    out, runs = spec.out, spec.jobs
     for i, wall_s in train_in_turn([(out / run["name"], run["args"]) for run in runs], inspect=_rank_info):
         if rank == "0":
             (out / runs[i]["name"] / "wall_s.txt").write_text(f"{wall_s:.2f}\n")
@@ -62,7 +61,5 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from _exit import exit_process
-
     main(sys.argv[1])
     exit_process(0)

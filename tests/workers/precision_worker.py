@@ -1,15 +1,16 @@
 """Multi-process worker behind tests/test_precision_dist.py: the proofs of issue 3.
 
     python -m torch.distributed.run --standalone --nproc_per_node N \\
-        tests/workers/precision_worker.py OUT_DIR SCENARIOS [--shrink k=v,...] -- OVERRIDES...
+        tests/workers/precision_worker.py SPEC.json
 
-(or plain `python tests/workers/precision_worker.py ...` for the single-process path). A parallel
-layout is nothing but its CLI OVERRIDES (e.g. `--parallelism.data_parallel_shard_degree 2`), so a
+(or plain `python tests/workers/precision_worker.py SPEC.json` for the single-process path), where
+SPEC is tests/support.py's spec: each job is a scenario, {"name": SCENARIO, "args": OVERRIDES},
+and "options": {"shrink": {field: value}}. A parallel layout is nothing but its CLI OVERRIDES (e.g. `--parallelism.data_parallel_shard_degree 2`), so a
 new layout (TP, PP) is one more parameter in the test. Every scenario builds real
 `Trainer(load_config(BASE + overrides + scenario overrides))` objects, runs real train steps and
 records evidence; rank 0 writes OUT_DIR/result.json, which the pytest side asserts on.
 
-Scenarios (comma-separated, all in one launch to pay process start-up once):
+Scenarios (all in one launch to pay process start-up once):
 
 - `probe`   one bf16 step with recorders on: the dtype every nn.Linear returns, what RMSNorm
             computes in and returns, the dtype of the logits the loss sees, the dtype of every
@@ -28,7 +29,7 @@ Scenarios (comma-separated, all in one launch to pay process start-up once):
             metrics.jsonl carries loss_scale / skipped_steps; grad norm after unscale vs fp32;
             4 micro-batches vs one batch of 4.
 
-`--shrink` replaces fields of the debugmodel flavour in this process only (e.g. n_layers=2):
+`shrink` replaces fields of the debugmodel flavour in this process only (e.g. n_layers=2):
 the layer count is the main cost of a CPU step and no claim here depends on depth. The fp16
 scenario shrinks further (FP16_SHRINK, seq_len 16): fp16 matmuls are slow on CPU.
 """
@@ -58,6 +59,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.models import llama
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan
 from torchtitan_amp.trainer import Trainer, clip_grad_norm_
+from tests.support import exit_process, read_spec
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
 # (local batch 2, with 4 / 2 / 1 accumulation micro-batches) see exactly the same 8 sequences per
@@ -612,21 +614,15 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str]) -> int:
-    out, scenarios = Path(argv[0]), argv[1].split(",")
-    rest = argv[2:]
-    shrink: dict[str, int] = {}
-    if rest and rest[0] == "--shrink":
-        shrink = {k: int(v) for k, v in (kv.split("=") for kv in rest[1].split(",") if kv)}
-        rest = rest[2:]
-    overrides = rest[1:] if rest and rest[0] == "--" else rest
+def main(spec_path: str) -> int:
+    spec = read_spec(spec_path)
+    out, shrink = spec.out, spec.options.get("shrink", {})
     if shrink:
         llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **shrink)
-    out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"overrides": overrides, "shrink": shrink,
-                              "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    result: dict[str, Any] = {"shrink": shrink, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     started = time.perf_counter()
-    for scenario in scenarios:
+    for job in spec.jobs:
+        scenario, overrides = job["name"], job["args"]
         log(f"scenario {scenario} at {time.perf_counter() - started:.1f} s")
         if scenario == "probe":
             result["probe"] = scenario_probe(out, overrides)
@@ -652,6 +648,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from _exit import exit_process
-
-    exit_process(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1]))

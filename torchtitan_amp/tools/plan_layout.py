@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Rank parallel layouts for a Llama 3 run before having the hardware.
 
-    python scripts/plan_layout.py --flavor llama3_70b --gpus 64 --gpu-mem-gib 80 --seq-len 8192
+    python -m torchtitan_amp.tools.plan_layout --flavor llama3_70b --gpus 64 --gpu-mem-gib 80 --seq-len 8192
 
 Tries every valid (dp_replicate, dp_shard, tp, pp) factorization of --gpus x precision setting
 (bf16 compute with fp32 or bf16 gradient reduce, or fp32) x activation checkpointing (none, full),
@@ -38,12 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from torchtitan_amp import memory  # noqa: E402
-from torchtitan_amp.config import ConfigError, load_config  # noqa: E402
+from torchtitan_amp import memory
+from torchtitan_amp.config import ConfigError, load_config
 
 GIB = 2**30
 PRECISIONS = {
@@ -324,5 +320,9 @@ def main(argv: list[str]) -> int:
     return 0 if result["fitting"] else 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

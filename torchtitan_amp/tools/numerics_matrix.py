@@ -2,9 +2,9 @@
 """Train the debug model on every parallel layout x precision that fits this machine and tabulate
 how far each loss curve lands from the fp32 single-process reference.
 
-    python scripts/numerics_matrix.py                      # everything up to 4 processes
-    python scripts/numerics_matrix.py --max-procs 2 --steps 10 --only 'single|FSDP'
-    python scripts/numerics_matrix.py --output docs/numerics_table.md
+    python -m torchtitan_amp.tools.numerics_matrix                      # everything up to 4 processes
+    python -m torchtitan_amp.tools.numerics_matrix --max-procs 2 --steps 10 --only 'single|FSDP'
+    python -m torchtitan_amp.tools.numerics_matrix --output docs/numerics_table.md
 
 Every run sees the same data: the global batch is fixed (`--global-batch`, default 4 sequences)
 and a D-way data-parallel layout runs local_batch_size = global / D (the loader deals each step's
@@ -37,12 +37,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from torchtitan_amp.tools.common import machine, torchrun
+from torchtitan_amp.trainer import train_in_turn
 
-from benchmarks._common import machine, torchrun  # noqa: E402
-from torchtitan_amp.trainer import train_in_turn  # noqa: E402
+MODULE = "torchtitan_amp.tools.numerics_matrix"  # how this tool relaunches itself under torchrun
 
 SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"
@@ -209,7 +207,7 @@ def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dic
         spec_path.write_text(json.dumps(spec, indent=1))
         print(f"launching {len(pending)} run(s) on {nproc} process(es): {', '.join(r.label for r in pending)}",
               flush=True)
-        returncode = torchrun(Path(__file__).resolve(), nproc, ["--worker", str(spec_path)],
+        returncode = torchrun(MODULE, nproc, ["--worker", str(spec_path)],
                               out / f"launch_{nproc}proc_{attempt}.log", timeout=a.timeout)
         still = []
         failed_one = False
@@ -314,7 +312,7 @@ def main(argv: list[str]) -> int:
     for nproc in sorted({r.layout.nproc for r in runs}):
         results.update(launch([r for r in runs if r.layout.nproc == nproc], nproc, a, out))
     elapsed = time.perf_counter() - start
-    command = shlex.join(["python", "scripts/numerics_matrix.py", *argv])
+    command = shlex.join(["python", "-m", MODULE, *argv])
     md = [
         f"Command: `{command}`",
         "",
@@ -334,5 +332,9 @@ def main(argv: list[str]) -> int:
     return 1 if any(r.error for r in results.values()) else 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

@@ -3,15 +3,15 @@
 buffers and activations (with and without activation checkpointing), from shapes alone.
 
     # Llama 3 8B on 8 GPUs, FSDP, bf16 policy, with the real tokenizer's vocabulary
-    python scripts/estimate_memory.py --ngpu 8 --job.config_file train_configs/llama3_8b.toml \\
+    python -m torchtitan_amp.tools.estimate_memory --ngpu 8 --job.config_file train_configs/llama3_8b.toml \\
         --dry_run.vocab_size 128256
     # the same with TP 2 and pure-bf16 training
-    python scripts/estimate_memory.py --ngpu 8 --job.config_file train_configs/llama3_8b.toml \\
+    python -m torchtitan_amp.tools.estimate_memory --ngpu 8 --job.config_file train_configs/llama3_8b.toml \\
         --parallelism.tensor_parallel_degree 2 --training.dtype bfloat16 --mixed_precision.enabled false
 
     # the debug model, estimate vs a measurement on this CPU (a fresh process builds the model and
     # trains --steps steps; with --ngpu N > 1 it runs under torchrun, one measurement per rank)
-    python scripts/estimate_memory.py --model.flavor debugmodel --training.seq_len 256 \\
+    python -m torchtitan_amp.tools.estimate_memory --model.flavor debugmodel --training.seq_len 256 \\
         --training.local_batch_size 8 --measure
 
 Every option other than the ones listed by --help is a train.py config override (`--section.key
@@ -44,12 +44,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from torchtitan_amp import memory  # pure Python: no torch import
+from torchtitan_amp.config import ConfigError, JobConfig, load_config
+from torchtitan_amp.tools.common import child_env, module_cmd
 
-from torchtitan_amp import memory  # noqa: E402  (pure Python: no torch import)
-from torchtitan_amp.config import ConfigError, JobConfig, load_config  # noqa: E402
+MODULE = "torchtitan_amp.tools.estimate_memory"  # how this tool relaunches itself under torchrun
 
 MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap and unmaps them on free
 
@@ -239,15 +238,11 @@ def measure(overrides: list[str], ngpu: int, steps: int, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "measured.json"
     out.unlink(missing_ok=True)
-    child = [str(Path(__file__).resolve()), "--measure-child", str(out), "--steps", str(steps),
+    child = ["--measure-child", str(out), "--steps", str(steps),
              *(["--shape", shape] if shape else []), *overrides, "--job.dump_folder", str(out_dir)]
-    if ngpu > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}", *child]
-    else:
-        cmd = [sys.executable, *child]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD,
-               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(module_cmd(MODULE, ngpu, child),
+                          env=child_env({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}),
+                          capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"measurement failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads(out.read_text())
@@ -319,5 +314,9 @@ def main(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The checks the CPU test suite cannot make, for one CUDA GPU in one short call (~2-3 minutes).
 
-    python scripts/gpu_checks.py --json $OUT/gpu_checks.json          # on the GPU machine
-    python scripts/gpu_checks.py --device cpu --tiny                  # the same code path on CPU
+    python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json          # on the GPU machine
+    python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                  # the same code path on CPU
 
 Everything runs in this one process (one CUDA start-up), through the real Trainer:
 
@@ -30,9 +30,6 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
@@ -205,5 +202,9 @@ def main(argv: list[str]) -> int:
     return 0 if all(r["ok"] for k, r in results.items() if k != "env") else 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

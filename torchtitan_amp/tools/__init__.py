@@ -1,0 +1,10 @@
+"""Command-line tools beside training, each a module with `main(argv) -> exit code` and a console
+command (pyproject.toml):
+
+    torchtitan-amp-plan-layout       python -m torchtitan_amp.tools.plan_layout      rank layouts before having the GPUs
+    torchtitan-amp-estimate-memory   python -m torchtitan_amp.tools.estimate_memory  per-rank memory, analytic or measured
+    torchtitan-amp-numerics-matrix   python -m torchtitan_amp.tools.numerics_matrix  layout x precision loss table
+    torchtitan-amp-gpu-checks        python -m torchtitan_amp.tools.gpu_checks       the CUDA checks CPU tests cannot make
+
+`python -m` works from a checkout without installing (run it from the repository root).
+"""
