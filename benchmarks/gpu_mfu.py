@@ -186,7 +186,7 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     baseline = reset_memory(device)
     # The Trainer's model: built on meta, initialised (on CPU then moved, or on the device after
     # sharding), parallelize_llama (fp32 islands, AC, compile, FSDP), in training mode.
-    job = Job(config, dims.world_size, device.type, dims, 1, plan, None, args, (0,), 1)
+    job = Job(config, dims.world_size, device.type, dims, 1, plan, None, args, (0,), 1, None)
     built = build_model_parts(job, device, [0])
     model, fpt, n_params = built.parts[0], built.flops_per_token, built.num_params
     params = [p for p in model.parameters() if p.requires_grad]

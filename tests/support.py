@@ -100,6 +100,11 @@ def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+def by_step(folder: Path) -> dict[int, dict]:
+    """The last record of each step in folder/metrics.jsonl: a resumed run appends to it."""
+    return {r["step"]: r for r in read_metrics(folder)}
+
+
 def torchrun_cmd(nproc: int, *args: str | Path, max_restarts: int | None = None) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc_per_node=N [--max-restarts=R] ARGS...`"""
     restarts = [] if max_restarts is None else [f"--max-restarts={max_restarts}"]

@@ -40,6 +40,7 @@ from tests.support import (
     WORKERS,
     RunResult,
     _env,
+    by_step,
     digest,
     launch_cmd,
     launch_worker,
@@ -99,11 +100,6 @@ def launch_train(args: list[str], nproc: int, *, max_restarts: int = 0, check: b
     if check and result.returncode != 0:
         pytest.fail(result.describe())
     return result
-
-
-def by_step(dump: Path) -> dict[int, dict]:
-    """The last record of each step: a resumed run appends to metrics.jsonl."""
-    return {r["step"]: r for r in read_metrics(dump)}
 
 
 def assert_same_steps(got: dict[int, dict], want: dict[int, dict], steps) -> None:

@@ -124,7 +124,7 @@ def _rows(md: str) -> dict[tuple[str, str], list[str]]:
     rows = {}
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 8 and cells[0] not in ("layout", "---"):
+        if len(cells) == 10 and cells[0] not in ("layout", "---"):
             rows[cells[0], cells[1]] = cells
     return rows
 
@@ -151,6 +151,9 @@ def test_numerics_matrix_table(matrix: tuple[Path, str]) -> None:
     # DDP bf16 against single-process bf16: the same arithmetic up to reduction order.
     assert max_abs(rows["DDP 2", "bf16"][6]) < 1e-3, rows["DDP 2", "bf16"]
     assert rows["single", "fp32"][6] == "(reference)"
+    # The validation loss after the last step: the same windows on every layout.
+    assert float(rows["single", "fp32"][9]) == 0 and abs(float(rows["DDP 2", "fp32"][9])) < 1e-5, md
+    assert all(1e-6 < abs(float(rows[k][9])) < 5e-2 for k in (("single", "bf16"), ("DDP 2", "bf16"))), md
 
 
 def test_loss_compare_runs_train(matrix: tuple[Path, str], tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ class Checkpoint:
     )
     exclude_from_loading: list[str] = _f(
         [], "States not to restore on load, from: model, optimizer, lr_scheduler, scaler, "
-        "train_state, dataloader, rng."
+        "train_state, dataloader, rng, validation."
     )
     create_seed_checkpoint: bool = _f(
         False, "Initialise the model, save it as step-0 (model only) and exit; run on one process. "
@@ -183,6 +183,23 @@ class Checkpoint:
         "(ranks split the files); a corrupt checkpoint is named and the previous one loaded. "
         "false: check file sizes only."
     )
+
+
+@dataclass
+class Validation:
+    enable: bool = _f(False, "Evaluate the loss on a validation set during training (and at the last step).")
+    dataset: str = _f(
+        "", "Any form training.dataset takes; '' evaluates on the training data itself (no held-out "
+        "split: the log says so)."
+    )
+    freq: int = _f(500, "Evaluate every N steps (and after the last step).")
+    steps: int = _f(
+        -1, "Batches per evaluation: -1 evaluates the whole split once (every rank's full batches); N "
+        "continues through the split from where the previous evaluation stopped (the position is "
+        "checkpointed)."
+    )
+    local_batch_size: int = _f(0, "Sequences per evaluation batch per data-parallel rank (0: training's).")
+    seq_len: int = _f(0, "Tokens per evaluation sequence (0: training's).")
 
 
 @dataclass
@@ -266,6 +283,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
@@ -580,6 +598,12 @@ def validate(config: JobConfig) -> None:
         "'parallelism.pipeline_parallel_microbatch_size' must be >= 1",
     )
     _require(config.metrics.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {config.metrics.log_freq}")
+    v = config.validation
+    _require(v.freq >= 1, f"'validation.freq' must be >= 1, got {v.freq}")
+    _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 (the whole split) or >= 1, got {v.steps}")
+    _require(v.local_batch_size >= 0,
+             f"'validation.local_batch_size' must be >= 1, or 0 for training's, got {v.local_batch_size}")
+    _require(v.seq_len == 0 or v.seq_len >= 2, f"'validation.seq_len' must be >= 2, or 0 for training's, got {v.seq_len}")
     for name in ("init_timeout_seconds", "timeout_seconds"):
         value = getattr(config.comm, name)
         _require(value >= 1, f"'comm.{name}' must be >= 1, got {value}")

@@ -21,6 +21,7 @@ from torchtitan_amp.parallelize import parallelize_llama, validate_layout
 from torchtitan_amp.pipeline import stage_module
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tokenizer import Tokenizer, build_tokenizer
+from torchtitan_amp.validation import ValidationSpec, resolve_spec
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
 # parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
@@ -54,6 +55,7 @@ class Job:
     model_args: LlamaModelArgs
     boundaries: tuple[int, ...]  # first layer of each pipeline stage; (0,) without PP
     n_microbatches: int  # pipeline microbatches per local batch; 1 without PP
+    validation: ValidationSpec | None  # None: validation off
 
     @property
     def layout(self) -> memory.Layout:
@@ -103,8 +105,9 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     args = build_model_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
+    validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None)
     return Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
-               n_microbatches)
+               n_microbatches, validation)
 
 
 @dataclass

@@ -18,14 +18,14 @@ if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     rank = os.environ.get("RANK")
     tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
 
 
-def _fail(error: Exception, code: int = 2) -> int:
+def fail(error: Exception, code: int = 2) -> int:
     # One line whatever the message holds, so launchers and logs show it whole.
     print("error: " + " ".join(str(error).splitlines()), file=sys.stderr)
     return code
@@ -42,7 +42,7 @@ def _parse(argv: list[str]) -> "JobConfig | int":
     try:
         return load_config(argv)
     except ConfigError as e:
-        return _fail(e)
+        return fail(e)
 
 
 def check_config(argv: list[str]) -> int:
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
 
     require()  # an old torch or a missing torchdata: one line with the install command, exit 2
     separate_inductor_cache()
-    _setup_logging()
+    setup_logging()
     if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
         # Plan without hardware: one process, fake process group, meta model, no training.
         from torchtitan_amp import dry_run
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         try:
             return dry_run.main(config)
         except ValueError as e:  # UserError, or a shape no layout accepts
-            return _fail(e)
+            return fail(e)
     from torchtitan_amp import distributed
     from torchtitan_amp.run_control import install_preemption_handlers
     from torchtitan_amp.trainer import Trainer
@@ -79,20 +79,24 @@ def main(argv: list[str]) -> int:
     try:
         Trainer(config).train()
     except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/errors.py
-        return _fail(e, e.exit_code)
+        return fail(e, e.exit_code)
     finally:
         distributed.shutdown()
     return 0
 
 
-def cli() -> None:
-    """Console entry point: run main, then leave without interpreter finalization."""
-    code = main(sys.argv[1:])
+def exit_process(code: int) -> None:
+    """Leave without interpreter finalization, once logs and streams are flushed. Everything is
+    closed by now (process group destroyed, metrics and checkpoints flushed), and gloo's worker
+    threads can still abort a finishing process there ("terminate called without an active
+    exception", seen ~1 in 40 launches here; the failure mode of pytorch/pytorch#179291), turning
+    a finished run into exit code -6."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter finalization: everything is closed by now (process group destroyed,
-    # metrics and checkpoints flushed), and gloo's worker threads can still abort a finishing
-    # process there ("terminate called without an active exception", seen ~1 in 40 launches here;
-    # the failure mode of pytorch/pytorch#179291), turning a finished run into exit code -6.
     os._exit(code)
+
+
+def cli() -> None:
+    """Console entry point: run main, then exit_process."""
+    exit_process(main(sys.argv[1:]))

@@ -168,6 +168,11 @@ class MetricsLogger:
         now = time.perf_counter()
         return (now - self._last_log_time) / max(step - self._last_logged_step, 1)
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` spent outside training (an evaluation) out of the current interval's
+        throughput, MFU and step time."""
+        self._last_log_time += seconds
+
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self._log_freq == 0
 

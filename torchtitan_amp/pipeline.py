@@ -23,6 +23,20 @@ from torchtitan_amp.rules import STAGES_PER_RANK, even_stage_starts
 logger = logging.getLogger("torchtitan_amp")
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _ModalLoss:
+    """The one loss function a schedule holds, switched between training's (scaled, divided
+    over micro-batches and accumulation steps) and evaluation's (the plain mean)."""
+
+    def __init__(self, train: LossFn, evaluate: LossFn) -> None:
+        self.train, self.evaluate, self.evaluating = train, evaluate, False
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (self.evaluate if self.evaluating else self.train)(output, labels)
+
+
 @dataclass
 class Pipeline:
     schedule: _PipelineSchedule
@@ -30,15 +44,29 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     n_microbatches: int
+    loss: _ModalLoss
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """Forward + backward of one batch; returns the last stage's per-microbatch losses."""
+        return self._run(self.schedule.step, inputs, labels)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Forward only (the schedule's eval mode, every stage takes part): the last stage's
+        per-microbatch mean losses; [] on the other stages."""
+        self.loss.evaluating = True
+        try:
+            with torch.no_grad():
+                return self._run(self.schedule.eval, inputs, labels)
+        finally:
+            self.loss.evaluating = False
+
+    def _run(self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         targets = labels if self.has_last_stage else None
         if self.has_first_stage:
-            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+            run(inputs, target=targets, losses=losses, return_outputs=False)
         else:
-            self.schedule.step(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses, return_outputs=False)
         # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
         return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 
@@ -144,7 +172,8 @@ def build_pipeline(
     dims: ParallelDims,
     schedule_name: str,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: LossFn,
+    eval_loss_fn: LossFn,
     apply_forward_context: Callable[[nn.Module], None],
 ) -> Pipeline:
     """Wrap this rank's parallelized stages (job.build_model_parts) in a schedule, each stage's
@@ -160,7 +189,8 @@ def build_pipeline(
     # holds, including those accumulated by earlier gradient-accumulation steps. The loss
     # function divides by n_microbatches instead (see Trainer._pipeline_loss).
     stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
-    schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    loss = _ModalLoss(loss_fn, eval_loss_fn)
+    schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
     logger.info("pipeline: %s, %d stages, %d microbatches; this rank holds stages %s",
                 schedule_name, num_stages, n_microbatches, stage_ids)
-    return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches)
+    return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches, loss)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import distributed, profiling
+from torchtitan_amp import distributed, profiling, validation
 from torchtitan_amp.checkpoint import CheckpointManager
-from torchtitan_amp.config import JobConfig, load_config, to_toml
+from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
@@ -81,8 +81,12 @@ class Trainer:
         self.dims, self.accum, self.plan = self.job.dims, self.job.accum, self.job.plan
         self.model_args = self.job.model_args
         # Bad data is a config-time error too: the loader is built before any process group.
+        dp_rank = self.dims.dp_rank(self.info.rank)
         self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
-                                           self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed)
+                                           dp_rank, self.dims.dp_degree, t.seed)
+        spec = self.job.validation
+        val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
+                      if spec is not None else None)
 
         distributed.init(self.info, config.comm.init_timeout_seconds)
         self.device = self.info.device
@@ -101,6 +105,10 @@ class Trainer:
         self.pipeline: Pipeline | None = None
         self.model_parts = self._build_model()
         self.model = self.model_parts[0]
+        self.validator = None if spec is None else validation.Validator(
+            spec, val_loader, config=config, plan=self.plan, dims=self.dims, model_parts=self.model_parts,
+            pipeline=self.pipeline, loss_fn=loss_fn, device=self.device, dp_group=self.dp_group,
+            pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
@@ -126,7 +134,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             config, model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             scaler=self.scaler, dataloader=self.dataloader, model_args=self.model_args,
-            device=self.device, pp_degree=self.dims.pp)
+            device=self.device, pp_degree=self.dims.pp, validator=self.validator)
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
@@ -140,7 +148,7 @@ class Trainer:
             self.pipeline = build_pipeline(
                 built.parts, built.stage_ids, self.job.num_stages, self.job.n_microbatches, self.dims,
                 self.config.parallelism.pipeline_parallel_schedule, self.device, self._pipeline_loss,
-                self.plan.apply_forward_context)
+                self._pipeline_eval_loss, self.plan.apply_forward_context)
         if self.is_logging_rank:
             logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
                         self.config.model.flavor, f"{built.num_params:,}", self.flops_per_token, self.accum)
@@ -153,6 +161,10 @@ class Trainer:
         so that the microbatches of all accumulation steps sum to the batch mean."""
         loss = loss_fn(self.plan.cast_output(output), labels) / (self.accum * self.pipeline.n_microbatches)
         return self.scaler.scale(loss)
+
+    def _pipeline_eval_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss on the last stage during evaluation: the plain per-microbatch mean."""
+        return loss_fn(self.plan.cast_output(output), labels)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss)."""
@@ -238,8 +250,9 @@ class Trainer:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
                     distributed.set_timeouts(self.config.comm.timeout_seconds, self.dims)
                 maybe_inject_fault(self.config, self.step, self.info.rank)
-                if self.metrics.should_log(self.step) or self.step == t.steps:
-                    self._log(loss, grad_norm, lr)
+                val = self._maybe_validate()
+                if self.metrics.should_log(self.step) or self.step == t.steps or val:
+                    self._log(loss, grad_norm, lr, val)
                 stop = self.checkpointer.should_stop()  # SIGTERM/SIGUSR1 on any rank: save and exit
                 saved_before = self.checkpointer.last_saved_step
                 self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
@@ -252,9 +265,23 @@ class Trainer:
         self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+    def _maybe_validate(self) -> dict[str, float]:
+        if self.validator is None or not self.validator.spec.due(self.step, self.config.training.steps):
+            return {}
+        result = self.validator.run()
+        self.metrics.exclude_time(result["val_time_s"])
+        return result
+
+    def evaluate(self) -> dict[str, float]:
+        """One evaluation of the current (loaded) weights, outside training (tools/evaluate.py)."""
+        if self.validator is None:
+            raise ConfigError("evaluation needs validation.enable = true")
+        return self.validator.run()
+
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
+             val: dict[str, float] | None = None) -> None:
         extra = {"epoch": float(self.dataloader.epoch), "step_time_s": self.metrics.step_time_s(self.step),
-                 "data_time_s": self.data_time_s}
+                 "data_time_s": self.data_time_s, **(val or {})}
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)

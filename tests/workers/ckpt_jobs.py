@@ -1,4 +1,5 @@
-"""Runs several training jobs in one process (one torchrun launch) for tests/test_checkpoint.py.
+"""Runs several training or evaluation jobs in one process (one torchrun launch) for
+tests/test_checkpoint.py and tests/test_validation.py.
 
 Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's spec with
   "options": {"step_delay": seconds slept after every train step (to give a signal time to arrive),
@@ -10,6 +11,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
              "rng_out": "file"                   write every rank's RNG draws after the job,
              "probe": "file",                    instead of training: loss on a fixed batch, one
                                                  train step on it, loss again, state checksum
+             "evaluate": "file"                  instead of training: tools.evaluate on args
+                                                 (a checkpoint's val_loss on this layout), to file
            }, ...]
 Every job builds a fresh Trainer (the process group is shared); preemption handlers are
 installed as train.py does.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torchtitan_amp import checkpoint, run_control
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
+from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.trainer import Trainer
 from tests.support import exit_process, probe_trainer, read_spec
 
@@ -90,6 +94,11 @@ def main(spec_path: str) -> int:
             for src, dst in job.get("copy", []):
                 shutil.copytree(src, dst)
         _barrier()
+        if job.get("evaluate"):
+            result = evaluate(job["args"])
+            if _rank() == 0:
+                Path(job["evaluate"]).write_text(json.dumps(result))
+            continue
         trainer = Trainer(load_config(job["args"]))
         if job.get("perturb_rng"):
             torch.manual_seed(1000 + _rank())

@@ -111,6 +111,9 @@ class StatePart:
     put: Callable[["CheckpointManager", Any], None]
     loadable: Callable[["CheckpointManager", Path, dict[str, Any], Any], bool] = _always
     source_rank: Callable[["CheckpointManager", Path, dict[str, Any]], int | None] = lambda m, path, meta: m.rank
+    # A per-rank part that checkpoints written before it existed lack: absent there means "nothing
+    # to restore", not a damaged file.
+    optional: bool = False
 
 
 def _model_fits(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> bool:
@@ -147,6 +150,17 @@ def _dataloader_source(m: "CheckpointManager", path: Path, meta: dict[str, Any])
     return m.rank if m.rank in sources else sources[0]
 
 
+def _validation_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int | None:
+    if m.validator is None or not m.validator.state_dict():
+        return None  # validation off, or every evaluation covers the whole split: no position
+    if meta["dp_degree"] != m.dp_degree:
+        if m.rank == 0:
+            logger.warning("validation position not restored: %s was saved with data-parallel degree %d, "
+                           "this run has %d", path, meta["dp_degree"], m.dp_degree)
+        return None
+    return _dataloader_source(m, path, meta)
+
+
 def _rng_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int | None:
     if meta["world_size"] == m.world_size:
         return m.rank
@@ -177,6 +191,8 @@ PARTS: tuple[StatePart, ...] = (
               lambda m, sd: m.dataloader.load_state_dict(sd), source_rank=_dataloader_source),
     StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
               source_rank=_rng_source),
+    StatePart("validation", False, lambda m: m.validator.state_dict() if m.validator is not None else {},
+              lambda m, sd: m.validator.load_state_dict(sd), source_rank=_validation_source, optional=True),
 )
 
 
@@ -255,6 +271,7 @@ class CheckpointManager:
         model_args: Any,
         device: torch.device,
         pp_degree: int = 1,
+        validator: Any = None,
     ) -> None:
         c = config.checkpoint
         self.config = config
@@ -265,6 +282,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
         self.dataloader = dataloader
+        self.validator = validator
         self.model_args = model_args
         self.device = device
         self.pp_degree = pp_degree
@@ -277,6 +295,7 @@ class CheckpointManager:
         self.dp_rank = getattr(dataloader, "dp_rank", 0)
         self.dp_degree = getattr(dataloader, "dp_world_size", 1)
         self.last_saved_step = -1
+        self.loaded_path: Path | None = None  # what load() restored from
         self.train_state = TrainState()  # what PARTS' train_state entry saves and restores
         self.parts = PARTS  # read once: the table in force when the run started
         self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)
@@ -602,6 +621,7 @@ class CheckpointManager:
                         time.monotonic() - begin, state.step,
                         f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
         self.last_saved_step = state.step
+        self.loaded_path = path
         return state
 
     def _choose_verified(self) -> _Choice | None:
@@ -728,7 +748,7 @@ class CheckpointManager:
         try:
             for part in self.rank_parts:
                 source = part.source_rank(self, path, meta) if part.name in names else None
-                if source is not None:
+                if source is not None and (part.name in rank_file(source) or not part.optional):
                     part.put(self, rank_file(source)[part.name])
         except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"

@@ -5,6 +5,7 @@ command (pyproject.toml):
     torchtitan-amp-estimate-memory   python -m torchtitan_amp.tools.estimate_memory  per-rank memory, analytic or measured
     torchtitan-amp-numerics-matrix   python -m torchtitan_amp.tools.numerics_matrix  layout x precision loss table
     torchtitan-amp-gpu-checks        python -m torchtitan_amp.tools.gpu_checks       the CUDA checks CPU tests cannot make
+    torchtitan-amp-evaluate          python -m torchtitan_amp.tools.evaluate         a checkpoint's validation loss, any layout
 
 `python -m` works from a checkout without installing (run it from the repository root).
 """

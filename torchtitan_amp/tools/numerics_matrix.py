@@ -115,6 +115,7 @@ class Result:
     losses: dict[int, float] = field(default_factory=dict)
     path: str = ""
     skipped_steps: int = 0
+    val_loss: float = math.nan  # after the last step
     error: str = ""
     wall_s: float = 0.0
 
@@ -141,11 +142,16 @@ def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]
 def train_args(run: Run, a: argparse.Namespace) -> list[str]:
     if a.global_batch % run.layout.dp:
         raise SystemExit(f"--global-batch {a.global_batch} is not divisible by {run.layout.name}'s dp degree")
+    local_batch = str(a.global_batch // run.layout.dp)
+    # One evaluation after the last step, of the same val_batches x global batch windows on every
+    # layout (the bundled data has no held-out split: this is the loss on training windows).
+    validation = ["--validation.enable", "true", "--validation.freq", str(a.steps), "--validation.steps",
+                  str(a.val_batches), "--validation.local_batch_size", local_batch] if a.val_batches else []
     return ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
-            "--training.local_batch_size", str(a.global_batch // run.layout.dp),
+            "--training.local_batch_size", local_batch,
             "--training.steps", str(a.steps), "--training.seed", str(a.seed),
             "--optimizer.lr", str(a.lr), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-            *run.layout.args, *run.precision.args]
+            *validation, *run.layout.args, *run.precision.args]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +187,8 @@ def read_result(run: Run, folder: Path) -> Result:
             row = json.loads(line)
             result.losses[int(row["step"])] = math.nan if row["loss"] is None else float(row["loss"])
             result.skipped_steps = int(row.get("skipped_steps") or 0)
+            if row.get("val_loss") is not None:
+                result.val_loss = float(row["val_loss"])
         result.wall_s = json.loads(done.read_text())["wall_s"]
         report = folder / "precision_report.json"
         if report.is_file():
@@ -248,15 +256,15 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
     ref = results.get("single / fp32")
     lines = [
         "| layout | precision | path | final loss | Δ final vs fp32 single | max \\|Δ\\| over steps vs fp32 single (rel) "
-        "| max \\|Δ\\| vs same precision, single | skipped fp16 steps |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| max \\|Δ\\| vs same precision, single | skipped fp16 steps | val loss | Δ val loss vs fp32 single |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         res = results.get(run.label)
         if res is None:
             continue
         if res.error:
-            lines.append(f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | |")
+            lines.append(f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | | | |")
             continue
         final = res.losses[max(res.losses)]
         cells = [run.layout.name, run.precision.name, res.path, f"{final:.5f}"]
@@ -277,6 +285,9 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
         else:
             cells.append("-")
         cells.append(str(res.skipped_steps) if "fp16" in run.precision.name else "")
+        cells.append(f"{res.val_loss:.5f}" if math.isfinite(res.val_loss) else "-")
+        ref_val = ref.val_loss if ref is not None and not ref.error else math.nan
+        cells.append(f"{res.val_loss - ref_val:+.2e}" if math.isfinite(res.val_loss - ref_val) else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -291,6 +302,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--flavor", default="debugmodel", help="model flavour (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, 2 warm-up steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-batches", type=int, default=8,
+                   help="global batches of the validation loss after the last step (0: none; default %(default)s)")
     p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
     p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
                    "(the fp32 single-process reference always runs)")
