@@ -241,6 +241,11 @@ class MixedPrecision:
     growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
     backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.")
     growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.")
+    audit: bool = _f(
+        False, "Instead of training: run one step of this job with dtype recorders on, write "
+        "precision_audit.json and exit 1 if anything ran or moved in another dtype than this plan "
+        "promises (torchtitan_amp/audit.py)."
+    )
 
 
 @dataclass
@@ -624,6 +629,8 @@ def validate(config: JobConfig) -> None:
     _require(dr.rank >= 0, f"'dry_run.rank' must be >= 0, got {dr.rank}")
     _require(dr.vocab_size >= 0, f"'dry_run.vocab_size' must be >= 0 (0: the tokenizer's), got {dr.vocab_size}")
     _validate_mixed_precision(config)
+    _require(not (config.mixed_precision.audit and config.compile.enable),
+             "'mixed_precision.audit' records the eager model's ops; set compile.enable = false for the audit")
 
 
 def _validate_mixed_precision(config: JobConfig) -> None:

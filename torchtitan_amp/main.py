@@ -77,7 +77,10 @@ def main(argv: list[str]) -> int:
     # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
     install_preemption_handlers()
     try:
-        Trainer(config).train()
+        trainer = Trainer(config)
+        if config.mixed_precision.audit:
+            return 0 if trainer.audit().ok else 1
+        trainer.train()
     except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/errors.py
         return fail(e, e.exit_code)
     finally:

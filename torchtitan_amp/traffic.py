@@ -139,6 +139,10 @@ def install(categorize: Categorize | None = None, *, point_to_point: bool = Fals
         _wrap(funcol, "all_reduce", "all_reduce", "self")
 
 
+def is_installed() -> bool:
+    return bool(_settings["installed"])
+
+
 @contextlib.contextmanager
 def counting() -> Iterator[dict[str, dict[str, int]]]:
     """Count the collectives issued inside the block, from zero; yields the live counts (read

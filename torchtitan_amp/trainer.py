@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,9 @@ from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.run_control import maybe_inject_fault
 from torchtitan_amp.pipeline import Pipeline, build_pipeline
+
+if TYPE_CHECKING:
+    from torchtitan_amp.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -264,6 +268,20 @@ class Trainer:
         self.checkpointer.close()
         self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
+
+    def audit(self) -> "AuditResult":
+        """One train step with dtype recorders on, checked against the precision plan
+        (mixed_precision.audit); the logging rank writes precision_audit.json and the table."""
+        from torchtitan_amp import audit
+
+        with torch.random.fork_rng(devices=[]):
+            batches = iter(self.dataloader)
+        result = audit.Auditor(self).run(batches)
+        if self.is_logging_rank:
+            path = audit.write(result, self.config.job.dump_folder)
+            logger.info("%s\n  written to %s", audit.table(result), path)
+        self.metrics.close()
+        return result
 
     def _maybe_validate(self) -> dict[str, float]:
         if self.validator is None or not self.validator.spec.due(self.step, self.config.training.steps):

@@ -13,6 +13,9 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
                                                  train step on it, loss again, state checksum
              "evaluate": "file"                  instead of training: tools.evaluate on args
                                                  (a checkpoint's val_loss on this layout), to file
+             "audit": "file"                     instead of training: Trainer.audit(), to file
+             "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
+                                                 whatever the plan says (the audit must catch it)
            }, ...]
 Every job builds a fresh Trainer (the process group is shared); preemption handlers are
 installed as train.py does.
@@ -20,6 +23,8 @@ installed as train.py does.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from torchtitan_amp import checkpoint, run_control
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
+from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.trainer import Trainer
 from tests.support import exit_process, probe_trainer, read_spec
@@ -83,6 +89,26 @@ def _install_test_hooks(options: dict) -> None:
         checkpoint.CheckpointManager._commit = crashing_commit
 
 
+@contextlib.contextmanager
+def _broken(what: str | None):  # type: ignore[no-untyped-def]
+    """A deliberate breach of the precision contract, for the audit's tests."""
+    if what is None:
+        yield
+        return
+    assert what == "fsdp_reduce_in_fp32", what
+    original = PrecisionPlan.fsdp_policy
+
+    def fp32_reduce(self, **kwargs):  # type: ignore[no-untyped-def]
+        policy = original(self, **kwargs)
+        return dataclasses.replace(policy, reduce_dtype=torch.float32)
+
+    PrecisionPlan.fsdp_policy = fp32_reduce
+    try:
+        yield
+    finally:
+        PrecisionPlan.fsdp_policy = original
+
+
 def main(spec_path: str) -> int:
     spec = read_spec(spec_path)
     _install_test_hooks(spec.options)
@@ -98,6 +124,12 @@ def main(spec_path: str) -> int:
             result = evaluate(job["args"])
             if _rank() == 0:
                 Path(job["evaluate"]).write_text(json.dumps(result))
+            continue
+        if job.get("audit"):
+            with _broken(job.get("break")):
+                result = Trainer(load_config(job["args"])).audit()
+            if _rank() == 0:
+                Path(job["audit"]).write_text(json.dumps(result.to_json()))
             continue
         trainer = Trainer(load_config(job["args"]))
         if job.get("perturb_rng"):

@@ -1,0 +1,151 @@
+"""The precision audit (issue 18): one real step with recorders on, checked against the plan.
+
+It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
+(single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2; bf16, bf16 reduce, fp32, pure bf16,
+fp16 on DDP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
+in bf16, logits reaching the loss in bf16, FSDP reducing every gradient in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support import launch_worker, run_python
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.config import ConfigError, load_config
+
+BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.gc_freq", "0"]
+BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: the audit's subject
+PRECISIONS = {
+    "bf16": BF16,
+    "bf16_reduce": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16"],
+    "fp32": ["--mixed_precision.enabled", "false"],
+    "pure_bf16": ["--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"],
+    "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float16"],
+}
+SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
+TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
+LAYOUTS = {
+    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16")),
+    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16")),
+    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32")),
+    "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
+    "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch):
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+
+
+def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
+    return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "pure_bf16"])
+def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
+    result = _trainer(tmp_path, *PRECISIONS[precision]).audit()
+    assert result.ok, result.breaches
+    saved = json.loads((tmp_path / "precision_audit.json").read_text())
+    assert saved["ok"] and saved["breaches"] == []
+    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16"}[precision]
+    storage = "bfloat16" if precision == "pure_bf16" else "float32"
+    # What was recorded, not only that nothing was flagged: every Linear and norm of the model.
+    assert saved["modules"]["layers.0.attention.wq"] == {"forward matmul": [low]}
+    assert saved["modules"]["layers.5.ffn_norm"] == {"compute": ["float32"]}
+    assert saved["modules"]["<loss>"] == {"log_softmax": ["float32"]}
+    assert saved["tensors"] == {"parameters": [storage], "gradients": [storage], "optimizer_state": [storage]}
+
+
+def test_linear_run_in_fp32_is_named(tmp_path: Path) -> None:
+    t = _trainer(tmp_path, *BF16)
+    wq = t.model.layers["1"].attention.wq
+
+    def fp32_forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return F.linear(x.float(), wq.weight.float())
+
+    wq.forward = fp32_forward
+    breaches = [str(b) for b in t.audit().breaches]
+    assert breaches == ["layers.1.attention.wq: forward matmul: promised bfloat16, saw float32"]
+
+
+def test_norm_run_in_bf16_is_named(tmp_path: Path) -> None:
+    t = _trainer(tmp_path, *BF16)
+    norm = t.model.layers["0"].ffn_norm
+    norm.forward = lambda x: F.rms_norm(x.bfloat16(), (x.shape[-1],), norm.weight.bfloat16(), norm.eps).to(x.dtype)
+    breaches = t.audit().breaches
+    # torch's rms_norm upcasts part of its bf16 decomposition itself: fp32 ops are seen too.
+    assert [(b.what, b.promised, "bfloat16" in b.seen) for b in breaches] == [
+        ("layers.0.ffn_norm: computes_in_fp32 module", ["float32"], True)]
+
+
+def test_low_precision_logits_at_the_loss_are_named(tmp_path: Path, monkeypatch) -> None:
+    # Pure bf16: no autocast, whose fp32 rule for log_softmax would rescue the loss by itself.
+    t = _trainer(tmp_path, *PRECISIONS["pure_bf16"])
+    monkeypatch.setattr(trainer_module, "loss_fn",
+                        lambda logits, labels: F.cross_entropy(logits.bfloat16().flatten(0, 1), labels.flatten()))
+    breaches = [str(b) for b in t.audit().breaches]
+    assert breaches == ["loss: log_softmax input: promised float32, saw bfloat16"]
+
+
+def test_audit_with_compile_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="'mixed_precision.audit' records the eager model's ops"):
+        load_config([*BASE, "--mixed_precision.audit", "--compile.enable"])
+
+
+def test_train_py_audit_exit_codes(tmp_path: Path) -> None:
+    ok = run_python("train.py", *BASE, *BF16, "--mixed_precision.audit", "--job.dump_folder", str(tmp_path))
+    assert ok.returncode == 0 and "precision audit: PASS" in ok.stdout, ok.describe()
+    assert json.loads((tmp_path / "precision_audit.json").read_text())["ok"]
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Every layout: two launches
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("audit")
+    results: dict[str, dict] = {}
+    for nproc in (2, 4):
+        jobs = [{"audit": str(root / f"{layout}_{precision}.json"),
+                 "args": [*BASE, *PRECISIONS[precision], *args, "--job.dump_folder", str(root / f"{layout}_{precision}")]}
+                for layout, (n, args, precisions) in LAYOUTS.items() if n == nproc for precision in precisions]
+        if nproc == 2:
+            jobs.append({"audit": str(root / "broken.json"), "break": "fsdp_reduce_in_fp32",
+                         "args": [*BASE, *PRECISIONS["bf16_reduce"], *LAYOUTS["fsdp"][1], "--job.dump_folder",
+                                  str(root / "broken")]})
+        launch_worker("ckpt_jobs", root / f"launch{nproc}", jobs, nproc, timeout=400)
+    for path in root.glob("*.json"):
+        results[path.stem] = json.loads(path.read_text())
+    return results
+
+
+@pytest.mark.parametrize("run", [f"{layout}_{precision}" for layout, (_, _, ps) in LAYOUTS.items() for precision in ps])
+def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
+    result = audits[run]
+    assert result["ok"], result["breaches"]
+    # Merged over ranks: every stage's modules (PP) and shard's ops were recorded.
+    assert result["modules"]["layers.5.feed_forward.w1"]["forward matmul"], result["modules"]
+    if run.endswith("_reduce") or run == "ddp_fp16":
+        # The reduction was seen, in the reduce dtype: the audit did not pass by seeing nothing.
+        reduce = "float16" if run == "ddp_fp16" else "bfloat16"
+        assert any(reduce in by_dtype for c, by_dtype in result["collectives"].items()
+                   if c.startswith(("reduce_scatter:dp", "all_reduce:dp"))), result["collectives"]
+
+
+def test_fsdp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
+    breaches = audits["broken"]["breaches"]
+    whats = {b["what"] for b in breaches}
+    assert "gradient reduce_scatter:dp_shard: float32 bytes" in whats, breaches
+    assert "gradient reduction of lower-precision-safe modules" in whats, breaches
