@@ -10,10 +10,13 @@
 #    interpreter without a usable torch is isolated, so an old system torch can never leak in.
 
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_TORCH_OK='import torch, sys; sys.exit(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13))'
-_DEPS_CHECK="$_TORCH_OK"'
-import torchdata, tensorboard, pytest, hypothesis
-sys.version_info >= (3, 11) or __import__("tomli")'
+_TORCH_NEW='import torch, sys; new = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)'
+_TORCH_OK="$_TORCH_NEW"'; sys.exit(not new)'
+# One exit at the end: an earlier sys.exit(0) would skip the imports after it.
+_DEPS_CHECK="$_TORCH_NEW"'
+import torchdata, tensorboard, pytest, hypothesis, importlib.util
+sys.version_info >= (3, 11) or __import__("tomli")
+sys.exit(not new or importlib.util.find_spec("torchao") is None)'
 
 _find_python() {
   if [ -n "${PYTHON:-}" ]; then

@@ -2,7 +2,7 @@
 
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
 (single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2; bf16, bf16 reduce, fp32, pure bf16,
-fp16 on DDP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
+fp16 on DDP, fp8 on single, DDP, FSDP and PP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
 in bf16, logits reaching the loss in bf16, FSDP reducing every gradient in fp32.
 """
 
@@ -28,14 +28,15 @@ PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
     "pure_bf16": ["--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"],
     "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float16"],
+    "fp8": [*BF16, "--mixed_precision.fp8", "tensorwise"],
 }
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
 LAYOUTS = {
-    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16")),
-    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16")),
+    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8")),
+    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8")),
     "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32")),
-    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
 }
@@ -50,13 +51,13 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32", "pure_bf16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "pure_bf16", "fp8"])
 def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
     result = _trainer(tmp_path, *PRECISIONS[precision]).audit()
     assert result.ok, result.breaches
     saved = json.loads((tmp_path / "precision_audit.json").read_text())
     assert saved["ok"] and saved["breaches"] == []
-    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16"}[precision]
+    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16", "fp8": "float8_e4m3fn"}[precision]
     storage = "bfloat16" if precision == "pure_bf16" else "float32"
     # What was recorded, not only that nothing was flagged: every Linear and norm of the model.
     assert saved["modules"]["layers.0.attention.wq"] == {"forward matmul": [low]}

@@ -14,7 +14,7 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path):
                           "--steps", "4", "--json", str(out)], timeout=300, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.describe()
     results = json.loads(out.read_text())
-    assert {k for k, v in results.items() if k != "env" and v["ok"]} == {"probe", "curves", "resume"}
+    assert {k for k, v in results.items() if k != "env" and v["ok"]} == {"probe", "curves", "resume", "fp8"}
     probe = results["probe"]
     assert probe["linear_out"] == {"bfloat16": probe["linear_out"]["bfloat16"]}
     assert any(op.startswith("mm:") for op in probe["forward_ops"])

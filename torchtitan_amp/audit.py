@@ -40,7 +40,8 @@ from torchtitan_amp.rules import dtype_name
 
 logger = logging.getLogger("torchtitan_amp")
 
-_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
 # Inside an fp32 module these only move data between dtypes; every other op must compute in fp32.
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -85,6 +86,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _dtype_computed(t: torch.Tensor) -> str:
+    """The dtype a matmul actually reads: torchao's Float8TrainingTensor reports its original
+    (high-precision) dtype and keeps the float8 payload in `_data`; its own dispatch then runs
+    torch._scaled_mm out of this mode's sight."""
+    data = getattr(t, "_data", None) if type(t) is not torch.Tensor else None
+    return dtype_name(data.dtype if isinstance(data, torch.Tensor) else t.dtype)
+
+
 class _Recorder(TorchDispatchMode):
     """Float input dtypes of the ops that matter, by the innermost module running them."""
 
@@ -97,7 +106,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
-        dtypes = {dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        dtypes = {_dtype_computed(a) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
         backward = torch._C._current_autograd_node() is not None
         module = self.stack[-1] if self.stack else "<model>"
         if backward:
@@ -168,9 +177,11 @@ class Auditor:
         self.plan: PrecisionPlan = trainer.plan
         self.named = {_clean(n): m for part in trainer.model_parts for n, m in part.named_modules()}
 
-    def promised_compute(self, module: nn.Module) -> torch.dtype:
+    def promised_compute(self, module: nn.Module) -> str:
+        if type(module).__name__ == "Float8Linear":
+            return "float8_e4m3fn"  # both recipes: e4m3 inputs and weights in forward
         low = self.plan.path != "full" and self.plan.is_safe(module)
-        return self.plan.param_dtype if low else self.plan.storage_dtype
+        return dtype_name(self.plan.param_dtype if low else self.plan.storage_dtype)
 
     def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> AuditResult:
         fp32 = {n for n, m in self.named.items() if getattr(m, "computes_in_fp32", False)}
@@ -234,21 +245,22 @@ class Auditor:
         for name, ops in r.modules.items():
             module = self.named.get(name)
             if isinstance(module, nn.Linear):
-                expect(f"{name}: forward matmul", {dtype_name(self.promised_compute(module))},
+                expect(f"{name}: forward matmul", {self.promised_compute(module)},
                        ops.get("forward matmul", []))
             if "attention" in ops:
                 expect(f"{name}: attention", {low}, ops["attention"])
             if "compute" in ops:
                 expect(f"{name}: computes_in_fp32 module", {"float32"}, ops["compute"])
         expect("loss: log_softmax input", {"float32"}, r.modules.get("<loss>", {}).get("log_softmax", []))
-        expect("backward matmuls", {low, storage}, r.backward_matmuls)
+        expect("backward matmuls", {low, storage, *(_FP8 if plan.fp8 != "none" else ())}, r.backward_matmuls)
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)
         for category, by_dtype in r.collectives.items():
             op, _, dim = category.partition(":")
             if op == "all_gather" and dim in _DP_DIMS:
-                expect(f"parameter {category}", {low, storage}, sorted(by_dtype))
+                fp8_gather = {"float8_e4m3fn", "uint8"} if plan.fp8_all_gather else set()
+                expect(f"parameter {category}", {low, storage, *fp8_gather}, sorted(by_dtype))
         return breaches
 
     def _check_gradient_reductions(self, collectives: dict[str, dict[str, int]]) -> list[Breach]:

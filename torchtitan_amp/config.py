@@ -241,6 +241,17 @@ class MixedPrecision:
     growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
     backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.")
     growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.")
+    fp8: Literal["none", "tensorwise", "rowwise"] = _f(
+        "none", "float8 training of nn.Linear through torchao (its recipe names): 'tensorwise' "
+        "(fastest) or 'rowwise' (more accurate); needs torchao and a device with fp8 matmuls."
+    )
+    fp8_skip_modules: list[str] = _f(
+        ["output"], "fnmatch patterns of Linear module names kept out of fp8 (Linears whose sizes "
+        "are not multiples of 16 are always kept out)."
+    )
+    fp8_all_gather: bool = _f(
+        False, "fp8 = 'tensorwise' on the FSDP path: all-gather the weights in fp8 (half of bf16's bytes)."
+    )
     audit: bool = _f(
         False, "Instead of training: run one step of this job with dtype recorders on, write "
         "precision_audit.json and exit 1 if anything ran or moved in another dtype than this plan "

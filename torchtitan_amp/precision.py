@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from torchtitan_amp import fp8
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.errors import PrecisionError
 from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
@@ -137,6 +138,27 @@ def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch
     return f"mixed_precision.enabled = {setting} -> {what}{why}"
 
 
+def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool) -> None:
+    """What fp8 cannot do here, refused in one line (never a silent bf16/fp32 fallback).
+    `on_hardware` False (a dry run): the device and torchao are not this machine's to check."""
+    mp = config.mixed_precision
+    if mp.fp8_all_gather and (mp.fp8 != "tensorwise" or path != "fsdp"):
+        raise PrecisionError(
+            f"'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path (data-parallel "
+            f"sharding with mixed precision); this job has fp8 = '{mp.fp8}' on the {path} path")
+    if mp.fp8_all_gather and device_type != "cuda":
+        raise PrecisionError(f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
+                             "all-gather float8 tensors")
+    if dims.tp_enabled:
+        raise PrecisionError("'mixed_precision.fp8' with tensor parallelism is not supported yet (it needs "
+                             "torchao's float8 TP styles); set tensor_parallel_degree = 1 or fp8 = 'none'")
+    if not on_hardware:
+        return
+    why = fp8.torchao_missing() or fp8.matmul_unsupported(device_type)
+    if why is not None:
+        raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
+
+
 def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
     """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
     if not enabled:
@@ -167,6 +189,9 @@ class PrecisionPlan:
     speed: LowPrecisionSpeed | None = None  # the low-precision matmul check, when one was made
     decision: str = ""  # the start-up line saying what precision the job trains in, and why
     warnings: tuple[str, ...] = ()
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # torchao float8 recipe of the Linears
+    fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
+    fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -214,8 +239,14 @@ class PrecisionPlan:
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
                          "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
         decision = _decision_line(setting, path, param, storage, speed)
+        if mp.fp8 != "none":
+            _check_fp8(config, dims, path, device_type, on_hardware=probe is not None)
+            decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
+        elif mp.fp8_all_gather:
+            raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
         return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
-                   scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings))
+                   scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
+                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather)
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
@@ -278,6 +309,24 @@ class PrecisionPlan:
         """Run `module`'s forward (only) in the forward context: for pipeline stages, whose
         schedule interleaves forward and backward so no context can wrap forward alone."""
         _wrap_forward(module, self.forward_context)
+
+    def check_fp8_modules(self, model: nn.Module) -> None:
+        """Every fp8 skip pattern names a Linear of the model (a typo would convert it)."""
+        if self.fp8 != "none":
+            unmatched = fp8.unmatched_patterns(model, self.fp8_skip)
+            if unmatched:
+                raise PrecisionError(f"'mixed_precision.fp8_skip_modules' entry {unmatched[0]!r} matches no "
+                                     "nn.Linear of the model (names such as 'output', 'layers.0.*')")
+
+    def apply_fp8(self, model: nn.Module) -> list[str]:
+        """Convert the model's fp8 Linears (before parallelizing); returns their names."""
+        if self.fp8 == "none":
+            return []
+        return fp8.convert(model, self.fp8, self.fp8_skip, self.fp8_all_gather)
+
+    def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
+        if self.fp8_all_gather:
+            fp8.precompute_scales(model_parts)
 
     def apply_storage_dtype(self, model: nn.Module) -> None:
         """Store parameters (only) in storage_dtype: fp32 master weights for mixed precision,
@@ -345,6 +394,8 @@ class PrecisionPlan:
             low = self.is_safe(module) and self.path != "full"
             # Off the "full" path storage is fp32: modules outside the safe list compute in it.
             compute = self.param_dtype if low else self.storage_dtype
+            if type(module).__name__ == "Float8Linear":
+                compute = torch.float8_e4m3fn
             name = _class_name(_user_class(module))
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
@@ -376,6 +427,9 @@ class PrecisionPlan:
             "compute_dtypes": [dtype_name(d) for d in self.compute_dtypes],
             "notes": list(self.notes),
             "warnings": list(self.warnings),
+            "fp8": self.fp8,
+            "fp8_modules": sorted(_fp8_module_names(model)),
+            "fp8_all_gather": self.fp8_all_gather,
         }
 
     def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
@@ -397,6 +451,10 @@ class PrecisionPlan:
             for note in self.notes:
                 logger.info("  note: %s", note)
         return report
+
+
+def _fp8_module_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
 
 
 def _wrap_forward(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager],

@@ -223,6 +223,7 @@ class Trainer:
         if stepped:
             # A skipped fp16 step must not advance the schedule.
             self.lr_scheduler.step()
+            self.plan.after_optimizer_step(self.model_parts)
         return loss_sum, grad_norm, stepped
 
     def train(self) -> None:

@@ -1,0 +1,104 @@
+"""fp8 training through torchao (issue 18): decided by the precision plan, refused in one line
+where it cannot hold, trained and resumed for real. torch 2.13 runs torch._scaled_mm on CPU, so
+the fp8 path itself runs here (slowly); what only a GPU shows (speed, nccl fp8 all-gather) is in
+torchtitan_amp/tools/gpu_checks.py's `fp8` check. The audit of fp8 steps is in test_audit.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support import by_step, launch_worker
+from torchtitan_amp import fp8
+from torchtitan_amp import job as job_mod
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.config import load_config
+from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.tools.gpu_checks import FP8_TOLERANCE
+
+BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+        "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
+FP8 = ["--mixed_precision.fp8", "tensorwise"]
+SHARD = "--parallelism.data_parallel_shard_degree"
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch):
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+
+
+def _resolve(*extra: str, world: int = 1, dry_run: bool = False) -> job_mod.Job:
+    return job_mod.resolve(load_config([*BASE, *extra]), world, "cpu", dry_run=dry_run)
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    ([*FP8, "--mixed_precision.fp8_all_gather", "true", SHARD, "2"], 2,
+     "'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo (cpu) cannot all-gather float8 tensors"),
+    (["--mixed_precision.fp8", "rowwise", "--mixed_precision.fp8_all_gather", "true", SHARD, "2"], 2,
+     "'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path"),
+    (["--mixed_precision.fp8_all_gather", "true"], 1, "'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'"),
+    ([*FP8, "--parallelism.tensor_parallel_degree", "2", SHARD, "1"], 2,
+     "'mixed_precision.fp8' with tensor parallelism is not supported yet"),
+    ([*FP8, "--mixed_precision.fp8_skip_modules", "outptu"], 1,
+     "'mixed_precision.fp8_skip_modules' entry 'outptu' matches no nn.Linear of the model"),
+])
+def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], world: int, message: str) -> None:
+    with pytest.raises(PrecisionError) as e:
+        _resolve(*extra, world=world)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monkeypatch) -> None:
+    monkeypatch.setattr(fp8, "torchao_missing", lambda: "fp8 training needs torchao (No module named 'torchao'); "
+                        + fp8.INSTALL)
+    with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
+                                             r"pip install 'torchao>=0.18'"):
+        _resolve(*FP8)
+    monkeypatch.setattr(fp8, "torchao_missing", lambda: None)
+    monkeypatch.setattr(fp8, "matmul_unsupported", lambda device: "torch._scaled_mm fails on cpu: no kernel")
+    with pytest.raises(PrecisionError, match="'mixed_precision.fp8' = 'tensorwise': torch._scaled_mm fails on cpu"):
+        _resolve(*FP8)
+    # A dry run sizes other machines: neither this machine's torchao nor its device is asked.
+    assert _resolve(*FP8, dry_run=True).plan.fp8 == "tensorwise"
+
+
+def test_this_cpu_runs_fp8_matmuls() -> None:
+    """What makes the CPU tests below possible; if a torch drops CPU _scaled_mm they must say so."""
+    assert fp8.matmul_unsupported("cpu") is None
+
+
+def test_fp8_trains_close_to_bf16_and_reports_its_modules(tmp_path: Path) -> None:
+    steps = ["--training.steps", "5"]
+    for name, extra in (("bf16", []), ("fp8", FP8)):
+        trainer_module.Trainer(load_config([*BASE, *steps, *extra, "--job.dump_folder", str(tmp_path / name)])).train()
+    bf16, f8 = by_step(tmp_path / "bf16"), by_step(tmp_path / "fp8")
+    diffs = [abs(f8[s]["loss"] - bf16[s]["loss"]) for s in bf16]
+    # fp8 ran (the curves differ) and stays within the GPU check's tolerance of bf16.
+    assert 0 < max(diffs) < FP8_TOLERANCE, diffs
+    report = json.loads((tmp_path / "fp8" / "precision_report.json").read_text())
+    assert report["fp8"] == "tensorwise" and len(report["fp8_modules"]) == 6 * 7  # 7 Linears per block
+    assert "output" not in report["fp8_modules"]
+    assert "nn.Linear in fp8 (tensorwise)" in report["decision"]
+    groups = {g["module_type"].rsplit(".", 1)[-1]: g for g in report["param_groups"]}
+    assert groups["Float8Linear"]["compute_dtype"] == "float8_e4m3fn"
+    assert groups["Linear"]["compute_dtype"] == "bfloat16"  # the output head, kept out
+
+
+def test_fsdp_fp8_resume_is_bitwise(tmp_path: Path) -> None:
+    """torchao's dynamic scaling keeps no fp8 state: the checkpoint's fp32 weights and AdamW
+    state are all a resume needs, and it reproduces the uninterrupted run bit for bit."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*BASE, *FP8, SHARD, "2", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    launch_worker("ckpt_jobs", tmp_path / "launch", [
+        {"args": [*args, "--job.dump_folder", str(a)]},
+        {"args": [*args, "--job.dump_folder", str(b)],
+         "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]},
+    ], 2, timeout=300)
+    ra, rb = by_step(a), by_step(b)
+    assert sorted(rb) == [3, 4]
+    for step in (3, 4):
+        assert (rb[step]["loss"], rb[step]["grad_norm"]) == (ra[step]["loss"], ra[step]["grad_norm"]), step

@@ -1,0 +1,96 @@
+"""float8 training through torchao: what the precision plan's fp8 decision needs at run time.
+
+precision.py decides (recipe, skipped modules, fp8 all-gather) and refuses what cannot hold; this
+module only answers "can this device multiply in fp8?", names the Linears a recipe converts, and
+converts them (torchao's Float8Linear keeps its weight in the storage dtype and casts to
+float8_e4m3fn per matmul with dynamic scales, so checkpoints hold no fp8 state to restore).
+torchao is imported here only, and only when fp8 is asked for.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+
+import torch
+from torch import nn
+
+# torch._scaled_mm needs both matmul dimensions of the weight to be multiples of 16.
+_ALIGNMENT = 16
+INSTALL = "pip install 'torchao>=0.18' (the project's [fp8] extra)"
+
+
+def torchao_missing() -> str | None:
+    """Why torchao cannot be used, or None."""
+    # torchao's import logs a WARNING per optional CUDA kernel library it cannot load (fp4,
+    # CUTLASS): noise on any machine without them, and not about float8 training.
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        return f"fp8 training needs torchao ({e}); {INSTALL}"
+    finally:
+        quiet.setLevel(level)
+    return None
+
+
+@functools.cache
+def matmul_unsupported(device_type: str) -> str | None:
+    """Why `device_type` cannot run float8 matmuls, or None: a GPU below compute capability 8.9
+    (H100, L40, RTX 4090 and newer have fp8), or a device where a tiny torch._scaled_mm fails."""
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible"
+        if torch.cuda.get_device_capability() < (8, 9):
+            name = torch.cuda.get_device_name()
+            return f"{name} (compute capability {torch.cuda.get_device_capability()}) has no fp8 matmuls; 8.9+ needed"
+    a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device_type)
+    try:
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        return f"torch._scaled_mm fails on {device_type}: {' '.join(str(e).splitlines())[:160]}"
+    return None
+
+
+def convertible(name: str, module: nn.Module, skip: tuple[str, ...]) -> bool:
+    return (isinstance(module, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+            and module.in_features % _ALIGNMENT == 0 and module.out_features % _ALIGNMENT == 0)
+
+
+def unmatched_patterns(model: nn.Module, skip: tuple[str, ...]) -> list[str]:
+    """Skip patterns that name no Linear of `model` (a typo would silently convert the module)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [p for p in skip if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
+def convert(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool) -> list[str]:
+    """Swap the convertible Linears of `model` for torchao Float8Linear; returns their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # tensorwise, fp8 all-gather
+    converted: list[str] = []
+
+    def keep(module: nn.Module, name: str) -> bool:
+        if convertible(name, module, skip):
+            converted.append(name)
+            return True
+        return False
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    return converted
+
+
+def precompute_scales(parts: list[nn.Module]) -> None:
+    """After each optimizer step with fp8 all-gather: one all-reduce computes every weight's scale
+    for the next step's fp8 all-gathers (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)
