@@ -2,7 +2,7 @@
 
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
 (single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2; bf16, bf16 reduce, fp32, pure bf16,
-fp16 on DDP, fp8 on single, DDP, FSDP and PP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
+fp16 on DDP, fp8 on single, DDP, FSDP, TP and PP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
 in bf16, logits reaching the loss in bf16, FSDP reducing every gradient in fp32.
 """
 
@@ -35,7 +35,7 @@ TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_paralle
 LAYOUTS = {
     "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8")),
     "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8")),
-    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32")),
+    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8")),
     "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),

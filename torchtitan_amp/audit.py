@@ -89,7 +89,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _dtype_computed(t: torch.Tensor) -> str:
     """The dtype a matmul actually reads: torchao's Float8TrainingTensor reports its original
     (high-precision) dtype and keeps the float8 payload in `_data`; its own dispatch then runs
-    torch._scaled_mm out of this mode's sight."""
+    torch._scaled_mm out of this mode's sight. Under TP it sits inside a DTensor."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
     data = getattr(t, "_data", None) if type(t) is not torch.Tensor else None
     return dtype_name(data.dtype if isinstance(data, torch.Tensor) else t.dtype)
 

@@ -149,9 +149,6 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
     if mp.fp8_all_gather and device_type != "cuda":
         raise PrecisionError(f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
                              "all-gather float8 tensors")
-    if dims.tp_enabled:
-        raise PrecisionError("'mixed_precision.fp8' with tensor parallelism is not supported yet (it needs "
-                             "torchao's float8 TP styles); set tensor_parallel_degree = 1 or fp8 = 'none'")
     if not on_hardware:
         return
     why = fp8.torchao_missing() or fp8.matmul_unsupported(device_type)
