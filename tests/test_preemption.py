@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_amp import launch
+from torchtitan_amp import dry_run, launch
 from torchtitan_amp.checkpoint import scan_folder
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.run_control import DeadlineCheck
@@ -158,6 +158,13 @@ def test_slurm_script_passes_the_warning_signal_to_the_ranks_which_save_and_exit
     assert "pre-emption: 90 s warning" in out  # PREEMPT_WARNING_S became checkpoint.preemption_warning_s
     stopped_at = max(r["step"] for r in read_metrics(dump))
     assert _complete_steps(dump / "checkpoint") == {stopped_at: "full"}, out[-4000:]
+    # The deadline arithmetic starts from the dry run's per-rank checkpoint size: it is what each
+    # rank wrote, to DCP's per-file overhead (1% at this size).
+    config = load_config([*ARGS, "--job.dump_folder", str(tmp_path / "dry")])
+    for rank in (0, 1):
+        estimate = dry_run.run(config, world_size=2, rank=rank, write=False)["memory"]["checkpoint"]
+        written = (dump / "checkpoint" / f"step-{stopped_at}" / f"__{rank}_0.distcp").stat().st_size
+        assert estimate <= written <= 1.03 * estimate, (rank, estimate, written)
 
 
 def _fake_proc(root: Path, pid: int, ppid: int, comm: str, environ: bytes) -> None:
