@@ -188,7 +188,9 @@ def test_launcher_signals_only_the_agents_workers(tmp_path):
 def test_launcher_exit_codes_and_usage(capsys):
     assert launch.exit_code(0) == 0 and launch.exit_code(1) == 1
     assert launch.exit_code(-signal.SIGKILL) == 137
-    assert launch.main([]) == 2 and launch.main(["--help"]) == 0
+    assert launch.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: no arguments: give torchrun's options")
+    assert launch.main(["--help"]) == 0
     assert "SIGTERM to the training ranks only" in capsys.readouterr().out
 
 

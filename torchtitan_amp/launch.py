@@ -100,9 +100,13 @@ def exit_code(returncode: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print("error: no arguments: give torchrun's options and the script to run; --help for more",
+              file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], start_new_session=True)
     forward = Forwarder(agent)
     for sig in STOP_SIGNALS:
