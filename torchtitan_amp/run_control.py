@@ -1,5 +1,6 @@
 """Run control: pre-emption signals (SIGTERM / SIGUSR1 ask every rank to finish its step, save
-and exit 0) and fault injection for the restart tests. The collective timeouts that end a job
+and exit 0), the check that step + save fit in the pre-emption warning, and fault injection for
+the restart tests. torchtitan_amp/launch.py keeps torchrun from killing the ranks meanwhile. The collective timeouts that end a job
 whose rank died live with the process groups (distributed.set_timeouts)."""
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class DeadlineCheck:
         return (f"pre-emption: {basis} step {step_s:.1f} s + save {save_s:.1f} s exceed "
                 f"checkpoint.preemption_warning_s = {self.warning_s} s, so a pre-emption would kill the "
                 f"save half way; ask the scheduler for a longer warning (SLURM: #SBATCH "
-                f"--signal=B:USR1@N) or write less per rank (more ranks, checkpoint.async_mode does "
-                f"not help here: see docs/checkpointing.md)")
+                f"--signal=B:USR1@N) or write less per rank (more ranks); checkpoint.async_mode "
+                f"does not shorten it (docs/checkpointing.md, Pre-emption)")
 
 
 # Fault injection (testing only)
