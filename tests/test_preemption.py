@@ -57,15 +57,16 @@ def _wait_for_step(dump: Path, step: int, proc: subprocess.Popen, timeout: float
 
 
 def _signal_and_wait(cmd: list[str], dump: Path, log: Path, sig: signal.Signals, *, env: dict[str, str],
-                     after_step: int = 2) -> tuple[int, str]:
-    """Start cmd in its own session, send `sig` to it (only to it) once step `after_step` is logged,
-    return its exit code and output; kill the whole session if it hangs."""
+                     after_step: int = 2, group: bool = False) -> tuple[int, str]:
+    """Start cmd in its own session, send `sig` to it (to its whole process group with `group`, as
+    a terminal's Ctrl-C does) once step `after_step` is logged, return its exit code and output;
+    kill everything it started if it hangs."""
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(env), stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             _wait_for_step(dump, after_step, proc)
-            os.kill(proc.pid, sig)
+            (os.killpg if group else os.kill)(proc.pid, sig)
             proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
@@ -120,6 +121,19 @@ def test_sigterm_to_launcher_saves_after_a_step_longer_than_torchruns_grace_and_
     for step in range(1, STEPS + 1):
         for key in EXACT:
             assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+
+
+def test_ctrl_c_to_the_launchers_process_group_saves_and_exits_0(tmp_path):
+    # A terminal sends SIGINT to its whole foreground process group; were the ranks in it, they
+    # would die of KeyboardInterrupt instead of saving.
+    dump = tmp_path / "job"
+    cmd = [sys.executable, "-m", "torchtitan_amp.launch", "--standalone", "--nproc_per_node=2", "train.py",
+           *ARGS, "--training.steps", "1000", "--job.dump_folder", str(dump)]
+    code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGINT, env=ONE_THREAD, group=True)
+    assert code == 0, out[-4000:]
+    assert "launch: SIGINT: asking 2 rank(s) to finish the step" in out
+    stopped_at = max(r["step"] for r in read_metrics(dump))
+    assert _complete_steps(dump / "checkpoint") == {stopped_at: "full"}, out[-4000:]
 
 
 def _stub(folder: Path, name: str, body: str) -> None:
