@@ -1,4 +1,4 @@
-"""train.py with every train step slowed down, for tests/test_preemption.py.
+"""train.py with every train step slowed down, for tests/test_checkpoint.py (pre-emption through the launcher).
 
 Usage: [torchrun | python -m torchtitan_amp.launch ...] slow_steps.py SECONDS [train.py arguments]
 
