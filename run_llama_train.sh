@@ -34,6 +34,9 @@ LOG_RANK=${LOG_RANK:-0}
 rank_filter=()
 [ "$LOG_RANK" != "all" ] && rank_filter=(--local-ranks-filter "$LOG_RANK")
 
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+# torchtitan_amp.launch runs torchrun but hands Ctrl-C, `kill` or a container stop (SIGINT,
+# SIGTERM, SIGHUP) to the ranks and waits: they finish the step, save (checkpoint.enable) and exit
+# 0, however long that takes; torchrun alone SIGKILLs them 30 s after forwarding the signal.
+exec "$PYTHON" -m torchtitan_amp.launch --standalone --nproc_per_node="$NGPU" \
   --role rank --tee 3 ${rank_filter[@]+"${rank_filter[@]}"} \
   train.py --job.config_file "$CONFIG_FILE" "$@"

@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume on every precision x layout, atomic saves, resharding, seed and
-export, preemption, crash + torchrun restart, and clear errors for bad input.
+export, preemption (also through torchtitan_amp.launch and scripts/multinode_trainer.slurm),
+crash + torchrun restart, and clear errors for bad input.
 
 Multi-process tests launch torchrun (gloo, CPU). To keep launches few, tests/workers/ckpt_jobs.py
 runs several jobs in one process: the uninterrupted job A, then job B that starts from a copy of
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_amp import dry_run
 from torchtitan_amp import job as job_module
 from torchtitan_amp import run_control
 from torchtitan_amp import trainer as trainer_module
@@ -382,6 +385,135 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     # rank), and the resumed job continues exactly like the uninterrupted one.
     launch_train(job_args(layout, "fp32", dump), nproc)
     assert_same_steps(by_step(dump), by_step(matrix(layout) / "fp32" / "a"), range(1, STEPS + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-emption through torchtitan_amp.launch: the sender's deadline, not torchrun's
+#
+# torchrun's agent SIGKILLs its ranks --shutdown-timeout seconds after it forwarded a signal. The
+# launcher hands the signal to the ranks instead and waits for them. Unit tests of the launcher
+# and of the deadline check are in tests/test_preemption.py.
+
+GRACE_S, STEP_DELAY_S = 1, 3  # torchrun's SIGKILL grace for these tests, shorter than one step
+
+
+def _kill_tree(root: int) -> None:
+    # The launcher runs torchrun in a session of its own, so a killpg of the test's group misses it.
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo, tree = [root], []
+    while todo:
+        tree.append(pid := todo.pop())
+        todo += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _signal_and_wait(cmd: list[str], dump: Path, log: Path, sig: signal.Signals, *, env: dict[str, str],
+                     after_step: int = 2, group: bool = False) -> tuple[int, str]:
+    """Start cmd in its own session, send `sig` to it (to its whole process group with `group`, as
+    a terminal's Ctrl-C does) once step `after_step` is logged, return its exit code and output;
+    kill everything it started if it hangs."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            _wait_for_step(dump, after_step, proc)
+            (os.killpg if group else os.kill)(proc.pid, sig)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+                proc.wait()
+    return proc.returncode, log.read_text()
+
+
+def launcher_cmd(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "torchtitan_amp.launch", "--standalone", "--nproc_per_node=2", *map(str, args)]
+
+
+def test_sigterm_to_launcher_saves_after_a_step_longer_than_torchruns_grace_and_resumes_bitwise(matrix, tmp_path):
+    dump = tmp_path / "job"
+    # No interval saves: the only checkpoint is the pre-emption's. Each step sleeps STEP_DELAY_S
+    # and torchrun's agent would SIGKILL its ranks GRACE_S after a signal reached it: only a
+    # signal that bypasses the agent leaves time for the step and the save.
+    args = job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000")
+    cmd = launcher_cmd(f"--shutdown-timeout={GRACE_S}", WORKERS / "slow_steps.py", STEP_DELAY_S, *args)
+    code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGTERM, env=ONE_THREAD)
+    assert code == 0, out[-4000:]
+    assert "launch: SIGTERM: asking 2 rank(s) to finish the step" in out
+    stopped_at = max(r["step"] for r in read_metrics(dump))
+    assert complete_steps(dump / "checkpoint") == {stopped_at: "full"} and stopped_at < STEPS, out[-4000:]
+    result = launch_train(job_args("fsdp", "fp32", dump), 2)
+    assert f"step-{stopped_at} (" in result.stdout  # it resumed from the pre-emption's checkpoint
+    assert_same_steps(by_step(dump), by_step(matrix("fsdp") / "fp32" / "a"), range(1, STEPS + 1))
+
+
+def test_ctrl_c_to_the_launchers_process_group_saves_and_exits_0(tmp_path):
+    # A terminal sends SIGINT to its whole foreground process group; were the ranks in it, they
+    # would die of KeyboardInterrupt instead of saving.
+    dump = tmp_path / "job"
+    cmd = launcher_cmd(TRAIN, *job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000",
+                                        "--training.steps", "1000"))
+    code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGINT, env=ONE_THREAD, group=True)
+    assert code == 0, out[-4000:]
+    assert "launch: SIGINT: asking 2 rank(s) to finish the step" in out
+    stopped_at = max(r["step"] for r in read_metrics(dump))
+    assert complete_steps(dump / "checkpoint") == {stopped_at: "full"}, out[-4000:]
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_slurm_script_passes_the_warning_signal_to_the_ranks_which_save_and_exit_0(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "scontrol", "echo node1\n")
+    _stub(bin_dir, "hostname", "echo 127.0.0.1\n")
+    # srun on one node: drop its options and become the task, as slurmstepd would run it. srun's
+    # own forwarding of SIGTERM to its tasks is SLURM's and cannot be run here.
+    _stub(bin_dir, "srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\n'
+                           'exec "$@"\n')
+    dump = tmp_path / "job"
+    env = {**ONE_THREAD, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
+           "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "2", "RDZV_PORT": str(_free_port()),
+           "CONFIG_FILE": "train_configs/debug_model.toml", "PREEMPT_WARNING_S": "90"}
+    args = job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000", "--training.steps", "1000")
+    cmd = ["bash", str(ROOT / "scripts" / "multinode_trainer.slurm"), *args]
+    # What `#SBATCH --signal=B:USR1@N` does N seconds before the time limit: SIGUSR1 to the batch shell.
+    code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGUSR1, env=env)
+    assert code == 0, out[-4000:]
+    assert "SIGUSR1: asking ranks to checkpoint and exit (deadline in 90 s)" in out
+    assert "launch: SIGTERM: asking 2 rank(s)" in out
+    assert "pre-emption: 90 s warning" in out  # PREEMPT_WARNING_S became checkpoint.preemption_warning_s
+    stopped_at = max(r["step"] for r in read_metrics(dump))
+    assert complete_steps(dump / "checkpoint") == {stopped_at: "full"}, out[-4000:]
+    # The deadline arithmetic starts from the dry run's per-rank checkpoint size: it is what each
+    # rank wrote, to DCP's overhead (0.8% here), plus, on the rank DCP picks for them, the pickled
+    # non-tensor entries (per-parameter optimizer settings, LR schedule: ~1.2 MB, 3.9% of this
+    # tiny model's share, a vanishing fraction of a real one's).
+    config = load_config([*args, "--job.dump_folder", str(tmp_path / "dry")])
+    for rank in (0, 1):
+        estimate = dry_run.run(config, world_size=2, rank=rank, write=False)["memory"]["checkpoint"]
+        written = (dump / "checkpoint" / f"step-{stopped_at}" / f"__{rank}_0.distcp").stat().st_size
+        assert estimate <= written <= 1.05 * estimate, (rank, estimate, written)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -178,6 +178,12 @@ class Checkpoint:
         False, "Initialise the model, save it as step-0 (model only) and exit; run on one process. "
         "Every parallel layout can start from it."
     )
+    preemption_warning_s: int = _f(
+        0, "Seconds from the pre-emption signal to the hard kill (SLURM's --signal=B:USR1@N, "
+        "docker stop -t N); 0: not known, no check. When set, start-up warns if a step plus a save "
+        "(estimated from this rank's checkpoint size and a timed 64 MiB write) would not fit, and "
+        "so does a measured step plus save later. scripts/multinode_trainer.slurm sets it."
+    )
     checksums: bool = _f(
         True, "Record a CRC-32 of every checkpoint file at save and verify them before loading "
         "(ranks split the files); a corrupt checkpoint is named and the previous one loaded. "
@@ -625,6 +631,8 @@ def validate(config: JobConfig) -> None:
         _require(value >= 1, f"'comm.{name}' must be >= 1, got {value}")
     _require(config.checkpoint.interval >= 1, "'checkpoint.interval' must be >= 1")
     _require(config.checkpoint.keep_latest_k >= 0, "'checkpoint.keep_latest_k' must be >= 0")
+    _require(config.checkpoint.preemption_warning_s >= 0,
+             f"'checkpoint.preemption_warning_s' must be >= 0 (0: unknown), got {config.checkpoint.preemption_warning_s}")
     _require(config.checkpoint.load_step >= -1, "'checkpoint.load_step' must be -1 (newest) or a step >= 0")
     _require(t.fault_inject_at_step >= 0, "'training.fault_inject_at_step' must be >= 0 (0: off)")
     ac = config.activation_checkpoint

@@ -234,6 +234,9 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             "transient": transient,
             "activations": acts.to_dict(),
             "peak_estimate": estimate.to_dict()["peak"],
+            # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
+            # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
+            "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
                          "unsharded_numel": g.unsharded_numel(dims.dp_shard), "gather_dtype": g.gather_dtype,
@@ -251,6 +254,9 @@ FORMULAS = {
     "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads); a "
              "TP-sharded embedding outside FSDP gets a replicated full-table gradient",
     "optimizer": "AdamW: exp_avg + exp_avg_sq in storage dtype (2 x params) + 4-byte fp32 step per tensor",
+    "checkpoint": "params + optimizer of this rank, unsharded-padding excluded (DCP writes the shards); "
+                  "a tensor replicated across ranks (DDP, TP-replicated norms) is written by one rank only, "
+                  "so there it is an upper bound",
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
                  "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
@@ -318,6 +324,7 @@ def format_table(r: dict[str, Any]) -> str:
     pk = m["peak_estimate"]
     lines.append(f"  {'peak estimate (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
                  f"  (configured: {fb(pk['configured'])})")
+    lines.append(f"  {'checkpoint (this rank writes)':34s} {fb(m['checkpoint']):>12s}  params + optimizer state")
     lines += ["", f"  {'communication per step':34s} {'total':>12s}  by dtype"]
     for name, d in r["communication"].items():
         lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {fd(d)}")

@@ -1,5 +1,6 @@
 """Run control: pre-emption signals (SIGTERM / SIGUSR1 ask every rank to finish its step, save
-and exit 0) and fault injection for the restart tests. The collective timeouts that end a job
+and exit 0), the check that step + save fit in the pre-emption warning, and fault injection for
+the restart tests. torchtitan_amp/launch.py keeps torchrun from killing the ranks meanwhile. The collective timeouts that end a job
 whose rank died live with the process groups (distributed.set_timeouts)."""
 
 from __future__ import annotations
@@ -37,6 +38,32 @@ def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, sign
 def stop_requested() -> str | None:
     """The name of the signal that asked this process to stop, if any."""
     return _stop_signal
+
+
+# The pre-emption deadline
+
+
+class DeadlineCheck:
+    """Whether a step plus a save fit in the pre-emption warning (`checkpoint.preemption_warning_s`):
+    the scheduler kills the job that many seconds after its signal, and the trainer can only start
+    the save once the step in progress has finished. Says so once per kind of evidence (the
+    start-up estimate, then measured times), since a job that does not fit loses exactly the
+    checkpoint pre-emption exists to write."""
+
+    def __init__(self, warning_s: int) -> None:
+        self.warning_s = warning_s
+        self._said: set[str] = set()
+
+    def problem(self, step_s: float, save_s: float, basis: str) -> str | None:
+        """The warning to log when step_s + save_s exceed the warning (first time for this basis)."""
+        if self.warning_s <= 0 or step_s + save_s <= self.warning_s or basis in self._said:
+            return None
+        self._said.add(basis)
+        return (f"pre-emption: {basis} step {step_s:.1f} s + save {save_s:.1f} s exceed "
+                f"checkpoint.preemption_warning_s = {self.warning_s} s, so a pre-emption would kill the "
+                f"save half way; ask the scheduler for a longer warning (SLURM: #SBATCH "
+                f"--signal=B:USR1@N) or write less per rank (more ranks); checkpoint.async_mode "
+                f"does not shorten it (docs/checkpointing.md, Pre-emption)")
 
 
 # Fault injection (testing only)

@@ -30,7 +30,7 @@ from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
-from torchtitan_amp.run_control import maybe_inject_fault
+from torchtitan_amp.run_control import DeadlineCheck, maybe_inject_fault
 from torchtitan_amp.pipeline import Pipeline, build_pipeline
 
 if TYPE_CHECKING:
@@ -142,6 +142,26 @@ class Trainer:
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        self.deadline = DeadlineCheck(config.checkpoint.preemption_warning_s if self.checkpointer.enabled else 0)
+        self.estimated_save_s = 0.0
+        if self.deadline.warning_s:
+            self.estimated_save_s = self._estimate_save()
+            self._check_deadline(0.0, "start-up estimate:")
+
+    def _estimate_save(self) -> float:
+        size, save_s = self.checkpointer.estimate_save_s()
+        if self.is_logging_rank:
+            logger.info("pre-emption: %d s warning; a save writes %.2f GiB on this rank, estimated "
+                        "%.1f s on the slowest rank", self.deadline.warning_s, size / 2**30, save_s)
+        return save_s
+
+    def _check_deadline(self, step_s: float, basis: str) -> None:
+        """Warn (once per basis) when a step plus the last measured save, or the estimate before
+        any save, would not fit in the pre-emption warning."""
+        save_s = self.checkpointer.last_save_s or self.estimated_save_s
+        problem = self.deadline.problem(step_s, save_s, basis)
+        if problem and self.is_logging_rank:
+            logger.warning(problem)
 
     def _build_model(self) -> list[nn.Module]:
         """This rank's model parts (job.build_model_parts); under PP, wrapped in a schedule."""
@@ -249,7 +269,9 @@ class Trainer:
                 if t.gc_freq and self.step % t.gc_freq == 0:
                     gc.collect(1)
                 lr = self.lr_scheduler.get_last_lr()[0]
+                step_start = time.perf_counter()
                 loss, grad_norm, _ = self.train_step(batches)
+                step_s = time.perf_counter() - step_start
                 self.tokens_seen += tokens_per_step
                 if self.step == first_step + 1:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
@@ -262,6 +284,9 @@ class Trainer:
                 saved_before = self.checkpointer.last_saved_step
                 self.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
                 checkpoints += self.checkpointer.last_saved_step != saved_before
+                if self.deadline.warning_s and self.step > first_step + 1:  # the first step warms up
+                    self._check_deadline(step_s, "measured" if self.checkpointer.last_save_s else
+                                         "measured step, estimated save:")
                 if prof is not None:
                     prof.step()
                 if stop:

@@ -94,6 +94,10 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 # The stateful parts
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _always(*_: Any) -> bool:
     return True
 
@@ -296,6 +300,9 @@ class CheckpointManager:
         self.dp_degree = getattr(dataloader, "dp_world_size", 1)
         self.last_saved_step = -1
         self.loaded_path: Path | None = None  # what load() restored from
+        # Seconds from asking for the last committed save to its commit (async: an upper bound,
+        # the steps that overlapped the write are counted too).
+        self.last_save_s = 0.0
         self.train_state = TrainState()  # what PARTS' train_state entry saves and restores
         self.parts = PARTS  # read once: the table in force when the run started
         self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)
@@ -350,6 +357,30 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint folder {self.folder} is not writable: {e.strerror or one_line(e)}"
             ) from None
+
+    def estimate_save_s(self, probe_bytes: int = 64 << 20) -> tuple[int, float]:
+        """(bytes, seconds) of this rank's share of a full save, the slowest rank's time: the
+        parameters plus AdamW's two moments (the optimizer state is created by the first step, so
+        it is counted from the parameters) at the rate of a timed, fsynced write of up to
+        `probe_bytes` into the checkpoint folder. Random bytes, so a compressing filesystem
+        cannot flatter it. Collective."""
+        size = 3 * sum(_local(p).numel() * _local(p).element_size()
+                       for m in self.model_parts for p in m.parameters())
+        n = max(min(size, probe_bytes), 1)
+        path = self.folder / f".rate_probe_{self.rank}_{os.getpid()}"
+        data = os.urandom(n)
+        start = time.perf_counter()
+        with open(path, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        seconds = (time.perf_counter() - start) * size / n
+        path.unlink()
+        if dist.is_initialized() and self.world_size > 1:
+            t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seconds = float(t.item())
+        return size, seconds
 
     # -----------------------------------------------------------------------------------------
     # State dicts
@@ -489,6 +520,7 @@ class CheckpointManager:
 
         self._agree(publish_and_purge)
         self.last_saved_step = state.step
+        self.last_save_s = time.monotonic() - begin
 
     def _checksum_share(self, tmp: Path) -> tuple[dict[str, str], str | None]:
         """CRC-32s of this rank's share of the files in tmp (ranks split them, so the cost is
