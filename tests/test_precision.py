@@ -540,3 +540,15 @@ def test_build_scaler_matches_plan() -> None:
 
 def test_no_process_group_was_started() -> None:
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("setting", [["--mixed_precision.reduce_dtype", "float32"],
+                                     ["--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear"]])
+def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
+    """Pure bf16 has no fp32 master copy: an explicit fp32 reduce or safe-module list would be
+    silently ignored, so it is an error naming the field (issue 17)."""
+    msg = one_line_error("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false", *setting)
+    assert f"'{setting[0][2:]}' has no effect with 'training.dtype' = 'bfloat16'" in msg
+    # The same dtype as the storage is what happens anyway: accepted.
+    assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
+                "--mixed_precision.reduce_dtype", "bfloat16").reduce_dtype == torch.bfloat16

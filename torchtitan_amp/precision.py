@@ -98,6 +98,14 @@ def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> Non
             f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
             f"= false, or drop training.dtype to train in mixed precision"
         )
+    if storage != torch.float32:
+        # Pure low precision has no fp32 master copy to reduce or compute in: these would be ignored.
+        for key, value in (("reduce_dtype", mp.reduce_dtype), ("lower_precision_safe_modules", None)):
+            if f"mixed_precision.{key}" in config.explicit and (value is None or _DTYPES[value] != storage):
+                raise PrecisionError(
+                    f"'mixed_precision.{key}' has no effect with 'training.dtype' = '{config.training.dtype}': "
+                    f"every parameter, gradient and reduction is {config.training.dtype}; drop it, or keep "
+                    f"fp32 master weights (training.dtype = 'float32') and train in mixed precision")
     if not asked:
         return
     if mp.param_dtype == "bfloat16" and mp.reduce_dtype == "float16":
