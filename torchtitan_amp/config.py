@@ -243,6 +243,10 @@ class MixedPrecision:
         ["torch.nn.Linear"],
         "Module classes whose compute/gathers/gradients may use param/reduce dtype; others stay fp32.",
     )
+    fp32_module_names: list[str] = _f(
+        [], "fnmatch patterns of module names kept in fp32 on every path, e.g. 'output,layers.0.*' "
+        "(a block's name covers everything in it); a pattern naming no module is an error."
+    )
     init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.")
     growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
     backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.")

@@ -15,6 +15,7 @@ Everything else (parallelize, trainer, checkpoint) asks the plan and never re-de
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import importlib
 import json
@@ -197,6 +198,7 @@ class PrecisionPlan:
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # torchao float8 recipe of the Linears
     fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
     fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
+    fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -251,7 +253,7 @@ class PrecisionPlan:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
         return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
-                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather)
+                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names))
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
@@ -266,7 +268,27 @@ class PrecisionPlan:
         return self.param_dtype if self.path == "autocast" and self.param_dtype != torch.float32 else None
 
     def is_safe(self, module: nn.Module) -> bool:
-        return isinstance(module, self.safe_modules)
+        return isinstance(module, self.safe_modules) and not getattr(module, _FP32_BY_NAME, False)
+
+    def mark_fp32_by_name(self, model: nn.Module) -> list[str]:
+        """Tag the modules `fp32_names` match, and everything inside them, as outside the safe
+        list: every path then asks `is_safe` and keeps them in fp32 (autocast islands, fp32 FSDP
+        groups, fp32 gradient reduction, no fp8). Call on the whole model before it is split or
+        parallelized; returns the names of the tagged modules that own parameters. A pattern
+        naming no module is a PrecisionError."""
+        named = dict(model.named_modules())
+        unmatched = [p for p in self.fp32_names if not any(fnmatch.fnmatchcase(n, p) for n in named if n)]
+        if unmatched:
+            raise PrecisionError(f"'mixed_precision.fp32_module_names' entry {unmatched[0]!r} matches no module "
+                                 "of the model (names such as 'output', 'layers.0', 'layers.*.attention.wo')")
+        tagged = []
+        for name, module in named.items():
+            if name and any(fnmatch.fnmatchcase(name, p) for p in self.fp32_names):
+                for sub_name, sub in module.named_modules(prefix=name):
+                    setattr(sub, _FP32_BY_NAME, True)
+                    if any(True for _ in sub.parameters(recurse=False)):
+                        tagged.append(sub_name)
+        return sorted(set(tagged))
 
     def fp32_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules owning parameters outside the safe list, in `model.modules()` order: they run in
@@ -327,7 +349,8 @@ class PrecisionPlan:
         """Convert the model's fp8 Linears (before parallelizing); returns their names."""
         if self.fp8 == "none":
             return []
-        return fp8.convert(model, self.fp8, self.fp8_skip, self.fp8_all_gather)
+        return fp8.convert(model, self.fp8, self.fp8_skip, self.fp8_all_gather,
+                           keep_fp32=lambda m: getattr(m, _FP32_BY_NAME, False))
 
     def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         if self.fp8_all_gather:
@@ -405,7 +428,7 @@ class PrecisionPlan:
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
                 reduce = self.storage_dtype
-            g = groups[name]
+            g = groups[f"{name} {compute}"]
             g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
                      compute_dtype=dtype_name(compute), reduce_dtype=dtype_name(reduce))
             g["num_params"] += sum(p.numel() for p in own)
@@ -433,8 +456,11 @@ class PrecisionPlan:
             "notes": list(self.notes),
             "warnings": list(self.warnings),
             "fp8": self.fp8,
-            "fp8_modules": sorted(_fp8_module_names(model)),
+            "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
             "fp8_all_gather": self.fp8_all_gather,
+            "fp32_module_names": list(self.fp32_names),
+            "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, _FP32_BY_NAME, False)
+                                   and any(True for _ in m.parameters(recurse=False))),
         }
 
     def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
@@ -458,8 +484,17 @@ class PrecisionPlan:
         return report
 
 
-def _fp8_module_names(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+# The attribute mark_fp32_by_name sets: it travels with the module through deepcopy (pipeline
+# stages), FSDP and TP, which keep the module objects.
+_FP32_BY_NAME = "_torchtitan_amp_fp32_by_name"
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's modules by their names in the model; the trainer reports its pipeline stages
+    as one ModuleList, whose index is not part of any module's name."""
+    if isinstance(model, nn.ModuleList):
+        return [(n.split(".", 1)[1], m) for n, m in model.named_modules() if "." in n]
+    return list(model.named_modules())
 
 
 def _wrap_forward(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager],
