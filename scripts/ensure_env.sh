@@ -12,7 +12,7 @@
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _TORCH_OK='import torch, sys; sys.exit(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13))'
 _DEPS_CHECK="$_TORCH_OK"'
-import torchdata, tensorboard, pytest, hypothesis
+import torchdata, tensorboard, pytest, hypothesis, numpy, tokenizers, tiktoken, pyarrow, zstandard, tqdm
 sys.version_info >= (3, 11) or __import__("tomli")'
 
 _find_python() {

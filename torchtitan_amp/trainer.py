@@ -82,7 +82,8 @@ class Trainer:
         self.model_args = self.job.model_args
         # Bad data is a config-time error too: the loader is built before any process group.
         self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
-                                           self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed)
+                                           self.dims.dp_rank(self.info.rank), self.dims.dp_degree, t.seed,
+                                           num_workers=t.dataloader_num_workers)
 
         distributed.init(self.info, config.comm.init_timeout_seconds)
         self.device = self.info.device
