@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check every shard's sha256 and token ids")
     v.add_argument("folder", type=Path)
     v.add_argument("--tokenizer", default=None, help="also check the shards were made with this tokenizer")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -74,7 +75,8 @@ def _verify(args: argparse.Namespace) -> str:
     from torchtitan_amp.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer) if args.tokenizer else None
-    with tqdm(total=total_bytes(args.folder), unit="B", unit_scale=True, desc="verify") as bar:
+    with tqdm(total=total_bytes(args.folder), unit="B", unit_scale=True, desc="verify",
+              disable=args.no_progress) as bar:
         tokens = verify(args.folder, tokenizer, bar.update)
     return f"{args.folder}: ok (" + ", ".join(f"{s} {n:,} tokens" for s, n in tokens.items()) + ")"
 
