@@ -7,6 +7,8 @@ import base64
 import gzip
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -266,6 +268,14 @@ def test_cli_prepare_verify_and_errors(corpus: Path, tmp_path: Path, capsys: pyt
     assert "ok (train" in capsys.readouterr().out
     assert cli_main(["prepare", str(tmp_path / "nope"), "-o", str(tmp_path / "x"), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: input {tmp_path / 'nope'} does not exist"]
+
+
+def test_prepare_command_does_not_import_torch(corpus: Path, tmp_path: Path) -> None:
+    # Its worker processes start faster and smaller without torch.
+    code = ("import sys; from torchtitan_amp.data.cli import main; "
+            f"rc = main(['prepare', {str(corpus)!r}, '-o', {str(tmp_path / 'tok')!r}, '--no-progress', '--workers', '2']); "
+            "sys.exit(rc or ('torch' in sys.modules and 3))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 # --- the loader: order, ranks, resume -------------------------------------------------------
