@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pre-training data at scale: prepare throughput, loader start-up and memory, windows/s.
 
-    python -m benchmarks.data                       # 1 GB synthetic corpus, ~10 min on 2 cores
+    python -m benchmarks.data                       # 1 GB synthetic corpus, ~7 min on 2 cores
     python -m benchmarks.data --gb 0.1 --bpe-mb 16  # a quick look
 
 1. Writes a synthetic corpus of --gb GB of .jsonl text (Zipf-distributed pseudo-words, documents
