@@ -97,12 +97,12 @@ def test_round_trip_matches_in_memory_path(corpus: Path, tmp_path: Path) -> None
     assert loader.epoch == 0
 
 
-def test_compressed_parquet_and_saved_dataset_inputs(tmp_path: Path) -> None:
+def test_compressed_and_parquet_inputs(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
 
-    docs = [_text(i, 5 + i) for i in range(12)]
+    docs = [_text(i, 5 + i) for i in range(9)]
     jsonl = "".join(json.dumps({"text": d}) + "\n" for d in docs[:4]).encode()
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl.gz").write_bytes(gzip.compress(jsonl))
@@ -111,12 +111,21 @@ def test_compressed_parquet_and_saved_dataset_inputs(tmp_path: Path) -> None:
     # Two row groups, a null and an empty string (both skipped), another column.
     table = pa.table({"id": list(range(6)), "body": docs[5:9] + [None, ""]})
     pq.write_table(table, tmp_path / "in" / "d.parquet", row_group_size=3)
-    datasets = pytest.importorskip("datasets")
-    datasets.Dataset.from_dict({"body": docs[9:]}).save_to_disk(str(tmp_path / "saved"))
-
-    out = _prepare([tmp_path / "in", tmp_path / "saved"], tmp_path / "tok", text_column="body")
-    expected = docs[:4] + docs[:4] + docs[4:9] + docs[9:]
+    out = _prepare([tmp_path / "in"], tmp_path / "tok", text_column="body")
+    expected = docs[:4] + docs[:4] + docs[4:9]
     assert np.array_equal(_stream(out), tokenize_corpus([("", d) for d in expected], TOK).numpy())
+
+
+def test_saved_hugging_face_dataset_input(tmp_path: Path) -> None:
+    # `datasets` is only needed to make the input: prepare reads its .arrow files with pyarrow.
+    datasets = pytest.importorskip("datasets", reason="making a saved dataset needs `pip install datasets`")
+    docs = [_text(i, 5 + i) for i in range(5)]
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "saved"))
+    out = _prepare([tmp_path / "saved"], tmp_path / "tok", text_column="body")
+    assert np.array_equal(_stream(out), tokenize_corpus([("", d) for d in docs], TOK).numpy())
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"dict is a Hugging Face DatasetDict; pass one split's folder, e\.g\. .*dict/train"):
+        _prepare([tmp_path / "dict"], tmp_path / "tok2")
 
 
 def _hf_tokenizer(path: Path) -> Path:
