@@ -50,7 +50,7 @@ def corpus(tmp_path: Path) -> Path:
     return root
 
 
-def _prepare(inputs: list[Path], out: Path, **kwargs) -> Path:
+def _prepare(inputs: list[Path | str], out: Path, **kwargs) -> Path:
     cfg = PrepareConfig(inputs=[str(p) for p in inputs], output=out, progress=False, **kwargs)
     prepare(cfg)
     return out
@@ -116,13 +116,20 @@ def test_compressed_and_parquet_inputs(tmp_path: Path) -> None:
     assert np.array_equal(_stream(out), tokenize_corpus([("", d) for d in expected], TOK).numpy())
 
 
-def test_saved_hugging_face_dataset_input(tmp_path: Path) -> None:
+def test_saved_and_by_name_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # `datasets` is only needed to make the input: prepare reads its .arrow files with pyarrow.
     datasets = pytest.importorskip("datasets", reason="making a saved dataset needs `pip install datasets`")
     docs = [_text(i, 5 + i) for i in range(5)]
     datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "saved"))
     out = _prepare([tmp_path / "saved"], tmp_path / "tok", text_column="body")
     assert np.array_equal(_stream(out), tokenize_corpus([("", d) for d in docs], TOK).numpy())
+    # By name: load_dataset's own cache files (a local JSON builder stands in for the hub).
+    (tmp_path / "hub.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    real_load = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: real_load(
+        "json", data_files=str(tmp_path / "hub.jsonl"), split=split, cache_dir=str(tmp_path / "cache")))
+    by_name = _prepare(["hf:someone/corpus"], tmp_path / "tok_hub")
+    assert np.array_equal(_stream(by_name), _stream(out))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(DataError, match=r"dict is a Hugging Face DatasetDict; pass one split's folder, e\.g\. .*dict/train"):
         _prepare([tmp_path / "dict"], tmp_path / "tok2")

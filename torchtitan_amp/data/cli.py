@@ -22,11 +22,14 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize raw text into a token-shard folder")
-    p.add_argument("inputs", nargs="+", help=".txt/.md/.jsonl(.gz/.zst), .parquet, folders, save_to_disk datasets")
+    p.add_argument("inputs", nargs="+", help=".txt/.md/.jsonl(.gz/.zst), .parquet, folders, save_to_disk datasets, "
+                   "hf:<name> (datasets.load_dataset by name)")
     p.add_argument("--output", "-o", required=True, type=Path, help="folder to write (train/, validation/, index.json)")
     p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json or a tiktoken BPE file (the job's "
                    "model.tokenizer must be the same)")
     p.add_argument("--text-column", default="text", help="column of .parquet and saved datasets (default: text)")
+    p.add_argument("--hf-config", default=None, help="configuration of hf:<name> inputs (e.g. wikitext-103-raw-v1)")
+    p.add_argument("--hf-split", default="train", help="split of hf:<name> inputs (default: train)")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is the same for any)")
     p.add_argument("--shard-mb", type=float, default=256.0, help="input MB per shard (default 256)")
     p.add_argument("--validation-fraction", type=float, default=0.0,
@@ -49,7 +52,8 @@ def _prepare(args: argparse.Namespace) -> str:
     from torchtitan_amp.data.prepare import PrepareConfig, prepare
 
     cfg = PrepareConfig(inputs=args.inputs, output=args.output, tokenizer=args.tokenizer,
-                        text_column=args.text_column, workers=args.workers, shard_mb=args.shard_mb,
+                        text_column=args.text_column, hf_config=args.hf_config, hf_split=args.hf_split,
+                        workers=args.workers, shard_mb=args.shard_mb,
                         validation_fraction=args.validation_fraction, split_seed=args.split_seed,
                         num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
                         progress=not args.no_progress)

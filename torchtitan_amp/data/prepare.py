@@ -38,6 +38,8 @@ class PrepareConfig:
     output: Path
     tokenizer: str = "byte"
     text_column: str = "text"
+    hf_config: str | None = None
+    hf_split: str = "train"
     workers: int = 1
     shard_mb: float = 256.0
     validation_fraction: float = 0.0
@@ -76,7 +78,7 @@ def _group_units(units: list[Unit], shard_bytes: int) -> list[list[Unit]]:
 
 def build_plan(cfg: PrepareConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     shard_bytes = max(1, int(cfg.shard_mb * (1 << 20)))
-    groups = _group_units(plan_units(cfg.inputs, shard_bytes), shard_bytes)
+    groups = _group_units(plan_units(cfg.inputs, shard_bytes, cfg.hf_config, cfg.hf_split), shard_bytes)
     if not groups:
         raise DataError(f"inputs {', '.join(cfg.inputs)} hold no documents")
     return {
@@ -220,6 +222,8 @@ def _part_path(out: Path, shard_index: int, num_shards: int) -> Path:
 
 def _prepare_output(cfg: PrepareConfig) -> None:
     out = cfg.output
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} is a file; choose a folder")
     ours = (out / fmt.INDEX_NAME).exists() or (out / fmt.WORK_DIR).exists()
     if (out / fmt.INDEX_NAME).exists() and not cfg.overwrite:
         raise DataError(f"{out} is already prepared ({fmt.INDEX_NAME} exists); pass --overwrite to prepare it again")
@@ -343,6 +347,6 @@ def merge(out: Path) -> Path:
              "plan": fingerprint, "splits": splits}
     _write_json_atomic(out / fmt.INDEX_NAME, index)
     shutil.rmtree(work)
-    if not any((out / "validation").iterdir()):
+    if (out / "validation").is_dir() and not any((out / "validation").iterdir()):
         (out / "validation").rmdir()
     return out / fmt.INDEX_NAME

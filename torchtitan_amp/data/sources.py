@@ -4,7 +4,9 @@ Inputs: .txt / .md (one document per file), .jsonl (one {"text": ...} per line),
 .gz or .zst compressed; .parquet (a named column, read per row group with pyarrow); a folder of
 those (sorted, as `path:` sorts, so both paths give the same document order); a Hugging Face
 `datasets` dataset saved with save_to_disk (its .arrow files, read with pyarrow: no `datasets`
-import). Units depend only on the inputs and the unit size, never on the number of workers, which
+import); `hf:<name>`, a dataset loaded by name with `datasets.load_dataset` (downloaded and
+converted to Arrow by `datasets` itself into its cache, whose .arrow files are then read the same
+way). Units depend only on the inputs and the unit size, never on the number of workers, which
 is what makes the output byte-identical for any worker count. No torch here.
 """
 
@@ -90,10 +92,30 @@ def _file_units(path: Path, kind: str, unit_bytes: int) -> list[Unit]:
     return [Unit(**base, size=stat.st_size)]
 
 
-def plan_units(inputs: list[str], unit_bytes: int) -> list[Unit]:
+def _hub_files(spec: str, config: str | None, split: str) -> list[Path]:
+    """The Arrow cache files of `datasets.load_dataset(name, config, split=split)`."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(f"input {spec!r} needs the `datasets` package: pip install datasets") from e
+    name = spec.removeprefix("hf:")
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # network, unknown name or split: datasets raises many types
+        raise DataError(f"input {spec!r}: datasets.load_dataset failed: {' '.join(str(e).split())[:300]}") from e
+    files = [Path(f["filename"]) for f in dataset.cache_files]
+    if not files:
+        raise DataError(f"input {spec!r}: datasets.load_dataset returned an in-memory dataset without cache files")
+    return files
+
+
+def plan_units(inputs: list[str], unit_bytes: int, hf_config: str | None = None, hf_split: str = "train") -> list[Unit]:
     """Every input expanded, in order, to units of at most ~unit_bytes (files are never merged)."""
     units: list[Unit] = []
     for spec in inputs:
+        if spec.startswith("hf:"):
+            units += [u for p in _hub_files(spec, hf_config, hf_split) for u in _file_units(p, "arrow", unit_bytes)]
+            continue
         root = Path(spec)
         if not root.exists():
             raise DataError(f"input {root} does not exist")
