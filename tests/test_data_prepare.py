@@ -18,6 +18,7 @@ import torch
 
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
+from torchtitan_amp.errors import ConfigError
 import torchtitan_amp.data.prepare as prepare_module
 from torchtitan_amp.data import DataError, build_dataloader, load_texts, tokenize_corpus
 from torchtitan_amp.data.cli import main as cli_main
@@ -348,6 +349,14 @@ def test_resume_mid_epoch_is_exact(numbered: Path, num_workers: int) -> None:
     for (a, b), (c, d) in zip(got, want, strict=True):
         assert torch.equal(a, c) and torch.equal(b, d)
     assert resumed.epoch == reference.epoch == 1
+
+
+def test_loader_workers_need_a_tokens_dataset(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(_text(0, 50))
+    with pytest.raises(DataError, match=r"num_workers > 0 needs a 'tokens:' dataset"):
+        build_dataloader(f"path:{tmp_path / 'a.txt'}", TOK, 8, 1, 0, 1, 0, num_workers=2)
+    with pytest.raises(ConfigError, match=r"'training.dataloader_num_workers' must be >= 0, got -1"):
+        load_config(["--training.dataloader_num_workers", "-1"])
 
 
 def test_state_from_another_batch_size_is_refused(numbered: Path) -> None:
