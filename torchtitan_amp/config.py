@@ -85,7 +85,14 @@ class LRScheduler:
 class Training:
     dataset: str = _f(
         "pydoc",
-        "'pydoc' (CPython's bundled docs, no download) or 'path:/file/or/folder' (.txt, .jsonl).",
+        "'pydoc' (CPython's bundled docs, no download), 'path:/file/or/folder' (.txt, .md, .jsonl; "
+        "tokenised in memory at start-up) or 'tokens:/prepared/folder' (shards from "
+        "`python -m torchtitan_amp.data prepare`, memory-mapped; ':validation' appended names the "
+        "held-out split). See docs/data.md.",
+    )
+    dataloader_num_workers: int = _f(
+        0, "Loader worker processes per rank building batches ahead of the step ('tokens:' datasets "
+        "only; the batches are the same for any number)."
     )
     local_batch_size: int = _f(8, "Sequences per micro-batch per data-parallel rank.")
     global_batch_size: int = _f(
@@ -593,6 +600,8 @@ def validate(config: JobConfig) -> None:
     t, o, p, lr = config.training, config.optimizer, config.parallelism, config.lr_scheduler
     _require(t.seq_len >= 2, f"'training.seq_len' must be >= 2, got {t.seq_len}")
     _require(t.local_batch_size >= 1, f"'training.local_batch_size' must be >= 1, got {t.local_batch_size}")
+    _require(t.dataloader_num_workers >= 0,
+             f"'training.dataloader_num_workers' must be >= 0, got {t.dataloader_num_workers}")
     _require(
         t.global_batch_size == -1 or t.global_batch_size >= 1,
         f"'training.global_batch_size' must be -1 or >= 1, got {t.global_batch_size}",
