@@ -32,14 +32,16 @@ PRECISIONS = {
     # Per-module override by name (issue 17): the head and the first block stay fp32.
     "fp32_names": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--mixed_precision.fp32_module_names",
                    "output,layers.0"],
+    # Frozen modules in bf16 (issue 17): no gradient, so nothing of theirs on the wire.
+    "frozen": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.0,layers.1.attention"],
 }
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
 LAYOUTS = {
-    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names")),
-    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names")),
-    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names")),
-    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names")),
+    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen")),
+    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen")),
+    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
 }
@@ -160,11 +162,25 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
     if run.endswith("fp32_names"):
         assert result["modules"]["layers.0.feed_forward.w1"]["forward matmul"] == ["float32"], result["modules"]
         assert result["modules"]["layers.1.feed_forward.w1"]["forward matmul"] == ["bfloat16"], result["modules"]
-    if run.endswith(("_reduce", "fp32_names")) and not run.startswith(("tp", "pp")) or run == "ddp_fp16":
+    if run.endswith(("_reduce", "fp32_names", "frozen")) and not run.startswith(("tp", "pp")) or run == "ddp_fp16":
         # The reduction was seen, in the reduce dtype: the audit did not pass by seeing nothing.
         reduce = "float16" if run == "ddp_fp16" else "bfloat16"
         assert any(reduce in by_dtype for c, by_dtype in result["collectives"].items()
                    if c.startswith(("reduce_scatter:dp", "all_reduce:dp"))), result["collectives"]
+
+
+@pytest.mark.parametrize("layout, collective", [("ddp", "all_reduce:dp_replicate"), ("fsdp", "reduce_scatter:dp_shard")])
+def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collective: str) -> None:
+    """The frozen Linears' gradients would be 2 bytes per parameter in the bf16 reduction: they
+    are missing from it, and the frozen parameters are in no optimizer state."""
+    from torchtitan_amp.job import build_model_parts, resolve
+
+    job = resolve(load_config([*BASE, *PRECISIONS["frozen"]]), 1, "cpu")
+    model = build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
+    frozen_linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                        for p in m.parameters() if not p.requires_grad)
+    full, frozen = (audits[f"{layout}_{p}"]["collectives"][collective]["bfloat16"] for p in ("bf16_reduce", "frozen"))
+    assert frozen_linear > 10**6 and full - frozen >= 2 * frozen_linear, (full, frozen, frozen_linear)
 
 
 def test_fsdp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:

@@ -115,6 +115,11 @@ class Training:
         "", "Alias of mixed_precision.param_dtype (torchtitan spelling).")
     mixed_precision_reduce: Literal["", DtypeName] = _f(
         "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).")
+    freeze: list[str] = _f(
+        [], "fnmatch patterns of module names whose parameters are frozen (no gradient, optimizer state "
+        "or gradient reduction) and stored in their compute dtype: param_dtype for lower-precision-safe "
+        "modules in mixed precision, else as trained ones; a pattern naming no module is an error."
+    )
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
     skip_nonfinite_steps: bool = _f(
         False, "Skip (and count) a step whose loss or grad norm is inf/nan instead of stopping the job "
