@@ -266,7 +266,7 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     groups = _groups(report)
     assert groups["Linear"] | {"num_params": 0} == {
         "module_type": "torch.nn.modules.linear.Linear", "num_params": 0,
-        "storage_dtype": "float32", "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+        "storage_dtype": "float32", "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "trained": True}
     for name in ("Embedding", "RMSNorm"):
         assert (groups[name]["compute_dtype"], groups[name]["reduce_dtype"]) == ("float32", "float32")
     assert sum(g["num_params"] for g in groups.values()) == sum(q.numel() for q in model.parameters())
@@ -547,8 +547,10 @@ def test_no_process_group_was_started() -> None:
 def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     """Pure bf16 has no fp32 master copy: an explicit fp32 reduce or safe-module list would be
     silently ignored, so it is an error naming the field (issue 17)."""
-    msg = one_line_error("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false", *setting)
+    msg = one_line_error("--training.dtype", "bfloat16", *setting)
     assert f"'{setting[0][2:]}' has no effect with 'training.dtype' = 'bfloat16'" in msg
+    # mixed_precision.enabled = false switches the whole section off, these settings included.
+    assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false", *setting).path == "full"
     # The same dtype as the storage is what happens anyway: accepted.
     assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
                 "--mixed_precision.reduce_dtype", "bfloat16").reduce_dtype == torch.bfloat16

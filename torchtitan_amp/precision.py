@@ -99,8 +99,9 @@ def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> Non
             f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
             f"= false, or drop training.dtype to train in mixed precision"
         )
-    if storage != torch.float32:
-        # Pure low precision has no fp32 master copy to reduce or compute in: these would be ignored.
+    if storage != torch.float32 and mp.enabled is not False:
+        # Pure low precision has no fp32 master copy to reduce or compute in: these would be ignored
+        # (with enabled = false the user has switched the whole section off, these included).
         for key, value in (("reduce_dtype", mp.reduce_dtype), ("lower_precision_safe_modules", None)):
             if f"mixed_precision.{key}" in config.explicit and (value is None or _DTYPES[value] != storage):
                 raise PrecisionError(
