@@ -56,7 +56,8 @@ class Job:
 class Model:
     name: Literal["llama3"] = _f("llama3", "Model family.")
     flavor: Flavor = _f("debugmodel", "Model size.")
-    tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS) or a path to a tokenizer.json.")
+    tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS), a path to a tokenizer.json, or a "
+                        "Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json's BOS/EOS).")
 
 
 @dataclass
@@ -159,7 +160,9 @@ class Checkpoint:
     load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).")
     initial_load_path: str = _f(
         "", "Weights to start from when the folder holds no checkpoint: a step folder (seed, full "
-        "or model-only export) or a folder of them. Loads the model only; training starts at step 0."
+        "or model-only export), a folder of them, or a Hugging Face Llama folder (config.json + "
+        "*.safetensors; config.json must match model.flavor and the tokenizer's vocab). Loads the "
+        "model only; training starts at step 0."
     )
     last_save_model_only: bool = _f(
         False, "At the last step write only the model, as one torch.save file in export_dtype "

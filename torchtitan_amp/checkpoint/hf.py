@@ -208,7 +208,8 @@ def check_config(folder: Path, args: LlamaModelArgs, flavor: str = "") -> dict[s
         same = math.isclose(got, value, rel_tol=1e-9) if isinstance(value, float) and got is not None else got == value
         if not same:
             source = "the tokenizer (model.tokenizer)" if key == "vocab_size" else f"model.flavor {flavor!r}"
-            raise CheckpointError(f"{folder / CONFIG}: '{_HF_FIELD[key]}' = {got} but {source} has "
+            shown = ("llama3" if got else "none") if key == "use_scaled_rope" else got
+            raise CheckpointError(f"{folder / CONFIG}: '{_HF_FIELD[key]}' = {shown} but {source} has "
                                   f"{key} = {value}")
     return cfg
 
@@ -335,8 +336,13 @@ def _dtype(name: str, path: Path, tensor: str) -> torch.dtype:
         raise CheckpointError(f"{path}: tensor '{tensor}' has unsupported dtype {name}") from e
 
 
+def _raise(error: str | None) -> None:
+    if error is not None:
+        raise CheckpointError(error)
+
+
 def load_hf(model: nn.Module, folder: Path, args: LlamaModelArgs, *, complete_model: bool,
-            agree: Callable[[str | None], Any] = lambda error: None) -> None:
+            agree: Callable[[str | None], Any] = _raise) -> None:
     """Load a Hugging Face Llama folder into `model` (this rank's part, any layout) in place.
     Collective under a process group. `agree(error)` gathers every rank's error and raises the
     first on all of them, so that a bad folder fails everywhere with the same line."""

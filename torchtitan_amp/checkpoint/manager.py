@@ -641,7 +641,12 @@ class CheckpointManager:
         names = tuple(n for n in (("model",) if initial or kind != "full" else every)
                       if n not in c.exclude_from_loading)
         state = TrainState()
-        if kind == "model_only":
+        if kind == "hf":
+            from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
+
+            load_hf(self._model, path, self.model_args, complete_model=self.pp_degree == 1,
+                    agree=lambda error: self._all_ok(error))
+        elif kind == "model_only":
             self._load_export(path)
         else:
             state = self._load_dcp(path, names)
@@ -721,6 +726,11 @@ class CheckpointManager:
         if (path / MARKER).is_file():
             info = inspect_checkpoint(path)
             return _Choice(str(path), info.kind, info.meta, True, info.step)
+        if (path / "config.json").is_file():  # a Hugging Face model folder
+            from torchtitan_amp.checkpoint.hf import check_config
+
+            check_config(path, self.model_args, self.config.model.flavor)
+            return _Choice(str(path), "hf", {}, True, 0)
         if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
             return _Choice(str(path), "seed", {}, True, 0)
         complete, problems = scan_folder(path)
