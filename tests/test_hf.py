@@ -26,6 +26,7 @@ from torchtitan_amp.checkpoint.hf import (
     parse_size,
     permute_from_hf,
     permute_to_hf,
+    rotary_rows,
 )
 from torchtitan_amp.errors import CheckpointError, DataError
 from torchtitan_amp.models import llama
@@ -105,6 +106,17 @@ def test_permutation_round_trips_and_moves_rows():
     assert permute_to_hf(w, 2)[:, 0].tolist() == [0, 6, 12, 18, 3, 9, 15, 21, 24, 30, 36, 42, 27, 33, 39, 45]
 
 
+def test_rotary_rows_of_any_shard():
+    """A shard boundary inside a head (FSDP's even split of 3 heads over 2 ranks, say) still gets
+    each row's rotary partner: every row range equals the same rows of the whole permuted weight."""
+    hf_weight = torch.randn(3 * 8, 5)  # 3 heads of head dim 8
+    want = permute_from_hf(hf_weight, 3)
+    for start in range(24):
+        for length in range(1, 25 - start):
+            got = rotary_rows(lambda rows: hf_weight[rows], 8, start, length)
+            assert torch.equal(got, want[start:start + length]), (start, length)
+
+
 def test_import_matches_transformers_on_one_process(hf):
     folder, _, reference = hf
     got = _logits(_ours(folder))
@@ -115,6 +127,20 @@ def test_import_matches_transformers_on_one_process(hf):
     model = Transformer(unscaled)
     model.load_state_dict(_ours(folder).state_dict())
     assert (_logits(model) - reference).abs().max() > 100 * LOGITS_ATOL
+
+
+def test_import_through_the_trainer_on_one_process(hf, tokenizer_folder, tmp_path, monkeypatch):
+    """checkpoint.initial_load_path = the folder, through the checkpoint manager, one process."""
+    from torchtitan_amp import trainer as trainer_module
+    from torchtitan_amp.config import load_config
+
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
+    trainer = trainer_module.Trainer(load_config(_job(tmp_path, hf[0], tokenizer_folder)))
+    try:
+        assert (_logits(trainer.model.eval()) - hf[2]).abs().max() <= LOGITS_ATOL
+    finally:
+        trainer.metrics.close()
 
 
 def test_import_tied_embeddings(tmp_path):
@@ -152,7 +178,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     jobs = [{"args": _job(root / layout, folder, tokenizer_folder, *extra), "logits": str(root / f"{layout}.pt"),
              "tokens": TOKENS.tolist()} for layout, extra in LAYOUTS.items()]
     jobs.append({"args": _job(root / "train", folder, tokenizer_folder, *LAYOUTS["fsdp"], "--training.steps",
-                              str(STEPS), "--checkpoint.interval", str(STEPS))})
+                              str(STEPS), "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_hf")})
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
 
@@ -209,6 +235,9 @@ def test_import_train_export_reimport_is_bitwise(hf, dist_run, exported):
     assert saved.keys() == again.keys()
     for key in saved:
         assert torch.equal(saved[key], again[key]), key
+    # The run's own export at its end (checkpoint.last_save_hf) holds the same weights.
+    at_end = _ours(dist_run / "train" / "checkpoint" / f"hf-step-{STEPS}").state_dict()
+    assert all(torch.equal(saved[key], at_end[key]) for key in saved)
     # Training moved the weights: the round trip is not the imported weights compared to themselves.
     assert not torch.equal(saved["layers.0.attention.wq.weight"], _ours(hf[0]).state_dict()["layers.0.attention.wq.weight"])
     # The run logged STEPS steps from the imported weights.
@@ -226,6 +255,10 @@ def test_export_in_bf16_single_file(dist_run, tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert json.loads((out / CONFIG).read_text())["torch_dtype"] == "bfloat16"
     assert not (out / "tokenizer.json").exists()
+    # Imported into fp32 parameters: exactly the trained weights rounded to bf16.
+    saved = _checkpoint_model(dist_run / "train" / "checkpoint" / f"step-{STEPS}")
+    again = _ours(out).state_dict()
+    assert all(torch.equal(again[k], saved[k].to(torch.bfloat16).float()) for k in saved)
 
 
 def test_tokenizer_folder(tokenizer_folder, tmp_path):

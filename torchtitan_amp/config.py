@@ -168,7 +168,13 @@ class Checkpoint:
         False, "At the last step write only the model, as one torch.save file in export_dtype "
         "(step-N/model.pt): an export, not a resume point."
     )
-    export_dtype: DtypeName = _f("float32", "Dtype of model-only exports.")
+    last_save_hf: bool = _f(
+        False, "After the last step's save, also convert it into a Hugging Face Llama folder "
+        "<checkpoint folder>/hf-step-N (safetensors in export_dtype, 5 GB shards + index, "
+        "config.json, the run's tokenizer files); the same as `python -m torchtitan_amp.checkpoint "
+        "export --format hf`."
+    )
+    export_dtype: DtypeName = _f("float32", "Dtype of model-only and Hugging Face exports.")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
         "disabled", "'async' writes checkpoints in a background thread after a synchronous copy; "
         "'async_with_pinned_mem' (CUDA only) stages through pinned host memory.",
@@ -637,6 +643,8 @@ def validate(config: JobConfig) -> None:
     _require(config.checkpoint.preemption_warning_s >= 0,
              f"'checkpoint.preemption_warning_s' must be >= 0 (0: unknown), got {config.checkpoint.preemption_warning_s}")
     _require(config.checkpoint.load_step >= -1, "'checkpoint.load_step' must be -1 (newest) or a step >= 0")
+    _require(config.checkpoint.enable or not config.checkpoint.last_save_hf,
+             "'checkpoint.last_save_hf' converts the last checkpoint: it needs checkpoint.enable = true")
     _require(t.fault_inject_at_step >= 0, "'training.fault_inject_at_step' must be >= 0 (0: off)")
     ac = config.activation_checkpoint
     _require(

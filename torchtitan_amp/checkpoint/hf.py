@@ -315,16 +315,21 @@ class HFLlamaReader(HuggingFaceStorageReader):
         if heads is None:
             tensor = piece[(slice(start, start + length), *rest)]
         else:
-            head_dim = piece.get_shape()[0] // heads
-            lo, hi = start // head_dim * head_dim, -(-(start + length) // head_dim) * head_dim
-            block = permute_from_hf(piece[(slice(lo, hi), *rest)], (hi - lo) // head_dim)
-            tensor = block[start - lo:start - lo + length]
+            tensor = rotary_rows(lambda rows: piece[(rows, *rest)], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointError(f"{self.folder}: '{fqn}' slice has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(target.shape)}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def rotary_rows(read: Callable[[slice], torch.Tensor], head_dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows [start, start + length) of a q/k weight in our layout, given `read(rows)` of the HF
+    one: the whole heads the range touches are read and permuted (a row's partner is in its head)."""
+    lo, hi = start // head_dim * head_dim, -(-(start + length) // head_dim) * head_dim
+    block = permute_from_hf(read(slice(lo, hi)), (hi - lo) // head_dim)
+    return block[start - lo:start - lo + length]
 
 
 def _dtype(name: str, path: Path, tensor: str) -> torch.dtype:

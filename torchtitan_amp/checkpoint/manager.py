@@ -408,6 +408,22 @@ class CheckpointManager:
             return
         kind = "model_only" if last and self.config.checkpoint.last_save_model_only else "full"
         self.save(step, tokens_seen, kind=kind)
+        if last and self.config.checkpoint.last_save_hf:
+            self.export_hf(step)
+
+    def export_hf(self, step: int) -> Path:
+        """Convert the committed step-N into a Hugging Face folder hf-step-N beside it. Rank 0
+        converts (one shard at a time, from the files: no rank holds the model twice); the others
+        wait for its outcome."""
+        from torchtitan_amp.checkpoint.hf import export_hf  # needs safetensors, only when asked
+
+        self._finish_pending()
+        out = self.folder / f"hf-step-{step}"
+        begin = time.monotonic()
+        self._agree(lambda: export_hf(self.folder / f"step-{step}", out, self.config.checkpoint.export_dtype))
+        if self.rank == 0:
+            logger.info("step %d: Hugging Face export in %s (%.2f s)", step, out, time.monotonic() - begin)
+        return out
 
     def save_seed(self) -> None:
         """Step 0, model only, DCP: any layout can start from it."""
