@@ -454,13 +454,16 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     sizes = {k: math.prod(shapes[k]) * target.itemsize for k in order}
     shards = plan_shards(sizes, max_bytes=max_shard_bytes)
     output = Path(output)
+    if any(output.glob("*.safetensors")):  # stale shards of another export would mix with ours
+        raise CheckpointError(f"{output} already holds safetensors files; export into a new or empty folder")
     output.mkdir(parents=True, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map: dict[str, str] = {}
     for name, keys in zip(names, shards):
-        out = {}
-        for key, value in load(keys).items():
+        out, loaded = {}, load(keys)
+        for key in keys:
+            value = loaded.pop(key)  # each source tensor is freed as soon as it is converted
             heads = rotary_heads(key, args)
             value = permute_to_hf(value, heads) if heads else value
             out[to_hf_name(key)] = value.to(target).contiguous()
