@@ -190,6 +190,16 @@ def test_import_matches_transformers_on_two_ranks(hf, dist_run, layout):
     assert (got - hf[2]).abs().max() <= LOGITS_ATOL
 
 
+def test_import_matches_transformers_on_fsdp_x_tp(hf, tokenizer_folder, tmp_path):
+    """FSDP 2 x TP 2 (4 ranks): 2-D DTensors, FSDP sharding TP's column shards of q and k again
+    (one head per rank)."""
+    extra = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    launch_worker("ckpt_jobs", tmp_path, [{"args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
+                                           "logits": str(tmp_path / "logits.pt"), "tokens": TOKENS.tolist()}],
+                  4, flavor=FLAVOR)
+    assert (torch.load(tmp_path / "logits.pt", weights_only=True) - hf[2]).abs().max() <= LOGITS_ATOL
+
+
 def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
     sd = Transformer(ARGS).state_dict()
     with quiet_single_process():
@@ -330,6 +340,11 @@ def _rename_a_tensor(folder: Path) -> None:
     save_file({k.replace("model.", "model.decoder.", 1): v for k, v in tensors.items()}, str(shard))
 
 
+def _drop_every_shard(folder: Path) -> None:
+    for p in [*folder.glob("*.safetensors"), folder / INDEX]:
+        p.unlink()
+
+
 def _shrink_a_tensor(folder: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -343,6 +358,7 @@ def _shrink_a_tensor(folder: Path) -> None:
 @pytest.mark.parametrize("break_it, message", [
     (_truncate_a_shard, r"is not a readable safetensors file"),
     (_drop_a_shard, r"model.safetensors.index.json names model-00001-of-\d+.safetensors, which is missing"),
+    (_drop_every_shard, r"has a config.json but no \*.safetensors weights"),
     (_rename_a_tensor, r"tensor 'model.decoder.\S+' is not part of a Llama model"),
     (_shrink_a_tensor, r"'layers.1.feed_forward.w3.weight' has shape \(191, 64\) in the checkpoint but \(192, 64\)"),
 ])

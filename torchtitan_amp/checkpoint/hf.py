@@ -250,7 +250,10 @@ def _shard_files(folder: Path) -> list[Path]:
     """The safetensors files to read: those the index names (each must exist), else every one."""
     index = folder / INDEX
     if not index.is_file():
-        return sorted(folder.glob("*.safetensors"))
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder} has a {CONFIG} but no *.safetensors weights")
+        return files
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
