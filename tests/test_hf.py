@@ -195,9 +195,14 @@ def test_import_matches_transformers_on_fsdp_x_tp(hf, tokenizer_folder, tmp_path
     (one head per rank)."""
     extra = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
     launch_worker("ckpt_jobs", tmp_path, [{"args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
-                                           "logits": str(tmp_path / "logits.pt"), "tokens": TOKENS.tolist()}],
+                                           "logits": str(tmp_path / "logits.pt"), "tokens": TOKENS.tolist(),
+                                           "hf_reads": str(tmp_path / "reads.json")}],
                   4, flavor=FLAVOR)
     assert (torch.load(tmp_path / "logits.pt", weights_only=True) - hf[2]).abs().max() <= LOGITS_ATOL
+    # No rank read the whole model: each read about its quarter (norms are sharded by FSDP only,
+    # so a little more), and together the ranks read each element about once.
+    reads, total = json.loads((tmp_path / "reads.json").read_text()), sum(p.numel() for p in hf[1].parameters())
+    assert all(0 < r < 0.3 * total for r in reads) and total <= sum(reads) < 1.05 * total, (reads, total)
 
 
 def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
              "audit": "file"                     instead of training: Trainer.audit(), to file
              "logits": "file", "tokens": [[...]] instead of training: the full fp32 logits of
                                                  `tokens` on this layout, torch.save'd to file
+             "hf_reads": "file"                  with "logits": every rank's count of tensor
+                                                 elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
                                                  whatever the plan says (the audit must catch it)
            }, ...]
@@ -64,6 +66,21 @@ def _gather(obj: object) -> list[object]:
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+_HF_READS = [0]  # tensor elements this rank read through checkpoint/hf.py's reader
+
+
+def _count_hf_reads() -> None:
+    from torchtitan_amp.checkpoint.hf import HFLlamaReader
+
+    original = HFLlamaReader._process_read_request
+
+    def counting(self, f, req, planner):  # type: ignore[no-untyped-def]
+        _HF_READS[0] += int(torch.Size(req.lengths).numel())
+        return original(self, f, req, planner)
+
+    HFLlamaReader._process_read_request = counting
 
 
 def _install_test_hooks(options: dict) -> None:
@@ -150,6 +167,8 @@ def main(spec_path: str) -> int:
         llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"],
                                                                  **spec.options["flavor"])
     _install_test_hooks(spec.options)
+    if any(job.get("hf_reads") for job in spec.jobs):
+        _count_hf_reads()
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
     run_control.install_preemption_handlers()
@@ -174,6 +193,10 @@ def main(spec_path: str) -> int:
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())
         if job.get("logits"):
+            reads = _gather(_HF_READS[0])
+            _HF_READS[0] = 0
+            if job.get("hf_reads") and _rank() == 0:
+                Path(job["hf_reads"]).write_text(json.dumps(reads))
             logits = _logits(trainer, torch.tensor(job["tokens"]))
             if logits is not None and (_rank() == 0 or trainer.dims.pp_enabled):
                 torch.save(logits.cpu(), job["logits"])
