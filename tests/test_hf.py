@@ -22,6 +22,7 @@ from torchtitan_amp.checkpoint.hf import (
     INDEX,
     check_config,
     export_hf,
+    hf_config,
     load_hf,
     parse_size,
     permute_from_hf,
@@ -274,6 +275,45 @@ def test_export_in_bf16_single_file(dist_run, tmp_path):
     saved = _checkpoint_model(dist_run / "train" / "checkpoint" / f"step-{STEPS}")
     again = _ours(out).state_dict()
     assert all(torch.equal(again[k], saved[k].to(torch.bfloat16).float()) for k in saved)
+
+
+def test_export_of_a_model_only_checkpoint(dist_run, tmp_path):
+    """A last_save_model_only export (model.pt, memory-mapped) converts as a DCP checkpoint does."""
+    from torchtitan_amp.checkpoint.format import EXPORT_FILE, MARKER, export_checkpoint
+
+    full = dist_run / "train" / "checkpoint" / f"step-{STEPS}"
+    step = tmp_path / f"step-{STEPS}"
+    export_checkpoint(full, step / EXPORT_FILE)
+    meta = {k: v for k, v in json.loads((full / MARKER).read_text()).items() if k != "crc32"}
+    (step / MARKER).write_text(json.dumps({**meta, "kind": "model_only",
+                                           "files": {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}}))
+    out = export_hf(step, tmp_path / "hf", "float32", tokenizer="byte")
+    saved, again = _checkpoint_model(full), _ours(out).state_dict()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "llama3_8b", "llama3_70b"])
+def test_exported_config_describes_its_flavour(flavor, tmp_path):
+    args = llama.build_model_args(flavor, 128256, 8192)
+    (tmp_path / CONFIG).write_text(json.dumps(hf_config(args, "bfloat16", 128000, 128001)))
+    check_config(tmp_path, args, flavor)
+
+
+def test_published_llama_3_1_8b_config_fits_llama3_8b(tmp_path):
+    """config.json of meta-llama/Llama-3.1-8B as published (transformers 4.43 spelling)."""
+    (tmp_path / CONFIG).write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 128256}))
+    check_config(tmp_path, llama.build_model_args("llama3_8b", 128256, 8192), "llama3_8b")
+    with pytest.raises(CheckpointError, match="'hidden_size' = 4096 but model.flavor 'llama3_70b' has dim = 8192"):
+        check_config(tmp_path, llama.build_model_args("llama3_70b", 128256, 8192), "llama3_70b")
 
 
 def test_tokenizer_folder(tokenizer_folder, tmp_path):
