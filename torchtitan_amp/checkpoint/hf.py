@@ -111,10 +111,6 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def is_hf_folder(path: Path) -> bool:
-    return (path / CONFIG).is_file() and any(path.glob("*.safetensors"))
-
-
 # ---------------------------------------------------------------------------------------------
 # config.json <-> model args
 
@@ -310,6 +306,8 @@ class HFLlamaReader(HuggingFaceStorageReader):
         return metadata
 
     def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
+        if not self.hf_name:  # DCP read the metadata on another rank and handed us its plan
+            self.read_metadata()
         fqn = req.storage_index.fqn
         piece = f.get_slice(self.hf_name[fqn])
         rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
