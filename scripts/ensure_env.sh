@@ -14,7 +14,7 @@ _TORCH_NEW='import torch, sys; new = tuple(int(x) for x in torch.__version__.spl
 _TORCH_OK="$_TORCH_NEW"'; sys.exit(not new)'
 # One exit at the end: an earlier sys.exit(0) would skip the imports after it.
 _DEPS_CHECK="$_TORCH_NEW"'
-import torchdata, tensorboard, pytest, hypothesis, importlib.util
+import torchdata, tensorboard, pytest, hypothesis, numpy, tokenizers, tiktoken, pyarrow, zstandard, tqdm, importlib.util
 sys.version_info >= (3, 11) or __import__("tomli")
 sys.exit(not new or any(importlib.util.find_spec(m) is None for m in ("torchao", "safetensors", "transformers")))'
 

@@ -29,14 +29,19 @@ PRECISIONS = {
     "pure_bf16": ["--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"],
     "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float16"],
     "fp8": [*BF16, "--mixed_precision.fp8", "tensorwise"],
+    # Per-module override by name (issue 17): the head and the first block stay fp32.
+    "fp32_names": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--mixed_precision.fp32_module_names",
+                   "output,layers.0"],
+    # Frozen modules in bf16 (issue 17): no gradient, so nothing of theirs on the wire.
+    "frozen": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.0,layers.1.attention"],
 }
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
 LAYOUTS = {
-    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8")),
-    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8")),
-    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8")),
-    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8")),
+    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen")),
+    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen")),
+    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
 }
@@ -51,19 +56,35 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32", "pure_bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "pure_bf16", "fp8", "fp32_names"])
 def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
     result = _trainer(tmp_path, *PRECISIONS[precision]).audit()
     assert result.ok, result.breaches
     saved = json.loads((tmp_path / "precision_audit.json").read_text())
     assert saved["ok"] and saved["breaches"] == []
-    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16", "fp8": "float8_e4m3fn"}[precision]
+    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16", "fp8": "float8_e4m3fn",
+           "fp32_names": "float32"}[precision]
     storage = "bfloat16" if precision == "pure_bf16" else "float32"
     # What was recorded, not only that nothing was flagged: every Linear and norm of the model.
     assert saved["modules"]["layers.0.attention.wq"] == {"forward matmul": [low]}
     assert saved["modules"]["layers.5.ffn_norm"] == {"compute": ["float32"]}
     assert saved["modules"]["<loss>"] == {"log_softmax": ["float32"]}
     assert saved["tensors"] == {"parameters": [storage], "gradients": [storage], "optimizer_state": [storage]}
+    if precision == "fp32_names":  # layers.0 by name in fp32, the next block in bf16
+        assert saved["modules"]["layers.1.attention.wq"] == {"forward matmul": ["bfloat16"]}
+        assert saved["modules"]["output"] == {"forward matmul": ["float32"]}
+        report = json.loads((tmp_path / "precision_report.json").read_text())
+        assert "layers.0.attention.wq" in report["fp32_by_name"] and "layers.1.attention.wq" not in report["fp32_by_name"]
+        linear_rows = {g["compute_dtype"] for g in report["param_groups"] if g["module_type"] == "torch.nn.modules.linear.Linear"}
+        assert linear_rows == {"float32", "bfloat16"}
+
+
+def test_fp32_module_name_matching_nothing_is_an_error() -> None:
+    from torchtitan_amp.errors import PrecisionError
+    from torchtitan_amp.job import resolve
+
+    with pytest.raises(PrecisionError, match="'mixed_precision.fp32_module_names' entry 'layer.0' matches no module"):
+        resolve(load_config([*BASE, *BF16, "--mixed_precision.fp32_module_names", "output,layer.0"]), 1, "cpu")
 
 
 def test_linear_run_in_fp32_is_named(tmp_path: Path) -> None:
@@ -138,11 +159,28 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
     assert result["ok"], result["breaches"]
     # Merged over ranks: every stage's modules (PP) and shard's ops were recorded.
     assert result["modules"]["layers.5.feed_forward.w1"]["forward matmul"], result["modules"]
-    if run.endswith("_reduce") or run == "ddp_fp16":
+    if run.endswith("fp32_names"):
+        assert result["modules"]["layers.0.feed_forward.w1"]["forward matmul"] == ["float32"], result["modules"]
+        assert result["modules"]["layers.1.feed_forward.w1"]["forward matmul"] == ["bfloat16"], result["modules"]
+    if run.endswith(("_reduce", "fp32_names", "frozen")) and not run.startswith(("tp", "pp")) or run == "ddp_fp16":
         # The reduction was seen, in the reduce dtype: the audit did not pass by seeing nothing.
         reduce = "float16" if run == "ddp_fp16" else "bfloat16"
         assert any(reduce in by_dtype for c, by_dtype in result["collectives"].items()
                    if c.startswith(("reduce_scatter:dp", "all_reduce:dp"))), result["collectives"]
+
+
+@pytest.mark.parametrize("layout, collective", [("ddp", "all_reduce:dp_replicate"), ("fsdp", "reduce_scatter:dp_shard")])
+def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collective: str) -> None:
+    """The frozen Linears' gradients would be 2 bytes per parameter in the bf16 reduction: they
+    are missing from it, and the frozen parameters are in no optimizer state."""
+    from torchtitan_amp.job import build_model_parts, resolve
+
+    job = resolve(load_config([*BASE, *PRECISIONS["frozen"]]), 1, "cpu")
+    model = build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
+    frozen_linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                        for p in m.parameters() if not p.requires_grad)
+    full, frozen = (audits[f"{layout}_{p}"]["collectives"][collective]["bfloat16"] for p in ("bf16_reduce", "frozen"))
+    assert frozen_linear > 10**6 and full - frozen >= 2 * frozen_linear, (full, frozen, frozen_linear)
 
 
 def test_fsdp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:

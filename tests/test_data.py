@@ -82,8 +82,8 @@ def test_tokenize_corpus_concatenates_with_bos_eos() -> None:
 
 def test_corpus_is_tokenised_once_per_dataset_and_tokenizer(tiny_corpus: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = data.tokenize_corpus
-    monkeypatch.setattr(data, "tokenize_corpus", lambda docs, tok: calls.append(1) or real(docs, tok))
+    real = data.text.tokenize_corpus
+    monkeypatch.setattr(data.text, "tokenize_corpus", lambda docs, tok: calls.append(1) or real(docs, tok))
     for rank in range(2):
         build_dataloader(tiny_corpus, ByteTokenizer(), 4, 1, dp_rank=rank, dp_world_size=2, seed=0)
     assert len(calls) == 1
@@ -135,7 +135,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path: Path, line: str, reason: s
 
 
 def test_unknown_spec_lists_allowed_forms() -> None:
-    with pytest.raises(DataError, match=r"unknown dataset 'c4'.*'pydoc' or 'path:"):
+    with pytest.raises(DataError, match=r"unknown dataset 'c4'.*'pydoc', 'path:.*'tokens:"):
         load_texts("c4")
 
 

@@ -1,10 +1,13 @@
+import base64
+import json
 import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from torchtitan_amp.data import DataError
-from torchtitan_amp.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from torchtitan_amp.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, build_tokenizer
 
 TEXTS = ["hello world", "héllo wörld – naïve façade, 日本語テキスト", "emoji 👋🏽🚀 and 🇫🇷 flags", ""]
 
@@ -55,7 +58,6 @@ def test_hf_tokenizer_without_package_says_how_to_install(tmp_path: Path, monkey
 
 
 def _write_hf_tokenizer(path: Path, special_tokens: list[str]) -> Path:
-    tokenizers = pytest.importorskip("tokenizers", reason="HF tokenizer tests need `pip install tokenizers`")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
@@ -99,8 +101,77 @@ def test_hf_tokenizer_without_special_tokens_names_file(tmp_path: Path) -> None:
 
 
 def test_hf_tokenizer_malformed_file_names_file(tmp_path: Path) -> None:
-    pytest.importorskip("tokenizers", reason="HF tokenizer tests need `pip install tokenizers`")
     path = tmp_path / "broken.json"
     path.write_text("{not json")
     with pytest.raises(DataError, match=r"broken\.json: cannot load tokenizer"):
         build_tokenizer(str(path))
+
+
+def test_hf_fingerprint_follows_the_ids_not_the_file_bytes(tmp_path: Path) -> None:
+    path = _write_hf_tokenizer(tmp_path / "tokenizer.json", ["<s>", "</s>"])
+    reindented = tmp_path / "reindented.json"
+    reindented.write_text(json.dumps(json.loads(path.read_text()), indent=4))
+    other = _write_hf_tokenizer(tmp_path / "other.json", ["<s>", "</s>", "<pad>"])
+    fingerprints = [build_tokenizer(str(p)).fingerprint for p in (path, reindented, other)]
+    assert fingerprints[0] == fingerprints[1] != fingerprints[2]
+    assert fingerprints[0] != ByteTokenizer().fingerprint
+
+
+def _write_tiktoken(path: Path, merges: list[bytes]) -> Path:
+    tokens = [bytes([b]) for b in range(256)] + merges
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return path
+
+
+def test_tiktoken_llama3_layout_round_trip_and_specials_as_text(tmp_path: Path) -> None:
+    tok = build_tokenizer(str(_write_tiktoken(tmp_path / "tokenizer.model", [b"he", b"ll", b"hell", b"hello"])))
+    assert isinstance(tok, TiktokenTokenizer)
+    # Llama 3: 256 specials after the ranks, BOS first, EOS second (128000 / 128001 for its 128000 ranks).
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (260 + 256, 260, 261)
+    assert tok.encode("hello", bos=True, eos=True) == [260, 259, 261]
+    for text in TEXTS:
+        ids = tok.encode(text, bos=True, eos=True)
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and tok.decode(ids) == text
+    # Corpus text that spells a special token stays text.
+    ids = tok.encode("<|end_of_text|>", bos=False, eos=False)
+    assert tok.eos_id not in ids and tok.decode(ids) == "<|end_of_text|>"
+    assert tok.encode_batch(["hello", "hi"]) == [[259], [104, 105]]
+
+
+def _llama3_split(s: str, max_run: int = 25_000) -> list[str]:
+    """meta-llama/llama3's _split_whitespaces_or_nonwhitespaces, transcribed as the reference."""
+    pieces, run, run_is_space, start = [], 0, s[0].isspace() if s else False, 0
+    for i, ch in enumerate(s):
+        if run_is_space ^ ch.isspace():
+            run, run_is_space = 1, ch.isspace()
+        else:
+            run += 1
+            if run > max_run:
+                pieces.append(s[start:i])
+                start, run = i, 1
+    return pieces + [s[start:]]
+
+
+@pytest.mark.parametrize("text", [
+    "", "short text", "a" * 25_000, "a" * 25_001, "a" * 60_001 + " " * 30_000 + "b", " " * 50_001 + "x" * 24_999,
+    "word " * 100_000, "\n" * 25_001 + "é" * 75_000,
+])
+def test_tiktoken_long_runs_are_cut_like_llama3(tmp_path: Path, text: str) -> None:
+    from torchtitan_amp.tokenizer import _tiktoken_pieces
+
+    # Llama 3's encode: 400,000-character chunks, each split as above.
+    reference = [p for i in range(0, len(text), 400_000) for p in _llama3_split(text[i : i + 400_000])]
+    assert list(_tiktoken_pieces(text)) == reference
+    tok = build_tokenizer(str(_write_tiktoken(tmp_path / "t.model", [b"aa"])))
+    assert tok.decode(tok.encode(text, bos=False, eos=False)) == text
+
+
+def test_tiktoken_bad_file_names_file(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.model"
+    bad.write_text("not-base64!! 0\n")
+    with pytest.raises(DataError, match=r"broken\.model: cannot load tiktoken BPE file"):
+        build_tokenizer(str(bad))
+    gappy = tmp_path / "gappy.model"
+    gappy.write_text("YQ== 0\nYg== 5\n")
+    with pytest.raises(DataError, match=r"gappy\.model: tiktoken ranks must be 0..n-1"):
+        build_tokenizer(str(gappy))

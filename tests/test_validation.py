@@ -251,3 +251,25 @@ def test_evaluate_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and len(errors) == 1, r.describe()
     assert f"no checkpoint to evaluate in {tmp_path / 'none'}" in errors[0]
     assert not (tmp_path / "e.json").exists() and not (tmp_path / "run").exists()
+
+
+def test_held_out_split_from_the_prepare_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 14 meets issue 15: `prepare --validation-fraction` writes a held-out split that
+    `validation.dataset = "tokens:<folder>:validation"` evaluates, next to `tokens:<folder>` training."""
+    from torchtitan_amp.data.prepare import PrepareConfig, prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (5 + i % 7)})
+                              + "\n" for i in range(120)))
+    out = tmp_path / "tokens"
+    prepare(PrepareConfig(inputs=[str(corpus)], output=out, progress=False, validation_fraction=0.25, split_seed=3))
+    args = [*BASE, *FP32, "--training.dataset", f"tokens:{out}", "--training.steps", "2",
+            "--validation.enable", "true", "--validation.dataset", f"tokens:{out}:validation", "--validation.freq", "2",
+            "--validation.steps", "-1", "--job.dump_folder", str(tmp_path / "run")]
+    with caplog.at_level("WARNING", logger="torchtitan_amp"):
+        t = trainer_module.Trainer(load_config(args))
+        t.train()
+    assert not any("evaluating on the training data" in r.message for r in caplog.records)
+    record = by_step(tmp_path / "run")[2]
+    held_windows = t.validator.loader.num_windows_per_epoch
+    assert record["val_tokens"] == held_windows // 2 * 2 * 32 and math.isfinite(record["val_loss"])

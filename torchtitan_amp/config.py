@@ -86,7 +86,14 @@ class LRScheduler:
 class Training:
     dataset: str = _f(
         "pydoc",
-        "'pydoc' (CPython's bundled docs, no download) or 'path:/file/or/folder' (.txt, .jsonl).",
+        "'pydoc' (CPython's bundled docs, no download), 'path:/file/or/folder' (.txt, .md, .jsonl; "
+        "tokenised in memory at start-up) or 'tokens:/prepared/folder' (shards from "
+        "`python -m torchtitan_amp.data prepare`, memory-mapped; ':validation' appended names the "
+        "held-out split). See docs/data.md.",
+    )
+    dataloader_num_workers: int = _f(
+        0, "Loader worker processes per rank building batches ahead of the step ('tokens:' datasets "
+        "only; the batches are the same for any number)."
     )
     local_batch_size: int = _f(8, "Sequences per micro-batch per data-parallel rank.")
     global_batch_size: int = _f(
@@ -109,6 +116,11 @@ class Training:
         "", "Alias of mixed_precision.param_dtype (torchtitan spelling).")
     mixed_precision_reduce: Literal["", DtypeName] = _f(
         "", "Alias of mixed_precision.reduce_dtype (torchtitan spelling).")
+    freeze: list[str] = _f(
+        [], "fnmatch patterns of module names whose parameters are frozen (no gradient, optimizer state "
+        "or gradient reduction) and stored in their compute dtype: param_dtype for lower-precision-safe "
+        "modules in mixed precision, else as trained ones; a pattern naming no module is an error."
+    )
     gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
     skip_nonfinite_steps: bool = _f(
         False, "Skip (and count) a step whose loss or grad norm is inf/nan instead of stopping the job "
@@ -251,6 +263,10 @@ class MixedPrecision:
     lower_precision_safe_modules: list[str] = _f(
         ["torch.nn.Linear"],
         "Module classes whose compute/gathers/gradients may use param/reduce dtype; others stay fp32.",
+    )
+    fp32_module_names: list[str] = _f(
+        [], "fnmatch patterns of module names kept in fp32 on every path, e.g. 'output,layers.0.*' "
+        "(a block's name covers everything in it); a pattern naming no module is an error."
     )
     init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.")
     growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
@@ -598,6 +614,8 @@ def validate(config: JobConfig) -> None:
     t, o, p, lr = config.training, config.optimizer, config.parallelism, config.lr_scheduler
     _require(t.seq_len >= 2, f"'training.seq_len' must be >= 2, got {t.seq_len}")
     _require(t.local_batch_size >= 1, f"'training.local_batch_size' must be >= 1, got {t.local_batch_size}")
+    _require(t.dataloader_num_workers >= 0,
+             f"'training.dataloader_num_workers' must be >= 0, got {t.dataloader_num_workers}")
     _require(
         t.global_batch_size == -1 or t.global_batch_size >= 1,
         f"'training.global_batch_size' must be -1 or >= 1, got {t.global_batch_size}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,8 +58,8 @@ def matmul_unsupported(device_type: str) -> str | None:
     return None
 
 
-def convertible(name: str, module: nn.Module, skip: tuple[str, ...]) -> bool:
-    return (isinstance(module, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+def convertible(name: str, module: nn.Module, skip: tuple[str, ...], keep_fp32: Callable[[nn.Module], bool]) -> bool:
+    return (isinstance(module, nn.Linear) and not keep_fp32(module) and not any(fnmatch.fnmatchcase(name, p) for p in skip)
             and module.in_features % _ALIGNMENT == 0 and module.out_features % _ALIGNMENT == 0)
 
 
@@ -68,8 +69,10 @@ def unmatched_patterns(model: nn.Module, skip: tuple[str, ...]) -> list[str]:
     return [p for p in skip if not any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
-def convert(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool) -> list[str]:
-    """Swap the convertible Linears of `model` for torchao Float8Linear; returns their names."""
+def convert(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool,
+            keep_fp32: Callable[[nn.Module], bool]) -> list[str]:
+    """Swap the convertible Linears of `model` for torchao Float8Linear (not those `keep_fp32`
+    says the plan keeps in fp32); returns their names."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -78,7 +81,7 @@ def convert(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bo
     converted: list[str] = []
 
     def keep(module: nn.Module, name: str) -> bool:
-        if convertible(name, module, skip):
+        if convertible(name, module, skip, keep_fp32):
             converted.append(name)
             return True
         return False

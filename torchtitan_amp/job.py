@@ -106,9 +106,12 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None)
-    if plan.fp8 != "none":
+    if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):
-            plan.check_fp8_modules(Transformer(args))
+            model = Transformer(args)
+        plan.mark_fp32_by_name(model)
+        plan.freeze(model)
+        plan.check_fp8_modules(model)
     return Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
                n_microbatches, validation)
 
@@ -131,6 +134,8 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     with torch.device("meta"):
         model = Transformer(args)
     job.plan.apply_storage_dtype(model)
+    job.plan.mark_fp32_by_name(model)
+    job.plan.freeze(model)
     job.plan.apply_fp8(model)
     num_params = count_params(model)
     fpt = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)

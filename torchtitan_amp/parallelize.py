@@ -228,6 +228,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
             if module is not model:
                 shard(module, mp_policy=plan.fsdp_policy(low_precision=False),
                       reshard_after_forward=reshard(False))
+        # Frozen modules stored in param_dtype: no group mixes them with fp32 trained parameters.
+        for module in reversed(plan.frozen_low_precision_modules(model)):
+            shard(module, mp_policy=plan.fsdp_policy(low_precision=True), reshard_after_forward=reshard(False))
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.

@@ -15,6 +15,7 @@ Everything else (parallelize, trainer, checkpoint) asks the plan and never re-de
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import importlib
 import json
@@ -197,6 +198,8 @@ class PrecisionPlan:
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # torchao float8 recipe of the Linears
     fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
     fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
+    fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
+    frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -251,7 +254,8 @@ class PrecisionPlan:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
         return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
-                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather)
+                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
+                   tuple(config.training.freeze))
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
@@ -266,7 +270,59 @@ class PrecisionPlan:
         return self.param_dtype if self.path == "autocast" and self.param_dtype != torch.float32 else None
 
     def is_safe(self, module: nn.Module) -> bool:
-        return isinstance(module, self.safe_modules)
+        return isinstance(module, self.safe_modules) and not getattr(module, _FP32_BY_NAME, False)
+
+    def frozen_dtype(self, module: nn.Module) -> torch.dtype:
+        """A frozen module's parameters are stored in what it computes in: no fp32 master copy is
+        needed where nothing updates it."""
+        return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
+
+    def freeze(self, model: nn.Module) -> dict[str, str]:
+        """training.freeze: the matching modules' parameters (everything inside them) get
+        requires_grad = False and their compute dtype as storage. Call on the whole model after
+        mark_fp32_by_name and before it is split or parallelized. Returns {parameter: dtype}."""
+        named = dict(model.named_modules())
+        unmatched = [p for p in self.frozen_names if not any(fnmatch.fnmatchcase(n, p) for n in named if n)]
+        if unmatched:
+            raise PrecisionError(f"'training.freeze' entry {unmatched[0]!r} matches no module of the model "
+                                 "(names such as 'tok_embeddings', 'layers.0', 'layers.*.attention')")
+        frozen: dict[str, str] = {}
+        for name, module in named.items():
+            if not name or not any(fnmatch.fnmatchcase(name, p) for p in self.frozen_names):
+                continue
+            for sub_name, sub in module.named_modules(prefix=name):
+                dtype = self.frozen_dtype(sub)
+                for pname, p in list(sub.named_parameters(recurse=False)):
+                    sub.register_parameter(pname, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+                    frozen[f"{sub_name}.{pname}"] = dtype_name(dtype)
+                setattr(sub, _FROZEN, True)
+        return frozen
+
+    def frozen_low_precision_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Frozen modules stored in param_dtype: their own FSDP groups, so that no group mixes them
+        with fp32 trained parameters."""
+        return [m for m in model.modules() if getattr(m, _FROZEN, False) and self.frozen_dtype(m) != self.storage_dtype
+                and any(True for _ in m.parameters(recurse=False))]
+
+    def mark_fp32_by_name(self, model: nn.Module) -> list[str]:
+        """Tag the modules `fp32_names` match, and everything inside them, as outside the safe
+        list: every path then asks `is_safe` and keeps them in fp32 (autocast islands, fp32 FSDP
+        groups, fp32 gradient reduction, no fp8). Call on the whole model before it is split or
+        parallelized; returns the names of the tagged modules that own parameters. A pattern
+        naming no module is a PrecisionError."""
+        named = dict(model.named_modules())
+        unmatched = [p for p in self.fp32_names if not any(fnmatch.fnmatchcase(n, p) for n in named if n)]
+        if unmatched:
+            raise PrecisionError(f"'mixed_precision.fp32_module_names' entry {unmatched[0]!r} matches no module "
+                                 "of the model (names such as 'output', 'layers.0', 'layers.*.attention.wo')")
+        tagged = []
+        for name, module in named.items():
+            if name and any(fnmatch.fnmatchcase(name, p) for p in self.fp32_names):
+                for sub_name, sub in module.named_modules(prefix=name):
+                    setattr(sub, _FP32_BY_NAME, True)
+                    if any(True for _ in sub.parameters(recurse=False)):
+                        tagged.append(sub_name)
+        return sorted(set(tagged))
 
     def fp32_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules owning parameters outside the safe list, in `model.modules()` order: they run in
@@ -327,7 +383,8 @@ class PrecisionPlan:
         """Convert the model's fp8 Linears (before parallelizing); returns their names."""
         if self.fp8 == "none":
             return []
-        return fp8.convert(model, self.fp8, self.fp8_skip, self.fp8_all_gather)
+        return fp8.convert(model, self.fp8, self.fp8_skip, self.fp8_all_gather,
+                           keep_fp32=lambda m: getattr(m, _FP32_BY_NAME, False) or getattr(m, _FROZEN, False))
 
     def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         if self.fp8_all_gather:
@@ -405,9 +462,11 @@ class PrecisionPlan:
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
                 reduce = self.storage_dtype
-            g = groups[name]
+            frozen = not own[0].requires_grad
+            g = groups[f"{name} {compute} {frozen}"]
             g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
-                     compute_dtype=dtype_name(compute), reduce_dtype=dtype_name(reduce))
+                     compute_dtype=dtype_name(compute), reduce_dtype="-" if frozen else dtype_name(reduce),
+                     trained=not frozen)
             g["num_params"] += sum(p.numel() for p in own)
         return list(groups.values())
 
@@ -433,8 +492,12 @@ class PrecisionPlan:
             "notes": list(self.notes),
             "warnings": list(self.warnings),
             "fp8": self.fp8,
-            "fp8_modules": sorted(_fp8_module_names(model)),
+            "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
             "fp8_all_gather": self.fp8_all_gather,
+            "fp32_module_names": list(self.fp32_names),
+            "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
+            "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, _FP32_BY_NAME, False)
+                                   and any(True for _ in m.parameters(recurse=False))),
         }
 
     def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
@@ -450,7 +513,7 @@ class PrecisionPlan:
                         short_name(self.output_dtype), self.comm_hook, self.grad_scaler)
             logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
             for g in report["param_groups"]:
-                logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1],
+                logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
                             f"{g['num_params']:,}", *(short_name(g[k]) for k in
                                                       ("storage_dtype", "compute_dtype", "reduce_dtype")))
             for note in self.notes:
@@ -458,8 +521,22 @@ class PrecisionPlan:
         return report
 
 
-def _fp8_module_names(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+# The attribute mark_fp32_by_name sets: it travels with the module through deepcopy (pipeline
+# stages), FSDP and TP, which keep the module objects.
+_FP32_BY_NAME = "_torchtitan_amp_fp32_by_name"
+_FROZEN = "_torchtitan_amp_frozen"
+
+
+def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{n}.{pn}" if n else pn, p) for n, m in _named_modules(model) for pn, p in m.named_parameters(recurse=False)]
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's modules by their names in the model; the trainer reports its pipeline stages
+    as one ModuleList, whose index is not part of any module's name."""
+    if isinstance(model, nn.ModuleList):
+        return [(n.split(".", 1)[1], m) for n, m in model.named_modules() if "." in n]
+    return list(model.named_modules())
 
 
 def _wrap_forward(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager],

@@ -1,7 +1,15 @@
-"""Tokenizers: a dependency-free byte tokenizer and a wrapper for Hugging Face tokenizer.json files
-or tokenizer folders (tokenizer.json + tokenizer_config.json, as published with the weights)."""
+"""Tokenizers: a dependency-free byte tokenizer, Hugging Face tokenizer.json files or tokenizer
+folders (tokenizer.json + tokenizer_config.json, as published with the weights) and tiktoken BPE
+files (Llama 3's `tokenizer.model`).
 
+Every tokenizer has a `fingerprint` that changes whenever its ids would: token shards record it
+(data/index.py) so a run cannot silently train on ids from another vocabulary.
+"""
+
+import hashlib
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,8 +25,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int
     eos_id: int
+    fingerprint: str
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text without BOS/EOS (the prepare step's bulk path)."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -33,11 +46,15 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
-    # Identifies this tokenizer's output so tokenised corpora can be cached and shared (see data.py).
+    # Identifies this tokenizer's output so tokenised corpora can be cached and shared (data/text.py).
     cache_key = "byte"
+    fingerprint = "byte:utf8-258"
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         return _add_specials(list(text.encode("utf-8")), self.bos_id, self.eos_id, bos, eos)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         for i in ids:
@@ -104,21 +121,104 @@ class HFTokenizer:
         self.eos_id: int = eos_id
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.cache_key = f"hf:{self.path.resolve()}"
-        if bos_token or eos_token:  # tokenizer_config.json chose the specials: other ids, other cache
+        # The library's own serialisation, not the file's bytes: re-saving or re-indenting the file
+        # keeps the ids, and so the fingerprint.
+        self.fingerprint = "hf:" + hashlib.sha256(self._tokenizer.to_str().encode()).hexdigest()
+        if bos_token or eos_token:  # tokenizer_config.json chose the specials: other ids, other data
             self.cache_key += f":{bos_id}:{eos_id}"
+            self.fingerprint += f":bos{bos_id}:eos{eos_id}"
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         # add_special_tokens=False stops the file's post-processor from adding its own BOS/EOS twice.
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return _add_specials(ids, self.bos_id, self.eos_id, bos, eos)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
+# Llama 3's pre-tokenizer pattern and special tokens (meta-llama/llama3 tokenizer.py): the 256
+# specials follow the file's ranks, so Llama 3's 128,000 ranks give vocab 128,256, BOS 128,000.
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPECIALS = (
+    ["<|begin_of_text|>", "<|end_of_text|>"]
+    + [f"<|reserved_special_token_{i}|>" for i in range(4)]
+    + ["<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"]
+    + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+)
+# Llama 3 encodes at most 400k characters at a time and cuts runs of over 25k (non-)whitespace
+# characters, which would otherwise make tiktoken's regex quadratic.
+_TIKTOKEN_MAX_CHARS = 400_000
+_TIKTOKEN_MAX_RUN = 25_000
+_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN + 1},}}|\S{{{_TIKTOKEN_MAX_RUN + 1},}}")
+
+
+def _tiktoken_pieces(text: str) -> Iterator[str]:
+    """Llama 3's split of `text`: the same cuts as its per-character loop, found by a regex."""
+    for begin in range(0, len(text), _TIKTOKEN_MAX_CHARS):
+        chunk = text[begin : begin + _TIKTOKEN_MAX_CHARS]
+        start = 0
+        for run in _LONG_RUN.finditer(chunk):
+            for cut in range(run.start() + _TIKTOKEN_MAX_RUN, run.end(), _TIKTOKEN_MAX_RUN):
+                yield chunk[start:cut]
+                start = cut
+        yield chunk[start:]
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE file (`base64-token rank` lines, e.g. Llama 3's tokenizer.model) with Llama 3's
+    pattern and specials. Text that spells a special token is encoded as plain text, never as it."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError as e:
+            raise ImportError(f"loading {path} needs the `tiktoken` package: pip install tiktoken") from e
+        self.path = Path(path)
+        try:
+            ranks = load_tiktoken_bpe(str(self.path))
+        except Exception as e:  # malformed lines raise ValueError or binascii.Error
+            raise DataError(f"{self.path}: cannot load tiktoken BPE file: {' '.join(str(e).split())}") from e
+        if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
+            raise DataError(f"{self.path}: tiktoken ranks must be 0..n-1 without gaps")
+        self._num_base = len(ranks)
+        specials = {name: self._num_base + i for i, name in enumerate(_LLAMA3_SPECIALS)}
+        self._encoding = tiktoken.Encoding(name=self.path.name, pat_str=_LLAMA3_PATTERN,
+                                           mergeable_ranks=ranks, special_tokens=specials)
+        self.bos_id: int = specials["<|begin_of_text|>"]
+        self.eos_id: int = specials["<|end_of_text|>"]
+        self.vocab_size: int = self._num_base + len(specials)
+        self.cache_key = f"tiktoken:{self.path.resolve()}"
+        self.fingerprint = "tiktoken-llama3:" + hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def _ids(self, text: str) -> list[int]:
+        return [i for piece in _tiktoken_pieces(text) for i in self._encoding.encode_ordinary(piece)]
+
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        return _add_specials(self._ids(text), self.bos_id, self.eos_id, bos, eos)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._ids(text) for text in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._encoding.decode([i for i in ids if i < self._num_base])
+
+
+def _is_json(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(64).lstrip()[:1] == b"{"
+
+
 def build_tokenizer(spec: str) -> Tokenizer:
-    """`spec` is "byte", the path of a Hugging Face tokenizer.json file, or a folder holding one
-    (and, optionally, the tokenizer_config.json that names its BOS and EOS tokens)."""
+    """`spec` is "byte", a Hugging Face tokenizer.json or a tiktoken BPE file (told apart by
+    content), or a folder holding a tokenizer.json (and, optionally, the tokenizer_config.json that
+    names its BOS and EOS tokens)."""
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
@@ -129,5 +229,8 @@ def build_tokenizer(spec: str) -> Tokenizer:
         bos, eos = _special_names(config) if config.is_file() else (None, None)
         return HFTokenizer(path / "tokenizer.json", bos, eos)
     if not path.is_file():
-        raise DataError(f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file or folder")
-    return HFTokenizer(path)
+        raise DataError(
+            f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or tiktoken BPE file, "
+            "nor a Hugging Face tokenizer folder"
+        )
+    return HFTokenizer(path) if _is_json(path) else TiktokenTokenizer(path)

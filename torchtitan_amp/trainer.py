@@ -87,7 +87,8 @@ class Trainer:
         # Bad data is a config-time error too: the loader is built before any process group.
         dp_rank = self.dims.dp_rank(self.info.rank)
         self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
-                                           dp_rank, self.dims.dp_degree, t.seed)
+                                           dp_rank, self.dims.dp_degree, t.seed,
+                                           num_workers=t.dataloader_num_workers)
         spec = self.job.validation
         val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
                       if spec is not None else None)

@@ -422,8 +422,10 @@ def _tokenizer_files(spec: str) -> dict[str, Path]:
     path = Path(spec)
     if spec == "byte":
         return {}
-    if path.is_file():
-        return {"tokenizer.json": path}
+    if path.is_file():  # a tokenizer.json under any name, or a tiktoken file (kept as it is named)
+        with path.open("rb") as f:
+            is_json = f.read(64).lstrip()[:1] == b"{"
+        return {"tokenizer.json" if is_json else path.name: path}
     if path.is_dir():
         return {n: path / n for n in TOKENIZER_FILES if (path / n).is_file()}
     raise CheckpointError(f"the run's tokenizer {spec} no longer exists; pass --tokenizer PATH or --tokenizer byte")

@@ -1,0 +1,84 @@
+"""Frozen parameters in low precision (issue 17): `training.freeze` module-name patterns get no
+gradient, no optimizer state and no gradient reduction, and are stored in their compute dtype
+(bf16 for the lower-precision-safe Linears in mixed precision, fp32 for the fp32 islands), while
+trained parameters stay fp32. The precision audit of frozen runs on DDP 2, FSDP 2, TP 2 and PP 2
+(and their gradient bytes) is in test_audit.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import by_step, launch_worker
+from torchtitan_amp import job as job_mod
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.config import load_config
+from torchtitan_amp.errors import PrecisionError
+
+BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+        "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
+FREEZE = ["--training.freeze", "tok_embeddings,layers.0,layers.1.attention"]
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch):
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+
+
+def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]))
+    named = dict(t.model.named_parameters())
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+    assert frozen == {n for n in named if n.startswith(("tok_embeddings.", "layers.0.", "layers.1.attention."))}
+    # Safe modules (Linear) store their compute dtype; fp32 islands (embedding, norms) stay fp32.
+    assert named["layers.0.attention.wq.weight"].dtype == torch.bfloat16
+    assert named["layers.1.attention.wo.weight"].dtype == torch.bfloat16
+    assert named["layers.0.ffn_norm.weight"].dtype == named["tok_embeddings.weight"].dtype == torch.float32
+    assert named["layers.1.feed_forward.w1.weight"].dtype == torch.float32 and "layers.1.ffn_norm.weight" not in frozen
+    before = {n: named[n].detach().clone() for n in frozen}
+    t.train()
+    assert all(torch.equal(named[n], before[n]) for n in frozen)
+    assert all(named[n].grad is None for n in frozen)
+    state_ids = {id(p) for p in t.optimizer.state}
+    assert not any(id(named[n]) in state_ids for n in frozen) and len(state_ids) == len(named) - len(frozen)
+    report = json.loads((tmp_path / "precision_report.json").read_text())
+    assert report["frozen"]["layers.0.attention.wq.weight"] == "bfloat16" and len(report["frozen"]) == len(frozen)
+    rows = {(g["module_type"].rsplit(".", 1)[-1], g["trained"]): g for g in report["param_groups"]}
+    assert rows["Linear", False]["storage_dtype"] == "bfloat16" and rows["Linear", True]["storage_dtype"] == "float32"
+    # The loss still falls: the trained parameters learn around the frozen ones.
+    losses = [r["loss"] for r in by_step(tmp_path).values()]
+    assert len(losses) == 3 and all(l == l for l in losses)
+
+
+def test_fp32_training_freezes_in_fp32(tmp_path: Path) -> None:
+    """Without mixed precision nothing computes in bf16: frozen parameters keep the storage dtype."""
+    job = job_mod.resolve(load_config([*BASE, "--mixed_precision.enabled", "false", *FREEZE]), 1, "cpu")
+    model = job_mod.build_model_parts(job, torch.device("cpu"), [0]).parts[0]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.float32 for p in frozen)
+
+
+def test_freeze_pattern_matching_nothing_is_an_error() -> None:
+    with pytest.raises(PrecisionError, match="'training.freeze' entry 'layer.0' matches no module"):
+        job_mod.resolve(load_config([*BASE, "--training.freeze", "layer.0"]), 1, "cpu")
+
+
+def test_fsdp_frozen_resume_is_bitwise(tmp_path: Path) -> None:
+    """bf16 frozen parameters and fp32 trained ones in one checkpoint; the resume restores both."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*BASE, *FREEZE, "--parallelism.data_parallel_shard_degree", "2", "--training.steps", "4",
+            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    launch_worker("ckpt_jobs", tmp_path / "launch", [
+        {"args": [*args, "--job.dump_folder", str(a)]},
+        {"args": [*args, "--job.dump_folder", str(b)],
+         "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]},
+    ], 2, timeout=300)
+    ra, rb = by_step(a), by_step(b)
+    assert sorted(rb) == [3, 4]
+    for step in (3, 4):
+        assert (rb[step]["loss"], rb[step]["grad_norm"]) == (ra[step]["loss"], ra[step]["grad_norm"]), step
