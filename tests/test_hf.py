@@ -334,6 +334,21 @@ def test_tokenizer_folder(tokenizer_folder, tmp_path):
         build_tokenizer(str(tmp_path))
 
 
+def test_data_prepare_with_a_tokenizer_folder(tokenizer_folder, tmp_path, capsys):
+    """The prepare step takes the folder too; its fingerprint carries the folder's BOS/EOS, so the
+    shards cannot be mistaken for ones made with the bare tokenizer.json's defaults."""
+    from torchtitan_amp.data.cli import main as data_main
+
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    out = tmp_path / "tokens"
+    assert data_main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
+                      str(tokenizer_folder), "--no-progress"]) == 0
+    assert data_main(["verify", str(out), "--tokenizer", str(tokenizer_folder), "--no-progress"]) == 0
+    assert build_tokenizer(str(tokenizer_folder)).fingerprint.endswith(":bos256:eos257")
+    assert data_main(["verify", str(out), "--tokenizer", "byte", "--no-progress"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
 def _copy(folder: Path, dst: Path) -> Path:
     dst.mkdir()
     for p in folder.iterdir():
