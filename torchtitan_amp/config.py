@@ -56,7 +56,8 @@ class Job:
 class Model:
     name: Literal["llama3"] = _f("llama3", "Model family.")
     flavor: Flavor = _f("debugmodel", "Model size.")
-    tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS) or a path to a tokenizer.json.")
+    tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS), a path to a tokenizer.json, or a "
+                        "Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json's BOS/EOS).")
 
 
 @dataclass
@@ -171,13 +172,21 @@ class Checkpoint:
     load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).")
     initial_load_path: str = _f(
         "", "Weights to start from when the folder holds no checkpoint: a step folder (seed, full "
-        "or model-only export) or a folder of them. Loads the model only; training starts at step 0."
+        "or model-only export), a folder of them, or a Hugging Face Llama folder (config.json + "
+        "*.safetensors; config.json must match model.flavor and the tokenizer's vocab). Loads the "
+        "model only; training starts at step 0."
     )
     last_save_model_only: bool = _f(
         False, "At the last step write only the model, as one torch.save file in export_dtype "
         "(step-N/model.pt): an export, not a resume point."
     )
-    export_dtype: DtypeName = _f("float32", "Dtype of model-only exports.")
+    last_save_hf: bool = _f(
+        False, "After the last step's save, also convert it into a Hugging Face Llama folder "
+        "<checkpoint folder>/hf-step-N (safetensors in export_dtype, 5 GB shards + index, "
+        "config.json, the run's tokenizer files); the same as `python -m torchtitan_amp.checkpoint "
+        "export --format hf`."
+    )
+    export_dtype: DtypeName = _f("float32", "Dtype of model-only and Hugging Face exports.")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = _f(
         "disabled", "'async' writes checkpoints in a background thread after a synchronous copy; "
         "'async_with_pinned_mem' (CUDA only) stages through pinned host memory.",
@@ -652,6 +661,8 @@ def validate(config: JobConfig) -> None:
     _require(config.checkpoint.preemption_warning_s >= 0,
              f"'checkpoint.preemption_warning_s' must be >= 0 (0: unknown), got {config.checkpoint.preemption_warning_s}")
     _require(config.checkpoint.load_step >= -1, "'checkpoint.load_step' must be -1 (newest) or a step >= 0")
+    _require(config.checkpoint.enable or not config.checkpoint.last_save_hf,
+             "'checkpoint.last_save_hf' converts the last checkpoint: it needs checkpoint.enable = true")
     _require(t.fault_inject_at_step >= 0, "'training.fault_inject_at_step' must be >= 0 (0: off)")
     ac = config.activation_checkpoint
     _require(

@@ -1,4 +1,5 @@
-"""Tokenizers: a dependency-free byte tokenizer, Hugging Face tokenizer.json files and tiktoken BPE
+"""Tokenizers: a dependency-free byte tokenizer, Hugging Face tokenizer.json files or tokenizer
+folders (tokenizer.json + tokenizer_config.json, as published with the weights) and tiktoken BPE
 files (Llama 3's `tokenizer.model`).
 
 Every tokenizer has a `fingerprint` that changes whenever its ids would: token shards record it
@@ -6,6 +7,7 @@ Every tokenizer has a `fingerprint` that changes whenever its ids would: token s
 """
 
 import hashlib
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,10 +72,30 @@ def _find_special(hf_tokenizer: Any, names: tuple[str, ...]) -> int | None:
     return None
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json; BOS/EOS are added by us, not by its post-processor."""
+def _special_names(config_path: Path) -> tuple[str | None, str | None]:
+    """tokenizer_config.json's bos_token and eos_token (a string or {"content": ...}), if any."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{config_path}: unreadable ({' '.join(str(e).split())})") from None
 
-    def __init__(self, path: str | Path) -> None:
+    def name(field: str) -> str | None:
+        value = config.get(field) if isinstance(config, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{config_path}: '{field}' must be a token string, got {value!r}")
+        return value
+
+    return name("bos_token"), name("eos_token")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json; BOS/EOS are added by us, not by its post-processor.
+
+    `bos_token`/`eos_token` (from a folder's tokenizer_config.json) name the special tokens; without
+    them the first known name in the vocabulary is used."""
+
+    def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None) -> None:
         try:
             # Optional dependency: only users of tokenizer.json files need it.
             from tokenizers import Tokenizer as _HFTokenizer
@@ -84,8 +106,12 @@ class HFTokenizer:
             self._tokenizer = _HFTokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{self.path}: cannot load tokenizer: {' '.join(str(e).split())}") from e
-        bos_id = _find_special(self._tokenizer, _BOS_NAMES)
-        eos_id = _find_special(self._tokenizer, _EOS_NAMES)
+        for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token is not None and self._tokenizer.token_to_id(token) is None:
+                raise DataError(f"{self.path.parent / 'tokenizer_config.json'}: '{field}' {token!r} is not in "
+                                f"the vocabulary of {self.path}")
+        bos_id = _find_special(self._tokenizer, (bos_token,) if bos_token else _BOS_NAMES)
+        eos_id = _find_special(self._tokenizer, (eos_token,) if eos_token else _EOS_NAMES)
         if bos_id is None or eos_id is None:
             raise DataError(
                 f"{self.path}: no BOS/EOS special token found (allowed BOS: {', '.join(_BOS_NAMES)}; "
@@ -98,6 +124,9 @@ class HFTokenizer:
         # The library's own serialisation, not the file's bytes: re-saving or re-indenting the file
         # keeps the ids, and so the fingerprint.
         self.fingerprint = "hf:" + hashlib.sha256(self._tokenizer.to_str().encode()).hexdigest()
+        if bos_token or eos_token:  # tokenizer_config.json chose the specials: other ids, other data
+            self.cache_key += f":{bos_id}:{eos_id}"
+            self.fingerprint += f":bos{bos_id}:eos{eos_id}"
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         # add_special_tokens=False stops the file's post-processor from adding its own BOS/EOS twice.
@@ -187,12 +216,21 @@ def _is_json(path: Path) -> bool:
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
-    """`spec` is "byte", a Hugging Face tokenizer.json or a tiktoken BPE file (told apart by content)."""
+    """`spec` is "byte", a Hugging Face tokenizer.json or a tiktoken BPE file (told apart by
+    content), or a folder holding a tokenizer.json (and, optionally, the tokenizer_config.json that
+    names its BOS and EOS tokens)."""
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise DataError(f"tokenizer folder {spec} has no tokenizer.json (a Hugging Face tokenizer folder needs one)")
+        config = path / "tokenizer_config.json"
+        bos, eos = _special_names(config) if config.is_file() else (None, None)
+        return HFTokenizer(path / "tokenizer.json", bos, eos)
     if not path.is_file():
         raise DataError(
-            f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or tiktoken BPE file"
+            f"tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json or tiktoken BPE file, "
+            "nor a Hugging Face tokenizer folder"
         )
     return HFTokenizer(path) if _is_json(path) else TiktokenTokenizer(path)

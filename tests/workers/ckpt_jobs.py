@@ -3,6 +3,8 @@ tests/test_checkpoint.py and tests/test_validation.py.
 
 Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's spec with
   "options": {"step_delay": seconds slept after every train step (to give a signal time to arrive),
+              "flavor": {field: value} replaces these LlamaModelArgs fields of the 'debugmodel'
+                        flavour for every job (tests/test_hf.py's tiny GQA + rope-scaling model),
               "crash_in_save_step": N (die with os._exit(1) after every rank wrote step-N.tmp,
                                        before the completion marker: a save interrupted half way)},
   "jobs": [{"name": NAME, "args": [CLI overrides],
@@ -14,6 +16,10 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
              "evaluate": "file"                  instead of training: tools.evaluate on args
                                                  (a checkpoint's val_loss on this layout), to file
              "audit": "file"                     instead of training: Trainer.audit(), to file
+             "logits": "file", "tokens": [[...]] instead of training: the full fp32 logits of
+                                                 `tokens` on this layout, torch.save'd to file
+             "hf_reads": "file"                  with "logits": every rank's count of tensor
+                                                 elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
                                                  whatever the plan says (the audit must catch it)
            }, ...]
@@ -60,6 +66,21 @@ def _gather(obj: object) -> list[object]:
     out: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+_HF_READS = [0]  # tensor elements this rank read through checkpoint/hf.py's reader
+
+
+def _count_hf_reads() -> None:
+    from torchtitan_amp.checkpoint.hf import HFLlamaReader
+
+    original = HFLlamaReader._process_read_request
+
+    def counting(self, f, req, planner):  # type: ignore[no-untyped-def]
+        _HF_READS[0] += int(torch.Size(req.lengths).numel())
+        return original(self, f, req, planner)
+
+    HFLlamaReader._process_read_request = counting
 
 
 def _install_test_hooks(options: dict) -> None:
@@ -109,9 +130,45 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
         PrecisionPlan.fsdp_policy = original
 
 
+@torch.no_grad()
+def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The whole model's logits on every rank that has them (None elsewhere): a plain forward
+    without PP (TP's vocab-sharded logits gathered), stage by stage over point-to-point sends
+    with PP (each rank holds one stage)."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_amp.parallelize import parallel_context
+
+    tokens = tokens.to(trainer.device)
+    for part in trainer.model_parts:
+        part.eval()
+    with parallel_context(trainer.dims, trainer.config):
+        if not trainer.dims.pp_enabled:
+            out = trainer.model(tokens)
+            return out.full_tensor() if isinstance(out, DTensor) else out
+        rank, world = _rank(), dist.get_world_size()
+        assert len(trainer.model_parts) == 1 and trainer.dims.pp == world, "one stage per rank"
+        h = tokens
+        if rank > 0:
+            h = torch.empty(*tokens.shape, trainer.model_args.dim)
+            dist.recv(h, rank - 1)
+        h = trainer.model(h)
+        if rank < world - 1:
+            dist.send(h.contiguous(), rank + 1)
+            return None
+        return h
+
+
 def main(spec_path: str) -> int:
     spec = read_spec(spec_path)
+    if spec.options.get("flavor"):
+        from torchtitan_amp.models import llama
+
+        llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"],
+                                                                 **spec.options["flavor"])
     _install_test_hooks(spec.options)
+    if any(job.get("hf_reads") for job in spec.jobs):
+        _count_hf_reads()
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
     run_control.install_preemption_handlers()
@@ -135,6 +192,16 @@ def main(spec_path: str) -> int:
         if job.get("perturb_rng"):
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())
+        if job.get("logits"):
+            reads = _gather(_HF_READS[0])
+            _HF_READS[0] = 0
+            if job.get("hf_reads") and _rank() == 0:
+                Path(job["hf_reads"]).write_text(json.dumps(reads))
+            logits = _logits(trainer, torch.tensor(job["tokens"]))
+            if logits is not None and (_rank() == 0 or trainer.dims.pp_enabled):
+                torch.save(logits.cpu(), job["logits"])
+            trainer.metrics.close()
+            continue
         if job.get("probe"):
             result = probe_trainer(trainer)
             if _rank() == 0:

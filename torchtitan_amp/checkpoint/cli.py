@@ -1,11 +1,44 @@
-"""`python -m torchtitan_amp.checkpoint {list FOLDER | verify STEP_DIR | export STEP_DIR OUTPUT [DTYPE]}`."""
+"""`python -m torchtitan_amp.checkpoint {list FOLDER | verify STEP_DIR | export ...}`.
+
+export STEP_DIR OUTPUT.pt [DTYPE]: the model as one torch.save file;
+export --format hf STEP_DIR OUTPUT_DIR [--dtype D] [--max-shard-size 5GB] [--tokenizer T]: a
+Hugging Face Llama folder (checkpoint/hf.py).
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.errors import CheckpointError, DataError
 from torchtitan_amp.rules import DTYPES
+
+USAGE = ("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
+         "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
+         "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]\n"
+         "       python -m torchtitan_amp.checkpoint export --format hf STEP_DIR OUTPUT_DIR [--dtype bfloat16] "
+         "[--max-shard-size 5GB] [--tokenizer byte|PATH]")
+
+
+def _export_hf(argv: list[str]) -> int:
+    from torchtitan_amp.checkpoint.hf import export_hf, parse_size
+
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_amp.checkpoint export --format hf")
+    parser.add_argument("--format", choices=["hf"], required=True)
+    parser.add_argument("step_dir")
+    parser.add_argument("output")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer files to include (default: the run's model.tokenizer)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_hf(args.step_dir, args.output, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
+    except (CheckpointError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -34,6 +67,8 @@ def main(argv: list[str]) -> int:
         print(f"{info.path}: complete, {len(info.meta['files'])} files"
               + (f", {n} CRC-32s match" if n else " (saved without checksums: sizes checked)"))
         return 0
+    if argv[:1] == ["export"] and any(a == "--format" or a.startswith("--format=") for a in argv):
+        return _export_hf(argv[1:])
     if len(argv) in (3, 4) and argv[0] == "export":
         dtype = argv[3] if len(argv) == 4 else "float32"
         if dtype not in DTYPES:
@@ -45,10 +80,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    print("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
-          "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
-          "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]",
-          file=sys.stderr)
+    print(USAGE, file=sys.stderr)
     return 2
 
 

@@ -408,6 +408,22 @@ class CheckpointManager:
             return
         kind = "model_only" if last and self.config.checkpoint.last_save_model_only else "full"
         self.save(step, tokens_seen, kind=kind)
+        if last and self.config.checkpoint.last_save_hf:
+            self.export_hf(step)
+
+    def export_hf(self, step: int) -> Path:
+        """Convert the committed step-N into a Hugging Face folder hf-step-N beside it. Rank 0
+        converts (one shard at a time, from the files: no rank holds the model twice); the others
+        wait for its outcome."""
+        from torchtitan_amp.checkpoint.hf import export_hf  # needs safetensors, only when asked
+
+        self._finish_pending()
+        out = self.folder / f"hf-step-{step}"
+        begin = time.monotonic()
+        self._agree(lambda: export_hf(self.folder / f"step-{step}", out, self.config.checkpoint.export_dtype))
+        if self.rank == 0:
+            logger.info("step %d: Hugging Face export in %s (%.2f s)", step, out, time.monotonic() - begin)
+        return out
 
     def save_seed(self) -> None:
         """Step 0, model only, DCP: any layout can start from it."""
@@ -641,7 +657,12 @@ class CheckpointManager:
         names = tuple(n for n in (("model",) if initial or kind != "full" else every)
                       if n not in c.exclude_from_loading)
         state = TrainState()
-        if kind == "model_only":
+        if kind == "hf":
+            from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
+
+            load_hf(self._model, path, self.model_args, complete_model=self.pp_degree == 1,
+                    agree=lambda error: self._all_ok(error))
+        elif kind == "model_only":
             self._load_export(path)
         else:
             state = self._load_dcp(path, names)
@@ -721,6 +742,11 @@ class CheckpointManager:
         if (path / MARKER).is_file():
             info = inspect_checkpoint(path)
             return _Choice(str(path), info.kind, info.meta, True, info.step)
+        if (path / "config.json").is_file():  # a Hugging Face model folder
+            from torchtitan_amp.checkpoint.hf import check_config
+
+            check_config(path, self.model_args, self.config.model.flavor)
+            return _Choice(str(path), "hf", {}, True, 0)
         if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
             return _Choice(str(path), "seed", {}, True, 0)
         complete, problems = scan_folder(path)

@@ -1,6 +1,6 @@
 """`python -m torchtitan_amp.data` (console: torchtitan-amp-prepare-data): prepare, merge, verify.
 
-    prepare INPUT... --output DIR [--tokenizer byte|tokenizer.json|tiktoken file] [--workers N]
+    prepare INPUT... --output DIR [--tokenizer byte|tokenizer.json|HF folder|tiktoken file] [--workers N]
             [--validation-fraction F] [--num-shards K --shard-index I]
     merge DIR                    after all K --shard-index jobs: writes DIR/index.json
     verify DIR [--tokenizer T]   reads every shard: sha256 and token ids (start-up only stats them)
@@ -25,8 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", help=".txt/.md/.jsonl(.gz/.zst), .parquet, folders, save_to_disk datasets, "
                    "hf:<name> (datasets.load_dataset by name)")
     p.add_argument("--output", "-o", required=True, type=Path, help="folder to write (train/, validation/, index.json)")
-    p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json or a tiktoken BPE file (the job's "
-                   "model.tokenizer must be the same)")
+    p.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, a Hugging Face tokenizer folder "
+                   "or a tiktoken BPE file (the job's model.tokenizer must be the same)")
     p.add_argument("--text-column", default="text", help="column of .parquet and saved datasets (default: text)")
     p.add_argument("--hf-config", default=None, help="configuration of hf:<name> inputs (e.g. wikitext-103-raw-v1)")
     p.add_argument("--hf-split", default="train", help="split of hf:<name> inputs (default: train)")

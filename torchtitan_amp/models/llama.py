@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults).
+# Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
+# carry their own copy because Llama 3.2 checkpoints use factor 32 (checkpoint/hf.py maps them).
 ROPE_SCALING_FACTOR = 8.0
 ROPE_LOW_FREQ_FACTOR = 1.0
 ROPE_HIGH_FREQ_FACTOR = 4.0
@@ -40,6 +41,10 @@ class LlamaModelArgs:
     # 0.02 / sqrt(2 * n_layers).
     depth_init: bool = True
     use_scaled_rope: bool = True
+    rope_scaling_factor: float = ROPE_SCALING_FACTOR
+    rope_low_freq_factor: float = ROPE_LOW_FREQ_FACTOR
+    rope_high_freq_factor: float = ROPE_HIGH_FREQ_FACTOR
+    rope_original_max_position: int = ROPE_ORIGINAL_MAX_POSITION
 
     def __post_init__(self) -> None:
         # Fail at config time: these would otherwise surface as view() errors
@@ -115,17 +120,30 @@ def build_model_args(flavor: str, vocab_size: int, max_seq_len: int) -> LlamaMod
     )
 
 
-def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class RopeScaling:
+    factor: float = ROPE_SCALING_FACTOR
+    low_freq_factor: float = ROPE_LOW_FREQ_FACTOR
+    high_freq_factor: float = ROPE_HIGH_FREQ_FACTOR
+    original_max_position: int = ROPE_ORIGINAL_MAX_POSITION
+
+    @classmethod
+    def from_args(cls, args: LlamaModelArgs) -> "RopeScaling":
+        return cls(args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
+                   args.rope_original_max_position)
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling = RopeScaling()) -> torch.Tensor:
     """Llama 3.1 context extension: slow down low frequencies, keep high ones,
     interpolate smoothly in between."""
-    low_freq_wavelen = ROPE_ORIGINAL_MAX_POSITION / ROPE_LOW_FREQ_FACTOR
-    high_freq_wavelen = ROPE_ORIGINAL_MAX_POSITION / ROPE_HIGH_FREQ_FACTOR
+    low_freq_wavelen = s.original_max_position / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * math.pi / freqs
-    smooth = (ROPE_ORIGINAL_MAX_POSITION / wavelen - ROPE_LOW_FREQ_FACTOR) / (
-        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
     )
-    interpolated = (1 - smooth) * freqs / ROPE_SCALING_FACTOR + smooth * freqs
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / ROPE_SCALING_FACTOR, freqs)
+    interpolated = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
     in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_between, interpolated, scaled)
 
@@ -136,6 +154,7 @@ def precompute_rope(
     theta: float,
     use_scaled_rope: bool,
     device: torch.device | None = None,
+    scaling: RopeScaling = RopeScaling(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each [max_seq_len, head_dim // 2], float32.
 
@@ -155,7 +174,7 @@ def precompute_rope(
         exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
         freqs = 1.0 / (theta**exponents)
         if use_scaled_rope:
-            freqs = _scale_rope_freqs(freqs)
+            freqs = _scale_rope_freqs(freqs, scaling)
         positions = torch.arange(max_seq_len, device=device).float()
         angles = torch.outer(positions, freqs)
         return angles.cos(), angles.sin()
@@ -335,7 +354,8 @@ class Transformer(nn.Module):
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.model_args
-        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device)
+        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device,
+                               RopeScaling.from_args(a))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and the rope buffers; the step after

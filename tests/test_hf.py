@@ -1,0 +1,447 @@
+"""Hugging Face interop (checkpoint/hf.py, tokenizer folders), checked against transformers' own
+LlamaForCausalLM: a tiny random one with GQA and Llama 3.1 rope scaling, built and saved here (no
+download). Import gives transformers' logits on one process and on FSDP 2 / TP 2 / PP 2; an
+export loads in transformers with no missing or unexpected keys and gives our logits; import ->
+train 5 steps -> export -> reimport is bit for bit; bad folders fail in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.support import launch_worker, run_python
+from torchtitan_amp.checkpoint.format import quiet_single_process
+from torchtitan_amp.checkpoint.hf import (
+    CONFIG,
+    INDEX,
+    check_config,
+    export_hf,
+    hf_config,
+    load_hf,
+    parse_size,
+    permute_from_hf,
+    permute_to_hf,
+    rotary_rows,
+)
+from torchtitan_amp.errors import CheckpointError, DataError
+from torchtitan_amp.models import llama
+from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, ffn_hidden_dim
+from torchtitan_amp.tokenizer import build_tokenizer
+
+# Rope scaling from position 16 on, so that it changes a 32-token sequence's logits (Llama 3.1
+# scales from 8192, which a test-sized sequence would never reach); GQA: 4 query, 2 kv heads.
+FLAVOR = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "rope_theta": 500000.0,
+          "use_scaled_rope": True, "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
+          "rope_high_freq_factor": 4.0, "rope_original_max_position": 16}
+ARGS = LlamaModelArgs(**FLAVOR, vocab_size=258, max_seq_len=32)
+TOKENS = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(7))
+LOGITS_ATOL = 1e-5  # fp32; measured max 1.5e-7 on one process
+STEPS = 5
+SPECIALS = ("<|start|>", "<|stop|>")  # in no default list: only tokenizer_config.json names them
+
+
+def _hf_config(**changes):  # type: ignore[no-untyped-def]
+    from transformers import LlamaConfig
+
+    fields = dict(vocab_size=258, hidden_size=64, intermediate_size=ffn_hidden_dim(64, 32, None),
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, max_position_embeddings=128, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    return LlamaConfig(**{**fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(folder, model, reference logits): sharded into several safetensors files with an index."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_hf_config()).eval()
+    folder = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / INDEX).is_file() and len(list(folder.glob("*.safetensors"))) > 2
+    with torch.no_grad():
+        return folder, model, model(TOKENS).logits
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    """An HF tokenizer folder equivalent to a byte tokenizer (256 byte tokens, no merges) whose
+    BOS/EOS names only its tokenizer_config.json gives: 258 tokens, the model's vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": SPECIALS[0]}, "eos_token": SPECIALS[1], "model_max_length": 32}))
+    return folder
+
+
+def _ours(folder: Path, args: LlamaModelArgs = ARGS) -> Transformer:
+    model = Transformer(args)
+    load_hf(model, folder, args, complete_model=True)
+    return model.eval()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def test_permutation_round_trips_and_moves_rows():
+    w = torch.arange(2 * 8 * 3).reshape(16, 3)  # 2 heads of head dim 8
+    assert torch.equal(permute_from_hf(permute_to_hf(w, 2), 2), w)
+    # Our pair (x[2i], x[2i+1]) is HF's (x[i], x[i + 4]) within each head.
+    assert permute_to_hf(w, 2)[:, 0].tolist() == [0, 6, 12, 18, 3, 9, 15, 21, 24, 30, 36, 42, 27, 33, 39, 45]
+
+
+def test_rotary_rows_of_any_shard():
+    """A shard boundary inside a head (FSDP's even split of 3 heads over 2 ranks, say) still gets
+    each row's rotary partner: every row range equals the same rows of the whole permuted weight."""
+    hf_weight = torch.randn(3 * 8, 5)  # 3 heads of head dim 8
+    want = permute_from_hf(hf_weight, 3)
+    for start in range(24):
+        for length in range(1, 25 - start):
+            got = rotary_rows(lambda rows: hf_weight[rows], 8, start, length)
+            assert torch.equal(got, want[start:start + length]), (start, length)
+
+
+def test_import_matches_transformers_on_one_process(hf):
+    folder, _, reference = hf
+    got = _logits(_ours(folder))
+    assert (got - reference).abs().max() <= LOGITS_ATOL
+    # The model exercises what the import must get right: without rope scaling (or with the
+    # wrong rotary layout) the logits are far off.
+    unscaled = dataclasses.replace(ARGS, use_scaled_rope=False)
+    model = Transformer(unscaled)
+    model.load_state_dict(_ours(folder).state_dict())
+    assert (_logits(model) - reference).abs().max() > 100 * LOGITS_ATOL
+
+
+def test_import_through_the_trainer_on_one_process(hf, tokenizer_folder, tmp_path, monkeypatch):
+    """checkpoint.initial_load_path = the folder, through the checkpoint manager, one process."""
+    from torchtitan_amp import trainer as trainer_module
+    from torchtitan_amp.config import load_config
+
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
+    trainer = trainer_module.Trainer(load_config(_job(tmp_path, hf[0], tokenizer_folder)))
+    try:
+        assert (_logits(trainer.model.eval()) - hf[2]).abs().max() <= LOGITS_ATOL
+    finally:
+        trainer.metrics.close()
+
+
+def test_import_tied_embeddings(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(_hf_config(tie_word_embeddings=True)).eval()
+    model.save_pretrained(tmp_path)
+    ours = _ours(tmp_path)
+    assert torch.equal(ours.output.weight, ours.tok_embeddings.weight)
+    with torch.no_grad():
+        assert (_logits(ours) - model(TOKENS).logits).abs().max() <= LOGITS_ATOL
+
+
+def _job(dump: Path, hf_folder: Path, tokenizer: Path, *extra: str) -> list[str]:
+    return ["--model.flavor", "debugmodel", "--model.tokenizer", str(tokenizer), "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--mixed_precision.enabled", "false", "--metrics.log_freq", "1",
+            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--checkpoint.enable",
+            "--checkpoint.initial_load_path", str(hf_folder), "--job.dump_folder", str(dump), *extra]
+
+
+LAYOUTS = {
+    "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+}
+
+
+@pytest.fixture(scope="module")
+def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
+    """One 2-rank launch: import on FSDP 2, TP 2 and PP 2 (logits of TOKENS), then import on
+    FSDP 2 and train STEPS steps with a full checkpoint at the end."""
+    root = tmp_path_factory.mktemp("dist")
+    folder = hf[0]
+    jobs = [{"args": _job(root / layout, folder, tokenizer_folder, *extra), "logits": str(root / f"{layout}.pt"),
+             "tokens": TOKENS.tolist()} for layout, extra in LAYOUTS.items()]
+    jobs.append({"args": _job(root / "train", folder, tokenizer_folder, *LAYOUTS["fsdp"], "--training.steps",
+                              str(STEPS), "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_hf")})
+    launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_import_matches_transformers_on_two_ranks(hf, dist_run, layout):
+    got = torch.load(dist_run / f"{layout}.pt", weights_only=True)
+    assert got.shape == hf[2].shape
+    assert (got - hf[2]).abs().max() <= LOGITS_ATOL
+
+
+def test_import_matches_transformers_on_fsdp_x_tp(hf, tokenizer_folder, tmp_path):
+    """FSDP 2 x TP 2 (4 ranks): 2-D DTensors, FSDP sharding TP's column shards of q and k again
+    (one head per rank)."""
+    extra = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    launch_worker("ckpt_jobs", tmp_path, [{"args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
+                                           "logits": str(tmp_path / "logits.pt"), "tokens": TOKENS.tolist(),
+                                           "hf_reads": str(tmp_path / "reads.json")}],
+                  4, flavor=FLAVOR)
+    assert (torch.load(tmp_path / "logits.pt", weights_only=True) - hf[2]).abs().max() <= LOGITS_ATOL
+    # No rank read the whole model: each read about its quarter (norms are sharded by FSDP only,
+    # so a little more), and together the ranks read each element about once.
+    reads, total = json.loads((tmp_path / "reads.json").read_text()), sum(p.numel() for p in hf[1].parameters())
+    assert all(0 < r < 0.3 * total for r in reads) and total <= sum(reads) < 1.05 * total, (reads, total)
+
+
+def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
+    sd = Transformer(ARGS).state_dict()
+    with quiet_single_process():
+        dcp.load({"model": sd}, checkpoint_id=str(step_dir), no_dist=True)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def exported(dist_run, tmp_path_factory) -> Path:
+    """The trained run's last checkpoint exported by the CLI, in fp32, in shards of <= 50 kB."""
+    out = tmp_path_factory.mktemp("export") / "hf"
+    result = run_python("-m", "torchtitan_amp.checkpoint", "export", "--format", "hf",
+                        str(dist_run / "train" / "checkpoint" / f"step-{STEPS}"), str(out), "--dtype", "float32",
+                        "--max-shard-size", "50kB")
+    assert result.returncode == 0, result.describe()
+    return out
+
+
+def test_export_loads_in_transformers_with_our_logits(dist_run, exported, tokenizer_folder):
+    from transformers import LlamaForCausalLM
+
+    model, info = LlamaForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    trained = Transformer(ARGS)
+    trained.load_state_dict(_checkpoint_model(dist_run / "train" / "checkpoint" / f"step-{STEPS}"))
+    with torch.no_grad():
+        assert (model.eval()(TOKENS).logits - _logits(trained.eval())).abs().max() <= LOGITS_ATOL
+    # Shards of the chosen size and an index naming every tensor; the run's tokenizer files.
+    index = json.loads((exported / INDEX).read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in exported.glob("*.safetensors")}
+    assert len(index["weight_map"]) == len(trained.state_dict())
+    assert all(p.stat().st_size <= 50_000 + 8192 for p in exported.glob("*.safetensors")
+               if len([k for k, v in index["weight_map"].items() if v == p.name]) > 1)
+    assert (exported / "tokenizer.json").read_bytes() == (tokenizer_folder / "tokenizer.json").read_bytes()
+    cfg = json.loads((exported / CONFIG).read_text())
+    tok = build_tokenizer(str(tokenizer_folder))
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (256, 257)
+
+
+def test_import_train_export_reimport_is_bitwise(hf, dist_run, exported):
+    saved = _checkpoint_model(dist_run / "train" / "checkpoint" / f"step-{STEPS}")
+    again = _ours(exported).state_dict()
+    assert saved.keys() == again.keys()
+    for key in saved:
+        assert torch.equal(saved[key], again[key]), key
+    # The run's own export at its end (checkpoint.last_save_hf) holds the same weights.
+    at_end = _ours(dist_run / "train" / "checkpoint" / f"hf-step-{STEPS}").state_dict()
+    assert all(torch.equal(saved[key], at_end[key]) for key in saved)
+    # Training moved the weights: the round trip is not the imported weights compared to themselves.
+    assert not torch.equal(saved["layers.0.attention.wq.weight"], _ours(hf[0]).state_dict()["layers.0.attention.wq.weight"])
+    # The run logged STEPS steps from the imported weights.
+    rows = [json.loads(line) for line in (dist_run / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
+
+
+def test_export_in_bf16_single_file(dist_run, tmp_path):
+    from safetensors import safe_open
+
+    out = export_hf(dist_run / "train" / "checkpoint" / f"step-{STEPS}", tmp_path / "bf16", "bfloat16",
+                    tokenizer="byte")
+    assert not (out / INDEX).exists() and [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((out / CONFIG).read_text())["torch_dtype"] == "bfloat16"
+    assert not (out / "tokenizer.json").exists()
+    # Imported into fp32 parameters: exactly the trained weights rounded to bf16.
+    saved = _checkpoint_model(dist_run / "train" / "checkpoint" / f"step-{STEPS}")
+    again = _ours(out).state_dict()
+    assert all(torch.equal(again[k], saved[k].to(torch.bfloat16).float()) for k in saved)
+
+
+def test_export_of_a_model_only_checkpoint(dist_run, tmp_path):
+    """A last_save_model_only export (model.pt, memory-mapped) converts as a DCP checkpoint does."""
+    from torchtitan_amp.checkpoint.format import EXPORT_FILE, MARKER, export_checkpoint
+
+    full = dist_run / "train" / "checkpoint" / f"step-{STEPS}"
+    step = tmp_path / f"step-{STEPS}"
+    export_checkpoint(full, step / EXPORT_FILE)
+    meta = {k: v for k, v in json.loads((full / MARKER).read_text()).items() if k != "crc32"}
+    (step / MARKER).write_text(json.dumps({**meta, "kind": "model_only",
+                                           "files": {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}}))
+    out = export_hf(step, tmp_path / "hf", "float32", tokenizer="byte")
+    saved, again = _checkpoint_model(full), _ours(out).state_dict()
+    assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "llama3_8b", "llama3_70b"])
+def test_exported_config_describes_its_flavour(flavor, tmp_path):
+    args = llama.build_model_args(flavor, 128256, 8192)
+    (tmp_path / CONFIG).write_text(json.dumps(hf_config(args, "bfloat16", 128000, 128001)))
+    check_config(tmp_path, args, flavor)
+
+
+def test_published_llama_3_1_8b_config_fits_llama3_8b(tmp_path):
+    """config.json of meta-llama/Llama-3.1-8B as published (transformers 4.43 spelling)."""
+    (tmp_path / CONFIG).write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 128256}))
+    check_config(tmp_path, llama.build_model_args("llama3_8b", 128256, 8192), "llama3_8b")
+    with pytest.raises(CheckpointError, match="'hidden_size' = 4096 but model.flavor 'llama3_70b' has dim = 8192"):
+        check_config(tmp_path, llama.build_model_args("llama3_70b", 128256, 8192), "llama3_70b")
+
+
+def test_tokenizer_folder(tokenizer_folder, tmp_path):
+    tok = build_tokenizer(str(tokenizer_folder))
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (258, 256, 257)
+    ids = tok.encode("héllo", bos=True, eos=True)
+    assert ids[0] == 256 and ids[-1] == 257 and tok.decode(ids) == "héllo"
+    # Without tokenizer_config.json no known BOS name is in this vocabulary.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((tokenizer_folder / "tokenizer.json").read_bytes())
+    with pytest.raises(DataError, match="no BOS/EOS special token"):
+        build_tokenizer(str(bare))
+    (bare / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<nope>", "eos_token": SPECIALS[1]}))
+    with pytest.raises(DataError, match="'bos_token' '<nope>' is not in the vocabulary"):
+        build_tokenizer(str(bare))
+    with pytest.raises(DataError, match="has no tokenizer.json"):
+        build_tokenizer(str(tmp_path))
+
+
+def test_data_prepare_with_a_tokenizer_folder(tokenizer_folder, tmp_path, capsys):
+    """The prepare step takes the folder too; its fingerprint carries the folder's BOS/EOS, so the
+    shards cannot be mistaken for ones made with the bare tokenizer.json's defaults."""
+    from torchtitan_amp.data.cli import main as data_main
+
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    out = tmp_path / "tokens"
+    assert data_main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
+                      str(tokenizer_folder), "--no-progress"]) == 0
+    assert data_main(["verify", str(out), "--tokenizer", str(tokenizer_folder), "--no-progress"]) == 0
+    assert build_tokenizer(str(tokenizer_folder)).fingerprint.endswith(":bos256:eos257")
+    assert data_main(["verify", str(out), "--tokenizer", "byte", "--no-progress"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def _copy(folder: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in folder.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def _edit_config(folder: Path, **changes) -> None:  # type: ignore[no-untyped-def]
+    cfg = json.loads((folder / CONFIG).read_text())
+    (folder / CONFIG).write_text(json.dumps({**cfg, **changes}))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda f: _edit_config(f, num_hidden_layers=3), r"'num_hidden_layers' = 3 but model.flavor 'x' has n_layers = 2"),
+    (lambda f: _edit_config(f, vocab_size=300), r"'vocab_size' = 300 but the tokenizer \(model.tokenizer\)"),
+    (lambda f: _edit_config(f, num_key_value_heads=4), r"'num_key_value_heads' = 4"),
+    (lambda f: _edit_config(f, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+     r"'rope_scaling' = none but model.flavor 'x' has use_scaled_rope = True"),
+    (lambda f: _edit_config(f, rope_parameters={**json.loads((f / CONFIG).read_text())["rope_parameters"],
+                                                "factor": 32.0}),
+     r"'rope_scaling.factor' = 32.0 but model.flavor 'x' has rope_scaling_factor = 8.0"),
+    (lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+     r"rope scaling type 'yarn' is not supported"),
+    (lambda f: _edit_config(f, model_type="mistral"), r"'model_type' = 'mistral'; only 'llama'"),
+    (lambda f: (f / CONFIG).write_text("{not json"), r"config.json is unreadable"),
+])
+def test_mismatched_config_is_one_line(hf, tmp_path, break_it, message):
+    folder = _copy(hf[0], tmp_path / "hf")
+    break_it(folder)
+    with pytest.raises(CheckpointError, match=message) as e:
+        check_config(folder, ARGS, "x")
+    assert "\n" not in str(e.value)
+
+
+def _truncate_a_shard(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def _drop_a_shard(folder: Path) -> None:
+    sorted(folder.glob("*.safetensors"))[0].unlink()
+
+
+def _rename_a_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    save_file({k.replace("model.", "model.decoder.", 1): v for k, v in tensors.items()}, str(shard))
+
+
+def _drop_every_shard(folder: Path) -> None:
+    for p in [*folder.glob("*.safetensors"), folder / INDEX]:
+        p.unlink()
+
+
+def _shrink_a_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / INDEX).read_text())["weight_map"]
+    shard = folder / index["model.layers.1.mlp.up_proj.weight"]
+    tensors = load_file(str(shard))
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
+    save_file(tensors, str(shard))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (_truncate_a_shard, r"is not a readable safetensors file"),
+    (_drop_a_shard, r"model.safetensors.index.json names model-00001-of-\d+.safetensors, which is missing"),
+    (_drop_every_shard, r"has a config.json but no \*.safetensors weights"),
+    (_rename_a_tensor, r"tensor 'model.decoder.\S+' is not part of a Llama model"),
+    (_shrink_a_tensor, r"'layers.1.feed_forward.w3.weight' has shape \(191, 64\) in the checkpoint but \(192, 64\)"),
+])
+def test_corrupt_folder_is_one_line(hf, tmp_path, break_it, message):
+    folder = _copy(hf[0], tmp_path / "hf")
+    break_it(folder)
+    with pytest.raises(CheckpointError, match=message) as e:
+        _ours(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_train_py_names_the_mismatched_field(hf, tmp_path):
+    """End to end: the real debug flavour (dim 256) against the tiny folder, before any step."""
+    result = run_python("train.py", "--model.flavor", "debugmodel", "--checkpoint.enable",
+                        "--checkpoint.initial_load_path", str(hf[0]), "--job.dump_folder", str(tmp_path),
+                        "--training.steps", "1", "--mixed_precision.enabled", "false")
+    assert result.returncode == 2, result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "'hidden_size' = 64 but model.flavor 'debugmodel' has dim = 256" in errors[0], \
+        result.describe()
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
+    with pytest.raises(CheckpointError, match="not a size"):
+        parse_size("lots")
