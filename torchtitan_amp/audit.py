@@ -179,12 +179,6 @@ class Auditor:
         self.plan: PrecisionPlan = trainer.plan
         self.named = {_clean(n): m for part in trainer.model_parts for n, m in part.named_modules()}
 
-    def promised_compute(self, module: nn.Module) -> str:
-        if type(module).__name__ == "Float8Linear":
-            return "float8_e4m3fn"  # both recipes: e4m3 inputs and weights in forward
-        low = self.plan.path != "full" and self.plan.is_safe(module)
-        return dtype_name(self.plan.param_dtype if low else self.plan.storage_dtype)
-
     def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> AuditResult:
         fp32 = {n for n, m in self.named.items() if getattr(m, "computes_in_fp32", False)}
         recorder = _Recorder(fp32)
@@ -247,7 +241,7 @@ class Auditor:
         for name, ops in r.modules.items():
             module = self.named.get(name)
             if isinstance(module, nn.Linear):
-                expect(f"{name}: forward matmul", {self.promised_compute(module)},
+                expect(f"{name}: forward matmul", {dtype_name(plan.compute_dtype(module))},
                        ops.get("forward matmul", []))
             if "attention" in ops:
                 expect(f"{name}: attention", {low}, ops["attention"])

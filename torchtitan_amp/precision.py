@@ -273,9 +273,17 @@ class PrecisionPlan:
     def is_safe(self, module: nn.Module) -> bool:
         return isinstance(module, self.safe_modules) and not getattr(module, _FP32_BY_NAME, False)
 
+    def compute_dtype(self, module: nn.Module) -> torch.dtype:
+        """What `module`'s own matmuls run in: param_dtype for safe modules off the "full" path,
+        float8_e4m3fn for fp8 Linears (both recipes), the storage dtype otherwise. The report, the
+        frozen storage dtype and the audit's promises all ask this."""
+        if type(module).__name__ == "Float8Linear":
+            return torch.float8_e4m3fn
+        return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
+
     def frozen_dtype(self, module: nn.Module) -> torch.dtype:
         """A frozen module's parameters are stored in what it computes in: no fp32 master copy is
-        needed where nothing updates it."""
+        needed where nothing updates it (fp8 Linears are never frozen: fp8 skips them)."""
         return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
 
     def freeze(self, model: nn.Module) -> dict[str, str]:
@@ -456,9 +464,7 @@ class PrecisionPlan:
                 continue
             low = self.is_safe(module) and self.path != "full"
             # Off the "full" path storage is fp32: modules outside the safe list compute in it.
-            compute = self.param_dtype if low else self.storage_dtype
-            if type(module).__name__ == "Float8Linear":
-                compute = torch.float8_e4m3fn
+            compute = self.compute_dtype(module)
             name = _class_name(_user_class(module))
             reduce = self.reduce_dtype if low else self.storage_dtype
             if self.path == "autocast" and self.comm_hook == "none":
