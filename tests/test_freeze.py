@@ -82,3 +82,17 @@ def test_fsdp_frozen_resume_is_bitwise(tmp_path: Path) -> None:
     assert sorted(rb) == [3, 4]
     for step in (3, 4):
         assert (rb[step]["loss"], rb[step]["grad_norm"]) == (ra[step]["loss"], ra[step]["grad_norm"]), step
+
+
+def test_tp_keeps_frozen_norms_frozen(tmp_path: Path) -> None:
+    """Sequence parallel re-registers the norm weights as DTensors, which require grad again:
+    frozen norms must stay frozen (no gradient, no state, unchanged) under TP, with and without SP."""
+    args = [*BASE, "--training.freeze", "layers.0", "--training.steps", "2", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"]
+    launch_worker("layouts", tmp_path, [{"name": "sp", "args": args},
+                                        {"name": "no_sp", "args": [*args, "--parallelism.enable_sequence_parallel", "false"]}],
+                  2, timeout=300)
+    for name in ("sp", "no_sp"):
+        frozen = json.loads((tmp_path / name / "rank0.json").read_text())["frozen_params"]
+        assert {"layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "layers.0.attention.wq.weight"} <= set(frozen), name
+        assert not any(n.startswith("layers.1") for n in frozen), name

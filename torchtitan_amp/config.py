@@ -69,7 +69,18 @@ class Optimizer:
     eps: float = _f(1e-8, "AdamW epsilon.")
     weight_decay: float = _f(0.1, "Decoupled weight decay.")
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
-        "auto", "AdamW kernel: 'auto' picks fused where the device supports it, else foreach.")
+        "auto", "AdamW kernel: 'auto' picks fused where the device supports it, else foreach. "
+        "Applies to torch's AdamW, used unless state_dtype or stochastic_rounding ask for more.")
+    state_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "auto", "dtype of AdamW's exp_avg and exp_avg_sq: 'auto' = the parameters' storage dtype (fp32 "
+        "master weights: fp32; training.dtype = bfloat16: bf16, as torch's AdamW does). 'bfloat16' with "
+        "fp32 parameters saves 4 of 16 bytes per parameter; any other choice than the storage dtype "
+        "runs a per-parameter AdamW that computes the update in fp32 (docs/mixed_precision.md).")
+    stochastic_rounding: bool = _f(
+        False, "Pure bf16 training only (training.dtype = bfloat16): round each updated weight to bf16 "
+        "stochastically (unbiased) instead of to nearest, so that updates below half a bf16 ulp still "
+        "move the weights on average. Random bits from (training.seed, step, parameter): replicas agree "
+        "and a resumed run rounds exactly as the uninterrupted one.")
 
 
 @dataclass

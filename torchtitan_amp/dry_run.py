@@ -87,9 +87,9 @@ def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
     return out
 
 
-def measure_state(parts: list[nn.Module]) -> memory.StateBytes:
-    """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq like the param, plus a
-    0-d fp32 `step` per tensor), read off the meta model. Grads have the param's local shape and
+def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None) -> memory.StateBytes:
+    """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq in `state_dtype`, None:
+    the param's, plus a 0-d fp32 `step` per trained tensor), read off the meta model. Grads have the param's local shape and
     dtype, except a TP-sharded embedding outside FSDP, whose gradient DTensor's embedding backward
     returns replicated (the full table; see memory.state_bytes)."""
     out = memory.StateBytes()
@@ -109,7 +109,8 @@ def measure_state(parts: list[nn.Module]) -> memory.StateBytes:
                     replicated_grad = isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
                     grad = p.numel() if replicated_grad else local.numel()
                     memory.add_bytes(out.grads, dtype, grad * size)
-                    memory.add_bytes(out.optimizer, dtype, 2 * local.numel() * size)
+                    state = state_dtype or local.dtype
+                    memory.add_bytes(out.optimizer, dtype_name(state), 2 * local.numel() * state.itemsize)
                     memory.add_bytes(out.optimizer, "float32", memory.ADAMW_STEP_BYTES)
     return out
 
@@ -184,7 +185,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             parts: list[nn.Module], total_params: int) -> dict[str, Any]:
     dims, plan, args, layout, num_stages = res.dims, res.plan, res.model_args, res.layout, res.num_stages
     model_dims, prec = res.model_dims, res.precision
-    state = measure_state(parts)
+    state = measure_state(parts, plan.optimizer_state_dtype)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
                                   dp_shard_rank=coords["dp_shard"])
     stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []

@@ -20,6 +20,7 @@ Conventions
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,8 @@ class PrecisionSpec:
     # Module kinds in lower_precision_safe_modules: "linear" (incl. the output head), "embedding",
     # "norm". Everything else computes, gathers and reduces in fp32.
     safe_kinds: frozenset[str] = frozenset({"linear"})
+    optimizer_state: str = ""  # AdamW's moments ("": the storage dtype)
+    frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
 
     @classmethod
     def from_plan(cls, plan: Any) -> "PrecisionSpec":
@@ -116,7 +119,8 @@ class PrecisionSpec:
             if any(issubclass(cls_, safe) for safe in plan.safe_modules):
                 kinds.add(kind)
         return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
-                   name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds))
+                   name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
+                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names))
 
     @classmethod
     def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",
@@ -128,6 +132,29 @@ class PrecisionSpec:
     def low(self, kind: str) -> bool:
         """Whether modules of this kind run (and communicate) in param/reduce dtype."""
         return self.path != "full" and kind in self.safe_kinds
+
+    @property
+    def state(self) -> str:
+        return self.optimizer_state or self.storage
+
+    def is_frozen(self, param_name: str) -> bool:
+        """training.freeze matches a module; everything inside it is frozen."""
+        parts = param_name.split(".")[:-1]
+        modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(m, pat) for m in modules for pat in self.frozen)
+
+    def stored(self, spec: "ParamSpec") -> str:
+        """A parameter's storage dtype: frozen ones keep their compute dtype (PrecisionPlan.frozen_dtype)."""
+        if self.is_frozen(spec.name) and self.low(spec.kind):
+            return self.param
+        return self.storage
+
+    def bytes_per_param(self) -> dict[str, int]:
+        """Bytes per trained parameter held in parameters, gradients and AdamW moments (summed
+        over data-parallel shards: divide by dp_shard for one FSDP rank), and per frozen one."""
+        s, m = DTYPE_BYTES[self.storage], DTYPE_BYTES[self.state]
+        return {"param": s, "grad": s, "optimizer": 2 * m, "trained_total": 2 * s + 2 * m,
+                "frozen_linear": DTYPE_BYTES[self.param if self.low("linear") else self.storage]}
 
     @property
     def residual(self) -> str:
@@ -333,10 +360,13 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
     grads     = params (same shard, storage dtype: FSDP2 reduce-scatters into fp32 sharded grads),
                 except that under TP without FSDP the embedding's gradient is a replicated full
                 [vocab, dim] tensor (DTensor's embedding backward for a row-sharded table, torch 2.13)
-    optimizer = 2 x params (exp_avg, exp_avg_sq in storage dtype) + 4 bytes per tensor (step)
+    optimizer = 2 x params (exp_avg, exp_avg_sq in optimizer.state_dtype) + 4 bytes per tensor (step)
+    frozen parameters (training.freeze): their compute dtype (PrecisionSpec.stored), no gradient,
+                no optimizer state
     """
     out = StateBytes()
-    sb = DTYPE_BYTES[prec.storage]
+    mb = DTYPE_BYTES[prec.state]
+    trained_tensors = 0
     for stage in rank_stages(model, layout, pp_rank):
         for spec in param_specs(model, stage):
             shape = tp_local_shape(spec, layout.tp, tp_rank)
@@ -347,14 +377,19 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
                 numel = padded = math.prod(shape)
             out.num_params += numel
             out.num_tensors += 1
-            add_bytes(out.params, prec.storage, numel * sb)
-            add_bytes(out.params_padded, prec.storage, padded * sb)
+            dtype = prec.stored(spec)
+            sb = DTYPE_BYTES[dtype]
+            add_bytes(out.params, dtype, numel * sb)
+            add_bytes(out.params_padded, dtype, padded * sb)
+            if prec.is_frozen(spec.name):
+                continue
+            trained_tensors += 1
             grad = numel
             if spec.kind == "embedding" and layout.tp > 1 and layout.dp_shard == 1:
                 grad = math.prod(spec.shape)  # see the docstring: replicated embedding gradient
-            add_bytes(out.grads, prec.storage, grad * sb)
-            add_bytes(out.optimizer, prec.storage, 2 * numel * sb)
-    add_bytes(out.optimizer, "float32", ADAMW_STEP_BYTES * out.num_tensors)
+            add_bytes(out.grads, dtype, grad * sb)
+            add_bytes(out.optimizer, prec.state, 2 * numel * mb)
+    add_bytes(out.optimizer, "float32", ADAMW_STEP_BYTES * trained_tensors)
     return out
 
 
@@ -512,8 +547,33 @@ def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
         return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
     if layout.dp_replicate > 1:
         return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
-                         for s in stages for p in param_specs(model, s)], prec)
+                         for s in stages for p in param_specs(model, s) if not prec.is_frozen(p.name)], prec)
     return {}
+
+
+def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> ByDtype:
+    """Under sequence parallel without FSDP, the trained norm weights' Partial gradients, summed
+    over TP once per optimizer step in one flat all-reduce (precision.PartialGradReducer): reduce
+    dtype if norms are lower-precision-safe, else their own."""
+    if layout.tp == 1 or not layout.sp or layout.dp_shard > 1:
+        return {}
+    wire = prec.reduce if prec.low("norm") else prec.storage
+    norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in param_specs(model, s)
+                if p.kind == "norm" and not prec.is_frozen(p.name))
+    return {wire: norms * model.dim * DTYPE_BYTES[wire]} if norms else {}
+
+
+def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
+              tp_rank: int = 0) -> dict[str, ByDtype]:
+    """Every gradient collective of one rank per optimizer step, by dtype: FSDP's reduce-scatters
+    (and HSDP's all-reduce), DDP's all-reduce, TP's partial-gradient all-reduce (under FSDP x TP
+    FSDP sums those itself: in tp_comm's tp_all_reduce). Pipeline stages exchange no gradients."""
+    out = {k: v for k, v in dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank).items()
+           if "reduce" in k}
+    tp = tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank)
+    if tp:
+        out["tp_partial_grad_all_reduce"] = tp
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,10 +719,10 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     last stage:  output-head input all-gather (r) forward, reduce-scatter back; loss parallel
                  all-reduces 3 fp32 [T] statistics (max, sum-exp, target logit); without it the
                  logits [T, vocab] are all-gathered (c)
-    FSDP + SP:   norm weights' gradients arrive Partial over TP; FSDP all-reduces them (storage
-                 dtype) before its reduce-scatter. (Without FSDP they stay Partial and the
-                 gradient-norm and AdamW steps all-reduce them, 4 x norms x dim x 4 bytes per
-                 step on torch 2.13: not in this total, nor are gradient-norm scalars.)
+    SP:          norm weights' gradients arrive Partial over TP. FSDP all-reduces them (storage
+                 dtype) before its reduce-scatter, per microbatch; without FSDP the trainer does,
+                 once per step, in one flat all-reduce (precision.PartialGradReducer; reduce_dtype
+                 if norms are lower-precision-safe). Frozen norms have no gradient.
     Recomputed blocks (full AC) repeat their forward collectives in backward except the last
     (w2's reduce-scatter / all-reduce): non-reentrant checkpointing stops recomputing once the
     last saved tensor is rebuilt.
@@ -715,9 +775,11 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             else:
                 add_bytes(ag, c, passes * vocab * DTYPE_BYTES[c])
         if layout.sp and layout.dp_shard > 1:
-            norms = 2 * n + int(stage.last)
+            norms = sum(1 for spec in param_specs(model, stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
             reduces = layout.grad_accum if layout.pp > 1 else passes
             add_bytes(ar, norm_dtype, reduces * norms * model.dim * DTYPE_BYTES[norm_dtype])
+    for dtype, nbytes in tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank).items():
+        add_bytes(ar, dtype, nbytes)
     return {k: v for k, v in (("tp_all_gather", ag), ("tp_reduce_scatter", rs), ("tp_all_reduce", ar)) if v}
 
 

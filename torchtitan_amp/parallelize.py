@@ -97,6 +97,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     if dims.tp_enabled:
         apply_tp(model, dims.mesh["tp"], loss_parallel_enabled(dims, config),
                  config.parallelism.enable_sequence_parallel)
+        plan.refreeze(model)
         if config.parallelism.enable_async_tensor_parallel:
             apply_async_tp(dims.mesh["tp"])
     if config.activation_checkpoint.mode != "none":

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan_amp import fp8
 from torchtitan_amp.config import JobConfig
@@ -166,6 +167,25 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 
 
+def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
+    """optimizer.state_dtype, with 'auto' = the storage dtype (what torch's AdamW keeps), and the
+    optimizer settings no machine can honour refused."""
+    o = config.optimizer
+    state = storage if o.state_dtype == "auto" else _DTYPES[o.state_dtype]
+    if o.stochastic_rounding and storage != torch.bfloat16:
+        raise PrecisionError(
+            f"'optimizer.stochastic_rounding' rounds bf16 weights; with 'training.dtype' = "
+            f"'{config.training.dtype}' the weights take every update exactly (fp32 master weights): "
+            f"drop it, or set training.dtype = 'bfloat16' for pure bf16 training")
+    if (state != storage or o.stochastic_rounding) and "optimizer.implementation" in config.explicit:
+        raise PrecisionError(
+            f"'optimizer.implementation' = '{o.implementation}' picks a kernel of torch's AdamW, which "
+            f"keeps its state in the parameters' dtype and rounds to nearest; with optimizer.state_dtype = "
+            f"'{o.state_dtype}' / stochastic_rounding the step is torchtitan_amp's per-parameter AdamW: "
+            f"drop optimizer.implementation")
+    return state
+
+
 def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
     """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
     if not enabled:
@@ -201,6 +221,8 @@ class PrecisionPlan:
     fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
     fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
     frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
+    optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
+    stochastic_rounding: bool = False  # pure bf16: the updated weights are rounded stochastically
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -253,10 +275,11 @@ class PrecisionPlan:
             decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
+        state_dtype = _optimizer_state_dtype(config, storage)
         return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
                    tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
-                   tuple(config.training.freeze))
+                   tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding)
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
@@ -306,6 +329,14 @@ class PrecisionPlan:
                     frozen[f"{sub_name}.{pname}"] = dtype_name(dtype)
                 setattr(sub, _FROZEN, True)
         return frozen
+
+    def refreeze(self, model: nn.Module) -> None:
+        """TP's SequenceParallel and distribute_module re-register parameters as DTensors that
+        require grad: frozen modules' parameters are frozen again after TP."""
+        for module in model.modules():
+            if getattr(module, _FROZEN, False):
+                for p in module.parameters(recurse=False):
+                    p.requires_grad_(False)
 
     def frozen_low_precision_modules(self, model: nn.Module) -> list[nn.Module]:
         """Frozen modules stored in param_dtype: their own FSDP groups, so that no group mixes them
@@ -453,6 +484,13 @@ class PrecisionPlan:
         low = {id(p) for m in model.modules() if self.is_safe(m) for p in m.parameters(recurse=False)}
         return CompressHookState(group, self.reduce_dtype, frozenset(low))
 
+    def partial_grad_reducer(self, model_parts: list[nn.Module]) -> "PartialGradReducer":
+        """Who reduces the gradients DTensor leaves partial (TP's replicated norm weights under
+        sequence parallel, outside FSDP): safe modules' in reduce_dtype, the rest in their own."""
+        low = {id(p) for part in model_parts for m in part.modules() if self.is_safe(m) and self.path != "full"
+               for p in m.parameters(recurse=False)}
+        return PartialGradReducer(self.reduce_dtype, frozenset(low))
+
     # -----------------------------------------------------------------------------------------
     # Report
 
@@ -502,13 +540,24 @@ class PrecisionPlan:
             "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
             "fp8_all_gather": self.fp8_all_gather,
             "fp32_module_names": list(self.fp32_names),
+            "optimizer": self.optimizer_summary(),
             "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
             "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, _FP32_BY_NAME, False)
                                    and any(True for _ in m.parameters(recurse=False))),
         }
 
-    def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool) -> dict[str, Any]:
-        report = self.report(model)
+    def optimizer_summary(self) -> dict[str, Any]:
+        mixed = self.optimizer_state_dtype != self.storage_dtype or self.stochastic_rounding
+        return {"state_dtype": dtype_name(self.optimizer_state_dtype),
+                "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
+                           else f"torch AdamW in {short_name(self.storage_dtype)}"),
+                "weight_rounding": "stochastic" if self.stochastic_rounding else "nearest"}
+
+    def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool,
+                             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`extra`: sections the job adds (gradient collectives and bytes per parameter, which
+        the memory model computes from this plan)."""
+        report = {**self.report(model), **(extra or {})}
         if is_writer:
             Path(dump_folder).mkdir(parents=True, exist_ok=True)
             (Path(dump_folder) / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -523,6 +572,12 @@ class PrecisionPlan:
                 logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
                             f"{g['num_params']:,}", *(short_name(g[k]) for k in
                                                       ("storage_dtype", "compute_dtype", "reduce_dtype")))
+            opt = report["optimizer"]
+            logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(self.optimizer_state_dtype),
+                        opt["update"], opt["weight_rounding"])
+            for name, by_dtype in report.get("gradient_collectives", {}).items():
+                logger.info("  gradient collective %s: %s per step", name,
+                            ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))
             for note in self.notes:
                 logger.info("  note: %s", note)
         return report
@@ -627,6 +682,53 @@ class LossScaler:
             self.scaler.load_state_dict(state["scaler"])
             self._scale = self.scaler.get_scale()
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients DTensor leaves partial
+
+
+@dataclass
+class PartialGradReducer:
+    """Sums, once per step, the gradients that are still partial sums over a mesh dimension.
+
+    Under TP with sequence parallel (and no FSDP, which reduces them itself) DTensor leaves a
+    replicated parameter's gradient Partial, and every later use all-reduces it again: 4 times
+    per step in fp32 on torch 2.13 (the gradient norm, then three AdamW ops), outside the plan
+    (pytorch#190626). This does it once, flat per (mesh dims, wire dtype), in the plan's dtype.
+    """
+
+    dtype: torch.dtype  # reduce_dtype, for lower-precision-safe modules' parameters
+    low_precision_params: frozenset[int]
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def __call__(self, params: list[nn.Parameter]) -> None:
+        buckets: dict[tuple[Any, ...], list[nn.Parameter]] = defaultdict(list)
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                if any(pl.is_partial() and pl.reduce_op != "sum" for pl in g.placements):
+                    p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+                    continue
+                wire = self.dtype if id(p) in self.low_precision_params else g.dtype
+                dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
+                buckets[(g.device_mesh, dims, wire)].append(p)
+        for (mesh, dims, wire), group in buckets.items():
+            self._reduce(group, mesh, dims, wire)
+
+    def _reduce(self, params: list[nn.Parameter], mesh: Any, dims: tuple[int, ...], wire: torch.dtype) -> None:
+        grads = [p.grad.to_local() for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(wire)
+        for dim in dims:
+            self.bytes_sent[dtype_name(wire)] += flat.numel() * flat.element_size()
+            dist.all_reduce(flat, group=mesh.get_group(dim))
+        offset = 0
+        for p, g in zip(params, grads):
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+            placements = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            p.grad = DTensor.from_local(g, mesh, placements, run_check=False, shape=p.grad.shape,
+                                        stride=p.grad.stride())
 
 
 # ---------------------------------------------------------------------------------------------

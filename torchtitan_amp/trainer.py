@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import distributed, profiling, validation
+from torchtitan_amp import distributed, memory, profiling, validation
 from torchtitan_amp.checkpoint import CheckpointManager
 from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_amp.data import build_dataloader
@@ -115,10 +115,13 @@ class Trainer:
             pipeline=self.pipeline, loss_fn=loss_fn, device=self.device, dp_group=self.dp_group,
             pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, config.optimizer, self.device)
+        self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
+                                         state_dtype=self.plan.optimizer_state_dtype,
+                                         stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed)
+        self.reduce_partial_grads = self.plan.partial_grad_reducer(self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
         self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
-                                       self.is_logging_rank)
+                                       self.is_logging_rank, self._memory_facts())
         self.metrics = MetricsLogger(
             config.job.dump_folder, log_freq=config.metrics.log_freq,
             enable_tensorboard=config.metrics.enable_tensorboard,
@@ -148,6 +151,16 @@ class Trainer:
         if self.deadline.warning_s:
             self.estimated_save_s = self._estimate_save()
             self._check_deadline(0.0, "start-up estimate:")
+
+    def _memory_facts(self) -> dict[str, object]:
+        """This rank's gradient collectives per step and the bytes per parameter, from the memory
+        model (the dry run's numbers, which tests check against real traffic)."""
+        coords = (dict(zip(self.dims.mesh.mesh_dim_names, self.dims.mesh.get_coordinate()))
+                  if self.info.world_size > 1 else {})
+        prec = self.job.precision
+        return {"gradient_collectives": memory.grad_comm(self.job.model_dims, prec, self.job.layout,
+                                                         pp_rank=coords.get("pp", 0), tp_rank=coords.get("tp", 0)),
+                "bytes_per_param": prec.bytes_per_param()}
 
     def _estimate_save(self) -> float:
         size, save_s = self.checkpointer.estimate_save_s()
@@ -225,6 +238,7 @@ class Trainer:
                     part.set_requires_gradient_sync(micro == self.accum - 1)
             loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
             self.metrics.record_tokens(inputs.numel())
+        self.reduce_partial_grads(self.params)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
         if not self.scaler.enabled and not torch.isfinite(grad_norm):

@@ -18,12 +18,22 @@ import logging
 import os
 import sys
 
+import torch
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_amp import distributed
 from torchtitan_amp.trainer import Trainer, train_in_turn
-from tests.support import exit_process, read_spec
+from tests.support import digest, exit_process, read_spec
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _replicated(p: torch.Tensor) -> bool:
+    return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
 
 
 def _rank_info(trainer: Trainer) -> dict:
@@ -37,7 +47,16 @@ def _rank_info(trainer: Trainer) -> dict:
             # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
             "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
             "compiled": [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None],
-            "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"])}
+            "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
+            # AdamW's moments as this rank holds them, and a digest of its replicated parameters
+            # (plain tensors, or DTensors replicated on every mesh dim): equal across replicas.
+            "frozen_params": sorted(n for part in trainer.model_parts for n, p in part.named_parameters()
+                                    if not p.requires_grad),
+            "optimizer_state_dtypes": sorted({str(_local(s[k]).dtype).removeprefix("torch.")
+                                              for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}),
+            "replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
+                                                          for part in trainer.model_parts for p in part.parameters()
+                                                          if _replicated(p)] or [torch.zeros(0)]))}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)

@@ -129,7 +129,23 @@ def _has_optimizer(m: "CheckpointManager", path: Path, saved: dict[str, Any], te
     if not any(k.startswith("optimizer.") for k in saved):
         raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
                               "checkpoint.exclude_from_loading to load it anyway")
+    _log_state_dtype_change(m, path, saved, template)
     return True
+
+
+def _log_state_dtype_change(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> None:
+    """AdamW moments saved in one dtype load into a run keeping them in another (optimizer.state_dtype):
+    DCP copies into this run's tensors, converting. Say so once, with both dtypes."""
+    changes = set()
+    for key, now in template.items():
+        was = saved.get(f"optimizer.{key}")
+        if key.endswith((".exp_avg", ".exp_avg_sq")) and was is not None and isinstance(now, torch.Tensor):
+            if was.properties.dtype != now.dtype:
+                changes.add((str(was.properties.dtype).removeprefix("torch."), str(now.dtype).removeprefix("torch.")))
+    if changes and m.rank == 0:
+        for was_name, now_name in sorted(changes):
+            logger.warning("optimizer state in %s was saved in %s; this run keeps it in %s "
+                        "(optimizer.state_dtype): converted on load", path, was_name, now_name)
 
 
 def _has_scaler(m: "CheckpointManager", path: Path, saved: dict[str, Any], template: Any) -> bool:
