@@ -55,6 +55,13 @@ def test_bf16_moments_on_every_layout(layouts: Path, layout: str) -> None:
     report = json.loads((folder / "precision_report.json").read_text())
     assert report["optimizer"]["state_dtype"] == "bfloat16"
     assert report["bytes_per_param"]["trained_total"] == 12  # fp32 weights + grads, bf16 moments
+    # The report lists every gradient collective of the rank (the dry run's numbers, which
+    # test_dry_run checks against real traffic): TP's one is the 13 norm weights, fp32, once.
+    collectives = {name: sorted(by_dtype) for name, by_dtype in report["gradient_collectives"].items()}
+    assert collectives == {"ddp2": {"ddp_all_reduce": ["float32"]}, "fsdp2": {"fsdp_reduce_scatter": ["float32"]},
+                           "tp2": {"tp_partial_grad_all_reduce": ["float32"]}, "pp2": {}}[layout]
+    if layout == "tp2":
+        assert report["gradient_collectives"]["tp_partial_grad_all_reduce"] == {"float32": 13 * 256 * 4}
     got, want = by_step(folder), by_step(layouts / f"{layout}_fp32state")
     assert sorted(got) == [1, 2, 3, 4]
     assert got[1]["loss"] == want[1]["loss"]  # the moments enter from the first update on

@@ -238,6 +238,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
             # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
+            "bytes_per_param": prec.bytes_per_param(),
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
                          "unsharded_numel": g.unsharded_numel(dims.dp_shard), "gather_dtype": g.gather_dtype,
@@ -254,7 +255,10 @@ FORMULAS = {
     "params_padded": "FSDP2 allocates each shard padded to ceil(dim0 / dp_shard) rows",
     "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads); a "
              "TP-sharded embedding outside FSDP gets a replicated full-table gradient",
-    "optimizer": "AdamW: exp_avg + exp_avg_sq in storage dtype (2 x params) + 4-byte fp32 step per tensor",
+    "optimizer": "AdamW: exp_avg + exp_avg_sq in optimizer.state_dtype (2 x params) + 4-byte fp32 step per "
+                 "trained tensor; frozen parameters (training.freeze) have no gradient and no state",
+    "bytes_per_param": "per trained parameter: param + grad (storage dtype) + 2 moments (state dtype), "
+                       "per frozen Linear: its compute dtype; divide by dp_shard for one FSDP rank",
     "checkpoint": "params + optimizer of this rank, unsharded-padding excluded (DCP writes the shards); "
                   "a tensor replicated across ranks (DDP, TP-replicated norms) is written by one rank only, "
                   "so there it is an upper bound",
@@ -326,6 +330,9 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append(f"  {'peak estimate (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
                  f"  (configured: {fb(pk['configured'])})")
     lines.append(f"  {'checkpoint (this rank writes)':34s} {fb(m['checkpoint']):>12s}  params + optimizer state")
+    bpp = m["bytes_per_param"]
+    lines.append(f"  {'bytes per trained parameter':34s} {bpp['trained_total']:>10d} B  param {bpp['param']} + grad "
+                 f"{bpp['grad']} + AdamW moments {bpp['optimizer']} (frozen Linear: {bpp['frozen_linear']} B)")
     lines += ["", f"  {'communication per step':34s} {'total':>12s}  by dtype"]
     for name, d in r["communication"].items():
         lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {fd(d)}")
