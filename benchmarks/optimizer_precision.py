@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ def curve(name: str, args: list[str], out: Path) -> tuple[list[float], dict, flo
 
     trainer_module.peak_flops = lambda device, dtypes: 1e12  # MFU is not read here
     folder = out / name.replace(" ", "_").replace(",", "").replace("+", "plus")
+    shutil.rmtree(folder, ignore_errors=True)  # metrics.jsonl appends: an earlier run would mix in
     start = time.perf_counter()
     trainer = trainer_module.Trainer(load_config([*args, "--job.dump_folder", str(folder)]))
     trainer.train()
