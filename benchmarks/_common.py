@@ -30,10 +30,13 @@ CPU_MODELS: dict[str, dict[str, Any]] = {
     "debug_h64": {"flavor": "debugmodel_h64"},
     "medium": {"flavor": "debugmodel", "replace": {"dim": 512, "n_layers": 8, "n_heads": 8}},
     "large": {"flavor": "debugmodel", "replace": {"dim": 1024, "n_layers": 8, "n_heads": 16}},
+    # Smoke runs of the benchmarks' own code (tests), not a speed measurement.
+    "tiny": {"flavor": "debugmodel", "replace": {"dim": 64, "n_layers": 2, "n_heads": 4}},
 }
 
 # (seq_len, global batch) of each model in the step benchmarks (comm, overhead, precision_speed).
-SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "large": (512, 2)}
+SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "medium": (512, 4), "large": (512, 2), "tiny": (32, 2)}
+_FLAVORS: dict[str, Any] = {}  # the registered flavours before any use_model replaced one
 
 
 def use_model(name: str) -> list[str]:
@@ -44,9 +47,9 @@ def use_model(name: str) -> list[str]:
     from torchtitan_amp.models import llama
 
     spec = CPU_MODELS[name]
-    if "replace" in spec:
-        llama.LLAMA3_FLAVORS[spec["flavor"]] = dataclasses.replace(llama.LLAMA3_FLAVORS[spec["flavor"]],
-                                                                   **spec["replace"])
+    # From the registered shape every time: models run one after another in one process.
+    original = _FLAVORS.setdefault(spec["flavor"], llama.LLAMA3_FLAVORS[spec["flavor"]])
+    llama.LLAMA3_FLAVORS[spec["flavor"]] = dataclasses.replace(original, **spec.get("replace", {}))
     return ["--model.flavor", spec["flavor"]]
 
 

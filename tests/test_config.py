@@ -307,6 +307,8 @@ def test_printed_config_round_trips(tmp_path: Path) -> None:
     (None, ["--lr_scheduler.decay_ratio", "2"], ["'lr_scheduler.decay_ratio' must be -1 or in [0, 1]"]),
     (None, ["--parallelism.data_parallel_shard_degree", "0"], ["'parallelism.data_parallel_shard_degree'"]),
     (None, ["--metrics.log_freq", "0"], ["'metrics.log_freq' must be >= 1"]),
+    (None, ["--parallelism.ddp_bucket_cap_mb", "0"], ["'parallelism.ddp_bucket_cap_mb' must be > 0, got 0.0"]),
+    (None, ["--parallelism.ddp_bucket_cap_mb", "big"], ["'--parallelism.ddp_bucket_cap_mb' must be a"]),
     (None, ["--mixed_precision.backoff_factor", "1"], ["'mixed_precision.backoff_factor' must be in (0, 1)"]),
     # malformed command lines
     (None, ["steps=3"], ["unexpected argument 'steps=3'"]),

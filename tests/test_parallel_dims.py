@@ -294,3 +294,21 @@ def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     pp_i, rep_i, shard_i, tp_i = coord
     assert dp.mesh.tolist() == mesh.mesh[pp_i, :, :, tp_i].flatten().tolist()
     assert dp.get_local_rank() == rep_i * dims.dp_shard + shard_i
+
+
+@pytest.mark.parametrize("argv, expected", [([], 25.0), (["--parallelism.ddp_bucket_cap_mb", "7.5"], 7.5)])
+def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expected: float) -> None:
+    """parallelize_llama hands parallelism.ddp_bucket_cap_mb to replicate (recorded, not run)."""
+    from types import SimpleNamespace
+
+    from torchtitan_amp import parallelize
+
+    seen: dict = {}
+    monkeypatch.setattr(parallelize, "replicate", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(parallelize, "install_comm_hook", lambda model, state: None)
+    mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
+    dims = SimpleNamespace(tp_enabled=False, fsdp_enabled=False, ddp_enabled=True, mesh={"dp_replicate": mesh})
+    plan = SimpleNamespace(apply_fp32_islands=lambda model: None, comm_hook_state=lambda model, group: None,
+                           comm_hook="none")
+    parallelize.parallelize_llama(torch.nn.Linear(2, 2), dims, plan, load_config(argv))
+    assert seen["bucket_cap_mb"] == expected and seen["device_mesh"] is mesh

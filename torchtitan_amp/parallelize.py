@@ -111,7 +111,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
         apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward,
                    dims.pp_enabled)
     elif dims.ddp_enabled:
-        apply_ddp(model, dims.mesh["dp_replicate"], plan)
+        apply_ddp(model, dims.mesh["dp_replicate"], plan, config.parallelism.ddp_bucket_cap_mb)
     return model
 
 
@@ -248,7 +248,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan) -> None:
-    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, bucket_cap_mb: float = 25.0) -> None:
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
     install_comm_hook(model, plan.comm_hook_state(model, mesh.get_group()))
     logger.info("applied DDP (replicate) over mesh %s, comm hook %s", mesh.mesh_dim_names, plan.comm_hook)

@@ -172,8 +172,8 @@ def install_default_ddp_hook() -> None:
 
     original = parallelize.apply_ddp
 
-    def apply_ddp(model, mesh, plan):  # type: ignore[no-untyped-def]
-        original(model, mesh, plan)
+    def apply_ddp(model, mesh, plan, *args):  # type: ignore[no-untyped-def]
+        original(model, mesh, plan, *args)
         if plan.comm_hook == "none":
             model.register_comm_hook(mesh.get_group(), allreduce_hook)
 
