@@ -314,7 +314,7 @@ def test_overhead_runs_every_layout(tmp_path: Path) -> None:
     assert all(float(c[6]) > 0 and float(c[9]) > 0 for c in rows), rows
 
 
-@pytest.mark.parametrize("name", ["precision_speed", "overhead", "comm", "memory_peak", "gpu_mfu", "reduce_precision"])
+@pytest.mark.parametrize("name", ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision"])
 def test_benchmark_help(name: str) -> None:
     # As a user runs it: `python -m benchmarks.NAME` from the checkout's root, nothing installed.
     r = run_python("-m", f"benchmarks.{name}", "--help", timeout=120, env={"PYTHONPATH": ""})
