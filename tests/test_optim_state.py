@@ -146,11 +146,18 @@ def test_load_keeps_the_state_dtype_and_converts_the_other() -> None:
     assert moment.dtype == torch.bfloat16 and torch.equal(moment, opt.state[p]["exp_avg"].bfloat16())
 
 
-def test_build_optimizer_uses_torch_adamw_unless_asked() -> None:
+def test_build_optimizer_uses_torch_adamw_unless_the_plan_asks() -> None:
+    """The plan says when torch's AdamW cannot hold the state (moments in the storage dtype,
+    rounded to nearest: torch's; anything else: AdamWMixedState); build_optimizer follows it."""
     params = list(nn.Linear(4, 4).parameters())
     assert type(build_optimizer(params, Optimizer(), CPU)) is torch.optim.AdamW
-    assert type(build_optimizer(params, Optimizer(), CPU, state_dtype=torch.float32)) is torch.optim.AdamW
     assert type(build_optimizer(params, Optimizer(), CPU, state_dtype=torch.bfloat16)) is AdamWMixedState
+    plan = lambda *args: job_mod.resolve(load_config([*BASE, *args]), 1, "cpu").plan  # noqa: E731
+    assert not plan().mixed_state_optimizer and not plan(*PURE_BF16).mixed_state_optimizer
+    assert plan("--optimizer.state_dtype", "float32").mixed_state_optimizer is False
+    assert plan("--optimizer.state_dtype", "bfloat16").mixed_state_optimizer
+    assert plan(*PURE_BF16, "--optimizer.stochastic_rounding").mixed_state_optimizer
+    assert plan(*PURE_BF16, "--optimizer.state_dtype", "float32").mixed_state_optimizer
 
 
 BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtitan_amp.distributed import local_tensor as _local
 from torchtitan_amp import traffic
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.rules import dtype_name
@@ -80,10 +81,6 @@ def _clean(name: str) -> str:
     for token in _WRAPPER_NAMES:
         name = name.replace(token, "")
     return name or "<model>"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _dtype_computed(t: torch.Tensor) -> str:

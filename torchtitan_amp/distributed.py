@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, JobConfig
 
@@ -94,3 +95,8 @@ def mean_across(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     total = value.detach().float().clone()
     dist.all_reduce(total, group=group)
     return float(total) / dist.get_world_size(group)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor is its own)."""
+    return t.to_local() if isinstance(t, DTensor) else t

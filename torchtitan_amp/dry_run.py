@@ -34,12 +34,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan_amp.distributed import local_tensor as _local
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, JobConfig
 from torchtitan_amp.job import Job, build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
-from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
 
 logger = logging.getLogger("torchtitan_amp")
@@ -69,10 +69,6 @@ def init_fake_process_group(world_size: int, rank: int) -> bool:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     return True
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
@@ -137,12 +133,6 @@ def _ddp_params(parts: list[nn.Module], plan: PrecisionPlan) -> list[tuple[int, 
             for p in m.parameters(recurse=False) if p.requires_grad]
 
 
-def _coordinates(dims: ParallelDims, world_size: int) -> dict[str, int]:
-    if world_size == 1:
-        return dict.fromkeys(MESH_DIMS, 0)
-    return dict(zip(MESH_DIMS, dims.mesh.get_coordinate()))
-
-
 def resolve(config: JobConfig, world_size: int | None = None) -> Job:
     """Validate the layout for `world_size` ranks (default: dry_run.world_size, else the product
     of the degrees) with the trainer's own checks (job.resolve) and derive the analytic inputs;
@@ -166,7 +156,7 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
     try:
         if world_size > 1:
             dims.build_mesh("cpu")
-        coords = _coordinates(dims, world_size)
+        coords = dims.coordinates(world_size)
         stages = memory.rank_stages(res.model_dims, res.layout, coords["pp"])
         built = build_model_parts(res, torch.device("meta"), [s.index for s in stages], materialize=False)
         report = _report(config, res, rank, coords, stages, built.parts, built.num_params)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import LRScheduler, Optimizer
+from torchtitan_amp.distributed import local_tensor as _local
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -20,12 +21,11 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, device: torch.device, *,
                     state_dtype: torch.dtype | None = None, stochastic_rounding: bool = False,
                     seed: int = 0) -> torch.optim.Optimizer:
-    """torch's AdamW, unless the precision plan keeps its moments in another dtype than the
-    parameters (`state_dtype`; None: the parameters') or rounds updates stochastically: then
-    `AdamWMixedState`, which computes the update in fp32 either way."""
-    storage = params[0].dtype if params else torch.float32
-    if stochastic_rounding or (state_dtype is not None and state_dtype != storage):
-        return AdamWMixedState(params, state_dtype=state_dtype or storage, stochastic_rounding=stochastic_rounding,
+    """torch's AdamW, or with `state_dtype` (the precision plan's `mixed_state_optimizer`
+    decides when) `AdamWMixedState`, which keeps its moments in that dtype and computes the update
+    in fp32."""
+    if state_dtype is not None:
+        return AdamWMixedState(params, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
                                seed=seed, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                weight_decay=cfg.weight_decay)
     impl = cfg.implementation
@@ -37,10 +37,6 @@ def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, device: torch.de
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
         fused=impl == "fused", foreach=impl == "foreach",
     )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,12 @@ class ParallelDims:
         lays ranks out row-major over (pp, dp_replicate, dp_shard, tp)."""
         return (rank // self.tp) % self.dp_degree
 
+    def coordinates(self, world_size: int) -> dict[str, int]:
+        """This rank's index along each mesh dim (all 0 in a single process: no mesh is built)."""
+        if world_size == 1:
+            return dict.fromkeys(MESH_DIMS, 0)
+        return dict(zip(MESH_DIMS, self.mesh.get_coordinate()))
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh with every dim named, plus the flattened `dp` view the data loader uses."""
         degrees = (self.pp, self.dp_replicate, self.dp_shard, self.tp)

@@ -546,8 +546,14 @@ class PrecisionPlan:
                                    and any(True for _ in m.parameters(recurse=False))),
         }
 
+    @property
+    def mixed_state_optimizer(self) -> bool:
+        """torch's AdamW keeps moments in the parameters' dtype and rounds to nearest; anything
+        else needs optim.AdamWMixedState."""
+        return self.optimizer_state_dtype != self.storage_dtype or self.stochastic_rounding
+
     def optimizer_summary(self) -> dict[str, Any]:
-        mixed = self.optimizer_state_dtype != self.storage_dtype or self.stochastic_rounding
+        mixed = self.mixed_state_optimizer
         return {"state_dtype": dtype_name(self.optimizer_state_dtype),
                 "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
                            else f"torch AdamW in {short_name(self.storage_dtype)}"),
@@ -700,7 +706,6 @@ class PartialGradReducer:
 
     dtype: torch.dtype  # reduce_dtype, for lower-precision-safe modules' parameters
     low_precision_params: frozenset[int]
-    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def __call__(self, params: list[nn.Parameter]) -> None:
         buckets: dict[tuple[Any, ...], list[nn.Parameter]] = defaultdict(list)
@@ -720,7 +725,6 @@ class PartialGradReducer:
         grads = [p.grad.to_local() for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(wire)
         for dim in dims:
-            self.bytes_sent[dtype_name(wire)] += flat.numel() * flat.element_size()
             dist.all_reduce(flat, group=mesh.get_group(dim))
         offset = 0
         for p, g in zip(params, grads):

@@ -116,7 +116,8 @@ class Trainer:
             pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
-                                         state_dtype=self.plan.optimizer_state_dtype,
+                                         state_dtype=(self.plan.optimizer_state_dtype
+                                                      if self.plan.mixed_state_optimizer else None),
                                          stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed)
         self.reduce_partial_grads = self.plan.partial_grad_reducer(self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
@@ -155,11 +156,10 @@ class Trainer:
     def _memory_facts(self) -> dict[str, object]:
         """This rank's gradient collectives per step and the bytes per parameter, from the memory
         model (the dry run's numbers, which tests check against real traffic)."""
-        coords = (dict(zip(self.dims.mesh.mesh_dim_names, self.dims.mesh.get_coordinate()))
-                  if self.info.world_size > 1 else {})
+        coords = self.dims.coordinates(self.info.world_size)
         prec = self.job.precision
         return {"gradient_collectives": memory.grad_comm(self.job.model_dims, prec, self.job.layout,
-                                                         pp_rank=coords.get("pp", 0), tp_rank=coords.get("tp", 0)),
+                                                         pp_rank=coords["pp"], tp_rank=coords["tp"]),
                 "bytes_per_param": prec.bytes_per_param()}
 
     def _estimate_save(self) -> float:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_amp.distributed import local_tensor as _local
 from torchtitan_amp.checkpoint.format import (
     EXPORT_FILE,
     FORMAT_VERSION,
@@ -92,10 +93,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The stateful parts
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _always(*_: Any) -> bool:
