@@ -3,19 +3,22 @@
 model, same precision, same batch per rank, same optimizer, in one process or on 2 ranks.
 
     python -m benchmarks.overhead                                  # debug model, one process, fp32 and bf16
-    python -m benchmarks.overhead --models large --layouts ddp2,fsdp2 --steps 5 --warmup 1
+    python -m benchmarks.overhead --models large --layouts ddp2,fsdp2,tp2 --steps 5 --warmup 1
 
 The hand-written loop is nanoGPT's: `torch.autocast` around forward + loss (bf16) or nothing
 (fp32), cross-entropy on fp32 logits, backward outside autocast, `clip_grad_norm_`, foreach AdamW,
 zero_grad, `loss.item()`. On 2 ranks it is what a user writes with torch's own wrappers and their
 defaults: `ddp2` wraps the model in `DistributedDataParallel` (25 MiB buckets, fp32 all-reduce;
 bf16 by autocast as above), `fsdp2` applies `fully_shard` to every block and the root (bf16 by a
-`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, no autocast). The Trainer step is
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, no autocast), `tp2` applies the plan of
+torch's tensor-parallel tutorial (`parallelize_module`: column/row-wise Linears, sequence-parallel
+norms, `loss_parallel`; both ranks see the same batch; bf16 by autocast). The Trainer step is
 what `Trainer.train` does per step, logging every step (`metrics.log_freq 1`: the loss all-reduce
 and the metrics line, the counterpart of the loop's `.item()`): the data loader (packed pydoc text;
 the loop gets pre-made random tokens), the precision plan's fp32 islands and contexts (on FSDP:
-the norms' and embeddings' own fp32 groups), the global grad norm and its finiteness check, the
-loss-scaler interface and the LR schedule.
+each block's norms in one fp32 group, the embeddings and final norm in another), the global grad
+norm and its finiteness check, the loss-scaler interface, the LR schedule, and under TP the
+one all-reduce of the norms' Partial gradients (precision.PartialGradReducer).
 
 Steps alternate between the two (T H, H T, T H, ...) after warm-up so that load changes on a
 shared machine hit both alike and neither always runs first; on 2 ranks every timed step starts
@@ -38,15 +41,16 @@ from pathlib import Path
 
 from benchmarks._common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs, use_model
 
-# layout -> (processes, Trainer overrides). TP 2 is not here: its hand-written counterpart would be
-# the same parallelize_module plan the Trainer applies, which measures nothing.
+# layout -> (processes, Trainer overrides)
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
     "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
 }
 HAND_LABEL = {"single": "plain module", "ddp2": "DistributedDataParallel (defaults)",
-              "fsdp2": "fully_shard per block + root"}
+              "fsdp2": "fully_shard per block + root",
+              "tp2": "parallelize_module, torch's TP tutorial plan (sequence + loss parallel)"}
 PRECISION_ARGS = {"fp32": ["--mixed_precision.enabled", "false"],
                   "bf16": ["--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16"]}
 
@@ -70,13 +74,48 @@ def _wrap(model, layout: str, precision: str):  # type: ignore[no-untyped-def]
         for block in model.layers.children():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+    if layout == "tp2":
+        _tensor_parallel(model)
     return model
 
 
+def _tensor_parallel(model) -> None:  # type: ignore[no-untyped-def]
+    """The plan of torch's tensor-parallel tutorial for a Llama model: Megatron column/row
+    splits, norms and residual stream sharded along the sequence, logits left sharded for
+    `loss_parallel`. No precision handling: bf16 is the loop's autocast."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.children():
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
 def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: float) -> Callable[[], float]:  # type: ignore[no-untyped-def]
+    import contextlib
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from torchtitan_amp.models.llama import Transformer
 
@@ -85,17 +124,20 @@ def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: fl
     model.init_weights()
     model = _wrap(model, layout, precision)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(rank))
+    # Data-parallel ranks see different sequences; tensor-parallel ranks the same ones.
+    data_rank = dist.get_rank() if dist.is_initialized() and layout != "tp2" else 0
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(data_rank))
     x, y = tokens[:, :-1], tokens[:, 1:]
     # FSDP's policy casts inside the model; autocast is the other layouts' bf16.
     autocast = precision == "bf16" and layout != "fsdp2"
+    sharded_loss = loss_parallel if layout == "tp2" else contextlib.nullcontext
 
     def step() -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
+        with sharded_loss():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)

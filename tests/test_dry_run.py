@@ -100,6 +100,10 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             # sums TP's Partial norm gradients once (modelled), no gradient is reduced there again.
             modelled = {k: v for k, v in measured["comm"].items() if ":" not in k}
             assert report["communication"] == modelled, f"{where}: dry run {report['communication']} != real {modelled}"
+            # One call per FSDP group per gather / reduction: a block's fp32 norms share a group.
+            calls = {k: v for k, v in measured["comm_calls"].items() if k in report["fsdp_collective_calls"]}
+            assert report["fsdp_collective_calls"] == {k: calls.get(k, 0) for k in report["fsdp_collective_calls"]}, \
+                f"{where}: dry run calls {report['fsdp_collective_calls']} != real {measured['comm_calls']}"
             unmodelled = _total(measured["comm"]) - _total(modelled)
             assert not any(k.startswith("optimizer:") for k in measured["comm"]), f"{where}: {measured['comm']}"
             assert unmodelled <= 16 * mem["num_param_tensors"], f"{where}: {measured['comm']}"
@@ -110,6 +114,11 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             assert (state.params, state.grads, state.optimizer) == (mem["params"], mem["grads"], mem["optimizer"]), where
             assert mem["analytic_state_matches"], where
             assert memory.comm(res.model_dims, res.precision, res.layout, **kw) == report["communication"], where
+            groups = [(s.index, g.name, g.kind, g.unsharded_numel(res.layout.dp_shard), g.gather_dtype, g.reduce_dtype,
+                       g.reshard_after_forward) for s in memory.rank_stages(res.model_dims, res.layout, c["pp"])
+                      for g in memory.fsdp_groups(res.model_dims, res.precision, res.layout, s, c["tp"])]
+            assert sorted(tuple(g.values()) for g in report["fsdp_groups"]) == (sorted(groups) if res.dims.fsdp_enabled
+                                                                                else []), where
         if nproc == 1:
             assert real[name][0]["comm"] == {} and report["communication"] == {}
 

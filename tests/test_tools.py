@@ -300,16 +300,16 @@ def test_reduce_precision_emulation() -> None:
     assert all(row[2] < row[0] and row[3] < row[1] for row in table.values())  # fp16: 3 more mantissa bits
 
 
-@pytest.mark.slow  # 17-35 s on 2 cores
+@pytest.mark.slow  # 25-45 s on 2 cores
 def test_overhead_runs_every_layout(tmp_path: Path) -> None:
     """The overhead benchmark's own code on the tiny model (one process plus a 2-rank launch each
-    for DDP and FSDP); a smoke test: its times are not checked."""
-    r = run_python("-m", "benchmarks.overhead", "--models", "tiny", "--layouts", "single,ddp2,fsdp2",
+    for DDP, FSDP and TP); a smoke test: its times are not checked."""
+    r = run_python("-m", "benchmarks.overhead", "--models", "tiny", "--layouts", "single,ddp2,fsdp2,tp2",
                    "--precisions", "fp32,bf16", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
                    "--output", str(tmp_path / "report.md"), timeout=300, env=ONE_THREAD)
     assert r.returncode == 0, r.describe()
     rows = [line.split(" | ") for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| tiny")]
-    assert [(c[1], c[2]) for c in rows] == [(layout, prec) for layout in ("single", "ddp2", "fsdp2")
+    assert [(c[1], c[2]) for c in rows] == [(layout, prec) for layout in ("single", "ddp2", "fsdp2", "tp2")
                                             for prec in ("fp32", "bf16")]
     assert all(float(c[6]) > 0 and float(c[9]) > 0 for c in rows), rows
 

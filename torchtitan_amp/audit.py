@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.distributed import local_tensor as _local
+from torchtitan_amp.distributed import unwrapped_name
 from torchtitan_amp import traffic
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.rules import dtype_name
@@ -45,7 +46,6 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_sca
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 # Inside an fp32 module these only move data between dtypes; every other op must compute in fp32.
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
-_WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 _DP_DIMS = ("dp_shard", "dp_replicate")
 
 
@@ -78,9 +78,7 @@ class AuditResult:
 
 
 def _clean(name: str) -> str:
-    for token in _WRAPPER_NAMES:
-        name = name.replace(token, "")
-    return name or "<model>"
+    return unwrapped_name(name) or "<model>"
 
 
 def _dtype_computed(t: torch.Tensor) -> str:

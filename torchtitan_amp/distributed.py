@@ -100,3 +100,14 @@ def mean_across(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a plain tensor is its own)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# Tokens activation checkpointing's and torch.compile's wrappers insert into module names.
+_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A module's name as the model spells it, whatever wrappers parallelize applied."""
+    for token in _WRAPPER_TOKENS:
+        name = name.replace(token, "")
+    return name

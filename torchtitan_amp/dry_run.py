@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.distributed import local_tensor as _local
+from torchtitan_amp.distributed import unwrapped_name
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, JobConfig
 from torchtitan_amp.job import Job, build_model_parts
@@ -113,17 +114,20 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
 
 def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
     """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup."""
-    groups = []
+    groups, seen = [], set()
+    names = {id(m): unwrapped_name(name) for name, m in part.named_modules()}
     for name, module in part.named_modules():
-        if not isinstance(module, FSDPModule):
+        # A unit over several modules (parallelize.group_by_block) is one state shared by all.
+        if not isinstance(module, FSDPModule) or id(state := module._get_fsdp_state()) in seen:
             continue
-        for g in module._get_fsdp_state()._fsdp_param_groups:
+        seen.add(id(state))
+        for g in state._fsdp_param_groups:
             orig = dtype_name(g.fsdp_params[0].sharded_param.dtype)
             gather = dtype_name(g.mp_policy.param_dtype) if g.mp_policy.param_dtype else orig
             reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather
             kind = "root" if module is part else "block" if name.count(".") == 1 and name.startswith("layers.") else "fp32"
             groups.append(FsdpGroup(
-                name or "root", sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
+                "+".join(names[id(m)] for m in g.modules) or "root", sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
                 gather, reduce, g.post_forward_mesh_info is not None, kind))
     return groups
 
@@ -180,9 +184,11 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
                                   dp_shard_rank=coords["dp_shard"])
     stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []
     comm: dict[str, ByDtype] = {}
+    calls: dict[str, int] = {}
     transient: ByDtype = {}
     if dims.fsdp_enabled:
         comm.update(memory.fsdp_comm(stage_groups, layout))
+        calls = memory.fsdp_calls(stage_groups, layout)
         transient = memory.fsdp_transient(stage_groups, layout)
     elif dims.ddp_enabled:
         comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
@@ -236,6 +242,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
                         for s, gs in stage_groups for g in gs],
         "communication": comm,
         "communication_total": memory.merge(*comm.values()),
+        "fsdp_collective_calls": calls,
         "formulas": FORMULAS,
     }
 

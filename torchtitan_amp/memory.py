@@ -414,9 +414,10 @@ class FsdpGroup:
 
 def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage,
                 tp_rank: int = 0) -> list[FsdpGroup]:
-    """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path each module outside
-    the safe list is its own fp32 group; each block is a group; the root holds the rest. Which
-    reshard after forward: rules.reshard_after_forward."""
+    """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path the modules outside
+    the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
+    block is a group; the root holds the rest. Which reshard after forward:
+    rules.reshard_after_forward."""
     n = layout.dp_shard
     specs = param_specs(model, stage)
 
@@ -429,9 +430,12 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     policy, pp = layout.reshard_after_forward, layout.pp > 1
     groups: list[FsdpGroup] = []
     own = [s for s in specs if mp and not prec.low(s.kind)]
-    for s in own:  # one group per module; every module here owns a single weight
-        groups.append(FsdpGroup(s.name.rsplit(".", 1)[0], numel([s]), "float32", "float32",
-                                reshard_after_forward(policy, False, pp), "fp32"))
+    units: dict[object, list[ParamSpec]] = {}
+    for s in own:  # every module here owns a single weight
+        units.setdefault(s.block, []).append(s)
+    for unit in units.values():
+        groups.append(FsdpGroup("+".join(s.name.rsplit(".", 1)[0] for s in unit), numel(unit), "float32",
+                                "float32", reshard_after_forward(policy, False, pp), "fp32"))
     rest = [s for s in specs if s not in own]
     layers = list(stage.layers)
     for j, i in enumerate(layers):
@@ -498,6 +502,21 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     out = {"fsdp_all_gather": ag, "fsdp_reduce_scatter": rs}
     if ar:
         out["hsdp_all_reduce"] = ar
+    return out
+
+
+def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, int]:
+    """FSDP collective calls of one rank per optimizer step: one all-gather per group per gather,
+    one reduce-scatter (and HSDP all-reduce) per group per reduction (see fsdp_comm)."""
+    out = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
+    for stage, groups in stage_groups:
+        ops = stage_ops(layout, stage)
+        reduces = 1 if layout.pp > 1 else ops.count("B")
+        for g in groups:
+            out["fsdp_all_gather"] += layout.grad_accum * fsdp_gathers_per_step(g, ops, layout.pp > 1)
+            out["fsdp_reduce_scatter"] += layout.grad_accum * reduces
+    if layout.dp_replicate > 1:
+        out["hsdp_all_reduce"] = out["fsdp_reduce_scatter"]
     return out
 
 

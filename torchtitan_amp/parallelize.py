@@ -225,13 +225,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     shard = partial(fully_shard, mesh=mesh)
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if plan.path == "fsdp":
-        for module in reversed(plan.fp32_modules(model)):
-            if module is not model:
-                shard(module, mp_policy=plan.fsdp_policy(low_precision=False),
-                      reshard_after_forward=reshard(False))
+        fp32 = [m for m in plan.fp32_modules(model) if m is not model]
+        for group in reversed(group_by_block(model, fp32)):
+            shard(group, mp_policy=plan.fsdp_policy(low_precision=False), reshard_after_forward=reshard(False))
         # Frozen modules stored in param_dtype: no group mixes them with fp32 trained parameters.
-        for module in reversed(plan.frozen_low_precision_modules(model)):
-            shard(module, mp_policy=plan.fsdp_policy(low_precision=True), reshard_after_forward=reshard(False))
+        for group in reversed(group_by_block(model, plan.frozen_low_precision_modules(model))):
+            shard(group, mp_policy=plan.fsdp_policy(low_precision=True), reshard_after_forward=reshard(False))
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
@@ -246,6 +245,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=output_dtype),
           reshard_after_forward=reshard(True))
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
+
+
+def group_by_block(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
+    """FSDP units for modules that must not share their blocks' groups (fp32 norms, frozen
+    modules): one per transformer block for those inside it, one for all those outside blocks
+    (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
+    a group per module would pay a collective's latency each; every parameter is padded and
+    sharded on its own either way, so bytes and numerics do not change."""
+    block_of = {id(m): name for name, block in model.layers.named_children() for m in block.modules()}
+    units: dict[str | None, list[nn.Module]] = {}
+    for m in modules:
+        units.setdefault(block_of.get(id(m)), []).append(m)
+    return [unit[0] if len(unit) == 1 else unit for unit in units.values()]
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, bucket_cap_mb: float = 25.0) -> None:

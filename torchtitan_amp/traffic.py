@@ -40,6 +40,8 @@ import torch.distributed as dist
 Categorize = Callable[[str, Any], str]
 
 COUNTS: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+# Calls per category: latency-bound collectives cost per call, whatever their bytes.
+CALL_COUNTS: dict[str, int] = defaultdict(int)
 # With install(record_calls=True): (category, dtype, shape, factor) of every counted call.
 CALLS: list[tuple[str, str, list[int], int]] = []
 
@@ -74,6 +76,7 @@ def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
     category = _settings["categorize"](op, group)
     dtype = str(tensor.dtype).removeprefix("torch.")
     COUNTS[category][dtype] += tensor.numel() * tensor.element_size() * factor
+    CALL_COUNTS[category] += 1
     if _settings["record_calls"]:
         CALLS.append((category, dtype, list(tensor.shape), factor))
 
@@ -150,6 +153,7 @@ def counting() -> Iterator[dict[str, dict[str, int]]]:
     if not _settings["installed"]:
         raise RuntimeError("install() the collective counters first")
     COUNTS.clear()
+    CALL_COUNTS.clear()
     CALLS.clear()
     _settings["on"] = True
     try:
@@ -161,6 +165,11 @@ def counting() -> Iterator[dict[str, dict[str, int]]]:
 def snapshot() -> dict[str, dict[str, int]]:
     """The counts as plain dicts: {category: {dtype: bytes}}."""
     return {category: dict(by_dtype) for category, by_dtype in COUNTS.items()}
+
+
+def call_counts() -> dict[str, int]:
+    """Collective calls per category since `counting()` began."""
+    return dict(CALL_COUNTS)
 
 
 def install_default_ddp_hook() -> None:

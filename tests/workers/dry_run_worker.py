@@ -108,6 +108,7 @@ def run_job(args: list[str]) -> dict:
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
         "optimizer": _by_dtype(state),
         "comm": collectives.snapshot(),
+        "comm_calls": collectives.call_counts(),
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
         result["calls"] = list(collectives.CALLS)
