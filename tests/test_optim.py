@@ -117,17 +117,19 @@ def test_scheduler_from_job_config() -> None:
 # AdamW
 
 
-@pytest.mark.parametrize("implementation, device, fused, foreach", [
-    ("fused", CPU, True, False),
-    ("foreach", CPU, False, True),
-    ("for-loop", CPU, False, False),
-    ("auto", CPU, False, True),                       # fused is not the CPU default
-    ("auto", torch.device("cuda"), True, False),      # ... but is on CUDA
+@pytest.mark.parametrize("implementation, device, fused_ok, fused, foreach", [
+    ("fused", CPU, True, True, False),
+    ("foreach", CPU, True, False, True),
+    ("for-loop", CPU, True, False, False),
+    ("auto", CPU, True, True, False),
+    ("auto", torch.device("cuda"), True, True, False),
+    ("auto", torch.device("meta"), True, False, True),  # no fused kernel there
+    ("auto", CPU, False, False, True),                  # the plan's loss scaler cannot drive it
 ])
-def test_adamw_kernel_is_the_configured_one(implementation: str, device: torch.device, fused: bool,
+def test_adamw_kernel_is_the_configured_one(implementation: str, device: torch.device, fused_ok: bool, fused: bool,
                                             foreach: bool) -> None:
     cfg = Optimizer(implementation=implementation)
-    opt = build_optimizer(list(nn.Linear(4, 4).parameters()), cfg, device)
+    opt = build_optimizer(list(nn.Linear(4, 4).parameters()), cfg, device, fused_ok=fused_ok)
     assert isinstance(opt, torch.optim.AdamW)
     assert bool(opt.defaults["fused"]) is fused
     assert bool(opt.defaults["foreach"]) is foreach

@@ -115,6 +115,18 @@ def test_fp16_hook_and_scaler_per_layout() -> None:
     assert plan("single", *fp16).scaler_kwargs["init_scale"] == 65536.0
 
 
+def test_fused_adamw_only_where_the_scaler_can_drive_it() -> None:
+    """torch's fused AdamW cannot take ShardedGradScaler's shape-[1] inf flag (measured: fp16 on
+    FSDP 2 with `fused` failed at step 1): `auto` falls back to foreach there, `fused` is refused."""
+    fp16 = ("--mixed_precision.param_dtype", "float16")
+    for layout in ("fsdp", "tp", "pp"):
+        assert not plan(layout, *fp16).fused_optimizer_ok, layout
+        message = one_line_error(*fp16, "--optimizer.implementation", "fused", layout=layout)
+        assert "'optimizer.implementation' = 'fused'" in message and "'auto' or 'foreach'" in message
+    assert plan("single", *fp16).fused_optimizer_ok and plan("ddp", *fp16).fused_optimizer_ok
+    assert plan("fsdp").fused_optimizer_ok and plan("fsdp", "--optimizer.implementation", "fused").path == "fsdp"
+
+
 def test_fp32_param_dtype_is_full_unless_something_is_low_precision() -> None:
     fp32 = ("--mixed_precision.param_dtype", "float32")
     assert plan("single", *fp32).path == "full"

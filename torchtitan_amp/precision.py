@@ -265,6 +265,11 @@ class PrecisionPlan:
             grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
         elif enabled and "mixed_precision.init_scale" in config.explicit:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
+        if grad_scaler == "ShardedGradScaler" and config.optimizer.implementation == "fused":
+            raise PrecisionError(
+                "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
+                "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
+                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'")
         if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
@@ -545,6 +550,12 @@ class PrecisionPlan:
             "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, _FP32_BY_NAME, False)
                                    and any(True for _ in m.parameters(recurse=False))),
         }
+
+    @property
+    def fused_optimizer_ok(self) -> bool:
+        """torch's fused AdamW takes the scaler's inf flag into its 0-d step counters, which
+        ShardedGradScaler's shape-[1] flag breaks (torch 2.13): `auto` picks foreach then."""
+        return self.grad_scaler != "ShardedGradScaler"
 
     @property
     def mixed_state_optimizer(self) -> bool:

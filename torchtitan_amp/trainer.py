@@ -118,7 +118,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
                                          state_dtype=(self.plan.optimizer_state_dtype
                                                       if self.plan.mixed_state_optimizer else None),
-                                         stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed)
+                                         stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed,
+                                         fused_ok=self.plan.fused_optimizer_ok)
         self.reduce_partial_grads = self.plan.partial_grad_reducer(self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
         self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
