@@ -6,7 +6,7 @@ model, same precision, same batch per rank, same optimizer, in one process or on
     python -m benchmarks.overhead --models large --layouts ddp2,fsdp2,tp2 --steps 5 --warmup 1
 
 The hand-written loop is nanoGPT's: `torch.autocast` around forward + loss (bf16) or nothing
-(fp32), cross-entropy on fp32 logits, backward outside autocast, `clip_grad_norm_`, foreach AdamW,
+(fp32), cross-entropy on fp32 logits, backward outside autocast, `clip_grad_norm_`, fused AdamW,
 zero_grad, `loss.item()`. On 2 ranks it is what a user writes with torch's own wrappers and their
 defaults: `ddp2` wraps the model in `DistributedDataParallel` (25 MiB buckets, fp32 all-reduce;
 bf16 by autocast as above), `fsdp2` applies `fully_shard` to every block and the root (bf16 by a
@@ -123,7 +123,8 @@ def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: fl
     model = Transformer(args)
     model.init_weights()
     model = _wrap(model, layout, precision)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    # The kernel the Trainer's optimizer.implementation = "auto" picks on CPU and CUDA.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     # Data-parallel ranks see different sequences; tensor-parallel ranks the same ones.
     data_rank = dist.get_rank() if dist.is_initialized() and layout != "tp2" else 0
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(data_rank))

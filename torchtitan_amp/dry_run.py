@@ -127,7 +127,8 @@ def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
             reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather
             kind = "root" if module is part else "block" if name.count(".") == 1 and name.startswith("layers.") else "fp32"
             groups.append(FsdpGroup(
-                "+".join(names[id(m)] for m in g.modules) or "root", sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
+                "+".join(names[id(m)] for m in g.modules) or "root",
+                sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
                 gather, reduce, g.post_forward_mesh_info is not None, kind))
     return groups
 

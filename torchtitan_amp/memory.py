@@ -430,7 +430,7 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     policy, pp = layout.reshard_after_forward, layout.pp > 1
     groups: list[FsdpGroup] = []
     own = [s for s in specs if mp and not prec.low(s.kind)]
-    units: dict[object, list[ParamSpec]] = {}
+    units: dict[int | None, list[ParamSpec]] = {}  # by block; None: outside blocks
     for s in own:  # every module here owns a single weight
         units.setdefault(s.block, []).append(s)
     for unit in units.values():
