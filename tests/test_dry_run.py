@@ -101,9 +101,11 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             modelled = {k: v for k, v in measured["comm"].items() if ":" not in k}
             assert report["communication"] == modelled, f"{where}: dry run {report['communication']} != real {modelled}"
             # One call per FSDP group per gather / reduction: a block's fp32 norms share a group.
-            calls = {k: v for k, v in measured["comm_calls"].items() if k in report["fsdp_collective_calls"]}
-            assert report["fsdp_collective_calls"] == {k: calls.get(k, 0) for k in report["fsdp_collective_calls"]}, \
-                f"{where}: dry run calls {report['fsdp_collective_calls']} != real {measured['comm_calls']}"
+            predicted = report["fsdp_collective_calls"]
+            assert predicted == {k: measured["comm_calls"].get(k, 0) for k in predicted}, \
+                f"{where}: dry run calls {predicted} != real {measured['comm_calls']}"
+            in_blocks = [g["name"] for g in report["fsdp_groups"] if g["kind"] == "fp32" and g["name"].startswith("layers.")]
+            assert all("attention_norm" in n and "ffn_norm" in n for n in in_blocks), f"{where}: {in_blocks}"
             unmodelled = _total(measured["comm"]) - _total(modelled)
             assert not any(k.startswith("optimizer:") for k in measured["comm"]), f"{where}: {measured['comm']}"
             assert unmodelled <= 16 * mem["num_param_tensors"], f"{where}: {measured['comm']}"
