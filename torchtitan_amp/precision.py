@@ -265,11 +265,6 @@ class PrecisionPlan:
             grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
         elif enabled and "mixed_precision.init_scale" in config.explicit:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
-        if grad_scaler == "ShardedGradScaler" and config.optimizer.implementation == "fused":
-            raise PrecisionError(
-                "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
-                "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
-                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'")
         if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
@@ -281,10 +276,16 @@ class PrecisionPlan:
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
         state_dtype = _optimizer_state_dtype(config, storage)
-        return cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
+        plan = cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
                    tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
                    tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding)
+        if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
+            raise PrecisionError(
+                "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
+                "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
+                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'")
+        return plan
 
     # -----------------------------------------------------------------------------------------
     # Questions the rest of the code asks
