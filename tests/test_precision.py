@@ -473,6 +473,56 @@ def test_compress_hook_casts_safe_params_only(two_identical_ranks, dtype: torch.
             assert torch.equal(out, g)
 
 
+class _QueuedFuture(torch.futures.Future):
+    """An nccl work's future as the host sees it: complete once the all-reduce is queued, its
+    tensor holding the result only after wait() (which, on CUDA, makes the stream wait on nccl's)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._tensor, self._written = tensor, False
+        self.set_result([tensor])
+
+    def _write(self) -> None:
+        if not self._written:
+            self._tensor.add_(self._tensor)  # the sum of two identical ranks lands now
+            self._written = True
+
+    def wait(self):  # type: ignore[no-untyped-def]
+        self._write()
+        return super().wait()
+
+    def value(self):  # type: ignore[no-untyped-def]
+        self._write()
+        return super().value()
+
+
+def test_compress_hook_waits_for_every_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails with `collect_all(futures).then(...)`: that future completes when the collectives are
+    queued and decompress would copy back each rank's own gradient / world size, not the mean."""
+
+    class Work:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.fut = _QueuedFuture(t)
+
+        def get_future(self) -> torch.futures.Future:
+            return self.fut
+
+    monkeypatch.setattr(precision_mod.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(precision_mod.dist, "all_reduce",
+                        lambda t, group=None, async_op=False: Work(t))
+    torch.manual_seed(0)
+    shapes = [(8, 4), (4,), (3, 4)]  # both a low-precision and an fp32 collective per bucket
+    params = [nn.Parameter(torch.empty(s)) for s in shapes]
+    grads = [torch.randn(s) * 1e-2 for s in shapes]
+    state = CompressHookState(None, torch.bfloat16, frozenset({id(params[0]), id(params[2])}))
+    bucket = FakeBucket(params, grads)
+    result = compress_hook(state, bucket).wait()
+    assert result is bucket.buffer()
+    for i, (g, out) in enumerate(zip(grads, bucket.gradients())):
+        expected = g.to(torch.bfloat16).float() if i != 1 else g
+        assert torch.equal(out, expected), f"gradient {i} is not the mean of the ranks"
+
+
 def test_compress_hook_state_lists_safe_params() -> None:
     model = tiny_model()
     p = plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16")

@@ -811,11 +811,18 @@ def compress_hook(state, bucket):  # type: ignore[no-untyped-def]
             futures.append(_all_reduce_mean(flat, state))
 
     def decompress(_: torch.futures.Future) -> torch.Tensor:
+        # Inside a callback of an nccl future the current stream waits on that collective only;
+        # wait() on each other future makes it wait on theirs too before the flat buffers are read.
+        for fut in futures:
+            fut.wait()
         for rngs, flat in parts:
             _scatter(buffer, rngs, flat)
         return buffer
 
-    return torch.futures.collect_all(futures).then(decompress)
+    # Chained from a collective's own future, never collect_all: collect_all's future carries no
+    # CUDA events, and an nccl future completes when the all-reduce is queued, so its callback
+    # could read the buffers before nccl has written them (each rank keeping its own gradient).
+    return futures[0].then(decompress)
 
 
 def install_comm_hook(model: nn.Module, state: CompressHookState | None) -> None:
