@@ -54,10 +54,33 @@ def resolve(config: JobConfig) -> DistInfo:
     return DistInfo(int(os.environ.get("RANK", "0")), local_rank, world_size_from_env(), device, backend)
 
 
-def init(info: DistInfo, timeout_s: float = 300.0) -> None:
-    """Start the process group when launched by torchrun (even with one process)."""
+def set_device(info: DistInfo) -> None:
+    """Make this rank's GPU the current one; call before anything allocates on CUDA."""
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
+
+
+# cuBLAS's deterministic workspace setting (torch's reproducibility notes); ":16:8" also works.
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def set_determinism(deterministic: bool) -> None:
+    """training.deterministic: deterministic kernels everywhere, CUDA included.
+
+    cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first matmul, and without it
+    `use_deterministic_algorithms` makes every CUDA matmul raise; cuDNN's autotuner picks
+    algorithms by timing, so it is turned off. A value the user set is kept."""
+    if not deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def init(info: DistInfo, timeout_s: float = 300.0) -> None:
+    """Start the process group when launched by torchrun (even with one process)."""
+    set_device(info)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))

@@ -34,12 +34,22 @@ from torchtitan_amp.rules import reshard_after_forward
 
 logger = logging.getLogger("torchtitan_amp")
 
-# Op-level selective AC keeps the outputs of these (expensive to recompute) ops.
-_SAVE_LIST = {
+# Op-level selective AC keeps the outputs of these (expensive to recompute) ops: every SDPA
+# kernel torch may dispatch (cuDNN's comes first on sm90 with a recent cuDNN, flash/efficient on
+# other GPUs, the CPU flash kernel here) and the TP collectives, so that backward neither reruns
+# attention nor repeats a reduce-scatter / all-reduce (torchtitan's list, plus the all-reduce of
+# TP without sequence parallel).
+SAC_SAVE_LIST = {
     torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    # fp8 scales come from amax: recomputing it in backward could give another scale.
+    torch.ops.aten.max.default,
 }
 
 
@@ -185,7 +195,7 @@ def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _wrap_block(block: nn.Module, ac: ActivationCheckpoint) -> nn.Module:
