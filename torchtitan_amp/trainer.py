@@ -81,6 +81,10 @@ class Trainer:
         t = config.training
         # Everything that can reject the config runs before any process group exists.
         self.info = distributed.resolve(config)
+        # Before the plan: its probes run CUDA matmuls, which would open a context on cuda:0 on
+        # every local rank and fix cuBLAS's workspace before determinism could configure it.
+        distributed.set_device(self.info)
+        distributed.set_determinism(t.deterministic)
         self.job = resolve_job(config, self.info.world_size, self.info.device.type)
         self.dims, self.accum, self.plan = self.job.dims, self.job.accum, self.job.plan
         self.model_args = self.job.model_args
@@ -104,8 +108,6 @@ class Trainer:
             assert self.dims.dp_mesh.get_local_rank() == self.dims.dp_rank(self.info.rank)
             self.dp_group = self.dims.dp_mesh.get_group()
             self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
-        if t.deterministic:
-            torch.use_deterministic_algorithms(True)
         self.scaler = self.plan.build_scaler()
         self.pipeline: Pipeline | None = None
         self.model_parts = self._build_model()
