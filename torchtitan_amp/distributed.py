@@ -111,6 +111,21 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def control_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """A gloo group for host-side agreement (the per-step stop poll); None = the default group,
+    already gloo (or no process group / one rank: nothing to agree with). Collective when it
+    creates one: call at the same point on every rank.
+
+    Why: on nccl a collective on a CUDA tensor whose result the host reads (`.tolist()`) is a
+    device sync that drains the GPU's queue; on gloo with a CPU tensor it never touches the GPU.
+    `timeout_s` is the steady-state collective timeout (comm.timeout_seconds), which set_timeouts
+    gives the other groups: a rank that stops answering fails the poll then, not after gloo's
+    30-minute default. Not the async checkpoint upload's group: two threads must not share one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def mean_across(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
     """Mean of a scalar over a group, summed in fp32 (gloo has no AVG reduce op)."""
     if group is None or not dist.is_initialized():

@@ -24,6 +24,7 @@ from torchtitan_amp import distributed, memory, profiling, validation
 from torchtitan_amp.checkpoint import CheckpointManager
 from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
 from torchtitan_amp.data import build_dataloader
+from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
@@ -92,7 +93,8 @@ class Trainer:
         dp_rank = self.dims.dp_rank(self.info.rank)
         self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank, self.dims.dp_degree, t.seed,
-                                           num_workers=t.dataloader_num_workers)
+                                           num_workers=t.dataloader_num_workers,
+                                           pin_memory=self.info.device.type == "cuda")
         spec = self.job.validation
         val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
                       if spec is not None else None)
@@ -239,11 +241,18 @@ class Trainer:
                 # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
                 for part in self.model_parts:
                     part.set_requires_gradient_sync(micro == self.accum - 1)
-            loss_sum += self.forward_backward(inputs.to(self.device), labels.to(self.device))
+            loss_sum += self.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
             self.metrics.record_tokens(inputs.numel())
         self.reduce_partial_grads(self.params)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
+        # The one device->host read of a step, kept on purpose: skipping exactly (weights, AdamW
+        # moments and step counts, LR schedule untouched; NonFiniteError raised at this step)
+        # needs the flag before the optimizer step is launched. A skip on the device would need
+        # found_inf support in every optimizer kernel (torch's fused AdamW only, not foreach or
+        # AdamWMixedState) and a deferred LR step and counter. The read waits for backward + clip
+        # only; the optimizer kernels then cover the host's preparation of the next step, which
+        # no longer syncs itself (pinned non-blocking input copies, the stop poll on a gloo group).
         if not self.scaler.enabled and not torch.isfinite(grad_norm):
             # The norm is global, so every rank takes the same branch. Under fp16 the scaler
             # owns this case (skip + back off), so it never gets here.

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan_amp.distributed import control_group
 from torchtitan_amp.distributed import local_tensor as _local
 from torchtitan_amp.checkpoint.format import (
     EXPORT_FILE,
@@ -321,7 +322,11 @@ class CheckpointManager:
         self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)
         self.rank_parts = tuple(p for p in PARTS if not p.in_dcp)
         self._pending: _PendingSave | None = None
+        self._stager: Any = None  # async_with_pinned_mem's DefaultStager, one per run (_pinned_stager)
         self._async_pg = None
+        # should_stop's group (gloo even on nccl runs, so the poll never syncs the GPU). Made here,
+        # before the return below, because every rank polls every step, checkpointing on or off.
+        self._control_pg = control_group(config.comm.timeout_seconds)
         if not self.enabled:
             return
         if c.async_mode != "disabled" and dist.is_initialized():
@@ -480,10 +485,7 @@ class CheckpointManager:
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._async_pg,
                                   "no_dist": not dist.is_initialized()}
         if self.config.checkpoint.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                                  use_async_staging=True, use_non_blocking_copy=True))
+            kwargs["async_stager"] = self._pinned_stager()
         with quiet_single_process():
             response = dcp.async_save(sd, **kwargs)
         if isinstance(response, Future):
@@ -492,6 +494,19 @@ class CheckpointManager:
         # the tensors, so wait for it here; only the upload overlaps training.
         response.staging_completion.result()
         return response.upload_completion
+
+    def _pinned_stager(self) -> Any:
+        """The run's one stager, made at the first save: its pinned host copies are reused by every
+        save (torch 2.13 keeps them between stage() calls; 2.11 drops them after each, but still
+        keeps its staging thread and stream), and close() shuts it down. One per save would pin
+        the whole state again and leak a thread each time. Reuse is safe: a save first finishes
+        the previous one, whose upload reads those copies."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=True))
+        return self._stager
 
     def _write_export(self, tmp: Path) -> None:
         """The full model as one torch.save file in export_dtype. Every rank takes part.
@@ -628,13 +643,16 @@ class CheckpointManager:
 
     def should_stop(self) -> bool:
         """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
-        finished background save is committed here too. Call once per step on every rank."""
+        finished background save is committed here too. Call once per step on every rank.
+
+        The flags travel as a CPU tensor on a gloo group (distributed.control_group): reading
+        the result back never waits for the GPU."""
         stop = stop_requested()
         signum = int(signal.Signals[stop]) if stop else 0
         flags = [signum, int(self._pending is not None and not self._pending.future.done())]
         if dist.is_initialized() and self.world_size > 1:
-            t = torch.tensor(flags, dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            t = torch.tensor(flags, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control_pg)
             flags = [int(x) for x in t.tolist()]
         signum, still_writing = flags
         if self._pending is not None and not still_writing:
@@ -646,8 +664,11 @@ class CheckpointManager:
         return bool(signum)
 
     def close(self) -> None:
-        """Finish any background save. Collective."""
+        """Finish any background save, then shut the pinned-memory stager down. Collective."""
         self._finish_pending()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     # -----------------------------------------------------------------------------------------
     # Loading

@@ -13,6 +13,19 @@ from torchtitan_amp.errors import DataError
 from torchtitan_amp.tokenizer import Tokenizer
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch onto `device`. On CUDA from pinned memory with non_blocking=True: a copy from
+    pageable memory first waits for everything queued on the stream (CUDA's rule for pageable
+    sources), which would drain the GPU once per micro-batch. The trainer's loader pins already
+    (build_dataloader's pin_memory); pinning here covers batches from anywhere else. The pinned
+    block is not reused before the copy is done: torch's host allocator records the copy's stream."""
+    if device.type != "cuda":
+        return t.to(device)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _stack_samples(samples: list[Sample]) -> Sample:
     inputs, labels = zip(*samples)
     return torch.stack(inputs), torch.stack(labels)
@@ -26,19 +39,20 @@ class ParallelAwareDataLoader(StatefulDataLoader):
     """
 
     def __init__(self, dataset: PackedTextDataset | TokenWindowDataset, dp_rank: int, dp_world_size: int,
-                 batch_size: int, num_workers: int = 0) -> None:
+                 batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> None:
         if batch_size < 1:
             raise DataError(f"local_batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise DataError(f"num_workers must be >= 0, got {num_workers}")
         if isinstance(dataset, TokenWindowDataset):
             # The dataset builds whole batches (one vectorised gather), so no collation here.
-            super().__init__(dataset, batch_size=None, num_workers=num_workers)
+            super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
         elif num_workers:
             raise DataError("num_workers > 0 needs a 'tokens:' dataset (pydoc and path: are tokenised in memory "
                             "and every worker would repeat the same samples)")
         else:
-            super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples)
+            super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples,
+                             pin_memory=pin_memory)
         self._packed = dataset
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
@@ -84,11 +98,13 @@ def build_dataloader(
     dp_world_size: int,
     seed: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> ParallelAwareDataLoader:
     """Yields (inputs, labels), both int64 [local_batch_size, seq_len], forever.
 
     `dataset` is 'pydoc', 'path:<file or folder>' (tokenised in memory here) or
-    'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is checked)."""
+    'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is checked).
+    `pin_memory` (CUDA only): batches come in page-locked memory, for non-blocking copies (to_device)."""
     if dataset.startswith("tokens:"):
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
@@ -100,7 +116,7 @@ def build_dataloader(
             raise DataError(f"local_batch_size must be >= 1, got {local_batch_size}")
         split = open_split(dataset, tokenizer)
         windows = TokenWindowDataset(split, seq_len, local_batch_size, dp_rank, dp_world_size, seed)
-        return ParallelAwareDataLoader(windows, dp_rank, dp_world_size, local_batch_size, num_workers)
+        return ParallelAwareDataLoader(windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory)
     tokens = text.corpus_tokens(dataset, tokenizer)
     packed = PackedTextDataset(tokens, seq_len, dp_rank, dp_world_size, seed)
-    return ParallelAwareDataLoader(packed, dp_rank, dp_world_size, local_batch_size, num_workers)
+    return ParallelAwareDataLoader(packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory)

@@ -1,0 +1,267 @@
+"""Host syncs per step (issue 26, items 7 and 8): the stop flag is agreed every step on a gloo
+group with a CPU tensor, so the poll never syncs the GPU; input batches go to CUDA from pinned
+memory without blocking; the pinned-memory checkpoint stager is made once per run and closed. In
+process, one rank, CPU."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.staging as dcp_staging
+
+from tests.support import read_metrics
+from torchtitan_amp import distributed, run_control
+from torchtitan_amp import trainer as trainer_mod
+from torchtitan_amp.checkpoint import manager as manager_mod
+from torchtitan_amp.checkpoint.format import scan_folder
+from torchtitan_amp.config import load_config
+from torchtitan_amp.data import build_dataloader
+from torchtitan_amp.data.loader import to_device
+from torchtitan_amp.tokenizer import ByteTokenizer
+from torchtitan_amp.trainer import Trainer
+
+TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
+        "--mixed_precision.enabled", "false"]
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MFU's matmul benchmark is not what these tests are about."""
+    monkeypatch.setattr(trainer_mod, "peak_flops", lambda device, dtype: 1e12)
+
+
+def _trainer(tmp_path: Path, *extra: str) -> Trainer:
+    return Trainer(load_config(["--job.dump_folder", str(tmp_path), *TINY, *extra]))
+
+
+def _record_polls(monkeypatch: pytest.MonkeyPatch, trainer: Trainer) -> list[int]:
+    """The steps at which the trainer asked the checkpointer whether to stop."""
+    polled: list[int] = []
+    real = trainer.checkpointer.should_stop
+
+    def should_stop() -> bool:
+        polled.append(trainer.step)
+        return real()
+
+    monkeypatch.setattr(trainer.checkpointer, "should_stop", should_stop)
+    return polled
+
+
+# ---------------------------------------------------------------------------------------------
+# The stop poll: every step, on gloo, with a CPU tensor
+
+
+class _Group:
+    """Stands for a process group."""
+
+
+def _fake_world(monkeypatch: pytest.MonkeyPatch, backend: str) -> list[dict[str, Any]]:
+    """A 2-rank process group of `backend` as far as control_group can tell; the new_group calls."""
+    made: list[dict[str, Any]] = []
+
+    def new_group(**kwargs: Any) -> _Group:
+        made.append(kwargs)
+        return _Group()
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    return made
+
+
+def test_control_group_is_a_new_gloo_group_on_nccl_and_the_default_group_on_gloo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _fake_world(monkeypatch, "nccl")
+    group = distributed.control_group(60.0)
+    # The poll must not run on nccl's default group (a device sync per step): a gloo group of its own.
+    assert isinstance(group, _Group)
+    assert made == [{"backend": "gloo", "timeout": timedelta(seconds=60)}]
+    made = _fake_world(monkeypatch, "gloo")
+    assert distributed.control_group(60.0) is None and made == []  # the default group is gloo already
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert distributed.control_group(60.0) is None  # one rank: nothing to agree with
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert distributed.control_group(60.0) is None
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    made_with: list[float] = []
+    real_control_group = manager_mod.control_group
+
+    def control_group(timeout_s: float) -> Any:
+        made_with.append(timeout_s)
+        with monkeypatch.context() as m:
+            _fake_world(m, backend)
+            return real_control_group(timeout_s)
+
+    monkeypatch.setattr(manager_mod, "control_group", control_group)
+    # Checkpointing off: the poll runs anyway, so the group is made before the manager returns.
+    trainer = _trainer(tmp_path, "--training.steps", "1", "--comm.timeout_seconds", "45")
+    checkpointer = trainer.checkpointer
+    assert made_with == [45.0]
+    group = checkpointer._control_pg
+    if backend == "nccl":
+        assert isinstance(group, _Group) and group is not checkpointer._async_pg
+    else:
+        assert group is None
+    # Two ranks on a GPU ("meta" stands for it: a tensor on the model's device would show here).
+    checkpointer.world_size, checkpointer.device = 2, torch.device("meta")
+    calls: list[tuple[torch.device, Any]] = []
+
+    def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        calls.append((t.device, group))
+        t[0] = int(run_control.signal.SIGUSR1)  # a signal on the other rank
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(run_control, "_stop_signal", None)
+    assert checkpointer.should_stop() is True
+    assert calls == [(torch.device("cpu"), group)]
+
+
+def test_trainer_polls_the_stop_flag_every_step_and_copies_batches_through_to_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer(tmp_path, "--training.steps", "7", "--metrics.log_freq", "5")
+    polled = _record_polls(monkeypatch, trainer)
+    copies: list[tuple[torch.device, torch.device]] = []
+
+    def recording_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copies.append((t.device, device))
+        return to_device(t, device)
+
+    monkeypatch.setattr(trainer_mod, "to_device", recording_to_device)
+    trainer.train()
+    assert polled == list(range(1, 8))
+    assert trainer.dataloader.pin_memory is False  # a CPU run: nothing to pin for
+    assert copies == [(torch.device("cpu"), trainer.device)] * (2 * 7 * trainer.accum)  # inputs, labels
+
+
+def test_a_stop_signal_during_a_step_saves_and_exits_after_that_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer(tmp_path, "--training.steps", "12", "--metrics.log_freq", "5", "--checkpoint.enable",
+                       "--checkpoint.interval", "100")
+    polled = _record_polls(monkeypatch, trainer)
+    monkeypatch.setattr(run_control, "_stop_signal", None)
+    step_fn = trainer.train_step
+
+    def signalled_at_step_2(batches):  # type: ignore[no-untyped-def]
+        if trainer.step == 2:
+            monkeypatch.setattr(run_control, "_stop_signal", "SIGUSR1")
+        return step_fn(batches)
+
+    monkeypatch.setattr(trainer, "train_step", signalled_at_step_2)
+    trainer.train()
+    assert polled == [1, 2] and trainer.step == 2
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]  # step 2 is no log step
+    complete = scan_folder(tmp_path / "checkpoint")[0]
+    assert {s: info.kind for s, info in complete.items()} == {2: "full"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host -> device copies
+
+
+class _FakeBatch:
+    """Stands for a host tensor: records what to_device does with it."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.calls: list[tuple[Any, ...]] = []
+
+    def is_pinned(self) -> bool:
+        return self.pinned
+
+    def pin_memory(self) -> "_FakeBatch":
+        self.calls.append(("pin_memory",))
+        return self
+
+    def to(self, device: torch.device, **kwargs: Any) -> str:
+        self.calls.append(("to", device, kwargs))
+        return "on device"
+
+
+def test_to_device_copies_from_pinned_memory_without_blocking_on_cuda_only() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    pageable = _FakeBatch(pinned=False)
+    assert to_device(pageable, cuda) == "on device"  # type: ignore[arg-type]
+    assert pageable.calls == [("pin_memory",), ("to", cuda, {"non_blocking": True})]
+    pinned = _FakeBatch(pinned=True)  # the loader pinned it already: no second copy
+    to_device(pinned, cuda)  # type: ignore[arg-type]
+    assert pinned.calls == [("to", cuda, {"non_blocking": True})]
+    host = _FakeBatch(pinned=False)  # elsewhere a plain copy: nothing to pin, nothing to overlap
+    to_device(host, cpu)  # type: ignore[arg-type]
+    assert host.calls == [("to", cpu, {})]
+    t = torch.arange(4)
+    assert torch.equal(to_device(t, cpu), t)
+
+
+def test_build_dataloader_pins_only_when_asked() -> None:
+    # The trainer asks on CUDA only (pinning needs an accelerator); the loader pins in next().
+    for pin in (False, True):
+        loader = build_dataloader("pydoc", ByteTokenizer(), 32, 2, 0, 1, 0, pin_memory=pin)
+        assert loader.pin_memory is pin
+
+
+# ---------------------------------------------------------------------------------------------
+# async_with_pinned_mem: one stager per run
+
+
+class _CountingStager(dcp_staging.DefaultStager):
+    """DefaultStager as the manager asks for it, minus what needs CUDA (pinning, non-blocking)."""
+
+    made = 0
+    closed = 0
+
+    def __init__(self, options: dcp_staging.StagingOptions) -> None:
+        assert options.use_pinned_memory
+        type(self).made += 1
+        super().__init__(dcp_staging.StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=False))
+
+    def close(self) -> None:
+        type(self).closed += 1
+        super().close()
+
+
+def test_pinned_stager_is_made_once_per_run_closed_at_the_end_and_a_finished_save_commits_at_the_next_poll(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The mode is refused on CPU at config time: configure "async", switch after the checks.
+    trainer = _trainer(tmp_path, "--training.steps", "5", "--metrics.log_freq", "100", "--checkpoint.enable",
+                       "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    trainer.config.checkpoint.async_mode = "async_with_pinned_mem"
+    monkeypatch.setattr(dcp_staging, "DefaultStager", _CountingStager)
+    monkeypatch.setattr(_CountingStager, "made", 0)
+    monkeypatch.setattr(_CountingStager, "closed", 0)
+    # Step 3 waits for step 2's upload: its own poll (every step) commits the save.
+    seen: dict[str, Any] = {}
+    step_fn, stop_fn = trainer.train_step, trainer.checkpointer.should_stop
+
+    def step(batches):  # type: ignore[no-untyped-def]
+        out = step_fn(batches)
+        if trainer.step == 3:
+            trainer.checkpointer._pending.future.result()
+        return out
+
+    def should_stop() -> bool:
+        stop = stop_fn()
+        if trainer.step == 3:
+            seen["pending"] = trainer.checkpointer._pending
+            seen["complete"] = sorted(scan_folder(tmp_path / "checkpoint")[0])
+        return stop
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(trainer.checkpointer, "should_stop", should_stop)
+    trainer.train()
+    assert seen == {"pending": None, "complete": [2]}
+    complete = scan_folder(tmp_path / "checkpoint")[0]
+    assert {s: info.kind for s, info in complete.items()} == {2: "full", 4: "full", 5: "full"}
+    assert (_CountingStager.made, _CountingStager.closed) == (1, 1)
+    assert trainer.checkpointer._stager is None
