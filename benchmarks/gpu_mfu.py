@@ -34,6 +34,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import shlex
 import socket
 import sys
@@ -231,6 +232,18 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
             "loss_finite": math.isfinite(final_loss)}
 
 
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    """Rewritten after each configuration: written whole (tmp + rename), so that a timeout's kill
+    never leaves half a file."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, target)
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -316,6 +329,7 @@ def main(argv: list[str]) -> int:
           f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "
           f"{peak_flops(device, [torch.bfloat16]) / 1e12:.1f} TFLOP/s", flush=True)
     results: list[dict[str, Any]] = []
+    write_json(a.json, {**info, "results": results})
     durations: dict[tuple[str, bool], float] = {}
     failed = False
     for compiled in compiles:
@@ -356,9 +370,7 @@ def main(argv: list[str]) -> int:
                 print(f"  {r['precision']:17s} compile={'on ' if compiled else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
                       f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
                       f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}", flush=True)
-            if a.json:
-                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(a.json).write_text(json.dumps({**info, "results": results}, indent=1) + "\n")
+            write_json(a.json, {**info, "results": results})
     print()
     print(table(results))
     print(f"\n{info['command']}: {time.perf_counter() - start:.0f} s")

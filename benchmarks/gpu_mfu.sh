@@ -3,9 +3,10 @@
 # policy vs bf16 autocast vs fp32, eager and compiled; tokens/s/GPU, MFU, peak memory.
 #   benchmarks/gpu_mfu.sh                    # results also in ${OUT:-outputs}/gpu_mfu.json
 #   benchmarks/gpu_mfu.sh --seq-len 4096     # extra arguments go to benchmarks/gpu_mfu.py
-#   benchmarks/gpu_mfu.sh --tiny             # CPU smoke run
+#   benchmarks/gpu_mfu.sh --tiny --device cpu   # CPU smoke run (scripts/gpu_run.sh's GPU_RUN_CPU_SMOKE=1)
 # GPU_MFU_TIMEOUT (default 590 s) bounds the whole run; the script's own --time-budget (500 s)
-# skips configurations that would not finish, so the table is printed before the timeout.
+# skips configurations that would not finish, so the table is printed before the timeout; the
+# JSON is written whole after each configuration, so a kill keeps the ones done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -1,27 +1,95 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine should run, as one device call of at most ~9 minutes:
-#   1. torchtitan_amp/tools/gpu_checks.py   (~2-3 min)  CUDA autocast dtypes, loss curves, pinned-memory async resume
-#   2. benchmarks/gpu_mfu.sh   (the rest)  8B-shaped model: tokens/s/GPU, MFU, peak memory
-# Results: $OUT/gpu_checks.json, $OUT/gpu_mfu.json, $OUT/gpu_run.log.
-# The machine has its own torch (2.11 when last seen) and no torchdata: carry the wheel in .whl/
-# (docs/performance.md, "GPU checks", says how); it is installed into /tmp/site here.
+# Everything a lent GPU machine should run, as one device call of at most ~9.5 minutes:
+#   1. torchtitan_amp/tools/gpu_checks.py (GPU_CHECKS_TIMEOUT, 330 s)  autocast dtypes, loss curves,
+#      pinned-memory async resume, fp8 curve + audit, fp8 vs bf16 speed (compiled)
+#   2. benchmarks/gpu_mfu.sh (GPU_MFU_TIMEOUT, 230 s)  8B-shaped model: tokens/s/GPU, MFU, peak memory
+# Results: $OUT/gpu_checks.json (rewritten as each check starts and ends), $OUT/gpu_mfu.json,
+# $OUT/gpu_run.log. Extra arguments go to gpu_checks (e.g. --only probe,curves).
+#
+# The machine has its own torch and lacks packages (torchdata, torchao): carry their wheels in
+# .whl/ (docs/performance.md, "GPU checks", says how). Each carried wheel whose package this
+# Python cannot import is installed into $GPU_RUN_SITE (/tmp/site); a package of GPU_RUN_NEEDS that
+# is still missing stops the run in one line, before any device time is spent on it.
+#
+# GPU_RUN_CPU_SMOKE=1 runs the same script on CPU: tiny shapes, small limits, the MFU benchmark's
+# tiny shape only; everything but CUDA (wheels, limits, the JSON after each check) is exercised.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 export OUT=${OUT:-outputs} PYTHONUNBUFFERED=1
+WHEELS=${GPU_RUN_WHEELS:-.whl}
+SITE=${GPU_RUN_SITE:-/tmp/site}
+NEEDS=${GPU_RUN_NEEDS:-torchdata torchao}
+SMOKE=${GPU_RUN_CPU_SMOKE:-0}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_run.log") 2>&1
-if ! "$PYTHON" -c "import torchdata" 2>/dev/null; then
-  if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "error: torchdata is missing and no wheels were carried in .whl/ (see docs/performance.md)"; exit 2
+
+missing() {  # is module $1 not importable? (find_spec: no import, so no torch start-up per package)
+  ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)' "$1" 2>/dev/null
+}
+wheel_module() {  # torchdata-0.11.0-py3-none-any.whl -> torchdata (the distribution name, as a module)
+  basename "$1" | cut -d- -f1 | tr 'A-Z.' 'a-z_'
+}
+install_carried_wheels() {
+  local whl wanted=()
+  for whl in "$WHEELS"/*.whl; do
+    [ -e "$whl" ] || continue
+    if missing "$(wheel_module "$whl")"; then wanted+=("$whl"); fi
+  done
+  [ ${#wanted[@]} -eq 0 ] && return 0
+  echo "installing carried wheels into $SITE: ${wanted[*]##*/}"
+  # Without pip, unpacking does the same for these wheels (no scripts, no .data folders).
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${wanted[@]}" \
+    || "$PYTHON" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+         "$SITE" "${wanted[@]}" \
+    || { echo "error: could not install ${wanted[*]##*/} into $SITE"; exit 2; }
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+}
+require_needed() {
+  local module absent=()
+  for module in $NEEDS; do
+    if missing "$module"; then absent+=("$module"); fi
+  done
+  if [ ${#absent[@]} -gt 0 ]; then
+    echo "error: ${absent[*]} missing and no wheel for it carried in $WHEELS/ (docs/performance.md, \"GPU checks\", says how)"
+    exit 2
   fi
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+}
+# A check whose process was killed mid-way (SIGKILL after the timeout's grace) is left "running".
+mark_killed() {
+  [ -f "$OUT/gpu_checks.json" ] || return 0
+  "$PYTHON" - "$OUT/gpu_checks.json" "$1" <<'EOF'
+import json, os, sys
+path, code = sys.argv[1], sys.argv[2]
+data = json.load(open(path))
+for result in data["checks"].values():
+    if result["status"] == "running":
+        result.update(status="killed", error=f"the process ended during this check (exit {code})")
+open(path + ".tmp", "w").write(json.dumps(data, indent=1) + "\n")
+os.replace(path + ".tmp", path)
+EOF
+}
+
+install_carried_wheels
+require_needed
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-timeout --kill-after=10 "${GPU_CHECKS_TIMEOUT:-240}" "$PYTHON" -m torchtitan_amp.tools.gpu_checks --json "$OUT/gpu_checks.json" "$@"
+
+if [ "$SMOKE" = 1 ]; then
+  CHECKS_TIMEOUT=${GPU_CHECKS_TIMEOUT:-240} MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-120}
+  checks_args=(--device cpu --tiny --steps 3)
+  mfu_args=(--tiny --device cpu --configs autocast --compile off --steps 1 --warmup 1)
+else
+  CHECKS_TIMEOUT=${GPU_CHECKS_TIMEOUT:-330} MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-230}
+  checks_args=()
+  mfu_args=(--time-budget "${GPU_MFU_BUDGET:-$((MFU_TIMEOUT - 40))}")
+fi
+# The checks' own budget ends 20 s before the outer timeout: a check over it is stopped and
+# recorded ("timeout") by gpu_checks itself; the outer timeout only catches a hang in C code.
+timeout --kill-after=10 "$CHECKS_TIMEOUT" "$PYTHON" -m torchtitan_amp.tools.gpu_checks \
+  --json "$OUT/gpu_checks.json" --time-budget $((CHECKS_TIMEOUT - 20)) ${checks_args[@]+"${checks_args[@]}"} "$@"
 checks=$?
-GPU_MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-300} PYTHON=$PYTHON bash benchmarks/gpu_mfu.sh --time-budget "${GPU_MFU_BUDGET:-240}"
+[ $checks -gt 1 ] && mark_killed $checks
+GPU_MFU_TIMEOUT=$MFU_TIMEOUT PYTHON=$PYTHON bash benchmarks/gpu_mfu.sh "${mfu_args[@]}"
 mfu=$?
 echo "gpu_checks exit $checks, gpu_mfu exit $mfu"
 exit $(( checks || mfu ))

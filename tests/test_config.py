@@ -246,9 +246,11 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
         assert line is not None, f"--{section}.{f.name} missing from --help"
         assert f"(default {config_mod._format_value(default)})" in line
         assert f.metadata["help"] in text
-        for choice in config_mod.choices_of(config_mod._field_types(section)[f.name]) or ():
+        for choice in config_mod.field_choices(section, f.name) or ():
             assert config_mod._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
+    flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
+    assert "{debugmodel, debugmodel_h64, llama3_8b, llama3_70b, llama3_405b}" in flavor
 
 
 def test_train_py_help_exits_0() -> None:
@@ -265,6 +267,47 @@ def test_printed_config_round_trips(tmp_path: Path) -> None:
     again = load_config(["--job.config_file", write(tmp_path, to_toml(config))])
     again.job.config_file = config.job.config_file
     assert again == config
+
+
+# ---------------------------------------------------------------------------------------------
+# model.flavor: the names of models/llama.py's registry, which a tool may extend at run time
+
+
+def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan_amp.models import llama
+
+    # As tools/gpu_checks.py registers its 8B-shaped 2-block stack; undone after the test.
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel_2l",
+                        dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], n_layers=2))
+    assert load_config(["--model.flavor", "debugmodel_2l"]).model.flavor == "debugmodel_2l"
+    assert load(tmp_path, '[model]\nflavor = "debugmodel_2l"\n').model.flavor == "debugmodel_2l"
+    assert "debugmodel_2l}" in next(l for l in help_text().splitlines() if "--model.flavor " in l)
+    assert llama.build_model_args("debugmodel_2l", 258, 64).n_layers == 2
+
+
+def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan_amp.models import llama
+
+    message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
+    assert message == ("'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
+                       "'debugmodel_h64', 'llama3_8b', 'llama3_70b', 'llama3_405b'")
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "llama3_8b_2l", llama.LLAMA3_FLAVORS["llama3_8b"])
+    assert error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n').endswith("'llama3_405b', 'llama3_8b_2l'")
+
+
+def test_flavours_are_checked_without_importing_torch() -> None:
+    """Config parsing stays torch-free (a mistyped override fails in a fraction of a second): before
+    models/llama.py is imported nothing can be registered, so rules.FLAVORS answers."""
+    code = ("import sys; from torchtitan_amp.config import load_config, ConfigError\n"
+            "assert load_config(['--model.flavor', 'llama3_70b']).model.flavor == 'llama3_70b'\n"
+            "try: load_config(['--model.flavor', 'huge'])\nexcept ConfigError as e: print(e)\n"
+            "print('torch' in sys.modules)")
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 0, result.describe()
+    assert result.stdout.splitlines() == [
+        "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'llama3_8b', "
+        "'llama3_70b', 'llama3_405b'", "False"]
 
 
 # ---------------------------------------------------------------------------------------------

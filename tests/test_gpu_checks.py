@@ -1,27 +1,229 @@
-"""torchtitan_amp/tools/gpu_checks.py runs on CPU with tiny shapes, so its first GPU run is not its first run."""
+"""torchtitan_amp/tools/gpu_checks.py and scripts/gpu_run.sh run on CPU, so that their one GPU call
+is not their first run: the checks with tiny shapes, the JSON after each check under timeouts and
+kills, the carried wheels, and the non-tiny fp8 speed step's configuration (parsed, not run)."""
 
 from __future__ import annotations
 
+import argparse
+import base64
+import hashlib
 import json
+import os
+import signal
 import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
 
-from tests.support import run_command
+import pytest
+
+from tests.support import REPO, run_command
+from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.config import load_config
+from torchtitan_amp.models import llama
+from torchtitan_amp.tools import gpu_checks
+
+GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 
 
-def test_gpu_checks_trial_run_on_cpu(tmp_path):
+def test_gpu_checks_trial_run_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu_checks.json"
     result = run_command([sys.executable, "-m", "torchtitan_amp.tools.gpu_checks", "--device", "cpu", "--tiny",
-                          "--steps", "4", "--json", str(out)], timeout=300, env={"OMP_NUM_THREADS": "2"})
+                          "--steps", "4", "--json", str(out)], timeout=900, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.describe()
     results = json.loads(out.read_text())
-    assert {k for k, v in results.items() if k != "env" and v["ok"]} == {"probe", "curves", "resume", "fp8"}
-    probe = results["probe"]
+    assert results["finished"] and {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(
+        gpu_checks.CHECKS, "passed")
+    probe = results["checks"]["probe"]
     assert probe["linear_out"] == {"bfloat16": probe["linear_out"]["bfloat16"]}
     assert any(op.startswith("mm:") for op in probe["forward_ops"])
     assert any("attention" in op for op in probe["backward_ops"])
-    assert results["resume"]["resumed"] == {k: v for k, v in results["resume"]["uninterrupted"].items()
-                                            if int(k) > 3}
+    resume = results["checks"]["resume"]
+    assert resume["deterministic"] is True
+    assert resume["resumed"] == {k: v for k, v in resume["uninterrupted"].items() if int(k) > 3}
+    assert results["checks"]["fp8_speed"]["compile"] is False  # CPU: eager
     # A bad --only is a usage error naming the choices.
     bad = run_command([sys.executable, "-m", "torchtitan_amp.tools.gpu_checks", "--device", "cpu", "--only", "nope"],
                       timeout=120)
     assert bad.returncode == 2 and "unknown check 'nope'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The JSON after each check: fake checks, in this process
+
+
+def statuses(path: Path) -> dict[str, str]:
+    return {name: r["status"] for name, r in json.loads(path.read_text())["checks"].items()}
+
+
+def fake_checks(path: Path, seen: dict[str, dict[str, str]]) -> dict[str, gpu_checks.Check]:
+    """Checks that pass, fail, raise, overrun their limit and get SIGTERM; each first records what
+    the JSON on disk said when it started."""
+
+    def start(name: str) -> None:
+        seen[name] = statuses(path)
+
+    def passes(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+        start("passes")
+        out["value"] = 1
+        return True
+
+    def fails(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+        start("fails")
+        return False
+
+    def raises(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+        start("raises")
+        raise ValueError("broken\nover two lines")
+
+    def hangs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+        start("hangs")
+        out["partial"] = "kept"
+        time.sleep(30)
+        return True
+
+    def killed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+        start("killed")
+        os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends first
+        time.sleep(30)
+        return True
+
+    return {f.__name__: f for f in (passes, fails, raises, hangs, killed)} | {"after": passes}
+
+
+def test_json_is_written_after_each_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "out" / "gpu_checks.json"
+    seen: dict[str, dict[str, str]] = {}
+    monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, seen))
+    monkeypatch.setattr(trainer_module, "peak_flops", trainer_module.peak_flops)  # main patches it on CPU
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    handler = signal.getsignal(signal.SIGTERM)
+    begin = time.monotonic()
+    code = gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes,fails,raises,hangs,killed,after",
+                            "--check-timeout", "hangs=0.5"])
+    assert code == 1 and time.monotonic() - begin < 20
+    assert signal.getsignal(signal.SIGTERM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    # Each check found the ones before it recorded, and itself "running".
+    order = ["passes", "fails", "raises", "hangs", "killed"]
+    final = {"passes": "passed", "fails": "failed", "raises": "error", "hangs": "timeout", "killed": "killed"}
+    for i, name in enumerate(order):
+        expected = {n: final[n] for n in order[:i]} | {name: "running"}
+        expected |= {n: "not run" for n in order[i + 1:]} | {"after": "not run"}
+        assert seen[name] == expected, name
+    results = json.loads(path.read_text())
+    assert statuses(path) == final | {"after": "not run"} and results["finished"]
+    checks = results["checks"]
+    assert checks["passes"]["value"] == 1 and checks["raises"]["error"] == "ValueError: broken over two lines"
+    assert checks["hangs"]["partial"] == "kept" and checks["hangs"]["limit_s"] == 0.5
+    assert checks["hangs"]["error"] == "stopped after its 0.5 s limit" and checks["hangs"]["seconds"] < 5
+    assert checks["killed"]["error"] == "SIGTERM received (the outer timeout?)"
+    assert not path.with_name("gpu_checks.json.tmp").exists()
+
+
+def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "gpu_checks.json"
+    monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, {}))
+    monkeypatch.setattr(trainer_module, "peak_flops", trainer_module.peak_flops)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes", "--time-budget", "1"]) == 1
+    result = json.loads(path.read_text())["checks"]["passes"]
+    assert result["status"] == "not run" and result["error"] == "1 s left of the time budget"
+
+
+@pytest.mark.parametrize("value", ["curves", "curves=0", "curves=soon", "nope=3"])
+def test_bad_check_timeouts_are_usage_errors(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        gpu_checks.parse_args(["--device", "cpu", "--check-timeout", value])
+    assert info.value.code == 2 and "--check-timeout" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# What the checks compute
+
+
+def test_fp16_curve_is_compared_step_aligned_past_skipped_steps() -> None:
+    """A GradScaler skip at step 1 leaves the fp16 run one update behind from step 2 on: its loss
+    at step s is held to fp32's over steps s-1..s, not to fp32's at s alone."""
+    fp32 = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.2}
+    fp16 = {1: 5.0, 2: 5.0, 3: 4.001, 4: 3.5}
+    recs = {1: {"skipped_steps": 1.0}, 2: {"skipped_steps": 1.0}, 3: {"skipped_steps": 1.0}, 4: {}}
+    behind = gpu_checks.skipped_before(recs)
+    assert behind == {1: 0, 2: 1, 3: 1, 4: 1}
+    assert gpu_checks.aligned_diff(fp32, fp16, behind) == pytest.approx(0.001)
+    assert gpu_checks.aligned_diff(fp32, fp16, {}) == pytest.approx(1.0)  # without the alignment
+    assert gpu_checks.aligned_diff(fp32, {**fp16, 4: 3.0}, behind) == pytest.approx(0.2)  # below the band
+    assert gpu_checks.aligned_diff(fp32, {**fp16, 3: float("inf")}, behind) == float("inf")
+
+
+def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_speed's non-tiny runs: the flavour it registers is accepted, compiled in bf16 and fp8."""
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, gpu_checks.SPEED_FLAVOR, llama.LLAMA3_FLAVORS["llama3_8b"])
+    a = argparse.Namespace(tiny=False, device="cuda", steps=30)
+    configs = {name: load_config(args) for name, args in gpu_checks.speed_configs(a, tmp_path).items()}
+    assert set(configs) == {"bf16", "fp8"}
+    for name, config in configs.items():
+        assert (config.model.flavor, config.training.seq_len, config.training.local_batch_size) == (
+            "llama3_8b_2l", 2048, 2)
+        assert config.compile.enable and config.training.device == "cuda"
+        assert config.mixed_precision.param_dtype == "bfloat16"
+        assert config.mixed_precision.fp8 == ("tensorwise" if name == "fp8" else "none")
+    shape = llama.build_model_args("llama3_8b_2l", 258, 2048)
+    assert (shape.n_layers, shape.dim, shape.kv_heads) == (2, 4096, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/gpu_run.sh on CPU
+
+
+def fake_wheel(folder: Path, name: str) -> Path:
+    """A minimal valid wheel of an importable package `name`."""
+    files = {f"{name}/__init__.py": b"VALUE = 42\n",
+             f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
+             f"{name}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                            b"Tag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items())
+    files[f"{name}-0.1.dist-info/RECORD"] = (record + f"{name}-0.1.dist-info/RECORD,,\n").encode()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for member, data in files.items():
+            z.writestr(member, data)
+    return path
+
+
+def gpu_run_env(tmp_path: Path, needs: str) -> dict[str, str]:
+    return {"GPU_RUN_CPU_SMOKE": "1", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+            "GPU_RUN_WHEELS": str(tmp_path / "whl"), "GPU_RUN_SITE": str(tmp_path / "site"),
+            "GPU_RUN_NEEDS": needs, "OMP_NUM_THREADS": "2"}
+
+
+def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
+    """The one device call's script on CPU: a carried wheel of a missing package installed, the
+    checks' JSON kept across a check stopped by its limit, the MFU benchmark's tiny run."""
+    fake_wheel(tmp_path / "whl", "tta_smoke_pkg")
+    (tmp_path / "whl" / "torchdata-0.11.0-py3-none-any.whl").write_bytes(b"installed already: not opened")
+    result = run_command(["bash", GPU_RUN, "--only", "probe,curves", "--check-timeout", "curves=1"],
+                         timeout=240, env=gpu_run_env(tmp_path, "torchdata tta_smoke_pkg"))
+    out = tmp_path / "out"
+    assert result.returncode == 1, result.describe()
+    assert (tmp_path / "site" / "tta_smoke_pkg" / "__init__.py").is_file()
+    log = (out / "gpu_run.log").read_text()
+    assert f"installing carried wheels into {tmp_path / 'site'}: tta_smoke_pkg-0.1-py3-none-any.whl\n" in log
+    assert "gpu_checks exit 1, gpu_mfu exit 0" in log
+    results = json.loads((out / "gpu_checks.json").read_text())
+    assert statuses(out / "gpu_checks.json") == {"probe": "passed", "curves": "timeout"}, log[-3000:]
+    assert results["finished"] and results["env"]["time_budget_s"] == 220
+    mfu = json.loads((out / "gpu_mfu.json").read_text())
+    assert [(r["config"], r["compile"]) for r in mfu["results"]] == [("autocast", False)]
+    assert "error" not in mfu["results"][0]
+
+
+def test_gpu_run_refuses_a_missing_package_without_a_wheel(tmp_path: Path) -> None:
+    result = run_command(["bash", GPU_RUN], timeout=60, env=gpu_run_env(tmp_path, "torchdata tta_absent_pkg"))
+    assert result.returncode == 2, result.describe()
+    assert result.output.strip().splitlines() == [
+        f"error: tta_absent_pkg missing and no wheel for it carried in {tmp_path / 'whl'}/ "
+        "(docs/performance.md, \"GPU checks\", says how)"]
+    assert not (tmp_path / "out" / "gpu_checks.json").exists()

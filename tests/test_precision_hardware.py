@@ -17,6 +17,7 @@ import torch
 
 from tests.support import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp import matmul_speed
 from torchtitan_amp.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
@@ -123,7 +124,8 @@ def test_environment_pins_the_answer_and_rejects_other_values(monkeypatch: pytes
     monkeypatch.setenv(LOWP_ENV, "fast")
     with pytest.raises(ConfigError, match=f"{LOWP_ENV}='fast' is not allowed; use 'native' or 'emulated'"):
         low_precision_speed("cpu", torch.bfloat16)
-    # Not a CPU: GPUs multiply bf16 natively, nothing is measured.
+    # No GPU visible to ask (this CPU machine): assumed native, nothing is measured.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert low_precision_speed("cuda", torch.bfloat16).source == "assumed"
 
 
@@ -178,3 +180,98 @@ def test_the_readme_debug_run_follows_the_device() -> None:
     assert make_plan(*argv, native=True, dims=FSDP).path == "fsdp"
     for toml in (REPO / "train_configs").glob("llama3_*.toml"):  # GPU jobs name their precision
         assert make_plan("--job.config_file", str(toml), native=False).warnings, toml
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA, with the device's name and capability faked: the peak table and native bf16
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int] = (9, 0)) -> None:
+    """torch.cuda answering as `name` would; is_bf16_supported as torch's: including emulation,
+    every GPU says yes; without, only compute capability 8.0+."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or capability >= (8, 0))
+
+
+def test_every_peak_table_entry_is_reachable() -> None:
+    """Substring matching in table order: an entry after one that is a substring of it (H20 before
+    H200, L4 before L40S) would never be used."""
+    for name, flops in matmul_speed._GPU_PEAK_BF16_FLOPS:
+        assert matmul_speed.gpu_peak_flops(f"NVIDIA {name}") == flops, name
+
+
+@pytest.mark.parametrize(("device_name", "tflops"), [
+    ("NVIDIA H200 NVL", 835), ("NVIDIA H200", 989), ("NVIDIA H20", 148), ("NVIDIA H100 80GB HBM3", 989),
+    ("NVIDIA B300 SXM6 AC", 2250), ("NVIDIA B200", 2250), ("NVIDIA L4", 121), ("NVIDIA L40", 181),
+    ("NVIDIA L40S", 362), ("NVIDIA A800-SXM4-80GB", 312), ("NVIDIA A800 80GB PCIe", 312),
+    ("NVIDIA A100-SXM4-80GB", 312),
+])
+def test_mfu_peak_of_a_gpu_by_its_device_name(monkeypatch: pytest.MonkeyPatch, device_name: str, tflops: int) -> None:
+    from torchtitan_amp.metrics import peak_flops
+
+    fake_gpu(monkeypatch, device_name)
+    assert peak_flops(torch.device("cuda", 0), [torch.bfloat16, torch.float32]) == pytest.approx(tflops * 1e12)
+
+
+def test_bf16_on_a_gpu_before_ampere_is_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.is_bf16_supported() says yes on a V100 (emulation); "auto" must train in fp32
+    there as on an emulating CPU, and an explicit bf16 is honoured with the warning."""
+    fake_gpu(monkeypatch, "Tesla V100-SXM2-16GB", (7, 0))
+    speed = low_precision_speed("cuda", torch.bfloat16)
+    assert (speed.native, speed.source) == (False, "capability")
+    assert speed.describe() == ("bf16 matmul on this GPU (Tesla V100-SXM2-16GB, compute capability 7.0) is "
+                                "emulated (bf16 tensor cores need compute capability 8.0+)")
+    auto = PrecisionPlan.from_config(load_config([]), SINGLE, "cuda")
+    assert auto.path == "full" and auto.decision.startswith("mixed_precision.enabled = auto -> fp32: bf16 matmul on")
+    asked = PrecisionPlan.from_config(load_config(["--mixed_precision.enabled"]), SINGLE, "cuda")
+    assert asked.path == "autocast" and "is emulated" in asked.warnings[0]
+    assert low_precision_speed("cuda", torch.float16).native  # fp16 tensor cores since Volta
+
+
+def test_bf16_on_ampere_and_later_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    speed = low_precision_speed("cuda", torch.bfloat16)
+    assert (speed.native, speed.source) == (True, "capability")
+    plan = PrecisionPlan.from_config(load_config([]), SINGLE, "cuda")
+    assert plan.path == "autocast" and plan.warnings == ()
+    assert plan.decision.endswith("bf16 matmul on this GPU (NVIDIA A100-SXM4-80GB, compute capability 8.0) is native")
+
+
+# ---------------------------------------------------------------------------------------------
+# torchao: what fp8.py calls is checked by name (no upper version bound)
+
+
+def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+    import enum
+    import types
+
+    from torchtitan_amp import fp8
+
+    class Recipe(enum.Enum):
+        ROWWISE = "rowwise"
+
+    @dataclasses.dataclass
+    class Config:
+        @staticmethod
+        def from_recipe_name(name: str) -> "Config":
+            return Config()
+
+    later = types.SimpleNamespace(Float8LinearConfig=Config, Float8LinearRecipeName=Recipe,
+                                  convert_to_float8_training=object())
+    # A torchao that kept rowwise and dropped tensorwise and the FSDP fp8 all-gather:
+    assert fp8._lacking(later, ("rowwise",), all_gather=False) is None
+    assert fp8._lacking(later, ("tensorwise",), all_gather=False) == "torchao's 'tensorwise' float8 recipe"
+    assert fp8._lacking(later, ("rowwise",), all_gather=True) == "torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
+    later.precompute_float8_dynamic_scale_for_fsdp = object()
+    assert fp8._lacking(later, ("rowwise",), all_gather=True) == (
+        "Float8LinearConfig.enable_fsdp_float8_all_gather (the FSDP fp8 all-gather)")
+    assert fp8.torchao_missing() is None  # the installed torchao has everything
+    monkeypatch.setattr(fp8, "_lacking", lambda *args: "torchao's 'tensorwise' float8 recipe")
+    monkeypatch.setattr(fp8, "_version", lambda: "0.99.0")
+    assert fp8.torchao_missing("tensorwise", False) == (
+        "fp8 training needs torchao's 'tensorwise' float8 recipe, which torchao 0.99.0 lacks; "
+        "pip install 'torchao==0.18.0' (the version tested)")

@@ -13,12 +13,13 @@ import math
 import json
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan_amp.errors import ConfigError
-from torchtitan_amp.rules import DtypeName, Flavor, PipelineSchedule, ReshardPolicy
+from torchtitan_amp.rules import DtypeName, PipelineSchedule, ReshardPolicy, flavor_names
 
 # A boolean that may also be "auto" (mixed_precision.enabled).
 BoolOrAuto = bool | Literal["auto"]
@@ -30,9 +31,12 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-def _f(default: Any, help: str) -> Any:
-    """A config field: `help` becomes the --help line; a Literal type is the allowed set."""
-    meta = {"help": help}
+def _f(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None) -> Any:
+    """A config field: `help` becomes the --help line; a Literal type is the allowed set, or
+    `choices` for a set that grows at run time (asked each time a value is set)."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -55,7 +59,8 @@ class Job:
 @dataclass
 class Model:
     name: Literal["llama3"] = _f("llama3", "Model family.")
-    flavor: Flavor = _f("debugmodel", "Model size.")
+    flavor: str = _f("debugmodel", "Model size: a flavour registered in models/llama.py's LLAMA3_FLAVORS "
+                     "(the built-in ones; a tool may register more at run time).", choices=flavor_names)
     tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS), a path to a tokenizer.json, or a "
                         "Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json's BOS/EOS).")
 
@@ -420,6 +425,13 @@ def choices_of(tp: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def field_choices(section: str, key: str) -> tuple[Any, ...] | None:
+    """The allowed values of `section.key` now: its `choices` callable's, else its type's."""
+    f = next(f for f in dataclasses.fields(_section_type(section)) if f.name == key)
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if choices is not None else choices_of(_field_types(section)[key])
+
+
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "a string"
@@ -498,7 +510,7 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
 
 
 def _set(config: JobConfig, section: str, key: str, value: Any, source: str) -> None:
-    choices = choices_of(_field_types(section)[key])
+    choices = field_choices(section, key)
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
@@ -752,7 +764,7 @@ def help_text() -> str:
         lines += ["", f"[{section}]"]
         for f in dataclasses.fields(_section_type(section)):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            choices = choices_of(_field_types(section)[f.name])
+            choices = field_choices(section, f.name)
             allowed = f"  {{{', '.join(_format_choice(c) for c in choices if c != '')}}}" if choices else ""
             lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}")
             lines.append(f"      {f.metadata['help']}")

@@ -9,8 +9,10 @@ torchao is imported here only, and only when fp8 is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
+import importlib.metadata
 import logging
 from collections.abc import Callable
 
@@ -19,23 +21,62 @@ from torch import nn
 
 # torch._scaled_mm needs both matmul dimensions of the weight to be multiples of 16.
 _ALIGNMENT = 16
+# The version this module was tested with. What it uses of torchao.float8 (module swap through
+# convert_to_float8_training, the "tensorwise" and "rowwise" recipes, the FSDP fp8 all-gather with
+# its scale precompute) is checked by name rather than by an upper version bound: torchtitan dropped
+# tensorwise and the fp8 all-gather in 2026-04 and torchao is moving fp8 training to weight-wrapper
+# tensors, but no torchao release is known to lack them yet, and a bound would refuse one that has.
+TESTED_TORCHAO = "0.18.0"
 INSTALL = "pip install 'torchao>=0.18' (the project's [fp8] extra)"
+_RECIPES = ("tensorwise", "rowwise")
 
 
-def torchao_missing() -> str | None:
-    """Why torchao cannot be used, or None."""
+def torchao_missing(recipe: str | None = None, all_gather: bool | None = None) -> str | None:
+    """Why torchao cannot run `recipe` (with the FSDP fp8 all-gather if `all_gather`), or None.
+    Left as None, each asks for everything this module can use."""
     # torchao's import logs a WARNING per optional CUDA kernel library it cannot load (fp4,
     # CUTLASS): noise on any machine without them, and not about float8 training.
     quiet = logging.getLogger("torchao")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import torchao.float8  # noqa: F401
+        import torchao.float8
     except ImportError as e:
         return f"fp8 training needs torchao ({e}); {INSTALL}"
     finally:
         quiet.setLevel(level)
+    lacking = _lacking(torchao.float8, _RECIPES if recipe is None else (recipe,), all_gather is not False)
+    if lacking is not None:
+        return (f"fp8 training needs {lacking}, which torchao {_version()} lacks; "
+                f"pip install 'torchao=={TESTED_TORCHAO}' (the version tested)")
     return None
+
+
+def _lacking(float8: object, recipes: tuple[str, ...], all_gather: bool) -> str | None:
+    """The first of the torchao.float8 APIs this module calls that `float8` lacks, or None."""
+    needed = ["Float8LinearConfig", "Float8LinearRecipeName", "convert_to_float8_training"]
+    needed += ["precompute_float8_dynamic_scale_for_fsdp"] if all_gather else []
+    for name in needed:
+        if not hasattr(float8, name):
+            return f"torchao.float8.{name}"
+    config = float8.Float8LinearConfig  # type: ignore[attr-defined]
+    if not hasattr(config, "from_recipe_name"):
+        return "Float8LinearConfig.from_recipe_name"
+    names = {r.value for r in float8.Float8LinearRecipeName}  # type: ignore[attr-defined]
+    for recipe in recipes:
+        if recipe not in names:
+            return f"torchao's {recipe!r} float8 recipe"
+    fields = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    if all_gather and "enable_fsdp_float8_all_gather" not in fields:
+        return "Float8LinearConfig.enable_fsdp_float8_all_gather (the FSDP fp8 all-gather)"
+    return None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 @functools.cache

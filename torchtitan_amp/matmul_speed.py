@@ -4,7 +4,8 @@ precision plan asks before it puts a job's matmuls in a low-precision dtype.
 CPUs differ by two orders of magnitude here: with AVX512-BF16 or AMX a bf16 matmul runs 2-4x
 faster than fp32, while an AVX2-only CPU emulates bf16 and fp16 at ~1-3 GFLOP/s against ~75 in
 fp32. No spec sheet says which, so on CPU we time it. On CUDA the bf16 tensor-core peak comes
-from a table (like torchtitan), and low precision is assumed native.
+from a table (like torchtitan); bf16 is native from compute capability 8.0 (Ampere) on, while
+torch emulates it on older GPUs (V100, T4), and fp16 is assumed native.
 """
 
 from __future__ import annotations
@@ -23,18 +24,28 @@ from torchtitan_amp.rules import dtype_name, short_name
 
 logger = logging.getLogger("torchtitan_amp")
 
-# Dense bf16 tensor-core peak FLOP/s, matched as case-insensitive substrings of
-# torch.cuda.get_device_name. Order matters: a more specific name must precede any entry that
-# is a substring of it (e.g. "H100 NVL" before "H100", "L40S" before "L40").
+# Dense bf16 tensor-core peak FLOP/s (vendors' datasheets; their "with sparsity" figures are twice
+# these), matched as case-insensitive substrings of torch.cuda.get_device_name. Order matters: a
+# more specific name must precede any entry that is a substring of it ("H200 NVL" and "H200"
+# before "H20", "L40S" and "L40" before "L4"); tests/test_precision_hardware.py checks that every
+# entry is reachable.
 _GPU_PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("A100", 312e12),
+    ("A800", 312e12),  # the export A100: same SMs and clocks, less NVLink
     ("A10G", 125e12),
     ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),  # SXM; its device name carries no form-factor suffix
+    ("H200 NVL", 835e12),  # 1,671 sparse; 600 W PCIe card
     ("H200", 989e12),
+    ("H20", 148e12),
+    # B300 (Blackwell Ultra) in HGX: 36 PFLOPS FP16/BF16 sparse for 8 GPUs (NVIDIA's HGX B300
+    # table, as for HGX B200) = 2.25 PFLOPS dense per GPU; Blackwell Ultra raised FP4, not BF16.
+    ("B300", 2.25e15),
     ("B200", 2.25e15),
     ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
     ("MI300X", 1307e12),
     ("MI325X", 1307e12),
     # Each MI250X GCD is its own torch device, so this is half the package figure.
@@ -158,7 +169,9 @@ class LowPrecisionSpeed:
     capability: str  # torch.backends.cpu.get_cpu_capability() on CPU ("AVX2", "AVX512", ...)
     dtype: torch.dtype
     native: bool
-    source: str  # "measured", "env" (LOWP_ENV), or "assumed" (not a CPU: GPUs multiply bf16 natively)
+    # "measured", "env" (LOWP_ENV), "capability" (a CUDA GPU's compute capability says) or
+    # "assumed" (another accelerator, or CUDA fp16 / no GPU visible to ask)
+    source: str
     gflops: float | None = None  # measured rates, one thread (source "measured" only)
     fp32_gflops: float | None = None
 
@@ -174,6 +187,9 @@ class LowPrecisionSpeed:
         what = f"{short_name(self.dtype)} matmul on this {self.device_type.upper()} ({self.capability})"
         if self.source == "assumed":
             return f"{short_name(self.dtype)} matmul on {self.device_type} is native"
+        if self.source == "capability":
+            how = "native" if self.native else "emulated (bf16 tensor cores need compute capability 8.0+)"
+            return f"{short_name(self.dtype)} matmul on this GPU ({self.capability}) is {how}"
         if self.source == "env":
             return f"{what} is {'native' if self.native else 'emulated'} ({LOWP_ENV} says so)"
         speed = f"{self.gflops:.1f} vs {self.fp32_gflops:.1f} GFLOP/s in fp32"
@@ -187,8 +203,25 @@ class LowPrecisionSpeed:
                 "source": self.source, "gflops": self.gflops, "fp32_gflops": self.fp32_gflops}
 
 
+def cuda_bf16_speed() -> LowPrecisionSpeed | None:
+    """bf16 on the current CUDA GPU: native from compute capability 8.0. torch's default
+    is_bf16_supported() also says yes where it only emulates bf16 (pre-Ampere), which runs at a
+    fraction of fp16's speed; None when no GPU is visible (planning for one elsewhere)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability()
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    return LowPrecisionSpeed("cuda", f"{name}, compute capability {major}.{minor}", torch.bfloat16, native,
+                             "capability")
+
+
 def low_precision_speed(device_type: str, dtype: torch.dtype) -> LowPrecisionSpeed:
     """Is a `dtype` matmul native on `device_type`? Measured once per process on CPU."""
+    if device_type == "cuda" and dtype == torch.bfloat16:
+        speed = cuda_bf16_speed()
+        if speed is not None:
+            return speed
     if device_type != "cpu":
         return LowPrecisionSpeed(device_type, device_type, dtype, True, "assumed")
     capability = torch.backends.cpu.get_cpu_capability()

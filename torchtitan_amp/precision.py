@@ -81,7 +81,8 @@ def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
         return
     if not torch.amp.is_autocast_available(device_type):
         raise PrecisionError(f"mixed precision is not available on device type '{device_type}'")
-    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    # Emulated bf16 (pre-Ampere GPUs) is allowed here; native or not is matmul_speed's question.
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=True):
         raise PrecisionError(
             "'mixed_precision.param_dtype' = 'bfloat16' but this GPU has no bf16 support; "
             "use 'float16' (with loss scaling) or set mixed_precision.enabled = false"
@@ -162,7 +163,7 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
                              "all-gather float8 tensors")
     if not on_hardware:
         return
-    why = fp8.torchao_missing() or fp8.matmul_unsupported(device_type)
+    why = fp8.torchao_missing(mp.fp8, mp.fp8_all_gather) or fp8.matmul_unsupported(device_type)
     if why is not None:
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 

@@ -5,6 +5,7 @@ reshard-after-forward policy, model flavour names.
 
 from __future__ import annotations
 
+import sys
 import typing
 from collections.abc import Iterable
 from typing import Literal
@@ -31,8 +32,20 @@ def short_name(dtype: object) -> str:
 # ---------------------------------------------------------------------------------------------
 # Model flavours (their shapes live in models/llama.py, which needs torch)
 
-Flavor = Literal["debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"]
-FLAVORS: tuple[str, ...] = typing.get_args(Flavor)
+# The built-in entries of models/llama.py's LLAMA3_FLAVORS. model.flavor is checked against the
+# registry itself (flavor_names), not this list: a tool may register a shape at run time.
+FLAVORS: tuple[str, ...] = ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b")
+_LLAMA_MODULE = "torchtitan_amp.models.llama"
+
+
+def flavor_names() -> tuple[str, ...]:
+    """The flavours model.flavor accepts: the names in models/llama.py's LLAMA3_FLAVORS, which a
+    tool may extend at run time (gpu_checks registers llama3_8b_2l). Until that module is imported
+    nothing can have been registered, so the built-in names answer then, without importing torch
+    (config parsing and --help stay torch-free)."""
+    registry = getattr(sys.modules.get(_LLAMA_MODULE), "LLAMA3_FLAVORS", None)
+    return tuple(registry) if registry is not None else FLAVORS
+
 
 # ---------------------------------------------------------------------------------------------
 # Pipeline stages

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, JobConfig
 from torchtitan_amp.data import ParallelAwareDataLoader, build_dataloader
+from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import DataError
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.pipeline import Pipeline
@@ -130,7 +131,7 @@ class Validator:
                 batches = self._iterator()
                 for _ in range(self.batches_per_run):
                     inputs, labels = next(batches)
-                    total += self._loss_sum(inputs.to(self.device), labels.to(self.device))
+                    total += self._loss_sum(to_device(inputs, self.device), to_device(labels, self.device))
         finally:
             self._restore(modes)
         for group in (self.pp_group, self.dp_group):  # stages first: only the last one holds losses

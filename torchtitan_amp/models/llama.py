@@ -75,6 +75,8 @@ _DEBUG_MODEL = LlamaModelArgs(
     use_scaled_rope=False,
 )
 
+# The flavour registry: model.flavor accepts its names (rules.FLAVORS lists the built-in ones
+# without importing torch; register_flavor adds more at run time).
 LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
     "debugmodel": _DEBUG_MODEL,
     # Head dim 64 instead of 16: CPU bf16 attention backward is ~3.5x slower
@@ -108,6 +110,12 @@ LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
         rope_theta=500000.0,
     ),
 }
+
+
+def register_flavor(name: str, args: LlamaModelArgs) -> None:
+    """Add (or replace) a flavour for this process. LLAMA3_FLAVORS is the registry model.flavor is
+    checked against (rules.flavor_names), so a config naming `name` is accepted from now on."""
+    LLAMA3_FLAVORS[name] = args
 
 
 def build_model_args(flavor: str, vocab_size: int, max_seq_len: int) -> LlamaModelArgs:

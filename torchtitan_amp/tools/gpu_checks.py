@@ -1,38 +1,54 @@
 #!/usr/bin/env python3
-"""The checks the CPU test suite cannot make, for one CUDA GPU in one short call (~2-3 minutes).
+"""The checks the CPU test suite cannot make, for one CUDA GPU in one short call (~4-5 minutes).
 
-    python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json          # on the GPU machine
-    python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                  # the same code path on CPU
+    python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json --time-budget 300   # GPU
+    python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                            # CPU trial
 
 Everything runs in this one process (one CUDA start-up), through the real Trainer:
 
-- `probe`    one bf16 autocast forward + backward on CUDA: the dtype every nn.Linear returns, what
-             RMSNorm computes in and returns, the logits' dtype at the loss, the dtype of every
-             matmul-type op in forward and in backward (CUDA's autocast op lists, not CPU's), and
-             fp32 parameters and gradients.
-- `curves`   N steps of the debug model in fp32, bf16 autocast, fp16 + GradScaler and bf16 +
-             torch.compile; max |loss - fp32 loss| per precision against a stated tolerance.
-- `resume`   checkpoint.async_mode = async_with_pinned_mem (CUDA only): a run resumed from its
-             step-3 checkpoint must reproduce steps 4..6 bit for bit (==).
-- `fp8`      torchao float8 (tensorwise) against bf16: 200 steps' loss curve, the precision audit
-             of one fp8 step, and the step time of an 8B-shaped 2-block stack in bf16 and fp8.
+- `probe`      one bf16 autocast forward + backward: the dtype every nn.Linear returns, what
+               RMSNorm takes and returns, the logits' dtype, the dtype of every matmul / attention
+               op in forward and backward (CUDA's autocast op lists, not CPU's), fp32 parameters
+               and gradients. Pass: all of it as the bf16 autocast plan promises.
+- `curves`     N steps of the debug model in fp32, bf16 autocast, fp16 + GradScaler and bf16 +
+               torch.compile. Pass: every loss within TOLERANCE of fp32's, step-aligned (a step
+               fp16's scaler skipped puts that run one update behind; see aligned_diff).
+- `resume`     checkpoint.async_mode = async_with_pinned_mem (CUDA), training.deterministic = true:
+               a run resumed from its step-3 checkpoint reproduces steps 4..6 bit for bit.
+- `fp8`        torchao float8 (tensorwise) against bf16: 200 steps' loss curve (pass: within
+               FP8_TOLERANCE) and the precision audit of one fp8 step (pass: no breach).
+- `fp8_speed`  step time of an 8B-shaped 2-block stack (seq 2048), bf16 and fp8, both compiled as
+               torchao needs (--tiny: the debug shape, eager). Pass on CUDA: fp8 is faster.
+
+The --json file is rewritten (atomically) when each check starts and ends; each check has a status:
+"passed", "failed", "error" (it raised), "timeout" (over its limit: SIGALRM), "killed" (SIGTERM,
+e.g. the outer `timeout`), "running" (the process died during it) or "not run". A check's limit is
+the smaller of its cap (CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves.
 
 Multi-rank checks (nccl compress hook, FSDP on CUDA) need two GPUs: NCCL refuses two ranks on one
-device. Exit 0 when every check passes, 1 otherwise; each check prints one PASS/FAIL line.
+device. Exit 0 when every check passes, 1 otherwise; each check prints one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
+import importlib.metadata
 import json
+import math
+import os
+import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
 
@@ -45,6 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
+from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E402
+from torchtitan_amp.models import llama  # noqa: E402
 from torchtitan_amp.models.llama import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
@@ -52,13 +70,40 @@ from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
 # steps there); fp16 with a scaler sits closer to fp32, compile only reorders bf16 arithmetic.
 TOLERANCE = {"bf16": 0.01, "fp16": 0.01, "bf16_compile": 0.01}
+BF16 = ["--mixed_precision.param_dtype", "bfloat16"]
 PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
-    "bf16": ["--mixed_precision.param_dtype", "bfloat16"],
+    "bf16": BF16,
     "fp16": ["--mixed_precision.param_dtype", "float16"],
-    "bf16_compile": ["--mixed_precision.param_dtype", "bfloat16", "--compile.enable"],
+    "bf16_compile": [*BF16, "--compile.enable"],
 }
+# fp8 (e4m3, 3 mantissa bits) against bf16 over the fp8 curve: measured on CPU (tiny, 30 steps)
+# <= 2e-3; torchao reports fp8 curves within ~1e-2 of bf16 on Llama pre-training.
+FP8_TOLERANCE = 0.05
+FP8 = [*BF16, "--mixed_precision.fp8", "tensorwise"]
+# Without deterministic kernels (an op torch has none for): steps 5..6 follow a backward whose
+# atomics may add in another order, so they may differ by rounding; a resume bug (optimizer state,
+# schedule, data position) moves the loss by far more.
+RESUME_NONDETERMINISTIC_TOL = 1e-3
+SPEED_FLAVOR = "llama3_8b_2l"
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul")
+
+# Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
+# milliseconds there; compilation (bf16_compile, the compiled speed runs) dominates.
+CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "fp8": 90.0, "fp8_speed": 200.0}
+# A check is not started with less time than this left in --time-budget.
+MIN_START_S = 5.0
+
+Check = Callable[[argparse.Namespace, Path, dict[str, Any]], bool]
+
+
+class Interrupted(BaseException):
+    """Raised inside a check by SIGALRM (its limit) or SIGTERM (the outer timeout). A
+    BaseException, so that no `except Exception` in the code under test swallows it."""
+
+    def __init__(self, status: str, why: str) -> None:
+        super().__init__(why)
+        self.status, self.why = status, why
 
 
 class _OpDtypes(TorchDispatchMode):
@@ -78,6 +123,10 @@ class _OpDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# ---------------------------------------------------------------------------------------------
+# Runs
+
+
 def base_args(a: argparse.Namespace, dump: Path) -> list[str]:
     shape = (["--model.flavor", "debugmodel_h64", "--training.seq_len", "32", "--training.local_batch_size", "2"]
              if a.tiny else ["--model.flavor", "debugmodel", "--training.seq_len", "256",
@@ -86,9 +135,14 @@ def base_args(a: argparse.Namespace, dump: Path) -> list[str]:
             "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)]
 
 
+def records(dump: Path) -> dict[int, dict[str, Any]]:
+    """The last metrics record of each step (a resumed run appends)."""
+    return {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+
 def losses(dump: Path) -> dict[int, float]:
-    """The last record of each step (a resumed run appends)."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    """Each step's loss; a non-finite one (null in metrics.jsonl) as inf, so that it fails a bound."""
+    return {s: math.inf if r["loss"] is None else r["loss"] for s, r in records(dump).items()}
 
 
 def train(args: list[str]) -> Trainer:
@@ -98,8 +152,19 @@ def train(args: list[str]) -> Trainer:
     return trainer
 
 
-def check_probe(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    trainer = Trainer(load_config(base_args(a, work / "probe") + PRECISIONS["bf16"]))
+def free_memory() -> None:
+    """Between runs: a finished Trainer's tensors (and an interrupted one's) go before the next."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: each fills `out` as it goes (what it has survives a timeout) and returns whether it passed
+
+
+def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    trainer = Trainer(load_config(base_args(a, work) + BF16))
     linear_out: Counter[str] = Counter()
     norm_io: Counter[str] = Counter()
     hooks = []
@@ -123,96 +188,294 @@ def check_probe(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     param_dtypes = {str(p.dtype) for p in trainer.model.parameters()}
     grad_dtypes = {str(p.grad.dtype) for p in trainer.model.parameters() if p.grad is not None}
     trainer.metrics.close()
-    low = "bfloat16"
-    fwd_low = all(k.endswith(low) for k in forward.seen)
-    bwd_low = all(k.endswith(low) for k in backward.seen)
-    ok = (set(linear_out) == {low} and bool(forward.seen) and fwd_low and bool(backward.seen) and bwd_low
-          and str(logits.dtype) == "torch.float32" and param_dtypes == grad_dtypes == {"torch.float32"})
     # RMSNorm's input may be bf16 (a Linear's output) but it computes and returns fp32 or the input
-    # dtype per the fp32-island rule; record it rather than guess.
-    return {"ok": ok, "linear_out": dict(linear_out), "rms_norm": dict(norm_io), "forward_ops": dict(forward.seen),
-            "backward_ops": dict(backward.seen), "logits": str(logits.dtype), "params": sorted(param_dtypes),
-            "grads": sorted(grad_dtypes)}
+    # dtype per the fp32-island rule; recorded rather than guessed.
+    out.update(linear_out=dict(linear_out), rms_norm=dict(norm_io), forward_ops=dict(forward.seen),
+               backward_ops=dict(backward.seen), logits=str(logits.dtype), params=sorted(param_dtypes),
+               grads=sorted(grad_dtypes))
+    low = "bfloat16"
+    ops_low = all(bool(ops.seen) and all(k.endswith(low) for k in ops.seen) for ops in (forward, backward))
+    return (set(linear_out) == {low} and ops_low and str(logits.dtype) == "torch.float32"
+            and param_dtypes == grad_dtypes == {"torch.float32"})
 
 
-def check_curves(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    curves, seconds = {}, {}
+def skipped_before(recs: dict[int, dict[str, Any]]) -> dict[int, int]:
+    """Optimizer steps the loss scaler skipped before each step (metrics' cumulative skipped_steps
+    is recorded after the step; runs without a scaler have none)."""
+    return {s: int((recs.get(s - 1) or {}).get("skipped_steps") or 0) for s in recs}
+
+
+def aligned_diff(ref: dict[int, float], curve: dict[int, float], behind: dict[int, int]) -> float:
+    """Max over steps of the distance from curve[s] to the reference curve, step-aligned.
+
+    fp16's GradScaler skips a step whose gradients overflow (typically the first steps, while the
+    scale comes down) and holds the LR schedule: a run k updates behind at step s is compared with
+    the band of reference losses over steps s-k..s. With k = 0 that is |curve[s] - ref[s]|."""
+    worst = 0.0
+    for s, loss in curve.items():
+        band = [ref[t] for t in range(max(1, s - behind.get(s, 0)), s + 1) if t in ref]
+        if not band:
+            return math.inf
+        worst = max(worst, min(band) - loss, loss - max(band))
+    return worst
+
+
+def check_curves(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    out.update(tolerance=TOLERANCE, wall_s={}, final_loss={}, max_abs_diff_vs_fp32={}, skipped_steps={},
+               compared="step-aligned: a run k updates behind (skipped fp16 steps) is held to the fp32 "
+                        "losses of the k steps before")
+    curves: dict[str, dict[int, float]] = {}
     for name, extra in PRECISIONS.items():
         begin = time.perf_counter()
         train(base_args(a, work / name) + extra)
-        seconds[name] = round(time.perf_counter() - begin, 2)
-        curves[name] = losses(work / name)
-    ref = curves["fp32"]
-    diffs = {name: max(abs(c[s] - ref[s]) for s in ref) for name, c in curves.items() if name != "fp32"}
-    ok = all(d <= TOLERANCE[n] for n, d in diffs.items()) and all(len(c) == a.steps for c in curves.values())
-    return {"ok": ok, "max_abs_diff_vs_fp32": diffs, "tolerance": TOLERANCE, "final_loss":
-            {n: c[max(c)] for n, c in curves.items()}, "wall_s": seconds}
+        free_memory()
+        out["wall_s"][name] = round(time.perf_counter() - begin, 2)
+        curves[name], recs = losses(work / name), records(work / name)
+        out["final_loss"][name] = curves[name][max(curves[name])]
+        behind = skipped_before(recs)
+        out["skipped_steps"][name] = int(recs[max(recs)].get("skipped_steps") or 0)
+        if name != "fp32":
+            out["max_abs_diff_vs_fp32"][name] = aligned_diff(curves["fp32"], curves[name], behind)
+    return (all(d <= TOLERANCE[n] for n, d in out["max_abs_diff_vs_fp32"].items())
+            and all(len(c) == a.steps for c in curves.values()))
 
 
-def check_resume(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+@contextmanager
+def determinism_restored() -> Iterator[None]:
+    """training.deterministic switches torch process-wide; later checks (speed) must not inherit it."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+
+
+def resume_pair(a: argparse.Namespace, work: Path, mode: str, deterministic: bool) -> tuple[dict, dict]:
+    """(uninterrupted losses, losses of a run resumed from the first one's step-3 checkpoint)."""
+    extra = [*BF16, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
+             "--checkpoint.async_mode", mode, "--training.deterministic", str(deterministic).lower()]
+    first, second = work / f"a_{deterministic}", work / f"b_{deterministic}"
+    with determinism_restored():
+        train(base_args(a, first) + extra)
+        shutil.copytree(first / "checkpoint" / "step-3", second / "checkpoint" / "step-3")
+        train(base_args(a, second) + extra)
+    return losses(first), losses(second)
+
+
+def check_resume(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    """Bitwise with training.deterministic = true. Should torch have no deterministic kernel for an
+    op, the run is repeated without: step 4 (a forward from the restored weights) must still match
+    bit for bit, steps 5..6 within RESUME_NONDETERMINISTIC_TOL."""
     mode = "async_with_pinned_mem" if a.device == "cuda" else "async"
-    extra = [*PRECISIONS["bf16"], "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
-             "--checkpoint.async_mode", mode]
-    first, second = work / "resume_a", work / "resume_b"
-    train(base_args(a, first) + extra)
-    shutil.copytree(first / "checkpoint" / "step-3", second / "checkpoint" / "step-3")
-    train(base_args(a, second) + extra)
-    la, lb = losses(first), losses(second)
-    ok = sorted(lb) == [4, 5, 6] and all(lb[s] == la[s] for s in lb)
-    return {"ok": ok, "async_mode": mode, "uninterrupted": la, "resumed": lb}
+    out.update(async_mode=mode, deterministic=True, compared="bitwise (==), steps 4..6")
+    try:
+        la, lb = resume_pair(a, work, mode, deterministic=True)
+    except RuntimeError as e:
+        if "determinis" not in str(e):
+            raise
+        out.update(deterministic=False, deterministic_error=" ".join(str(e).splitlines())[:300],
+                   compared=f"step 4 bitwise, steps 5..6 within {RESUME_NONDETERMINISTIC_TOL}")
+        la, lb = resume_pair(a, work, mode, deterministic=False)
+    out.update(uninterrupted=la, resumed=lb)
+    if sorted(lb) != [4, 5, 6]:
+        return False
+    tol = 0.0 if out["deterministic"] else RESUME_NONDETERMINISTIC_TOL
+    return lb[4] == la[4] and all(abs(lb[s] - la[s]) <= tol for s in (5, 6))
 
 
-# fp8 (e4m3, 3 mantissa bits) against bf16 over the fp8 curve: measured on CPU (tiny, 30 steps)
-# <= 2e-3; torchao reports fp8 curves within ~1e-2 of bf16 on Llama pre-training.
-FP8_TOLERANCE = 0.05
-FP8 = ["--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.fp8", "tensorwise"]
+def check_fp8(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    """fp8 (torchao tensorwise) against bf16: the loss curve and the precision audit of one step."""
+    steps = a.steps if a.tiny else max(a.steps, 200)
+    out.update(steps=steps, tolerance=FP8_TOLERANCE, final_loss={})
+    curves = {}
+    for name, extra in (("bf16", BF16), ("fp8", FP8)):
+        train(base_args(a, work / name) + extra + ["--training.steps", str(steps)])
+        free_memory()
+        curves[name] = losses(work / name)
+        out["final_loss"][name] = curves[name][max(curves[name])]
+    out["max_abs_diff_vs_bf16"] = max(abs(curves["fp8"][s] - curves["bf16"][s]) for s in curves["bf16"])
+    audit = Trainer(load_config(base_args(a, work / "audit") + FP8)).audit()
+    out.update(audit_ok=audit.ok, audit_breaches=[str(b) for b in audit.breaches])
+    return out["max_abs_diff_vs_bf16"] <= FP8_TOLERANCE and audit.ok and len(curves["fp8"]) == steps
 
 
-def _step_seconds(args: list[str], steps: int) -> float:
-    """Median step time of a short run after its first (warm-up) step."""
+def speed_configs(a: argparse.Namespace, work: Path) -> dict[str, list[str]]:
+    """The bf16 and fp8 speed runs' arguments: Llama 3 8B's block, 2 of them, seq 2048 x batch 2
+    (registered as SPEED_FLAVOR), compiled on CUDA, since torchao's fp8 casts and scales are only
+    fast fused by inductor (eager fp8 is slower than bf16). --tiny: the debug shape."""
+    if a.tiny:
+        shape = base_args(a, work)
+    else:
+        llama.register_flavor(SPEED_FLAVOR, dataclasses.replace(llama.LLAMA3_FLAVORS["llama3_8b"], n_layers=2))
+        shape = ["--model.flavor", SPEED_FLAVOR, "--training.seq_len", "2048", "--training.local_batch_size", "2",
+                 "--training.device", a.device, "--job.dump_folder", str(work)]
+    # CPU: inductor's C++ compilation would take minutes, and CPU fp8 is no fast path anyway.
+    compiled = ["--compile.enable"] if a.device == "cuda" else []
+    return {name: [*shape, *extra, *compiled] for name, extra in (("bf16", BF16), ("fp8", FP8))}
+
+
+def step_seconds(args: list[str], steps: int, warmup: int) -> float:
+    """Median step time of a short run after `warmup` untimed steps (compilation)."""
     trainer = Trainer(load_config([*args, "--training.steps", str(steps)]))
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     batches, times = iter(trainer.dataloader), []
     for _ in range(steps):
-        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
         sync()
         begin = time.perf_counter()
         trainer.train_step(batches)
         sync()
         times.append(time.perf_counter() - begin)
     trainer.metrics.close()
-    return sorted(times[1:])[len(times[1:]) // 2]
+    del trainer
+    free_memory()
+    timed = sorted(times[warmup:])
+    return timed[len(timed) // 2]
 
 
-def check_fp8(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """fp8 (torchao tensorwise) against bf16: the loss curve, the precision audit of one step, and
-    tokens/s of an 8B-shaped stack of 2 blocks (seq 2048; --tiny: the debug shape)."""
-    from torchtitan_amp.models import llama
-
-    steps = a.steps if a.tiny else max(a.steps, 200)
-    curves = {}
-    for name, extra in (("bf16", PRECISIONS["bf16"]), ("fp8", FP8)):
-        train(base_args(a, work / f"fp8_{name}") + extra + ["--training.steps", str(steps)])
-        curves[name] = losses(work / f"fp8_{name}")
-    diff = max(abs(curves["fp8"][s] - curves["bf16"][s]) for s in curves["bf16"])
-    audit = Trainer(load_config(base_args(a, work / "fp8_audit") + FP8)).audit()
-    if a.tiny:
-        shape = base_args(a, work / "fp8_speed")
-    else:
-        llama.LLAMA3_FLAVORS["llama3_8b_2l"] = dataclasses.replace(llama.LLAMA3_FLAVORS["llama3_8b"], n_layers=2)
-        shape = ["--model.flavor", "llama3_8b_2l", "--training.seq_len", "2048", "--training.local_batch_size", "2",
-                 "--training.device", a.device, "--job.dump_folder", str(work / "fp8_speed")]
-    timed_steps = 3 if a.tiny else 6
-    seconds = {name: _step_seconds([*shape, *extra], timed_steps)
-               for name, extra in (("bf16", PRECISIONS["bf16"]), ("fp8", FP8))}
-    ok = diff <= FP8_TOLERANCE and audit.ok and len(curves["fp8"]) == steps
-    return {"ok": ok, "steps": steps, "max_abs_diff_vs_bf16": diff, "tolerance": FP8_TOLERANCE,
-            "final_loss": {n: c[max(c)] for n, c in curves.items()}, "audit_ok": audit.ok,
-            "audit_breaches": [str(b) for b in audit.breaches], "step_s": seconds,
-            "fp8_speedup": seconds["bf16"] / seconds["fp8"], "speed_shape": "tiny" if a.tiny else "llama3_8b x 2 blocks"}
+def check_fp8_speed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    configs = speed_configs(a, work)
+    compiled = a.device == "cuda"
+    out.update(shape="tiny" if a.tiny else f"llama3_8b x 2 blocks ({SPEED_FLAVOR}), seq 2048 x batch 2",
+               compile=compiled, step_s={})
+    steps, warmup = (3, 1) if a.tiny else (10, 3)
+    for name, args in configs.items():
+        out["step_s"][name] = step_seconds([*args], steps, warmup)
+    out["fp8_speedup"] = out["step_s"]["bf16"] / out["step_s"]["fp8"]
+    # CPU fp8 is no fast path: there the check only proves that the runs work.
+    return out["fp8_speedup"] > 1.0 or a.device != "cuda"
 
 
-CHECKS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
-    "probe": check_probe, "curves": check_curves, "resume": check_resume, "fp8": check_fp8}
+CHECKS: dict[str, Check] = {"probe": check_probe, "curves": check_curves, "resume": check_resume,
+                            "fp8": check_fp8, "fp8_speed": check_fp8_speed}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running them: limits, signals, the JSON after each
+
+
+class Report:
+    """The results so far, rewritten atomically whenever a check starts or ends, so that a timeout
+    or kill loses at most the check it interrupted (left "running")."""
+
+    def __init__(self, path: Path | None, env: dict[str, Any], names: list[str]) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"env": env, "finished": False,
+                                     "checks": {n: {"status": "not run"} for n in names}}
+
+    def set(self, name: str, result: dict[str, Any]) -> None:
+        self.data["checks"][name] = result
+        self.write()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+    def passed(self) -> bool:
+        return all(r["status"] == "passed" for r in self.data["checks"].values())
+
+
+def run_check(name: str, a: argparse.Namespace, work: Path, limit_s: float | None) -> dict[str, Any]:
+    """One check, stopped by SIGALRM after `limit_s` (None: no limit); its status, seconds and
+    what it recorded."""
+    out: dict[str, Any] = {}
+    begin = time.perf_counter()
+
+    def expire(signum: int, frame: object) -> None:
+        raise Interrupted("timeout", f"stopped after its {_round(limit_s):g} s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit_s or 0)
+    try:
+        status = "passed" if CHECKS[name](a, work / name, out) else "failed"
+    except Interrupted as e:
+        status, out["error"] = e.status, e.why
+    except Exception as e:  # noqa: BLE001 - report it and go on to the next check
+        status, out["error"] = "error", f"{type(e).__name__}: {' '.join(str(e).splitlines())[:500]}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    if status not in ("passed", "failed"):
+        torch._dynamo.reset()  # a compilation stopped half-way must not be reused by the next check
+    free_memory()
+    return {"status": status, "seconds": round(time.perf_counter() - begin, 1), "limit_s": _round(limit_s), **out}
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
+
+
+def limit_for(name: str, a: argparse.Namespace, left_s: float) -> float | None:
+    """The check's cap, cut to what the budget leaves; None when neither bounds it."""
+    cap = a.check_timeout.get(name, CUDA_LIMITS_S[name] if a.device == "cuda" else math.inf)
+    limit = min(cap, left_s)
+    return None if math.isinf(limit) else limit
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Interrupted("killed", f"{signal.Signals(signum).name} received (the outer timeout?)")
+
+
+def run_all(a: argparse.Namespace, report: Report, names: list[str]) -> None:
+    deadline = time.monotonic() + (a.time_budget if a.time_budget is not None else math.inf)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_checks_", ignore_cleanup_errors=True) as tmp:
+            for name in names:
+                left = deadline - time.monotonic()
+                if left < MIN_START_S:
+                    report.set(name, {"status": "not run", "error": f"{left:.0f} s left of the time budget"})
+                    continue
+                limit = limit_for(name, a, left)
+                report.set(name, {"status": "running", "limit_s": _round(limit)})
+                try:
+                    result = run_check(name, a, Path(tmp), limit)
+                except Interrupted as e:  # a signal between the check's end and its clean-up
+                    result = {"status": e.status, "error": e.why}
+                report.set(name, result)
+                print(f"{result['status'].upper()} {name}: {json.dumps(result, default=str)}", flush=True)
+                if result["status"] == "killed":
+                    break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def environment(a: argparse.Namespace) -> dict[str, Any]:
+    cuda = a.device == "cuda"
+    try:
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "torchao": torchao,
+            "python": platform.python_version(), "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "tiny": a.tiny, "steps": a.steps,
+            "time_budget_s": a.time_budget}
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _limits(text: str) -> dict[str, float]:
+    """--check-timeout curves=60,fp8=30 -> {"curves": 60.0, "fp8": 30.0}."""
+    limits = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, seconds = item.partition("=")
+        if name not in CHECKS:
+            raise argparse.ArgumentTypeError(f"unknown check {name!r}; choose from {', '.join(CHECKS)}")
+        try:
+            limits[name] = float(seconds)
+        except ValueError:
+            limits[name] = math.nan
+        if not limits[name] > 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=SECONDS with SECONDS > 0")
+    return limits
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -221,7 +484,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU trial run)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--only", default=",".join(CHECKS), help=f"comma list from {', '.join(CHECKS)}")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--json", type=Path, help="write the results here (rewritten as each check starts and ends)")
+    p.add_argument("--time-budget", type=float, help="seconds for all checks; each check's limit is cut to "
+                   "what is left, and one is not started with under 5 s left (default: no budget)")
+    p.add_argument("--check-timeout", type=_limits, default={}, metavar="NAME=S[,NAME=S]",
+                   help="a check's own limit (CUDA default: " + ", ".join(f"{k} {v:.0f} s" for k, v in
+                                                                            CUDA_LIMITS_S.items()) + "; CPU: none)")
     a = p.parse_args(argv)
     unknown = set(a.only.split(",")) - set(CHECKS)
     if unknown:
@@ -233,25 +501,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    # Before the first CUDA matmul: cuBLAS sizes its workspace once per process, and the resume
+    # check runs with training.deterministic = true, which needs this setting (torch's notes).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     # MFU's CPU peak measurement runs an fp16 GEMM that takes minutes on CPUs without fp16 units.
     if a.device == "cpu":
         trainer_module.peak_flops = lambda device, dtype: 1e12
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu"}
-    print(json.dumps(env), flush=True)
-    results: dict[str, Any] = {"env": env}
-    with tempfile.TemporaryDirectory(prefix="gpu_checks_") as tmp:
-        for name in a.only.split(","):
-            begin = time.perf_counter()
-            try:
-                results[name] = CHECKS[name](a, Path(tmp))
-            except Exception as e:  # noqa: BLE001 - report and go on to the next check
-                results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            results[name]["seconds"] = round(time.perf_counter() - begin, 1)
-            print(f"{'PASS' if results[name]['ok'] else 'FAIL'} {name}: {json.dumps(results[name])}", flush=True)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=1))
-    return 0 if all(r["ok"] for k, r in results.items() if k != "env") else 1
+    names = a.only.split(",")
+    report = Report(a.json, environment(a), names)
+    print(json.dumps(report.data["env"]), flush=True)
+    report.write()
+    run_all(a, report, names)
+    report.data["finished"] = True
+    report.write()
+    return 0 if report.passed() else 1
 
 
 def cli() -> None:
