@@ -2,15 +2,23 @@
 # Source me: makes sure a Python with torchtitan_amp's dependencies is available and sets PYTHON.
 #
 # 1. The interpreter in $PYTHON (else python3, else python) is used as is when it already has
-#    torch >= 2.13 and everything in requirements.txt.
+#    torch >= 2.11 (the oldest supported) and everything in requirements.txt.
 # 2. Otherwise ./.venv is used when it has them (created by an earlier run).
 # 3. Otherwise ./.venv is created once and filled with `pip install torch==2.13.0` plus
-#    requirements.txt. When the interpreter already has a torch >= 2.13 (e.g. a CUDA build), the
+#    requirements.txt. When the interpreter already has a torch >= 2.11 (e.g. a CUDA build), the
 #    venv sees it (--system-site-packages) instead of downloading another; a venv made from an
 #    interpreter without a usable torch is isolated, so an old system torch can never leak in.
+#
+# TORCH_VERSION=2.11.0 (say) asks for exactly that torch instead: ./.venv-torch2.11.0, isolated,
+# filled with torch==2.11.0 and requirements.txt (PyPI's build: a CUDA one on Linux x86_64, about
+# 5 GB, which runs on the CPU too). The test tier on the oldest supported torch uses it.
 
 _ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_TORCH_NEW='import torch, sys; new = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)'
+if [ -n "${TORCH_VERSION:-}" ]; then
+  _TORCH_NEW='import torch, sys; new = torch.__version__.split("+")[0] == "'"$TORCH_VERSION"'"'
+else
+  _TORCH_NEW='import torch, sys; new = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)'
+fi
 _TORCH_OK="$_TORCH_NEW"'; sys.exit(not new)'
 # One exit at the end: an earlier sys.exit(0) would skip the imports after it.
 _DEPS_CHECK="$_TORCH_NEW"'
@@ -32,7 +40,10 @@ _find_python() {
 }
 
 _ensure_env() {
-  local py venv="$_ROOT/.venv" system_site=()
+  local py venv="$_ROOT/.venv" system_site=() torch_pin="torch==2.13.0"
+  if [ -n "${TORCH_VERSION:-}" ]; then
+    venv="$_ROOT/.venv-torch$TORCH_VERSION" torch_pin="torch==$TORCH_VERSION"
+  fi
   py="$(_find_python)" || return 1
   if "$py" -c "$_DEPS_CHECK" >/dev/null 2>&1; then
     PYTHON="$py"; return 0
@@ -42,17 +53,17 @@ _ensure_env() {
   fi
   "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
     echo "error: $("$py" --version 2>&1) is too old; Python 3.10+ is required" >&2; return 1; }
-  if "$py" -c "$_TORCH_OK" >/dev/null 2>&1; then
+  if [ -z "${TORCH_VERSION:-}" ] && "$py" -c "$_TORCH_OK" >/dev/null 2>&1; then
     system_site=(--system-site-packages)
     echo "setting up $venv (one time), reusing the torch of $py ..." >&2
   else
-    echo "setting up $venv (one time): torch==2.13.0 and requirements.txt ..." >&2
+    echo "setting up $venv (one time): $torch_pin and requirements.txt ..." >&2
   fi
   # An existing .venv without the dependencies (e.g. an interrupted install) is completed, not replaced.
   if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv ${system_site[@]+"${system_site[@]}"} "$venv" || return 1
   fi
-  local torch_req="torch==2.13.0"
+  local torch_req="$torch_pin"
   "$venv/bin/python" -c "$_TORCH_OK" >/dev/null 2>&1 && torch_req=""
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     -r "$_ROOT/requirements.txt" $torch_req || return 1

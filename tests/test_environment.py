@@ -1,4 +1,4 @@
-"""An unusable Python is one line naming the fix: torch older than 2.13, or torchdata missing,
+"""An unusable Python is one line naming the fix: torch older than 2.11, or torchdata missing,
 caught before any torchtitan_amp module imports them (train.py, the tools)."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ def test_this_environment_is_fine() -> None:
 
 
 @pytest.mark.parametrize(("version", "ok"), [("2.13.0", True), ("2.13.0+cpu", True), ("2.14.0a0+git1", True),
-                                             ("3.0", True), ("2.12.1", False), ("2.1.0+cu118", False)])
+                                             ("3.0", True), ("2.11.0+cu130", True), ("2.12.1", True),
+                                             ("2.10.0", False), ("2.1.0+cu118", False)])
 def test_torch_version_floor(monkeypatch: pytest.MonkeyPatch, version: str, ok: bool) -> None:
     monkeypatch.setattr(environment, "_torch_version", lambda: version)
     message = environment.problem()
     assert (message is None) == ok, message
     if not ok:
-        assert message.startswith(f"torch {version} is older than the supported 2.13")
+        assert message.startswith(f"torch {version} is older than the supported 2.11")
         assert message.endswith("install it with: pip install torch==2.13.0 -r requirements.txt")
 
 
@@ -62,7 +63,7 @@ def _fake_site(tmp_path: Path, torch_version: str | None = None, break_torchdata
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
-    ("old_torch", "error: torch 2.1.0 is older than the supported 2.13"),
+    ("old_torch", "error: torch 2.1.0 is older than the supported 2.11"),
     ("no_torchdata", "error: torchdata is missing or broken (No module named torchdata); install it with: "
                      "pip install torchdata==0.11.0"),
 ])
@@ -82,4 +83,4 @@ def test_checkpoint_cli_checks_the_environment_before_importing_torch(tmp_path: 
     result = run_python("-m", "torchtitan_amp.checkpoint", "list", str(tmp_path), env=env, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.describe()
-    assert lines[0].startswith("error: torch 2.1.0 is older than the supported 2.13")
+    assert lines[0].startswith("error: torch 2.1.0 is older than the supported 2.11")

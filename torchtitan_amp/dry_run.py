@@ -42,6 +42,7 @@ from torchtitan_amp.job import Job, build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
+from torchtitan_amp.torch_compat import fsdp_param_groups
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -78,7 +79,7 @@ def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
     for part in parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
+                for group in fsdp_param_groups(module._get_fsdp_state()):
                     for fp in group.fsdp_params:
                         out[id(fp.sharded_param)] = fp
     return out
@@ -121,7 +122,7 @@ def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
         if not isinstance(module, FSDPModule) or id(state := module._get_fsdp_state()) in seen:
             continue
         seen.add(id(state))
-        for g in state._fsdp_param_groups:
+        for g in fsdp_param_groups(state):
             orig = dtype_name(g.fsdp_params[0].sharded_param.dtype)
             gather = dtype_name(g.mp_policy.param_dtype) if g.mp_policy.param_dtype else orig
             reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather

@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 
-MIN_TORCH = (2, 13)
+MIN_TORCH = (2, 11)
 INSTALL = "pip install torch==2.13.0 -r requirements.txt"
 # (module to import, what to install): beyond torch, what a run imports unconditionally.
 _REQUIRED = (("torchdata.stateful_dataloader", "torchdata==0.11.0"),) + (

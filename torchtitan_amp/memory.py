@@ -28,6 +28,7 @@ from typing import Any
 # DTYPE_BYTES, SHORT, STAGES_PER_RANK and stage_layer_ranges are also used as memory.X by callers.
 from torchtitan_amp.rules import (DTYPE_BYTES, SHORT, STAGES_PER_RANK, reshard_after_forward,  # noqa: F401
                                   stage_ids, stage_layer_ranges)
+from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
 ADAMW_STEP_BYTES = 4
@@ -430,9 +431,10 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     policy, pp = layout.reshard_after_forward, layout.pp > 1
     groups: list[FsdpGroup] = []
     own = [s for s in specs if mp and not prec.low(s.kind)]
-    units: dict[int | None, list[ParamSpec]] = {}  # by block; None: outside blocks
+    units: dict[object, list[ParamSpec]] = {}  # by block; None: outside blocks
+    grouped = grouped_fsdp_casts_every_output()  # else one group per module (parallelize.apply_fsdp)
     for s in own:  # every module here owns a single weight
-        units.setdefault(s.block, []).append(s)
+        units.setdefault(s.block if grouped else s.name, []).append(s)
     for unit in units.values():
         groups.append(FsdpGroup("+".join(s.name.rsplit(".", 1)[0] for s in unit), numel(unit), "float32",
                                 "float32", reshard_after_forward(policy, False, pp), "fp32"))

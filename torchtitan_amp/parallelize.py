@@ -31,6 +31,7 @@ from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
 from torchtitan_amp.rules import reshard_after_forward
+from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -236,7 +237,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if plan.path == "fsdp":
         fp32 = [m for m in plan.fp32_modules(model) if m is not model]
-        for group in reversed(group_by_block(model, fp32)):
+        # A group's output_dtype must reach each norm's output (torch_compat says where it does).
+        for group in reversed(group_by_block(model, fp32, grouped=grouped_fsdp_casts_every_output())):
             shard(group, mp_policy=plan.fsdp_policy(low_precision=False), reshard_after_forward=reshard(False))
         # Frozen modules stored in param_dtype: no group mixes them with fp32 trained parameters.
         for group in reversed(group_by_block(model, plan.frozen_low_precision_modules(model))):
@@ -257,12 +259,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 
 
-def group_by_block(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
+def group_by_block(model: nn.Module, modules: list[nn.Module],
+                   grouped: bool = True) -> list[nn.Module | list[nn.Module]]:
     """FSDP units for modules that must not share their blocks' groups (fp32 norms, frozen
     modules): one per transformer block for those inside it, one for all those outside blocks
     (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
     a group per module would pay a collective's latency each; every parameter is padded and
-    sharded on its own either way, so bytes and numerics do not change."""
+    sharded on its own either way, so bytes and numerics do not change. grouped=False: one unit
+    per module."""
+    if not grouped:
+        return list(modules)
     block_of = {id(m): name for name, block in model.layers.named_children() for m in block.modules()}
     units: dict[str | None, list[nn.Module]] = {}
     for m in modules:

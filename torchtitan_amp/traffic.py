@@ -82,7 +82,9 @@ def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
 
 
 def _wrap(module: Any, name: str, op: str, tensor_arg: str, factor: Callable[[Any], int] | None = None) -> None:
-    original = getattr(module, name)
+    original = getattr(module, name, None)
+    if original is None:  # e.g. dist.all_gather_single is new in torch 2.13; older FSDP2 never calls it
+        return
     sig = inspect.signature(original)
 
     @functools.wraps(original)

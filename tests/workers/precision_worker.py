@@ -232,21 +232,24 @@ class WireCounter:
 
     @contextlib.contextmanager
     def patched(self):  # type: ignore[no-untyped-def]
-        def wrap(name: str, tensor_arg: str, pos: int):  # type: ignore[no-untyped-def]
+        def wrap(key: str, names: tuple[str, ...], tensor_arg: str, pos: int):  # type: ignore[no-untyped-def]
+            # The first of `names` this torch has is the one its FSDP2 calls (torch 2.13:
+            # *_single; 2.11: all_gather_into_tensor / reduce_scatter_tensor), counted under `key`.
+            name = next(n for n in names if hasattr(dist, n))
             orig = getattr(dist, name)
             self._orig[name] = orig
 
             def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
                 t = kwargs.get(tensor_arg, args[pos] if len(args) > pos else None)
                 if isinstance(t, torch.Tensor) and t.numel() > 1:  # scalars: norms, loss means
-                    self.bytes[name][dname(t.dtype)] += t.numel() * t.element_size()
+                    self.bytes[key][dname(t.dtype)] += t.numel() * t.element_size()
                 return orig(*args, **kwargs)
 
             setattr(dist, name, counted)
 
-        wrap("all_gather_single", "input_tensor", 1)
-        wrap("reduce_scatter_single", "input", 1)
-        wrap("all_reduce", "tensor", 0)
+        wrap("all_gather", ("all_gather_single", "all_gather_into_tensor"), "input_tensor", 1)
+        wrap("reduce_scatter", ("reduce_scatter_single", "reduce_scatter_tensor"), "input", 1)
+        wrap("all_reduce", ("all_reduce",), "tensor", 0)
         try:
             yield self
         finally:
@@ -546,7 +549,7 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the process group starts with the trainer
     trainer = make_trainer(out, "fp16_overflow", overrides, fp16 + [
         "--mixed_precision.init_scale", str(2.0 ** 40), "--mixed_precision.backoff_factor", "0.0625",
-        "--training.steps", "14", "--lr_scheduler.warmup_steps", "2",
+        "--training.steps", "18", "--lr_scheduler.warmup_steps", "2",
         "--training.global_batch_size", str(2 * world)])
     per_step: list[dict[str, Any]] = []
     orig_step = trainer.train_step

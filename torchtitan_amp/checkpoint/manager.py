@@ -58,6 +58,7 @@ from torchtitan_amp.checkpoint.integrity import file_crc32, verify_checksums
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.errors import CheckpointError, ConfigError
 from torchtitan_amp.run_control import stop_requested
+from torchtitan_amp.torch_compat import default_stager_reusable
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -497,10 +498,10 @@ class CheckpointManager:
 
     def _pinned_stager(self) -> Any:
         """The run's one stager, made at the first save: its pinned host copies are reused by every
-        save (torch 2.13 keeps them between stage() calls; 2.11 drops them after each, but still
-        keeps its staging thread and stream), and close() shuts it down. One per save would pin
-        the whole state again and leak a thread each time. Reuse is safe: a save first finishes
-        the previous one, whose upload reads those copies."""
+        save, and close() shuts it down. One per save would pin the whole state again and leak a
+        thread each time. Reuse is safe: a save first finishes the previous one, whose upload
+        reads those copies. Where torch's stager serves one save only (torch_compat, 2.11), it is
+        closed once its save is committed and the next save makes another."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -635,6 +636,8 @@ class CheckpointManager:
             pending.future.result()
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"background save of {pending.tmp} failed: {one_line(e)}"
+        if self._stager is not None and not default_stager_reusable():
+            self._close_stager()
         self._all_ok(error)
         self._commit(pending.state, pending.tmp, pending.final, pending.kind, pending.started)
 
@@ -666,6 +669,9 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish any background save, then shut the pinned-memory stager down. Collective."""
         self._finish_pending()
+        self._close_stager()
+
+    def _close_stager(self) -> None:
         if self._stager is not None:
             self._stager.close()
             self._stager = None

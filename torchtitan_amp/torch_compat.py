@@ -1,0 +1,54 @@
+"""What the installed torch can do, where the oldest supported release (2.11) and the pinned one
+(2.13) differ. Each answer is read from torch itself (a signature, an attribute), not from its
+version string, so a backport or a nightly gets the right branch; callers ask here, never test
+versions themselves."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+
+@functools.cache
+def grouped_fsdp_casts_every_output() -> bool:
+    """Whether `fully_shard([m1, m2], mp_policy=...)` casts each module's output to the policy's
+    output_dtype. torch 2.13 does; 2.11 casts only the output of the module that completes the
+    group, so an fp32 norm sharing a group with another would hand fp32 to a bf16 Linear
+    ("expected m1 and m2 to have the same dtype"). Without it, fp32 modules get a group each."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    register = getattr(_fsdp_state, "_register_group_forward_hooks", None)
+    return register is not None and "cast_output_dtype" in inspect.signature(register).parameters
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: torch 2.13 keeps a list (`_fsdp_param_groups`), 2.11 one
+    group or None (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+@functools.cache
+def default_stager_reusable() -> bool:
+    """Whether one DCP `DefaultStager` can stage more than once. torch 2.13's keeps its pinned
+    copies for the next save; 2.11's clears its copy dispatch table after every stage, so a second
+    save through it fails (KeyError: <class 'type'>): there, a stager serves one save. Asked by
+    staging a tiny CPU state dict twice (no pinning, no thread)."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    state = {"t": torch.zeros(2), "nested": {"n": 1}}
+    try:
+        stager.stage(state)
+        stager.stage(state)
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
