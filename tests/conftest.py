@@ -21,11 +21,19 @@ SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist", "test_opti
 DIST_MODULES = SLOW_MODULES | {"test_checkpoint", "test_dry_run", "test_gpu_checks", "test_hf", "test_multinode",
                                "test_operations", "test_tools", "test_train_integration", "test_validation", "test_audit", "test_fp8", "test_freeze"}
 
+# `oldest_torch`: the launched modules that CI runs again on the oldest supported torch (2.11, the
+# GPU images'), with every unit test: one step of every layout x precision under the audit, the
+# dry run against real collective counts, checkpoints and resume, fp8, freezing, end-to-end runs
+# (TORCH_VERSION=2.11.0 ./scripts/run_tests.sh -m "unit or oldest_torch").
+OLDEST_TORCH_MODULES = frozenset({"test_audit", "test_dry_run", "test_checkpoint", "test_fp8", "test_freeze",
+                                  "test_train_integration"})
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "unit: in-process tests, no launched processes (seconds)")
     config.addinivalue_line("markers", "dist: launches training or tool processes (torchrun on gloo)")
     config.addinivalue_line("markers", "slow: layout x precision parity sweeps (minutes)")
+    config.addinivalue_line("markers", "oldest_torch: launched tests CI also runs on the oldest supported torch")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,6 +41,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if module in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if module in OLDEST_TORCH_MODULES:
+            item.add_marker(pytest.mark.oldest_torch)
         if module in DIST_MODULES:
             item.add_marker(pytest.mark.dist)
         else:

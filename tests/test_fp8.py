@@ -51,12 +51,12 @@ def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], wor
 
 
 def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monkeypatch) -> None:
-    monkeypatch.setattr(fp8, "torchao_missing", lambda: "fp8 training needs torchao (No module named 'torchao'); "
+    monkeypatch.setattr(fp8, "torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
                         + fp8.INSTALL)
     with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
                                              r"pip install 'torchao>=0.18'"):
         _resolve(*FP8)
-    monkeypatch.setattr(fp8, "torchao_missing", lambda: None)
+    monkeypatch.setattr(fp8, "torchao_missing", lambda recipe=None, all_gather=None: None)
     monkeypatch.setattr(fp8, "matmul_unsupported", lambda device: "torch._scaled_mm fails on cpu: no kernel")
     with pytest.raises(PrecisionError, match="'mixed_precision.fp8' = 'tensorwise': torch._scaled_mm fails on cpu"):
         _resolve(*FP8)
