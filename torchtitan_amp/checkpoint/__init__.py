@@ -4,7 +4,10 @@
   inspecting and scanning, the single-file model export);
 - `integrity.py`: CRC-32 checksums of the files;
 - `manager.py`: `CheckpointManager`, driven by one table of stateful parts (`PARTS`: model,
-  optimizer, LR schedule, loss scaler, train state in DCP; dataloader and RNG per rank);
+  optimizer, LR schedule, loss scaler, train state in DCP; dataloader and RNG per rank); its jobs
+  are `saving.py` (saves, async saves, commits, exports), `loading.py` (choosing, verifying and
+  restoring a checkpoint), `retention.py` (keep_latest_k) and `stopping.py` (the per-step stop
+  poll, close); `train_state.py` holds `TrainState`;
 - `cli.py`: `python -m torchtitan_amp.checkpoint list | verify | export`.
 
 Pre-emption signals and fault injection are run control (torchtitan_amp/run_control.py). See

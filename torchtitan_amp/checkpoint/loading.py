@@ -1,0 +1,232 @@
+"""Loading: which checkpoint to resume from (the newest complete one, `load_step`, else
+`initial_load_path`; one that fails its checksums is skipped for the next older), then restoring
+it, resharded to this run's layout: DCP parts by key, a model-only export or a Hugging Face folder
+as starting weights, per-rank parts from the file of the rank that held this rank's share.
+
+Free functions over the manager `m` (the state they restore lives there, and its collective
+helpers); choosing itself needs only the config and the folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from torchtitan_amp.checkpoint.format import (
+    EXPORT_FILE,
+    MARKER,
+    describe_steps,
+    inspect_checkpoint,
+    one_line,
+    quiet_single_process,
+    scan_folder,
+)
+from torchtitan_amp.checkpoint.integrity import verify_checksums
+from torchtitan_amp.checkpoint.train_state import TrainState
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchtitan_amp.checkpoint.manager import CheckpointManager
+
+logger = logging.getLogger("torchtitan_amp")
+
+
+class Choice(NamedTuple):
+    """The checkpoint rank 0 picked to load (broadcast to every rank)."""
+    path: str
+    kind: str
+    meta: dict[str, Any]
+    initial: bool  # from checkpoint.initial_load_path: weights only, no fallback
+    step: int
+
+
+@torch.no_grad()
+def load(m: CheckpointManager) -> TrainState | None:
+    """Resume from the newest complete checkpoint (or load_step), else initial_load_path.
+
+    Returns the restored step and tokens, or None when starting fresh.
+    """
+    c = m.config.checkpoint
+    if not m.enabled or c.create_seed_checkpoint:
+        return None
+    choice = choose_verified(m)
+    if choice is None:
+        return None
+    path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
+    begin = time.monotonic()
+    every = tuple(p.name for p in m.parts)
+    names = tuple(n for n in (("model",) if initial or kind != "full" else every)
+                  if n not in c.exclude_from_loading)
+    state = TrainState()
+    if kind == "hf":
+        from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
+
+        load_hf(m._model, path, m.model_args, complete_model=m.pp_degree == 1,
+                agree=lambda error: m._all_ok(error))
+    elif kind == "model_only":
+        load_export(m, path)
+    else:
+        state = load_dcp(m, path, names)
+    if kind == "full":
+        load_rank_state(m, path, meta, names)
+    if m.rank == 0:
+        skipped = [n for n in every if n not in names]
+        logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
+                    time.monotonic() - begin, state.step,
+                    f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
+    m.last_saved_step = state.step
+    m.loaded_path = path
+    return state
+
+
+def choose_verified(m: CheckpointManager) -> Choice | None:
+    """Rank 0 picks a checkpoint, every rank checks the CRC-32s of a share of its files; a
+    corrupt one is named and the next older one is tried (unless it was asked for by name)."""
+    corrupt: dict[int, str] = {}
+    while True:
+        choice = m._agree(lambda: choose(m.config, m.folder, m.model_args, corrupt))
+        if choice is None or not m.config.checkpoint.checksums:
+            return choice
+        share = verify_checksums(choice.path, choice.meta, (m.rank, m.world_size))
+        bad = next((b for b in m._all_ok(None, share) if b), None)
+        if bad is None:
+            return choice
+        if choice.initial:
+            raise CheckpointError(f"checkpoint.initial_load_path: {bad}")
+        if m.rank == 0:
+            logger.warning("checkpoint: skipping %s", bad)
+        corrupt[choice.step] = bad
+
+
+def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, str]) -> Choice | None:
+    """Rank 0 picks the checkpoint; every rank then loads the same one. `corrupt`: steps
+    that failed their checksum, with the reason (already logged)."""
+    c = config.checkpoint
+    complete, problems = scan_folder(folder)
+    if not corrupt:
+        for line in problems:
+            logger.warning("checkpoint: %s", line)
+    for step, why in corrupt.items():
+        complete.pop(step, None)
+        problems.append(f"skipping {why}")
+    if c.load_step >= 0:
+        info = complete.get(c.load_step)
+        if info is None:
+            broken = [p for p in problems if f"step-{c.load_step}" in p]
+            why = f" ({broken[0]})" if broken else ""
+            raise CheckpointError(
+                f"checkpoint.load_step = {c.load_step}: no complete checkpoint step-{c.load_step} in "
+                f"{folder}{why}; available steps: {describe_steps(complete)}"
+            )
+        if info.kind == "model_only":
+            raise CheckpointError(
+                f"checkpoint.load_step = {c.load_step}: {info.path} is a model-only export, not a resume "
+                f"point; use checkpoint.initial_load_path = '{info.path}' to start from its weights"
+            )
+        return Choice(str(info.path), info.kind, info.meta, False, info.step)
+    resumable = {s: i for s, i in complete.items() if i.kind != "model_only"}
+    if resumable:
+        info = resumable[max(resumable)]
+        newer = [s for s in complete if s > info.step]
+        if newer:
+            logger.info("checkpoint: step-%s is a model-only export, not a resume point", newer[0])
+        if problems:
+            logger.warning("checkpoint: resuming from the newest complete checkpoint, %s", info.path)
+        return Choice(str(info.path), info.kind, info.meta, False, info.step)
+    if c.initial_load_path:
+        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor)
+    if problems:
+        logger.warning("checkpoint: no complete checkpoint in %s; starting from scratch", folder)
+    return None
+
+
+def choose_initial(path: Path, model_args: Any, flavor: str) -> Choice:
+    """checkpoint.initial_load_path: one of ours, a Hugging Face folder, a foreign DCP checkpoint,
+    or a checkpoint folder (its newest complete one)."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
+    if (path / MARKER).is_file():
+        info = inspect_checkpoint(path)
+        return Choice(str(path), info.kind, info.meta, True, info.step)
+    if (path / "config.json").is_file():  # a Hugging Face model folder
+        from torchtitan_amp.checkpoint.hf import check_config
+
+        check_config(path, model_args, flavor)
+        return Choice(str(path), "hf", {}, True, 0)
+    if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
+        return Choice(str(path), "seed", {}, True, 0)
+    complete, problems = scan_folder(path)
+    for line in problems:
+        logger.warning("checkpoint: %s", line)
+    if not complete:
+        raise CheckpointError(f"checkpoint.initial_load_path {path} holds no complete checkpoint")
+    info = complete[max(complete)]
+    return Choice(str(info.path), info.kind, info.meta, True, info.step)
+
+
+def load_dcp(m: CheckpointManager, path: Path, names: tuple[str, ...]) -> TrainState:
+    """Load the DCP parts among `names`; the saved TrainState, or a fresh one without it."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sd = m._dcp_state(names, TrainState())
+    error = None
+    try:
+        for part in m.dcp_parts:
+            if part.name in sd and not part.loadable(m, path, saved, sd[part.name]):
+                sd.pop(part.name)
+    except CheckpointError as e:
+        error = str(e)
+    m._all_ok(error)
+    try:
+        with quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
+        raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
+    m.train_state = TrainState()
+    for part in m.dcp_parts:
+        if part.name in sd:
+            part.put(m, sd[part.name])
+    return m.train_state
+
+
+def load_export(m: CheckpointManager, path: Path) -> None:
+    """A model-only export (full tensors, maybe another dtype) as starting weights."""
+    sd = torch.load(path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
+    error = None
+    try:
+        own = m._model_state_dict()
+        for key, value in own.items():
+            if key not in sd or tuple(sd[key].shape) != tuple(value.shape):
+                got = tuple(sd[key].shape) if key in sd else "nothing"
+                raise CheckpointError(f"{path} does not fit this model: '{key}' has shape {got} in the "
+                                      f"export but {tuple(value.shape)} in the model")
+    except CheckpointError as e:
+        error = str(e)
+    m._all_ok(error)
+    mine = {k: v for k, v in sd.items() if k in own}
+    set_model_state_dict(m._model, mine, options=StateDictOptions(full_state_dict=True))
+
+
+def load_rank_state(m: CheckpointManager, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+    """The per-rank parts among `names`, each from the file its `source_rank` names."""
+    @functools.cache
+    def rank_file(rank: int) -> dict[str, Any]:  # the parts usually share one file
+        return torch.load(path / f"rank_{rank}.pt", weights_only=True)
+
+    error = None
+    try:
+        for part in m.rank_parts:
+            source = part.source_rank(m, path, meta) if part.name in names else None
+            if source is not None and (part.name in rank_file(source) or not part.optional):
+                part.put(m, rank_file(source)[part.name])
+    except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
+        error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"
+    m._all_ok(error)
