@@ -1,6 +1,6 @@
 """float8 training through torchao: what the precision plan's fp8 decision needs at run time.
 
-precision.py decides (recipe, skipped modules, fp8 all-gather) and refuses what cannot hold; this
+precision/plan.py decides (recipe, skipped modules, fp8 all-gather) and refuses what cannot hold; this
 module only answers "can this device multiply in fp8?", names the Linears a recipe converts, and
 converts them (torchao's Float8Linear keeps its weight in the storage dtype and casts to
 float8_e4m3fn per matmul with dynamic scales, so checkpoints hold no fp8 state to restore).

@@ -1,0 +1,404 @@
+"""The precision plan: the only place where precision is decided.
+
+`PrecisionPlan.from_config` turns the job config and the parallel layout into one of three paths:
+
+- "fsdp":     data-parallel sharding is on; FSDP2 `MixedPrecisionPolicy` per module group does the
+              casting, fp32 master params, fp32 policy for modules outside the safe list.
+- "autocast": no sharding (single process, DDP/replicate, TP, PP); a forward-only `torch.autocast`
+              around forward + loss, a separate backward context without autocast, and a gradient
+              comm hook sending safe modules' gradients in `reduce_dtype` when DDP is on.
+- "full":     one dtype everywhere (fp32, or pure bf16 when `training.dtype = "bfloat16"`).
+
+Everything else (parallelize, trainer, checkpoint) asks the plan and never re-decides. This module
+decides and answers; the modules next to it apply the decision (see the package's docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from torchtitan_amp import fp8
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
+from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.precision import autocast, comm_hooks, float8, fsdp, reducers, scaler, tags
+from torchtitan_amp.precision import freeze as freezing
+from torchtitan_amp.precision import report as reporting
+from torchtitan_amp.precision.tags import FP32_BY_NAME
+from torchtitan_amp.rules import DTYPES, dtype_name, short_name
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+Path_ = Literal["fsdp", "autocast", "full"]
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+
+
+def resolve_module_classes(names: list[str]) -> tuple[type[nn.Module], ...]:
+    """Import each fully qualified class name; any failure is a config error naming it."""
+    classes = []
+    for name in names:
+        module_name, _, cls_name = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name) if module_name else None
+        except (ImportError, AttributeError):
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise PrecisionError(
+                f"'mixed_precision.lower_precision_safe_modules' entry '{name}' is not an importable "
+                f"nn.Module class (use a fully qualified name such as 'torch.nn.Linear')"
+            )
+        classes.append(cls)
+    return tuple(classes)
+
+
+def _check_device_support(device_type: str, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        return
+    if not torch.amp.is_autocast_available(device_type):
+        raise PrecisionError(f"mixed precision is not available on device type '{device_type}'")
+    # Emulated bf16 (pre-Ampere GPUs) is allowed here; native or not is matmul_speed's question.
+    if device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=True):
+        raise PrecisionError(
+            "'mixed_precision.param_dtype' = 'bfloat16' but this GPU has no bf16 support; "
+            "use 'float16' (with loss scaling) or set mixed_precision.enabled = false"
+        )
+    if device_type == "cuda" and dtype == torch.float16 and torch.cuda.get_device_capability() < (5, 3):
+        raise PrecisionError("'mixed_precision.param_dtype' = 'float16' needs a GPU with compute capability >= 5.3")
+
+
+def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> None:
+    """Settings no machine can honour. Checked whatever "auto" then decides on this machine, so
+    that a config is refused (or accepted) the same way everywhere."""
+    mp = config.mixed_precision
+    if storage != torch.float32 and mp.enabled is not False and _DTYPES[mp.param_dtype] != storage:
+        raise PrecisionError(
+            f"'training.dtype' = '{config.training.dtype}' (pure low-precision training) conflicts "
+            f"with 'mixed_precision.param_dtype' = '{mp.param_dtype}'; set mixed_precision.enabled "
+            f"= false, or drop training.dtype to train in mixed precision"
+        )
+    if storage != torch.float32 and mp.enabled is not False:
+        # Pure low precision has no fp32 master copy to reduce or compute in: these would be ignored
+        # (with enabled = false the user has switched the whole section off, these included).
+        for key, value in (("reduce_dtype", mp.reduce_dtype), ("lower_precision_safe_modules", None)):
+            if f"mixed_precision.{key}" in config.explicit and (value is None or _DTYPES[value] != storage):
+                raise PrecisionError(
+                    f"'mixed_precision.{key}' has no effect with 'training.dtype' = '{config.training.dtype}': "
+                    f"every parameter, gradient and reduction is {config.training.dtype}; drop it, or keep "
+                    f"fp32 master weights (training.dtype = 'float32') and train in mixed precision")
+    if not asked:
+        return
+    if mp.param_dtype == "bfloat16" and mp.reduce_dtype == "float16":
+        raise PrecisionError(
+            "'mixed_precision.reduce_dtype' = 'float16' with param_dtype = 'bfloat16' can overflow "
+            "(bf16-range gradients exceed fp16's 65504); use reduce_dtype 'bfloat16' or 'float32'"
+        )
+    resolve_module_classes(mp.lower_precision_safe_modules)
+
+
+def _setting_name(config: JobConfig) -> str:
+    """mixed_precision.enabled as the user left it, for the report and the start-up line."""
+    mp = config.mixed_precision
+    if mp.enabled is not True and mp.enabled is not False:
+        # Naming the dtype is asking for it: "auto" only decides for users who did not.
+        if "mixed_precision.param_dtype" in config.explicit:
+            return f"auto, param_dtype = {mp.param_dtype} set"
+        return "auto"
+    return "true" if mp.enabled else "false"
+
+
+def _emulated_warning(speed: LowPrecisionSpeed, config: JobConfig) -> str:
+    pure = config.training.dtype != "float32"
+    avoid = ("--training.dtype float32" if pure
+             else '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto")')
+    return (f"{speed.describe()}; training in {dtype_name(speed.dtype)} as configured anyway. "
+            f"{avoid} trains in fp32 instead")
+
+
+def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch.dtype,
+                   speed: LowPrecisionSpeed | None) -> str:
+    """What the job trains in and why, in one line."""
+    if path == "full":
+        what = "fp32" if storage == torch.float32 else f"pure {short_name(storage)}"
+    else:
+        what = f"{short_name(param)} mixed precision ({path} path)"
+    why = f": {speed.describe()}" if speed is not None else ""
+    return f"mixed_precision.enabled = {setting} -> {what}{why}"
+
+
+def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool) -> None:
+    """What fp8 cannot do here, refused in one line (never a silent bf16/fp32 fallback).
+    `on_hardware` False (a dry run): the device and torchao are not this machine's to check."""
+    mp = config.mixed_precision
+    if mp.fp8_all_gather and (mp.fp8 != "tensorwise" or path != "fsdp"):
+        raise PrecisionError(
+            f"'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path (data-parallel "
+            f"sharding with mixed precision); this job has fp8 = '{mp.fp8}' on the {path} path")
+    if mp.fp8_all_gather and device_type != "cuda":
+        raise PrecisionError(f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
+                             "all-gather float8 tensors")
+    if not on_hardware:
+        return
+    why = fp8.torchao_missing(mp.fp8, mp.fp8_all_gather) or fp8.matmul_unsupported(device_type)
+    if why is not None:
+        raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
+
+
+def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
+    """optimizer.state_dtype, with 'auto' = the storage dtype (what torch's AdamW keeps), and the
+    optimizer settings no machine can honour refused."""
+    o = config.optimizer
+    state = storage if o.state_dtype == "auto" else _DTYPES[o.state_dtype]
+    if o.stochastic_rounding and storage != torch.bfloat16:
+        raise PrecisionError(
+            f"'optimizer.stochastic_rounding' rounds bf16 weights; with 'training.dtype' = "
+            f"'{config.training.dtype}' the weights take every update exactly (fp32 master weights): "
+            f"drop it, or set training.dtype = 'bfloat16' for pure bf16 training")
+    if (state != storage or o.stochastic_rounding) and "optimizer.implementation" in config.explicit:
+        raise PrecisionError(
+            f"'optimizer.implementation' = '{o.implementation}' picks a kernel of torch's AdamW, which "
+            f"keeps its state in the parameters' dtype and rounds to nearest; with optimizer.state_dtype = "
+            f"'{o.state_dtype}' / stochastic_rounding the step is torchtitan_amp's per-parameter AdamW: "
+            f"drop optimizer.implementation")
+    return state
+
+
+def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
+    """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
+    if not enabled:
+        return "full"
+    if dims.fsdp_enabled:
+        return "fsdp"
+    if param == torch.float32 and (reduce == torch.float32 or not dims.ddp_enabled):
+        return "full"
+    return "autocast"
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    path: Path_
+    device_type: str
+    storage_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    output_dtype: torch.dtype
+    safe_modules: tuple[type[nn.Module], ...]
+    comm_hook: Literal["bf16_compress", "fp16_compress", "none"]
+    grad_scaler: Literal["none", "GradScaler", "ShardedGradScaler"]
+    scaler_kwargs: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    # mixed_precision.enabled as configured: "true", "false", "auto" (or "auto, param_dtype = X
+    # set": an explicit dtype is honoured like "true")
+    enabled_setting: str = "true"
+    speed: LowPrecisionSpeed | None = None  # the low-precision matmul check, when one was made
+    decision: str = ""  # the start-up line saying what precision the job trains in, and why
+    warnings: tuple[str, ...] = ()
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # torchao float8 recipe of the Linears
+    fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
+    fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
+    fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
+    frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
+    optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
+    stochastic_rounding: bool = False  # pure bf16: the updated weights are rounded stochastically
+
+    # -----------------------------------------------------------------------------------------
+    # Construction
+
+    @classmethod
+    def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str, *,
+                    probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
+                    ) -> "PrecisionPlan":
+        """`probe` answers whether a low-precision matmul is native on `device_type` (measured
+        on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
+        `mixed_precision.enabled = "auto"` means on."""
+        mp = config.mixed_precision
+        storage = _DTYPES[config.training.dtype]
+        # Mixed precision asked for, or left to "auto" (pure low precision is the "full" path).
+        asked = mp.enabled is not False and storage == torch.float32
+        _check_settings(config, storage, asked)
+        setting = _setting_name(config)
+        low = _DTYPES[mp.param_dtype] if asked else storage  # what the matmuls would run in
+        speed = probe(device_type, low) if probe is not None and low != torch.float32 else None
+        enabled, notes, warnings = asked, [], []
+        if speed is not None and not speed.native:
+            if setting == "auto" and asked:
+                enabled = False
+            else:
+                warnings.append(_emulated_warning(speed, config))
+        param = _DTYPES[mp.param_dtype] if enabled else storage
+        reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
+        output = _DTYPES[mp.output_dtype] if enabled else storage
+        _check_device_support(device_type, param)
+        safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
+        path = _choose_path(enabled, param, reduce, dims)
+        comm_hook = "none"
+        if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
+            comm_hook = "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
+        grad_scaler = "none"
+        if param == torch.float16 and path != "full":
+            # Ranks holding different gradient shards (FSDP, TP, PP) must agree on inf/nan, or
+            # some would step while others skip; ShardedGradScaler all-reduces found_inf.
+            sharded = path == "fsdp" or dims.tp_enabled or dims.pp_enabled
+            grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
+        elif enabled and "mixed_precision.init_scale" in config.explicit:
+            notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
+        if mp.enabled is False:
+            notes.append("mixed_precision.enabled = false: every path trains in one dtype")
+        scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
+                         "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
+        decision = _decision_line(setting, path, param, storage, speed)
+        if mp.fp8 != "none":
+            _check_fp8(config, dims, path, device_type, on_hardware=probe is not None)
+            decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
+        elif mp.fp8_all_gather:
+            raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
+        state_dtype = _optimizer_state_dtype(config, storage)
+        plan = cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
+                   scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
+                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
+                   tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding)
+        if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
+            raise PrecisionError(
+                "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
+                "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
+                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'")
+        return plan
+
+    # -----------------------------------------------------------------------------------------
+    # Questions the rest of the code asks
+
+    @property
+    def compute_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes the step's matmuls run in: storage (fp32 islands, or everything) and param."""
+        return tuple(sorted({self.storage_dtype, self.param_dtype}, key=str))
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return self.param_dtype if self.path == "autocast" and self.param_dtype != torch.float32 else None
+
+    def is_safe(self, module: nn.Module) -> bool:
+        return isinstance(module, self.safe_modules) and not getattr(module, FP32_BY_NAME, False)
+
+    def compute_dtype(self, module: nn.Module) -> torch.dtype:
+        """What `module`'s own matmuls run in: param_dtype for safe modules off the "full" path,
+        float8_e4m3fn for fp8 Linears (both recipes), the storage dtype otherwise. The report, the
+        frozen storage dtype and the audit's promises all ask this."""
+        if type(module).__name__ == "Float8Linear":
+            return torch.float8_e4m3fn
+        return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
+
+    def frozen_dtype(self, module: nn.Module) -> torch.dtype:
+        """A frozen module's parameters are stored in what it computes in: no fp32 master copy is
+        needed where nothing updates it (fp8 Linears are never frozen: fp8 skips them)."""
+        return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
+
+    def fp32_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules owning parameters outside the safe list, in `model.modules()` order: they run in
+        fp32 (autocast off on the autocast path, an fp32 FSDP group on the FSDP path)."""
+        return [m for m in model.modules()
+                if not self.is_safe(m) and any(True for _ in m.parameters(recurse=False))]
+
+    @property
+    def fused_optimizer_ok(self) -> bool:
+        """torch's fused AdamW takes the scaler's inf flag into its 0-d step counters, which
+        ShardedGradScaler's shape-[1] flag breaks (torch 2.13): `auto` picks foreach then."""
+        return self.grad_scaler != "ShardedGradScaler"
+
+    @property
+    def mixed_state_optimizer(self) -> bool:
+        """torch's AdamW keeps moments in the parameters' dtype and rounds to nearest; anything
+        else needs optim.AdamWMixedState."""
+        return self.optimizer_state_dtype != self.storage_dtype or self.stochastic_rounding
+
+    def optimizer_summary(self) -> dict[str, Any]:
+        mixed = self.mixed_state_optimizer
+        return {"state_dtype": dtype_name(self.optimizer_state_dtype),
+                "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
+                           else f"torch AdamW in {short_name(self.storage_dtype)}"),
+                "weight_rounding": "stochastic" if self.stochastic_rounding else "nearest"}
+
+    # -----------------------------------------------------------------------------------------
+    # Applying the plan: the code, and what it does and why, lives in the applier module each
+    # method names; the methods keep one object for the rest of the code to ask.
+
+    # tags.py and freeze.py: marks by module name, what the parameters are stored in
+    def mark_fp32_by_name(self, model: nn.Module) -> list[str]:
+        return tags.mark_fp32_by_name(self, model)
+
+    def apply_storage_dtype(self, model: nn.Module) -> None:
+        freezing.apply_storage_dtype(self, model)
+
+    def freeze(self, model: nn.Module) -> dict[str, str]:
+        return freezing.freeze(self, model)
+
+    def refreeze(self, model: nn.Module) -> None:
+        freezing.refreeze(model)
+
+    def frozen_low_precision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return freezing.frozen_low_precision_modules(self, model)
+
+    # float8.py
+    def check_fp8_modules(self, model: nn.Module) -> None:
+        float8.check_fp8_modules(self, model)
+
+    def apply_fp8(self, model: nn.Module) -> list[str]:
+        return float8.apply_fp8(self, model)
+
+    def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
+        float8.after_optimizer_step(self, model_parts)
+
+    # fsdp.py
+    def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None,
+                    cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
+        return fsdp.fsdp_policy(self, low_precision=low_precision, output_dtype=output_dtype,
+                                cast_forward_inputs=cast_forward_inputs)
+
+    def cast_block_inputs(self, block: nn.Module) -> None:
+        fsdp.cast_block_inputs(self, block)
+
+    # autocast.py
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return autocast.forward_context(self)
+
+    def apply_forward_context(self, module: nn.Module) -> None:
+        autocast.apply_forward_context(self, module)
+
+    def apply_fp32_islands(self, model: nn.Module) -> None:
+        autocast.apply_fp32_islands(self, model)
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        return autocast.backward_context(self)
+
+    def cast_output(self, output: torch.Tensor) -> torch.Tensor:
+        return autocast.cast_output(self, output)
+
+    def check_no_user_autocast(self) -> None:
+        autocast.check_no_user_autocast(self)
+
+    # scaler.py, comm_hooks.py, reducers.py
+    def build_scaler(self) -> scaler.LossScaler:
+        return scaler.build_scaler(self)
+
+    def comm_hook_state(self, model: nn.Module, group: dist.ProcessGroup | None) -> comm_hooks.CompressHookState | None:
+        return comm_hooks.comm_hook_state(self, model, group)
+
+    def partial_grad_reducer(self, model_parts: list[nn.Module]) -> reducers.PartialGradReducer:
+        return reducers.partial_grad_reducer(self, model_parts)
+
+    # -----------------------------------------------------------------------------------------
+    # Report (report.py)
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        return reporting.report(self, model)
+
+    def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool,
+                             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return reporting.log_and_write_report(self, model, dump_folder, is_writer, extra)

@@ -1,0 +1,131 @@
+"""The plan as the job reports it: precision_report.json (param groups by module type with their
+storage / compute / reduce dtypes, fp8 and fp32-by-name modules, frozen parameters) and the start-up
+log lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from torchtitan_amp.precision.tags import FP32_BY_NAME
+from torchtitan_amp.rules import dtype_name, short_name
+
+if TYPE_CHECKING:
+    from torchtitan_amp.precision.plan import PrecisionPlan
+
+logger = logging.getLogger("torchtitan_amp")
+
+# Ops we keep in fp32 whatever the path. The norm and rotary upcasts live in the model (CPU
+# autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
+FP32_ISLANDS = ("RMSNorm (computes in fp32, returns input dtype)", "rotary tables and rotation",
+                "cross-entropy on fp32 logits", "loss and metric accumulators")
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _user_class(module: nn.Module) -> type:
+    """The model's own class: FSDP2 and replicate swap in dynamic subclasses of it."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
+def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{n}.{pn}" if n else pn, p) for n, m in _named_modules(model) for pn, p in m.named_parameters(recurse=False)]
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's modules by their names in the model; the trainer reports its pipeline stages
+    as one ModuleList, whose index is not part of any module's name."""
+    if isinstance(model, nn.ModuleList):
+        return [(n.split(".", 1)[1], m) for n, m in model.named_modules() if "." in n]
+    return list(model.named_modules())
+
+
+def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
+    groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"num_params": 0})
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        low = plan.is_safe(module) and plan.path != "full"
+        # Off the "full" path storage is fp32: modules outside the safe list compute in it.
+        compute = plan.compute_dtype(module)
+        name = _class_name(_user_class(module))
+        reduce = plan.reduce_dtype if low else plan.storage_dtype
+        if plan.path == "autocast" and plan.comm_hook == "none":
+            reduce = plan.storage_dtype
+        frozen = not own[0].requires_grad
+        g = groups[f"{name} {compute} {frozen}"]
+        g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
+                 compute_dtype=dtype_name(compute), reduce_dtype="-" if frozen else dtype_name(reduce),
+                 trained=not frozen)
+        g["num_params"] += sum(p.numel() for p in own)
+    return list(groups.values())
+
+
+def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
+    groups = param_groups(plan, model)
+    return {
+        "path": plan.path,
+        "param_dtype": dtype_name(plan.param_dtype),
+        "reduce_dtype": dtype_name(plan.reduce_dtype),
+        "output_dtype": dtype_name(plan.output_dtype),
+        "storage_dtype": dtype_name(plan.storage_dtype),
+        "autocast_dtype": dtype_name(plan.autocast_dtype) if plan.autocast_dtype else None,
+        "comm_hook": plan.comm_hook,
+        "grad_scaler": plan.grad_scaler,
+        "lower_precision_safe_modules": [_class_name(c) for c in plan.safe_modules],
+        "fp32_modules": sorted({g["module_type"] for g in groups if g["compute_dtype"] == "float32"}),
+        "fp32_islands": list(FP32_ISLANDS),
+        "param_groups": groups,
+        "mixed_precision_enabled": plan.enabled_setting,
+        "decision": plan.decision,
+        "low_precision_matmul": plan.speed.to_dict() if plan.speed else None,
+        "compute_dtypes": [dtype_name(d) for d in plan.compute_dtypes],
+        "notes": list(plan.notes),
+        "warnings": list(plan.warnings),
+        "fp8": plan.fp8,
+        "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
+        "fp8_all_gather": plan.fp8_all_gather,
+        "fp32_module_names": list(plan.fp32_names),
+        "optimizer": plan.optimizer_summary(),
+        "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
+        "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
+                               and any(True for _ in m.parameters(recurse=False))),
+    }
+
+
+def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str, is_writer: bool,
+                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`extra`: sections the job adds (gradient collectives and bytes per parameter, which
+    the memory model computes from this plan)."""
+    report = {**plan.report(model), **(extra or {})}
+    if is_writer:
+        Path(dump_folder).mkdir(parents=True, exist_ok=True)
+        (Path(dump_folder) / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        logger.info("precision: %s", plan.decision)
+        for warning in plan.warnings:
+            logger.warning("precision: %s", warning)
+        logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
+                    plan.path, short_name(plan.param_dtype), short_name(plan.reduce_dtype),
+                    short_name(plan.output_dtype), plan.comm_hook, plan.grad_scaler)
+        logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
+        for g in report["param_groups"]:
+            logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
+                        f"{g['num_params']:,}", *(short_name(g[k]) for k in
+                                                  ("storage_dtype", "compute_dtype", "reduce_dtype")))
+        opt = report["optimizer"]
+        logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(plan.optimizer_state_dtype),
+                    opt["update"], opt["weight_rounding"])
+        for name, by_dtype in report.get("gradient_collectives", {}).items():
+            logger.info("  gradient collective %s: %s per step", name,
+                        ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))
+        for note in plan.notes:
+            logger.info("  note: %s", note)
+    return report
