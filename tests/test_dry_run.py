@@ -1,5 +1,5 @@
 """The fake-backend dry run (torchtitan_amp/dry_run.py) and the analytic model behind it
-(torchtitan_amp/memory.py), checked against what real runs hold and send.
+(torchtitan_amp/memory/), checked against what real runs hold and send.
 
 - Real runs on 1, 2 and 4 CPU processes (tests/workers/dry_run_worker.py) count each rank's
   parameter, gradient and optimizer bytes and every collective's bytes in one train step; the dry

@@ -1,4 +1,4 @@
-"""Rules that the runtime and the analytic model (memory.py, plan_layout) must agree on, written
+"""Rules that the runtime and the analytic model (memory/, plan_layout) must agree on, written
 once and importing no torch: dtype names and sizes, pipeline stage split and placement, the FSDP
 reshard-after-forward policy, model flavour names.
 """

@@ -1,0 +1,66 @@
+"""Peak activation bytes on one rank: the family's bytes per token (ActivationTerms) times the
+tokens of a microbatch, over the layers of each stage under each AC mode, times the microbatches
+in flight at the pipeline's peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_amp.memory.llama import ModelDims, activation_terms
+from torchtitan_amp.memory.specs import Layout, PrecisionSpec, Stage
+from torchtitan_amp.memory.stages import in_flight_microbatches, rank_stages
+
+
+@dataclass
+class ActivationEstimate:
+    """Peak activation bytes on one rank (all its stages) for each AC mode."""
+
+    none: int
+    full: int
+    configured: int
+    mode: str
+    per_layer_none: int  # one block, one microbatch
+    per_layer_full: int
+    in_flight: dict[int, int]  # stage -> microbatches held at the peak
+    tokens: int  # per microbatch
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"none": self.none, "full": self.full, "configured": self.configured,
+                "configured_mode": self.mode, "per_layer_none": self.per_layer_none,
+                "per_layer_full_ac": self.per_layer_full,
+                "in_flight_microbatches": {str(k): v for k, v in self.in_flight.items()},
+                "tokens_per_microbatch": self.tokens}
+
+
+def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
+                     pp_rank: int = 0) -> ActivationEstimate:
+    """stage bytes = in-flight microbatches x tokens x (layers x per-layer + ends), where a
+    recomputing mode adds one block's full activations (the one being recomputed)."""
+    terms = activation_terms(model, prec, layout)
+    tokens = layout.microbatch_tokens
+    stages = rank_stages(model, layout, pp_rank)
+
+    def stage_total(stage: Stage, mode: str) -> float:
+        n = len(stage.layers)
+        ends = (terms.head if stage.last else 0.0) + (terms.embedding if stage.first else 0.0)
+        if mode == "none":
+            per = n * terms.layer
+        elif mode == "full":
+            per = n * terms.layer_checkpointed + (terms.layer if n else 0)
+        elif layout.ac_option == "op":
+            per = n * terms.layer_op_sac + (terms.layer if n else 0)
+        else:
+            every = int(layout.ac_option)
+            n_ac = len(range(0, n, every))
+            per = n_ac * terms.layer_checkpointed + (n - n_ac) * terms.layer + (terms.layer if n_ac else 0)
+        return per + ends
+
+    in_flight = {s.index: in_flight_microbatches(layout, s.index, pp_rank) for s in stages}
+
+    def total(mode: str) -> int:
+        return int(sum(in_flight[s.index] * tokens * stage_total(s, mode) for s in stages))
+
+    return ActivationEstimate(total("none"), total("full"), total(layout.ac_mode), layout.ac_mode,
+                              int(tokens * terms.layer), int(tokens * terms.layer_checkpointed),
+                              in_flight, tokens)

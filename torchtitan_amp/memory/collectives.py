@@ -1,0 +1,169 @@
+"""Traffic of one rank per optimizer step, by category and dtype: data parallel (FSDP's groups, or
+DDP's all-reduce), tensor parallel (the TP plan's activation collectives, sequence parallel's
+Partial norm gradients), pipeline send / recv, and the gradient collectives alone (grad_comm).
+tp_comm's per-block counts (two TP regions per block, attention and MLP; embedding and head at the
+ends) are those of Llama's TP plan, the one family-shaped term left in the shared accounting."""
+
+from __future__ import annotations
+
+import math
+
+from torchtitan_amp.memory.fsdp import fsdp_comm, fsdp_groups
+from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.shards import tp_local_shape
+from torchtitan_amp.memory.sizes import ByDtype, add_bytes
+from torchtitan_amp.memory.specs import Layout, PrecisionSpec
+from torchtitan_amp.memory.stages import rank_stages
+from torchtitan_amp.rules import DTYPE_BYTES
+
+
+def ddp_comm(params: list[tuple[int, bool]], prec: PrecisionSpec) -> dict[str, ByDtype]:
+    """DDP all-reduce per optimizer step (no_sync while accumulating): (numel, safe) per param;
+    safe modules' grads in reduce dtype when the compress hook is on, the rest in storage dtype."""
+    ar: ByDtype = {}
+    for numel, safe in params:
+        dtype = prec.reduce if prec.comm_hook and safe else prec.storage
+        add_bytes(ar, dtype, numel * DTYPE_BYTES[dtype])
+    return {"ddp_all_reduce": ar}
+
+
+def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
+            tp_rank: int = 0) -> dict[str, ByDtype]:
+    """Data-parallel traffic of one rank per step (fsdp_comm, or ddp_comm for replicate-only)."""
+    stages = rank_stages(model, layout, pp_rank)
+    if layout.dp_shard > 1:
+        return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
+    if layout.dp_replicate > 1:
+        return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
+                         for s in stages for p in param_specs(model, s) if not prec.is_frozen(p.name)], prec)
+    return {}
+
+
+def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> ByDtype:
+    """Under sequence parallel without FSDP, the trained norm weights' Partial gradients, summed
+    over TP once per optimizer step in one flat all-reduce (precision.PartialGradReducer): reduce
+    dtype if norms are lower-precision-safe, else their own."""
+    if layout.tp == 1 or not layout.sp or layout.dp_shard > 1:
+        return {}
+    wire = prec.reduce if prec.low("norm") else prec.storage
+    norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in param_specs(model, s)
+                if p.kind == "norm" and not prec.is_frozen(p.name))
+    return {wire: norms * model.dim * DTYPE_BYTES[wire]} if norms else {}
+
+
+def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
+              tp_rank: int = 0) -> dict[str, ByDtype]:
+    """Every gradient collective of one rank per optimizer step, by dtype: FSDP's reduce-scatters
+    (and HSDP's all-reduce), DDP's all-reduce, TP's partial-gradient all-reduce (under FSDP x TP
+    FSDP sums those itself: in tp_comm's tp_all_reduce). Pipeline stages exchange no gradients."""
+    out = {k: v for k, v in dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank).items()
+           if "reduce" in k}
+    tp = tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank)
+    if tp:
+        out["tp_partial_grad_all_reduce"] = tp
+    return out
+
+
+def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
+    """Tensor-parallel activation collectives of one rank per optimizer step (T tokens per
+    microbatch, volumes of full [T, d] tensors; r / c = residual / matmul dtype):
+
+    per block, sequence parallel:  forward  2 all-gathers (r, attention and MLP inputs)
+                                            + 2 reduce-scatters (c, wo and w2 outputs)
+                                   backward 2 reduce-scatters (r) + 2 all-gathers (c)
+    per block, no sequence parallel: forward 2 all-reduces (c), backward 2 all-reduces (r)
+    first stage: embedding output reduce-scatter (all-reduce without SP) forward, all-gather back
+    last stage:  output-head input all-gather (r) forward, reduce-scatter back; loss parallel
+                 all-reduces 3 fp32 [T] statistics (max, sum-exp, target logit); without it the
+                 logits [T, vocab] are all-gathered (c)
+    SP:          norm weights' gradients arrive Partial over TP. FSDP all-reduces them (storage
+                 dtype) before its reduce-scatter, per microbatch; without FSDP the trainer does,
+                 once per step, in one flat all-reduce (precision.PartialGradReducer; reduce_dtype
+                 if norms are lower-precision-safe). Frozen norms have no gradient.
+    Recomputed blocks (full AC) repeat their forward collectives in backward except the last
+    (w2's reduce-scatter / all-reduce): non-reentrant checkpointing stops recomputing once the
+    last saved tensor is rebuilt.
+    x microbatches (PP) x gradient-accumulation steps.
+    """
+    if layout.tp == 1:
+        return {}
+    r, c = prec.residual, prec.compute
+    emb = prec.param if prec.low("embedding") else prec.storage
+    norm_dtype = prec.param if prec.low("norm") else prec.storage
+    full = layout.microbatch_tokens * model.dim
+    vocab = layout.microbatch_tokens * model.vocab_size
+    ag: ByDtype = {}
+    rs: ByDtype = {}
+    ar: ByDtype = {}
+    passes = layout.microbatches * layout.grad_accum
+
+    def conjugate_pair(dtype: str) -> None:
+        """A [T, d] collective one way and its mirror the other: a reduce-scatter and an
+        all-gather under sequence parallel, a single all-reduce without it."""
+        nbytes = passes * full * DTYPE_BYTES[dtype]
+        if layout.sp:
+            add_bytes(rs, dtype, nbytes)
+            add_bytes(ag, dtype, nbytes)
+        else:
+            add_bytes(ar, dtype, nbytes)
+
+    for stage in rank_stages(model, layout, pp_rank):
+        n = len(stage.layers)
+        if layout.ac_mode == "full":
+            recompute = n
+        elif layout.ac_mode == "selective" and layout.ac_option != "op":
+            recompute = len(range(0, n, int(layout.ac_option)))
+        else:
+            recompute = 0  # op-level SAC: not modelled (approximate)
+        if layout.sp:
+            add_bytes(ag, r, passes * (2 * n + 2 * recompute) * full * DTYPE_BYTES[r])
+            add_bytes(rs, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
+            add_bytes(rs, r, passes * 2 * n * full * DTYPE_BYTES[r])
+            add_bytes(ag, c, passes * 2 * n * full * DTYPE_BYTES[c])
+        else:
+            add_bytes(ar, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
+            add_bytes(ar, r, passes * 2 * n * full * DTYPE_BYTES[r])
+        if stage.first:
+            conjugate_pair(emb)  # embedding output
+        if stage.last:
+            conjugate_pair(r)  # output-head input
+            if layout.loss_parallel:
+                add_bytes(ar, "float32", passes * 3 * layout.microbatch_tokens * 4)
+            else:
+                add_bytes(ag, c, passes * vocab * DTYPE_BYTES[c])
+        if layout.sp and layout.dp_shard > 1:
+            norms = sum(1 for spec in param_specs(model, stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
+            reduces = layout.grad_accum if layout.pp > 1 else passes
+            add_bytes(ar, norm_dtype, reduces * norms * model.dim * DTYPE_BYTES[norm_dtype])
+    for dtype, nbytes in tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank).items():
+        add_bytes(ar, dtype, nbytes)
+    return {k: v for k, v in (("tp_all_gather", ag), ("tp_reduce_scatter", rs), ("tp_all_reduce", ar)) if v}
+
+
+def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
+    """Pipeline point-to-point traffic of one rank per step: each microbatch sends its stage
+    output [mb, seq / sp, dim] forward and receives its gradient back, and the mirror image at the
+    stage's input, in the residual stream's dtype (PrecisionSpec.residual: param dtype under FSDP,
+    whose non-last stage roots do not cast to output_dtype; fp32 under autocast).
+    x microbatches x gradient-accumulation steps."""
+    if layout.pp == 1:
+        return {}
+    r = prec.residual
+    sp = layout.tp if layout.sp else 1
+    size = layout.pp_microbatch_size * (layout.seq_len // sp) * model.dim * DTYPE_BYTES[r]
+    passes = layout.microbatches * layout.grad_accum
+    send: ByDtype = {}
+    recv: ByDtype = {}
+    for stage in rank_stages(model, layout, pp_rank):
+        boundaries = int(not stage.first) + int(not stage.last)
+        add_bytes(send, r, passes * boundaries * size)
+        add_bytes(recv, r, passes * boundaries * size)
+    return {"pp_send": send, "pp_recv": recv}
+
+
+def comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
+         tp_rank: int = 0) -> dict[str, ByDtype]:
+    """All traffic categories of one rank per step (see dp_comm, tp_comm, pp_comm)."""
+    return {**dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
+            **tp_comm(model, prec, layout, pp_rank=pp_rank),
+            **pp_comm(model, prec, layout, pp_rank=pp_rank)}

@@ -1,0 +1,160 @@
+"""FSDP2 as parallelize.apply_fsdp sets it up: the fully_shard groups of a stage, how often each
+gathers and reduces in a step (fsdp_comm, fsdp_calls), and its unsharded buffers alive at the peak
+(fsdp_transient). The dry run feeds fsdp_comm and fsdp_transient the groups of a real (meta) model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.shards import fsdp_padded_numel, tp_local_shape
+from torchtitan_amp.memory.sizes import ByDtype, add_bytes
+from torchtitan_amp.memory.specs import Layout, ParamSpec, PrecisionSpec, Stage
+from torchtitan_amp.memory.stages import stage_ops
+from torchtitan_amp.rules import DTYPE_BYTES, reshard_after_forward
+from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
+
+
+@dataclass(frozen=True)
+class FsdpGroup:
+    """One fully_shard unit: what it gathers and reduces per pass."""
+
+    name: str
+    padded_shard_numel: int  # all-gather input per rank; x shards = unsharded (padded) size
+    gather_dtype: str
+    reduce_dtype: str
+    reshard_after_forward: bool
+    kind: str  # "block" | "fp32" | "root"
+
+    def unsharded_numel(self, shards: int) -> int:
+        return self.padded_shard_numel * shards
+
+
+def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage,
+                tp_rank: int = 0) -> list[FsdpGroup]:
+    """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path the modules outside
+    the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
+    block is a group; the root holds the rest. Which reshard after forward:
+    rules.reshard_after_forward."""
+    n = layout.dp_shard
+    specs = param_specs(model, stage)
+
+    def numel(ss: list[ParamSpec]) -> int:
+        return sum(fsdp_padded_numel(tp_local_shape(s, layout.tp, tp_rank), n) for s in ss)
+
+    mp = prec.path == "fsdp"
+    low_gather = prec.param if mp else prec.storage
+    low_reduce = prec.reduce if mp else prec.storage
+    policy, pp = layout.reshard_after_forward, layout.pp > 1
+    groups: list[FsdpGroup] = []
+    own = [s for s in specs if mp and not prec.low(s.kind)]
+    units: dict[object, list[ParamSpec]] = {}  # by block; None: outside blocks
+    grouped = grouped_fsdp_casts_every_output()  # else one group per module (parallelize.apply_fsdp)
+    for s in own:  # every module here owns a single weight
+        units.setdefault(s.block if grouped else s.name, []).append(s)
+    for unit in units.values():
+        groups.append(FsdpGroup("+".join(s.name.rsplit(".", 1)[0] for s in unit), numel(unit), "float32",
+                                "float32", reshard_after_forward(policy, False, pp), "fp32"))
+    rest = [s for s in specs if s not in own]
+    layers = list(stage.layers)
+    for j, i in enumerate(layers):
+        block = [s for s in rest if s.block == i]
+        groups.append(FsdpGroup(f"layers.{i}", numel(block), low_gather, low_reduce,
+                                reshard_after_forward(policy, j == len(layers) - 1, pp), "block"))
+    root = [s for s in rest if s.block is None]
+    if root:
+        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce,
+                                reshard_after_forward(policy, True, pp), "root"))
+    return groups
+
+
+def fsdp_gathers_per_step(group: FsdpGroup, ops: list[str], pp: bool) -> int:
+    """All-gathers of one group in a step of forward (F) / backward (B) passes.
+
+    Without PP every pass starts sharded (backward reshards): F gathers, and B gathers again if
+    the group was resharded after forward. With PP the stage runs backward with
+    reshard_after_backward off until its last microbatch, so a pass gathers only when the group
+    is sharded at that moment (after a resharding F, or at the start of the step).
+    """
+    if not pp:
+        return sum(1 if op == "F" else int(group.reshard_after_forward) for op in ops)
+    sharded, count = True, 0
+    for op in ops:
+        count += sharded
+        sharded = op == "F" and group.reshard_after_forward
+    return count
+
+
+def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, ByDtype]:
+    """FSDP traffic of one rank per optimizer step, from its stages' groups:
+
+    all-gather     = unsharded (padded) params in gather dtype, per gather (each forward, plus the
+                     backward re-gather of groups resharded after forward; see
+                     fsdp_gathers_per_step)
+    reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP once per
+                     schedule step (the stage syncs gradients after its last microbatch)
+    HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
+    x gradient-accumulation steps.
+    """
+    n = layout.dp_shard
+    ag: ByDtype = {}
+    rs: ByDtype = {}
+    ar: ByDtype = {}
+    for stage, groups in stage_groups:
+        ops = stage_ops(layout, stage)
+        reduces = 1 if layout.pp > 1 else ops.count("B")
+        for g in groups:
+            gathers = fsdp_gathers_per_step(g, ops, layout.pp > 1)
+            full = g.unsharded_numel(n)
+            add_bytes(ag, g.gather_dtype, layout.grad_accum * gathers * full * DTYPE_BYTES[g.gather_dtype])
+            add_bytes(rs, g.reduce_dtype, layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
+            if layout.dp_replicate > 1:
+                add_bytes(ar, g.reduce_dtype, layout.grad_accum * reduces * g.padded_shard_numel
+                          * DTYPE_BYTES[g.reduce_dtype])
+    out = {"fsdp_all_gather": ag, "fsdp_reduce_scatter": rs}
+    if ar:
+        out["hsdp_all_reduce"] = ar
+    return out
+
+
+def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, int]:
+    """FSDP collective calls of one rank per optimizer step: one all-gather per group per gather,
+    one reduce-scatter (and HSDP all-reduce) per group per reduction (see fsdp_comm)."""
+    out = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
+    for stage, groups in stage_groups:
+        ops = stage_ops(layout, stage)
+        reduces = 1 if layout.pp > 1 else ops.count("B")
+        for g in groups:
+            out["fsdp_all_gather"] += layout.grad_accum * fsdp_gathers_per_step(g, ops, layout.pp > 1)
+            out["fsdp_reduce_scatter"] += layout.grad_accum * reduces
+    if layout.dp_replicate > 1:
+        out["hsdp_all_reduce"] = out["fsdp_reduce_scatter"]
+    return out
+
+
+def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> ByDtype:
+    """FSDP buffers alive at the peak, by dtype (not counted in params/grads):
+
+    without PP: groups not resharded after forward (root, last block) stay unsharded, plus, for
+                the largest block, the gathered copy in use, the next one prefetched, its
+                unsharded gradient (gather dtype) and its reduce-scatter input (reduce dtype)
+    with PP:    a stage keeps its params unsharded and accumulates unsharded grads (reduce dtype)
+                until its last microbatch: every group's unsharded params and grads
+    """
+    n = layout.dp_shard
+    out: ByDtype = {}
+    for _stage, groups in stage_groups:
+        if layout.pp > 1:
+            for g in groups:
+                add_bytes(out, g.gather_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.gather_dtype])
+                add_bytes(out, g.reduce_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.reduce_dtype])
+            continue
+        for g in groups:
+            if not g.reshard_after_forward:
+                add_bytes(out, g.gather_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.gather_dtype])
+        blocks = [g for g in groups if g.kind == "block" and g.reshard_after_forward]
+        if blocks:
+            big = max(blocks, key=lambda g: g.padded_shard_numel)
+            add_bytes(out, big.gather_dtype, 3 * big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
+            add_bytes(out, big.reduce_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.reduce_dtype])
+    return out

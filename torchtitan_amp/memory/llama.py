@@ -1,0 +1,134 @@
+"""Llama 3's terms in the memory model: its shapes (ModelDims), its parameters with their TP
+sharding (param_specs, as parallelize.apply_tp shards them) and its saved-for-backward bytes per
+token (activation_terms). The rest of torchtitan_amp.memory is shared accounting that reads these
+(and so imports this module); a second model family supplies the same three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
+from torchtitan_amp.rules import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes that matter: a Llama 3 decoder without biases, untied embeddings."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ModelDims":
+        """From a `LlamaModelArgs` (the caller has imported the model, and torch, already)."""
+        from torchtitan_amp.models.llama import ffn_hidden_dim
+
+        return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
+                   ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size)
+
+    def layer_params(self) -> int:
+        d, kv, f = self.dim, self.kv_dim, self.ffn_hidden
+        return 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+
+    def total_params(self) -> int:
+        return self.n_layers * self.layer_params() + 2 * self.vocab_size * self.dim + self.dim
+
+
+def param_specs(model: ModelDims, stage: Stage) -> list[ParamSpec]:
+    """Parameters of one pipeline stage with their TP sharding (parallelize.apply_tp):
+    q/k/v, w1/w3 and the output head column-wise (dim 0), wo/w2 row-wise (dim 1), the embedding
+    row-wise (vocab rows, dim 0), norms replicated."""
+    d, kv, f, v = model.dim, model.kv_dim, model.ffn_hidden, model.vocab_size
+    hq = model.n_heads * model.head_dim
+    out: list[ParamSpec] = []
+    if stage.first:
+        out.append(ParamSpec("tok_embeddings.weight", (v, d), "embedding", 0, None))
+    for i in stage.layers:
+        p = f"layers.{i}."
+        out += [
+            ParamSpec(p + "attention_norm.weight", (d,), "norm", None, i),
+            ParamSpec(p + "attention.wq.weight", (hq, d), "linear", 0, i),
+            ParamSpec(p + "attention.wk.weight", (kv, d), "linear", 0, i),
+            ParamSpec(p + "attention.wv.weight", (kv, d), "linear", 0, i),
+            ParamSpec(p + "attention.wo.weight", (d, hq), "linear", 1, i),
+            ParamSpec(p + "ffn_norm.weight", (d,), "norm", None, i),
+            ParamSpec(p + "feed_forward.w1.weight", (f, d), "linear", 0, i),
+            ParamSpec(p + "feed_forward.w2.weight", (d, f), "linear", 1, i),
+            ParamSpec(p + "feed_forward.w3.weight", (f, d), "linear", 0, i),
+        ]
+    if stage.last:
+        out.append(ParamSpec("norm.weight", (d,), "norm", None, None))
+        out.append(ParamSpec("output.weight", (v, d), "linear", 0, None))
+    return out
+
+
+def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
+    """Saved-for-backward bytes per token, the Megatron-LM estimate (Korthikanti et al. 2022,
+    s*b*h*(34 + 5*a*s/h) in 16-bit) redone for this Llama block; equal to the bytes autograd saves
+    in a real forward pass on CPU (tests/test_dry_run.py; the FSDP-path and TP variants follow
+    from the same tensors with other dtypes and shards):
+
+        norms      2 x (8d + 4) / sp        RMSNorm upcasts: fp32 input, fp32 normalized x, rstd
+        linear in  (k_attn + k_ffn) x c x d   q/k/v and w1/w3 inputs; the whole sequence (DTensor
+                                            keeps the all-gathered input under sequence parallel);
+                                            k = 3 and 2 separate casts under autocast, else 1
+        attention  c x (2d / t + 2kv') + 4H / t
+                                            SDPA's q, k, v (kv' = d / t when repeat_kv copies the
+                                            local kv heads to H / t heads, kv / t when it is a view:
+                                            no repetition or one local kv head), its output (also
+                                            wo's input) and
+                                            logsumexp: fused attention, no s^2 term; rotary saves
+                                            only its [s, head_dim/2] tables
+        MLP        4 x c x f / t            w1 out, silu out, w3 out, w2 in
+    with d = dim, kv = kv_heads x head_dim, f = ffn hidden, H = heads, t = TP degree, sp = t
+    under sequence parallel (else 1), c = bytes of the matmul dtype (bf16: 2, fp32: 4). Full AC
+    keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
+    one block at a time in backward.
+    """
+    d, kv, f, h = model.dim, model.kv_dim, model.ffn_hidden, model.n_heads
+    t = layout.tp
+    sp = t if layout.sp else 1
+    c = DTYPE_BYTES[prec.compute]
+    r = DTYPE_BYTES[prec.residual]
+    autocast_casts = prec.path == "autocast" and prec.compute != prec.residual
+    k_attn, k_ffn = (3, 2) if autocast_casts else (1, 1)
+    # repeat_kv copies k and v to H heads, except where the reshape is a view: no repetition, or
+    # a single kv head on this rank (e.g. 8 kv heads over TP 8).
+    local_kv_heads = max(model.kv_heads // t, 1)
+    repeated = model.n_heads != model.kv_heads and local_kv_heads > 1
+    kv_saved = d / t if repeated else local_kv_heads * model.head_dim
+    norm = (8 * d + 4) / sp
+    layer = (
+        2 * norm
+        + (k_attn + k_ffn) * c * d
+        + c * (2 * d / t + 2 * kv_saved) + 4 * h / t
+        + 4 * c * f / t
+    )
+    checkpointed = r * d / sp
+    # Op-level SAC keeps matmul and attention outputs plus the inputs of its two regions
+    # (approximate: not checked against a real run).
+    op_sac = (
+        checkpointed + 2 * norm + 2 * r * d / sp
+        + c * (d + 2 * kv) / t + c * d + 2 * c * f / t + c * d
+        + (c * d + 4 * h) / t
+    )
+    lp = t if (t > 1 and layout.loss_parallel) else 1
+    out_b = DTYPE_BYTES[prec.output]
+    # Final norm, the head's input, then logits in matmul dtype, cast to output dtype, and
+    # cross-entropy's fp32 log-softmax (a live-tensor estimate at the loss, not checked).
+    head = norm + c * d + (c + out_b + 4) * model.vocab_size / lp
+    return ActivationTerms(layer, checkpointed, op_sac, head, 8.0)

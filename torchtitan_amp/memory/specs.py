@@ -1,0 +1,169 @@
+"""What the accounting is told, as plain data: the precision plan's decisions (PrecisionSpec), the
+layout (Layout), and the shapes a model family describes for it: its parameters per pipeline stage
+(ParamSpec, Stage) and its saved-for-backward bytes per token (ActivationTerms). The one family
+name here is Llama's RMSNorm in PrecisionSpec.from_plan (the "norm" kind of the safe-module list).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_amp.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """What the precision plan decided, as names (see torchtitan_amp.precision.PrecisionPlan)."""
+
+    path: str = "fsdp"  # "fsdp" | "autocast" | "full"
+    storage: str = "float32"  # parameters, gradients and AdamW state
+    param: str = "bfloat16"  # compute / all-gather dtype of lower-precision-safe modules
+    reduce: str = "float32"  # gradient-reduce dtype of safe modules
+    output: str = "float32"  # logits
+    comm_hook: bool = False  # DDP compress hook (autocast path, reduce != fp32)
+    # Module kinds in lower_precision_safe_modules: "linear" (incl. the output head), "embedding",
+    # "norm". Everything else computes, gathers and reduces in fp32.
+    safe_kinds: frozenset[str] = frozenset({"linear"})
+    optimizer_state: str = ""  # AdamW's moments ("": the storage dtype)
+    frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> "PrecisionSpec":
+        from torch import nn
+
+        from torchtitan_amp.models.llama import RMSNorm
+        from torchtitan_amp.precision import dtype_name as name
+
+        kinds = set()
+        for cls_, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"), (RMSNorm, "norm")):
+            if any(issubclass(cls_, safe) for safe in plan.safe_modules):
+                kinds.add(kind)
+        return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
+                   name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
+                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names))
+
+    @classmethod
+    def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",
+               storage: str = "float32", comm_hook: bool = False) -> "PrecisionSpec":
+        return cls(path, storage, param if path != "full" else storage,
+                   reduce if path != "full" else storage, "float32" if path != "full" else storage,
+                   comm_hook)
+
+    def low(self, kind: str) -> bool:
+        """Whether modules of this kind run (and communicate) in param/reduce dtype."""
+        return self.path != "full" and kind in self.safe_kinds
+
+    @property
+    def state(self) -> str:
+        return self.optimizer_state or self.storage
+
+    def is_frozen(self, param_name: str) -> bool:
+        """training.freeze matches a module; everything inside it is frozen."""
+        parts = param_name.split(".")[:-1]
+        modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(m, pat) for m in modules for pat in self.frozen)
+
+    def stored(self, spec: "ParamSpec") -> str:
+        """A parameter's storage dtype: frozen ones keep their compute dtype (PrecisionPlan.frozen_dtype)."""
+        if self.is_frozen(spec.name) and self.low(spec.kind):
+            return self.param
+        return self.storage
+
+    def bytes_per_param(self) -> dict[str, int]:
+        """Bytes per trained parameter held in parameters, gradients and AdamW moments (summed
+        over data-parallel shards: divide by dp_shard for one FSDP rank), and per frozen one."""
+        s, m = DTYPE_BYTES[self.storage], DTYPE_BYTES[self.state]
+        return {"param": s, "grad": s, "optimizer": 2 * m, "trained_total": 2 * s + 2 * m,
+                "frozen_linear": DTYPE_BYTES[self.param if self.low("linear") else self.storage]}
+
+    @property
+    def residual(self) -> str:
+        """dtype of the residual stream between blocks (what PP sends and TP gathers)."""
+        if self.path == "fsdp":
+            return self.param  # each block's input is cast to param dtype (cast_block_inputs)
+        return self.storage  # autocast: fp32 residual (bf16 matmul outputs promote on add)
+
+    @property
+    def compute(self) -> str:
+        """dtype of the matmul outputs inside a block."""
+        return self.param if self.low("linear") else self.storage
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    seq_len: int = 2048
+    local_batch_size: int = 1
+    grad_accum: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    ac_mode: str = "none"  # "none" | "full" | "selective"
+    ac_option: str = "2"  # selective: every N-th block, or "op"
+    reshard_after_forward: str = "default"  # "default" | "always" | "never"
+    split_points: tuple[int, ...] = ()  # first layer of each stage after the first
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 and self.sequence_parallel
+
+    @property
+    def ac_label(self) -> str:
+        """The AC mode as reports print it: "none", "full" or "selective(<option>)"."""
+        return f"selective({self.ac_option})" if self.ac_mode == "selective" else self.ac_mode
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * STAGES_PER_RANK[self.pp_schedule] if self.pp > 1 else 1
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per schedule step (1 without PP)."""
+        return self.local_batch_size // self.pp_microbatch_size if self.pp > 1 else 1
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens in one forward pass of this rank's model."""
+        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.seq_len
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """Stages held by a pipeline rank: rank r holds r, r + pp, ... (looped placement)."""
+        return stage_ids(pp_rank, self.pp, self.pp_schedule) if self.pp > 1 else [0]
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    layers: range
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "embedding" | "linear" | "norm"
+    tp_dim: int | None  # dim sharded by TP (None: replicated)
+    block: int | None  # layer index, None for the ends
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Bytes per token of one microbatch (multiply by microbatch tokens)."""
+
+    layer: float  # one block, nothing recomputed
+    layer_checkpointed: float  # one block under full AC: its input only
+    layer_op_sac: float  # one block under op-level selective AC (approximate)
+    head: float  # final norm, output head, logits and loss (last stage)
+    embedding: float  # token ids (first stage)

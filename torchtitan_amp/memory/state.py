@@ -1,0 +1,76 @@
+"""Training state one rank holds, by dtype: parameters (as held and as FSDP2 allocates them),
+gradients and AdamW's state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.shards import fsdp_local_numel, fsdp_padded_numel, tp_local_shape
+from torchtitan_amp.memory.sizes import ByDtype, add_bytes
+from torchtitan_amp.memory.specs import Layout, PrecisionSpec
+from torchtitan_amp.memory.stages import rank_stages
+from torchtitan_amp.rules import DTYPE_BYTES
+
+
+# Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
+ADAMW_STEP_BYTES = 4
+
+
+@dataclass
+class StateBytes:
+    params: ByDtype = field(default_factory=dict)
+    grads: ByDtype = field(default_factory=dict)
+    optimizer: ByDtype = field(default_factory=dict)
+    # Params as FSDP2 allocates them (each shard padded to ceil(dim0 / shards) rows).
+    params_padded: ByDtype = field(default_factory=dict)
+    num_params: int = 0  # elements held by this rank
+    num_tensors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "params_padded": self.params_padded, "num_params": self.num_params,
+                "num_tensors": self.num_tensors}
+
+
+def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
+                tp_rank: int = 0, dp_shard_rank: int = 0) -> StateBytes:
+    """Parameters, gradients and AdamW state held by one rank.
+
+    params    = local elements x bytes(storage)  (TP shard, then FSDP dim-0 shard)
+    grads     = params (same shard, storage dtype: FSDP2 reduce-scatters into fp32 sharded grads),
+                except that under TP without FSDP the embedding's gradient is a replicated full
+                [vocab, dim] tensor (DTensor's embedding backward for a row-sharded table, torch 2.13)
+    optimizer = 2 x params (exp_avg, exp_avg_sq in optimizer.state_dtype) + 4 bytes per tensor (step)
+    frozen parameters (training.freeze): their compute dtype (PrecisionSpec.stored), no gradient,
+                no optimizer state
+    """
+    out = StateBytes()
+    mb = DTYPE_BYTES[prec.state]
+    trained_tensors = 0
+    for stage in rank_stages(model, layout, pp_rank):
+        for spec in param_specs(model, stage):
+            shape = tp_local_shape(spec, layout.tp, tp_rank)
+            if layout.dp_shard > 1:
+                numel = fsdp_local_numel(shape, layout.dp_shard, dp_shard_rank)
+                padded = fsdp_padded_numel(shape, layout.dp_shard)
+            else:
+                numel = padded = math.prod(shape)
+            out.num_params += numel
+            out.num_tensors += 1
+            dtype = prec.stored(spec)
+            sb = DTYPE_BYTES[dtype]
+            add_bytes(out.params, dtype, numel * sb)
+            add_bytes(out.params_padded, dtype, padded * sb)
+            if prec.is_frozen(spec.name):
+                continue
+            trained_tensors += 1
+            grad = numel
+            if spec.kind == "embedding" and layout.tp > 1 and layout.dp_shard == 1:
+                grad = math.prod(spec.shape)  # see the docstring: replicated embedding gradient
+            add_bytes(out.grads, dtype, grad * sb)
+            add_bytes(out.optimizer, prec.state, 2 * numel * mb)
+    add_bytes(out.optimizer, "float32", ADAMW_STEP_BYTES * trained_tensors)
+    return out
