@@ -44,7 +44,7 @@ def use_model(name: str) -> list[str]:
 
     The config accepts only the registered flavours, so "large" replaces the debug flavour's
     shape in this process's flavour table (nothing on disk changes)."""
-    from torchtitan_amp.models import llama
+    from torchtitan_amp.models.llama3 import model as llama
 
     spec = CPU_MODELS[name]
     # From the registered shape every time: models run one after another in one process.
@@ -54,7 +54,7 @@ def use_model(name: str) -> list[str]:
 
 
 def model_args(name: str, vocab_size: int = 258, seq_len: int = 2048):  # type: ignore[no-untyped-def]
-    from torchtitan_amp.models import llama
+    from torchtitan_amp.models.llama3 import model as llama
 
     use_model(name)
     return llama.build_model_args(CPU_MODELS[name]["flavor"], vocab_size, seq_len)

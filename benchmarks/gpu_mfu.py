@@ -13,13 +13,13 @@ memory (an out-of-memory error still lowers the count by a quarter and retries).
 configuration is built as the Trainer builds its model: a JobConfig (load_config with the
 configuration's overrides: precision, --ac, compile), ParallelDims and its device mesh,
 PrecisionPlan.from_config, then torchtitan_amp.job.build_model_parts
-(parallelize_llama: fp32 islands, activation checkpointing, torch.compile of each block, FSDP2
+(parallelize_model: fp32 islands, activation checkpointing, torch.compile of each block, FSDP2
 fully_shard with the plan's MixedPrecisionPolicy), and trained with loss_fn, clip_grad_norm_ and
 build_optimizer (AdamW, fused on CUDA). On one GPU the FSDP "shard" is the whole model (a 1-rank
 mesh): what is measured is the policy (bf16 gathered weights, fp32 master weights and gradients),
 which torchtitan_amp otherwise applies only with >= 2 data-parallel ranks; the fsdp configuration
 therefore declares FSDP enabled on its 1-rank dp_shard dim (ParallelDims below), and the planner
-and parallelize_llama take the FSDP path from there.
+and parallelize_model take the FSDP path from there.
 
 Reported per configuration: tokens/s/GPU, TFLOP/s, MFU against the GPU's bf16 dense peak (as
 torchtitan: fp32 runs show what they leave unused), peak memory allocated / reserved, and the
@@ -53,7 +53,7 @@ import torch.distributed as dist  # noqa: E402
 from torchtitan_amp import memory  # noqa: E402
 from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
 from torchtitan_amp.metrics import peak_flops  # noqa: E402
-from torchtitan_amp.models.llama import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
 from torchtitan_amp.optim import build_optimizer  # noqa: E402
 from torchtitan_amp.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
@@ -122,7 +122,7 @@ class WholeModelShard(ParallelDims):
     """One rank with FSDP on: fully_shard over the 1-rank dp_shard dim. torchtitan_amp enables FSDP
     only with >= 2 shards (one GPU gets the autocast path); the benchmark measures the FSDP
     policy on one GPU, so this says FSDP is on and everything downstream (the planner's path,
-    parallelize_llama's FSDP and compile choices) follows as for a sharded run."""
+    parallelize_model's FSDP and compile choices) follows as for a sharded run."""
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -186,7 +186,7 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     torch._dynamo.reset()
     baseline = reset_memory(device)
     # The Trainer's model: built on meta, initialised (on CPU then moved, or on the device after
-    # sharding), parallelize_llama (fp32 islands, AC, compile, FSDP), in training mode.
+    # sharding), parallelize_model (fp32 islands, AC, compile, FSDP), in training mode.
     job = Job(config, dims.world_size, device.type, dims, 1, plan, None, args, (0,), 1, None)
     built = build_model_parts(job, device, [0])
     model, fpt, n_params = built.parts[0], built.flops_per_token, built.num_params

@@ -117,7 +117,7 @@ def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: fl
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from torchtitan_amp.models.llama import Transformer
+    from torchtitan_amp.models.llama3.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(args)

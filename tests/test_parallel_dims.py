@@ -298,10 +298,11 @@ def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
 
 @pytest.mark.parametrize("argv, expected", [([], 25.0), (["--parallelism.ddp_bucket_cap_mb", "7.5"], 7.5)])
 def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expected: float) -> None:
-    """parallelize_llama hands parallelism.ddp_bucket_cap_mb to replicate (recorded, not run)."""
+    """parallelize_model hands parallelism.ddp_bucket_cap_mb to replicate (recorded, not run)."""
     from types import SimpleNamespace
 
     from torchtitan_amp import parallelize
+    from torchtitan_amp.models import get_family
 
     seen: dict = {}
     monkeypatch.setattr(parallelize, "replicate", lambda model, **kw: seen.update(kw))
@@ -310,5 +311,5 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     dims = SimpleNamespace(tp_enabled=False, fsdp_enabled=False, ddp_enabled=True, mesh={"dp_replicate": mesh})
     plan = SimpleNamespace(apply_fp32_islands=lambda model: None, comm_hook_state=lambda model, group: None,
                            comm_hook="none")
-    parallelize.parallelize_llama(torch.nn.Linear(2, 2), dims, plan, load_config(argv))
+    parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))
     assert seen["bucket_cap_mb"] == expected and seen["device_mesh"] is mesh

@@ -274,7 +274,7 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
                                    "grad_scaler", "autocast_dtype")} == {
         "path": "fsdp", "param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": "float32",
         "comm_hook": "none", "grad_scaler": "none", "autocast_dtype": None}
-    assert report["fp32_modules"] == ["torch.nn.modules.sparse.Embedding", "torchtitan_amp.models.llama.RMSNorm"]
+    assert report["fp32_modules"] == ["torch.nn.modules.sparse.Embedding", "torchtitan_amp.models.llama3.model.RMSNorm"]
     groups = _groups(report)
     assert groups["Linear"] | {"num_params": 0} == {
         "module_type": "torch.nn.modules.linear.Linear", "num_params": 0,
@@ -303,7 +303,7 @@ def test_report_honours_safe_module_list() -> None:
     report = plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16",
                   "--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear,torch.nn.Embedding"
                   ).report(tiny_model())
-    assert report["fp32_modules"] == ["torchtitan_amp.models.llama.RMSNorm"]
+    assert report["fp32_modules"] == ["torchtitan_amp.models.llama3.model.RMSNorm"]
     assert _groups(report)["Embedding"]["reduce_dtype"] == "bfloat16"
 
 

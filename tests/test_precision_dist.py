@@ -113,7 +113,7 @@ def test_path_and_report(run, name):  # type: ignore[no-untyped-def]
     assert report["param_dtype"] == "bfloat16" and report["reduce_dtype"] == "float32"
     assert report["grad_scaler"] == "none"
     assert report["autocast_dtype"] == ("bfloat16" if family == "autocast" else None)
-    assert report["fp32_modules"] == ["torch.nn.modules.sparse.Embedding", "torchtitan_amp.models.llama.RMSNorm"]
+    assert report["fp32_modules"] == ["torch.nn.modules.sparse.Embedding", "torchtitan_amp.models.llama3.model.RMSNorm"]
     groups = {g["module_type"].rsplit(".", 1)[-1]: g for g in report["param_groups"]}
     assert set(groups) == {"Embedding", "RMSNorm", "Linear"}
     assert all(g["storage_dtype"] == "float32" for g in groups.values())

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtitan_amp.errors import ConfigError
-from torchtitan_amp.rules import DtypeName, PipelineSchedule, ReshardPolicy, flavor_names
+from torchtitan_amp.rules import DtypeName, PipelineSchedule, ReshardPolicy, family_names, flavor_names
 
 # A boolean that may also be "auto" (mixed_precision.enabled).
 BoolOrAuto = bool | Literal["auto"]
@@ -58,9 +58,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = _f("llama3", "Model family.")
-    flavor: str = _f("debugmodel", "Model size: a flavour registered in models/llama.py's LLAMA3_FLAVORS "
-                     "(the built-in ones; a tool may register more at run time).", choices=flavor_names)
+    name: str = _f("llama3", "Model family: a folder models/<family>/ registered in models.FAMILIES.",
+                   choices=family_names)
+    flavor: str = _f("debugmodel", "Model size: a flavour of the chosen family (models/<family>/; the "
+                     "built-in ones are listed, a tool may register more at run time).", choices=flavor_names)
     tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS), a path to a tokenizer.json, or a "
                         "Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json's BOS/EOS).")
 
@@ -641,6 +642,11 @@ def _require(cond: bool, message: str) -> None:
 
 def validate(config: JobConfig) -> None:
     t, o, p, lr = config.training, config.optimizer, config.parallelism, config.lr_scheduler
+    m = config.model
+    # Each field alone was checked as it was set; a flavour must also belong to the chosen family.
+    own = flavor_names(m.name)
+    _require(m.flavor in own, f"'model.flavor' = {m.flavor!r} is not a flavour of model.name = {m.name!r}; "
+             f"choose one of: {', '.join(repr(f) for f in own)}")
     _require(t.seq_len >= 2, f"'training.seq_len' must be >= 2, got {t.seq_len}")
     _require(t.local_batch_size >= 1, f"'training.local_batch_size' must be >= 1, got {t.local_batch_size}")
     _require(t.dataloader_num_workers >= 0,

@@ -7,6 +7,7 @@ and the tools call these two, so a dry run cannot drift from a real run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +16,9 @@ from torchtitan_amp import memory, profiling
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training
 from torchtitan_amp.matmul_speed import low_precision_speed
-from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, build_model_args, count_params, flops_per_token
+from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.parallelize import parallelize_llama, validate_layout
+from torchtitan_amp.parallelize import parallelize_model, validate_layout
 from torchtitan_amp.pipeline import stage_module
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tokenizer import Tokenizer, build_tokenizer
@@ -52,10 +53,15 @@ class Job:
     accum: int  # gradient-accumulation steps per optimizer step
     plan: PrecisionPlan
     tokenizer: Tokenizer | None  # None in a dry run given dry_run.vocab_size
-    model_args: LlamaModelArgs
+    model_args: Any  # the family's args dataclass (LlamaModelArgs for llama3)
     boundaries: tuple[int, ...]  # first layer of each pipeline stage; (0,) without PP
     n_microbatches: int  # pipeline microbatches per local batch; 1 without PP
     validation: ValidationSpec | None  # None: validation off
+
+    @property
+    def family(self) -> ModelFamily:
+        """The model family model.name picks (checked against the registry at config time)."""
+        return get_family(self.config.model.name)
 
     @property
     def layout(self) -> memory.Layout:
@@ -102,13 +108,14 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     # A dry run told the vocabulary size need not read a tokenizer file of the machines it sizes.
     tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.dry_run.vocab_size
-    args = build_model_args(config.model.flavor, vocab, t.seq_len)
+    family = get_family(config.model.name)
+    args = family.build_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None)
     if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):
-            model = Transformer(args)
+            model = family.build_model(args)
         plan.mark_fp32_by_name(model)
         plan.freeze(model)
         plan.check_fp8_modules(model)
@@ -130,15 +137,15 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     (TP, AC, compile, FSDP/DDP). Models up to FULL_INIT_MAX_PARAMS are initialised from the seed
     on every rank before sharding, so every layout starts from identical weights; larger ones are
     initialised on their shards. `materialize=False` (dry run): everything stays on meta."""
-    args, t = job.model_args, job.config.training
+    args, t, family = job.model_args, job.config.training, job.family
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.build_model(args)
     job.plan.apply_storage_dtype(model)
     job.plan.mark_fp32_by_name(model)
     job.plan.freeze(model)
     job.plan.apply_fp8(model)
     num_params = count_params(model)
-    fpt = flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
+    fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)
     initialised = materialize and num_params <= FULL_INIT_MAX_PARAMS
     if initialised:
@@ -149,7 +156,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     parts = []
     for sid in stage_ids:
         part = stage_module(model, sid, list(job.boundaries)) if job.dims.pp_enabled else model
-        parallelize_llama(part, job.dims, job.plan, job.config)
+        parallelize_model(part, family, job.dims, job.plan, job.config)
         if materialize:
             if not initialised:
                 part.to_empty(device=device)

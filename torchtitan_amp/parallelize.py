@@ -1,4 +1,7 @@
-"""Apply parallelisms to a Llama model in a fixed order: TP, AC, compile, then FSDP or DDP.
+"""Apply parallelisms to a family's model in a fixed order: TP, AC, compile, then FSDP or DDP.
+
+What differs between families (a block's TP plan, its norms, its AC regions) comes from the
+`ModelFamily`; the rest follows the decoder shape every family shares (models/spec.py).
 
 Precision is not decided here: every dtype choice comes from the `PrecisionPlan`.
 """
@@ -27,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
+from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
@@ -103,16 +107,17 @@ def parallel_context(dims: ParallelDims, config: JobConfig) -> contextlib.Abstra
     return loss_parallel() if loss_parallel_enabled(dims, config) else contextlib.nullcontext()
 
 
-def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig) -> nn.Module:
+def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan,
+                      config: JobConfig) -> nn.Module:
     plan.apply_fp32_islands(model)
     if dims.tp_enabled:
-        apply_tp(model, dims.mesh["tp"], loss_parallel_enabled(dims, config),
+        apply_tp(model, family, dims.mesh["tp"], loss_parallel_enabled(dims, config),
                  config.parallelism.enable_sequence_parallel)
         plan.refreeze(model)
         if config.parallelism.enable_async_tensor_parallel:
             apply_async_tp(dims.mesh["tp"])
     if config.activation_checkpoint.mode != "none":
-        apply_ac(model, config.activation_checkpoint)
+        apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
         # Blocks hold nested fp32 FSDP groups (norms) on the FSDP path, whose hooks dynamo cannot
         # trace: allow graph breaks there instead of failing.
@@ -126,8 +131,10 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, plan: PrecisionPlan,
     return model
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel_on: bool, sequence_parallel: bool) -> None:
-    """Megatron-style TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise; norms sequence-parallel.
+def apply_tp(model: nn.Module, family: ModelFamily, mesh: DeviceMesh, loss_parallel_on: bool,
+             sequence_parallel: bool) -> None:
+    """Megatron-style TP: each block by the family's plan (Llama: q/k/v and w1/w3 column-wise, wo
+    and w2 row-wise), its norms sequence-parallel; the embedding row-wise, the output column-wise.
 
     Absent stage ends (pipeline parallel sets them to None) are skipped.
     """
@@ -145,23 +152,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, loss_parallel_on: bool, sequenc
         )
     parallelize_module(model, mesh, top)
     for block in model.layers.values():
-        block_plan: dict[str, object] = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
-        }
+        block_plan = family.tp_block_plan(seq)
         if sequence_parallel:
-            block_plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
+            block_plan.update({name: SequenceParallel() for name in family.block_norms})
         else:
-            _replicate_params(block.attention_norm, mesh)
-            _replicate_params(block.ffn_norm, mesh)
+            for name in family.block_norms:
+                _replicate_params(getattr(block, name), mesh)
         parallelize_module(block, mesh, block_plan)
     if model.norm is not None and not sequence_parallel:
         _replicate_params(model.norm, mesh)
@@ -199,12 +195,12 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _wrap_block(block: nn.Module, ac: ActivationCheckpoint) -> nn.Module:
+def _wrap_block(block: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> nn.Module:
     if ac.mode == "selective" and ac.selective_ac_option == "op":
-        # Op-level SAC wraps attention and feed-forward, not the block: the norms' own fp32 FSDP
-        # groups would run their hooks inside the region, and SAC's replay requires the
-        # recompute to issue exactly the forward's ops.
-        for name in ("attention", "feed_forward"):
+        # Op-level SAC wraps the family's regions (attention and feed-forward), not the block: the
+        # norms' own fp32 FSDP groups would run their hooks inside the region, and SAC's replay
+        # requires the recompute to issue exactly the forward's ops.
+        for name in regions:
             wrapped = checkpoint_wrapper(
                 getattr(block, name), preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
@@ -213,12 +209,12 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpoint) -> nn.Module:
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
+def apply_ac(model: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> None:
     """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
     every = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else 1
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if i % every == 0:
-            model.layers.register_module(name, _wrap_block(block, ac))
+            model.layers.register_module(name, _wrap_block(block, ac, regions))
     logger.info("activation checkpointing: %s", ac.mode if ac.mode == "full" else
                 f"selective ({ac.selective_ac_option})")
 

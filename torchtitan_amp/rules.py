@@ -30,21 +30,40 @@ def short_name(dtype: object) -> str:
     return SHORT.get(name, name)
 
 # ---------------------------------------------------------------------------------------------
-# Model flavours (their shapes live in models/llama.py, which needs torch)
+# Model families and their flavours (their shapes live in models/<family>/, which needs torch)
 
-# The built-in entries of models/llama.py's LLAMA3_FLAVORS. model.flavor is checked against the
-# registry itself (flavor_names), not this list: a tool may register a shape at run time.
-FLAVORS: tuple[str, ...] = ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b")
-_LLAMA_MODULE = "torchtitan_amp.models.llama"
+# The built-in families and flavours of models.FAMILIES. model.name / model.flavor are checked
+# against the registry itself once it is imported (a tool or test may register a family or a
+# flavour at run time), against this table before (nothing can have been registered then).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama3": ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"),
+}
+FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
+_MODELS_PACKAGE = "torchtitan_amp.models"
 
 
-def flavor_names() -> tuple[str, ...]:
-    """The flavours model.flavor accepts: the names in models/llama.py's LLAMA3_FLAVORS, which a
-    tool may extend at run time (gpu_checks registers llama3_8b_2l). Until that module is imported
-    nothing can have been registered, so the built-in names answer then, without importing torch
-    (config parsing and --help stay torch-free)."""
-    registry = getattr(sys.modules.get(_LLAMA_MODULE), "LLAMA3_FLAVORS", None)
-    return tuple(registry) if registry is not None else FLAVORS
+def _family_flavors() -> dict[str, tuple[str, ...]]:
+    """family -> flavour names: models.FAMILIES' if that package is imported, else the built-in
+    table, without importing torch (config parsing and --help stay torch-free)."""
+    registry = getattr(sys.modules.get(_MODELS_PACKAGE), "FAMILIES", None)
+    if registry is None:
+        return FAMILIES
+    return {name: tuple(family.flavors) for name, family in registry.items()}
+
+
+def family_names() -> tuple[str, ...]:
+    """The families model.name accepts."""
+    return tuple(_family_flavors())
+
+
+def flavor_names(family: str | None = None) -> tuple[str, ...]:
+    """The flavours of `family` (e.g. gpu_checks registers llama3_8b_2l into llama3's); None: every
+    family's, in registry order without repeats (what model.flavor may hold before model.name is
+    known; config.validate then checks it against the chosen family's)."""
+    table = _family_flavors()
+    if family is not None:
+        return table.get(family, ())
+    return tuple(dict.fromkeys(name for names in table.values() for name in names))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -145,16 +145,16 @@ def _cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
 def export_checkpoint(step_dir: str | Path, output: str | Path, dtype: str = "float32") -> Path:
     """Write a checkpoint's model as one torch.save file of a plain state dict (single process).
 
-    The result loads with `Transformer(LlamaModelArgs(**meta['model_args'])).load_state_dict`.
+    The result loads with `family.build_model(family.args_from_dict(meta['model_args']))
+    .load_state_dict`, the family being meta's job_config model.name.
     """
-    from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
-
     info = inspect_checkpoint(step_dir)
     if info.kind == "model_only":
         sd = torch.load(info.path / EXPORT_FILE, weights_only=True)
     else:
+        family = checkpoint_family(info.meta)
         with torch.device("meta"):
-            model = Transformer(LlamaModelArgs(**info.meta["model_args"]))
+            model = family.build_model(family.args_from_dict(info.meta["model_args"]))
         model.to_empty(device="cpu")
         sd = model.state_dict()
         with quiet_single_process():
@@ -183,16 +183,22 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
     return merged
 
 
-def merge_export_parts(tmp: Path, pp_degree: int, model_args: Any) -> None:
-    """model.stage<p>.pt of every pipeline stage -> one model.pt in the plain model's key order."""
-    from torchtitan_amp.models.llama import Transformer
+def checkpoint_family(meta: dict[str, Any]) -> Any:
+    """The model family a checkpoint was saved from (its job config's model.name; "llama3" for
+    checkpoints written before the field could differ)."""
+    from torchtitan_amp.models import get_family
 
+    return get_family(meta.get("job_config", {}).get("model", {}).get("name", "llama3"))
+
+
+def merge_export_parts(tmp: Path, pp_degree: int, model_args: Any, family: Any) -> None:
+    """model.stage<p>.pt of every pipeline stage -> one model.pt in the plain model's key order."""
     merged: dict[str, torch.Tensor] = {}
     parts = [tmp / f"model.stage{p}.pt" for p in range(pp_degree)]
     for part in parts:
         merged.update(torch.load(part, map_location="cpu", weights_only=True, mmap=True))
     with torch.device("meta"):
-        order = list(Transformer(model_args).state_dict())
+        order = list(family.build_model(model_args).state_dict())
     missing = [k for k in order if k not in merged]
     if missing or len(merged) != len(order):
         raise CheckpointError(f"pipeline stages exported {len(merged)} tensors, the model has {len(order)}"

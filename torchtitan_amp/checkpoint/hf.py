@@ -49,7 +49,7 @@ from torchtitan_amp.checkpoint.format import (
     quiet_single_process,
 )
 from torchtitan_amp.errors import CheckpointError
-from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, ffn_hidden_dim
+from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, ffn_hidden_dim
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

@@ -40,6 +40,7 @@ from torchtitan_amp.checkpoint.retention import purge
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.distributed import local_tensor as _local
 from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.models import get_family
 from torchtitan_amp.torch_compat import default_stager_reusable
 
 if TYPE_CHECKING:
@@ -201,7 +202,8 @@ def write_export(m: CheckpointManager, tmp: Path) -> None:
             error = f"could not write {tmp / name}: {one_line(e)}"
     m._all_ok(error)
     if m.pp_degree > 1:
-        m._agree(lambda: merge_export_parts(tmp, m.pp_degree, m.model_args))
+        m._agree(lambda: merge_export_parts(tmp, m.pp_degree, m.model_args,
+                                                get_family(m.config.model.name)))
 
 
 def prepare_tmp(folder: Path, tmp: Path) -> None:

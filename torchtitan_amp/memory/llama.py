@@ -35,7 +35,7 @@ class ModelDims:
     @classmethod
     def from_args(cls, args: Any) -> "ModelDims":
         """From a `LlamaModelArgs` (the caller has imported the model, and torch, already)."""
-        from torchtitan_amp.models.llama import ffn_hidden_dim
+        from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 
         return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
                    ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size)

@@ -33,7 +33,7 @@ class PrecisionSpec:
     def from_plan(cls, plan: Any) -> "PrecisionSpec":
         from torch import nn
 
-        from torchtitan_amp.models.llama import RMSNorm
+        from torchtitan_amp.models.llama3.model import RMSNorm
         from torchtitan_amp.precision import dtype_name as name
 
         kinds = set()

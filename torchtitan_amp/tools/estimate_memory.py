@@ -57,16 +57,17 @@ MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap an
 # Estimate
 
 
-def apply_shape(flavor: str, shape: str | None) -> None:
+def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
     """--shape dim=512,n_layers=8: change the flavour's shape in this process (a what-if, or a
     model size between the registered flavours). Nothing on disk changes."""
     if not shape:
         return
     import dataclasses
 
-    from torchtitan_amp.models import llama
+    from torchtitan_amp.models import get_family
 
-    fields = {f.name: f.type for f in dataclasses.fields(llama.LlamaModelArgs)}
+    family = get_family(family_name)
+    fields = {f.name: f.type for f in dataclasses.fields(family.args_cls)}
     changes: dict[str, Any] = {}
     for item in shape.split(","):
         key, _, value = item.partition("=")
@@ -77,7 +78,7 @@ def apply_shape(flavor: str, shape: str | None) -> None:
             changes[key] = float(value) if "." in value or "e" in value else int(value)
         except ValueError:
             raise ConfigError(f"--shape entry '{item}': '{value}' is not a number") from None
-    llama.LLAMA3_FLAVORS[flavor] = dataclasses.replace(llama.LLAMA3_FLAVORS[flavor], **changes)
+    family.flavors[flavor] = dataclasses.replace(family.flavors[flavor], **changes)
 
 
 def estimate(config: JobConfig, ngpu: int | None) -> dict[str, Any]:
@@ -166,7 +167,8 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
     import torch
 
     from torchtitan_amp.metrics import peak_flops
-    from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
+    # Any small model loads the same kernels and threads; Llama's stands in for every family.
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
     peak_flops(torch.device("cpu"), {torch.float32, param_dtype})
     model = Transformer(LlamaModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16))
@@ -190,7 +192,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     from torchtitan_amp.trainer import Trainer
 
     config = load_config(argv)
-    apply_shape(config.model.flavor, shape)
+    apply_shape(config.model.name, config.model.flavor, shape)
     _warm_up(resolve(config, int(os.environ.get("WORLD_SIZE", "1"))).plan.param_dtype)
     marks: dict[str, int] = {}
     build = Trainer._build_model
@@ -288,14 +290,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="outputs/estimate_memory", help="dump folder of the --measure run")
     p.add_argument("--json", metavar="FILE", help="write the estimate (and measurement) as JSON")
     p.add_argument("--shape", metavar="K=V,...", help="change the flavour's shape, e.g. dim=512,n_layers=8,n_heads=8 "
-                   "(fields of torchtitan_amp.models.llama.LlamaModelArgs)")
+                   "(fields of the family's args: LlamaModelArgs for llama3)")
     p.add_argument("--measure-child", metavar="OUT", help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args(argv)
     if args.measure_child:
         return measure_child(overrides, args.steps, args.measure_child, args.shape)
     try:
         config = load_config(overrides)
-        apply_shape(config.model.flavor, args.shape)
+        apply_shape(config.model.name, config.model.flavor, args.shape)
         est = estimate(config, args.ngpu)
     except (ConfigError, ValueError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)

@@ -62,8 +62,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
 from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E402
-from torchtitan_amp.models import llama  # noqa: E402
-from torchtitan_amp.models.llama import RMSNorm  # noqa: E402
+from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
+from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 

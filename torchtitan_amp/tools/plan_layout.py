@@ -141,8 +141,6 @@ def _collective_seconds(category: str, nbytes: float, degrees: tuple[int, int, i
 def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     """Fill in memory and time estimates for a candidate validated by dry_run.resolve (whether
     it fits is plan's to decide, for the --gpu-mem-gib at hand)."""
-    from torchtitan_amp.models.llama import flops_per_token
-
     model, prec, layout = res.model_dims, res.precision, res.layout
     # Pipeline rank 0 holds the most in-flight microbatches, the last one the output head.
     pp_ranks = sorted({0, layout.pp - 1})
@@ -152,7 +150,7 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     tokens = args.global_batch_size * args.seq_len
     # The MFU numerator of train.py: 6N (N without the embedding table) + attention.
     n_no_emb = model.total_params() - model.vocab_size * model.dim
-    model_flops = flops_per_token(res.model_args, n_no_emb, args.seq_len)
+    model_flops = res.family.flops_per_token(res.model_args, n_no_emb, args.seq_len)
     attn = model_flops - 6 * n_no_emb
     # Full AC runs each block's forward again in backward: + 2N + attention's forward third.
     flops_tok = model_flops + ((2 * n_no_emb + attn / 3) if layout.ac_mode == "full" else 0)
@@ -178,9 +176,9 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
 def candidates(args: Any) -> tuple[list[Candidate], int]:
     """Every valid, evaluated candidate (fitting or not) and the number of rejected ones."""
     from torchtitan_amp import dry_run
-    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+    from torchtitan_amp.models import get_family
 
-    n_layers = LLAMA3_FLAVORS[args.flavor].n_layers
+    n_layers = get_family(args.model).flavors[args.flavor].n_layers
     out: list[Candidate] = []
     rejected = 0
     for degrees in factorizations(args.gpus):
@@ -200,6 +198,8 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
             "--parallelism.tensor_parallel_degree", str(t),
             "--parallelism.pipeline_parallel_degree", str(p),
         ]
+        if args.model != "llama3":  # the default family goes unsaid in the printed overrides
+            layout_args += ["--model.name", args.model]
         if p > 1:
             # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
             layout_args += ["--training.local_batch_size", str(per_dp),
@@ -271,6 +271,7 @@ def format_plan(result: dict[str, Any], top: int) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3", help="Model family (model.name).")
     ap.add_argument("--flavor", required=True, help="Model flavour (llama3_8b, llama3_70b, llama3_405b, ...).")
     ap.add_argument("--gpus", type=int, required=True, help="Number of GPUs (the world size).")
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="Memory per GPU, GiB (default 80).")
@@ -305,10 +306,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+    from torchtitan_amp.models import FAMILIES
 
-    if args.flavor not in LLAMA3_FLAVORS:
-        print(f"error: unknown flavour {args.flavor!r}; choose one of {', '.join(LLAMA3_FLAVORS)}", file=sys.stderr)
+    if args.model not in FAMILIES:
+        print(f"error: unknown model family {args.model!r}; choose one of {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
+    flavors = FAMILIES[args.model].flavors
+    if args.flavor not in flavors:
+        print(f"error: unknown flavour {args.flavor!r}; choose one of {', '.join(flavors)}", file=sys.stderr)
         return 2
     result = plan(args)
     print(format_plan(result, args.top))

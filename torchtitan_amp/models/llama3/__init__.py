@@ -1,0 +1,18 @@
+"""The Llama 3 family: its model and flavours (model.py), TP plan (parallelize.py), and the one
+`FAMILY` object the framework asks for them (models.FAMILIES["llama3"])."""
+
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs, RMSNorm, Transformer, flops_per_token
+from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS, tp_block_plan
+from torchtitan_amp.models.spec import ModelFamily
+
+FAMILY = ModelFamily(
+    name="llama3",
+    model_cls=Transformer,
+    args_cls=LlamaModelArgs,
+    flavors=LLAMA3_FLAVORS,
+    flops_per_token=flops_per_token,
+    tp_block_plan=tp_block_plan,
+    block_norms=BLOCK_NORMS,
+    ac_regions=AC_REGIONS,
+    norm_cls=RMSNorm,
+)

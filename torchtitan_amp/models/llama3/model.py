@@ -1,0 +1,414 @@
+"""Llama 3 family's model: args, flavours, modules, init, parameter and FLOP counts.
+
+Precision contract: every module returns activations in the dtype it was given,
+so the same code serves FSDP mixed precision (bf16 params and residual stream),
+torch.autocast (fp32 params, bf16 matmuls) and plain fp32. The numerically
+sensitive parts (RMSNorm, rotary embeddings) upcast to fp32 internally because
+neither path does it for us: FSDP casts parameters, not ops, and CPU autocast
+has no entry for rms_norm.
+"""
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
+
+# Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
+# carry their own copy because Llama 3.2 checkpoints use factor 32 (checkpoint/hf.py maps them).
+ROPE_SCALING_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_ORIGINAL_MAX_POSITION = 8192
+
+
+@dataclass
+class LlamaModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    # Per-layer init std 0.02 / sqrt(2 * (layer_id + 1)) instead of one shared
+    # 0.02 / sqrt(2 * n_layers).
+    depth_init: bool = True
+    use_scaled_rope: bool = True
+    rope_scaling_factor: float = ROPE_SCALING_FACTOR
+    rope_low_freq_factor: float = ROPE_LOW_FREQ_FACTOR
+    rope_high_freq_factor: float = ROPE_HIGH_FREQ_FACTOR
+    rope_original_max_position: int = ROPE_ORIGINAL_MAX_POSITION
+
+    def __post_init__(self) -> None:
+        # Fail at config time: these would otherwise surface as view() errors
+        # deep inside the first forward.
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} not divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for rope")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} not divisible by n_kv_heads {self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+
+_DEBUG_MODEL = LlamaModelArgs(
+    dim=256,
+    n_layers=6,
+    n_heads=16,
+    rope_theta=500000.0,
+    vocab_size=258,  # byte tokenizer: 256 bytes + BOS + EOS
+    max_seq_len=2048,
+    use_scaled_rope=False,
+)
+
+# The flavour registry: with model.name = "llama3", model.flavor accepts its names (rules.FAMILIES
+# lists the built-in ones without importing torch; register_flavor adds more at run time).
+LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
+    "debugmodel": _DEBUG_MODEL,
+    # Head dim 64 instead of 16: CPU bf16 attention backward is ~3.5x slower
+    # than fp32 at head dim 16 and on par at 64.
+    "debugmodel_h64": dataclasses.replace(_DEBUG_MODEL, n_heads=4),
+    "llama3_8b": LlamaModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000.0,
+    ),
+    "llama3_70b": LlamaModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500000.0,
+    ),
+    "llama3_405b": LlamaModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def register_flavor(name: str, args: LlamaModelArgs) -> None:
+    """Add (or replace) a flavour for this process. LLAMA3_FLAVORS is the registry model.flavor is
+    checked against (rules.flavor_names, through the family), so a config naming `name` is
+    accepted from now on."""
+    LLAMA3_FLAVORS[name] = args
+
+
+def build_model_args(flavor: str, vocab_size: int, max_seq_len: int) -> LlamaModelArgs:
+    """A copy of the flavour with the tokenizer's vocab and the training seq len."""
+    if flavor not in LLAMA3_FLAVORS:
+        allowed = ", ".join(LLAMA3_FLAVORS)
+        raise ValueError(f"unknown model flavour {flavor!r}; allowed flavours: {allowed}")
+    return dataclasses.replace(
+        LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len
+    )
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    factor: float = ROPE_SCALING_FACTOR
+    low_freq_factor: float = ROPE_LOW_FREQ_FACTOR
+    high_freq_factor: float = ROPE_HIGH_FREQ_FACTOR
+    original_max_position: int = ROPE_ORIGINAL_MAX_POSITION
+
+    @classmethod
+    def from_args(cls, args: LlamaModelArgs) -> "RopeScaling":
+        return cls(args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
+                   args.rope_original_max_position)
+
+
+def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling = RopeScaling()) -> torch.Tensor:
+    """Llama 3.1 context extension: slow down low frequencies, keep high ones,
+    interpolate smoothly in between."""
+    low_freq_wavelen = s.original_max_position / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * freqs / s.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, interpolated, scaled)
+
+
+def precompute_rope(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    use_scaled_rope: bool,
+    device: torch.device | None = None,
+    scaling: RopeScaling = RopeScaling(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [max_seq_len, head_dim // 2], float32.
+
+    Real tables rather than complex ones: complex tensors are poorly supported
+    by torch.compile and DTensor.
+    """
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    # An enclosing autocast (e.g. init_weights called inside a forward context)
+    # must not turn the angle products into bf16: position * freq needs all of
+    # fp32's mantissa at long sequence lengths. Meta has no autocast to disable.
+    no_autocast = (
+        torch.autocast(device.type, enabled=False)
+        if torch.amp.is_autocast_available(device.type)
+        else contextlib.nullcontext()
+    )
+    with no_autocast:
+        exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
+        freqs = 1.0 / (theta**exponents)
+        if use_scaled_rope:
+            freqs = _scale_rope_freqs(freqs, scaling)
+        positions = torch.arange(max_seq_len, device=device).float()
+        angles = torch.outer(positions, freqs)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ([B, S, H, head_dim]) by position; cos/sin are [S, head_dim // 2].
+
+    Rotates interleaved pairs (x[2i], x[2i+1]), the layout of Meta's Llama
+    checkpoints and of torchtitan's complex implementation.
+    """
+    # Tables may be longer than the sequence: slice here, where q holds the whole sequence even
+    # when sequence parallel has split the residual stream outside attention.
+    seqlen = xq.shape[1]
+    cos = cos[:seqlen, None, :]
+    sin = sin[:seqlen, None, :]
+    return _rotate(xq, cos, sin), _rotate(xk, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # In bf16 the products and sums would round to 8 significant bits, blurring
+    # the position signal that q.k depends on.
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, H_kv, D] -> [B, S, H_kv * n_rep, D], each kv head repeated in place."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    return (
+        x.unsqueeze(3)
+        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, returned in the input's dtype.
+
+    Output in the input dtype because under FSDP mixed precision the residual
+    stream is bf16 and the next Linear holds bf16 weights. Upcast explicitly
+    rather than trust the kernel: CPU autocast has no rule for rms_norm, and
+    whether a backend's bf16 kernel accumulates in fp32 is its own choice.
+    """
+
+    # Tells the precision plan that no autocast guard is needed around this module.
+    computes_in_fp32 = True
+
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, args: LlamaModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
+        # produce only this rank's heads; n_rep is unchanged by that.
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, cos, sin)
+        xk = repeat_kv(xk, self.n_rep)
+        xv = repeat_kv(xv, self.n_rep)
+        out = F.scaled_dot_product_attention(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama 3 SwiGLU width: 2/3 of 4*dim (keeps the param count of a 4*dim
+    two-matrix MLP), times the multiplier, rounded up to multiple_of."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(self, layer_id: int, args: LlamaModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = self.build_feed_forward(args)
+        # Output projections feed the residual stream; shrinking their std keeps
+        # its variance from growing with depth.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    @staticmethod
+    def build_feed_forward(args: LlamaModelArgs) -> nn.Module:
+        """The block's MLP: a family built from Llama's blocks overrides only this (its module must
+        have `init_weights(init_std)`)."""
+        return FeedForward(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder. Pipeline splitting may set tok_embeddings, norm and
+    output to None and delete entries of `layers`; forward then passes hidden
+    states through the missing ends."""
+
+    # The block type: a family that reuses Llama's decoder with another block overrides this.
+    block_cls: type[TransformerBlock] = TransformerBlock
+
+    def __init__(self, args: LlamaModelArgs) -> None:
+        super().__init__()
+        self.model_args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by layer index, not a list, so that a pipeline stage
+        # holding layers 8..15 still has the FQNs "layers.8...." for checkpoints.
+        self.layers = nn.ModuleDict(
+            {str(i): self.block_cls(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Non-persistent: derived from args, so checkpoints stay free of them
+        # and a meta-built model regenerates them in init_weights.
+        rope_cos, rope_sin = self._precompute_rope(device=None)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.model_args
+        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device,
+                               RopeScaling.from_args(a))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and the rope buffers; the step after
+        `to_empty`, since a meta-built model owns only uninitialised memory."""
+        self.rope_cos, self.rope_sin = self._precompute_rope(
+            buffer_device or self.rope_cos.device
+        )
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.model_args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
+        without embeddings/output, hidden states [B, S, dim] in and/or out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:
+    """Training FLOPs per token, as torchtitan's get_num_flop_per_token.
+
+    6N: forward + 2x backward, 2 FLOPs per multiply-add. Attention adds
+    12 * L * H * head_dim * seq_len: 2 matmuls (scores, values) x 3 (fwd +
+    bwd) x 2 FLOPs; the causal mask's skipped half is by convention not
+    subtracted, and flash-attention recomputation is not counted.
+    """
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * num_params_excl_embedding + attention

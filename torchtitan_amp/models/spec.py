@@ -1,0 +1,73 @@
+"""What a model family hands the rest of the framework: one `ModelFamily` object.
+
+torchtitan's TrainSpec is the anchor: the framework never imports a family's modules, it asks
+the family named by `model.name` (models.get_family). A family's model follows one decoder shape
+that the generic code relies on (pipeline splitting, TP of the ends, FSDP units, AC, compile):
+
+- built as `model_cls(args)`, where `args` is a dataclass with `vocab_size`, `max_seq_len`,
+  `n_layers`, `n_heads` and `kv_heads`, kept as `model.model_args`;
+- top-level `tok_embeddings`, `layers` (an nn.ModuleDict keyed by global layer index: the
+  pipeline split unit and the FSDP / AC / compile unit), `norm` and `output`, any of which a
+  pipeline stage may set to None (or delete from `layers`);
+- `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`.
+
+Numerically sensitive modules declare `computes_in_fp32 = True` (the precision plan and the audit
+read that attribute, whatever the family), which makes them fp32 islands by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # the value of model.name that picks it
+    model_cls: Callable[[Any], nn.Module]
+    args_cls: type  # the dataclass of its shapes (a checkpoint's meta records its fields)
+    # Flavour name -> args. The family's own dict, so a flavour registered at run time (into that
+    # dict) is accepted by model.flavor from then on.
+    flavors: dict[str, Any]
+    # (args, parameters without embeddings, seq_len) -> training FLOPs per token (MFU's numerator).
+    flops_per_token: Callable[[Any, int, int], int]
+    # (sequence-dim placement of the residual stream) -> a block's TP plan (parallelize_module's
+    # {submodule name: ParallelStyle}), the ends excepted: they follow the decoder shape.
+    tp_block_plan: Callable[[Any], dict[str, Any]]
+    # A block's norms: sequence-parallel under TP with SP on, replicated DTensor params without.
+    block_norms: tuple[str, ...]
+    # The submodules of a block that op-level selective AC wraps (never the norms: their own fp32
+    # FSDP groups would run hooks inside the recomputed region).
+    ac_regions: tuple[str, ...]
+    # The norm class (the memory model's "norm" kind in lower_precision_safe_modules).
+    norm_cls: type[nn.Module]
+    # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields).
+    hf: Any = None
+    # The analytic terms of the memory model (memory/ asks it for dims, param specs, activations).
+    memory: Any = None
+
+    def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
+        """A copy of the flavour with the tokenizer's vocab and the training seq len."""
+        if flavor not in self.flavors:
+            allowed = ", ".join(self.flavors)
+            raise ValueError(f"unknown model flavour {flavor!r}; allowed flavours: {allowed}")
+        return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+    def build_model(self, args: Any) -> nn.Module:
+        return self.model_cls(args)
+
+    def args_from_dict(self, fields: dict[str, Any]) -> Any:
+        """The args a checkpoint's meta recorded (dataclasses.asdict of them)."""
+        return self.args_cls(**fields)
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameter count; without embeddings it is the N of the 6N FLOP rule,
+    since an embedding lookup does no matmul."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        total -= sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+    return total
