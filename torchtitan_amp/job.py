@@ -78,11 +78,11 @@ class Job:
 
     @property
     def model_dims(self) -> memory.ModelDims:
-        return memory.ModelDims.from_args(self.model_args)
+        return self.family.memory_dims(self.model_args)
 
     @property
     def precision(self) -> memory.PrecisionSpec:
-        return memory.PrecisionSpec.from_plan(self.plan)
+        return memory.PrecisionSpec.from_plan(self.plan, self.family.norm_cls)
 
     @property
     def num_stages(self) -> int:

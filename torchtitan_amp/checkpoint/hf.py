@@ -1,16 +1,17 @@
-"""Hugging Face Llama folders in both directions: import as starting weights on any parallel
-layout, export any checkpoint as safetensors shards + index + config.json (+ tokenizer files).
+"""Hugging Face folders in both directions, for every model family: import as starting weights on
+any parallel layout, export any checkpoint as safetensors shards + index + config.json (+ tokenizer
+files). The family's `HFAdapter` (models/<family>/hf.py) says the names, which tensors' rows the
+rotary layouts order differently, and config.json's fields; this module does the rest.
 
 Import goes through DCP with torch's own `HuggingFaceStorageReader`, taught our names and our
-rotary layout (`HFLlamaReader`): DCP plans which slice of which tensor each rank needs (FSDP, TP,
+rotary layout (`HFReader`): DCP plans which slice of which tensor each rank needs (FSDP, TP,
 PP and their compositions alike) and every rank reads only its slices from the memory-mapped
 shards, so no rank ever holds the full model. Export runs in one process and converts one output
 shard at a time (`export_hf`), so it never holds the model twice.
 
-Two layouts differ: this model rotates interleaved pairs (x[2i], x[2i+1]) (Meta's layout,
-models/llama.py), Hugging Face's LlamaForCausalLM rotates halves (x[i], x[i + head_dim/2]). The
-q and k projections' output rows are permuted within each head on the way in and out; nothing
-else changes but the names.
+Two rotary layouts differ: our models rotate interleaved pairs (x[2i], x[2i+1]) (Meta's layout),
+Hugging Face's rotate halves (x[i], x[i + head_dim/2]). The rows of the tensors the adapter names
+(Llama: the q and k projections) are permuted within each head on the way in and out.
 """
 
 from __future__ import annotations
@@ -44,60 +45,19 @@ from torchtitan_amp.checkpoint.format import (
     EXPORT_FILE,
     TORCH_DTYPES,
     check_model_fits,
+    checkpoint_family,
     inspect_checkpoint,
     one_line,
     quiet_single_process,
 )
 from torchtitan_amp.errors import CheckpointError
-from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, ffn_hidden_dim
+from torchtitan_amp.models import FAMILIES, ModelFamily
+from torchtitan_amp.models.spec import HFAdapter
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default for save_pretrained
-
-# Our FQN inside layers.<i>. -> HF's inside model.layers.<i>.
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-# Older exports carry the rotary tables as a buffer; we compute ours from config.json.
-_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
-
-
-def to_hf_name(fqn: str) -> str:
-    if m := _OUR_LAYER.match(fqn):
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    return _TOP_NAMES[fqn]
-
-
-def from_hf_name(name: str) -> str | None:
-    """Our FQN for a Hugging Face tensor name, or None for one this model has no place for."""
-    if m := _HF_LAYER.match(name):
-        ours = {hf: o for o, hf in _LAYER_NAMES.items()}.get(m[2])
-        return f"layers.{m[1]}.{ours}" if ours else None
-    return {hf: o for o, hf in _TOP_NAMES.items()}.get(name)
-
-
-def rotary_heads(fqn: str, args: LlamaModelArgs) -> int | None:
-    """The head count of a q or k projection, whose rows the two rotary layouts order differently."""
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
-
 
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Interleaved pairs -> halves: row 2i + c of each head goes to row c * head_dim/2 + i."""
@@ -125,117 +85,44 @@ def read_config(folder: Path) -> dict[str, Any]:
     return cfg
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, llama3 scaling or None) from either spelling: `rope_theta` + `rope_scaling`
-    (published configs, transformers < 5) or `rope_parameters` (transformers >= 5)."""
-    params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return float(theta), (None if kind == "default" else {**scaling, "rope_type": kind})
-
-
-def config_fields(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The config.json fields this model reads, in model-args terms; CheckpointError for a
-    config this model cannot represent (another architecture, biases, another rope type)."""
-    where = folder / CONFIG
-
-    def need(field: str) -> Any:
-        if field not in cfg:
-            raise CheckpointError(f"{where} has no '{field}'")
-        return cfg[field]
-
-    if cfg.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"{where}: 'model_type' = {cfg['model_type']!r}; only 'llama' can be loaded")
-    for field, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if cfg.get(field, allowed) != allowed:
-            raise CheckpointError(f"{where}: '{field}' = {cfg[field]!r}; this model supports only {allowed!r}")
-    dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        raise CheckpointError(f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
-                              f"= {dim // n_heads}; this model supports only the latter")
-    theta, scaling = _rope(cfg)
-    fields = {
-        "dim": dim, "n_layers": int(need("num_hidden_layers")), "n_heads": n_heads,
-        "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),
-        "ffn_hidden": int(need("intermediate_size")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_theta": theta, "use_scaled_rope": scaling is not None,
-    }
-    if scaling is not None:
-        if scaling["rope_type"] != "llama3":
-            raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported "
-                                  "(allowed: 'llama3', or none)")
-        fields.update(rope_scaling_factor=float(scaling["factor"]),
-                      rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                      rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                      rope_original_max_position=int(scaling["original_max_position_embeddings"]))
-    return fields
-
-
-# config.json's name for each model-args field, for the error message.
-_HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-             "kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden": "intermediate_size",
-             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "use_scaled_rope": "rope_scaling",
-             "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
-             "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-             "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
-
-
-def args_fields(args: LlamaModelArgs) -> dict[str, Any]:
-    """The same fields as config_fields, from our model args."""
-    fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
-              "vocab_size": args.vocab_size,
-              "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-              "norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope}
-    if args.use_scaled_rope:
-        fields.update(rope_scaling_factor=args.rope_scaling_factor, rope_low_freq_factor=args.rope_low_freq_factor,
-                      rope_high_freq_factor=args.rope_high_freq_factor,
-                      rope_original_max_position=args.rope_original_max_position)
-    return fields
-
-
-def check_config(folder: Path, args: LlamaModelArgs, flavor: str = "") -> dict[str, Any]:
+def check_config(folder: Path, args: Any, flavor: str = "", family: ModelFamily | None = None) -> dict[str, Any]:
     """config.json must describe exactly this run's model; the first differing field as one
     line. Returns the config."""
     cfg = read_config(folder)
-    theirs, ours = config_fields(cfg, folder), args_fields(args)
+    hf = _adapter(family_of(args, family))
+    theirs, ours = hf.config_fields(cfg, folder), hf.args_fields(args)
     for key, value in ours.items():
         got = theirs.get(key)
         same = math.isclose(got, value, rel_tol=1e-9) if isinstance(value, float) and got is not None else got == value
         if not same:
             source = "the tokenizer (model.tokenizer)" if key == "vocab_size" else f"model.flavor {flavor!r}"
-            shown = ("llama3" if got else "none") if key == "use_scaled_rope" else got
-            raise CheckpointError(f"{folder / CONFIG}: '{_HF_FIELD[key]}' = {shown} but {source} has "
+            shown = hf.describe(key, got)
+            raise CheckpointError(f"{folder / CONFIG}: '{hf.field_names[key]}' = {shown} but {source} has "
                                   f"{key} = {value}")
     return cfg
 
 
-def hf_config(args: LlamaModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
-    transformers version and inference server reads. The output layer is never tied: this model
-    trains it separately."""
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype,
-    }
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                               "low_freq_factor": args.rope_low_freq_factor,
-                               "high_freq_factor": args.rope_high_freq_factor,
-                               "original_max_position_embeddings": args.rope_original_max_position}
-        # The context the scaling was made for, if longer than what this run trained on.
-        cfg["max_position_embeddings"] = max(args.max_seq_len,
-                                             int(args.rope_original_max_position * args.rope_scaling_factor))
-    if bos_id is not None:
-        cfg["bos_token_id"] = bos_id
-    if eos_id is not None:
-        cfg["eos_token_id"] = eos_id
-    return cfg
+def family_of(args: Any, family: ModelFamily | None = None) -> ModelFamily:
+    """`family`, or the registered one whose args class `args` is (callers that know model.name
+    pass its family; the args type answers for the rest)."""
+    if family is not None:
+        return family
+    found = [f for f in FAMILIES.values() if type(args) is f.args_cls]
+    if not found:
+        raise CheckpointError(f"no registered model family has args of type {type(args).__name__}")
+    return found[0]
+
+
+def _adapter(family: ModelFamily) -> HFAdapter:
+    if family.hf is None:
+        raise CheckpointError(f"model family {family.name!r} has no Hugging Face adapter")
+    return family.hf
+
+
+def hf_config(args: Any, dtype: str, bos_id: int | None, eos_id: int | None,
+              family: ModelFamily | None = None) -> dict[str, Any]:
+    """config.json for `args`, as its family writes it."""
+    return _adapter(family_of(args, family)).hf_config(args, dtype, bos_id, eos_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,17 +147,17 @@ def _shard_files(folder: Path) -> list[Path]:
     return [folder / n for n in names]
 
 
-class HFLlamaReader(HuggingFaceStorageReader):
-    """A Hugging Face Llama folder as DCP sees it: tensors under our FQNs, q/k rows in our
+class HFReader(HuggingFaceStorageReader):
+    """A Hugging Face folder as DCP sees it: tensors under our FQNs, q/k rows in our
     rotary layout, and `output.weight` read from the embeddings when config.json ties them.
 
     DCP asks for slices ([offset, offset + length) per dim) of global tensors; a q/k slice is
     read as the whole heads it touches, permuted, then cut, so a rank reads at most two heads
     beyond its shard."""
 
-    def __init__(self, folder: Path, args: LlamaModelArgs, tied: bool) -> None:
+    def __init__(self, folder: Path, args: Any, tied: bool, adapter: HFAdapter) -> None:
         super().__init__(str(folder))
-        self.folder, self.args, self.tied = folder, args, tied
+        self.folder, self.args, self.tied, self.adapter = folder, args, tied, adapter
         self.hf_name: dict[str, str] = {}  # our FQN -> HF tensor name
 
     def read_metadata(self) -> Metadata:
@@ -282,11 +169,11 @@ class HFLlamaReader(HuggingFaceStorageReader):
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():
-                        ours = from_hf_name(name)
-                        if ours is None and _IGNORED.search(name):
+                        ours = self.adapter.from_hf_name(name)
+                        if ours is None and self.adapter.ignored.search(name):
                             continue
                         if ours is None:
-                            raise CheckpointError(f"{path}: tensor '{name}' is not part of a Llama model")
+                            raise CheckpointError(f"{path}: tensor '{name}' is not part of a {self.adapter.display_name} model")
                         piece = f.get_slice(name)
                         shape, dtype = torch.Size(piece.get_shape()), _dtype(piece.get_dtype(), path, name)
                         self.hf_name[ours] = name
@@ -312,7 +199,7 @@ class HFLlamaReader(HuggingFaceStorageReader):
         piece = f.get_slice(self.hf_name[fqn])
         rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
         start, length = req.storage_offsets[0], req.lengths[0]
-        heads = rotary_heads(fqn, self.args)
+        heads = self.adapter.rotary_heads(fqn, self.args)
         if heads is None:
             tensor = piece[(slice(start, start + length), *rest)]
         else:
@@ -347,14 +234,14 @@ def _raise(error: str | None) -> None:
         raise CheckpointError(error)
 
 
-def load_hf(model: nn.Module, folder: Path, args: LlamaModelArgs, *, complete_model: bool,
-            agree: Callable[[str | None], Any] = _raise) -> None:
-    """Load a Hugging Face Llama folder into `model` (this rank's part, any layout) in place.
+def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
+            agree: Callable[[str | None], Any] = _raise, family: ModelFamily | None = None) -> None:
+    """Load a Hugging Face folder into `model` (this rank's part, any layout) in place.
     Collective under a process group. `agree(error)` gathers every rank's error and raises the
     first on all of them, so that a bad folder fails everywhere with the same line."""
     sd = get_model_state_dict(model)
     tied = bool(read_config(folder).get("tie_word_embeddings", False))
-    reader = HFLlamaReader(folder, args, tied)
+    reader = HFReader(folder, args, tied, _adapter(family_of(args, family)))
     error = None
     try:
         check_model_fits(folder, reader.read_metadata().state_dict_metadata, sd, "", complete_model)
@@ -369,6 +256,10 @@ def load_hf(model: nn.Module, folder: Path, args: LlamaModelArgs, *, complete_mo
     except Exception as e:  # noqa: BLE001 - DCP wraps a rank's failure in a CheckpointException
         raise CheckpointError(f"could not load {folder}: {one_line(e)}") from None
     set_model_state_dict(model, sd)
+
+
+# The former name, kept for callers (and tests) that patch the reader.
+HFLlamaReader = HFReader
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +324,7 @@ def _tokenizer_files(spec: str) -> dict[str, Path]:
 
 def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None) -> Path:
-    """Write a checkpoint as a Hugging Face Llama folder (single process). Converts one output
+    """Write a checkpoint as a Hugging Face folder of its family (single process). Converts one output
     shard at a time: peak memory is about one shard in the checkpoint's dtype plus the same
     shard in `dtype`, never the whole model."""
     from safetensors.torch import save_file
@@ -441,14 +332,16 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     from torchtitan_amp.tokenizer import build_tokenizer
 
     info = inspect_checkpoint(step_dir)
-    args = LlamaModelArgs(**info.meta["model_args"])
+    family = checkpoint_family(info.meta)
+    hf = _adapter(family)
+    args = family.args_from_dict(info.meta["model_args"])
     spec = tokenizer or info.meta.get("job_config", {}).get("model", {}).get("tokenizer", "byte")
     files = _tokenizer_files(spec)
     tok = build_tokenizer(spec)
     if tok.vocab_size > args.vocab_size:
         raise CheckpointError(f"tokenizer {spec} has {tok.vocab_size} tokens, the model only {args.vocab_size}")
     with torch.device("meta"):
-        order = list(Transformer(args).state_dict())
+        order = list(family.build_model(args).state_dict())
     shapes, load = _checkpoint_tensors(info, order)
     missing = [k for k in order if k not in shapes]
     if missing:
@@ -467,16 +360,16 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
         out, loaded = {}, load(keys)
         for key in keys:
             value = loaded.pop(key)  # each source tensor is freed as soon as it is converted
-            heads = rotary_heads(key, args)
+            heads = hf.rotary_heads(key, args)
             value = permute_to_hf(value, heads) if heads else value
-            out[to_hf_name(key)] = value.to(target).contiguous()
+            out[hf.to_hf_name(key)] = value.to(target).contiguous()
         save_file(out, str(output / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, name))
         del out
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    cfg = hf_config(args, dtype, tok.bos_id, tok.eos_id)
+    cfg = hf.hf_config(args, dtype, tok.bos_id, tok.eos_id)
     (output / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     for out_name, src in files.items():
         shutil.copyfile(src, output / out_name)

@@ -33,6 +33,7 @@ from torchtitan_amp.checkpoint.integrity import verify_checksums
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.models import get_family
 
 if TYPE_CHECKING:
     from torchtitan_amp.checkpoint.manager import CheckpointManager
@@ -71,7 +72,7 @@ def load(m: CheckpointManager) -> TrainState | None:
         from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
 
         load_hf(m._model, path, m.model_args, complete_model=m.pp_degree == 1,
-                agree=lambda error: m._all_ok(error))
+                agree=lambda error: m._all_ok(error), family=get_family(m.config.model.name))
     elif kind == "model_only":
         load_export(m, path)
     else:
@@ -143,13 +144,14 @@ def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, 
             logger.warning("checkpoint: resuming from the newest complete checkpoint, %s", info.path)
         return Choice(str(info.path), info.kind, info.meta, False, info.step)
     if c.initial_load_path:
-        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor)
+        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor,
+                              get_family(config.model.name))
     if problems:
         logger.warning("checkpoint: no complete checkpoint in %s; starting from scratch", folder)
     return None
 
 
-def choose_initial(path: Path, model_args: Any, flavor: str) -> Choice:
+def choose_initial(path: Path, model_args: Any, flavor: str, family: Any = None) -> Choice:
     """checkpoint.initial_load_path: one of ours, a Hugging Face folder, a foreign DCP checkpoint,
     or a checkpoint folder (its newest complete one)."""
     if not path.exists():
@@ -160,7 +162,7 @@ def choose_initial(path: Path, model_args: Any, flavor: str) -> Choice:
     if (path / "config.json").is_file():  # a Hugging Face model folder
         from torchtitan_amp.checkpoint.hf import check_config
 
-        check_config(path, model_args, flavor)
+        check_config(path, model_args, flavor, family)
         return Choice(str(path), "hf", {}, True, 0)
     if (path / ".metadata").is_file():  # a DCP checkpoint written by another tool
         return Choice(str(path), "seed", {}, True, 0)

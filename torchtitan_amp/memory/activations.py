@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_amp.memory.llama import ModelDims, activation_terms
+from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec, Stage
 from torchtitan_amp.memory.stages import in_flight_microbatches, rank_stages
 
@@ -37,7 +37,7 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
                      pp_rank: int = 0) -> ActivationEstimate:
     """stage bytes = in-flight microbatches x tokens x (layers x per-layer + ends), where a
     recomputing mode adds one block's full activations (the one being recomputed)."""
-    terms = activation_terms(model, prec, layout)
+    terms = model.activation_terms(prec, layout)
     tokens = layout.microbatch_tokens
     stages = rank_stages(model, layout, pp_rank)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from torchtitan_amp.memory.fsdp import fsdp_comm, fsdp_groups
-from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
@@ -35,7 +35,7 @@ def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
         return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
     if layout.dp_replicate > 1:
         return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
-                         for s in stages for p in param_specs(model, s) if not prec.is_frozen(p.name)], prec)
+                         for s in stages for p in model.param_specs(s) if not prec.is_frozen(p.name)], prec)
     return {}
 
 
@@ -46,7 +46,7 @@ def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, 
     if layout.tp == 1 or not layout.sp or layout.dp_shard > 1:
         return {}
     wire = prec.reduce if prec.low("norm") else prec.storage
-    norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in param_specs(model, s)
+    norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in model.param_specs(s)
                 if p.kind == "norm" and not prec.is_frozen(p.name))
     return {wire: norms * model.dim * DTYPE_BYTES[wire]} if norms else {}
 
@@ -132,7 +132,7 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             else:
                 add_bytes(ag, c, passes * vocab * DTYPE_BYTES[c])
         if layout.sp and layout.dp_shard > 1:
-            norms = sum(1 for spec in param_specs(model, stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
+            norms = sum(1 for spec in model.param_specs(stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
             reduces = layout.grad_accum if layout.pp > 1 else passes
             add_bytes(ar, norm_dtype, reduces * norms * model.dim * DTYPE_BYTES[norm_dtype])
     for dtype, nbytes in tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank).items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import fsdp_padded_numel, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, ParamSpec, PrecisionSpec, Stage
@@ -37,7 +37,7 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     block is a group; the root holds the rest. Which reshard after forward:
     rules.reshard_after_forward."""
     n = layout.dp_shard
-    specs = param_specs(model, stage)
+    specs = model.param_specs(stage)
 
     def numel(ss: list[ParamSpec]) -> int:
         return sum(fsdp_padded_numel(tp_local_shape(s, layout.tp, tp_rank), n) for s in ss)

@@ -1,7 +1,11 @@
 """Llama 3's terms in the memory model: its shapes (ModelDims), its parameters with their TP
 sharding (param_specs, as parallelize.apply_tp shards them) and its saved-for-backward bytes per
-token (activation_terms). The rest of torchtitan_amp.memory is shared accounting that reads these
-(and so imports this module); a second model family supplies the same three.
+token (activation_terms). The rest of torchtitan_amp.memory is shared accounting that asks a dims
+object for these (`model.param_specs(stage)`, `model.activation_terms(prec, layout)`), so a family
+whose blocks differ hands it a ModelDims subclass overriding them (ModelFamily.memory_dims).
+
+It stays in memory/, not models/llama3/: memory/ is torch-free (the planner and config-time
+tools use it without torch), and importing anything under models/ imports torch.
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ class ModelDims:
 
         return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
                    ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size)
+
+    def param_specs(self, stage: Stage) -> list[ParamSpec]:
+        """This family's parameters of one pipeline stage (a family overrides this)."""
+        return param_specs(self, stage)
+
+    def activation_terms(self, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
+        """This family's saved-for-backward bytes per token (a family overrides this)."""
+        return activation_terms(self, prec, layout)
 
     def layer_params(self) -> int:
         d, kv, f = self.dim, self.kv_dim, self.ffn_hidden

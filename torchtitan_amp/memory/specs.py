@@ -1,7 +1,7 @@
 """What the accounting is told, as plain data: the precision plan's decisions (PrecisionSpec), the
 layout (Layout), and the shapes a model family describes for it: its parameters per pipeline stage
-(ParamSpec, Stage) and its saved-for-backward bytes per token (ActivationTerms). The one family
-name here is Llama's RMSNorm in PrecisionSpec.from_plan (the "norm" kind of the safe-module list).
+(ParamSpec, Stage) and its saved-for-backward bytes per token (ActivationTerms). PrecisionSpec.
+from_plan is told the family's norm class (the "norm" kind of the safe-module list).
 """
 
 from __future__ import annotations
@@ -30,16 +30,19 @@ class PrecisionSpec:
     frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
 
     @classmethod
-    def from_plan(cls, plan: Any) -> "PrecisionSpec":
+    def from_plan(cls, plan: Any, norm_cls: type | None = None) -> "PrecisionSpec":
+        """`norm_cls`: the model family's norm (ModelFamily.norm_cls), the "norm" kind; None: any
+        safe module class that declares `computes_in_fp32` (every family's norms do)."""
         from torch import nn
 
-        from torchtitan_amp.models.llama3.model import RMSNorm
         from torchtitan_amp.precision import dtype_name as name
 
         kinds = set()
-        for cls_, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"), (RMSNorm, "norm")):
-            if any(issubclass(cls_, safe) for safe in plan.safe_modules):
+        for cls_, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"), (norm_cls, "norm")):
+            if cls_ is not None and any(issubclass(cls_, safe) for safe in plan.safe_modules):
                 kinds.add(kind)
+        if norm_cls is None and any(getattr(safe, "computes_in_fp32", False) for safe in plan.safe_modules):
+            kinds.add("norm")
         return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
                    name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
                    name(plan.optimizer_state_dtype), tuple(plan.frozen_names))

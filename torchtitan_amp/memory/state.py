@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_amp.memory.llama import ModelDims, param_specs
+from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import fsdp_local_numel, fsdp_padded_numel, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
@@ -51,7 +51,7 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
     mb = DTYPE_BYTES[prec.state]
     trained_tensors = 0
     for stage in rank_stages(model, layout, pp_rank):
-        for spec in param_specs(model, stage):
+        for spec in model.param_specs(stage):
             shape = tp_local_shape(spec, layout.tp, tp_rank)
             if layout.dp_shard > 1:
                 numel = fsdp_local_numel(shape, layout.dp_shard, dp_shard_rank)

@@ -25,6 +25,29 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class HFAdapter:
+    """How a family's checkpoints look in Hugging Face form; checkpoint/hf.py does the reading,
+    writing, slicing and permuting for every family with these."""
+
+    display_name: str  # the model's name in messages ("Llama")
+    to_hf_name: Callable[[str], str]  # our FQN -> HF tensor name
+    from_hf_name: Callable[[str], str | None]  # HF tensor name -> our FQN (None: no place for it)
+    ignored: Any  # a compiled regex of HF tensor names to skip on import (e.g. rotary buffers)
+    # (our FQN, args) -> the head count of a tensor whose rows the HF rotary layout (halves)
+    # orders differently from ours (interleaved pairs), or None for every other tensor.
+    rotary_heads: Callable[[str, Any], int | None]
+    # (config.json, folder) -> the fields this family reads, in args terms (CheckpointError for a
+    # config it cannot represent); args -> the same fields; field -> its config.json name.
+    config_fields: Callable[[dict[str, Any], Any], dict[str, Any]]
+    args_fields: Callable[[Any], dict[str, Any]]
+    field_names: dict[str, str]
+    # (args, dtype name, bos id, eos id) -> config.json
+    hf_config: Callable[[Any, str, int | None, int | None], dict[str, Any]]
+    # (field, config.json's value in args terms) -> how an error message shows it
+    describe: Callable[[str, Any], Any] = lambda key, value: value
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str  # the value of model.name that picks it
     model_cls: Callable[[Any], nn.Module]
@@ -45,9 +68,10 @@ class ModelFamily:
     # The norm class (the memory model's "norm" kind in lower_precision_safe_modules).
     norm_cls: type[nn.Module]
     # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields).
-    hf: Any = None
-    # The analytic terms of the memory model (memory/ asks it for dims, param specs, activations).
-    memory: Any = None
+    hf: HFAdapter | None = None
+    # args -> the memory model's dims object (memory.ModelDims or a subclass): shapes, parameter
+    # specs with TP sharding, activation bytes per token (the dry run, planner and estimates).
+    memory_dims: Callable[[Any], Any] | None = None
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
         """A copy of the flavour with the tokenizer's vocab and the training seq len."""

@@ -1,6 +1,9 @@
-"""The Llama 3 family: its model and flavours (model.py), TP plan (parallelize.py), and the one
-`FAMILY` object the framework asks for them (models.FAMILIES["llama3"])."""
+"""The Llama 3 family: its model and flavours (model.py), TP plan (parallelize.py), Hugging Face
+adapter (hf.py), memory terms (torchtitan_amp.memory.llama, kept in torch-free memory/), and the
+one `FAMILY` object the framework asks for them (models.FAMILIES["llama3"])."""
 
+from torchtitan_amp.memory import ModelDims
+from torchtitan_amp.models.llama3.hf import ADAPTER
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs, RMSNorm, Transformer, flops_per_token
 from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS, tp_block_plan
 from torchtitan_amp.models.spec import ModelFamily
@@ -15,4 +18,6 @@ FAMILY = ModelFamily(
     block_norms=BLOCK_NORMS,
     ac_regions=AC_REGIONS,
     norm_cls=RMSNorm,
+    hf=ADAPTER,
+    memory_dims=ModelDims.from_args,
 )
