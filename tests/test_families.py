@@ -1,0 +1,103 @@
+"""Model families (issue 27): model.name picks a registered family, model.flavor is checked
+against that family's flavours, --help lists both, and a test-only family (tests/families/
+tiny_gelu: Llama blocks with a GELU MLP) plugs in with one registration. In-process checks; the
+launched ones (train, resume, dry run, Hugging Face round trip) are in test_families_dist.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.families import tiny_gelu
+from tests.support import run_python
+from torchtitan_amp import models, rules
+from torchtitan_amp.config import ConfigError, help_text, load_config
+from torchtitan_amp.models import FAMILIES, get_family
+from torchtitan_amp.models.spec import count_params
+
+
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """tiny_gelu registered for this test only."""
+    monkeypatch.setitem(FAMILIES, "tiny_gelu", tiny_gelu.FAMILY)
+    return tiny_gelu.FAMILY
+
+
+def test_llama3_is_the_built_in_family() -> None:
+    family = get_family("llama3")
+    assert set(rules.FAMILIES["llama3"]) <= set(family.flavors)
+    with pytest.raises(ValueError, match=r"unknown model family 'gpt'; allowed families: llama3"):
+        get_family("gpt")
+
+
+def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as e:
+        load_config(["--model.name", "gpt"])
+    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'tiny_gelu'"
+    config = load_config(["--model.name", "tiny_gelu", "--model.flavor", "tiny"])
+    assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
+
+
+def test_flavour_must_belong_to_the_chosen_family(registered) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as e:
+        load_config(["--model.name", "tiny_gelu", "--model.flavor", "debugmodel"])
+    assert str(e.value) == ("'model.flavor' = 'debugmodel' is not a flavour of model.name = 'tiny_gelu'; "
+                            "choose one of: 'tiny', 'tiny_3l'")
+    with pytest.raises(ConfigError, match="is not a flavour of model.name = 'llama3'"):
+        load_config(["--model.flavor", "tiny"])
+
+
+def test_help_lists_families_and_flavours(registered) -> None:  # type: ignore[no-untyped-def]
+    lines = help_text().splitlines()
+    name = next(line for line in lines if line.strip().startswith("--model.name "))
+    flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
+    assert "{llama3, tiny_gelu}" in name
+    assert "{debugmodel, debugmodel_h64, llama3_8b, llama3_70b, llama3_405b, tiny, tiny_3l}" in flavor
+
+
+def test_family_names_are_torch_free_before_models_is_imported() -> None:
+    code = ("import sys; from torchtitan_amp.config import load_config, ConfigError\n"
+            "try: load_config(['--model.name', 'gpt'])\nexcept ConfigError as e: print(e)\n"
+            "print('torch' in sys.modules)")
+    result = run_python("-c", code, timeout=60)
+    assert result.returncode == 0, result.describe()
+    assert result.stdout.splitlines() == ["'model.name' = 'gpt' is not allowed; choose one of: 'llama3'", "False"]
+
+
+def test_tiny_gelu_builds_through_the_spec(registered) -> None:  # type: ignore[no-untyped-def]
+    family = get_family("tiny_gelu")
+    args = family.build_args("tiny", 258, 32)
+    with torch.device("meta"):
+        model = family.build_model(args)
+    ffn = model.layers["0"].feed_forward
+    assert {n for n, _ in ffn.named_parameters()} == {"w_in.weight", "w_out.weight"}
+    # The memory model's parameter specs name and size exactly the model's parameters.
+    dims = family.memory_dims(args)
+    assert dims.total_params() == count_params(model)
+    from torchtitan_amp.memory import Stage
+
+    specs = {s.name: s.shape for s in dims.param_specs(Stage(0, range(args.n_layers), True, True))}
+    assert specs == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_hf_names_round_trip(registered) -> None:  # type: ignore[no-untyped-def]
+    hf = get_family("tiny_gelu").hf
+    args = get_family("tiny_gelu").build_args("tiny", 258, 32)
+    with torch.device("meta"):
+        names = list(get_family("tiny_gelu").build_model(args).state_dict())
+    assert all(hf.from_hf_name(hf.to_hf_name(n)) == n for n in names)
+    assert hf.to_hf_name("layers.1.feed_forward.w_in.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert hf.hf_config(args, "float32", None, None)["hidden_act"] == "gelu"
+    assert models.get_family("llama3").hf.hf_config(get_family("llama3").build_args("debugmodel", 258, 32),
+                                                    "float32", None, None)["hidden_act"] == "silu"
+
+
+def test_adding_a_family_touches_its_folder_and_one_line() -> None:
+    """tiny_gelu lives in its folder; the framework names no family but in models/__init__.py's
+    registry (and Llama's own folder)."""
+    root = Path(__file__).resolve().parents[1] / "torchtitan_amp"
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if "tiny_gelu" in p.read_text()]
+    assert offenders == []
