@@ -67,11 +67,12 @@ class ModelFamily:
     ac_regions: tuple[str, ...]
     # The norm class (the memory model's "norm" kind in lower_precision_safe_modules).
     norm_cls: type[nn.Module]
-    # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields).
-    hf: HFAdapter | None = None
     # args -> the memory model's dims object (memory.ModelDims or a subclass): shapes, parameter
     # specs with TP sharding, activation bytes per token (the dry run, planner and estimates).
-    memory_dims: Callable[[Any], Any] | None = None
+    memory_dims: Callable[[Any], Any]
+    # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields);
+    # None: the family has no Hugging Face form (import and export say so in one line).
+    hf: HFAdapter | None = None
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
         """A copy of the flavour with the tokenizer's vocab and the training seq len."""

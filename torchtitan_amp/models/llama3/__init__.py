@@ -1,6 +1,7 @@
 """The Llama 3 family: its model and flavours (model.py), TP plan (parallelize.py), Hugging Face
-adapter (hf.py), memory terms (torchtitan_amp.memory.llama, kept in torch-free memory/), and the
-one `FAMILY` object the framework asks for them (models.FAMILIES["llama3"])."""
+adapter (hf.py), memory terms (torchtitan_amp.memory.llama: memory/ stays torch-free, and anything
+under models/ imports torch), and the one `FAMILY` object the framework asks for all of them
+(models.FAMILIES["llama3"])."""
 
 from torchtitan_amp.memory import ModelDims
 from torchtitan_amp.models.llama3.hf import ADAPTER
