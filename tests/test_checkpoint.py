@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from torchtitan_amp import dry_run
-from torchtitan_amp import job as job_module
 from torchtitan_amp import run_control
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.checkpoint import (
@@ -36,6 +35,7 @@ from torchtitan_amp.checkpoint import (
     validate_config,
 )
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.models import get_family
 from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
 
 from tests.support import (
@@ -657,9 +657,8 @@ def test_missing_load_step_is_a_one_line_error(matrix):
 
 def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
     folder = matrix("single") / "bf16" / "a" / "checkpoint"
-    original = job_module.build_model_args
-    monkeypatch.setattr(job_module, "build_model_args",
-                        lambda *a: dataclasses.replace(original(*a), dim=128))
+    flavors = get_family("llama3").flavors  # BASE's flavour, narrowed for this run only
+    monkeypatch.setitem(flavors, "debugmodel_h64", dataclasses.replace(flavors["debugmodel_h64"], dim=128))
     before = snapshot(folder)
     with pytest.raises(CheckpointError) as e:
         trainer_module.Trainer(load_config(job_args("single", "bf16", folder.parent / "other",
