@@ -13,6 +13,7 @@ import pytest
 
 from tests.support import REPO, run_python
 from torchtitan_amp import config as config_mod
+from torchtitan_amp.config import presentation
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
 
 
@@ -244,10 +245,10 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         line = next((l for l in text.splitlines() if l.strip().startswith(f"--{section}.{f.name} ")), None)
         assert line is not None, f"--{section}.{f.name} missing from --help"
-        assert f"(default {config_mod._format_value(default)})" in line
+        assert f"(default {presentation._format_value(default)})" in line
         assert f.metadata["help"] in text
         for choice in config_mod.field_choices(section, f.name) or ():
-            assert config_mod._format_choice(choice) in line
+            assert presentation._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
     flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
     assert "{debugmodel, debugmodel_h64, llama3_8b, llama3_70b, llama3_405b}" in flavor

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 import train
 from torchtitan_amp import config as cfg
+from torchtitan_amp.config.fields import _field_types
 
 SECTIONS = cfg.section_names()
-KEYS = [f"{s}.{k}" for s in SECTIONS for k in cfg._field_types(s)]
+KEYS = [f"{s}.{k}" for s in SECTIONS for k in _field_types(s)]
 
 # Names: mostly real keys (so values get exercised), some near misses and junk.
 names = st.one_of(

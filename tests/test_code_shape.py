@@ -1,0 +1,106 @@
+"""The shape rules of docs/architecture.md, checked on the source so they stay true as features land:
+no module over 600 lines, no function over 80 lines, and no import cycle between the package's
+modules (imports at module level; those inside functions are the deliberate lazy ones)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_amp"
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _module_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `name` imports when it is imported (not inside functions or
+    `if TYPE_CHECKING:`), resolved to the longest known module name."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else (node,):
+            if isinstance(sub, ast.Import):
+                targets.update(a.name for a in sub.names)
+            elif isinstance(sub, ast.ImportFrom):
+                base = sub.module or ""
+                if sub.level:
+                    anchor = package.split(".")[: len(package.split(".")) - sub.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{a.name}" for a in sub.names)
+    resolved = set()
+    for t in targets:
+        while t and t not in known:
+            t = t.rpartition(".")[0]
+        if t and t != name:
+            resolved.add(t)
+    return resolved
+
+
+def test_no_module_is_longer_than_600_lines():
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    assert {n: k for n, k in long.items() if k > MAX_MODULE_LINES} == {}
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert long == []
+
+
+def test_no_import_cycle_between_modules():
+    modules = _modules()
+    graph = {n: _module_imports(n, p, set(modules)) for n, p in modules.items()}
+    # A package's __init__ re-exporting its submodules is not a cycle with them: a submodule that
+    # imports a sibling through the package name resolves to the sibling's own module here.
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
+                continue  # a package and its own submodules
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [])
+    assert cycles == []
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    """The checker itself: two modules importing each other at module level are found."""
+    pkg = tmp_path / "torchtitan_amp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from torchtitan_amp import b\n")
+    (pkg / "b.py").write_text("from torchtitan_amp.a import x\n")
+    monkeypatch.setitem(globals(), "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match="torchtitan_amp.a"):
+        test_no_import_cycle_between_modules()

@@ -1,0 +1,26 @@
+"""Job configuration: one dataclass per TOML section, CLI overrides, validation and --help.
+
+Precedence is CLI > TOML > dataclass defaults. Every error is a `ConfigError` with a one-line
+message naming the field and what is allowed; `train.py` turns it into exit code 2.
+
+sections.py is the schema, fields.py what a field allows and how a value is typed, loading.py the
+resolution order, validation.py the parse-time checks, presentation.py --help and the TOML dump.
+"""
+
+from torchtitan_amp.config.fields import choices_of, field_choices
+from torchtitan_amp.config.loading import apply_toml, load_config, load_toml, parse_cli
+from torchtitan_amp.config.presentation import help_text, to_toml
+from torchtitan_amp.config.sections import (
+    ActivationCheckpoint, BoolOrAuto, Checkpoint, Comm, Compile, DryRun, Job, JobConfig, LRScheduler,
+    Metrics, MixedPrecision, Model, Optimizer, Parallelism, Profiling, Training, Validation,
+    section_names,
+)
+from torchtitan_amp.config.validation import validate
+from torchtitan_amp.errors import ConfigError
+
+__all__ = [
+    "ActivationCheckpoint", "BoolOrAuto", "Checkpoint", "Comm", "Compile", "ConfigError", "DryRun", "Job",
+    "JobConfig", "LRScheduler", "Metrics", "MixedPrecision", "Model", "Optimizer", "Parallelism",
+    "Profiling", "Training", "Validation", "apply_toml", "choices_of", "field_choices", "help_text",
+    "load_config", "load_toml", "parse_cli", "section_names", "to_toml", "validate",
+]
