@@ -101,3 +101,35 @@ def test_adding_a_family_touches_its_folder_and_one_line() -> None:
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
                  if "tiny_gelu" in p.read_text()]
     assert offenders == []
+
+
+def test_tp_traffic_counts_the_familys_tp_regions_per_block() -> None:
+    """The shared TP accounting asks the family's dims how many colwise -> rowwise regions a block
+    has. Per region: sequence parallel sends an entry all-gather and an exit reduce-scatter each
+    way (4), without it one all-reduce each way (2); a recomputed block repeats the entries (SP)
+    and every exit but the block's last. All of them are [T, d] tensors in bf16 here."""
+    from dataclasses import dataclass
+
+    from torchtitan_amp import memory
+
+    @dataclass(frozen=True)
+    class ThreeRegions(memory.ModelDims):
+        def tp_regions_per_block(self) -> int:
+            return 3
+
+    prec = memory.PrecisionSpec.simple("fsdp")
+
+    def per_block(cls: type, layout: memory.Layout) -> float:
+        def total(n_layers: int) -> int:
+            dims = cls(64, n_layers, 4, 2, 128, 256)
+            norm_grads = sum(memory.tp_partial_grad_comm(dims, prec, layout).values())
+            return sum(sum(v.values()) for v in memory.tp_comm(dims, prec, layout).values()) - norm_grads
+        return (total(4) - total(2)) / 2
+
+    for sp in (True, False):
+        for ac, recompute in (("none", 0), ("full", 1)):
+            layout = memory.Layout(tp=2, seq_len=16, sequence_parallel=sp, ac_mode=ac)
+            tensor = layout.microbatch_tokens * 64 * 2
+            for cls, k in ((memory.ModelDims, 2), (ThreeRegions, 3)):
+                count = (4 * k + recompute * (2 * k - 1)) if sp else (2 * k + recompute * (k - 1))
+                assert per_block(cls, layout) == count * tensor, (cls.__name__, sp, ac)

@@ -1,8 +1,8 @@
 """Traffic of one rank per optimizer step, by category and dtype: data parallel (FSDP's groups, or
 DDP's all-reduce), tensor parallel (the TP plan's activation collectives, sequence parallel's
 Partial norm gradients), pipeline send / recv, and the gradient collectives alone (grad_comm).
-tp_comm's per-block counts (two TP regions per block, attention and MLP; embedding and head at the
-ends) are those of Llama's TP plan, the one family-shaped term left in the shared accounting."""
+tp_comm counts TP regions per block as the family's dims say (ModelDims.tp_regions_per_block: a
+colwise entry and a rowwise exit each), plus the decoder's two ends (embedding and output head)."""
 
 from __future__ import annotations
 
@@ -68,10 +68,11 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     """Tensor-parallel activation collectives of one rank per optimizer step (T tokens per
     microbatch, volumes of full [T, d] tensors; r / c = residual / matmul dtype):
 
-    per block, sequence parallel:  forward  2 all-gathers (r, attention and MLP inputs)
-                                            + 2 reduce-scatters (c, wo and w2 outputs)
-                                   backward 2 reduce-scatters (r) + 2 all-gathers (c)
-    per block, no sequence parallel: forward 2 all-reduces (c), backward 2 all-reduces (r)
+    per block of k TP regions (model.tp_regions_per_block(); Llama: 2, attention and MLP),
+              sequence parallel:  forward  k all-gathers (r, each region's input)
+                                           + k reduce-scatters (c, each region's rowwise output)
+                                  backward k reduce-scatters (r) + k all-gathers (c)
+              no sequence parallel: forward k all-reduces (c), backward k all-reduces (r)
     first stage: embedding output reduce-scatter (all-reduce without SP) forward, all-gather back
     last stage:  output-head input all-gather (r) forward, reduce-scatter back; loss parallel
                  all-reduces 3 fp32 [T] statistics (max, sum-exp, target logit); without it the
@@ -81,7 +82,7 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                  once per step, in one flat all-reduce (precision.PartialGradReducer; reduce_dtype
                  if norms are lower-precision-safe). Frozen norms have no gradient.
     Recomputed blocks (full AC) repeat their forward collectives in backward except the last
-    (w2's reduce-scatter / all-reduce): non-reentrant checkpointing stops recomputing once the
+    (the last region's output reduce-scatter / all-reduce: Llama's w2): non-reentrant checkpointing stops recomputing once the
     last saved tensor is rebuilt.
     x microbatches (PP) x gradient-accumulation steps.
     """
@@ -115,14 +116,18 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             recompute = len(range(0, n, int(layout.ac_option)))
         else:
             recompute = 0  # op-level SAC: not modelled (approximate)
+        k = model.tp_regions_per_block()
+        # A recomputed block repeats every entry collective and all exits but the last.
+        entries, exits = passes * k * (n + recompute), passes * (k * n + (k - 1) * recompute)
+        backward = passes * k * n
         if layout.sp:
-            add_bytes(ag, r, passes * (2 * n + 2 * recompute) * full * DTYPE_BYTES[r])
-            add_bytes(rs, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
-            add_bytes(rs, r, passes * 2 * n * full * DTYPE_BYTES[r])
-            add_bytes(ag, c, passes * 2 * n * full * DTYPE_BYTES[c])
-        else:
-            add_bytes(ar, c, passes * (2 * n + recompute) * full * DTYPE_BYTES[c])
-            add_bytes(ar, r, passes * 2 * n * full * DTYPE_BYTES[r])
+            add_bytes(ag, r, entries * full * DTYPE_BYTES[r])
+            add_bytes(rs, c, exits * full * DTYPE_BYTES[c])
+            add_bytes(rs, r, backward * full * DTYPE_BYTES[r])
+            add_bytes(ag, c, backward * full * DTYPE_BYTES[c])
+        else:  # no entry collective: the replicated input is used as is
+            add_bytes(ar, c, exits * full * DTYPE_BYTES[c])
+            add_bytes(ar, r, backward * full * DTYPE_BYTES[r])
         if stage.first:
             conjugate_pair(emb)  # embedding output
         if stage.last:

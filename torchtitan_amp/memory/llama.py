@@ -52,6 +52,12 @@ class ModelDims:
         """This family's saved-for-backward bytes per token (a family overrides this)."""
         return activation_terms(self, prec, layout)
 
+    def tp_regions_per_block(self) -> int:
+        """TP regions of one block (a family overrides this): each is a colwise-sharded entry and
+        a rowwise-sharded exit (Llama: attention's wq/wk/wv -> wo, the MLP's w1/w3 -> w2), so one
+        region costs one input collective and one output collective each way (memory.tp_comm)."""
+        return 2
+
     def layer_params(self) -> int:
         d, kv, f = self.dim, self.kv_dim, self.ffn_hidden
         return 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
