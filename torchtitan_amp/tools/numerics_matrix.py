@@ -5,6 +5,7 @@ how far each loss curve lands from the fp32 single-process reference.
     python -m torchtitan_amp.tools.numerics_matrix                      # everything up to 4 processes
     python -m torchtitan_amp.tools.numerics_matrix --max-procs 2 --steps 10 --only 'single|FSDP'
     python -m torchtitan_amp.tools.numerics_matrix --output docs/numerics_table.md
+    python -m torchtitan_amp.tools.numerics_matrix --diff BEFORE_OUT AFTER_OUT     # a refactor changed nothing?
 
 Every run sees the same data: the global batch is fixed (`--global-batch`, default 4 sequences)
 and a D-way data-parallel layout runs local_batch_size = global / D (the loader deals each step's
@@ -292,6 +293,46 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
     return "\n".join(lines)
 
 
+# What a run's training is judged by: every step's row of these, compared bit for bit.
+DIFF_KEYS = ("step", "loss", "grad_norm", "loss_scale", "skipped_steps", "val_loss")
+
+
+def diff_outputs(before: Path, after: Path) -> list[str]:
+    """Runs of two --out folders (e.g. the matrix before and after a refactor) whose metrics.jsonl
+    rows differ in any DIFF_KEYS value, or that only one folder holds; [] when all are identical."""
+    def rows(folder: Path) -> list[dict]:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k in DIFF_KEYS} for line in lines if line.strip()]
+
+    def runs(out: Path) -> set[str]:
+        return {p.parent.name for p in out.glob("*/metrics.jsonl")}
+
+    problems = []
+    for name in sorted(runs(before) | runs(after)):
+        if name not in runs(before) or name not in runs(after):
+            problems.append(f"{name}: only in {before if name in runs(before) else after}")
+            continue
+        a, b = rows(before / name), rows(after / name)
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            problems.append(f"{name}: differs from row {i + 1} ({len(a)} vs {len(b)} rows): "
+                            f"{a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}")
+    return problems
+
+
+def diff_main(before: str, after: str) -> int:
+    for out in (before, after):
+        if not any(Path(out).glob("*/metrics.jsonl")):
+            print(f"error: '{out}' holds no run (no */metrics.jsonl): give two --out folders", file=sys.stderr)
+            return 2
+    problems = diff_outputs(Path(before), Path(after))
+    count = len({p.parent.name for p in Path(before).glob("*/metrics.jsonl")} |
+                {p.parent.name for p in Path(after).glob("*/metrics.jsonl")})
+    print("\n".join(problems) if problems else
+          f"all {count} runs identical (every step's {', '.join(DIFF_KEYS[1:])}, bit for bit)")
+    return 1 if problems else 0
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -310,6 +351,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
+    p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="train nothing: compare two --out folders run by run, step by step, bit for bit "
+                   "(exit 1 if any run differs)")
     return p.parse_args(argv)
 
 
@@ -317,6 +361,8 @@ def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if a.worker:
         return worker(a.worker)
+    if a.diff:
+        return diff_main(*a.diff)
     runs, notes = select_runs(a.max_procs, a.only)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,39 @@
+"""numerics_matrix --diff: the programmatic before/after check of a refactor (issue 27), in process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torchtitan_amp.tools import numerics_matrix
+
+
+def _write(out: Path, run: str, rows: list[dict]) -> None:
+    (out / run).mkdir(parents=True, exist_ok=True)
+    (out / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+ROWS = [{"step": 1, "loss": 5.5, "grad_norm": 2.0, "tps": 100.0}, {"step": 2, "loss": 5.25, "grad_norm": 1.5, "tps": 90.0}]
+
+
+def test_identical_runs_pass_whatever_their_speed(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    _write(tmp_path / "a", "single_fp32", ROWS)
+    _write(tmp_path / "b", "single_fp32", [{**r, "tps": 1.0} for r in ROWS])
+    assert numerics_matrix.main(["--diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "all 1 runs identical" in capsys.readouterr().out
+
+
+def test_one_ulp_or_a_missing_run_is_reported(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    _write(tmp_path / "a", "single_fp32", ROWS)
+    _write(tmp_path / "a", "ddp_2_fp32", ROWS)
+    _write(tmp_path / "b", "single_fp32", [ROWS[0], {**ROWS[1], "loss": 5.250000000000001}])
+    assert numerics_matrix.main(["--diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    out = capsys.readouterr().out
+    assert "single_fp32: differs from row 2" in out and f"ddp_2_fp32: only in {tmp_path / 'a'}" in out
+
+
+def test_a_folder_without_runs_is_a_usage_error(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    _write(tmp_path / "a", "single_fp32", ROWS)
+    (tmp_path / "empty").mkdir()
+    assert numerics_matrix.main(["--diff", str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
+    assert "holds no run" in capsys.readouterr().err
