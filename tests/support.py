@@ -9,7 +9,8 @@ command-line script of the repo without torchrun. `launch_worker(worker, out, jo
 of tests/workers/ on a spec of several jobs, so that process start-up (~5 s per launch on a 2-core
 CPU) is paid once for all of them.
 
-Every launch costs ~5 s of process start-up on a 2-core CPU, so tests share launches where they can
+Every launch costs ~5 s of process start-up on a 2-core CPU (workers: ~3 s, spawned without
+torchrun's agent), so tests share launches where they can
 and keep models tiny: TINY below is the standard small run.
 """
 
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -186,13 +188,75 @@ def launch_cmd(nproc: int, entry: str | Path, *args: str | Path, max_restarts: i
     return torchrun_cmd(nproc, entry, *args, max_restarts=max_restarts)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(nproc: int, cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> RunResult:
+    """Start `cmd` as ranks 0..nproc-1 of one job on this host, with the environment torchrun gives
+    its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT; rank 0 hosts the store), without
+    torchrun's agent: importing torch in the agent costs ~2 s of serial start-up per launch on 2
+    cores, and the test workers need none of its restart or monitoring. Like torchrun, the first
+    rank to fail ends the others (SIGTERM, SIGKILL after 5 s): a rank waiting in a collective for a
+    dead peer would otherwise sit out the collective timeout. Output: every rank's stdout, then
+    stderr, rank 0 first. The launcher's own behaviour is tested with torchrun (run_train, launch_cmd)."""
+    import tempfile
+    import time
+
+    base = _env(env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc))
+    with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
+        files = [(open(Path(tmp) / f"out{r}", "w+"), open(Path(tmp) / f"err{r}", "w+")) for r in range(nproc)]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
+                                  stdout=files[r][0], stderr=files[r][1], text=True, start_new_session=True)
+                 for r in range(nproc)]
+        deadline, timed_out = time.monotonic() + timeout, False
+        while any(p.poll() is None for p in procs):
+            failed = any(p.returncode not in (None, 0) for p in procs)
+            timed_out = time.monotonic() > deadline
+            if failed or timed_out:
+                _end(procs)
+                break
+            time.sleep(0.05)
+        outputs = []
+        for out_f, err_f in files:
+            out_f.seek(0), err_f.seek(0)
+            outputs.append((out_f.read(), err_f.read()))
+            out_f.close(), err_f.close()
+    stdout, stderr = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+    if timed_out:
+        import pytest
+
+        pytest.fail(f"timed out after {timeout} s: {nproc} x {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return RunResult(code, stdout, stderr, REPO, [])
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    import time
+
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, sig)
+        end = time.monotonic() + grace
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.05)
+
+
 def launch_worker(worker: str, out: Path, jobs: list[dict[str, Any]], nproc: int, *, timeout: float = 240,
                   check: bool = True, env: dict[str, str] | None = None, **options: Any) -> RunResult:
-    """Run tests/workers/WORKER.py on `jobs` with nproc ranks, one thread each; fails the test on a
-    non-zero exit unless check is False."""
+    """Run tests/workers/WORKER.py on `jobs` with nproc ranks (spawn_ranks; one process: plain
+    python), one thread each; fails the test on a non-zero exit unless check is False."""
     spec = write_spec(out, jobs, **options)
-    result = run_command(launch_cmd(nproc, WORKERS / f"{worker}.py", spec), timeout=timeout,
-                         env={**ONE_THREAD, **(env or {})}, dump_folder=None)
+    cmd = [sys.executable, str(WORKERS / f"{worker}.py"), str(spec)]
+    env = {**ONE_THREAD, **(env or {})}
+    # One process runs without a process group, as train.py does without torchrun.
+    result = (run_command(cmd, timeout=timeout, env=env) if nproc == 1
+              else spawn_ranks(nproc, cmd, timeout=timeout, env=env))
     if check and result.returncode != 0:
         import pytest
 
