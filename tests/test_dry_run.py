@@ -26,7 +26,7 @@ from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
 # Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
 # against must not fall back to fp32 on a CPU that emulates bf16.
-BASE = ("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "2",
+BASE = ("--model.flavor", "debugmodel_h64", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--mixed_precision.enabled", "true")
 PP = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2")
 
