@@ -36,8 +36,10 @@ import pytest
 import torch
 
 from tests.support import (
+    CLIP_RTOL,
     CURVE_MEAN_TOL,
     CURVE_TOL,
+    NORM_RTOL,
     SAME_FAMILY_STEP1_TOL,
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
@@ -384,19 +386,6 @@ def test_compile_keeps_the_loss_under_bf16_autocast(trained: Launches) -> None:
 # pipeline stages, and how far the clipped gradients are from g * max_norm / true. Every run's
 # grad norms are 1.5-3.6 (measured), so the default max_norm 1.0 clips at every step.
 
-# Reported (the trainer's fp32 norm) vs the fp64 norm. The trainer's per-tensor norms sum squares
-# in fp32 in 8 vector lanes (measured: a planted large element swallows the tiny squares of 1/8 of
-# the elements), so debugmodel's largest gradients (768 x 256 = 196608 elements) are sums of
-# m = 24576 fp32 terms per lane. Rounding errors of such a sum grow like sqrt(m) unit roundoffs,
-# sqrt(24576) x 2**-24 = 9e-6, plus a one-sided loss of the squares below half an ulp of the
-# running sum (the measured errors are all negative); the worst case is m x 2**-24 = 1.5e-3.
-# Measured on every run here: at most 1.3e-5 (fp32, single process, step 6). 1e-4 = 10 x the
-# sqrt(m) scale; the bugs it is for are far larger (every TP shard counted twice: sqrt(2), 41%;
-# a pipeline stage left out: tens of percent).
-NORM_RTOL = 1e-4
-# Clipped vs g * max_norm / (true + 1e-6): the trainer's coefficient comes from its own norm (off by
-# at most NORM_RTOL) and is rounded to fp32, and so is the product: two more unit roundoffs.
-CLIP_RTOL = NORM_RTOL + 2 * 2.0 ** -24
 NORM_RUNS = [(run["name"], nproc) for nproc in (1, 2, 4) for run in _runs_for(nproc)]
 
 

@@ -19,7 +19,9 @@ call `reset()` at the start of each run.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,8 +41,8 @@ class NormRecord:
     reported: float  # what the trainer's clip_grad_norm_ returned
     true: float  # fp64 norm of the full gradients, summed over pipeline stages
     clipped: bool  # true > max_norm > 0: clipping had to act
-    # max |clipped - expected| / max |expected| over this rank's gradients; None when max_norm <= 0
-    # (nothing is clipped) or the gradients are not finite (an fp16 overflow step).
+    # max over this rank's gradients of max |clipped - expected| / max |expected|; None when
+    # max_norm <= 0 (nothing is clipped) or the gradients are not finite (an fp16 overflow step).
     clip_rel_err: float | None
 
 
@@ -71,13 +73,16 @@ def true_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) ->
 
 
 def _clip_rel_err(before: list[torch.Tensor], after: list[torch.Tensor], coef: float) -> float:
-    """max |clipped - g * coef| / max |g * coef| in fp64. Clipping scales every element alike, so
-    each rank compares the elements it holds (its local shards): together the ranks cover every
-    element, without gathering the gradients a second time."""
-    diff = max((float((a.double() - b.double() * coef).abs().max()) for a, b in zip(after, before) if b.numel()),
-               default=0.0)
-    scale = max((float(b.double().abs().max()) * coef for b in before if b.numel()), default=0.0)
-    return diff / scale if scale > 0 else diff
+    """max over gradients of max |clipped - g * coef| / max |g * coef|, in fp64: per gradient, so
+    that a small one left unclipped (e.g. the norm weights) is not hidden by the large ones.
+    Clipping scales every element alike, so each rank compares the elements it holds (its local
+    shards): together the ranks cover every element, without gathering the gradients again."""
+    worst = 0.0
+    for b, a in zip(before, after):
+        scale = float(b.double().abs().max()) * coef if b.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, float((a.double() - b.double() * coef).abs().max()) / scale)
+    return worst
 
 
 def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
@@ -97,6 +102,16 @@ def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
 def install() -> None:
     """Route the trainer's clipping through the check (idempotent)."""
     trainer_mod.clip_grad_norm_ = checked_clip_grad_norm_  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def checking() -> Iterator[None]:
+    """The check installed for a block only (a worker whose other scenarios need no gathers)."""
+    install()
+    try:
+        yield
+    finally:
+        trainer_mod.clip_grad_norm_ = _original  # type: ignore[assignment]
 
 
 def reset() -> None:
