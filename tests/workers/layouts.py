@@ -121,8 +121,10 @@ def _recording_adam_step(params: list[torch.Tensor], *args: object, **kwargs: ob
 def _train_with_evidence(trainer: Trainer) -> None:
     global _run
     norm_check.reset()
+    # Whatever the optimizer's own flag says: the evidence must not take the rounding mode's word.
     rounding = None
-    if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and trainer.optimizer.stochastic_rounding:
+    if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
+            _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
     _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
     _train(trainer)
