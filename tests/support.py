@@ -347,6 +347,20 @@ FP32_CURVE_TOL = 1e-5
 # loss curve within its tolerances.
 GRAD_NORM_CURVE_RTOL = 0.05
 GRAD_NORM_STEP1_RTOL = 5e-3
+# The trainer's gradient norm (fp32) vs the fp64 norm of the full gradients
+# (tests/workers/norm_check.py). The trainer's per-tensor norms sum squares in fp32 in 8 vector
+# lanes (measured: a planted large element swallows the tiny squares of 1/8 of the elements), so
+# debugmodel's largest gradients (768 x 256 = 196608 elements) are sums of m = 24576 fp32 terms
+# per lane. Rounding errors of such a sum grow like sqrt(m) unit roundoffs, sqrt(24576) x 2**-24
+# = 9e-6, plus a one-sided loss of the squares below half an ulp of the running sum (the measured
+# errors are all negative); the worst case is m x 2**-24 = 1.5e-3. Measured on every run of
+# test_parallelisms: at most 1.3e-5 (single process, step 6). 1e-4 = 10 x the sqrt(m) scale; the
+# bugs it is for are far larger (every TP shard counted twice: sqrt(2), 41%; a pipeline stage
+# left out: tens of percent).
+NORM_RTOL = 1e-4
+# Clipped vs g * max_norm / (true + 1e-6): the trainer's coefficient comes from its own norm (off by
+# at most NORM_RTOL) and is rounded to fp32, and so is the product: two more unit roundoffs.
+CLIP_RTOL = NORM_RTOL + 2 * 2.0 ** -24
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -118,8 +119,7 @@ def test_compressed_and_parquet_inputs(tmp_path: Path) -> None:
 
 
 def test_saved_and_by_name_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # `datasets` is only needed to make the input: prepare reads its .arrow files with pyarrow.
-    datasets = pytest.importorskip("datasets", reason="making a saved dataset needs `pip install datasets`")
+    # `datasets` (a requirement) makes the input; prepare reads its .arrow files with pyarrow.
     docs = [_text(i, 5 + i) for i in range(5)]
     datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "saved"))
     out = _prepare([tmp_path / "saved"], tmp_path / "tok", text_column="body")

@@ -71,10 +71,24 @@ def test_bf16_moments_on_every_layout(layouts: Path, layout: str) -> None:
 @pytest.mark.parametrize("layout", ["ddp2", "tp2"])
 def test_stochastic_rounding_keeps_replicas_identical(layouts: Path, layout: str) -> None:
     """DDP replicas, and TP's replicated norm weights, round with the same random bits: their
-    bf16 weights stay bit-identical after 4 stochastically rounded updates."""
-    a, b = _ranks(layouts / f"{layout}_sr")
+    bf16 weights stay bit-identical after 4 stochastically rounded updates. And the rounding was
+    stochastic: the report says so, and updates below half a bf16 ulp, which round-to-nearest
+    gives back as the old weight, moved weights (Adam moves a weight by about lr <= 3e-3 per step,
+    under half the ulp of the norm weights, which start at 1.0: 2**-8 = 3.9e-3)."""
+    folder = layouts / f"{layout}_sr"
+    report = json.loads((folder / "precision_report.json").read_text())
+    assert report["optimizer"]["weight_rounding"] == "stochastic", report["optimizer"]
+    a, b = _ranks(folder)
     assert a["replicated_params_digest"] == b["replicated_params_digest"]
-    assert by_step(layouts / f"{layout}_sr")[4]["loss"] > 0
+    assert sorted(by_step(folder)) == [1, 2, 3, 4]
+    for info in (a, b):
+        rounding = info["rounding"]
+        assert rounding is not None and rounding["sub_half_ulp"] > 0, (layout, info["rank"], rounding)
+        # Stochastic rounding moves such an element with probability |update| / ulp: some moved.
+        assert rounding["moved"] > 0, (layout, info["rank"], rounding)
+        old, target, new = (rounding["example"][k] for k in ("old", "target", "new"))
+        # new is old's bf16 neighbour (|new - old| = 1 ulp): the update was under half of it.
+        assert new != old and abs(target - old) < abs(new - old) / 2, rounding["example"]
 
 
 def test_resume_is_bitwise_and_crosses_state_dtypes(tmp_path: Path) -> None:

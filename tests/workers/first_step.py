@@ -5,7 +5,8 @@
 
 Writes DIR/first_step_rank{R}.pt with: the rank's first batch (`inputs`, `labels`, `batch_sha256`),
 its local `loss`, the global `grad_norm`, and `grads` (name -> full fp32 gradient after the
-data-parallel reduction; FSDP shards are gathered). On the DDP path it first runs the same batch
+data-parallel reduction; FSDP shards are gathered) and, under FSDP, `shard_grads` (name -> this
+rank's own shard of it, as the rank holds it after the reduce-scatter). On the DDP path it first runs the same batch
 without gradient sync and stores those per-rank gradients as `local_grads`. With
 WORKER_TRAIN=1 it then continues with Trainer.train() up to training.steps (metrics.jsonl has
 steps 2..training.steps).
@@ -62,6 +63,9 @@ def main(argv: list[str]) -> None:
     loss, grad_norm, stepped = trainer.train_step(iter([(inputs, labels)] * trainer.accum))
     out.update(loss=float(loss), grad_norm=float(grad_norm), stepped=bool(stepped),
                grads=_grads(trainer.model))
+    if trainer.dims.fsdp_enabled:
+        out["shard_grads"] = {n: p.grad.detach().to_local().float().clone()
+                              for n, p in trainer.model.named_parameters() if isinstance(p.grad, DTensor)}
     folder = Path(trainer.config.job.dump_folder)
     torch.save(out, folder / f"first_step_rank{trainer.info.rank}.pt")
     if os.environ.get("WORKER_TRAIN") == "1":

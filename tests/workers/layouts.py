@@ -7,8 +7,11 @@ no options. Each run builds a fresh `Trainer` from its args (plus --job.dump_fol
 `train()`, exactly what train.py does (torchtitan_amp.trainer.train_in_turn, shared with
 torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
-mesh coordinates, data-parallel rank and what AC / compile wrapped; rank 0's metrics.jsonl and
-precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
+mesh coordinates, data-parallel rank and what AC / compile wrapped, and evidence taken during the
+run: every step's gradient norm against an independent fp64 one (tests/workers/norm_check.py),
+the frozen parameters' gradients, optimizer state and digests before vs after training, and
+for stochastically rounded bf16 weights the updates below half a bf16 ulp that moved a weight;
+rank 0's metrics.jsonl and precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
 stops the launch (later runs do not start).
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from torch._dynamo.utils import counters
@@ -24,8 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from torchtitan_amp import distributed
+from torchtitan_amp import optim as optim_mod
+from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, read_spec
+from tests.workers import norm_check
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +41,102 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _replicated(p: torch.Tensor) -> bool:
     return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+
+
+def _frozen_params(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
+    """The parameters of the modules training.freeze tagged (the tag, not requires_grad: a frozen
+    module whose parameters came to require grad again is still listed)."""
+    return {f"{mname}.{pname}" if mname else pname: p for part in trainer.model_parts
+            for mname, m in part.named_modules() if getattr(m, FROZEN, False)
+            for pname, p in m.named_parameters(recurse=False)}
+
+
+class RoundingRecorder:
+    """For bf16 weights updated by AdamWMixedState: the elements whose fp32 update was below half a
+    bf16 ulp (round-to-nearest gives back the old weight) and whether the stored weight moved
+    anyway. Only stochastic rounding moves them; nearest rounding never does.
+
+    AdamWMixedState runs torch's AdamW math on an fp32 copy per parameter (optim.adam_step) and
+    then rounds it into the stored weight: `record_target` keeps that fp32 result; the step hooks
+    take the weights before and after. The optimizer updates exactly the parameters with a
+    gradient, in param_groups order, so the i-th target belongs to the i-th such parameter."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.targets: list[torch.Tensor] = []
+        self.before: list[torch.Tensor] = []
+        self.sub_half_ulp = 0  # updates below half an ulp, over all steps
+        self.moved = 0  # of those, the elements whose stored weight changed
+        self.example: dict[str, float] | None = None  # one such element: old, fp32 target, new
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _pre(self, *_: object) -> None:
+        self.targets = []
+        self.before = [_local(p).detach().clone() for p in self._stepped()]
+
+    def record_target(self, p32: torch.Tensor) -> None:
+        self.targets.append(p32.detach().clone())
+
+    def _post(self, *_: object) -> None:
+        after = [_local(p).detach() for p in self._stepped()]
+        assert len(self.targets) == len(after) == len(self.before), (len(self.targets), len(after))
+        for old, target, new in zip(self.before, self.targets, after):
+            if old.dtype != torch.bfloat16:
+                continue
+            sub_half = (target.to(torch.bfloat16) == old) & (target != old.float())
+            moved = sub_half & (new != old)
+            self.sub_half_ulp += int(sub_half.sum())
+            self.moved += int(moved.sum())
+            if self.example is None and bool(moved.any()):
+                i = int(moved.flatten().nonzero()[0])
+                self.example = {"old": float(old.flatten()[i]), "target": float(target.flatten()[i]),
+                                "new": float(new.flatten()[i])}
+
+    def as_dict(self) -> dict:
+        return {"sub_half_ulp": self.sub_half_ulp, "moved": self.moved, "example": self.example}
+
+
+@dataclass
+class RunEvidence:
+    """What a run records before and during train(); reset at the start of each run."""
+    frozen_digests: dict[str, str] = field(default_factory=dict)
+    rounding: RoundingRecorder | None = None
+
+
+_run = RunEvidence()
+_train = Trainer.train
+_adam_step = optim_mod.adam_step
+
+
+def _recording_adam_step(params: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+    _adam_step(params, *args, **kwargs)
+    if _run.rounding is not None:
+        _run.rounding.record_target(params[0])
+
+
+def _train_with_evidence(trainer: Trainer) -> None:
+    global _run
+    norm_check.reset()
+    # Whatever the optimizer's own flag says: the evidence must not take the rounding mode's word.
+    rounding = None
+    if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
+            _local(p).dtype == torch.bfloat16 for p in trainer.params):
+        rounding = RoundingRecorder(trainer.optimizer)
+    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
+    _train(trainer)
+
+
+def _frozen_info(trainer: Trainer) -> dict[str, dict]:
+    """Per frozen parameter: what a frozen parameter must (not) have after training."""
+    in_groups = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    return {n: {"requires_grad": p.requires_grad, "grad_is_none": p.grad is None,
+                "in_optimizer": id(p) in in_groups, "has_optimizer_state": p in trainer.optimizer.state,
+                "digest_unchanged": digest(_local(p)) == _run.frozen_digests.get(n)}
+            for n, p in _frozen_params(trainer).items()}
 
 
 def _rank_info(trainer: Trainer) -> dict:
@@ -56,7 +159,10 @@ def _rank_info(trainer: Trainer) -> dict:
                                               for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}),
             "replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
                                                           for part in trainer.model_parts for p in part.parameters()
-                                                          if _replicated(p)] or [torch.zeros(0)]))}
+                                                          if _replicated(p)] or [torch.zeros(0)])),
+            "norm_check": norm_check.records(),
+            "frozen": _frozen_info(trainer),
+            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
@@ -67,6 +173,9 @@ def _rank_info(trainer: Trainer) -> dict:
 
 
 def main(spec_path: str) -> None:
+    norm_check.install()
+    Trainer.train = _train_with_evidence  # type: ignore[method-assign]
+    optim_mod.adam_step = _recording_adam_step  # type: ignore[assignment]
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)

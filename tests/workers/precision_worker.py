@@ -27,7 +27,8 @@ Scenarios (all in one launch to pay process start-up once):
 - `fp16`    param_dtype float16: a planted overflow (huge init_scale) -> skipped steps, the scale
             backs off, the LR schedule and AdamW stand still on skipped steps, training recovers;
             metrics.jsonl carries loss_scale / skipped_steps; grad norm after unscale vs fp32;
-            4 micro-batches vs one batch of 4.
+            4 micro-batches vs one batch of 4. Every clip of these runs is checked against the
+            fp64 norm of the unscaled gradients (tests/workers/norm_check.py).
 
 `shrink` replaces fields of the debugmodel flavour in this process only (e.g. n_layers=2):
 the layer count is the main cost of a CPU step and no claim here depends on depth. The fp16
@@ -60,6 +61,7 @@ from torchtitan_amp.models import llama
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan
 from torchtitan_amp.trainer import Trainer, clip_grad_norm_
 from tests.support import exit_process, read_spec
+from tests.workers import norm_check
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
 # (local batch 2, with 4 / 2 / 1 accumulation micro-batches) see exactly the same 8 sequences per
@@ -536,7 +538,9 @@ def flavor(**fields: int):  # type: ignore[no-untyped-def]
 
 
 def scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
-    with flavor(**FP16_SHRINK):
+    # norm_check: each fp16 run's gradient norm and clipping against the fp64 norm of the
+    # unscaled gradients (the trainer clips after scaler.unscale_).
+    with flavor(**FP16_SHRINK), norm_check.checking():
         return _scenario_fp16(out, overrides + ["--training.seq_len", "16"])
 
 
@@ -575,8 +579,10 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
         return loss, grad_norm, stepped
 
     trainer.train_step = recorded  # type: ignore[method-assign]
+    norm_check.reset()
     trainer.train()
     res["overflow"] = {"steps": gather_objects(per_step), "skipped_steps": trainer.scaler.skipped_steps,
+                       "norm_check": gather_objects(norm_check.records()),
                        "grad_scaler": trainer.plan.grad_scaler, "scaler_type": type(trainer.scaler.scaler).__name__,
                        "metrics": read_metrics(out / "fp16_overflow") if RANK == 0 else []}
 
@@ -586,12 +592,14 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
     for name, extra in (("fp16_norm", fp16 + ["--mixed_precision.init_scale", str(2.0 ** 12)]),
                         ("fp32_norm", ["--mixed_precision.enabled", "false"])):
         t = make_trainer(out, name, overrides, extra + ["--training.max_norm", "1e-3"])
+        norm_check.reset()
         loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.accum)))
+        checked = gather_objects(norm_check.records())
         # After clipping to 1e-3 the gradients' own norm must be 1e-3: clipping acted on true grads.
         # The trainer's norm (max_norm 0: measure only) covers every shard, TP and PP included.
         post = clip_grad_norm_(t.params, 0.0, t.pp_group)
         norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.scaler.get_scale(),
-                       "post_clip_norm": float(post)}
+                       "post_clip_norm": float(post), "norm_check": checked}
     res["norms"] = norms
 
     # 3. Accumulation: global batch 4 x world as 4 micro-batches of 1 vs micro-batches of 4.

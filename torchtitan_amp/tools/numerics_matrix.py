@@ -5,6 +5,7 @@ how far each loss curve lands from the fp32 single-process reference.
     python -m torchtitan_amp.tools.numerics_matrix                      # everything up to 4 processes
     python -m torchtitan_amp.tools.numerics_matrix --max-procs 2 --steps 10 --only 'single|FSDP'
     python -m torchtitan_amp.tools.numerics_matrix --output docs/numerics_table.md
+    python -m torchtitan_amp.tools.numerics_matrix --max-procs 8 --only '^(FSDP 2 x TP 2 x PP 2|HSDP 2x2 x TP 2) / '
     python -m torchtitan_amp.tools.numerics_matrix --diff BEFORE_OUT AFTER_OUT     # a refactor changed nothing?
 
 Every run sees the same data: the global batch is fixed (`--global-batch`, default 4 sequences)
@@ -13,7 +14,9 @@ sequences round-robin over the data-parallel ranks, so their union is the single
 with the same seed, hence the same initial weights. Differences therefore come from precision and
 from reduction order only.
 
-Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2 (2); HSDP 2x2, FSDP 2 x TP 2 (4).
+Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2 (2); HSDP 2x2, FSDP 2 x TP 2 (4); the 3-D
+FSDP 2 x TP 2 x PP 2 and HSDP 2x2 x TP 2 (8: fp32 and bf16 only, and only with --max-procs 8; the
+test suite's time budget leaves them out, so this tool is where they run).
 Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp32: the default,
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
@@ -72,6 +75,8 @@ LAYOUTS = (
     LayoutSpec("PP 2", 2, 1, (SHARD, "1", PP, "2")),
     LayoutSpec("HSDP 2x2", 4, 4, (REPLICATE, "2", SHARD, "2")),
     LayoutSpec("FSDP 2 x TP 2", 4, 2, (SHARD, "2", TP, "2")),
+    LayoutSpec("FSDP 2 x TP 2 x PP 2", 8, 2, (SHARD, "2", TP, "2", PP, "2")),
+    LayoutSpec("HSDP 2x2 x TP 2", 8, 4, (REPLICATE, "2", SHARD, "2", TP, "2")),
 )
 
 PRECISIONS = (
@@ -93,6 +98,9 @@ SKIPPED = {
     ("PP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("HSDP 2x2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("FSDP 2 x TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    **{(layout, prec): "8 processes on a few cores: the 3-D layouts run fp32 and bf16 only"
+       for layout in ("FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2")
+       for prec in ("bf16 + bf16 reduce", "fp16 + loss scaling", "pure bf16")},
 }
 
 
