@@ -73,7 +73,7 @@ BASE = [
     "--training.seq_len", "32",
     "--training.local_batch_size", "2",
     "--training.global_batch_size", "8",
-    "--training.steps", "30",
+    "--training.steps", "15",
     "--training.seed", "0",
     "--training.gc_freq", "0",
     "--optimizer.lr", "3e-3",
