@@ -19,7 +19,7 @@ from tests.support import launch_worker, run_python
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import ConfigError, load_config
 
-BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",
+BASE = ["--model.flavor", "debugmodel_h64", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0"]
 BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: the audit's subject
 PRECISIONS = {
