@@ -4,24 +4,26 @@ Every layout below sees the same 4 sequences per step: a data-parallel degree D 
 local_batch_size 4 / D (the loader deals one per-epoch permutation round-robin, so the ranks' union
 is the single process's batch of 4; test_data_parallel_ranks_share_the_single_process_batch checks
 that). All start from the same seed-initialised weights, so each curve is compared step by step
-with the single-process run (debugmodel, seq 32, 5 steps, lr 3e-3 after 2 warm-up steps: the loss
-falls from 5.99 to 3.56, and the gradient norm is clipped at every step).
+with the single-process run (debugmodel_h64, seq 32, 5 steps, lr 3e-3 after 2 warm-up steps: the loss
+falls from 5.99 to 3.53, and the gradient norm, 2.1-3.7, is clipped at every step; head dim 64
+because CPU bf16 attention backward costs ~3.5x fp32 at head dim 16, far more where bf16 is
+emulated).
 
 Launches are the cost (~5 s of start-up each on 2 cores), so tests/workers/layouts.py trains many
-layouts one after another in one torchrun launch: one launch each of 1, 2 and 4 processes (plus
+layouts one after another in one launch: one launch each of 1, 2 and 4 processes (plus
 one for compile, and an opt-in 8-process one), shared by all tests through `trained`. Measured on
 this 2-core CPU, torch 2.13 (docs/parallelisms.md has the table); each test prints what it
 measured (pytest -s shows it):
 
-- fp32 (mixed_precision.enabled = false): max relative loss difference over 5 steps <= 1.0e-7
-  on every layout (1e-4 allowed by the issue), grad norm <= 3.7e-6 (reduction order only).
+- fp32 (mixed_precision.enabled = false): max relative loss difference over 5 steps <= 1.8e-7
+  on every layout (1e-4 allowed by the issue), grad norm <= 3.9e-6 (reduction order only).
 - bf16 mixed precision: within the precision tests' whole-curve tolerances of the fp32 curve
-  (|delta| max 1.7e-3 < CURVE_TOL, |mean| 3.4e-4 < CURVE_MEAN_TOL over 5 steps); step 1 differs from fp32 by
-  1.5e-4..8.3e-4 (bf16 ran) and from the same path's single layout by <= 5e-7 (with TP 7e-5 on a
+  (|delta| max 1.7e-3 < CURVE_TOL, |mean| 7.8e-4 < CURVE_MEAN_TOL over 5 steps); step 1 differs from fp32 by
+  2.3e-4..1.1e-3 (bf16 ran) and from the same path's single layout by <= 5e-7 (with TP 6e-5..1.3e-4 on a
   CPU with native bf16, 2.3e-4 under AVX2 emulation: TP rounds in other places, bounded by
   SPLIT_MATMUL_STEP1_SIGMAS in tests/support.py).
 - AC (full, selective 2, op) and compile: bit-identical losses to the same run without AC;
-  compiled blocks under bf16 autocast match eager bf16 to 7.3e-5 relative.
+  compiled blocks under bf16 autocast match eager bf16 to 9.8e-5 relative.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 STEPS = 5
 GLOBAL_BATCH = 4
-BASE = ("--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.steps", str(STEPS),
+BASE = ("--model.flavor", "debugmodel_h64", "--training.seq_len", "32", "--training.steps", str(STEPS),
         "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--training.seed", "0")
 PRECISIONS = {
