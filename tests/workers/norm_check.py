@@ -123,6 +123,7 @@ def _clip_rel_err(before: list[torch.Tensor], after: list[torch.Tensor], coef: f
     the ranks cover every element, without gathering the gradients again."""
     worst = 0.0
     for b, a in zip(before, after):
+        b, a = b.float(), a.float()  # no copy for fp32 gradients; bf16 ones (pure bf16) compared in fp32
         scale = float(b.abs().max()) * coef if b.numel() else 0.0
         if scale > 0:
             worst = max(worst, float(torch.sub(a, b, alpha=coef).abs_().max()) / scale)
