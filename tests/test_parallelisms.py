@@ -42,6 +42,7 @@ from tests.support import (
     CLIP_RTOL,
     CURVE_MEAN_TOL,
     CURVE_TOL,
+    GATHERED_RTOL,
     NORM_RTOL,
     SAME_FAMILY_STEP1_TOL,
     SPLIT_MATMUL_STEP1_SIGMAS,
@@ -385,9 +386,10 @@ def test_compile_keeps_the_loss_under_bf16_autocast(trained: Launches) -> None:
 # The gradient norm and clipping against an independent fp64 value (issue 32)
 #
 # tests/workers/norm_check.py wraps the trainer's clip_grad_norm_ in every run above: per rank and
-# step it records the reported norm, the fp64 norm of the full (gathered) gradients summed over
-# pipeline stages, and how far the clipped gradients are from g * max_norm / true. Every run's
-# grad norms are 1.5-3.6 (measured), so the default max_norm 1.0 clips at every step.
+# step it records the reported norm, an fp64 norm of every gradient element counted once over all
+# ranks (at the first step also from the full gradients gathered with full_tensor()), and how far
+# the clipped gradients are from g * max_norm / true. Every run's grad norms are 1.5-3.6
+# (measured), so the default max_norm 1.0 clips at every step.
 
 NORM_RUNS = [(run["name"], nproc) for nproc in (1, 2, 4) for run in _runs_for(nproc)]
 
@@ -401,6 +403,9 @@ def check_norms(run: Run) -> tuple[float, float]:
     for rank in ranks:
         records = rank["norm_check"]
         assert len(records) == len(rows), (rank["rank"], len(records), len(rows))
+        # The replica counting of the per-step norm against the gathered full gradients.
+        assert abs(records[0]["gathered"] - records[0]["true"]) < GATHERED_RTOL * records[0]["true"], records[0]
+        assert all(rec["gathered"] is None for rec in records[1:])
         for step, rec in enumerate(records, start=1):
             rel = abs(rec["reported"] - rec["true"]) / rec["true"]
             assert rel < NORM_RTOL, (run.name, rank["rank"], step, rec)

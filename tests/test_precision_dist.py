@@ -39,6 +39,7 @@ from tests.support import (
     CURVE_MEAN_TOL,
     CURVE_TOL,
     FP32_CURVE_TOL,
+    GATHERED_RTOL,
     GRAD_NORM_CURVE_RTOL,
     GRAD_NORM_STEP1_RTOL,
     NORM_RTOL,
@@ -382,7 +383,10 @@ def test_fp16_clipping_sees_unscaled_gradients(run_fp16, name):  # type: ignore[
 def _check_records(records: list[dict], max_norm: float) -> None:
     """tests/workers/norm_check.py's records of one rank: the reported norm is the fp64 norm of the
     gradients the trainer clipped (NORM_RTOL, tests/support.py) and the clipped gradients are
-    g * max_norm / true (CLIP_RTOL), wherever the gradients are finite."""
+    g * max_norm / true (CLIP_RTOL), wherever the gradients are finite; the first record's norm
+    also from the full gradients gathered (GATHERED_RTOL)."""
+    if math.isfinite(records[0]["true"]):
+        assert abs(records[0]["gathered"] - records[0]["true"]) < GATHERED_RTOL * records[0]["true"], records[0]
     for rec in records:
         assert rec["max_norm"] == max_norm, rec
         if not math.isfinite(rec["true"]):
