@@ -46,7 +46,7 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
     """Gradients grouped so that each group is all plain tensors or all DTensors of one mesh:
-    foreach kernels refuse mixtures (e.g. TP without sequence parallel keeps norms plain)."""
+    foreach kernels refuse a mixture of the two, or DTensors of different meshes."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
