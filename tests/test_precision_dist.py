@@ -67,13 +67,13 @@ LAYOUTS = {
     "single": Layout(1, (), "autocast", "probe,curve,fp32curve,fp16"),
     # DDP trains its curve through our bf16 compress hook; its fp32 curve must equal single's.
     "ddp": Layout(2, ("--parallelism.data_parallel_replicate_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve_rbf16,fp32curve"),
+                      "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve_rbf16,fp32curve,fp16"),
     "fsdp": Layout(2, ("--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve,fp16"),
     "hsdp": Layout(4, ("--parallelism.data_parallel_replicate_degree", "2",
                        "--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve_rbf16"),
     # TP-only and PP-only take the autocast path too (torchtitan fell back to fp32 here).
     "tp": Layout(2, ("--parallelism.tensor_parallel_degree", "2",
-                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve,fp16"),
+                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve"),
     "pp": Layout(2, ("--parallelism.pipeline_parallel_degree", "2",
                      "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve"),
 }
