@@ -73,7 +73,7 @@ LAYOUTS = {
                        "--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve_rbf16"),
     # TP-only and PP-only take the autocast path too (torchtitan fell back to fp32 here).
     "tp": Layout(2, ("--parallelism.tensor_parallel_degree", "2",
-                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve"),
+                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve,fp16"),
     "pp": Layout(2, ("--parallelism.pipeline_parallel_degree", "2",
                      "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve"),
 }
