@@ -50,13 +50,18 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     assert report["frozen"]["layers.0.attention.wq.weight"] == "bfloat16" and len(report["frozen"]) == len(frozen)
     rows = {(g["module_type"].rsplit(".", 1)[-1], g["trained"]): g for g in report["param_groups"]}
     assert rows["Linear", False]["storage_dtype"] == "bfloat16" and rows["Linear", True]["storage_dtype"] == "float32"
-    # The loss still falls: the trained parameters learn around the frozen ones. Measured 5.969,
-    # 5.623, 4.998. The same 3 batches without learning (lr 1e-12) give 5.969, 6.019, 5.758 (the
-    # third batch is easier, -0.21), and training only the output layer 5.969, 5.937, 5.559
-    # (-0.41): a fall at every step and of more than 0.6 needs the trained blocks to learn.
+    # The trained parameters learn around the frozen ones: against a twin run on the same batches
+    # from the same weights without learning (lr 1e-12), the loss is lower at steps 2 and 3 by
+    # more than bf16 noise (~1e-3). Measured: torch 2.13 5.969, 5.623, 4.998 against 5.969,
+    # 6.019, 5.758 (the batches alone move the loss by -0.21, so "it fell" proves nothing);
+    # torch 2.11 (other initial weights) 6.025, 6.095, 5.654 against 6.025, 6.182, 5.862.
     losses = [r["loss"] for r in by_step(tmp_path).values()]
-    assert len(losses) == 3 and losses[0] > losses[1] > losses[2], losses
-    assert losses[2] < losses[0] - 0.6, losses
+    still = tmp_path / "no_learning"
+    trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-12",
+                                        "--job.dump_folder", str(still)])).train()
+    baseline = [r["loss"] for r in by_step(still).values()]
+    assert len(losses) == len(baseline) == 3 and losses[0] == baseline[0], (losses, baseline)
+    assert losses[1] < baseline[1] - 0.03 and losses[2] < baseline[2] - 0.1, (losses, baseline)
 
 
 def test_fp32_training_freezes_in_fp32(tmp_path: Path) -> None:
