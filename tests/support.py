@@ -223,9 +223,11 @@ def spawn_ranks(nproc: int, cmd: list[str], *, timeout: float, env: dict[str, st
             time.sleep(0.05)
         outputs = []
         for out_f, err_f in files:
-            out_f.seek(0), err_f.seek(0)
+            for f in (out_f, err_f):
+                f.seek(0)
             outputs.append((out_f.read(), err_f.read()))
-            out_f.close(), err_f.close()
+            for f in (out_f, err_f):
+                f.close()
     stdout, stderr = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
     if timed_out:
         import pytest

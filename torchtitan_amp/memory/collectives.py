@@ -82,8 +82,8 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                  once per step, in one flat all-reduce (precision.PartialGradReducer; reduce_dtype
                  if norms are lower-precision-safe). Frozen norms have no gradient.
     Recomputed blocks (full AC) repeat their forward collectives in backward except the last
-    (the last region's output reduce-scatter / all-reduce: Llama's w2): non-reentrant checkpointing stops recomputing once the
-    last saved tensor is rebuilt.
+    (the last region's output reduce-scatter / all-reduce: Llama's w2): non-reentrant
+    checkpointing stops recomputing once the last saved tensor is rebuilt.
     x microbatches (PP) x gradient-accumulation steps.
     """
     if layout.tp == 1:
