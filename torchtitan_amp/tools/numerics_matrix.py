@@ -305,6 +305,11 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
 DIFF_KEYS = ("step", "loss", "grad_norm", "loss_scale", "skipped_steps", "val_loss")
 
 
+def run_names(out: Path) -> set[str]:
+    """The runs an --out folder holds: its subfolders with a metrics.jsonl."""
+    return {p.parent.name for p in out.glob("*/metrics.jsonl")}
+
+
 def diff_outputs(before: Path, after: Path) -> list[str]:
     """Runs of two --out folders (e.g. the matrix before and after a refactor) whose metrics.jsonl
     rows differ in any DIFF_KEYS value, or that only one folder holds; [] when all are identical."""
@@ -312,13 +317,11 @@ def diff_outputs(before: Path, after: Path) -> list[str]:
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(line).items() if k in DIFF_KEYS} for line in lines if line.strip()]
 
-    def runs(out: Path) -> set[str]:
-        return {p.parent.name for p in out.glob("*/metrics.jsonl")}
-
+    names = {before: run_names(before), after: run_names(after)}
     problems = []
-    for name in sorted(runs(before) | runs(after)):
-        if name not in runs(before) or name not in runs(after):
-            problems.append(f"{name}: only in {before if name in runs(before) else after}")
+    for name in sorted(names[before] | names[after]):
+        if name not in names[before] or name not in names[after]:
+            problems.append(f"{name}: only in {before if name in names[before] else after}")
             continue
         a, b = rows(before / name), rows(after / name)
         if a != b:
@@ -329,13 +332,13 @@ def diff_outputs(before: Path, after: Path) -> list[str]:
 
 
 def diff_main(before: str, after: str) -> int:
-    for out in (before, after):
-        if not any(Path(out).glob("*/metrics.jsonl")):
+    folders = (Path(before), Path(after))
+    for out in folders:
+        if not run_names(out):
             print(f"error: '{out}' holds no run (no */metrics.jsonl): give two --out folders", file=sys.stderr)
             return 2
-    problems = diff_outputs(Path(before), Path(after))
-    count = len({p.parent.name for p in Path(before).glob("*/metrics.jsonl")} |
-                {p.parent.name for p in Path(after).glob("*/metrics.jsonl")})
+    problems = diff_outputs(*folders)
+    count = len(run_names(folders[0]) | run_names(folders[1]))
     print("\n".join(problems) if problems else
           f"all {count} runs identical (every step's {', '.join(DIFF_KEYS[1:])}, bit for bit)")
     return 1 if problems else 0
