@@ -251,7 +251,7 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
             assert presentation._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
     flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
-    assert "{debugmodel, debugmodel_h64, llama3_8b, llama3_70b, llama3_405b}" in flavor
+    assert "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b}" in flavor
 
 
 def test_train_py_help_exits_0() -> None:
@@ -292,7 +292,7 @@ def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(
 
     message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
     assert message == ("'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
-                       "'debugmodel_h64', 'llama3_8b', 'llama3_70b', 'llama3_405b'")
+                       "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'")
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "llama3_8b_2l", llama.LLAMA3_FLAVORS["llama3_8b"])
     assert error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n').endswith("'llama3_405b', 'llama3_8b_2l'")
 
@@ -307,7 +307,7 @@ def test_flavours_are_checked_without_importing_torch() -> None:
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
     assert result.stdout.splitlines() == [
-        "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'llama3_8b', "
+        "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', "
         "'llama3_70b', 'llama3_405b'", "False"]
 
 
@@ -336,7 +336,7 @@ def test_flavours_are_checked_without_importing_torch() -> None:
     ("[mixed_precision]\nlower_precision_safe_modules = [1]\n", [], ["must be a list of strings"]),
     # outside the allowed set, listing it
     (None, ["--model.flavor", "tiny"], ["'model.flavor' = 'tiny' is not allowed",
-                                       "'debugmodel', 'debugmodel_h64', 'llama3_8b'"]),
+                                       "'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b'"]),
     (None, ["--mixed_precision.param_dtype", "fp16"], ["'float32', 'bfloat16', 'float16'"]),
     (None, ["--training.mixed_precision_reduce", "fp8"], ["'training.mixed_precision_reduce' = 'fp8'"]),
     ('[lr_scheduler]\ndecay_type = "step"\n', [], ["'lr_scheduler.decay_type' = 'step'", "'linear', 'cosine', 'sqrt'"]),

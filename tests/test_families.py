@@ -54,7 +54,7 @@ def test_help_lists_families_and_flavours(registered) -> None:  # type: ignore[n
     name = next(line for line in lines if line.strip().startswith("--model.name "))
     flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
     assert "{llama3, tiny_gelu}" in name
-    assert "{debugmodel, debugmodel_h64, llama3_8b, llama3_70b, llama3_405b, tiny, tiny_3l}" in flavor
+    assert "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, tiny, tiny_3l}" in flavor
 
 
 def test_family_names_are_torch_free_before_models_is_imported() -> None:

@@ -223,7 +223,7 @@ def test_flops_per_token_8b() -> None:
 def test_unknown_flavour_lists_allowed() -> None:
     with pytest.raises(ValueError) as err:
         build_model_args("llama3_1b", vocab_size=258, max_seq_len=64)
-    for name in ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"):
+    for name in ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b"):
         assert name in str(err.value)
 
 

@@ -36,7 +36,7 @@ def short_name(dtype: object) -> str:
 # against the registry itself once it is imported (a tool or test may register a family or a
 # flavour at run time), against this table before (nothing can have been registered then).
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "debugmodel_h64", "llama3_8b", "llama3_70b", "llama3_405b"),
+    "llama3": ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"
