@@ -369,9 +369,9 @@ GATHERED_RTOL = 1e-9
 
 
 @functools.cache
-def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, n_layers: int | None = None) -> float:
+def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, shrink: tuple[tuple[str, int], ...] = ()) -> float:
     """Standard deviation of the step-1 loss if every linear output of the debug model (config
-    `overrides`, optionally cut to `n_layers`) on the first `batch` sequences of its data were
+    `overrides`, with the model's fields `shrink` replaced) on the first `batch` sequences of its data were
     rounded once to bf16, to first order: round-to-nearest moves y by at most u|y| (u = 2**-8),
     uniformly, so by u|y|/sqrt(3) rms; independent errors move the loss by
     sqrt(sum((dL/dy * y)**2)) * u / sqrt(3). Computed in fp64 from the fp32 model, so it is a
@@ -388,8 +388,8 @@ def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, n_layers: int | 
 
     job = job_mod.resolve(load_config(["--model.flavor", "debugmodel", *overrides,
                                        "--mixed_precision.enabled", "false"]), 1, "cpu")
-    if n_layers is not None:
-        job = dataclasses.replace(job, model_args=dataclasses.replace(job.model_args, n_layers=n_layers))
+    if shrink:
+        job = dataclasses.replace(job, model_args=dataclasses.replace(job.model_args, **dict(shrink)))
     t = job.config.training
     model = job_mod.build_model_parts(job, torch.device("cpu"), [0]).parts[0]
     inputs, labels = next(iter(build_dataloader(t.dataset, job.tokenizer, t.seq_len, batch, 0, 1, t.seed)))

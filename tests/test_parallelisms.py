@@ -65,7 +65,15 @@ PRECISIONS = {
     "fp32": ("--mixed_precision.enabled", "false"),
     "bf16": ("--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16",
              "--mixed_precision.reduce_dtype", "float32"),
+    # Loss-scaled fp16 for the gradient norm check only (FP16_NORM_LAYOUTS). At a scale of 1024 no
+    # step of this model overflows (test_fp16_runs_were_loss_scaled), so every step's clip is
+    # checked on unscaled gradients; a norm taken before unscale_ would be 1024x off.
+    "fp16": ("--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "float16",
+             "--mixed_precision.init_scale", "1024"),
 }
+# The layouts whose fp16 norm and clipping test_precision_dist's fp16 scenario does not cover
+# (it runs single, DDP, FSDP and TP with sequence parallel).
+FP16_NORM_LAYOUTS = ("tp2_no_sp_no_loss_parallel", "pp2_1f1b", "fsdp2_tp2")
 
 # The issue's bound for fp32 layouts (relative, loss and grad norm, every step).
 FP32_REL_TOL = 1e-4
@@ -141,10 +149,12 @@ AC_WRAPPED = {
 def _runs_for(nproc: int) -> list[dict]:
     runs = []
     if nproc == 1:
-        runs += [{"name": f"single_{p}", "args": SINGLE.args(p)} for p in PRECISIONS]
+        runs += [{"name": f"single_{p}", "args": SINGLE.args(p)} for p in ("fp32", "bf16")]
     for name, layout in LAYOUTS.items():
         if layout.nproc == nproc:
-            runs += [{"name": f"{name}_{p}", "args": layout.args(p)} for p in PRECISIONS]
+            runs += [{"name": f"{name}_{p}", "args": layout.args(p)} for p in ("fp32", "bf16")]
+            if name in FP16_NORM_LAYOUTS:
+                runs.append({"name": f"{name}_fp16", "args": layout.args("fp16")})
     if nproc == 2:
         runs += [{"name": f"ac_{mode}_{name}_{p}", "args": LAYOUTS[name].args(p, *AC_MODES[mode])}
                  for mode, name, p in AC_RUNS]
@@ -428,6 +438,15 @@ def check_norms(run: Run) -> tuple[float, float]:
 def test_grad_norm_and_clipping_match_fp64_reference(trained: Launches, name: str, nproc: int) -> None:
     norm_err, clip_err = check_norms(trained.run(name, nproc))
     print(f"\n[norm check] {name}: reported vs fp64 norm max rel {norm_err:.1e}, clipped grads max rel {clip_err:.1e}")
+
+
+@pytest.mark.parametrize("name", FP16_NORM_LAYOUTS)
+def test_fp16_runs_were_loss_scaled(trained: Launches, name: str) -> None:
+    """The fp16 runs of the norm check above really scaled their loss and stepped every step, so
+    its checks read norms taken after unscale_ on every step."""
+    run = run_of(trained, name, "fp16")
+    assert run.report["param_dtype"] == "float16" and run.report["grad_scaler"] != "none", run.report
+    assert [(r["loss_scale"], r["skipped_steps"]) for r in run.rows] == [(1024.0, 0.0)] * STEPS, run.rows
 
 
 @pytest.mark.skipif(os.environ.get("TORCHTITAN_AMP_TEST_8_RANKS") != "1",
