@@ -147,7 +147,8 @@ AC_WRAPPED = {
 }
 
 
-def _runs_for(nproc: int) -> list[dict]:
+def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
+    """nproc's runs; `docs` is the short-document corpus of the document-masking runs."""
     runs = []
     if nproc == 1:
         runs += [{"name": f"single_{p}", "args": SINGLE.args(p)} for p in ("fp32", "bf16")]
@@ -161,7 +162,28 @@ def _runs_for(nproc: int) -> list[dict]:
                  for mode, name, p in AC_RUNS]
     if nproc == 8:
         runs += [{"name": f"{name}_fp32", "args": layout.args("fp32")} for name, layout in LAYOUTS_8.items()]
+    masked = ("--training.dataset", f"path:{docs}", "--model.attn_mask_type", "block_causal")
+    runs += [{"name": f"docmask_{name}_fp32", "args": layout.args("fp32", *masked)}
+             for name, layout in {"single": SINGLE, **LAYOUTS}.items() if name in DOC_MASK_LAYOUTS and layout.nproc == nproc]
+    if nproc == 1:  # the same data without the mask: the mask must change the curve
+        runs.append({"name": "docs_causal_single_fp32", "args": SINGLE.args("fp32", *masked[:2])})
     return runs
+
+
+# Document masking (model.attn_mask_type = "block_causal") in fp32 on these layouts, on a corpus of
+# short documents (1-6 words: every 32-token window holds several); tests/test_attention_masks.py
+# has the single-process proof that a masked window trains as its documents alone.
+DOC_MASK_LAYOUTS = ("single", "fsdp2", "ddp2", "tp2", "pp2_1f1b", "fsdp2_tp2")
+
+
+def write_short_documents(path: Path) -> Path:
+    import random
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
+                            for _ in range(400)))
+    return path
 
 
 @dataclass
@@ -210,6 +232,7 @@ class Launches:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.outputs: dict[str, str] = {}
+        self.docs = write_short_documents(root / "docs.jsonl")
 
     def launch(self, nproc: int, runs: list[dict], key: str, timeout: float) -> None:
         # Set first: if the launch times out (pytest.fail), later tests report it instead of relaunching.
@@ -220,7 +243,7 @@ class Launches:
     def run(self, name: str, nproc: int) -> Run:
         key = f"nproc{nproc}"
         if key not in self.outputs:
-            self.launch(nproc, _runs_for(nproc), key, timeout=600)
+            self.launch(nproc, _runs_for(nproc, self.docs), key, timeout=600)
         return Run(name, self.root / key / name, self.outputs[key])
 
 
@@ -356,6 +379,23 @@ def test_four_rank_mesh_coordinates_and_data_ranks(trained: Launches, name: str)
     for d in range(dp):
         holders = [tuple(r["coordinate"][i] for i in (0, 3)) for r in ranks if r["dp_rank"] == d]
         assert sorted(holders) == sorted({(p, t) for p in range(shape[0]) for t in range(shape[3])})
+
+
+# ---------------------------------------------------------------------------------------------
+# Document masking: every layout masks at the same document boundaries
+
+
+@pytest.mark.parametrize("name", [n for n in DOC_MASK_LAYOUTS if n != "single"])
+def test_document_masking_matches_one_process(trained: Launches, name: str) -> None:
+    nproc = LAYOUTS[name].nproc
+    ref, run = trained.run("docmask_single_fp32", 1), trained.run(f"docmask_{name}_fp32", nproc)
+    unmasked = trained.run("docs_causal_single_fp32", 1)
+    loss_rel, norm_rel = max_rel(run.losses, ref.losses), max_rel(run.grad_norms, ref.grad_norms)
+    print(f"\n[docmask fp32] {name}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}; "
+          f"the mask moves the single-process curve by {max_rel(unmasked.losses, ref.losses):.1e}")
+    assert loss_rel < FP32_REL_TOL and norm_rel < FP32_REL_TOL, (run.losses, ref.losses)
+    # The runs really masked: without the mask the same data trains another curve.
+    assert max_rel(unmasked.losses, ref.losses) > 10 * FP32_REL_TOL, (unmasked.losses, ref.losses)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ and the tools call these two, so a dry run cannot drift from a real run.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_con
 from torchtitan_amp.config import ConfigError, JobConfig, Training
 from torchtitan_amp.matmul_speed import low_precision_speed
 from torchtitan_amp.models import ModelFamily, count_params, get_family
+from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.parallelize import parallelize_model, validate_layout
 from torchtitan_amp.pipeline import stage_module
@@ -83,6 +85,13 @@ class Job:
     @property
     def precision(self) -> memory.PrecisionSpec:
         return memory.PrecisionSpec.from_plan(self.plan, self.family.norm_cls)
+
+    @functools.cached_property
+    def mask_inputs(self) -> MaskInputs:
+        """The extra forward arguments model.attn_mask_type needs (document ids for block_causal).
+        A dry run without a tokenizer has no BOS / EOS: every window is one document."""
+        bos, eos = (self.tokenizer.bos_id, self.tokenizer.eos_id) if self.tokenizer is not None else (-1, -1)
+        return MaskInputs(self.config.model.attn_mask_type, bos, eos)
 
     @property
     def num_stages(self) -> int:

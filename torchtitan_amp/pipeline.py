@@ -46,27 +46,31 @@ class Pipeline:
     n_microbatches: int
     loss: _ModalLoss
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-        """Forward + backward of one batch; returns the last stage's per-microbatch losses."""
-        return self._run(self.schedule.step, inputs, labels)
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> list[torch.Tensor]:
+        """Forward + backward of one batch; returns the last stage's per-microbatch losses.
+        `extra`: keyword inputs of every stage's forward (e.g. doc_ids), split into microbatches
+        like the inputs."""
+        return self._run(self.schedule.step, inputs, labels, extra)
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> list[torch.Tensor]:
         """Forward only (the schedule's eval mode, every stage takes part): the last stage's
         per-microbatch mean losses; [] on the other stages."""
         self.loss.evaluating = True
         try:
             with torch.no_grad():
-                return self._run(self.schedule.eval, inputs, labels)
+                return self._run(self.schedule.eval, inputs, labels, extra)
         finally:
             self.loss.evaluating = False
 
-    def _run(self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _run(self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor,
+             extra: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         targets = labels if self.has_last_stage else None
+        # Keyword inputs reach every stage (torch splits them per microbatch), positional ones the first.
         if self.has_first_stage:
-            run(inputs, target=targets, losses=losses, return_outputs=False)
+            run(inputs, target=targets, losses=losses, return_outputs=False, **extra)
         else:
-            run(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses, return_outputs=False, **extra)
         # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
         return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 

@@ -116,7 +116,7 @@ class Trainer:
         self.model = self.model_parts[0]
         self.validator = None if spec is None else validation.Validator(
             spec, val_loader, config=config, plan=self.plan, dims=self.dims, model_parts=self.model_parts,
-            pipeline=self.pipeline, loss_fn=loss_fn, device=self.device, dp_group=self.dp_group,
+            pipeline=self.pipeline, loss_fn=loss_fn, mask_inputs=self.job.mask_inputs, device=self.device, dp_group=self.dp_group,
             pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
@@ -213,14 +213,14 @@ class Trainer:
         """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss)."""
         if self.pipeline is not None:
             with parallel_context(self.dims, self.config):
-                losses = self.pipeline.step(inputs, labels)
+                losses = self.pipeline.step(inputs, labels, **self.job.mask_inputs(inputs))
             if not losses:
                 return torch.zeros((), device=self.device)
             # The schedule saw scaled, pre-divided fp32 losses (Pipeline.step detached them): their
             # sum is this step's share of the mean.
             return torch.stack(losses).sum() / self.scaler.get_scale()
         with parallel_context(self.dims, self.config), self.plan.forward_context():
-            logits = self.plan.cast_output(self.model(inputs))
+            logits = self.plan.cast_output(self.model(inputs, **self.job.mask_inputs(inputs)))
             loss = loss_fn(logits, labels) / self.accum
         with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()

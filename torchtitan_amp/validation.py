@@ -98,8 +98,9 @@ class Validator:
                  plan: PrecisionPlan, dims: Any, model_parts: list[nn.Module], pipeline: Pipeline | None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
                  dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
-                 is_logging_rank: bool) -> None:
-        self.spec, self.loader, self.loss_fn = spec, loader, loss_fn
+                 is_logging_rank: bool,
+                 mask_inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]] = lambda tokens: {}) -> None:
+        self.spec, self.loader, self.loss_fn, self.mask_inputs = spec, loader, loss_fn, mask_inputs
         self.config, self.plan, self.dims = config, plan, dims
         self.model_parts, self.pipeline, self.device = model_parts, pipeline, device
         self.dp_group, self.pp_group = dp_group, pp_group
@@ -156,7 +157,7 @@ class Validator:
         pipeline stages without the loss."""
         if self.pipeline is not None:
             with parallel_context(self.dims, self.config):
-                losses = self.pipeline.evaluate(inputs, labels)
+                losses = self.pipeline.evaluate(inputs, labels, **self.mask_inputs(inputs))
             if not losses:
                 return torch.zeros(2, dtype=torch.float64, device=self.device)
             tokens_per_microbatch = labels.numel() / len(losses)
@@ -164,7 +165,7 @@ class Validator:
                                 torch.tensor(float(labels.numel()), dtype=torch.float64, device=self.device)])
         # Its own outermost autocast region per forward (see the module docstring).
         with parallel_context(self.dims, self.config), self.plan.forward_context():
-            loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs)), labels)
+            loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **self.mask_inputs(inputs))), labels)
         if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
             loss = loss.full_tensor()
         return torch.stack([loss.double() * labels.numel(),

@@ -47,6 +47,10 @@ class Model:
                      "built-in ones are listed, a tool may register more at run time).", choices=flavor_names)
     tokenizer: str = _f("byte", "'byte' (built-in 256 bytes + BOS/EOS), a path to a tokenizer.json, or a "
                         "Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json's BOS/EOS).")
+    attn_mask_type: Literal["causal", "block_causal"] = _f(
+        "causal", "'causal': a token attends to every earlier token of its window; 'block_causal' "
+        "(document masking): only to those of its own document (a BOS, or the token after an EOS, "
+        "starts one), as if each packed document were trained alone.")
 
 
 @dataclass

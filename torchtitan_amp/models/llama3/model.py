@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_amp.models.attention import block_causal_mask
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
 
 # Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
@@ -275,7 +276,9 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal) or [B, 1, S, S] bool (models/attention.py, True = may attend)."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
         # produce only this rank's heads; n_rep is unchanged by that.
@@ -286,7 +289,7 @@ class Attention(nn.Module):
         xk = repeat_kv(xk, self.n_rep)
         xv = repeat_kv(xv, self.n_rep)
         out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), attn_mask=mask, is_causal=mask is None
         )
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
@@ -344,8 +347,10 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # The mask as a keyword: TP's PrepareModuleInput lays out the positional inputs only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -396,12 +401,14 @@ class Transformer(nn.Module):
             std = self.model_args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
-        without embeddings/output, hidden states [B, S, dim] in and/or out."""
+        without embeddings/output, hidden states [B, S, dim] in and/or out. doc_ids [B, S]
+        (models/attention.py) restricts attention to each token's document."""
+        mask = block_causal_mask(doc_ids) if doc_ids is not None else None
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, self.rope_cos, self.rope_sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
