@@ -167,6 +167,8 @@ def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
              for name, layout in {"single": SINGLE, **LAYOUTS}.items() if name in DOC_MASK_LAYOUTS and layout.nproc == nproc]
     if nproc == 1:  # the same data without the mask: the mask must change the curve
         runs.append({"name": "docs_causal_single_fp32", "args": SINGLE.args("fp32", *masked[:2])})
+    if nproc == 2:  # the mask through activation checkpointing's recompute (op-level SAC)
+        runs.append({"name": "docmask_ac_op_fsdp2_fp32", "args": LAYOUTS["fsdp2"].args("fp32", *masked, *AC_MODES["op"])})
     return runs
 
 
@@ -396,6 +398,12 @@ def test_document_masking_matches_one_process(trained: Launches, name: str) -> N
     assert loss_rel < FP32_REL_TOL and norm_rel < FP32_REL_TOL, (run.losses, ref.losses)
     # The runs really masked: without the mask the same data trains another curve.
     assert max_rel(unmasked.losses, ref.losses) > 10 * FP32_REL_TOL, (unmasked.losses, ref.losses)
+
+
+def test_document_masking_survives_activation_checkpointing(trained: Launches) -> None:
+    plain, ac = trained.run("docmask_fsdp2_fp32", 2), trained.run("docmask_ac_op_fsdp2_fp32", 2)
+    assert max_rel(ac.losses, plain.losses) <= AC_REL_TOL and max_rel(ac.grad_norms, plain.grad_norms) <= AC_REL_TOL
+    assert all(r["checkpoint_wrapped"] == AC_WRAPPED["op"] for r in ac.ranks())
 
 
 # ---------------------------------------------------------------------------------------------
