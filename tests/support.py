@@ -33,10 +33,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
-# Small enough that a step takes tens of milliseconds on CPU; large enough that the loss falls
-# visibly within a dozen steps at this learning rate.
+# debugmodel_tiny: a bf16 step costs ~14x less than debugmodel's on a CPU that emulates bf16; the
+# loss still falls visibly within a dozen steps at this learning rate (10 steps: 6.02 -> 4.56).
 TINY = (
-    "--model.flavor", "debugmodel",
+    "--model.flavor", "debugmodel_tiny",
     "--training.seq_len", "64",
     "--training.local_batch_size", "4",
     "--optimizer.lr", "3e-3",

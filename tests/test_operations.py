@@ -15,8 +15,9 @@ from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.trainer import NonFiniteError, Trainer
 
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2", "--mixed_precision.enabled", "false"]
+# The smallest flavour: these tests are about the run's control flow, not the model.
+TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--mixed_precision.enabled", "false"]
 
 
 def _trainer(tmp_path: Path, *extra: str) -> Trainer:
