@@ -28,7 +28,7 @@ from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.errors import DataError
 from torchtitan_amp.tools.evaluate import evaluate
 
-BASE = ["--model.flavor", "debugmodel_h64", "--training.seq_len", "32", "--training.local_batch_size", "2",
+BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
         "--training.gc_freq", "0"]
 FP32 = ["--mixed_precision.enabled", "false"]
