@@ -254,9 +254,12 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if shutil.which("timeout") is None:
         pytest.skip("benchmarks/gpu_mfu.sh needs coreutils' timeout")
     out = tmp_path_factory.mktemp("gpu_mfu")
-    # Inductor on CPU needs a C++ compiler; without one only the eager configurations run.
-    compiles = "off,on" if HAVE_COMPILER else "off"
-    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", "--compile", compiles],
+    # Inductor on CPU needs a C++ compiler; without one only the eager configurations run. Of the
+    # compiled ones only the FSDP policy's (~30 s of CPU each, cold): its graph-broken blocks are
+    # the benchmark's own case; autocast blocks compile as in the Trainer, which gpu_checks' curves
+    # (tests/test_gpu_checks.py) compile in bf16 already.
+    compiles = ["--compile", "off,on", "--compile-configs", "fsdp"] if HAVE_COMPILER else ["--compile", "off"]
+    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", *compiles],
                     timeout=900, env={"OUT": str(out), "PYTHON": sys.executable})
     assert (out / "gpu_mfu.json").is_file(), r.describe()
     data = json.loads((out / "gpu_mfu.json").read_text())
@@ -265,11 +268,11 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_gpu_mfu_tiny_runs_on_cpu(gpu_tiny: dict) -> None:
-    """All three precisions, eager and (with a C++ compiler) compiled, train the tiny shape: a cold
-    inductor cache makes the first run ~1.5 min on 2 cores, a warm one ~15 s."""
+    """All three precisions train the tiny shape eager, and (with a C++ compiler) the FSDP policy
+    compiled as well: what was asked for runs, no more."""
     results = {(r["config"], r["compile"]): r for r in gpu_tiny["results"]}
-    compiled = (False, True) if HAVE_COMPILER else (False,)
-    assert set(results) == {(c, comp) for c in ("fsdp", "autocast", "fp32") for comp in compiled}
+    compiled = {("fsdp", True)} if HAVE_COMPILER else set()
+    assert set(results) == {(c, False) for c in ("fsdp", "autocast", "fp32")} | compiled
     assert gpu_tiny["layers_chosen"] == 2 and gpu_tiny["device"] == "CPU"
     ok = [k for k in results if k != ("fsdp", True)]
     for key in ok:
