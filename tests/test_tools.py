@@ -326,10 +326,10 @@ def test_reduce_precision_emulation() -> None:
     assert all(row[2] < row[0] and row[3] < row[1] for row in table.values())  # fp16: 3 more mantissa bits
 
 
-@pytest.mark.slow  # 25-45 s on 2 cores
+@pytest.mark.slow  # 13-15 s on 2 cores (quiet machine, AVX2 emulation)
 def test_overhead_runs_every_layout(tmp_path: Path) -> None:
-    """The overhead benchmark's own code on the tiny model (one process plus a 2-rank launch each
-    for DDP, FSDP and TP); a smoke test: its times are not checked."""
+    """The overhead benchmark's own code on the tiny model (one process, then one 2-rank launch for
+    DDP, FSDP and TP in turn); a smoke test: its times are not checked."""
     r = run_python("-m", "benchmarks.overhead", "--models", "tiny", "--layouts", "single,ddp2,fsdp2,tp2",
                    "--precisions", "fp32,bf16", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
                    "--output", str(tmp_path / "report.md"), timeout=300, env=ONE_THREAD)
