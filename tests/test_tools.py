@@ -269,7 +269,7 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("benchmarks/gpu_mfu.sh needs coreutils' timeout")
     out = tmp_path_factory.mktemp("gpu_mfu")
     # Inductor on CPU needs a C++ compiler; without one only the eager configurations run. Of the
-    # compiled ones only the FSDP policy's (~30 s of CPU each, cold): its graph-broken blocks are
+    # compiled ones only the FSDP policy's (~17 CPU-seconds each, cold): its graph-broken blocks are
     # the benchmark's own case; autocast blocks compile as in the Trainer, which gpu_checks' curves
     # (tests/test_gpu_checks.py) compile in bf16 already.
     compiles = ["--compile", "off,on", "--compile-configs", "fsdp"] if HAVE_COMPILER else ["--compile", "off"]
