@@ -263,12 +263,43 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def run_with_retries(cfg: str, compiled: bool, layers: int, a: argparse.Namespace, device: torch.device,
+                     mesh: ParallelDims) -> tuple[dict[str, Any], int]:
+    """run_config, with the layer count cut by a quarter after an out-of-memory error (at most
+    twice); (its result, an "error" entry if it failed, and the layer count it ended with)."""
+    for attempt in range(3):
+        error = None
+        try:
+            return run_config(cfg, compiled, layers, a, device, mesh), layers
+        except Exception as e:  # noqa: BLE001 - report and go on: one failure must not lose the rest
+            error = (is_oom(e), f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
+        # Outside the except block: the traceback, which holds the failed run's tensors, is gone.
+        reset_memory(device)
+        oom, message = error
+        if not (oom and layers > 1 and attempt < 2):
+            break
+        layers = max(1, layers * 3 // 4)
+        print(f"  {cfg} compile={compiled}: out of memory, retrying with {layers} layers", flush=True)
+    return {"config": cfg, "compile": compiled, "layers": layers, "error": message}, layers
+
+
+def print_result(r: dict[str, Any]) -> None:
+    if "error" in r:
+        print(f"  {r['config']} compile={r['compile']}: FAILED {r['error']}", flush=True)
+        return
+    print(f"  {r['precision']:17s} compile={'on ' if r['compile'] else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
+          f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
+          f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}", flush=True)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="toy shape (dim 64, 2 layers, seq 32): a smoke run, CPU or GPU")
     p.add_argument("--configs", default="fsdp,autocast,fp32", help="from fsdp, autocast, fp32 (in this order)")
     p.add_argument("--compile", default="off,on", help="off, on, or off,on (default: both, eager first)")
+    p.add_argument("--compile-configs", help="the configs that also run compiled when --compile has on "
+                   "(default: all of --configs)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 8192; 32 with --tiny)")
     p.add_argument("--batch", type=int, help="sequences per step (default 1; 2 with --tiny)")
     p.add_argument("--layers", default="auto", help="transformer blocks, or 'auto': as many as fit")
@@ -306,7 +337,8 @@ def main(argv: list[str]) -> int:
         return 2
     configs = [c.strip() for c in a.configs.split(",")]
     compiles = [{"off": False, "on": True}[c.strip()] for c in a.compile.split(",")]
-    unknown = [c for c in configs if c not in CONFIGS]
+    compile_configs = configs if a.compile_configs is None else [c.strip() for c in a.compile_configs.split(",")]
+    unknown = [c for c in configs + compile_configs if c not in CONFIGS]
     if unknown:
         print(f"error: unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
@@ -334,6 +366,8 @@ def main(argv: list[str]) -> int:
     failed = False
     for compiled in compiles:
         for cfg in configs:
+            if compiled and cfg not in compile_configs:
+                continue
             elapsed = time.perf_counter() - start
             # Expected duration: the eager run of the same config, plus a compile allowance.
             expected = durations.get((cfg, False), 30.0) + (90.0 if compiled else 0.0)
@@ -342,34 +376,12 @@ def main(argv: list[str]) -> int:
                                 f"({elapsed:.0f} s used, ~{expected:.0f} s needed, --time-budget {a.time_budget:.0f})"})
                 print(f"  {cfg} compile={compiled}: skipped (time budget)", flush=True)
                 continue
-            for attempt in range(3):
-                t0 = time.perf_counter()
-                error = None
-                try:
-                    r = run_config(cfg, compiled, layers, a, device, mesh)
-                except Exception as e:  # noqa: BLE001 - report and go on: one failure must not lose the rest
-                    error = (is_oom(e), f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
-                if error is None:
-                    break
-                # Outside the except block: the traceback, which holds the failed run's tensors, is gone.
-                reset_memory(device)
-                oom, message = error
-                if oom and layers > 1 and attempt < 2:
-                    layers = max(1, layers * 3 // 4)
-                    print(f"  {cfg} compile={compiled}: out of memory, retrying with {layers} layers", flush=True)
-                    continue
-                r = {"config": cfg, "compile": compiled, "layers": layers, "error": message}
-                failed = True
-                break
+            t0 = time.perf_counter()
+            r, layers = run_with_retries(cfg, compiled, layers, a, device, mesh)
             durations[cfg, compiled] = time.perf_counter() - t0
             results.append(r)
-            if "error" in r:
-                print(f"  {cfg} compile={compiled}: FAILED {r['error']}", flush=True)
-            else:
-                failed |= not r["loss_finite"]
-                print(f"  {r['precision']:17s} compile={'on ' if compiled else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
-                      f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
-                      f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}", flush=True)
+            failed |= "error" in r or not r["loss_finite"]
+            print_result(r)
             write_json(a.json, {**info, "results": results})
     print()
     print(table(results))

@@ -36,7 +36,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchmarks._common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs, use_model
@@ -234,13 +234,19 @@ def jobs_for(layout: str, models: list[str], precisions: list[str], a: argparse.
     return jobs
 
 
-def run_layout(layout: str, jobs: list[dict], out: Path) -> list[dict]:
+def run_layouts(layouts: list[str], jobs: dict[str, list[dict]], out: Path) -> Iterator[dict]:
     """One process in this one (both cores for intra-op threads, as a user's single-process run);
-    2 ranks in one torchrun launch (1 thread each)."""
-    nproc = LAYOUTS[layout][0]
-    if nproc == 1:
-        return [measure(job) for job in jobs]
-    return run_jobs(__spec__.name, nproc, jobs, out, layout)
+    the 2-rank layouts all in one torchrun launch (1 thread each; a fresh Trainer and hand-written
+    model per job, as numerics_matrix's launches), so that process start-up is paid once. Results
+    come in the order of `layouts`."""
+    order = {layout: i for i, layout in enumerate(layouts)}
+    for nproc in sorted({LAYOUTS[layout][0] for layout in layouts}):
+        group = [job for layout in layouts if LAYOUTS[layout][0] == nproc for job in jobs[layout]]
+        if nproc == 1:
+            yield from (measure(job) for job in group)
+        else:
+            yield from sorted(run_jobs(__spec__.name, nproc, group, out, f"{nproc}ranks"),
+                              key=lambda r: order[r["layout"]])
 
 
 def row(r: dict) -> list[str]:
@@ -280,11 +286,12 @@ def main(argv: list[str]) -> int:
     text = header("Framework overhead (CPU)")
     start = time.perf_counter()
     rows = []
-    for layout in a.layouts.split(","):
-        for r in run_layout(layout, jobs_for(layout, models, a.precisions.split(","), a, out), out):
-            rows.append(row(r))
-            print(f"{r['model']} {layout} {r['precision']}: hand {statistics.median(r['hand']) * 1e3:.1f} ms, "
-                  f"trainer {statistics.median(r['trainer']) * 1e3:.1f} ms (load {r['load']})", flush=True)
+    layouts = a.layouts.split(",")
+    jobs = {layout: jobs_for(layout, models, a.precisions.split(","), a, out) for layout in layouts}
+    for r in run_layouts(layouts, jobs, out):
+        rows.append(row(r))
+        print(f"{r['model']} {r['layout']} {r['precision']}: hand {statistics.median(r['hand']) * 1e3:.1f} ms, "
+              f"trainer {statistics.median(r['trainer']) * 1e3:.1f} ms (load {r['load']})", flush=True)
     shapes = "; ".join(f"{m}: {num_params(m) / 1e6:.1f}M params, seq {a.seq_len or SHAPES[m][0]} x "
                        f"{a.batch or SHAPES[m][1]} sequences per rank" for m in models)
     text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; "

@@ -64,7 +64,8 @@ def load_average() -> str:
 
 def machine() -> str:
     """CPU model, core count, bf16-relevant ISA flags, torch and Python versions."""
-    import torch
+    # torch's version from its metadata: a driver that only launches ranks need not import torch.
+    from torchtitan_amp.environment import _torch_version
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -76,5 +77,5 @@ def machine() -> str:
         pass
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
-    return (f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {torch.__version__}, "
+    return (f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {_torch_version()}, "
             f"Python {platform.python_version()}")
