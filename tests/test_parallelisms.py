@@ -493,8 +493,8 @@ def test_grad_norm_and_clipping_match_fp64_reference(trained: Launches, name: st
 def test_fp16_runs_were_loss_scaled(trained: Launches, name: str) -> None:
     """The fp16 runs of the norm check above really scaled their loss and stepped every step, and
     clipped unscaled gradients: the norm check compares the trainer with the gradients it was
-    handed, so a clip before unscale_ would pass it; the fp32 run's step-1 norm (same weights and
-    data) would not, being 1024x smaller."""
+    handed, so a clip before unscale_ would pass it, but not this comparison with the fp32 run's
+    step-1 norm (same weights and data): a scaled norm is 1024x larger."""
     run, fp32 = run_of(trained, name, "fp16"), run_of(trained, name, "fp32")
     assert run.report["param_dtype"] == "float16" and run.report["grad_scaler"] != "none", run.report
     assert [(r["loss_scale"], r["skipped_steps"]) for r in run.rows] == [(1024.0, 0.0)] * STEPS, run.rows
