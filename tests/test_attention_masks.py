@@ -66,3 +66,24 @@ def test_packed_window_loss_is_the_token_weighted_loss_of_its_documents_run_alon
     # The mask mattered: plain causal attention is off by far more than the bound above (measured
     # 4.6e-4 on these untrained weights, whose attention is nearly uniform, vs 1e-9 for the mask).
     assert abs(causal - packed) > 10 * 1e-6 * packed, (causal, packed)
+
+
+def test_a_family_without_doc_ids_refuses_block_causal_in_one_line() -> None:
+    import dataclasses
+
+    from torch import nn
+
+    from torchtitan_amp.job import check_mask_type
+
+    class NoDocIds(nn.Module):
+        def forward(self, tokens):  # type: ignore[no-untyped-def]
+            return tokens
+
+    llama = get_family("llama3")
+    check_mask_type("block_causal", llama)  # Llama's forward takes doc_ids
+    other = dataclasses.replace(llama, name="plain", model_cls=NoDocIds)
+    check_mask_type("causal", other)
+    with pytest.raises(ConfigError) as e:
+        check_mask_type("block_causal", other)
+    assert str(e.value) == ("'model.attn_mask_type' = 'block_causal' is not supported by model.name = 'plain' "
+                            "(its model's forward takes no doc_ids); use 'causal'")

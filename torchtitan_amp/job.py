@@ -7,6 +7,7 @@ and the tools call these two, so a dry run cannot drift from a real run.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,14 @@ class Job:
         return self.layout.stage_ids(pp_rank)
 
 
+def check_mask_type(mask_type: str, family: ModelFamily) -> None:
+    """A family takes document masking by accepting `doc_ids` in its model's forward."""
+    forward = getattr(family.model_cls, "forward", family.model_cls)
+    if mask_type != "causal" and "doc_ids" not in inspect.signature(forward).parameters:
+        raise ConfigError(f"'model.attn_mask_type' = '{mask_type}' is not supported by model.name = "
+                          f"'{family.name}' (its model's forward takes no doc_ids); use 'causal'")
+
+
 def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False) -> Job:
     """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
     the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
@@ -118,6 +127,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.dry_run.vocab_size
     family = get_family(config.model.name)
+    check_mask_type(config.model.attn_mask_type, family)
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
