@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-MASK_TYPES = ("causal", "block_causal")
-
 
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
     """[B, S] ids -> [B, S] int32: per token, which document of its window it belongs to (0 for the
@@ -37,8 +35,7 @@ class MaskInputs:
     see hidden states, not tokens, so the trainer hands them the ids)."""
 
     def __init__(self, mask_type: str, bos_id: int, eos_id: int) -> None:
-        if mask_type not in MASK_TYPES:
-            raise ValueError(f"attn_mask_type {mask_type!r} is not one of {MASK_TYPES}")
+        # mask_type comes from the config, whose Literal already refused any other value.
         self.mask_type, self.bos_id, self.eos_id = mask_type, bos_id, eos_id
 
     def __call__(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
