@@ -21,10 +21,10 @@ DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
 DEBUG_LAYERS = 6
 
 
-def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1) -> ParallelDims:
+def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
     return ParallelDims.from_config(
         Parallelism(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
-                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp), world)
+                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp), world)
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -38,9 +38,10 @@ def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
 
 
 @pytest.mark.parametrize("world, degrees, product", [
-    (4, dict(rep=2, shard=2, tp=2), "replicate x shard x tp x pp = 2 x 2 x 2 x 1 = 8"),
-    (8, dict(shard=2, tp=2), "replicate x shard x tp x pp = 1 x 2 x 2 x 1 = 4"),
-    (2, dict(rep=1, shard=1, pp=4), "replicate x shard x tp x pp = 1 x 1 x 1 x 4 = 4"),
+    (4, dict(rep=2, shard=2, tp=2), "replicate x shard x tp x pp x cp = 2 x 2 x 2 x 1 x 1 = 8"),
+    (8, dict(shard=2, tp=2), "replicate x shard x tp x pp x cp = 1 x 2 x 2 x 1 x 1 = 4"),
+    (2, dict(rep=1, shard=1, pp=4), "replicate x shard x tp x pp x cp = 1 x 1 x 1 x 4 x 1 = 4"),
+    (4, dict(shard=2, cp=4), "replicate x shard x tp x pp x cp = 1 x 2 x 1 x 1 x 4 = 8"),
 ])
 def test_degrees_that_do_not_multiply_to_the_world_size(world, degrees, product) -> None:
     with pytest.raises(ConfigError) as e:
@@ -51,7 +52,7 @@ def test_degrees_that_do_not_multiply_to_the_world_size(world, degrees, product)
 def test_fill_degree_that_cannot_divide_the_world_size() -> None:
     with pytest.raises(ConfigError) as e:
         dims_of(4, rep=1, tp=3)
-    assert one_line_error(e) == "replicate x tp x pp = 1 x 3 x 1 = 3 does not divide the world size 4"
+    assert one_line_error(e) == "replicate x tp x pp x cp = 1 x 3 x 1 x 1 = 3 does not divide the world size 4"
 
 
 @pytest.mark.parametrize("world, degrees, shard", [
@@ -272,28 +273,42 @@ def fake_world():
 
 @pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
 @pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(rep=2, tp=2), dict(pp=2, tp=2),
-                                     dict(pp=2, rep=2, shard=1, tp=2), dict(rep=2, shard=4)])
+                                     dict(pp=2, rep=2, shard=1, tp=2), dict(rep=2, shard=4),
+                                     dict(shard=2, cp=2, tp=2), dict(rep=2, shard=1, cp=2, tp=2),
+                                     dict(pp=2, cp=4)])
 def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     dims = dims_of(WORLD, **degrees)
     mesh = dims.build_mesh("cpu")
     assert mesh is dims.mesh
-    assert mesh.mesh_dim_names == MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "tp")
-    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp)
+    assert mesh.mesh_dim_names == MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     assert tuple(mesh.shape) == shape
-    # Row-major rank order: tp is innermost (TP peers are neighbouring ranks, on one node), pp outermost.
+    # Row-major rank order: tp is innermost (TP peers are neighbouring ranks, on one node), then
+    # cp, pp outermost.
     assert torch.equal(mesh.mesh, torch.arange(WORLD).reshape(shape))
     coord = list(mesh.get_coordinate())
     assert coord == [int(c) for c in torch.nonzero(mesh.mesh == RANK)[0]]
     for name, size in zip(MESH_DIMS, shape):
         assert mesh[name].size() == size
-    # The flattened dp view: every rank with this rank's pp and tp coordinates, in replicate-major order.
+    pp_i, rep_i, shard_i, cp_i, tp_i = coord
+    assert dims.cp_rank(RANK) == cp_i
+    # The flattened dp view: every rank with this rank's pp, cp and tp coordinates, replicate-major.
     dp = dims.dp_mesh
     assert dp.mesh_dim_names == ("dp",)
     assert mesh["dp"].mesh.tolist() == dp.mesh.tolist()  # what the trainer slices today
     assert dp.size() == dims.dp_degree
-    pp_i, rep_i, shard_i, tp_i = coord
-    assert dp.mesh.tolist() == mesh.mesh[pp_i, :, :, tp_i].flatten().tolist()
-    assert dp.get_local_rank() == rep_i * dims.dp_shard + shard_i
+    assert dp.mesh.tolist() == mesh.mesh[pp_i, :, :, cp_i, tp_i].flatten().tolist()
+    assert dp.get_local_rank() == rep_i * dims.dp_shard + shard_i == dims.dp_rank(RANK)
+    # FSDP shards over dp_shard x cp (with dp_replicate in front under HSDP); the loss is averaged
+    # over every data- and context-parallel rank.
+    fsdp = dims.fsdp_mesh
+    shard_cp = mesh.mesh[pp_i, rep_i, :, :, tp_i].flatten().tolist()
+    if dims.hsdp_enabled:
+        assert fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+        assert fsdp.mesh.tolist() == mesh.mesh[pp_i, :, :, :, tp_i].flatten(1).tolist()
+    else:
+        assert fsdp.mesh_dim_names == ("dp_shard_cp",) and fsdp.mesh.tolist() == shard_cp
+    assert dims.loss_mesh.mesh.tolist() == mesh.mesh[pp_i, :, :, :, tp_i].flatten().tolist()
 
 
 @pytest.mark.parametrize("argv, expected", [([], 25.0), (["--parallelism.ddp_bucket_cap_mb", "7.5"], 7.5)])
@@ -308,7 +323,8 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     monkeypatch.setattr(parallelize, "replicate", lambda model, **kw: seen.update(kw))
     monkeypatch.setattr(parallelize, "install_comm_hook", lambda model, state: None)
     mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
-    dims = SimpleNamespace(tp_enabled=False, fsdp_enabled=False, ddp_enabled=True, mesh={"dp_replicate": mesh})
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, fsdp_enabled=False, ddp_enabled=True,
+                           mesh={"dp_replicate": mesh})
     plan = SimpleNamespace(apply_fp32_islands=lambda model: None, comm_hook_state=lambda model, group: None,
                            comm_hook="none")
     parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))

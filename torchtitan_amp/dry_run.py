@@ -55,7 +55,7 @@ def resolve_world_size(config: JobConfig) -> int:
         return ws
     p = config.parallelism
     return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
-            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+            * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree)
 
 
 def init_fake_process_group(world_size: int, rank: int) -> bool:

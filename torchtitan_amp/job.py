@@ -103,12 +103,17 @@ class Job:
         return self.layout.stage_ids(pp_rank)
 
 
-def check_mask_type(mask_type: str, family: ModelFamily) -> None:
-    """A family takes document masking by accepting `doc_ids` in its model's forward."""
+def check_mask_type(mask_type: str, family: ModelFamily, cp: int = 1) -> None:
+    """A family takes document masking by accepting `doc_ids` in its model's forward, and context
+    parallel by accepting `positions` (context_parallel.BatchSharder hands both)."""
     forward = getattr(family.model_cls, "forward", family.model_cls)
-    if mask_type != "causal" and "doc_ids" not in inspect.signature(forward).parameters:
+    takes = inspect.signature(forward).parameters
+    if mask_type != "causal" and "doc_ids" not in takes:
         raise ConfigError(f"'model.attn_mask_type' = '{mask_type}' is not supported by model.name = "
                           f"'{family.name}' (its model's forward takes no doc_ids); use 'causal'")
+    if cp > 1 and "positions" not in takes:
+        raise ConfigError(f"'parallelism.context_parallel_degree' = {cp} is not supported by model.name = "
+                          f"'{family.name}' (its model's forward takes no positions); use 1")
 
 
 def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False) -> Job:
@@ -127,7 +132,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.dry_run.vocab_size
     family = get_family(config.model.name)
-    check_mask_type(config.model.attn_mask_type, family)
+    check_mask_type(config.model.attn_mask_type, family, dims.cp)
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan_amp.config import ConfigError, Parallelism
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -18,30 +18,29 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _loss_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: Parallelism, world_size: int) -> "ParallelDims":
         """Resolve dp_shard = -1 and check that the degrees multiply to the world size."""
-        others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+        cp = p.context_parallel_degree
+        rep, tp, pp = p.data_parallel_replicate_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree
+        others = rep * tp * pp * cp
         dp_shard = p.data_parallel_shard_degree
         if dp_shard == -1:
             if world_size % others:
-                raise ConfigError(
-                    f"replicate x tp x pp = {p.data_parallel_replicate_degree} x "
-                    f"{p.tensor_parallel_degree} x {p.pipeline_parallel_degree} = {others} "
-                    f"does not divide the world size {world_size}"
-                )
+                raise ConfigError(f"replicate x tp x pp x cp = {rep} x {tp} x {pp} x {cp} = {others} does not "
+                                  f"divide the world size {world_size}")
             dp_shard = world_size // others
         if others * dp_shard != world_size:
-            raise ConfigError(
-                f"replicate x shard x tp x pp = {p.data_parallel_replicate_degree} x {dp_shard} x "
-                f"{p.tensor_parallel_degree} x {p.pipeline_parallel_degree} = {others * dp_shard} "
-                f"differs from the world size {world_size}"
-            )
+            raise ConfigError(f"replicate x shard x tp x pp x cp = {rep} x {dp_shard} x {tp} x {pp} x {cp} = "
+                              f"{others * dp_shard} differs from the world size {world_size}")
         return cls(p.data_parallel_replicate_degree, dp_shard, p.tensor_parallel_degree,
-                   p.pipeline_parallel_degree, world_size)
+                   p.pipeline_parallel_degree, world_size, cp)
 
     @property
     def dp_enabled(self) -> bool:
@@ -52,17 +51,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp (context-parallel ranks hold no
+        replicated weights, as in torchtitan)."""
+        return self.dp_shard * self.cp
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.fsdp_shard > 1
 
     @property
     def ddp_enabled(self) -> bool:
         """Replicate-only data parallel (no sharding): the classic DDP path."""
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.dp_replicate > 1 and self.fsdp_shard == 1
 
     @property
     def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard > 1
+        return self.dp_replicate > 1 and self.fsdp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def fsdp_mesh_dims(self) -> tuple[str, ...]:
+        """The mesh dims FSDP shards over (after build_mesh, `fsdp_mesh` is them as one mesh)."""
+        return ("dp_replicate", "dp_shard_cp") if self.hsdp_enabled else ("dp_shard_cp",)
 
     @property
     def tp_enabled(self) -> bool:
@@ -74,8 +88,12 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """This rank's index in the flattened dp dim, known before any process group: the mesh
-        lays ranks out row-major over (pp, dp_replicate, dp_shard, tp)."""
-        return (rank // self.tp) % self.dp_degree
+        lays ranks out row-major over (pp, dp_replicate, dp_shard, cp, tp)."""
+        return (rank // (self.tp * self.cp)) % self.dp_degree
+
+    def cp_rank(self, rank: int) -> int:
+        """This rank's index in the cp dim (which chunks of each sequence it holds)."""
+        return (rank // self.tp) % self.cp
 
     def coordinates(self, world_size: int) -> dict[str, int]:
         """This rank's index along each mesh dim (all 0 in a single process: no mesh is built)."""
@@ -84,11 +102,15 @@ class ParallelDims:
         return dict(zip(MESH_DIMS, self.mesh.get_coordinate()))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One mesh with every dim named, plus the flattened `dp` view the data loader uses."""
-        degrees = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        """One mesh with every dim named, plus flattened views: `dp` (the data loader's ranks),
+        `dp_shard_cp` (FSDP's shards) and `dp_cp` (the ranks whose losses make the global mean)."""
+        degrees = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, degrees, mesh_dim_names=MESH_DIMS)
-        # Keep the flattened view: slicing "dp" back out of the root mesh is deprecated in torch.
+        # Keep the flattened views: slicing them back out of the root mesh is deprecated in torch.
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        shard_cp = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+        self._loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        self._fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp_enabled else shard_cp
         self._mesh = mesh
         return mesh
 
@@ -97,6 +119,20 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: dp_shard x cp flattened, with dp_replicate in front under HSDP."""
+        if self._fsdp_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._fsdp_mesh
+
+    @property
+    def loss_mesh(self) -> DeviceMesh:
+        """Every rank holding a share of the step's tokens: data-parallel x context-parallel."""
+        if self._loss_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called")
+        return self._loss_mesh
 
     @property
     def dp_mesh(self) -> DeviceMesh:

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
+from torchtitan_amp.context_parallel import ContextParallel, check_seq_len
 from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
@@ -76,10 +77,12 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
                     f"{name} = {heads}"
                 )
     t, p = config.training, config.parallelism
-    if dims.tp_enabled and p.enable_sequence_parallel and t.seq_len % dims.tp:
+    check_seq_len(t.seq_len, dims.cp)
+    if dims.tp_enabled and p.enable_sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
+        per_rank = f" / context_parallel_degree {dims.cp}" if dims.cp_enabled else ""
         raise ConfigError(
-            f"'training.seq_len' = {t.seq_len} must be divisible by tensor_parallel_degree = {dims.tp} "
-            f"with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
+            f"'training.seq_len' = {t.seq_len}{per_rank} must be divisible by tensor_parallel_degree = "
+            f"{dims.tp} with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
         )
     if p.enable_async_tensor_parallel:
         unmet = {f"a CUDA device (this run is on {device_type})": device_type != "cuda",
@@ -116,6 +119,8 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         plan.refreeze(model)
         if config.parallelism.enable_async_tensor_parallel:
             apply_async_tp(dims.mesh["tp"])
+    if dims.cp_enabled:
+        apply_cp(model, plan.context_parallel(dims.mesh["cp"].get_group()))
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
@@ -123,8 +128,7 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         # trace: allow graph breaks there instead of failing.
         apply_compile(model, fullgraph=plan.path != "fsdp")
     if dims.fsdp_enabled:
-        mesh_dims = ("dp_replicate", "dp_shard") if dims.hsdp_enabled else ("dp_shard",)
-        apply_fsdp(model, dims.mesh[mesh_dims], plan, config.parallelism.fsdp_reshard_after_forward,
+        apply_fsdp(model, dims.fsdp_mesh, plan, config.parallelism.fsdp_reshard_after_forward,
                    dims.pp_enabled)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh["dp_replicate"], plan, config.parallelism.ddp_bucket_cap_mb)
@@ -163,6 +167,16 @@ def apply_tp(model: nn.Module, family: ModelFamily, mesh: DeviceMesh, loss_paral
         _replicate_params(model.norm, mesh)
     logger.info("applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
                 mesh.size(), sequence_parallel, loss_parallel_on)
+
+
+def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
+    """Hand the cp group to every module of the model that attends across the sequence (those
+    declaring a `context_parallel` attribute: the model, for its mask, and each attention)."""
+    for module in model.modules():
+        if hasattr(type(module), "context_parallel"):
+            module.context_parallel = cp
+    logger.info("applied context parallel (degree %d): K/V all-gathered per layer, gradients "
+                "reduce-scattered in %s", cp.group.size(), cp.reduce_dtype)
 
 
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -52,3 +52,13 @@ def default_stager_reusable() -> bool:
         return False
     finally:
         stager.close()
+
+
+def sequence_collectives() -> tuple[Any, Any]:
+    """(all_gather, reduce_scatter) of torch's functional collectives: torch 2.13 names them
+    `*_single` and deprecates `all_gather_tensor` / `reduce_scatter_tensor`, which are all torch
+    2.11 has. Same signatures: (tensor, dim, group) and (tensor, op, dim, group)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return (getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
+            getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_amp import distributed, memory, profiling, validation
 from torchtitan_amp.checkpoint import CheckpointManager
 from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
+from torchtitan_amp.context_parallel import BatchSharder
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import NonFiniteError
@@ -104,19 +105,17 @@ class Trainer:
         self.is_logging_rank = self.info.rank == 0
         if self.is_logging_rank and config.job.print_config:
             logger.info("resolved config:\n%s", to_toml(config))
-        self.dp_group, self.pp_group = None, None
-        if self.info.world_size > 1:
-            mesh = self.dims.build_mesh(self.device.type)
-            assert self.dims.dp_mesh.get_local_rank() == self.dims.dp_rank(self.info.rank)
-            self.dp_group = self.dims.dp_mesh.get_group()
-            self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
+        self._build_groups()
+        # What this rank's model sees of a batch: document ids, and its chunks under CP.
+        self.model_inputs = BatchSharder(self.job.mask_inputs, self.dims.cp, self.dims.cp_rank(self.info.rank))
         self.scaler = self.plan.build_scaler()
         self.pipeline: Pipeline | None = None
         self.model_parts = self._build_model()
         self.model = self.model_parts[0]
         self.validator = None if spec is None else validation.Validator(
             spec, val_loader, config=config, plan=self.plan, dims=self.dims, model_parts=self.model_parts,
-            pipeline=self.pipeline, loss_fn=loss_fn, mask_inputs=self.job.mask_inputs, device=self.device, dp_group=self.dp_group,
+            pipeline=self.pipeline, loss_fn=loss_fn, model_inputs=self.model_inputs, device=self.device,
+            loss_group=self.loss_group,
             pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
@@ -134,7 +133,7 @@ class Trainer:
             tensorboard_folder=config.metrics.save_tb_folder, is_logging_rank=self.is_logging_rank,
             flops_per_token=self.flops_per_token,
             peak_flops=peak_flops(self.device, self.plan.compute_dtypes), device=self.device,
-            num_ranks_for_mfu=self.dims.tp * self.dims.pp,
+            num_ranks_for_mfu=self.dims.tp * self.dims.pp * self.dims.cp,
             peak_label=peak_label(self.device, self.plan.compute_dtypes),
             remeasure_peak=(partial(remeasure_cpu_peak, self.plan.compute_dtypes)
                             if self.device.type == "cpu" else None),
@@ -157,6 +156,19 @@ class Trainer:
         if self.deadline.warning_s:
             self.estimated_save_s = self._estimate_save()
             self._check_deadline(0.0, "start-up estimate:")
+
+    def _build_groups(self) -> None:
+        """The mesh, and the groups the loop itself talks over (data, loss, pipeline)."""
+        self.dp_group, self.pp_group, self.loss_group = None, None, None
+        if self.info.world_size == 1:
+            return
+        mesh = self.dims.build_mesh(self.device.type)
+        assert self.dims.dp_mesh.get_local_rank() == self.dims.dp_rank(self.info.rank)
+        assert mesh["cp"].get_local_rank() == self.dims.cp_rank(self.info.rank)
+        self.dp_group = self.dims.dp_mesh.get_group()
+        # Every rank holding a share of the step's tokens: cp ranks hold parts of one window.
+        self.loss_group = self.dims.loss_mesh.get_group()
+        self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
 
     def _memory_facts(self) -> dict[str, object]:
         """This rank's gradient collectives per step and the bytes per parameter, from the memory
@@ -210,17 +222,20 @@ class Trainer:
         return loss_fn(self.plan.cast_output(output), labels)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss)."""
+        """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss): the
+        mean over its tokens, which under CP are as many on every cp rank, so that the mean of the
+        cp ranks' losses (and FSDP's mean of their gradients) is the window's."""
+        inputs, labels, extra = self.model_inputs(inputs, labels)
         if self.pipeline is not None:
             with parallel_context(self.dims, self.config):
-                losses = self.pipeline.step(inputs, labels, **self.job.mask_inputs(inputs))
+                losses = self.pipeline.step(inputs, labels, **extra)
             if not losses:
                 return torch.zeros((), device=self.device)
             # The schedule saw scaled, pre-divided fp32 losses (Pipeline.step detached them): their
             # sum is this step's share of the mean.
             return torch.stack(losses).sum() / self.scaler.get_scale()
         with parallel_context(self.dims, self.config), self.plan.forward_context():
-            logits = self.plan.cast_output(self.model(inputs, **self.job.mask_inputs(inputs)))
+            logits = self.plan.cast_output(self.model(inputs, **extra))
             loss = loss_fn(logits, labels) / self.accum
         with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()
@@ -362,7 +377,8 @@ class Trainer:
             # Only the last stage computed the loss; the others hold 0.
             loss = loss.clone()
             dist.all_reduce(loss, group=self.pp_group)
-        mean_loss = distributed.mean_across(loss, self.dp_group)
+        # Over data- and context-parallel ranks: a cp rank's loss covers its share of the window.
+        mean_loss = distributed.mean_across(loss, self.loss_group)
         if not math.isfinite(mean_loss) and not self.scaler.enabled and not self.config.training.skip_nonfinite_steps:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
                                  f"training.max_norm > 0, or training.skip_nonfinite_steps = true")

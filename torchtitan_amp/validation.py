@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.context_parallel import check_seq_len
 from torchtitan_amp.data import ParallelAwareDataLoader, build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import DataError
@@ -31,6 +32,9 @@ from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.pipeline import Pipeline
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tokenizer import Tokenizer
+
+# A batch -> (inputs, labels, keyword inputs) as this rank's model sees it.
+ModelInputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -66,6 +70,8 @@ def resolve_spec(config: JobConfig, max_seq_len: int, pp_microbatches: int | Non
     if spec.seq_len > max_seq_len:
         raise ConfigError(f"'validation.seq_len' = {spec.seq_len} exceeds training.seq_len = {max_seq_len}, "
                           "the longest sequence the model's rotary tables cover")
+    # Evaluation windows are split over the cp ranks like training's.
+    check_seq_len(spec.seq_len, config.parallelism.context_parallel_degree, "validation.seq_len")
     if pp_microbatches is not None and spec.local_batch_size % pp_microbatches:
         raise ConfigError(
             f"'validation.local_batch_size' = {spec.local_batch_size} must be a multiple of the pipeline's "
@@ -97,13 +103,14 @@ class Validator:
     def __init__(self, spec: ValidationSpec, loader: ParallelAwareDataLoader, *, config: JobConfig,
                  plan: PrecisionPlan, dims: Any, model_parts: list[nn.Module], pipeline: Pipeline | None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                 dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
-                 is_logging_rank: bool,
-                 mask_inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]] = lambda tokens: {}) -> None:
-        self.spec, self.loader, self.loss_fn, self.mask_inputs = spec, loader, loss_fn, mask_inputs
+                 loss_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
+                 is_logging_rank: bool, model_inputs: ModelInputs = lambda x, y: (x, y, {})) -> None:
+        """loss_group: every rank holding a share of a step's tokens (data- and context-parallel);
+        model_inputs: a batch -> what this rank's model sees (context_parallel.BatchSharder)."""
+        self.spec, self.loader, self.loss_fn, self.model_inputs = spec, loader, loss_fn, model_inputs
         self.config, self.plan, self.dims = config, plan, dims
         self.model_parts, self.pipeline, self.device = model_parts, pipeline, device
-        self.dp_group, self.pp_group = dp_group, pp_group
+        self.loss_group, self.pp_group = loss_group, pp_group
         # steps = -1 starts every evaluation from here: the same windows each time.
         self._start = loader.state_dict()
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -135,7 +142,7 @@ class Validator:
                     total += self._loss_sum(to_device(inputs, self.device), to_device(labels, self.device))
         finally:
             self._restore(modes)
-        for group in (self.pp_group, self.dp_group):  # stages first: only the last one holds losses
+        for group in (self.pp_group, self.loss_group):  # stages first: only the last one holds losses
             if group is not None:
                 dist.all_reduce(total, group=group)
         loss, tokens = float(total[0] / total[1]), float(total[1])
@@ -155,9 +162,10 @@ class Validator:
     def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """[sum of this batch's per-token losses, its token count] as seen by this rank: zeros on
         pipeline stages without the loss."""
+        inputs, labels, extra = self.model_inputs(inputs, labels)
         if self.pipeline is not None:
             with parallel_context(self.dims, self.config):
-                losses = self.pipeline.evaluate(inputs, labels, **self.mask_inputs(inputs))
+                losses = self.pipeline.evaluate(inputs, labels, **extra)
             if not losses:
                 return torch.zeros(2, dtype=torch.float64, device=self.device)
             tokens_per_microbatch = labels.numel() / len(losses)
@@ -165,7 +173,7 @@ class Validator:
                                 torch.tensor(float(labels.numel()), dtype=torch.float64, device=self.device)])
         # Its own outermost autocast region per forward (see the module docstring).
         with parallel_context(self.dims, self.config), self.plan.forward_context():
-            loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **self.mask_inputs(inputs))), labels)
+            loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **extra)), labels)
         if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
             loss = loss.full_tensor()
         return torch.stack([loss.double() * labels.numel(),

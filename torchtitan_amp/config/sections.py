@@ -145,6 +145,11 @@ class Parallelism:
     )
     tensor_parallel_degree: int = _f(1, "Tensor-parallel degree.")
     pipeline_parallel_degree: int = _f(1, "Pipeline-parallel degree.")
+    context_parallel_degree: int = _f(
+        1, "Context-parallel degree: every sequence is split over this many ranks (load-balanced, "
+        "head-tail chunks), each rank attending with its queries to the K/V all-gathered over them; "
+        "FSDP shards parameters over dp_shard x cp. training.seq_len must divide by 2 x this degree."
+    )
     enable_sequence_parallel: bool = _f(True, "Shard norms/activations along the sequence under TP.")
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss under TP.")
     enable_async_tensor_parallel: bool = _f(
@@ -270,6 +275,11 @@ class MixedPrecision:
     param_dtype: DtypeName = _f("bfloat16", "Compute dtype of lower-precision-safe modules.")
     reduce_dtype: DtypeName = _f("float32", "Dtype of gradients on the wire.")
     output_dtype: DtypeName = _f("float32", "Dtype of the model's outputs (logits).")
+    cp_reduce_dtype: DtypeName = _f(
+        "float32", "Context parallel: dtype in which the key/value gradients of the cp ranks are "
+        "summed (the reduce-scatter behind the K/V all-gather). fp32 rounds once after the sum; "
+        "bfloat16 halves those bytes and rounds at every partial sum, an error growing with the cp degree."
+    )
     lower_precision_safe_modules: list[str] = _f(
         ["torch.nn.Linear"],
         "Module classes whose compute/gathers/gradients may use param/reduce dtype; others stay fp32.",

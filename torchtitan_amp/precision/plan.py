@@ -25,6 +25,7 @@ from torch import nn
 
 from torchtitan_amp import fp8
 from torchtitan_amp.config import JobConfig
+from torchtitan_amp.context_parallel import ContextParallel
 from torchtitan_amp.errors import PrecisionError
 from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.parallel_dims import ParallelDims
@@ -96,11 +97,12 @@ def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> Non
                     f"fp32 master weights (training.dtype = 'float32') and train in mixed precision")
     if not asked:
         return
-    if mp.param_dtype == "bfloat16" and mp.reduce_dtype == "float16":
-        raise PrecisionError(
-            "'mixed_precision.reduce_dtype' = 'float16' with param_dtype = 'bfloat16' can overflow "
-            "(bf16-range gradients exceed fp16's 65504); use reduce_dtype 'bfloat16' or 'float32'"
-        )
+    for key in ("reduce_dtype", "cp_reduce_dtype"):
+        if mp.param_dtype == "bfloat16" and getattr(mp, key) == "float16":
+            raise PrecisionError(
+                f"'mixed_precision.{key}' = 'float16' with param_dtype = 'bfloat16' can overflow "
+                f"(bf16-range gradients exceed fp16's 65504); use {key} 'bfloat16' or 'float32'"
+            )
     resolve_module_classes(mp.lower_precision_safe_modules)
 
 
@@ -208,6 +210,9 @@ class PrecisionPlan:
     frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
     optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
     stochastic_rounding: bool = False  # pure bf16: the updated weights are rounded stochastically
+    # Context parallel (cp > 1): the dtype the cp ranks' key/value gradients are summed in
+    cp_reduce_dtype: torch.dtype = torch.float32
+    context_parallel_degree: int = 1
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -252,6 +257,9 @@ class PrecisionPlan:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
         if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
+        cp_reduce = _DTYPES[mp.cp_reduce_dtype] if enabled else storage
+        if "mixed_precision.cp_reduce_dtype" in config.explicit and not dims.cp_enabled:
+            notes.append("mixed_precision.cp_reduce_dtype has no effect: context_parallel_degree is 1")
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
                          "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
         decision = _decision_line(setting, path, param, storage, speed)
@@ -264,7 +272,8 @@ class PrecisionPlan:
         plan = cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
                    tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
-                   tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding)
+                   tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding,
+                   cp_reduce, dims.cp)
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
@@ -317,6 +326,23 @@ class PrecisionPlan:
         """torch's AdamW keeps moments in the parameters' dtype and rounds to nearest; anything
         else needs optim.AdamWMixedState."""
         return self.optimizer_state_dtype != self.storage_dtype or self.stochastic_rounding
+
+    def context_parallel(self, group: dist.ProcessGroup) -> ContextParallel:
+        """What the model's attention gathers keys and values with over the cp group: they travel
+        in the activations' dtype (the gather is exact), their gradients are summed in
+        cp_reduce_dtype."""
+        return ContextParallel(group, self.cp_reduce_dtype)
+
+    def context_parallel_summary(self) -> dict[str, Any] | None:
+        """The report's context-parallel section (None without CP)."""
+        if self.context_parallel_degree == 1:
+            return None
+        activations = self.param_dtype if self.path != "full" else self.storage_dtype
+        return {"degree": self.context_parallel_degree,
+                "kv_all_gather_dtype": dtype_name(activations),
+                "kv_grad_reduce_scatter_dtype": dtype_name(self.cp_reduce_dtype),
+                "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
+                                 "in one SDPA call (no partial outputs or log-sum-exps to merge)"}
 
     def optimizer_summary(self) -> dict[str, Any]:
         mixed = self.mixed_state_optimizer

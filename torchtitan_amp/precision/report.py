@@ -95,6 +95,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp8_all_gather": plan.fp8_all_gather,
         "fp32_module_names": list(plan.fp32_names),
         "optimizer": plan.optimizer_summary(),
+        "context_parallel": plan.context_parallel_summary(),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
                                and any(True for _ in m.parameters(recurse=False))),
@@ -123,6 +124,11 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         opt = report["optimizer"]
         logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(plan.optimizer_state_dtype),
                     opt["update"], opt["weight_rounding"])
+        cp = report["context_parallel"]
+        if cp is not None:
+            logger.info("  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
+                        "no softmax merge (one attention call per rank)", cp["degree"],
+                        cp["kv_all_gather_dtype"], cp["kv_grad_reduce_scatter_dtype"])
         for name, by_dtype in report.get("gradient_collectives", {}).items():
             logger.info("  gradient collective %s: %s per step", name,
                         ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_amp.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import block_causal_mask
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
 
@@ -199,16 +200,20 @@ def precompute_rope(
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k ([B, S, H, head_dim]) by position; cos/sin are [S, head_dim // 2].
+    """Rotate q and k ([B, S, H, head_dim]) by position; cos/sin are the tables [max_seq_len,
+    head_dim // 2] (positions 0..S-1 used) or already picked per token, [B, S, head_dim // 2]
+    (context parallel: a rank's tokens are not the window's first S).
 
     Rotates interleaved pairs (x[2i], x[2i+1]), the layout of Meta's Llama
     checkpoints and of torchtitan's complex implementation.
     """
-    # Tables may be longer than the sequence: slice here, where q holds the whole sequence even
-    # when sequence parallel has split the residual stream outside attention.
-    seqlen = xq.shape[1]
-    cos = cos[:seqlen, None, :]
-    sin = sin[:seqlen, None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        # Tables may be longer than the sequence: slice here, where q holds the whole sequence even
+        # when sequence parallel has split the residual stream outside attention.
+        seqlen = xq.shape[1]
+        cos, sin = cos[:seqlen, None, :], sin[:seqlen, None, :]
     return _rotate(xq, cos, sin), _rotate(xk, cos, sin)
 
 
@@ -262,6 +267,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings."""
 
+    # Set by parallelize.apply_cp: keys and values are then gathered over the cp ranks.
+    context_parallel: ContextParallel | None = None
+
     def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__()
         self.head_dim = args.head_dim
@@ -278,7 +286,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None (causal) or [B, 1, S, S] bool (models/attention.py, True = may attend)."""
+        """mask: None (causal) or [B, 1, S, Sk] bool (True = may attend; Sk = cp x S under context
+        parallel, whose keys and values are the whole window's)."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
         # produce only this rank's heads; n_rep is unchanged by that.
@@ -286,6 +295,9 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
+        if self.context_parallel is not None:
+            # Before repeat_kv: GQA's fewer kv heads are what travels.
+            xk, xv = self.context_parallel.gather_kv(xk), self.context_parallel.gather_kv(xv)
         xk = repeat_kv(xk, self.n_rep)
         xv = repeat_kv(xv, self.n_rep)
         out = F.scaled_dot_product_attention(
@@ -361,6 +373,8 @@ class Transformer(nn.Module):
 
     # The block type: a family that reuses Llama's decoder with another block overrides this.
     block_cls: type[TransformerBlock] = TransformerBlock
+    # Set by parallelize.apply_cp, like every Attention's.
+    context_parallel: ContextParallel | None = None
 
     def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__()
@@ -401,16 +415,33 @@ class Transformer(nn.Module):
             std = self.model_args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
         without embeddings/output, hidden states [B, S, dim] in and/or out. doc_ids [B, S]
-        (models/attention.py) restricts attention to each token's document."""
-        mask = block_causal_mask(doc_ids) if doc_ids is not None else None
+        (models/attention.py) restricts attention to each token's document. positions [B, S]:
+        the tokens' places in their window when they are not 0..S-1 (context parallel hands each
+        rank two chunks of it: context_parallel.BatchSharder)."""
+        cos, sin, mask = self._attention_inputs(doc_ids, positions)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin, mask=mask)
+            h = layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def _attention_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rotary tables (picked per token when positions are given) and the mask, built once per
+        forward for every block: None is plain causal attention."""
+        if positions is None:
+            mask = block_causal_mask(doc_ids) if doc_ids is not None else None
+            return self.rope_cos, self.rope_sin, mask
+        cp = self.context_parallel
+        # Keys and values are gathered over the cp ranks: so are their positions and documents.
+        kv_pos = cp.gather_ids(positions) if cp is not None else positions
+        kv_doc = cp.gather_ids(doc_ids) if cp is not None and doc_ids is not None else doc_ids
+        mask = attention_mask(positions, kv_pos, doc_ids, kv_doc)
+        return self.rope_cos[positions], self.rope_sin[positions], mask
 
 
 def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:
@@ -423,3 +454,4 @@ def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_le
     """
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * num_params_excl_embedding + attention
+
