@@ -17,7 +17,8 @@ separate_inductor_cache()
 # layout x precision (minutes). `./scripts/run_tests.sh` (CI) runs all three; `-m unit`,
 # `-m "not slow"` select less. A module is tiered whole: most mix a few in-process checks into
 # the launches they share fixtures with.
-SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist", "test_optim_state_dist"})
+SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist", "test_optim_state_dist",
+                          "test_context_parallel_dist"})
 DIST_MODULES = SLOW_MODULES | {"test_checkpoint", "test_dry_run", "test_gpu_checks", "test_hf", "test_multinode",
                                "test_operations", "test_tools", "test_train_integration", "test_families_dist", "test_validation", "test_audit", "test_fp8", "test_freeze"}
 

@@ -405,3 +405,15 @@ def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, shrink: tuple[tu
     loss_fn(model(inputs), labels).backward()
     total = sum(float((y.grad.double() * y.detach().double()).pow(2).sum()) for y in outputs)
     return 2.0**-8 / math.sqrt(3) * math.sqrt(total)
+
+
+def write_short_documents(path: Path) -> Path:
+    """A jsonl corpus of 400 documents of 1-6 words: every 32-token window packs several, so
+    document masking (model.attn_mask_type = "block_causal") changes the loss."""
+    import random
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
+                            for _ in range(400)))
+    return path

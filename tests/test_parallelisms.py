@@ -51,6 +51,7 @@ from tests.support import (
     STEP1_MIN,
     STEP1_TOL,
     launch_worker,
+    write_short_documents,
 )
 from tests.support import bf16_rounding_sigma as rounding_sigma
 
@@ -176,16 +177,6 @@ def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
 # short documents (1-6 words: every 32-token window holds several); tests/test_attention_masks.py
 # has the single-process proof that a masked window trains as its documents alone.
 DOC_MASK_LAYOUTS = ("single", "fsdp2", "ddp2", "tp2", "pp2_1f1b", "fsdp2_tp2")
-
-
-def write_short_documents(path: Path) -> Path:
-    import random
-
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    rng = random.Random(0)
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
-                            for _ in range(400)))
-    return path
 
 
 @dataclass
@@ -367,20 +358,20 @@ def test_four_rank_mesh_coordinates_and_data_ranks(trained: Launches, name: str)
     ranks = run_of(trained, name, "fp32").ranks()
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     degrees = ranks[0]["degrees"]
-    shape = [degrees[d] for d in ("pp", "dp_replicate", "dp_shard", "tp")]
+    shape = [degrees[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp")]
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     for r in ranks:
-        assert r["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "tp"] and r["mesh_shape"] == shape
-        # Row-major: rank = ((pp * R + rep) * S + shard) * T + tp.
+        assert r["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"] and r["mesh_shape"] == shape
+        # Row-major: rank = (((pp * R + rep) * S + shard) * C + cp) * T + tp.
         assert torch.tensor(r["coordinate"]).tolist() == [int(i) for i in torch.nonzero(
             torch.arange(4).reshape(shape) == r["rank"])[0]]
-        pp_i, rep_i, shard_i, tp_i = r["coordinate"]
+        pp_i, rep_i, shard_i, cp_i, tp_i = r["coordinate"]
         assert r["dp_rank"] == rep_i * degrees["dp_shard"] + shard_i
         assert r["dp_world_size"] == r["dp_mesh_size"] == dp
     # Each data shard is held by exactly the pp x tp ranks sharing its dp coordinate.
     for d in range(dp):
-        holders = [tuple(r["coordinate"][i] for i in (0, 3)) for r in ranks if r["dp_rank"] == d]
-        assert sorted(holders) == sorted({(p, t) for p in range(shape[0]) for t in range(shape[3])})
+        holders = [tuple(r["coordinate"][i] for i in (0, 4)) for r in ranks if r["dp_rank"] == d]
+        assert sorted(holders) == sorted({(p, t) for p in range(shape[0]) for t in range(shape[4])})
 
 
 # ---------------------------------------------------------------------------------------------

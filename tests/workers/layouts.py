@@ -9,7 +9,8 @@ torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
 mesh coordinates, data-parallel rank and what AC / compile wrapped, and evidence taken during the
 run: every step's gradient norm against an independent fp64 one (tests/workers/norm_check.py),
-the frozen parameters' gradients, optimizer state and digests before vs after training, and
+the frozen parameters' gradients, optimizer state and digests before vs after training,
+the last step's full gradients for jobs marked "grads": true (grads_rank{R}.pt), and
 for stochastically rounded bf16 weights the updates below half a bf16 ulp that moved a weight;
 rank 0's metrics.jsonl and precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
 stops the launch (later runs do not start).
@@ -21,6 +22,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
@@ -127,6 +129,8 @@ def _train_with_evidence(trainer: Trainer) -> None:
             _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
     _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
+    if Path(trainer.config.job.dump_folder).name in _GRAD_RUNS:
+        _save_grads_after_first_step(trainer)
     _train(trainer)
 
 
@@ -139,13 +143,44 @@ def _frozen_info(trainer: Trainer) -> dict[str, dict]:
             for n, p in _frozen_params(trainer).items()}
 
 
+# Runs whose spec job says "grads": true also write DIR/NAME/grads_rank{R}.pt: every parameter this
+# rank holds, by its model name, with its full gradient of step 1 (the same weights and batch in
+# every layout; later steps' weights have moved apart through AdamW's normalisation of tiny
+# gradients). FSDP / TP shards gathered: every rank of the run takes part in those collectives.
+_GRAD_RUNS: set[str] = set()
+
+
+def _save_grads(trainer: Trainer) -> None:
+    grads = {}
+    for part in trainer.model_parts:
+        for name, p in part.named_parameters():
+            if p.grad is not None:
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                grads[distributed.unwrapped_name(name)] = grad.detach().float().clone()
+    folder = Path(trainer.config.job.dump_folder)
+    torch.save(grads, folder / f"grads_rank{trainer.info.rank}.pt")
+
+
+def _save_grads_after_first_step(trainer: Trainer) -> None:
+    step = trainer.train_step
+
+    def first_step_then_save(*args: object, **kwargs: object) -> object:
+        result = step(*args, **kwargs)
+        _save_grads(trainer)
+        trainer.train_step = step  # type: ignore[method-assign]
+        return result
+
+    trainer.train_step = first_step_then_save  # type: ignore[method-assign]
+
+
 def _rank_info(trainer: Trainer) -> dict:
     dims = trainer.dims
     modules = [(name, m) for part in trainer.model_parts for name, m in part.named_modules()]
     info = {"rank": trainer.info.rank, "world_size": trainer.info.world_size,
             "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                        "tp": dims.tp},
+                        "cp": dims.cp, "tp": dims.tp},
             "dp_rank": trainer.dataloader.dp_rank, "dp_world_size": trainer.dataloader.dp_world_size,
+            "tokens_seen": trainer.tokens_seen,
             "path": trainer.plan.path,
             # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
             "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
@@ -181,6 +216,7 @@ def main(spec_path: str) -> None:
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
     spec = read_spec(spec_path)
     out, runs = spec.out, spec.jobs
+    _GRAD_RUNS.update(run["name"] for run in runs if run.get("grads"))
     for i, wall_s in train_in_turn([(out / run["name"], run["args"]) for run in runs], inspect=_rank_info):
         if rank == "0":
             (out / runs[i]["name"] / "wall_s.txt").write_text(f"{wall_s:.2f}\n")
