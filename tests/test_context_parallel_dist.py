@@ -63,6 +63,7 @@ LAYOUTS = {
 FSDP2 = Layout(2, (SHARD, "2"), dp=2)
 SINGLE = Layout(1, ())
 DOC_MASK_LAYOUTS = ("cp2", "cp2_fsdp2", "cp2_tp2", "pp2_cp2")
+ACCUM = ("--training.local_batch_size", "2", "--training.global_batch_size", str(GLOBAL_BATCH))
 
 
 def _runs_for(nproc: int, docs: Path) -> list[dict]:
@@ -74,7 +75,9 @@ def _runs_for(nproc: int, docs: Path) -> list[dict]:
              for name, layout in named.items() if layout.nproc == nproc and name in ("single", *DOC_MASK_LAYOUTS)]
     if nproc == 2:
         runs += [{"name": "cp2_bf16", "args": LAYOUTS["cp2"].args("bf16")},
-                 {"name": "fsdp2_bf16", "args": FSDP2.args("bf16")}]
+                 {"name": "fsdp2_bf16", "args": FSDP2.args("bf16")},
+                 # The step's 4 sequences as 2 accumulated micro-batches of 2.
+                 {"name": "cp2_accum_fp32", "args": LAYOUTS["cp2"].args("fp32", *ACCUM), "grads": True}]
     return runs
 
 
@@ -140,6 +143,12 @@ def test_document_masking_under_cp_matches_one_process(trained: Launches, name: 
     are gathered with the keys), so CP masks at the same boundaries as one process."""
     _compare(trained.run(f"docmask_{name}_fp32", LAYOUTS[name].nproc), trained.run("docmask_single_fp32", 1),
              f"block_causal {name}")
+
+
+def test_gradient_accumulation_under_cp_matches_one_process(trained: Launches) -> None:
+    """Two accumulated micro-batches of 2 sequences, each cut over 2 cp ranks: the step's mean loss
+    and gradients are one process's single batch of 4."""
+    _compare(trained.run("cp2_accum_fp32", 2), trained.run("single_fp32", 1), "cp2, 2 micro-batches")
 
 
 def test_bf16_cp_within_precision_tolerance(trained: Launches) -> None:

@@ -176,7 +176,7 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
         if hasattr(type(module), "context_parallel"):
             module.context_parallel = cp
     logger.info("applied context parallel (degree %d): K/V all-gathered per layer, gradients "
-                "reduce-scattered in %s", cp.group.size(), cp.reduce_dtype)
+                "reduce-scattered in %s", cp.group.size(), str(cp.reduce_dtype).removeprefix("torch."))
 
 
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:
