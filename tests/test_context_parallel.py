@@ -177,3 +177,26 @@ def test_cp_reduce_dtype_without_cp_is_noted_and_fp16_under_bf16_refused() -> No
     assert any("cp_reduce_dtype has no effect" in note for note in plan.notes)
     with pytest.raises(PrecisionError, match="'mixed_precision.cp_reduce_dtype' = 'float16' with param_dtype"):
         _plan("--mixed_precision.enabled", "true", "--mixed_precision.cp_reduce_dtype", "float16")
+
+
+@pytest.mark.parametrize("cp, rank", [(2, 0), (2, 1), (4, 2)])
+def test_causal_chunks_attend_as_the_position_mask(cp: int, rank: int) -> None:
+    """Causal CP attends each of a rank's two query chunks to the window's keys up to its end
+    (a lower-right causal bias, no mask tensor): the same as one call with the position mask."""
+    from torchtitan_amp.context_parallel import ContextParallel, gathered_positions
+
+    Rank = type("Rank", (ContextParallel,), {"degree": cp, "rank": rank})
+
+    seq = 32
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, seq // cp, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, seq, 8, dtype=torch.float64), torch.randn(2, 3, seq, 8, dtype=torch.float64)
+    pos = head_tail_positions(seq, cp, rank).expand(2, -1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attention_mask(pos, torch.arange(seq).expand(2, -1)))
+    got = Rank(group=None).causal_attention(q, k, v)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    # The gathered keys arrive rank by rank; to_window_order puts them back at their positions.
+    gathered = gathered_positions(seq, cp)
+    assert torch.equal(Rank(group=None).to_window_order(gathered.view(1, -1, 1, 1)).flatten(),  # type: ignore[arg-type]
+                       torch.arange(seq))

@@ -5,10 +5,13 @@ cp rank r keeps chunks r and 2cp-1-r, so that every rank holds as much causal at
 others. Inputs, labels, document ids and rotary positions are all cut the same way (`BatchSharder`).
 
 Attention: each rank's queries attend to the whole window's keys and values, all-gathered over the
-cp group once per layer (torchtitan's current design), in ONE SDPA call with an explicit mask built
-from the tokens' positions (and documents, for block_causal). One call means no partial outputs or
-log-sum-exps to merge across ranks, so the merge precision hazard of ring attention (pytorch#156012)
-does not arise; the softmax runs inside one kernel with its own fp32 accumulation. What is left to
+cp group once per layer (torchtitan's current design). Causal: the keys are put back in window
+order and each of the rank's two query chunks attends to the keys up to its own end in one SDPA
+call with a lower-right causal bias (no mask tensor: CUDA's kernels take the bias as it is, CPU's
+builds one chunk x prefix mask shared by the batch and heads). block_causal: one SDPA call with an
+explicit [B, 1, S/cp, S] mask built from positions and documents. Either way a query's softmax
+runs over all its keys inside one kernel, with no partial outputs or log-sum-exps to merge across
+ranks, so the merge precision hazard of ring attention (pytorch#156012) does not arise. What is left to
 decide is the dtype in which the key/value gradients of the cp ranks are summed in backward (the
 reduce-scatter of the all-gather): the precision plan's `cp_reduce_dtype` (fp32 by default).
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from torchtitan_amp.torch_compat import sequence_collectives
@@ -93,12 +97,44 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(gathered).transpose(0, 1)
 
 
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """The window positions of the keys all-gathered over cp ranks, in the order they arrive."""
+    return torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)])
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """This rank's cp group, held by the model's attention (set by parallelize.apply_cp)."""
 
     group: dist.ProcessGroup
     reduce_dtype: torch.dtype = torch.float32
+
+    @property
+    def degree(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def to_window_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Gathered keys or values [B, S, H, D] -> the same in window order (positions 0..S-1)."""
+        order = gathered_positions(x.shape[1], self.degree).argsort().to(x.device)
+        return x.index_select(1, order)
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
+        -> [B, H, S/cp, D]. Chunk c of the window (positions [c n, (c+1) n)) attends to keys
+        [0, (c+1) n): a causal mask aligned to the lower right of that prefix."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        n = q.shape[2] // 2
+        outs = []
+        for part, chunk in ((q[:, :, :n], self.rank), (q[:, :, n:], 2 * self.degree - 1 - self.rank)):
+            end = (chunk + 1) * n
+            outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=causal_lower_right(n, end)))
+        return torch.cat(outs, dim=2)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Keys or values [B, s, H, D] -> the whole window's [B, cp x s, H, D] (differentiable)."""

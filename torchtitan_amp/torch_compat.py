@@ -62,3 +62,24 @@ def sequence_collectives() -> tuple[Any, Any]:
 
     return (getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
             getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor)
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: Any) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward for `dtype` on this device type (CUDA
+    sm90+ in bf16; torch 2.11-2.13's CPU kernel takes bf16 but refuses fp32), asked by running a
+    tiny grouped product of 2 groups."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
+    try:
+        x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        y = torch._grouped_mm(x, w, offs=offsets)
+        y.backward(torch.ones_like(y))  # a dense gradient: CPU's kernel refuses sum()'s expanded one
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -295,14 +295,19 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
-        if self.context_parallel is not None:
+        cp = self.context_parallel
+        if cp is not None:
             # Before repeat_kv: GQA's fewer kv heads are what travels.
-            xk, xv = self.context_parallel.gather_kv(xk), self.context_parallel.gather_kv(xv)
+            xk, xv = cp.gather_kv(xk), cp.gather_kv(xv)
+            if mask is None:  # causal: each query chunk against its prefix of the window
+                xk, xv = cp.to_window_order(xk), cp.to_window_order(xv)
         xk = repeat_kv(xk, self.n_rep)
         xv = repeat_kv(xv, self.n_rep)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), attn_mask=mask, is_causal=mask is None
-        )
+        q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        if cp is not None and mask is None:
+            out = cp.causal_attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -437,11 +442,13 @@ class Transformer(nn.Module):
             mask = block_causal_mask(doc_ids) if doc_ids is not None else None
             return self.rope_cos, self.rope_sin, mask
         cp = self.context_parallel
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if cp is not None and doc_ids is None:
+            return cos, sin, None  # causal under CP: Attention attends chunk by chunk, no mask
         # Keys and values are gathered over the cp ranks: so are their positions and documents.
         kv_pos = cp.gather_ids(positions) if cp is not None else positions
         kv_doc = cp.gather_ids(doc_ids) if cp is not None and doc_ids is not None else doc_ids
-        mask = attention_mask(positions, kv_pos, doc_ids, kv_doc)
-        return self.rope_cos[positions], self.rope_sin[positions], mask
+        return cos, sin, attention_mask(positions, kv_pos, doc_ids, kv_doc)
 
 
 def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:

@@ -1,0 +1,166 @@
+"""The mixture-of-experts layer: a router choosing top-k experts per token, the routed experts as
+one grouped matmul, an optional shared expert, and the two load-balancing means.
+
+Precision (decided by the precision plan, which sets `Router.compute_dtype`; see
+docs/moe.md): the router is not an nn.Linear, so it stays outside `lower_precision_safe_modules`
+and keeps fp32 parameters, an fp32 FSDP group and no autocast; its logits, scores, top-k and the
+combine weights are computed in `compute_dtype` (mixed_precision.router_dtype: fp32 by default,
+fp64 or bf16 on request), because a rounded score flips which expert a token goes to. The expert
+bias and the load counters are fp32 buffers whatever the plan. The experts compute in the
+activations' dtype; their outputs are weighted and summed per token in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_amp.torch_compat import grouped_mm_supported
+
+
+class Router(nn.Module):
+    """Token -> (combine weights [T, k], chosen experts [T, k]).
+
+    Scores are softmax or sigmoid of the gate logits. With load_balance "bias" (DeepSeek-V3's
+    auxiliary-loss-free balancing) a per-expert bias is added to the scores for the choice only;
+    the combine weights are the unbiased scores of the chosen experts (renormalised to sum to 1
+    when `route_norm`), times `route_scale`."""
+
+    # The precision plan writes the dtype of the routing arithmetic here (router_dtype).
+    compute_dtype: torch.dtype = torch.float32
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
+                 route_scale: float) -> None:
+        super().__init__()
+        self.top_k, self.score_func, self.route_norm, self.route_scale = top_k, score_func, route_norm, route_scale
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        # Persistent fp32 buffers: the balancing state is part of a checkpoint.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def reset_parameters(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=init_std)
+        nn.init.zeros_(self.expert_bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (weights [T, k] in compute_dtype, experts [T, k] int64, scores [T, E])."""
+        dtype = self.compute_dtype
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        # The bias moves the choice only (zero until balancing updates it: adding it is then exact).
+        experts = (scores + self.expert_bias.to(dtype)).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.route_scale, experts, scores
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as three [E, ...] weights: w2(silu(w1 x) * w3 x) per expert, applied to
+    tokens sorted by expert. `torch._grouped_mm` (one kernel for all experts) where this torch and
+    device run it for the dtype, a loop over experts otherwise; both give each token its
+    expert's product."""
+
+    # Computes in the activations' dtype: the plan treats it like a lower-precision-safe Linear.
+    lower_precision_safe = True
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def reset_parameters(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, dim] sorted by expert, counts [E] tokens per expert -> [N, dim]."""
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        if grouped_mm_supported(x.device.type, x.dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+            return torch._grouped_mm(h, w2, offs=offsets)
+        out = []
+        for e, part in enumerate(x.split(counts.tolist())):
+            out.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
+        return torch.cat(out)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns x unchanged; backward also sends `scale` as the gradient of `aux`, so that the
+    auxiliary loss joins the training loss without the model returning it (DeepSeek's
+    AddAuxiliaryLoss). `scale` is what the trainer multiplies its loss by before backward (loss
+    scale / accumulation steps / microbatches), so the aux loss keeps its weight on every path."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_dtype, ctx.scale = aux.dtype, scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, alpha: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, in fp32: per sequence, alpha * sum_i f_i * P_i with
+    f_i = E / (k S) x tokens routed to expert i and P_i its mean normalised score."""
+    n_experts, top_k = scores.shape[-1], experts.shape[-1]
+    scores = scores.float().view(batch, -1, n_experts)
+    seq = scores.shape[1]
+    probs = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # [B, E]
+    routed = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
+        1, experts.view(batch, -1), torch.ones(batch, seq * top_k, device=scores.device))
+    frac = routed * n_experts / (top_k * seq)
+    return alpha * (frac * probs).sum(dim=1).mean()
+
+
+class MoE(nn.Module):
+    """Routed experts (plus an optional shared SwiGLU expert) in place of a block's MLP."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, score_func: str,
+                 route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float) -> None:
+        super().__init__()
+        from torchtitan_amp.models.llama3.model import FeedForward
+
+        self.router = Router(dim, n_experts, top_k, score_func, route_norm, route_scale)
+        self.experts = GroupedExperts(dim, hidden, n_experts)
+        self.shared_expert = FeedForward(dim, hidden * n_shared) if n_shared else None
+        self.load_balance, self.aux_loss_alpha = load_balance, aux_loss_alpha
+        # Set by the trainer before each backward (balance.set_aux_grad_scale).
+        self.aux_grad_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None
+        # Tokens routed to each expert since the last bias update (the balancing signal and the
+        # load metrics); fp32 counts are exact up to 2**24 per expert and step.
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+
+    def init_weights(self, init_std: float) -> None:
+        self.router.reset_parameters(init_std)
+        self.experts.reset_parameters(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, experts, scores = self.router(tokens)
+        counts = torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
+        order = experts.flatten().argsort(stable=True)
+        token_of = order // experts.shape[1]
+        routed = self.experts(tokens[token_of], counts)
+        # Weighted and summed per token in fp32: a token's k expert outputs are added once, rounded once.
+        weighted = routed.float() * weights.flatten()[order, None].float()
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, weighted)
+        out = out.to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        if self.training and self.load_balance in ("aux_loss", "bias_and_aux_loss") and self.aux_loss_alpha > 0:
+            aux = sequence_aux_loss(scores, experts, batch, self.aux_loss_alpha)
+            self.last_aux_loss = aux.detach()
+            out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
+        return out.view(batch, seq, dim)
