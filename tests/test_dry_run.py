@@ -158,6 +158,27 @@ def test_large_configs_dry_run_fast_and_shard_params(tmp_path: Path, config_file
     _check_param_shards(report, degrees)
 
 
+@pytest.mark.parametrize("degrees", [{"pp": 1, "dp_shard": 8, "cp": 8, "tp": 1},
+                                     {"pp": 1, "dp_shard": 4, "cp": 8, "tp": 2}])
+def test_llama3_8b_131072_tokens_on_64_with_context_parallel(tmp_path: Path, degrees: dict[str, int]) -> None:
+    config = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
+                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256",
+                          "--training.seq_len", "131072", "--activation_checkpoint.mode", "full",
+                          "--parallelism.context_parallel_degree", str(degrees["cp"]),
+                          "--parallelism.tensor_parallel_degree", str(degrees["tp"])])
+    report = dry_run.run(config, world_size=64, rank=0, write=False)
+    assert report["elapsed_s"] < 60, report["elapsed_s"]
+    assert {k: report["degrees"][k] for k in degrees} == degrees
+    _check_param_shards(report, {"dp_shard": degrees["dp_shard"] * degrees["cp"], "tp": degrees["tp"]})
+    res = dry_run.resolve(config, 64)
+    assert report["communication"] == memory.comm(res.model_dims, res.precision, res.layout)
+    # K and V (8 kv heads x 128 / tp, bf16) of the whole window, per layer: forward, recompute, backward (fp32).
+    kv = 2 * 131072 * 8 * 128 // degrees["tp"]
+    cp = report["communication"]
+    assert cp["cp_all_gather"]["bfloat16"] == 2 * 32 * kv * 2 and cp["cp_reduce_scatter"] == {"float32": 32 * kv * 4}
+    assert report["training"]["tokens_per_microbatch"] == 131072 // 8
+
+
 def _check_param_shards(report: dict, degrees: dict[str, int]) -> None:
     """(stage params x 4 bytes) / (dp_shard x tp), up to uneven shards and TP-replicated norms."""
     m = report["model"]
