@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.support import REPO, launch_worker, new_dump_folder, run_command
-from torchtitan_amp import dry_run, memory
+from torchtitan_amp import dry_run, memory, parallelize
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
@@ -69,6 +69,11 @@ JOBS = {
         "pp2_ddp2_gpipe": [*PP, "--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.pipeline_parallel_schedule", "GPipe", "--mixed_precision.reduce_dtype", "bfloat16"],
         "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2"],
+        # FSDP over dp_shard x cp = 4; K/V all-gathered over cp, their gradients reduce-scattered.
+        "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
+        "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
+            "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
+            "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],
     },
 }
 
@@ -118,11 +123,12 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             # The analytic model (no model built: what the planner sees) agrees with the dry run.
             c = report["coordinates"]
             kw = dict(pp_rank=c["pp"], tp_rank=c["tp"])
-            state = memory.state_bytes(res.model_dims, res.precision, res.layout, dp_shard_rank=c["dp_shard"], **kw)
+            fsdp_rank = res.layout.fsdp_rank(c["dp_shard"], c["cp"])
+            state = memory.state_bytes(res.model_dims, res.precision, res.layout, dp_shard_rank=fsdp_rank, **kw)
             assert (state.params, state.grads, state.optimizer) == (mem["params"], mem["grads"], mem["optimizer"]), where
             assert mem["analytic_state_matches"], where
             assert memory.comm(res.model_dims, res.precision, res.layout, **kw) == report["communication"], where
-            groups = [(s.index, g.name, g.kind, g.unsharded_numel(res.layout.dp_shard), g.gather_dtype, g.reduce_dtype,
+            groups = [(s.index, g.name, g.kind, g.unsharded_numel(res.layout.fsdp_shard), g.gather_dtype, g.reduce_dtype,
                        g.reshard_after_forward) for s in memory.rank_stages(res.model_dims, res.layout, c["pp"])
                       for g in memory.fsdp_groups(res.model_dims, res.precision, res.layout, s, c["tp"])]
             assert sorted(tuple(g.values()) for g in report["fsdp_groups"]) == (sorted(groups) if res.dims.fsdp_enabled
@@ -150,6 +156,27 @@ def test_large_configs_dry_run_fast_and_shard_params(tmp_path: Path, config_file
     assert {k: report["degrees"][k] for k in degrees} == degrees
     assert json.loads((tmp_path / dry_run.REPORT_NAME).read_text())["memory"] == report["memory"]
     _check_param_shards(report, degrees)
+
+
+@pytest.mark.parametrize("degrees", [{"pp": 1, "dp_shard": 8, "cp": 8, "tp": 1},
+                                     {"pp": 1, "dp_shard": 4, "cp": 8, "tp": 2}])
+def test_llama3_8b_131072_tokens_on_64_with_context_parallel(tmp_path: Path, degrees: dict[str, int]) -> None:
+    config = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
+                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256",
+                          "--training.seq_len", "131072", "--activation_checkpoint.mode", "full",
+                          "--parallelism.context_parallel_degree", str(degrees["cp"]),
+                          "--parallelism.tensor_parallel_degree", str(degrees["tp"])])
+    report = dry_run.run(config, world_size=64, rank=0, write=False)
+    assert report["elapsed_s"] < 60, report["elapsed_s"]
+    assert {k: report["degrees"][k] for k in degrees} == degrees
+    _check_param_shards(report, {"dp_shard": degrees["dp_shard"] * degrees["cp"], "tp": degrees["tp"]})
+    res = dry_run.resolve(config, 64)
+    assert report["communication"] == memory.comm(res.model_dims, res.precision, res.layout)
+    # K and V (8 kv heads x 128 / tp, bf16) of the whole window, per layer: forward, recompute, backward (fp32).
+    kv = 2 * 131072 * 8 * 128 // degrees["tp"]
+    cp = report["communication"]
+    assert cp["cp_all_gather"]["bfloat16"] == 2 * 32 * kv * 2 and cp["cp_reduce_scatter"] == {"float32": 32 * kv * 4}
+    assert report["training"]["tokens_per_microbatch"] == 131072 // 8
 
 
 def _check_param_shards(report: dict, degrees: dict[str, int]) -> None:
@@ -213,7 +240,7 @@ def test_bad_rank_is_a_config_error(tmp_path: Path) -> None:
 # Activations: the per-layer formula against the tensors autograd saves
 
 
-def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, context) -> int:  # type: ignore[no-untyped-def]
+def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, context, **extra) -> int:  # type: ignore[no-untyped-def]
     """Bytes of distinct storages saved for backward that hold activations: tensors led by the
     batch or batch x seq dimension (not weights, their bf16 casts, or the rotary tables)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -227,13 +254,20 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
-        model(tokens)
+        model(tokens, **extra)
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kv_heads", [4, 1])
-@pytest.mark.parametrize("precision", ["autocast_bf16", "fp32"])
-def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str) -> None:
+@pytest.mark.parametrize("kv_heads, precision, mask_type, cp", [
+    *((kv, p, "causal", 1) for kv in (4, 1) for p in ("autocast_bf16", "fp32")),
+    (4, "fp32", "block_causal", 1), (1, "autocast_bf16", "block_causal", 1),
+    (4, "autocast_bf16", "block_causal", 2), (1, "fp32", "causal", 2),
+])
+def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str, mask_type: str, cp: int) -> None:
+    """Also with an explicit mask (SDPA saves an additive copy per layer) and under context
+    parallel: rank 0 of 2 (a fake process group: the gathered keys' values do not matter, only
+    their shapes), holding S / 2 queries against the window's S keys and values."""
+    from torchtitan_amp.context_parallel import ContextParallel, head_tail_positions
     from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
     from torchtitan_amp.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan
@@ -242,20 +276,30 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str)
     config = load_config(args)
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
-    measured = {}
-    for layers in (1, 3):
-        margs = LlamaModelArgs(dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258,
-                               multiple_of=256, max_seq_len=s)
-        torch.manual_seed(0)
-        model = Transformer(margs)
-        model.init_weights()
-        plan.apply_fp32_islands(model)
-        tokens = torch.randint(0, 258, (b, s))
-        measured[layers] = _saved_activation_bytes(model, tokens, plan.forward_context)
+    extra = {} if mask_type == "causal" else {"doc_ids": torch.arange(b * s // cp, dtype=torch.int32).view(b, -1) // 16}
+    created = dry_run.init_fake_process_group(cp, 0) if cp > 1 else False
+    try:
+        if cp > 1:
+            extra["positions"] = head_tail_positions(s, cp, 0).expand(b, -1)
+        measured = {}
+        for layers in (1, 3):
+            margs = LlamaModelArgs(dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258,
+                                   multiple_of=256, max_seq_len=s)
+            torch.manual_seed(0)
+            model = Transformer(margs)
+            model.init_weights()
+            plan.apply_fp32_islands(model)
+            if cp > 1:
+                parallelize.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
+            tokens = torch.randint(0, 258, (b, s // cp))
+            measured[layers] = _saved_activation_bytes(model, tokens, plan.forward_context, **extra)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
     per_layer = (measured[3] - measured[1]) / 2
-    layout = memory.Layout(seq_len=s, local_batch_size=b)
+    layout = memory.Layout(seq_len=s, local_batch_size=b, cp=cp, attn_mask_type=mask_type)
     predicted = memory.activation_terms(memory.ModelDims.from_args(margs), memory.PrecisionSpec.from_plan(plan),
-                                        layout).layer * b * s
+                                        layout).layer * layout.microbatch_tokens
     assert per_layer == predicted, (per_layer, predicted)
 
 

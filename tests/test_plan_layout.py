@@ -34,32 +34,33 @@ def test_factorizations_are_exactly_the_valid_layouts() -> None:
     for gpus in (1, 8, 12, 64):
         facts = pl.factorizations(gpus)
         assert len(facts) == len(set(facts))
-        assert all(r * s * t * p == gpus for r, s, t, p in facts)
-        brute = {(r, s, t, p) for r in range(1, gpus + 1) for s in range(1, gpus + 1)
-                 for t in range(1, gpus + 1) for p in range(1, gpus + 1) if r * s * t * p == gpus}
+        assert all(r * s * t * p * c == gpus for r, s, t, p, c in facts)
+        n = range(1, gpus + 1)
+        brute = {(r, s, t, p, c) for r in n for s in n for t in n for p in n for c in n if r * s * t * p * c == gpus}
         assert set(facts) == brute
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "1000")
     heads = LLAMA3_FLAVORS["llama3_8b"].n_heads
     kv = LLAMA3_FLAVORS["llama3_8b"].n_kv_heads
     cands = result["fitting"] + result["not_fitting"]
     seen = {c.degrees for c in cands}
-    for r, s, t, p in seen:
+    for r, s, t, p, c in seen:
         assert 8 % t == 0 and heads % t == 0 and kv % t == 0 and p <= 32
-        assert not (r > 1 and s == 1 and t > 1), "DDP x TP is rejected by the trainer"
-    assert (1, 8, 1, 1) in seen and (8, 1, 1, 1) in seen and (1, 1, 8, 1) in seen and (1, 2, 2, 2) in seen
-    assert (2, 1, 4, 1) not in seen  # DDP x TP
+        assert not (r > 1 and s * c == 1 and t > 1), "DDP x TP is rejected by the trainer"
+        assert 8192 // c >= 4096, "--min-cp-tokens"
+    assert {(1, 8, 1, 1, 1), (8, 1, 1, 1, 1), (1, 1, 8, 1, 1), (1, 2, 2, 2, 1), (1, 4, 1, 1, 2)} <= seen
+    assert (2, 1, 4, 1, 1) not in seen  # DDP x TP
     # Every printed override set is one the trainer accepts, with the same degrees.
     for c in cands[::17]:
         res = dry_run.resolve(load_config(c.overrides), 8)
-        assert (res.dims.dp_replicate, res.dims.dp_shard, res.dims.tp, res.dims.pp) == c.degrees
+        assert (res.dims.dp_replicate, res.dims.dp_shard, res.dims.tp, res.dims.pp, res.dims.cp) == c.degrees
         assert res.layout.ac_mode == c.ac
 
 
 def test_tp_beyond_a_node_is_excluded() -> None:
     args = pl.parse_args([*EIGHT_B, "--gpus-per-node", "4"])
-    assert not pl.structurally_valid((1, 1, 8, 1), args, 32)
-    assert pl.structurally_valid((1, 2, 4, 1), args, 32)
-    assert not pl.structurally_valid((1, 1, 1, 64), args, 32)
+    assert not pl.structurally_valid((1, 1, 8, 1, 1), args, 32)
+    assert pl.structurally_valid((1, 2, 4, 1, 1), args, 32)
+    assert not pl.structurally_valid((1, 1, 1, 64, 1), args, 32)
 
 
 def test_memory_filter() -> None:
@@ -68,7 +69,7 @@ def test_memory_filter() -> None:
     assert all(c.memory_gib <= 40 * 0.9 for c in small["fitting"])
     assert all(c.memory_gib > 40 * 0.9 for c in small["not_fitting"])
     # DDP holds the whole model's state (16 bytes/param, ~112 GiB): never fits in 40 GiB.
-    assert not any(c.degrees == (8, 1, 1, 1) for c in small["fitting"])
+    assert not any(c.degrees == (8, 1, 1, 1, 1) for c in small["fitting"])
     tiny = pl.plan(pl.parse_args([*EIGHT_B, "--gpu-mem-gib", "4"]))  # a full run, not re-filtered
     assert not tiny["fitting"] and len(tiny["not_fitting"]) == len(small["fitting"]) + len(small["not_fitting"])
     assert "nothing fits" in pl.format_plan(tiny, 5)
@@ -77,12 +78,12 @@ def test_memory_filter() -> None:
 def test_ranking_8b_on_8_gpus_picks_fsdp_8() -> None:
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
     best = result["fitting"][0]
-    assert best.degrees == (1, 8, 1, 1) and best.ac == "none" and best.precision.startswith("bf16")
+    assert best.degrees == (1, 8, 1, 1, 1) and best.ac == "none" and best.precision.startswith("bf16")
     keys = [pl.rank_key(c) for c in result["fitting"]]
     assert keys == sorted(keys)
     assert all(c.step_s >= best.step_s / 1.01 for c in result["fitting"])
     # fp32 compute is slower than bf16 for the same layout; bf16 reduce never sends more.
-    same = {(c.precision, c.ac): c for c in result["fitting"] if c.degrees == (1, 8, 1, 1)}
+    same = {(c.precision, c.ac): c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)}
     assert same[("fp32", "full")].step_s > same[("bf16/fp32-reduce", "full")].step_s
     assert same[("bf16/bf16-reduce", "none")].dp_comm_s < same[("bf16/fp32-reduce", "none")].dp_comm_s
 
@@ -90,13 +91,13 @@ def test_ranking_8b_on_8_gpus_picks_fsdp_8() -> None:
 def test_more_memory_allows_less_activation_checkpointing() -> None:
     def best_fsdp8(mem: str) -> str:
         result = _plan(*EIGHT_B, "--gpu-mem-gib", mem)
-        return next(c for c in result["fitting"] if c.degrees == (1, 8, 1, 1)).ac
+        return next(c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)).ac
 
     assert best_fsdp8("80") == "full"
     assert best_fsdp8("141") == "none"
     # And AC costs time: the same layout is faster without it.
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
-    by_ac = {c.ac: c for c in result["fitting"] if c.degrees == (1, 8, 1, 1) and c.precision == "bf16/fp32-reduce"}
+    by_ac = {c.ac: c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1) and c.precision == "bf16/fp32-reduce"}
     assert by_ac["full"].compute_s > by_ac["none"].compute_s
 
 
@@ -108,10 +109,14 @@ def test_pipeline_bubble_and_bandwidth() -> None:
     for c in pp:
         assert c.bubble_s == pytest.approx(c.compute_s * (c.pp - 1) / c.microbatches)
     # Groups that leave the node use the inter-node bandwidth (mesh: pp, dp_replicate, dp_shard, tp).
-    assert pl._group_bandwidth("tp", (1, 8, 8, 1), args) == 450e9
-    assert pl._group_bandwidth("dp_shard", (1, 8, 8, 1), args) == 50e9
-    assert pl._group_bandwidth("dp_shard", (1, 2, 4, 1), args) == 450e9
-    assert pl._group_bandwidth("dp_replicate", (2, 2, 4, 1), args) == 50e9
+    assert pl._group_bandwidth("tp", (1, 8, 8, 1, 1), args) == 450e9
+    assert pl._group_bandwidth("dp_shard", (1, 8, 8, 1, 1), args) == 50e9
+    assert pl._group_bandwidth("dp_shard", (1, 2, 4, 1, 1), args) == 450e9
+    assert pl._group_bandwidth("dp_replicate", (2, 2, 4, 1, 1), args) == 50e9
+    # cp sits between dp_shard and tp; FSDP's group spans dp_shard x cp.
+    assert pl._group_bandwidth("cp", (1, 8, 1, 1, 8), args) == 450e9
+    assert pl._group_bandwidth("dp_shard", (1, 2, 1, 1, 4), args) == 450e9
+    assert pl._group_bandwidth("dp_shard", (1, 2, 2, 1, 4), args) == 50e9
 
 
 def test_cli_prints_overrides_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,3 +128,20 @@ def test_cli_prints_overrides_and_json(tmp_path: Path, capsys: pytest.CaptureFix
     assert len(data["fitting"]) >= 3
     assert data["fitting"][0]["step_s"] <= 1.01 * min(c["step_s"] for c in data["fitting"])
     assert pl.main(["--flavor", "nope", "--gpus", "8"]) == 2
+
+
+def test_context_parallel_only_when_the_sequence_needs_it() -> None:
+    # 8B at 8192 on 8 GPUs fits without CP: none is proposed, though CP 2 layouts were evaluated.
+    result = _plan(*EIGHT_B, "--gpu-mem-gib", "80")
+    assert not result["needs_cp"] and all(c.cp == 1 for c in result["fitting"])
+    assert any(c.cp == 2 for c in result["not_fitting"] + _evaluated()[0])
+    # 524288 tokens: one sequence's activations fit no FSDP / TP / PP split of 64 80 GiB GPUs (at
+    # 131072, TP 4 with full AC still does); context parallel is what makes it fit.
+    args = pl.parse_args(["--flavor", "llama3_8b", "--gpus", "64", "--seq-len", "524288", "--gpu-mem-gib", "80",
+                          "--top", "3", "--min-cp-tokens", "16384"])
+    long = pl.plan(args)
+    assert long["needs_cp"] and long["fitting"] and all(c.cp > 1 for c in long["fitting"])
+    best = long["fitting"][0]
+    assert best.cp_comm_s > 0 and "CP" in best.describe()
+    assert "--parallelism.context_parallel_degree" in " ".join(best.overrides)
+    assert "context parallel needed" in pl.format_plan(long, 3)

@@ -183,7 +183,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     model_dims, prec = res.model_dims, res.precision
     state = measure_state(parts, plan.optimizer_state_dtype)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
-                                  dp_shard_rank=coords["dp_shard"])
+                                  dp_shard_rank=layout.fsdp_rank(coords["dp_shard"], coords["cp"]))
     stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []
     comm: dict[str, ByDtype] = {}
     calls: dict[str, int] = {}
@@ -196,6 +196,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
         transient = dict(state.grads)  # DDP's gradient buckets
     comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
+    comm.update(memory.cp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
     # Measured state and FSDP groups, analytic activations.
@@ -205,17 +206,20 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "world_size": res.world_size,
         "rank": rank,
         "coordinates": coords,
-        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                    "tp": dims.tp, "fsdp_shard": dims.fsdp_shard},
         "model": {"flavor": config.model.flavor, "total_params": total_params, "dim": args.dim,
                   "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
                   "ffn_hidden": model_dims.ffn_hidden, "vocab_size": args.vocab_size},
-        "training": {"seq_len": layout.seq_len, "local_batch_size": layout.local_batch_size,
+        "training": {"seq_len": layout.seq_len, "local_seq_len": layout.local_seq_len,
+                     "attn_mask_type": layout.attn_mask_type, "local_batch_size": layout.local_batch_size,
                      "grad_accum_steps": res.accum, "microbatches": layout.microbatches,
                      "tokens_per_microbatch": layout.microbatch_tokens,
                      "activation_checkpoint": layout.ac_label},
         "precision": {"path": plan.path, "storage_dtype": prec.storage, "param_dtype": prec.param,
                       "reduce_dtype": prec.reduce, "output_dtype": prec.output, "comm_hook": plan.comm_hook,
-                      "residual_dtype": prec.residual, "matmul_dtype": prec.compute},
+                      "residual_dtype": prec.residual, "matmul_dtype": prec.compute,
+                      "cp_reduce_dtype": prec.cp_reduce if dims.cp_enabled else None},
         "pipeline": {
             "schedule": layout.pp_schedule if dims.pp_enabled else None,
             "num_stages": num_stages,
@@ -239,7 +243,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             "bytes_per_param": prec.bytes_per_param(),
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
-                         "unsharded_numel": g.unsharded_numel(dims.dp_shard), "gather_dtype": g.gather_dtype,
+                         "unsharded_numel": g.unsharded_numel(dims.fsdp_shard), "gather_dtype": g.gather_dtype,
                          "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward}
                         for s, gs in stage_groups for g in gs],
         "communication": comm,
@@ -264,13 +268,19 @@ FORMULAS = {
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
                  "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
-    "activations": "in-flight microbatches x tokens x (layers x per-layer + ends); per layer (bytes/token): "
-                   "2(8d+4)/sp + k*c*d + c(2d/t+2kv') + 4H/t + 4c*f/t; full AC keeps "
-                   "r*d/sp per layer plus one recomputed layer (see torchtitan_amp.memory.activation_terms)",
+    "activations": "in-flight microbatches x tokens (this rank's: seq / cp) x (layers x per-layer + ends); per "
+                   "layer (bytes/token): 2(8d+4)/sp + k*c*d + c(2d/t+2kv'*cp) + 4H/t + 4c*f/t, + c*seq "
+                   "(SDPA's additive copy of the mask) when masked (block_causal or cp > 1); ends: + seq "
+                   "(the bool mask) when masked; full AC keeps r*d/sp per layer plus one recomputed layer "
+                   "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
                        "rest) per forward, x2 for groups resharded after forward (backward re-gathers); "
                        "under PP only when the group is sharded at that pass",
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
+    "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
+          "forward, again when the block is recomputed (AC); reduce-scatter of their gradients in "
+          "cp_reduce_dtype in backward; per stage forward: positions (int64) and block_causal's document "
+          "ids (int32) of the window, [B x seq]",
     "hsdp_all_reduce": "padded grad shard in reduce dtype after each reduce-scatter",
     "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "
                       "storage dtype; once per step",
@@ -292,13 +302,19 @@ def format_table(r: dict[str, Any]) -> str:
         f"dry run: {r['model']['flavor']} ({r['model']['total_params']:,} params, vocab "
         f"{r['model']['vocab_size']:,}), rank {r['rank']} of {r['world_size']}",
         f"  layout   pp {deg['pp']} x dp_replicate {deg['dp_replicate']} x dp_shard {deg['dp_shard']} x "
-        f"tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
+        f"cp {deg['cp']} x tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
         f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
-        f"matmuls {pr['matmul_dtype']})",
+        f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else ""),
+    ]
+    if deg["cp"] > 1:
+        lines.append(f"  context  cp {deg['cp']}: {r['training']['local_seq_len']:,} of each window's "
+                     f"{r['training']['seq_len']:,} tokens on this rank ({r['training']['attn_mask_type']}); "
+                     f"FSDP shards over dp_shard x cp = {deg['fsdp_shard']}")
+    lines += [
         f"  batch    seq {r['training']['seq_len']} x local batch {r['training']['local_batch_size']}, "
         f"{r['training']['grad_accum_steps']} accumulation step(s), {r['training']['microbatches']} "
-        f"microbatch(es) of {r['training']['tokens_per_microbatch']:,} tokens, AC "
+        f"microbatch(es) of {r['training']['tokens_per_microbatch']:,} tokens on this rank, AC "
         f"{r['training']['activation_checkpoint']}",
     ]
     pipe = r["pipeline"]

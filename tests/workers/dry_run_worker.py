@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import load_config
+from torchtitan_amp import context_parallel
 from torchtitan_amp import traffic as collectives
+from torchtitan_amp.torch_compat import sequence_collectives
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.trainer import Trainer
 from tests.support import exit_process, read_spec
@@ -55,6 +57,8 @@ def _category(op: str, group) -> str:  # type: ignore[no-untyped-def]
         return "hsdp_all_reduce" if HSDP["on"] else "ddp_all_reduce"
     if dim == "tp" and op in ("all_gather", "reduce_scatter", "all_reduce"):
         return f"tp_{op}"
+    if dim == "cp" and op in ("all_gather", "reduce_scatter"):
+        return f"cp_{op}"
     if dim == "pp" and op in ("send", "recv", "all_reduce"):
         return f"pp_{op}"
     return f"other:{op}:{dim}"
@@ -92,9 +96,16 @@ def run_job(args: list[str]) -> dict:
     trainer.optimizer.step = _in_phase(trainer.optimizer.step, "optimizer")
     GROUP_DIMS.clear()
     if trainer.info.world_size > 1:
-        for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
+        for dim in ("pp", "dp_replicate", "dp_shard", "tp", "cp"):
             if getattr(trainer.dims, dim) > 1:
                 GROUP_DIMS[_group_ranks(trainer.dims.mesh[dim].get_group())] = dim
+        if trainer.dims.cp_enabled:
+            # FSDP shards over dp_shard x cp: its group is neither dim's. Groups are told apart by
+            # their ranks, so a layout whose FSDP group has the cp group's ranks cannot be counted.
+            fsdp = trainer.dims.fsdp_mesh
+            ranks = _group_ranks((fsdp["dp_shard_cp"] if trainer.dims.hsdp_enabled else fsdp).get_group())
+            assert ranks not in GROUP_DIMS, f"FSDP's group {ranks} is also the {GROUP_DIMS[ranks]} group's"
+            GROUP_DIMS[ranks] = "dp_shard"
     HSDP["on"] = trainer.dims.hsdp_enabled
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)
@@ -129,6 +140,8 @@ def main(spec_path: str) -> int:
     collectives.install(_category, point_to_point=True, functional=True,
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()
+    # context_parallel took torch's functional collectives at import, before install wrapped them.
+    context_parallel._ALL_GATHER, context_parallel._REDUCE_SCATTER = sequence_collectives()
     install_phase_tags()
     spec = read_spec(spec_path)
     results = {}

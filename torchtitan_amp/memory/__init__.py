@@ -18,7 +18,7 @@ The model family's terms are apart from the shared accounting:
 - `shards.py`:      TP and FSDP2 shard sizes;
 - `state.py`:       parameters, gradients and AdamW state (`state_bytes`);
 - `fsdp.py`:        FSDP2 groups, their traffic, calls and transient buffers;
-- `collectives.py`: data-parallel, TP and PP traffic, gradient collectives, `comm` (all of it);
+- `collectives.py`: data-parallel, TP, CP and PP traffic, gradient collectives, `comm` (all of it);
 - `activations.py`: peak activations per AC mode (`activation_bytes`);
 - `totals.py`:      the whole estimate (`estimate`, `MemoryEstimate`, `transient_bytes`).
 Every name is re-exported here: callers use `memory.X`.
@@ -35,8 +35,8 @@ Conventions
 
 # DTYPE_BYTES, SHORT, STAGES_PER_RANK and stage_layer_ranges are also used as memory.X by callers.
 from torchtitan_amp.memory.activations import ActivationEstimate, activation_bytes
-from torchtitan_amp.memory.collectives import (comm, ddp_comm, dp_comm, grad_comm, pp_comm, tp_comm,
-                                               tp_partial_grad_comm)
+from torchtitan_amp.memory.collectives import (comm, cp_comm, ddp_comm, dp_comm, grad_comm, pp_comm,
+                                               recomputed_blocks, tp_comm, tp_partial_grad_comm)
 from torchtitan_amp.memory.fsdp import (FsdpGroup, fsdp_calls, fsdp_comm, fsdp_gathers_per_step, fsdp_groups,
                                         fsdp_transient)
 from torchtitan_amp.memory.llama import ModelDims, activation_terms, param_specs
@@ -51,10 +51,10 @@ from torchtitan_amp.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_laye
 __all__ = [
     "ADAMW_STEP_BYTES", "DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "ActivationEstimate", "ActivationTerms",
     "ByDtype", "FsdpGroup", "Layout", "MemoryEstimate", "ModelDims", "ParamSpec", "PrecisionSpec", "Stage",
-    "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "comm", "ddp_comm",
+    "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "comm", "cp_comm", "ddp_comm",
     "dp_comm", "estimate", "fmt_by_dtype", "fmt_bytes", "fsdp_calls", "fsdp_comm", "fsdp_gathers_per_step",
     "fsdp_groups", "fsdp_local_numel", "fsdp_padded_numel", "fsdp_transient", "grad_comm",
-    "in_flight_microbatches", "merge", "param_specs", "pp_comm", "rank_stages", "schedule_ops",
+    "in_flight_microbatches", "merge", "param_specs", "pp_comm", "rank_stages", "recomputed_blocks", "schedule_ops",
     "stage_layer_ranges", "stage_ops", "state_bytes", "sum_bytes", "tp_comm", "tp_local_shape",
     "tp_partial_grad_comm", "transient_bytes",
 ]

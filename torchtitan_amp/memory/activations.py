@@ -43,7 +43,7 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
 
     def stage_total(stage: Stage, mode: str) -> float:
         n = len(stage.layers)
-        ends = (terms.head if stage.last else 0.0) + (terms.embedding if stage.first else 0.0)
+        ends = (terms.head if stage.last else 0.0) + (terms.embedding if stage.first else 0.0) + terms.stage
         if mode == "none":
             per = n * terms.layer
         elif mode == "full":

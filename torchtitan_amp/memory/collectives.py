@@ -1,6 +1,7 @@
 """Traffic of one rank per optimizer step, by category and dtype: data parallel (FSDP's groups, or
 DDP's all-reduce), tensor parallel (the TP plan's activation collectives, sequence parallel's
-Partial norm gradients), pipeline send / recv, and the gradient collectives alone (grad_comm).
+Partial norm gradients), context parallel (keys and values gathered, their gradients
+reduce-scattered), pipeline send / recv, and the gradient collectives alone (grad_comm).
 tp_comm counts TP regions per block as the family's dims say (ModelDims.tp_regions_per_block: a
 colwise entry and a rowwise exit each), plus the decoder's two ends (embedding and output head)."""
 
@@ -31,7 +32,7 @@ def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             tp_rank: int = 0) -> dict[str, ByDtype]:
     """Data-parallel traffic of one rank per step (fsdp_comm, or ddp_comm for replicate-only)."""
     stages = rank_stages(model, layout, pp_rank)
-    if layout.dp_shard > 1:
+    if layout.fsdp_shard > 1:
         return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
     if layout.dp_replicate > 1:
         return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
@@ -43,7 +44,7 @@ def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, 
     """Under sequence parallel without FSDP, the trained norm weights' Partial gradients, summed
     over TP once per optimizer step in one flat all-reduce (precision.PartialGradReducer): reduce
     dtype if norms are lower-precision-safe, else their own."""
-    if layout.tp == 1 or not layout.sp or layout.dp_shard > 1:
+    if layout.tp == 1 or not layout.sp or layout.fsdp_shard > 1:
         return {}
     wire = prec.reduce if prec.low("norm") else prec.storage
     norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in model.param_specs(s)
@@ -110,12 +111,7 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
 
     for stage in rank_stages(model, layout, pp_rank):
         n = len(stage.layers)
-        if layout.ac_mode == "full":
-            recompute = n
-        elif layout.ac_mode == "selective" and layout.ac_option != "op":
-            recompute = len(range(0, n, int(layout.ac_option)))
-        else:
-            recompute = 0  # op-level SAC: not modelled (approximate)
+        recompute = recomputed_blocks(layout, n)  # op-level SAC: not modelled (approximate)
         k = model.tp_regions_per_block()
         # A recomputed block repeats every entry collective and all exits but the last.
         entries, exits = passes * k * (n + recompute), passes * (k * n + (k - 1) * recompute)
@@ -136,7 +132,7 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                 add_bytes(ar, "float32", passes * 3 * layout.microbatch_tokens * 4)
             else:
                 add_bytes(ag, c, passes * vocab * DTYPE_BYTES[c])
-        if layout.sp and layout.dp_shard > 1:
+        if layout.sp and layout.fsdp_shard > 1:
             norms = sum(1 for spec in model.param_specs(stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
             reduces = layout.grad_accum if layout.pp > 1 else passes
             add_bytes(ar, norm_dtype, reduces * norms * model.dim * DTYPE_BYTES[norm_dtype])
@@ -155,7 +151,7 @@ def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
         return {}
     r = prec.residual
     sp = layout.tp if layout.sp else 1
-    size = layout.pp_microbatch_size * (layout.seq_len // sp) * model.dim * DTYPE_BYTES[r]
+    size = layout.pp_microbatch_size * (layout.local_seq_len // sp) * model.dim * DTYPE_BYTES[r]
     passes = layout.microbatches * layout.grad_accum
     send: ByDtype = {}
     recv: ByDtype = {}
@@ -166,9 +162,55 @@ def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     return {"pp_send": send, "pp_recv": recv}
 
 
+def recomputed_blocks(layout: Layout, n: int) -> int:
+    """Blocks of a stage whose forward runs again in backward: all under full AC, every N-th under
+    selective(N); op-level SAC recomputes every block's unsaved ops, but which collectives those
+    are differs per collective (tp_comm leaves it unmodelled; cp_comm counts the all-gathers)."""
+    if layout.ac_mode == "full":
+        return n
+    if layout.ac_mode == "selective" and layout.ac_option != "op":
+        return len(range(0, n, int(layout.ac_option)))
+    return 0
+
+
+def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
+    """Context-parallel traffic of one rank per optimizer step (context_parallel.py), with
+    W = B x S tokens of a whole window (S / cp of them this rank's):
+
+    per block, forward:  an all-gather of each tensor model.cp_gathers_per_block names (Llama:
+                         K and V, kv_heads / tp heads each), [W, width] in the activations' dtype
+                         (the matmul dtype: bf16 under mixed precision);
+                         again for a recomputed block (full / selective AC; op-level SAC saves
+                         no all-gather, so it recomputes them too)
+    per block, backward: a reduce-scatter of their gradients, [W, width] in cp_reduce dtype
+    per stage forward:   the positions (int64) and, under block_causal, the document ids (int32)
+                         of the window, [W], for the mask
+    x microbatches (PP) x gradient-accumulation steps.
+    """
+    if layout.cp == 1:
+        return {}
+    window = layout.microbatch_sequences * layout.seq_len
+    c, red = prec.compute, prec.cp_reduce
+    passes = layout.microbatches * layout.grad_accum
+    widths = sum(model.cp_gathers_per_block(layout.tp))
+    ag: ByDtype = {}
+    rs: ByDtype = {}
+    for stage in rank_stages(model, layout, pp_rank):
+        n = len(stage.layers)
+        op_sac = layout.ac_mode == "selective" and layout.ac_option == "op"
+        recompute = n if op_sac else recomputed_blocks(layout, n)
+        add_bytes(ag, c, passes * (n + recompute) * window * widths * DTYPE_BYTES[c])
+        add_bytes(rs, red, passes * n * window * widths * DTYPE_BYTES[red])
+        add_bytes(ag, "int64", passes * window * 8)
+        if layout.attn_mask_type == "block_causal":
+            add_bytes(ag, "int32", passes * window * 4)
+    return {"cp_all_gather": ag, "cp_reduce_scatter": rs}
+
+
 def comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
          tp_rank: int = 0) -> dict[str, ByDtype]:
-    """All traffic categories of one rank per step (see dp_comm, tp_comm, pp_comm)."""
+    """All traffic categories of one rank per step (see dp_comm, tp_comm, cp_comm, pp_comm)."""
     return {**dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
             **tp_comm(model, prec, layout, pp_rank=pp_rank),
+            **cp_comm(model, prec, layout, pp_rank=pp_rank),
             **pp_comm(model, prec, layout, pp_rank=pp_rank)}

@@ -36,7 +36,7 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
     block is a group; the root holds the rest. Which reshard after forward:
     rules.reshard_after_forward."""
-    n = layout.dp_shard
+    n = layout.fsdp_shard
     specs = model.param_specs(stage)
 
     def numel(ss: list[ParamSpec]) -> int:
@@ -96,7 +96,7 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
     x gradient-accumulation steps.
     """
-    n = layout.dp_shard
+    n = layout.fsdp_shard
     ag: ByDtype = {}
     rs: ByDtype = {}
     ar: ByDtype = {}
@@ -141,7 +141,7 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
     with PP:    a stage keeps its params unsharded and accumulates unsharded grads (reduce dtype)
                 until its last microbatch: every group's unsharded params and grads
     """
-    n = layout.dp_shard
+    n = layout.fsdp_shard
     out: ByDtype = {}
     for _stage, groups in stage_groups:
         if layout.pp > 1:

@@ -58,6 +58,13 @@ class ModelDims:
         region costs one input collective and one output collective each way (memory.tp_comm)."""
         return 2
 
+    def cp_gathers_per_block(self, tp: int) -> tuple[int, ...]:
+        """Elements per token of each tensor one block all-gathers over the cp ranks (a family
+        overrides this; memory.cp_comm): Llama's keys and values after rotary, kv_heads / tp heads
+        each, gathered before GQA repeats them, so grouped-query attention sends kv_heads, not
+        n_heads."""
+        return (self.kv_dim // tp,) * 2
+
     def layer_params(self) -> int:
         d, kv, f = self.dim, self.kv_dim, self.ffn_hidden
         return 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
@@ -116,6 +123,16 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     under sequence parallel (else 1), c = bytes of the matmul dtype (bf16: 2, fp32: 4). Full AC
     keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
     one block at a time in backward.
+
+    Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
+    token of this rank except what does not shrink with cp. SDPA saves the keys and values of the
+    whole window, gathered over cp (the k, v term above x cp per local token), and with an
+    explicit mask (any cp > 1, or block_causal) it converts the bool mask to an additive one in
+    the query's dtype inside every call and saves that: c x S per query token per layer, quadratic
+    in S (measured on CPU, torch 2.13; CUDA's efficient kernel does the same). Once per stage
+    (`stage`): the bool mask itself, S bytes per query token, alive through the forward and kept
+    by activation checkpointing for the recompute, and under cp the rotary tables picked per token
+    (cos, sin: 2 x 4 x head_dim / 2).
     """
     d, kv, f, h = model.dim, model.kv_dim, model.ffn_hidden, model.n_heads
     t = layout.tp
@@ -130,10 +147,12 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     repeated = model.n_heads != model.kv_heads and local_kv_heads > 1
     kv_saved = d / t if repeated else local_kv_heads * model.head_dim
     norm = (8 * d + 4) / sp
+    cp, window = layout.cp, layout.seq_len
+    mask = c * window if layout.masked else 0.0
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
-        + c * (2 * d / t + 2 * kv_saved) + 4 * h / t
+        + c * (2 * d / t + 2 * kv_saved * cp) + 4 * h / t + mask
         + 4 * c * f / t
     )
     checkpointed = r * d / sp
@@ -149,4 +168,5 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     # Final norm, the head's input, then logits in matmul dtype, cast to output dtype, and
     # cross-entropy's fp32 log-softmax (a live-tensor estimate at the loss, not checked).
     head = norm + c * d + (c + out_b + 4) * model.vocab_size / lp
-    return ActivationTerms(layer, checkpointed, op_sac, head, 8.0)
+    stage = (window if layout.masked else 0.0) + (4 * model.head_dim if cp > 1 else 0.0)
+    return ActivationTerms(layer, checkpointed, op_sac, head, 8.0, stage)

@@ -28,6 +28,7 @@ class PrecisionSpec:
     safe_kinds: frozenset[str] = frozenset({"linear"})
     optimizer_state: str = ""  # AdamW's moments ("": the storage dtype)
     frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
+    cp_reduce: str = "float32"  # context parallel: the K/V gradients' reduce-scatter
 
     @classmethod
     def from_plan(cls, plan: Any, norm_cls: type | None = None) -> "PrecisionSpec":
@@ -45,14 +46,14 @@ class PrecisionSpec:
             kinds.add("norm")
         return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
                    name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
-                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names))
+                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names), name(plan.cp_reduce_dtype))
 
     @classmethod
     def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",
                storage: str = "float32", comm_hook: bool = False) -> "PrecisionSpec":
         return cls(path, storage, param if path != "full" else storage,
                    reduce if path != "full" else storage, "float32" if path != "full" else storage,
-                   comm_hook)
+                   comm_hook, cp_reduce="float32" if path != "full" else storage)
 
     def low(self, kind: str) -> bool:
         """Whether modules of this kind run (and communicate) in param/reduce dtype."""
@@ -111,10 +112,32 @@ class Layout:
     ac_option: str = "2"  # selective: every N-th block, or "op"
     reshard_after_forward: str = "default"  # "default" | "always" | "never"
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
+    cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
+    attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard x cp (ParallelDims.fsdp_shard)."""
+        return self.dp_shard * self.cp
+
+    def fsdp_rank(self, dp_shard_rank: int, cp_rank: int) -> int:
+        """A rank's index among FSDP's shards: the mesh flattens (dp_shard, cp) row-major."""
+        return dp_shard_rank * self.cp + cp_rank
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each window on this rank (context parallel splits every window)."""
+        return self.seq_len // self.cp
+
+    @property
+    def masked(self) -> bool:
+        """Whether attention gets an explicit [B, 1, S/cp, S] bool mask (block_causal, or any
+        CP: its queries are not the first S/cp positions) instead of SDPA's is_causal."""
+        return self.cp > 1 or self.attn_mask_type != "causal"
 
     @property
     def sp(self) -> bool:
@@ -136,8 +159,12 @@ class Layout:
 
     @property
     def microbatch_tokens(self) -> int:
-        """Tokens in one forward pass of this rank's model."""
-        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.seq_len
+        """Tokens in one forward pass of this rank's model (its seq_len / cp of each window)."""
+        return (self.pp_microbatch_size if self.pp > 1 else self.local_batch_size) * self.local_seq_len
+
+    @property
+    def microbatch_sequences(self) -> int:
+        return self.pp_microbatch_size if self.pp > 1 else self.local_batch_size
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """Stages held by a pipeline rank: rank r holds r, r + pp, ... (looped placement)."""
@@ -170,3 +197,4 @@ class ActivationTerms:
     layer_op_sac: float  # one block under op-level selective AC (approximate)
     head: float  # final norm, output head, logits and loss (last stage)
     embedding: float  # token ids (first stage)
+    stage: float = 0.0  # held once by every stage's forward: the attention mask, per-token rope tables

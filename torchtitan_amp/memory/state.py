@@ -37,7 +37,8 @@ class StateBytes:
 
 def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
                 tp_rank: int = 0, dp_shard_rank: int = 0) -> StateBytes:
-    """Parameters, gradients and AdamW state held by one rank.
+    """Parameters, gradients and AdamW state held by one rank; `dp_shard_rank` is its index among
+    FSDP's shards (dp_shard x cp: Layout.fsdp_rank).
 
     params    = local elements x bytes(storage)  (TP shard, then FSDP dim-0 shard)
     grads     = params (same shard, storage dtype: FSDP2 reduce-scatters into fp32 sharded grads),
@@ -53,9 +54,9 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
     for stage in rank_stages(model, layout, pp_rank):
         for spec in model.param_specs(stage):
             shape = tp_local_shape(spec, layout.tp, tp_rank)
-            if layout.dp_shard > 1:
-                numel = fsdp_local_numel(shape, layout.dp_shard, dp_shard_rank)
-                padded = fsdp_padded_numel(shape, layout.dp_shard)
+            if layout.fsdp_shard > 1:
+                numel = fsdp_local_numel(shape, layout.fsdp_shard, dp_shard_rank)
+                padded = fsdp_padded_numel(shape, layout.fsdp_shard)
             else:
                 numel = padded = math.prod(shape)
             out.num_params += numel
@@ -68,7 +69,7 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
                 continue
             trained_tensors += 1
             grad = numel
-            if spec.kind == "embedding" and layout.tp > 1 and layout.dp_shard == 1:
+            if spec.kind == "embedding" and layout.tp > 1 and layout.fsdp_shard == 1:
                 grad = math.prod(spec.shape)  # see the docstring: replicated embedding gradient
             add_bytes(out.grads, dtype, grad * sb)
             add_bytes(out.optimizer, prec.state, 2 * numel * mb)

@@ -19,7 +19,7 @@ def transient_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp
                     tp_rank: int = 0) -> ByDtype:
     """Short-lived buffers at the peak, by dtype: fsdp_transient under FSDP; under DDP the
     gradient buckets, a copy of the grads in storage dtype."""
-    if layout.dp_shard > 1:
+    if layout.fsdp_shard > 1:
         stages = rank_stages(model, layout, pp_rank)
         return fsdp_transient([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
     if layout.dp_replicate > 1:

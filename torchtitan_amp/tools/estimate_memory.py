@@ -89,12 +89,16 @@ def estimate(config: JobConfig, ngpu: int | None) -> dict[str, Any]:
     est = memory.estimate(res.model_dims, res.precision, res.layout)
     d = est.to_dict()
     d.update(world_size=res.world_size, flavor=config.model.flavor, total_params=res.model_dims.total_params(),
-             layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "tp": res.dims.tp,
-                     "pp": res.dims.pp, "seq_len": res.layout.seq_len,
+             layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "cp": res.dims.cp,
+                     "tp": res.dims.tp, "pp": res.dims.pp, "seq_len": res.layout.seq_len,
+                     "local_seq_len": res.layout.local_seq_len, "attn_mask_type": res.layout.attn_mask_type,
                      "local_batch_size": res.layout.local_batch_size, "grad_accum": res.layout.grad_accum,
                      "ac": res.layout.ac_label},
              precision={"path": res.plan.path, "storage": res.precision.storage, "param": res.precision.param,
-                        "reduce": res.precision.reduce, "comm_hook": res.plan.comm_hook})
+                        "reduce": res.precision.reduce, "comm_hook": res.plan.comm_hook,
+                        "cp_reduce": res.precision.cp_reduce},
+             # The activation collectives context parallel adds (the dry run reports every category).
+             cp_communication=memory.cp_comm(res.model_dims, res.precision, res.layout))
     return d
 
 
@@ -103,11 +107,11 @@ def format_estimate(d: dict[str, Any]) -> str:
     lay, pr, st, acts = d["layout"], d["precision"], d["state"], d["activations"]
     lines = [
         f"{d['flavor']} ({d['total_params']:,} params), rank 0 of {d['world_size']}: "
-        f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}; "
-        f"seq {lay['seq_len']} x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
+        f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x cp {lay['cp']} x "
+        f"tp {lay['tp']}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
         f"AC {lay['ac']}",
         f"precision: path={pr['path']} storage={pr['storage']} param={pr['param']} reduce={pr['reduce']} "
-        f"comm_hook={pr['comm_hook']}",
+        f"comm_hook={pr['comm_hook']}" + (f" cp_reduce={pr['cp_reduce']}" if lay["cp"] > 1 else ""),
         "",
         f"  {'per rank':38s} {'bytes':>12s}  by dtype",
     ]
@@ -122,6 +126,8 @@ def format_estimate(d: dict[str, Any]) -> str:
     pk = d["peak"]
     lines.append(f"  {'peak, AC none / AC full':38s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
                  f"   (configured {lay['ac']}: {fb(pk['configured'])})")
+    for name, by in d.get("cp_communication", {}).items():
+        lines.append(f"  {name + ' per step':38s} {fb(memory.sum_bytes(by)):>12s}  {fd(by)}")
     return "\n".join(lines)
 
 

@@ -3,12 +3,14 @@
 
     python -m torchtitan_amp.tools.plan_layout --flavor llama3_70b --gpus 64 --gpu-mem-gib 80 --seq-len 8192
 
-Tries every valid (dp_replicate, dp_shard, tp, pp) factorization of --gpus x precision setting
+Tries every valid (dp_replicate, dp_shard, tp, pp, cp) factorization of --gpus x precision setting
 (bf16 compute with fp32 or bf16 gradient reduce, or fp32) x activation checkpointing (none, full),
 checks each with the trainer's own validation (the config overrides printed are what `train.py`
 accepts), estimates each rank's peak memory with torchtitan_amp.memory (analytic: no model, no
 process group; the same formulas the fake-backend dry run is tested on), drops layouts that do not
-fit, and ranks the rest by the estimated step time of the cost model below.
+fit, and ranks the rest by the estimated step time of the cost model below. Context parallel
+(cp > 1: every sequence split over cp ranks) is proposed only when the sequence needs it: when no
+layout without it fits (one sequence's activations are too large for any other split).
 
 Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the derivation):
   tokens   = global batch x seq_len; every layout processes the same tokens per step
@@ -19,8 +21,9 @@ Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the deriv
   collective time = volume x (n - 1) / n / bandwidth for all-gather / reduce-scatter (x 2 for
              all-reduce), volume / bandwidth for pipeline sends; volumes per category from
              torchtitan_amp.memory.comm; bandwidth: --intra-node-gbps when the group's ranks
-             share a node (tp innermost, then dp_shard, dp_replicate, pp), else --inter-node-gbps
-  exposed  = tp + pp time (on the critical path, x --tp-exposed)
+             share a node (tp innermost, then cp, dp_shard, dp_replicate, pp), else --inter-node-gbps
+  exposed  = tp + pp time (on the critical path, x --tp-exposed) + cp time (the K/V all-gathers
+             and their gradients' reduce-scatters: attention waits for them)
              + max(--dp-exposed x dp time, dp time - compute)  (FSDP/DDP traffic overlaps
                compute, but never more than there is compute to hide it)
   step     = compute + bubble + exposed
@@ -58,6 +61,7 @@ class Candidate:
     dp_shard: int
     tp: int
     pp: int
+    cp: int
     precision: str
     ac: str
     microbatches: int
@@ -71,19 +75,21 @@ class Candidate:
     dp_exposed_s: float = 0.0
     tp_comm_s: float = 0.0
     pp_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
     step_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0
     mfu: float = 0.0
     fits: bool = False
 
     @property
-    def degrees(self) -> tuple[int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp, self.pp
+    def degrees(self) -> tuple[int, int, int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp
 
     def describe(self) -> str:
-        parts = []
+        parts = [f"CP {self.cp}"] if self.cp > 1 else []
         if self.dp_replicate > 1:
-            parts.append(f"DDP {self.dp_replicate}" if self.dp_shard == 1 else f"HSDP {self.dp_replicate}x{self.dp_shard}")
+            ddp = self.dp_shard * self.cp == 1  # CP always shards (over dp_shard x cp)
+            parts.append(f"DDP {self.dp_replicate}" if ddp else f"HSDP {self.dp_replicate}x{self.dp_shard}")
         if self.dp_shard > 1 and self.dp_replicate == 1:
             parts.append(f"FSDP {self.dp_shard}")
         if self.tp > 1:
@@ -93,42 +99,52 @@ class Candidate:
         return " x ".join(parts) or "single"
 
 
-def factorizations(gpus: int) -> list[tuple[int, int, int, int]]:
-    """Every (dp_replicate, dp_shard, tp, pp) whose product is `gpus`."""
+Degrees = tuple[int, int, int, int, int]  # (dp_replicate, dp_shard, tp, pp, cp)
+
+
+def factorizations(gpus: int) -> list[Degrees]:
+    """Every (dp_replicate, dp_shard, tp, pp, cp) whose product is `gpus`."""
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     out = []
-    for tp in divisors:
-        for pp in divisors:
-            if gpus % (tp * pp):
-                continue
-            rest = gpus // (tp * pp)
-            for r in divisors:
-                if rest % r == 0:
-                    out.append((r, rest // r, tp, pp))
+    for cp in divisors:
+        for tp in divisors:
+            for pp in divisors:
+                if gpus % (cp * tp * pp):
+                    continue
+                rest = gpus // (cp * tp * pp)
+                for r in divisors:
+                    if rest % r == 0:
+                        out.append((r, rest // r, tp, pp, cp))
     return out
 
 
-def structurally_valid(degrees: tuple[int, int, int, int], args: Any, n_layers: int) -> bool:
-    """The planner's own rules on top of the trainer's validation: TP stays within a node."""
-    _r, _s, tp, pp = degrees
-    return args.gpus_per_node % tp == 0 and pp <= n_layers
+def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
+    """The planner's own rules on top of the trainer's validation: TP stays within a node; CP
+    splits sequences of at least --min-cp-tokens tokens per rank (shorter chunks leave attention
+    too little work to hide the K/V all-gathers behind)."""
+    _r, _s, tp, pp, cp = degrees
+    return (args.gpus_per_node % tp == 0 and pp <= n_layers
+            and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens))
 
 
-def _group_bandwidth(dim: str, degrees: tuple[int, int, int, int], args: Any) -> float:
+def _group_bandwidth(dim: str, degrees: Degrees, args: Any) -> float:
     """Bytes/s for a collective over `dim`: intra-node when the group's span fits in a node. The
-    mesh is (pp, dp_replicate, dp_shard, tp), tp innermost, so a group's ranks are
-    `stride` apart with stride = product of the inner degrees."""
-    r, s, t, p = degrees
-    stride = {"tp": 1, "dp_shard": t, "dp_replicate": t * s, "pp": t * s * r}[dim]
-    size = {"tp": t, "dp_shard": s, "dp_replicate": r, "pp": p}[dim]
+    mesh is (pp, dp_replicate, dp_shard, cp, tp), tp innermost, so a group's ranks are
+    `stride` apart with stride = product of the inner degrees. FSDP ("dp_shard") shards over
+    dp_shard x cp: its group spans both."""
+    r, s, t, p, c = degrees
+    stride = {"tp": 1, "cp": t, "dp_shard": t, "dp_replicate": t * s * c, "pp": t * c * s * r}[dim]
+    size = {"tp": t, "cp": c, "dp_shard": s * c, "dp_replicate": r, "pp": p}[dim]
     gbps = args.intra_node_gbps if stride * size <= args.gpus_per_node else args.inter_node_gbps
     return gbps * 1e9
 
 
-def _collective_seconds(category: str, nbytes: float, degrees: tuple[int, int, int, int], args: Any) -> float:
+def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: Any) -> float:
     dim = {"fsdp_all_gather": "dp_shard", "fsdp_reduce_scatter": "dp_shard", "hsdp_all_reduce": "dp_replicate",
-           "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp"}.get(category, "tp")
-    n = {"dp_shard": degrees[1], "dp_replicate": degrees[0], "tp": degrees[2], "pp": degrees[3]}[dim]
+           "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp", "cp_all_gather": "cp",
+           "cp_reduce_scatter": "cp"}.get(category, "tp")
+    r, s, t, p, c = degrees
+    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c}[dim]
     if n == 1 or category == "pp_recv":  # a receive is the other end of a send
         return 0.0
     bw = _group_bandwidth(dim, degrees, args)
@@ -166,8 +182,10 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     cand.dp_comm_s = sum(v for k, v in comm.items() if k in DP_CATEGORIES)
     cand.tp_comm_s = sum(v for k, v in comm.items() if k.startswith("tp_")) * args.tp_exposed
     cand.pp_comm_s = sum(v for k, v in comm.items() if k.startswith("pp_"))
+    cand.cp_comm_s = sum(v for k, v in comm.items() if k.startswith("cp_"))
     cand.dp_exposed_s = max(args.dp_exposed * cand.dp_comm_s, cand.dp_comm_s - cand.compute_s)
-    cand.step_s = cand.compute_s + cand.bubble_s + cand.dp_exposed_s + cand.tp_comm_s + cand.pp_comm_s
+    cand.step_s = (cand.compute_s + cand.bubble_s + cand.dp_exposed_s + cand.tp_comm_s + cand.pp_comm_s
+                   + cand.cp_comm_s)
     cand.tokens_per_s_per_gpu = tokens / cand.step_s / args.gpus
     cand.mfu = tokens * model_flops / cand.step_s / args.gpus / (args.peak_tflops * 1e12)
     return cand
@@ -185,7 +203,7 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
         if not structurally_valid(degrees, args, n_layers):
             rejected += 1
             continue
-        r, s, t, p = degrees
+        r, s, t, p, c = degrees
         dp = r * s
         if args.global_batch_size % (dp * args.local_batch_size):
             rejected += 1
@@ -197,7 +215,7 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
             "--parallelism.data_parallel_shard_degree", str(s),
             "--parallelism.tensor_parallel_degree", str(t),
             "--parallelism.pipeline_parallel_degree", str(p),
-        ]
+        ] + (["--parallelism.context_parallel_degree", str(c)] if c > 1 else [])
         if args.model != "llama3":  # the default family goes unsaid in the printed overrides
             layout_args += ["--model.name", args.model]
         if p > 1:
@@ -216,7 +234,7 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
                 except ConfigError:
                     rejected += 1
                     continue
-                cand = Candidate(r, s, t, p, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
+                cand = Candidate(r, s, t, p, c, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
                                  overrides)
                 out.append(evaluate(cand, res, args))
     return out, rejected
@@ -234,8 +252,10 @@ def plan(args: Any, evaluated: tuple[list[Candidate], int] | None = None) -> dic
     cands, rejected = evaluated if evaluated is not None else candidates(args)
     for c in cands:
         c.fits = c.memory_gib <= args.gpu_mem_gib * args.mem_fraction
-    fitting = sorted((c for c in cands if c.fits), key=rank_key)
-    return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected,
+    # CP only where the sequence needs it: it buys memory with traffic and explicit-mask attention.
+    needs_cp = not any(c.fits and c.cp == 1 for c in cands)
+    fitting = sorted((c for c in cands if c.fits and (needs_cp or c.cp == 1)), key=rank_key)
+    return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected, "needs_cp": needs_cp,
             "fitting": fitting, "not_fitting": sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)}
 
 
@@ -247,7 +267,8 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         f"microbatch {a['local_batch_size']} sequence(s); MFU {a['mfu']:.0%} of {a['peak_tflops']:g} TFLOP/s; "
         f"{a['intra_node_gbps']:g} GB/s in a node of {a['gpus_per_node']}, {a['inter_node_gbps']:g} GB/s between",
         f"{result['evaluated']} valid candidates ({result['rejected_invalid']} invalid combinations skipped), "
-        f"{len(result['fitting'])} fit in memory",
+        f"{len(result['fitting'])} fit in memory" + ("; context parallel needed: nothing fits without it"
+                                                    if result.get("needs_cp") and result["fitting"] else ""),
         "",
         f"{'#':>3} {'layout':22s} {'precision':17s} {'AC':4s} {'mb':>4s} {'mem GiB':>8s} {'step s':>8s} "
         f"{'compute':>8s} {'bubble':>7s} {'dp exp':>7s} {'tp':>7s} {'pp':>6s} {'tok/s/GPU':>10s} {'MFU':>6s}",
@@ -256,14 +277,14 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         mb = c.microbatches if c.pp > 1 else c.grad_accum
         lines.append(
             f"{i:3d} {c.describe():22s} {c.precision:17s} {c.ac:4s} {mb:4d} {c.memory_gib:8.1f} {c.step_s:8.2f} "
-            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s:7.2f} {c.pp_comm_s:6.2f} "
+            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s + c.cp_comm_s:7.2f} {c.pp_comm_s:6.2f} "
             f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}")
     if not result["fitting"]:
         lines.append("  (nothing fits; smallest footprints:)")
         for c in result["not_fitting"][:5]:
             lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.ac:4s} {c.memory_gib:8.1f} GiB")
     lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
-              "FSDP/DDP traffic; tp/pp: TP and PP traffic time", ""]
+              "FSDP/DDP traffic; tp/pp: TP (+ CP) and PP traffic time", ""]
     for i, c in enumerate(result["fitting"][:top], 1):
         lines.append(f"#{i}: " + " ".join(c.overrides))
     return "\n".join(lines)
@@ -296,6 +317,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="Fraction of FSDP/DDP traffic never hidden behind compute (default 0.2).")
     ap.add_argument("--tp-exposed", type=float, default=1.0,
                     help="Fraction of TP traffic on the critical path (default 1.0: no async TP).")
+    ap.add_argument("--min-cp-tokens", type=int, default=4096,
+                    help="Context parallel only down to this many tokens of a sequence per rank (default 4096).")
     ap.add_argument("--top", type=int, default=10, help="Layouts to print (default 10).")
     ap.add_argument("--json", default="", help="Also write every evaluated candidate to this JSON file.")
     args = ap.parse_args(argv)
