@@ -30,8 +30,6 @@ from torch.distributed import _functional_collectives as funcol
 
 from torchtitan_amp.torch_compat import sequence_collectives
 
-_ALL_GATHER, _REDUCE_SCATTER = sequence_collectives()
-
 
 def head_tail_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The positions (in the window) rank `cp_rank` of `cp` holds, in the order it holds them:
@@ -87,13 +85,15 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Summing the ranks' partial gradients in fp32 rounds once, at the end; in bf16 every
         # partial sum rounds, an error that grows with the cp degree.
-        summed = _REDUCE_SCATTER(grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)
+        # Looked up per call (not at import), so a traffic recorder wrapping funcol sees them.
+        reduce_scatter = sequence_collectives()[1]
+        summed = reduce_scatter(grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)
         return funcol.wait_tensor(summed).transpose(0, 1).to(ctx.dtype), None, None
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[B, s, ...] on each rank -> [B, cp x s, ...], rank 0's part first."""
-    gathered = _ALL_GATHER(x.transpose(0, 1).contiguous(), 0, group)
+    gathered = sequence_collectives()[0](x.transpose(0, 1).contiguous(), 0, group)
     return funcol.wait_tensor(gathered).transpose(0, 1)
 
 

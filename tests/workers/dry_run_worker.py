@@ -27,9 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import load_config
-from torchtitan_amp import context_parallel
 from torchtitan_amp import traffic as collectives
-from torchtitan_amp.torch_compat import sequence_collectives
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.trainer import Trainer
 from tests.support import exit_process, read_spec
@@ -140,8 +138,6 @@ def main(spec_path: str) -> int:
     collectives.install(_category, point_to_point=True, functional=True,
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()
-    # context_parallel took torch's functional collectives at import, before install wrapped them.
-    context_parallel._ALL_GATHER, context_parallel._REDUCE_SCATTER = sequence_collectives()
     install_phase_tags()
     spec = read_spec(spec_path)
     results = {}
