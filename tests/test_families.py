@@ -35,7 +35,7 @@ def test_llama3_is_the_built_in_family() -> None:
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
-    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'tiny_gelu'"
+    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'tiny_gelu'"
     config = load_config(["--model.name", "tiny_gelu", "--model.flavor", "tiny"])
     assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
 
@@ -53,8 +53,9 @@ def test_help_lists_families_and_flavours(registered) -> None:  # type: ignore[n
     lines = help_text().splitlines()
     name = next(line for line in lines if line.strip().startswith("--model.name "))
     flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
-    assert "{llama3, tiny_gelu}" in name
-    assert "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, tiny, tiny_3l}" in flavor
+    assert "{llama3, moe, tiny_gelu}" in name
+    assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, debugmodel_moe, "
+            "debugmodel_moe_sigmoid, qwen3_30b_a3b, deepseek_v3_16b, tiny, tiny_3l}") in flavor
 
 
 def test_family_names_are_torch_free_before_models_is_imported() -> None:
@@ -63,7 +64,7 @@ def test_family_names_are_torch_free_before_models_is_imported() -> None:
             "print('torch' in sys.modules)")
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
-    assert result.stdout.splitlines() == ["'model.name' = 'gpt' is not allowed; choose one of: 'llama3'", "False"]
+    assert result.stdout.splitlines() == ["'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe'", "False"]
 
 
 def test_tiny_gelu_builds_through_the_spec(registered) -> None:  # type: ignore[no-untyped-def]

@@ -96,6 +96,18 @@ class _Stage(PipelineStage):
     def _disarm(self, module: nn.Module, args: tuple) -> None:
         self._replicate._ddp.require_backward_grad_sync = False
 
+    # torch's metadata inference runs a real forward (2.13: and backward) through the stage before
+    # the first microbatch; counters a module keeps per step (MoE token loads) must not see it.
+    def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = super()._prepare_forward_infra(*args, **kwargs)
+        _reset_step_counters(self.submod)
+        return result
+
+    def _prepare_backward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = super()._prepare_backward_infra(*args, **kwargs)
+        _reset_step_counters(self.submod)
+        return result
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         state = self._replicate
         # _no_sync set by the trainer means "accumulate this whole step" (gradient accumulation).
@@ -104,6 +116,14 @@ class _Stage(PipelineStage):
                 raise NotImplementedError("replicate() stages support only full-backward schedules")
             state._ddp.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _reset_step_counters(module: nn.Module) -> None:
+    """Modules with a `reset_step_counters()` (models/spec.py) forget what the last pass counted."""
+    for m in module.modules():
+        reset = getattr(m, "reset_step_counters", None)
+        if callable(reset):
+            reset()
 
 
 def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:

@@ -65,21 +65,34 @@ def sequence_collectives() -> tuple[Any, Any]:
 
 
 @functools.cache
-def grouped_mm_supported(device_type: str, dtype: Any) -> bool:
-    """Whether `torch._grouped_mm` runs forward and backward for `dtype` on this device type (CUDA
-    sm90+ in bf16; torch 2.11-2.13's CPU kernel takes bf16 but refuses fp32), asked by running a
-    tiny grouped product of 2 groups."""
+def grouped_mm_supported(device: str, dtype: Any) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward for `dtype` on `device` ("cpu",
+    "cuda:3": the index matters, as the probe's thread does not inherit the current device) (CUDA
+    sm90+ in bf16; torch 2.11-2.13's CPU kernel takes bf16 and fp32), asked by running a tiny
+    grouped product of 2 groups. The probe runs in a thread of its own: the first call may come
+    from inside a forward under activation checkpointing, whose thread-local saved-tensor hooks
+    would otherwise record the probe's tensors in the forward but not in the recompute."""
+    import threading
+
+    result: list[bool] = []
+    worker = threading.Thread(target=lambda: result.append(_run_grouped_mm(device, dtype)))
+    worker.start()
+    worker.join()
+    return result[0]
+
+
+def _run_grouped_mm(device: str, dtype: Any) -> bool:
     import torch
 
     if not hasattr(torch, "_grouped_mm"):
         return False
-    device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
     try:
-        x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        y = torch._grouped_mm(x, w, offs=offsets)
-        y.backward(torch.ones_like(y))  # a dense gradient: CPU's kernel refuses sum()'s expanded one
+        with torch.enable_grad():
+            x = torch.randn(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w, offs=offsets)
+            y.backward(torch.ones_like(y))  # a dense gradient: CPU's kernel refuses sum()'s expanded one
         return True
     except (RuntimeError, NotImplementedError):
         return False

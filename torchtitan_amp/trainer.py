@@ -142,6 +142,7 @@ class Trainer:
             logger.info("mfu is relative to %s", self.metrics.describe_peak())
         self.step = 0
         self.tokens_seen = 0
+        self.family_metrics: dict[str, float] = {}  # the family's per-step numbers (MoE load)
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
         self.checkpointer = CheckpointManager(
@@ -227,6 +228,7 @@ class Trainer:
         cp ranks' losses (and FSDP's mean of their gradients) is the window's."""
         inputs, labels, extra = self.model_inputs(inputs, labels)
         if self.pipeline is not None:
+            self._set_loss_factor(self.accum * self.pipeline.n_microbatches)
             with parallel_context(self.dims, self.config):
                 losses = self.pipeline.step(inputs, labels, **extra)
             if not losses:
@@ -237,11 +239,17 @@ class Trainer:
         with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs, **extra))
             loss = loss_fn(logits, labels) / self.accum
+        self._set_loss_factor(self.accum)
         with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _set_loss_factor(self, divisor: int) -> None:
+        """Losses the model adds itself (MoE's auxiliary loss) get the trainer's loss factor."""
+        if self.job.family.set_loss_factor is not None:
+            self.job.family.set_loss_factor(self.model_parts, self.scaler.get_scale() / divisor)
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
         self.plan.check_no_user_autocast()
@@ -259,6 +267,8 @@ class Trainer:
             loss_sum += self.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
             self.metrics.record_tokens(inputs.numel())
         self.reduce_partial_grads(self.params)
+        if self.job.family.after_backward is not None:
+            self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
         # The one device->host read of a step, kept on purpose: skipping exactly (weights, AdamW
@@ -367,7 +377,7 @@ class Trainer:
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
              val: dict[str, float] | None = None) -> None:
         extra = {"epoch": float(self.dataloader.epoch), "step_time_s": self.metrics.step_time_s(self.step),
-                 "data_time_s": self.data_time_s, **(val or {})}
+                 "data_time_s": self.data_time_s, **self.family_metrics, **(val or {})}
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)

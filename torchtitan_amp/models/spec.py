@@ -11,6 +11,9 @@ that the generic code relies on (pipeline splitting, TP of the ends, FSDP units,
   pipeline stage may set to None (or delete from `layers`);
 - `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`.
 
+A module that counts something per step (MoE token loads) defines `reset_step_counters()`: the
+pipeline calls it after torch's metadata pass ran a forward/backward through the stage.
+
 Numerically sensitive modules declare `computes_in_fp32 = True` (the precision plan and the audit
 read that attribute, whatever the family), which makes them fp32 islands by default.
 """
@@ -73,6 +76,13 @@ class ModelFamily:
     # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields);
     # None: the family has no Hugging Face form (import and export say so in one line).
     hf: HFAdapter | None = None
+    # Run on every rank after each step's backward, before the optimizer step, with (model parts,
+    # the group of ranks holding other tokens, the pipeline group): state that learns from the
+    # step outside the optimizer (MoE load balancing); returns metrics for the step's log line.
+    after_backward: Callable[..., dict[str, float]] | None = None
+    # (model parts, the factor the trainer multiplies the loss by before backward): for losses
+    # the model adds itself (MoE's auxiliary balance loss), which must be scaled alike.
+    set_loss_factor: Callable[[list[nn.Module], float], None] | None = None
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
         """A copy of the flavour with the tokenizer's vocab and the training seq len."""

@@ -284,6 +284,10 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
+    def normalize_qk(self, xq: torch.Tensor, xk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head query/key normalisation before rotary: none in Llama (Qwen3 overrides it)."""
+        return xq, xk
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal) or [B, 1, S, Sk] bool (True = may attend; Sk = cp x S under context
@@ -294,6 +298,7 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = self.normalize_qk(xq, xk)
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
         cp = self.context_parallel
         if cp is not None:

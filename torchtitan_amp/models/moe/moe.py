@@ -78,7 +78,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, counts [E] tokens per expert -> [N, dim]."""
         w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if grouped_mm_supported(x.device.type, x.dtype):
+        if grouped_mm_supported(str(x.device), x.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets)
@@ -86,6 +86,23 @@ class GroupedExperts(nn.Module):
         for e, part in enumerate(x.split(counts.tolist())):
             out.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
         return torch.cat(out)
+
+
+class _CountOnBackward(torch.autograd.Function):
+    """Returns x unchanged; its backward adds the forward's per-expert token counts to `total`.
+    Counting in backward counts each trained token once: a pipeline schedule's metadata forward
+    and evaluation have no backward, and an activation-checkpoint recompute's graph is never
+    backpropagated (its saved tensors serve the original forward's backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        ctx.counts, ctx.total = counts, total
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.total += ctx.counts.to(ctx.total.dtype)
+        return grad, None, None
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -121,14 +138,15 @@ class MoE(nn.Module):
     """Routed experts (plus an optional shared SwiGLU expert) in place of a block's MLP."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, score_func: str,
-                 route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float) -> None:
+                 route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float,
+                 bias_update_speed: float) -> None:
         super().__init__()
         from torchtitan_amp.models.llama3.model import FeedForward
 
         self.router = Router(dim, n_experts, top_k, score_func, route_norm, route_scale)
         self.experts = GroupedExperts(dim, hidden, n_experts)
         self.shared_expert = FeedForward(dim, hidden * n_shared) if n_shared else None
-        self.load_balance, self.aux_loss_alpha = load_balance, aux_loss_alpha
+        self.load_balance, self.aux_loss_alpha, self.bias_update_speed = load_balance, aux_loss_alpha, bias_update_speed
         # Set by the trainer before each backward (balance.set_aux_grad_scale).
         self.aux_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
@@ -136,7 +154,14 @@ class MoE(nn.Module):
         # load metrics); fp32 counts are exact up to 2**24 per expert and step.
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
 
+    def reset_step_counters(self) -> None:
+        """Forget the tokens counted so far (models/spec.py: the pipeline calls this after torch's
+        metadata pass, whose backward would otherwise count a microbatch twice)."""
+        self.tokens_per_expert.zero_()
+
     def init_weights(self, init_std: float) -> None:
+        # A meta-built model's buffers hold whatever to_empty left in memory.
+        self.reset_step_counters()
         self.router.reset_parameters(init_std)
         self.experts.reset_parameters(init_std)
         if self.shared_expert is not None:
@@ -147,9 +172,6 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         weights, experts, scores = self.router(tokens)
         counts = torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
-        if self.training:
-            with torch.no_grad():
-                self.tokens_per_expert += counts.float()
         order = experts.flatten().argsort(stable=True)
         token_of = order // experts.shape[1]
         routed = self.experts(tokens[token_of], counts)
@@ -159,6 +181,8 @@ class MoE(nn.Module):
         out = out.to(x.dtype)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
+        if out.requires_grad:
+            out = _CountOnBackward.apply(out, counts, self.tokens_per_expert)
         if self.training and self.load_balance in ("aux_loss", "bias_and_aux_loss") and self.aux_loss_alpha > 0:
             aux = sequence_aux_loss(scores, experts, batch, self.aux_loss_alpha)
             self.last_aux_loss = aux.detach()

@@ -1,0 +1,61 @@
+"""Load balancing between steps, and the load metrics.
+
+Auxiliary-loss-free balancing (DeepSeek-V3, torchtitan's default): after each step's backward, the
+tokens every expert received are summed over all ranks that saw other tokens (data and context
+parallel), and each expert's bias moves by `bias_update_speed` towards the mean load:
+bias += speed * sign(mean - load). The bias only changes which experts are chosen, never the
+combine weights. Counts and bias are fp32 whatever the precision plan.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_amp.models.moe.moe import MoE
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
+    return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+
+
+def set_aux_grad_scale(model_parts: list[nn.Module], scale: float) -> None:
+    """What the trainer multiplies the loss by before backward (loss scale / accumulation steps /
+    pipeline microbatches): the auxiliary losses' gradients are scaled alike."""
+    for layer in moe_layers(model_parts):
+        layer.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None,
+                   pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Sum the step's per-expert token counts over `group`, update the expert biases of layers
+    balanced by bias, reset the counts; returns the step's load metrics: the most and least loaded
+    expert of any layer relative to a uniform load (1.0 is perfect balance), over every pipeline
+    stage. Every rank must call it (collectives)."""
+    layers = moe_layers(model_parts)
+    # A pipeline stage without MoE layers still joins the stages' all-reduce, with neutral values.
+    stats = torch.tensor([0.0, float("-inf")], device=next(p.device for part in model_parts for p in part.parameters()))
+    if layers:
+        counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] fp32
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        mean = counts.mean(dim=1, keepdim=True)
+        for layer, load, avg in zip(layers, counts, mean):
+            if layer.load_balance in ("bias", "bias_and_aux_loss"):
+                layer.router.expert_bias += layer.bias_update_speed * torch.sign(avg - load)
+            layer.tokens_per_expert.zero_()
+        ratio = counts / mean.clamp(min=1.0)
+        # min as -max so one MAX all-reduce over stages serves both.
+        stats = torch.stack([ratio.max(), -ratio.min()])
+    if pp_group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pp_group)
+    top, neg_low = stats.tolist()
+    if neg_low == float("-inf"):  # no stage has an MoE layer
+        return {}
+    out = {"moe_load_max": top, "moe_load_min": -neg_low}
+    aux = [layer.last_aux_loss for layer in layers if layer.last_aux_loss is not None]
+    if aux:  # this stage's layers, last micro-batch
+        out["moe_aux_loss"] = float(torch.stack(aux).sum())
+    return out
