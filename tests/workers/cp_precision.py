@@ -24,7 +24,6 @@ carried (the collective wrapped in this process). Rank 0 writes OUT/result.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import defaultdict
 from typing import Any
