@@ -1,9 +1,10 @@
 """The precision audit (issue 18): one real step with recorders on, checked against the plan.
 
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
-(single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2; bf16, bf16 reduce, fp32, pure bf16,
-fp16 on DDP, fp8 on single, DDP, FSDP, TP and PP), and each deliberate breach is caught by name: a Linear run in fp32, an RMSNorm run
-in bf16, logits reaching the loss in bf16, FSDP reducing every gradient in fp32.
+(single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2, CP 2, FSDP 2 x CP 2; bf16, bf16
+reduce, fp32, pure bf16, fp16 on DDP, fp8 on single, DDP, FSDP, TP and PP), and each deliberate
+breach is caught by name: a Linear run in fp32, an RMSNorm run in bf16, logits reaching the loss
+in bf16, FSDP reducing every gradient in fp32, context parallel summing K/V gradients in bf16.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ PRECISIONS = {
 }
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
+CP = "--parallelism.context_parallel_degree"  # seq_len 32: divisible by 2 x cp
 LAYOUTS = {
     "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen")),
     "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen")),
@@ -47,6 +49,10 @@ LAYOUTS = {
     "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
+    # cp alone: FSDP shards over the cp ranks themselves (dp_shard_cp is the cp group); bf16_reduce:
+    # FSDP's gradients in bf16, the K/V gradients still in cp_reduce_dtype fp32.
+    "cp": (2, [CP, "2"], ("bf16", "bf16_reduce")),
+    "cp_fsdp": (4, [SHARD, "2", CP, "2"], ("bf16",)),
 }
 
 
@@ -150,6 +156,8 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             jobs.append({"audit": str(root / "broken.json"), "break": "fsdp_reduce_in_fp32",
                          "args": [*BASE, *PRECISIONS["bf16_reduce"], *LAYOUTS["fsdp"][1], "--job.dump_folder",
                                   str(root / "broken")]})
+            jobs.append({"audit": str(root / "broken_cp.json"), "break": "cp_reduce_in_bf16",
+                         "args": [*BASE, *BF16, *LAYOUTS["cp"][1], "--job.dump_folder", str(root / "broken_cp")]})
         launch_worker("ckpt_jobs", root / f"launch{nproc}", jobs, nproc, timeout=400)
     for path in root.glob("*.json"):
         results[path.stem] = json.loads(path.read_text())
@@ -194,3 +202,38 @@ def test_fsdp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
     whats = {b["what"] for b in breaches}
     assert "gradient reduce_scatter:dp_shard: float32 bytes" in whats, breaches
     assert "gradient reduction of lower-precision-safe modules" in whats, breaches
+
+
+@pytest.mark.parametrize("run", ["cp_bf16", "cp_bf16_reduce", "cp_fsdp_bf16"])
+def test_context_parallel_collectives(audits: dict, run: str) -> None:
+    """K/V gathered over cp in bf16 (positions as int64), their gradients summed in fp32; FSDP's
+    collectives on the flattened dp_shard x cp dim, its gradients in reduce_dtype."""
+    c = audits[run]["collectives"]
+    assert set(c["all_gather:cp"]) == {"bfloat16", "int64"}, c
+    assert set(c["reduce_scatter:cp"]) == {"float32"}, c
+    # debugmodel_tiny: 4 layers, K and V [2, 32, 64] gathered (bf16) and reduce-scattered (fp32).
+    assert c["all_gather:cp"]["bfloat16"] == 4 * 2 * 2 * 32 * 64 * 2, c
+    assert c["reduce_scatter:cp"]["float32"] == 4 * 2 * 2 * 32 * 64 * 4, c
+    reduce = "bfloat16" if run.endswith("_reduce") else "float32"
+    assert reduce in c["reduce_scatter:dp_shard_cp"] and "bfloat16" in c["all_gather:dp_shard_cp"], c
+
+
+def test_cp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
+    breaches = audits["broken_cp"]["breaches"]
+    assert breaches == [{"what": "K/V gradient reduce_scatter:cp", "promised": ["float32"], "seen": ["bfloat16"]}]
+
+
+def test_cp_breaches_unit() -> None:
+    """check_context_parallel on recorded categories: a sum in another dtype, K/V gathered in fp32
+    under a bf16 promise, and nothing seen at all are each named."""
+    from torchtitan_amp.audit import check_context_parallel
+
+    good = {"all_gather:cp": {"bfloat16": 8, "int64": 4}, "reduce_scatter:cp": {"float32": 16}}
+    assert check_context_parallel(good, "float32", {"bfloat16"}) == []
+    bad = {"all_gather:cp": {"float32": 8, "int64": 4}, "reduce_scatter:cp": {"bfloat16": 8, "float32": 8}}
+    assert [str(b) for b in check_context_parallel(bad, "float32", {"bfloat16"})] == [
+        "K/V all_gather:cp: promised bfloat16, saw float32",
+        "K/V gradient reduce_scatter:cp: promised float32, saw bfloat16/float32"]
+    assert [str(b) for b in check_context_parallel({}, "bfloat16", {"bfloat16"})] == [
+        "K/V all_gather:cp: promised bfloat16, saw none seen",
+        "K/V gradient reduce_scatter:cp: promised bfloat16, saw none seen"]

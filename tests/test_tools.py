@@ -91,14 +91,16 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     runs, notes = nm.select_runs(8, None)
     got = {(r.layout.name, r.precision.name) for r in runs}
     three_d = {"FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2"}  # 8 processes: fp32 and bf16 only
-    layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *three_d}
+    cp = {"CP 2", "FSDP 2 x CP 2"}
+    layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp, *three_d}
     assert {layout.name for layout in nm.LAYOUTS} == layouts
     for layout in layouts:
         assert (layout, "fp32") in got and (layout, "bf16") in got, layout
     assert {p for lay, p in got if lay in three_d} == {"fp32", "bf16"}
-    dp = {"DDP 2", "FSDP 2", "HSDP 2x2", "FSDP 2 x TP 2"}
+    dp = {"DDP 2", "FSDP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp}  # FSDP shards over the cp ranks too
     assert {lay for lay, p in got if p == "bf16 + bf16 reduce"} == dp
-    assert {lay for lay, p in got if p == "fp16 + loss scaling"} == {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2"}
+    assert {lay for lay, p in got if p == "bf16 + bf16 cp reduce"} == cp
+    assert {lay for lay, p in got if p == "fp16 + loss scaling"} == {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "CP 2"}
     assert {lay for lay, p in got if p == "pure bf16"} == {"single", "DDP 2", "FSDP 2"}
     # Every combination left out says why; --max-procs drops the larger layouts (the default 4:
     # the 3-D ones).
@@ -110,7 +112,8 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     assert max(r.layout.nproc for r in runs2) == 2 and any("--max-procs 2" in n for n in notes2)
     # Data-parallel layouts split the same global batch.
     a = nm.parse_args(["--global-batch", "4"])
-    for name, local in (("HSDP 2x2", "1"), ("HSDP 2x2 x TP 2", "1"), ("FSDP 2 x TP 2 x PP 2", "2")):
+    for name, local in (("HSDP 2x2", "1"), ("HSDP 2x2 x TP 2", "1"), ("FSDP 2 x TP 2 x PP 2", "2"),
+                        ("CP 2", "4"), ("FSDP 2 x CP 2", "2")):
         args = nm.train_args(next(r for r in runs if r.layout.name == name), a)
         assert args[args.index("--training.local_batch_size") + 1] == local, name
 

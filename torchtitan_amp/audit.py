@@ -14,7 +14,11 @@ Promises checked, each by module name or collective:
 - parameters, gradients and optimizer state are stored in the storage dtype;
 - gradient reductions over the data-parallel dimensions (DDP's compress hook, FSDP's
   reduce-scatter, HSDP's all-reduce) move only reduce_dtype and, for the fp32 modules, the
-  storage dtype; FSDP all-gathers only param_dtype and the storage dtype.
+  storage dtype; FSDP all-gathers only param_dtype and the storage dtype (under context
+  parallel FSDP shards over dp_shard x cp: the flattened "dp_shard_cp" dim);
+- context parallel: keys and values are all-gathered over "cp" in their attention's activation
+  dtype (and positions / document ids as integers), their gradients reduce-scattered over "cp"
+  in the plan's cp_reduce_dtype, and both are seen at all.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_sca
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 # Inside an fp32 module these only move data between dtypes; every other op must compute in fp32.
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
-_DP_DIMS = ("dp_shard", "dp_replicate")
+_DP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp")
+_CP_KV = "K/V gradient reduce_scatter:cp"  # the breach naming a cp gradient sum in another dtype
 
 
 @dataclass
@@ -144,26 +149,85 @@ def _module_stack(parts: list[nn.Module], recorder: _Recorder) -> Iterator[None]
 
 
 def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
-    """Ranks of each mesh dimension's process group -> its name (groups are compared by ranks)."""
+    """Ranks of each mesh dimension's process group -> its name (groups are compared by ranks).
+    Under context parallel also the flattened dims: "dp_cp" (the loss's ranks) and "dp_shard_cp"
+    (FSDP's), named in that order so that FSDP's name wins where they hold the same ranks (no
+    dp_replicate; with cp alone the cp group too: context_parallel's own collectives are told
+    apart by where they are called from, `_cp_collectives`)."""
     if not dist.is_initialized() or dims.world_size == 1:
         return {}
+
+    def ranks(mesh: Any) -> tuple[int, ...]:
+        return tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
+
     out = {}
-    for dim in ("pp", "dp_replicate", "dp_shard", "tp"):
+    for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         if getattr(dims, dim) > 1:
-            out[tuple(sorted(dist.get_process_group_ranks(dims.mesh[dim].get_group())))] = dim
+            out[ranks(dims.mesh[dim])] = dim
+    if dims.cp > 1:
+        out[ranks(dims.loss_mesh)] = "dp_cp"
+        fsdp = dims.fsdp_mesh
+        out[ranks(fsdp["dp_shard_cp"] if fsdp.ndim > 1 else fsdp)] = "dp_shard_cp"
     return out
 
 
 _GROUP_DIMS: dict[tuple[int, ...], str] = {}
+_ON_CP = [False]  # inside context_parallel's K/V all-gather or its gradients' reduce-scatter
 
 
 def _categorize(op: str, group: Any) -> str:
+    if _ON_CP[0]:
+        return f"{op}:cp"
     try:
         pg = dist.distributed_c10d._resolve_process_group(traffic.group_name(group))
         ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
     except (RuntimeError, ValueError, KeyError):
         ranks = ()
     return f"{op}:{_GROUP_DIMS.get(ranks, 'other')}"
+
+
+@contextlib.contextmanager
+def _cp_collectives() -> Iterator[None]:
+    """Route context_parallel's collectives through traffic's wrappers, as category "cp": that
+    module binds torch's functional all-gather / reduce-scatter at import, before traffic wraps
+    them, and its group may be the very group FSDP shards over (cp alone: both are the world)."""
+    from torchtitan_amp import context_parallel as cp_mod
+    from torchtitan_amp.torch_compat import sequence_collectives
+
+    def on_cp(collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _ON_CP[0] = True
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                _ON_CP[0] = False
+
+        return call
+
+    saved = cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER
+    cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = map(on_cp, sequence_collectives())  # traffic's, now
+    try:
+        yield
+    finally:
+        cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = saved
+
+
+def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: str, kv_dtypes: set[str]
+                           ) -> list["Breach"]:
+    """The cp collectives of one step against the plan: K/V (floats) gathered in `kv_dtypes`, the
+    attention's activation dtypes (integers: positions, document ids), their gradients summed in
+    `cp_reduce` only; neither missing (call it with cp > 1)."""
+    breaches = []
+    gathered = collectives.get("all_gather:cp", {})
+    floats = sorted(d for d in gathered if torch.is_floating_point(torch.empty(0, dtype=getattr(torch, d))))
+    if not floats or not set(floats) <= kv_dtypes:
+        breaches.append(Breach("K/V all_gather:cp", sorted(kv_dtypes), floats or ["none seen"]))
+    summed = sorted(collectives.get("reduce_scatter:cp", {}))
+    if summed != [cp_reduce]:
+        breaches.append(Breach(_CP_KV, [cp_reduce], summed or ["none seen"]))
+    breaches += [Breach(f"context-parallel {c}", ["all_gather:cp", "reduce_scatter:cp"], sorted(d))
+                 for c, d in collectives.items() if c.endswith(":cp") and c not in ("all_gather:cp", "reduce_scatter:cp")]
+    return breaches
 
 
 class Auditor:
@@ -181,7 +245,7 @@ class Auditor:
             traffic.install(_categorize, point_to_point=True, functional=True)
         _GROUP_DIMS.clear()
         _GROUP_DIMS.update(_group_dims(self.trainer.dims))
-        with _module_stack(self.trainer.model_parts, recorder), traffic.counting(), recorder:
+        with _module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder:
             self.trainer.train_step(batches)
         collectives = traffic.snapshot()
         modules = {m: {k: sorted(v) for k, v in ops.items()} for m, ops in recorder.seen.items()}
@@ -252,7 +316,18 @@ class Auditor:
             if op == "all_gather" and dim in _DP_DIMS:
                 fp8_gather = {"float8_e4m3fn", "uint8"} if plan.fp8_all_gather else set()
                 expect(f"parameter {category}", {low, storage, *fp8_gather}, sorted(by_dtype))
+        if self.trainer.dims.cp > 1:
+            breaches += check_context_parallel(r.collectives, dtype_name(plan.cp_reduce_dtype), self._kv_dtypes(low))
         return breaches
+
+    def _kv_dtypes(self, low: str) -> set[str]:
+        """What keys and values are in when gathered: the output dtype of their attention's Linears
+        (its compute dtype; fp8 Linears return the low-precision dtype). Attentions are the
+        innermost modules the cp group was handed to (parallelize.apply_cp)."""
+        holders = [m for m in self.named.values() if getattr(m, "context_parallel", None) is not None]
+        inner = [m for m in holders if not any(o is not m and o in holders for o in m.modules())]
+        out = {dtype_name(self.plan.compute_dtype(lin)) for m in inner for lin in m.modules() if isinstance(lin, nn.Linear)}
+        return {low if d in _FP8 else d for d in out} or {low}
 
     def _check_gradient_reductions(self, collectives: dict[str, dict[str, int]]) -> list[Breach]:
         """reduce_dtype carries the lower-precision-safe modules' gradients; the storage dtype only
@@ -263,7 +338,8 @@ class Auditor:
                       if c.partition(":")[0] in ("reduce_scatter", "all_reduce") and c.partition(":")[2] in _DP_DIMS}
         # Without a compress hook DDP all-reduces in C++, out of sight: nothing to check there.
         visible = plan.path == "fsdp" or plan.comm_hook != "none"
-        if plan.path == "full" or reduce == storage or not visible or self.trainer.dims.dp_degree == 1:
+        dims = self.trainer.dims
+        if plan.path == "full" or reduce == storage or not visible or dims.dp_replicate * dims.fsdp_shard == 1:
             return [Breach(f"gradient {c}", sorted({reduce, storage}), sorted(d)) for c, d in reductions.items()
                     if not set(d) <= {reduce, storage}]
         safe_numel, other_numel = self._numel_by_safety()

@@ -21,7 +21,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
-                                                 whatever the plan says (the audit must catch it)
+                                                 whatever the plan says (the audit must catch it);
+                      "cp_reduce_in_bf16"        context parallel sums K/V gradients in bf16
            }, ...]
 Every job builds a fresh Trainer (the process group is shared); preemption handlers are
 installed as train.py does.
@@ -116,6 +117,10 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
     if what is None:
         yield
         return
+    if what == "cp_reduce_in_bf16":
+        with _cp_reduce_in_bf16():
+            yield
+        return
     assert what == "fsdp_reduce_in_fp32", what
     original = PrecisionPlan.fsdp_policy
 
@@ -128,6 +133,20 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
         yield
     finally:
         PrecisionPlan.fsdp_policy = original
+
+
+@contextlib.contextmanager
+def _cp_reduce_in_bf16():  # type: ignore[no-untyped-def]
+    original = PrecisionPlan.context_parallel
+
+    def bf16_sum(self, group):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(original(self, group), reduce_dtype=torch.bfloat16)
+
+    PrecisionPlan.context_parallel = bf16_sum
+    try:
+        yield
+    finally:
+        PrecisionPlan.context_parallel = original
 
 
 @torch.no_grad()

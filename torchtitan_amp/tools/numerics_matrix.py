@@ -14,13 +14,15 @@ sequences round-robin over the data-parallel ranks, so their union is the single
 with the same seed, hence the same initial weights. Differences therefore come from precision and
 from reduction order only.
 
-Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2 (2); HSDP 2x2, FSDP 2 x TP 2 (4); the 3-D
+Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2, CP 2 (2); HSDP 2x2, FSDP 2 x TP 2,
+FSDP 2 x CP 2 (4); the 3-D
 FSDP 2 x TP 2 x PP 2 and HSDP 2x2 x TP 2 (8: fp32 and bf16 only, and only with --max-procs 8; the
 test suite's time budget leaves them out, so this tool is where they run).
 Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp32: the default,
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
-(training.dtype = bfloat16: bf16 params, grads and AdamW state).
+(training.dtype = bfloat16: bf16 params, grads and AdamW state); bf16 + bf16 cp reduce
+(context-parallel layouts: the K/V gradients summed over the cp ranks in bf16).
 
 Runs are grouped by process count: one torchrun launch trains all runs of that size one after
 another (this file's --worker mode), paying process start-up once. A run that fails is reported in
@@ -49,6 +51,7 @@ SHARD = "--parallelism.data_parallel_shard_degree"
 REPLICATE = "--parallelism.data_parallel_replicate_degree"
 TP = "--parallelism.tensor_parallel_degree"
 PP = "--parallelism.pipeline_parallel_degree"
+CP = "--parallelism.context_parallel_degree"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class LayoutSpec:
     nproc: int
     dp: int  # data-parallel degree: local batch = global batch / dp
     args: tuple[str, ...]
+    cp: int = 1  # context-parallel degree (its ranks share each sequence, and FSDP shards over them)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class PrecisionSpec:
     name: str
     args: tuple[str, ...]
     needs_dp: bool = False  # only meaningful where gradients are reduced over data parallel ranks
+    needs_cp: bool = False  # only meaningful under context parallel
 
 
 LAYOUTS = (
@@ -74,6 +79,8 @@ LAYOUTS = (
     LayoutSpec("PP 2", 2, 1, (SHARD, "1", PP, "2")),
     LayoutSpec("HSDP 2x2", 4, 4, (REPLICATE, "2", SHARD, "2")),
     LayoutSpec("FSDP 2 x TP 2", 4, 2, (SHARD, "2", TP, "2")),
+    LayoutSpec("CP 2", 2, 1, (SHARD, "1", CP, "2"), cp=2),
+    LayoutSpec("FSDP 2 x CP 2", 4, 2, (SHARD, "2", CP, "2"), cp=2),
     LayoutSpec("FSDP 2 x TP 2 x PP 2", 8, 2, (SHARD, "2", TP, "2", PP, "2")),
     LayoutSpec("HSDP 2x2 x TP 2", 8, 4, (REPLICATE, "2", SHARD, "2", TP, "2")),
 )
@@ -86,6 +93,8 @@ PRECISIONS = (
     PrecisionSpec("fp16 + loss scaling", ("--mixed_precision.param_dtype", "float16",
                                           "--mixed_precision.reduce_dtype", "float32")),
     PrecisionSpec("pure bf16", ("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false")),
+    PrecisionSpec("bf16 + bf16 cp reduce", ("--mixed_precision.param_dtype", "bfloat16",
+                                            "--mixed_precision.cp_reduce_dtype", "bfloat16"), needs_cp=True),
 )
 
 # Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
@@ -97,6 +106,9 @@ SKIPPED = {
     ("PP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("HSDP 2x2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("FSDP 2 x TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("FSDP 2 x CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
+    ("FSDP 2 x CP 2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by CP 2",
     **{(layout, prec): "8 processes on a few cores: the 3-D layouts run fp32 and bf16 only"
        for layout in ("FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2")
        for prec in ("bf16 + bf16 reduce", "fp16 + loss scaling", "pure bf16")},
@@ -133,7 +145,8 @@ def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]
     for layout in LAYOUTS:
         for prec in PRECISIONS:
             run = Run(layout, prec)
-            if prec.needs_dp and layout.dp == 1:
+            # FSDP shards over the cp ranks too: a cp layout reduces gradients.
+            if prec.needs_dp and layout.dp * layout.cp == 1 or prec.needs_cp and layout.cp == 1:
                 continue
             if only and not re.search(only, run.label) and run.label != "single / fp32":
                 continue
@@ -289,7 +302,7 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
             cells.append("(reference)")
         elif same is not None and not same.error:
             cells.append(fmt(max_diff(res.losses, same.losses)[0]))
-        elif run.precision.needs_dp:
+        elif run.precision.needs_dp or run.precision.needs_cp:
             bf16 = results.get("single / bf16")
             cells.append(f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-")
         else:
