@@ -1,6 +1,7 @@
-"""Checkpoints: bitwise resume on every precision x layout, atomic saves, resharding, seed and
-export, preemption (also through torchtitan_amp.launch and scripts/multinode_trainer.slurm),
-crash + torchrun restart, and clear errors for bad input.
+"""Checkpoints: bitwise resume on every precision x layout (context parallel included), atomic
+saves, resharding (also across cp degrees), seed and export, preemption (also through
+torchtitan_amp.launch and scripts/multinode_trainer.slurm), crash + torchrun restart, and clear
+errors for bad input.
 
 Multi-process tests launch torchrun (gloo, CPU). To keep launches few, tests/workers/ckpt_jobs.py
 runs several jobs in one process: the uninterrupted job A, then job B that starts from a copy of
@@ -358,13 +359,24 @@ def test_context_parallel_checkpoint_resumes_at_another_cp_degree(matrix, four_r
     _close_steps(by_step(four_ranks / "cp" / "from_fsdp"), by_step(matrix("fsdp") / "fp32" / "a"))
 
 
-def test_context_parallel_checkpoint_on_another_data_parallel_degree_is_refused(four_ranks):
+def test_context_parallel_checkpoint_on_another_data_parallel_degree_is_refused(four_ranks, tmp_path):
     """CP 2 x FSDP 2 has data-parallel degree 2 (not 4): one process (or CP 2 alone, dp 1) cannot
-    take over its data position; the error names the degrees, as for any dp change."""
+    take over its data position; the error names the degrees, as for any dp change. With the
+    data position excluded, one process holds exactly the saved weights and AdamW moments."""
     folder = four_ranks / "cp" / "fp32" / "a" / "checkpoint"
     with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*exclude_from_loading"):
         trainer_module.Trainer(load_config(job_args("single", "fp32", folder.parent / "other",
                                                     "--checkpoint.folder", str(folder))))
+    single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
+                                                         str(folder), "--checkpoint.load_step", str(RESUME_FROM),
+                                                         "--checkpoint.exclude_from_loading", "dataloader")))
+    got = probe_trainer(single)
+    single.metrics.close()
+    saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
+    assert got["step"] == RESUME_FROM
+    assert got["model_sums"] == {k: digest(v) for k, v in saved["model"].items()}
+    assert got["optim_sums"] == {k: digest(v) for k, v in _flatten(saved["optimizer"]).items()
+                                 if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
 def dcp_to_torch_save_file(step_dir: Path, out: Path) -> Path:
