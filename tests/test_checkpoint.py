@@ -1,6 +1,7 @@
-"""Checkpoints: bitwise resume on every precision x layout, atomic saves, resharding, seed and
-export, preemption (also through torchtitan_amp.launch and scripts/multinode_trainer.slurm),
-crash + torchrun restart, and clear errors for bad input.
+"""Checkpoints: bitwise resume on every precision x layout (context parallel included), atomic
+saves, resharding (also across cp degrees), seed and export, preemption (also through
+torchtitan_amp.launch and scripts/multinode_trainer.slurm), crash + torchrun restart, and clear
+errors for bad input.
 
 Multi-process tests launch torchrun (gloo, CPU). To keep launches few, tests/workers/ckpt_jobs.py
 runs several jobs in one process: the uninterrupted job A, then job B that starts from a copy of
@@ -80,6 +81,9 @@ LAYOUTS = {
     "pp_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "fsdp_tp": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    # Context parallel 2 x FSDP 2: data-parallel degree 2 (cp ranks read the same windows), FSDP
+    # shards over dp_shard x cp (4 ranks).
+    "cp_fsdp": (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
 }
 # Fields of a metrics.jsonl record that must match exactly (timing fields are left out).
 EXACT = ("loss", "grad_norm", "lr", "epoch", "loss_scale", "skipped_steps")
@@ -239,24 +243,68 @@ def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
 # Resharding: FSDP 2 checkpoint -> single process, DDP 2, TP 2, FSDP 2, FSDP 2 x TP 2
 
 
-def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
+CP_PRECISIONS = ("fp32", "bf16")
+
+
+def _from(src: Path, dst: Path, step: int = RESUME_FROM) -> list[list[str]]:
+    """A job's "copy": src's step-`step` checkpoint into dst's checkpoint folder (dst resumes from it)."""
+    return [[str(src / "checkpoint" / f"step-{step}"), str(dst / "checkpoint" / f"step-{step}")]]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(matrix, tmp_path_factory):
+    """The one 4-rank launch: the FSDP 2 x TP 2 probe of the FSDP 2 checkpoint (the resharding
+    test below); CP 2 x FSDP 2 jobs A and B (resumed from A's step 3) in fp32 and bf16; and
+    'from_fsdp', CP 2 x FSDP 2 resumed from the FSDP 2 (cp 1) job A's step-3 checkpoint."""
+    root = tmp_path_factory.mktemp("four_ranks")
+    fsdp_a = matrix("fsdp") / "fp32" / "a"
+    jobs = [{"args": reshard_args("fsdp_tp", root), "probe": str(root / "probe_fsdp_tp.json")}]
+    for precision in CP_PRECISIONS:
+        a, b = root / "cp" / precision / "a", root / "cp" / precision / "b"
+        jobs += [{"args": job_args("cp_fsdp", precision, a), "perturb_rng": True,
+                  "rng_out": str(root / "cp" / precision / "rng_a.json")},
+                 {"args": job_args("cp_fsdp", precision, b), "copy": _from(a, b),
+                  "rng_out": str(root / "cp" / precision / "rng_b.json")}]
+    jobs.append({"args": job_args("cp_fsdp", "fp32", root / "cp" / "from_fsdp"),
+                 "copy": _from(fsdp_a, root / "cp" / "from_fsdp")})
+    launch_worker("ckpt_jobs", root, jobs, 4)
+    return root
+
+
+def reshard_args(layout: str, out: Path, *extra: str) -> list[str]:
+    """Load the FSDP 2 fp32 job A's step-3 checkpoint (in place, read only) into `layout`."""
+    folder = _MATRIX["fsdp"] / "fp32" / "a" / "checkpoint"
+    return job_args(layout, "fp32", out / layout, "--checkpoint.folder", str(folder),
+                    "--checkpoint.load_step", str(RESUME_FROM), *extra)
+
+
+@pytest.fixture(scope="module")
+def resharded(matrix, four_ranks, tmp_path_factory):
+    """The FSDP 2 checkpoint probed on 2-rank layouts (one launch, which also resumes CP 2 x FSDP 2's
+    fp32 checkpoint on FSDP 2 without cp: job 'cp_to_fsdp'), and on FSDP 2 x TP 2 (four_ranks)."""
+    root = tmp_path_factory.mktemp("resharded")
     folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
     before = snapshot(folder)
-
-    def args(layout: str, *extra: str) -> list[str]:
-        return job_args(layout, "fp32", tmp_path / layout, "--checkpoint.folder", str(folder),
-                        "--checkpoint.load_step", str(RESUME_FROM), *extra)
-
     two_rank = {"fsdp": (), "ddp": (), "tp": ("--checkpoint.exclude_from_loading", "dataloader")}
-    launch_worker("ckpt_jobs", tmp_path, [{"args": args(layout, *extra), "probe": str(tmp_path / f"probe_{layout}.json")}
-                           for layout, extra in two_rank.items()], 2)
-    # FSDP 2 x TP 2: 2-D DTensors (Shard(0) over dp_shard, then TP's placements); same dp degree.
-    launch_worker("ckpt_jobs", tmp_path, [{"args": args("fsdp_tp"), "probe": str(tmp_path / "probe_fsdp_tp.json")}], 4)
-    results = {k: json.loads((tmp_path / f"probe_{k}.json").read_text()) for k in (*two_rank, "fsdp_tp")}
+    cp_a = four_ranks / "cp" / "fp32" / "a"
+    launch_worker("ckpt_jobs", root, [
+        *({"args": reshard_args(layout, root, *extra), "probe": str(root / f"probe_{layout}.json")}
+          for layout, extra in two_rank.items()),
+        {"args": job_args("fsdp", "fp32", root / "cp_to_fsdp"), "copy": _from(cp_a, root / "cp_to_fsdp")}], 2)
+    results = {k: json.loads((root / f"probe_{k}.json").read_text()) for k in two_rank}
+    results["fsdp_tp"] = json.loads((four_ranks / "probe_fsdp_tp.json").read_text())
     # One process cannot take over two ranks' data positions: it restarts the data stream.
-    single = trainer_module.Trainer(load_config(args("single", "--checkpoint.exclude_from_loading", "dataloader")))
+    single = trainer_module.Trainer(load_config(reshard_args("single", root, "--checkpoint.exclude_from_loading",
+                                                             "dataloader")))
     results["single"] = probe_trainer(single)
     single.metrics.close()
+    assert snapshot(folder) == before
+    return root, results
+
+
+def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, resharded, tmp_path):
+    folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
+    results = resharded[1]
     # The checkpoint's own tensors, read on one process without any model.
     saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"),
                        weights_only=False)
@@ -272,7 +320,63 @@ def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, tmp_path):
         assert r["optim_sums"] == want_optim, layout
         for key in ("loss_before", "train_loss", "grad_norm", "loss_after"):
             assert r[key] == pytest.approx(ref[key], rel=RESHARD_RTOL), (layout, key)
-    assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel: bitwise resume on CP 2 x FSDP 2, and checkpoints across cp degrees
+
+
+@pytest.mark.parametrize("precision", CP_PRECISIONS)
+def test_resume_is_bitwise_context_parallel(four_ranks, precision):
+    root = four_ranks / "cp" / precision
+    a, b = by_step(root / "a"), by_step(root / "b")
+    assert sorted(a) == list(range(1, STEPS + 1))
+    assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1))
+    assert_same_steps(b, a, range(RESUME_FROM + 1, STEPS + 1))
+    rng_a = json.loads((root / "rng_a.json").read_text())
+    assert rng_a == json.loads((root / "rng_b.json").read_text()) and len({json.dumps(r) for r in rng_a}) == 4
+    # Two data-parallel ranks of 2 windows each per step: cp ranks split windows, they add none.
+    assert inspect_checkpoint(root / "a" / "checkpoint" / f"step-{STEPS}").meta["tokens_seen"] == STEPS * 2 * 2 * 32
+
+
+def _close_steps(got: dict[int, dict], want: dict[int, dict]) -> None:
+    """Another layout resumed the same checkpoint: same data, same math, another reduction order."""
+    assert sorted(got) == list(range(RESUME_FROM + 1, STEPS + 1))
+    for step in got:
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=RESHARD_RTOL), (step, key)
+        assert got[step]["lr"] == want[step]["lr"]
+
+
+def test_context_parallel_checkpoint_resumes_at_another_cp_degree(matrix, four_ranks, resharded):
+    """cp does not change the data-parallel degree, and the data position is kept per dp rank: a
+    CP 2 x FSDP 2 checkpoint resumes on FSDP 2 without cp (and the reverse) where it left off,
+    weights and AdamW moments resharded by DCP. Not bit for bit (the attention and FSDP's
+    reductions run in another order), to fp32 rounding; RNG states are not restored (another
+    world size; the model has no dropout)."""
+    cp_a = by_step(four_ranks / "cp" / "fp32" / "a")
+    _close_steps(by_step(resharded[0] / "cp_to_fsdp"), cp_a)
+    _close_steps(by_step(four_ranks / "cp" / "from_fsdp"), by_step(matrix("fsdp") / "fp32" / "a"))
+
+
+def test_context_parallel_checkpoint_on_another_data_parallel_degree_is_refused(four_ranks, tmp_path):
+    """CP 2 x FSDP 2 has data-parallel degree 2 (not 4): one process (or CP 2 alone, dp 1) cannot
+    take over its data position; the error names the degrees, as for any dp change. With the
+    data position excluded, one process holds exactly the saved weights and AdamW moments."""
+    folder = four_ranks / "cp" / "fp32" / "a" / "checkpoint"
+    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*exclude_from_loading"):
+        trainer_module.Trainer(load_config(job_args("single", "fp32", folder.parent / "other",
+                                                    "--checkpoint.folder", str(folder))))
+    single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
+                                                         str(folder), "--checkpoint.load_step", str(RESUME_FROM),
+                                                         "--checkpoint.exclude_from_loading", "dataloader")))
+    got = probe_trainer(single)
+    single.metrics.close()
+    saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
+    assert got["step"] == RESUME_FROM
+    assert got["model_sums"] == {k: digest(v) for k, v in saved["model"].items()}
+    assert got["optim_sums"] == {k: digest(v) for k, v in _flatten(saved["optimizer"]).items()
+                                 if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
 def dcp_to_torch_save_file(step_dir: Path, out: Path) -> Path:

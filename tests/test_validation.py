@@ -1,8 +1,8 @@
 """Validation (issue 15): the loss on a validation split under the run's precision plan and layout.
 
 - The same weights (a seed checkpoint) give the same val_loss on every layout (fp32, 1e-6
-  relative): single, DDP 2, FSDP 2, TP 2 (loss parallel), PP 2 (the schedule's eval mode) and
-  FSDP 2 x TP 2. Each layout evaluates the same windows: validation.local_batch_size is the global
+  relative): single, DDP 2, FSDP 2, TP 2 (loss parallel), PP 2 (the schedule's eval mode),
+  FSDP 2 x TP 2, CP 2 and CP 2 x FSDP 2 (windows split over the cp ranks). Each layout evaluates the same windows: validation.local_batch_size is the global
   evaluation batch over the data-parallel degree, for validation.steps batches.
 - bf16 val_loss is within the precision tolerance of fp32 (and not equal: bf16 ran).
 - Evaluating changes nothing in training: gradients right after an evaluation equal those without
@@ -37,6 +37,7 @@ BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: these ar
 VAL_BATCH, VAL_STEPS = 4, 3
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
+CP = "--parallelism.context_parallel_degree"
 # name: (processes, data-parallel degree, overrides)
 LAYOUTS = {
     "single": (1, 1, []),
@@ -45,6 +46,10 @@ LAYOUTS = {
     "tp": (2, 1, [TP, "2", SHARD, "1"]),
     "pp": (2, 1, [PP, "2", SHARD, "1"]),
     "fsdp_tp": (4, 2, [SHARD, "2", TP, "2"]),
+    # Context parallel: every evaluation window split over the cp ranks (head-tail chunks), which
+    # add no data-parallel rank: cp 2 evaluates a dp-1 batch of VAL_BATCH windows.
+    "cp": (2, 1, [CP, "2", SHARD, "1"]),
+    "cp_fsdp": (4, 2, [CP, "2", SHARD, "2"]),
 }
 # The fsdp training job A: evaluations at steps 2 and 4, each VAL_STEPS batches continuing through
 # the split, a checkpoint at step 2.
@@ -101,6 +106,13 @@ def test_layout_checks_of_validation() -> None:
     with pytest.raises(ConfigError, match="'validation.local_batch_size' = 3 must be a multiple of the pipeline's 2"):
         job_mod.resolve(pp, 2, "cpu")
     assert job_mod.resolve(load_config(BASE), 1, "cpu").validation is None
+    # CP: an evaluation window is cut into 2 x cp chunks like a training one (30 is not 4 x 7.5).
+    cp = load_config([*BASE, "--validation.enable", "true", "--validation.seq_len", "30", CP, "2", SHARD, "1"])
+    with pytest.raises(ConfigError, match=r"^'validation.seq_len' = 30 must be divisible by 2 x "
+                                          r"context_parallel_degree = 4 \(each cp rank holds two"):
+        job_mod.resolve(cp, 2, "cpu")
+    assert job_mod.resolve(load_config([*BASE, "--validation.enable", "true", "--validation.seq_len", "28",
+                                        CP, "2", SHARD, "1"]), 2, "cpu").validation.seq_len == 28
 
 
 def _write(path: Path, text: str) -> Path:
@@ -185,14 +197,15 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out: dict[str, dict] = {"dumps": {k: str(root / k) for k in "abc"}}
     a, b, c = (root / k for k in "abc")
     two = [{"evaluate": str(root / f"{layout}_fp32.json"),
-            "args": eval_args(layout, FP32, seed, root / f"e_{layout}_fp32")} for layout in ("ddp", "fsdp", "tp", "pp")]
+            "args": eval_args(layout, FP32, seed, root / f"e_{layout}_fp32")} for layout in ("ddp", "fsdp", "tp", "pp", "cp")]
     two.append({"evaluate": str(root / "fsdp_bf16.json"), "args": eval_args("fsdp", BF16, seed, root / "e_fsdp_bf16")})
     two += [{"args": train_args(a)}, {"args": train_args(c, validation=False)},
             {"args": train_args(b), "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]}]
     launch_worker("ckpt_jobs", root / "launch2", two, 2, timeout=400)
-    launch_worker("ckpt_jobs", root / "launch4", [{"evaluate": str(root / "fsdp_tp_fp32.json"),
-                                                   "args": eval_args("fsdp_tp", FP32, seed, root / "e_fsdp_tp")}], 4)
-    for name in ("ddp_fp32", "fsdp_fp32", "tp_fp32", "pp_fp32", "fsdp_bf16", "fsdp_tp_fp32"):
+    launch_worker("ckpt_jobs", root / "launch4", [{"evaluate": str(root / f"{layout}_fp32.json"),
+                                                   "args": eval_args(layout, FP32, seed, root / f"e_{layout}")}
+                                                  for layout in ("fsdp_tp", "cp_fsdp")], 4)
+    for name in ("ddp_fp32", "fsdp_fp32", "tp_fp32", "pp_fp32", "cp_fp32", "fsdp_bf16", "fsdp_tp_fp32", "cp_fsdp_fp32"):
         out[name] = json.loads((root / f"{name}.json").read_text())
     for name, precision in (("single_fp32", FP32), ("single_bf16", BF16)):
         out[name] = evaluate(eval_args("single", precision, seed, root / f"e_{name}"))
@@ -201,9 +214,11 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "pp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "pp", "fsdp_tp", "cp", "cp_fsdp"])
 def test_same_weights_same_val_loss_on_every_layout(evaluated: dict, layout: str) -> None:
     ref, got = evaluated["single_fp32"], evaluated[f"{layout}_fp32"]
+    print(f"\n[val_loss] {layout}: {got['val_loss']!r} vs single {ref['val_loss']!r}, "
+          f"rel {abs(got['val_loss'] - ref['val_loss']) / ref['val_loss']:.1e}")
     assert got["val_tokens"] == ref["val_tokens"] == VAL_BATCH * VAL_STEPS * 32
     assert got["step"] == 0 and got["world_size"] == LAYOUTS[layout][0]
     assert abs(got["val_loss"] - ref["val_loss"]) <= LAYOUT_RTOL * ref["val_loss"], (got, ref)
