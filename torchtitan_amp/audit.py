@@ -192,7 +192,6 @@ def _cp_collectives() -> Iterator[None]:
     module binds torch's functional all-gather / reduce-scatter at import, before traffic wraps
     them, and its group may be the very group FSDP shards over (cp alone: both are the world)."""
     from torchtitan_amp import context_parallel as cp_mod
-    from torchtitan_amp.torch_compat import sequence_collectives
 
     def on_cp(collective: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -205,7 +204,7 @@ def _cp_collectives() -> Iterator[None]:
         return call
 
     saved = cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER
-    cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = map(on_cp, sequence_collectives())  # traffic's, now
+    cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = map(on_cp, cp_mod.collectives())  # traffic's, now
     try:
         yield
     finally:

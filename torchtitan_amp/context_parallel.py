@@ -22,6 +22,7 @@ cover the CUDA flash / efficient / cuDNN ops only (no CPU, no masks, so no block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,18 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from torchtitan_amp.torch_compat import sequence_collectives
+
+# The seam for tools that label or record the cp collectives (the audit, the precision test):
+# None means torch's functional collectives, looked up per call so that a traffic recorder
+# wrapping torch's module sees them too.
+_ALL_GATHER: Any = None
+_REDUCE_SCATTER: Any = None
+
+
+def collectives() -> tuple[Any, Any]:
+    """(all_gather, reduce_scatter) the cp group uses now."""
+    gather, scatter = sequence_collectives()
+    return _ALL_GATHER or gather, _REDUCE_SCATTER or scatter
 
 
 def head_tail_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -85,15 +98,13 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Summing the ranks' partial gradients in fp32 rounds once, at the end; in bf16 every
         # partial sum rounds, an error that grows with the cp degree.
-        # Looked up per call (not at import), so a traffic recorder wrapping funcol sees them.
-        reduce_scatter = sequence_collectives()[1]
-        summed = reduce_scatter(grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)
+        summed = collectives()[1](grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)
         return funcol.wait_tensor(summed).transpose(0, 1).to(ctx.dtype), None, None
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[B, s, ...] on each rank -> [B, cp x s, ...], rank 0's part first."""
-    gathered = sequence_collectives()[0](x.transpose(0, 1).contiguous(), 0, group)
+    gathered = collectives()[0](x.transpose(0, 1).contiguous(), 0, group)
     return funcol.wait_tensor(gathered).transpose(0, 1)
 
 

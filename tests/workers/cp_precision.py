@@ -41,7 +41,7 @@ WIRE: list[str] = []  # dtypes the K/V-gradient reduce-scatter carried
 
 
 def _record_wire() -> None:
-    original = cp_mod._REDUCE_SCATTER
+    original = cp_mod.collectives()[1]
 
     def recorded(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
         WIRE.append(str(tensor.dtype).removeprefix("torch."))
