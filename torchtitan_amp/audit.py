@@ -188,9 +188,8 @@ def _categorize(op: str, group: Any) -> str:
 
 @contextlib.contextmanager
 def _cp_collectives() -> Iterator[None]:
-    """Route context_parallel's collectives through traffic's wrappers, as category "cp": that
-    module binds torch's functional all-gather / reduce-scatter at import, before traffic wraps
-    them, and its group may be the very group FSDP shards over (cp alone: both are the world)."""
+    """Label context_parallel's collectives (through its seam) as category "cp": its group may be
+    the very group FSDP shards over (cp alone: both are the world), so the group cannot tell."""
     from torchtitan_amp import context_parallel as cp_mod
 
     def on_cp(collective: Any) -> Any:
