@@ -176,7 +176,7 @@ def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dty
 def _router_dtype(config: JobConfig, enabled: bool, storage: torch.dtype) -> torch.dtype:
     """mixed_precision.router_dtype: fp64 is always allowed (more than asked for); bf16 only
     where mixed precision is on, as it rounds routing below the dtype the job trains in."""
-    asked = _DTYPES[config.mixed_precision.router_dtype]
+    asked = getattr(torch, config.mixed_precision.router_dtype)  # float64 is not a training dtype
     if asked == torch.bfloat16 and not enabled and storage != torch.bfloat16:
         raise PrecisionError(
             "'mixed_precision.router_dtype' = 'bfloat16' routes in bf16 while this job trains in "
