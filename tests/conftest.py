@@ -18,7 +18,7 @@ separate_inductor_cache()
 # `-m "not slow"` select less. A module is tiered whole: most mix a few in-process checks into
 # the launches they share fixtures with.
 SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist", "test_optim_state_dist",
-                          "test_context_parallel_dist"})
+                          "test_context_parallel_dist", "test_moe_dist"})
 DIST_MODULES = SLOW_MODULES | {"test_checkpoint", "test_dry_run", "test_gpu_checks", "test_hf", "test_multinode",
                                "test_operations", "test_tools", "test_train_integration", "test_families_dist", "test_validation", "test_audit", "test_fp8", "test_freeze",
                                "test_context_parallel_precision", "test_context_parallel_compose"}

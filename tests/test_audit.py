@@ -26,6 +26,7 @@ from torchtitan_amp.config import ConfigError, load_config
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0"]
 BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: the audit's subject
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]  # later flavour arguments win
 PRECISIONS = {
     "bf16": BF16,
     "bf16_reduce": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16"],
@@ -158,6 +159,9 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                                   str(root / "broken")]})
             jobs.append({"audit": str(root / "broken_cp.json"), "break": "cp_reduce_in_bf16",
                          "args": [*BASE, *BF16, *LAYOUTS["cp"][1], "--job.dump_folder", str(root / "broken_cp")]})
+            jobs += [{"audit": str(root / f"{name}.json"), "break": broken,
+                      "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], "--job.dump_folder", str(root / name)]}
+                     for name, broken in (("moe_fsdp_bf16", None), ("broken_router", "router_in_bf16"))]
         launch_worker("ckpt_jobs", root / f"launch{nproc}", jobs, nproc, timeout=400)
     for path in root.glob("*.json"):
         results[path.stem] = json.loads(path.read_text())
@@ -217,6 +221,23 @@ def test_context_parallel_collectives(audits: dict, run: str) -> None:
     assert c["reduce_scatter:cp"]["float32"] == 4 * 2 * 2 * 32 * 64 * 4, c
     reduce = "bfloat16" if run.endswith("_reduce") else "float32"
     assert reduce in c["reduce_scatter:dp_shard_cp"] and "bfloat16" in c["all_gather:dp_shard_cp"], c
+
+
+def test_moe_routers_fp32_experts_bf16(audits: dict) -> None:
+    """The MoE family under bf16 FSDP: routers' matmuls in the plan's router_dtype (fp32), the
+    grouped experts and the shared expert in bf16, like Linears."""
+    result = audits["moe_fsdp_bf16"]
+    assert result["ok"], result["breaches"]
+    modules = result["modules"]
+    assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
+    assert modules["layers.1.feed_forward.experts"]["forward matmul"] == ["bfloat16"], modules
+    assert modules["layers.1.feed_forward.shared_expert.w1"]["forward matmul"] == ["bfloat16"], modules
+
+
+def test_router_in_bf16_under_an_fp32_plan_is_named(audits: dict) -> None:
+    breaches = audits["broken_router"]["breaches"]
+    assert breaches == [{"what": f"layers.{i}.feed_forward.router: forward matmul", "promised": ["float32"],
+                         "seen": ["bfloat16"]} for i in (1, 2, 3)], breaches
 
 
 def test_cp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:

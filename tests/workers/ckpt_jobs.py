@@ -121,6 +121,10 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
         with _cp_reduce_in_bf16():
             yield
         return
+    if what == "router_in_bf16":
+        with _routers_in_bf16():
+            yield
+        return
     assert what == "fsdp_reduce_in_fp32", what
     original = PrecisionPlan.fsdp_policy
 
@@ -133,6 +137,25 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
         yield
     finally:
         PrecisionPlan.fsdp_policy = original
+
+
+@contextlib.contextmanager
+def _routers_in_bf16():  # type: ignore[no-untyped-def]
+    """MoE routers told to route in bf16 while the plan says fp32 (router_dtype)."""
+    original = PrecisionPlan.apply_router_dtype
+
+    def bf16(self, model):  # type: ignore[no-untyped-def]
+        names = original(self, model)
+        for module in model.modules():
+            if self.routes(module):
+                module.router_dtype = torch.bfloat16
+        return names
+
+    PrecisionPlan.apply_router_dtype = bf16
+    try:
+        yield
+    finally:
+        PrecisionPlan.apply_router_dtype = original
 
 
 @contextlib.contextmanager
