@@ -324,8 +324,10 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
         fully_shard(experts, mesh=mesh, mp_policy=plan.fsdp_policy(low_precision=plan.is_safe(experts)),
                     reshard_after_forward=reshard(False), shard_placement_fn=lambda _: Shard(1))
         experts.set_gradient_divide_factor(float(dp_size))
-        # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself.
-        experts.set_force_sum_reduction_for_comms(dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo")
+        # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself. Not on one
+        # efsdp rank, where torch divides its copy already and forcing would divide twice.
+        efsdp = mesh.get_group(mesh.ndim - 1)
+        experts.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
 
 
 def group_by_block(model: nn.Module, modules: list[nn.Module],
