@@ -133,7 +133,8 @@ class ParallelDims:
             # EP takes the innermost (nearest) ranks of dp_shard x cp, as torchtitan; unflattened
             # from FSDP's dim so that both expert meshes share the root mesh, which FSDP needs to
             # shard parameters that are already DTensors on the ep mesh.
-            sparse = self._fsdp_mesh._unflatten("dp_shard_cp", (self.efsdp, self.ep), ("efsdp", "ep"))
+            # By index: torch 2.11's _unflatten does not find a dim given by name.
+            sparse = self._fsdp_mesh._unflatten(self._fsdp_mesh.ndim - 1, (self.efsdp, self.ep), ("efsdp", "ep"))
             self._ep_mesh = sparse["ep"]
             self._expert_fsdp_mesh = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
         self._mesh = mesh
