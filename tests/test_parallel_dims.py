@@ -21,10 +21,12 @@ DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
 DEBUG_LAYERS = 6
 
 
-def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelDims:
+def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1,
+            ep: int = 1) -> ParallelDims:
     return ParallelDims.from_config(
         Parallelism(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
-                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp), world)
+                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
+                    expert_parallel_degree=ep), world)
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -323,9 +325,78 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     monkeypatch.setattr(parallelize, "replicate", lambda model, **kw: seen.update(kw))
     monkeypatch.setattr(parallelize, "install_comm_hook", lambda model, state: None)
     mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
-    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, fsdp_enabled=False, ddp_enabled=True,
+    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, fsdp_enabled=False, ddp_enabled=True,
                            mesh={"dp_replicate": mesh})
     plan = SimpleNamespace(apply_fp32_islands=lambda model: None, comm_hook_state=lambda model, group: None,
                            comm_hook="none")
     parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))
     assert seen["bucket_cap_mb"] == expected and seen["device_mesh"] is mesh
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallel: EP borrows the innermost ranks of dp_shard x cp
+
+
+@pytest.mark.parametrize("world, degrees, message", [
+    (4, dict(shard=4, ep=3), "'parallelism.expert_parallel_degree' = 3 must divide data_parallel_shard_degree "
+                             "x context_parallel_degree = 4 x 1 = 4 (EP borrows its ranks from FSDP's)"),
+    (4, dict(rep=2, shard=2, ep=4), "'parallelism.expert_parallel_degree' = 4 must divide "
+                                    "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
+                                    "(EP borrows its ranks from FSDP's)"),
+])
+def test_ep_must_divide_shard_times_cp(world, degrees, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        dims_of(world, **degrees)
+    assert one_line_error(e) == message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.expert_parallel_degree", "2"],
+     "'parallelism.expert_parallel_degree' = 2 needs a model with routed experts; model.name = 'llama3' has none: use 1"),
+    (["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3",
+      "--parallelism.data_parallel_shard_degree", "3"],
+     "'parallelism.expert_parallel_degree' = 3 must divide the model's n_routed_experts = 8"),
+    (["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
+      "--parallelism.tensor_parallel_degree", "2"],
+     "'parallelism.expert_parallel_degree' = 2 with tensor_parallel_degree = 2 is not supported (the experts "
+     "have no tensor-parallel plan); use one of them"),
+])
+def test_ep_layout_refusals(argv, message) -> None:
+    config = load_config(["--training.seq_len", "32", *argv])
+    dims = ParallelDims.from_config(config.parallelism, 3 if "3" in argv else 4)
+    with pytest.raises(ConfigError) as e:
+        validate_layout(dims, config, 2, 2, 4, "cpu")
+    assert one_line_error(e) == message
+
+
+@pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
+@pytest.mark.parametrize("degrees", [dict(shard=8, ep=2), dict(shard=8, ep=8), dict(shard=4, cp=2, ep=4),
+                                     dict(rep=2, shard=4, ep=2), dict(pp=2, shard=4, ep=2)])
+def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
+    """ep takes consecutive ranks of FSDP's dp_shard x cp, efsdp strides over the rest; the dense
+    meshes are those without EP."""
+    dims = dims_of(WORLD, **degrees)
+    plain = {k: v for k, v in degrees.items() if k != "ep"}
+    mesh = dims.build_mesh("cpu")
+    assert mesh.mesh_dim_names == MESH_DIMS
+    fsdp = dims.fsdp_mesh.mesh.flatten().tolist()  # this rank's dp_replicate x dp_shard x cp ranks
+    shard_cp = fsdp[-dims.fsdp_shard:] if not dims.hsdp_enabled else [
+        r for row in dims.fsdp_mesh.mesh.tolist() for r in row if RANK in row]
+    i = shard_cp.index(RANK)
+    assert dims.ep_mesh.mesh_dim_names == ("ep",)
+    assert dims.ep_mesh.mesh.tolist() == shard_cp[i - i % dims.ep: i - i % dims.ep + dims.ep]
+    expert = dims.expert_fsdp_mesh
+    efsdp = shard_cp[i % dims.ep::dims.ep]
+    assert dims.efsdp == len(efsdp) == dims.fsdp_shard // dims.ep
+    if dims.hsdp_enabled:
+        assert expert.mesh_dim_names == ("dp_replicate", "efsdp")
+        assert expert.mesh.shape == (dims.dp_replicate, dims.efsdp) and efsdp in expert.mesh.tolist()
+    else:
+        assert expert.mesh_dim_names == ("efsdp",) and expert.mesh.tolist() == efsdp
+    # The dense meshes do not change with EP.
+    assert dims_of(WORLD, **plain).fsdp_shard == dims.fsdp_shard and dims.ep_enabled
+
+
+def test_ep_meshes_need_ep() -> None:
+    with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
+        _ = dims_of(1).ep_mesh

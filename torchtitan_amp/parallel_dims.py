@@ -19,10 +19,13 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
     _loss_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _ep_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _expert_fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: Parallelism, world_size: int) -> "ParallelDims":
@@ -39,8 +42,13 @@ class ParallelDims:
         if others * dp_shard != world_size:
             raise ConfigError(f"replicate x shard x tp x pp x cp = {rep} x {dp_shard} x {tp} x {pp} x {cp} = "
                               f"{others * dp_shard} differs from the world size {world_size}")
+        ep = p.expert_parallel_degree
+        if (dp_shard * cp) % ep:
+            raise ConfigError(f"'parallelism.expert_parallel_degree' = {ep} must divide data_parallel_shard_degree "
+                              f"x context_parallel_degree = {dp_shard} x {cp} = {dp_shard * cp} (EP borrows "
+                              f"its ranks from FSDP's)")
         return cls(p.data_parallel_replicate_degree, dp_shard, p.tensor_parallel_degree,
-                   p.pipeline_parallel_degree, world_size, cp)
+                   p.pipeline_parallel_degree, world_size, cp, ep)
 
     @property
     def dp_enabled(self) -> bool:
@@ -79,6 +87,16 @@ class ParallelDims:
         return ("dp_replicate", "dp_shard_cp") if self.hsdp_enabled else ("dp_shard_cp",)
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks FSDP shards the routed experts over (with dp_replicate under HSDP): what is left of
+        dp_shard x cp once EP has taken its ranks."""
+        return self.fsdp_shard // self.ep
+
+    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
@@ -111,6 +129,14 @@ class ParallelDims:
         shard_cp = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
         self._loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
         self._fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp_enabled else shard_cp
+        if self.ep_enabled:
+            # EP takes the innermost (nearest) ranks of dp_shard x cp, as torchtitan; unflattened
+            # from FSDP's dim so that both expert meshes share the root mesh, which FSDP needs to
+            # shard parameters that are already DTensors on the ep mesh.
+            # By index: torch 2.11's _unflatten does not find a dim given by name.
+            sparse = self._fsdp_mesh._unflatten(self._fsdp_mesh.ndim - 1, (self.efsdp, self.ep), ("efsdp", "ep"))
+            self._ep_mesh = sparse["ep"]
+            self._expert_fsdp_mesh = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
         self._mesh = mesh
         return mesh
 
@@ -140,3 +166,17 @@ class ParallelDims:
         if self._dp_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._dp_mesh
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks a layer's routed experts are split over (consecutive ranks of dp_shard x cp)."""
+        if self._ep_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
+        return self._ep_mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh for the routed experts: efsdp, with dp_replicate in front under HSDP."""
+        if self._expert_fsdp_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
+        return self._expert_fsdp_mesh

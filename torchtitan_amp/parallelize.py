@@ -13,6 +13,7 @@ import logging
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -31,6 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
 from torchtitan_amp.context_parallel import ContextParallel, check_seq_len
+from torchtitan_amp.expert_parallel import ExpertParallel, shard_experts
+from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
@@ -77,6 +80,8 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
                     f"{name} = {heads}"
                 )
     t, p = config.training, config.parallelism
+    if dims.ep_enabled:
+        validate_ep(dims, config)
     check_seq_len(t.seq_len, dims.cp)
     if dims.tp_enabled and p.enable_sequence_parallel and (t.seq_len // dims.cp) % dims.tp:
         per_rank = f" / context_parallel_degree {dims.cp}" if dims.cp_enabled else ""
@@ -101,6 +106,23 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
     return [0], 1
 
 
+def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
+    """EP needs routed experts that split evenly, and no TP (experts are not tensor-parallel)."""
+    from torchtitan_amp.models import get_family
+
+    args = get_family(config.model.name).flavors[config.model.flavor]
+    n_experts = getattr(args, "n_routed_experts", 0)
+    if not n_experts:
+        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} needs a model with routed experts; "
+                          f"model.name = {config.model.name!r} has none: use 1")
+    if n_experts % dims.ep:
+        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} must divide the model's "
+                          f"n_routed_experts = {n_experts}")
+    if dims.tp_enabled:
+        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} with tensor_parallel_degree = "
+                          f"{dims.tp} is not supported (the experts have no tensor-parallel plan); use one of them")
+
+
 def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
     return dims.tp_enabled and not config.parallelism.disable_loss_parallel
 
@@ -121,6 +143,8 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
             apply_async_tp(dims.mesh["tp"])
     if dims.cp_enabled:
         apply_cp(model, plan.context_parallel(dims.mesh["cp"].get_group()))
+    if dims.ep_enabled:
+        apply_ep(model, dims.ep_mesh)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
@@ -129,7 +153,7 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         apply_compile(model, fullgraph=plan.path != "fsdp")
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.fsdp_mesh, plan, config.parallelism.fsdp_reshard_after_forward,
-                   dims.pp_enabled)
+                   dims.pp_enabled, dims.expert_fsdp_mesh if dims.ep_enabled else None)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh["dp_replicate"], plan, config.parallelism.ddp_bucket_cap_mb)
     return model
@@ -177,6 +201,20 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
             module.context_parallel = cp
     logger.info("applied context parallel (degree %d): K/V all-gathered per layer, gradients "
                 "reduce-scattered in %s", cp.group.size(), str(cp.reduce_dtype).removeprefix("torch."))
+
+
+def expert_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them."""
+    layers = expert_layers(model)
+    for layer in layers:
+        shard_experts(layer.experts, ep_mesh)
+        layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
+    logger.info("applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
+                "all-to-all in the activations' dtype", ep_mesh.size(), len(layers))
 
 
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:
@@ -241,10 +279,13 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_policy: str,
-               pp_enabled: bool = False) -> None:
-    """Shard bottom-up: fp32 groups for modules outside the safe list, then blocks, then root."""
+               pp_enabled: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
+    """Shard bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules outside
+    the safe list, then blocks, then root."""
     shard = partial(fully_shard, mesh=mesh)
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
+    if expert_mesh is not None:
+        shard_ep_experts(model, expert_mesh, mesh.size(), plan, reshard)
     if plan.path == "fsdp":
         fp32 = [m for m in plan.fp32_modules(model) if m is not model]
         # A group's output_dtype must reach each norm's output (torch_compat says where it does).
@@ -267,6 +308,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=output_dtype),
           reshard_after_forward=reshard(True))
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
+
+
+def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: PrecisionPlan,
+                     reshard: partial) -> None:
+    """FSDP for EP-sharded experts, first, so that no later group takes their parameters.
+
+    Their gradients are sums over every EP rank's tokens (the all-to-all's backward brings them),
+    so FSDP's mean over the expert mesh alone would leave them ep times the other parameters';
+    dividing by the full data-parallel size gives the mean over every rank's loss.
+    On dim 1: dim 0 is already split by EP, and a second split of it would be a strided layout.
+    """
+    for layer in expert_layers(model):
+        experts = layer.experts
+        fully_shard(experts, mesh=mesh, mp_policy=plan.fsdp_policy(low_precision=plan.is_safe(experts)),
+                    reshard_after_forward=reshard(False), shard_placement_fn=lambda _: Shard(1))
+        experts.set_gradient_divide_factor(float(dp_size))
+        # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself. Not on one
+        # efsdp rank, where torch divides its copy already and forcing would divide twice.
+        efsdp = mesh.get_group(mesh.ndim - 1)
+        experts.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
 
 
 def group_by_block(model: nn.Module, modules: list[nn.Module],

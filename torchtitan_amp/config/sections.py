@@ -150,6 +150,12 @@ class Parallelism:
         "head-tail chunks), each rank attending with its queries to the K/V all-gathered over them; "
         "FSDP shards parameters over dp_shard x cp. training.seq_len must divide by 2 x this degree."
     )
+    expert_parallel_degree: int = _f(
+        1, "Expert-parallel degree (MoE models): every MoE layer's routed experts are split over this "
+        "many ranks, each token sent to the rank holding its expert and back by all-to-all. EP "
+        "borrows its ranks from FSDP's (it must divide data_parallel_shard_degree x "
+        "context_parallel_degree); the experts are FSDP-sharded over the remaining ones."
+    )
     enable_sequence_parallel: bool = _f(True, "Shard norms/activations along the sequence under TP.")
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss under TP.")
     enable_async_tensor_parallel: bool = _f(

@@ -44,7 +44,7 @@ def validate(config: JobConfig) -> None:
         f"'lr_scheduler.min_lr_factor' must be in [0, 1], got {lr.min_lr_factor}",
     )
     for name in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
-                 "context_parallel_degree"):
+                 "context_parallel_degree", "expert_parallel_degree"):
         value = getattr(p, name)
         _require(value >= 1, f"'parallelism.{name}' must be >= 1, got {value}")
     _require(

@@ -188,7 +188,12 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
         order = experts.flatten().argsort(stable=True)
         token_of = order // experts.shape[1]
-        routed = self.experts(tokens[token_of], counts)
+        # Set by parallelize under expert parallel: the experts live on other ranks too.
+        dispatch = getattr(self, "expert_parallel", None)
+        if dispatch is None:
+            routed = self.experts(tokens[token_of], counts)
+        else:
+            routed = dispatch(self.experts, tokens[token_of], counts)
         # Weighted and summed per token in fp32: a token's k expert outputs are added once, rounded once.
         weighted = routed.float() * weights.flatten()[order, None].float()
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, weighted)
