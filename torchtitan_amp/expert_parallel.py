@@ -13,14 +13,14 @@ all-to-all, present in torch 2.11 and 2.13); the count exchange before it needs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MethodType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor
 
+# GroupedExperts computes on its weights' local values (moe.local): the dispatched rows are this
+# rank's share of a ragged exchange, which no DTensor layout describes.
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
@@ -51,21 +51,6 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_split, recv_split, self.group)
 
 
-def _local_weights_forward(self: nn.Module, *args: object) -> torch.Tensor:
-    """The experts' own forward on their local weights: the dispatched rows are this rank's share of
-    a ragged exchange, which no DTensor layout describes. `to_local` keeps autograd, so gradients
-    reach the (FSDP-unsharded) DTensor parameters as usual; the parameters are put back before
-    FSDP's post-forward hook reshards them."""
-    saved = {name: self._parameters[name] for name in EXPERT_WEIGHTS}
-    try:
-        for name, p in saved.items():
-            if isinstance(p, DTensor):
-                self._parameters[name] = p.to_local()
-        return type(self).forward(self, *args)
-    finally:
-        self._parameters.update(saved)
-
-
 def shard_experts(experts: nn.Module, ep_mesh) -> None:
     """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over `ep_mesh`: each rank
     keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP reshards them to
@@ -76,4 +61,3 @@ def shard_experts(experts: nn.Module, ep_mesh) -> None:
         p = experts._parameters[name]
         experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
                                                       requires_grad=p.requires_grad))
-    experts.forward = MethodType(_local_weights_forward, experts)
