@@ -226,6 +226,7 @@ class PrecisionPlan:
     context_parallel_degree: int = 1
     # Mixture of experts: what routers compute their logits, scores, top-k and weights in
     router_dtype: torch.dtype = torch.float32
+    expert_parallel_degree: int = 1
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -287,7 +288,7 @@ class PrecisionPlan:
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
                    tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
                    tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding,
-                   cp_reduce, dims.cp, router)
+                   cp_reduce, dims.cp, router, dims.ep)
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
@@ -330,6 +331,15 @@ class PrecisionPlan:
                 "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
                               "gradients reduced in fp32), never fp8",
                 "expert_bias_and_counts": "float32"}
+
+    def expert_parallel_summary(self) -> dict[str, Any] | None:
+        """The report's expert-parallel section (None without EP): tokens travel in the
+        activations' dtype, what the experts compute in anyway."""
+        if self.expert_parallel_degree == 1:
+            return None
+        activations = dtype_name(self.param_dtype if self.path != "full" else self.storage_dtype)
+        return {"degree": self.expert_parallel_degree, "dispatch_dtype": activations, "combine_dtype": activations,
+                "weighted_sum": "float32 (on the rank that routed the token)"}
 
     def apply_router_dtype(self, model: nn.Module) -> list[str]:
         """Tell every router what to route in; returns their names (for the report)."""

@@ -97,6 +97,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "optimizer": plan.optimizer_summary(),
         "context_parallel": plan.context_parallel_summary(),
         "router": plan.router_summary(model),
+        "expert_parallel": plan.expert_parallel_summary(),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
                                and any(True for _ in m.parameters(recurse=False))),
@@ -129,6 +130,10 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         if router is not None:
             logger.info("  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
                         router["routers"], router["router_dtype"], router["parameters"])
+        ep = report["expert_parallel"]
+        if ep is not None:
+            logger.info("  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums "
+                        "in float32", ep["degree"], ep["dispatch_dtype"])
         cp = report["context_parallel"]
         if cp is not None:
             logger.info("  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
