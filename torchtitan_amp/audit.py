@@ -46,7 +46,7 @@ from torchtitan_amp.rules import dtype_name
 
 logger = logging.getLogger("torchtitan_amp")
 
-_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "_grouped_mm"})
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 # Inside an fp32 module these only move data between dtypes; every other op must compute in fp32.
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
@@ -297,7 +297,8 @@ class Auditor:
 
         for name, ops in r.modules.items():
             module = self.named.get(name)
-            if isinstance(module, nn.Linear):
+            # Linears, MoE routers (router_dtype) and grouped experts (Linears in another form).
+            if isinstance(module, nn.Linear) or plan.routes(module) or getattr(module, "safe_as", None):
                 expect(f"{name}: forward matmul", {dtype_name(plan.compute_dtype(module))},
                        ops.get("forward matmul", []))
             if "attention" in ops:
@@ -305,7 +306,9 @@ class Auditor:
             if "compute" in ops:
                 expect(f"{name}: computes_in_fp32 module", {"float32"}, ops["compute"])
         expect("loss: log_softmax input", {"float32"}, r.modules.get("<loss>", {}).get("log_softmax", []))
-        expect("backward matmuls", {low, storage, *(_FP8 if plan.fp8 != "none" else ())}, r.backward_matmuls)
+        routed = {dtype_name(plan.router_dtype)} if any(plan.routes(m) for m in self.named.values()) else set()
+        expect("backward matmuls", {low, storage, *routed, *(_FP8 if plan.fp8 != "none" else ())},
+               r.backward_matmuls)
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)

@@ -108,6 +108,22 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(gathered).transpose(0, 1)
 
 
+_CAUSAL_BIAS: dict[tuple[int, int], Any] = {}
+
+
+def _lower_right(n: int, end: int) -> Any:
+    """torch's lower-right causal bias for n queries against `end` keys, made once per shape and
+    outside any dispatch mode: torch cannot create the CausalBias tensor subclass while one is
+    active (the audit's recorder, op-level activation checkpointing)."""
+    if (n, end) not in _CAUSAL_BIAS:
+        from torch.nn.attention.bias import causal_lower_right
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            _CAUSAL_BIAS[n, end] = causal_lower_right(n, end)
+    return _CAUSAL_BIAS[n, end]
+
+
 def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
     """The window positions of the keys all-gathered over cp ranks, in the order they arrive."""
     return torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)])
@@ -137,14 +153,12 @@ class ContextParallel:
         """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
         -> [B, H, S/cp, D]. Chunk c of the window (positions [c n, (c+1) n)) attends to keys
         [0, (c+1) n): a causal mask aligned to the lower right of that prefix."""
-        from torch.nn.attention.bias import causal_lower_right
-
         n = q.shape[2] // 2
         outs = []
         for part, chunk in ((q[:, :, :n], self.rank), (q[:, :, n:], 2 * self.degree - 1 - self.rank)):
             end = (chunk + 1) * n
             outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=causal_lower_right(n, end)))
+                                                       attn_mask=_lower_right(n, end)))
         return torch.cat(outs, dim=2)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     with torch.device("meta"):
         model = family.build_model(args)
     job.plan.apply_storage_dtype(model)
+    job.plan.apply_router_dtype(model)
     job.plan.mark_fp32_by_name(model)
     job.plan.freeze(model)
     job.plan.apply_fp8(model)

@@ -156,7 +156,7 @@ def apply_tp(model: nn.Module, family: ModelFamily, mesh: DeviceMesh, loss_paral
         )
     parallelize_module(model, mesh, top)
     for block in model.layers.values():
-        block_plan = family.tp_block_plan(seq)
+        block_plan = family.tp_block_plan(seq, block)
         if sequence_parallel:
             block_plan.update({name: SequenceParallel() for name in family.block_norms})
         else:

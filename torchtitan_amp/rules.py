@@ -37,7 +37,7 @@ def short_name(dtype: object) -> str:
 # flavour at run time), against this table before (nothing can have been registered then).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama3": ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b"),
-    "moe": ("debugmodel_moe", "debugmodel_moe_sigmoid", "qwen3_30b_a3b", "deepseek_v3_16b"),
+    "moe": ("debugmodel_moe", "debugmodel_moe_sigmoid", "debugmodel_qwen3", "qwen3_30b_a3b", "deepseek_v3_16b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"

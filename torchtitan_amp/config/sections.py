@@ -275,6 +275,11 @@ class MixedPrecision:
     param_dtype: DtypeName = _f("bfloat16", "Compute dtype of lower-precision-safe modules.")
     reduce_dtype: DtypeName = _f("float32", "Dtype of gradients on the wire.")
     output_dtype: DtypeName = _f("float32", "Dtype of the model's outputs (logits).")
+    router_dtype: Literal["float32", "float64", "bfloat16"] = _f(
+        "float32", "Mixture of experts: dtype of the router's logits, scores, top-k choice and combine "
+        "weights (Megatron's moe_router_dtype). A rounded score flips which expert a token goes to; "
+        "bfloat16 is the cheap, measurably worse choice (docs/moe.md)."
+    )
     cp_reduce_dtype: DtypeName = _f(
         "float32", "Context parallel: dtype in which the key/value gradients of the cp ranks are "
         "summed (the reduce-scatter behind the K/V all-gather). fp32 rounds once after the sum; "

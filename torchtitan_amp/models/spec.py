@@ -67,9 +67,10 @@ class ModelFamily:
     flavors: dict[str, Any]
     # (args, parameters without embeddings, seq_len) -> training FLOPs per token (MFU's numerator).
     flops_per_token: Callable[[Any, int, int], int]
-    # (sequence-dim placement of the residual stream) -> a block's TP plan (parallelize_module's
-    # {submodule name: ParallelStyle}), the ends excepted: they follow the decoder shape.
-    tp_block_plan: Callable[[Any], dict[str, Any]]
+    # (sequence-dim placement of the residual stream, the block) -> the block's TP plan
+    # (parallelize_module's {submodule name: ParallelStyle}), the ends excepted: they follow the
+    # decoder shape. The block lets a family whose blocks differ (dense and MoE) plan each.
+    tp_block_plan: Callable[[Any, Any], dict[str, Any]]
     # A block's norms: sequence-parallel under TP with SP on, replicated DTensor params without.
     block_norms: tuple[str, ...]
     # The submodules of a block that op-level selective AC wraps (never the norms: their own fp32

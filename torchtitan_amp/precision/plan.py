@@ -173,6 +173,17 @@ def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dty
     return state
 
 
+def _router_dtype(config: JobConfig, enabled: bool, storage: torch.dtype) -> torch.dtype:
+    """mixed_precision.router_dtype: fp64 is always allowed (more than asked for); bf16 only
+    where mixed precision is on, as it rounds routing below the dtype the job trains in."""
+    asked = getattr(torch, config.mixed_precision.router_dtype)  # float64 is not a training dtype
+    if asked == torch.bfloat16 and not enabled and storage != torch.bfloat16:
+        raise PrecisionError(
+            "'mixed_precision.router_dtype' = 'bfloat16' routes in bf16 while this job trains in "
+            f"{dtype_name(storage)} (mixed precision off or not native here); use 'float32' or 'float64'")
+    return asked
+
+
 def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: ParallelDims) -> Path_:
     """`enabled`: mixed precision asked for over fp32 storage (pure low precision is "full")."""
     if not enabled:
@@ -213,6 +224,8 @@ class PrecisionPlan:
     # Context parallel (cp > 1): the dtype the cp ranks' key/value gradients are summed in
     cp_reduce_dtype: torch.dtype = torch.float32
     context_parallel_degree: int = 1
+    # Mixture of experts: what routers compute their logits, scores, top-k and weights in
+    router_dtype: torch.dtype = torch.float32
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -258,6 +271,7 @@ class PrecisionPlan:
         if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
         cp_reduce = _DTYPES[mp.cp_reduce_dtype] if enabled else storage
+        router = _router_dtype(config, enabled, storage)
         if "mixed_precision.cp_reduce_dtype" in config.explicit and not dims.cp_enabled:
             notes.append("mixed_precision.cp_reduce_dtype has no effect: context_parallel_degree is 1")
         scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
@@ -273,7 +287,7 @@ class PrecisionPlan:
                    scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
                    tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
                    tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding,
-                   cp_reduce, dims.cp)
+                   cp_reduce, dims.cp, router)
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
@@ -294,7 +308,37 @@ class PrecisionPlan:
         return self.param_dtype if self.path == "autocast" and self.param_dtype != torch.float32 else None
 
     def is_safe(self, module: nn.Module) -> bool:
-        return isinstance(module, self.safe_modules) and not getattr(module, FP32_BY_NAME, False)
+        """In lower_precision_safe_modules: by class, or through `safe_as` for modules that are
+        Linears in another form (MoE's grouped experts declare safe_as = nn.Linear)."""
+        safe_as = getattr(module, "safe_as", None)
+        listed = isinstance(module, self.safe_modules) or (
+            safe_as is not None and issubclass(safe_as, self.safe_modules))
+        return listed and not getattr(module, FP32_BY_NAME, False)
+
+    def routes(self, module: nn.Module) -> bool:
+        """A token router (declares `router_dtype`): computes in the plan's router_dtype."""
+        return hasattr(type(module), "router_dtype")
+
+    def router_summary(self, model: nn.Module) -> dict[str, Any] | None:
+        """The report's router section (None: the model routes no tokens)."""
+        routers = [name for name, m in model.named_modules() if self.routes(m)]
+        if not routers:
+            return None
+        return {"router_dtype": dtype_name(self.router_dtype), "routers": len(routers),
+                "gate_matmul": f"{short_name(self.router_dtype)} inputs and weights (activations upcast), "
+                               f"{short_name(self.router_dtype)} output",
+                "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
+                              "gradients reduced in fp32), never fp8",
+                "expert_bias_and_counts": "float32"}
+
+    def apply_router_dtype(self, model: nn.Module) -> list[str]:
+        """Tell every router what to route in; returns their names (for the report)."""
+        names = []
+        for name, module in model.named_modules():
+            if self.routes(module):
+                module.router_dtype = self.router_dtype
+                names.append(name)
+        return names
 
     def compute_dtype(self, module: nn.Module) -> torch.dtype:
         """What `module`'s own matmuls run in: param_dtype for safe modules off the "full" path,
@@ -302,6 +346,8 @@ class PrecisionPlan:
         frozen storage dtype and the audit's promises all ask this."""
         if type(module).__name__ == "Float8Linear":
             return torch.float8_e4m3fn
+        if self.routes(module):
+            return self.router_dtype
         return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype
 
     def frozen_dtype(self, module: nn.Module) -> torch.dtype:

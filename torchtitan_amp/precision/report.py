@@ -96,6 +96,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp32_module_names": list(plan.fp32_names),
         "optimizer": plan.optimizer_summary(),
         "context_parallel": plan.context_parallel_summary(),
+        "router": plan.router_summary(model),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
                                and any(True for _ in m.parameters(recurse=False))),
@@ -124,6 +125,10 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         opt = report["optimizer"]
         logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(plan.optimizer_state_dtype),
                     opt["update"], opt["weight_rounding"])
+        router = report["router"]
+        if router is not None:
+            logger.info("  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
+                        router["routers"], router["router_dtype"], router["parameters"])
         cp = report["context_parallel"]
         if cp is not None:
             logger.info("  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "

@@ -13,7 +13,7 @@ BLOCK_NORMS = ("attention_norm", "ffn_norm")
 AC_REGIONS = ("attention", "feed_forward")
 
 
-def tp_block_plan(seq: Any) -> dict[str, Any]:
+def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
     """q/k/v and w1/w3 column-wise, wo and w2 row-wise; attention and the MLP gather the
     residual stream (`seq`: Shard(1) with sequence parallel, else Replicate()) on entry and
     reduce(-scatter) it back on exit."""

@@ -4,10 +4,11 @@ dense blocks (parallelize.py), and the one `FAMILY` object the framework asks (m
 
 from torchtitan_amp.memory import ModelDims
 from torchtitan_amp.models.llama3.model import RMSNorm
-from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS, tp_block_plan
+from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS
 from torchtitan_amp.models.moe import balance
 from torchtitan_amp.models.moe.hf import ADAPTER
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransformer, flops_per_token
+from torchtitan_amp.models.moe.parallelize import tp_block_plan
 from torchtitan_amp.models.spec import ModelFamily
 
 FAMILY = ModelFamily(

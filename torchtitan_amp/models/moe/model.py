@@ -115,6 +115,10 @@ MOE_FLAVORS: dict[str, MoEModelArgs] = {
     "debugmodel_moe": _DEBUG,
     # The same with DeepSeek-V3's routing: sigmoid scores, renormalised top-k, bias balancing.
     "debugmodel_moe_sigmoid": dataclasses.replace(_DEBUG, score_func="sigmoid", route_norm=True),
+    # Qwen3's shape in small: QK-norm, GQA (4 heads, 2 kv heads), an explicit head_dim (4 x 24 on a
+    # 64-wide stream), no shared expert, renormalised top-k, every block MoE.
+    "debugmodel_qwen3": dataclasses.replace(_DEBUG, n_heads=4, n_kv_heads=2, explicit_head_dim=24, qk_norm=True,
+                                            n_shared_experts=0, n_dense_layers=0, route_norm=True),
     # Qwen3-30B-A3B (transformers' Qwen3MoeConfig of the published model): 48 layers, 128 experts
     # top 8, no shared expert, QK-norm, head_dim 128; trained with an aux loss (coef 1e-3).
     "qwen3_30b_a3b": MoEModelArgs(

@@ -15,8 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.torch_compat import grouped_mm_supported
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's values on this rank: under TP the MoE layer's parameters are DTensors
+    replicated over the TP ranks (models/moe/parallelize.py), used as plain tensors here."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class Router(nn.Module):
@@ -27,8 +34,9 @@ class Router(nn.Module):
     the combine weights are the unbiased scores of the chosen experts (renormalised to sum to 1
     when `route_norm`), times `route_scale`."""
 
-    # The precision plan writes the dtype of the routing arithmetic here (router_dtype).
-    compute_dtype: torch.dtype = torch.float32
+    # The precision plan writes the dtype of the routing arithmetic here
+    # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
+    router_dtype: torch.dtype = torch.float32
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
                  route_scale: float) -> None:
@@ -43,9 +51,9 @@ class Router(nn.Module):
         nn.init.zeros_(self.expert_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (weights [T, k] in compute_dtype, experts [T, k] int64, scores [T, E])."""
-        dtype = self.compute_dtype
-        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        """x [T, dim] -> (weights [T, k] in router_dtype, experts [T, k] int64, scores [T, E])."""
+        dtype = self.router_dtype
+        logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         # The bias moves the choice only (zero until balancing updates it: adding it is then exact).
         experts = (scores + self.expert_bias.to(dtype)).topk(self.top_k, dim=-1).indices
@@ -61,8 +69,9 @@ class GroupedExperts(nn.Module):
     device run it for the dtype, a loop over experts otherwise; both give each token its
     expert's product."""
 
-    # Computes in the activations' dtype: the plan treats it like a lower-precision-safe Linear.
-    lower_precision_safe = True
+    # Linears in another form: in lower_precision_safe_modules whenever nn.Linear is (the plan's
+    # is_safe), so they compute, gather and reduce like the Linears.
+    safe_as = nn.Linear
 
     def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -77,7 +86,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, counts [E] tokens per expert -> [N, dim]."""
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        # Autocast has no rule for grouped matmuls: on the autocast path take its dtype explicitly
+        # (the plan's param dtype), as a Linear would get it; on the FSDP path x is in it already.
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            x = x.to(torch.get_autocast_dtype(device))
+        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if grouped_mm_supported(str(x.device), x.dtype):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
