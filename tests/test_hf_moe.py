@@ -4,8 +4,7 @@ blocks of 8 experts top 2 with renormalised weights, QK-norm, GQA, an explicit h
 hidden / heads, random norm weights so that the q/k-norm permutation matters), saved in small
 shards, half of one layer's experts moved to a shard of their own so that one stacked weight of
 ours spans several files. Import gives transformers' logits on
-one process, through the trainer, and on FSDP 2 / PP 2 (TP of MoE blocks is another part of
-issue 29); an export of a run trained from it
+one process, through the trainer, and on FSDP 2 / TP 2 / PP 2; an export of a run trained from it
 loads in transformers with no missing or unexpected keys and gives our logits; export -> reimport
 is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line.
 
@@ -151,9 +150,9 @@ def test_import_through_the_trainer_on_one_process(hf, tmp_path, monkeypatch):
         trainer.metrics.close()
 
 
-# TP 2 is not here: the family's TP plan does not cover MoE blocks yet (the router meets DTensors).
 LAYOUTS = {
     "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
 }
 
