@@ -12,10 +12,17 @@ shard at a time (`export_hf`), so it never holds the model twice.
 Two rotary layouts differ: our models rotate interleaved pairs (x[2i], x[2i+1]) (Meta's layout),
 Hugging Face's rotate halves (x[i], x[i + head_dim/2]). The rows of the tensors the adapter names
 (Llama: the q and k projections) are permuted within each head on the way in and out.
+
+Names map one to one, except where the adapter says otherwise: a tensor of ours that HF stores as
+several (MoE experts: one [E, ...] weight of ours, E per-expert nn.Linear weights there) is read
+part by part and stacked (each part transposed where the adapter says so), and written back as
+its parts; a tensor HF has no place for (MoE expert bias) is zeroed on import and must be zero to
+export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -159,12 +166,16 @@ class HFReader(HuggingFaceStorageReader):
         super().__init__(str(folder))
         self.folder, self.args, self.tied, self.adapter = folder, args, tied, adapter
         self.hf_name: dict[str, str] = {}  # our FQN -> HF tensor name
+        # our FQN of a stacked tensor -> its parts' (file, HF name) in stacking order, and whether
+        # each part is transposed
+        self.parts: dict[str, tuple[list[tuple[str, str]], bool]] = {}
 
     def read_metadata(self) -> Metadata:
         from safetensors import SafetensorError, safe_open
 
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, _HFStorageInfo] = {}
+        found: dict[str, dict[str, tuple[Path, torch.Size, torch.dtype]]] = {}  # stacked FQN -> its parts seen
         for path in _shard_files(self.folder):
             try:
                 with safe_open(str(path), framework="pt") as f:
@@ -176,12 +187,20 @@ class HFReader(HuggingFaceStorageReader):
                             raise CheckpointError(f"{path}: tensor '{name}' is not part of a {self.adapter.display_name} model")
                         piece = f.get_slice(name)
                         shape, dtype = torch.Size(piece.get_shape()), _dtype(piece.get_dtype(), path, name)
+                        if self.adapter.stacked(ours, self.args) is not None:
+                            found.setdefault(ours, {})[name] = (path, shape, dtype)
+                            continue
                         self.hf_name[ours] = name
                         tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=dtype), shape,
                                                               [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
                         storage[MetadataIndex(ours, [0] * len(shape))] = _HFStorageInfo(str(path), shape, dtype)
             except SafetensorError as e:
                 raise CheckpointError(f"{path} is not a readable safetensors file ({one_line(e)})") from None
+        for ours, parts in found.items():
+            shape, dtype, first = self._stack(ours, parts)
+            tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=dtype), shape,
+                                                  [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+            storage[MetadataIndex(ours, [0] * len(shape))] = _HFStorageInfo(first, shape, dtype)
         if self.tied and "output.weight" not in tensors and "tok_embeddings.weight" in tensors:
             tensors["output.weight"] = tensors["tok_embeddings.weight"]
             self.hf_name["output.weight"] = self.hf_name["tok_embeddings.weight"]
@@ -192,17 +211,55 @@ class HFReader(HuggingFaceStorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _stack(self, ours: str, seen: dict[str, tuple[Path, torch.Size, torch.dtype]]) -> tuple[torch.Size, torch.dtype, str]:
+        """The global shape and dtype of a stacked tensor from its parts (which must be exactly the
+        adapter's, all alike), and the file of its first part (DCP groups reads by that file)."""
+        names, transposed = self.adapter.stacked(ours, self.args)  # type: ignore[misc]
+        extra = [n for n in seen if n not in names]
+        if extra:
+            raise CheckpointError(f"{seen[extra[0]][0]}: tensor '{extra[0]}' has no place in this model "
+                                  f"('{ours}' stacks {len(names)} tensors)")
+        missing = [n for n in names if n not in seen]
+        if missing:
+            raise CheckpointError(f"{self.folder} has no tensor '{missing[0]}' (a part of '{ours}')")
+        kinds = {seen[n][1:] for n in names}
+        if len(kinds) > 1:
+            raise CheckpointError(f"{self.folder}: the parts of '{ours}' differ in shape or dtype "
+                                  f"({', '.join(sorted(f'{tuple(s)} {d}' for s, d in kinds))})")
+        part, dtype = kinds.pop()
+        self.parts[ours] = ([(str(seen[n][0]), n) for n in names], transposed)
+        shape = torch.Size([len(names), *(reversed(part) if transposed else part)])
+        return shape, dtype, str(seen[names[0]][0])
+
+    def _read_stacked(self, fqn: str, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        """Our slice of a stacked tensor: the parts it covers, each sliced (and transposed) alone,
+        from whichever files hold them (a part may live in another shard than the first)."""
+        from safetensors import safe_open
+
+        parts, transposed = self.parts[fqn]
+        inner = [slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])]
+        out, files = [], {}
+        with contextlib.ExitStack() as stack:
+            for path, name in parts[offsets[0]:offsets[0] + lengths[0]]:
+                if path not in files:
+                    files[path] = stack.enter_context(safe_open(path, framework="pt"))
+                piece = files[path].get_slice(name)
+                out.append(piece[tuple(inner[::-1])].T if transposed else piece[tuple(inner)])
+        return torch.stack(out)
+
     def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
         if not self.hf_name:  # DCP read the metadata on another rank and handed us its plan
             self.read_metadata()
         fqn = req.storage_index.fqn
-        piece = f.get_slice(self.hf_name[fqn])
         rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
         start, length = req.storage_offsets[0], req.lengths[0]
         heads = self.adapter.rotary_heads(fqn, self.args)
-        if heads is None:
-            tensor = piece[(slice(start, start + length), *rest)]
+        if fqn in self.parts:
+            tensor = self._read_stacked(fqn, list(req.storage_offsets), list(req.lengths))
+        elif heads is None:
+            tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length), *rest)]
         else:
+            piece = f.get_slice(self.hf_name[fqn])
             tensor = rotary_rows(lambda rows: piece[(rows, *rest)], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -241,20 +298,25 @@ def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
     first on all of them, so that a bad folder fails everywhere with the same line."""
     sd = get_model_state_dict(model)
     tied = bool(read_config(folder).get("tie_word_embeddings", False))
-    reader = HFReader(folder, args, tied, _adapter(family_of(args, family)))
+    adapter = _adapter(family_of(args, family))
+    reader = HFReader(folder, args, tied, adapter)
+    absent = [k for k in sd if adapter.zero_in_hf is not None and adapter.zero_in_hf.search(k)]
+    read = {k: v for k, v in sd.items() if k not in absent}  # the same tensors: DCP fills them in place
     error = None
     try:
-        check_model_fits(folder, reader.read_metadata().state_dict_metadata, sd, "", complete_model)
+        check_model_fits(folder, reader.read_metadata().state_dict_metadata, read, "", complete_model)
     except CheckpointError as e:
         error = str(e)
     agree(error)
     try:
         with quiet_single_process():
-            dcp.load(sd, storage_reader=reader, no_dist=not dist.is_initialized())
+            dcp.load(read, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - DCP wraps a rank's failure in a CheckpointException
         raise CheckpointError(f"could not load {folder}: {one_line(e)}") from None
+    for key in absent:
+        sd[key].zero_()
     set_model_state_dict(model, sd)
 
 
@@ -322,6 +384,23 @@ def _tokenizer_files(spec: str) -> dict[str, Path]:
     raise CheckpointError(f"the run's tokenizer {spec} no longer exists; pass --tokenizer PATH or --tokenizer byte")
 
 
+def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where: Path) -> dict[str, torch.Tensor]:
+    """One of our tensors as the HF tensors it becomes: renamed (rotary rows permuted), split into
+    its stacked parts, or nothing for one HF has no place for (refused unless zero: the HF model
+    would compute something else)."""
+    if hf.zero_in_hf is not None and hf.zero_in_hf.search(key):
+        if value.count_nonzero():
+            raise CheckpointError(f"{where}: '{key}' is nonzero, and a {hf.display_name} model has no place for it "
+                                  "(the export would compute differently)")
+        return {}
+    stacked = hf.stacked(key, args)
+    if stacked is not None:
+        names, transposed = stacked
+        return {n: value[i].T if transposed else value[i].clone() for i, n in enumerate(names)}  # own storage each
+    heads = hf.rotary_heads(key, args)
+    return {hf.to_hf_name(key): permute_to_hf(value, heads) if heads else value}
+
+
 def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None) -> Path:
     """Write a checkpoint as a Hugging Face folder of its family (single process). Converts one output
@@ -346,6 +425,7 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     missing = [k for k in order if k not in shapes]
     if missing:
         raise CheckpointError(f"{info.path} has no model tensor '{missing[0]}' (not a checkpoint of this model)")
+    cfg = hf.hf_config(args, dtype, tok.bos_id, tok.eos_id)  # before any file: it refuses what the format cannot say
     target = TORCH_DTYPES[dtype]
     sizes = {k: math.prod(shapes[k]) * target.itemsize for k in order}
     shards = plan_shards(sizes, max_bytes=max_shard_bytes)
@@ -356,20 +436,20 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map: dict[str, str] = {}
+    total = 0
     for name, keys in zip(names, shards):
         out, loaded = {}, load(keys)
         for key in keys:
-            value = loaded.pop(key)  # each source tensor is freed as soon as it is converted
-            heads = hf.rotary_heads(key, args)
-            value = permute_to_hf(value, heads) if heads else value
-            out[hf.to_hf_name(key)] = value.to(target).contiguous()
+            # each source tensor is freed as soon as it is converted
+            for hf_name, value in to_hf_tensors(hf, key, loaded.pop(key), args, info.path).items():
+                out[hf_name] = value.to(target).contiguous()
+                total += out[hf_name].nbytes
         save_file(out, str(output / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, name))
         del out
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    cfg = hf.hf_config(args, dtype, tok.bos_id, tok.eos_id)
     (output / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     for out_name, src in files.items():
         shutil.copyfile(src, output / out_name)

@@ -48,6 +48,13 @@ class HFAdapter:
     hf_config: Callable[[Any, str, int | None, int | None], dict[str, Any]]
     # (field, config.json's value in args terms) -> how an error message shows it
     describe: Callable[[str, Any], Any] = lambda key, value: value
+    # (our FQN, args) -> (HF names, transposed) for one of our tensors that HF stores as several
+    # stacked along a new dim 0 (MoE experts: our [E, dim, hidden] is E HF [hidden, dim] weights,
+    # each transposed); None for the one-to-one tensors. from_hf_name maps each part to our FQN.
+    stacked: Callable[[str, Any], tuple[list[str], bool] | None] = lambda fqn, args: None
+    # A compiled regex of our FQNs that the HF form has no place for and whose zero value computes
+    # as the HF model does (MoE expert bias): zeroed on import; an export refuses a nonzero one.
+    zero_in_hf: Any = None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from torchtitan_amp.memory import ModelDims
 from torchtitan_amp.models.llama3.model import RMSNorm
 from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS
 from torchtitan_amp.models.moe import balance
+from torchtitan_amp.models.moe.hf import ADAPTER
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransformer, flops_per_token
 from torchtitan_amp.models.moe.parallelize import tp_block_plan
 from torchtitan_amp.models.spec import ModelFamily
@@ -21,6 +22,7 @@ FAMILY = ModelFamily(
     ac_regions=AC_REGIONS,
     norm_cls=RMSNorm,
     memory_dims=ModelDims.from_args,
+    hf=ADAPTER,
     after_backward=balance.after_backward,
     set_loss_factor=balance.set_aux_grad_scale,
 )
