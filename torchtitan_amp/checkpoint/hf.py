@@ -426,6 +426,10 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     if missing:
         raise CheckpointError(f"{info.path} has no model tensor '{missing[0]}' (not a checkpoint of this model)")
     cfg = hf.hf_config(args, dtype, tok.bos_id, tok.eos_id)  # before any file: it refuses what the format cannot say
+    if hf.zero_in_hf is not None:  # tensors the format has no place for must be zero: checked before any file
+        absent = [k for k in order if hf.zero_in_hf.search(k)]
+        for key, value in load(absent).items():
+            to_hf_tensors(hf, key, value, args, info.path)
     target = TORCH_DTYPES[dtype]
     sizes = {k: math.prod(shapes[k]) * target.itemsize for k in order}
     shards = plan_shards(sizes, max_bytes=max_shard_bytes)
