@@ -77,7 +77,7 @@ class Job:
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
             ac_mode=ac.mode, ac_option=ac.selective_ac_option,
             reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
-            cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type,
+            cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
         )
 
     @property

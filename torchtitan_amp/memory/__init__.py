@@ -11,6 +11,8 @@ per-layer activation term against the tensors autograd saves (exact).
 The model family's terms are apart from the shared accounting:
 - `llama.py`:       Llama 3's shapes (`ModelDims`), parameters with their TP sharding
                     (`param_specs`) and activation bytes per token (`activation_terms`);
+- `moe.py`:         the MoE family's (`MoEDims`): routers, experts split by EP, total vs active
+                    parameters, routed-token activations, the EP all-to-all;
 - `specs.py`:       what the accounting is told: `PrecisionSpec`, `Layout`, `Stage`, `ParamSpec`,
                     `ActivationTerms`;
 - `sizes.py`:       bytes by dtype (`ByDtype`, `add_bytes`, `merge`, ...) and their formatting;
@@ -40,6 +42,7 @@ from torchtitan_amp.memory.collectives import (comm, cp_comm, ddp_comm, dp_comm,
 from torchtitan_amp.memory.fsdp import (FsdpGroup, fsdp_calls, fsdp_comm, fsdp_gathers_per_step, fsdp_groups,
                                         fsdp_transient)
 from torchtitan_amp.memory.llama import ModelDims, activation_terms, param_specs
+from torchtitan_amp.memory.moe import MoEDims
 from torchtitan_amp.memory.shards import chunk_size, fsdp_local_numel, fsdp_padded_numel, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes, fmt_by_dtype, fmt_bytes, merge, sum_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
@@ -50,7 +53,7 @@ from torchtitan_amp.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_laye
 
 __all__ = [
     "ADAMW_STEP_BYTES", "DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "ActivationEstimate", "ActivationTerms",
-    "ByDtype", "FsdpGroup", "Layout", "MemoryEstimate", "ModelDims", "ParamSpec", "PrecisionSpec", "Stage",
+    "ByDtype", "FsdpGroup", "Layout", "MemoryEstimate", "ModelDims", "MoEDims", "ParamSpec", "PrecisionSpec", "Stage",
     "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "comm", "cp_comm", "ddp_comm",
     "dp_comm", "estimate", "fmt_by_dtype", "fmt_bytes", "fsdp_calls", "fsdp_comm", "fsdp_gathers_per_step",
     "fsdp_groups", "fsdp_local_numel", "fsdp_padded_numel", "fsdp_transient", "grad_comm",

@@ -44,23 +44,26 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
     def stage_total(stage: Stage, mode: str) -> float:
         n = len(stage.layers)
         ends = (terms.head if stage.last else 0.0) + (terms.embedding if stage.first else 0.0) + terms.stage
+        full = [terms.layer_at(i) for i in stage.layers]
         if mode == "none":
-            per = n * terms.layer
+            per = sum(full)
         elif mode == "full":
-            per = n * terms.layer_checkpointed + (terms.layer if n else 0)
+            per = n * terms.layer_checkpointed + max(full, default=0)
         elif layout.ac_option == "op":
-            per = n * terms.layer_op_sac + (terms.layer if n else 0)
+            per = n * terms.layer_op_sac + max(full, default=0)
         else:
-            every = int(layout.ac_option)
-            n_ac = len(range(0, n, every))
-            per = n_ac * terms.layer_checkpointed + (n - n_ac) * terms.layer + (terms.layer if n_ac else 0)
+            ac = set(range(0, n, int(layout.ac_option)))
+            kept = [f for j, f in enumerate(full) if j not in ac]
+            per = len(ac) * terms.layer_checkpointed + sum(kept) + max((full[j] for j in ac), default=0)
         return per + ends
 
     in_flight = {s.index: in_flight_microbatches(layout, s.index, pp_rank) for s in stages}
+
+    biggest = max((terms.layer_at(i) for s in stages for i in s.layers), default=terms.layer)
 
     def total(mode: str) -> int:
         return int(sum(in_flight[s.index] * tokens * stage_total(s, mode) for s in stages))
 
     return ActivationEstimate(total("none"), total("full"), total(layout.ac_mode), layout.ac_mode,
-                              int(tokens * terms.layer), int(tokens * terms.layer_checkpointed),
+                              int(tokens * biggest), int(tokens * terms.layer_checkpointed),
                               in_flight, tokens)

@@ -209,8 +209,10 @@ def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
 
 def comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
          tp_rank: int = 0) -> dict[str, ByDtype]:
-    """All traffic categories of one rank per step (see dp_comm, tp_comm, cp_comm, pp_comm)."""
+    """All traffic categories of one rank per step (see dp_comm, tp_comm, cp_comm, pp_comm, and
+    the family's expert-parallel exchange, ModelDims.ep_comm)."""
     return {**dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
             **tp_comm(model, prec, layout, pp_rank=pp_rank),
             **cp_comm(model, prec, layout, pp_rank=pp_rank),
-            **pp_comm(model, prec, layout, pp_rank=pp_rank)}
+            **pp_comm(model, prec, layout, pp_rank=pp_rank),
+            **model.ep_comm(prec, layout, rank_stages(model, layout, pp_rank))}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan_amp.memory.llama import ModelDims
-from torchtitan_amp.memory.shards import fsdp_padded_numel, tp_local_shape
+from torchtitan_amp.memory.shards import fsdp_padded_numel, fsdp_split, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.memory.stages import stage_ops
@@ -24,10 +24,20 @@ class FsdpGroup:
     gather_dtype: str
     reduce_dtype: str
     reshard_after_forward: bool
-    kind: str  # "block" | "fp32" | "root"
+    kind: str  # "block" | "fp32" | "root" | "experts"
+    # Its own shard degree where it is not FSDP's (EP-split experts: efsdp); 0: the layout's.
+    shards: int = 0
+
+    def degree(self, layout_shards: int) -> int:
+        return self.shards or layout_shards
 
     def unsharded_numel(self, shards: int) -> int:
-        return self.padded_shard_numel * shards
+        return self.padded_shard_numel * self.degree(shards)
+
+    @property
+    def category(self) -> str:
+        """Traffic category prefix: EP-split experts' collectives run over the efsdp group."""
+        return "expert_fsdp" if self.kind == "experts" else "fsdp"
 
 
 def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage,
@@ -35,18 +45,27 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path the modules outside
     the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
     block is a group; the root holds the rest. Which reshard after forward:
-    rules.reshard_after_forward."""
-    n = layout.fsdp_shard
+    rules.reshard_after_forward. Under EP each layer's routed experts are a group of their own
+    over efsdp ranks, sharded first (parallelize.shard_ep_experts)."""
     specs = model.param_specs(stage)
 
     def numel(ss: list[ParamSpec]) -> int:
-        return sum(fsdp_padded_numel(tp_local_shape(s, layout.tp, tp_rank), n) for s in ss)
+        return sum(fsdp_padded_numel(*fsdp_split(s, tp_local_shape(s, layout.tp, tp_rank), layout)) for s in ss)
 
     mp = prec.path == "fsdp"
     low_gather = prec.param if mp else prec.storage
     low_reduce = prec.reduce if mp else prec.storage
     policy, pp = layout.reshard_after_forward, layout.pp > 1
     groups: list[FsdpGroup] = []
+    experts: dict[object, list[ParamSpec]] = {}
+    for s in specs:
+        if s.expert and layout.ep > 1:
+            experts.setdefault(s.block, []).append(s)
+    for unit in experts.values():
+        gather, red = (low_gather, low_reduce) if prec.low(unit[0].kind) else (prec.storage, prec.storage)
+        groups.append(FsdpGroup(unit[0].name.rsplit(".", 1)[0], numel(unit), gather, red,
+                                reshard_after_forward(policy, False, pp), "experts", layout.efsdp))
+    specs = [s for s in specs if not (s.expert and layout.ep > 1)]
     own = [s for s in specs if mp and not prec.low(s.kind)]
     units: dict[object, list[ParamSpec]] = {}  # by block; None: outside blocks
     grouped = grouped_fsdp_casts_every_output()  # else one group per module (parallelize.apply_fsdp)
@@ -94,24 +113,26 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP once per
                      schedule step (the stage syncs gradients after its last microbatch)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
-    x gradient-accumulation steps.
+    x gradient-accumulation steps. EP-split experts gather and reduce over their efsdp ranks
+    (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
+    still all-reduce over dp_replicate under HSDP.
     """
-    n = layout.fsdp_shard
-    ag: ByDtype = {}
-    rs: ByDtype = {}
+    out: dict[str, ByDtype] = {}
     ar: ByDtype = {}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
         reduces = 1 if layout.pp > 1 else ops.count("B")
         for g in groups:
-            gathers = fsdp_gathers_per_step(g, ops, layout.pp > 1)
-            full = g.unsharded_numel(n)
-            add_bytes(ag, g.gather_dtype, layout.grad_accum * gathers * full * DTYPE_BYTES[g.gather_dtype])
-            add_bytes(rs, g.reduce_dtype, layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
+            full = g.unsharded_numel(layout.fsdp_shard)
+            if g.degree(layout.fsdp_shard) > 1:
+                gathers = fsdp_gathers_per_step(g, ops, layout.pp > 1)
+                add_bytes(out.setdefault(f"{g.category}_all_gather", {}), g.gather_dtype,
+                          layout.grad_accum * gathers * full * DTYPE_BYTES[g.gather_dtype])
+                add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
+                          layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
             if layout.dp_replicate > 1:
                 add_bytes(ar, g.reduce_dtype, layout.grad_accum * reduces * g.padded_shard_numel
                           * DTYPE_BYTES[g.reduce_dtype])
-    out = {"fsdp_all_gather": ag, "fsdp_reduce_scatter": rs}
     if ar:
         out["hsdp_all_reduce"] = ar
     return out
@@ -125,10 +146,13 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
         ops = stage_ops(layout, stage)
         reduces = 1 if layout.pp > 1 else ops.count("B")
         for g in groups:
-            out["fsdp_all_gather"] += layout.grad_accum * fsdp_gathers_per_step(g, ops, layout.pp > 1)
-            out["fsdp_reduce_scatter"] += layout.grad_accum * reduces
-    if layout.dp_replicate > 1:
-        out["hsdp_all_reduce"] = out["fsdp_reduce_scatter"]
+            if layout.dp_replicate > 1:
+                out["hsdp_all_reduce"] = out.get("hsdp_all_reduce", 0) + layout.grad_accum * reduces
+            if g.degree(layout.fsdp_shard) == 1:
+                continue
+            for op, n in (("all_gather", fsdp_gathers_per_step(g, ops, layout.pp > 1)), ("reduce_scatter", reduces)):
+                key = f"{g.category}_{op}"
+                out[key] = out.get(key, 0) + layout.grad_accum * n
     return out
 
 
@@ -136,8 +160,9 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
     """FSDP buffers alive at the peak, by dtype (not counted in params/grads):
 
     without PP: groups not resharded after forward (root, last block) stay unsharded, plus, for
-                the largest block, the gathered copy in use, the next one prefetched, its
-                unsharded gradient (gather dtype) and its reduce-scatter input (reduce dtype)
+                the largest block (and the largest EP experts group: an MoE block has both in
+                use), the gathered copy in use, the next one prefetched, its unsharded gradient
+                (gather dtype) and its reduce-scatter input (reduce dtype)
     with PP:    a stage keeps its params unsharded and accumulates unsharded grads (reduce dtype)
                 until its last microbatch: every group's unsharded params and grads
     """
@@ -152,9 +177,10 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
         for g in groups:
             if not g.reshard_after_forward:
                 add_bytes(out, g.gather_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.gather_dtype])
-        blocks = [g for g in groups if g.kind == "block" and g.reshard_after_forward]
-        if blocks:
-            big = max(blocks, key=lambda g: g.padded_shard_numel)
-            add_bytes(out, big.gather_dtype, 3 * big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
-            add_bytes(out, big.reduce_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.reduce_dtype])
+        for kind in ("block", "experts"):
+            blocks = [g for g in groups if g.kind == kind and g.reshard_after_forward]
+            if blocks:
+                big = max(blocks, key=lambda g: g.unsharded_numel(n))
+                add_bytes(out, big.gather_dtype, 3 * big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
+                add_bytes(out, big.reduce_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.reduce_dtype])
     return out

@@ -65,6 +65,14 @@ class ModelDims:
         n_heads."""
         return (self.kv_dim // tp,) * 2
 
+    def ep_comm(self, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, dict[str, int]]:
+        """Expert-parallel traffic of these stages (a family with routed experts overrides this)."""
+        return {}
+
+    def active_params(self) -> int:
+        """Parameters one token's forward uses (a family with routed experts overrides this)."""
+        return self.total_params()
+
     def layer_params(self) -> int:
         d, kv, f = self.dim, self.kv_dim, self.ffn_hidden
         return 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
@@ -111,16 +119,16 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
         linear in  (k_attn + k_ffn) x c x d   q/k/v and w1/w3 inputs; the whole sequence (DTensor
                                             keeps the all-gathered input under sequence parallel);
                                             k = 3 and 2 separate casts under autocast, else 1
-        attention  c x (2d / t + 2kv') + 4H / t
-                                            SDPA's q, k, v (kv' = d / t when repeat_kv copies the
+        attention  c x (2hq / t + 2kv') + 4H / t
+                                            SDPA's q, k, v (kv' = hq / t when repeat_kv copies the
                                             local kv heads to H / t heads, kv / t when it is a view:
                                             no repetition or one local kv head), its output (also
                                             wo's input) and
                                             logsumexp: fused attention, no s^2 term; rotary saves
                                             only its [s, head_dim/2] tables
         MLP        4 x c x f / t            w1 out, silu out, w3 out, w2 in
-    with d = dim, kv = kv_heads x head_dim, f = ffn hidden, H = heads, t = TP degree, sp = t
-    under sequence parallel (else 1), c = bytes of the matmul dtype (bf16: 2, fp32: 4). Full AC
+    with d = dim, hq = H x head_dim (d for Llama), kv = kv_heads x head_dim, f = ffn hidden,
+    H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul dtype (bf16: 2, fp32: 4). Full AC
     keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
     one block at a time in backward.
 
@@ -145,14 +153,15 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     # a single kv head on this rank (e.g. 8 kv heads over TP 8).
     local_kv_heads = max(model.kv_heads // t, 1)
     repeated = model.n_heads != model.kv_heads and local_kv_heads > 1
-    kv_saved = d / t if repeated else local_kv_heads * model.head_dim
+    hq = model.n_heads * model.head_dim  # d, unless a family sets head_dim itself
+    kv_saved = hq / t if repeated else local_kv_heads * model.head_dim
     norm = (8 * d + 4) / sp
     cp, window = layout.cp, layout.seq_len
     mask = c * window if layout.masked else 0.0
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
-        + c * (2 * d / t + 2 * kv_saved * cp) + 4 * h / t + mask
+        + c * (2 * hq / t + 2 * kv_saved * cp) + 4 * h / t + mask
         + 4 * c * f / t
     )
     checkpointed = r * d / sp

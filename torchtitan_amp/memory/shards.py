@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from torchtitan_amp.memory.specs import ParamSpec
+from torchtitan_amp.memory.specs import Layout, ParamSpec
 
 
 def chunk_size(n: int, parts: int, index: int) -> int:
@@ -22,15 +22,31 @@ def tp_local_shape(spec: ParamSpec, tp: int, tp_rank: int = 0) -> tuple[int, ...
     return tuple(shape)
 
 
-def _rest(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[1:])
+def _rest(shape: tuple[int, ...], dim: int) -> int:
+    return math.prod(shape) // shape[dim] if shape[dim] else 0
 
 
-def fsdp_local_numel(shape: tuple[int, ...], shards: int, rank: int) -> int:
-    """Elements of this rank's FSDP shard (dim 0, torch.chunk rows, unpadded)."""
-    return chunk_size(shape[0], shards, rank) * _rest(shape)
+def fsdp_local_numel(shape: tuple[int, ...], shards: int, rank: int, dim: int = 0) -> int:
+    """Elements of this rank's FSDP shard (torch.chunk slices of `dim`, unpadded)."""
+    return chunk_size(shape[dim], shards, rank) * _rest(shape, dim)
 
 
-def fsdp_padded_numel(shape: tuple[int, ...], shards: int) -> int:
-    """Elements of one padded shard: FSDP2 pads dim 0 to a multiple of the shard degree."""
-    return -(-shape[0] // shards) * _rest(shape)
+def fsdp_padded_numel(shape: tuple[int, ...], shards: int, dim: int = 0) -> int:
+    """Elements of one padded shard: FSDP2 pads `dim` to a multiple of the shard degree."""
+    return -(-shape[dim] // shards) * _rest(shape, dim)
+
+
+def fsdp_split(spec: ParamSpec, shape: tuple[int, ...], layout: Layout) -> tuple[tuple[int, ...], int, int]:
+    """(what FSDP shards, over how many ranks, along which dim) for a parameter whose TP-local
+    shape is `shape`: an EP-split expert weight keeps E / ep experts and is sharded on dim 1 over
+    efsdp (dim 0 is EP's already: a second split of it would be a strided layout); every other
+    parameter on dim 0 over dp_shard x cp."""
+    if spec.expert and layout.ep > 1:
+        return (shape[0] // layout.ep, *shape[1:]), layout.efsdp, 1
+    return shape, layout.fsdp_shard, 0
+
+
+def efsdp_rank(layout: Layout, fsdp_rank: int) -> int:
+    """A rank's index among the experts' FSDP shards: EP takes the innermost ranks of dp_shard x cp
+    (ParallelDims.build_mesh unflattens it as (efsdp, ep))."""
+    return fsdp_rank // layout.ep

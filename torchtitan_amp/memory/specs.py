@@ -29,11 +29,13 @@ class PrecisionSpec:
     optimizer_state: str = ""  # AdamW's moments ("": the storage dtype)
     frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
     cp_reduce: str = "float32"  # context parallel: the K/V gradients' reduce-scatter
+    router: str = "float32"  # MoE routing arithmetic (mixed_precision.router_dtype)
 
     @classmethod
     def from_plan(cls, plan: Any, norm_cls: type | None = None) -> "PrecisionSpec":
         """`norm_cls`: the model family's norm (ModelFamily.norm_cls), the "norm" kind; None: any
         safe module class that declares `computes_in_fp32` (every family's norms do)."""
+        import torch
         from torch import nn
 
         from torchtitan_amp.precision import dtype_name as name
@@ -46,7 +48,8 @@ class PrecisionSpec:
             kinds.add("norm")
         return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
                    name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
-                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names), name(plan.cp_reduce_dtype))
+                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names), name(plan.cp_reduce_dtype),
+                   name(getattr(plan, "router_dtype", torch.float32)))
 
     @classmethod
     def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",
@@ -114,6 +117,7 @@ class Layout:
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)
+    ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard x cp ranks
 
     @property
     def world_size(self) -> int:
@@ -123,6 +127,11 @@ class Layout:
     def fsdp_shard(self) -> int:
         """Ranks FSDP shards parameters over: dp_shard x cp (ParallelDims.fsdp_shard)."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks FSDP shards the EP-split experts over (ParallelDims.efsdp)."""
+        return self.fsdp_shard // self.ep
 
     def fsdp_rank(self, dp_shard_rank: int, cp_rank: int) -> int:
         """A rank's index among FSDP's shards: the mesh flattens (dp_shard, cp) row-major."""
@@ -186,6 +195,9 @@ class ParamSpec:
     kind: str  # "embedding" | "linear" | "norm"
     tp_dim: int | None  # dim sharded by TP (None: replicated)
     block: int | None  # layer index, None for the ends
+    # A routed expert weight [E, ...]: under EP dim 0 is split over ep, and FSDP shards dim 1 over
+    # efsdp in a group of its own (parallelize.shard_ep_experts); without EP it is a Linear's.
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,3 +210,8 @@ class ActivationTerms:
     head: float  # final norm, output head, logits and loss (last stage)
     embedding: float  # token ids (first stage)
     stage: float = 0.0  # held once by every stage's forward: the attention mask, per-token rope tables
+    # Blocks that differ (an MoE model's dense first blocks): layer index -> its `layer` bytes.
+    layer_by_index: tuple[tuple[int, float], ...] = ()
+
+    def layer_at(self, index: int) -> float:
+        return dict(self.layer_by_index).get(index, self.layer)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_amp.memory.llama import ModelDims
-from torchtitan_amp.memory.shards import fsdp_local_numel, fsdp_padded_numel, tp_local_shape
+from torchtitan_amp.memory.shards import efsdp_rank, fsdp_local_numel, fsdp_padded_numel, fsdp_split, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
 from torchtitan_amp.memory.stages import rank_stages
@@ -40,7 +40,8 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
     """Parameters, gradients and AdamW state held by one rank; `dp_shard_rank` is its index among
     FSDP's shards (dp_shard x cp: Layout.fsdp_rank).
 
-    params    = local elements x bytes(storage)  (TP shard, then FSDP dim-0 shard)
+    params    = local elements x bytes(storage)  (TP shard, then FSDP dim-0 shard; an EP-split
+                expert weight: E / ep experts, FSDP dim-1 shard over efsdp, memory.fsdp_split)
     grads     = params (same shard, storage dtype: FSDP2 reduce-scatters into fp32 sharded grads),
                 except that under TP without FSDP the embedding's gradient is a replicated full
                 [vocab, dim] tensor (DTensor's embedding backward for a row-sharded table, torch 2.13)
@@ -55,8 +56,10 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
         for spec in model.param_specs(stage):
             shape = tp_local_shape(spec, layout.tp, tp_rank)
             if layout.fsdp_shard > 1:
-                numel = fsdp_local_numel(shape, layout.fsdp_shard, dp_shard_rank)
-                padded = fsdp_padded_numel(shape, layout.fsdp_shard)
+                shape, shards, dim = fsdp_split(spec, shape, layout)
+                rank = efsdp_rank(layout, dp_shard_rank) if dim == 1 else dp_shard_rank
+                numel = fsdp_local_numel(shape, shards, rank, dim)
+                padded = fsdp_padded_numel(shape, shards, dim)
             else:
                 numel = padded = math.prod(shape)
             out.num_params += numel

@@ -2,7 +2,7 @@
 (model.py, moe.py), load balancing between steps (balance.py), Llama's TP plan for attention and
 dense blocks (parallelize.py), and the one `FAMILY` object the framework asks (models.FAMILIES["moe"])."""
 
-from torchtitan_amp.memory import ModelDims
+from torchtitan_amp.memory import MoEDims
 from torchtitan_amp.models.llama3.model import RMSNorm
 from torchtitan_amp.models.llama3.parallelize import AC_REGIONS, BLOCK_NORMS
 from torchtitan_amp.models.moe import balance
@@ -21,7 +21,7 @@ FAMILY = ModelFamily(
     block_norms=BLOCK_NORMS,
     ac_regions=AC_REGIONS,
     norm_cls=RMSNorm,
-    memory_dims=ModelDims.from_args,
+    memory_dims=MoEDims.from_args,
     hf=ADAPTER,
     after_backward=balance.after_backward,
     set_loss_factor=balance.set_aux_grad_scale,

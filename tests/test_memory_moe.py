@@ -1,0 +1,90 @@
+"""The memory model of the mixture-of-experts family (torchtitan_amp/memory/moe.py) against the
+real model: parameter counts (total and active), the per-layer activation formula against the
+tensors autograd saves, the FLOPs the metrics use, and the EP all-to-all's volumes.
+(tests/test_dry_run.py checks state and traffic against real FSDP and EP runs.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from torchtitan_amp import memory
+from torchtitan_amp.config import load_config
+from torchtitan_amp.models import count_params, get_family
+from torchtitan_amp.models.moe.model import active_params
+from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan
+
+FAMILY = get_family("moe")
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel_moe", "debugmodel_qwen3", "qwen3_30b_a3b", "deepseek_v3_16b"])
+def test_total_and_active_params_match_the_model(flavor: str) -> None:
+    args = FAMILY.flavors[flavor]
+    with torch.device("meta"):
+        model = FAMILY.build_model(args)
+    dims = FAMILY.memory_dims(args)
+    assert isinstance(dims, memory.MoEDims)
+    specs = dims.param_specs(memory.Stage(0, range(args.n_layers), True, True))
+    assert {s.name: s.shape for s in specs} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    total, no_emb = count_params(model), count_params(model, exclude_embedding=True)
+    assert dims.total_params() == total
+    assert dims.active_params() == active_params(args, no_emb) + (total - no_emb)
+    if flavor == "qwen3_30b_a3b":  # the name's 30B total, 3B active
+        assert 30.0e9 < dims.total_params() < 31.0e9 and 3.2e9 < dims.active_params() < 3.5e9
+
+
+def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, context) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of distinct storages saved for backward, other than parameters and their casts
+    (a tensor shaped like a parameter or its transpose); the rotary tables are per stage and cancel in a
+    difference of layer counts."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and tuple(t.shape) not in shapes:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
+        model(tokens)
+    return sum(seen.values())
+
+
+CASES = {
+    "debugmodel_moe": {},  # a shared expert, sigmoid-free softmax routing, bias balancing
+    "qwen3_like": {"n_heads": 4, "n_kv_heads": 2, "explicit_head_dim": 24, "qk_norm": True,
+                   "n_shared_experts": 0, "load_balance": "aux_loss"},
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_activation_formula_matches_saved_tensors(case: str, precision: str) -> None:
+    """A MoE block's bytes (3 layers minus 1, all MoE) and a dense block's (the first of 3 made
+    dense) equal the formula's, per token of the microbatch."""
+    config = load_config(["--model.name", "moe", "--model.flavor", "debugmodel_moe",
+                          "--mixed_precision.enabled", "false" if precision == "fp32" else "true"])
+    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
+    b, s = 2, 64
+    base = dataclasses.replace(FAMILY.flavors["debugmodel_moe"], moe_inter_dim=48, dense_inter_dim=96, **CASES[case])
+    measured = {}
+    for layers, dense in ((1, 0), (3, 0), (3, 1)):
+        args = dataclasses.replace(base, n_layers=layers, n_dense_layers=dense)
+        torch.manual_seed(0)
+        model = FAMILY.build_model(args)
+        model.init_weights()
+        plan.apply_router_dtype(model)
+        plan.apply_fp32_islands(model)
+        measured[layers, dense] = _saved_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
+    layout = memory.Layout(seq_len=s, local_batch_size=b)
+    terms = FAMILY.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, FAMILY.norm_cls), layout)
+    tokens = layout.microbatch_tokens
+    assert (measured[3, 0] - measured[1, 0]) / 2 == terms.layer * tokens
+    assert measured[3, 1] - measured[3, 0] == (terms.layer_at(0) - terms.layer) * tokens
+    assert terms.layer_at(0) != terms.layer and terms.layer_at(1) == terms.layer
