@@ -31,6 +31,7 @@ from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 BASE = ("--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--mixed_precision.enabled", "true")
 PP = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2")
+MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 
 # Layouts per process count. The debug model's vocab (258) splits unevenly over 4 FSDP shards,
 # so padding and short last shards are exercised.
@@ -59,6 +60,10 @@ JOBS = {
         "tp2": ["--parallelism.tensor_parallel_degree", "2"],
         "tp2_no_sp_ac": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false",
                          "--activation_checkpoint.mode", "full"],
+        # MoE: routers in the blocks' fp32 groups; under EP 2 each rank holds 4 of the 8 experts
+        # (efsdp 1: no expert FSDP collective) and exchanges rows by all-to-all, again when recomputed.
+        "moe_fsdp2": [*MOE],
+        "moe_ep2_ac": [*MOE, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
     },
     4: {
         "fsdp4": [],
@@ -71,6 +76,9 @@ JOBS = {
         "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2"],
         # FSDP over dp_shard x cp = 4; K/V all-gathered over cp, their gradients reduce-scattered.
         "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
+        # The experts' 4 ranks' worth of FSDP split as EP 2 x efsdp 2: their own all-gathers and
+        # reduce-scatters over the efsdp pairs, sharded on dim 1.
+        "moe_ep2_efsdp2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
         "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
             "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
             "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],
@@ -84,6 +92,17 @@ def _real_runs(tmp_path: Path, nproc: int) -> tuple[dict, dict[str, list[str]]]:
     out = tmp_path / "out"
     launch_worker("dry_run_worker", out, [{"name": n, "args": a} for n, a in jobs.items()], nproc, timeout=300)
     return json.loads((out / "result.json").read_text()), jobs
+
+
+def _ep_mean(report: dict, ranks: list[dict], rank: int) -> dict[str, int]:
+    """A rank's EP all-to-all, its rows averaged over the ranks: each rank sends its own rows
+    (dispatch forward, combine's gradient) but returns what it received (combine forward,
+    dispatch's gradient), which depends on the routing; over an EP group what is received is
+    what is sent, so the mean is exact. The split sizes are exact per rank."""
+    sent = {d: sum(r["comm"]["ep_all_to_all"][d] for r in ranks) for d in ranks[rank]["comm"]["ep_all_to_all"]}
+    mean = {d: v // len(ranks) if d != "int64" else ranks[rank]["comm"]["ep_all_to_all"][d] for d, v in sent.items()}
+    assert all(v * len(ranks) == sent[d] for d, v in mean.items() if d != "int64"), sent
+    return mean
 
 
 def _total(comm: dict[str, dict[str, int]]) -> int:
@@ -107,6 +126,8 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             # collective) is outside the model and bounded by that description: since the trainer
             # sums TP's Partial norm gradients once (modelled), no gradient is reduced there again.
             modelled = {k: v for k, v in measured["comm"].items() if ":" not in k}
+            if "ep_all_to_all" in modelled:
+                modelled["ep_all_to_all"] = _ep_mean(report, real[name], rank)
             assert report["communication"] == modelled, f"{where}: dry run {report['communication']} != real {modelled}"
             # One call per FSDP group per gather / reduction: a block's fp32 norms share a group.
             predicted = report["fsdp_collective_calls"]

@@ -113,8 +113,9 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     return out
 
 
-def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
-    """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup."""
+def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
+    """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup; one sharded
+    over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts")."""
     groups, seen = [], set()
     names = {id(m): unwrapped_name(name) for name, m in part.named_modules()}
     for name, module in part.named_modules():
@@ -127,10 +128,13 @@ def fsdp_groups_of(part: nn.Module) -> list[FsdpGroup]:
             gather = dtype_name(g.mp_policy.param_dtype) if g.mp_policy.param_dtype else orig
             reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather
             kind = "root" if module is part else "block" if name.count(".") == 1 and name.startswith("layers.") else "fp32"
+            shards = g.mesh_info.shard_mesh_size
+            if shards != fsdp_shard:
+                kind = "experts"
             groups.append(FsdpGroup(
                 "+".join(names[id(m)] for m in g.modules) or "root",
                 sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
-                gather, reduce, g.post_forward_mesh_info is not None, kind))
+                gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0))
     return groups
 
 
@@ -165,7 +169,7 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
         coords = dims.coordinates(world_size)
         stages = memory.rank_stages(res.model_dims, res.layout, coords["pp"])
         built = build_model_parts(res, torch.device("meta"), [s.index for s in stages], materialize=False)
-        report = _report(config, res, rank, coords, stages, built.parts, built.num_params)
+        report = _report(config, res, rank, coords, stages, built.parts, built.num_params, built.flops_per_token)
     finally:
         if created:
             dist.destroy_process_group()
@@ -178,13 +182,14 @@ def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = 
 
 
 def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stages: list[Stage],
-            parts: list[nn.Module], total_params: int) -> dict[str, Any]:
+            parts: list[nn.Module], total_params: int, flops_per_token: float) -> dict[str, Any]:
     dims, plan, args, layout, num_stages = res.dims, res.plan, res.model_args, res.layout, res.num_stages
     model_dims, prec = res.model_dims, res.precision
     state = measure_state(parts, plan.optimizer_state_dtype)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
                                   dp_shard_rank=layout.fsdp_rank(coords["dp_shard"], coords["cp"]))
-    stage_groups = [(s, fsdp_groups_of(part)) for s, part in zip(stages, parts)] if dims.fsdp_enabled else []
+    stage_groups = ([(s, fsdp_groups_of(part, dims.fsdp_shard)) for s, part in zip(stages, parts)]
+                    if dims.fsdp_enabled else [])
     comm: dict[str, ByDtype] = {}
     calls: dict[str, int] = {}
     transient: ByDtype = {}
@@ -198,6 +203,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.cp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
+    comm.update(model_dims.ep_comm(prec, layout, stages))
     acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
     # Measured state and FSDP groups, analytic activations.
     estimate = memory.MemoryEstimate(state, transient, acts)
@@ -207,8 +213,9 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "rank": rank,
         "coordinates": coords,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                    "tp": dims.tp, "fsdp_shard": dims.fsdp_shard},
-        "model": {"flavor": config.model.flavor, "total_params": total_params, "dim": args.dim,
+                    "tp": dims.tp, "fsdp_shard": dims.fsdp_shard, "ep": dims.ep, "efsdp": layout.efsdp},
+        "model": {"flavor": config.model.flavor, "total_params": total_params,
+                  "active_params": model_dims.active_params(), "flops_per_token": flops_per_token, "dim": args.dim,
                   "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
                   "ffn_hidden": model_dims.ffn_hidden, "vocab_size": args.vocab_size},
         "training": {"seq_len": layout.seq_len, "local_seq_len": layout.local_seq_len,
@@ -291,15 +298,28 @@ FORMULAS = {
           "under FSDP+SP the Partial norm-weight gradients (norms x dim)",
     "pp": "per microbatch per stage boundary: [mb, seq/sp, dim] each way, in the residual dtype "
           "(param_dtype under FSDP: only the last stage's root casts to output_dtype; fp32 under autocast)",
-    "volume": "full tensor size: all-gather output, reduce-scatter input, all-reduce buffer, p2p tensor",
+    "ep_all_to_all": "per MoE layer per forward pass: the token counts ([E] int64), the dispatched rows "
+                     "[tokens x top_k, dim] (hidden states' dtype) and the combined rows (experts' output "
+                     "dtype); the rows' gradients back in backward; again for recomputed blocks (AC); "
+                     "volume = what a rank sends, its own share included ((ep-1)/ep leaves it under "
+                     "uniform routing)",
+    "expert_fsdp": "EP-split experts: all-gather / reduce-scatter over the efsdp ranks (none when efsdp is 1)",
+    "volume": "full tensor size: all-gather output, reduce-scatter input, all-reduce buffer, p2p tensor, "
+              "all-to-all input",
 }
+
+
+def _params(model: dict[str, Any]) -> str:
+    """Total parameters, and the active ones where they differ (MoE: top_k of the routed experts)."""
+    total, active = model["total_params"], model.get("active_params", model["total_params"])
+    return f"{total:,} params" + (f", {active:,} active per token" if active != total else "")
 
 
 def format_table(r: dict[str, Any]) -> str:
     fb, fd = memory.fmt_bytes, memory.fmt_by_dtype
     m, pr, deg = r["memory"], r["precision"], r["degrees"]
     lines = [
-        f"dry run: {r['model']['flavor']} ({r['model']['total_params']:,} params, vocab "
+        f"dry run: {r['model']['flavor']} ({_params(r['model'])}, vocab "
         f"{r['model']['vocab_size']:,}), rank {r['rank']} of {r['world_size']}",
         f"  layout   pp {deg['pp']} x dp_replicate {deg['dp_replicate']} x dp_shard {deg['dp_shard']} x "
         f"cp {deg['cp']} x tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
@@ -307,6 +327,9 @@ def format_table(r: dict[str, Any]) -> str:
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
         f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else ""),
     ]
+    if deg.get("ep", 1) > 1:
+        lines.append(f"  experts  ep {deg['ep']}: each MoE layer's routed experts split over {deg['ep']} ranks, "
+                     f"FSDP-sharded over the other {deg['efsdp']}; tokens dispatched and combined by all-to-all")
     if deg["cp"] > 1:
         lines.append(f"  context  cp {deg['cp']}: {r['training']['local_seq_len']:,} of each window's "
                      f"{r['training']['seq_len']:,} tokens on this rank ({r['training']['attn_mask_type']}); "

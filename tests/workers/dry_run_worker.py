@@ -7,7 +7,8 @@ runs one train step (warm-up: lazy init, pipeline shape inference), then counts 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
 - bytes of every collective it issues, by category and dtype (torchtitan_amp/traffic.py: the
   torch.distributed, point-to-point and functional-collective entry points, and torch's
-  `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too).
+  `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too; here:
+  expert parallel's all-to-alls, both ways).
 
 Volumes follow the dry run's convention: all-gather output, reduce-scatter input, all-reduce
 buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} to OUT/result.json.
@@ -35,6 +36,7 @@ from tests.support import exit_process, read_spec
 _state = threading.local()
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
 HSDP = {"on": False}
+EP: dict[str, tuple[int, ...] | None] = {"ranks": None}  # the EP group's ranks (may be FSDP's too)
 
 
 def _group_ranks(group) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
@@ -57,6 +59,10 @@ def _category(op: str, group) -> str:  # type: ignore[no-untyped-def]
         return f"tp_{op}"
     if dim == "cp" and op in ("all_gather", "reduce_scatter"):
         return f"cp_{op}"
+    if op == "all_to_all" and _group_ranks(group) == EP["ranks"]:
+        return "ep_all_to_all"
+    if dim == "efsdp" and op in ("all_gather", "reduce_scatter"):
+        return f"expert_fsdp_{op}"
     if dim == "pp" and op in ("send", "recv", "all_reduce"):
         return f"pp_{op}"
     return f"other:{op}:{dim}"
@@ -79,6 +85,43 @@ def install_phase_tags() -> None:
     Partial gradients) are tagged "grad_norm:..." / "optimizer:...": the dry run reports the
     forward/backward traffic."""
     trainer_module.clip_grad_norm_ = _in_phase(trainer_module.clip_grad_norm_, "grad_norm")
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts the gradient the all-to-all's backward sends (torch's
+    autograd all-to-all runs its reverse exchange in C++, out of the wrappers' sight)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        if collectives._settings["on"]:
+            collectives.record("all_to_all", ctx.group, grad)
+        return grad, None
+
+
+def install_all_to_all_counters() -> None:
+    """Expert parallel's exchanges: the split sizes (dist.all_to_all_single) and the rows
+    (expert_parallel's autograd all-to-all, both ways); volume = the tensor a rank sends."""
+    from torchtitan_amp import expert_parallel
+
+    counts_a2a, rows_a2a = dist.all_to_all_single, expert_parallel.all_to_all_single_autograd
+
+    def count_splits(output, input, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if collectives._settings["on"]:
+            collectives.record("all_to_all", kwargs.get("group"), input)
+        return counts_a2a(output, input, *args, **kwargs)
+
+    def count_rows(rows, output_split, input_split, group):  # type: ignore[no-untyped-def]
+        if collectives._settings["on"]:
+            collectives.record("all_to_all", group, rows)
+        return _CountBackward.apply(rows_a2a(rows, output_split, input_split, group), group)
+
+    dist.all_to_all_single = count_splits
+    expert_parallel.all_to_all_single_autograd = count_rows
 
 
 def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
@@ -105,6 +148,12 @@ def run_job(args: list[str]) -> dict:
             assert ranks not in GROUP_DIMS, f"FSDP's group {ranks} is also the {GROUP_DIMS[ranks]} group's"
             GROUP_DIMS[ranks] = "dp_shard"
     HSDP["on"] = trainer.dims.hsdp_enabled
+    EP["ranks"] = _group_ranks(trainer.dims.ep_mesh.get_group()) if trainer.dims.ep_enabled else None
+    if trainer.dims.ep_enabled and trainer.dims.efsdp > 1:
+        efsdp = trainer.dims.expert_fsdp_mesh
+        ranks = _group_ranks((efsdp["efsdp"] if trainer.dims.hsdp_enabled else efsdp).get_group())
+        assert ranks not in GROUP_DIMS, f"the experts' FSDP group {ranks} is also the {GROUP_DIMS[ranks]} group's"
+        GROUP_DIMS[ranks] = "efsdp"
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)
     trainer.train_step(batches)  # warm-up: lazy init, pipeline shape inference
@@ -139,6 +188,7 @@ def main(spec_path: str) -> int:
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()
     install_phase_tags()
+    install_all_to_all_counters()
     spec = read_spec(spec_path)
     results = {}
     for job in spec.jobs:
