@@ -358,3 +358,31 @@ def test_1f1b_order_and_fsdp_gathers() -> None:
     # Under PP params stay gathered after backward: FFBFBFBB gathers at F1, F2 (after F), B0, B1 (after F) ...
     assert memory.fsdp_gathers_per_step(resharded, list("FFBFBFBB"), pp=True) == 5
     assert memory.fsdp_gathers_per_step(kept, list("FFBFBFBB"), pp=True) == 1
+
+
+@pytest.mark.parametrize("flavor, vocab, world, ep", [("qwen3_30b_a3b", 151936, 64, 8), ("deepseek_v3_16b", 102400, 32, 8)])
+def test_moe_dry_run_total_vs_active_and_expert_parallel(tmp_path: Path, flavor: str, vocab: int, world: int,
+                                                          ep: int) -> None:
+    """An MoE model at size: every expert is held (sharded EP x efsdp like the rest over FSDP),
+    a token uses top_k of them (active), and each MoE layer exchanges its T x top_k rows by
+    all-to-all four times (dispatch and combine, forward and backward)."""
+    config = load_config(["--model.name", "moe", "--model.flavor", flavor, "--job.dump_folder", str(tmp_path),
+                          "--dry_run.vocab_size", str(vocab), "--training.seq_len", "4096",
+                          "--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", str(ep)])
+    report = dry_run.run(config, world_size=world, rank=0, write=False)
+    assert report["elapsed_s"] < 60, report["elapsed_s"]
+    res = dry_run.resolve(config, world)
+    dims, m = res.model_dims, report["model"]
+    assert m["total_params"] == dims.total_params() and m["active_params"] == dims.active_params() < m["total_params"]
+    assert report["degrees"]["ep"] == ep and report["degrees"]["efsdp"] == world // ep
+    assert report["memory"]["analytic_state_matches"]
+    # Experts and the rest alike are split over all the ranks: ~4 bytes x total / ranks.
+    held = report["memory"]["params"]["float32"]
+    assert abs(held - 4 * m["total_params"] / world) < 0.01 * held
+    assert report["communication"] == memory.comm(dims, res.precision, res.layout)
+    moe_layers = dims.moe_layers()
+    rows = 4096 * dims.top_k * dims.dim * 2  # bf16
+    assert report["communication"]["ep_all_to_all"] == {"bfloat16": 4 * moe_layers * rows,
+                                                        "int64": moe_layers * dims.n_routed_experts * 8}
+    assert "expert_fsdp_all_gather" in report["communication"]
+    assert "active per token" in dry_run.format_table(report) and f"ep {ep}" in dry_run.format_table(report)

@@ -88,3 +88,21 @@ def test_moe_activation_formula_matches_saved_tensors(case: str, precision: str)
     assert (measured[3, 0] - measured[1, 0]) / 2 == terms.layer * tokens
     assert measured[3, 1] - measured[3, 0] == (terms.layer_at(0) - terms.layer) * tokens
     assert terms.layer_at(0) != terms.layer and terms.layer_at(1) == terms.layer
+
+
+def test_mfu_counts_the_active_experts_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The trainer's MFU numerator (job.build_model_parts -> ModelParts.flops_per_token ->
+    metrics) is the family's flops_per_token: 6 x active parameters + attention."""
+    from torchtitan_amp import dry_run
+    from torchtitan_amp.job import build_model_parts
+
+    config = load_config(["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--job.dump_folder", str(tmp_path),
+                          "--training.seq_len", "64"])
+    job = dry_run.resolve(config, 1)
+    built = build_model_parts(job, torch.device("meta"), [0], materialize=False)
+    args, dims = job.model_args, job.model_dims
+    no_emb = dims.active_params() - args.vocab_size * args.dim
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 64
+    assert built.flops_per_token == 6 * no_emb + attention
+    dense_equivalent = 6 * (dims.total_params() - args.vocab_size * args.dim) + attention
+    assert built.flops_per_token < 0.75 * dense_equivalent
