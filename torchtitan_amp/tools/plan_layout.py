@@ -3,7 +3,8 @@
 
     python -m torchtitan_amp.tools.plan_layout --flavor llama3_70b --gpus 64 --gpu-mem-gib 80 --seq-len 8192
 
-Tries every valid (dp_replicate, dp_shard, tp, pp, cp) factorization of --gpus x precision setting
+Tries every valid (dp_replicate, dp_shard, tp, pp, cp) factorization of --gpus (for an MoE model
+(--model moe) x every expert-parallel split of dp_shard x cp that divides its routed experts) x precision setting
 (bf16 compute with fp32 or bf16 gradient reduce, or fp32) x activation checkpointing (none, full),
 checks each with the trainer's own validation (the config overrides printed are what `train.py`
 accepts), estimates each rank's peak memory with torchtitan_amp.memory (analytic: no model, no
@@ -15,6 +16,7 @@ layout without it fits (one sequence's activations are too large for any other s
 Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the derivation):
   tokens   = global batch x seq_len; every layout processes the same tokens per step
   compute  = tokens x FLOPs/token / gpus / (MFU x peak), FLOPs/token = 6N + 12 L H d_head s
+             (N: active parameters for MoE)
              (train.py's MFU formula, N without the embedding table), + 2N + 4 L H d_head s under
              full AC (the forward recomputed); fp32 layouts run at --fp32-speed x that rate
   bubble   = compute x (pp - 1) / microbatches  (1F1B: idle fraction (pp-1)/(m+pp-1) of the step)
@@ -23,7 +25,9 @@ Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the deriv
              torchtitan_amp.memory.comm; bandwidth: --intra-node-gbps when the group's ranks
              share a node (tp innermost, then cp, dp_shard, dp_replicate, pp), else --inter-node-gbps
   exposed  = tp + pp time (on the critical path, x --tp-exposed) + cp time (the K/V all-gathers
-             and their gradients' reduce-scatters: attention waits for them)
+             and their gradients' reduce-scatters: attention waits for them) + ep time (the MoE
+             all-to-alls: the experts wait for their rows; (ep-1)/ep of the rows leave a rank,
+             uniform routing assumed)
              + max(--dp-exposed x dp time, dp time - compute)  (FSDP/DDP traffic overlaps
                compute, but never more than there is compute to hide it)
   step     = compute + bubble + exposed
@@ -52,7 +56,8 @@ PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
 }
 AC_MODES = ("none", "full")
-DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce")
+DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce",
+                 "expert_fsdp_all_gather", "expert_fsdp_reduce_scatter")
 
 
 @dataclass
@@ -80,6 +85,8 @@ class Candidate:
     tokens_per_s_per_gpu: float = 0.0
     mfu: float = 0.0
     fits: bool = False
+    ep: int = 1  # expert parallel (MoE): a split of dp_shard x cp, not a degree of its own
+    ep_comm_s: float = 0.0
 
     @property
     def degrees(self) -> tuple[int, int, int, int, int]:
@@ -87,6 +94,7 @@ class Candidate:
 
     def describe(self) -> str:
         parts = [f"CP {self.cp}"] if self.cp > 1 else []
+        parts += [f"EP {self.ep}"] if self.ep > 1 else []
         if self.dp_replicate > 1:
             ddp = self.dp_shard * self.cp == 1  # CP always shards (over dp_shard x cp)
             parts.append(f"DDP {self.dp_replicate}" if ddp else f"HSDP {self.dp_replicate}x{self.dp_shard}")
@@ -127,27 +135,32 @@ def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
             and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens))
 
 
-def _group_bandwidth(dim: str, degrees: Degrees, args: Any) -> float:
+def _group_bandwidth(dim: str, degrees: Degrees, args: Any, ep: int = 1) -> float:
     """Bytes/s for a collective over `dim`: intra-node when the group's span fits in a node. The
     mesh is (pp, dp_replicate, dp_shard, cp, tp), tp innermost, so a group's ranks are
     `stride` apart with stride = product of the inner degrees. FSDP ("dp_shard") shards over
-    dp_shard x cp: its group spans both."""
+    dp_shard x cp: its group spans both. EP takes the innermost ranks of dp_shard x cp ("ep"), the
+    experts' FSDP the rest ("efsdp")."""
     r, s, t, p, c = degrees
-    stride = {"tp": 1, "cp": t, "dp_shard": t, "dp_replicate": t * s * c, "pp": t * c * s * r}[dim]
-    size = {"tp": t, "cp": c, "dp_shard": s * c, "dp_replicate": r, "pp": p}[dim]
+    stride = {"tp": 1, "cp": t, "dp_shard": t, "dp_replicate": t * s * c, "pp": t * c * s * r, "ep": t,
+              "efsdp": t * ep}[dim]
+    size = {"tp": t, "cp": c, "dp_shard": s * c, "dp_replicate": r, "pp": p, "ep": ep, "efsdp": s * c // ep}[dim]
     gbps = args.intra_node_gbps if stride * size <= args.gpus_per_node else args.inter_node_gbps
     return gbps * 1e9
 
 
-def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: Any) -> float:
+def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: Any, ep: int = 1) -> float:
+    """An all-to-all's volume is what a rank sends; (n - 1) / n of it leaves the rank under
+    uniform routing (memory.moe.ep_comm), like a ring collective's."""
     dim = {"fsdp_all_gather": "dp_shard", "fsdp_reduce_scatter": "dp_shard", "hsdp_all_reduce": "dp_replicate",
            "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp", "cp_all_gather": "cp",
-           "cp_reduce_scatter": "cp"}.get(category, "tp")
+           "cp_reduce_scatter": "cp", "ep_all_to_all": "ep", "expert_fsdp_all_gather": "efsdp",
+           "expert_fsdp_reduce_scatter": "efsdp"}.get(category, "tp")
     r, s, t, p, c = degrees
-    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c}[dim]
+    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c, "ep": ep, "efsdp": s * c // ep}[dim]
     if n == 1 or category == "pp_recv":  # a receive is the other end of a send
         return 0.0
-    bw = _group_bandwidth(dim, degrees, args)
+    bw = _group_bandwidth(dim, degrees, args, ep)
     if category.startswith("pp_"):
         return nbytes / bw
     factor = 2 if category.endswith("all_reduce") else 1
@@ -164,12 +177,12 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     cand.memory_gib = max(cand.memory_by_stage_gib)
 
     tokens = args.global_batch_size * args.seq_len
-    # The MFU numerator of train.py: 6N (N without the embedding table) + attention.
+    # The MFU numerator of train.py: 6N (N without the embedding table; the family's: MoE counts
+    # the active experts only) + attention.
     n_no_emb = model.total_params() - model.vocab_size * model.dim
     model_flops = res.family.flops_per_token(res.model_args, n_no_emb, args.seq_len)
-    attn = model_flops - 6 * n_no_emb
-    # Full AC runs each block's forward again in backward: + 2N + attention's forward third.
-    flops_tok = model_flops + ((2 * n_no_emb + attn / 3) if layout.ac_mode == "full" else 0)
+    # Full AC runs each block's forward again in backward: a third more.
+    flops_tok = model_flops * (4 / 3 if layout.ac_mode == "full" else 1)
     rate = args.mfu * args.peak_tflops * 1e12 * (args.fp32_speed if cand.precision == "fp32" else 1.0)
     cand.compute_s = tokens * flops_tok / args.gpus / rate
     cand.bubble_s = cand.compute_s * (layout.pp - 1) / cand.microbatches if layout.pp > 1 else 0.0
@@ -177,18 +190,51 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     comm: dict[str, float] = {}
     for r in pp_ranks:  # the slowest stage sets the pace
         for category, by_dtype in memory.comm(model, prec, layout, pp_rank=r).items():
-            t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args)
+            t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args, cand.ep)
             comm[category] = max(comm.get(category, 0.0), t)
     cand.dp_comm_s = sum(v for k, v in comm.items() if k in DP_CATEGORIES)
     cand.tp_comm_s = sum(v for k, v in comm.items() if k.startswith("tp_")) * args.tp_exposed
     cand.pp_comm_s = sum(v for k, v in comm.items() if k.startswith("pp_"))
     cand.cp_comm_s = sum(v for k, v in comm.items() if k.startswith("cp_"))
+    cand.ep_comm_s = comm.get("ep_all_to_all", 0.0)  # the experts wait for their rows
     cand.dp_exposed_s = max(args.dp_exposed * cand.dp_comm_s, cand.dp_comm_s - cand.compute_s)
     cand.step_s = (cand.compute_s + cand.bubble_s + cand.dp_exposed_s + cand.tp_comm_s + cand.pp_comm_s
-                   + cand.cp_comm_s)
+                   + cand.cp_comm_s + cand.ep_comm_s)
     cand.tokens_per_s_per_gpu = tokens / cand.step_s / args.gpus
     cand.mfu = tokens * model_flops / cand.step_s / args.gpus / (args.peak_tflops * 1e12)
     return cand
+
+
+def expert_splits(degrees: Degrees, n_experts: int) -> list[int]:
+    """EP degrees for a layout of a model with `n_experts` routed experts per MoE layer (0: none):
+    1, and every degree that divides both dp_shard x cp (EP splits FSDP's ranks) and the experts;
+    none with TP (the trainer refuses EP x TP: the experts have no TP plan)."""
+    _r, s, t, _p, c = degrees
+    if not n_experts or t > 1:
+        return [1]
+    return [e for e in range(1, s * c + 1) if (s * c) % e == 0 and n_experts % e == 0]
+
+
+def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
+    r, s, t, p, c = degrees
+    per_dp = args.global_batch_size // (r * s)  # sequences per data-parallel rank per step
+    out = [
+        "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
+        "--parallelism.data_parallel_replicate_degree", str(r),
+        "--parallelism.data_parallel_shard_degree", str(s),
+        "--parallelism.tensor_parallel_degree", str(t),
+        "--parallelism.pipeline_parallel_degree", str(p),
+    ] + (["--parallelism.context_parallel_degree", str(c)] if c > 1 else [])
+    out += ["--parallelism.expert_parallel_degree", str(ep)] if ep > 1 else []
+    if args.model != "llama3":  # the default family goes unsaid in the printed overrides
+        out += ["--model.name", args.model]
+    if p > 1:
+        # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
+        return out + ["--training.local_batch_size", str(per_dp),
+                      "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
+    # Gradient accumulation over --local-batch-size sequences.
+    return out + ["--training.local_batch_size", str(args.local_batch_size),
+                  "--training.global_batch_size", str(args.global_batch_size)]
 
 
 def candidates(args: Any) -> tuple[list[Candidate], int]:
@@ -196,47 +242,28 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
     from torchtitan_amp import dry_run
     from torchtitan_amp.models import get_family
 
-    n_layers = get_family(args.model).flavors[args.flavor].n_layers
+    flavor = get_family(args.model).flavors[args.flavor]
+    n_layers, n_experts = flavor.n_layers, getattr(flavor, "n_routed_experts", 0)
     out: list[Candidate] = []
     rejected = 0
     for degrees in factorizations(args.gpus):
-        if not structurally_valid(degrees, args, n_layers):
-            rejected += 1
-            continue
         r, s, t, p, c = degrees
-        dp = r * s
-        if args.global_batch_size % (dp * args.local_batch_size):
+        if not structurally_valid(degrees, args, n_layers) or args.global_batch_size % (r * s * args.local_batch_size):
             rejected += 1
             continue
-        per_dp = args.global_batch_size // dp  # sequences per data-parallel rank per step
-        layout_args = [
-            "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
-            "--parallelism.data_parallel_replicate_degree", str(r),
-            "--parallelism.data_parallel_shard_degree", str(s),
-            "--parallelism.tensor_parallel_degree", str(t),
-            "--parallelism.pipeline_parallel_degree", str(p),
-        ] + (["--parallelism.context_parallel_degree", str(c)] if c > 1 else [])
-        if args.model != "llama3":  # the default family goes unsaid in the printed overrides
-            layout_args += ["--model.name", args.model]
-        if p > 1:
-            # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
-            layout_args += ["--training.local_batch_size", str(per_dp),
-                            "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
-        else:  # gradient accumulation over --local-batch-size sequences
-            layout_args += ["--training.local_batch_size", str(args.local_batch_size),
-                            "--training.global_batch_size", str(args.global_batch_size)]
-        for prec_name, prec_args in PRECISIONS.items():
-            for ac in AC_MODES:
-                overrides = layout_args + prec_args + ["--activation_checkpoint.mode", ac]
-                try:
-                    res = dry_run.resolve(load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]),
-                                          args.gpus)
-                except ConfigError:
-                    rejected += 1
-                    continue
-                cand = Candidate(r, s, t, p, c, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
-                                 overrides)
-                out.append(evaluate(cand, res, args))
+        for ep in expert_splits(degrees, n_experts):
+            for prec_name, prec_args in PRECISIONS.items():
+                for ac in AC_MODES:
+                    overrides = _layout_args(degrees, ep, args) + prec_args + ["--activation_checkpoint.mode", ac]
+                    try:
+                        res = dry_run.resolve(load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]),
+                                              args.gpus)
+                    except ConfigError:
+                        rejected += 1
+                        continue
+                    cand = Candidate(r, s, t, p, c, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
+                                     overrides, ep=ep)
+                    out.append(evaluate(cand, res, args))
     return out, rejected
 
 
@@ -277,14 +304,15 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         mb = c.microbatches if c.pp > 1 else c.grad_accum
         lines.append(
             f"{i:3d} {c.describe():22s} {c.precision:17s} {c.ac:4s} {mb:4d} {c.memory_gib:8.1f} {c.step_s:8.2f} "
-            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s + c.cp_comm_s:7.2f} {c.pp_comm_s:6.2f} "
+            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s + c.cp_comm_s + c.ep_comm_s:7.2f} "
+            f"{c.pp_comm_s:6.2f} "
             f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}")
     if not result["fitting"]:
         lines.append("  (nothing fits; smallest footprints:)")
         for c in result["not_fitting"][:5]:
             lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.ac:4s} {c.memory_gib:8.1f} GiB")
     lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
-              "FSDP/DDP traffic; tp/pp: TP (+ CP) and PP traffic time", ""]
+              "FSDP/DDP traffic; tp/pp: TP (+ CP, + EP all-to-all) and PP traffic time", ""]
     for i, c in enumerate(result["fitting"][:top], 1):
         lines.append(f"#{i}: " + " ".join(c.overrides))
     return "\n".join(lines)
