@@ -8,7 +8,7 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
 - fp32: loss within FP32_LOSS_RTOL of one process at every step, every parameter's step-1
   gradient within FP32_GRAD_RTOL, and the same routing: the logged load metrics (the most and
   least loaded expert relative to uniform, from integer token counts) are equal at every step.
-  FSDP 2, TP 2 (dense parts split), PP 2, FSDP 2 x TP 2, full AC.
+  FSDP 2, TP 2 (dense parts split), PP 2, CP 2, FSDP 2 x TP 2, full AC.
 - bf16 (FSDP path, fp32 routers): within the precision tests' whole-curve tolerances of fp32.
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
   norms and loads, bitwise (the expert biases are in the checkpoint).
@@ -38,6 +38,8 @@ LAYOUTS = {
     "fsdp2": Layout(2, (SHARD, "2"), dp=2),
     "tp2": Layout(2, (TP, "2")),
     "pp2": Layout(2, (PP, "2")),
+    # Each cp rank routes its half of every sequence; the loads are summed over the cp ranks too.
+    "cp2": Layout(2, ("--parallelism.context_parallel_degree", "2")),
     "ac_full": Layout(1, ("--activation_checkpoint.mode", "full")),
     "fsdp2_tp2": Layout(4, (SHARD, "2", TP, "2"), dp=2),
 }
