@@ -60,6 +60,7 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     if nproc == 2:
         fsdp = LAYOUTS["fsdp2"]
         runs.append({"name": "fsdp2_bf16", "args": fsdp.args("bf16", *MOE)})
+        runs.append({"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2")})
         # Checkpoints at steps 3 and 5; then the same folder again, resuming from step 3.
         runs += [{"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
                  for again in ((), ("--checkpoint.load_step", "3"))]
@@ -131,6 +132,18 @@ def test_bf16_moe_within_precision_tolerance(trained: Launches) -> None:
     assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
     report = run.report
     assert report["path"] == "fsdp" and report["router"]["router_dtype"] == "float32"
+
+
+def test_bf16_expert_parallel_dispatches_in_bf16(trained: Launches) -> None:
+    """EP under bf16 FSDP: tokens travel in bf16 (what the experts compute in), the curve stays
+    within the whole-curve tolerance of fp32, routers in fp32."""
+    fp32, run = trained.run("single_fp32", 1), trained.run("ep2_bf16", 2)
+    deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
+    print(f"\n[moe bf16] ep2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean {sum(deltas) / len(deltas):+.2e}")
+    assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
+    ep = run.report["expert_parallel"]
+    assert (ep["degree"], ep["dispatch_dtype"], ep["combine_dtype"]) == (2, "bfloat16", "bfloat16")
+    assert run.report["router"]["router_dtype"] == "float32"
 
 
 def test_resume_is_bitwise(trained: Launches) -> None:
