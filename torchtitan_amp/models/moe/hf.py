@@ -45,7 +45,6 @@ _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight
               "output.weight": "lm_head.weight"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|down_proj|up_proj)\.weight$")
-_OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 EXPERT_BIAS = re.compile(r"\.feed_forward\.router\.expert_bias$")
