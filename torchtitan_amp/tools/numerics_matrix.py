@@ -414,7 +414,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="global batches of the validation loss after the last step (0: none; default %(default)s)")
     p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
     p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
-                   "(the fp32 single-process reference always runs)")
+                   "(the fp32 single-process reference of each model it selects always runs)")
     p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
