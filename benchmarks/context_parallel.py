@@ -8,15 +8,18 @@ memory model, and the step time of CP 2 against one process and FSDP 2 at equal 
 Memory: for each mask type and cp in --cps, one window of --seq-len tokens per step, trained 2
 steps in a fresh torchrun launch of cp ranks (torchtitan_amp/tools/estimate_memory.py --measure:
 growth of resident memory from just before the model is built to its peak). cp 1 is a single
-process. The estimate is torchtitan_amp.memory's for the same config; at these lengths the
-activations are most of it, and under an explicit mask (block_causal, or any cp > 1) most of
-those are SDPA's additive copy of the mask, saved in every layer: S / cp x S x 4 bytes (fp32).
+process. The estimate is torchtitan_amp.memory's for the same config as this CPU saves it
+(device "cpu"), with the GPU estimate beside it; at these lengths the activations are most of
+it. block_causal: most of those are SDPA's additive copy of the explicit mask, saved in every
+layer, S / cp x S x 4 bytes (fp32). Causal under CP: no mask on a GPU; on CPU, SDPA builds each
+query chunk's lower-right causal mask, (2cp + 1) x (S / 2cp)^2 x 4 bytes per layer, shared by
+the batch (the difference between the two estimate columns).
 
 Time: 2 windows per step in every layout (equal tokens): one process with both, FSDP 2 with one
 window per rank, CP 2 with both windows split over the two ranks. torchrun gives each rank one
 thread, so FSDP 2 and CP 2 have twice the cores of the single process; the CP / FSDP ratio is the
-price of context parallel itself (K/V all-gathers, and attention over an explicit mask, which
-computes every query-key block where the causal kernel skips the upper half).
+price of context parallel itself (K/V all-gathers and their reorder, two attention calls per
+layer instead of one, and on CPU a materialised mask per chunk).
 """
 
 from __future__ import annotations
@@ -87,12 +90,13 @@ def memory_rows(a: argparse.Namespace, out: Path) -> list[list[str]]:
         for cp in (int(c) for c in a.cps.split(",")):
             overrides = ["--model.flavor", FLAVOR, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
                          "1", "--model.attn_mask_type", mask, "--parallelism.context_parallel_degree", str(cp), *FP32]
-            est = estimate_memory.estimate(load_config(overrides), cp)
+            config = load_config(overrides)
+            est, gpu = estimate_memory.estimate(config, cp, "cpu"), estimate_memory.estimate(config, cp)
             measured = estimate_memory.measure(overrides, cp, 2, out / f"mem_{mask}_cp{cp}")
             peak = max(m["rss_peak_delta"] for m in measured)
             predicted = est["peak"]["configured"]
-            rows.append([mask, cp, f"{a.seq_len // cp:,}", fb(est["activations"]["configured"]), fb(predicted),
-                         fb(peak), f"{peak / predicted:.2f}"])
+            rows.append([mask, cp, f"{a.seq_len // cp:,}", fb(gpu["activations"]["configured"]),
+                         fb(est["activations"]["configured"]), fb(predicted), fb(peak), f"{peak / predicted:.2f}"])
             print(f"memory {mask} cp {cp}: peak RSS +{fb(peak)} (estimate {fb(predicted)})", flush=True)
     return rows
 
@@ -131,8 +135,9 @@ def main(argv: list[str]) -> int:
     body = ""
     if a.skip != "memory":
         body += (f"\n### Peak memory per rank, one window of {a.seq_len:,} tokens ({FLAVOR}, 2 steps)\n\n"
-                 + md_table(["mask", "cp", "tokens per rank", "activations (estimate)", "peak (estimate)",
-                             "peak RSS growth (measured)", "measured / estimate"], memory_rows(a, out)) + "\n")
+                 + md_table(["mask", "cp", "tokens per rank", "activations (GPU estimate)",
+                             "activations (CPU estimate)", "peak (CPU estimate)", "peak RSS growth (measured)",
+                             "measured / estimate"], memory_rows(a, out)) + "\n")
     if a.skip != "time":
         body += (f"\n### Step time, 2 windows of {a.time_seq_len:,} tokens per step ({FLAVOR}, median of "
                  f"{a.timed_steps})\n\n" + md_table(["layout", "processes", "step s", "/ single", "/ FSDP 2"],

@@ -359,17 +359,17 @@ def test_context_parallel_checkpoint_resumes_at_another_cp_degree(matrix, four_r
     _close_steps(by_step(four_ranks / "cp" / "from_fsdp"), by_step(matrix("fsdp") / "fp32" / "a"))
 
 
-def test_context_parallel_checkpoint_on_another_data_parallel_degree_is_refused(four_ranks, tmp_path):
-    """CP 2 x FSDP 2 has data-parallel degree 2 (not 4): one process (or CP 2 alone, dp 1) cannot
-    take over its data position; the error names the degrees, as for any dp change. With the
-    data position excluded, one process holds exactly the saved weights and AdamW moments."""
+def test_context_parallel_checkpoint_on_another_data_parallel_degree_keeps_its_data_position(four_ranks, tmp_path,
+                                                                                          caplog):
+    """CP 2 x FSDP 2 has data-parallel degree 2 (not 4): one process takes over its global data
+    position (samples consumed), says so in one line, and holds exactly the saved weights and AdamW moments."""
     folder = four_ranks / "cp" / "fp32" / "a" / "checkpoint"
-    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*exclude_from_loading"):
-        trainer_module.Trainer(load_config(job_args("single", "fp32", folder.parent / "other",
-                                                    "--checkpoint.folder", str(folder))))
-    single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
-                                                         str(folder), "--checkpoint.load_step", str(RESUME_FROM),
-                                                         "--checkpoint.exclude_from_loading", "dataloader")))
+    with caplog.at_level("INFO", logger="torchtitan_amp"):
+        single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
+                                                             str(folder), "--checkpoint.load_step", str(RESUME_FROM))))
+    assert single.dataloader.samples == RESUME_FROM * 2 * 2  # 2 dp ranks x local batch 2 per step
+    assert ("data resumes at sample 12 (epoch 0); saved on 2 data-parallel ranks, now 1; global batch was 4 "
+            "sequences, now 2") in caplog.text
     got = probe_trainer(single)
     single.metrics.close()
     saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
@@ -776,11 +776,19 @@ def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
     assert snapshot(folder) == before
 
 
-def test_data_position_is_not_resharded_silently(matrix):
-    folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
-    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*exclude_from_loading"):
-        trainer_module.Trainer(load_config(job_args("single", "fp32", folder.parent / "other",
-                                                    "--checkpoint.folder", str(folder))))
+def test_per_rank_data_position_is_not_resharded_silently(matrix, tmp_path):
+    """A checkpoint from before the global data order (no 'data_order' in its marker) holds
+    per-rank positions: another dp degree is refused in one line, naming the way out."""
+    legacy = tmp_path / "checkpoint"
+    shutil.copytree(matrix("fsdp") / "fp32" / "a" / "checkpoint" / f"step-{RESUME_FROM}", legacy / f"step-{RESUME_FROM}")
+    marker = legacy / f"step-{RESUME_FROM}" / "checkpoint.json"
+    meta = json.loads(marker.read_text())
+    del meta["data_order"]
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*per rank.*exclude_from_loading") as e:
+        trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "other",
+                                                    "--checkpoint.folder", str(legacy))))
+    assert "\n" not in str(e.value)
 
 
 def test_unwritable_checkpoint_folder(tmp_path):

@@ -7,7 +7,7 @@ a CP layout computes exactly one process's step with another summation order:
 
 - fp32: loss within FP32_LOSS_RTOL of one process at every step, and every parameter's step-1
   gradient (same weights, same batch) within FP32_GRAD_RTOL (norm of the difference over the norm), causal and block_causal,
-  on CP 2, CP 4, CP 2 x FSDP 2, CP 2 x TP 2 and PP 2 x CP 2.
+  on CP 2, CP 4, CP 2 x FSDP 2, CP 2 x HSDP 2, CP 2 x TP 2 and PP 2 x CP 2.
 - bf16 (the FSDP path, as CP always is): the whole curve within the precision tests' tolerances of
   fp32, and step 1 within SPLIT_MATMUL_STEP1_SIGMAS of the same path's FSDP 2 run (CP cuts the same
   matmuls along the sequence instead of the batch, so they round in other places).
@@ -35,6 +35,7 @@ from tests.support import (
 from tests.test_parallelisms import (
     GLOBAL_BATCH,
     PP,
+    REPLICATE,
     SCHEDULE,
     SHARD,
     STEPS,
@@ -57,6 +58,8 @@ LAYOUTS = {
     "cp2": Layout(2, (CP, "2")),
     "cp4": Layout(4, (CP, "4")),
     "cp2_fsdp2": Layout(4, (CP, "2", SHARD, "2"), dp=2),
+    # HSDP: replicas of 2 ranks that shard over cp alone.
+    "cp2_hsdp2": Layout(4, (CP, "2", REPLICATE, "2", SHARD, "1"), dp=2),
     "cp2_tp2": Layout(4, (CP, "2", TP, "2"), tp=True),
     "pp2_cp2": Layout(4, (PP, "2", CP, "2", SCHEDULE, "1F1B")),
 }

@@ -1,6 +1,5 @@
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -213,20 +212,14 @@ def test_epoch_increments_and_reshuffles(tiny_corpus: str) -> None:
 # --- checkpointing -------------------------------------------------------------------------
 
 
-def _contains(state: Any, wanted: dict[str, int]) -> bool:
-    if state == wanted:
-        return True
-    return isinstance(state, dict) and any(_contains(v, wanted) for v in state.values())
-
-
 def test_resume_mid_epoch_matches_uninterrupted_run() -> None:
     reference = _take(iter(_pydoc_loader()), 6)
     dl = _pydoc_loader()
     it = iter(dl)
     _take(it, 3)
     state = dl.state_dict()
-    # Resume must come from the dataset's own state, not from replaying batches.
-    assert _contains(state, {"epoch": 0, "index": 12})
+    # Resume must come from the global position, not from replaying batches.
+    assert state["position"]["samples"] == 12 and state["position"]["epoch"] == 0
     resumed = _pydoc_loader()
     resumed.load_state_dict(state)
     _assert_batches_equal(_take(iter(resumed), 3), reference[3:])
@@ -258,23 +251,66 @@ def test_empty_state_is_ignored(tiny_corpus: str) -> None:
     _assert_batches_equal(_take(iter(dl), 2), _take(iter(_tiny_loader(tiny_corpus)), 2))
 
 
-def test_state_from_another_dp_rank_or_world_size_errors() -> None:
-    rank0 = _pydoc_loader(dp_rank=0, dp_world_size=2)
-    _take(iter(rank0), 1)
-    state = rank0.state_dict()
-    assert set(state) == {"dp_rank_0", "world_size"}
+def _rows(batches: list[Batch]) -> list[tuple[int, ...]]:
+    return [tuple(row.tolist()) for inputs, _ in batches for row in inputs]
+
+
+def _global_batches(loaders: list[ParallelAwareDataLoader], n: int) -> list[set[tuple[int, ...]]]:
+    """The windows of each of n global batches: the union of every rank's batch."""
+    its = [iter(dl) for dl in loaders]
+    return [set().union(*(_rows([next(it)]) for it in its)) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("ranks", "batch", "to_ranks", "to_batch"), [(4, 2, 2, 4), (2, 4, 1, 8), (3, 1, 1, 3)])
+def test_resume_on_another_dp_degree_continues_the_global_batches(tiny_corpus: str, ranks: int, batch: int,
+                                                                  to_ranks: int, to_batch: int) -> None:
+    # 12 windows: global batches of 8 (or 3) straddle epochs, and 12 mod 8 windows are not dropped.
+    make = lambda r, n, b: build_dataloader(tiny_corpus, TOK, 4, b, r, n, seed=3)  # noqa: E731
+    straight = _global_batches([make(r, ranks, batch) for r in range(ranks)], 7)
+    first = [make(r, ranks, batch) for r in range(ranks)]
+    got = _global_batches(first, 3)
+    states = [dl.state_dict() for dl in first]
+    assert all(s == states[0] for s in states) and states[0]["position"]["samples"] == 3 * ranks * batch
+    resumed = [make(r, to_ranks, to_batch) for r in range(to_ranks)]
+    for dl in resumed:
+        dl.load_state_dict(states[0])
+    assert "saved on %d data-parallel ranks, now %d" % (ranks, to_ranks) in resumed[0].resume_note
+    assert "global batch" not in resumed[0].resume_note
+    got += _global_batches(resumed, 4)
+    assert got == straight
+    assert all(len(b) == ranks * batch for b in got[:1])
+
+
+def test_another_global_batch_continues_from_the_same_sample(tiny_corpus: str) -> None:
+    make = lambda b: build_dataloader(tiny_corpus, TOK, 4, b, 0, 1, seed=3)  # noqa: E731
+    straight = _rows(_take(iter(make(1)), 20))
+    first = make(5)
+    _take(iter(first), 2)
+    resumed = make(3)
+    resumed.load_state_dict(first.state_dict())
+    assert "global batch was 5 sequences, now 3" in resumed.resume_note and "\n" not in resumed.resume_note
+    assert _rows(_take(iter(resumed), 3)) == straight[10:19]
+
+
+def test_legacy_per_rank_state_loads_at_its_degree_only() -> None:
+    # What a checkpoint from before the global order holds: StatefulDataLoader states by dp rank.
+    legacy = {"dp_rank_0": {"_num_yielded": 3}, "dp_rank_1": {"_num_yielded": 3}, "world_size": 2}
+    straight = [_pydoc_loader(dp_rank=r, dp_world_size=2) for r in range(2)]
+    want = _global_batches(straight, 5)[3:]
+    resumed = [_pydoc_loader(dp_rank=r, dp_world_size=2) for r in range(2)]
+    for dl in resumed:
+        dl.load_state_dict(legacy)
+    assert _global_batches(resumed, 2) == want
+    with pytest.raises(DataError, match="saved with dp world_size 2, but this run has 1; a per-rank position"):
+        _pydoc_loader(dp_rank=0, dp_world_size=1).load_state_dict(legacy)
     with pytest.raises(DataError, match=r"no 'dp_rank_1' entry \(found: dp_rank_0\)"):
-        _pydoc_loader(dp_rank=1, dp_world_size=2).load_state_dict(state)
-    with pytest.raises(DataError, match="saved with dp world_size 2, but this run has 1"):
-        _pydoc_loader(dp_rank=0, dp_world_size=1).load_state_dict(state)
+        _pydoc_loader(dp_rank=1, dp_world_size=2).load_state_dict({"dp_rank_0": {}, "world_size": 2})
 
 
-def test_dataset_state_is_validated() -> None:
-    dataset = PackedTextDataset(torch.arange(60, dtype=torch.int32), seq_len=4, dp_rank=0, dp_world_size=1, seed=0)
-    with pytest.raises(DataError, match="index 13 is outside"):
-        dataset.load_state_dict({"epoch": 0, "index": 13})
-    with pytest.raises(DataError, match="int 'epoch'"):
-        dataset.load_state_dict({"index": 0})
+def test_state_of_another_dataset_is_refused(tiny_corpus: str) -> None:
+    state = _pydoc_loader().state_dict()
+    with pytest.raises(DataError, match=r"saved over 7173 windows but this run's dataset has 12"):
+        _tiny_loader(tiny_corpus).load_state_dict(state)
 
 
 def test_path_spec_without_path_is_unknown() -> None:

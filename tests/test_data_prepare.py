@@ -341,7 +341,7 @@ def test_resume_mid_epoch_is_exact(numbered: Path, num_workers: int) -> None:
     it = iter(first)
     got = [next(it) for _ in range(9)]
     state = first.state_dict()
-    assert set(state) == {"dp_rank_1", "world_size"}
+    assert set(state) == {"position", "world_size"} and state["position"]["samples"] == 9 * 8 * 2
     resumed = make()
     resumed.load_state_dict(state)
     it = iter(resumed)
@@ -359,13 +359,38 @@ def test_loader_workers_need_a_tokens_dataset(tmp_path: Path) -> None:
         load_config(["--training.dataloader_num_workers", "-1"])
 
 
-def test_state_from_another_batch_size_is_refused(numbered: Path) -> None:
+def _global_rows(loaders: list, n: int) -> list[set]:
+    its = [iter(dl) for dl in loaders]
+    return [{tuple(row.tolist()) for it in its for row in next(it)[0]} for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_on_another_dp_degree_is_exact(numbered: Path, num_workers: int) -> None:
+    # 211 windows; global batches of 24 straddle the epoch at batch 8; 4 ranks x 6 -> 2 ranks x 12.
+    make = lambda r, n, b, w=0: build_dataloader(f"tokens:{numbered}", TOK, 16, b, r, n, seed=4,  # noqa: E731
+                                                 num_workers=w)
+    straight = _global_rows([make(r, 4, 6) for r in range(4)], 12)
+    first = [make(r, 4, 6, num_workers) for r in range(4)]
+    got = _global_rows(first, 7)
+    state = first[0].state_dict()
+    assert state["position"] == {"samples": 7 * 24, "epoch": 0, "windows": 211, "seed": 4, "samples_per_step": 24}
+    resumed = [make(r, 2, 12, num_workers) for r in range(2)]
+    for dl in resumed:
+        dl.load_state_dict(state)
+    got += _global_rows(resumed, 5)
+    assert got == straight and all(len(b) == 24 for b in got)
+    assert resumed[0].epoch == 1 and resumed[0].state_dict()["position"]["samples"] == 12 * 24
+
+
+def test_state_from_another_batch_size_continues_from_its_sample(numbered: Path) -> None:
     loader = build_dataloader(f"tokens:{numbered}", TOK, 16, 5, 0, 1, seed=0)
     next(iter(loader))
     other = build_dataloader(f"tokens:{numbered}", TOK, 16, 4, 0, 1, seed=0)
     other.load_state_dict(loader.state_dict())
-    with pytest.raises(DataError, match=r"saved with batch size 5 and 211 windows per epoch, but this run has 4 and 211"):
-        next(iter(other))
+    assert other.resume_note == ("data resumes at sample 5 (epoch 0); global batch was 5 sequences, now 4: "
+                                 "steps from here cut the sample stream differently from the straight run")
+    straight = next(iter(build_dataloader(f"tokens:{numbered}", TOK, 16, 9, 0, 1, seed=0)))[0]
+    assert torch.equal(next(iter(other))[0], straight[5:])
 
 
 # --- start-up checks and verify -------------------------------------------------------------

@@ -264,14 +264,17 @@ def test_bad_rank_is_a_config_error(tmp_path: Path) -> None:
 
 def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, context, **extra) -> int:  # type: ignore[no-untyped-def]
     """Bytes of distinct storages saved for backward that hold activations: tensors led by the
-    batch or batch x seq dimension (not weights, their bf16 casts, or the rotary tables)."""
+    batch or batch x seq dimension (not weights, their bf16 casts, or the rotary tables), and
+    tensors outside autograd (masks and indices shared by the batch; the per-stage ones, token
+    ids and rotary buffers, cancel in a difference of layer counts)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = tokens.shape
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if t.dim() >= 2 and t.shape[0] in (b, b * s) and ptr not in params:
+        batch_led = t.dim() >= 2 and t.shape[0] in (b, b * s)
+        if (batch_led or (t.grad_fn is None and not t.requires_grad)) and ptr not in params:
             seen[ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -283,12 +286,15 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
 @pytest.mark.parametrize("kv_heads, precision, mask_type, cp", [
     *((kv, p, "causal", 1) for kv in (4, 1) for p in ("autocast_bf16", "fp32")),
     (4, "fp32", "block_causal", 1), (1, "autocast_bf16", "block_causal", 1),
-    (4, "autocast_bf16", "block_causal", 2), (1, "fp32", "causal", 2),
+    (4, "autocast_bf16", "block_causal", 2), (1, "fp32", "causal", 2), (4, "autocast_bf16", "causal", 4),
 ])
 def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str, mask_type: str, cp: int) -> None:
     """Also with an explicit mask (SDPA saves an additive copy per layer) and under context
-    parallel: rank 0 of 2 (a fake process group: the gathered keys' values do not matter, only
-    their shapes), holding S / 2 queries against the window's S keys and values."""
+    parallel: cp rank 1 (a fake process group: the gathered keys' values do not matter, only
+    their shapes), holding S / cp queries against the window's S keys and values; causal CP
+    attends chunk by chunk, and on this CPU SDPA saves each chunk's causal mask, which CUDA's
+    kernels do not build: the check adds that CPU-only term (ActivationTerms.layer_cpu, counted
+    for ranks > 0; rank 0's first chunk needs none)."""
     from torchtitan_amp.context_parallel import ContextParallel, head_tail_positions
     from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
     from torchtitan_amp.parallel_dims import ParallelDims
@@ -299,10 +305,10 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
     extra = {} if mask_type == "causal" else {"doc_ids": torch.arange(b * s // cp, dtype=torch.int32).view(b, -1) // 16}
-    created = dry_run.init_fake_process_group(cp, 0) if cp > 1 else False
+    created = dry_run.init_fake_process_group(cp, 1) if cp > 1 else False
     try:
         if cp > 1:
-            extra["positions"] = head_tail_positions(s, cp, 0).expand(b, -1)
+            extra["positions"] = head_tail_positions(s, cp, 1).expand(b, -1)
         measured = {}
         for layers in (1, 3):
             margs = LlamaModelArgs(dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258,
@@ -320,8 +326,8 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
             torch.distributed.destroy_process_group()
     per_layer = (measured[3] - measured[1]) / 2
     layout = memory.Layout(seq_len=s, local_batch_size=b, cp=cp, attn_mask_type=mask_type)
-    predicted = memory.activation_terms(memory.ModelDims.from_args(margs), memory.PrecisionSpec.from_plan(plan),
-                                        layout).layer * layout.microbatch_tokens
+    terms = memory.activation_terms(memory.ModelDims.from_args(margs), memory.PrecisionSpec.from_plan(plan), layout)
+    predicted = (terms.layer + terms.layer_cpu) * layout.microbatch_tokens
     assert per_layer == predicted, (per_layer, predicted)
 
 

@@ -8,12 +8,15 @@ token counts that move the expert bias, and the loss must be one process's; only
 sums differs (each expert's matmul sees the EP ranks' tokens together, and its gradient is summed
 over them). Three launches: one process (layouts), 2 ranks (ckpt_jobs: EP 2 straight with a
 checkpoint at step 3, its resume at EP 2, and at EP 1 = plain FSDP 2), 4 ranks (layouts:
-dp_shard 4 with EP 2 = FSDP 2 over each expert shard, EP 4, and EP 2 over cp 2 x dp_shard 2).
+dp_shard 4 with EP 2 = FSDP 2 over each expert shard, with a checkpoint at step 3 and its resume
+at the same layout; EP 4; EP 2 over cp 2 x dp_shard 2; PP 2 x dp_shard 2 with EP 2, each stage's
+experts split over its 2 data-parallel ranks).
 
 Measured on this 2-core CPU, torch 2.13: max relative loss difference to one process over 5 steps
-<= 1.9e-7 on every EP layout (bound 1e-6), grad norm <= 1.9e-7, step-1 full gradients <= 2.7e-7;
-moe_load_max / moe_load_min equal at every step; resume at EP 2 bitwise; the EP 2 checkpoint
-resumed at EP 1 (FSDP 2) <= 6.8e-8 (step 4 bitwise). ~130 s for the module.
+<= 1.9e-7 on every EP layout (bound 1e-6; PP 2 x EP 2: 1.6e-7), grad norm <= 2.1e-7, step-1 full
+gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7); moe_load_max / moe_load_min equal at every step; resume
+at EP 2 and at EP 2 x FSDP 2 bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 2) <= 6.8e-8
+(step 4 bitwise). ~65-130 s for the module.
 """
 
 from __future__ import annotations
@@ -35,15 +38,18 @@ BASE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.s
         "--metrics.log_freq", "1", "--training.seed", "0", "--mixed_precision.enabled", "false")
 # Reduction order only: measured <= 2.5e-7 (see the module docstring).
 REL_TOL = 1e-6
-SHARD, CP, EP = ("--parallelism.data_parallel_shard_degree", "--parallelism.context_parallel_degree",
-                 "--parallelism.expert_parallel_degree")
+SHARD, CP, EP, PP = ("--parallelism.data_parallel_shard_degree", "--parallelism.context_parallel_degree",
+                     "--parallelism.expert_parallel_degree", "--parallelism.pipeline_parallel_degree")
 # name: (ranks, data-parallel degree, overrides)
 LAYOUTS = {
     "ep2": (2, 2, (SHARD, "2", EP, "2")),
     "ep2_fsdp2": (4, 4, (SHARD, "4", EP, "2")),
     "ep4": (4, 4, (SHARD, "4", EP, "4")),
     "ep2_cp2": (4, 2, (SHARD, "2", CP, "2", EP, "2")),
+    "pp2_ep2": (4, 2, (SHARD, "2", PP, "2", EP, "2")),
 }
+# Pipeline stages hold disjoint parameters: their step-1 gradients are those of ranks 0 and 2.
+GRAD_RANKS = {"pp2_ep2": (0, 2)}
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", str(RESUME_FROM))
 KEYS = ("loss", "grad_norm", "lr")
 LOAD = ("moe_load_max", "moe_load_min")
@@ -87,8 +93,14 @@ class Launches:
         ])
 
     def _launch_nproc4(self) -> None:
-        self._launch("nproc4", "layouts", 4, [{"name": name, "args": args(name), "grads": True}
-                                              for name, (n, _, _) in LAYOUTS.items() if n == 4])
+        # EP 2 x FSDP 2 also checkpoints at step 3; its resume reads that checkpoint folder in place
+        # (the layouts worker has no copy step) and rewrites only its step-5 save.
+        saved = self.root / "nproc4" / "ep2_fsdp2" / "checkpoint"
+        jobs = [{"name": name, "args": args(name, *(CKPT if name == "ep2_fsdp2" else ())), "grads": True}
+                for name, (n, _, _) in LAYOUTS.items() if n == 4]
+        jobs.insert(1, {"name": "resume_ep2_fsdp2", "args": args("ep2_fsdp2", *CKPT, "--checkpoint.folder", str(saved),
+                                                                 "--checkpoint.load_step", str(RESUME_FROM))})
+        self._launch("nproc4", "layouts", 4, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -126,16 +138,20 @@ def test_expert_gradients_are_the_mean_over_all_ranks(launches: Launches, name: 
     alone (EP 4 has efsdp 1, EP 2 efsdp 2). A factor of ep would leave the loss almost unchanged
     (AdamW normalises) but shows here."""
     want = torch.load(launches.folder("nproc1", "single") / "grads_rank0.pt", weights_only=True)
-    got = torch.load(launches.folder("nproc4", name) / "grads_rank0.pt", weights_only=True)
+    got = {k: v for r in GRAD_RANKS.get(name, (0,))
+           for k, v in torch.load(launches.folder("nproc4", name) / f"grads_rank{r}.pt", weights_only=True).items()}
     assert got.keys() == want.keys() and any("experts.w1" in k for k in got)
     worst = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
     print(f"{name}: step-1 gradients, max relative difference {worst:.2e}")
     assert worst <= REL_TOL
 
 
-def test_expert_parallel_resume_is_bitwise(launches: Launches) -> None:
-    straight = steps_of(launches, "ep2")
-    resumed = by_step(launches.folder("nproc2", "resume_ep2"))
+@pytest.mark.parametrize("name", ["ep2", "ep2_fsdp2"])
+def test_expert_parallel_resume_is_bitwise(launches: Launches, name: str) -> None:
+    """Saved at step 3, resumed at the same layout: steps 4-5 are the straight run's, bit for bit
+    (EP 2 on 2 ranks; EP 2 x FSDP 2 on 4, the experts FSDP-sharded over efsdp 2)."""
+    straight = steps_of(launches, name)
+    resumed = by_step(launches.folder(f"nproc{LAYOUTS[name][0]}", f"resume_{name}"))
     assert sorted(resumed) == list(range(RESUME_FROM + 1, STEPS + 1))
     for s in resumed:
         assert [resumed[s][k] for k in (*KEYS, *LOAD)] == [straight[s][k] for k in (*KEYS, *LOAD)], s

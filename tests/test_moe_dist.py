@@ -8,7 +8,7 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
 - fp32: loss within FP32_LOSS_RTOL of one process at every step, every parameter's step-1
   gradient within FP32_GRAD_RTOL, and the same routing: the logged load metrics (the most and
   least loaded expert relative to uniform, from integer token counts) are equal at every step.
-  FSDP 2, TP 2 (dense parts split), PP 2, FSDP 2 x TP 2, full AC.
+  FSDP 2, TP 2 (dense parts split), PP 2, CP 2, FSDP 2 x TP 2, full AC.
 - bf16 (FSDP path, fp32 routers): within the precision tests' whole-curve tolerances of fp32.
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
   norms and loads, bitwise (the expert biases are in the checkpoint).
@@ -38,6 +38,8 @@ LAYOUTS = {
     "fsdp2": Layout(2, (SHARD, "2"), dp=2),
     "tp2": Layout(2, (TP, "2")),
     "pp2": Layout(2, (PP, "2")),
+    # Each cp rank routes its half of every sequence; the loads are summed over the cp ranks too.
+    "cp2": Layout(2, ("--parallelism.context_parallel_degree", "2")),
     "ac_full": Layout(1, ("--activation_checkpoint.mode", "full")),
     "fsdp2_tp2": Layout(4, (SHARD, "2", TP, "2"), dp=2),
 }
@@ -58,6 +60,7 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     if nproc == 2:
         fsdp = LAYOUTS["fsdp2"]
         runs.append({"name": "fsdp2_bf16", "args": fsdp.args("bf16", *MOE)})
+        runs.append({"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2")})
         # Checkpoints at steps 3 and 5; then the same folder again, resuming from step 3.
         runs += [{"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
                  for again in ((), ("--checkpoint.load_step", "3"))]
@@ -129,6 +132,18 @@ def test_bf16_moe_within_precision_tolerance(trained: Launches) -> None:
     assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
     report = run.report
     assert report["path"] == "fsdp" and report["router"]["router_dtype"] == "float32"
+
+
+def test_bf16_expert_parallel_dispatches_in_bf16(trained: Launches) -> None:
+    """EP under bf16 FSDP: tokens travel in bf16 (what the experts compute in), the curve stays
+    within the whole-curve tolerance of fp32, routers in fp32."""
+    fp32, run = trained.run("single_fp32", 1), trained.run("ep2_bf16", 2)
+    deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
+    print(f"\n[moe bf16] ep2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean {sum(deltas) / len(deltas):+.2e}")
+    assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
+    ep = run.report["expert_parallel"]
+    assert (ep["degree"], ep["dispatch_dtype"], ep["combine_dtype"]) == (2, "bfloat16", "bfloat16")
+    assert run.report["router"]["router_dtype"] == "float32"
 
 
 def test_resume_is_bitwise(trained: Launches) -> None:

@@ -38,10 +38,11 @@ def test_factorizations_are_exactly_the_valid_layouts() -> None:
         n = range(1, gpus + 1)
         brute = {(r, s, t, p, c) for r in n for s in n for t in n for p in n for c in n if r * s * t * p * c == gpus}
         assert set(facts) == brute
-    result = _plan(*EIGHT_B, "--gpu-mem-gib", "1000")
     heads = LLAMA3_FLAVORS["llama3_8b"].n_heads
     kv = LLAMA3_FLAVORS["llama3_8b"].n_kv_heads
-    cands = result["fitting"] + result["not_fitting"]
+    # Every evaluated candidate: a plan lists neither fitting nor not fitting the CP layouts that
+    # fit where nothing needs CP.
+    cands = _evaluated()[0]
     seen = {c.degrees for c in cands}
     for r, s, t, p, c in seen:
         assert 8 % t == 0 and heads % t == 0 and kv % t == 0 and p <= 32
@@ -71,7 +72,10 @@ def test_memory_filter() -> None:
     # DDP holds the whole model's state (16 bytes/param, ~112 GiB): never fits in 40 GiB.
     assert not any(c.degrees == (8, 1, 1, 1, 1) for c in small["fitting"])
     tiny = pl.plan(pl.parse_args([*EIGHT_B, "--gpu-mem-gib", "4"]))  # a full run, not re-filtered
-    assert not tiny["fitting"] and len(tiny["not_fitting"]) == len(small["fitting"]) + len(small["not_fitting"])
+    assert not tiny["fitting"] and len(tiny["not_fitting"]) == len(_evaluated()[0])
+    # What fits in 40 GiB without needing CP is listed; CP layouts that fit too are left out.
+    unlisted = len(_evaluated()[0]) - len(small["fitting"]) - len(small["not_fitting"])
+    assert unlisted == sum(c.fits and c.cp > 1 for c in _evaluated()[0])
     assert "nothing fits" in pl.format_plan(tiny, 5)
 
 

@@ -92,10 +92,22 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     got = {(r.layout.name, r.precision.name) for r in runs}
     three_d = {"FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2"}  # 8 processes: fp32 and bf16 only
     cp = {"CP 2", "FSDP 2 x CP 2"}
-    layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp, *three_d}
+    moe = {"MoE single", "MoE FSDP 2", "MoE EP 2", "MoE TP 2"}  # debugmodel_moe, its own reference
+    layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp, *three_d, *moe}
     assert {layout.name for layout in nm.LAYOUTS} == layouts
     for layout in layouts:
         assert (layout, "fp32") in got and (layout, "bf16") in got, layout
+    assert {p for lay, p in got if lay in moe} == {"fp32", "bf16", "bf16 + bf16 router"}
+    assert {lay for lay, p in got if p == "bf16 + bf16 router"} == moe
+    moe_runs = [r for r in runs if r.layout.name in moe]
+    assert all(r.reference == "MoE single / fp32" for r in moe_runs)
+    assert {r.reference for r in runs if r not in moe_runs} == {"single / fp32"}
+    # --only on MoE rows brings their own reference, not the Llama one.
+    only_moe, _ = nm.select_runs(4, "^MoE EP 2 / bf16$")
+    assert [r.label for r in only_moe] == ["MoE single / fp32", "MoE EP 2 / bf16"]
+    ep_args = nm.train_args(only_moe[1], nm.parse_args([]))
+    assert ep_args[ep_args.index("--model.flavor") + 1] == "debugmodel_moe"
+    assert ep_args[ep_args.index("--parallelism.expert_parallel_degree") + 1] == "2"
     assert {p for lay, p in got if lay in three_d} == {"fp32", "bf16"}
     dp = {"DDP 2", "FSDP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp}  # FSDP shards over the cp ranks too
     assert {lay for lay, p in got if p == "bf16 + bf16 reduce"} == dp

@@ -109,6 +109,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 _CAUSAL_BIAS: dict[tuple[int, int], Any] = {}
+_WINDOW_ORDER: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
 def _lower_right(n: int, end: int) -> Any:
@@ -146,8 +147,10 @@ class ContextParallel:
 
     def to_window_order(self, x: torch.Tensor) -> torch.Tensor:
         """Gathered keys or values [B, S, H, D] -> the same in window order (positions 0..S-1)."""
-        order = gathered_positions(x.shape[1], self.degree).argsort().to(x.device)
-        return x.index_select(1, order)
+        key = (x.shape[1], self.degree, x.device)
+        if key not in _WINDOW_ORDER:  # built once per shape, not per layer
+            _WINDOW_ORDER[key] = gathered_positions(x.shape[1], self.degree).argsort().to(x.device)
+        return x.index_select(1, _WINDOW_ORDER[key])
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order

@@ -277,8 +277,10 @@ FORMULAS = {
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
     "activations": "in-flight microbatches x tokens (this rank's: seq / cp) x (layers x per-layer + ends); per "
                    "layer (bytes/token): 2(8d+4)/sp + k*c*d + c(2d/t+2kv'*cp) + 4H/t + 4c*f/t, + c*seq "
-                   "(SDPA's additive copy of the mask) when masked (block_causal or cp > 1); ends: + seq "
-                   "(the bool mask) when masked; full AC keeps r*d/sp per layer plus one recomputed layer "
+                   "(SDPA's additive copy of the mask) under block_causal, + c*d/t + 16cp/B (wo's input "
+                   "copied from the two query chunks' outputs, the window-order index) under causal cp > 1 "
+                   "(sized for CUDA: CPU's SDPA also saves each chunk's causal mask); ends: + seq (the bool "
+                   "mask) under block_causal; full AC keeps r*d/sp per layer plus one recomputed layer "
                    "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
                        "rest) per forward, x2 for groups resharded after forward (backward re-gathers); "

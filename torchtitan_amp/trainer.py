@@ -95,7 +95,8 @@ class Trainer:
         self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
                                            dp_rank, self.dims.dp_degree, t.seed,
                                            num_workers=t.dataloader_num_workers,
-                                           pin_memory=self.info.device.type == "cuda")
+                                           pin_memory=self.info.device.type == "cuda",
+                                           samples_per_step=t.local_batch_size * self.dims.dp_degree * self.accum)
         spec = self.job.validation
         val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
                       if spec is not None else None)

@@ -11,6 +11,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
              "copy": [[src_dir, dst_dir], ...]   rank 0 copies before the job starts,
              "perturb_rng": true                 reseed python/torch RNGs per rank after loading,
              "rng_out": "file"                   write every rank's RNG draws after the job,
+             "record_batches": "file"            write every rank's [dp rank, training rows] (a digest
+                                                 of each input row, in the order the loader yielded them)
              "probe": "file",                    instead of training: loss on a fixed batch, one
                                                  train step on it, loss again, state checksum
              "evaluate": "file"                  instead of training: tools.evaluate on args
@@ -49,7 +51,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.trainer import Trainer
-from tests.support import exit_process, probe_trainer, read_spec
+from tests.support import digest, exit_process, probe_trainer, read_spec
 
 
 def _rank() -> int:
@@ -201,6 +203,20 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
         return h
 
 
+def _record_rows(trainer: Trainer) -> list[str]:
+    """Digests of the input rows this rank's loader hands out, in order (the windows it trains on)."""
+    rows: list[str] = []
+    counted = trainer.dataloader._counted
+
+    def recording(batches):  # type: ignore[no-untyped-def]
+        for inputs, labels in counted(batches):
+            rows.extend(digest(row)[:16] for row in inputs)
+            yield inputs, labels
+
+    trainer.dataloader._counted = recording
+    return rows
+
+
 def main(spec_path: str) -> int:
     spec = read_spec(spec_path)
     if spec.options.get("flavor"):
@@ -250,7 +266,12 @@ def main(spec_path: str) -> int:
                 Path(job["probe"]).write_text(json.dumps(result))
             trainer.metrics.close()
             continue
+        rows = _record_rows(trainer) if job.get("record_batches") else []
         trainer.train()
+        if job.get("record_batches"):
+            gathered = _gather([trainer.dataloader.dp_rank, rows])
+            if _rank() == 0:
+                Path(job["record_batches"]).write_text(json.dumps(gathered))
         if job.get("rng_out"):
             draws = _gather({"torch": torch.rand(4).tolist(), "python": random.random()})
             if _rank() == 0:

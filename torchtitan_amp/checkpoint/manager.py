@@ -4,7 +4,8 @@ stopped, driven by one table of stateful parts (`PARTS`): a new state to save is
 Saving writes `step-N.tmp/`, waits for every rank, then rank 0 writes the marker and renames the
 folder to `step-N` (format.py). DCP holds the layout-free parts (model and optimizer keyed by FQN,
 so any parallel layout can load them, LR schedule, loss scaler, train state); `rank_<r>.pt`
-holds each rank's own (dataloader position keyed by data-parallel rank, RNG states).
+holds each rank's own: RNG states, and the data position, which is global (samples consumed, the
+same in every file), so another data-parallel degree reads it from any rank's file.
 
 This module holds the table, the manager's construction and its collective helpers; the jobs are
 in saving.py (saves, commits, exports), loading.py (choosing and restoring a checkpoint),
@@ -135,23 +136,25 @@ def _has_scaler(m: "CheckpointManager", path: Path, saved: dict[str, Any], templ
 
 
 def _dataloader_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int:
-    if meta["dp_degree"] != m.dp_degree:
+    if meta["dp_degree"] == m.dp_degree:
+        sources = [r for r, d in meta["rank_dp"] if d == m.dp_rank]
+        return m.rank if m.rank in sources else sources[0]
+    if meta.get("data_order") != "global":
         raise CheckpointError(
             f"{path} was saved with data-parallel degree {meta['dp_degree']} but this run has "
-            f"{m.dp_degree}: the data position cannot be resharded; add 'dataloader' to "
-            "checkpoint.exclude_from_loading to restart the data stream"
+            f"{m.dp_degree}: its data position is per rank (saved before the global data order) and "
+            "cannot be resharded; add 'dataloader' to checkpoint.exclude_from_loading to restart the data stream"
         )
-    sources = [r for r, d in meta["rank_dp"] if d == m.dp_rank]
-    return m.rank if m.rank in sources else sources[0]
+    return 0  # the global position: every rank's file holds the same one
 
 
 def _validation_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int | None:
     if m.validator is None or not m.validator.state_dict():
         return None  # validation off, or every evaluation covers the whole split: no position
-    if meta["dp_degree"] != m.dp_degree:
+    if meta["dp_degree"] != m.dp_degree and meta.get("data_order") != "global":
         if m.rank == 0:
             logger.warning("validation position not restored: %s was saved with data-parallel degree %d, "
-                           "this run has %d", path, meta["dp_degree"], m.dp_degree)
+                           "this run has %d, and holds per-rank positions", path, meta["dp_degree"], m.dp_degree)
         return None
     return _dataloader_source(m, path, meta)
 
@@ -160,9 +163,17 @@ def _rng_source(m: "CheckpointManager", path: Path, meta: dict[str, Any]) -> int
     if meta["world_size"] == m.world_size:
         return m.rank
     if m.rank == 0:
-        logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d",
-                       path, meta["world_size"], m.world_size)
+        logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d; every rank keeps "
+                       "its seeded start state, so random draws (dropout, init of new parts) differ from the "
+                       "straight run's", path, meta["world_size"], m.world_size)
     return None
+
+
+def _put_dataloader(m: "CheckpointManager", state: dict[str, Any]) -> None:
+    m.dataloader.load_state_dict(state)
+    note = getattr(m.dataloader, "resume_note", "")
+    if note and m.rank == 0:
+        logger.info("%s", note)
 
 
 def _put_train_state(m: "CheckpointManager", state: dict[str, Any]) -> None:
@@ -183,7 +194,7 @@ PARTS: tuple[StatePart, ...] = (
               _has_scaler),
     StatePart("train_state", True, lambda m: dataclasses.asdict(m.train_state), _put_train_state),
     StatePart("dataloader", False, lambda m: m.dataloader.state_dict(),
-              lambda m, sd: m.dataloader.load_state_dict(sd), source_rank=_dataloader_source),
+              _put_dataloader, source_rank=_dataloader_source),
     StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
               source_rank=_rng_source),
     StatePart("validation", False, lambda m: m.validator.state_dict() if m.validator is not None else {},

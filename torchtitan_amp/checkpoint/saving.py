@@ -224,6 +224,8 @@ def commit(m: CheckpointManager, state: TrainState, tmp: Path, final: Path, kind
         "format": FORMAT_VERSION, "step": state.step, "tokens_seen": state.tokens_seen, "kind": kind,
         "world_size": m.world_size,
         "dp_degree": m.dp_degree, "rank_dp": sorted(rank_dp),
+        # The data position is samples consumed by the run (data/loader.py): any dp degree loads it.
+        "data_order": "global",
         "model_args": dataclasses.asdict(m.model_args),
         "export_dtype": m.config.checkpoint.export_dtype if kind == "model_only" else None,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,

@@ -1,5 +1,6 @@
 """The data-parallel-aware, resumable loader every dataset kind is served through."""
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -8,7 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan_amp.data import text
 from torchtitan_amp.data.index import open_split
 from torchtitan_amp.data.packed import PackedTextDataset, Sample
-from torchtitan_amp.data.tokens import TokenWindowDataset
+from torchtitan_amp.data.tokens import Batch, TokenWindowDataset
 from torchtitan_amp.errors import DataError
 from torchtitan_amp.tokenizer import Tokenizer
 
@@ -31,15 +32,24 @@ def _stack_samples(samples: list[Sample]) -> Sample:
     return torch.stack(inputs), torch.stack(labels)
 
 
-class ParallelAwareDataLoader(StatefulDataLoader):
-    """StatefulDataLoader whose state is stored under this dp rank's key, as in torchtitan.
+def _legacy_samples(state: dict[str, Any], batch_size: int) -> int:
+    """Samples one rank had taken, from a StatefulDataLoader state saved before the global order:
+    the batches it had yielded (single process) or its last snapshot plus the steps since (workers)."""
+    if "_num_yielded" in state:
+        return int(state["_num_yielded"]) * batch_size
+    return (int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])) * batch_size
 
-    Keying by rank lets a distributed checkpoint hold every rank's position side by side, and makes
-    loading another rank's (or another dp world size's) state fail loudly instead of replaying data.
+
+class ParallelAwareDataLoader(StatefulDataLoader):
+    """StatefulDataLoader whose state is the run's global data position: samples consumed over all
+    data-parallel ranks (the datasets' docstrings give the order). Every rank yields the same number
+    of batches, so the position is `start` + batches yielded x B x R on every rank, exact whatever
+    the worker count (prefetched batches are not counted), and any R can resume from it.
     """
 
     def __init__(self, dataset: PackedTextDataset | TokenWindowDataset, dp_rank: int, dp_world_size: int,
-                 batch_size: int, num_workers: int = 0, pin_memory: bool = False) -> None:
+                 batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
+                 samples_per_step: int = 0) -> None:
         if batch_size < 1:
             raise DataError(f"local_batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
@@ -56,37 +66,100 @@ class ParallelAwareDataLoader(StatefulDataLoader):
         self._packed = dataset
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
-        self._rank_key = f"dp_rank_{dp_rank}"
+        self.local_batch_size = batch_size
+        self.seed = seed
+        # Sequences per optimizer step over all ranks (the trainer's global batch); a resume with
+        # another value continues from the same sample but cuts the steps elsewhere.
+        self.samples_per_step = samples_per_step or batch_size * dp_world_size
+        self._yielded = 0  # batches handed out since the dataset's `start`
+        self.resume_note = ""  # what the last load_state_dict changed, for the manager to log once
+
+    @property
+    def samples(self) -> int:
+        """The run's samples consumed so far, over all data-parallel ranks."""
+        return self._packed.start + self._yielded * self.local_batch_size * self.dp_world_size
 
     @property
     def epoch(self) -> int:
-        """Epoch of the most recently loaded sample; a loaded state shows here once iteration resumes."""
-        if isinstance(self._packed, TokenWindowDataset) and self.num_workers:
-            # The dataset advances in the workers; the batches this loader yielded tell the epoch.
-            return self._packed.epoch_after(self._iterator._num_yielded if self._iterator is not None else 0)
-        return self._packed.epoch
+        """Epoch of the most recently loaded sample of this rank (0 before the first)."""
+        if not self._yielded:
+            return 0
+        return self._packed.global_sample(self._yielded * self.local_batch_size - 1) // self._packed.num_windows
 
     @property
     def num_windows_per_epoch(self) -> int:
-        """Samples this rank sees per epoch (the same on every rank)."""
+        """Samples one rank sees in a pass over the split (the same on every rank)."""
         return self._packed.num_windows_per_epoch
 
+    def __iter__(self) -> Iterator[Batch]:
+        # A new iterator continues from the position (new workers start from `start`); batches an
+        # earlier iterator prefetched but never handed out are dropped, as they were never counted.
+        # The base iterator is made here, not at the first next(): making it draws a seed from the
+        # global RNG, which callers fence with fork_rng around iter().
+        self._packed.restart(self.samples)
+        self._yielded = 0
+        self.next_iter_state = None
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
     def state_dict(self) -> dict[str, Any]:
-        return {self._rank_key: super().state_dict(), "world_size": self.dp_world_size}
+        return {"world_size": self.dp_world_size,
+                "position": {"samples": self.samples, "epoch": self.epoch, "windows": self._packed.num_windows,
+                             "seed": self.seed, "samples_per_step": self.samples_per_step}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # An empty state means "start from the beginning" (e.g. a checkpoint without data state).
         if not state_dict:
             return
+        position = state_dict.get("position")
+        if position is None:
+            start = self._legacy_start(state_dict)
+        else:
+            start = self._check_position(position, state_dict.get("world_size"))
+        self._packed.restart(start)
+        self._yielded = 0
+
+    def _check_position(self, position: dict[str, Any], saved_world: Any) -> int:
+        windows, samples = position.get("windows"), position.get("samples")
+        if not isinstance(samples, int) or samples < 0:
+            raise DataError(f"dataloader state needs int 'samples' >= 0, got {position!r}")
+        if windows != self._packed.num_windows:
+            raise DataError(f"dataloader state was saved over {windows} windows but this run's dataset has "
+                            f"{self._packed.num_windows} (another dataset or seq_len?)")
+        notes = []
+        if saved_world != self.dp_world_size:
+            notes.append(f"saved on {saved_world} data-parallel ranks, now {self.dp_world_size}")
+        if position.get("samples_per_step") != self.samples_per_step:
+            notes.append(f"global batch was {position.get('samples_per_step')} sequences, now "
+                         f"{self.samples_per_step}: steps from here cut the sample stream differently "
+                         "from the straight run")
+        if position.get("seed") != self.seed:
+            notes.append(f"seed was {position.get('seed')}, now {self.seed}: the order from here differs")
+        self.resume_note = (f"data resumes at sample {samples} (epoch {position.get('epoch')}); "
+                            + "; ".join(notes)) if notes else ""
+        return samples
+
+    def _legacy_start(self, state_dict: dict[str, Any]) -> int:
+        """A per-rank state from before the global order: loadable at its own degree only."""
         if state_dict.get("world_size") != self.dp_world_size:
             raise DataError(
                 f"dataloader state was saved with dp world_size {state_dict.get('world_size')}, "
-                f"but this run has {self.dp_world_size}; resharding data state is not supported"
+                f"but this run has {self.dp_world_size}; a per-rank position (saved before the global "
+                "data order) cannot be resharded"
             )
-        if self._rank_key not in state_dict:
+        key = f"dp_rank_{self.dp_rank}"
+        if key not in state_dict:
             saved = sorted(k for k in state_dict if k.startswith("dp_rank_"))
-            raise DataError(f"dataloader state has no '{self._rank_key}' entry (found: {', '.join(saved) or 'none'})")
-        super().load_state_dict(state_dict[self._rank_key])
+            raise DataError(f"dataloader state has no '{key}' entry (found: {', '.join(saved) or 'none'})")
+        # The old order dropped each epoch's last N mod R windows; rank r's s-th sample was epoch
+        # s // W, position (s mod W) * R + r (W = N // R), which is global sample e*N + (s mod W)*R + r.
+        per_rank = self.num_windows_per_epoch
+        epoch, index = divmod(_legacy_samples(state_dict[key], self.local_batch_size), per_rank)
+        return epoch * self._packed.num_windows + index * self.dp_world_size
 
 
 def build_dataloader(
@@ -99,12 +172,15 @@ def build_dataloader(
     seed: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    samples_per_step: int = 0,
 ) -> ParallelAwareDataLoader:
     """Yields (inputs, labels), both int64 [local_batch_size, seq_len], forever.
 
     `dataset` is 'pydoc', 'path:<file or folder>' (tokenised in memory here) or
     'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is checked).
-    `pin_memory` (CUDA only): batches come in page-locked memory, for non-blocking copies (to_device)."""
+    `pin_memory` (CUDA only): batches come in page-locked memory, for non-blocking copies (to_device).
+    `samples_per_step`: sequences per optimizer step over all ranks (0: one batch per rank), saved
+    with the position so that a resume with another global batch says so."""
     if dataset.startswith("tokens:"):
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
@@ -116,7 +192,9 @@ def build_dataloader(
             raise DataError(f"local_batch_size must be >= 1, got {local_batch_size}")
         split = open_split(dataset, tokenizer)
         windows = TokenWindowDataset(split, seq_len, local_batch_size, dp_rank, dp_world_size, seed)
-        return ParallelAwareDataLoader(windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory)
+        return ParallelAwareDataLoader(windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory,
+                                       seed, samples_per_step)
     tokens = text.corpus_tokens(dataset, tokenizer)
     packed = PackedTextDataset(tokens, seq_len, dp_rank, dp_world_size, seed)
-    return ParallelAwareDataLoader(packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory)
+    return ParallelAwareDataLoader(packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed,
+                                   samples_per_step)

@@ -1,8 +1,6 @@
 """Packed windows over an in-memory token tensor (the `pydoc` / `path:` datasets)."""
 
 from collections.abc import Iterator
-from typing import Any
-
 import torch
 from torch.utils.data import IterableDataset
 
@@ -12,12 +10,14 @@ Sample = tuple[torch.Tensor, torch.Tensor]
 
 
 class PackedTextDataset(IterableDataset):
-    """Infinite stream of (input, label) windows of `seq_len` tokens, sharded by data-parallel rank.
+    """Infinite stream of (input, label) windows of `seq_len` tokens, for one data-parallel rank.
 
-    The token stream is cut into non-overlapping windows of seq_len + 1 tokens. Each epoch draws a
-    permutation of all windows from a generator seeded with seed + epoch, identical on every rank;
-    rank r takes permutation positions r, r + R, r + 2R, ... so ranks see disjoint windows, and the
-    remainder is dropped so every rank gets the same number of windows per epoch.
+    The token stream is cut into N non-overlapping windows of seq_len + 1 tokens. The run's sample
+    i is window perm_e[i mod N] with e = i // N and perm_e a permutation drawn from a generator
+    seeded with seed + e: a function of (seed, e, i) alone, whatever the layout. Rank r of R takes
+    samples start + r, start + r + R, ...: batched by B, every global batch of G = B x R samples is
+    the contiguous block [start + kG, start + (k+1)G), which is what lets another R resume from
+    `start` = samples consumed (data/loader.py) with exactly the windows a straight run would use.
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, dp_rank: int, dp_world_size: int, seed: int) -> None:
@@ -39,53 +39,41 @@ class PackedTextDataset(IterableDataset):
         self._dp_rank = dp_rank
         self._dp_world_size = dp_world_size
         self._seed = seed
-        self._num_windows = tokens.numel() // window
-        self.num_windows_per_epoch = self._num_windows // dp_world_size
-        self._epoch = 0
-        self._index = 0
-        self._rank_windows_epoch = -1
-        self._rank_windows = torch.empty(0, dtype=torch.int64)
+        self.num_windows = tokens.numel() // window
+        self.num_windows_per_epoch = self.num_windows // dp_world_size  # per rank, for whole-split passes
+        self.start = 0  # the run's sample index this rank's stream is counted from
+        self._produced = 0  # samples this rank has produced since `start`
+        self._perm_epoch = -1
+        self._perm = torch.empty(0, dtype=torch.int64)
+
+    def global_sample(self, t: int) -> int:
+        """The run's sample index of this rank's t-th sample since `start`."""
+        return self.start + t * self._dp_world_size + self._dp_rank
 
     @property
     def epoch(self) -> int:
         """Epoch of the most recently produced sample (0 before the first)."""
-        return self._epoch
+        return self.global_sample(self._produced - 1) // self.num_windows if self._produced else 0
 
-    def _windows_of_epoch(self, epoch: int) -> torch.Tensor:
-        if epoch != self._rank_windows_epoch:
+    def restart(self, start: int) -> None:
+        self.start, self._produced = start, 0
+
+    def _window_of(self, i: int) -> int:
+        epoch, position = divmod(i, self.num_windows)
+        if epoch != self._perm_epoch:
             generator = torch.Generator().manual_seed(self._seed + epoch)
-            permutation = torch.randperm(self._num_windows, generator=generator)
-            stop = self.num_windows_per_epoch * self._dp_world_size
-            self._rank_windows = permutation[self._dp_rank : stop : self._dp_world_size]
-            self._rank_windows_epoch = epoch
-        return self._rank_windows
+            self._perm = torch.randperm(self.num_windows, generator=generator)
+            self._perm_epoch = epoch
+        return int(self._perm[position])
 
     def _next_sample(self) -> Sample:
-        if self._index == self.num_windows_per_epoch:
-            self._epoch += 1
-            self._index = 0
-        start = int(self._windows_of_epoch(self._epoch)[self._index]) * self._window
-        # Advance before returning so a state_dict taken now resumes with the following sample.
-        self._index += 1
+        start = self._window_of(self.global_sample(self._produced)) * self._window
+        # Advance before returning so a state taken now resumes with the following sample.
+        self._produced += 1
         window = self._tokens[start : start + self._window].to(torch.int64)
         return window[:-1], window[1:]
 
     def __iter__(self) -> Iterator[Sample]:
-        # All progress lives on the dataset (not in the generator), which is what state_dict saves.
+        # All progress lives on the dataset (not in the generator), which the loader counts from.
         while True:
             yield self._next_sample()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._index}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        epoch, index = state_dict.get("epoch"), state_dict.get("index")
-        if not isinstance(epoch, int) or not isinstance(index, int) or epoch < 0:
-            raise DataError(f"dataset state needs int 'epoch' >= 0 and int 'index', got {state_dict!r}")
-        if not 0 <= index <= self.num_windows_per_epoch:
-            raise DataError(
-                f"dataset state index {index} is outside [0, {self.num_windows_per_epoch}] windows per epoch "
-                "(was it saved with a different dataset, seq_len or dp_world_size?)"
-            )
-        self._epoch = epoch
-        self._index = index

@@ -1,12 +1,13 @@
 """`tokens:<folder>[:split]`: seq_len + 1 windows drawn from memory-mapped token shards.
 
 The shards are one token stream (in index order) cut into non-overlapping windows, as the in-memory
-path cuts its tensor. Each epoch visits the windows in a pseudo-random order given by a keyed
-Feistel permutation: computed per position, so no rank ever holds an O(corpus) permutation (25M
-windows of a 50 GB corpus would be 200 MB per rank and per loader worker). Rank r takes epoch
-positions r, r + R, ... like PackedTextDataset; this rank's sample stream (epoch after epoch) is
-cut into batches, and loader worker k of K builds batches k, k + K, ...: the StatefulDataLoader
-takes batches round-robin, so the batches are the same whatever num_workers is.
+path cuts its tensor. The run's sample i is window order_e(i mod N), e = i // N, where order_e is
+a keyed Feistel permutation of epoch e: computed per position, so no rank ever holds an O(corpus)
+permutation (25M windows of a 50 GB corpus would be 200 MB per rank and per loader worker). Rank r
+of R takes samples start + r, start + r + R, ... like PackedTextDataset (so every global batch is a
+contiguous block of the run's samples, and any R can resume from a sample count); this rank's
+stream is cut into batches, and loader worker k of K builds batches k, k + K, ...: the
+StatefulDataLoader takes batches round-robin, so the batches are the same whatever num_workers is.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ class TokenWindowDataset(IterableDataset):
         self._window = window
         self._batch_size = batch_size
         self._dp_rank, self._dp_world_size, self._seed = dp_rank, dp_world_size, seed
-        self._num_windows = split.num_tokens // window
-        self.num_windows_per_epoch = self._num_windows // dp_world_size
-        self._batches = 0  # batches this process (worker) has produced
+        self.num_windows = split.num_tokens // window
+        self.num_windows_per_epoch = self.num_windows // dp_world_size  # per rank, for whole-split passes
+        self.start = 0  # the run's sample index this rank's stream is counted from
+        self._batches = 0  # batches this process (worker) has produced since `start`
         self._maps: list[np.memmap | None] = [None] * len(self._paths)
         self._orders: dict[int, WindowOrder] = {}
 
@@ -100,18 +102,21 @@ class TokenWindowDataset(IterableDataset):
         state["_orders"] = {}
         return state
 
-    def epoch_after(self, num_batches: int) -> int:
-        """Epoch of the last sample of batch num_batches - 1 (0 before the first)."""
-        return (num_batches * self._batch_size - 1) // self.num_windows_per_epoch if num_batches else 0
+    def global_sample(self, t: int) -> int:
+        """The run's sample index of this rank's t-th sample since `start`."""
+        return self.start + t * self._dp_world_size + self._dp_rank
 
     @property
     def epoch(self) -> int:
         """Epoch of the most recently produced sample, when this process produces them (no workers)."""
-        return self.epoch_after(self._batches)
+        return self.global_sample(self._batches * self._batch_size - 1) // self.num_windows if self._batches else 0
+
+    def restart(self, start: int) -> None:
+        self.start, self._batches = start, 0
 
     def _order(self, epoch: int) -> WindowOrder:
         if epoch not in self._orders:
-            self._orders = {epoch: WindowOrder(self._num_windows, self._seed, epoch)}
+            self._orders = {epoch: WindowOrder(self.num_windows, self._seed, epoch)}
         return self._orders[epoch]
 
     def _shard(self, i: int) -> np.memmap:
@@ -131,13 +136,13 @@ class TokenWindowDataset(IterableDataset):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def batch(self, j: int) -> Batch:
-        """Batch j of this rank's stream: its samples j*B ... j*B + B - 1, epoch after epoch."""
-        samples = np.arange(j * self._batch_size, (j + 1) * self._batch_size, dtype=np.int64)
-        epochs, positions = np.divmod(samples, self.num_windows_per_epoch)
-        windows = np.empty_like(samples)
+        """Batch j of this rank's stream: its samples j*B ... j*B + B - 1 since `start`."""
+        local = np.arange(j * self._batch_size, (j + 1) * self._batch_size, dtype=np.int64)
+        epochs, positions = np.divmod(self.start + local * self._dp_world_size + self._dp_rank, self.num_windows)
+        windows = np.empty_like(local)
         for epoch in np.unique(epochs):
             chosen = epochs == epoch
-            windows[chosen] = self._order(int(epoch))(positions[chosen] * self._dp_world_size + self._dp_rank)
+            windows[chosen] = self._order(int(epoch))(positions[chosen])
         out = np.empty((self._batch_size, self._window), dtype=np.int64)
         for row, window in enumerate(windows):
             out[row] = self._tokens(int(window) * self._window)
@@ -149,23 +154,5 @@ class TokenWindowDataset(IterableDataset):
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         while True:
             j = worker + self._batches * workers
-            # Advance before yielding so a state_dict taken now resumes with the following batch.
             self._batches += 1
             yield self.batch(j)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self._batches, "batch_size": self._batch_size,
-                "windows_per_epoch": self.num_windows_per_epoch}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        batches = state_dict.get("batches")
-        if not isinstance(batches, int) or batches < 0:
-            raise DataError(f"token dataset state needs int 'batches' >= 0, got {state_dict!r}")
-        saved = (state_dict.get("batch_size"), state_dict.get("windows_per_epoch"))
-        if saved != (self._batch_size, self.num_windows_per_epoch):
-            raise DataError(
-                f"token dataset state was saved with batch size {saved[0]} and {saved[1]} windows per epoch, "
-                f"but this run has {self._batch_size} and {self.num_windows_per_epoch} "
-                "(another dataset, seq_len, local_batch_size or dp world size?)"
-            )
-        self._batches = batches

@@ -4,6 +4,7 @@ in flight at the pipeline's peak."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,15 @@ class ActivationEstimate:
 
 
 def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
-                     pp_rank: int = 0) -> ActivationEstimate:
+                     pp_rank: int = 0, device: str = "cuda") -> ActivationEstimate:
     """stage bytes = in-flight microbatches x tokens x (layers x per-layer + ends), where a
-    recomputing mode adds one block's full activations (the one being recomputed)."""
+    recomputing mode adds one block's full activations (the one being recomputed). `device`
+    "cpu" adds what only CPU's attention saves (ActivationTerms.layer_cpu), to compare with a
+    measurement on this machine; GPUs are sized without it."""
     terms = model.activation_terms(prec, layout)
+    if device == "cpu":
+        terms = dataclasses.replace(terms, layer=terms.layer + terms.layer_cpu, layer_by_index=tuple(
+            (i, v + terms.layer_cpu) for i, v in terms.layer_by_index))
     tokens = layout.microbatch_tokens
     stages = rank_stages(model, layout, pp_rank)
 

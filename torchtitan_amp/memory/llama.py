@@ -128,19 +128,19 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
                                             only its [s, head_dim/2] tables
         MLP        4 x c x f / t            w1 out, silu out, w3 out, w2 in
     with d = dim, hq = H x head_dim (d for Llama), kv = kv_heads x head_dim, f = ffn hidden,
-    H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul dtype (bf16: 2, fp32: 4). Full AC
-    keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
+    H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul
+    dtype (bf16: 2, fp32: 4). Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
     one block at a time in backward.
 
     Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
     token of this rank except what does not shrink with cp. SDPA saves the keys and values of the
-    whole window, gathered over cp (the k, v term above x cp per local token), and with an
-    explicit mask (any cp > 1, or block_causal) it converts the bool mask to an additive one in
-    the query's dtype inside every call and saves that: c x S per query token per layer, quadratic
-    in S (measured on CPU, torch 2.13; CUDA's efficient kernel does the same). Once per stage
-    (`stage`): the bool mask itself, S bytes per query token, alive through the forward and kept
-    by activation checkpointing for the recompute, and under cp the rotary tables picked per token
-    (cos, sin: 2 x 4 x head_dim / 2).
+    whole window, gathered over cp (the k, v term above x cp per local token); causal CP's chunked
+    attention adds `cp_causal_terms`. block_causal, with or without CP: SDPA converts the explicit
+    bool mask to an additive one in the query's dtype inside every call and saves it, c x S per
+    query token per layer, quadratic in S (measured on CPU, torch 2.13; CUDA's efficient kernel
+    does the same). Once per stage (`stage`): that bool mask itself, S bytes per query token,
+    alive through the forward and kept by activation checkpointing for the recompute, and under
+    cp the rotary tables picked per token (cos, sin: 2 x 4 x head_dim / 2).
     """
     d, kv, f, h = model.dim, model.kv_dim, model.ffn_hidden, model.n_heads
     t = layout.tp
@@ -158,11 +158,13 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     norm = (8 * d + 4) / sp
     cp, window = layout.cp, layout.seq_len
     mask = c * window if layout.masked else 0.0
+    chunked, layer_cpu = cp_causal_terms(model, prec, layout)
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
         + c * (2 * hq / t + 2 * kv_saved * cp) + 4 * h / t + mask
         + 4 * c * f / t
+        + chunked
     )
     checkpointed = r * d / sp
     # Op-level SAC keeps matmul and attention outputs plus the inputs of its two regions
@@ -178,4 +180,29 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     # cross-entropy's fp32 log-softmax (a live-tensor estimate at the loss, not checked).
     head = norm + c * d + (c + out_b + 4) * model.vocab_size / lp
     stage = (window if layout.masked else 0.0) + (4 * model.head_dim if cp > 1 else 0.0)
-    return ActivationTerms(layer, checkpointed, op_sac, head, 8.0, stage)
+    return ActivationTerms(layer, checkpointed, op_sac, head, 8.0, stage, layer_cpu)
+
+
+def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tuple[float, float]:
+    """(per layer on every device, per layer on CPU only) in bytes per token, of causal attention
+    under CP (context_parallel.ContextParallel.causal_attention); zero otherwise.
+
+    Every device: the gathered keys and values are put in window order by an index_select, which
+    saves its [S] int64 index, once for k and once for v (16 x S bytes per microbatch, shared by
+    its sequences); each of the rank's two query chunks (n = S / (2 cp) queries) gets its own SDPA
+    call, so the concatenated output that wo reads is a copy beside the chunk outputs SDPA saves
+    (c x d / t more).
+
+    CPU only: the lower-right causal bias costs no tensor on CUDA (flash and efficient kernels
+    take it as a flag; not checked on a GPU), but CPU's SDPA builds it as an [n, end] mask in the
+    query's dtype per chunk (end = the chunk's last position + 1), shared by the batch and heads:
+    c x n x (sum of ends) per microbatch, counted for a rank r > 0 (chunks r and 2cp-1-r: ends sum
+    to (2cp + 1) n); rank 0's first chunk is square, plain is_causal with no mask, c x n^2 less.
+    """
+    cp = layout.cp
+    if cp == 1 or layout.masked:
+        return 0.0, 0.0
+    c = DTYPE_BYTES[prec.compute]
+    n = layout.seq_len // (2 * cp)
+    every = c * model.n_heads * model.head_dim / layout.tp + 16 * cp / layout.microbatch_sequences
+    return every, c * n * (2 * cp + 1) * n / layout.microbatch_tokens

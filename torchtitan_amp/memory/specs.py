@@ -144,9 +144,9 @@ class Layout:
 
     @property
     def masked(self) -> bool:
-        """Whether attention gets an explicit [B, 1, S/cp, S] bool mask (block_causal, or any
-        CP: its queries are not the first S/cp positions) instead of SDPA's is_causal."""
-        return self.cp > 1 or self.attn_mask_type != "causal"
+        """Whether attention gets an explicit [B, 1, S/cp, S] bool mask (block_causal) instead of
+        a causal flag (SDPA's is_causal; under CP each query chunk's lower-right causal bias)."""
+        return self.attn_mask_type != "causal"
 
     @property
     def sp(self) -> bool:
@@ -210,6 +210,9 @@ class ActivationTerms:
     head: float  # final norm, output head, logits and loss (last stage)
     embedding: float  # token ids (first stage)
     stage: float = 0.0  # held once by every stage's forward: the attention mask, per-token rope tables
+    # Per layer, saved only where SDPA has no kernel for a causal bias and builds the mask (CPU):
+    # the planner sizes GPUs without it, a measurement on this machine adds it.
+    layer_cpu: float = 0.0
     # Blocks that differ (an MoE model's dense first blocks): layer index -> its `layer` bytes.
     layer_by_index: tuple[tuple[int, float], ...] = ()
 

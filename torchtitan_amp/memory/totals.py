@@ -52,11 +52,11 @@ class MemoryEstimate:
 
 
 def estimate(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-             tp_rank: int = 0, dp_shard_rank: int = 0) -> MemoryEstimate:
+             tp_rank: int = 0, dp_shard_rank: int = 0, device: str = "cuda") -> MemoryEstimate:
     """Everything for one rank. Rank 0 of each dimension is the largest (uneven shards put the
     short chunks last), and pipeline rank 0 holds the most in-flight microbatches."""
     return MemoryEstimate(
         state_bytes(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank, dp_shard_rank=dp_shard_rank),
         transient_bytes(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
-        activation_bytes(model, prec, layout, pp_rank=pp_rank),
+        activation_bytes(model, prec, layout, pp_rank=pp_rank, device=device),
     )

@@ -21,7 +21,9 @@ PrecisionPlan). The arithmetic is `torchtitan_amp.memory` (formulas in its docst
 script is its command line. `train.py --job.dry_run` gives the same numbers by building the model
 on the meta device with a fake process group; this estimate builds nothing and takes milliseconds.
 
---measure reports, per rank:
+--measure sizes the activations as this CPU saves them (memory.activation_bytes with device "cpu":
+under causal context parallel, CPU's SDPA builds each query chunk's causal mask, CUDA's kernels
+do not), and reports, per rank:
 - parameter, gradient and AdamW-state bytes summed over the real tensors after the steps: these
   must equal the estimate exactly (the script exits 1 otherwise);
 - resident memory (RSS) of the process: its growth from just before the model is built to the
@@ -81,14 +83,15 @@ def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
     family.flavors[flavor] = dataclasses.replace(family.flavors[flavor], **changes)
 
 
-def estimate(config: JobConfig, ngpu: int | None) -> dict[str, Any]:
-    """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict."""
+def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[str, Any]:
+    """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict; device
+    "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves)."""
     from torchtitan_amp.dry_run import resolve
 
     res = resolve(config, ngpu)
-    est = memory.estimate(res.model_dims, res.precision, res.layout)
+    est = memory.estimate(res.model_dims, res.precision, res.layout, device=device)
     d = est.to_dict()
-    d.update(world_size=res.world_size, flavor=config.model.flavor, total_params=res.model_dims.total_params(),
+    d.update(world_size=res.world_size, device=device, flavor=config.model.flavor, total_params=res.model_dims.total_params(),
              layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "cp": res.dims.cp,
                      "tp": res.dims.tp, "pp": res.dims.pp, "seq_len": res.layout.seq_len,
                      "local_seq_len": res.layout.local_seq_len, "attn_mask_type": res.layout.attn_mask_type,
@@ -109,7 +112,7 @@ def format_estimate(d: dict[str, Any]) -> str:
         f"{d['flavor']} ({d['total_params']:,} params), rank 0 of {d['world_size']}: "
         f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x cp {lay['cp']} x "
         f"tp {lay['tp']}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
-        f"AC {lay['ac']}",
+        f"AC {lay['ac']}" + ("; activations as this CPU saves them (--measure)" if d.get("device") == "cpu" else ""),
         f"precision: path={pr['path']} storage={pr['storage']} param={pr['param']} reduce={pr['reduce']} "
         f"comm_hook={pr['comm_hook']}" + (f" cp_reduce={pr['cp_reduce']}" if lay["cp"] > 1 else ""),
         "",
@@ -304,7 +307,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(overrides)
         apply_shape(config.model.name, config.model.flavor, args.shape)
-        est = estimate(config, args.ngpu)
+        est = estimate(config, args.ngpu, "cpu" if args.measure else "cuda")
     except (ConfigError, ValueError) as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ from reduction order only.
 Layouts (processes): single (1); DDP 2, FSDP 2, TP 2, PP 2, CP 2 (2); HSDP 2x2, FSDP 2 x TP 2,
 FSDP 2 x CP 2 (4); the 3-D
 FSDP 2 x TP 2 x PP 2 and HSDP 2x2 x TP 2 (8: fp32 and bf16 only, and only with --max-procs 8; the
-test suite's time budget leaves them out, so this tool is where they run).
+test suite's time budget leaves them out, so this tool is where they run). The mixture-of-experts
+rows train debugmodel_moe instead, against their own one-process reference: MoE single (1); MoE
+FSDP 2, MoE EP 2 (dp_shard 2 with expert_parallel_degree 2), MoE TP 2 (2); fp32, bf16 (routers in
+fp32, the default) and bf16 + bf16 router (mixed_precision.router_dtype = bfloat16) only.
 Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp32: the default,
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
@@ -52,6 +55,9 @@ REPLICATE = "--parallelism.data_parallel_replicate_degree"
 TP = "--parallelism.tensor_parallel_degree"
 PP = "--parallelism.pipeline_parallel_degree"
 CP = "--parallelism.context_parallel_degree"
+EP = "--parallelism.expert_parallel_degree"
+MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
+MOE_PRECISIONS = ("fp32", "bf16", "bf16 + bf16 router")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,11 @@ class LayoutSpec:
     dp: int  # data-parallel degree: local batch = global batch / dp
     args: tuple[str, ...]
     cp: int = 1  # context-parallel degree (its ranks share each sequence, and FSDP shards over them)
+    # The model, when not the --flavor Llama: its rows compare with the single layout of the same
+    # model ("reference"), and run only the precisions named (None: all).
+    model: tuple[str, ...] = ()
+    reference: str = "single"
+    precisions: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ class PrecisionSpec:
     args: tuple[str, ...]
     needs_dp: bool = False  # only meaningful where gradients are reduced over data parallel ranks
     needs_cp: bool = False  # only meaningful under context parallel
+    needs_moe: bool = False  # only meaningful for a model with routers
 
 
 LAYOUTS = (
@@ -83,6 +95,9 @@ LAYOUTS = (
     LayoutSpec("FSDP 2 x CP 2", 4, 2, (SHARD, "2", CP, "2"), cp=2),
     LayoutSpec("FSDP 2 x TP 2 x PP 2", 8, 2, (SHARD, "2", TP, "2", PP, "2")),
     LayoutSpec("HSDP 2x2 x TP 2", 8, 4, (REPLICATE, "2", SHARD, "2", TP, "2")),
+    *(LayoutSpec(f"MoE {name}", nproc, dp, args, model=MOE, reference="MoE single", precisions=MOE_PRECISIONS)
+      for name, nproc, dp, args in (("single", 1, 1, ()), ("FSDP 2", 2, 2, (SHARD, "2")),
+                                    ("EP 2", 2, 2, (SHARD, "2", EP, "2")), ("TP 2", 2, 1, (SHARD, "1", TP, "2")))),
 )
 
 PRECISIONS = (
@@ -95,6 +110,9 @@ PRECISIONS = (
     PrecisionSpec("pure bf16", ("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false")),
     PrecisionSpec("bf16 + bf16 cp reduce", ("--mixed_precision.param_dtype", "bfloat16",
                                             "--mixed_precision.cp_reduce_dtype", "bfloat16"), needs_cp=True),
+    # Routers score, choose and weight in bf16 (the default routes in fp32 under any precision).
+    PrecisionSpec("bf16 + bf16 router", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype",
+                                         "float32", "--mixed_precision.router_dtype", "bfloat16"), needs_moe=True),
 )
 
 # Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
@@ -128,6 +146,11 @@ class Run:
     def label(self) -> str:
         return f"{self.layout.name} / {self.precision.name}"
 
+    @property
+    def reference(self) -> str:
+        """The label of the run this one is compared with: its model's fp32 single process."""
+        return f"{self.layout.reference} / fp32"
+
 
 @dataclass
 class Result:
@@ -136,27 +159,38 @@ class Result:
     path: str = ""
     skipped_steps: int = 0
     val_loss: float = math.nan  # after the last step
+    router_dtype: str = ""  # models with routers: the plan's router_dtype
     error: str = ""
     wall_s: float = 0.0
 
 
 def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]:
-    runs, notes = [], []
+    """The runs --only matches, plus the fp32 single-process reference of each model they train."""
+    candidates = []
     for layout in LAYOUTS:
         for prec in PRECISIONS:
             run = Run(layout, prec)
             # FSDP shards over the cp ranks too: a cp layout reduces gradients.
             if prec.needs_dp and layout.dp * layout.cp == 1 or prec.needs_cp and layout.cp == 1:
                 continue
-            if only and not re.search(only, run.label) and run.label != "single / fp32":
+            if prec.needs_moe and not layout.model or prec.name not in (layout.precisions or (prec.name,)):
                 continue
-            if (layout.name, prec.name) in SKIPPED:
-                notes.append(f"{run.label}: not run ({SKIPPED[layout.name, prec.name]})")
-                continue
-            if layout.nproc > max_procs:
-                notes.append(f"{run.label}: not run (needs {layout.nproc} processes, --max-procs {max_procs})")
-                continue
-            runs.append(run)
+            candidates.append(run)
+    matched = {r.label for r in candidates if not only or re.search(only, r.label)}
+    # Without --only (or when it matches nothing) the Llama reference runs, as it always has.
+    wanted = matched | {r.reference for r in candidates if r.label in matched} | ({"single / fp32"} if not matched else set())
+    runs, notes = [], []
+    for run in candidates:
+        layout, prec = run.layout, run.precision
+        if run.label not in wanted:
+            continue
+        if (layout.name, prec.name) in SKIPPED:
+            notes.append(f"{run.label}: not run ({SKIPPED[layout.name, prec.name]})")
+            continue
+        if layout.nproc > max_procs:
+            notes.append(f"{run.label}: not run (needs {layout.nproc} processes, --max-procs {max_procs})")
+            continue
+        runs.append(run)
     return runs, notes
 
 
@@ -168,7 +202,8 @@ def train_args(run: Run, a: argparse.Namespace) -> list[str]:
     # layout (the bundled data has no held-out split: this is the loss on training windows).
     validation = ["--validation.enable", "true", "--validation.freq", str(a.steps), "--validation.steps",
                   str(a.val_batches), "--validation.local_batch_size", local_batch] if a.val_batches else []
-    return ["--model.flavor", a.flavor, "--training.seq_len", str(a.seq_len),
+    model = list(run.layout.model) or ["--model.flavor", a.flavor]
+    return [*model, "--training.seq_len", str(a.seq_len),
             "--training.local_batch_size", local_batch,
             "--training.steps", str(a.steps), "--training.seed", str(a.seed),
             "--optimizer.lr", str(a.lr), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
@@ -215,7 +250,10 @@ def read_result(run: Run, folder: Path) -> Result:
         result.wall_s = json.loads(done.read_text())["wall_s"]
         report = folder / "precision_report.json"
         if report.is_file():
-            result.path = json.loads(report.read_text())["path"]
+            plan = json.loads(report.read_text())
+            result.path = plan["path"]
+            if (plan.get("router") or {}).get("routers"):
+                result.router_dtype = plan["router"]["router_dtype"]
     else:
         errors = sorted(folder.glob("error_rank*.txt"))
         lines = errors[0].read_text().strip().splitlines() if errors else []
@@ -276,7 +314,8 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
 
 
 def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
-    ref = results.get("single / fp32")
+    """One row per run; "single" means the one-process run of the row's model (MoE rows: MoE
+    single), and a model with routers shows its router_dtype after the path."""
     lines = [
         "| layout | precision | path | final loss | Δ final vs fp32 single | max \\|Δ\\| over steps vs fp32 single (rel) "
         "| max \\|Δ\\| vs same precision, single | skipped fp16 steps | val loss | Δ val loss vs fp32 single |",
@@ -290,20 +329,23 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
             lines.append(f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | | | |")
             continue
         final = res.losses[max(res.losses)]
-        cells = [run.layout.name, run.precision.name, res.path, f"{final:.5f}"]
+        path = f"{res.path}, router {res.router_dtype}" if res.router_dtype else res.path
+        cells = [run.layout.name, run.precision.name, path, f"{final:.5f}"]
+        ref = results.get(run.reference)
         if ref is not None and not ref.error:
             ref_final = ref.losses[max(ref.losses)]
             mabs, mrel = max_diff(res.losses, ref.losses)
             cells += [f"{final - ref_final:+.2e}", f"{fmt(mabs)} ({fmt(mrel)})"]
         else:
             cells += ["-", "-"]
-        same = results.get(f"single / {run.precision.name}")
-        if run.layout.name == "single":
+        single = run.layout.reference
+        same = results.get(f"{single} / {run.precision.name}")
+        if run.layout.name == single:
             cells.append("(reference)")
         elif same is not None and not same.error:
             cells.append(fmt(max_diff(res.losses, same.losses)[0]))
         elif run.precision.needs_dp or run.precision.needs_cp:
-            bf16 = results.get("single / bf16")
+            bf16 = results.get(f"{single} / bf16")
             cells.append(f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-")
         else:
             cells.append("-")
@@ -372,7 +414,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="global batches of the validation loss after the last step (0: none; default %(default)s)")
     p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
     p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
-                   "(the fp32 single-process reference always runs)")
+                   "(the fp32 single-process reference of each model it selects always runs)")
     p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
@@ -397,10 +439,11 @@ def main(argv: list[str]) -> int:
         results.update(launch([r for r in runs if r.layout.nproc == nproc], nproc, a, out))
     elapsed = time.perf_counter() - start
     command = shlex.join(["python", "-m", MODULE, *argv])
+    models = dict.fromkeys(train_args(r, a)[train_args(r, a).index("--model.flavor") + 1] for r in runs)
     md = [
         f"Command: `{command}`",
         "",
-        f"{a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, {a.steps} steps, "
+        f"{' and '.join(models) or a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, {a.steps} steps, "
         f"lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
         f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min.",
         "",

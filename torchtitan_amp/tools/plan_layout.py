@@ -279,7 +279,8 @@ def plan(args: Any, evaluated: tuple[list[Candidate], int] | None = None) -> dic
     cands, rejected = evaluated if evaluated is not None else candidates(args)
     for c in cands:
         c.fits = c.memory_gib <= args.gpu_mem_gib * args.mem_fraction
-    # CP only where the sequence needs it: it buys memory with traffic and explicit-mask attention.
+    # CP only where the sequence needs it: it buys memory with K/V traffic (and, under block_causal,
+    # attention over an explicit mask that computes every query-key block).
     needs_cp = not any(c.fits and c.cp == 1 for c in cands)
     fitting = sorted((c for c in cands if c.fits and (needs_cp or c.cp == 1)), key=rank_key)
     return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected, "needs_cp": needs_cp,

@@ -39,10 +39,16 @@ _OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
-def to_hf_name(fqn: str) -> str:
+def layer_mapped_name(fqn: str, layer_names: dict[str, str], top_names: dict[str, str]) -> str:
+    """Our FQN -> the HF name, through a family's table of a layer's tensors and of the others
+    (the HF layout every decoder here shares: model.layers.N.<name>)."""
     if m := _OUR_LAYER.match(fqn):
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    return _TOP_NAMES[fqn]
+        return f"model.layers.{m[1]}.{layer_names[m[2]]}"
+    return top_names[fqn]
+
+
+def to_hf_name(fqn: str) -> str:
+    return layer_mapped_name(fqn, _LAYER_NAMES, _TOP_NAMES)
 
 
 def from_hf_name(name: str) -> str | None:
@@ -62,7 +68,7 @@ def rotary_heads(fqn: str, args: LlamaModelArgs) -> int | None:
     return None
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, llama3 scaling or None) from either spelling: `rope_theta` + `rope_scaling`
     (published configs, transformers < 5) or `rope_parameters` (transformers >= 5)."""
     params = cfg.get("rope_parameters") or {}
@@ -91,7 +97,7 @@ def config_fields(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
     if cfg.get("head_dim") not in (None, dim // n_heads):
         raise CheckpointError(f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
                               f"= {dim // n_heads}; this model supports only the latter")
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_settings(cfg)
     fields = {
         "dim": dim, "n_layers": int(need("num_hidden_layers")), "n_heads": n_heads,
         "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),

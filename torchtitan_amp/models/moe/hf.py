@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_amp.errors import CheckpointError
-from torchtitan_amp.models.llama3.hf import _rope
+from torchtitan_amp.models.llama3.hf import layer_mapped_name, rope_settings
 from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 from torchtitan_amp.models.moe.model import MoEModelArgs
 from torchtitan_amp.models.spec import HFAdapter
@@ -45,16 +45,13 @@ _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight
               "output.weight": "lm_head.weight"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|down_proj|up_proj)\.weight$")
-_OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 EXPERT_BIAS = re.compile(r"\.feed_forward\.router\.expert_bias$")
 
 
 def to_hf_name(fqn: str) -> str:
-    if m := _OUR_LAYER.match(fqn):
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    return _TOP_NAMES[fqn]
+    return layer_mapped_name(fqn, _LAYER_NAMES, _TOP_NAMES)
 
 
 def from_hf_name(name: str) -> str | None:
@@ -127,7 +124,7 @@ def config_fields(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
 
     _check_supported(cfg, where)
     dim, n_heads, n_layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_settings(cfg)
     if scaling is not None:
         raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported for "
                               "Qwen3-MoE (allowed: none)")
