@@ -92,7 +92,9 @@ def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[
     est = memory.estimate(res.model_dims, res.precision, res.layout, device=device)
     d = est.to_dict()
     d.update(world_size=res.world_size, device=device, flavor=config.model.flavor, total_params=res.model_dims.total_params(),
+             active_params=res.model_dims.active_params(),
              layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "cp": res.dims.cp,
+                     "ep": res.dims.ep,
                      "tp": res.dims.tp, "pp": res.dims.pp, "seq_len": res.layout.seq_len,
                      "local_seq_len": res.layout.local_seq_len, "attn_mask_type": res.layout.attn_mask_type,
                      "local_batch_size": res.layout.local_batch_size, "grad_accum": res.layout.grad_accum,
@@ -100,18 +102,24 @@ def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[
              precision={"path": res.plan.path, "storage": res.precision.storage, "param": res.precision.param,
                         "reduce": res.precision.reduce, "comm_hook": res.plan.comm_hook,
                         "cp_reduce": res.precision.cp_reduce},
-             # The activation collectives context parallel adds (the dry run reports every category).
-             cp_communication=memory.cp_comm(res.model_dims, res.precision, res.layout))
+             # The activation collectives context and expert parallel add (the dry run reports every
+             # category).
+             cp_communication={**memory.cp_comm(res.model_dims, res.precision, res.layout),
+                               **res.model_dims.ep_comm(res.precision, res.layout,
+                                                        memory.rank_stages(res.model_dims, res.layout))})
     return d
 
 
 def format_estimate(d: dict[str, Any]) -> str:
     fb, fd = memory.fmt_bytes, memory.fmt_by_dtype
     lay, pr, st, acts = d["layout"], d["precision"], d["state"], d["activations"]
+    ep = f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else ""
     lines = [
-        f"{d['flavor']} ({d['total_params']:,} params), rank 0 of {d['world_size']}: "
+        f"{d['flavor']} ({d['total_params']:,} params"
+        + (f", {d['active_params']:,} active" if d.get("active_params", d["total_params"]) != d["total_params"] else "")
+        + f"), rank 0 of {d['world_size']}: "
         f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x cp {lay['cp']} x "
-        f"tp {lay['tp']}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
+        f"tp {lay['tp']}{ep}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
         f"AC {lay['ac']}" + ("; activations as this CPU saves them (--measure)" if d.get("device") == "cpu" else ""),
         f"precision: path={pr['path']} storage={pr['storage']} param={pr['param']} reduce={pr['reduce']} "
         f"comm_hook={pr['comm_hook']}" + (f" cp_reduce={pr['cp_reduce']}" if lay["cp"] > 1 else ""),
