@@ -187,11 +187,10 @@ def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tu
     """(per layer on every device, per layer on CPU only) in bytes per token, of causal attention
     under CP (context_parallel.ContextParallel.causal_attention); zero otherwise.
 
-    Every device: the gathered keys and values are put in window order by an index_select, which
-    saves its [S] int64 index, once for k and once for v (16 x S bytes per microbatch, shared by
-    its sequences); each of the rank's two query chunks (n = S / (2 cp) queries) gets its own SDPA
+    Every device: each of the rank's two query chunks (n = S / (2 cp) queries) gets its own SDPA
     call, so the concatenated output that wo reads is a copy beside the chunk outputs SDPA saves
-    (c x d / t more).
+    (c x d / t more). The index that puts the gathered keys and values in window order is built
+    once per shape and kept (context_parallel._WINDOW_ORDER): saved by reference, it adds nothing.
 
     CPU only: the lower-right causal bias costs no tensor on CUDA (flash and efficient kernels
     take it as a flag; not checked on a GPU), but CPU's SDPA builds it as an [n, end] mask in the
@@ -204,5 +203,5 @@ def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tu
         return 0.0, 0.0
     c = DTYPE_BYTES[prec.compute]
     n = layout.seq_len // (2 * cp)
-    every = c * model.n_heads * model.head_dim / layout.tp + 16 * cp / layout.microbatch_sequences
+    every = c * model.n_heads * model.head_dim / layout.tp
     return every, c * n * (2 * cp + 1) * n / layout.microbatch_tokens
