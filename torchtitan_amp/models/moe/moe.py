@@ -12,6 +12,8 @@ activations' dtype; their outputs are weighted and summed per token in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -151,6 +153,10 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, a
 class MoE(nn.Module):
     """Routed experts (plus an optional shared SwiGLU expert) in place of a block's MLP."""
 
+    # Set by parallelize.apply_ep under expert parallel (expert_parallel.ExpertParallel): the
+    # routed experts live on other ranks too, and tokens travel to them.
+    expert_parallel: Any = None
+
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, score_func: str,
                  route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float,
                  bias_update_speed: float) -> None:
@@ -188,12 +194,10 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
         order = experts.flatten().argsort(stable=True)
         token_of = order // experts.shape[1]
-        # Set by parallelize under expert parallel: the experts live on other ranks too.
-        dispatch = getattr(self, "expert_parallel", None)
-        if dispatch is None:
+        if self.expert_parallel is None:
             routed = self.experts(tokens[token_of], counts)
         else:
-            routed = dispatch(self.experts, tokens[token_of], counts)
+            routed = self.expert_parallel(self.experts, tokens[token_of], counts)
         # Weighted and summed per token in fp32: a token's k expert outputs are added once, rounded once.
         weighted = routed.float() * weights.flatten()[order, None].float()
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, weighted)
