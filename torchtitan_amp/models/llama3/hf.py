@@ -19,8 +19,8 @@ from torchtitan_amp.models.spec import HFAdapter
 
 CONFIG = "config.json"
 
-# Our FQN inside layers.<i>. -> HF's inside model.layers.<i>.
-_LAYER_NAMES = {
+# Our FQN inside layers.<i>. -> HF's inside model.layers.<i> (the MoE family's table extends it).
+LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -31,8 +31,8 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Older exports carry the rotary tables as a buffer; we compute ours from config.json.
@@ -48,15 +48,15 @@ def layer_mapped_name(fqn: str, layer_names: dict[str, str], top_names: dict[str
 
 
 def to_hf_name(fqn: str) -> str:
-    return layer_mapped_name(fqn, _LAYER_NAMES, _TOP_NAMES)
+    return layer_mapped_name(fqn, LAYER_NAMES, TOP_NAMES)
 
 
 def from_hf_name(name: str) -> str | None:
     """Our FQN for a Hugging Face tensor name, or None for one this model has no place for."""
     if m := _HF_LAYER.match(name):
-        ours = {hf: o for o, hf in _LAYER_NAMES.items()}.get(m[2])
+        ours = {hf: o for o, hf in LAYER_NAMES.items()}.get(m[2])
         return f"layers.{m[1]}.{ours}" if ours else None
-    return {hf: o for o, hf in _TOP_NAMES.items()}.get(name)
+    return {hf: o for o, hf in TOP_NAMES.items()}.get(name)
 
 
 def rotary_heads(fqn: str, args: LlamaModelArgs) -> int | None:

@@ -17,32 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_amp.errors import CheckpointError
-from torchtitan_amp.models.llama3.hf import layer_mapped_name, rope_settings
+from torchtitan_amp.models.llama3.hf import LAYER_NAMES, TOP_NAMES, layer_mapped_name, rope_settings
 from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 from torchtitan_amp.models.moe.model import MoEModelArgs
 from torchtitan_amp.models.spec import HFAdapter
 
 CONFIG = "config.json"
 
-# Our FQN inside layers.<i>. -> HF's inside model.layers.<i>.
+# Our FQN inside layers.<i>. -> HF's inside model.layers.<i>: Llama's (its feed_forward.w* are the
+# dense blocks, Qwen3's mlp_only_layers), plus Qwen3's q/k norms and the router.
 _LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    **LAYER_NAMES,
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",  # the dense blocks (mlp_only_layers)
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.router.weight": "mlp.gate.weight",
 }
 _FROM_HF = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = TOP_NAMES
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|down_proj|up_proj)\.weight$")
 _OUR_EXPERTS = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
