@@ -51,9 +51,17 @@ def _tokens_dataset(root: Path) -> str:
     return dataset
 
 
+def _validated(name: str) -> list[str]:
+    """Validation every 2 steps, each evaluation continuing through the split (steps = 1) with a
+    global batch of 4 sequences whatever the data-parallel degree: its position must carry over."""
+    dp = LAYOUTS[name.split(":")[0]][1]
+    return ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+            "--validation.local_batch_size", str(4 // dp)]
+
+
 def _job(name: str, root: Path, dataset: str, *, workers: int = 0, resume_from: str | None = None,
-         global_batch: int = GLOBAL) -> dict:
-    args = [*BASE, *LAYOUTS[name.split(":")[0]][2], "--training.dataset", dataset,
+         global_batch: int = GLOBAL, validate: bool = False) -> dict:
+    args = [*BASE, *LAYOUTS[name.split(":")[0]][2], *(_validated(name) if validate else []), "--training.dataset", dataset,
             "--training.global_batch_size", str(global_batch), "--training.dataloader_num_workers", str(workers),
             "--job.dump_folder", str(root / name)]
     job = {"args": args, "record_batches": str(root / f"{name}.rows.json")}
@@ -79,12 +87,12 @@ def _steps(root: Path, name: str, first_step: int, global_batch: int = GLOBAL) -
 def elastic(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
     tokens = _tokens_dataset(root)
-    launch_worker("ckpt_jobs", root, [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc")], 2)
+    launch_worker("ckpt_jobs", root, [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc", validate=True)], 2)
     launch_worker("ckpt_jobs", root, [_job("fsdp4", root, tokens, workers=2),
                                       _job("fsdp2_tp2:from_ddp2", root, tokens, workers=2, resume_from="ddp2")], 4)
     out = launch_worker("ckpt_jobs", root, [_job("fsdp2:from_fsdp4", root, tokens, resume_from="fsdp4")], 2)
     (root / "from_fsdp4.log").write_text(out.output)
-    launch_worker("ckpt_jobs", root, [_job("single:from_fsdp2", root, "pydoc", resume_from="fsdp2")], 1)
+    launch_worker("ckpt_jobs", root, [_job("single:from_fsdp2", root, "pydoc", resume_from="fsdp2", validate=True)], 1)
     launch_worker("ckpt_jobs", root, [_job("fsdp3", root, "pydoc", global_batch=6),
                                       _job("fsdp3:again", root, "pydoc", global_batch=6, resume_from="fsdp3")], 3)
     return root
@@ -102,6 +110,16 @@ def test_resume_on_another_layout_continues_the_straight_runs_windows(elastic: P
     for step in b:
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=LOSS_RTOL, abs=0), step
         assert b[step]["lr"] == a[step]["lr"] and b[step]["epoch"] == a[step]["epoch"]
+
+
+def test_validation_position_carries_over_to_another_degree(elastic: Path) -> None:
+    """FSDP 2 evaluates at steps 2 and 4, each reading the next validation batch; resumed on one
+    process from step 2, the step-4 evaluation reads the same (second) batch: the same val_loss up
+    to reduction order. Re-reading the first batch would give the step-2 value instead."""
+    a, b = by_step(elastic / "fsdp2"), by_step(elastic / "single:from_fsdp2")
+    assert b[4]["val_loss"] == pytest.approx(a[4]["val_loss"], rel=LOSS_RTOL, abs=0)
+    assert b[4]["val_tokens"] == a[4]["val_tokens"] == 4 * 32
+    assert abs(a[4]["val_loss"] - a[2]["val_loss"]) > 100 * LOSS_RTOL * a[2]["val_loss"]  # another batch
 
 
 def test_rng_not_carried_across_world_sizes_is_said_once(elastic: Path) -> None:
