@@ -1,7 +1,8 @@
 """Resuming on another layout (docs/checkpointing.md): a checkpoint continues on another
 data-parallel degree with exactly the windows the straight run would have used next, and in fp32
-with losses equal to the straight run's up to reduction order; at the same degree (FSDP 3, uneven
-shards of the tiny model) bit for bit.
+with losses equal to the straight run's up to reduction order (FSDP 4 -> FSDP 2, FSDP 2 -> one
+process, DDP 2 -> FSDP 2 x TP 2, PP 2 -> FSDP 2), the validation position too; at the same degree
+(FSDP 3, uneven shards of the tiny model) bit for bit.
 
 Five launches (tests/workers/ckpt_jobs.py, several jobs each): straight runs record every rank's
 input rows (a digest per row), the resumed runs continue from their step-2 checkpoints.
@@ -34,6 +35,7 @@ LAYOUTS = {  # name: (processes, data-parallel degree, arguments)
     "ddp2": (2, 2, ["--parallelism.data_parallel_replicate_degree", "2", FSDP, "1"]),
     "fsdp2_tp2": (4, 2, [FSDP, "2", "--parallelism.tensor_parallel_degree", "2"]),
     "single": (1, 1, []),
+    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
 }
 # fp32, same windows per step, another reduction order (and, for TP, another matmul split).
 LOSS_RTOL = 1e-6
@@ -87,10 +89,12 @@ def _steps(root: Path, name: str, first_step: int, global_batch: int = GLOBAL) -
 def elastic(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
     tokens = _tokens_dataset(root)
-    launch_worker("ckpt_jobs", root, [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc", validate=True)], 2)
+    launch_worker("ckpt_jobs", root, [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc", validate=True),
+                                      _job("pp2", root, tokens)], 2)
     launch_worker("ckpt_jobs", root, [_job("fsdp4", root, tokens, workers=2),
                                       _job("fsdp2_tp2:from_ddp2", root, tokens, workers=2, resume_from="ddp2")], 4)
-    out = launch_worker("ckpt_jobs", root, [_job("fsdp2:from_fsdp4", root, tokens, resume_from="fsdp4")], 2)
+    out = launch_worker("ckpt_jobs", root, [_job("fsdp2:from_fsdp4", root, tokens, resume_from="fsdp4"),
+                                            _job("fsdp2:from_pp2", root, tokens, resume_from="pp2")], 2)
     (root / "from_fsdp4.log").write_text(out.output)
     launch_worker("ckpt_jobs", root, [_job("single:from_fsdp2", root, "pydoc", resume_from="fsdp2", validate=True)], 1)
     launch_worker("ckpt_jobs", root, [_job("fsdp3", root, "pydoc", global_batch=6),
@@ -99,7 +103,8 @@ def elastic(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(("resumed", "straight"), [
-    ("fsdp2:from_fsdp4", "fsdp4"), ("single:from_fsdp2", "fsdp2"), ("fsdp2_tp2:from_ddp2", "ddp2")])
+    ("fsdp2:from_fsdp4", "fsdp4"), ("single:from_fsdp2", "fsdp2"), ("fsdp2_tp2:from_ddp2", "ddp2"),
+    ("fsdp2:from_pp2", "pp2")])
 def test_resume_on_another_layout_continues_the_straight_runs_windows(elastic: Path, resumed: str,
                                                                       straight: str) -> None:
     want, got = _steps(elastic, straight, 1), _steps(elastic, resumed, RESUME_FROM + 1)
@@ -109,7 +114,11 @@ def test_resume_on_another_layout_continues_the_straight_runs_windows(elastic: P
     assert sorted(b) == list(range(RESUME_FROM + 1, STEPS + 1))
     for step in b:
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=LOSS_RTOL, abs=0), step
-        assert b[step]["lr"] == a[step]["lr"] and b[step]["epoch"] == a[step]["epoch"]
+        assert b[step]["lr"] == a[step]["lr"]
+        if LAYOUTS[resumed.split(":")[0]][1] == LAYOUTS[straight][1]:
+            # The logged epoch is rank 0's loader's: where a global batch straddles two epochs, a rank
+            # of another dp degree may not have reached the second yet (same windows, see above).
+            assert b[step]["epoch"] == a[step]["epoch"]
 
 
 def test_validation_position_carries_over_to_another_degree(elastic: Path) -> None:
