@@ -143,7 +143,7 @@ class Trainer:
             logger.info("mfu is relative to %s", self.metrics.describe_peak())
         self.step = 0
         self.tokens_seen = 0
-        self.family_metrics: dict[str, float] = {}  # the family's per-step numbers (MoE load)
+        self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
         self.checkpointer = CheckpointManager(
@@ -378,7 +378,8 @@ class Trainer:
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
              val: dict[str, float] | None = None) -> None:
         extra = {"epoch": float(self.dataloader.epoch), "step_time_s": self.metrics.step_time_s(self.step),
-                 "data_time_s": self.data_time_s, **self.family_metrics, **(val or {})}
+                 "data_time_s": self.data_time_s, **{k: float(v) for k, v in self.family_metrics.items()},
+                 **(val or {})}
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)

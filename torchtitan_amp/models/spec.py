@@ -86,8 +86,9 @@ class ModelFamily:
     hf: HFAdapter | None = None
     # Run on every rank after each step's backward, before the optimizer step, with (model parts,
     # the group of ranks holding other tokens, the pipeline group): state that learns from the
-    # step outside the optimizer (MoE load balancing); returns metrics for the step's log line.
-    after_backward: Callable[..., dict[str, float]] | None = None
+    # step outside the optimizer (MoE load balancing); returns metrics for the step's log line as
+    # scalar tensors (read by the host only on steps that log).
+    after_backward: Callable[..., dict[str, Any]] | None = None
     # (model parts, the factor the trainer multiplies the loss by before backward): for losses
     # the model adds itself (MoE's auxiliary balance loss), which must be scaled alike.
     set_loss_factor: Callable[[list[nn.Module], float], None] | None = None

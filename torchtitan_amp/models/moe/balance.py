@@ -29,7 +29,7 @@ def set_aux_grad_scale(model_parts: list[nn.Module], scale: float) -> None:
 
 @torch.no_grad()
 def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None,
-                   pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+                   pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Sum the step's per-expert token counts over `group`, update the expert biases of layers
     balanced by bias, reset the counts; returns the step's load metrics: the most and least loaded
     expert of any layer relative to a uniform load (1.0 is perfect balance), over every pipeline
@@ -51,11 +51,10 @@ def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None
         stats = torch.stack([ratio.max(), -ratio.min()])
     if pp_group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pp_group)
-    top, neg_low = stats.tolist()
-    if neg_low == float("-inf"):  # no stage has an MoE layer
-        return {}
-    out = {"moe_load_max": top, "moe_load_min": -neg_low}
+    # Device tensors, read by the host only on steps that log (no sync on the others); a pipeline
+    # whose stages hold no MoE layer at all logs +inf as the least load.
+    out = {"moe_load_max": stats[0], "moe_load_min": -stats[1]}
     aux = [layer.last_aux_loss for layer in layers if layer.last_aux_loss is not None]
     if aux:  # this stage's layers, last micro-batch
-        out["moe_aux_loss"] = float(torch.stack(aux).sum())
+        out["moe_aux_loss"] = torch.stack(aux).sum()
     return out
