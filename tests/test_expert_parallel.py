@@ -10,11 +10,12 @@ over them). Three launches: one process (layouts), 2 ranks (ckpt_jobs: EP 2 stra
 checkpoint at step 3, its resume at EP 2, and at EP 1 = plain FSDP 2), 4 ranks (layouts:
 dp_shard 4 with EP 2 = FSDP 2 over each expert shard, with a checkpoint at step 3 and its resume
 at the same layout; EP 4; EP 2 over cp 2 x dp_shard 2; PP 2 x dp_shard 2 with EP 2, each stage's
-experts split over its 2 data-parallel ranks).
+experts split over its 2 data-parallel ranks; HSDP 2 x 2 with EP 2 inside each replica; EP 2 x
+FSDP 2 under full activation checkpointing).
 
 Measured on this 2-core CPU, torch 2.13: max relative loss difference to one process over 5 steps
 <= 1.9e-7 on every EP layout (bound 1e-6; PP 2 x EP 2: 1.6e-7), grad norm <= 2.1e-7, step-1 full
-gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7); moe_load_max / moe_load_min equal at every step; resume
+gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7; HSDP 2 x 2 x EP 2: 2.2e-7; EP 2 x FSDP 2 with full AC: 2.1e-7); moe_load_max / moe_load_min equal at every step; resume
 at EP 2 and at EP 2 x FSDP 2 bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 2) <= 6.8e-8
 (step 4 bitwise). ~65-130 s for the module.
 """
@@ -40,6 +41,7 @@ BASE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.s
 REL_TOL = 1e-6
 SHARD, CP, EP, PP = ("--parallelism.data_parallel_shard_degree", "--parallelism.context_parallel_degree",
                      "--parallelism.expert_parallel_degree", "--parallelism.pipeline_parallel_degree")
+REPLICATE, AC = "--parallelism.data_parallel_replicate_degree", "--activation_checkpoint.mode"
 # name: (ranks, data-parallel degree, overrides)
 LAYOUTS = {
     "ep2": (2, 2, (SHARD, "2", EP, "2")),
@@ -47,6 +49,10 @@ LAYOUTS = {
     "ep4": (4, 4, (SHARD, "4", EP, "4")),
     "ep2_cp2": (4, 2, (SHARD, "2", CP, "2", EP, "2")),
     "pp2_ep2": (4, 2, (SHARD, "2", PP, "2", EP, "2")),
+    # HSDP: experts split over EP inside each replica, their gradients all-reduced across replicas.
+    "hsdp2_ep2": (4, 4, (REPLICATE, "2", SHARD, "2", EP, "2")),
+    # Full AC: the recomputed forward re-routes and re-dispatches; tokens must still count once.
+    "ep2_fsdp2_ac": (4, 4, (SHARD, "4", EP, "2", AC, "full")),
 }
 # Pipeline stages hold disjoint parameters: their step-1 gradients are those of ranks 0 and 2.
 GRAD_RANKS = {"pp2_ep2": (0, 2)}
