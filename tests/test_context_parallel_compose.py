@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support import launch_worker, write_short_documents
+from tests.support import NO_COMPILER, c_compiler, launch_worker, write_short_documents
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.steps", "3", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
@@ -118,12 +117,7 @@ def test_activation_checkpointing_keeps_the_document_mask_bitwise_under_cp(launc
     assert _curve(launches.folder("cp2", "cp2_docmask_ac_none")) != _curve(launches.folder("cp2", "cp2_fp32_ac_none"))
 
 
-def _compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("c++") or shutil.which("cc")
-
-
-@pytest.mark.skipif(_compiler() is None, reason="torch.compile (inductor on CPU) needs a C++ compiler: "
-                    "none of g++ / c++ / cc is on PATH")
+@pytest.mark.skipif(c_compiler() is None, reason=NO_COMPILER)
 def test_compile_keeps_the_loss_under_cp(launches: Launches) -> None:
     compiled = launches.folder("cp2", "cp2_fp32_compile")
     eager = _curve(launches.folder("cp2", "cp2_fp32_ac_none"))
