@@ -145,3 +145,28 @@ def test_param_counts_match_published(flavor: str) -> None:
     # One key per tensor: a tied table is saved, exported and imported as tok_embeddings.weight.
     keys = model.state_dict().keys()
     assert ("output.weight" in keys) != cfg["tie_word_embeddings"] and "tok_embeddings.weight" in keys
+
+
+@pytest.mark.parametrize("degrees", [("--parallelism.data_parallel_shard_degree", "4",
+                                      "--parallelism.tensor_parallel_degree", "2"),
+                                     ("--parallelism.data_parallel_shard_degree", "1",
+                                      "--parallelism.data_parallel_replicate_degree", "8")])
+def test_dry_run_of_the_tied_1b_matches_the_memory_model(degrees: tuple[str, ...]) -> None:
+    """On 8 simulated ranks (fake backend, meta model), FSDP 4 x TP 2 and DDP 8: the state bytes,
+    FSDP groups and communication the real (tied) model has are the memory model's, which counts
+    the table once, as a Linear (bf16 all-gather with the output, one gradient)."""
+    from torchtitan_amp import dry_run, memory
+    from torchtitan_amp.config import load_config
+
+    config = load_config(["--model.flavor", "llama3_2_1b", "--training.seq_len", "2048", "--dry_run.vocab_size",
+                          str(VOCAB), "--job.dump_folder", "unused", *degrees])
+    report = dry_run.run(config, world_size=8, write=False)
+    res, c = dry_run.resolve(config, 8), report["coordinates"]
+    assert report["model"]["total_params"] == PUBLISHED_PARAMS["llama3_2_1b"]
+    assert report["memory"]["analytic_state_matches"]
+    analytic = sorted((s.index, g.name, g.kind, g.unsharded_numel(res.layout.fsdp_shard), g.gather_dtype, g.reduce_dtype,
+                       g.reshard_after_forward) for s in memory.rank_stages(res.model_dims, res.layout, c["pp"])
+                      for g in memory.fsdp_groups(res.model_dims, res.precision, res.layout, s, c["tp"]))
+    assert sorted(tuple(g.values()) for g in report["fsdp_groups"]) == (analytic if res.dims.fsdp_enabled else [])
+    assert memory.comm(res.model_dims, res.precision, res.layout, pp_rank=c["pp"], tp_rank=c["tp"]) == \
+        report["communication"]

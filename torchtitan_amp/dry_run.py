@@ -42,6 +42,7 @@ from torchtitan_amp.job import Job, build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
+from torchtitan_amp.precision.tags import tied_modules
 from torchtitan_amp.torch_compat import fsdp_param_groups
 
 logger = logging.getLogger("torchtitan_amp")
@@ -89,12 +90,19 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq in `state_dtype`, None:
     the param's, plus a 0-d fp32 `step` per trained tensor), read off the meta model. Grads have the param's local shape and
     dtype, except a TP-sharded embedding outside FSDP, whose gradient DTensor's embedding backward
-    returns replicated (the full table; see memory.state_bytes)."""
+    returns replicated (the full table; see memory.state_bytes). A parameter two modules share (a
+    tied embedding) counts once, and its gradient is sharded: the output's Shard(0) gradient is
+    accumulated first and the embedding's adds into it (measured on TP 2)."""
     out = memory.StateBytes()
     fsdp = _fsdp_params(parts)
+    seen: set[int] = set()
     for part in parts:
+        shared = {id(p) for group in tied_modules(part) for p in group[0][1].parameters(recurse=False)}
         for module in part.modules():
             for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 local = _local(p)
                 dtype, size = dtype_name(local.dtype), local.element_size()
                 fp = fsdp.get(id(p))
@@ -104,7 +112,8 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
                 memory.add_bytes(out.params, dtype, local.numel() * size)
                 memory.add_bytes(out.params_padded, dtype, padded * size)
                 if p.requires_grad:
-                    replicated_grad = isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
+                    replicated_grad = (isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
+                                       and id(p) not in shared)
                     grad = p.numel() if replicated_grad else local.numel()
                     memory.add_bytes(out.grads, dtype, grad * size)
                     state = state_dtype or local.dtype
@@ -139,8 +148,10 @@ def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
 
 
 def _ddp_params(parts: list[nn.Module], plan: PrecisionPlan) -> list[tuple[int, bool]]:
-    return [(_local(p).numel(), plan.is_safe(m)) for part in parts for m in part.modules()
-            for p in m.parameters(recurse=False) if p.requires_grad]
+    # By parameter: a tied one is reduced once (its modules have one precision: align_tied_modules).
+    found = {id(p): (_local(p).numel(), plan.is_safe(m)) for part in parts for m in part.modules()
+             for p in m.parameters(recurse=False) if p.requires_grad}
+    return list(found.values())
 
 
 def resolve(config: JobConfig, world_size: int | None = None) -> Job:
