@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,6 @@ from torchtitan_amp.job import Job, build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
-from torchtitan_amp.precision.tags import tied_modules
 from torchtitan_amp.torch_compat import fsdp_param_groups
 
 logger = logging.getLogger("torchtitan_amp")
@@ -97,7 +97,7 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     fsdp = _fsdp_params(parts)
     seen: set[int] = set()
     for part in parts:
-        shared = {id(p) for group in tied_modules(part) for p in group[0][1].parameters(recurse=False)}
+        owners = Counter(id(p) for m in part.modules() for p in m.parameters(recurse=False))
         for module in part.modules():
             for p in module.parameters(recurse=False):
                 if id(p) in seen:
@@ -113,7 +113,7 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
                 memory.add_bytes(out.params_padded, dtype, padded * size)
                 if p.requires_grad:
                     replicated_grad = (isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
-                                       and id(p) not in shared)
+                                       and owners[id(p)] == 1)
                     grad = p.numel() if replicated_grad else local.numel()
                     memory.add_bytes(out.grads, dtype, grad * size)
                     state = state_dtype or local.dtype
