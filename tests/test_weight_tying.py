@@ -8,7 +8,7 @@ fp8 of the output) is refused in one line. Shrunk copies of the four published c
 (tests/test_llama_flavors.py: tying, rope scaling 32 or none, GQA ratio kept, tiny dims) round
 trip through transformers: built as LlamaForCausalLM, saved as safetensors, imported through
 checkpoint.initial_load_path, trained a step, exported at the end (checkpoint.last_save_hf) and
-loaded by transformers again. One 2-rank launch: FSDP 2 and TP 2 against one process (fp32),
+loaded by transformers again. One 2-rank launch: FSDP 2, DDP 2 and TP 2 against one process (fp32),
 and an FSDP resume from a checkpoint that holds the table once.
 """
 
@@ -245,13 +245,15 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP 2 and TP 2 against one process; FSDP resume
+# FSDP 2, DDP 2 and TP 2 against one process; FSDP resume
 
 STEPS = 3
 BASE = ["--model.flavor", TIED, "--training.seq_len", "32", "--optimizer.lr", "2e-2",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--training.seed", "0", *FP32]
 LAYOUTS = {
     "fsdp": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+    "ddp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+            "--training.local_batch_size", "2"],
     "tp": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
 }
 # fp32, one process vs two: the same sums in other orders. test_parallelisms measured <= 1.7e-7
@@ -300,7 +302,7 @@ def _losses(folder: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fsdp_and_tp_train_as_one_process(runs: Path, layout: str) -> None:
+def test_fsdp_ddp_and_tp_train_as_one_process(runs: Path, layout: str) -> None:
     single, got = _losses(runs / "single"), _losses(runs / layout)
     assert len(single) == len(got) == STEPS and single[0] != single[-1]
     rel = max(abs(a - b) / abs(a) for a, b in zip(single, got))
