@@ -329,3 +329,29 @@ def test_fsdp_resume_is_bitwise_from_a_checkpoint_holding_the_table_once(runs: P
     assert resumed[STEPS] == _losses(runs / "fsdp")[STEPS - 1]
     info = [json.loads((runs / "resumed" / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(i["output_tied"] == [True] for i in info)
+
+
+def test_an_untied_export_does_not_load_into_a_tied_model(tmp_path: Path) -> None:
+    """A model-only export (model.pt) of an untied model holds an output matrix a tied model has
+    no place for: one line, not a silently dropped tensor; the tied model's own export loads."""
+    from types import SimpleNamespace
+
+    from torchtitan_amp.checkpoint.format import EXPORT_FILE
+    from torchtitan_amp.checkpoint.loading import load_export
+    from torchtitan_amp.errors import CheckpointError
+
+    def _raise(error: str | None) -> None:
+        if error is not None:
+            raise CheckpointError(error)
+
+    tied = Transformer(TIED_ARGS)
+    manager = SimpleNamespace(_model=tied, _model_state_dict=tied.state_dict, _all_ok=_raise, pp_degree=1)
+    untied = Transformer(dataclasses.replace(TIED_ARGS, enable_weight_tying=False))
+    torch.save(untied.state_dict(), tmp_path / EXPORT_FILE)
+    with pytest.raises(CheckpointError, match=r"does not fit this model: the model has no 'output.weight'") as e:
+        load_export(manager, tmp_path)
+    assert "\n" not in str(e.value)
+    source = Transformer(TIED_ARGS)
+    torch.save(source.state_dict(), tmp_path / EXPORT_FILE)
+    load_export(manager, tmp_path)
+    assert _tied(tied) and torch.equal(tied.tok_embeddings.weight, source.tok_embeddings.weight)
