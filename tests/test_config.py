@@ -251,7 +251,8 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
             assert presentation._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
     flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
-    assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, debugmodel_moe, "
+    assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
+            "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
             "debugmodel_moe_sigmoid, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
 
 
@@ -287,7 +288,9 @@ def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatc
     assert llama.build_model_args("debugmodel_2l", 258, 64).n_layers == 2
 
 
-# The MoE family's flavours, listed after Llama's when a flavour is unknown to every family.
+# Llama's flavours after 3.1's sizes, and the MoE family's, listed after Llama's when a flavour is
+# unknown to every family.
+LLAMA_SIZES = ", 'llama3_2_1b', 'llama3_2_3b', 'llama3_0_8b', 'llama3_0_70b'"
 MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_qwen3', 'qwen3_30b_a3b', 'deepseek_v3_16b'"
 
 
@@ -297,9 +300,9 @@ def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(
 
     message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
     assert message == ("'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
-                       "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'" + MOE_FLAVORS)
+                       "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS)
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "llama3_8b_2l", llama.LLAMA3_FLAVORS["llama3_8b"])
-    assert "'llama3_405b', 'llama3_8b_2l'" in error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n')
+    assert "'llama3_0_70b', 'llama3_8b_2l'" in error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n')
 
 
 def test_flavours_are_checked_without_importing_torch() -> None:
@@ -313,7 +316,7 @@ def test_flavours_are_checked_without_importing_torch() -> None:
     assert result.returncode == 0, result.describe()
     assert result.stdout.splitlines() == [
         "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', "
-        "'llama3_70b', 'llama3_405b'" + MOE_FLAVORS, "False"]
+        "'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS, "False"]
 
 
 # ---------------------------------------------------------------------------------------------

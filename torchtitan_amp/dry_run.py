@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +90,19 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq in `state_dtype`, None:
     the param's, plus a 0-d fp32 `step` per trained tensor), read off the meta model. Grads have the param's local shape and
     dtype, except a TP-sharded embedding outside FSDP, whose gradient DTensor's embedding backward
-    returns replicated (the full table; see memory.state_bytes)."""
+    returns replicated (the full table; see memory.state_bytes). A parameter two modules share (a
+    tied embedding) counts once, and its gradient is sharded: the output's Shard(0) gradient is
+    accumulated first and the embedding's adds into it (measured on TP 2)."""
     out = memory.StateBytes()
     fsdp = _fsdp_params(parts)
+    seen: set[int] = set()
     for part in parts:
+        owners = Counter(id(p) for m in part.modules() for p in m.parameters(recurse=False))
         for module in part.modules():
             for p in module.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 local = _local(p)
                 dtype, size = dtype_name(local.dtype), local.element_size()
                 fp = fsdp.get(id(p))
@@ -104,7 +112,8 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
                 memory.add_bytes(out.params, dtype, local.numel() * size)
                 memory.add_bytes(out.params_padded, dtype, padded * size)
                 if p.requires_grad:
-                    replicated_grad = isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
+                    replicated_grad = (isinstance(module, nn.Embedding) and isinstance(p, DTensor) and fp is None
+                                       and owners[id(p)] == 1)
                     grad = p.numel() if replicated_grad else local.numel()
                     memory.add_bytes(out.grads, dtype, grad * size)
                     state = state_dtype or local.dtype
@@ -139,8 +148,10 @@ def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
 
 
 def _ddp_params(parts: list[nn.Module], plan: PrecisionPlan) -> list[tuple[int, bool]]:
-    return [(_local(p).numel(), plan.is_safe(m)) for part in parts for m in part.modules()
-            for p in m.parameters(recurse=False) if p.requires_grad]
+    # By parameter: a tied one is reduced once (its modules have one precision: align_tied_modules).
+    found = {id(p): (_local(p).numel(), plan.is_safe(m)) for part in parts for m in part.modules()
+             for p in m.parameters(recurse=False) if p.requires_grad}
+    return list(found.values())
 
 
 def resolve(config: JobConfig, world_size: int | None = None) -> Job:

@@ -21,7 +21,7 @@ from torchtitan_amp.matmul_speed import low_precision_speed
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.parallelize import parallelize_model, validate_layout
+from torchtitan_amp.parallelize import check_weight_tying, parallelize_model, validate_layout
 from torchtitan_amp.pipeline import stage_module
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tokenizer import Tokenizer, build_tokenizer
@@ -137,6 +137,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
+    check_weight_tying(args, dims, config.model.flavor)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None)
     if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):

@@ -38,6 +38,7 @@ from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
 from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
+from torchtitan_amp.precision.tags import tied_modules
 from torchtitan_amp.rules import reshard_after_forward
 from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
@@ -123,6 +124,17 @@ def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
                           f"{dims.tp} is not supported (the experts have no tensor-parallel plan); use one of them")
 
 
+def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
+    """A tied output projection is the embedding table: under pipeline parallel the first and
+    last stages would each hold and update a copy (torchtitan refuses it too)."""
+    if dims.pp_enabled and getattr(args, "enable_weight_tying", False):
+        raise ConfigError(
+            f"'parallelism.pipeline_parallel_degree' = {dims.pp} cannot split model.flavor '{flavor}', whose "
+            "output layer shares the embeddings' weight (enable_weight_tying): the first and last stages "
+            "would each hold a copy; use pipeline_parallel_degree 1 (FSDP, HSDP, DDP and TP keep it one tensor)"
+        )
+
+
 def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
     return dims.tp_enabled and not config.parallelism.disable_loss_parallel
 
@@ -167,6 +179,8 @@ def apply_tp(model: nn.Module, family: ModelFamily, mesh: DeviceMesh, loss_paral
     Absent stage ends (pipeline parallel sets them to None) are skipped.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    tied = model.tok_embeddings is not None and model.output is not None and \
+        model.output.weight is model.tok_embeddings.weight
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
@@ -179,6 +193,10 @@ def apply_tp(model: nn.Module, family: ModelFamily, mesh: DeviceMesh, loss_paral
             use_local_output=not loss_parallel_on,
         )
     parallelize_module(model, mesh, top)
+    if tied:
+        # Each style distributed its own module's copy; both shard the vocab rows (Shard(0)), so
+        # the embedding's DTensor serves the output too, and both uses add into one gradient.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         block_plan = family.tp_block_plan(seq, block)
         if sequence_parallel:
@@ -337,9 +355,14 @@ def group_by_block(model: nn.Module, modules: list[nn.Module],
     (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
     a group per module would pay a collective's latency each; every parameter is padded and
     sharded on its own either way, so bytes and numerics do not change. grouped=False: one unit
-    per module."""
-    if not grouped:
-        return list(modules)
+    per module, except that modules sharing a weight are always one unit (FSDP holds a parameter
+    in one group)."""
+    if not grouped:  # but modules sharing a weight (a tied embedding and output) stay one unit
+        tie = {id(m): id(group[0][1]) for group in tied_modules(model) for _, m in group}
+        by_key: dict[int, list[nn.Module]] = {}
+        for m in modules:
+            by_key.setdefault(tie.get(id(m), id(m)), []).append(m)
+        return [unit[0] if len(unit) == 1 else unit for unit in by_key.values()]
     block_of = {id(m): name for name, block in model.layers.named_children() for m in block.modules()}
     units: dict[str | None, list[nn.Module]] = {}
     for m in modules:

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node N tests/workers/layouts.py SPEC.json
 
 SPEC.json is tests/support.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
-no options. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
+one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavours (FLAVOR's
+args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
 `train()`, exactly what train.py does (torchtitan_amp.trainer.train_in_turn, shared with
 torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
@@ -18,6 +19,7 @@ stops the launch (later runs do not start).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -31,6 +33,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from torchtitan_amp import distributed
 from torchtitan_amp import optim as optim_mod
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, read_spec
@@ -196,6 +199,9 @@ def _rank_info(trainer: Trainer) -> dict:
                                                           for part in trainer.model_parts for p in part.parameters()
                                                           if _replicated(p)] or [torch.zeros(0)])),
             "norm_check": norm_check.records(),
+            # enable_weight_tying: the output layer's weight is still the embedding table's object
+            "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None
+                            and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
             "frozen": _frozen_info(trainer),
             "rounding": _run.rounding.as_dict() if _run.rounding is not None else None}
     if trainer.info.world_size > 1:
@@ -215,6 +221,9 @@ def main(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
     spec = read_spec(spec_path)
+    for name, fields in spec.options.get("flavors", {}).items():
+        fields = dict(fields)
+        register_flavor(name, dataclasses.replace(LLAMA3_FLAVORS[fields.pop("base")], **fields))
     out, runs = spec.out, spec.jobs
     _GRAD_RUNS.update(run["name"] for run in runs if run.get("grads"))
     for i, wall_s in train_in_turn([(out / run["name"], run["args"]) for run in runs], inspect=_rank_info):

@@ -297,7 +297,8 @@ def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
     Collective under a process group. `agree(error)` gathers every rank's error and raises the
     first on all of them, so that a bad folder fails everywhere with the same line."""
     sd = get_model_state_dict(model)
-    tied = bool(read_config(folder).get("tie_word_embeddings", False))
+    # A tied model's state dict has no output.weight: it reads the embeddings once, as they are.
+    tied = bool(read_config(folder).get("tie_word_embeddings", False)) and "output.weight" in sd
     adapter = _adapter(family_of(args, family))
     reader = HFReader(folder, args, tied, adapter)
     absent = [k for k in sd if adapter.zero_in_hf is not None and adapter.zero_in_hf.search(k)]

@@ -210,6 +210,10 @@ def load_export(m: CheckpointManager, path: Path) -> None:
                 got = tuple(sd[key].shape) if key in sd else "nothing"
                 raise CheckpointError(f"{path} does not fit this model: '{key}' has shape {got} in the "
                                       f"export but {tuple(value.shape)} in the model")
+        # A whole model takes every tensor (an untied export's output.weight has no place in a tied one).
+        extra = sorted(set(sd) - set(own)) if m.pp_degree == 1 else []
+        if extra:
+            raise CheckpointError(f"{path} does not fit this model: the model has no '{extra[0]}'")
     except CheckpointError as e:
         error = str(e)
     m._all_ok(error)

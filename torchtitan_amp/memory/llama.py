@@ -10,7 +10,7 @@ tools use it without torch), and importing anything under models/ imports torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
@@ -19,7 +19,7 @@ from torchtitan_amp.rules import DTYPE_BYTES
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The shapes that matter: a Llama 3 decoder without biases, untied embeddings."""
+    """The shapes that matter: a Llama 3 decoder without biases."""
 
     dim: int
     n_layers: int
@@ -27,6 +27,9 @@ class ModelDims:
     kv_heads: int
     ffn_hidden: int
     vocab_size: int
+    # The output projection's weight is the embedding table (enable_weight_tying): one tensor.
+    # Keyword-only, so that subclasses' positional fields stay where they are.
+    tied: bool = field(default=False, kw_only=True)
 
     @property
     def head_dim(self) -> int:
@@ -42,7 +45,8 @@ class ModelDims:
         from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 
         return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
-                   ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size)
+                   ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size,
+                   tied=getattr(args, "enable_weight_tying", False))
 
     def param_specs(self, stage: Stage) -> list[ParamSpec]:
         """This family's parameters of one pipeline stage (a family overrides this)."""
@@ -78,18 +82,26 @@ class ModelDims:
         return 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
 
     def total_params(self) -> int:
-        return self.n_layers * self.layer_params() + 2 * self.vocab_size * self.dim + self.dim
+        tables = 1 if self.tied else 2  # embedding and output projection
+        return self.n_layers * self.layer_params() + tables * self.vocab_size * self.dim + self.dim
+
+    def matmul_params(self) -> int:
+        """The N of the 6N FLOP rule (models.count_params(exclude_embedding=True)): every parameter
+        but an embedding table that only serves lookups; a tied table is the output's matmul."""
+        return self.total_params() - (0 if self.tied else self.vocab_size * self.dim)
 
 
 def param_specs(model: ModelDims, stage: Stage) -> list[ParamSpec]:
     """Parameters of one pipeline stage with their TP sharding (parallelize.apply_tp):
     q/k/v, w1/w3 and the output head column-wise (dim 0), wo/w2 row-wise (dim 1), the embedding
-    row-wise (vocab rows, dim 0), norms replicated."""
+    row-wise (vocab rows, dim 0), norms replicated. A tied table is one "linear" parameter: it takes
+    the output projection's precision (precision.tags.align_tied_modules), on the first stage (PP
+    refuses tying)."""
     d, kv, f, v = model.dim, model.kv_dim, model.ffn_hidden, model.vocab_size
     hq = model.n_heads * model.head_dim
     out: list[ParamSpec] = []
     if stage.first:
-        out.append(ParamSpec("tok_embeddings.weight", (v, d), "embedding", 0, None))
+        out.append(ParamSpec("tok_embeddings.weight", (v, d), "linear" if model.tied else "embedding", 0, None))
     for i in stage.layers:
         p = f"layers.{i}."
         out += [
@@ -105,7 +117,8 @@ def param_specs(model: ModelDims, stage: Stage) -> list[ParamSpec]:
         ]
     if stage.last:
         out.append(ParamSpec("norm.weight", (d,), "norm", None, None))
-        out.append(ParamSpec("output.weight", (v, d), "linear", 0, None))
+        if not model.tied:
+            out.append(ParamSpec("output.weight", (v, d), "linear", 0, None))
     return out
 
 

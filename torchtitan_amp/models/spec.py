@@ -112,9 +112,14 @@ class ModelFamily:
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Parameter count; without embeddings it is the N of the 6N FLOP rule,
-    since an embedding lookup does no matmul."""
+    """Parameter count, a parameter shared by several modules (a tied embedding) once; without
+    embeddings it is the N of the 6N FLOP rule, since an embedding lookup does no matmul. A table
+    tied to the output projection stays in N: the output's matmul runs on it all the same
+    (torchtitan's count drops it, 6 x vocab x dim FLOPs per token short)."""
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding:
-        total -= sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+        in_matmuls = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
+                      for p in m.parameters(recurse=False)}
+        total -= sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+                     for p in m.parameters() if id(p) not in in_matmuls)
     return total

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from torchtitan_amp.errors import PrecisionError
-from torchtitan_amp.precision.tags import FROZEN
+from torchtitan_amp.precision.tags import FROZEN, tied_modules
 from torchtitan_amp.rules import dtype_name
 
 if TYPE_CHECKING:
@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 def apply_storage_dtype(plan: PrecisionPlan, model: nn.Module) -> None:
     """Store parameters (only) in storage_dtype: fp32 master weights for mixed precision,
     bf16 for pure-bf16 training. Buffers stay as built: the rotary tables must stay fp32."""
+    stored: dict[int, nn.Parameter] = {}  # a shared (tied) parameter stays one
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(p.detach().to(plan.storage_dtype), p.requires_grad))
+            if id(p) not in stored:
+                stored[id(p)] = nn.Parameter(p.detach().to(plan.storage_dtype), p.requires_grad)
+            module.register_parameter(name, stored[id(p)])
 
 
 def freeze(plan: PrecisionPlan, model: nn.Module) -> dict[str, str]:
@@ -33,17 +36,31 @@ def freeze(plan: PrecisionPlan, model: nn.Module) -> dict[str, str]:
     if unmatched:
         raise PrecisionError(f"'training.freeze' entry {unmatched[0]!r} matches no module of the model "
                              "(names such as 'tok_embeddings', 'layers.0', 'layers.*.attention')")
+    matched = {sub_name: sub for name, module in named.items()
+               if name and any(fnmatch.fnmatchcase(name, p) for p in plan.frozen_names)
+               for sub_name, sub in module.named_modules(prefix=name)}
+    _check_tied(model, matched)
     frozen: dict[str, str] = {}
-    for name, module in named.items():
-        if not name or not any(fnmatch.fnmatchcase(name, p) for p in plan.frozen_names):
-            continue
-        for sub_name, sub in module.named_modules(prefix=name):
-            dtype = plan.frozen_dtype(sub)
-            for pname, p in list(sub.named_parameters(recurse=False)):
-                sub.register_parameter(pname, nn.Parameter(p.detach().to(dtype), requires_grad=False))
-                frozen[f"{sub_name}.{pname}"] = dtype_name(dtype)
-            setattr(sub, FROZEN, True)
+    made: dict[int, nn.Parameter] = {}  # a shared (tied) parameter stays one
+    for sub_name, sub in matched.items():
+        dtype = plan.frozen_dtype(sub)
+        for pname, p in list(sub.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            sub.register_parameter(pname, made[id(p)])
+            frozen[f"{sub_name}.{pname}"] = dtype_name(dtype)
+        setattr(sub, FROZEN, True)
     return frozen
+
+
+def _check_tied(model: nn.Module, matched: dict[str, nn.Module]) -> None:
+    """A weight two modules share (enable_weight_tying) is frozen for both or for neither."""
+    for group in tied_modules(model):
+        frozen = [n for n, _ in group if n in matched]
+        if frozen and len(frozen) < len(group):
+            other = next(n for n, _ in group if n not in matched)
+            raise PrecisionError(f"'training.freeze' freezes '{frozen[0]}' but not '{other}', which shares its "
+                                 f"weight (model enable_weight_tying); freeze both or neither")
 
 
 def refreeze(model: nn.Module) -> None:

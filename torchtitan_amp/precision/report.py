@@ -49,8 +49,10 @@ def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
     groups: dict[str, dict[str, Any]] = defaultdict(lambda: {"num_params": 0})
+    seen: set[int] = set()  # a tied weight is counted once, with its first module (the embedding)
     for module in model.modules():
-        own = list(module.parameters(recurse=False))
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
         if not own:
             continue
         low = plan.is_safe(module) and plan.path != "full"

@@ -1,5 +1,5 @@
 """The marks a precision plan leaves on the model's modules (read by `is_safe`, fp8 conversion and
-the report), and tagging modules fp32 by name."""
+the report), tagging modules fp32 by name, and one precision for modules that share a weight."""
 
 from __future__ import annotations
 
@@ -37,4 +37,36 @@ def mark_fp32_by_name(plan: PrecisionPlan, model: nn.Module) -> list[str]:
                 setattr(sub, FP32_BY_NAME, True)
                 if any(True for _ in sub.parameters(recurse=False)):
                     tagged.append(sub_name)
+    tagged += align_tied_modules(plan, model)
     return sorted(set(tagged))
+
+
+def tied_modules(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """Groups of (name, module) that own one parameter together (a tied embedding and output
+    projection: enable_weight_tying), in model order."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((name, module))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def align_tied_modules(plan: PrecisionPlan, model: nn.Module) -> list[str]:
+    """One parameter gets one precision: modules sharing it must sit in one FSDP group and reduce
+    it in one dtype. fp32 if any of them is named in fp32_module_names, else what the module that
+    multiplies by it (not an nn.Embedding: the output projection) is, which the lookup then
+    reads too; an embedding lookup has no rounding of its own to protect. Returns the names
+    newly tagged fp32."""
+    tagged = []
+    for group in tied_modules(model):
+        matmuls = [m for _, m in group if not isinstance(m, nn.Embedding)]
+        by_name = any(getattr(m, FP32_BY_NAME, False) for _, m in group)
+        if by_name or (matmuls and not plan.is_safe(matmuls[0])):
+            tagged += [n for n, m in group if not getattr(m, FP32_BY_NAME, False)]
+            for _, m in group:
+                setattr(m, FP32_BY_NAME, True)
+        elif matmuls:
+            for _, m in group:
+                if not plan.is_safe(m):
+                    m.safe_as = type(matmuls[0])  # read by PrecisionPlan.is_safe
+    return tagged

@@ -177,10 +177,9 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     cand.memory_gib = max(cand.memory_by_stage_gib)
 
     tokens = args.global_batch_size * args.seq_len
-    # The MFU numerator of train.py: 6N (N without the embedding table; the family's: MoE counts
-    # the active experts only) + attention.
-    n_no_emb = model.total_params() - model.vocab_size * model.dim
-    model_flops = res.family.flops_per_token(res.model_args, n_no_emb, args.seq_len)
+    # The MFU numerator of train.py: 6N (N without an untied embedding table: matmul_params; the
+    # family's: MoE counts the active experts only) + attention.
+    model_flops = res.family.flops_per_token(res.model_args, model.matmul_params(), args.seq_len)
     # Full AC runs each block's forward again in backward: a third more.
     flops_tok = model_flops * (4 / 3 if layout.ac_mode == "full" else 1)
     rate = args.mfu * args.peak_tflops * 1e12 * (args.fp32_speed if cand.precision == "fp32" else 1.0)

@@ -103,6 +103,8 @@ def config_fields(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
         "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),
         "ffn_hidden": int(need("intermediate_size")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "rope_theta": theta, "use_scaled_rope": scaling is not None,
+        # transformers' default when the field is absent
+        "enable_weight_tying": bool(cfg.get("tie_word_embeddings", False)),
     }
     if scaling is not None:
         if scaling["rope_type"] != "llama3":
@@ -121,15 +123,20 @@ _HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "
              "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "use_scaled_rope": "rope_scaling",
              "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
              "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-             "rope_original_max_position": "rope_scaling.original_max_position_embeddings"}
+             "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
+             "enable_weight_tying": "tie_word_embeddings"}
 
 
 def args_fields(args: LlamaModelArgs) -> dict[str, Any]:
-    """The same fields as config_fields, from our model args."""
+    """The same fields as config_fields, from our model args. Tying is compared one way only: a
+    tied model cannot hold a folder's two different matrices, but an untied one can start from a
+    tied folder (its output layer begins as a copy of the embeddings: checkpoint/hf.HFReader)."""
     fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
               "vocab_size": args.vocab_size,
               "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
               "norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope}
+    if args.enable_weight_tying:
+        fields["enable_weight_tying"] = True
     if args.use_scaled_rope:
         fields.update(rope_scaling_factor=args.rope_scaling_factor, rope_low_freq_factor=args.rope_low_freq_factor,
                       rope_high_freq_factor=args.rope_high_freq_factor,
@@ -139,8 +146,8 @@ def args_fields(args: LlamaModelArgs) -> dict[str, Any]:
 
 def hf_config(args: LlamaModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
     """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
-    transformers version and inference server reads. The output layer is never tied: this model
-    trains it separately."""
+    transformers version and inference server reads. A tied model says so (tie_word_embeddings)
+    and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
     cfg: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
         "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
@@ -148,7 +155,7 @@ def hf_config(args: LlamaModelArgs, dtype: str, bos_id: int | None, eos_id: int 
         "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
         "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype,
+        "mlp_bias": False, "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
     }
     if args.use_scaled_rope:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,

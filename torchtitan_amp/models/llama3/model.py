@@ -49,6 +49,9 @@ class LlamaModelArgs:
     rope_low_freq_factor: float = ROPE_LOW_FREQ_FACTOR
     rope_high_freq_factor: float = ROPE_HIGH_FREQ_FACTOR
     rope_original_max_position: int = ROPE_ORIGINAL_MAX_POSITION
+    # The output projection's weight IS the embedding table (one Parameter; Hugging Face's
+    # tie_word_embeddings, Llama 3.2 1B/3B): counted, initialised, saved and reduced once.
+    enable_weight_tying: bool = False
 
     def __post_init__(self) -> None:
         # Fail at config time: these would otherwise surface as view() errors
@@ -79,6 +82,11 @@ _DEBUG_MODEL = LlamaModelArgs(
     use_scaled_rope=False,
 )
 
+_LLAMA3_8B = LlamaModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                            multiple_of=1024, rope_theta=500000.0)
+_LLAMA3_70B = LlamaModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                             multiple_of=4096, rope_theta=500000.0)
+
 # The flavour registry: with model.name = "llama3", model.flavor accepts its names (rules.FAMILIES
 # lists the built-in ones without importing torch; register_flavor adds more at run time).
 LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
@@ -90,24 +98,9 @@ LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
     # them, 4 blocks so PP 2 x Interleaved1F1B still has a block per stage. A bf16 step on a
     # CPU without native bf16 (AVX2) costs ~14x less than debugmodel's (measured 0.05 vs 0.75 s).
     "debugmodel_tiny": dataclasses.replace(_DEBUG_MODEL, dim=64, n_layers=4, n_heads=2),
-    "llama3_8b": LlamaModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_theta=500000.0,
-    ),
-    "llama3_70b": LlamaModelArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        rope_theta=500000.0,
-    ),
+    # Llama 3.1 (rope scaling factor 8, untied output).
+    "llama3_8b": _LLAMA3_8B,
+    "llama3_70b": _LLAMA3_70B,
     "llama3_405b": LlamaModelArgs(
         dim=16384,
         n_layers=126,
@@ -117,6 +110,19 @@ LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
         multiple_of=4096,
         rope_theta=500000.0,
     ),
+    # The other sizes people download; their published config.json files import under these
+    # names (tests/test_llama_flavors.py holds them). Llama 3.2 1B / 3B: 3.1's rope scaling with
+    # factor 32 and the output tied to the embeddings; torchtitan's FFN settings give the
+    # published intermediate_size 8192 for both.
+    "llama3_2_1b": LlamaModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                                  multiple_of=256, rope_theta=500000.0, rope_scaling_factor=32.0,
+                                  enable_weight_tying=True),
+    "llama3_2_3b": LlamaModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                                  multiple_of=256, rope_theta=500000.0, rope_scaling_factor=32.0,
+                                  enable_weight_tying=True),
+    # Llama 3 (3.0) 8B / 70B: 3.1's shapes without rope scaling (an 8192-token context).
+    "llama3_0_8b": dataclasses.replace(_LLAMA3_8B, use_scaled_rope=False),
+    "llama3_0_70b": dataclasses.replace(_LLAMA3_70B, use_scaled_rope=False),
 }
 
 
@@ -397,6 +403,12 @@ class Transformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.enable_weight_tying:
+            self.tie_weights()
+            # One tensor, one key: checkpoints, exports and Hugging Face folders hold the table
+            # once, as tok_embeddings.weight (HF's tied checkpoints have no lm_head.weight).
+            self.register_state_dict_post_hook(_drop_tied_output)
+            self.register_load_state_dict_pre_hook(_fill_tied_output)
         # Non-persistent: derived from args, so checkpoints stay free of them
         # and a meta-built model regenerates them in init_weights.
         rope_cos, rope_sin = self._precompute_rope(device=None)
@@ -408,13 +420,25 @@ class Transformer(nn.Module):
         return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device,
                                RopeScaling.from_args(a))
 
+    def tie_weights(self) -> None:
+        """Make the output projection's weight the embedding table itself (enable_weight_tying).
+        Again after anything that re-creates parameters one module at a time: `to_empty` from
+        the meta device gives each module a new tensor of its own."""
+        if self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and the rope buffers; the step after
-        `to_empty`, since a meta-built model owns only uninitialised memory."""
+        `to_empty`, since a meta-built model owns only uninitialised memory. A tied table is
+        initialised once, as the output projection (torchtitan's choice: std dim**-0.5 keeps the
+        first logits near zero, where the embedding's std 1 would make them ~sqrt(dim))."""
+        tied = self.model_args.enable_weight_tying
+        if tied:
+            self.tie_weights()
         self.rope_cos, self.rope_sin = self._precompute_rope(
             buffer_device or self.rope_cos.device
         )
-        if self.tok_embeddings is not None:
+        if self.tok_embeddings is not None and not tied:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             if layer is not None:
@@ -455,6 +479,15 @@ class Transformer(nn.Module):
         kv_pos = cp.gather_ids(positions) if cp is not None else positions
         kv_doc = cp.gather_ids(doc_ids) if cp is not None and doc_ids is not None else doc_ids
         return cos, sin, attention_mask(positions, kv_pos, doc_ids, kv_doc)
+
+
+def _drop_tied_output(model: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    state_dict.pop(prefix + "output.weight", None)
+
+
+def _fill_tied_output(model: nn.Module, state_dict: dict, prefix: str, *_: object) -> None:
+    if prefix + "tok_embeddings.weight" in state_dict:
+        state_dict.setdefault(prefix + "output.weight", state_dict[prefix + "tok_embeddings.weight"])
 
 
 def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:

@@ -179,7 +179,7 @@ def _check_exportable(args: MoEModelArgs) -> None:
 
 def hf_config(args: MoEModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
     """config.json for `args`, in the published Qwen3-MoE spelling (num_experts, rope_theta), which
-    transformers 4.51+ and inference servers read. The output layer is never tied."""
+    transformers 4.51+ and inference servers read; tie_word_embeddings as the args say."""
     _check_exportable(args)
     cfg: dict[str, Any] = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": args.dim,
@@ -191,7 +191,7 @@ def hf_config(args: MoEModelArgs, dtype: str, bos_id: int | None, eos_id: int | 
         "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
         "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
         "use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers,
-        "tie_word_embeddings": False, "torch_dtype": dtype,
+        "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
     }
     if bos_id is not None:
         cfg["bos_token_id"] = bos_id
