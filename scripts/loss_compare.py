@@ -23,6 +23,8 @@ It prints one row per step (loss of A and B, absolute difference, and relative d
 - `--assert-equal`: exit 1 unless both runs logged the same steps with bit-identical losses;
 - `--rtol R` / `--atol A`: exit 1 if any step's relative / absolute difference exceeds R / A.
 
+`--plot FILE.png` (or .svg, .pdf) also draws both curves and, below them, their difference B - A.
+
 Exit codes: 0 the runs agree (or no check was asked for), 1 a check failed, 2 usage error, a run
 that failed, or files without common steps. Same seed and data: both sides get the same
 `--training.seed` unless their overrides differ; to compare data-parallel layouts with one
@@ -169,6 +171,30 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
     return failures
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def plot(c: Comparison, output: str, label_a: str, label_b: str, metric: str = "loss") -> None:
+    """Both curves (top) and B - A (bottom) against the step, written to `output`."""
+    from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
+
+    steps = [r.step for r in c.rows]
+    fig = Figure(figsize=(7, 5.5), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    top.plot(steps, [r.a for r in c.rows], label=f"A: {label_a}")
+    top.plot(steps, [r.b for r in c.rows], "--", label=f"B: {label_b}")
+    top.set_title(metric)
+    top.legend(fontsize="small")
+    bottom.plot(steps, [r.b - r.a for r in c.rows], color="C3")
+    bottom.axhline(0.0, color="gray", linewidth=0.5)
+    bottom.set_title(f"B - A (max |B - A| {c.max_abs:.3e}, max rel {c.max_rel:.3e})")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -218,7 +244,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rtol", type=float, help="exit 1 if any step's relative difference exceeds this")
     p.add_argument("--atol", type=float, help="exit 1 if any step's absolute difference exceeds this")
     p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also draw both curves and their difference "
+                   f"({', '.join(PLOT_FORMATS)}, by extension)")
     args = p.parse_args(argv)
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        p.error(f"--plot {args.plot}: the file must end in {', '.join(PLOT_FORMATS)}")
     needed = (args.run_a is None) + (args.run_b is None)
     if len(args.paths) != needed:
         p.error(f"expected {needed} metrics path(s) for the side(s) not given by --run-a/--run-b, "
@@ -248,6 +278,8 @@ def main(argv: list[str]) -> int:
     print(format_table(c, metric=args.metric))
     if args.json:
         Path(args.json).write_text(json.dumps(c.to_dict(), indent=1, allow_nan=True) + "\n")
+    if args.plot:
+        plot(c, args.plot, str(metrics_path(sides[0])), str(metrics_path(sides[1])), args.metric)
     failures = check(c, assert_equal=args.assert_equal, rtol=args.rtol, atol=args.atol)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)
