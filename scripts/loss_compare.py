@@ -174,8 +174,8 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
-def plot(c: Comparison, output: str, label_a: str, label_b: str, metric: str = "loss") -> None:
-    """Both curves (top) and B - A (bottom) against the step, written to `output`."""
+def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss"):  # type: ignore[no-untyped-def]
+    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure."""
     from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
 
     steps = [r.step for r in c.rows]
@@ -191,8 +191,7 @@ def plot(c: Comparison, output: str, label_a: str, label_b: str, metric: str = "
     bottom.set_xlabel("step")
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +278,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(c.to_dict(), indent=1, allow_nan=True) + "\n")
     if args.plot:
-        plot(c, args.plot, str(metrics_path(sides[0])), str(metrics_path(sides[1])), args.metric)
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        comparison_figure(c, str(metrics_path(sides[0])), str(metrics_path(sides[1])), args.metric).savefig(args.plot)
     failures = check(c, assert_equal=args.assert_equal, rtol=args.rtol, atol=args.atol)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)

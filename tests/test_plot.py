@@ -90,7 +90,7 @@ def test_plot_two_runs_draws_every_panel_with_both_runs(tmp_path: Path) -> None:
         ["run_a", "run_a (val_loss)", "run_b"], ["run_a", "run_b"]]
 
     img = _pixels(out)
-    assert img.shape[:2] == (960, 1200)  # 3 rows x 3.2 in, 2 columns x 6 in, at 100 dpi
+    assert img.shape[:2] == (900, 1100)  # 3 rows x 3 in, 2 columns x 5.5 in, at 100 dpi
     assert (img < 0.9).any(axis=-1).mean() > 0.02  # drawn on, not a blank canvas
     # 5 panels on a 3 x 2 grid: each of the first five cells holds both runs' colours, the sixth
     # (removed) is white.
@@ -160,6 +160,8 @@ def test_loss_compare_plot_draws_both_curves_and_their_difference(
     top, bottom = img[:340], img[370:]
     assert _count(top, C0) > 100 and _count(top, C1) > 50 and _count(top, C3) == 0
     assert _count(bottom, C3) > 100 and _count(bottom, C0) == _count(bottom, C1) == 0
+    fig = lc.comparison_figure(lc.compare(lc.read_metric(a), lc.read_metric(b)), "a", "b")
+    assert np.allclose(fig.axes[1].lines[0].get_ydata(), [0.01 * s / 30 for s in range(1, 31)], rtol=0, atol=1e-12)
     # A bad extension is a usage error before anything is read.
     with pytest.raises(SystemExit) as e:
         lc.main([str(a), str(b), "--plot", str(tmp_path / "cmp.txt")])

@@ -120,7 +120,7 @@ def build_figure(runs: list[Run], x: str = "step") -> Figure:
         raise PlotError("none of the runs logged loss, grad_norm, lr, tps or mfu")
     cols = 1 if len(panels) == 1 else 2
     rows = math.ceil(len(panels) / cols)
-    fig = Figure(figsize=(6 * cols, 3.2 * rows), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(5.5 * cols, 3.0 * rows), dpi=DPI, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, panel in zip(axes, panels):
