@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METRICS = "metrics.jsonl"
+sys.path.insert(0, str(REPO))  # this checkout's package, installed or not (it imports no torch here)
+from torchtitan_amp.tools.plot import METRICS, PlotError, metrics_file, read_run  # noqa: E402
 
 
 class CompareError(Exception):
@@ -56,33 +57,23 @@ class CompareError(Exception):
 
 
 def metrics_path(path: str | Path) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        p = p / METRICS
-    if not p.is_file():
-        raise CompareError(f"no metrics file at '{path}' (expected a metrics.jsonl or a dump folder holding one)")
-    return p
+    try:
+        return metrics_file(path)
+    except PlotError as e:
+        raise CompareError(str(e)) from None
 
 
 def read_metric(path: str | Path, metric: str = "loss") -> dict[int, float]:
-    """step -> value of `metric`. A resumed run appends to the same file: the last entry of a
-    step wins. Non-finite values (written as null) read as NaN."""
-    values: dict[int, float] = {}
-    p = metrics_path(path)
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CompareError(f"{p}:{n}: not JSON ({e})") from None
-        if "step" not in row or metric not in row:
-            raise CompareError(f"{p}:{n}: no 'step' or '{metric}' field")
-        value = row[metric]
-        values[int(row["step"])] = math.nan if value is None else float(value)
-    if not values:
-        raise CompareError(f"{p} holds no logged steps")
-    return values
+    """step -> value of `metric` (tools/plot.py's reader: a resumed run appends to the same file,
+    the last entry of a step wins). Non-finite values (written as null) read as NaN."""
+    try:
+        run = read_run(path)
+    except PlotError as e:
+        raise CompareError(str(e)) from None
+    lacking = [row["step"] for row in run.rows if metric not in row]
+    if lacking:
+        raise CompareError(f"{metrics_path(path)}: step {lacking[0]} has no '{metric}' field")
+    return {int(row["step"]): math.nan if row[metric] is None else float(row[metric]) for row in run.rows}
 
 
 # ---------------------------------------------------------------------------------------------
