@@ -206,9 +206,11 @@ def test_numerics_figures_from_json_alone(tmp_path: Path, capsys: pytest.Capture
         img = _pixels(tmp_path / name)
         assert (img < 0.9).any(axis=-1).mean() > 0.01, name
     curves = nf.curves_figure(_matrix_json())
-    assert [ax.get_title() for ax in curves.axes] == ["fp32: loss - fp32 single", "bf16: loss - fp32 single"]
-    # The reference itself and the failed run draw no line.
-    assert [ln.get_label() for ln in curves.axes[0].lines if not ln.get_label().startswith("_")] == ["DDP 2"]
+    assert [ax.get_title() for ax in curves.axes] == ["fp32: max |loss - fp32 single| so far",
+                                                      "bf16: max |loss - fp32 single| so far"]
+    # The reference itself and the failed run draw no line; DDP 2 / bf16 ends 4e-4 x 5 steps away.
+    assert [ln.get_label() for ln in curves.axes[0].lines] == ["DDP 2"]
+    assert np.allclose(curves.axes[1].lines[1].get_ydata(), [4e-4 * s for s in range(1, 6)], rtol=1e-9)
     opt = nf.optimizer_figure(json.loads((tmp_path / nf.OPTIMIZER_JSON).read_text()))
     # The difference panel: fp32 at 0, pure bf16 at +0.02 throughout.
     diff = opt.axes[1].lines[1].get_ydata()

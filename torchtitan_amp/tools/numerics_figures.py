@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,15 +86,17 @@ def matrix_figure(data: dict[str, Any]) -> Figure:
 
 
 def curves_figure(data: dict[str, Any]) -> Figure:
-    """One panel per precision: each layout's loss minus its reference's, per step (symlog: the
-    fp32 rows sit at ~1e-6, mixed precision at ~1e-3)."""
+    """One panel per precision: for each layout, the largest |loss - reference loss| up to each
+    step (the per-step difference changes sign from step to step; its running maximum shows when
+    a run parts from fp32 and ends at the heatmap's value). Log scale: fp32 rows sit near 1e-6,
+    mixed precision near 1e-3; a run equal to its reference so far draws nothing yet."""
     from matplotlib.figure import Figure
 
     runs = {r["label"]: r for r in data["runs"]}
     precisions = list(dict.fromkeys(r["precision"] for r in data["runs"]))
     cols = 2
     rows = math.ceil(len(precisions) / cols)
-    fig = Figure(figsize=(11, 2.8 * rows), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(10, 2.5 * rows), dpi=DPI, layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharex=True).flatten()
     for ax, prec in zip(axes, precisions):
         drawn = 0
@@ -102,11 +105,12 @@ def curves_figure(data: dict[str, Any]) -> Figure:
             if r["error"] or ref is None or ref["error"] or r["label"] == r["reference"]:
                 continue
             steps, ds = deltas(r, ref)
-            ax.plot(steps, ds, label=r["layout"], color=f"C{i % 10}", linestyle="-" if i < 10 else "--")
+            ax.plot(steps, list(accumulate((abs(d) for d in ds), max)), label=r["layout"], color=f"C{i % 10}",
+                    linestyle="-" if i < 10 else "--")
             drawn += 1
-        ax.set_yscale("symlog", linthresh=1e-6)
-        ax.axhline(0.0, color="gray", linewidth=0.5)
-        ax.set_title(f"{prec}: loss - fp32 single", fontsize=10)
+        ax.set_yscale("log")
+        ax.set_ylim(1e-8, 5e-2)
+        ax.set_title(f"{prec}: max |loss - fp32 single| so far", fontsize=10)
         ax.grid(True, alpha=0.3)
         if drawn:
             ax.legend(fontsize=6, ncol=2)
