@@ -11,9 +11,9 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import IO, Any, Callable, Iterable
 
 import torch
@@ -150,7 +150,9 @@ class MetricsLogger:
             folder.mkdir(parents=True, exist_ok=True)
             # Append so a resumed run continues the same history instead of truncating it.
             self._jsonl = open(folder / _JSONL_NAME, "a", encoding="utf-8")
-            self._trackers = [*trackers, *([TensorBoardTracker(folder / tensorboard_folder)] if enable_tensorboard else [])]
+            self._trackers = list(trackers)
+            if enable_tensorboard:
+                self._trackers.append(TensorBoardTracker(folder / tensorboard_folder))
 
     def start_run(self, first_step: int, total_steps: int) -> None:
         """The training loop starts after `first_step` (0, or the step a run resumed from) and
