@@ -13,7 +13,10 @@ trained parameter each choice holds (parameter + gradient + AdamW moments, as th
 gives them). The numbers are this run's; on CPU the bf16 matmuls of mixed precision are the
 machine's (native or emulated), the curves do not depend on speed.
 
-    python -m benchmarks.optimizer_precision [--steps 300] [--model debug_h64] [--output FILE]
+    python -m benchmarks.optimizer_precision [--steps 300] [--model debug_h64] [--output FILE] [--json FILE]
+
+`--json FILE` also writes every choice's per-step losses, the data of docs/numerics.md's figure
+(`python -m torchtitan_amp.tools.numerics_figures docs/img` draws it without retraining).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks._common import emit, header, md_table, use_model
+from torchtitan_amp.tools.common import machine
 
 PURE = ["--training.dtype", "bfloat16", "--mixed_precision.enabled", "false"]
 CHOICES: dict[str, list[str]] = {
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="/tmp/optimizer_precision")
     parser.add_argument("--output", help="also write the report (markdown) to this file")
+    parser.add_argument("--json", help="also write each choice's per-step losses (JSON) to this file")
     a = parser.parse_args(argv)
     common = [*use_model(a.model), "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len),
               "--training.local_batch_size", str(a.batch), "--optimizer.lr", str(a.lr),
@@ -79,11 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         dev = [abs(x - y) for x, y in zip(losses, ref)]
         rows.append([name, *(f"{losses[s - 1]:.4f}" for s in marks), f"{statistics.mean(losses[-50:]):.4f}",
                      f"{max(dev):.4f}", f"{statistics.mean(dev):.4f}", f"{bpp['trained_total']} B", f"{seconds:.0f} s"])
+    command = f"python -m benchmarks.optimizer_precision {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    settings = (f"model {a.model}, seq {a.seq_len} x batch {a.batch}, AdamW lr {a.lr} (20 warm-up steps, cosine to "
+                f"0.1x), {a.steps} steps, one process")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "command": command, "settings": settings, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "curves": {name: {"losses": losses, "bytes_per_param": bpp["trained_total"], "wall_s": round(seconds, 1)}
+                       for name, (losses, bpp, seconds) in curves.items()}}, indent=1) + "\n")
     text = "\n".join([
         header("Weight and optimizer-state precision: loss curves against fp32"),
-        f"command: python -m benchmarks.optimizer_precision {shlex.join(sys.argv[1:] if argv is None else argv)}",
-        f"model {a.model}, seq {a.seq_len} x batch {a.batch}, AdamW lr {a.lr} (20 warm-up steps, cosine to 0.1x), "
-        f"{a.steps} steps, one process\n",
+        f"command: {command}",
+        f"{settings}\n",
         md_table(["choice", *(f"loss @{s}" for s in marks), "mean of last 50", "max |dev| vs fp32",
                   "mean |dev| vs fp32", "bytes / trained param", "wall"], rows),
     ])

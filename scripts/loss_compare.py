@@ -23,6 +23,8 @@ It prints one row per step (loss of A and B, absolute difference, and relative d
 - `--assert-equal`: exit 1 unless both runs logged the same steps with bit-identical losses;
 - `--rtol R` / `--atol A`: exit 1 if any step's relative / absolute difference exceeds R / A.
 
+`--plot FILE.png` (or .svg, .pdf) also draws both curves and, below them, their difference B - A.
+
 Exit codes: 0 the runs agree (or no check was asked for), 1 a check failed, 2 usage error, a run
 that failed, or files without common steps. Same seed and data: both sides get the same
 `--training.seed` unless their overrides differ; to compare data-parallel layouts with one
@@ -42,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METRICS = "metrics.jsonl"
+sys.path.insert(0, str(REPO))  # this checkout's package, installed or not (it imports no torch here)
+from torchtitan_amp.tools.plot import METRICS, PlotError, metrics_file, read_run  # noqa: E402
 
 
 class CompareError(Exception):
@@ -54,33 +57,23 @@ class CompareError(Exception):
 
 
 def metrics_path(path: str | Path) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        p = p / METRICS
-    if not p.is_file():
-        raise CompareError(f"no metrics file at '{path}' (expected a metrics.jsonl or a dump folder holding one)")
-    return p
+    try:
+        return metrics_file(path)
+    except PlotError as e:
+        raise CompareError(str(e)) from None
 
 
 def read_metric(path: str | Path, metric: str = "loss") -> dict[int, float]:
-    """step -> value of `metric`. A resumed run appends to the same file: the last entry of a
-    step wins. Non-finite values (written as null) read as NaN."""
-    values: dict[int, float] = {}
-    p = metrics_path(path)
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CompareError(f"{p}:{n}: not JSON ({e})") from None
-        if "step" not in row or metric not in row:
-            raise CompareError(f"{p}:{n}: no 'step' or '{metric}' field")
-        value = row[metric]
-        values[int(row["step"])] = math.nan if value is None else float(value)
-    if not values:
-        raise CompareError(f"{p} holds no logged steps")
-    return values
+    """step -> value of `metric` (tools/plot.py's reader: a resumed run appends to the same file,
+    the last entry of a step wins). Non-finite values (written as null) read as NaN."""
+    try:
+        run = read_run(path)
+    except PlotError as e:
+        raise CompareError(str(e)) from None
+    lacking = [row["step"] for row in run.rows if metric not in row]
+    if lacking:
+        raise CompareError(f"{metrics_path(path)}: step {lacking[0]} has no '{metric}' field")
+    return {int(row["step"]): math.nan if row[metric] is None else float(row[metric]) for row in run.rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +162,29 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
     return failures
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss"):  # type: ignore[no-untyped-def]
+    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure."""
+    from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
+
+    steps = [r.step for r in c.rows]
+    fig = Figure(figsize=(7, 5.5), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    top.plot(steps, [r.a for r in c.rows], label=f"A: {label_a}")
+    top.plot(steps, [r.b for r in c.rows], "--", label=f"B: {label_b}")
+    top.set_title(metric)
+    top.legend(fontsize="small")
+    bottom.plot(steps, [r.b - r.a for r in c.rows], color="C3")
+    bottom.axhline(0.0, color="gray", linewidth=0.5)
+    bottom.set_title(f"B - A (max |B - A| {c.max_abs:.3e}, max rel {c.max_rel:.3e})")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
 # ---------------------------------------------------------------------------------------------
 # Running
 
@@ -218,7 +234,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rtol", type=float, help="exit 1 if any step's relative difference exceeds this")
     p.add_argument("--atol", type=float, help="exit 1 if any step's absolute difference exceeds this")
     p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    p.add_argument("--plot", metavar="FILE", help="also draw both curves and their difference "
+                   f"({', '.join(PLOT_FORMATS)}, by extension)")
     args = p.parse_args(argv)
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        p.error(f"--plot {args.plot}: the file must end in {', '.join(PLOT_FORMATS)}")
     needed = (args.run_a is None) + (args.run_b is None)
     if len(args.paths) != needed:
         p.error(f"expected {needed} metrics path(s) for the side(s) not given by --run-a/--run-b, "
@@ -248,6 +268,9 @@ def main(argv: list[str]) -> int:
     print(format_table(c, metric=args.metric))
     if args.json:
         Path(args.json).write_text(json.dumps(c.to_dict(), indent=1, allow_nan=True) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        comparison_figure(c, str(metrics_path(sides[0])), str(metrics_path(sides[1])), args.metric).savefig(args.plot)
     failures = check(c, assert_equal=args.assert_equal, rtol=args.rtol, atol=args.atol)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, TensorBoard);
-the run's step times, progress line and end-of-run summary."""
+"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, the trackers of
+trackers.py: TensorBoard, Weights & Biases); the run's step times, progress line and end-of-run
+summary."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import torch
 
 from torchtitan_amp.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
 from torchtitan_amp.rules import dtype_name
-
-if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
+from torchtitan_amp.trackers import TensorBoardTracker, Tracker
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -111,12 +111,15 @@ class MetricsLogger:
         num_ranks_for_mfu: int = 1,
         peak_label: str = "",
         remeasure_peak: Callable[[], float] | None = None,
+        trackers: Sequence[Tracker] = (),
     ) -> None:
         """num_ranks_for_mfu: ranks that jointly process the same tokens (TP x PP x CP degree),
         so one device does only 1/num_ranks_for_mfu of the FLOPs of the tokens it records.
         peak_label: where peak_flops comes from (e.g. "best measured fp32/bf16 matmul"), for the
         log. remeasure_peak: called once if a step beats peak_flops (a start-up measurement
-        taken while the machine was busy): MFU is never above 100%."""
+        taken while the machine was busy): MFU is never above 100%. trackers: where each logged
+        step's scalars also go (the logging rank's; trackers.build_trackers), besides a
+        TensorBoard one that enable_tensorboard adds; closed by close()."""
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
         if num_ranks_for_mfu < 1:
@@ -141,17 +144,15 @@ class MetricsLogger:
         self._logged: list[StepMetrics] = []
 
         self._jsonl: IO[str] | None = None
-        self._tb_writer: SummaryWriter | None = None
+        self._trackers: list[Tracker] = []
         if is_logging_rank:
             folder = Path(dump_folder)
             folder.mkdir(parents=True, exist_ok=True)
             # Append so a resumed run continues the same history instead of truncating it.
             self._jsonl = open(folder / _JSONL_NAME, "a", encoding="utf-8")
+            self._trackers = list(trackers)
             if enable_tensorboard:
-                # Imported lazily so tensorboard is only required when it is enabled.
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb_writer = SummaryWriter(log_dir=str(folder / tensorboard_folder))
+                self._trackers.append(TensorBoardTracker(folder / tensorboard_folder))
 
     def start_run(self, first_step: int, total_steps: int) -> None:
         """The training loop starts after `first_step` (0, or the step a run resumed from) and
@@ -223,7 +224,9 @@ class MetricsLogger:
 
         logger.info(_format_line(metrics))
         self._write_jsonl(metrics)
-        self._write_tensorboard(metrics)
+        scalars = {k: v for k, v in _flat_items(metrics) if k != "step"}
+        for tracker in self._trackers:
+            tracker.log_scalars(step, scalars)
         if self._run_start is not None:
             self._logged.append(metrics)
             steps_done = step - self._first_step
@@ -267,13 +270,25 @@ class MetricsLogger:
         rate = f"{self._peak_flops / 1e12:.3g} TFLOP/s"
         return f"{rate} ({self._peak_label})" if self._peak_label else rate
 
+    def describe_run(self, config: Mapping[str, Any], files: Sequence[Path]) -> None:
+        """Hand every tracker the run's config and files (logging rank; a no-op elsewhere)."""
+        for tracker in self._trackers:
+            tracker.log_config(config)
+            for path in files:
+                tracker.attach_file(path)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text (e.g. generated samples) to every tracker at `step` (logging rank)."""
+        for tracker in self._trackers:
+            tracker.log_text(step, tag, text)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb_writer is not None:
-            self._tb_writer.close()
-            self._tb_writer = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def _write_jsonl(self, metrics: StepMetrics) -> None:
         assert self._jsonl is not None
@@ -282,14 +297,6 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         # Flush per line so a crash or kill loses at most the line being written.
         self._jsonl.flush()
-
-    def _write_tensorboard(self, metrics: StepMetrics) -> None:
-        if self._tb_writer is None:
-            return
-        for key, value in _flat_items(metrics):
-            if key != "step":
-                self._tb_writer.add_scalar(f"train/{key}", value, metrics.step)
-        self._tb_writer.flush()
 
 
 def _hms(seconds: float) -> str:

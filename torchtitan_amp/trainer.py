@@ -33,6 +33,7 @@ from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_label, remeas
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.run_control import DeadlineCheck, maybe_inject_fault
+from torchtitan_amp.trackers import build_trackers
 from torchtitan_amp.pipeline import Pipeline, build_pipeline
 
 if TYPE_CHECKING:
@@ -126,21 +127,9 @@ class Trainer:
                                          fused_ok=self.plan.fused_optimizer_ok)
         self.reduce_partial_grads = self.plan.partial_grad_reducer(self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
-        self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
-                                       self.is_logging_rank, self._memory_facts())
-        self.metrics = MetricsLogger(
-            config.job.dump_folder, log_freq=config.metrics.log_freq,
-            enable_tensorboard=config.metrics.enable_tensorboard,
-            tensorboard_folder=config.metrics.save_tb_folder, is_logging_rank=self.is_logging_rank,
-            flops_per_token=self.flops_per_token,
-            peak_flops=peak_flops(self.device, self.plan.compute_dtypes), device=self.device,
-            num_ranks_for_mfu=self.dims.tp * self.dims.pp * self.dims.cp,
-            peak_label=peak_label(self.device, self.plan.compute_dtypes),
-            remeasure_peak=(partial(remeasure_cpu_peak, self.plan.compute_dtypes)
-                            if self.device.type == "cpu" else None),
-        )
-        if self.is_logging_rank:
-            logger.info("mfu is relative to %s", self.metrics.describe_peak())
+        report = self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
+                                                self.is_logging_rank, self._memory_facts())
+        self.metrics = self._build_metrics(report)
         self.step = 0
         self.tokens_seen = 0
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
@@ -158,6 +147,22 @@ class Trainer:
         if self.deadline.warning_s:
             self.estimated_save_s = self._estimate_save()
             self._check_deadline(0.0, "start-up estimate:")
+
+    def _build_metrics(self, precision_report: dict[str, object]) -> MetricsLogger:
+        """The metrics logger and its trackers, which get the job config and the precision report."""
+        config, dtypes = self.config, self.plan.compute_dtypes
+        metrics = MetricsLogger(
+            config.job.dump_folder, log_freq=config.metrics.log_freq, enable_tensorboard=False,
+            trackers=build_trackers(config) if self.is_logging_rank else (), is_logging_rank=self.is_logging_rank,
+            flops_per_token=self.flops_per_token, peak_flops=peak_flops(self.device, dtypes), device=self.device,
+            num_ranks_for_mfu=self.dims.tp * self.dims.pp * self.dims.cp, peak_label=peak_label(self.device, dtypes),
+            remeasure_peak=partial(remeasure_cpu_peak, dtypes) if self.device.type == "cpu" else None,
+        )
+        metrics.describe_run({**config.to_dict(), "precision_report": precision_report},
+                             [Path(config.job.dump_folder) / "precision_report.json"])
+        if self.is_logging_rank:
+            logger.info("mfu is relative to %s", metrics.describe_peak())
+        return metrics
 
     def _build_groups(self) -> None:
         """The mesh, and the groups the loop itself talks over (data, loss, pipeline)."""
@@ -377,7 +382,8 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
              val: dict[str, float] | None = None) -> None:
-        extra = {"epoch": float(self.dataloader.epoch), "step_time_s": self.metrics.step_time_s(self.step),
+        extra = {"tokens_seen": float(self.tokens_seen), "epoch": float(self.dataloader.epoch),
+                 "step_time_s": self.metrics.step_time_s(self.step),
                  "data_time_s": self.data_time_s, **{k: float(v) for k, v in self.family_metrics.items()},
                  **(val or {})}
         self.data_time_s = 0.0

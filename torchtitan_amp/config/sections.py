@@ -255,6 +255,14 @@ class Metrics:
     log_freq: int = _f(10, "Log every N steps (and at step 1).")
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, under job.dump_folder.")
+    enable_wandb: bool = _f(
+        False, "Log to Weights & Biases too (rank 0; with TensorBoard or alone): scalars, the job config "
+        "and the precision report, under job.dump_folder/wandb/. Offline unless logged in (WANDB_API_KEY "
+        "or a netrc entry); WANDB_MODE overrides. A run resumed in the same dump folder appends to its W&B run.")
+    wandb_project: str = _f("", "W&B project (empty: $WANDB_PROJECT, else 'torchtitan_amp').")
+    wandb_entity: str = _f("", "W&B entity, user or team (empty: $WANDB_ENTITY, else your default).")
+    wandb_run_name: str = _f("", "W&B run name (empty: the dump folder's name).")
+    wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).")
 
 
 @dataclass

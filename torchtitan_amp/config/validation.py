@@ -6,6 +6,7 @@ from __future__ import annotations
 from torchtitan_amp.config.sections import JobConfig
 from torchtitan_amp.errors import ConfigError
 from torchtitan_amp.rules import flavor_names
+from torchtitan_amp.trackers import WANDB_PROJECT_FORBIDDEN, wandb_missing
 
 
 def _require(cond: bool, message: str) -> None:
@@ -56,7 +57,7 @@ def validate(config: JobConfig) -> None:
         p.pipeline_parallel_microbatch_size >= 1,
         "'parallelism.pipeline_parallel_microbatch_size' must be >= 1",
     )
-    _require(config.metrics.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {config.metrics.log_freq}")
+    _validate_metrics(config)
     v = config.validation
     _require(v.freq >= 1, f"'validation.freq' must be >= 1, got {v.freq}")
     _require(v.steps == -1 or v.steps >= 1, f"'validation.steps' must be -1 (the whole split) or >= 1, got {v.steps}")
@@ -89,6 +90,20 @@ def validate(config: JobConfig) -> None:
     _validate_mixed_precision(config)
     _require(not (config.mixed_precision.audit and config.compile.enable),
              "'mixed_precision.audit' records the eager model's ops; set compile.enable = false for the audit")
+
+
+def _validate_metrics(config: JobConfig) -> None:
+    m = config.metrics
+    _require(m.log_freq >= 1, f"'metrics.log_freq' must be >= 1, got {m.log_freq}")
+    # W&B's own limits, refused here rather than by wandb.init after the model is built.
+    bad = set(WANDB_PROJECT_FORBIDDEN) & set(m.wandb_project)
+    _require(not bad and len(m.wandb_project) <= 128,
+             f"'metrics.wandb_project' = {m.wandb_project!r}: at most 128 characters, none of "
+             f"{' '.join(WANDB_PROJECT_FORBIDDEN)}")
+    for tag in m.wandb_tags:
+        _require(0 < len(tag) <= 64, f"'metrics.wandb_tags': each tag must be 1-64 characters, got {tag!r}")
+    missing = wandb_missing() if m.enable_wandb else None
+    _require(missing is None, missing or "")
 
 
 def _validate_mixed_precision(config: JobConfig) -> None:

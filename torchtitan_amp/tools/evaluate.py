@@ -51,7 +51,8 @@ def _overrides(config_argv: list[str], scratch: str) -> list[str]:
     skip = [p.name for p in PARTS if p.name not in LOADED]
     return [*config_argv, "--validation.enable", "true", "--checkpoint.enable", "true",
             "--checkpoint.folder", str(folder.resolve()), "--checkpoint.exclude_from_loading", ",".join(skip),
-            "--job.dump_folder", scratch, "--metrics.enable_tensorboard", "false"]
+            "--job.dump_folder", scratch, "--metrics.enable_tensorboard", "false",
+            "--metrics.enable_wandb", "false"]
 
 
 def evaluate(config_argv: list[str]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ how far each loss curve lands from the fp32 single-process reference.
     python -m torchtitan_amp.tools.numerics_matrix --output docs/numerics_table.md
     python -m torchtitan_amp.tools.numerics_matrix --max-procs 8 --only '^(FSDP 2 x TP 2 x PP 2|HSDP 2x2 x TP 2) / '
     python -m torchtitan_amp.tools.numerics_matrix --diff BEFORE_OUT AFTER_OUT     # a refactor changed nothing?
+    python -m torchtitan_amp.tools.numerics_matrix --json docs/img/numerics_matrix.json   # the figures' data
 
 Every run sees the same data: the global batch is fixed (`--global-batch`, default 4 sequences)
 and a D-way data-parallel layout runs local_batch_size = global / D (the loader deals each step's
@@ -387,6 +388,22 @@ def diff_outputs(before: Path, after: Path) -> list[str]:
     return problems
 
 
+def results_json(results: dict[str, Result], runs: list[Run], header: dict[str, object]) -> dict[str, object]:
+    """Every run's per-step losses and the facts of its table row, for figures drawn without
+    retraining (tools/numerics_figures.py); non-finite losses are null."""
+    rows = []
+    for run in runs:
+        res = results.get(run.label)
+        if res is None:
+            continue
+        rows.append({"label": run.label, "layout": run.layout.name, "precision": run.precision.name,
+                     "reference": run.reference, "path": res.path, "router_dtype": res.router_dtype,
+                     "error": res.error, "skipped_steps": res.skipped_steps,
+                     "val_loss": res.val_loss if math.isfinite(res.val_loss) else None,
+                     "losses": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(res.losses.items())}})
+    return {**header, "runs": rows}
+
+
 def diff_main(before: str, after: str) -> int:
     folders = (Path(before), Path(after))
     for out in folders:
@@ -417,6 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "(the fp32 single-process reference of each model it selects always runs)")
     p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
+    p.add_argument("--json", metavar="FILE", help="also write every run's per-step losses as JSON (the data "
+                   "of docs/numerics.md's figures: python -m torchtitan_amp.tools.numerics_figures)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
     p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="train nothing: compare two --out folders run by run, step by step, bit for bit "
@@ -440,12 +459,13 @@ def main(argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     command = shlex.join(["python", "-m", MODULE, *argv])
     models = dict.fromkeys(train_args(r, a)[train_args(r, a).index("--model.flavor") + 1] for r in runs)
+    settings = (f"{' and '.join(models) or a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, "
+                f"{a.steps} steps, lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
+                f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min.")
     md = [
         f"Command: `{command}`",
         "",
-        f"{' and '.join(models) or a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, {a.steps} steps, "
-        f"lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
-        f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min.",
+        settings,
         "",
         table(results, runs, a.steps),
     ]
@@ -456,6 +476,9 @@ def main(argv: list[str]) -> int:
     print(text)
     if a.output:
         Path(a.output).write_text(text)
+    if a.json:
+        data = results_json(results, runs, {"command": command, "settings": settings, "steps": a.steps, "notes": notes})
+        Path(a.json).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     return 1 if any(r.error for r in results.values()) else 0
 
 

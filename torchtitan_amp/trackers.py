@@ -1,0 +1,153 @@
+"""Experiment trackers: where the logging rank's scalars, texts, run config and report files go
+besides metrics.jsonl. One small protocol, `Tracker`; TensorBoard and Weights & Biases implement
+it (docs/operations.md shows the shape of an adapter for another one, e.g. MLflow).
+
+Both libraries are imported only when their tracker is enabled."""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import json
+import netrc
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from torchtitan_amp.config import JobConfig
+
+WANDB_INSTALL = "pip install wandb"
+# Where a dump folder keeps its W&B run id, so that a run resumed in the same folder appends to
+# the same W&B run (as metrics.jsonl and TensorBoard append in the same folder).
+WANDB_ID_FILE = Path("wandb") / "run_id"
+_WANDB_DEFAULT_PROJECT = "torchtitan_amp"
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
+_WANDB_DEFAULT_HOST = "https://api.wandb.ai"
+
+
+class Tracker(Protocol):
+    """What the metrics logger hands a tracker, on the logging rank only."""
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def log_text(self, step: int, tag: str, text: str) -> None: ...
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """The run's description: the job config's sections and the precision report."""
+
+    def attach_file(self, path: Path) -> None:
+        """A file the run wrote (precision_report.json), kept with the run."""
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    """Scalars as `train/<key>`; texts, the config and attached files as text summaries."""
+
+    def __init__(self, log_dir: Path) -> None:
+        # Imported here so tensorboard is only required when it is enabled.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(f"train/{key}", value, step)
+        self._writer.flush()
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        self._writer.add_text(tag, text, step)
+        self._writer.flush()
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._writer.add_text("config", _code_block(json.dumps(config, indent=2, default=str)), 0)
+
+    def attach_file(self, path: Path) -> None:
+        self._writer.add_text(f"files/{path.name}", _code_block(path.read_text()), 0)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker:
+    """One W&B run per dump folder: its files under <dump_folder>/wandb/, its id kept there so a
+    resumed run appends to it (resume="allow"); offline unless a login is found (`wandb_mode`)."""
+
+    def __init__(self, dump_folder: Path, *, project: str, entity: str, name: str, tags: Sequence[str],
+                 notes: str) -> None:
+        import wandb
+
+        id_file = dump_folder / WANDB_ID_FILE
+        self._run = wandb.init(
+            project=project or os.environ.get("WANDB_PROJECT") or _WANDB_DEFAULT_PROJECT,
+            entity=entity or None, name=name or dump_folder.resolve().name, tags=list(tags) or None,
+            notes=notes or None, dir=str(dump_folder), mode=wandb_mode(),
+            # The folder's run when it has one (resume="allow": created if W&B does not know it yet).
+            id=id_file.read_text().strip() if id_file.is_file() else None, resume="allow",
+            # Our log lines stay ours: W&B must not wrap stdout/stderr of the training process.
+            settings=wandb.Settings(console="off"),
+        )
+        id_file.write_text(self._run.id + "\n")
+        self._html, self._teardown = wandb.Html, wandb.teardown
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        self._run.log({tag: self._html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._run.config.update(dict(config), allow_val_change=True)
+
+    def attach_file(self, path: Path) -> None:
+        self._run.save(str(path), base_path=str(path.parent), policy="now")
+
+    def close(self) -> None:
+        self._run.finish()
+        # finish() returns before W&B's service has written the run file (offline, measured with
+        # wandb 0.31: 7 of ~2,200 bytes on disk); teardown waits for it and stops the service.
+        self._teardown()
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; otherwise "online" with a login (WANDB_API_KEY,
+    WANDB_IDENTITY_TOKEN_FILE, or a netrc entry for the W&B host), else "offline": never a prompt
+    or a failed upload on a machine that was not logged in."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or _WANDB_DEFAULT_HOST).hostname
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host or "") if path.is_file() else None
+    except (netrc.NetrcParseError, OSError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"  # (login, account, password): the key is the password
+
+
+def wandb_missing() -> str | None:
+    """Why metrics.enable_wandb cannot work here, or None (checked at config time)."""
+    if importlib.util.find_spec("wandb") is None:
+        return f"'metrics.enable_wandb' needs the wandb package, which is not installed: {WANDB_INSTALL}"
+    return None
+
+
+def build_trackers(config: JobConfig) -> list[Tracker]:
+    """The trackers config.metrics enables (call on the logging rank only)."""
+    m, folder = config.metrics, Path(config.job.dump_folder)
+    trackers: list[Tracker] = []
+    if m.enable_tensorboard:
+        trackers.append(TensorBoardTracker(folder / m.save_tb_folder))
+    if m.enable_wandb:
+        trackers.append(WandbTracker(folder, project=m.wandb_project, entity=m.wandb_entity,
+                                     name=m.wandb_run_name, tags=m.wandb_tags, notes=config.job.description))
+    return trackers
+
+
+def _code_block(text: str) -> str:
+    # TensorBoard renders text summaries as markdown; indented lines show verbatim.
+    return "\n".join("    " + line for line in text.splitlines())
