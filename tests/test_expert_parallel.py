@@ -22,6 +22,7 @@ at EP 2 and at EP 2 x FSDP 2 bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,22 @@ def test_expert_parallel_checkpoint_resumes_without_ep(launches: Launches) -> No
             assert rel(resumed[s][k], straight[s][k]) <= REL_TOL, (s, k, resumed[s][k], straight[s][k])
         assert [resumed[s][k] for k in LOAD] == [straight[s][k] for k in LOAD], s
     print("resume at EP 1:", {s: rel(resumed[s]["loss"], straight[s]["loss"]) for s in resumed})
+
+
+def test_tensor_parallel_replicas_of_experts_stay_identical(launches: Launches) -> None:
+    """EP 2 x TP 2: after 5 steps each router's and expert's shard is bit for bit the same on the
+    two TP ranks of a data-parallel coordinate (both routed the same gathered sequence and
+    exchanged the same tokens), so the replicas never drift apart."""
+    folder = launches.folder("nproc4", "ep2_tp2")
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
+    for a, b in ((0, 1), (2, 3)):  # tp innermost: ranks 2d and 2d + 1 share dp_shard coordinate d
+        assert [ranks[r]["coordinate"][-1] for r in (a, b)] == [0, 1]
+        assert ranks[a]["tp_replicated_params"] == ranks[b]["tp_replicated_params"]
+        assert ranks[a]["tp_replicated_params_digest"] == ranks[b]["tp_replicated_params_digest"]
+    names = ranks[0]["tp_replicated_params"]
+    assert sum(n.endswith("router.weight") for n in names) == 3 and sum("experts.w" in n for n in names) == 9, names
+    # Different data-parallel coordinates hold different shards: the digest is not vacuous.
+    assert ranks[0]["tp_replicated_params_digest"] != ranks[2]["tp_replicated_params_digest"]
 
 
 def test_expert_parallel_checkpoint_moves_to_tensor_parallel(launches: Launches) -> None:
