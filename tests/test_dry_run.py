@@ -85,8 +85,8 @@ JOBS = {
         "moe_ep2_efsdp2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
         # EP 2 x TP 2: the experts EP-split and replicated over tp; full AC recomputes every TP
         # collective of an MoE block but its shared expert's output all-reduce.
-        "moe_ep2_tp2_ac": [*MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                           "--activation_checkpoint.mode", "full"],
+        "moe_ep2_tp2_ac": [*MOE, "--parallelism.tensor_parallel_degree", "2",
+                           "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
         "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
             "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
             "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],

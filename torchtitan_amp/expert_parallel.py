@@ -63,5 +63,5 @@ def shard_experts(experts: nn.Module, mesh) -> None:
     for name in EXPERT_WEIGHTS:
         p = experts._parameters[name]
         whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E
-        experts.register_parameter(name, nn.Parameter(distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None),
-                                                      requires_grad=p.requires_grad))
+        sharded = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))

@@ -140,7 +140,8 @@ class ParallelDims:
             self._expert_fsdp_mesh = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
             # Under TP the experts are also replicated over tp (ETP = 1): one (ep, tp) mesh, whose ep
             # groups are the ranks of one tp coordinate.
-            self._expert_mesh = DeviceMesh._concatenate([self._ep_mesh, mesh["tp"]]) if self.tp_enabled else self._ep_mesh
+            self._expert_mesh = (DeviceMesh._concatenate([self._ep_mesh, mesh["tp"]]) if self.tp_enabled
+                                 else self._ep_mesh)
         self._mesh = mesh
         return mesh
 

@@ -207,9 +207,10 @@ def expert_layers(model: nn.Module) -> list[MoE]:
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> None:
     """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them.
 
-    Under TP (ETP = 1, as torchtitan's) `expert_mesh` is (ep, tp): the MoE layer is replicated over
-    tp (models/moe/parallelize.py), so every TP rank routes the whole sequence and exchanges the
-    same tokens with its EP peers of the same tp coordinate, and the experts stay replicated over tp.
+    Under TP `expert_mesh` is (ep, tp): the experts are not split by TP (ETP = 1) and the MoE layer
+    is replicated over tp (models/moe/parallelize.py), so every TP rank routes the whole sequence
+    and exchanges the same tokens with its EP peers of the same tp coordinate (redundantly:
+    torchtitan's ETP = 1 instead takes the tp ranks into the ep group and splits the tokens).
     """
     layers = expert_layers(model)
     for layer in layers:

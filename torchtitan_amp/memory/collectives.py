@@ -69,7 +69,8 @@ def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank:
 # What one TP region of a block sends per forward pass of T tokens, each a full [T, d] tensor:
 # kind -> sequence parallel? -> (forward entry collectives, forward exit collective or None,
 # backward collectives), as (op, dtype role): "r" the residual stream's dtype, "c" the matmul's.
-_REGIONS: dict[str, dict[bool, tuple[list[tuple[str, str]], tuple[str, str] | None, list[tuple[str, str]]]]] = {
+_Collective = tuple[str, str]
+_REGIONS: dict[str, dict[bool, tuple[list[_Collective], _Collective | None, list[_Collective]]]] = {
     # Colwise entry, rowwise exit (Llama's attention and MLP).
     "split": {True: ([("all_gather", "r")], ("reduce_scatter", "c"), [("reduce_scatter", "r"), ("all_gather", "c")]),
               False: ([], ("all_reduce", "c"), [("all_reduce", "r")])},
@@ -155,10 +156,10 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     return {f"tp_{op}": v for op, v in by_op.items() if v}
 
 
-def _block_collectives(regions: tuple[str, ...], sp: bool, recomputed: bool) -> list[tuple[str, str]]:
+def _block_collectives(regions: tuple[str, ...], sp: bool, recomputed: bool) -> list[_Collective]:
     """(op, dtype role) of every TP collective one block issues per forward + backward pass; a
     recomputed block's forward ones again, but for its last exit (see tp_comm)."""
-    out: list[tuple[str, str]] = []
+    out: list[_Collective] = []
     for j, kind in enumerate(regions):
         entries, exit_, backward = _REGIONS[kind][sp]
         forward = [*entries, *([exit_] if exit_ else [])]
