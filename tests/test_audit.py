@@ -56,6 +56,11 @@ LAYOUTS = {
     "cp_fsdp": (4, [SHARD, "2", CP, "2"], ("bf16",)),
 }
 
+EP = "--parallelism.expert_parallel_degree"
+# Expert parallel, bf16 gradient reductions: under TP (efsdp 1: the experts' gradients need no
+# reduction; EP peers are the ranks of one tp coordinate) and over efsdp 2 (dp_shard 4 x EP 2).
+MOE_LAYOUTS = {"moe_ep2_tp2": [SHARD, "2", TP, "2", EP, "2"], "moe_ep2_efsdp2": [SHARD, "4", EP, "2"]}
+
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
@@ -162,6 +167,10 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             jobs += [{"audit": str(root / f"{name}.json"), "break": broken,
                       "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], "--job.dump_folder", str(root / name)]}
                      for name, broken in (("moe_fsdp_bf16", None), ("broken_router", "router_in_bf16"))]
+        if nproc == 4:
+            jobs += [{"audit": str(root / f"{name}.json"),
+                      "args": [*BASE, *PRECISIONS["bf16_reduce"], *MOE, *layout, "--job.dump_folder", str(root / name)]}
+                     for name, layout in MOE_LAYOUTS.items()]
         launch_worker("ckpt_jobs", root / f"launch{nproc}", jobs, nproc, timeout=400)
     for path in root.glob("*.json"):
         results[path.stem] = json.loads(path.read_text())
@@ -232,6 +241,26 @@ def test_moe_routers_fp32_experts_bf16(audits: dict) -> None:
     assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
     assert modules["layers.1.feed_forward.experts"]["forward matmul"] == ["bfloat16"], modules
     assert modules["layers.1.feed_forward.shared_expert.w1"]["forward matmul"] == ["bfloat16"], modules
+
+
+@pytest.mark.parametrize("run", list(MOE_LAYOUTS))
+def test_expert_parallel_audits(audits: dict, run: str) -> None:
+    """EP x TP and EP over efsdp 2 under bf16 with bf16 gradient reductions: routers compute and
+    reduce in fp32, experts compute in bf16; every gradient reduction is checked by the audit's
+    data-parallel rules (the experts' over efsdp too: named, not "other")."""
+    result = audits[run]
+    assert result["ok"], result["breaches"]
+    modules, collectives = result["modules"], result["collectives"]
+    assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
+    assert modules["layers.1.feed_forward.experts"]["forward matmul"] == ["bfloat16"], modules
+    assert not any(c.endswith(":other") for c in collectives), collectives
+    # Both dtypes reduced over dp_shard: bf16 (safe modules) and fp32 (routers, norms).
+    assert set(collectives["reduce_scatter:dp_shard"]) == {"bfloat16", "float32"}, collectives
+    if run == "moe_ep2_efsdp2":
+        # debugmodel_moe: 3 MoE layers of 3 [8, 64, 64] expert weights, 4 per EP rank, bf16.
+        assert collectives["reduce_scatter:efsdp"] == {"bfloat16": 3 * 3 * 4 * 64 * 64 * 2}, collectives
+    else:
+        assert "all_gather:tp" in collectives and not any("efsdp" in c for c in collectives), collectives
 
 
 def test_router_in_bf16_under_an_fp32_plan_is_named(audits: dict) -> None:

@@ -64,6 +64,10 @@ JOBS = {
         # (efsdp 1: no expert FSDP collective) and exchanges rows by all-to-all, again when recomputed.
         "moe_fsdp2": [*MOE],
         "moe_ep2_ac": [*MOE, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+        # MoE under TP (autocast: fp32 residual stream, bf16 matmuls): each MoE layer gathers the
+        # whole sequence (fp32), all-reduces its shared expert's bf16 output and fp32 input
+        # gradient, and gathers its output gradient back (fp32).
+        "moe_tp2": [*MOE, "--parallelism.tensor_parallel_degree", "2"],
     },
     4: {
         "fsdp4": [],
@@ -79,6 +83,10 @@ JOBS = {
         # The experts' 4 ranks' worth of FSDP split as EP 2 x efsdp 2: their own all-gathers and
         # reduce-scatters over the efsdp pairs, sharded on dim 1.
         "moe_ep2_efsdp2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
+        # EP 2 x TP 2: the experts EP-split and replicated over tp; full AC recomputes every TP
+        # collective of an MoE block but its shared expert's output all-reduce.
+        "moe_ep2_tp2_ac": [*MOE, "--parallelism.tensor_parallel_degree", "2",
+                           "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
         "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
             "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
             "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],

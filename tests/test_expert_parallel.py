@@ -11,17 +11,22 @@ checkpoint at step 3, its resume at EP 2, and at EP 1 = plain FSDP 2), 4 ranks (
 dp_shard 4 with EP 2 = FSDP 2 over each expert shard, with a checkpoint at step 3 and its resume
 at the same layout; EP 4; EP 2 over cp 2 x dp_shard 2; PP 2 x dp_shard 2 with EP 2, each stage's
 experts split over its 2 data-parallel ranks; HSDP 2 x 2 with EP 2 inside each replica; EP 2 x
-FSDP 2 under full activation checkpointing).
+FSDP 2 under full activation checkpointing; EP 2 x TP 2 over dp_shard 2, with a checkpoint at
+step 3, its resume, and EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2).
 
 Measured on this 2-core CPU, torch 2.13: max relative loss difference to one process over 5 steps
 <= 1.9e-7 on every EP layout (bound 1e-6; PP 2 x EP 2: 1.6e-7), grad norm <= 2.1e-7, step-1 full
 gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7; HSDP 2 x 2 x EP 2: 2.2e-7; EP 2 x FSDP 2 with full AC: 2.1e-7); moe_load_max / moe_load_min equal at every step; resume
 at EP 2 and at EP 2 x FSDP 2 bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 2) <= 6.8e-8
-(step 4 bitwise). ~65-130 s for the module.
+(step 4 bitwise); EP 2 x TP 2 (sequence parallel, shared expert split by TP): loss 1.4e-7, grad
+norm 1.1e-7, step-1 gradients 2.8e-7, routers and experts bitwise equal on the TP ranks, resume
+bitwise, EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2 within 6.8e-8 (its 3 jobs add ~25 s).
+~90-150 s for the module.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,6 +47,7 @@ REL_TOL = 1e-6
 SHARD, CP, EP, PP = ("--parallelism.data_parallel_shard_degree", "--parallelism.context_parallel_degree",
                      "--parallelism.expert_parallel_degree", "--parallelism.pipeline_parallel_degree")
 REPLICATE, AC = "--parallelism.data_parallel_replicate_degree", "--activation_checkpoint.mode"
+TP = "--parallelism.tensor_parallel_degree"
 # name: (ranks, data-parallel degree, overrides)
 LAYOUTS = {
     "ep2": (2, 2, (SHARD, "2", EP, "2")),
@@ -53,7 +59,14 @@ LAYOUTS = {
     "hsdp2_ep2": (4, 4, (REPLICATE, "2", SHARD, "2", EP, "2")),
     # Full AC: the recomputed forward re-routes and re-dispatches; tokens must still count once.
     "ep2_fsdp2_ac": (4, 4, (SHARD, "4", EP, "2", AC, "full")),
+    # EP x TP (ETP = 1, sequence parallel on): each TP rank routes the whole sequence and exchanges
+    # it with the EP peer of its own tp coordinate; the shared expert is split by TP.
+    "ep2_tp2": (4, 2, (SHARD, "2", TP, "2", EP, "2")),
 }
+# 4-rank layouts that checkpoint at step 3 and resume from it, at the same layout and (CROSS) at
+# another: EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2 (data-parallel degree 4 -> 2).
+RESUMED = ("ep2_fsdp2", "ep2_tp2")
+CROSS = {"ep2_fsdp2_at_ep2_tp2": ("ep2_fsdp2", "ep2_tp2")}
 # Pipeline stages hold disjoint parameters: their step-1 gradients are those of ranks 0 and 2.
 GRAD_RANKS = {"pp2_ep2": (0, 2)}
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", str(RESUME_FROM))
@@ -102,13 +115,19 @@ class Launches:
         ])
 
     def _launch_nproc4(self) -> None:
-        # EP 2 x FSDP 2 also checkpoints at step 3; its resume reads that checkpoint folder in place
-        # (the layouts worker has no copy step) and rewrites only its step-5 save.
-        saved = self.root / "nproc4" / "ep2_fsdp2" / "checkpoint"
-        jobs = [{"name": name, "args": args(name, *(CKPT if name == "ep2_fsdp2" else ())), "grads": True}
-                for name, (n, _, _) in LAYOUTS.items() if n == 4]
-        jobs.insert(1, {"name": "resume_ep2_fsdp2", "args": args("ep2_fsdp2", *CKPT, "--checkpoint.folder", str(saved),
-                                                                 "--checkpoint.load_step", str(RESUME_FROM))})
+        # RESUMED layouts also checkpoint at step 3; their resumes read that checkpoint folder in
+        # place (the layouts worker has no copy step) and rewrite only its step-5 save.
+        def resume(name: str, saved_by: str, layout: str) -> dict:
+            saved = self.root / "nproc4" / saved_by / "checkpoint"
+            return {"name": name, "args": args(layout, *CKPT, "--checkpoint.folder", str(saved),
+                                               "--checkpoint.load_step", str(RESUME_FROM))}
+        jobs = []
+        for name, (n, _, _) in LAYOUTS.items():
+            if n == 4:
+                jobs.append({"name": name, "args": args(name, *(CKPT if name in RESUMED else ())), "grads": True})
+            if name in RESUMED:
+                jobs.append(resume(f"resume_{name}", name, name))
+        jobs += [resume(name, saved_by, layout) for name, (saved_by, layout) in CROSS.items()]
         self._launch("nproc4", "layouts", 4, jobs)
 
 
@@ -155,7 +174,7 @@ def test_expert_gradients_are_the_mean_over_all_ranks(launches: Launches, name: 
     assert worst <= REL_TOL
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep2_fsdp2"])
+@pytest.mark.parametrize("name", ["ep2", *RESUMED])
 def test_expert_parallel_resume_is_bitwise(launches: Launches, name: str) -> None:
     """Saved at step 3, resumed at the same layout: steps 4-5 are the straight run's, bit for bit
     (EP 2 on 2 ranks; EP 2 x FSDP 2 on 4, the experts FSDP-sharded over efsdp 2)."""
@@ -185,6 +204,37 @@ def test_expert_parallel_checkpoint_resumes_without_ep(launches: Launches) -> No
             assert rel(resumed[s][k], straight[s][k]) <= REL_TOL, (s, k, resumed[s][k], straight[s][k])
         assert [resumed[s][k] for k in LOAD] == [straight[s][k] for k in LOAD], s
     print("resume at EP 1:", {s: rel(resumed[s]["loss"], straight[s]["loss"]) for s in resumed})
+
+
+def test_tensor_parallel_replicas_of_experts_stay_identical(launches: Launches) -> None:
+    """EP 2 x TP 2: after 5 steps each router's and expert's shard is bit for bit the same on the
+    two TP ranks of a data-parallel coordinate (both routed the same gathered sequence and
+    exchanged the same tokens), so the replicas never drift apart."""
+    folder = launches.folder("nproc4", "ep2_tp2")
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
+    for a, b in ((0, 1), (2, 3)):  # tp innermost: ranks 2d and 2d + 1 share dp_shard coordinate d
+        assert [ranks[r]["coordinate"][-1] for r in (a, b)] == [0, 1]
+        assert ranks[a]["tp_replicated_params"] == ranks[b]["tp_replicated_params"]
+        assert ranks[a]["tp_replicated_params_digest"] == ranks[b]["tp_replicated_params_digest"]
+    names = ranks[0]["tp_replicated_params"]
+    assert sum(n.endswith("router.weight") for n in names) == 3 and sum("experts.w" in n for n in names) == 9, names
+    # Different data-parallel coordinates hold different shards: the digest is not vacuous.
+    assert ranks[0]["tp_replicated_params_digest"] != ranks[2]["tp_replicated_params_digest"]
+
+
+def test_expert_parallel_checkpoint_moves_to_tensor_parallel(launches: Launches) -> None:
+    """EP 2 x FSDP 2's step-3 checkpoint (experts FSDP-sharded over efsdp 2, no TP) continued at
+    EP 2 x TP 2 (experts whole per EP rank, replicated over tp; dense weights split by TP; 2
+    data-parallel ranks instead of 4): the same steps 4-5 up to the order of sums, same loads."""
+    (name, (saved_by, _)), = CROSS.items()
+    straight = steps_of(launches, saved_by)
+    resumed = by_step(launches.folder("nproc4", name))
+    assert sorted(resumed) == list(range(RESUME_FROM + 1, STEPS + 1))
+    worst = max(rel(resumed[s][k], straight[s][k]) for s in resumed for k in ("loss", "grad_norm"))
+    print(f"{name}: max relative difference to the straight run {worst:.2e}")
+    assert worst <= REL_TOL
+    for s in resumed:
+        assert [resumed[s][k] for k in LOAD] == [straight[s][k] for k in LOAD], s
 
 
 @pytest.mark.skipif(c_compiler() is None, reason=NO_COMPILER)

@@ -105,19 +105,24 @@ def test_adding_a_family_touches_its_folder_and_one_line() -> None:
     assert offenders == []
 
 
-def test_tp_traffic_counts_the_familys_tp_regions_per_block() -> None:
-    """The shared TP accounting asks the family's dims how many colwise -> rowwise regions a block
-    has. Per region: sequence parallel sends an entry all-gather and an exit reduce-scatter each
-    way (4), without it one all-reduce each way (2); a recomputed block repeats the entries (SP)
-    and every exit but the block's last. All of them are [T, d] tensors in bf16 here."""
+def test_tp_traffic_counts_the_familys_tp_regions() -> None:
+    """The shared TP accounting asks the family's dims which TP regions a block has. Per "split"
+    region (colwise -> rowwise): sequence parallel sends an entry all-gather and an exit
+    reduce-scatter each way (4), without it one all-reduce each way (2). A "replicated" one (an
+    MoE layer) all-gathers its input and its output's gradient under SP (2), nothing without; a
+    "replicated_split" one (with a shared expert) adds an all-reduce each way (4 / 2). A recomputed
+    block repeats its forward collectives but the block's last if it is an exit. All of them are
+    [T, d] tensors in bf16 here."""
     from dataclasses import dataclass
 
     from torchtitan_amp import memory
 
-    @dataclass(frozen=True)
-    class ThreeRegions(memory.ModelDims):
-        def tp_regions_per_block(self) -> int:
-            return 3
+    def family(regions: tuple[str, ...]) -> type:
+        @dataclass(frozen=True)
+        class Dims(memory.ModelDims):
+            def tp_regions(self, layer: int) -> tuple[str, ...]:
+                return regions
+        return Dims
 
     prec = memory.PrecisionSpec.simple("fsdp")
 
@@ -128,10 +133,25 @@ def test_tp_traffic_counts_the_familys_tp_regions_per_block() -> None:
             return sum(sum(v.values()) for v in memory.tp_comm(dims, prec, layout).values()) - norm_grads
         return (total(4) - total(2)) / 2
 
-    for sp in (True, False):
-        for ac, recompute in (("none", 0), ("full", 1)):
-            layout = memory.Layout(tp=2, seq_len=16, sequence_parallel=sp, ac_mode=ac)
-            tensor = layout.microbatch_tokens * 64 * 2
-            for cls, k in ((memory.ModelDims, 2), (ThreeRegions, 3)):
-                count = (4 * k + recompute * (2 * k - 1)) if sp else (2 * k + recompute * (k - 1))
-                assert per_block(cls, layout) == count * tensor, (cls.__name__, sp, ac)
+    # regions: {sequence parallel: (collectives per block, again when recomputed)}
+    cases = {("split", "split"): {True: (8, 3), False: (4, 1)},  # Llama's
+             ("split",) * 3: {True: (12, 5), False: (6, 2)},
+             ("split", "replicated"): {True: (6, 3), False: (2, 1)},
+             ("split", "replicated_split"): {True: (8, 3), False: (4, 1)}}
+    assert memory.ModelDims(64, 4, 4, 2, 128, 256).tp_regions(0) == ("split", "split")
+    for regions, counts in cases.items():
+        for sp, (once, again) in counts.items():
+            for ac, recompute in (("none", 0), ("full", 1)):
+                layout = memory.Layout(tp=2, seq_len=16, sequence_parallel=sp, ac_mode=ac)
+                tensor = layout.microbatch_tokens * 64 * 2
+                assert per_block(family(regions), layout) == (once + recompute * again) * tensor, (regions, sp, ac)
+
+
+def test_moe_dims_name_a_replicated_tp_region_per_moe_layer() -> None:
+    """MoE blocks: attention split, the MoE layer replicated (models/moe/parallelize.py), with the
+    shared expert's all-reduces when it has one; dense blocks are Llama's."""
+    from torchtitan_amp.memory.moe import MoEDims
+
+    dims = MoEDims(64, 4, 4, 2, 128, 256, n_dense_layers=1, n_shared_experts=1)
+    assert [dims.tp_regions(i) for i in (0, 1)] == [("split", "split"), ("split", "replicated_split")]
+    assert MoEDims(64, 4, 4, 2, 128, 256).tp_regions(0) == ("split", "replicated")

@@ -343,6 +343,10 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     (4, dict(rep=2, shard=2, ep=4), "'parallelism.expert_parallel_degree' = 4 must divide "
                                     "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
                                     "(EP borrows its ranks from FSDP's)"),
+    # Under TP too: EP takes no TP ranks (every TP rank holds the experts its EP rank holds).
+    (4, dict(shard=2, tp=2, ep=4), "'parallelism.expert_parallel_degree' = 4 must divide "
+                                   "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
+                                   "(EP borrows its ranks from FSDP's)"),
 ])
 def test_ep_must_divide_shard_times_cp(world, degrees, message) -> None:
     with pytest.raises(ConfigError) as e:
@@ -356,10 +360,6 @@ def test_ep_must_divide_shard_times_cp(world, degrees, message) -> None:
     (["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3",
       "--parallelism.data_parallel_shard_degree", "3"],
      "'parallelism.expert_parallel_degree' = 3 must divide the model's n_routed_experts = 8"),
-    (["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2",
-      "--parallelism.tensor_parallel_degree", "2"],
-     "'parallelism.expert_parallel_degree' = 2 with tensor_parallel_degree = 2 is not supported (the experts "
-     "have no tensor-parallel plan); use one of them"),
 ])
 def test_ep_layout_refusals(argv, message) -> None:
     config = load_config(["--training.seq_len", "32", *argv])
@@ -369,9 +369,20 @@ def test_ep_layout_refusals(argv, message) -> None:
     assert one_line_error(e) == message
 
 
+def test_ep_composes_with_tp() -> None:
+    """EP x TP (ETP = 1) passes the layout checks: it used to be refused in one line ("the experts
+    have no tensor-parallel plan")."""
+    config = load_config(["--training.seq_len", "32", "--model.name", "moe", "--model.flavor", "debugmodel_moe",
+                          "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"])
+    dims = ParallelDims.from_config(config.parallelism, 4)
+    assert (dims.dp_shard, dims.tp, dims.ep) == (2, 2, 2)
+    assert validate_layout(dims, config, 2, 2, 4, "cpu") == ([0], 1)
+
+
 @pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
 @pytest.mark.parametrize("degrees", [dict(shard=8, ep=2), dict(shard=8, ep=8), dict(shard=4, cp=2, ep=4),
-                                     dict(rep=2, shard=4, ep=2), dict(pp=2, shard=4, ep=2)])
+                                     dict(rep=2, shard=4, ep=2), dict(pp=2, shard=4, ep=2),
+                                     dict(shard=4, tp=2, ep=2), dict(shard=2, cp=2, tp=2, ep=2)])
 def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
     """ep takes consecutive ranks of FSDP's dp_shard x cp, efsdp strides over the rest; the dense
     meshes are those without EP."""
@@ -393,10 +404,20 @@ def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
         assert expert.mesh.shape == (dims.dp_replicate, dims.efsdp) and efsdp in expert.mesh.tolist()
     else:
         assert expert.mesh_dim_names == ("efsdp",) and expert.mesh.tolist() == efsdp
+    # The experts' DTensor mesh: ep, then under TP the rank's tp row (ETP = 1: replicated over tp),
+    # so an EP group is the ranks of one tp coordinate.
+    ep_ranks = dims.ep_mesh.mesh.tolist()
+    if dims.tp_enabled:
+        assert dims.expert_mesh.mesh_dim_names == ("ep", "tp")
+        assert dims.expert_mesh.mesh.tolist() == [[r - r % dims.tp + t for t in range(dims.tp)] for r in ep_ranks]
+        assert all(r % dims.tp == RANK % dims.tp for r in ep_ranks)
+    else:
+        assert dims.expert_mesh is dims.ep_mesh
     # The dense meshes do not change with EP.
     assert dims_of(WORLD, **plain).fsdp_shard == dims.fsdp_shard and dims.ep_enabled
 
 
-def test_ep_meshes_need_ep() -> None:
+@pytest.mark.parametrize("mesh", ["ep_mesh", "expert_mesh", "expert_fsdp_mesh"])
+def test_ep_meshes_need_ep(mesh: str) -> None:
     with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
-        _ = dims_of(1).ep_mesh
+        _ = getattr(dims_of(1), mesh)

@@ -153,17 +153,18 @@ def test_context_parallel_only_when_the_sequence_needs_it() -> None:
 
 def test_expert_parallel_proposed_for_qwen3_moe() -> None:
     """An MoE model's layouts split dp_shard x cp further by EP (degrees dividing the routed
-    experts; none with TP); the memory model sizes them, and for Qwen3-30B-A3B on 16 GPUs EP beats
-    FSDP alone: its expert all-gathers go over the efsdp ranks, its all-to-alls stay in a node."""
+    experts; with TP too, the experts replicated over tp); the memory model sizes them, and for
+    Qwen3-30B-A3B on 16 GPUs EP beats FSDP alone: its expert all-gathers go over the efsdp ranks,
+    its all-to-alls stay in a node."""
     assert pl.expert_splits((1, 8, 1, 1, 2), 128) == [1, 2, 4, 8, 16]
     assert pl.expert_splits((1, 8, 1, 1, 1), 6) == [1, 2]
-    assert pl.expert_splits((1, 4, 2, 1, 1), 128) == [1] and pl.expert_splits((1, 8, 1, 1, 1), 0) == [1]
+    assert pl.expert_splits((1, 4, 2, 1, 1), 128) == [1, 2, 4] and pl.expert_splits((1, 8, 1, 1, 1), 0) == [1]
     args = pl.parse_args(["--model", "moe", "--flavor", "qwen3_30b_a3b", "--gpus", "16", "--seq-len", "4096",
                           "--vocab-size", "151936", "--gpu-mem-gib", "80", "--top", "3"])
     result = pl.plan(args)
     cands = result["fitting"] + result["not_fitting"]
     assert {c.ep for c in cands} == {1, 2, 4, 8, 16}
-    assert all(c.tp == 1 for c in cands if c.ep > 1)
+    assert {c.ep for c in cands if c.tp > 1} == {1, 2, 4, 8}  # EP x TP proposed: at most dp_shard = 8 with TP 2
     best = result["fitting"][0]
     assert best.ep > 1 and best.ep_comm_s > 0 and f"EP {best.ep}" in best.describe(), pl.format_plan(result, 5)
     assert f"--parallelism.expert_parallel_degree {best.ep}" in " ".join(best.overrides)

@@ -15,7 +15,8 @@ Promises checked, each by module name or collective:
 - gradient reductions over the data-parallel dimensions (DDP's compress hook, FSDP's
   reduce-scatter, HSDP's all-reduce) move only reduce_dtype and, for the fp32 modules, the
   storage dtype; FSDP all-gathers only param_dtype and the storage dtype (under context
-  parallel FSDP shards over dp_shard x cp: the flattened "dp_shard_cp" dim);
+  parallel FSDP shards over dp_shard x cp: the flattened "dp_shard_cp" dim; under expert
+  parallel the routed experts over "efsdp");
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
   dtype (and positions / document ids as integers), their gradients reduce-scattered over "cp"
   in the plan's cp_reduce_dtype, and both are seen at all.
@@ -50,7 +51,7 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_sca
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 # Inside an fp32 module these only move data between dtypes; every other op must compute in fp32.
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
-_DP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp")
+_DP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "efsdp")
 _CP_KV = "K/V gradient reduce_scatter:cp"  # the breach naming a cp gradient sum in another dtype
 
 
@@ -153,7 +154,9 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
     Under context parallel also the flattened dims: "dp_cp" (the loss's ranks) and "dp_shard_cp"
     (FSDP's), named in that order so that FSDP's name wins where they hold the same ranks (no
     dp_replicate; with cp alone the cp group too: context_parallel's own collectives are told
-    apart by where they are called from, `_cp_collectives`)."""
+    apart by where they are called from, `_cp_collectives`). Under expert parallel also "efsdp",
+    the group FSDP shards the routed experts over (a data-parallel dim: their gradients are
+    reduced there), named first so that a dense dim holding the same ranks keeps its name."""
     if not dist.is_initialized() or dims.world_size == 1:
         return {}
 
@@ -161,6 +164,9 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
         return tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
 
     out = {}
+    if dims.ep > 1 and dims.efsdp > 1:
+        efsdp = dims.expert_fsdp_mesh
+        out[ranks(efsdp["efsdp"] if efsdp.ndim > 1 else efsdp)] = "efsdp"
     for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         if getattr(dims, dim) > 1:
             out[ranks(dims.mesh[dim])] = dim

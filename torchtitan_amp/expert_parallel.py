@@ -51,13 +51,17 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_split, recv_split, self.group)
 
 
-def shard_experts(experts: nn.Module, ep_mesh) -> None:
-    """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over `ep_mesh`: each rank
-    keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP reshards them to
-    another EP degree), and FSDP shards them further over the rest of the data-parallel ranks."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def shard_experts(experts: nn.Module, mesh) -> None:
+    """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over the mesh's first dim
+    (ep) and replicated over the rest (tp, where the MoE layer under TP holds them replicated
+    already): each rank keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP
+    reshards them to another EP degree), and FSDP shards them further over the rest of the
+    data-parallel ranks."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+    placements = [Shard(0), *[Replicate()] * (mesh.ndim - 1)]
     for name in EXPERT_WEIGHTS:
         p = experts._parameters[name]
-        experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
-                                                      requires_grad=p.requires_grad))
+        whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E
+        sharded = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))

@@ -26,6 +26,7 @@ class ParallelDims:
     _loss_mesh: DeviceMesh | None = field(default=None, repr=False)
     _ep_mesh: DeviceMesh | None = field(default=None, repr=False)
     _expert_fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, p: Parallelism, world_size: int) -> "ParallelDims":
@@ -137,6 +138,10 @@ class ParallelDims:
             sparse = self._fsdp_mesh._unflatten(self._fsdp_mesh.ndim - 1, (self.efsdp, self.ep), ("efsdp", "ep"))
             self._ep_mesh = sparse["ep"]
             self._expert_fsdp_mesh = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
+            # Under TP the experts are also replicated over tp (ETP = 1): one (ep, tp) mesh, whose ep
+            # groups are the ranks of one tp coordinate.
+            self._expert_mesh = (DeviceMesh._concatenate([self._ep_mesh, mesh["tp"]]) if self.tp_enabled
+                                 else self._ep_mesh)
         self._mesh = mesh
         return mesh
 
@@ -173,6 +178,13 @@ class ParallelDims:
         if self._ep_mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
         return self._ep_mesh
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The mesh the routed experts are DTensors on: ep (Shard(0)), then tp (Replicate) under TP."""
+        if self._expert_mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
+        return self._expert_mesh
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:

@@ -108,7 +108,7 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
 
 
 def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
-    """EP needs routed experts that split evenly, and no TP (experts are not tensor-parallel)."""
+    """EP needs routed experts that split evenly (over ranks of dp_shard x cp: ParallelDims checks)."""
     from torchtitan_amp.models import get_family
 
     args = get_family(config.model.name).flavors[config.model.flavor]
@@ -119,9 +119,6 @@ def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
     if n_experts % dims.ep:
         raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} must divide the model's "
                           f"n_routed_experts = {n_experts}")
-    if dims.tp_enabled:
-        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} with tensor_parallel_degree = "
-                          f"{dims.tp} is not supported (the experts have no tensor-parallel plan); use one of them")
 
 
 def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
@@ -156,7 +153,7 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
     if dims.cp_enabled:
         apply_cp(model, plan.context_parallel(dims.mesh["cp"].get_group()))
     if dims.ep_enabled:
-        apply_ep(model, dims.ep_mesh)
+        apply_ep(model, dims.ep_mesh, dims.expert_mesh)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
@@ -225,11 +222,17 @@ def expert_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them."""
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> None:
+    """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them.
+
+    Under TP `expert_mesh` is (ep, tp): the experts are not split by TP (ETP = 1) and the MoE layer
+    is replicated over tp (models/moe/parallelize.py), so every TP rank routes the whole sequence
+    and exchanges the same tokens with its EP peers of the same tp coordinate (redundantly:
+    torchtitan's ETP = 1 instead takes the tp ranks into the ep group and splits the tokens).
+    """
     layers = expert_layers(model)
     for layer in layers:
-        shard_experts(layer.experts, ep_mesh)
+        shard_experts(layer.experts, expert_mesh)
         layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     logger.info("applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
                 "all-to-all in the activations' dtype", ep_mesh.size(), len(layers))

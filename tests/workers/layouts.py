@@ -48,6 +48,13 @@ def _replicated(p: torch.Tensor) -> bool:
     return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
 
 
+def _tp_replicated(p: torch.Tensor) -> bool:
+    """A DTensor replicated over the tp mesh dim (sharded or not over the others): equal on the
+    TP ranks of one data-parallel coordinate (an MoE layer's router and experts under TP)."""
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return "tp" in names and p.placements[names.index("tp")].is_replicate()
+
+
 def _frozen_params(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
     """The parameters of the modules training.freeze tagged (the tag, not requires_grad: a frozen
     module whose parameters came to require grad again is still listed)."""
@@ -198,6 +205,12 @@ def _rank_info(trainer: Trainer) -> dict:
             "replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
                                                           for part in trainer.model_parts for p in part.parameters()
                                                           if _replicated(p)] or [torch.zeros(0)])),
+            # The same for parameters replicated over tp only: equal across the TP ranks.
+            "tp_replicated_params": sorted(n for part in trainer.model_parts for n, p in part.named_parameters()
+                                           if _tp_replicated(p)),
+            "tp_replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
+                                                             for part in trainer.model_parts for p in part.parameters()
+                                                             if _tp_replicated(p)] or [torch.zeros(0)])),
             "norm_check": norm_check.records(),
             # enable_weight_tying: the output layer's weight is still the embedding table's object
             "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None

@@ -2,8 +2,9 @@
 DDP's all-reduce), tensor parallel (the TP plan's activation collectives, sequence parallel's
 Partial norm gradients), context parallel (keys and values gathered, their gradients
 reduce-scattered), pipeline send / recv, and the gradient collectives alone (grad_comm).
-tp_comm counts TP regions per block as the family's dims say (ModelDims.tp_regions_per_block: a
-colwise entry and a rowwise exit each), plus the decoder's two ends (embedding and output head)."""
+tp_comm counts TP regions per block as the family's dims say (ModelDims.tp_regions: Llama's a
+colwise entry and a rowwise exit each, an MoE layer a replicated region), plus the decoder's two
+ends (embedding and output head)."""
 
 from __future__ import annotations
 
@@ -65,15 +66,40 @@ def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank:
     return out
 
 
+# What one TP region of a block sends per forward pass of T tokens, each a full [T, d] tensor:
+# kind -> sequence parallel? -> (forward entry collectives, forward exit collective or None,
+# backward collectives), as (op, dtype role): "r" the residual stream's dtype, "c" the matmul's.
+_Collective = tuple[str, str]
+_REGIONS: dict[str, dict[bool, tuple[list[_Collective], _Collective | None, list[_Collective]]]] = {
+    # Colwise entry, rowwise exit (Llama's attention and MLP).
+    "split": {True: ([("all_gather", "r")], ("reduce_scatter", "c"), [("reduce_scatter", "r"), ("all_gather", "c")]),
+              False: ([], ("all_reduce", "c"), [("all_reduce", "r")])},
+    # The whole sequence in, computed alike on every TP rank, this rank's slice out (MoE layers):
+    # the input all-gathered, the output's gradient all-gathered back; nothing without SP.
+    "replicated": {True: ([("all_gather", "r")], None, [("all_gather", "r")]),
+                   False: ([], None, [])},
+    # The same with a split dense MLP inside (MoE's shared expert): its output all-reduced in
+    # forward, its input's gradient (w1's and w3's partial sums added first) in backward.
+    "replicated_split": {True: ([("all_gather", "r")], ("all_reduce", "c"), [("all_gather", "r"), ("all_reduce", "r")]),
+                         False: ([], ("all_reduce", "c"), [("all_reduce", "r")])},
+}
+
+
 def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
     """Tensor-parallel activation collectives of one rank per optimizer step (T tokens per
     microbatch, volumes of full [T, d] tensors; r / c = residual / matmul dtype):
 
-    per block of k TP regions (model.tp_regions_per_block(); Llama: 2, attention and MLP),
-              sequence parallel:  forward  k all-gathers (r, each region's input)
-                                           + k reduce-scatters (c, each region's rowwise output)
-                                  backward k reduce-scatters (r) + k all-gathers (c)
-              no sequence parallel: forward k all-reduces (c), backward k all-reduces (r)
+    per block, each TP region the family's dims name (model.tp_regions(layer), priced by _REGIONS):
+              "split" (Llama's attention and MLP), sequence parallel:
+                                  forward  an all-gather (r, the input) + a reduce-scatter (c, the
+                                           rowwise output); backward a reduce-scatter (r) + an
+                                           all-gather (c)
+              "split", no sequence parallel: forward an all-reduce (c), backward one (r)
+              "replicated" (an MoE layer): SP: the input all-gathered (r) forward, the output's
+                                  gradient all-gathered (r) backward; without SP nothing
+              "replicated_split" (an MoE layer with a shared expert): the same, plus the shared
+                                  expert's output all-reduce (c) forward and its input gradient's
+                                  all-reduce (r) backward
     first stage: embedding output reduce-scatter (all-reduce without SP) forward, all-gather back
     last stage:  output-head input all-gather (r) forward, reduce-scatter back; loss parallel
                  all-reduces 3 fp32 [T] statistics (max, sum-exp, target logit); without it the
@@ -82,21 +108,20 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                  dtype) before its reduce-scatter, per microbatch; without FSDP the trainer does,
                  once per step, in one flat all-reduce (precision.PartialGradReducer; reduce_dtype
                  if norms are lower-precision-safe). Frozen norms have no gradient.
-    Recomputed blocks (full AC) repeat their forward collectives in backward except the last
-    (the last region's output reduce-scatter / all-reduce: Llama's w2): non-reentrant
-    checkpointing stops recomputing once the last saved tensor is rebuilt.
+    Recomputed blocks (full AC) repeat their forward collectives in backward except the block's
+    last if it is a region's exit (Llama's w2 reduce-scatter, the shared expert's all-reduce):
+    non-reentrant checkpointing stops recomputing once the last saved tensor is rebuilt.
     x microbatches (PP) x gradient-accumulation steps.
     """
     if layout.tp == 1:
         return {}
-    r, c = prec.residual, prec.compute
+    dtypes = {"r": prec.residual, "c": prec.compute}
     emb = prec.param if prec.low("embedding") else prec.storage
     norm_dtype = prec.param if prec.low("norm") else prec.storage
     full = layout.microbatch_tokens * model.dim
     vocab = layout.microbatch_tokens * model.vocab_size
-    ag: ByDtype = {}
-    rs: ByDtype = {}
-    ar: ByDtype = {}
+    by_op: dict[str, ByDtype] = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}}
+    ag, rs, ar = by_op["all_gather"], by_op["reduce_scatter"], by_op["all_reduce"]
     passes = layout.microbatches * layout.grad_accum
 
     def conjugate_pair(dtype: str) -> None:
@@ -110,35 +135,37 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
             add_bytes(ar, dtype, nbytes)
 
     for stage in rank_stages(model, layout, pp_rank):
-        n = len(stage.layers)
-        recompute = recomputed_blocks(layout, n)  # op-level SAC: not modelled (approximate)
-        k = model.tp_regions_per_block()
-        # A recomputed block repeats every entry collective and all exits but the last.
-        entries, exits = passes * k * (n + recompute), passes * (k * n + (k - 1) * recompute)
-        backward = passes * k * n
-        if layout.sp:
-            add_bytes(ag, r, entries * full * DTYPE_BYTES[r])
-            add_bytes(rs, c, exits * full * DTYPE_BYTES[c])
-            add_bytes(rs, r, backward * full * DTYPE_BYTES[r])
-            add_bytes(ag, c, backward * full * DTYPE_BYTES[c])
-        else:  # no entry collective: the replicated input is used as is
-            add_bytes(ar, c, exits * full * DTYPE_BYTES[c])
-            add_bytes(ar, r, backward * full * DTYPE_BYTES[r])
+        again = recomputed_positions(layout, len(stage.layers))  # op-level SAC: not modelled (approximate)
+        for position, layer in enumerate(stage.layers):
+            for op, role in _block_collectives(model.tp_regions(layer), layout.sp, position in again):
+                add_bytes(by_op[op], dtypes[role], passes * full * DTYPE_BYTES[dtypes[role]])
         if stage.first:
             conjugate_pair(emb)  # embedding output
         if stage.last:
-            conjugate_pair(r)  # output-head input
+            conjugate_pair(prec.residual)  # output-head input
             if layout.loss_parallel:
                 add_bytes(ar, "float32", passes * 3 * layout.microbatch_tokens * 4)
             else:
-                add_bytes(ag, c, passes * vocab * DTYPE_BYTES[c])
+                add_bytes(ag, prec.compute, passes * vocab * DTYPE_BYTES[prec.compute])
         if layout.sp and layout.fsdp_shard > 1:
             norms = sum(1 for spec in model.param_specs(stage) if spec.kind == "norm" and not prec.is_frozen(spec.name))
             reduces = layout.grad_accum if layout.pp > 1 else passes
             add_bytes(ar, norm_dtype, reduces * norms * model.dim * DTYPE_BYTES[norm_dtype])
     for dtype, nbytes in tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank).items():
         add_bytes(ar, dtype, nbytes)
-    return {k: v for k, v in (("tp_all_gather", ag), ("tp_reduce_scatter", rs), ("tp_all_reduce", ar)) if v}
+    return {f"tp_{op}": v for op, v in by_op.items() if v}
+
+
+def _block_collectives(regions: tuple[str, ...], sp: bool, recomputed: bool) -> list[_Collective]:
+    """(op, dtype role) of every TP collective one block issues per forward + backward pass; a
+    recomputed block's forward ones again, but for its last exit (see tp_comm)."""
+    out: list[_Collective] = []
+    for j, kind in enumerate(regions):
+        entries, exit_, backward = _REGIONS[kind][sp]
+        forward = [*entries, *([exit_] if exit_ else [])]
+        redo = [*entries, *([exit_] if exit_ and j < len(regions) - 1 else [])] if recomputed else []
+        out += forward + redo + backward
+    return out
 
 
 def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:
@@ -162,15 +189,21 @@ def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     return {"pp_send": send, "pp_recv": recv}
 
 
-def recomputed_blocks(layout: Layout, n: int) -> int:
-    """Blocks of a stage whose forward runs again in backward: all under full AC, every N-th under
-    selective(N); op-level SAC recomputes every block's unsaved ops, but which collectives those
-    are differs per collective (tp_comm leaves it unmodelled; cp_comm counts the all-gathers)."""
+def recomputed_positions(layout: Layout, n: int) -> range:
+    """Positions, within a stage of n blocks, of the blocks whose forward runs again in backward:
+    all under full AC, every N-th under selective(N); op-level SAC recomputes every block's
+    unsaved ops, but which collectives those are differs per collective (tp_comm leaves it
+    unmodelled; cp_comm counts the all-gathers)."""
     if layout.ac_mode == "full":
-        return n
+        return range(n)
     if layout.ac_mode == "selective" and layout.ac_option != "op":
-        return len(range(0, n, int(layout.ac_option)))
-    return 0
+        return range(0, n, int(layout.ac_option))
+    return range(0)
+
+
+def recomputed_blocks(layout: Layout, n: int) -> int:
+    """How many of a stage's n blocks recompute their forward (recomputed_positions)."""
+    return len(recomputed_positions(layout, n))
 
 
 def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> dict[str, ByDtype]:

@@ -56,11 +56,11 @@ class ModelDims:
         """This family's saved-for-backward bytes per token (a family overrides this)."""
         return activation_terms(self, prec, layout)
 
-    def tp_regions_per_block(self) -> int:
-        """TP regions of one block (a family overrides this): each is a colwise-sharded entry and
-        a rowwise-sharded exit (Llama: attention's wq/wk/wv -> wo, the MLP's w1/w3 -> w2), so one
-        region costs one input collective and one output collective each way (memory.tp_comm)."""
-        return 2
+    def tp_regions(self, layer: int) -> tuple[str, ...]:
+        """TP regions of one block, in forward order (a family overrides this; memory.tp_comm
+        prices each kind): Llama's are both "split", a colwise-sharded entry and a rowwise-sharded
+        exit (attention's wq/wk/wv -> wo, the MLP's w1/w3 -> w2)."""
+        return ("split", "split")
 
     def cp_gathers_per_block(self, tp: int) -> tuple[int, ...]:
         """Elements per token of each tensor one block all-gathers over the cp ranks (a family

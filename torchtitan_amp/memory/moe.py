@@ -13,7 +13,8 @@ What differs from a dense model, and why it matters for sizing:
 - activations: each token's hidden state goes to top_k experts, so the expert activations scale
   with T x top_k rows, and the combine is summed in fp32 (MoEDims.activation_terms).
 - traffic: under EP, per MoE layer, the sorted rows are sent to the experts' ranks and the
-  outputs come back by all-to-all, each way in forward and backward (MoEDims.ep_comm).
+  outputs come back by all-to-all, each way in forward and backward (MoEDims.ep_comm); under TP
+  an MoE layer gathers the whole sequence and hands back its slice (MoEDims.tp_regions).
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ class MoEDims(ModelDims):
 
     def activation_terms(self, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
         return moe_activation_terms(self, prec, layout)
+
+    def tp_regions(self, layer: int) -> tuple[str, ...]:
+        """Attention split as Llama's; an MoE layer is one replicated region (models/moe/parallelize.py:
+        ReplicatedMoE), with the TP-split shared expert's all-reduce inside when there is one."""
+        if not self.is_moe(layer):
+            return super().tp_regions(layer)
+        return ("split", "replicated_split" if self.n_shared_experts else "replicated")
 
     def ep_comm(self, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, ByDtype]:
         return ep_comm(self, prec, layout, stages)

@@ -206,10 +206,10 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
 
 def expert_splits(degrees: Degrees, n_experts: int) -> list[int]:
     """EP degrees for a layout of a model with `n_experts` routed experts per MoE layer (0: none):
-    1, and every degree that divides both dp_shard x cp (EP splits FSDP's ranks) and the experts;
-    none with TP (the trainer refuses EP x TP: the experts have no TP plan)."""
-    _r, s, t, _p, c = degrees
-    if not n_experts or t > 1:
+    1, and every degree that divides both dp_shard x cp (EP splits FSDP's ranks, also under TP,
+    whose ranks hold the experts replicated) and the experts."""
+    _r, s, _t, _p, c = degrees
+    if not n_experts:
         return [1]
     return [e for e in range(1, s * c + 1) if (s * c) % e == 0 and n_experts % e == 0]
 

@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan_amp.models.llama3.parallelize import tp_block_plan as llama_plan
@@ -63,8 +64,12 @@ def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
         plan = {k: v for k, v in plan.items() if not k.startswith("feed_forward")}
         plan["feed_forward"] = ReplicatedMoE(seq)
         if block.feed_forward.shared_expert is not None:
-            # Its input is the MoE layer's whole (local) sequence; its output is summed back whole.
-            plan.update({"feed_forward.shared_expert.w1": ColwiseParallel(),
+            # Its input is the MoE layer's whole (local) sequence, handed to w1 and w3 as one
+            # replicated DTensor so that their partial input gradients are added before one
+            # all-reduce (two otherwise); its output is summed back whole.
+            plan.update({"feed_forward.shared_expert": PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                          desired_input_layouts=(Replicate(),)),
+                         "feed_forward.shared_expert.w1": ColwiseParallel(),
                          "feed_forward.shared_expert.w3": ColwiseParallel(),
                          "feed_forward.shared_expert.w2": RowwiseParallel(output_layouts=Replicate())})
     return plan
