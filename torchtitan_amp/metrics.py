@@ -26,6 +26,7 @@ logger = logging.getLogger("torchtitan_amp")
 
 _GIB = 2**30
 _JSONL_NAME = "metrics.jsonl"
+_SAMPLES_NAME = "samples.jsonl"
 
 
 def peak_flops(device: torch.device, dtypes: Iterable[torch.dtype]) -> float:
@@ -140,6 +141,7 @@ class MetricsLogger:
         self._last_logged_step = 0
         self._logged: list[StepMetrics] = []
 
+        self._samples_path = Path(dump_folder) / _SAMPLES_NAME  # log_samples appends there
         self._jsonl: IO[str] | None = None
         self._tb_writer: SummaryWriter | None = None
         if is_logging_rank:
@@ -266,6 +268,18 @@ class MetricsLogger:
     def describe_peak(self) -> str:
         rate = f"{self._peak_flops / 1e12:.3g} TFLOP/s"
         return f"{rate} ({self._peak_label})" if self._peak_label else rate
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Generated continuations (generation.record's dicts; validation.sample_prompts): one log
+        line each, one `samples.jsonl` line each with the step, TensorBoard text. Logging rank only."""
+        if not self._is_logging_rank:
+            return
+        with open(self._samples_path, "a", encoding="utf-8") as f:
+            for i, sample in enumerate(samples):
+                logger.info("step %d sample %d: %r -> %r", step, i, sample["prompt"], sample["text"])
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+                if self._tb_writer is not None:
+                    self._tb_writer.add_text(f"samples/{i}", sample["prompt"] + sample["text"], step)
 
     def close(self) -> None:
         if self._jsonl is not None:

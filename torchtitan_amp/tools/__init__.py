@@ -6,6 +6,7 @@ command (pyproject.toml):
     torchtitan-amp-numerics-matrix   python -m torchtitan_amp.tools.numerics_matrix  layout x precision loss table
     torchtitan-amp-gpu-checks        python -m torchtitan_amp.tools.gpu_checks       the CUDA checks CPU tests cannot make
     torchtitan-amp-evaluate          python -m torchtitan_amp.tools.evaluate         a checkpoint's validation loss, any layout
+    torchtitan-amp-generate          python -m torchtitan_amp.tools.generate         text from a checkpoint, an export or an HF folder
 
 `python -m` works from a checkout without installing (run it from the repository root).
 """
