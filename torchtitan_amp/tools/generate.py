@@ -17,8 +17,8 @@ parallel N (no sequence parallel), whatever the run trained on. Only the model i
 Each prompt is encoded with BOS first and continued greedily (--temperature 0, the default) or by
 sampling (--top-k, --top-p, a --seed), until EOS or --max-new-tokens. Rank 0 prints every prompt
 and its continuation on stdout (logs go to stderr); --output also writes one JSON line per
-prompt: prompt, text, tokens (the new ids, EOS included), stop ("eos" or "length"). With --hf and
-no --model.tokenizer, the folder's tokenizer.json is used. Exit 0, or 2 after one `error:` line.
+prompt: prompt, text, tokens (the new ids, EOS included), stop ("eos" or "length"). With --hf, the
+folder's tokenizer.json is used unless the config or the command line sets model.tokenizer. Exit 0, or 2 after one `error:` line.
 See docs/generation.md.
 """
 
@@ -46,7 +46,9 @@ logger = logging.getLogger("torchtitan_amp")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other arguments: train.py's.")
+    # No abbreviations: an unknown argument is train.py's override, passed on whole.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other arguments: train.py's.",
+                                allow_abbrev=False)
     p.add_argument("--config", metavar="TOML", help="the run's job config (job.config_file)")
     weights = p.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint.step", dest="step", type=int, metavar="N",
