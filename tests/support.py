@@ -417,3 +417,14 @@ def write_short_documents(path: Path) -> Path:
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
                             for _ in range(400)))
     return path
+
+
+def c_compiler() -> str | None:
+    """The C++ compiler inductor needs on CPU, if any: torch.compile tests skip without one, and
+    launches leave their compiled jobs out."""
+    import shutil
+
+    return shutil.which("g++") or shutil.which("c++") or shutil.which("cc")
+
+
+NO_COMPILER = "torch.compile (inductor on CPU) needs a C++ compiler: none of g++ / c++ / cc is on PATH"

@@ -7,22 +7,24 @@
 - torch.compile (per-block) on CP 2 in fp32: dynamo traces the K/V gather (an autograd.Function
   over functional collectives) and the chunked causal attention without a graph break (fp32
   compiles fullgraph, so a break would fail the run); losses equal eager's to fp32 rounding.
-  (bf16 compiled vs eager measured 4.0e-5 on torch 2.13, 7.5e-5 on 2.11; CP 2 x FSDP 2 with AC
-  bit-identical too: both left out of the suite for its time, a cold compile and a 4-rank launch.)
+  (bf16 compiled vs eager measured 4.0e-5 on torch 2.13, 7.5e-5 on 2.11; CP 2 x FSDP 2 with AC,
+  compile, compile + full AC and compile + op SAC bit-identical to eager in fp32: left out of the
+  suite for its time, cold compiles and a 4-rank launch.) The compiled run goes first so that its
+  blocks meet empty context_parallel caches, as in a fresh process: run after the eager ones it
+  passed while a fresh compiled CP run failed (dynamo cannot trace CausalBias's creation).
 
-One launch (tests/workers/layouts.py): CP 2, eager and AC first, then the compiled run.
+One launch (tests/workers/layouts.py): CP 2, the compiled run first (fresh caches), then eager and AC.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support import launch_worker, write_short_documents
+from tests.support import NO_COMPILER, c_compiler, launch_worker, write_short_documents
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.steps", "3", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
@@ -55,10 +57,12 @@ class Launches:
     def runs(self, key: str) -> list[dict]:
         masked = ["--training.dataset", f"path:{self.docs}", "--model.attn_mask_type", "block_causal",
                   *PRECISIONS["fp32"]]
-        return [*_runs(CP2, key),
+        # The compiled run first: its blocks then find context_parallel's caches empty, as in a
+        # fresh training process (the bias they need must be made outside the compiled region).
+        return [{"name": "cp2_fp32_compile", "args": [*BASE, *CP2, *PRECISIONS["fp32"], "--compile.enable", "true"]},
+                *_runs(CP2, key),
                 {"name": "cp2_docmask_ac_none", "args": [*BASE, *CP2, *masked]},
-                {"name": "cp2_docmask_ac_op", "args": [*BASE, *CP2, *masked, *AC["op"]]},
-                {"name": "cp2_fp32_compile", "args": [*BASE, *CP2, *PRECISIONS["fp32"], "--compile.enable", "true"]}]
+                {"name": "cp2_docmask_ac_op", "args": [*BASE, *CP2, *masked, *AC["op"]]}]
 
     def folder(self, key: str, name: str) -> Path:
         if key not in self.outputs:
@@ -113,12 +117,7 @@ def test_activation_checkpointing_keeps_the_document_mask_bitwise_under_cp(launc
     assert _curve(launches.folder("cp2", "cp2_docmask_ac_none")) != _curve(launches.folder("cp2", "cp2_fp32_ac_none"))
 
 
-def _compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("c++") or shutil.which("cc")
-
-
-@pytest.mark.skipif(_compiler() is None, reason="torch.compile (inductor on CPU) needs a C++ compiler: "
-                    "none of g++ / c++ / cc is on PATH")
+@pytest.mark.skipif(c_compiler() is None, reason=NO_COMPILER)
 def test_compile_keeps_the_loss_under_cp(launches: Launches) -> None:
     compiled = launches.folder("cp2", "cp2_fp32_compile")
     eager = _curve(launches.folder("cp2", "cp2_fp32_ac_none"))

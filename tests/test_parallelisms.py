@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +44,13 @@ from tests.support import (
     CURVE_TOL,
     GATHERED_RTOL,
     GRAD_NORM_STEP1_RTOL,
+    NO_COMPILER,
     NORM_RTOL,
     SAME_FAMILY_STEP1_TOL,
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
     STEP1_TOL,
+    c_compiler,
     launch_worker,
     write_short_documents,
 )
@@ -412,12 +413,7 @@ def test_activation_checkpointing_keeps_the_loss(trained: Launches, mode: str, n
     assert all(r["checkpoint_wrapped"] == [] for r in plain.ranks())
 
 
-def _compiler() -> str | None:
-    return shutil.which("g++") or shutil.which("c++") or shutil.which("cc")
-
-
-@pytest.mark.skipif(_compiler() is None, reason="torch.compile (inductor on CPU) needs a C++ compiler: "
-                    "none of g++ / c++ / cc is on PATH")
+@pytest.mark.skipif(c_compiler() is None, reason=NO_COMPILER)
 def test_compile_keeps_the_loss_under_bf16_autocast(trained: Launches) -> None:
     """Per-block compile with the autocast forward context inside the compiled region (~50 s: a
     cold inductor compile on 2 cores; 3 steps, compared with the eager run's first 3)."""

@@ -145,12 +145,26 @@ class ContextParallel:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
+    def prepare_causal(self, local_len: int, device: torch.device) -> None:
+        """Make this rank's causal-attention constants (the key order, the two lower-right biases)
+        for `local_len` tokens per rank, before the blocks run: a compiled block reads them from
+        the caches but could not create them (dynamo does not trace _disable_current_modes)."""
+        self._window_order(local_len * self.degree, device)
+        for chunk in self._chunks():
+            _lower_right(local_len // 2, (chunk + 1) * (local_len // 2))
+
+    def _chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.degree - 1 - self.rank
+
+    def _window_order(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        key = (seq_len, self.degree, device)
+        if key not in _WINDOW_ORDER:  # built once per shape, not per layer
+            _WINDOW_ORDER[key] = gathered_positions(seq_len, self.degree).argsort().to(device)
+        return _WINDOW_ORDER[key]
+
     def to_window_order(self, x: torch.Tensor) -> torch.Tensor:
         """Gathered keys or values [B, S, H, D] -> the same in window order (positions 0..S-1)."""
-        key = (x.shape[1], self.degree, x.device)
-        if key not in _WINDOW_ORDER:  # built once per shape, not per layer
-            _WINDOW_ORDER[key] = gathered_positions(x.shape[1], self.degree).argsort().to(x.device)
-        return x.index_select(1, _WINDOW_ORDER[key])
+        return x.index_select(1, self._window_order(x.shape[1], x.device))
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
@@ -158,7 +172,7 @@ class ContextParallel:
         [0, (c+1) n): a causal mask aligned to the lower right of that prefix."""
         n = q.shape[2] // 2
         outs = []
-        for part, chunk in ((q[:, :, :n], self.rank), (q[:, :, n:], 2 * self.degree - 1 - self.rank)):
+        for part, chunk in zip((q[:, :, :n], q[:, :, n:]), self._chunks()):
             end = (chunk + 1) * n
             outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
                                                        attn_mask=lower_right_causal(n, end)))

@@ -149,8 +149,8 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
         # Blocks hold nested fp32 FSDP groups (norms) on the FSDP path, whose hooks dynamo cannot
-        # trace: allow graph breaks there instead of failing.
-        apply_compile(model, fullgraph=plan.path != "fsdp")
+        # trace, and a family may read sizes on the host (MoE): allow graph breaks there.
+        apply_compile(model, fullgraph=plan.path != "fsdp" and family.compile_fullgraph)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.fsdp_mesh, plan, config.parallelism.fsdp_reshard_after_forward,
                    dims.pp_enabled, dims.expert_fsdp_mesh if dims.ep_enabled else None)

@@ -92,6 +92,9 @@ class ModelFamily:
     # (model parts, the factor the trainer multiplies the loss by before backward): for losses
     # the model adds itself (MoE's auxiliary balance loss), which must be scaled alike.
     set_loss_factor: Callable[[list[nn.Module], float], None] | None = None
+    # Whether torch.compile may require one graph per block (fullgraph). False for a family whose
+    # blocks read sizes on the host (MoE's per-expert token counts): they compile with breaks.
+    compile_fullgraph: bool = True
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
         """A copy of the flavour with the tokenizer's vocab and the training seq len."""

@@ -460,6 +460,7 @@ class Transformer(nn.Module):
         cp = self.context_parallel
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if cp is not None and doc_ids is None:
+            cp.prepare_causal(positions.shape[1], positions.device)
             return cos, sin, None  # causal under CP: Attention attends chunk by chunk, no mask
         # Keys and values are gathered over the cp ranks: so are their positions and documents.
         kv_pos = cp.gather_ids(positions) if cp is not None else positions

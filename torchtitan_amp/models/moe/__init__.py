@@ -25,4 +25,5 @@ FAMILY = ModelFamily(
     hf=ADAPTER,
     after_backward=balance.after_backward,
     set_loss_factor=balance.set_aux_grad_scale,
+    compile_fullgraph=False,
 )

@@ -94,7 +94,7 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(device):
             x = x.to(torch.get_autocast_dtype(device))
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if grouped_mm_supported(str(x.device), x.dtype):
+        if _use_grouped_mm(x):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets)
@@ -102,6 +102,18 @@ class GroupedExperts(nn.Module):
         for e, part in enumerate(x.split(counts.tolist())):
             out.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
         return torch.cat(out)
+
+
+# Under torch.compile the probe runs eagerly (a graph break: MoE blocks compile with breaks).
+_grouped_mm_probe = torch.compiler.disable(grouped_mm_supported)
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        # The compiler traces _grouped_mm with its meta kernel, which takes bf16 only (torch
+        # 2.11-2.13) whatever the eager kernels take: fp32 runs the loop, split at a graph break.
+        return x.dtype == torch.bfloat16 and _grouped_mm_probe(str(x.device), x.dtype)
+    return grouped_mm_supported(str(x.device), x.dtype)
 
 
 class _CountOnBackward(torch.autograd.Function):
