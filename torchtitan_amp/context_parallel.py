@@ -151,7 +151,7 @@ class ContextParallel:
         the caches but could not create them (dynamo does not trace _disable_current_modes)."""
         self._window_order(local_len * self.degree, device)
         for chunk in self._chunks():
-            _lower_right(local_len // 2, (chunk + 1) * (local_len // 2))
+            lower_right_causal(local_len // 2, (chunk + 1) * (local_len // 2))
 
     def _chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.degree - 1 - self.rank
