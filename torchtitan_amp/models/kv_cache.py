@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchtitan_amp.context_parallel import lower_right_causal
+# Context parallel's per-shape cache of torch's lower-right causal bias (made outside any dispatch mode).
+from torchtitan_amp.context_parallel import _lower_right as lower_right_causal
 
 
 class KVCache:
