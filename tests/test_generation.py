@@ -42,6 +42,8 @@ def _one_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
 NEW = 24
 # The no-cache forward and the cached steps compute the same sums in other orders (SDPA over a
 # whole matrix vs one query row, matmuls of other shapes): fp32 rounding. Measured at most 1.43e-6
