@@ -229,6 +229,14 @@ def test_tool_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture)
         f"--prompts-file {bad} line 2: expected a JSON object with a \"prompt\" string"
 
 
+def test_tool_ignores_the_runs_validation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run config with sample prompts (validation on) loads: only the missing step is an error."""
+    config = tmp_path / "run.toml"
+    config.write_text('[validation]\nenable = true\nsample_prompts = ["The "]\n')
+    assert _tool_error(capsys, "--config", str(config), "--checkpoint.step", "3", "--prompt", "x", "--max-new-tokens",
+                       "8", "--job.dump_folder", str(tmp_path), *TINY).startswith("checkpoint.load_step = 3: no complete")
+
+
 def test_tool_checks_lengths_and_steps_before_generating(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = ["--job.dump_folder", str(tmp_path), *TINY]
     # BOS + 40 bytes + 24 new tokens > 64 positions.

@@ -119,8 +119,9 @@ def _config_argv(args: argparse.Namespace, config_argv: list[str], world_size: i
               "data_parallel_replicate_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
               "expert_parallel_degree": 1, "enable_sequence_parallel": "false", "disable_loss_parallel": "true"}
     forced = [arg for name, value in layout.items() for arg in (f"--parallelism.{name}", str(value))]
+    # The run's evaluations (and their sample prompts) are not the tool's business.
     return [*own, *config_argv, *forced, "--activation_checkpoint.mode", "none", "--compile.enable", "false",
-            "--validation.enable", "false"]
+            "--validation.enable", "false", "--validation.sample_prompts", ""]
 
 
 @dataclass(frozen=True)
