@@ -180,6 +180,9 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
              "tokens": TOKENS.tolist()} for layout, extra in LAYOUTS.items()]
     jobs.append({"args": _job(root / "train", folder, tokenizer_folder, *LAYOUTS["fsdp"], "--training.steps",
                               str(STEPS), "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_hf")})
+    # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
+    jobs += [{"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
+             for name, extra in (("greedy", []), ("sampled", SAMPLED))]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
 
@@ -277,16 +280,21 @@ def test_export_in_bf16_single_file(dist_run, tmp_path):
     assert all(torch.equal(again[k], saved[k].to(torch.bfloat16).float()) for k in saved)
 
 
-def test_export_of_a_model_only_checkpoint(dist_run, tmp_path):
-    """A last_save_model_only export (model.pt, memory-mapped) converts as a DCP checkpoint does."""
+def _model_only_export(full: Path, step: Path) -> Path:
+    """The step folder a last_save_model_only save writes (model.pt and its marker), from `full`."""
     from torchtitan_amp.checkpoint.format import EXPORT_FILE, MARKER, export_checkpoint
 
-    full = dist_run / "train" / "checkpoint" / f"step-{STEPS}"
-    step = tmp_path / f"step-{STEPS}"
     export_checkpoint(full, step / EXPORT_FILE)
     meta = {k: v for k, v in json.loads((full / MARKER).read_text()).items() if k != "crc32"}
     (step / MARKER).write_text(json.dumps({**meta, "kind": "model_only",
                                            "files": {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}}))
+    return step
+
+
+def test_export_of_a_model_only_checkpoint(dist_run, tmp_path):
+    """A last_save_model_only export (model.pt, memory-mapped) converts as a DCP checkpoint does."""
+    full = dist_run / "train" / "checkpoint" / f"step-{STEPS}"
+    step = _model_only_export(full, tmp_path / f"step-{STEPS}")
     out = export_hf(step, tmp_path / "hf", "float32", tokenizer="byte")
     saved, again = _checkpoint_model(full), _ours(out).state_dict()
     assert all(torch.equal(saved[k], again[k]) for k in saved)
@@ -445,3 +453,89 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1000") == 1000
     with pytest.raises(CheckpointError, match="not a size"):
         parse_size("lots")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation (tools/generate.py) against transformers' generate on the same weights: greedy, fp32,
+# GEN_NEW new tokens, identical ids; from the HF folder, from the trained run's DCP step and from a
+# model-only export of it; TP 2 (in dist_run's launch) equals one process, greedy and sampled.
+
+GEN_PROMPT, GEN_NEW = "Hello, world", 32
+SAMPLED = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed", "3")
+
+
+def _generate_args(run: Path, tokenizer: Path, *extra: str) -> list[str]:
+    """The trained run's step STEPS, continued GEN_NEW tokens in fp32 (rotary tables of 64: the
+    run trained at 32)."""
+    return ["--checkpoint.step", str(STEPS), "--job.dump_folder", str(run / "train"), "--model.flavor", "debugmodel",
+            "--model.tokenizer", str(tokenizer), "--prompt", GEN_PROMPT, "--max-new-tokens", str(GEN_NEW),
+            "--training.seq_len", "64", "--mixed_precision.enabled", "false", *extra]
+
+
+def _generate(out: Path, *argv: str) -> list[int]:
+    """tools/generate.py in this process: the new token ids of its one prompt."""
+    from torchtitan_amp.tools.generate import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's steps: a second thread only slows them on a busy machine
+    try:
+        assert main([*argv, "--output", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    return record["tokens"]
+
+
+def _transformers_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    # EOS named explicitly: the tiny folder's config.json keeps LlamaConfig's default ids.
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_NEW, do_sample=False, eos_token_id=257,
+                             pad_token_id=257)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def debug_flavor_is_the_tiny_one(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+
+
+def test_generate_from_a_hugging_face_folder_gives_transformers_greedy_tokens(hf, tmp_path, debug_flavor_is_the_tiny_one):
+    ours = _generate(tmp_path / "out.jsonl", "--hf", str(hf[0]), "--model.flavor", "debugmodel", "--prompt", GEN_PROMPT,
+                     "--max-new-tokens", str(GEN_NEW), "--training.seq_len", "64", "--mixed_precision.enabled", "false")
+    theirs = _transformers_greedy(hf[1], build_tokenizer("byte").encode(GEN_PROMPT, bos=True, eos=False))
+    assert len(theirs) == GEN_NEW and ours == theirs
+
+
+@pytest.fixture(scope="module")
+def one_process_generations(dist_run, tokenizer_folder, tmp_path_factory) -> dict[str, list[int]]:
+    """The trained step generated on one process: greedy from the DCP step and from a model-only
+    export of it, and sampled from the DCP step."""
+    root = tmp_path_factory.mktemp("generate")
+    export = _model_only_export(dist_run / "train" / "checkpoint" / f"step-{STEPS}", root / f"step-{STEPS}")
+    step_args = _generate_args(dist_run, tokenizer_folder)
+    export_args = [*step_args[2:], "--export", str(export)]  # the same without --checkpoint.step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+        return {"greedy": _generate(root / "greedy.jsonl", *step_args),
+                "export": _generate(root / "export.jsonl", *export_args),
+                "sampled": _generate(root / "sampled.jsonl", *step_args, *SAMPLED)}
+
+
+def test_generate_from_a_checkpoint_and_an_export_gives_transformers_greedy_tokens(dist_run, tokenizer_folder,
+                                                                                    one_process_generations):
+    """Against transformers loading the run's own Hugging Face export of the same step."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(dist_run / "train" / "checkpoint" / f"hf-step-{STEPS}").eval()
+    theirs = _transformers_greedy(model, build_tokenizer(str(tokenizer_folder)).encode(GEN_PROMPT, bos=True, eos=False))
+    assert len(theirs) == GEN_NEW
+    assert one_process_generations["greedy"] == theirs
+    assert one_process_generations["export"] == theirs
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_generate_on_tp_2_equals_one_process(dist_run, one_process_generations, mode):
+    (record,) = json.loads((dist_run / f"generate_tp_{mode}.json").read_text())
+    assert record["prompt"] == GEN_PROMPT and record["stop"] == "length"
+    assert record["tokens"] == one_process_generations[mode]
+    assert one_process_generations["sampled"] != one_process_generations["greedy"]

@@ -9,6 +9,10 @@
   one (the autocast-cache trap of pytorch#65766), losses with and without validation are equal
   bit for bit, and a resume restores the validation position (steps != -1) bit for bit.
 - tools/evaluate.py on an FSDP 2 checkpoint, run on one process, equals the in-run value.
+- validation.sample_prompts (issue 31): the same greedy continuations on one process, DDP 2, FSDP 2,
+  TP 2 (sequence parallel: padded decode steps; loss parallel: vocab-sharded logits) and FSDP 2 x
+  TP 2; during FSDP training every evaluation writes them to the log and samples.jsonl, and
+  training stays bit for bit that of a run without validation.
 - Bad input is one line, exit 2, before any process group.
 """
 
@@ -56,6 +60,10 @@ LAYOUTS = {
 TRAIN_STEPS, VAL_FREQ = 4, 2
 # Same weights and windows, different reduction order across layouts: fp32 rounding only.
 LAYOUT_RTOL = 1e-6
+# Greedy continuations of two prompts at every evaluation (8 tokens: cheap on every layout).
+SAMPLE_PROMPTS = ("The cat", "def f")
+SAMPLES = ["--validation.sample_prompts", ",".join(SAMPLE_PROMPTS), "--validation.sample_max_new_tokens", "8"]
+SAMPLED_LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 
 
 @pytest.fixture(autouse=True)
@@ -71,12 +79,13 @@ def val_args(layout: str) -> list[str]:
 
 
 def eval_args(layout: str, precision: list[str], weights: Path, dump: Path) -> list[str]:
-    return [*BASE, *precision, *val_args(layout), "--checkpoint.initial_load_path", str(weights),
+    samples = SAMPLES if layout in ("single", *SAMPLED_LAYOUTS) and precision == FP32 else []
+    return [*BASE, *precision, *val_args(layout), *samples, "--checkpoint.initial_load_path", str(weights),
             "--job.dump_folder", str(dump)]
 
 
 def train_args(dump: Path, *extra: str, validation: bool = True) -> list[str]:
-    val = [*val_args("fsdp"), "--validation.freq", str(VAL_FREQ)] if validation else LAYOUTS["fsdp"][2]
+    val = [*val_args("fsdp"), "--validation.freq", str(VAL_FREQ), *SAMPLES] if validation else LAYOUTS["fsdp"][2]
     return [*BASE, *FP32, *val, "--training.steps", str(TRAIN_STEPS), "--checkpoint.enable",
             "--checkpoint.interval", "2", "--job.dump_folder", str(dump), *extra]
 
@@ -238,6 +247,27 @@ def test_fsdp_training_is_bitwise_equal_with_and_without_validation(evaluated: d
     assert [s for s in a if "val_loss" in a[s]] == [2, 4] and not any("val_loss" in r for r in c.values())
     for step in a:
         assert (a[step]["loss"], a[step]["grad_norm"]) == (c[step]["loss"], c[step]["grad_norm"]), step
+
+
+@pytest.mark.parametrize("layout", SAMPLED_LAYOUTS)
+def test_sample_prompts_give_the_same_tokens_on_every_layout(evaluated: dict, layout: str) -> None:
+    ref, got = evaluated["single_fp32"]["samples"], evaluated[f"{layout}_fp32"]["samples"]
+    assert [s["prompt"] for s in ref] == list(SAMPLE_PROMPTS)
+    assert all(len(s["tokens"]) == 8 or s["stop"] == "eos" for s in ref)
+    assert got == ref
+
+
+def test_sample_prompts_during_training_go_to_samples_jsonl(evaluated: dict) -> None:
+    """FSDP 2 job A: both prompts at each evaluation (steps 2 and 4), written once (rank 0; the
+    same MetricsLogger.log_samples call logs them, tests/test_generation.py); its training
+    is bit for bit that of job C without validation (test above). Job B, resumed from A's step 2
+    with the same weights at step 4, continues the prompts with the same tokens."""
+    rows = [json.loads(line) for line in (Path(evaluated["dumps"]["a"]) / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (2, 4) for p in SAMPLE_PROMPTS]
+    assert all(r["stop"] in ("eos", "length") and 1 <= len(r["tokens"]) <= 8 for r in rows)
+    resumed = [json.loads(line) for line in (Path(evaluated["dumps"]["b"]) / "samples.jsonl").read_text().splitlines()]
+    assert [r for r in resumed if r["step"] == 4] == rows[2:]
+    assert not (Path(evaluated["dumps"]["c"]) / "samples.jsonl").exists()
 
 
 def test_resume_restores_the_validation_position(evaluated: dict) -> None:

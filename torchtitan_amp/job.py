@@ -138,7 +138,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
                                                  device_type)
     check_weight_tying(args, dims, config.model.flavor)
-    validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None)
+    validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None, tokenizer)
     if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):
             model = family.build_model(args)

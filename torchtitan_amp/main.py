@@ -12,17 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
 
 
-def setup_logging() -> None:
+def setup_logging(stream: TextIO | None = None) -> None:
+    """Log lines to `stream` (default stdout; tools/generate.py keeps stdout for the text)."""
     rank = os.environ.get("RANK")
     tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
 
 
 def fail(error: Exception, code: int = 2) -> int:

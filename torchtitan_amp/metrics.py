@@ -26,6 +26,7 @@ logger = logging.getLogger("torchtitan_amp")
 
 _GIB = 2**30
 _JSONL_NAME = "metrics.jsonl"
+_SAMPLES_NAME = "samples.jsonl"
 
 
 def peak_flops(device: torch.device, dtypes: Iterable[torch.dtype]) -> float:
@@ -143,6 +144,7 @@ class MetricsLogger:
         self._last_logged_step = 0
         self._logged: list[StepMetrics] = []
 
+        self._samples_path = Path(dump_folder) / _SAMPLES_NAME  # log_samples appends there
         self._jsonl: IO[str] | None = None
         self._trackers: list[Tracker] = []
         if is_logging_rank:
@@ -281,6 +283,17 @@ class MetricsLogger:
         """A text (e.g. generated samples) to every tracker at `step` (logging rank)."""
         for tracker in self._trackers:
             tracker.log_text(step, tag, text)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Generated continuations (generation.record's dicts; validation.sample_prompts): one log
+        line each, one `samples.jsonl` line each with the step, text to every tracker. Logging rank only."""
+        if not self._is_logging_rank:
+            return
+        with open(self._samples_path, "a", encoding="utf-8") as f:
+            for i, sample in enumerate(samples):
+                logger.info("step %d sample %d: %r -> %r", step, i, sample["prompt"], sample["text"])
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+                self.log_text(step, f"samples/{i}", sample["prompt"] + sample["text"])
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -372,6 +372,8 @@ class Trainer:
             return {}
         result = self.validator.run()
         self.metrics.exclude_time(result["val_time_s"])
+        if self.validator.samples:
+            self.metrics.log_samples(self.step, self.validator.samples)
         return result
 
     def evaluate(self) -> dict[str, float]:

@@ -6,6 +6,8 @@ and a copy cast under `no_grad` and reused by a later grad-enabled forward of th
 no autograd history, so that forward's weights would get no gradients (pytorch/pytorch#65766).
 Evaluation touches nothing training reads: its own data loader, no RNG draws outside a forked RNG,
 FSDP parameters resharded and every module back in its previous train/eval mode afterwards.
+With `validation.sample_prompts`, every evaluation also generates their continuations (greedy
+by default, generation.py) on every rank, in the same eval-mode, no-grad region.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torchtitan_amp.context_parallel import check_seq_len
 from torchtitan_amp.data import ParallelAwareDataLoader, build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import DataError
+from torchtitan_amp.generation import ModelRunner, SamplePrompts, resolve_samples
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.pipeline import Pipeline
 from torchtitan_amp.precision import PrecisionPlan
@@ -52,21 +55,24 @@ class ValidationSpec:
     local_batch_size: int
     steps: int  # batches per evaluation; -1: the whole split once
     freq: int
+    samples: SamplePrompts | None = None  # validation.sample_prompts to continue at each evaluation
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.freq == 0 or step == last_step
 
 
-def resolve_spec(config: JobConfig, max_seq_len: int, pp_microbatches: int | None) -> ValidationSpec | None:
+def resolve_spec(config: JobConfig, max_seq_len: int, pp_microbatches: int | None,
+                 tokenizer: Tokenizer | None = None) -> ValidationSpec | None:
     """None when validation is off. Checks what needs training's settings or the layout:
     `max_seq_len` is the rotary tables' length, `pp_microbatches` the schedule's fixed
-    micro-batch count (None without pipeline parallelism)."""
+    micro-batch count (None without pipeline parallelism); `tokenizer` encodes the sample
+    prompts (None: a dry run, which generates none)."""
     v, t = config.validation, config.training
     if not v.enable:
         return None
     spec = ValidationSpec(dataset=v.dataset or t.dataset, held_out=bool(v.dataset),
                           seq_len=v.seq_len or t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size,
-                          steps=v.steps, freq=v.freq)
+                          steps=v.steps, freq=v.freq, samples=resolve_samples(config, tokenizer, max_seq_len))
     if spec.seq_len > max_seq_len:
         raise ConfigError(f"'validation.seq_len' = {spec.seq_len} exceeds training.seq_len = {max_seq_len}, "
                           "the longest sequence the model's rotary tables cover")
@@ -114,6 +120,7 @@ class Validator:
         # steps = -1 starts every evaluation from here: the same windows each time.
         self._start = loader.state_dict()
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.samples: list[dict[str, Any]] = []  # the last evaluation's sample continuations
         if not spec.held_out and is_logging_rank:
             logger.warning("validation.dataset is empty: evaluating on the training data (%s), which "
                            "measures fit, not generalisation", spec.dataset)
@@ -126,7 +133,8 @@ class Validator:
 
     def run(self) -> dict[str, float]:
         """One evaluation: the token-weighted mean loss over every evaluated token of every
-        data-parallel rank, its perplexity, the token count and the wall time."""
+        data-parallel rank, its perplexity, the token count and the wall time (sample generation
+        included; the continuations are in `self.samples`)."""
         self.plan.check_no_user_autocast()
         start = time.perf_counter()
         modes = [m.training for part in self.model_parts for m in part.modules()]
@@ -140,6 +148,10 @@ class Validator:
                 for _ in range(self.batches_per_run):
                     inputs, labels = next(batches)
                     total += self._loss_sum(to_device(inputs, self.device), to_device(labels, self.device))
+            if self.spec.samples is not None:
+                p = self.config.parallelism
+                runner = ModelRunner.for_plan(self.model_parts[0], self.plan, self.dims.tp, p.enable_sequence_parallel)
+                self.samples = self.spec.samples.generate(runner)
         finally:
             self._restore(modes)
         for group in (self.pp_group, self.loss_group):  # stages first: only the last one holds losses

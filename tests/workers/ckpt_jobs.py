@@ -17,6 +17,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's s
                                                  train step on it, loss again, state checksum
              "evaluate": "file"                  instead of training: tools.evaluate on args
                                                  (a checkpoint's val_loss on this layout), to file
+             "generate": "file"                  instead of training: tools.generate's records for
+                                                 args (its command line; N ranks = TP N), to file
              "audit": "file"                     instead of training: Trainer.audit(), to file
              "logits": "file", "tokens": [[...]] instead of training: the full fp32 logits of
                                                  `tokens` on this layout, torch.save'd to file
@@ -50,6 +52,7 @@ from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tools.evaluate import evaluate
+from torchtitan_amp.tools.generate import generate_texts, parse_args
 from torchtitan_amp.trainer import Trainer
 from tests.support import digest, exit_process, probe_trainer, read_spec
 
@@ -239,6 +242,11 @@ def main(spec_path: str) -> int:
             result = evaluate(job["args"])
             if _rank() == 0:
                 Path(job["evaluate"]).write_text(json.dumps(result))
+            continue
+        if job.get("generate"):
+            records = generate_texts(*parse_args(job["args"]))
+            if _rank() == 0:
+                Path(job["generate"]).write_text(json.dumps(records))
             continue
         if job.get("audit"):
             with _broken(job.get("break")):

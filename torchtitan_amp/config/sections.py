@@ -248,6 +248,15 @@ class Validation:
     )
     local_batch_size: int = _f(0, "Sequences per evaluation batch per data-parallel rank (0: training's).")
     seq_len: int = _f(0, "Tokens per evaluation sequence (0: training's).")
+    sample_prompts: list[str] = _f(
+        [], "Prompts whose continuations every evaluation generates and writes to the log, "
+        "samples.jsonl and TensorBoard text (docs/generation.md); on the command line comma-separated. "
+        "Not with pipeline or context parallel."
+    )
+    sample_max_new_tokens: int = _f(32, "Tokens generated per sample prompt (fewer if EOS comes first).")
+    sample_temperature: float = _f(
+        0.0, "Sampling temperature of the sample prompts: 0 is greedy; above 0 draws from the softmax, "
+        "seeded with training.seed at every evaluation.")
 
 
 @dataclass

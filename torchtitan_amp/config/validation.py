@@ -64,6 +64,7 @@ def validate(config: JobConfig) -> None:
     _require(v.local_batch_size >= 0,
              f"'validation.local_batch_size' must be >= 1, or 0 for training's, got {v.local_batch_size}")
     _require(v.seq_len == 0 or v.seq_len >= 2, f"'validation.seq_len' must be >= 2, or 0 for training's, got {v.seq_len}")
+    _validate_samples(config)
     for name in ("init_timeout_seconds", "timeout_seconds"):
         value = getattr(config.comm, name)
         _require(value >= 1, f"'comm.{name}' must be >= 1, got {value}")
@@ -104,6 +105,15 @@ def _validate_metrics(config: JobConfig) -> None:
         _require(0 < len(tag) <= 64, f"'metrics.wandb_tags': each tag must be 1-64 characters, got {tag!r}")
     missing = wandb_missing() if m.enable_wandb else None
     _require(missing is None, missing or "")
+
+
+def _validate_samples(config: JobConfig) -> None:
+    v = config.validation
+    _require(not v.sample_prompts or v.enable,
+             "'validation.sample_prompts' are generated at every evaluation: set validation.enable = true")
+    _require(v.sample_max_new_tokens >= 1, f"'validation.sample_max_new_tokens' must be >= 1, got {v.sample_max_new_tokens}")
+    _require(v.sample_temperature >= 0,
+             f"'validation.sample_temperature' must be >= 0 (0: greedy), got {v.sample_temperature}")
 
 
 def _validate_mixed_precision(config: JobConfig) -> None:

@@ -8,6 +8,7 @@ command (pyproject.toml):
     torchtitan-amp-evaluate          python -m torchtitan_amp.tools.evaluate         a checkpoint's validation loss, any layout
     torchtitan-amp-plot              python -m torchtitan_amp.tools.plot             runs' loss, grad norm, lr, throughput, MFU (PNG)
     torchtitan-amp-numerics-figures  python -m torchtitan_amp.tools.numerics_figures docs/numerics.md's figures from saved JSON
+    torchtitan-amp-generate          python -m torchtitan_amp.tools.generate         text from a checkpoint, an export or an HF folder
 
 `python -m` works from a checkout without installing (run it from the repository root).
 """

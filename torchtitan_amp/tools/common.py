@@ -55,6 +55,30 @@ def torchrun(module: str, nproc: int, args: list[str], log: Path, timeout: float
             return -9
 
 
+# What a tool reading a checkpoint's weights loads, on any layout: the model and the step it was
+# saved at. The optimizer, schedule, data position and RNG are training state, and the data
+# position cannot be resharded.
+WEIGHTS_ONLY = ("model", "train_state")
+
+
+def weights_only_overrides(config_argv: list[str], scratch: str) -> list[str]:
+    """The user's command line plus what reading a checkpoint's weights means: checkpoint loading
+    on with only WEIGHTS_ONLY restored (from checkpoint.folder, or checkpoint.initial_load_path
+    alone when given), and run files (logs, precision report) in a scratch folder so that the
+    run's own files stay untouched."""
+    from torchtitan_amp.checkpoint.manager import PARTS
+    from torchtitan_amp.config import load_config
+
+    user = load_config(config_argv)
+    folder = Path(user.job.dump_folder) / user.checkpoint.folder  # absolute folders stay as they are
+    if user.checkpoint.initial_load_path:  # weights named directly: no run folder to look in
+        folder = Path(scratch) / "checkpoint"
+    skip = [p.name for p in PARTS if p.name not in WEIGHTS_ONLY]
+    return [*config_argv, "--checkpoint.enable", "true", "--checkpoint.folder", str(folder.resolve()),
+            "--checkpoint.exclude_from_loading", ",".join(skip), "--job.dump_folder", scratch,
+            "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "false"]
+
+
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])

@@ -11,7 +11,8 @@ config, the layout and precision to evaluate under, and where the checkpoint is.
 and the step are loaded (not optimizer, schedule, data position or RNG), so a checkpoint saved on
 one layout evaluates on any other. Nothing is written but the JSON: val_loss, val_ppl, val_tokens,
 val_time_s (the fields training logs), the checkpoint's step and path, the world size and the
-precision path. Exit 0 on success, 2 on bad input (one `error:` line).
+precision path (and "samples", the continuations of validation.sample_prompts, when set). Exit 0
+on success, 2 on bad input (one `error:` line).
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_amp.environment import require, separate_inductor_cache
-
-# Loaded on every layout: the model's weights and the step they were saved at. The optimizer,
-# schedule, data position and RNG are training state, and the data position cannot be resharded.
-LOADED = ("model", "train_state")
+from torchtitan_amp.tools.common import weights_only_overrides
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -38,21 +36,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _overrides(config_argv: list[str], scratch: str) -> list[str]:
-    """The user's command line plus what evaluating means: validation on, checkpoint loading on
-    with only LOADED restored, and run files (logs, precision report) in a scratch folder so that
-    the evaluated run's own files stay untouched."""
-    from torchtitan_amp.checkpoint.manager import PARTS
-    from torchtitan_amp.config import load_config
-
-    user = load_config(config_argv)
-    folder = Path(user.job.dump_folder) / user.checkpoint.folder  # absolute folders stay as they are
-    if user.checkpoint.initial_load_path:  # weights named directly: no run folder to look in
-        folder = Path(scratch) / "checkpoint"
-    skip = [p.name for p in PARTS if p.name not in LOADED]
-    return [*config_argv, "--validation.enable", "true", "--checkpoint.enable", "true",
-            "--checkpoint.folder", str(folder.resolve()), "--checkpoint.exclude_from_loading", ",".join(skip),
-            "--job.dump_folder", scratch, "--metrics.enable_tensorboard", "false",
-            "--metrics.enable_wandb", "false"]
+    """The user's command line plus what evaluating means: the checkpoint's weights only
+    (common.weights_only_overrides) and validation on."""
+    return [*weights_only_overrides(config_argv, scratch), "--validation.enable", "true"]
 
 
 def evaluate(config_argv: list[str]) -> dict[str, Any]:
@@ -69,8 +55,10 @@ def evaluate(config_argv: list[str]) -> dict[str, Any]:
                 raise CheckpointError(
                     f"no checkpoint to evaluate in {trainer.checkpointer.folder} (set checkpoint.folder and "
                     "checkpoint.load_step, or checkpoint.initial_load_path)")
-            return {**trainer.evaluate(), "step": trainer.step, "checkpoint": str(loaded),
-                    "world_size": trainer.info.world_size, "precision_path": trainer.plan.path}
+            result = trainer.evaluate()
+            samples = {"samples": trainer.validator.samples} if trainer.validator.samples else {}
+            return {**result, "step": trainer.step, "checkpoint": str(loaded),
+                    "world_size": trainer.info.world_size, "precision_path": trainer.plan.path, **samples}
         finally:
             trainer.metrics.close()
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from torchtitan_amp.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import block_causal_mask
+from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
 
 # Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
@@ -275,6 +276,8 @@ class Attention(nn.Module):
 
     # Set by parallelize.apply_cp: keys and values are then gathered over the cp ranks.
     context_parallel: ContextParallel | None = None
+    # Set while generating (generation.kv_caches): the forward continues the cached sequence.
+    kv_cache: KVCache | None = None
 
     def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__()
@@ -297,7 +300,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal) or [B, 1, S, Sk] bool (True = may attend; Sk = cp x S under context
-        parallel, whose keys and values are the whole window's)."""
+        parallel, whose keys and values are the whole window's). With a KV cache: causal over
+        the cached positions and these (generation hands no mask)."""
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
         # produce only this rank's heads; n_rep is unchanged by that.
@@ -305,7 +309,12 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = self.normalize_qk(xq, xk)
+        cache = self.kv_cache
+        if cache is not None:
+            cos, sin = cache.rotary_rows(cos, sin)
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
+        if cache is not None:
+            xk, xv = cache.update(xk, xv)
         cp = self.context_parallel
         if cp is not None:
             # Before repeat_kv: GQA's fewer kv heads are what travels.
@@ -315,7 +324,9 @@ class Attention(nn.Module):
         xk = repeat_kv(xk, self.n_rep)
         xv = repeat_kv(xv, self.n_rep)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if cp is not None and mask is None:
+        if cache is not None:
+            out = cache.attend(q, k, v)
+        elif cp is not None and mask is None:
             out = cp.causal_attention(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
