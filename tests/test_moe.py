@@ -217,3 +217,27 @@ def test_bf16_router_flips_routing_and_fp32_does_not(tmp_path) -> None:  # type:
         tokens += len(x)
     print(f"\n[routing] flipped vs fp64: fp32 {flips[torch.float32]}/{tokens}, bf16 {flips[torch.bfloat16]}/{tokens}")
     assert flips[torch.bfloat16] > 0.01 * tokens, flips
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_compiles_as_the_family_says(dtype: torch.dtype) -> None:
+    """A MoE block under torch.compile with the family's fullgraph setting (what apply_compile
+    uses) computes eager's output and gradients, from a cold grouped-matmul probe cache (a fresh
+    process): the probe must run outside the graph (inside, its thread failed every compiled MoE
+    run), and fp32 must not reach _grouped_mm's bf16-only meta kernel. aot_eager: dynamo, fake
+    tensors and AOT autograd as inductor sees them, without the C++ compile (seconds)."""
+    model = _model().to(dtype)
+    block = model.layers["1"]
+    assert isinstance(block.feed_forward, MoE)
+    x = torch.randn(2, 16, model.model_args.dim, dtype=dtype, requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=get_family("moe").compile_fullgraph)
+    grouped_mm_supported.cache_clear()
+    results = []
+    for fn in (compiled, block):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn(x, model.rope_cos, model.rope_sin)
+        y.float().square().sum().backward()
+        results.append([y.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
