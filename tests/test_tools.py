@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ONE_THREAD, REPO, run_command, run_python
+from tests.support import ONE_THREAD, REPO, c_compiler, run_command, run_python
 
 SCRIPTS = REPO / "scripts"
 BENCH = REPO / "benchmarks"
-HAVE_COMPILER = any(shutil.which(c) for c in ("g++", "c++", "cc"))
+HAVE_COMPILER = c_compiler() is not None
 
 
 def _write_metrics(path: Path, losses: dict[int, float | None]) -> Path:
