@@ -112,7 +112,7 @@ _CAUSAL_BIAS: dict[tuple[int, int], Any] = {}
 _WINDOW_ORDER: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
-def _lower_right(n: int, end: int) -> Any:
+def lower_right_causal(n: int, end: int) -> Any:
     """torch's lower-right causal bias for n queries against `end` keys, made once per shape and
     outside any dispatch mode: torch cannot create the CausalBias tensor subclass while one is
     active (the audit's recorder, op-level activation checkpointing)."""
@@ -151,7 +151,7 @@ class ContextParallel:
         the caches but could not create them (dynamo does not trace _disable_current_modes)."""
         self._window_order(local_len * self.degree, device)
         for chunk in self._chunks():
-            _lower_right(local_len // 2, (chunk + 1) * (local_len // 2))
+            lower_right_causal(local_len // 2, (chunk + 1) * (local_len // 2))
 
     def _chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.degree - 1 - self.rank
@@ -175,7 +175,7 @@ class ContextParallel:
         for part, chunk in zip((q[:, :, :n], q[:, :, n:]), self._chunks()):
             end = (chunk + 1) * n
             outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=_lower_right(n, end)))
+                                                       attn_mask=lower_right_causal(n, end)))
         return torch.cat(outs, dim=2)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ evaluation; tools/generate.py is the command line. See docs/generation.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,17 @@ def positions_needed(prompt_len: int, max_new_tokens: int, multiple: int = 1) ->
     return prompt_len + max_new_tokens + multiple - 1
 
 
+def first_too_long(prompts: Iterable[Sequence[int]], max_new_tokens: int, max_seq_len: int,
+                   multiple: int = 1) -> tuple[int, int, int] | None:
+    """(index, length, positions needed) of the first prompt that cannot be continued by
+    max_new_tokens within max_seq_len positions, or None: the callers name their own fields."""
+    for i, prompt in enumerate(prompts):
+        needed = positions_needed(len(prompt), max_new_tokens, multiple)
+        if needed > max_seq_len:
+            return i, len(prompt), needed
+    return None
+
+
 def _agree(token: torch.Tensor) -> torch.Tensor:
     """Rank 0's token on every rank: the ranks must feed the same tokens to their collective
     forwards, and stop after the same step."""
@@ -242,13 +253,13 @@ def resolve_samples(config: JobConfig, tokenizer: Tokenizer | None, max_seq_len:
         return None
     multiple = sequence_multiple(p.tensor_parallel_degree, p.enable_sequence_parallel)
     ids = tuple(tuple(tokenizer.encode(text, bos=True, eos=False)) for text in v.sample_prompts)
-    for i, prompt in enumerate(ids):
-        needed = positions_needed(len(prompt), v.sample_max_new_tokens, multiple)
-        if needed > max_seq_len:
-            padding = f" + {multiple - 1} of sequence-parallel padding" if multiple > 1 else ""
-            raise ConfigError(
-                f"'validation.sample_prompts' entry {i} has {len(prompt)} tokens: with validation."
-                f"sample_max_new_tokens = {v.sample_max_new_tokens}{padding} it needs {needed} positions, "
-                f"more than training.seq_len = {max_seq_len}; shorten it or generate fewer tokens")
+    too_long = first_too_long(ids, v.sample_max_new_tokens, max_seq_len, multiple)
+    if too_long is not None:
+        i, length, needed = too_long
+        padding = f" + {multiple - 1} of sequence-parallel padding" if multiple > 1 else ""
+        raise ConfigError(
+            f"'validation.sample_prompts' entry {i} has {length} tokens: with validation."
+            f"sample_max_new_tokens = {v.sample_max_new_tokens}{padding} it needs {needed} positions, "
+            f"more than training.seq_len = {max_seq_len}; shorten it or generate fewer tokens")
     sampling = Sampling(temperature=v.sample_temperature, seed=config.training.seed)
     return SamplePrompts(tuple(v.sample_prompts), ids, v.sample_max_new_tokens, sampling, tokenizer)

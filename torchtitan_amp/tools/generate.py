@@ -135,15 +135,16 @@ class Loaded:
 
 
 def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> None:
-    from torchtitan_amp.generation import positions_needed
+    from torchtitan_amp.generation import first_too_long
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    for i, ids in enumerate(prompts):
-        if positions_needed(len(ids), max_new_tokens) > max_seq_len:
-            raise ConfigError(f"prompt {i} has {len(ids)} tokens: with --max-new-tokens {max_new_tokens} it does "
-                              f"not fit training.seq_len = {max_seq_len} (the rotary tables' length); shorten it, "
-                              "generate fewer tokens or raise --training.seq_len")
+    too_long = first_too_long(prompts, max_new_tokens, max_seq_len)
+    if too_long is not None:
+        i, length, _ = too_long
+        raise ConfigError(f"prompt {i} has {length} tokens: with --max-new-tokens {max_new_tokens} it does "
+                          f"not fit training.seq_len = {max_seq_len} (the rotary tables' length); shorten it, "
+                          "generate fewer tokens or raise --training.seq_len")
 
 
 def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
