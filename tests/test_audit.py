@@ -164,9 +164,11 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                                   str(root / "broken")]})
             jobs.append({"audit": str(root / "broken_cp.json"), "break": "cp_reduce_in_bf16",
                          "args": [*BASE, *BF16, *LAYOUTS["cp"][1], "--job.dump_folder", str(root / "broken_cp")]})
+            # The broken MoE run on EP 2 (over FSDP 2's ranks): its router and its dispatch both named.
             jobs += [{"audit": str(root / f"{name}.json"), "break": broken,
-                      "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], "--job.dump_folder", str(root / name)]}
-                     for name, broken in (("moe_fsdp_bf16", None), ("broken_router", "router_in_bf16"))]
+                      "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], *extra, "--job.dump_folder", str(root / name)]}
+                     for name, broken, extra in (("moe_fsdp_bf16", None, []),
+                                                 ("broken_router", "router_in_bf16+ep_dispatch_in_fp32", [EP, "2"]))]
         if nproc == 4:
             jobs += [{"audit": str(root / f"{name}.json"),
                       "args": [*BASE, *PRECISIONS["bf16_reduce"], *MOE, *layout, "--job.dump_folder", str(root / name)]}
@@ -254,6 +256,8 @@ def test_expert_parallel_audits(audits: dict, run: str) -> None:
     assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
     assert modules["layers.1.feed_forward.experts"]["forward matmul"] == ["bfloat16"], modules
     assert not any(c.endswith(":other") for c in collectives), collectives
+    # The token exchange, forward and backward, seen in bf16 (the counts before it as int64).
+    assert set(collectives["all_to_all:ep"]) == {"bfloat16", "int64"}, collectives
     # Both dtypes reduced over dp_shard: bf16 (safe modules) and fp32 (routers, norms).
     assert set(collectives["reduce_scatter:dp_shard"]) == {"bfloat16", "float32"}, collectives
     if run == "moe_ep2_efsdp2":
@@ -263,10 +267,13 @@ def test_expert_parallel_audits(audits: dict, run: str) -> None:
         assert "all_gather:tp" in collectives and not any("efsdp" in c for c in collectives), collectives
 
 
-def test_router_in_bf16_under_an_fp32_plan_is_named(audits: dict) -> None:
+def test_router_in_bf16_and_tokens_sent_in_fp32_are_named(audits: dict) -> None:
+    """EP 2 on FSDP 2's ranks with two breaches: routers computing in bf16 under an fp32
+    router_dtype, and the token rows crossing ep in fp32 under a bf16 dispatch dtype."""
     breaches = audits["broken_router"]["breaches"]
     assert breaches == [{"what": f"layers.{i}.feed_forward.router: forward matmul", "promised": ["float32"],
-                         "seen": ["bfloat16"]} for i in (1, 2, 3)], breaches
+                         "seen": ["bfloat16"]} for i in (1, 2, 3)] + [
+        {"what": "expert-parallel token all_to_all:ep", "promised": ["bfloat16"], "seen": ["float32"]}], breaches
 
 
 def test_cp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
@@ -288,3 +295,20 @@ def test_cp_breaches_unit() -> None:
     assert [str(b) for b in check_context_parallel({}, "bfloat16", {"bfloat16"})] == [
         "K/V all_gather:cp: promised bfloat16, saw none seen",
         "K/V gradient reduce_scatter:cp: promised bfloat16, saw none seen"]
+
+
+def test_ep_breaches_unit() -> None:
+    """check_expert_parallel on recorded categories: rows in another dtype, nothing seen on a rank
+    holding expert-parallel layers, and an all-to-all on another group are each named; a rank
+    without such layers (a PP stage of dense blocks) may see none."""
+    from torchtitan_amp.audit import check_expert_parallel
+
+    good = {"all_to_all:ep": {"bfloat16": 64, "int64": 32}}
+    assert check_expert_parallel(good, "bfloat16", True) == []
+    assert check_expert_parallel({}, "bfloat16", False) == []
+    assert [str(b) for b in check_expert_parallel({"all_to_all:ep": {"int64": 32}}, "bfloat16", True)] == [
+        "expert-parallel token all_to_all:ep: promised bfloat16, saw none seen"]
+    bad = {"all_to_all:ep": {"bfloat16": 8, "float32": 8}, "all_to_all:dp_shard": {"bfloat16": 8}}
+    assert [str(b) for b in check_expert_parallel(bad, "bfloat16", True)] == [
+        "expert-parallel token all_to_all:ep: promised bfloat16, saw bfloat16/float32",
+        "expert-parallel all_to_all:dp_shard: promised all_to_all:ep, saw bfloat16"]

@@ -106,3 +106,89 @@ def test_mfu_counts_the_active_experts_only(tmp_path) -> None:  # type: ignore[n
     assert built.flops_per_token == 6 * no_emb + attention
     dense_equivalent = 6 * (dims.total_params() - args.vocab_size * args.dim) + attention
     assert built.flops_per_token < 0.75 * dense_equivalent
+
+
+def _alive_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, context) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of distinct storages made by the forward and still alive when it returns, other
+    than parameters, their casts and the output: what autograd saved (pack hook) plus what lives
+    in Python objects: op-level SAC's cache of saved op outputs and the recompute regions' inputs,
+    which no pack hook sees."""
+    import gc
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    made: set[int] = set()
+    found: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            made.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor))
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        found[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), Made():
+        out = model(tokens)
+    gc.collect()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.untyped_storage().data_ptr() in made:
+            found.setdefault(obj.untyped_storage().data_ptr(), (tuple(obj.shape), obj.untyped_storage().nbytes()))
+    skip = params | {out.untyped_storage().data_ptr()}
+    return sum(n for ptr, (shape, n) in found.items() if ptr not in skip and shape not in shapes)
+
+
+OP_SAC_CASES = {
+    "llama": ("llama3", "debugmodel", {}),
+    "llama_one_kv_head": ("llama3", "debugmodel", {"n_kv_heads": 1}),
+    "moe": ("moe", "debugmodel_moe", {"moe_inter_dim": 48, "dense_inter_dim": 96}),
+    "qwen3_like": ("moe", "debugmodel_moe", {"moe_inter_dim": 48, "dense_inter_dim": 96, **CASES["qwen3_like"]}),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+@pytest.mark.parametrize("case", list(OP_SAC_CASES))
+def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str) -> None:
+    """Under op-level SAC a block keeps (per token) its norms, both regions' inputs and the outputs
+    of the saved ops (matmuls, SDPA); an MoE block's feed-forward is recomputed whole
+    (parallelize.recomputed_whole), so it keeps only that region's input. Measured as a
+    difference of layer counts (3 blocks minus 1; with the first of 3 dense for the MoE
+    family): equal to ActivationTerms.op_sac_at, but for the MoE layer's [E] int64 token counts,
+    held until backward outside autograd's saved tensors (8 E bytes per layer and microbatch), and
+    up to 8 bytes per layer of Python-held scalars (some appear only after an earlier test's runs;
+    a missed tensor of the model would be 128 tokens x its width x its dtype's bytes)."""
+    from torchtitan_amp import parallelize
+
+    name, flavor, overrides = OP_SAC_CASES[case]
+    family = get_family(name)
+    config = load_config(["--model.name", name, "--model.flavor", flavor, "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "op",
+                          "--mixed_precision.enabled", "false" if precision == "fp32" else "true"])
+    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
+    b, s = 2, 64
+    layouts = ((1, 0), (3, 0), (3, 1)) if name == "moe" else ((1, 0), (3, 0))
+    measured = {}
+    for layers, dense in layouts:
+        extra = {"n_dense_layers": dense} if name == "moe" else {}
+        args = dataclasses.replace(family.flavors[flavor], n_layers=layers, **overrides, **extra)
+        torch.manual_seed(0)
+        model = family.build_model(args)
+        model.init_weights()
+        plan.apply_router_dtype(model)
+        plan.apply_fp32_islands(model)
+        parallelize.apply_ac(model, config.activation_checkpoint, family.ac_regions)
+        measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
+    layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op")
+    terms = family.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, family.norm_cls), layout)
+    tokens = layout.microbatch_tokens
+    counts = 8 * getattr(args, "n_routed_experts", 0)
+    assert abs((measured[3, 0] - measured[1, 0]) / 2 - (terms.layer_op_sac * tokens + counts)) <= 8, measured
+    if name == "moe":
+        dense = measured[3, 1] - measured[3, 0]
+        assert abs(dense - ((terms.op_sac_at(0) - terms.layer_op_sac) * tokens - counts)) <= 8, measured
+        assert terms.op_sac_at(0) > terms.layer_op_sac  # the dense block keeps its MLP's matmul outputs

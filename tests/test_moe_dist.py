@@ -46,6 +46,7 @@ LAYOUTS = {
 QWEN3_LAYOUTS = {"qwen3_tp2": Layout(2, (TP, "2")), "qwen3_fsdp2": Layout(2, (SHARD, "2"), dp=2)}
 SINGLE = Layout(1, ())
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "3")
+OP_SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 
 
 def _runs_for(nproc: int, root: Path) -> list[dict]:
@@ -60,7 +61,10 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     if nproc == 2:
         fsdp = LAYOUTS["fsdp2"]
         runs.append({"name": "fsdp2_bf16", "args": fsdp.args("bf16", *MOE)})
-        runs.append({"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2")})
+        # Under op-level SAC: the routers' fp32 groups and the EP experts' efsdp groups are FSDP
+        # units inside the recomputed feed-forward (parallelize.recomputed_whole); it crashed before.
+        runs.append({"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2",
+                                                           *OP_SAC)})
         # Checkpoints at steps 3 and 5; then the same folder again, resuming from step 3.
         runs += [{"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
                  for again in ((), ("--checkpoint.load_step", "3"))]
@@ -135,8 +139,8 @@ def test_bf16_moe_within_precision_tolerance(trained: Launches) -> None:
 
 
 def test_bf16_expert_parallel_dispatches_in_bf16(trained: Launches) -> None:
-    """EP under bf16 FSDP: tokens travel in bf16 (what the experts compute in), the curve stays
-    within the whole-curve tolerance of fp32, routers in fp32."""
+    """EP under bf16 FSDP with op-level SAC: tokens travel in bf16 (what the experts compute in),
+    the curve stays within the whole-curve tolerance of fp32, routers in fp32."""
     fp32, run = trained.run("single_fp32", 1), trained.run("ep2_bf16", 2)
     deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
     print(f"\n[moe bf16] ep2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean {sum(deltas) / len(deltas):+.2e}")

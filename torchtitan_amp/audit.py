@@ -19,7 +19,11 @@ Promises checked, each by module name or collective:
   parallel the routed experts over "efsdp");
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
   dtype (and positions / document ids as integers), their gradients reduce-scattered over "cp"
-  in the plan's cp_reduce_dtype, and both are seen at all.
+  in the plan's cp_reduce_dtype, and both are seen at all;
+- expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
+  gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
+  only (the counts before them as integers), on no other group, and are seen at all where this
+  rank holds an expert-parallel layer.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _CASTS = frozenset({"_to_copy", "to", "copy_", "detach", "view", "_unsafe_view", "alias", "t", "expand"})
 _DP_DIMS = ("dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp", "efsdp")
 _CP_KV = "K/V gradient reduce_scatter:cp"  # the breach naming a cp gradient sum in another dtype
+_EP_A2A = "all_to_all:ep"
+# EP's exchanges as the dispatcher sees them, forward and backward alike (the backward all-to-all
+# runs in C++ autograd, out of traffic's Python wrappers' sight): the rows (functional collective,
+# group by name) and the per-expert counts before them (c10d, group as a boxed ProcessGroup).
+_ALL_TO_ALLS = {"all_to_all_single": 0, "alltoall_base_": 1}  # op -> index of the tensor sent
 
 
 @dataclass
@@ -106,9 +115,17 @@ class _Recorder(TorchDispatchMode):
         self.fp32_modules = fp32_modules
         self.seen: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.backward_matmuls: set[str] = set()
+        self.all_to_all: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def _record_all_to_all(self, name: str, args: tuple) -> None:
+        sent = args[_ALL_TO_ALLS[name]]
+        group = args[3] if name == "all_to_all_single" else dist.ProcessGroup.unbox(args[2])
+        self.all_to_all[_categorize("all_to_all", group)][dtype_name(sent.dtype)] += sent.numel() * sent.element_size()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
+        if name in _ALL_TO_ALLS:
+            self._record_all_to_all(name, args)
         dtypes = {_dtype_computed(a) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
         backward = torch._C._current_autograd_node() is not None
         module = self.stack[-1] if self.stack else "<model>"
@@ -149,6 +166,10 @@ def _module_stack(parts: list[nn.Module], recorder: _Recorder) -> Iterator[None]
             h.remove()
 
 
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    return tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
+
+
 def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
     """Ranks of each mesh dimension's process group -> its name (groups are compared by ranks).
     Under context parallel also the flattened dims: "dp_cp" (the loss's ranks) and "dp_shard_cp"
@@ -156,13 +177,11 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
     dp_replicate; with cp alone the cp group too: context_parallel's own collectives are told
     apart by where they are called from, `_cp_collectives`). Under expert parallel also "efsdp",
     the group FSDP shards the routed experts over (a data-parallel dim: their gradients are
-    reduced there), named first so that a dense dim holding the same ranks keeps its name."""
+    reduced there), named first so that a dense dim holding the same ranks keeps its name; and
+    "ep", kept apart (`_EP_RANKS`): all-to-alls are EP's, whichever dense dim holds its ranks."""
     if not dist.is_initialized() or dims.world_size == 1:
         return {}
-
-    def ranks(mesh: Any) -> tuple[int, ...]:
-        return tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
-
+    ranks = _mesh_ranks
     out = {}
     if dims.ep > 1 and dims.efsdp > 1:
         efsdp = dims.expert_fsdp_mesh
@@ -178,6 +197,7 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
 
 
 _GROUP_DIMS: dict[tuple[int, ...], str] = {}
+_EP_RANKS: list[tuple[int, ...]] = []  # this rank's expert-parallel group, when ep > 1
 _ON_CP = [False]  # inside context_parallel's K/V all-gather or its gradients' reduce-scatter
 
 
@@ -189,6 +209,8 @@ def _categorize(op: str, group: Any) -> str:
         ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
     except (RuntimeError, ValueError, KeyError):
         ranks = ()
+    if op == "all_to_all" and _EP_RANKS and ranks == _EP_RANKS[0]:
+        return _EP_A2A
     return f"{op}:{_GROUP_DIMS.get(ranks, 'other')}"
 
 
@@ -234,6 +256,20 @@ def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: st
     return breaches
 
 
+def check_expert_parallel(collectives: dict[str, dict[str, int]], dispatch: str, holds_experts: bool
+                          ) -> list["Breach"]:
+    """EP's all-to-alls of one step against the plan: token rows (floats) only in `dispatch`, the
+    counts as integers, nothing on another group, and something seen where this rank holds an
+    expert-parallel layer (`holds_experts`)."""
+    floats = sorted(d for d in collectives.get(_EP_A2A, {}) if torch.empty(0, dtype=getattr(torch, d)).is_floating_point())
+    breaches = []
+    if floats and floats != [dispatch] or holds_experts and not floats:
+        breaches.append(Breach(f"expert-parallel token {_EP_A2A}", [dispatch], floats or ["none seen"]))
+    breaches += [Breach(f"expert-parallel {c}", [_EP_A2A], sorted(d))
+                 for c, d in collectives.items() if c.startswith("all_to_all:") and c != _EP_A2A]
+    return breaches
+
+
 class Auditor:
     """Records one train step of `trainer` and checks it against `trainer.plan`."""
 
@@ -249,9 +285,12 @@ class Auditor:
             traffic.install(_categorize, point_to_point=True, functional=True)
         _GROUP_DIMS.clear()
         _GROUP_DIMS.update(_group_dims(self.trainer.dims))
+        _EP_RANKS[:] = [_mesh_ranks(self.trainer.dims.ep_mesh)] if self.trainer.dims.ep > 1 else []
         with _module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder:
             self.trainer.train_step(batches)
         collectives = traffic.snapshot()
+        for category, by_dtype in recorder.all_to_all.items():
+            collectives[category] = dict(by_dtype)
         modules = {m: {k: sorted(v) for k, v in ops.items()} for m, ops in recorder.seen.items()}
         modules = self._gather(modules)
         backward = sorted(set().union(*self._gather_list(sorted(recorder.backward_matmuls))))
@@ -325,6 +364,10 @@ class Auditor:
                 expect(f"parameter {category}", {low, storage, *fp8_gather}, sorted(by_dtype))
         if self.trainer.dims.cp > 1:
             breaches += check_context_parallel(r.collectives, dtype_name(plan.cp_reduce_dtype), self._kv_dtypes(low))
+        ep = plan.expert_parallel_summary()
+        if ep is not None or any(c.startswith("all_to_all:") for c in r.collectives):
+            holds = any(getattr(m, "expert_parallel", None) is not None for m in self.named.values())
+            breaches += check_expert_parallel(r.collectives, ep["dispatch_dtype"] if ep else "none", holds)
         return breaches
 
     def _kv_dtypes(self, low: str) -> set[str]:

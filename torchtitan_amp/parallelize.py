@@ -268,16 +268,26 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def recomputed_whole(region: nn.Module) -> bool:
+    """Whether op-level SAC recomputes this region whole (plain checkpointing) rather than op by
+    op: an MoE layer's router and routed experts are FSDP units of their own (an fp32 group; the
+    EP experts' efsdp group) whose hooks unshard again inside the recompute, an op sequence SAC's
+    replay must match and cannot (torch 2.11-2.13: "fsdp.split_with_sizes_copy ... not found in
+    storage"). Its op-level savings there were small anyway: the grouped matmuls and all-to-alls
+    are not in SAC_SAVE_LIST, only the router's and shared expert's mm outputs."""
+    return any(isinstance(m, MoE) for m in region.modules())
+
+
 def _wrap_block(block: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> nn.Module:
     if ac.mode == "selective" and ac.selective_ac_option == "op":
         # Op-level SAC wraps the family's regions (attention and feed-forward), not the block: the
         # norms' own fp32 FSDP groups would run their hooks inside the region, and SAC's replay
         # requires the recompute to issue exactly the forward's ops.
         for name in regions:
-            wrapped = checkpoint_wrapper(
-                getattr(block, name), preserve_rng_state=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-            block.register_module(name, wrapped)
+            region = getattr(block, name)
+            sac = {} if recomputed_whole(region) else {
+                "context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
+            block.register_module(name, checkpoint_wrapper(region, preserve_rng_state=False, **sac))
         return block
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
@@ -288,8 +298,12 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if i % every == 0:
             model.layers.register_module(name, _wrap_block(block, ac, regions))
-    logger.info("activation checkpointing: %s", ac.mode if ac.mode == "full" else
-                f"selective ({ac.selective_ac_option})")
+    whole = ac.mode == "selective" and ac.selective_ac_option == "op" and any(
+        recomputed_whole(getattr(block, name)) for block in model.layers.children() for name in regions)
+    logger.info("activation checkpointing: %s%s", ac.mode if ac.mode == "full" else
+                f"selective ({ac.selective_ac_option})",
+                "; MoE feed-forwards recomputed whole (their router and experts are FSDP units of their own)"
+                if whole else "")
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:

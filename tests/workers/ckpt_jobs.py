@@ -118,9 +118,19 @@ def _install_test_hooks(options: dict) -> None:
 
 @contextlib.contextmanager
 def _broken(what: str | None):  # type: ignore[no-untyped-def]
-    """A deliberate breach of the precision contract, for the audit's tests."""
+    """A deliberate breach of the precision contract, for the audit's tests ("a+b": both)."""
     if what is None:
         yield
+        return
+    if "+" in what:
+        with contextlib.ExitStack() as stack:
+            for part in what.split("+"):
+                stack.enter_context(_broken(part))
+            yield
+        return
+    if what == "ep_dispatch_in_fp32":
+        with _ep_dispatch_in_fp32():
+            yield
         return
     if what == "cp_reduce_in_bf16":
         with _cp_reduce_in_bf16():
@@ -161,6 +171,24 @@ def _routers_in_bf16():  # type: ignore[no-untyped-def]
         yield
     finally:
         PrecisionPlan.apply_router_dtype = original
+
+
+@contextlib.contextmanager
+def _ep_dispatch_in_fp32():  # type: ignore[no-untyped-def]
+    """Expert parallel's token rows sent in fp32 (and cast back on arrival): the experts still
+    compute in bf16, only the wire carries twice the bytes the plan names."""
+    from torchtitan_amp import expert_parallel
+
+    original = expert_parallel.all_to_all_single_autograd
+
+    def fp32_exchange(rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return original(rows.float(), *args, **kwargs).to(rows.dtype)
+
+    expert_parallel.all_to_all_single_autograd = fp32_exchange
+    try:
+        yield
+    finally:
+        expert_parallel.all_to_all_single_autograd = original
 
 
 @contextlib.contextmanager

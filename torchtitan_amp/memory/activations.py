@@ -56,7 +56,7 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
         elif mode == "full":
             per = n * terms.layer_checkpointed + max(full, default=0)
         elif layout.ac_option == "op":
-            per = n * terms.layer_op_sac + max(full, default=0)
+            per = sum(terms.op_sac_at(i) for i in stage.layers) + max(full, default=0)
         else:
             ac = set(range(0, n, int(layout.ac_option)))
             kept = [f for j, f in enumerate(full) if j not in ac]

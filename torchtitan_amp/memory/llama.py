@@ -180,13 +180,7 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
         + chunked
     )
     checkpointed = r * d / sp
-    # Op-level SAC keeps matmul and attention outputs plus the inputs of its two regions
-    # (approximate: not checked against a real run).
-    op_sac = (
-        checkpointed + 2 * norm + 2 * r * d / sp
-        + c * (d + 2 * kv) / t + c * d + 2 * c * f / t + c * d
-        + (c * d + 4 * h) / t
-    )
+    op_sac = 2 * norm + 2 * r * d / sp + attention_op_sac(model, prec, layout) + mlp_op_sac(model, prec, layout)
     lp = t if (t > 1 and layout.loss_parallel) else 1
     out_b = DTYPE_BYTES[prec.output]
     # Final norm, the head's input, then logits in matmul dtype, cast to output dtype, and
@@ -194,6 +188,23 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     head = norm + c * d + (c + out_b + 4) * model.vocab_size / lp
     stage = (window if layout.masked else 0.0) + (4 * model.head_dim if cp > 1 else 0.0)
     return ActivationTerms(layer, checkpointed, op_sac, head, 8.0, stage, layer_cpu)
+
+
+def attention_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:
+    """What op-level SAC keeps of the attention region per token, beyond its input: the q, k, v
+    and wo matmul outputs (aten.mm is in parallelize.SAC_SAVE_LIST) and SDPA's output and
+    logsumexp. With the norms (outside the regions, saved whole) and both regions' inputs this
+    is a block's bytes under op SAC, equal to what a real forward keeps alive on CPU
+    (tests/test_memory_moe.py)."""
+    t, c = layout.tp, DTYPE_BYTES[prec.compute]
+    hq = model.n_heads * model.head_dim
+    return c * (hq + 2 * model.kv_dim) / t + c * model.dim + (c * hq + 4 * model.n_heads) / t
+
+
+def mlp_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:
+    """The dense MLP region's: w1, w3 and w2 matmul outputs."""
+    c = DTYPE_BYTES[prec.compute]
+    return 2 * c * model.ffn_hidden / layout.tp + c * model.dim
 
 
 def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tuple[float, float]:

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_amp.memory.llama import ModelDims, activation_terms, param_specs
+from torchtitan_amp.memory.llama import ModelDims, activation_terms, mlp_op_sac, param_specs
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.rules import DTYPE_BYTES
@@ -141,7 +141,10 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
                                            sum, each sequence's expert fractions [B, E] (fp32)
 
     in place of the MLP's k_ffn x c x d + 4 c f / t. Under TP the router and routed experts see
-    the whole sequence on every rank (not divided by t). Op-level SAC keeps Llama's estimate.
+    the whole sequence on every rank (not divided by t). Op-level SAC recomputes an MoE layer's
+    feed-forward whole (parallelize.recomputed_whole): such a block keeps Llama's op-SAC bytes
+    less its MLP's matmul outputs (the region's input is kept either way); the dense blocks keep
+    Llama's.
     """
     base = activation_terms(model, prec, layout)
     t = layout.tp
@@ -158,7 +161,10 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
         shared -= q * d  # the router's input cast was a no-op: one tensor saved for both
     moe_layer = base.layer + qk - dense_mlp + routed + shared
     dense = tuple((i, base.layer + qk) for i in range(model.n_dense_layers))
-    return dataclasses.replace(base, layer=moe_layer, layer_by_index=dense)
+    dense_op_sac = tuple((i, base.layer_op_sac) for i in range(model.n_dense_layers))
+    return dataclasses.replace(base, layer=moe_layer, layer_by_index=dense,
+                               layer_op_sac=base.layer_op_sac - mlp_op_sac(model, prec, layout),
+                               op_sac_by_index=dense_op_sac)
 
 
 def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, ByDtype]:

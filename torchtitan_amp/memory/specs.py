@@ -206,7 +206,7 @@ class ActivationTerms:
 
     layer: float  # one block, nothing recomputed
     layer_checkpointed: float  # one block under full AC: its input only
-    layer_op_sac: float  # one block under op-level selective AC (approximate)
+    layer_op_sac: float  # one block under op-level selective AC
     head: float  # final norm, output head, logits and loss (last stage)
     embedding: float  # token ids (first stage)
     stage: float = 0.0  # held once by every stage's forward: the attention mask, per-token rope tables
@@ -215,6 +215,11 @@ class ActivationTerms:
     layer_cpu: float = 0.0
     # Blocks that differ (an MoE model's dense first blocks): layer index -> its `layer` bytes.
     layer_by_index: tuple[tuple[int, float], ...] = ()
+    # The same for `layer_op_sac` (an MoE model's dense blocks save their MLP's matmul outputs).
+    op_sac_by_index: tuple[tuple[int, float], ...] = ()
 
     def layer_at(self, index: int) -> float:
         return dict(self.layer_by_index).get(index, self.layer)
+
+    def op_sac_at(self, index: int) -> float:
+        return dict(self.op_sac_by_index).get(index, self.layer_op_sac)
