@@ -6,19 +6,18 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import DDP as ReplicateModule
-from torch.distributed._composable.replicate import replicate
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule, get_schedule_class
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel.distributed import _find_tensors
 
 from torchtitan_amp.config import ConfigError, Parallelism
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.rules import STAGES_PER_RANK, even_stage_starts
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -75,50 +74,7 @@ class Pipeline:
         return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 
 
-class _Stage(PipelineStage):
-    """A stage that accumulates gradients over microbatches under `replicate()` (our DDP).
-
-    torch's PipelineStage special-cases the `DistributedDataParallel` class and FSDP modules, not
-    the composable `replicate()`: its reducer, armed by every forward, all-reduced after the first
-    microbatch's backward and ignored the rest, so each rank kept avg(g_1) + its own g_2..g_n.
-    As torch does for the DDP class: no forward arms the reducer (metadata inference's included),
-    backwards accumulate locally, and the last microbatch's backward arms it, so one all-reduce
-    (through the comm hook) carries the summed gradient.
-    """
-
-    def __init__(self, submod: nn.Module, *args, **kwargs) -> None:
-        super().__init__(submod, *args, **kwargs)
-        self._replicate = replicate.state(submod) if isinstance(submod, ReplicateModule) else None
-        if self._replicate is not None:
-            # Runs after replicate's own pre-hook, before its post-hook (which would arm).
-            submod.register_forward_pre_hook(self._disarm)
-
-    def _disarm(self, module: nn.Module, args: tuple) -> None:
-        self._replicate._ddp.require_backward_grad_sync = False
-
-    # torch's metadata inference runs a real forward (2.13: and backward) through the stage before
-    # the first microbatch; counters a module keeps per step (MoE token loads) must not see it.
-    def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        result = super()._prepare_forward_infra(*args, **kwargs)
-        _reset_step_counters(self.submod)
-        return result
-
-    def _prepare_backward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        result = super()._prepare_backward_infra(*args, **kwargs)
-        _reset_step_counters(self.submod)
-        return result
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        state = self._replicate
-        # _no_sync set by the trainer means "accumulate this whole step" (gradient accumulation).
-        if state is not None and last_backward and not state._no_sync:
-            if backward_type != "full":
-                raise NotImplementedError("replicate() stages support only full-backward schedules")
-            state._ddp.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-
-def _reset_step_counters(module: nn.Module) -> None:
+def reset_step_counters(module: nn.Module) -> None:
     """Modules with a `reset_step_counters()` (models/spec.py) forget what the last pass counted."""
     for m in module.modules():
         reset = getattr(m, "reset_step_counters", None)
@@ -203,11 +159,16 @@ def build_pipeline(
     """Wrap this rank's parallelized stages (job.build_model_parts) in a schedule, each stage's
     forward (only) in the precision plan's forward context: the schedule interleaves forward and
     backward, so a context around `schedule.step` would also cover backward."""
+    # Imported here: torch.distributed.pipelining imports dynamo (0.7 s of every process's start).
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    from torchtitan_amp.pipeline_stage import Stage
+
     pp_mesh = dims.mesh["pp"]
     stages = []
     for sid, part in zip(stage_ids, parts):
         apply_forward_context(part)
-        stages.append(_Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
     schedule_cls = get_schedule_class(schedule_name)
     # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
     # holds, including those accumulated by earlier gradient-accumulation steps. The loss

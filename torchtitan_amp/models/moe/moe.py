@@ -12,6 +12,8 @@ activations' dtype; their outputs are weighted and summed per token in fp32.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,15 +106,19 @@ class GroupedExperts(nn.Module):
         return torch.cat(out)
 
 
-# Under torch.compile the probe runs eagerly (a graph break: MoE blocks compile with breaks).
-_grouped_mm_probe = torch.compiler.disable(grouped_mm_supported)
+@functools.cache
+def _grouped_mm_probe() -> Callable[[str, torch.dtype], bool]:
+    """The probe for compiled code: under torch.compile it runs eagerly (a graph break: MoE
+    blocks compile with breaks). Made on first use: torch.compiler.disable imports dynamo, 0.7 s
+    of every process's start-up otherwise."""
+    return torch.compiler.disable(grouped_mm_supported)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         # The compiler traces _grouped_mm with its meta kernel, which takes bf16 only (torch
         # 2.11-2.13) whatever the eager kernels take: fp32 runs the loop, split at a graph break.
-        return x.dtype == torch.bfloat16 and _grouped_mm_probe(str(x.device), x.dtype)
+        return x.dtype == torch.bfloat16 and _grouped_mm_probe()(str(x.device), x.dtype)
     return grouped_mm_supported(str(x.device), x.dtype)
 
 

@@ -1,0 +1,57 @@
+"""The pipeline stage torch's schedules run (pipeline.build_pipeline): torch's PipelineStage made
+to accumulate gradients under `replicate()` and to keep per-step counters out of its metadata
+pass. A module of its own so that importing torchtitan_amp.pipeline does not import
+torch.distributed.pipelining (which imports dynamo) in runs without pipeline parallel."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable.replicate import DDP as ReplicateModule
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel.distributed import _find_tensors
+
+from torchtitan_amp.pipeline import reset_step_counters
+
+
+class Stage(PipelineStage):
+    """A stage that accumulates gradients over microbatches under `replicate()` (our DDP).
+
+    torch's PipelineStage special-cases the `DistributedDataParallel` class and FSDP modules, not
+    the composable `replicate()`: its reducer, armed by every forward, all-reduced after the first
+    microbatch's backward and ignored the rest, so each rank kept avg(g_1) + its own g_2..g_n.
+    As torch does for the DDP class: no forward arms the reducer (metadata inference's included),
+    backwards accumulate locally, and the last microbatch's backward arms it, so one all-reduce
+    (through the comm hook) carries the summed gradient.
+    """
+
+    def __init__(self, submod: nn.Module, *args, **kwargs) -> None:
+        super().__init__(submod, *args, **kwargs)
+        self._replicate = replicate.state(submod) if isinstance(submod, ReplicateModule) else None
+        if self._replicate is not None:
+            # Runs after replicate's own pre-hook, before its post-hook (which would arm).
+            submod.register_forward_pre_hook(self._disarm)
+
+    def _disarm(self, module: nn.Module, args: tuple) -> None:
+        self._replicate._ddp.require_backward_grad_sync = False
+
+    # torch's metadata inference runs a real forward (2.13: and backward) through the stage before
+    # the first microbatch; counters a module keeps per step (MoE token loads) must not see it.
+    def _prepare_forward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = super()._prepare_forward_infra(*args, **kwargs)
+        reset_step_counters(self.submod)
+        return result
+
+    def _prepare_backward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        result = super()._prepare_backward_infra(*args, **kwargs)
+        reset_step_counters(self.submod)
+        return result
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        state = self._replicate
+        # _no_sync set by the trainer means "accumulate this whole step" (gradient accumulation).
+        if state is not None and last_backward and not state._no_sync:
+            if backward_type != "full":
+                raise NotImplementedError("replicate() stages support only full-backward schedules")
+            state._ddp.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
