@@ -87,6 +87,8 @@ JOBS = {
         # collective of an MoE block but its shared expert's output all-reduce.
         "moe_ep2_tp2_ac": [*MOE, "--parallelism.tensor_parallel_degree", "2",
                            "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+        # PP 2 x EP 2: each stage's MoE layers exchange rows over its own ep pair, per microbatch.
+        "moe_pp2_ep2": [*MOE, *PP, "--parallelism.expert_parallel_degree", "2"],
         "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
             "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
             "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],
@@ -103,13 +105,15 @@ def _real_runs(tmp_path: Path, nproc: int) -> tuple[dict, dict[str, list[str]]]:
 
 
 def _ep_mean(report: dict, ranks: list[dict], rank: int) -> dict[str, int]:
-    """A rank's EP all-to-all, its rows averaged over the ranks: each rank sends its own rows
-    (dispatch forward, combine's gradient) but returns what it received (combine forward,
-    dispatch's gradient), which depends on the routing; over an EP group what is received is
-    what is sent, so the mean is exact. The split sizes are exact per rank."""
-    sent = {d: sum(r["comm"]["ep_all_to_all"][d] for r in ranks) for d in ranks[rank]["comm"]["ep_all_to_all"]}
-    mean = {d: v // len(ranks) if d != "int64" else ranks[rank]["comm"]["ep_all_to_all"][d] for d, v in sent.items()}
-    assert all(v * len(ranks) == sent[d] for d, v in mean.items() if d != "int64"), sent
+    """A rank's EP all-to-all, its rows averaged over the ranks of its pipeline stage: each rank
+    sends its own rows (dispatch forward, combine's gradient) but returns what it received
+    (combine forward, dispatch's gradient), which depends on the routing; over an EP group what
+    is received is what is sent, so the mean is exact (the ranks of one stage hold the same MoE
+    layers; another stage's may hold more or fewer). The split sizes are exact per rank."""
+    peers = [r for r in ranks if r["pp_rank"] == ranks[rank]["pp_rank"]]
+    sent = {d: sum(r["comm"]["ep_all_to_all"][d] for r in peers) for d in ranks[rank]["comm"]["ep_all_to_all"]}
+    mean = {d: v // len(peers) if d != "int64" else ranks[rank]["comm"]["ep_all_to_all"][d] for d, v in sent.items()}
+    assert all(v * len(peers) == sent[d] for d, v in mean.items() if d != "int64"), sent
     return mean
 
 

@@ -16,6 +16,7 @@ buffer, point-to-point tensor. Rank 0 writes {job name: [per-rank result, ...]} 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -82,9 +83,17 @@ def _in_phase(fn, phase: str):  # type: ignore[no-untyped-def]
 
 def install_phase_tags() -> None:
     """Collectives of the gradient-norm computation and of the optimizer step (DTensor scalars,
-    Partial gradients) are tagged "grad_norm:..." / "optimizer:...": the dry run reports the
-    forward/backward traffic."""
+    Partial gradients) are tagged "grad_norm:..." / "optimizer:...", and so are those of a
+    family's per-step state update ("after_backward:...": MoE's token counts summed over the
+    data ranks, its load metrics over the stages): the dry run reports the forward/backward
+    traffic."""
+    from torchtitan_amp.models import FAMILIES
+
     trainer_module.clip_grad_norm_ = _in_phase(trainer_module.clip_grad_norm_, "grad_norm")
+    for name, family in FAMILIES.items():
+        if family.after_backward is not None:
+            FAMILIES[name] = dataclasses.replace(family, after_backward=_in_phase(family.after_backward,
+                                                                                   "after_backward"))
 
 
 class _CountBackward(torch.autograd.Function):
@@ -167,6 +176,7 @@ def run_job(args: list[str]) -> dict:
         "optimizer": _by_dtype(state),
         "comm": collectives.snapshot(),
         "comm_calls": collectives.call_counts(),
+        "pp_rank": trainer.dims.mesh["pp"].get_local_rank() if trainer.dims.pp_enabled else 0,
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
         result["calls"] = list(collectives.CALLS)
