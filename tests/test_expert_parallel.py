@@ -64,9 +64,10 @@ LAYOUTS = {
     "ep2_tp2": (4, 2, (SHARD, "2", TP, "2", EP, "2")),
 }
 # 4-rank layouts that checkpoint at step 3 and resume from it, at the same layout and (CROSS) at
-# another: EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2 (data-parallel degree 4 -> 2).
+# another: EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2 (data-parallel degree 4 -> 2), and
+# EP 2 x TP 2's continued without TP at EP 2 x FSDP 2 (2 -> 4).
 RESUMED = ("ep2_fsdp2", "ep2_tp2")
-CROSS = {"ep2_fsdp2_at_ep2_tp2": ("ep2_fsdp2", "ep2_tp2")}
+CROSS = {"ep2_fsdp2_at_ep2_tp2": ("ep2_fsdp2", "ep2_tp2"), "ep2_tp2_at_ep2_fsdp2": ("ep2_tp2", "ep2_fsdp2")}
 # Pipeline stages hold disjoint parameters: their step-1 gradients are those of ranks 0 and 2.
 GRAD_RANKS = {"pp2_ep2": (0, 2)}
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", str(RESUME_FROM))
@@ -219,11 +220,13 @@ def test_tensor_parallel_replicas_of_experts_stay_identical(launches: Launches) 
     assert ranks[0]["tp_replicated_params_digest"] != ranks[2]["tp_replicated_params_digest"]
 
 
-def test_expert_parallel_checkpoint_moves_to_tensor_parallel(launches: Launches) -> None:
+@pytest.mark.parametrize("name", list(CROSS))
+def test_expert_parallel_checkpoint_moves_across_tensor_parallel(launches: Launches, name: str) -> None:
     """EP 2 x FSDP 2's step-3 checkpoint (experts FSDP-sharded over efsdp 2, no TP) continued at
     EP 2 x TP 2 (experts whole per EP rank, replicated over tp; dense weights split by TP; 2
-    data-parallel ranks instead of 4): the same steps 4-5 up to the order of sums, same loads."""
-    (name, (saved_by, _)), = CROSS.items()
+    data-parallel ranks instead of 4), and EP 2 x TP 2's continued at EP 2 x FSDP 2: the same
+    steps 4-5 up to the order of sums, same loads."""
+    saved_by, _ = CROSS[name]
     straight = steps_of(launches, saved_by)
     resumed = by_step(launches.folder("nproc4", name))
     assert sorted(resumed) == list(range(RESUME_FROM + 1, STEPS + 1))
