@@ -194,6 +194,7 @@ def fast_init() -> None:
 
 def main(spec_path: str) -> int:
     fast_init()
+    trainer_module.peak_flops = lambda device, dtype: 1e12  # MFU's timed matmuls: never read here
     collectives.install(_category, point_to_point=True, functional=True,
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()
