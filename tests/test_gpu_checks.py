@@ -44,6 +44,13 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert resume["deterministic"] is True
     assert resume["resumed"] == {k: v for k, v in resume["uninterrupted"].items() if int(k) > 3}
     assert results["checks"]["fp8_speed"]["compile"] is False  # CPU: eager
+    moe = results["checks"]["moe"]
+    assert moe["router"]["router_dtype"] == "float32" and moe["expert_ops"]["bf16"], moe
+    # torch 2.11-2.13 have torch.mm(out_dtype=) on CUDA only: the gate stays an fp32 matmul here.
+    assert moe["mm_bf16_in_fp32_out"]["ran"] is False, moe["mm_bf16_in_fp32_out"]
+    generated = results["checks"]["generate"]
+    assert generated["fp32"]["greedy_matches_full_forward"], generated
+    assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated
     # A bad --only is a usage error naming the choices (main in this process: a launch would cost a
     # torch import for a parse; the command line's entry runs above).
     with pytest.raises(SystemExit) as bad:
@@ -156,6 +163,19 @@ def test_fp16_curve_is_compared_step_aligned_past_skipped_steps() -> None:
     assert gpu_checks.aligned_diff(fp32, fp16, {}) == pytest.approx(1.0)  # without the alignment
     assert gpu_checks.aligned_diff(fp32, {**fp16, 4: 3.0}, behind) == pytest.approx(0.2)  # below the band
     assert gpu_checks.aligned_diff(fp32, {**fp16, 3: float("inf")}, behind) == float("inf")
+
+
+def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """The generate check's comparison can fail: decode steps rotated as if at position 0."""
+    from torchtitan_amp.models.kv_cache import KVCache
+
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr(KVCache, "rotary_rows", lambda self, cos, sin: (cos, sin))
+    a = argparse.Namespace(device="cpu", tiny=True, steps=3)
+    out: dict[str, Any] = {}
+    assert gpu_checks.check_generate(a, tmp_path, out) is False
+    assert out["fp32"]["max_abs_logit_diff"] > 100 * gpu_checks.GENERATE_ATOL, out
 
 
 def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

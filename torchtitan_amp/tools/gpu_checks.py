@@ -15,6 +15,15 @@ Everything runs in this one process (one CUDA start-up), through the real Traine
                fp16's scaler skipped puts that run one update behind; see aligned_diff).
 - `resume`     checkpoint.async_mode = async_with_pinned_mem (CUDA), training.deterministic = true:
                a run resumed from its step-3 checkpoint reproduces steps 4..6 bit for bit.
+- `moe`        the MoE family (debugmodel_moe): fp32 and bf16 curves (pass: bf16 within TOLERANCE
+               of fp32, routers in fp32), which expert matmul ran (pass on CUDA where the probe
+               says the grouped kernel works: `_grouped_mm` in bf16), and, measured only, torch.mm
+               with bf16 inputs and fp32 output (`out_dtype`: the cheaper router gate matmul, not
+               built until it is measured here).
+- `generate`   a 3-step-trained debug model (its q and k scaled by 8, so that positions matter)
+               decodes 24 tokens greedily with its KV cache on this device: pass when every step's logits equal one full forward over the text (fp32
+               within GENERATE_ATOL, bf16 within GENERATE_BF16_REL of the largest logit) and each
+               fp32 token is that forward's argmax; decode tokens/s recorded.
 - `fp8`        torchao float8 (tensorwise) against bf16: 200 steps' loss curve (pass: within
                FP8_TOLERANCE) and the precision audit of one fp8 step (pass: no breach).
 - `fp8_speed`  step time of an 8B-shaped 2-block stack (seq 2048), bf16 and fp8, both compiled as
@@ -86,11 +95,20 @@ FP8 = [*BF16, "--mixed_precision.fp8", "tensorwise"]
 # schedule, data position) moves the loss by far more.
 RESUME_NONDETERMINISTIC_TOL = 1e-3
 SPEED_FLAVOR = "llama3_8b_2l"
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul")
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm")
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]
+# KV-cache decode against a full forward, fp32: the CPU suite measures 1.43e-6 on logits up to
+# 4.1 (tests/test_generation.py bounds it by 1e-5); CUDA's attention kernels for one query row
+# and for a whole matrix differ more in summation order: 1e-4 is still ~100 ulps of 4.0.
+GENERATE_ATOL = 1e-4
+# bf16 (8-bit mantissa): keys, values and activations round at 2^-8 relative.
+GENERATE_BF16_REL = 0.05
+PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
 
 # Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
 # milliseconds there; compilation (bf16_compile, the compiled speed runs) dominates.
-CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "fp8": 90.0, "fp8_speed": 200.0}
+CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "generate": 40.0, "fp8": 90.0,
+                 "fp8_speed": 200.0}
 # A check is not started with less time than this left in --time-budget.
 MIN_START_S = 5.0
 
@@ -287,6 +305,99 @@ def check_resume(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
     return lb[4] == la[4] and all(abs(lb[s] - la[s]) <= tol for s in (5, 6))
 
 
+def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    from torchtitan_amp.torch_compat import grouped_mm_supported
+
+    grouped = {d: grouped_mm_supported(a.device, getattr(torch, d)) for d in ("bfloat16", "float32")}
+    out.update(grouped_mm_supported=grouped, tolerance=TOLERANCE["bf16"], final_loss={}, expert_ops={})
+    curves = {}
+    for name, extra in (("fp32", PRECISIONS["fp32"]), ("bf16", BF16)):
+        ops = _OpDtypes()
+        with ops:
+            train(base_args(a, work / name) + MOE + extra)
+        free_memory()
+        curves[name] = losses(work / name)
+        out["final_loss"][name] = curves[name][max(curves[name])]
+        out["expert_ops"][name] = {k: v for k, v in ops.seen.items() if k.startswith(("_grouped_mm", "mm:", "bmm"))}
+    out["max_abs_diff_vs_fp32"] = max(abs(curves["bf16"][s] - curves["fp32"][s]) for s in curves["fp32"])
+    out["router"] = json.loads((work / "bf16" / "precision_report.json").read_text()).get("router")
+    out["mm_bf16_in_fp32_out"] = _mm_out_dtype(a.device)
+    grouped_ran = any(k == "_grouped_mm:bfloat16" for k in out["expert_ops"]["bf16"])
+    return (out["max_abs_diff_vs_fp32"] <= TOLERANCE["bf16"] and all(len(c) == a.steps for c in curves.values())
+            and (out["router"] or {}).get("router_dtype") == "float32"
+            and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"])))
+
+
+def _mm_out_dtype(device: str) -> dict[str, Any]:
+    """torch.mm of bf16 inputs with an fp32 output (the router gate's cheap form): whether this
+    device runs it, and its distance from the fp32 product of the same bf16 values."""
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(512, 256, device=device, generator=g).bfloat16()
+    w = torch.randn(64, 256, device=device, generator=g).bfloat16()
+    try:
+        got = torch.mm(x, w.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return {"ran": False, "error": " ".join(str(e).splitlines())[:200]}
+    ref = x.double() @ w.double().t()
+    return {"ran": True, "dtype": str(got.dtype).removeprefix("torch."),
+            "max_rel_diff_vs_fp64": float(((got.double() - ref).abs().max() / ref.abs().max()).item())}
+
+
+def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) -> torch.Tensor:
+    """Prefill PROMPT, then feed tokens[len(PROMPT):-1] one at a time through the KV cache: the
+    logits after every position from len(PROMPT) - 1 on."""
+    from torchtitan_amp.generation import kv_caches, step_logits
+
+    def ids(t: list[int]) -> torch.Tensor:
+        return torch.tensor([t], device=device)
+
+    with torch.no_grad(), kv_caches(runner.model, len(tokens) + runner.multiple) as caches:
+        steps = [step_logits(runner, ids(PROMPT), caches)]
+        steps += [step_logits(runner, ids([t]), caches) for t in tokens[len(PROMPT):-1]]
+    return torch.cat(steps)
+
+
+def _sharpen_attention(model: nn.Module) -> None:
+    """Scale q and k by 8: after 3 steps attention is near-uniform (scores ~0.03), and a cache that
+    got positions wrong would barely show (tests/test_generation.py does the same)."""
+    with torch.no_grad():
+        for attention in (m for m in model.modules() if isinstance(m, llama.Attention)):
+            attention.wq.weight.mul_(8)
+            attention.wk.weight.mul_(8)
+
+
+def check_generate(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    from torchtitan_amp.generation import ModelRunner, generate
+
+    new = 16 if a.tiny else 24
+    ok = True
+    for name, extra in (("fp32", PRECISIONS["fp32"]), ("bf16", BF16)):
+        trainer = train(base_args(a, work / name) + extra + ["--training.steps", "3"])
+        model = trainer.model.eval()
+        _sharpen_attention(model)
+        runner = ModelRunner.for_plan(model, trainer.plan, tp=1, sequence_parallel=False)
+        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+        sync()
+        begin = time.perf_counter()
+        completion = generate(runner, PROMPT, new)
+        sync()
+        seconds = time.perf_counter() - begin
+        tokens = PROMPT + completion.tokens
+        with torch.no_grad(), runner.forward_context():
+            full = runner.cast_output(model(torch.tensor([tokens], device=trainer.device)))[0, len(PROMPT) - 1:-1]
+        full = full.float()
+        err = float((_cached_step_logits(runner, tokens, trainer.device) - full).abs().max())
+        largest = float(full.abs().max())
+        greedy = full.argmax(dim=-1).tolist() == completion.tokens
+        out[name] = {"max_abs_logit_diff": err, "max_abs_logit": largest, "greedy_matches_full_forward": greedy,
+                     "tokens_per_s": round(new / seconds, 1)}
+        bound = GENERATE_ATOL if name == "fp32" else GENERATE_BF16_REL * largest
+        ok = ok and err <= bound and (greedy or name != "fp32") and math.isfinite(largest)
+        del trainer, model, runner
+        free_memory()
+    return ok
+
+
 def check_fp8(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     """fp8 (torchao tensorwise) against bf16: the loss curve and the precision audit of one step."""
     steps = a.steps if a.tiny else max(a.steps, 200)
@@ -350,7 +461,8 @@ def check_fp8_speed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> b
 
 
 CHECKS: dict[str, Check] = {"probe": check_probe, "curves": check_curves, "resume": check_resume,
-                            "fp8": check_fp8, "fp8_speed": check_fp8_speed}
+                            "moe": check_moe, "generate": check_generate, "fp8": check_fp8,
+                            "fp8_speed": check_fp8_speed}
 
 
 # ---------------------------------------------------------------------------------------------
