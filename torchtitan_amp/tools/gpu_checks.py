@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib.metadata
 import json
 import math
@@ -66,7 +65,6 @@ separate_inductor_cache()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
@@ -74,6 +72,7 @@ from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E
 from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
+from torchtitan_amp.tools.gpu_check_runs import OpDtypes, base_args, free_memory, losses, records, train  # noqa: E402
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
@@ -95,7 +94,6 @@ FP8 = [*BF16, "--mixed_precision.fp8", "tensorwise"]
 # schedule, data position) moves the loss by far more.
 RESUME_NONDETERMINISTIC_TOL = 1e-3
 SPEED_FLAVOR = "llama3_8b_2l"
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm")
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]
 # KV-cache decode against a full forward, fp32: the CPU suite measures 1.43e-6 on logits up to
 # 4.1 (tests/test_generation.py bounds it by 1e-5); CUDA's attention kernels for one query row
@@ -124,61 +122,6 @@ class Interrupted(BaseException):
         self.status, self.why = status, why
 
 
-class _OpDtypes(TorchDispatchMode):
-    """Counts (op, dtype of its first tensor argument) for matmuls and attention kernels (SDPA's
-    flash / efficient / cuDNN / CPU variants and their backward ops)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.overloadpacket.__name__
-        if name in _MATMULS or "attention" in name:
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if first is not None:
-                self.seen[f"{name}:{str(first.dtype).removeprefix('torch.')}"] += 1
-        return func(*args, **(kwargs or {}))
-
-
-# ---------------------------------------------------------------------------------------------
-# Runs
-
-
-def base_args(a: argparse.Namespace, dump: Path) -> list[str]:
-    # --tiny proves the plumbing, not the numbers: the smallest flavour keeps a CPU without native
-    # bf16 (AVX2, where bf16 matmuls are emulated) at ~0.05 s a step.
-    shape = (["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2"]
-             if a.tiny else ["--model.flavor", "debugmodel", "--training.seq_len", "256",
-                             "--training.local_batch_size", "8"])
-    return [*shape, "--training.device", a.device, "--training.steps", str(a.steps), "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)]
-
-
-def records(dump: Path) -> dict[int, dict[str, Any]]:
-    """The last metrics record of each step (a resumed run appends)."""
-    return {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
-
-
-def losses(dump: Path) -> dict[int, float]:
-    """Each step's loss; a non-finite one (null in metrics.jsonl) as inf, so that it fails a bound."""
-    return {s: math.inf if r["loss"] is None else r["loss"] for s, r in records(dump).items()}
-
-
-def train(args: list[str]) -> Trainer:
-    trainer = Trainer(load_config(args))
-    trainer.train()
-    trainer.metrics.close()
-    return trainer
-
-
-def free_memory() -> None:
-    """Between runs: a finished Trainer's tensors (and an interrupted one's) go before the next."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ---------------------------------------------------------------------------------------------
 # Checks: each fills `out` as it goes (what it has survives a timeout) and returns whether it passed
 
@@ -197,7 +140,7 @@ def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
                 lambda m, i, o: norm_io.update([f"in {i[0].dtype} out {o.dtype}".replace("torch.", "")])))
     inputs, labels = next(iter(trainer.dataloader))
     inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
-    forward, backward = _OpDtypes(), _OpDtypes()
+    forward, backward = OpDtypes(), OpDtypes()
     with parallel_context(trainer.dims, trainer.config), trainer.plan.forward_context(), forward:
         logits = trainer.plan.cast_output(trainer.model(inputs))
         loss = loss_fn(logits, labels)
@@ -312,7 +255,7 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     out.update(grouped_mm_supported=grouped, tolerance=TOLERANCE["bf16"], final_loss={}, expert_ops={})
     curves = {}
     for name, extra in (("fp32", PRECISIONS["fp32"]), ("bf16", BF16)):
-        ops = _OpDtypes()
+        ops = OpDtypes()
         with ops:
             train(base_args(a, work / name) + MOE + extra)
         free_memory()
