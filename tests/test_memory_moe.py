@@ -143,6 +143,7 @@ def _alive_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
     return sum(n for ptr, (shape, n) in found.items() if ptr not in skip and shape not in shapes)
 
 
+SCALAR_SLACK = 16  # bytes per layer: see the test below
 OP_SAC_CASES = {
     "llama": ("llama3", "debugmodel", {}),
     "llama_one_kv_head": ("llama3", "debugmodel", {"n_kv_heads": 1}),
@@ -160,8 +161,9 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
     difference of layer counts (3 blocks minus 1; with the first of 3 dense for the MoE
     family): equal to ActivationTerms.op_sac_at, but for the MoE layer's [E] int64 token counts,
     held until backward outside autograd's saved tensors (8 E bytes per layer and microbatch), and
-    up to 8 bytes per layer of Python-held scalars (some appear only after an earlier test's runs;
-    a missed tensor of the model would be 128 tokens x its width x its dtype's bytes)."""
+    up to SCALAR_SLACK bytes per layer of Python-held scalars (the aux loss kept for the log; some
+    appear only after an earlier test's runs: measured 4-12 bytes); a missed tensor of the model
+    would be 128 tokens x its width x its dtype's bytes, at least 128."""
     from torchtitan_amp import parallelize
 
     name, flavor, overrides = OP_SAC_CASES[case]
@@ -187,8 +189,8 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
     terms = family.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, family.norm_cls), layout)
     tokens = layout.microbatch_tokens
     counts = 8 * getattr(args, "n_routed_experts", 0)
-    assert abs((measured[3, 0] - measured[1, 0]) / 2 - (terms.layer_op_sac * tokens + counts)) <= 8, measured
+    assert abs((measured[3, 0] - measured[1, 0]) / 2 - (terms.layer_op_sac * tokens + counts)) <= SCALAR_SLACK, measured
     if name == "moe":
         dense = measured[3, 1] - measured[3, 0]
-        assert abs(dense - ((terms.op_sac_at(0) - terms.layer_op_sac) * tokens - counts)) <= 8, measured
+        assert abs(dense - ((terms.op_sac_at(0) - terms.layer_op_sac) * tokens - counts)) <= SCALAR_SLACK, measured
         assert terms.op_sac_at(0) > terms.layer_op_sac  # the dense block keeps its MLP's matmul outputs

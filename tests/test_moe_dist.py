@@ -68,6 +68,10 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
         # Checkpoints at steps 3 and 5; then the same folder again, resuming from step 3.
         runs += [{"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
                  for again in ((), ("--checkpoint.load_step", "3"))]
+    if nproc == 4:
+        # EP 2 x TP 2 in bf16 (sequence parallel, the MoE layer replicated over tp, experts split by EP).
+        runs.append({"name": "ep2_tp2_bf16", "args": LAYOUTS["fsdp2_tp2"].args(
+            "bf16", *MOE, "--parallelism.expert_parallel_degree", "2")})
     return runs
 
 
@@ -147,6 +151,18 @@ def test_bf16_expert_parallel_dispatches_in_bf16(trained: Launches) -> None:
     assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
     ep = run.report["expert_parallel"]
     assert (ep["degree"], ep["dispatch_dtype"], ep["combine_dtype"]) == (2, "bfloat16", "bfloat16")
+    assert run.report["router"]["router_dtype"] == "float32"
+
+
+def test_bf16_expert_parallel_under_tensor_parallel(trained: Launches) -> None:
+    """EP 2 x TP 2 under bf16 FSDP: the curve within the whole-curve tolerance of fp32, tokens in
+    bf16, routers in fp32 (the audit checks its collectives: tests/test_audit.py)."""
+    fp32, run = trained.run("single_fp32", 1), trained.run("ep2_tp2_bf16", 4)
+    deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
+    print(f"\n[moe bf16] ep2 x tp2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean {sum(deltas) / len(deltas):+.2e}")
+    assert len(deltas) == STEPS
+    assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
+    assert run.report["expert_parallel"]["dispatch_dtype"] == "bfloat16"
     assert run.report["router"]["router_dtype"] == "float32"
 
 
