@@ -6,7 +6,6 @@ tensors autograd saves, the FLOPs the metrics use, and the EP all-to-all's volum
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch

@@ -177,22 +177,22 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
     dp_replicate; with cp alone the cp group too: context_parallel's own collectives are told
     apart by where they are called from, `_cp_collectives`). Under expert parallel also "efsdp",
     the group FSDP shards the routed experts over (a data-parallel dim: their gradients are
-    reduced there), named first so that a dense dim holding the same ranks keeps its name; and
-    "ep", kept apart (`_EP_RANKS`): all-to-alls are EP's, whichever dense dim holds its ranks."""
+    reduced there), named first so that a dense dim holding the same ranks keeps its name. The
+    ep group is not named here but kept apart (`_EP_RANKS`, set by Auditor.run): all-to-alls on
+    its ranks are EP's, whichever dense dim holds the same ranks."""
     if not dist.is_initialized() or dims.world_size == 1:
         return {}
-    ranks = _mesh_ranks
     out = {}
     if dims.ep > 1 and dims.efsdp > 1:
         efsdp = dims.expert_fsdp_mesh
-        out[ranks(efsdp["efsdp"] if efsdp.ndim > 1 else efsdp)] = "efsdp"
+        out[_mesh_ranks(efsdp["efsdp"] if efsdp.ndim > 1 else efsdp)] = "efsdp"
     for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         if getattr(dims, dim) > 1:
-            out[ranks(dims.mesh[dim])] = dim
+            out[_mesh_ranks(dims.mesh[dim])] = dim
     if dims.cp > 1:
-        out[ranks(dims.loss_mesh)] = "dp_cp"
+        out[_mesh_ranks(dims.loss_mesh)] = "dp_cp"
         fsdp = dims.fsdp_mesh
-        out[ranks(fsdp["dp_shard_cp"] if fsdp.ndim > 1 else fsdp)] = "dp_shard_cp"
+        out[_mesh_ranks(fsdp["dp_shard_cp"] if fsdp.ndim > 1 else fsdp)] = "dp_shard_cp"
     return out
 
 

@@ -155,7 +155,7 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     alive through the forward and kept by activation checkpointing for the recompute, and under
     cp the rotary tables picked per token (cos, sin: 2 x 4 x head_dim / 2).
     """
-    d, kv, f, h = model.dim, model.kv_dim, model.ffn_hidden, model.n_heads
+    d, f, h = model.dim, model.ffn_hidden, model.n_heads
     t = layout.tp
     sp = t if layout.sp else 1
     c = DTYPE_BYTES[prec.compute]
