@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan_amp.config import load_config
 from torchtitan_amp.errors import PrecisionError
 from torchtitan_amp.models import count_params, get_family
-from torchtitan_amp.models.moe.balance import after_backward, set_aux_grad_scale
+from torchtitan_amp.models.moe.balance import after_backward, after_step, set_aux_grad_scale
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer, active_params
 from torchtitan_amp.models.moe.moe import GroupedExperts, MoE, Router, sequence_aux_loss
 from torchtitan_amp.parallel_dims import ParallelDims
@@ -91,17 +91,31 @@ def test_tokens_are_counted_once_per_trained_token() -> None:
     assert float(layer.tokens_per_expert.sum()) == 0
 
 
-def test_bias_moves_towards_the_mean_load_and_counters_reset() -> None:
+def test_bias_update_is_centred_in_int64_and_applied_only_after_an_applied_step() -> None:
+    """The update moves every bias towards the mean load, centred to zero mean (uncentred, all
+    eight here would move by +0.75 x speed together each step); it waits for the optimizer step
+    and a skipped step's update is dropped, not added to the next one."""
     model = _model()
     layers = [m for m in model.modules() if isinstance(m, MoE)]
+    loads = torch.tensor([10, 2, 2, 2, 2, 2, 2, 2])
     for layer in layers:
-        layer.tokens_per_expert.copy_(torch.tensor([10.0, 2, 2, 2, 2, 2, 2, 2]))
+        assert layer.tokens_per_expert.dtype == torch.int64
+        layer.tokens_per_expert.copy_(loads)
     stats = after_backward([model], group=None)
     for layer in layers:
-        bias = layer.router.expert_bias
-        assert bias[0] == -layer.bias_update_speed and (bias[1:] == layer.bias_update_speed).all()
+        assert not layer.router.expert_bias.any()  # not before the optimizer step
         assert float(layer.tokens_per_expert.sum()) == 0
     assert float(stats["moe_load_max"]) == pytest.approx(10 / 3) and float(stats["moe_load_min"]) == pytest.approx(2 / 3)
+    for layer in layers:  # a skipped step: the next backward computes a fresh update
+        layer.tokens_per_expert.copy_(loads)
+    after_backward([model], group=None)
+    after_step([model])
+    for layer in layers:
+        bias, s = layer.router.expert_bias, layer.bias_update_speed
+        torch.testing.assert_close(bias, torch.tensor([-1.75 * s] + [0.25 * s] * 7), rtol=1e-6, atol=0)
+        assert abs(float(bias.sum())) < 1e-9
+    after_step([model])  # nothing pending: no second move
+    torch.testing.assert_close(layers[0].router.expert_bias[0], torch.tensor(-1.75 * layers[0].bias_update_speed))
 
 
 def test_aux_loss_value_and_gradient_scale() -> None:
@@ -239,5 +253,8 @@ def test_moe_block_compiles_as_the_family_says(dtype: torch.dtype) -> None:
         y = fn(x, model.rope_cos, model.rope_sin)
         y.float().square().sum().backward()
         results.append([y.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+    # Not bitwise: the compiled graph's regions (split by the loop's host read in fp32) round a
+    # few elements an ulp apart; bf16 outputs round to bf16 (2**-8 relative).
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torchtitan_amp.config import ActivationCheckpoint, ConfigError, JobConfig
 from torchtitan_amp.context_parallel import ContextParallel, check_seq_len
 from torchtitan_amp.expert_parallel import ExpertParallel, shard_experts
-from torchtitan_amp.models.moe.moe import MoE
+from torchtitan_amp.models.moe.moe import MoE, grouped_mm_kernel
 from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.pipeline import validate_pipeline
@@ -153,6 +153,7 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         apply_cp(model, plan.context_parallel(dims.mesh["cp"].get_group()))
     if dims.ep_enabled:
         apply_ep(model, dims.ep_mesh, dims.expert_mesh)
+    apply_expert_kernels(model, plan, config.compile.enable)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
     if config.compile.enable:
@@ -235,6 +236,15 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> 
         layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     logger.info("applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
                 "all-to-all in the activations' dtype", ep_mesh.size(), len(layers))
+
+
+def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) -> None:
+    """Decide once, here, whether each MoE layer's experts run the grouped matmul or the loop
+    (moe.grouped_mm_kernel), for the dtype the plan has them compute in on this device."""
+    device = f"cuda:{torch.cuda.current_device()}" if plan.device_type == "cuda" else plan.device_type
+    for layer in expert_layers(model):
+        experts = layer.experts
+        experts.grouped_mm = grouped_mm_kernel(device, plan.compute_dtype(experts), compiled)
 
 
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -242,10 +242,12 @@ class Trainer:
             # The schedule saw scaled, pre-divided fp32 losses (Pipeline.step detached them): their
             # sum is this step's share of the mean.
             return torch.stack(losses).sum() / self.scaler.get_scale()
+        # Before the forward: the aux loss captures its factor there, and the factor must be the
+        # one this micro-batch's loss is scaled by (the scale changes only between steps).
+        self._set_loss_factor(self.accum)
         with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs, **extra))
             loss = loss_fn(logits, labels) / self.accum
-        self._set_loss_factor(self.accum)
         with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()
         loss = loss.detach()
@@ -302,6 +304,8 @@ class Trainer:
             # A skipped fp16 step must not advance the schedule.
             self.lr_scheduler.step()
             self.plan.after_optimizer_step(self.model_parts)
+            if self.job.family.after_step is not None:
+                self.job.family.after_step(self.model_parts)
         return loss_sum, grad_norm, stepped
 
     def train(self) -> None:

@@ -89,6 +89,10 @@ class ModelFamily:
     # step outside the optimizer (MoE load balancing); returns metrics for the step's log line as
     # scalar tensors (read by the host only on steps that log).
     after_backward: Callable[..., dict[str, Any]] | None = None
+    # Run with the model parts after each optimizer step that is applied (not after one skipped
+    # for non-finite gradients): the family's own updates that must follow the weights' (the
+    # expert biases that after_backward computed).
+    after_step: Callable[[list[nn.Module]], None] | None = None
     # (model parts, the factor the trainer multiplies the loss by before backward): for losses
     # the model adds itself (MoE's auxiliary balance loss), which must be scaled alike.
     set_loss_factor: Callable[[list[nn.Module], float], None] | None = None

@@ -24,6 +24,7 @@ FAMILY = ModelFamily(
     memory_dims=MoEDims.from_args,
     hf=ADAPTER,
     after_backward=balance.after_backward,
+    after_step=balance.after_step,
     set_loss_factor=balance.set_aux_grad_scale,
     compile_fullgraph=False,
 )

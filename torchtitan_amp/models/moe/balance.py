@@ -3,8 +3,12 @@
 Auxiliary-loss-free balancing (DeepSeek-V3, torchtitan's default): after each step's backward, the
 tokens every expert received are summed over all ranks that saw other tokens (data and context
 parallel), and each expert's bias moves by `bias_update_speed` towards the mean load:
-bias += speed * sign(mean - load). The bias only changes which experts are chosen, never the
-combine weights. Counts and bias are fp32 whatever the precision plan.
+delta = speed * sign(mean - load), centred to zero mean (otherwise the biases drift together
+step after step, and next to the scores' bf16 resolution they would swamp them). The update is
+applied after the optimizer step, and only when that step is applied: a step skipped for
+non-finite gradients (fp16 back-off, skip_nonfinite_steps) leaves the biases as they were. The
+bias only changes which experts are chosen, never the combine weights. Counts are int64, the bias
+fp32, whatever the precision plan.
 """
 
 from __future__ import annotations
@@ -30,25 +34,27 @@ def set_aux_grad_scale(model_parts: list[nn.Module], scale: float) -> None:
 @torch.no_grad()
 def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None,
                    pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Sum the step's per-expert token counts over `group`, update the expert biases of layers
-    balanced by bias, reset the counts; returns the step's load metrics: the most and least loaded
-    expert of any layer relative to a uniform load (1.0 is perfect balance), over every pipeline
-    stage. Every rank must call it (collectives)."""
+    """Sum the step's per-expert token counts over `group`, compute the expert-bias updates of
+    layers balanced by bias (applied by `after_step`), reset the counts; returns the step's load
+    metrics: the most and least loaded expert of any layer relative to a uniform load (1.0 is
+    perfect balance), over every pipeline stage. Every rank must call it (collectives)."""
     layers = moe_layers(model_parts)
     # A pipeline stage without MoE layers still joins the stages' all-reduce, with neutral values.
     stats = torch.tensor([0.0, float("-inf")], device=next(p.device for part in model_parts for p in part.parameters()))
     if layers:
-        counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] fp32
+        counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] int64
         if group is not None:
             dist.all_reduce(counts, group=group)
-        mean = counts.mean(dim=1, keepdim=True)
-        for layer, load, avg in zip(layers, counts, mean):
+        loads = counts.double()  # exact for any count below 2**53
+        mean = loads.mean(dim=1, keepdim=True)
+        for layer, load, avg in zip(layers, loads, mean):
             if layer.load_balance in ("bias", "bias_and_aux_loss"):
-                layer.router.expert_bias += layer.bias_update_speed * torch.sign(avg - load)
+                delta = layer.bias_update_speed * torch.sign(avg - load)
+                layer.pending_bias_update = (delta - delta.mean()).float()
             layer.tokens_per_expert.zero_()
-        ratio = counts / mean.clamp(min=1.0)
+        ratio = loads / mean.clamp(min=1.0)
         # min as -max so one MAX all-reduce over stages serves both.
-        stats = torch.stack([ratio.max(), -ratio.min()])
+        stats = torch.stack([ratio.max(), -ratio.min()]).to(stats.dtype)
     if pp_group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pp_group)
     # Device tensors, read by the host only on steps that log (no sync on the others); a pipeline
@@ -58,3 +64,13 @@ def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None
     if aux:  # this stage's layers, last micro-batch
         out["moe_aux_loss"] = torch.stack(aux).sum()
     return out
+
+
+@torch.no_grad()
+def after_step(model_parts: list[nn.Module]) -> None:
+    """After an applied optimizer step: move the expert biases by the updates `after_backward`
+    computed for it. Not called for a skipped step, whose updates the next step's replace."""
+    for layer in moe_layers(model_parts):
+        if layer.pending_bias_update is not None:
+            layer.router.expert_bias += layer.pending_bias_update
+            layer.pending_bias_update = None

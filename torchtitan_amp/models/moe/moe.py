@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.torch_compat import grouped_mm_supported
@@ -63,7 +65,8 @@ class Router(nn.Module):
         experts = (scores + self.expert_bias.to(dtype)).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.route_norm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # The epsilon keeps a token whose k sigmoid scores all underflow finite (torchtitan's).
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, experts, scores
 
 
@@ -76,6 +79,10 @@ class GroupedExperts(nn.Module):
     # Linears in another form: in lower_precision_safe_modules whenever nn.Linear is (the plan's
     # is_safe), so they compute, gather and reduce like the Linears.
     safe_as = nn.Linear
+    # Whether to run torch._grouped_mm: decided once when the model is parallelized
+    # (parallelize.apply_expert_kernels), so that a compiled block reads a constant (no probe, no
+    # graph break); None (a model used outside the trainer) probes on first use.
+    grouped_mm: bool | None = None
 
     def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -96,11 +103,12 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(device):
             x = x.to(torch.get_autocast_dtype(device))
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if _use_grouped_mm(x):
+        if self.grouped_mm if self.grouped_mm is not None else _use_grouped_mm(x):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets)
         out = []
+        # The one host read of this path (a devices or dtype without the grouped kernel).
         for e, part in enumerate(x.split(counts.tolist())):
             out.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
         return torch.cat(out)
@@ -112,6 +120,14 @@ def _grouped_mm_probe() -> Callable[[str, torch.dtype], bool]:
     blocks compile with breaks). Made on first use: torch.compiler.disable imports dynamo, 0.7 s
     of every process's start-up otherwise."""
     return torch.compiler.disable(grouped_mm_supported)
+
+
+def grouped_mm_kernel(device: str, dtype: torch.dtype, compiled: bool) -> bool:
+    """Whether experts computing in `dtype` on `device` run torch._grouped_mm: where the device's
+    kernel runs it and, under torch.compile, only in bf16: the compiler traces _grouped_mm with its
+    meta kernel, which takes bf16 only (torch 2.11-2.13) whatever the eager kernels take; fp32
+    then runs the loop over experts, with its host read of the counts (a graph break)."""
+    return grouped_mm_supported(device, dtype) and (not compiled or dtype == torch.bfloat16)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -155,17 +171,31 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, alpha: float) -> torch.Tensor:
+def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, alpha: float,
+                      cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, in fp32: per sequence, alpha * sum_i f_i * P_i with
-    f_i = E / (k S) x tokens routed to expert i and P_i its mean normalised score."""
+    f_i = E / (k S) x tokens routed to expert i and P_i its mean normalised score over the S tokens.
+
+    Under context parallel a rank holds 2 of a sequence's 2 x cp chunks: the per-sequence counts and
+    score sums of the cp ranks are summed first (one all-reduce), so f and P are the sequence's.
+    The returned value is the sequence's loss on every cp rank; its gradient is cp x this rank's
+    share of it, because the data-parallel gradient mean also divides by the cp ranks."""
     n_experts, top_k = scores.shape[-1], experts.shape[-1]
     scores = scores.float().view(batch, -1, n_experts)
-    seq = scores.shape[1]
-    probs = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)  # [B, E]
+    prob_sums = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [B, E], this rank's tokens
     routed = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
-        1, experts.view(batch, -1), torch.ones(batch, seq * top_k, device=scores.device))
+        1, experts.view(batch, -1), torch.ones(batch, experts.numel() // batch, device=scores.device))
+    seq, cp = scores.shape[1], 1
+    if cp_group is not None:
+        cp = dist.get_world_size(cp_group)
+        stats = funcol.wait_tensor(funcol.all_reduce(torch.stack([routed, prob_sums.detach()]), "sum", cp_group))
+        routed, seq = stats[0], seq * cp
+        whole = alpha * (routed * n_experts / (top_k * seq) * stats[1] / seq).sum(dim=1).mean()
     frac = routed * n_experts / (top_k * seq)
-    return alpha * (frac * probs).sum(dim=1).mean()
+    local = alpha * (frac * prob_sums / seq).sum(dim=1).mean()
+    if cp == 1:
+        return local
+    return local * cp + (whole - local * cp).detach()
 
 
 class MoE(nn.Module):
@@ -174,6 +204,9 @@ class MoE(nn.Module):
     # Set by parallelize.apply_ep under expert parallel (expert_parallel.ExpertParallel): the
     # routed experts live on other ranks too, and tokens travel to them.
     expert_parallel: Any = None
+    # Set by parallelize.apply_cp under context parallel (context_parallel.ContextParallel): the
+    # sequence-wise aux loss then sums its per-sequence statistics over the cp ranks.
+    context_parallel: Any = None
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, score_func: str,
                  route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float,
@@ -181,21 +214,27 @@ class MoE(nn.Module):
         super().__init__()
         from torchtitan_amp.models.llama3.model import FeedForward
 
+        self.n_experts = n_experts
         self.router = Router(dim, n_experts, top_k, score_func, route_norm, route_scale)
         self.experts = GroupedExperts(dim, hidden, n_experts)
         self.shared_expert = FeedForward(dim, hidden * n_shared) if n_shared else None
         self.load_balance, self.aux_loss_alpha, self.bias_update_speed = load_balance, aux_loss_alpha, bias_update_speed
-        # Set by the trainer before each backward (balance.set_aux_grad_scale).
+        # Set by the trainer before each micro-batch's forward (balance.set_aux_grad_scale): the
+        # factor that micro-batch's loss is multiplied by, captured by _AddAuxLoss in forward.
         self.aux_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
+        # The expert-bias change of the step whose backward just ran, applied only if the optimizer
+        # step is (balance.after_backward computes it, balance.after_step applies it).
+        self.pending_bias_update: torch.Tensor | None = None
         # Tokens routed to each expert since the last bias update (the balancing signal and the
-        # load metrics); fp32 counts are exact up to 2**24 per expert and step.
-        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        # load metrics), in int64: exact whatever the step's token count.
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
 
     def reset_step_counters(self) -> None:
         """Forget the tokens counted so far (models/spec.py: the pipeline calls this after torch's
         metadata pass, whose backward would otherwise count a microbatch twice)."""
         self.tokens_per_expert.zero_()
+        self.pending_bias_update = None
 
     def init_weights(self, init_std: float) -> None:
         # A meta-built model's buffers hold whatever to_empty left in memory.
@@ -209,23 +248,41 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         weights, experts, scores = self.router(tokens)
-        counts = torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
-        order = experts.flatten().argsort(stable=True)
+        flat = experts.flatten()
+        # scatter_add, not bincount: bincount reads its output size on the host (a GPU sync).
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        order = flat.argsort(stable=True)
         token_of = order // experts.shape[1]
         if self.expert_parallel is None:
             routed = self.experts(tokens[token_of], counts)
         else:
             routed = self.expert_parallel(self.experts, tokens[token_of], counts)
-        # Weighted and summed per token in fp32: a token's k expert outputs are added once, rounded once.
-        weighted = routed.float() * weights.flatten()[order, None].float()
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, weighted)
-        out = out.to(x.dtype)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(tokens)
+        out = self._combine(routed, order, weights, tokens).to(x.dtype)
         if out.requires_grad:
             out = _CountOnBackward.apply(out, counts, self.tokens_per_expert)
         if self.training and self.load_balance in ("aux_loss", "bias_and_aux_loss") and self.aux_loss_alpha > 0:
-            aux = sequence_aux_loss(scores, experts, batch, self.aux_loss_alpha)
+            cp_group = self.context_parallel.group if self.context_parallel is not None else None
+            aux = sequence_aux_loss(scores, experts, batch, self.aux_loss_alpha, cp_group)
             self.last_aux_loss = aux.detach()
             out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
         return out.view(batch, seq, dim)
+
+    def _combine(self, routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                 tokens: torch.Tensor) -> torch.Tensor:
+        """The expert rows (sorted by expert) -> [T, dim] fp32: each token's k weighted outputs
+        summed in slot order, then the shared expert added, all in fp32, so that the caller
+        rounds once. A gather back to (token, slot) order and a sum over k: no atomics (fp32
+        index_add_ on CUDA adds in a run-dependent order), the same sum on every run."""
+        k = weights.shape[1]
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        per_slot = routed[back].view(-1, k, routed.shape[-1]).float()
+        weights = weights.float().unsqueeze(-1)
+        # Slot by slot, not .sum(dim=1): a reduction kernel's order is its own (eager and compiled
+        # differ by an ulp), additions written out are the same everywhere.
+        out = per_slot[:, 0] * weights[:, 0]
+        for slot in range(1, k):
+            out = out + per_slot[:, slot] * weights[:, slot]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens).float()
+        return out
