@@ -253,7 +253,7 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
     flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
     assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
             "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-            "debugmodel_moe_sigmoid, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
+            "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
 
 
 def test_train_py_help_exits_0() -> None:
@@ -291,7 +291,7 @@ def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatc
 # Llama's flavours after 3.1's sizes, and the MoE family's, listed after Llama's when a flavour is
 # unknown to every family.
 LLAMA_SIZES = ", 'llama3_2_1b', 'llama3_2_3b', 'llama3_0_8b', 'llama3_0_70b'"
-MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_qwen3', 'qwen3_30b_a3b', 'deepseek_v3_16b'"
+MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux', 'debugmodel_qwen3', 'qwen3_30b_a3b', 'deepseek_v3_16b'"
 
 
 def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(

@@ -38,7 +38,8 @@ def short_name(dtype: object) -> str:
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama3": ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b",
                "llama3_2_1b", "llama3_2_3b", "llama3_0_8b", "llama3_0_70b"),
-    "moe": ("debugmodel_moe", "debugmodel_moe_sigmoid", "debugmodel_qwen3", "qwen3_30b_a3b", "deepseek_v3_16b"),
+    "moe": ("debugmodel_moe", "debugmodel_moe_sigmoid", "debugmodel_moe_aux", "debugmodel_qwen3", "qwen3_30b_a3b",
+            "deepseek_v3_16b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"

@@ -115,6 +115,9 @@ MOE_FLAVORS: dict[str, MoEModelArgs] = {
     "debugmodel_moe": _DEBUG,
     # The same with DeepSeek-V3's routing: sigmoid scores, renormalised top-k, bias balancing.
     "debugmodel_moe_sigmoid": dataclasses.replace(_DEBUG, score_func="sigmoid", route_norm=True),
+    # The same balanced by DeepSeek-V3's sequence-wise auxiliary loss alone (no expert bias), with
+    # a weight large enough for its gradient to show next to the language-model loss's.
+    "debugmodel_moe_aux": dataclasses.replace(_DEBUG, load_balance="aux_loss", aux_loss_alpha=1e-2),
     # Qwen3's shape in small: QK-norm, GQA (4 heads, 2 kv heads), an explicit head_dim (4 x 24 on a
     # 64-wide stream), no shared expert, renormalised top-k, every block MoE.
     "debugmodel_qwen3": dataclasses.replace(_DEBUG, n_heads=4, n_kv_heads=2, explicit_head_dim=24, qk_norm=True,
