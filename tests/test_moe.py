@@ -258,3 +258,52 @@ def test_moe_block_compiles_as_the_family_says(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_combine_rounds_once_and_adds_without_atomics() -> None:
+    """bf16 experts: a token's k weighted expert rows are summed in fp32 in slot order, the shared
+    expert added in fp32, and the sum rounded to bf16 once (adding the shared expert after the
+    cast rounds twice: some elements differ by an ulp). No index_add_ (atomics on CUDA: its fp32
+    sums depend on the run for top_k >= 3), forward or backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model("debugmodel_moe", top_k=3).to(torch.bfloat16)
+    layer = model.layers["1"].feed_forward
+    torch.manual_seed(1)
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    ops: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        out = layer(x)
+        out.float().sum().backward()
+    assert not {op for op in ops if op.startswith("index_add")}, sorted(ops)
+
+    tokens = x.detach().view(-1, 64)
+    with torch.no_grad():
+        weights, experts, _ = layer.router(tokens)
+        flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=8)
+        order = flat.argsort(stable=True)
+        rows = torch.empty(flat.numel(), 64)
+        rows[order] = layer.experts(tokens[order // 3], counts).float()
+        want = torch.zeros(tokens.shape)
+        for slot in range(3):
+            want += rows.view(-1, 3, 64)[:, slot] * weights[:, slot, None].float()
+        want = (want + layer.shared_expert(tokens).float()).to(torch.bfloat16)
+        twice = ((want.float() - layer.shared_expert(tokens).float()).to(torch.bfloat16)
+                 + layer.shared_expert(tokens))
+    assert torch.equal(out.detach().view(-1, 64), want)
+    assert not torch.equal(twice, want)  # the double rounding this avoids is visible at this size
+
+
+def test_route_norm_keeps_a_token_with_underflowing_scores_finite() -> None:
+    router = Router(4, n_experts=4, top_k=2, score_func="sigmoid", route_norm=True, route_scale=1.0)
+    with torch.no_grad():
+        router.weight.fill_(-1e3)  # sigmoid(-1e3 x 1) underflows to 0 for every expert
+    weights, _, _ = router(torch.ones(1, 4))
+    assert torch.isfinite(weights).all()

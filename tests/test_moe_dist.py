@@ -44,6 +44,11 @@ LAYOUTS = {
     "fsdp2_tp2": Layout(4, (SHARD, "2", TP, "2"), dp=2),
 }
 QWEN3_LAYOUTS = {"qwen3_tp2": Layout(2, (TP, "2")), "qwen3_fsdp2": Layout(2, (SHARD, "2"), dp=2)}
+# The sequence-wise aux loss: a cp rank holds 2 of a sequence's 4 chunks, so its statistics are
+# the cp ranks' sums; TP ranks see the same tokens and compute the same loss.
+MOE_AUX = ("--model.name", "moe", "--model.flavor", "debugmodel_moe_aux")
+CP = "--parallelism.context_parallel_degree"
+AUX_LAYOUTS = {"aux_cp2": Layout(2, (CP, "2")), "aux_cp2_tp2": Layout(4, (CP, "2", TP, "2"))}
 SINGLE = Layout(1, ())
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "3")
 OP_SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
@@ -53,11 +58,14 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     runs = []
     if nproc == 1:
         runs += [{"name": "single_fp32", "args": SINGLE.args("fp32", *MOE), "grads": True},
-                 {"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3), "grads": True}]
+                 {"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3), "grads": True},
+                 {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True}]
     runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *MOE), "grads": True}
              for name, layout in LAYOUTS.items() if layout.nproc == nproc]
     runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *QWEN3), "grads": True}
              for name, layout in QWEN3_LAYOUTS.items() if layout.nproc == nproc]
+    runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *MOE_AUX), "grads": True}
+             for name, layout in AUX_LAYOUTS.items() if layout.nproc == nproc]
     if nproc == 2:
         fsdp = LAYOUTS["fsdp2"]
         runs.append({"name": "fsdp2_bf16", "args": fsdp.args("bf16", *MOE)})
@@ -131,6 +139,17 @@ def test_fp32_qwen3_shape_matches_one_process(trained: Launches, name: str) -> N
     """QK-norm under TP: each rank normalises its own heads; the norm weights' gradients are summed
     over the TP ranks."""
     _compare(trained.run(f"{name}_fp32", QWEN3_LAYOUTS[name].nproc), trained.run("qwen3_single_fp32", 1), name)
+
+
+@pytest.mark.parametrize("name", list(AUX_LAYOUTS))
+def test_fp32_sequence_aux_loss_matches_one_process(trained: Launches, name: str) -> None:
+    """The logged aux loss is the whole sequences' (all cp ranks' statistics), and the loss and
+    gradients it drives match one process's."""
+    run, ref = trained.run(f"{name}_fp32", AUX_LAYOUTS[name].nproc), trained.run("aux_single_fp32", 1)
+    _compare(run, ref, name)
+    aux, want = [r["moe_aux_loss"] for r in run.rows], [r["moe_aux_loss"] for r in ref.rows]
+    print(f"[moe aux] {name}: aux losses {aux} vs one process {want}")
+    assert max_rel(aux, want) < FP32_LOSS_RTOL
 
 
 def test_bf16_moe_within_precision_tolerance(trained: Launches) -> None:
