@@ -129,12 +129,13 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
 
         q/k norms     ((8 hq + 4H) + (8 kv + 4 KV)) / t   fp32 upcast like every RMSNorm
         router        q x (d + E)          its input cast to the router dtype, the scores
-        routing       24k + 4E / T         top-k ids, the sort order, each row's token (int64);
+        routing       24k + 4E / T         top-k ids, each row's token, each slot's row (int64);
                                            the grouped matmul's int32 offsets per microbatch
         routed rows   c x k x d            the sorted copy of the hidden states (experts' input)
         experts       4 x c x k x h        w1 out, silu out, w3 out, w2 in, over T x k rows
-        combine       4k + 8 x k x d       the combine weights, the expert outputs in fp32 and
-                                           the weighted rows index_add_ sums (fp32)
+        combine       4k + 4 x k x d       the combine weights and the expert outputs in fp32,
+                                           in (token, slot) order: their products are summed
+                                           slot by slot (nothing saved), then rounded once
         shared expert k_ffn x c x d + 4 x c x n_shared h / t   a Llama MLP (its input is the
                                            router's when both take the hidden states uncast)
         aux loss      4 + 4E / S           the sequence-wise balance loss: the scores' per-token
@@ -155,7 +156,7 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
     qk = ((8 * hq + 4 * model.n_heads) + (8 * kv + 4 * model.kv_heads)) / t if model.qk_norm else 0.0
     dense_mlp = k_ffn * c * d + 4 * c * model.ffn_hidden / t
     routed = (q * (d + e) + 24 * k + 4 * e / layout.microbatch_tokens + c * k * d + 4 * c * k * h
-              + 4 * k + 8 * k * d + (4 + 4 * e / layout.local_seq_len if model.aux_loss else 0))
+              + 4 * k + 4 * k * d + (4 + 4 * e / layout.local_seq_len if model.aux_loss else 0))
     shared = k_ffn * c * d + 4 * c * model.n_shared_experts * h / t if model.n_shared_experts else 0.0
     if shared and k_ffn == 1 and prec.residual == prec.router:
         shared -= q * d  # the router's input cast was a no-op: one tensor saved for both
