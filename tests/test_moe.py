@@ -307,3 +307,22 @@ def test_route_norm_keeps_a_token_with_underflowing_scores_finite() -> None:
         router.weight.fill_(-1e3)  # sigmoid(-1e3 x 1) underflows to 0 for every expert
     weights, _, _ = router(torch.ones(1, 4))
     assert torch.isfinite(weights).all()
+
+
+def test_moe_layer_gradients_repeat_bit_for_bit_on_cpu_threads() -> None:
+    """Forward and backward of an fp32 MoE layer (top 4), run five times on two CPU threads: the
+    same output and gradients every time. A gather of each token's row per slot
+    (tokens[order // k]) summed a token's k row gradients in a thread-dependent order."""
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    torch.manual_seed(0)
+    layer = MoE(64, 64, 8, 4, 1, "softmax", False, 1.0, "bias", 0.0, 1e-3)
+    layer.init_weights(0.02)
+    x = torch.randn(4, 256, 64)
+    runs = []
+    for _ in range(5):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        layer(xi).square().sum().backward()
+        runs.append([xi.grad, *(p.grad for p in layer.parameters())])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))

@@ -69,3 +69,29 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def moe_combine_repeats(device: str) -> dict[str, bool]:
+    """An MoE layer (8 experts, top 4, a shared expert) run forward and backward twice on the same
+    input after a warm-up run, per dtype: whether outputs and every gradient are bit-identical
+    across the two (the combine sums a token's k rows in a fixed order; fp32 index_add_ on CUDA
+    adds them in a run-dependent one). The warm-up takes first-call effects out (on a CPU's
+    thread pool the very first backward can sum an input gradient in another order)."""
+    from torchtitan_amp.models.moe.moe import MoE
+
+    same = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        layer = MoE(64, 64, 8, 4, 1, "softmax", False, 1.0, "bias", 0.0, 1e-3).to(device)
+        layer.init_weights(0.02)
+        layer = layer.to(dtype)
+        x = torch.randn(4, 256, 64, device=device, dtype=dtype)
+        runs = []
+        for _ in range(3):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out = layer(xi)
+            out.float().square().sum().backward()
+            runs.append([out.detach(), xi.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
+        same[str(dtype).removeprefix("torch.")] = all(torch.equal(u, v) for u, v in zip(*runs[1:]))
+    return same

@@ -72,7 +72,8 @@ from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E
 from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
-from torchtitan_amp.tools.gpu_check_runs import OpDtypes, base_args, free_memory, losses, records, train  # noqa: E402
+from torchtitan_amp.tools.gpu_check_runs import (OpDtypes, base_args, free_memory, losses, moe_combine_repeats,  # noqa: E402
+                                                 records, train)
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
@@ -265,9 +266,11 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     out["max_abs_diff_vs_fp32"] = max(abs(curves["bf16"][s] - curves["fp32"][s]) for s in curves["fp32"])
     out["router"] = json.loads((work / "bf16" / "precision_report.json").read_text()).get("router")
     out["mm_bf16_in_fp32_out"] = _mm_out_dtype(a.device)
+    out["combine_bitwise_across_runs"] = moe_combine_repeats(a.device)
     grouped_ran = any(k == "_grouped_mm:bfloat16" for k in out["expert_ops"]["bf16"])
     return (out["max_abs_diff_vs_fp32"] <= TOLERANCE["bf16"] and all(len(c) == a.steps for c in curves.values())
             and (out["router"] or {}).get("router_dtype") == "float32"
+            and all(out["combine_bitwise_across_runs"].values())
             and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"])))
 
 

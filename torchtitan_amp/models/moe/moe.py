@@ -253,11 +253,11 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         order = flat.argsort(stable=True)
-        token_of = order // experts.shape[1]
+        rows = self._dispatch_rows(tokens, experts.shape[1], order)
         if self.expert_parallel is None:
-            routed = self.experts(tokens[token_of], counts)
+            routed = self.experts(rows, counts)
         else:
-            routed = self.expert_parallel(self.experts, tokens[token_of], counts)
+            routed = self.expert_parallel(self.experts, rows, counts)
         out = self._combine(routed, order, weights, tokens).to(x.dtype)
         if out.requires_grad:
             out = _CountOnBackward.apply(out, counts, self.tokens_per_expert)
@@ -267,6 +267,15 @@ class MoE(nn.Module):
             self.last_aux_loss = aux.detach()
             out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
         return out.view(batch, seq, dim)
+
+    @staticmethod
+    def _dispatch_rows(tokens: torch.Tensor, k: int, order: torch.Tensor) -> torch.Tensor:
+        """Each token's row k times, sorted by expert. Copied k times and then permuted, not
+        gathered by token (tokens[order // k]): that gather's backward adds a token's k row
+        gradients with accumulating index_put, whose order depends on the run (CPU threads,
+        CUDA atomics); here they are summed by the copy's backward, a reduction over k, and the
+        permutation's backward writes each row once."""
+        return tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])[order]
 
     def _combine(self, routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
                  tokens: torch.Tensor) -> torch.Tensor:
