@@ -39,7 +39,7 @@ from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
-from tests.support import digest, exit_process, read_spec
+from tests.support import digest, exit_process, mask_labels, read_spec
 from tests.workers import norm_check
 
 
@@ -121,23 +121,6 @@ class RunEvidence:
     frozen_digests: dict[str, str] = field(default_factory=dict)
     rounding: RoundingRecorder | None = None
     valid_labels: list[int] = field(default_factory=list)  # per loader batch, "mask_labels" runs
-
-
-def mask_labels(labels: torch.Tensor) -> torch.Tensor:
-    """The labels with some set to -100 (ignored by the loss), chosen by each window's own content
-    so that every layout masks the same labels of the same window wherever it lands: by the sum of
-    the window's labels mod 4, the whole window, its first half, every third label, or none. Ranks
-    and micro-batches then hold unequal counts of valid labels, some none at all."""
-    out = labels.clone()
-    for row in out:
-        kind = int(row.sum()) % 4
-        if kind == 0:
-            row[:] = -100
-        elif kind == 1:
-            row[: len(row) // 2] = -100
-        elif kind == 2:
-            row[::3] = -100
-    return out
 
 
 def _mask_train_labels(trainer: Trainer) -> None:
