@@ -140,3 +140,22 @@ def test_masking_helper_masks_by_window_content() -> None:
     assert torch.equal(mask_labels(labels.flip(0)), masked.flip(0))
     counts = (masked != IGNORE_INDEX).sum(1).tolist()
     assert set(counts) == {0, 16, 21, 32}, counts
+
+
+def test_validation_loss_is_the_mean_over_valid_labels(tmp_path: Path) -> None:
+    """Validation sums each batch's per-label losses and counts its valid labels: two batches with
+    unequal counts give the mean over all their valid labels, not the mean of the batches' means."""
+    trainer = Trainer(load_config(["--job.dump_folder", str(tmp_path), *TINY, "--training.local_batch_size", "2",
+                                   "--validation.enable", "true", "--validation.steps", "2"]))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (4, 33), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[0] = IGNORE_INDEX
+    labels[3, :20] = IGNORE_INDEX
+    batches = [(tokens[:2, :-1], labels[:2]), (tokens[2:, :-1], labels[2:])]
+    trainer.validator._iterator = lambda: iter(batches)  # type: ignore[method-assign]
+    got = trainer.validator.run()
+    with torch.no_grad():
+        want = loss_fn(trainer.model(tokens[:, :-1]), labels)
+    assert got["val_loss"] == pytest.approx(float(want), rel=FP32_RTOL)
+    assert got["val_tokens"] == int((labels != IGNORE_INDEX).sum()) == 32 + 12 + 32
