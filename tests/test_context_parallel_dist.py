@@ -13,6 +13,10 @@ a CP layout computes exactly one process's step with another summation order:
   matmuls along the sequence instead of the batch, so they round in other places).
 - Tokens are counted once per step (torchtitan#2983 counted them cp times); the logged loss is the
   window's (torchtitan#3280 showed it halved under TP + CP): the parity above is on logged losses.
+- Labels partly set to -100 (MASKED_LAYOUTS, loss normalisation by the step's global count of
+  valid labels: docs/parallelisms.md): FSDP 2, FSDP 2 x accumulation 2, CP 2, TP 2 (loss parallel)
+  and PP 2 equal one process on the same masked batches, within the fp32 bounds above. These runs
+  join the 1- and 2-process launches.
 
 Three launches (1, 2 and 4 processes), each training its runs one after another
 (tests/workers/layouts.py).
