@@ -129,7 +129,8 @@ def test_low_precision_logits_at_the_loss_are_named(tmp_path: Path, monkeypatch)
     # Pure bf16: no autocast, whose fp32 rule for log_softmax would rescue the loss by itself.
     t = _trainer(tmp_path, *PRECISIONS["pure_bf16"])
     monkeypatch.setattr(trainer_module, "loss_fn",
-                        lambda logits, labels: F.cross_entropy(logits.bfloat16().flatten(0, 1), labels.flatten()))
+                        lambda logits, labels, reduction="mean": F.cross_entropy(
+                            logits.bfloat16().flatten(0, 1), labels.flatten(), reduction=reduction))
     breaches = [str(b) for b in t.audit().breaches]
     assert breaches == ["loss: log_softmax input: promised float32, saw bfloat16"]
 

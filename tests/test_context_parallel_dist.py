@@ -13,6 +13,10 @@ a CP layout computes exactly one process's step with another summation order:
   matmuls along the sequence instead of the batch, so they round in other places).
 - Tokens are counted once per step (torchtitan#2983 counted them cp times); the logged loss is the
   window's (torchtitan#3280 showed it halved under TP + CP): the parity above is on logged losses.
+- Labels partly set to -100 (MASKED_LAYOUTS, loss normalisation by the step's global count of
+  valid labels: docs/parallelisms.md): FSDP 2, FSDP 2 x accumulation 2, CP 2, TP 2 (loss parallel)
+  and PP 2 equal one process on the same masked batches, within the fp32 bounds above. These runs
+  join the 1- and 2-process launches.
 
 Three launches (1, 2 and 4 processes), each training its runs one after another
 (tests/workers/layouts.py).
@@ -67,6 +71,17 @@ FSDP2 = Layout(2, (SHARD, "2"), dp=2)
 SINGLE = Layout(1, ())
 DOC_MASK_LAYOUTS = ("cp2", "cp2_fsdp2", "cp2_tp2", "pp2_cp2")
 ACCUM = ("--training.local_batch_size", "2", "--training.global_batch_size", str(GLOBAL_BATCH))
+# Labels partly set to -100 (tests/workers/layouts.py's mask_labels): the loss is normalised by the
+# step's global count of valid labels on every layout. Step 1 of FSDP 2 puts 32 valid labels on
+# rank 0 and none on rank 1; PP's microbatches of one window hold 16, 0, 16 and 0.
+MASKED_LAYOUTS = {
+    "fsdp2": FSDP2,
+    "fsdp2_accum": Layout(2, (SHARD, "2", "--training.local_batch_size", "1", "--training.global_batch_size",
+                              str(GLOBAL_BATCH))),
+    "cp2": LAYOUTS["cp2"],
+    "tp2": Layout(2, (TP, "2"), tp=True),  # loss parallel: the sum of a vocab-sharded cross-entropy
+    "pp2": Layout(2, (PP, "2", SCHEDULE, "1F1B")),
+}
 
 
 def _runs_for(nproc: int, docs: Path) -> list[dict]:
@@ -81,6 +96,9 @@ def _runs_for(nproc: int, docs: Path) -> list[dict]:
                  {"name": "fsdp2_bf16", "args": FSDP2.args("bf16")},
                  # The step's 4 sequences as 2 accumulated micro-batches of 2.
                  {"name": "cp2_accum_fp32", "args": LAYOUTS["cp2"].args("fp32", *ACCUM), "grads": True}]
+    # Last in their launches: before the normalisation by the global count these raised (NaN).
+    runs += [{"name": f"masked_{name}_fp32", "args": layout.args("fp32"), "grads": True, "mask_labels": True}
+             for name, layout in {"single": SINGLE, **MASKED_LAYOUTS}.items() if layout.nproc == nproc]
     return runs
 
 
@@ -152,6 +170,25 @@ def test_gradient_accumulation_under_cp_matches_one_process(trained: Launches) -
     """Two accumulated micro-batches of 2 sequences, each cut over 2 cp ranks: the step's mean loss
     and gradients are one process's single batch of 4."""
     _compare(trained.run("cp2_accum_fp32", 2), trained.run("single_fp32", 1), "cp2, 2 micro-batches")
+
+
+@pytest.mark.parametrize("name", list(MASKED_LAYOUTS))
+def test_masked_labels_match_one_process(trained: Launches, name: str) -> None:
+    """Labels set to -100 in unequal numbers per rank, micro-batch and pipeline microbatch (some
+    none valid): each layout's loss and gradients are one process's mean over the valid labels."""
+    run = trained.run(f"masked_{name}_fp32", MASKED_LAYOUTS[name].nproc)
+    _compare(run, trained.run("masked_single_fp32", 1), f"masked labels, {name}")
+
+
+def test_masked_labels_are_unequal_across_ranks_and_micro_batches(trained: Launches) -> None:
+    """What the test above rests on: the masked counts differ where a per-part mean would be wrong."""
+    single = trained.run("masked_single_fp32", 1).ranks()[0]["valid_labels"]
+    assert len(single) == STEPS and 0 < min(single) < max(single) < GLOBAL_BATCH * SEQ_LEN, single
+    fsdp = [r["valid_labels"] for r in trained.run("masked_fsdp2_fp32", 2).ranks()]
+    assert [a + b for a, b in zip(*fsdp)] == single
+    assert fsdp[0][0] > 0 == fsdp[1][0], fsdp  # step 1: one rank holds no valid label at all
+    accum = [r["valid_labels"] for r in trained.run("masked_fsdp2_accum_fp32", 2).ranks()]
+    assert len(accum[0]) == 2 * STEPS and len({*accum[0][:2], *accum[1][:2]}) > 1, accum
 
 
 def test_bf16_cp_within_precision_tolerance(trained: Launches) -> None:

@@ -98,7 +98,9 @@ class Launches:
         self.outputs[key] = result.describe(6000)
 
     def _launch_nproc1(self) -> None:
-        self._launch("nproc1", "layouts", 1, [{"name": "single", "args": args("single"), "grads": True}])
+        self._launch("nproc1", "layouts", 1, [{"name": "single", "args": args("single"), "grads": True},
+                                              {"name": "masked_single", "args": args("single"), "grads": True,
+                                               "mask_labels": True}])
 
     def _launch_nproc2(self) -> None:
         out = self.root / "nproc2"
@@ -126,6 +128,8 @@ class Launches:
             if name in RESUMED:
                 jobs.append(resume(f"resume_{name}", name, name))
         jobs += [resume(name, saved_by, layout) for name, (saved_by, layout) in CROSS.items()]
+        # Labels partly -100 (tests/support.mask_labels): step 1 leaves two of the 4 ranks no valid label.
+        jobs.append({"name": "masked_ep2_fsdp2", "args": args("ep2_fsdp2"), "grads": True, "mask_labels": True})
         self._launch("nproc4", "layouts", 4, jobs)
 
 
@@ -170,6 +174,23 @@ def test_expert_gradients_are_the_mean_over_all_ranks(launches: Launches, name: 
     worst = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
     print(f"{name}: step-1 gradients, max relative difference {worst:.2e}")
     assert worst <= REL_TOL
+
+
+def test_masked_labels_under_expert_parallel_match_one_process(launches: Launches) -> None:
+    """Unequal counts of valid labels per rank (two ranks with none at step 1): the loss divided by
+    the step's global count times the data-parallel size, which the experts' gradient divide factor
+    undoes as FSDP's mean does for the dense parameters, gives one process's mean over valid labels."""
+    folder = launches.folder("nproc4", "masked_ep2_fsdp2")
+    errors = sorted(folder.glob("error_rank*.txt"))
+    assert not errors, errors[0].read_text()[-2000:]
+    single, got = by_step(launches.folder("nproc1", "masked_single")), by_step(folder)
+    assert sorted(got) == sorted(single) == list(range(1, STEPS + 1))
+    worst = {k: max(rel(got[s][k], single[s][k]) for s in single) for k in ("loss", "grad_norm")}
+    want = torch.load(launches.folder("nproc1", "masked_single") / "grads_rank0.pt", weights_only=True)
+    grads = torch.load(folder / "grads_rank0.pt", weights_only=True)
+    worst["grads"] = max(float((grads[k] - want[k]).norm() / want[k].norm()) for k in want)
+    print(f"masked labels, ep2_fsdp2: max relative difference to one process: {worst}")
+    assert max(worst.values()) <= REL_TOL, worst
 
 
 @pytest.mark.parametrize("name", ["ep2", *RESUMED])

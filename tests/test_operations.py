@@ -27,8 +27,8 @@ def _trainer(tmp_path: Path, *extra: str) -> Trainer:
 def _nan_loss_at(monkeypatch: pytest.MonkeyPatch, trainer: Trainer, bad_steps: set[int]) -> None:
     real = trainer_mod.loss_fn
 
-    def loss_fn(logits, labels):  # type: ignore[no-untyped-def]
-        loss = real(logits, labels)
+    def loss_fn(logits, labels, **kwargs):  # type: ignore[no-untyped-def]
+        loss = real(logits, labels, **kwargs)
         return loss * math.nan if trainer.step in bad_steps else loss
 
     monkeypatch.setattr(trainer_mod, "loss_fn", loss_fn)

@@ -26,8 +26,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _ModalLoss:
-    """The one loss function a schedule holds, switched between training's (scaled, divided
-    over micro-batches and accumulation steps) and evaluation's (the plain mean)."""
+    """The one loss function a schedule holds, switched between training's (scaled, weighted by
+    the step's count of valid labels) and evaluation's (the plain sum over valid labels)."""
 
     def __init__(self, train: LossFn, evaluate: LossFn) -> None:
         self.train, self.evaluate, self.evaluating = train, evaluate, False
@@ -53,7 +53,8 @@ class Pipeline:
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> list[torch.Tensor]:
         """Forward only (the schedule's eval mode, every stage takes part): the last stage's
-        per-microbatch mean losses; [] on the other stages."""
+        per-microbatch losses as the evaluation loss function returns them (sums over valid
+        labels); [] on the other stages."""
         self.loss.evaluating = True
         try:
             with torch.no_grad():
@@ -171,8 +172,9 @@ def build_pipeline(
         stages.append(Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
     schedule_cls = get_schedule_class(schedule_name)
     # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
-    # holds, including those accumulated by earlier gradient-accumulation steps. The loss
-    # function divides by n_microbatches instead (see Trainer._pipeline_loss).
+    # holds, including those accumulated by earlier gradient-accumulation steps, and would weigh
+    # microbatches equally whatever their count of valid labels. The loss function divides by the
+    # step's count instead (see Trainer._pipeline_loss).
     stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
     loss = _ModalLoss(loss_fn, eval_loss_fn)
     schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -29,6 +28,7 @@ from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import NonFiniteError
 from torchtitan_amp.job import build_model_parts
 from torchtitan_amp.job import resolve as resolve_job
+from torchtitan_amp.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
 from torchtitan_amp.parallelize import parallel_context
@@ -40,10 +40,6 @@ if TYPE_CHECKING:
     from torchtitan_amp.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy on fp32 logits, whatever dtype the model produced them in."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
@@ -112,6 +108,7 @@ class Trainer:
         self.model_inputs = BatchSharder(self.job.mask_inputs, self.dims.cp, self.dims.cp_rank(self.info.rank))
         self.scaler = self.plan.build_scaler()
         self.pipeline: Pipeline | None = None
+        self._label_weight = torch.ones((), device=self.device)  # set per step (forward_backward)
         self.model_parts = self._build_model()
         self.model = self.model_parts[0]
         self.validator = None if spec is None else validation.Validator(
@@ -219,19 +216,25 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
 
     def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss on the last stage, called by the schedule per microbatch (scaled for fp16); divided
-        so that the microbatches of all accumulation steps sum to the batch mean."""
-        loss = loss_fn(self.plan.cast_output(output), labels) / (self.accum * self.pipeline.n_microbatches)
+        """Loss on the last stage, called by the schedule per microbatch (scaled for fp16): the sum
+        over its valid labels times the step's label weight, so that the microbatches of all
+        accumulation steps and ranks make the step's mean."""
+        loss = loss_fn(self.plan.cast_output(output), labels, reduction="sum") * self._label_weight
         return self.scaler.scale(loss)
 
     def _pipeline_eval_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss on the last stage during evaluation: the plain per-microbatch mean."""
-        return loss_fn(self.plan.cast_output(output), labels)
+        """Loss on the last stage during evaluation: the sum over the microbatch's valid labels
+        (validation divides by their count)."""
+        return loss_fn(self.plan.cast_output(output), labels, reduction="sum")
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch. Returns this rank's loss (0 on pipeline stages without the loss): the
-        mean over its tokens, which under CP are as many on every cp rank, so that the mean of the
-        cp ranks' losses (and FSDP's mean of their gradients) is the window's."""
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                         weight: torch.Tensor | None = None) -> torch.Tensor:
+        """One micro-batch (a loader batch: the whole windows). `weight`: each valid label's weight,
+        `label_weight` of the step's count (None: of this micro-batch's over the data-parallel
+        ranks, as a one-micro-batch step). Returns this rank's loss (0 on pipeline stages without
+        the loss): its cross-entropy sum times the weight, so that the mean of the loss ranks'
+        losses (and the gradient wrappers' mean of their gradients) is the step's mean."""
+        self._label_weight = self._step_label_weight([labels]) if weight is None else weight
         inputs, labels, extra = self.model_inputs(inputs, labels)
         if self.pipeline is not None:
             self._set_loss_factor(self.accum * self.pipeline.n_microbatches)
@@ -247,12 +250,20 @@ class Trainer:
         self._set_loss_factor(self.accum)
         with parallel_context(self.dims, self.config), self.plan.forward_context():
             logits = self.plan.cast_output(self.model(inputs, **extra))
-            loss = loss_fn(logits, labels) / self.accum
+            loss = loss_fn(logits, labels, reduction="sum") * self._label_weight
         with parallel_context(self.dims, self.config), self.plan.backward_context():
             self.scaler.scale(loss).backward()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _step_label_weight(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """`label_weight` of the valid labels in `labels` (loader batches: whole windows) over
+        every data-parallel rank. The cp ranks of a data-parallel rank hold the same windows, so
+        the dp group's sum is the step's count; the gradient mean runs over dp x cp (the loss
+        group, which is also FSDP's, HSDP's or DDP's group and EP's divide factor)."""
+        grad_mean_size = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
+        return label_weight(count_valid_labels(labels, self.dp_group), grad_mean_size)
 
     def _set_loss_factor(self, divisor: int) -> None:
         """Losses the model adds itself (MoE's auxiliary loss) get the trainer's loss factor."""
@@ -264,15 +275,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for micro in range(self.accum):
-            data_start = time.perf_counter()
-            inputs, labels = next(batches)
-            self.data_time_s += time.perf_counter() - data_start
+        micro_batches = self._next_micro_batches(batches)
+        # Every micro-batch's loss is divided by the step's count of valid labels, known before the
+        # first backward: the micro-batches are fetched first (as torchtitan does).
+        weight = self._step_label_weight([labels for _, labels in micro_batches])
+        for micro, (inputs, labels) in enumerate(micro_batches):
             if self.dims.ddp_enabled:
                 # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
                 for part in self.model_parts:
                     part.set_requires_gradient_sync(micro == self.accum - 1)
-            loss_sum += self.forward_backward(to_device(inputs, self.device), to_device(labels, self.device))
+            loss_sum += self.forward_backward(inputs, labels, weight)
             self.metrics.record_tokens(inputs.numel())
         self.reduce_partial_grads(self.params)
         if self.job.family.after_backward is not None:
@@ -307,6 +319,17 @@ class Trainer:
             if self.job.family.after_step is not None:
                 self.job.family.after_step(self.model_parts)
         return loss_sum, grad_norm, stepped
+
+    def _next_micro_batches(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's `accum` loader batches, on the device (waiting for them is data time)."""
+        out = []
+        for _ in range(self.accum):
+            data_start = time.perf_counter()
+            inputs, labels = next(batches)
+            self.data_time_s += time.perf_counter() - data_start
+            out.append((to_device(inputs, self.device), to_device(labels, self.device)))
+        return out
 
     def train(self) -> None:
         t = self.config.training
@@ -401,7 +424,8 @@ class Trainer:
             # Only the last stage computed the loss; the others hold 0.
             loss = loss.clone()
             dist.all_reduce(loss, group=self.pp_group)
-        # Over data- and context-parallel ranks: a cp rank's loss covers its share of the window.
+        # Each rank's loss is its share of the step's label sum times the loss group's size
+        # (label_weight): their mean over the data- and context-parallel ranks is the step's mean.
         mean_loss = distributed.mean_across(loss, self.loss_group)
         if not math.isfinite(mean_loss) and not self.scaler.enabled and not self.config.training.skip_nonfinite_steps:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "

@@ -31,6 +31,7 @@ from torchtitan_amp.data import ParallelAwareDataLoader, build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.errors import DataError
 from torchtitan_amp.generation import ModelRunner, SamplePrompts, resolve_samples
+from torchtitan_amp.loss import IGNORE_INDEX
 from torchtitan_amp.parallelize import parallel_context
 from torchtitan_amp.pipeline import Pipeline
 from torchtitan_amp.precision import PrecisionPlan
@@ -108,7 +109,7 @@ class Validator:
 
     def __init__(self, spec: ValidationSpec, loader: ParallelAwareDataLoader, *, config: JobConfig,
                  plan: PrecisionPlan, dims: Any, model_parts: list[nn.Module], pipeline: Pipeline | None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                 loss_fn: Callable[..., torch.Tensor], device: torch.device,
                  loss_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
                  is_logging_rank: bool, model_inputs: ModelInputs = lambda x, y: (x, y, {})) -> None:
         """loss_group: every rank holding a share of a step's tokens (data- and context-parallel);
@@ -132,8 +133,8 @@ class Validator:
         return self.loader.num_windows_per_epoch // self.spec.local_batch_size
 
     def run(self) -> dict[str, float]:
-        """One evaluation: the token-weighted mean loss over every evaluated token of every
-        data-parallel rank, its perplexity, the token count and the wall time (sample generation
+        """One evaluation: the mean loss over every evaluated valid label (not ignore_index) of
+        every data-parallel rank, its perplexity, the count of those labels and the wall time (sample generation
         included; the continuations are in `self.samples`)."""
         self.plan.check_no_user_autocast()
         start = time.perf_counter()
@@ -157,7 +158,8 @@ class Validator:
         for group in (self.pp_group, self.loss_group):  # stages first: only the last one holds losses
             if group is not None:
                 dist.all_reduce(total, group=group)
-        loss, tokens = float(total[0] / total[1]), float(total[1])
+        # No valid label at all: loss 0 (a sum of nothing), not 0 / 0.
+        loss, tokens = float(total[0] / total[1].clamp(min=1)), float(total[1])
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": tokens,
                 "val_time_s": time.perf_counter() - start}
 
@@ -172,24 +174,24 @@ class Validator:
         return self._batches
 
     def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """[sum of this batch's per-token losses, its token count] as seen by this rank: zeros on
-        pipeline stages without the loss."""
+        """[sum of this batch's per-label losses, its count of valid labels (not ignore_index)] as
+        seen by this rank: zeros on pipeline stages without the loss. Sums, not means, so that
+        ranks and batches with fewer valid labels weigh less, exactly."""
         inputs, labels, extra = self.model_inputs(inputs, labels)
         if self.pipeline is not None:
             with parallel_context(self.dims, self.config):
-                losses = self.pipeline.evaluate(inputs, labels, **extra)
+                losses = self.pipeline.evaluate(inputs, labels, **extra)  # per-microbatch sums
             if not losses:
                 return torch.zeros(2, dtype=torch.float64, device=self.device)
-            tokens_per_microbatch = labels.numel() / len(losses)
-            return torch.stack([torch.stack(losses).double().sum() * tokens_per_microbatch,
-                                torch.tensor(float(labels.numel()), dtype=torch.float64, device=self.device)])
-        # Its own outermost autocast region per forward (see the module docstring).
-        with parallel_context(self.dims, self.config), self.plan.forward_context():
-            loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **extra)), labels)
-        if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
-            loss = loss.full_tensor()
-        return torch.stack([loss.double() * labels.numel(),
-                            torch.tensor(float(labels.numel()), dtype=torch.float64, device=self.device)])
+            loss = torch.stack(losses).sum()
+        else:
+            # Its own outermost autocast region per forward (see the module docstring).
+            with parallel_context(self.dims, self.config), self.plan.forward_context():
+                loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **extra)), labels,
+                                    reduction="sum")
+            if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
+                loss = loss.full_tensor()
+        return torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
 
     def _restore(self, modes: list[bool]) -> None:
         """Modules back in their previous train/eval mode; FSDP parameters resharded (a forward

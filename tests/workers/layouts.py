@@ -11,7 +11,8 @@ all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json wi
 mesh coordinates, data-parallel rank and what AC / compile wrapped, and evidence taken during the
 run: every step's gradient norm against an independent fp64 one (tests/workers/norm_check.py),
 the frozen parameters' gradients, optimizer state and digests before vs after training,
-the last step's full gradients for jobs marked "grads": true (grads_rank{R}.pt), and
+the last step's full gradients for jobs marked "grads": true (grads_rank{R}.pt), the valid-label
+counts of jobs marked "mask_labels": true (whose loader labels are partly set to -100, `mask_labels`), and
 for stochastically rounded bf16 weights the updates below half a bf16 ulp that moved a weight;
 rank 0's metrics.jsonl and precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
 stops the launch (later runs do not start).
@@ -23,6 +24,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
-from tests.support import digest, exit_process, read_spec
+from tests.support import digest, exit_process, mask_labels, read_spec
 from tests.workers import norm_check
 
 
@@ -118,6 +120,22 @@ class RunEvidence:
     """What a run records before and during train(); reset at the start of each run."""
     frozen_digests: dict[str, str] = field(default_factory=dict)
     rounding: RoundingRecorder | None = None
+    valid_labels: list[int] = field(default_factory=list)  # per loader batch, "mask_labels" runs
+
+
+def _mask_train_labels(trainer: Trainer) -> None:
+    """Every loader batch of this run's train steps through `mask_labels`, its count recorded."""
+    step = trainer.train_step
+
+    def masked_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> object:
+        def masked() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for inputs, labels in batches:
+                labels = mask_labels(labels)
+                _run.valid_labels.append(int((labels != -100).sum()))
+                yield inputs, labels
+        return step(masked())
+
+    trainer.train_step = masked_step  # type: ignore[method-assign]
 
 
 _run = RunEvidence()
@@ -140,6 +158,8 @@ def _train_with_evidence(trainer: Trainer) -> None:
             _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
     _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
+    if Path(trainer.config.job.dump_folder).name in _MASK_RUNS:  # first: the grads wrapper keeps it
+        _mask_train_labels(trainer)
     if Path(trainer.config.job.dump_folder).name in _GRAD_RUNS:
         _save_grads_after_first_step(trainer)
     _train(trainer)
@@ -159,6 +179,8 @@ def _frozen_info(trainer: Trainer) -> dict[str, dict]:
 # every layout; later steps' weights have moved apart through AdamW's normalisation of tiny
 # gradients). FSDP / TP shards gathered: every rank of the run takes part in those collectives.
 _GRAD_RUNS: set[str] = set()
+# Runs whose spec job says "mask_labels": true train on labels partly set to -100 (mask_labels).
+_MASK_RUNS: set[str] = set()
 
 
 def _save_grads(trainer: Trainer) -> None:
@@ -217,7 +239,8 @@ def _rank_info(trainer: Trainer) -> dict:
             "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None
                             and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
             "frozen": _frozen_info(trainer),
-            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None}
+            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
+            "valid_labels": _run.valid_labels}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
@@ -242,6 +265,7 @@ def main(spec_path: str) -> None:
         register_flavor(name, dataclasses.replace(LLAMA3_FLAVORS[fields.pop("base")], **fields))
     out, runs = spec.out, spec.jobs
     _GRAD_RUNS.update(run["name"] for run in runs if run.get("grads"))
+    _MASK_RUNS.update(run["name"] for run in runs if run.get("mask_labels"))
     for i, wall_s in train_in_turn([(out / run["name"], run["args"]) for run in runs], inspect=_rank_info):
         if rank == "0":
             (out / runs[i]["name"] / "wall_s.txt").write_text(f"{wall_s:.2f}\n")

@@ -208,9 +208,9 @@ class Recorder:
             self.cross_entropy_input.add(dname(local(x).dtype))
             return orig_ce(x, *a, **k)
 
-        def loss_fn(logits, labels):  # type: ignore[no-untyped-def]
+        def loss_fn(logits, labels, **kwargs):  # type: ignore[no-untyped-def]
             self.loss_logits.add(dname(local(logits).dtype))
-            return orig_loss(logits, labels)
+            return orig_loss(logits, labels, **kwargs)
 
         F.rms_norm, F.cross_entropy, trainer_mod.loss_fn = rms_norm, cross_entropy, loss_fn
         try:
