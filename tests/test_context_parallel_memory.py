@@ -155,3 +155,104 @@ def test_causal_chunk_attention_takes_grouped_kv_as_repeated() -> None:
     # dK/dV: the two chunks' sums, in another order than repeat_kv's head sum
     torch.testing.assert_close(dk, dk_r, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dv, dv_r, rtol=1e-6, atol=1e-6)
+
+
+def test_sharder_hands_the_window_documents_in_the_keys_gathered_order() -> None:
+    """kv_doc_ids on every rank is what an all-gather of the ranks' doc_ids would give: rank 0's
+    chunks first (the order gather_kv lays keys out); positions follow from the shape."""
+    from torchtitan_amp.context_parallel import BatchSharder
+    from torchtitan_amp.models.attention import MaskInputs
+
+    cp, seq = 4, 32
+    torch.manual_seed(0)
+    inputs = torch.randint(0, 8, (2, seq))
+    inputs[:, ::7] = 256  # BOS: several documents per window
+    sharded = [BatchSharder(MaskInputs("block_causal", 256, 257), cp, r)(inputs, inputs) for r in range(cp)]
+    gathered_docs = torch.cat([extra["doc_ids"] for _, _, extra in sharded], dim=1)
+    gathered_pos = torch.cat([extra["positions"] for _, _, extra in sharded], dim=1)
+    for _, _, extra in sharded:
+        assert torch.equal(extra["kv_doc_ids"], gathered_docs)
+    assert torch.equal(gathered_pos[0], gathered_positions(seq, cp))
+    assert torch.equal(_cp_rank(cp, 1).key_positions(seq // cp, torch.device("cpu")), gathered_positions(seq, cp))
+    assert "kv_doc_ids" not in BatchSharder(MaskInputs("causal", 256, 257), cp, 1)(inputs, inputs)[2]
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "block_causal"])
+def test_cp_forward_gathers_keys_and_values_only(monkeypatch: pytest.MonkeyPatch, mask_type: str) -> None:
+    """One forward of a CP 2 rank (a fake process group) all-gathers K and V per block and nothing
+    else: no positions, no document ids (block_causal gathered both every forward before)."""
+    from torchtitan_amp import context_parallel as cp_mod
+    from torchtitan_amp import dry_run, parallelize
+    from torchtitan_amp.context_parallel import BatchSharder
+    from torchtitan_amp.models.attention import MaskInputs
+
+    gathered: list[torch.dtype] = []
+    gather = cp_mod.collectives()[0]
+
+    def record(x: torch.Tensor, dim: int, group: object) -> torch.Tensor:
+        gathered.append(x.dtype)
+        return gather(x, dim, group)
+
+    monkeypatch.setattr(cp_mod, "_ALL_GATHER", record)
+    cp, seq, layers = 2, 32, 2
+    created = dry_run.init_fake_process_group(cp, 1)
+    try:
+        model = _gqa_model(layers)
+        parallelize.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
+        tokens = torch.randint(0, 64, (2, seq))
+        inputs, _, extra = BatchSharder(MaskInputs(mask_type, 256, 257), cp, 1)(tokens, tokens)
+        model(inputs, **extra)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    assert gathered == [torch.float32] * 2 * layers
+
+
+def _attention_ops(run) -> set:  # type: ignore[no-untyped-def]
+    """The aten attention ops a call dispatches (forward), as OpOverloads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if "attention" in func.name():
+                seen.add(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        run()
+    return seen
+
+
+def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
+    """On this CPU: causal, CP's lower-right bias and an explicit bool mask, in fp32 and bf16, with
+    grouped and repeated K/V, dispatch ops in parallelize.SAC_SAVE_LIST. On CUDA the lower-right
+    bias calls its kernels by name (torch.nn.attention.bias): each of those names is in it too
+    (the efficient one, _efficient_attention_forward, was missing: op-level SAC recomputed CP's
+    fp32 attention in backward)."""
+    import inspect
+    import re
+
+    from torch.nn.attention.bias import CausalBias
+
+    from torchtitan_amp.context_parallel import lower_right_causal
+    from torchtitan_amp.parallelize import SAC_SAVE_LIST
+
+    n, end = 8, 24
+    seen = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        for kv_heads in (4, 2):
+            q = torch.randn(2, 4, n, 16, dtype=dtype)
+            k, v = torch.randn(2, kv_heads, end, 16, dtype=dtype), torch.randn(2, kv_heads, end, 16, dtype=dtype)
+            gqa = kv_heads != 4
+            mask = torch.ones(n, end, dtype=torch.bool).tril(end - n)
+            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True,
+                                                                          enable_gqa=gqa))
+            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(n, end),
+                                                                          enable_gqa=gqa))
+            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
+    assert seen and seen <= SAC_SAVE_LIST, seen - SAC_SAVE_LIST
+    named = set(re.findall(r"torch\.ops\.aten\.(\w+)\(", inspect.getsource(CausalBias._dispatch)))
+    assert named == {"_scaled_dot_product_flash_attention", "_efficient_attention_forward"}, named
+    assert {getattr(torch.ops.aten, name).default for name in named} <= SAC_SAVE_LIST
