@@ -256,3 +256,38 @@ def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
     named = set(re.findall(r"torch\.ops\.aten\.(\w+)\(", inspect.getsource(CausalBias._dispatch)))
     assert named == {"_scaled_dot_product_flash_attention", "_efficient_attention_forward"}, named
     assert {getattr(torch.ops.aten, name).default for name in named} <= SAC_SAVE_LIST
+
+
+def test_cp_causal_that_would_build_a_mask_on_cuda_is_refused_in_one_line() -> None:
+    from torchtitan_amp.config import ConfigError
+    from torchtitan_amp.context_parallel import check_causal_kernel
+
+    check_causal_kernel("cuda", "bfloat16", 128, 8, "x")  # flash
+    check_causal_kernel("cuda", "float32", 128, 8, "x")  # efficient
+    check_causal_kernel("cpu", "float32", 6, 8, "x")  # CPU builds its chunk masks by design
+    check_causal_kernel("cuda", "float32", 6, 1, "x")  # no CP: plain causal, not this check's
+    with pytest.raises(ConfigError) as err:
+        check_causal_kernel("cuda", "bfloat16", 260, 2, "mixed_precision.param_dtype, model.flavor 'f'")
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("'parallelism.context_parallel_degree' = 2 with causal attention on cuda in "
+                                      "bfloat16 at head_dim 260 (mixed_precision.param_dtype, model.flavor 'f')")
+
+
+def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Through the trainer's checks (job.resolve): a dry run sizes GPUs, so it asks CUDA's kernels;
+    a flavour with head_dim 6 in fp32 has neither (efficient needs a multiple of 4); block_causal
+    and CP 1 are not refused."""
+    from torchtitan_amp import dry_run
+    from torchtitan_amp.config import ConfigError, load_config
+    from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
+
+    monkeypatch.setitem(LLAMA3_FLAVORS, "head_dim_6", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"],
+                                                                          dim=24, n_heads=4))
+    base = ["--model.flavor", "head_dim_6", "--mixed_precision.enabled", "false", "--training.seq_len", "64",
+            "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "258"]
+    with pytest.raises(ConfigError, match=r"in float32 at head_dim 6 \(training.dtype, model.flavor 'head_dim_6'\)"):
+        dry_run.resolve(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 2)
+    dry_run.resolve(load_config([*base, "--parallelism.context_parallel_degree", "2",
+                                 "--model.attn_mask_type", "block_causal"]), 2)
+    dry_run.resolve(load_config(base), 1)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
+from torchtitan_amp.rules import materialises_causal_mask
 from torchtitan_amp.torch_compat import sequence_collectives
 
 # The seam for tools that label or record the cp collectives (the audit, the precision test):
@@ -60,6 +61,22 @@ def check_seq_len(seq_len: int, cp: int, field: str = "training.seq_len") -> Non
     if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(f"'{field}' = {seq_len} must be divisible by 2 x context_parallel_degree = "
                           f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks of a sequence)")
+
+
+def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, where: str) -> None:
+    """Causal attention under CP runs each query chunk with a lower-right causal bias: refuse a
+    CUDA setting where neither kernel that takes the bias as a flag qualifies, on which torch
+    would silently build the chunk's mask and the whole score matrix in the math kernel (at 128k
+    tokens, 128 GiB of fp32 scores per head-batch). `where` names the fields that set the dtype
+    and head_dim. CPU builds one [n, end] mask per chunk by design: allowed."""
+    from torchtitan_amp.config import ConfigError
+
+    if cp > 1 and device_type == "cuda" and materialises_causal_mask(device_type, compute, head_dim):
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' = {cp} with causal attention on cuda in {compute} at head_dim "
+            f"{head_dim} ({where}): no SDPA kernel takes the lower-right causal bias there (flash: bfloat16/float16, "
+            "head_dim <= 256; efficient: head_dim a multiple of 8 in 16 bits, of 4 in float32), so torch would "
+            "build each chunk's mask and all its scores; use such a dtype or head_dim, or context_parallel_degree 1")
 
 
 @dataclass(frozen=True)
