@@ -66,8 +66,8 @@ def check_seq_len(seq_len: int, cp: int, field: str = "training.seq_len") -> Non
 def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, where: str) -> None:
     """Causal attention under CP runs each query chunk with a lower-right causal bias: refuse a
     CUDA setting where neither kernel that takes the bias as a flag qualifies, on which torch
-    would silently build the chunk's mask and the whole score matrix in the math kernel (at 128k
-    tokens, 128 GiB of fp32 scores per head-batch). `where` names the fields that set the dtype
+    would silently build the chunk's mask and the whole score matrix in the math kernel (a whole
+    window's fp32 scores at 131072 tokens are 64 GiB per head and sequence). `where` names the fields that set the dtype
     and head_dim. CPU builds one [n, end] mask per chunk by design: allowed."""
     from torchtitan_amp.config import ConfigError
 
