@@ -101,7 +101,7 @@ class BatchSharder:
         if "doc_ids" in whole:
             # The keys' documents are the whole window's, known here: handed to attention in the
             # order gather_kv lays the keys out, instead of all-gathered every forward.
-            order = gathered_positions(inputs.shape[1], self.cp).to(inputs.device)
+            order = gathered_positions(inputs.shape[1], self.cp, inputs.device)
             extra["kv_doc_ids"] = whole["doc_ids"].index_select(1, order)
         # One row per sample, not one shared row: pipeline parallel splits keyword inputs on dim 0.
         extra["positions"] = keep.expand(inputs.shape[0], -1)
@@ -149,9 +149,10 @@ def lower_right_causal(n: int, end: int) -> Any:
     return _CAUSAL_BIAS[n, end]
 
 
-def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
-    """The window positions of the keys all-gathered over cp ranks, in the order they arrive."""
-    return torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)])
+def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
+    """The window positions of the keys all-gathered over cp ranks, in the order they arrive (made
+    on `device`: a host-to-device copy would wait for the stream on CUDA)."""
+    return torch.cat([head_tail_positions(seq_len, cp, r, device) for r in range(cp)])
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class ContextParallel:
         gathered."""
         key = (local_len * self.degree, self.degree, device)
         if key not in _KEY_POSITIONS:
-            _KEY_POSITIONS[key] = gathered_positions(local_len * self.degree, self.degree).to(device)
+            _KEY_POSITIONS[key] = gathered_positions(local_len * self.degree, self.degree, device)
         return _KEY_POSITIONS[key]
 
     def gather_ids(self, x: torch.Tensor) -> torch.Tensor:
