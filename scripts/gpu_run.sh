@@ -2,7 +2,8 @@
 # Everything a lent GPU machine should run, as one device call of at most ~9.5 minutes:
 #   1. torchtitan_amp/tools/gpu_checks.py (GPU_CHECKS_TIMEOUT, 330 s)  autocast dtypes, loss curves,
 #      pinned-memory async resume, MoE curves + grouped_mm + mm(out_dtype), KV-cache generation,
-#      fp8 curve + audit, fp8 vs bf16 speed (compiled)
+#      CP causal chunk attention on flash / efficient with no mask tensor, fp8 curve + audit,
+#      fp8 vs bf16 speed (compiled)
 #   2. benchmarks/gpu_mfu.sh (GPU_MFU_TIMEOUT, 230 s)  8B-shaped model: tokens/s/GPU, MFU, peak memory
 # Results: $OUT/gpu_checks.json (rewritten as each check starts and ends), $OUT/gpu_mfu.json,
 # $OUT/gpu_run.log. Extra arguments go to gpu_checks (e.g. --only probe,curves).

@@ -299,6 +299,9 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
     *((kv, p, "causal", 1) for kv in (4, 1) for p in ("autocast_bf16", "fp32")),
     (4, "fp32", "block_causal", 1), (1, "autocast_bf16", "block_causal", 1),
     (4, "autocast_bf16", "block_causal", 2), (1, "fp32", "causal", 2), (4, "autocast_bf16", "causal", 4),
+    # GQA, 2 query heads per kv head: this CPU's kernel takes the window's K/V grouped in fp32 (no
+    # repeated copy; a GPU's flash kernel in 16 bits), repeats them in bf16 (CUDA's layer_cpu delta)
+    (2, "fp32", "causal", 2), (2, "autocast_bf16", "causal", 2), (2, "fp32", "block_causal", 2),
 ])
 def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str, mask_type: str, cp: int) -> None:
     """Also with an explicit mask (SDPA saves an additive copy per layer) and under context
@@ -321,6 +324,8 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
     try:
         if cp > 1:
             extra["positions"] = head_tail_positions(s, cp, 1).expand(b, -1)
+            if "doc_ids" in extra:  # the window's, as BatchSharder hands them (values do not matter)
+                extra["kv_doc_ids"] = torch.cat([extra["doc_ids"]] * cp, dim=1)
         measured = {}
         for layers in (1, 3):
             margs = LlamaModelArgs(dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258,

@@ -48,6 +48,9 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert moe["router"]["router_dtype"] == "float32" and moe["expert_ops"]["bf16"], moe
     # torch 2.11-2.13 have torch.mm(out_dtype=) on CUDA only: the gate stays an fp32 matmul here.
     assert moe["mm_bf16_in_fp32_out"]["ran"] is False, moe["mm_bf16_in_fp32_out"]
+    cp_attention = results["checks"]["cp_attention"]  # CPU: its kernel, its masks by design
+    assert {r["kernel_predicted"] for r in cp_attention.values() if isinstance(r, dict)} == {"cpu_flash"}, cp_attention
+    assert cp_attention["float32_hd32"]["grouped_kv"] and not cp_attention["bfloat16_hd32"]["grouped_kv"]
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated
     assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated
@@ -176,6 +179,20 @@ def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, m
     out: dict[str, Any] = {}
     assert gpu_checks.check_generate(a, tmp_path, out) is False
     assert out["fp32"]["max_abs_logit_diff"] > 100 * gpu_checks.GENERATE_ATOL, out
+
+
+def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_prediction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told that CPU's lower-right attention makes no mask (as CUDA's kernels do not), the check
+    sees the masks this CPU builds and fails."""
+    from torchtitan_amp import rules
+
+    a = argparse.Namespace(device="cpu", tiny=True)
+    assert gpu_checks.check_cp_attention(a, tmp_path, {}) is True
+    monkeypatch.setattr(rules, "materialises_causal_mask", lambda *args: False)
+    out: dict[str, Any] = {}
+    assert gpu_checks.check_cp_attention(a, tmp_path, out) is False
+    assert out["float32_hd32"]["chunk_shaped_tensors"] and out["float32_hd32"]["expected_op_ran"], out
 
 
 def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

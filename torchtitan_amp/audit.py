@@ -18,7 +18,7 @@ Promises checked, each by module name or collective:
   parallel FSDP shards over dp_shard x cp: the flattened "dp_shard_cp" dim; under expert
   parallel the routed experts over "efsdp");
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
-  dtype (and positions / document ids as integers), their gradients reduce-scattered over "cp"
+  dtype (integers, if a caller gathers document ids), their gradients reduce-scattered over "cp"
   in the plan's cp_reduce_dtype, and both are seen at all;
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype

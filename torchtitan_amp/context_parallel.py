@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
+from torchtitan_amp.rules import materialises_causal_mask
 from torchtitan_amp.torch_compat import sequence_collectives
 
 # The seam for tools that label or record the cp collectives (the audit, the precision test):
@@ -62,11 +63,28 @@ def check_seq_len(seq_len: int, cp: int, field: str = "training.seq_len") -> Non
                           f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks of a sequence)")
 
 
+def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, where: str) -> None:
+    """Causal attention under CP runs each query chunk with a lower-right causal bias: refuse a
+    CUDA setting where neither kernel that takes the bias as a flag qualifies, on which torch
+    would silently build the chunk's mask and the whole score matrix in the math kernel (a whole
+    window's fp32 scores at 131072 tokens are 64 GiB per head and sequence). `where` names the fields that set the dtype
+    and head_dim. CPU builds one [n, end] mask per chunk by design: allowed."""
+    from torchtitan_amp.config import ConfigError
+
+    if cp > 1 and device_type == "cuda" and materialises_causal_mask(device_type, compute, head_dim):
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' = {cp} with causal attention on cuda in {compute} at head_dim "
+            f"{head_dim} ({where}): no SDPA kernel takes the lower-right causal bias there (flash: bfloat16/float16, "
+            "head_dim <= 256; efficient: head_dim a multiple of 8 in 16 bits, of 4 in float32), so torch would "
+            "build each chunk's mask and all its scores; use such a dtype or head_dim, or context_parallel_degree 1")
+
+
 @dataclass(frozen=True)
 class BatchSharder:
     """A loader batch -> what this rank's model sees: the mask inputs (document ids) computed on the
     whole window first, then inputs, labels and every keyword input cut to this cp rank's chunks,
-    plus `positions` (the tokens' places in the window, for rotary embeddings and the mask).
+    plus `positions` (the tokens' places in the window, for rotary embeddings and the mask) and,
+    with document ids, `kv_doc_ids` (the whole window's, in the keys' gathered order).
     With cp = 1 only the mask inputs are added."""
 
     mask_inputs: object  # models.attention.MaskInputs: tokens -> {"doc_ids": ...} or {}
@@ -75,11 +93,16 @@ class BatchSharder:
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        extra = self.mask_inputs(inputs)
+        whole = self.mask_inputs(inputs)
         if self.cp == 1:
-            return inputs, labels, extra
+            return inputs, labels, whole
         keep = head_tail_positions(inputs.shape[1], self.cp, self.cp_rank, inputs.device)
-        extra = {name: value.index_select(1, keep) for name, value in extra.items()}
+        extra = {name: value.index_select(1, keep) for name, value in whole.items()}
+        if "doc_ids" in whole:
+            # The keys' documents are the whole window's, known here: handed to attention in the
+            # order gather_kv lays the keys out, instead of all-gathered every forward.
+            order = gathered_positions(inputs.shape[1], self.cp, inputs.device)
+            extra["kv_doc_ids"] = whole["doc_ids"].index_select(1, order)
         # One row per sample, not one shared row: pipeline parallel splits keyword inputs on dim 0.
         extra["positions"] = keep.expand(inputs.shape[0], -1)
         return inputs.index_select(1, keep), labels.index_select(1, keep), extra
@@ -110,6 +133,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 _CAUSAL_BIAS: dict[tuple[int, int], Any] = {}
 _WINDOW_ORDER: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_KEY_POSITIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
 def lower_right_causal(n: int, end: int) -> Any:
@@ -125,9 +149,10 @@ def lower_right_causal(n: int, end: int) -> Any:
     return _CAUSAL_BIAS[n, end]
 
 
-def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
-    """The window positions of the keys all-gathered over cp ranks, in the order they arrive."""
-    return torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)])
+def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
+    """The window positions of the keys all-gathered over cp ranks, in the order they arrive (made
+    on `device`: a host-to-device copy would wait for the stream on CUDA)."""
+    return torch.cat([head_tail_positions(seq_len, cp, r, device) for r in range(cp)])
 
 
 @dataclass(frozen=True)
@@ -166,8 +191,10 @@ class ContextParallel:
         """Gathered keys or values [B, S, H, D] -> the same in window order (positions 0..S-1)."""
         return x.index_select(1, self._window_order(x.shape[1], x.device))
 
-    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False
+                         ) -> torch.Tensor:
         """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
+        (or [B, H_kv, S, D] with `enable_gqa`: views of one window-ordered tensor either way)
         -> [B, H, S/cp, D]. Chunk c of the window (positions [c n, (c+1) n)) attends to keys
         [0, (c+1) n): a causal mask aligned to the lower right of that prefix."""
         n = q.shape[2] // 2
@@ -175,15 +202,25 @@ class ContextParallel:
         for part, chunk in zip((q[:, :, :n], q[:, :, n:]), self._chunks()):
             end = (chunk + 1) * n
             outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=lower_right_causal(n, end)))
+                                                       attn_mask=lower_right_causal(n, end), enable_gqa=enable_gqa))
         return torch.cat(outs, dim=2)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Keys or values [B, s, H, D] -> the whole window's [B, cp x s, H, D] (differentiable)."""
         return _GatherSequence.apply(x, self.group, self.reduce_dtype)
 
+    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The window positions of the gathered keys, [cp x local_len] in the order gather_kv lays
+        them out: a function of the shape (gathered_positions), made once per shape, never
+        gathered."""
+        key = (local_len * self.degree, self.degree, device)
+        if key not in _KEY_POSITIONS:
+            _KEY_POSITIONS[key] = gathered_positions(local_len * self.degree, self.degree, device)
+        return _KEY_POSITIONS[key]
+
     def gather_ids(self, x: torch.Tensor) -> torch.Tensor:
-        """Positions or document ids [B, s] -> [B, cp x s], in the order gather_kv lays keys out."""
+        """Document ids [B, s] -> [B, cp x s], in the order gather_kv lays keys out: for a caller
+        that did not hand the window's (BatchSharder does: `kv_doc_ids`)."""
         return _all_gather(x, self.group)
 
 

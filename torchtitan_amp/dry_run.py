@@ -299,8 +299,8 @@ FORMULAS = {
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
           "forward, again when the block is recomputed (AC); reduce-scatter of their gradients in "
-          "cp_reduce_dtype in backward; per stage forward: positions (int64) and block_causal's document "
-          "ids (int32) of the window, [B x seq]",
+          "cp_reduce_dtype in backward; nothing else (the keys' positions follow from the shape, block_causal's "
+          "document ids come with the batch)",
     "hsdp_all_reduce": "padded grad shard in reduce dtype after each reduce-scatter",
     "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "
                       "storage dtype; once per step",

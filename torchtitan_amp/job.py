@@ -17,6 +17,7 @@ from torch import nn
 from torchtitan_amp import memory, profiling
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training
+from torchtitan_amp.context_parallel import check_causal_kernel
 from torchtitan_amp.matmul_speed import low_precision_speed
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
@@ -117,6 +118,17 @@ def check_mask_type(mask_type: str, family: ModelFamily, cp: int = 1) -> None:
                           f"'{family.name}' (its model's forward takes no positions); use 1")
 
 
+def check_cp_attention(job: Job, device_type: str) -> None:
+    """Causal context parallel on a kernel that takes its lower-right bias (no mask tensor on
+    CUDA): context_parallel.check_causal_kernel, with the job's compute dtype and head_dim."""
+    if job.config.model.attn_mask_type != "causal" or not job.dims.cp_enabled:
+        return
+    prec = job.precision
+    field = "mixed_precision.param_dtype" if prec.low("linear") else "training.dtype"
+    where = f"{field}, model.flavor '{job.config.model.flavor}'"
+    check_causal_kernel(device_type, prec.compute, job.model_args.head_dim, job.dims.cp, where)
+
+
 def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False) -> Job:
     """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
     the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
@@ -145,8 +157,11 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         plan.mark_fp32_by_name(model)
         plan.freeze(model)
         plan.check_fp8_modules(model)
-    return Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
-               n_microbatches, validation)
+    job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
+              n_microbatches, validation)
+    # A dry run sizes GPUs: it asks what CUDA would run, whatever machine it runs on.
+    check_cp_attention(job, "cuda" if dry_run else device_type)
+    return job
 
 
 @dataclass

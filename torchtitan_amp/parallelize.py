@@ -52,6 +52,9 @@ SAC_SAVE_LIST = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    # CUDA's lower-right causal bias (context parallel's query chunks) calls the efficient kernel
+    # by this name, not through SDPA's (torch.nn.attention.bias); flash keeps SDPA's name.
+    torch.ops.aten._efficient_attention_forward.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,

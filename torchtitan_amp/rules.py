@@ -119,3 +119,63 @@ def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool
         return False
     return not is_last and not pp_enabled
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention kernels: which SDPA kernel runs a model's attention call (torch 2.11-2.13), told by
+# the call's device type, dtype, head size and mask kind. The model picks how it hands keys and
+# values from it (grouped or repeated), config validation refuses context parallel where CUDA
+# would build a mask, and the memory model counts what the kernel saves.
+
+# "causal": a causal flag, or torch's lower-right causal bias (context parallel's query chunks
+# against a prefix of the window's keys); "mask": an explicit bool mask (block_causal).
+AttentionMask = Literal["causal", "mask"]
+_HALF = ("bfloat16", "float16")
+
+
+def attention_kernel(device: str, dtype: str, head_dim: int, mask: str) -> str:
+    """The SDPA kernel a call runs, keys and values handed as `takes_grouped_kv` says:
+
+    cuda  "flash" for "causal" in bfloat16/float16 with head_dim <= 256 (it rejects explicit
+          masks; a head_dim not a multiple of 8 is padded, a copy of q, k and v); else
+          "efficient" (float32 too; head_dim a multiple of 8 in 16 bits, of 4 in float32, on
+          sm80 and newer), which takes the lower-right bias as a flag and a bool mask as an
+          additive copy; else "math": the scores materialised (and the lower-right bias as a
+          mask tensor).
+    cpu   "cpu_flash" (any float dtype, any head_dim, masks taken); the lower-right bias is
+          built as an [n, end] mask per call by design (torch.nn.attention.bias).
+    other "unknown" (nothing is assumed about it).
+
+    torch's own checks: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (flash: 16-bit,
+    head_dim <= 256, grouped heads taken; efficient: check_batch_size_and_num_heads_dense<false>,
+    no grouped heads) and torch/nn/attention/bias.py (the lower-right dispatch)."""
+    if device == "cpu":
+        return "cpu_flash"
+    if device != "cuda":
+        return "unknown"
+    if mask == "causal" and dtype in _HALF and head_dim <= 256:
+        return "flash"
+    alignment = 8 if dtype in _HALF else 4
+    if dtype in (*_HALF, "float32") and head_dim % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str) -> bool:
+    """Whether attention is handed the kv_heads keys and values themselves (SDPA's enable_gqa)
+    rather than each repeated to the query heads (repeat_kv, a copy autograd saves).
+
+    CUDA's flash kernel takes grouped heads and sums dK/dV over a group from per-head 16-bit
+    gradients, as repeat_kv's backward does; the efficient kernel refuses them (with enable_gqa
+    SDPA would fall to math). CPU's flash kernel takes them, bitwise as repeated in float32 and
+    float64; in 16 bits its backward accumulates dK/dV over a group in 16 bits (measured, torch
+    2.13: 1.5x the error of repeat_kv at 8 query heads per kv head, 2.6x at 32), so those repeat."""
+    kernel = attention_kernel(device, dtype, head_dim, mask)
+    return kernel == "flash" or (kernel == "cpu_flash" and dtype in ("float32", "float64"))
+
+
+def materialises_causal_mask(device: str, dtype: str, head_dim: int) -> bool:
+    """Whether a lower-right causal bias becomes a mask tensor: always on CPU (by design, one
+    [n, end] mask per chunk shared by the batch and heads), on CUDA only where neither flash nor
+    efficient takes the call (the math fallback: a mask and the whole score matrix)."""
+    return attention_kernel(device, dtype, head_dim, "causal") in ("cpu_flash", "math")

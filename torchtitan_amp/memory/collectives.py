@@ -216,10 +216,9 @@ def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
                          again for a recomputed block (full / selective AC; op-level SAC saves
                          no all-gather, so it recomputes them too)
     per block, backward: a reduce-scatter of their gradients, [W, width] in cp_reduce dtype
-    per stage forward:   under block_causal, the positions (int64) and document ids (int32) of
-                         the window, [W], for its explicit mask (causal needs neither: each query
-                         chunk's causal bias follows from the rank and the chunk)
-    x microbatches (PP) x gradient-accumulation steps.
+    x microbatches (PP) x gradient-accumulation steps. Nothing per stage: block_causal's mask
+    takes the keys' positions from the shape (ContextParallel.key_positions) and their documents
+    from the batch (BatchSharder's kv_doc_ids); causal's chunks need neither.
     """
     if layout.cp == 1:
         return {}
@@ -235,9 +234,6 @@ def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
         recompute = n if op_sac else recomputed_blocks(layout, n)
         add_bytes(ag, c, passes * (n + recompute) * window * widths * DTYPE_BYTES[c])
         add_bytes(rs, red, passes * n * window * widths * DTYPE_BYTES[red])
-        if layout.masked:
-            add_bytes(ag, "int64", passes * window * 8)
-            add_bytes(ag, "int32", passes * window * 4)
     return {"cp_all_gather": ag, "cp_reduce_scatter": rs}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.rules import DTYPE_BYTES
+from torchtitan_amp.rules import DTYPE_BYTES, takes_grouped_kv
 
 
 @dataclass(frozen=True)
@@ -133,16 +133,17 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
                                             keeps the all-gathered input under sequence parallel);
                                             k = 3 and 2 separate casts under autocast, else 1
         attention  c x (2hq / t + 2kv') + 4H / t
-                                            SDPA's q, k, v (kv' = hq / t when repeat_kv copies the
-                                            local kv heads to H / t heads, kv / t when it is a view:
-                                            no repetition or one local kv head), its output (also
-                                            wo's input) and
+                                            SDPA's q, k, v (kv' = kv / t where the kernel takes
+                                            grouped heads or repeat_kv is a view, else hq / t:
+                                            saved_kv_width), its output (also wo's input) and
                                             logsumexp: fused attention, no s^2 term; rotary saves
                                             only its [s, head_dim/2] tables
         MLP        4 x c x f / t            w1 out, silu out, w3 out, w2 in
     with d = dim, hq = H x head_dim (d for Llama), kv = kv_heads x head_dim, f = ffn hidden,
     H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul
-    dtype (bf16: 2, fp32: 4). Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
+    dtype (bf16: 2, fp32: 4). `layer` sizes a GPU (CUDA's kernels); `layer_cpu` is what CPU's
+    attention saves beyond it: its causal masks (cp_causal_terms) and, where CUDA repeats K/V and
+    CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
     one block at a time in backward.
 
     Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
@@ -162,16 +163,13 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     r = DTYPE_BYTES[prec.residual]
     autocast_casts = prec.path == "autocast" and prec.compute != prec.residual
     k_attn, k_ffn = (3, 2) if autocast_casts else (1, 1)
-    # repeat_kv copies k and v to H heads, except where the reshape is a view: no repetition, or
-    # a single kv head on this rank (e.g. 8 kv heads over TP 8).
-    local_kv_heads = max(model.kv_heads // t, 1)
-    repeated = model.n_heads != model.kv_heads and local_kv_heads > 1
     hq = model.n_heads * model.head_dim  # d, unless a family sets head_dim itself
-    kv_saved = hq / t if repeated else local_kv_heads * model.head_dim
+    kv_saved = saved_kv_width(model, prec, layout, "cuda")
     norm = (8 * d + 4) / sp
     cp, window = layout.cp, layout.seq_len
     mask = c * window if layout.masked else 0.0
-    chunked, layer_cpu = cp_causal_terms(model, prec, layout)
+    chunked, cpu_mask = cp_causal_terms(model, prec, layout)
+    layer_cpu = cpu_mask + 2 * c * cp * (saved_kv_width(model, prec, layout, "cpu") - kv_saved)
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
@@ -188,6 +186,20 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     head = norm + c * d + (c + out_b + 4) * model.vocab_size / lp
     stage = (window if layout.masked else 0.0) + (4 * model.head_dim if cp > 1 else 0.0)
     return ActivationTerms(layer, checkpointed, op_sac, head, 8.0, stage, layer_cpu)
+
+
+def saved_kv_width(model: ModelDims, prec: PrecisionSpec, layout: Layout, device: str) -> float:
+    """Elements per token of each of the keys and values SDPA saves on `device`: the local kv
+    heads where its kernel takes them grouped (rules.takes_grouped_kv), else repeat_kv's copy to
+    the local query heads, unless that reshape is a view: no repetition, or a single kv head on
+    this rank (e.g. 8 kv heads over TP 8)."""
+    t = layout.tp
+    local_kv_heads = max(model.kv_heads // t, 1)
+    mask = "mask" if layout.masked else "causal"
+    grouped = takes_grouped_kv(device, prec.compute, model.head_dim, mask)
+    if model.n_heads == model.kv_heads or local_kv_heads == 1 or grouped:
+        return local_kv_heads * model.head_dim
+    return model.n_heads * model.head_dim / t
 
 
 def attention_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:

@@ -210,8 +210,9 @@ class ActivationTerms:
     head: float  # final norm, output head, logits and loss (last stage)
     embedding: float  # token ids (first stage)
     stage: float = 0.0  # held once by every stage's forward: the attention mask, per-token rope tables
-    # Per layer, saved only where SDPA has no kernel for a causal bias and builds the mask (CPU):
-    # the planner sizes GPUs without it, a measurement on this machine adds it.
+    # Per layer, what CPU's attention saves beyond CUDA's (it builds the causal bias as a mask;
+    # it takes grouped K/V in fp32 only, CUDA's flash kernel in 16 bits): the planner sizes GPUs
+    # without it, a measurement on this machine adds it (negative where CPU saves less).
     layer_cpu: float = 0.0
     # Blocks that differ (an MoE model's dense first blocks): layer index -> its `layer` bytes.
     layer_by_index: tuple[tuple[int, float], ...] = ()

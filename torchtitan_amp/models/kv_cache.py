@@ -53,11 +53,12 @@ class KVCache:
         self.end -= n
 
     @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, H, S, D] at the last S of the key positions, k and v [B, H, end, D]."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
+        """q [B, H, S, D] at the last S of the key positions, k and v [B, H, end, D] (or their
+        kv heads, `enable_gqa`)."""
         s, end = q.shape[2], k.shape[2]
         if s == 1:  # the newest token sees every cached one
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
         if s == end:  # prefill: the training forward's causal attention
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(s, end))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(s, end), enable_gqa=enable_gqa)

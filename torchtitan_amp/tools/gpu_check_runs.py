@@ -75,8 +75,8 @@ def moe_combine_repeats(device: str) -> dict[str, bool]:
     """An MoE layer (8 experts, top 4, a shared expert) run forward and backward twice on the same
     input after a warm-up run, per dtype: whether outputs and every gradient are bit-identical
     across the two (the combine sums a token's k rows in a fixed order; fp32 index_add_ on CUDA
-    adds them in a run-dependent one). The warm-up takes first-call effects out (on a CPU's
-    thread pool the very first backward can sum an input gradient in another order)."""
+    adds them in a run-dependent one). The warm-up takes first-call effects (kernel selection,
+    lazily made caches) out of the comparison."""
     from torchtitan_amp.models.moe.moe import MoE
 
     same = {}
@@ -95,3 +95,62 @@ def moe_combine_repeats(device: str) -> dict[str, bool]:
             runs.append([out.detach(), xi.grad, *(p.grad for p in layer.parameters() if p.grad is not None)])
         same[str(dtype).removeprefix("torch.")] = all(torch.equal(u, v) for u, v in zip(*runs[1:]))
     return same
+
+
+# Ops by the kernel rules.attention_kernel predicts for a lower-right causal call.
+_LOWER_RIGHT_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_efficient_attention_forward",
+                    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+class MadeShapes(TorchDispatchMode):
+    """Records the attention ops that ran (with their key's head count) and every tensor an op
+    made whose last two dims are one of `shapes` (a chunk's [n, end]: a mask or its scores)."""
+
+    def __init__(self, shapes: set[tuple[int, int]]) -> None:
+        super().__init__()
+        self.shapes, self.ops, self.made = shapes, Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if "attention" in name and "backward" not in name:
+            key = args[1] if "efficient_attention_forward" not in name else args[1].transpose(1, 2)
+            self.ops[f"{name}:kv_heads={key.shape[1]}"] += 1
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) in self.shapes:
+                self.made[f"{name}:{list(t.shape)}:{str(t.dtype).removeprefix('torch.')}"] += 1
+        return out
+
+
+def cp_chunk_attention(device: str, dtype: torch.dtype, head_dim: int, tiny: bool) -> dict[str, Any]:
+    """Causal attention of context parallel's rank 1 of 4 (ContextParallel.causal_attention: two
+    query chunks, each against its prefix of the window with a lower-right causal bias), forward
+    and backward on `device`, without a process group (the keys stand for the gathered window),
+    shaped like Llama 3 8B (32 heads, 8 kv heads; --tiny: 4 and 2) and handing K/V grouped or
+    repeated as the model does. What ran, against what rules.attention_kernel predicts."""
+    from torchtitan_amp.context_parallel import ContextParallel
+    from torchtitan_amp.models.llama3.model import _DTYPE_NAMES, repeat_kv
+    from torchtitan_amp.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
+
+    cp, rank = 4, 1
+    heads, kv_heads, seq = (4, 2, 64) if tiny else (32, 8, 8192)
+    name = _DTYPE_NAMES[dtype]
+    grouped = takes_grouped_kv(device, name, head_dim, "causal")
+    rank_cp = type("Rank", (ContextParallel,), {"degree": cp, "rank": rank})(group=None)  # type: ignore[arg-type]
+    n = seq // (2 * cp)
+    q = torch.randn(1, heads, 2 * n, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, seq, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
+    kk, vv = (k, v) if grouped else (repeat_kv(k, heads // kv_heads), repeat_kv(v, heads // kv_heads))
+    rank_cp.prepare_causal(2 * n, q.device)  # the biases, made outside the recorder
+    shapes = {(n, (chunk + 1) * n) for chunk in rank_cp._chunks()}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with MadeShapes(shapes) as seen:
+        out = rank_cp.causal_attention(q, kk.transpose(1, 2), vv.transpose(1, 2), enable_gqa=grouped)
+        out.float().square().sum().backward()
+    kernel = attention_kernel(device, name, head_dim, "causal")
+    return {"dtype": name, "head_dim": head_dim, "kernel_predicted": kernel, "grouped_kv": grouped,
+            "ops": dict(seen.ops), "chunk_shaped_tensors": dict(seen.made),
+            "mask_predicted": materialises_causal_mask(device, name, head_dim),
+            "expected_op_ran": any(op.startswith(_LOWER_RIGHT_OPS.get(kernel, "?") + ":") for op in seen.ops),
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}

@@ -26,6 +26,10 @@ Everything runs in this one process (one CUDA start-up), through the real Traine
                fp32 token is that forward's argmax; decode tokens/s recorded.
 - `fp8`        torchao float8 (tensorwise) against bf16: 200 steps' loss curve (pass: within
                FP8_TOLERANCE) and the precision audit of one fp8 step (pass: no breach).
+- `cp_attention` context parallel's causal chunk attention (rank 1 of 4, 8B's heads, window 8192)
+               in bf16 and fp32, forward + backward: pass when the kernel rules.attention_kernel
+               predicts ran (flash with grouped K/V, efficient) and no [n, end] tensor (mask or
+               scores) was made on CUDA (CPU builds its masks by design); head_dim 260 recorded.
 - `fp8_speed`  step time of an 8B-shaped 2-block stack (seq 2048), bf16 and fp8, both compiled as
                torchao needs (--tiny: the tiny shape, eager). Pass on CUDA: fp8 is faster.
 
@@ -72,8 +76,8 @@ from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E
 from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
-from torchtitan_amp.tools.gpu_check_runs import (OpDtypes, base_args, free_memory, losses, moe_combine_repeats,  # noqa: E402
-                                                 records, train)
+from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
+    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, moe_combine_repeats, records, train)
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
@@ -106,8 +110,8 @@ PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
 
 # Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
 # milliseconds there; compilation (bf16_compile, the compiled speed runs) dominates.
-CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "generate": 40.0, "fp8": 90.0,
-                 "fp8_speed": 200.0}
+CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "generate": 40.0,
+                 "cp_attention": 30.0, "fp8": 90.0, "fp8_speed": 200.0}
 # A check is not started with less time than this left in --time-budget.
 MIN_START_S = 5.0
 
@@ -406,9 +410,20 @@ def check_fp8_speed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> b
     return out["fp8_speedup"] > 1.0 or a.device != "cuda"
 
 
+def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    hd = 32 if a.tiny else 128
+    cases = [(torch.bfloat16, hd), (torch.float32, hd)] + ([(torch.bfloat16, 260)] if a.device == "cuda" else [])
+    passed = True
+    for dtype, head_dim in cases:
+        r = out[f"{dtype}_hd{head_dim}".removeprefix("torch.")] = cp_chunk_attention(a.device, dtype, head_dim, a.tiny)
+        if r["kernel_predicted"] != "math":  # math (head_dim 260): what config validation refuses
+            passed &= r["expected_op_ran"] and bool(r["chunk_shaped_tensors"]) == r["mask_predicted"]
+    return passed
+
+
 CHECKS: dict[str, Check] = {"probe": check_probe, "curves": check_curves, "resume": check_resume,
-                            "moe": check_moe, "generate": check_generate, "fp8": check_fp8,
-                            "fp8_speed": check_fp8_speed}
+                            "moe": check_moe, "generate": check_generate, "cp_attention": check_cp_attention,
+                            "fp8": check_fp8, "fp8_speed": check_fp8_speed}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from torchtitan_amp.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import block_causal_mask
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
+from torchtitan_amp.rules import takes_grouped_kv
 
 # Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
 # carry their own copy because Llama 3.2 checkpoints use factor 32 (checkpoint/hf.py maps them).
@@ -245,6 +246,19 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+# torch dtypes by name, looked up rather than printed: a compiled block reads a dict of constants.
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+                torch.float16: "float16"}
+
+
+def grouped_kv(xq: torch.Tensor, head_dim: int, mask: torch.Tensor | None) -> bool:
+    """Whether this call's kernel takes the kv_heads keys and values as they are (SDPA's
+    enable_gqa; rules.takes_grouped_kv says where: CUDA's flash kernel, CPU's in float32): the
+    queries' device and dtype are the call's, whatever path (FSDP, autocast) made them."""
+    dtype = _DTYPE_NAMES.get(xq.dtype, "other")
+    return takes_grouped_kv(xq.device.type, dtype, head_dim, "causal" if mask is None else "mask")
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, returned in the input's dtype.
 
@@ -317,19 +331,20 @@ class Attention(nn.Module):
             xk, xv = cache.update(xk, xv)
         cp = self.context_parallel
         if cp is not None:
-            # Before repeat_kv: GQA's fewer kv heads are what travels.
+            # Before any repeat: GQA's fewer kv heads are what travels.
             xk, xv = cp.gather_kv(xk), cp.gather_kv(xv)
             if mask is None:  # causal: each query chunk against its prefix of the window
                 xk, xv = cp.to_window_order(xk), cp.to_window_order(xv)
-        xk = repeat_kv(xk, self.n_rep)
-        xv = repeat_kv(xv, self.n_rep)
+        grouped = self.n_rep > 1 and grouped_kv(xq, self.head_dim, mask)
+        if not grouped:  # the kernel needs one key/value head per query head: a copy, saved
+            xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         if cache is not None:
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v, enable_gqa=grouped)
         elif cp is not None and mask is None:
-            out = cp.causal_attention(q, k, v)
+            out = cp.causal_attention(q, k, v, enable_gqa=grouped)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -461,20 +476,22 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, kv_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
         without embeddings/output, hidden states [B, S, dim] in and/or out. doc_ids [B, S]
         (models/attention.py) restricts attention to each token's document. positions [B, S]:
         the tokens' places in their window when they are not 0..S-1 (context parallel hands each
-        rank two chunks of it: context_parallel.BatchSharder)."""
-        cos, sin, mask = self._attention_inputs(doc_ids, positions)
+        rank two chunks of it: context_parallel.BatchSharder); kv_doc_ids [B, cp x S]: under
+        context parallel, the documents of the whole window's keys in their gathered order."""
+        cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
-    def _attention_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None
+    def _attention_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None,
+                          kv_doc_ids: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rotary tables (picked per token when positions are given) and the mask, built once per
         forward for every block: None is plain causal attention."""
@@ -486,9 +503,12 @@ class Transformer(nn.Module):
         if cp is not None and doc_ids is None:
             cp.prepare_causal(positions.shape[1], positions.device)
             return cos, sin, None  # causal under CP: Attention attends chunk by chunk, no mask
-        # Keys and values are gathered over the cp ranks: so are their positions and documents.
-        kv_pos = cp.gather_ids(positions) if cp is not None else positions
-        kv_doc = cp.gather_ids(doc_ids) if cp is not None and doc_ids is not None else doc_ids
+        if cp is None:
+            return cos, sin, attention_mask(positions, positions, doc_ids, doc_ids)
+        # The gathered keys' positions follow from the shape and their documents from the whole
+        # window (BatchSharder): no collective for either.
+        kv_pos = cp.key_positions(positions.shape[1], positions.device).expand(positions.shape[0], -1)
+        kv_doc = kv_doc_ids if kv_doc_ids is not None or doc_ids is None else cp.gather_ids(doc_ids)
         return cos, sin, attention_mask(positions, kv_pos, doc_ids, kv_doc)
 
 
