@@ -384,8 +384,12 @@ class Auditor:
         the other modules' (bounded by their gradient bytes, plus scalars and FSDP padding)."""
         plan, storage = self.plan, dtype_name(self.plan.storage_dtype)
         reduce = dtype_name(plan.reduce_dtype)
-        reductions = {c: d for c, d in collectives.items()
+        # Integer reductions over the data-parallel ranks are counts, never gradients: the step's
+        # valid labels (loss normalisation) and MoE's tokens per expert.
+        reductions = {c: {dt: n for dt, n in d.items() if not dt.startswith(("int", "uint"))}
+                      for c, d in collectives.items()
                       if c.partition(":")[0] in ("reduce_scatter", "all_reduce") and c.partition(":")[2] in _DP_DIMS}
+        reductions = {c: d for c, d in reductions.items() if d}
         # Without a compress hook DDP all-reduces in C++, out of sight: nothing to check there.
         visible = plan.path == "fsdp" or plan.comm_hook != "none"
         dims = self.trainer.dims

@@ -120,7 +120,6 @@ def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool
     return not is_last and not pp_enabled
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Attention kernels: which SDPA kernel runs a model's attention call (torch 2.11-2.13), told by
 # the call's device type, dtype, head size and mask kind. The model picks how it hands keys and
