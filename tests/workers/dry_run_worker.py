@@ -85,11 +85,13 @@ def install_phase_tags() -> None:
     """Collectives of the gradient-norm computation and of the optimizer step (DTensor scalars,
     Partial gradients) are tagged "grad_norm:..." / "optimizer:...", and so are those of a
     family's per-step state update ("after_backward:...": MoE's token counts summed over the
-    data ranks, its load metrics over the stages): the dry run reports the forward/backward
+    data ranks, its load metrics over the stages), and the step's count of valid labels summed
+    over the data ranks ("label_count:...", 8 bytes): the dry run reports the forward/backward
     traffic."""
     from torchtitan_amp.models import FAMILIES
 
     trainer_module.clip_grad_norm_ = _in_phase(trainer_module.clip_grad_norm_, "grad_norm")
+    trainer_module.count_valid_labels = _in_phase(trainer_module.count_valid_labels, "label_count")
     for name, family in FAMILIES.items():
         if family.after_backward is not None:
             FAMILIES[name] = dataclasses.replace(family, after_backward=_in_phase(family.after_backward,
