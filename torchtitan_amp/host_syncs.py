@@ -1,0 +1,217 @@
+"""Host syncs, counted where a CPU run can see them: the reads and ops that would make the host
+wait for a GPU's stream, whatever device the code runs on.
+
+On CUDA these stall the stream (the host waits for every queued kernel): a device -> host scalar
+read (`.item()`, `bool(t)`, `float(t)`, `int(t)`: `aten._local_scalar_dense`), `.tolist()`, a
+blocking copy to the host, and the ops whose output size depends on the data (`nonzero`,
+`bincount`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave` without
+`output_size`, `equal`). On a CPU they cost nothing, which is why they are counted instead: the
+ops at the dispatcher (a TorchDispatchMode), `.tolist()` at the Python API (a TorchFunctionMode:
+on a CPU tensor it reads memory without dispatching an op).
+
+    with HostSyncs() as syncs:
+        trainer.train_step(batches)
+    syncs.total, syncs.counts  # 1, Counter({"_local_scalar_dense": 1})
+
+Sort, argsort, topk, scatter_add, cumsum and a `repeat_interleave` given its `output_size` do not
+sync. Ops that DTensor or a compiled graph run inside themselves are not seen one by one: a
+compiled region's syncs are graph breaks instead (torch._dynamo.explain shows them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops whose output size is read from the data: a CUDA kernel has to return it to the host first.
+SIZE_READING_OPS = frozenset({
+    "_local_scalar_dense", "nonzero", "bincount", "_unique", "_unique2", "unique_dim",
+    "unique_consecutive", "masked_select", "equal",
+})
+
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def host_side() -> Iterator[None]:
+    """Code whose tensors are host data by design (the data loader's permutation and token
+    windows, before the copy to the device): its reads wait for no device, and are not counted."""
+    _host.depth = getattr(_host, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _host.depth -= 1
+
+
+def _on_host_side() -> bool:
+    return getattr(_host, "depth", 0) > 0
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def sync_name(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The name under which the dispatcher op `func` called with `args` counts as a host sync, or
+    None when it does not sync."""
+    name = func.overloadpacket.__name__
+    if name in SIZE_READING_OPS:
+        return name
+    if name == "repeat_interleave" and isinstance(args[0], torch.Tensor):
+        # The Tensor overloads: without output_size the kernel sums the repeats on the host.
+        size = kwargs.get("output_size", args[2] if len(args) > 2 else None)
+        return None if size is not None else "repeat_interleave_without_output_size"
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args[1]):
+        return f"{name}_with_bool_mask"  # a mask is turned into indices by nonzero
+    if name in ("_to_copy", "copy_") and _device_to_host(name, args, kwargs):
+        return "copy_to_host"
+    return None
+
+
+def _device_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A blocking copy from an accelerator into host memory."""
+    src = args[1] if name == "copy_" else args[0]
+    if not isinstance(src, torch.Tensor) or src.device.type in ("cpu", "meta"):
+        return False
+    dst = args[0].device if name == "copy_" else kwargs.get("device")
+    return dst is not None and torch.device(dst).type == "cpu" and not kwargs.get("non_blocking", False)
+
+
+class _OpSyncs(TorchDispatchMode):
+    """The dispatcher half: counts each syncing op into `counts`."""
+
+    def __init__(self, counts: Counter[str], where: list[str] | None) -> None:
+        super().__init__()
+        self.counts, self.where = counts, where
+        self.paused = 0  # inside a .tolist() counted already: its copy to the host is part of it
+
+    def add(self, name: str) -> None:
+        if _on_host_side():
+            return
+        self.counts[name] += 1
+        if self.where is not None:
+            self.where.append(f"{name} at {_caller()}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = sync_name(func, args, kwargs)
+        if name is not None and not self.paused:
+            self.add(name)
+        return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The innermost frame of the calling Python code outside torch (file:line function)."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if "/torch/" not in frame.filename and not frame.filename.endswith("host_syncs.py"):
+            return f"{frame.filename}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+class _ListSyncs(TorchFunctionMode):
+    """The Python half: `.tolist()` (no dispatcher op on a CPU tensor, a copy to the host on CUDA)."""
+
+    def __init__(self, ops: _OpSyncs) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is not torch.Tensor.tolist:
+            return func(*args, **(kwargs or {}))
+        self.ops.add("tolist")
+        self.ops.paused += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.ops.paused -= 1
+
+
+class HostSyncs:
+    """Counts host syncs (see the module's docstring) while active; one instance at a time,
+    usable around a step, a forward or a backward. With `where`, `self.where` lists each sync with
+    the line of code outside torch that caused it (slower: a stack walk per sync)."""
+
+    def __init__(self, where: bool = False) -> None:
+        self.counts: Counter[str] = Counter()
+        self.where: list[str] | None = [] if where else None
+        self._ops = _OpSyncs(self.counts, self.where)
+        self._lists = _ListSyncs(self._ops)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> "HostSyncs":
+        self._lists.__enter__()
+        self._ops.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ops.__exit__(*exc)
+        self._lists.__exit__(*exc)
+
+    def reset(self) -> dict[str, int]:
+        """The counts so far (a plain dict), then start again from zero."""
+        seen = dict(self.counts)
+        self.counts.clear()
+        if self.where is not None:
+            self.where.clear()
+        return seen
+
+
+class StepSyncs:
+    """Per training step of a Trainer (duck-typed: `train`, `train_step`, `step`): the host syncs
+    inside `train_step` (the step's compute: forward, backward, clipping, optimizer) and in the
+    whole loop iteration (that plus the log, validation, the stop poll and a checkpoint save).
+    `install` before `train()`; after it, for each counted step s, `steps[s]` =
+    {"train_step": n, "loop": m, "syncs": {op: n in train_step}, "where": [...] (where=True)}.
+    `only` names the steps to count (None: all): the counting mode slows every op it sees."""
+
+    def __init__(self, only: set[int] | None = None, where: bool = False) -> None:
+        self.only, self.where = only, where
+        self.steps: dict[int, dict[str, Any]] = {}
+        self._open: tuple[int, HostSyncs] | None = None  # the step being counted, its counter
+
+    def install(self, trainer: Any) -> None:
+        """Wrap this trainer's train() and train_step (instance attributes: the class is untouched)."""
+        train, train_step = trainer.train, trainer.train_step
+
+        def counted_train() -> None:
+            try:
+                train()
+            finally:
+                self._close()
+
+        def counted_step(*args: Any, **kwargs: Any) -> Any:
+            self._close()
+            if self.only is not None and trainer.step not in self.only:
+                return train_step(*args, **kwargs)
+            syncs = HostSyncs(where=self.where)
+            self._open = (trainer.step, syncs)
+            syncs.__enter__()  # left at the next step's start (or the end of train): the loop's
+            try:
+                return train_step(*args, **kwargs)
+            finally:
+                record = {"train_step": syncs.total, "syncs": dict(syncs.counts)}
+                if syncs.where is not None:
+                    record["where"] = list(syncs.where)
+                self.steps[trainer.step] = record
+
+        trainer.train, trainer.train_step = counted_train, counted_step
+
+    def _close(self) -> None:
+        """The open step's loop total: everything counted since its train_step began."""
+        if self._open is not None:
+            step, syncs = self._open
+            syncs.__exit__(None, None, None)
+            self.steps[step]["loop"] = syncs.total
+            self._open = None
