@@ -3,11 +3,11 @@ wait for a GPU's stream, whatever device the code runs on.
 
 On CUDA these stall the stream (the host waits for every queued kernel): a device -> host scalar
 read (`.item()`, `bool(t)`, `float(t)`, `int(t)`: `aten._local_scalar_dense`), `.tolist()`, a
-blocking copy to the host, and the ops whose output size depends on the data (`nonzero`,
+copy between host and device without non_blocking (either way), and the ops whose output size depends on the data (`nonzero`,
 `bincount`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave` without
 `output_size`, `equal`). On a CPU they cost nothing, which is why they are counted instead: the
-ops at the dispatcher (a TorchDispatchMode), `.tolist()` at the Python API (a TorchFunctionMode:
-on a CPU tensor it reads memory without dispatching an op).
+ops at the dispatcher (a TorchDispatchMode), `.tolist()` at the Python API (on a CPU tensor it
+reads memory without dispatching an op).
 
     with HostSyncs() as syncs:
         trainer.train_step(batches)
@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose output size is read from the data: a CUDA kernel has to return it to the host first.
@@ -42,9 +41,10 @@ _host = threading.local()
 
 
 @contextlib.contextmanager
-def host_side() -> Iterator[None]:
-    """Code whose tensors are host data by design (the data loader's permutation and token
-    windows, before the copy to the device): its reads wait for no device, and are not counted."""
+def uncounted() -> Iterator[None]:
+    """Reads that are not the training step's own, left out of every count: host data by design
+    (the data loader's permutation and token windows, before their copy to the device, wait for
+    no device) and a test's own evidence taken inside a step."""
     _host.depth = getattr(_host, "depth", 0) + 1
     try:
         yield
@@ -52,7 +52,7 @@ def host_side() -> Iterator[None]:
         _host.depth -= 1
 
 
-def _on_host_side() -> bool:
+def _is_uncounted() -> bool:
     return getattr(_host, "depth", 0) > 0
 
 
@@ -72,18 +72,21 @@ def sync_name(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str |
         return None if size is not None else "repeat_interleave_without_output_size"
     if name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args[1]):
         return f"{name}_with_bool_mask"  # a mask is turned into indices by nonzero
-    if name in ("_to_copy", "copy_") and _device_to_host(name, args, kwargs):
-        return "copy_to_host"
+    if name in ("_to_copy", "copy_") and _blocking_host_copy(name, args, kwargs):
+        return "blocking_host_device_copy"
     return None
 
 
-def _device_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A blocking copy from an accelerator into host memory."""
+def _blocking_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A copy between host memory and an accelerator without non_blocking: on CUDA the host waits
+    for the stream, in either direction."""
     src = args[1] if name == "copy_" else args[0]
-    if not isinstance(src, torch.Tensor) or src.device.type in ("cpu", "meta"):
-        return False
     dst = args[0].device if name == "copy_" else kwargs.get("device")
-    return dst is not None and torch.device(dst).type == "cpu" and not kwargs.get("non_blocking", False)
+    if not isinstance(src, torch.Tensor) or dst is None:
+        return False
+    kinds = {src.device.type, torch.device(dst).type}
+    blocking = not (args[2] if name == "copy_" and len(args) > 2 else kwargs.get("non_blocking", False))
+    return "cpu" in kinds and len(kinds - {"cpu", "meta"}) == 1 and blocking
 
 
 class _OpSyncs(TorchDispatchMode):
@@ -95,7 +98,7 @@ class _OpSyncs(TorchDispatchMode):
         self.paused = 0  # inside a .tolist() counted already: its copy to the host is part of it
 
     def add(self, name: str) -> None:
-        if _on_host_side():
+        if _is_uncounted():
             return
         self.counts[name] += 1
         if self.where is not None:
@@ -117,22 +120,20 @@ def _caller() -> str:
     return "?"
 
 
-class _ListSyncs(TorchFunctionMode):
-    """The Python half: `.tolist()` (no dispatcher op on a CPU tensor, a copy to the host on CUDA)."""
+def _counting_tolist(ops: _OpSyncs, tolist: Any) -> Any:
+    """Tensor.tolist that counts itself: no dispatcher op on a CPU tensor (a copy to the host on
+    CUDA, counted here instead). Patched on the class, not a TorchFunctionMode: such a mode is not
+    active in an activation-checkpoint recompute, which runs inside backward."""
 
-    def __init__(self, ops: _OpSyncs) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is not torch.Tensor.tolist:
-            return func(*args, **(kwargs or {}))
-        self.ops.add("tolist")
-        self.ops.paused += 1
+    def counted(self: torch.Tensor) -> Any:
+        ops.add("tolist")
+        ops.paused += 1
         try:
-            return func(*args, **(kwargs or {}))
+            return tolist(self)
         finally:
-            self.ops.paused -= 1
+            ops.paused -= 1
+
+    return counted
 
 
 class HostSyncs:
@@ -144,20 +145,21 @@ class HostSyncs:
         self.counts: Counter[str] = Counter()
         self.where: list[str] | None = [] if where else None
         self._ops = _OpSyncs(self.counts, self.where)
-        self._lists = _ListSyncs(self._ops)
+        self._tolist: Any = None  # Tensor.tolist as it was before __enter__
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
     def __enter__(self) -> "HostSyncs":
-        self._lists.__enter__()
+        self._tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = _counting_tolist(self._ops, self._tolist)  # type: ignore[method-assign]
         self._ops.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._ops.__exit__(*exc)
-        self._lists.__exit__(*exc)
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
 
     def reset(self) -> dict[str, int]:
         """The counts so far (a plain dict), then start again from zero."""
@@ -172,7 +174,8 @@ class StepSyncs:
     """Per training step of a Trainer (duck-typed: `train`, `train_step`, `step`): the host syncs
     inside `train_step` (the step's compute: forward, backward, clipping, optimizer) and in the
     whole loop iteration (that plus the log, validation, the stop poll and a checkpoint save).
-    `install` before `train()`; after it, for each counted step s, `steps[s]` =
+    `install` before `train()`, `finish` after it (it closes the last step); then for each
+    counted step s, `steps[s]` =
     {"train_step": n, "loop": m, "syncs": {op: n in train_step}, "where": [...] (where=True)}.
     `only` names the steps to count (None: all): the counting mode slows every op it sees."""
 
@@ -182,14 +185,8 @@ class StepSyncs:
         self._open: tuple[int, HostSyncs] | None = None  # the step being counted, its counter
 
     def install(self, trainer: Any) -> None:
-        """Wrap this trainer's train() and train_step (instance attributes: the class is untouched)."""
-        train, train_step = trainer.train, trainer.train_step
-
-        def counted_train() -> None:
-            try:
-                train()
-            finally:
-                self._close()
+        """Wrap this trainer's train_step (an instance attribute: the class is untouched)."""
+        train_step = trainer.train_step
 
         def counted_step(*args: Any, **kwargs: Any) -> Any:
             self._close()
@@ -206,7 +203,11 @@ class StepSyncs:
                     record["where"] = list(syncs.where)
                 self.steps[trainer.step] = record
 
-        trainer.train, trainer.train_step = counted_train, counted_step
+        trainer.train_step = counted_step
+
+    def finish(self) -> None:
+        """After train(): the last counted step's loop total."""
+        self._close()
 
     def _close(self) -> None:
         """The open step's loop total: everything counted since its train_step began."""

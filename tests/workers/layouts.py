@@ -34,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torchtitan_amp import distributed
 from torchtitan_amp import optim as optim_mod
 from torchtitan_amp import trainer as trainer_mod
+from torchtitan_amp.host_syncs import StepSyncs, uncounted
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
@@ -95,6 +96,10 @@ class RoundingRecorder:
         self.targets.append(p32.detach().clone())
 
     def _post(self, *_: object) -> None:
+        with uncounted():  # evidence, not the step's host syncs (StepSyncs)
+            self._compare()
+
+    def _compare(self) -> None:
         after = [_local(p).detach() for p in self._stepped()]
         assert len(self.targets) == len(after) == len(self.before), (len(self.targets), len(after))
         for old, target, new in zip(self.before, self.targets, after):
@@ -118,6 +123,8 @@ class RunEvidence:
     """What a run records before and during train(); reset at the start of each run."""
     frozen_digests: dict[str, str] = field(default_factory=dict)
     rounding: RoundingRecorder | None = None
+    # The host syncs of the run's second step (the first may build lazily), with their lines.
+    syncs: StepSyncs | None = None
 
 
 _run = RunEvidence()
@@ -139,10 +146,15 @@ def _train_with_evidence(trainer: Trainer) -> None:
     if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
             _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
-    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
+    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding,
+                       StepSyncs(only={trainer.step + 2}, where=True))
+    _run.syncs.install(trainer)
     if Path(trainer.config.job.dump_folder).name in _GRAD_RUNS:
         _save_grads_after_first_step(trainer)
-    _train(trainer)
+    try:
+        _train(trainer)
+    finally:
+        _run.syncs.finish()
 
 
 def _frozen_info(trainer: Trainer) -> dict[str, dict]:
@@ -217,7 +229,8 @@ def _rank_info(trainer: Trainer) -> dict:
             "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None
                             and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
             "frozen": _frozen_info(trainer),
-            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None}
+            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
+            "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {}}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)

@@ -11,7 +11,7 @@ from torchtitan_amp.data.index import open_split
 from torchtitan_amp.data.packed import PackedTextDataset, Sample
 from torchtitan_amp.data.tokens import Batch, TokenWindowDataset
 from torchtitan_amp.errors import DataError
-from torchtitan_amp.host_syncs import host_side
+from torchtitan_amp.host_syncs import uncounted
 from torchtitan_amp.tokenizer import Tokenizer
 
 
@@ -105,7 +105,7 @@ class ParallelAwareDataLoader(StatefulDataLoader):
     def _counted(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         while True:
             # Host tensors (the permutation, the token windows): no read here waits for a device.
-            with host_side():
+            with uncounted():
                 batch = next(batches, None)
             if batch is None:
                 return
