@@ -115,7 +115,7 @@ class _OpSyncs(TorchDispatchMode):
 def _caller() -> str:
     """The innermost frame of the calling Python code outside torch (file:line function)."""
     for frame in reversed(traceback.extract_stack()[:-3]):
-        if "/torch/" not in frame.filename and not frame.filename.endswith("host_syncs.py"):
+        if "/torch/" not in frame.filename and frame.filename != __file__:
             return f"{frame.filename}:{frame.lineno} {frame.name}"
     return "?"
 
