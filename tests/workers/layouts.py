@@ -146,15 +146,19 @@ def _train_with_evidence(trainer: Trainer) -> None:
     if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
             _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
-    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding,
-                       StepSyncs(only={trainer.step + 2}, where=True))
-    _run.syncs.install(trainer)
+    # Not under compile: a compiled region's host reads are graph breaks (tests/test_host_syncs.py
+    # explains a compiled MoE block), and a dispatch mode would make dynamo retrace the blocks.
+    syncs = None if trainer.config.compile.enable else StepSyncs(only={trainer.step + 2}, where=True)
+    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding, syncs)
+    if syncs is not None:
+        syncs.install(trainer)
     if Path(trainer.config.job.dump_folder).name in _GRAD_RUNS:
         _save_grads_after_first_step(trainer)
     try:
         _train(trainer)
     finally:
-        _run.syncs.finish()
+        if syncs is not None:
+            syncs.finish()
 
 
 def _frozen_info(trainer: Trainer) -> dict[str, dict]:
@@ -230,7 +234,12 @@ def _rank_info(trainer: Trainer) -> dict:
                             and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
             "frozen": _frozen_info(trainer),
             "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
-            "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {}}
+            "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {},
+            # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
+            # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
+            "ep_layers": sum(getattr(m, "expert_parallel", None) is not None
+                             for part in trainer.model_parts for m in part.modules()),
+            "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1)}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
