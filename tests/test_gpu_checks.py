@@ -48,6 +48,10 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert moe["router"]["router_dtype"] == "float32" and moe["expert_ops"]["bf16"], moe
     # torch 2.11-2.13 have torch.mm(out_dtype=) on CUDA only: the gate stays an fp32 matmul here.
     assert moe["mm_bf16_in_fp32_out"]["ran"] is False, moe["mm_bf16_in_fp32_out"]
+    syncs = results["checks"]["syncs"]  # step 2 of each: the finiteness read alone
+    for name in ("dense", "moe"):
+        assert syncs[name]["steps"]["2"]["syncs"] == {"_local_scalar_dense": 1}, syncs[name]
+        assert syncs[name]["steps"]["2"]["cuda_sync_warnings"] is None  # CUDA's own report: on CUDA only
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated
     assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated
