@@ -71,10 +71,23 @@ def sync_name(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str |
         size = kwargs.get("output_size", args[2] if len(args) > 2 else None)
         return None if size is not None else "repeat_interleave_without_output_size"
     if name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args[1]):
+        if name != "index" and _masked_fill(args, kwargs):
+            return None
         return f"{name}_with_bool_mask"  # a mask is turned into indices by nonzero
     if name in ("_to_copy", "copy_") and _blocking_host_copy(name, args, kwargs):
         return "blocking_host_device_copy"
     return None
+
+
+def _masked_fill(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """index_put_ that ATen runs as masked_fill_ (no nonzero): one bool mask on self's device, a
+    one-element host value (`t[mask] = 0`), no accumulation; e.g. DTensor's vocab-parallel
+    embedding masks its out-of-shard token ids this way."""
+    self, indices, values = args[0], args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    masks = [i for i in indices if i is not None]
+    return (not accumulate and len(masks) == 1 and masks[0].device == self.device
+            and isinstance(values, torch.Tensor) and values.numel() == 1 and values.device.type == "cpu")
 
 
 def _blocking_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
