@@ -36,6 +36,7 @@ from torchtitan_amp import optim as optim_mod
 from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.host_syncs import StepSyncs, uncounted
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
+from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, read_spec
@@ -237,7 +238,7 @@ def _rank_info(trainer: Trainer) -> dict:
             "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {},
             # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
             # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
-            "ep_layers": sum(getattr(m, "expert_parallel", None) is not None
+            "ep_layers": sum(isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
                              for part in trainer.model_parts for m in part.modules()),
             "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1)}
     if trainer.info.world_size > 1:
