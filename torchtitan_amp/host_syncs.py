@@ -24,7 +24,7 @@ import contextlib
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -105,9 +105,10 @@ def _blocking_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 class _OpSyncs(TorchDispatchMode):
     """The dispatcher half: counts each syncing op into `counts`."""
 
-    def __init__(self, counts: Counter[str], where: list[str] | None) -> None:
+    def __init__(self, counts: Counter[str], where: list[str] | None,
+                 host_tensors: Callable[[], Collection[int]] | None = None) -> None:
         super().__init__()
-        self.counts, self.where = counts, where
+        self.counts, self.where, self.host_tensors = counts, where, host_tensors
         self.paused = 0  # inside a .tolist() counted already: its copy to the host is part of it
 
     def add(self, name: str) -> None:
@@ -120,6 +121,8 @@ class _OpSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = sync_name(func, args, kwargs)
+        if name == "_local_scalar_dense" and self.host_tensors is not None and id(args[0]) in self.host_tensors():
+            name = None  # a tensor kept on the host on every device: its read waits for nothing
         if name is not None and not self.paused:
             self.add(name)
         return func(*args, **kwargs)
@@ -152,12 +155,14 @@ def _counting_tolist(ops: _OpSyncs, tolist: Any) -> Any:
 class HostSyncs:
     """Counts host syncs (see the module's docstring) while active; one instance at a time,
     usable around a step, a forward or a backward. With `where`, `self.where` lists each sync with
-    the line of code outside torch that caused it (slower: a stack walk per sync)."""
+    the line of code outside torch that caused it (slower: a stack walk per sync). `host_tensors`
+    gives the ids of tensors that live on the host whatever the device (a CPU run cannot tell
+    them apart): their scalar reads are not counted."""
 
-    def __init__(self, where: bool = False) -> None:
+    def __init__(self, where: bool = False, host_tensors: Callable[[], Collection[int]] | None = None) -> None:
         self.counts: Counter[str] = Counter()
         self.where: list[str] | None = [] if where else None
-        self._ops = _OpSyncs(self.counts, self.where)
+        self._ops = _OpSyncs(self.counts, self.where, host_tensors)
         self._tolist: Any = None  # Tensor.tolist as it was before __enter__
 
     @property
@@ -183,6 +188,14 @@ class HostSyncs:
         return seen
 
 
+def optimizer_step_counters(optimizer: Any) -> set[int]:
+    """The ids of the optimizer's host-side step counters: torch keeps AdamW's `step` on the host
+    for its foreach and for-loop kernels (not capturable) and reads it per parameter, which on
+    CUDA waits for nothing (the fused kernel keeps it on the device and reads nothing)."""
+    return {id(state["step"]) for state in optimizer.state.values()
+            if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu"}
+
+
 class StepSyncs:
     """Per training step of a Trainer (duck-typed: `train`, `train_step`, `step`): the host syncs
     inside `train_step` (the step's compute: forward, backward, clipping, optimizer) and in the
@@ -205,7 +218,7 @@ class StepSyncs:
             self._close()
             if self.only is not None and trainer.step not in self.only:
                 return train_step(*args, **kwargs)
-            syncs = HostSyncs(where=self.where)
+            syncs = HostSyncs(where=self.where, host_tensors=lambda: optimizer_step_counters(trainer.optimizer))
             self._open = (trainer.step, syncs)
             syncs.__enter__()  # left at the next step's start (or the end of train): the loop's
             try:

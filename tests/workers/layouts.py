@@ -240,7 +240,10 @@ def _rank_info(trainer: Trainer) -> dict:
             # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
             "ep_layers": sum(isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
                              for part in trainer.model_parts for m in part.modules()),
-            "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1)}
+            "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1),
+            # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
+            "scaler_reads_found_inf": trainer.scaler.enabled and not any(
+                g.get("fused") for g in trainer.optimizer.param_groups)}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
