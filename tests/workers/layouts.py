@@ -243,7 +243,11 @@ def _rank_info(trainer: Trainer) -> dict:
             "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1),
             # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
             "scaler_reads_found_inf": trainer.scaler.enabled and not any(
-                g.get("fused") for g in trainer.optimizer.param_groups)}
+                g.get("fused") for g in trainer.optimizer.param_groups),
+            # ShardedGradScaler.update with its scale on the CPU runs a Python path that reads
+            # found_inf and the growth tracker (2); on CUDA it runs torch._amp_update_scale_ (none).
+            "cpu_only_scaler_reads": 2 if type(trainer.scaler.scaler).__name__ == "ShardedGradScaler"
+            and trainer.device.type == "cpu" else 0}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
