@@ -445,3 +445,20 @@ def c_compiler() -> str | None:
 
 
 NO_COMPILER = "torch.compile (inductor on CPU) needs a C++ compiler: none of g++ / c++ / cc is on PATH"
+
+
+# The host-sync budget of a training step (torchtitan_amp/host_syncs.py), as the layouts worker
+# records it for each run's second step on every rank (rank{R}.json "host_syncs"): the one
+# finiteness read of trainer.train_step (fp16 with a non-fused AdamW: and GradScaler.step's read
+# of found_inf), plus one .tolist() of the split sizes per expert-parallel
+# MoE layer and forward (none in backward or in an activation-checkpoint recompute). A logging
+# step's line adds the loss and gradient norm reads and one per family metric.
+def assert_step_sync_budget(ranks: list[dict], label: str = "") -> None:
+    assert ranks, f"{label}: no rank records"
+    for info in ranks:
+        record = info["host_syncs"].get("2")
+        assert record is not None, f"{label} rank {info['rank']}: step 2 was not counted"
+        want = {"_local_scalar_dense": 1 + info["scaler_reads_found_inf"] + info["cpu_only_scaler_reads"]}
+        if info["ep_layers"]:
+            want["tolist"] = info["ep_layers"] * info["forwards_per_step"]
+        assert record["syncs"] == want, f"{label} rank {info['rank']}: {record['where']}"

@@ -33,7 +33,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.support import by_step, launch_worker
+from tests.support import assert_step_sync_budget, by_step, launch_worker
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -257,3 +257,14 @@ def test_expert_parallel_checkpoint_moves_across_tensor_parallel(launches: Launc
     for s in resumed:
         assert [resumed[s][k] for k in LOAD] == [straight[s][k] for k in LOAD], s
 
+
+
+@pytest.mark.parametrize("name", [name for name, (n, _, _) in LAYOUTS.items() if n == 4])
+def test_expert_parallel_reads_the_split_sizes_once_per_layer_forward(launches: Launches, name: str) -> None:
+    """Step 2's host syncs on every rank: the finiteness read and one stacked .tolist() of the
+    split sizes per EP layer and forward; nothing in backward, nothing in full AC's recompute
+    (ep2_fsdp2_ac), per stage under PP (pp2_ep2: its layers x 2 microbatches)."""
+    folder = launches.folder("nproc4", name)
+    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    assert len(ranks) == 4 and all(r["ep_layers"] for r in ranks), ranks
+    assert_step_sync_budget(ranks, name)

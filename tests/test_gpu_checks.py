@@ -51,6 +51,10 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     cp_attention = results["checks"]["cp_attention"]  # CPU: its kernel, its masks by design
     assert {r["kernel_predicted"] for r in cp_attention.values() if isinstance(r, dict)} == {"cpu_flash"}, cp_attention
     assert cp_attention["float32_hd32"]["grouped_kv"] and not cp_attention["bfloat16_hd32"]["grouped_kv"]
+    syncs = results["checks"]["syncs"]  # step 2 of each: the finiteness read alone
+    for name in ("dense", "moe"):
+        assert syncs[name]["steps"]["2"]["syncs"] == {"_local_scalar_dense": 1}, syncs[name]
+        assert syncs[name]["steps"]["2"]["cuda_sync_warnings"] is None  # CUDA's own report: on CUDA only
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated
     assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated

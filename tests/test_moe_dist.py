@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import CURVE_MEAN_TOL, CURVE_TOL, launch_worker
+from tests.support import CURVE_MEAN_TOL, CURVE_TOL, assert_step_sync_budget, launch_worker
 from tests.test_parallelisms import GLOBAL_BATCH, PP, SHARD, STEPS, TP, Layout, Run, max_rel
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -195,3 +195,18 @@ def test_resume_is_bitwise(trained: Launches) -> None:
     for key in ("loss", "grad_norm", "moe_load_max", "moe_load_min"):
         assert [r[key] for r in after] == [r[key] for r in want], (key, after, want)
     assert all(r["tokens_seen"] == STEPS * GLOBAL_BATCH * 32 for r in resumed.ranks())
+
+
+# Every run trained from step 0 (the resumed run counts no step 2), by process count.
+SYNC_RUNS = [("single_fp32", 1), ("ac_full_fp32", 1), ("fsdp2_fp32", 2), ("tp2_fp32", 2), ("pp2_fp32", 2),
+             ("cp2_fp32", 2), ("fsdp2_bf16", 2), ("ep2_bf16", 2), ("ep2_tp2_bf16", 4)]
+
+
+@pytest.mark.parametrize("name,nproc", SYNC_RUNS)
+def test_moe_step_host_syncs(trained: Launches, name: str, nproc: int) -> None:
+    """Step 2's host syncs: without EP an MoE layer reads nothing (the step's one read is the
+    finiteness flag); with EP one read of the split sizes per layer forward, none in op-level
+    SAC's recompute (ep2_bf16) or under TP (ep2_tp2_bf16)."""
+    ranks = trained.run(name, nproc).ranks()
+    assert all(bool(r["ep_layers"]) == name.startswith("ep") for r in ranks), ranks
+    assert_step_sync_budget(ranks, name)

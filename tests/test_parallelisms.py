@@ -50,6 +50,7 @@ from tests.support import (
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
     STEP1_TOL,
+    assert_step_sync_budget,
     c_compiler,
     launch_worker,
     write_short_documents,
@@ -474,6 +475,15 @@ def check_norms(run: Run) -> tuple[float, float]:
 def test_grad_norm_and_clipping_match_fp64_reference(trained: Launches, name: str, nproc: int) -> None:
     norm_err, clip_err = check_norms(trained.run(name, nproc))
     print(f"\n[norm check] {name}: reported vs fp64 norm max rel {norm_err:.1e}, clipped grads max rel {clip_err:.1e}")
+
+
+@pytest.mark.parametrize("name, nproc", NORM_RUNS)
+def test_a_step_reads_the_device_once_on_every_layout(trained: Launches, name: str, nproc: int) -> None:
+    """Step 2's host syncs on every rank of every run (single, FSDP, DDP, HSDP, TP, PP schedules,
+    2-D, AC modes, document masking, fp16): trainer.train_step's finiteness read alone, counted at
+    the dispatcher (torchtitan_amp/host_syncs.py); under fp16 that read is the loss scale after
+    GradScaler.update (the fused optimizer takes found_inf on the device)."""
+    assert_step_sync_budget(trained.run(name, nproc).ranks(), name)
 
 
 @pytest.mark.parametrize("name", FP16_NORM_LAYOUTS)

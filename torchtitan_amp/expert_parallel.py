@@ -7,12 +7,22 @@ without EP. Only the expert matmuls move: the sorted token rows go out in the ac
 (bf16 under mixed precision, what the experts compute in anyway), and come back in it.
 
 Torch pieces: the token exchange is `all_to_all_single_autograd` (its backward is the reverse
-all-to-all, present in torch 2.11 and 2.13); the count exchange before it needs no gradient.
+all-to-all, present in torch 2.11 and 2.13, reusing the forward's split sizes); the count exchange
+before it needs no gradient.
+
+Host syncs: all_to_all's split sizes are host integers, so a layer's forward reads them once
+(send and receive sizes stacked into one `.tolist()`, torchtitan's figure); everything else stays
+on the device (the row order's `repeat_interleave` is given its output size from that read). An
+activation-checkpoint recompute runs the forward again inside backward: it takes the sizes the
+forward read (kept per layer, first in first out, since microbatches are recomputed in the order
+they ran forward) instead of reading again, so a step costs one read per layer and microbatch
+with or without activation checkpointing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,6 +40,27 @@ class ExpertParallel:
 
     group: dist.ProcessGroup
     degree: int
+    # The split sizes of this step's grad-enabled forwards, (rows sent, [send sizes], [receive
+    # sizes]), for their recomputes; emptied by `forget` once the step's backward is done.
+    read: deque[tuple[int, list[int], list[int]]] = field(default_factory=deque)
+
+    def forget(self) -> None:
+        """The step's backward is done (or a pass without backward ran): no recompute is due."""
+        self.read.clear()
+
+    def split_sizes(self, rows: int, send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows to send to / receive from each EP rank: the one host read of a forward, or what
+        the forward read when this is its activation-checkpoint recompute (inside backward)."""
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute and self.read:
+            sent, send_split, recv_split = self.read.popleft()
+            if sent != rows:  # a recompute must route like its forward: never exchange wrong sizes
+                raise RuntimeError(f"expert parallel: a recompute routes {rows} rows, its forward {sent}")
+            return send_split, recv_split
+        send_split, recv_split = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+        if torch.is_grad_enabled() and not recompute:
+            self.read.append((rows, send_split, recv_split))
+        return send_split, recv_split
 
     def __call__(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [N, dim] sorted by global expert, counts [E] -> the experts' outputs for those rows,
@@ -38,13 +69,14 @@ class ExpertParallel:
         send = counts.view(ep, -1)  # [destination rank, its local expert]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        # The one host read the exchange needs: all_to_all's split sizes are host integers.
-        send_split, recv_split = send.sum(1).tolist(), recv.sum(1).tolist()
+        send_split, recv_split = self.split_sizes(rows.shape[0], send, recv)
         arrived = all_to_all_single_autograd(rows, recv_split, send_split, self.group)
         # Arrived rows are grouped (source rank, local expert); the grouped matmul wants them
         # grouped by local expert, so sort by expert and keep the source order inside each.
         n_local = recv.shape[1]
-        segment = torch.arange(recv.numel(), device=recv.device).repeat_interleave(recv.flatten())
+        # output_size from the host read: without it the kernel would sum the repeats on the host.
+        segment = torch.arange(recv.numel(), device=recv.device).repeat_interleave(
+            recv.flatten(), output_size=sum(recv_split))
         order = ((segment % n_local) * ep + segment // n_local).argsort(stable=True)
         out = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

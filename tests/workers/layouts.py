@@ -36,7 +36,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torchtitan_amp import distributed
 from torchtitan_amp import optim as optim_mod
 from torchtitan_amp import trainer as trainer_mod
+from torchtitan_amp.host_syncs import StepSyncs, uncounted
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
+from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, mask_labels, read_spec
@@ -97,6 +99,10 @@ class RoundingRecorder:
         self.targets.append(p32.detach().clone())
 
     def _post(self, *_: object) -> None:
+        with uncounted():  # evidence, not the step's host syncs (StepSyncs)
+            self._compare()
+
+    def _compare(self) -> None:
         after = [_local(p).detach() for p in self._stepped()]
         assert len(self.targets) == len(after) == len(self.before), (len(self.targets), len(after))
         for old, target, new in zip(self.before, self.targets, after):
@@ -120,6 +126,8 @@ class RunEvidence:
     """What a run records before and during train(); reset at the start of each run."""
     frozen_digests: dict[str, str] = field(default_factory=dict)
     rounding: RoundingRecorder | None = None
+    # The host syncs of the run's second step (the first may build lazily), with their lines.
+    syncs: StepSyncs | None = None
     valid_labels: list[int] = field(default_factory=list)  # per loader batch, "mask_labels" runs
 
 
@@ -130,8 +138,9 @@ def _mask_train_labels(trainer: Trainer) -> None:
     def masked_step(batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> object:
         def masked() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for inputs, labels in batches:
-                labels = mask_labels(labels)
-                _run.valid_labels.append(int((labels != -100).sum()))
+                with uncounted():  # the harness's reads, not the step's host syncs
+                    labels = mask_labels(labels)
+                    _run.valid_labels.append(int((labels != -100).sum()))
                 yield inputs, labels
         return step(masked())
 
@@ -157,12 +166,21 @@ def _train_with_evidence(trainer: Trainer) -> None:
     if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
             _local(p).dtype == torch.bfloat16 for p in trainer.params):
         rounding = RoundingRecorder(trainer.optimizer)
-    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding)
+    # Not under compile: a compiled region's host reads are graph breaks (tests/test_host_syncs.py
+    # explains a compiled MoE block), and a dispatch mode would make dynamo retrace the blocks.
+    syncs = None if trainer.config.compile.enable else StepSyncs(only={trainer.step + 2}, where=True)
+    _run = RunEvidence({n: digest(_local(p)) for n, p in _frozen_params(trainer).items()}, rounding, syncs)
     if Path(trainer.config.job.dump_folder).name in _MASK_RUNS:  # first: the grads wrapper keeps it
         _mask_train_labels(trainer)
+    if syncs is not None:
+        syncs.install(trainer)
     if Path(trainer.config.job.dump_folder).name in _GRAD_RUNS:
         _save_grads_after_first_step(trainer)
-    _train(trainer)
+    try:
+        _train(trainer)
+    finally:
+        if syncs is not None:
+            syncs.finish()
 
 
 def _frozen_info(trainer: Trainer) -> dict[str, dict]:
@@ -240,7 +258,20 @@ def _rank_info(trainer: Trainer) -> dict:
                             and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
             "frozen": _frozen_info(trainer),
             "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
-            "valid_labels": _run.valid_labels}
+            "valid_labels": _run.valid_labels,
+            "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {},
+            # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
+            # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
+            "ep_layers": sum(isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
+                             for part in trainer.model_parts for m in part.modules()),
+            "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1),
+            # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
+            "scaler_reads_found_inf": trainer.scaler.enabled and not any(
+                g.get("fused") for g in trainer.optimizer.param_groups),
+            # ShardedGradScaler.update with its scale on the CPU runs a Python path that reads
+            # found_inf and the growth tracker (2); on CUDA it runs torch._amp_update_scale_ (none).
+            "cpu_only_scaler_reads": 2 if type(trainer.scaler.scaler).__name__ == "ShardedGradScaler"
+            and trainer.device.type == "cpu" else 0}
     if trainer.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import trainer as trainer_mod
+from torchtitan_amp.host_syncs import uncounted
 
 # The trainer's clipping formula adds this to the norm (clip_grad_norm_).
 CLIP_EPS = 1e-6
@@ -132,16 +133,18 @@ def _clip_rel_err(before: list[torch.Tensor], after: list[torch.Tensor], coef: f
 
 def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
                             pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    true = true_norm(params, pp_group)
-    gathered = gathered_norm(params, pp_group) if not _records else None
-    before = [_local(p.grad.detach()).clone() for p in params if p.grad is not None]
+    with uncounted():  # the evidence's reads are not the step's host syncs (StepSyncs)
+        true = true_norm(params, pp_group)
+        gathered = gathered_norm(params, pp_group) if not _records else None
+        before = [_local(p.grad.detach()).clone() for p in params if p.grad is not None]
     reported = _original(params, max_norm, pp_group)
-    after = [_local(p.grad.detach()) for p in params if p.grad is not None]
-    check = max_norm > 0 and math.isfinite(true)
-    coef = min(1.0, max_norm / (true + CLIP_EPS)) if check else 1.0
-    _records.append(NormRecord(max_norm=float(max_norm), reported=float(reported), true=true, gathered=gathered,
-                               clipped=bool(max_norm > 0 and true > max_norm),
-                               clip_rel_err=_clip_rel_err(before, after, coef) if check else None))
+    with uncounted():
+        after = [_local(p.grad.detach()) for p in params if p.grad is not None]
+        check = max_norm > 0 and math.isfinite(true)
+        coef = min(1.0, max_norm / (true + CLIP_EPS)) if check else 1.0
+        _records.append(NormRecord(max_norm=float(max_norm), reported=float(reported), true=true,
+                                   gathered=gathered, clipped=bool(max_norm > 0 and true > max_norm),
+                                   clip_rel_err=_clip_rel_err(before, after, coef) if check else None))
     return reported
 
 

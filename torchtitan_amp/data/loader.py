@@ -11,6 +11,7 @@ from torchtitan_amp.data.index import open_split
 from torchtitan_amp.data.packed import PackedTextDataset, Sample
 from torchtitan_amp.data.tokens import Batch, TokenWindowDataset
 from torchtitan_amp.errors import DataError
+from torchtitan_amp.host_syncs import uncounted
 from torchtitan_amp.tokenizer import Tokenizer
 
 
@@ -102,7 +103,12 @@ class ParallelAwareDataLoader(StatefulDataLoader):
         return self._counted(super().__iter__())
 
     def _counted(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        for batch in batches:
+        while True:
+            # Host tensors (the permutation, the token windows): no read here waits for a device.
+            with uncounted():
+                batch = next(batches, None)
+            if batch is None:
+                return
             self._yielded += 1
             yield batch
 

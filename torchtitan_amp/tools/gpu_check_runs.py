@@ -1,5 +1,6 @@
 """What the GPU checks (tools/gpu_checks.py) run and read: the Trainer on one device, the losses
-it logged, and a dispatch-level count of the matmul and attention kernels a pass ran, by dtype."""
+it logged, a dispatch-level count of the matmul and attention kernels a pass ran, by dtype, and
+the host syncs of its training steps."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import gc
 import json
 import math
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.config import load_config
+from torchtitan_amp.host_syncs import StepSyncs
 from torchtitan_amp.trainer import Trainer
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm")
@@ -154,3 +157,52 @@ def cp_chunk_attention(device: str, dtype: torch.dtype, head_dim: int, tiny: boo
             "mask_predicted": materialises_causal_mask(device, name, head_dim),
             "expected_op_ran": any(op.startswith(_LOWER_RIGHT_OPS.get(kernel, "?") + ":") for op in seen.ops),
             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
+
+
+# trainer.train_step's one device read (the finiteness flag), on one device without EP, dense or MoE.
+STEP_SYNC_BUDGET = 1
+
+
+class _CudaSyncWarnings:
+    """Wraps a trainer's train_step: with torch.cuda.set_sync_debug_mode("warn") on, CUDA itself
+    reports every synchronizing call (what the dispatcher count cannot see: a blocking copy made
+    inside an op, a stream sync in a library). Per step: the warnings' first lines."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.per_step: dict[int, list[str]] = {}
+        step_fn = trainer.train_step
+
+        def warned(*args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return step_fn(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    self.per_step[trainer.step] = [str(w.message).splitlines()[0] for w in caught
+                                                   if "synchroniz" in str(w.message)]
+
+        trainer.train_step = warned
+
+
+def step_syncs(args: list[str]) -> dict[str, Any]:
+    """Train; for every step after the first (which builds lazily): the host syncs counted at the
+    dispatcher (host_syncs.StepSyncs, with the line of each) and, on CUDA, the synchronizing calls
+    CUDA's sync debug mode reported inside train_step."""
+    trainer = Trainer(load_config(args))
+    recorder = StepSyncs(only=set(range(2, trainer.config.training.steps + 1)), where=True)
+    recorder.install(trainer)
+    cuda = _CudaSyncWarnings(trainer) if trainer.device.type == "cuda" else None
+    trainer.train()
+    recorder.finish()
+    trainer.metrics.close()
+    steps = {s: {**r, "cuda_sync_warnings": cuda.per_step.get(s) if cuda else None} for s, r in recorder.steps.items()}
+    return {"budget": STEP_SYNC_BUDGET, "steps": steps}
+
+
+def sync_budget_kept(result: dict[str, Any]) -> bool:
+    """Every counted step's train_step within the budget, at the dispatcher and (CUDA) by CUDA."""
+    steps = result["steps"].values()
+    return bool(steps) and all(max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= STEP_SYNC_BUDGET
+                               for r in steps)

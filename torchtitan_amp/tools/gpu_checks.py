@@ -20,6 +20,9 @@ Everything runs in this one process (one CUDA start-up), through the real Traine
                says the grouped kernel works: `_grouped_mm` in bf16), and, measured only, torch.mm
                with bf16 inputs and fp32 output (`out_dtype`: the cheaper router gate matmul, not
                built until it is measured here).
+- `syncs`      host syncs per training step of the debug and MoE debug models in bf16 (one
+               device, no EP): counted at the dispatcher and reported by CUDA's sync debug mode.
+               Pass: each step after the first within STEP_SYNC_BUDGET (the finiteness read).
 - `generate`   a 3-step-trained debug model (its q and k scaled by 8, so that positions matter)
                decodes 24 tokens greedily with its KV cache on this device: pass when every step's logits equal one full forward over the text (fp32
                within GENERATE_ATOL, bf16 within GENERATE_BF16_REL of the largest logit) and each
@@ -77,7 +80,8 @@ from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
-    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, moe_combine_repeats, records, train)
+    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, moe_combine_repeats, records, step_syncs,
+    sync_budget_kept, train)
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
@@ -110,7 +114,7 @@ PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
 
 # Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
 # milliseconds there; compilation (bf16_compile, the compiled speed runs) dominates.
-CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "generate": 40.0,
+CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "syncs": 40.0, "generate": 40.0,
                  "cp_attention": 30.0, "fp8": 90.0, "fp8_speed": 200.0}
 # A check is not started with less time than this left in --time-budget.
 MIN_START_S = 5.0
@@ -278,6 +282,13 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
             and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"])))
 
 
+def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    for name, extra in (("dense", BF16), ("moe", [*MOE, *BF16])):
+        out[name] = step_syncs(base_args(a, work / name) + extra)
+        free_memory()
+    return sync_budget_kept(out["dense"]) and sync_budget_kept(out["moe"])
+
+
 def _mm_out_dtype(device: str) -> dict[str, Any]:
     """torch.mm of bf16 inputs with an fp32 output (the router gate's cheap form): whether this
     device runs it, and its distance from the fp32 product of the same bf16 values."""
@@ -422,8 +433,8 @@ def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -
 
 
 CHECKS: dict[str, Check] = {"probe": check_probe, "curves": check_curves, "resume": check_resume,
-                            "moe": check_moe, "generate": check_generate, "cp_attention": check_cp_attention,
-                            "fp8": check_fp8, "fp8_speed": check_fp8_speed}
+                            "moe": check_moe, "syncs": check_syncs, "generate": check_generate,
+                            "cp_attention": check_cp_attention, "fp8": check_fp8, "fp8_speed": check_fp8_speed}
 
 
 # ---------------------------------------------------------------------------------------------

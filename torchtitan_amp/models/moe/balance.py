@@ -40,7 +40,9 @@ def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None
     perfect balance), over every pipeline stage. Every rank must call it (collectives)."""
     layers = moe_layers(model_parts)
     # A pipeline stage without MoE layers still joins the stages' all-reduce, with neutral values.
-    stats = torch.tensor([0.0, float("-inf")], device=next(p.device for part in model_parts for p in part.parameters()))
+    # Made on the device, not copied from a host list (on CUDA a blocking copy waits for the stream).
+    stats = torch.zeros(2, device=next(p.device for part in model_parts for p in part.parameters()))
+    stats[1:].fill_(float("-inf"))
     if layers:
         counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] int64
         if group is not None:
@@ -52,6 +54,8 @@ def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None
                 delta = layer.bias_update_speed * torch.sign(avg - load)
                 layer.pending_bias_update = (delta - delta.mean()).float()
             layer.tokens_per_expert.zero_()
+            if layer.expert_parallel is not None:
+                layer.expert_parallel.forget()  # the step's recomputes are done
         ratio = loads / mean.clamp(min=1.0)
         # min as -max so one MAX all-reduce over stages serves both.
         stats = torch.stack([ratio.max(), -ratio.min()]).to(stats.dtype)

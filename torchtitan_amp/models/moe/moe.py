@@ -235,6 +235,8 @@ class MoE(nn.Module):
         metadata pass, whose backward would otherwise count a microbatch twice)."""
         self.tokens_per_expert.zero_()
         self.pending_bias_update = None
+        if self.expert_parallel is not None:
+            self.expert_parallel.forget()  # split sizes kept for recomputes that will not come
 
     def init_weights(self, init_std: float) -> None:
         # A meta-built model's buffers hold whatever to_empty left in memory.
