@@ -206,3 +206,18 @@ def sync_budget_kept(result: dict[str, Any]) -> bool:
     steps = result["steps"].values()
     return bool(steps) and all(max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= STEP_SYNC_BUDGET
                                for r in steps)
+
+
+def mm_out_dtype(device: str) -> dict[str, Any]:
+    """torch.mm of bf16 inputs with an fp32 output (the router gate's cheap form): whether this
+    device runs it, and its distance from the fp32 product of the same bf16 values."""
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(512, 256, device=device, generator=g).bfloat16()
+    w = torch.randn(64, 256, device=device, generator=g).bfloat16()
+    try:
+        got = torch.mm(x, w.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return {"ran": False, "error": " ".join(str(e).splitlines())[:200]}
+    ref = x.double() @ w.double().t()
+    return {"ran": True, "dtype": str(got.dtype).removeprefix("torch."),
+            "max_rel_diff_vs_fp64": float(((got.double() - ref).abs().max() / ref.abs().max()).item())}

@@ -80,8 +80,8 @@ from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.parallelize import parallel_context  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
-    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, moe_combine_repeats, records, step_syncs,
-    sync_budget_kept, train)
+    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
+    step_syncs, sync_budget_kept, train)
 from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
@@ -273,7 +273,7 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
         out["expert_ops"][name] = {k: v for k, v in ops.seen.items() if k.startswith(("_grouped_mm", "mm:", "bmm"))}
     out["max_abs_diff_vs_fp32"] = max(abs(curves["bf16"][s] - curves["fp32"][s]) for s in curves["fp32"])
     out["router"] = json.loads((work / "bf16" / "precision_report.json").read_text()).get("router")
-    out["mm_bf16_in_fp32_out"] = _mm_out_dtype(a.device)
+    out["mm_bf16_in_fp32_out"] = mm_out_dtype(a.device)
     out["combine_bitwise_across_runs"] = moe_combine_repeats(a.device)
     grouped_ran = any(k == "_grouped_mm:bfloat16" for k in out["expert_ops"]["bf16"])
     return (out["max_abs_diff_vs_fp32"] <= TOLERANCE["bf16"] and all(len(c) == a.steps for c in curves.values())
@@ -287,21 +287,6 @@ def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
         out[name] = step_syncs(base_args(a, work / name) + extra)
         free_memory()
     return sync_budget_kept(out["dense"]) and sync_budget_kept(out["moe"])
-
-
-def _mm_out_dtype(device: str) -> dict[str, Any]:
-    """torch.mm of bf16 inputs with an fp32 output (the router gate's cheap form): whether this
-    device runs it, and its distance from the fp32 product of the same bf16 values."""
-    g = torch.Generator(device).manual_seed(0)
-    x = torch.randn(512, 256, device=device, generator=g).bfloat16()
-    w = torch.randn(64, 256, device=device, generator=g).bfloat16()
-    try:
-        got = torch.mm(x, w.t(), out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        return {"ran": False, "error": " ".join(str(e).splitlines())[:200]}
-    ref = x.double() @ w.double().t()
-    return {"ran": True, "dtype": str(got.dtype).removeprefix("torch."),
-            "max_rel_diff_vs_fp64": float(((got.double() - ref).abs().max() / ref.abs().max()).item())}
 
 
 def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) -> torch.Tensor:
