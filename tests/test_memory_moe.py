@@ -137,10 +137,19 @@ def _alive_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
         out = model(tokens)
     gc.collect()
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.untyped_storage().data_ptr() in made:
+        if issubclass(type(obj), torch.Tensor) and _data_ptr(obj) in made:
             found.setdefault(obj.untyped_storage().data_ptr(), (tuple(obj.shape), obj.untyped_storage().nbytes()))
     skip = params | {out.untyped_storage().data_ptr()}
     return sum(n for ptr, (shape, n) in found.items() if ptr not in skip and shape not in shapes)
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """A live tensor's storage address; None for the fake and functional tensors an earlier
+    torch.compile in this process left alive (they have no data)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 SCALAR_SLACK = 16  # bytes per layer: see the test below
