@@ -122,9 +122,21 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     return out
 
 
-def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
+def fp8_gathered_params(parts: list[nn.Module], plan: PrecisionPlan) -> set[int]:
+    """ids of the parameters FSDP all-gathers in fp8 (mixed_precision.fp8_all_gather): the weights
+    of the Linears the plan runs in fp8, whether torchao converted them on meta or, not installed,
+    left them nn.Linear (the same rule picks both, so the sizes agree)."""
+    if not plan.fp8_all_gather:
+        return set()
+    return {id(m.weight) for part in parts for name, m in part.named_modules()
+            if plan.is_fp8_linear(unwrapped_name(name), m)}
+
+
+def fsdp_groups_of(part: nn.Module, fsdp_shard: int, fp8_params: frozenset[int] | set[int] = frozenset()
+                   ) -> list[FsdpGroup]:
     """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup; one sharded
-    over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts")."""
+    over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts").
+    `fp8_params` (fp8_gathered_params): weights whose all-gather sends float8."""
     groups, seen = [], set()
     names = {id(m): unwrapped_name(name) for name, m in part.named_modules()}
     for name, module in part.named_modules():
@@ -143,7 +155,8 @@ def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
             groups.append(FsdpGroup(
                 "+".join(names[id(m)] for m in g.modules) or "root",
                 sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
-                gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0))
+                gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0,
+                sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params if id(fp.sharded_param) in fp8_params)))
     return groups
 
 
@@ -158,10 +171,10 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Job:
     """Validate the layout for `world_size` ranks (default: dry_run.world_size, else the product
     of the degrees) with the trainer's own checks (job.resolve) and derive the analytic inputs;
     raises ConfigError as the trainer would. Cheap: no process group, no model. Precision is
-    decided for the CPU (no device checks for GPUs we do not have): its dtypes do not depend on
-    the device type."""
+    decided for the target device, dry_run.device (default cuda), whatever machine runs this:
+    what only that device could answer (bf16 support, torchao, fp8 matmuls) is not asked."""
     world_size = resolve_world_size(config) if world_size is None else world_size
-    return resolve_job(config, world_size, "cpu", dry_run=True)
+    return resolve_job(config, world_size, config.dry_run.device, dry_run=True)
 
 
 def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
@@ -199,7 +212,8 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     state = measure_state(parts, plan.optimizer_state_dtype)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
                                   dp_shard_rank=layout.fsdp_rank(coords["dp_shard"], coords["cp"]))
-    stage_groups = ([(s, fsdp_groups_of(part, dims.fsdp_shard)) for s, part in zip(stages, parts)]
+    fp8_params = fp8_gathered_params(parts, plan)
+    stage_groups = ([(s, fsdp_groups_of(part, dims.fsdp_shard, fp8_params)) for s, part in zip(stages, parts)]
                     if dims.fsdp_enabled else [])
     comm: dict[str, ByDtype] = {}
     calls: dict[str, int] = {}
@@ -237,7 +251,8 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "precision": {"path": plan.path, "storage_dtype": prec.storage, "param_dtype": prec.param,
                       "reduce_dtype": prec.reduce, "output_dtype": prec.output, "comm_hook": plan.comm_hook,
                       "residual_dtype": prec.residual, "matmul_dtype": prec.compute,
-                      "cp_reduce_dtype": prec.cp_reduce if dims.cp_enabled else None},
+                      "cp_reduce_dtype": prec.cp_reduce if dims.cp_enabled else None,
+                      "fp8": plan.fp8, "fp8_all_gather": plan.fp8_all_gather, "target": res.device_type},
         "pipeline": {
             "schedule": layout.pp_schedule if dims.pp_enabled else None,
             "num_stages": num_stages,
@@ -262,6 +277,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
                          "unsharded_numel": g.unsharded_numel(dims.fsdp_shard), "gather_dtype": g.gather_dtype,
+                         "fp8_unsharded_numel": g.fp8_shard_numel * g.degree(dims.fsdp_shard),
                          "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward}
                         for s, gs in stage_groups for g in gs],
         "communication": comm,
@@ -338,7 +354,9 @@ def format_table(r: dict[str, Any]) -> str:
         f"cp {deg['cp']} x tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
         f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
-        f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else ""),
+        f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else "")
+        + (f" fp8={pr['fp8']}" + (" with fp8 all-gather" if pr["fp8_all_gather"] else "") if pr["fp8"] != "none" else "")
+        + f"; sized for {pr['target']}",
     ]
     if deg.get("ep", 1) > 1:
         lines.append(f"  experts  ep {deg['ep']}: each MoE layer's routed experts split over {deg['ep']} ranks, "
