@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_amp.rules import STAGES_PER_RANK
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 VOCAB = 128256
@@ -49,13 +51,16 @@ class Row:
 
 
 def _layout(shard: int, *, tp: int = 1, pp: int = 1, cp: int = 1, lb: int, seq: int, ac: str,
-            schedule: str = "1F1B", microbatches: int = 8) -> tuple[str, ...]:
+            schedule: str = "1F1B") -> tuple[str, ...]:
     out = ["--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
            "--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.context_parallel_degree", str(cp),
            "--training.local_batch_size", str(lb), "--training.seq_len", str(seq),
            "--activation_checkpoint.mode", "full" if ac == "full" else "selective",
            "--activation_checkpoint.selective_ac_option", "op"]
-    if pp > 1:  # torchtitan's default: pp microbatches per local batch
+    if pp > 1:
+        # torchtitan's default then (pipeline_parallel_microbatches unset): one microbatch per
+        # stage of the whole pipeline, pp x stages per rank.
+        microbatches = pp * STAGES_PER_RANK[schedule]
         out += ["--parallelism.pipeline_parallel_schedule", schedule,
                 "--parallelism.pipeline_parallel_microbatch_size", str(lb // microbatches)]
     return tuple(out)

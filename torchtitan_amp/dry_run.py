@@ -288,6 +288,9 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
 
 
 FORMULAS = {
+    "peak": "allocated: params + grads + optimizer + transient + activations alive at once; the CUDA caching "
+            "allocator's reserved memory (what torch.cuda.max_memory_reserved and torchtitan's published "
+            "numbers report) is at least this, plus its cache and fragmentation, not estimated here",
     "params": "local elements (TP shard, then FSDP dim-0 shard, torch.chunk rows) x bytes(storage)",
     "params_padded": "FSDP2 allocates each shard padded to ceil(dim0 / dp_shard) rows",
     "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads); a "
@@ -300,7 +303,8 @@ FORMULAS = {
                   "a tensor replicated across ranks (DDP, TP-replicated norms) is written by one rank only, "
                   "so there it is an upper bound",
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
-                 "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
+                 "unsharded in gather dtype (in use, prefetched, its grad; the first two 1 byte per fp8 "
+                 "Linear weight under fp8_all_gather) + its reduce-scatter input; "
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
     "activations": "in-flight microbatches x tokens (this rank's: seq / cp) x (layers x per-layer + ends); per "
                    "layer (bytes/token): 2(8d+4)/sp + k*c*d + c(2d/t+2kv'*cp) + 4H/t + 4c*f/t, + c*seq "
@@ -310,7 +314,7 @@ FORMULAS = {
                    "mask) under block_causal; full AC keeps r*d/sp per layer plus one recomputed layer "
                    "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
-                       "rest) per forward, x2 for groups resharded after forward (backward re-gathers); "
+                       "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups resharded after forward (backward re-gathers); "
                        "under PP only when the group is sharded at that pass",
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
@@ -396,8 +400,8 @@ def format_table(r: dict[str, Any]) -> str:
         by = "" if "est" in d else fd(d)
         lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {by}")
     pk = m["peak_estimate"]
-    lines.append(f"  {'peak estimate (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
-                 f"  (configured: {fb(pk['configured'])})")
+    lines.append(f"  {'peak allocated (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
+                 f"  (configured: {fb(pk['configured'])}; reserved >= allocated)")
     lines.append(f"  {'checkpoint (this rank writes)':34s} {fb(m['checkpoint']):>12s}  params + optimizer state")
     bpp = m["bytes_per_param"]
     lines.append(f"  {'bytes per trained parameter':34s} {bpp['trained_total']:>10d} B  param {bpp['param']} + grad "
