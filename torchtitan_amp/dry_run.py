@@ -277,8 +277,10 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         },
         "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
                          "unsharded_numel": g.unsharded_numel(dims.fsdp_shard), "gather_dtype": g.gather_dtype,
-                         "fp8_unsharded_numel": g.fp8_shard_numel * g.degree(dims.fsdp_shard),
-                         "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward}
+                         "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward,
+                         # Only where the job gathers in fp8: the bf16 report's groups keep their keys.
+                         **({"fp8_unsharded_numel": g.fp8_shard_numel * g.degree(dims.fsdp_shard)}
+                            if plan.fp8_all_gather else {})}
                         for s, gs in stage_groups for g in gs],
         "communication": comm,
         "communication_total": memory.merge(*comm.values()),
