@@ -6,14 +6,16 @@
 1. joins a fake process group (torch's "fake" backend over a FakeStore) as `rank` of
    `world_size`, so every collective is a no-op but every group and mesh is real;
 2. runs the trainer's own set-up on a model built on the meta device: `job.resolve` (every
-   config-time check, the precision plan, the pipeline split) and `job.build_model_parts` for this
-   rank's stages (TP, AC, FSDP2/HSDP or DDP), minus weight initialisation; nothing is allocated
-   (meta tensors have shapes only);
+   config-time check, the precision plan, the pipeline split) for the target device
+   (dry_run.device, default cuda: GPU-only options such as fp8 all-gather are sized, not refused)
+   and `job.build_model_parts` for this rank's stages (fp8, TP, AC, FSDP2/HSDP or DDP), minus
+   weight initialisation; nothing is allocated (meta tensors have shapes only);
 3. reads this rank's parameter shards from the result (DTensor local shapes and FSDP2's padded
    shards), its FSDP groups (mixed-precision policy, reshard-after-forward) and DDP's safe set,
    and adds what a meta model cannot show (activations, TP and PP traffic) from the formulas in
    `torchtitan_amp.memory`;
-4. prints a table and writes `<dump_folder>/dry_run.json`.
+4. prints a table and writes `<dump_folder>/dry_run.json`. Its peak is allocated memory; the CUDA
+   caching allocator reserves at least that (no allowance is added: none is measured here).
 
 Parameter, gradient, optimizer and FSDP/DDP traffic numbers are checked against real
 multi-process runs in tests/test_dry_run.py.
