@@ -158,7 +158,8 @@ def fsdp_groups_of(part: nn.Module, fsdp_shard: int, fp8_params: frozenset[int] 
                 "+".join(names[id(m)] for m in g.modules) or "root",
                 sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
                 gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0,
-                sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params if id(fp.sharded_param) in fp8_params)))
+                sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params
+                    if id(fp.sharded_param) in fp8_params)))
     return groups
 
 
@@ -318,7 +319,8 @@ FORMULAS = {
                    "mask) under block_causal; full AC keeps r*d/sp per layer plus one recomputed layer "
                    "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
-                       "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups resharded after forward (backward re-gathers); "
+                       "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups "
+                       "resharded after forward (backward re-gathers); "
                        "under PP only when the group is sharded at that pass",
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
@@ -352,6 +354,12 @@ def _params(model: dict[str, Any]) -> str:
     return f"{total:,} params" + (f", {active:,} active per token" if active != total else "")
 
 
+def _fp8_words(precision: dict[str, Any]) -> str:
+    if precision["fp8"] == "none":
+        return ""
+    return f" fp8={precision['fp8']}" + (" with fp8 all-gather" if precision["fp8_all_gather"] else "")
+
+
 def format_table(r: dict[str, Any]) -> str:
     fb, fd = memory.fmt_bytes, memory.fmt_by_dtype
     m, pr, deg = r["memory"], r["precision"], r["degrees"]
@@ -363,8 +371,7 @@ def format_table(r: dict[str, Any]) -> str:
         f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
         f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else "")
-        + (f" fp8={pr['fp8']}" + (" with fp8 all-gather" if pr["fp8_all_gather"] else "") if pr["fp8"] != "none" else "")
-        + f"; sized for {pr['target']}",
+        + _fp8_words(pr) + f"; sized for {pr['target']}",
     ]
     if deg.get("ep", 1) > 1:
         lines.append(f"  experts  ep {deg['ep']}: each MoE layer's routed experts split over {deg['ep']} ranks, "
