@@ -278,18 +278,23 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
             "bytes_per_param": prec.bytes_per_param(),
         },
-        "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
-                         "unsharded_numel": g.unsharded_numel(dims.fsdp_shard), "gather_dtype": g.gather_dtype,
-                         "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward,
-                         # Only where the job gathers in fp8: the bf16 report's groups keep their keys.
-                         **({"fp8_unsharded_numel": g.fp8_shard_numel * g.degree(dims.fsdp_shard)}
-                            if plan.fp8_all_gather else {})}
-                        for s, gs in stage_groups for g in gs],
+        "fsdp_groups": _groups_report(stage_groups, dims.fsdp_shard, plan.fp8_all_gather),
         "communication": comm,
         "communication_total": memory.merge(*comm.values()),
         "fsdp_collective_calls": calls,
         "formulas": FORMULAS,
     }
+
+
+def _groups_report(stage_groups: list[tuple[Stage, list[FsdpGroup]]], fsdp_shard: int,
+                   fp8_all_gather: bool) -> list[dict[str, Any]]:
+    """The report's FSDP groups; fp8_unsharded_numel only where the job gathers in fp8 (the other
+    reports' groups keep the keys the real-run comparison reads)."""
+    return [{"stage": s.index, "name": g.name, "kind": g.kind, "unsharded_numel": g.unsharded_numel(fsdp_shard),
+             "gather_dtype": g.gather_dtype, "reduce_dtype": g.reduce_dtype,
+             "reshard_after_forward": g.reshard_after_forward,
+             **({"fp8_unsharded_numel": g.fp8_shard_numel * g.degree(fsdp_shard)} if fp8_all_gather else {})}
+            for s, gs in stage_groups for g in gs]
 
 
 FORMULAS = {
