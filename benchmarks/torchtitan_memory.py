@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Memory per GPU at torchtitan's own published layouts: their measured number against our dry run.
 
-    python -m benchmarks.torchtitan_memory              # every row, ~2-4 min (one process)
+    python -m benchmarks.torchtitan_memory              # every row: 37 dry runs, ~75 s of CPU time
     python -m benchmarks.torchtitan_memory --rows 0,4   # some rows, by index
 
 torchtitan's numbers are from pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md
@@ -10,7 +10,7 @@ the maximum over all GPUs of the job). Ours is the dry run's (torchtitan_amp/dry
 peak of the configured AC mode (tensors alive at the peak; no allocator cache or fragmentation):
 reserved >= allocated, so a ratio above 1 means this framework would hold more than torchtitan
 did. Under PP the row takes the largest of the pp ranks (one dry run per pp coordinate), as
-torchtitan's footnote does. Every dry run sizes a CUDA target (dry_run.device = "cuda"), with the
+torchtitan's footnote does, with torchtitan's microbatch count for those runs (pp x stages per rank). Every dry run sizes a CUDA target (dry_run.device = "cuda"), with the
 bf16 FSDP policy (fp32 master weights, fp32 gradient reduction) and Llama 3's vocabulary (128256).
 Where torchtitan ran Float8 we run fp8 (tensorwise; with fp8 all-gather where their config had
 it); torch.compile and async TP are not modelled (our estimate is the eager peak).
