@@ -356,7 +356,7 @@ def test_overhead_runs_every_layout(tmp_path: Path) -> None:
 
 
 BENCHMARKS = ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision",
-              "context_parallel"]
+              "context_parallel", "torchtitan_memory"]
 TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks", "plot", "numerics_figures", "generate"]
 # Runs each module as `python -m MODULE --help` does (runpy as __main__, sys.argv set), one after
 # another in one process, so that torch is imported once rather than once per script (~3 s each on

@@ -6,14 +6,16 @@
 1. joins a fake process group (torch's "fake" backend over a FakeStore) as `rank` of
    `world_size`, so every collective is a no-op but every group and mesh is real;
 2. runs the trainer's own set-up on a model built on the meta device: `job.resolve` (every
-   config-time check, the precision plan, the pipeline split) and `job.build_model_parts` for this
-   rank's stages (TP, AC, FSDP2/HSDP or DDP), minus weight initialisation; nothing is allocated
-   (meta tensors have shapes only);
+   config-time check, the precision plan, the pipeline split) for the target device
+   (dry_run.device, default cuda: GPU-only options such as fp8 all-gather are sized, not refused)
+   and `job.build_model_parts` for this rank's stages (fp8, TP, AC, FSDP2/HSDP or DDP), minus
+   weight initialisation; nothing is allocated (meta tensors have shapes only);
 3. reads this rank's parameter shards from the result (DTensor local shapes and FSDP2's padded
    shards), its FSDP groups (mixed-precision policy, reshard-after-forward) and DDP's safe set,
    and adds what a meta model cannot show (activations, TP and PP traffic) from the formulas in
    `torchtitan_amp.memory`;
-4. prints a table and writes `<dump_folder>/dry_run.json`.
+4. prints a table and writes `<dump_folder>/dry_run.json`. Its peak is allocated memory; the CUDA
+   caching allocator reserves at least that (no allowance is added: none is measured here).
 
 Parameter, gradient, optimizer and FSDP/DDP traffic numbers are checked against real
 multi-process runs in tests/test_dry_run.py.
@@ -122,9 +124,21 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
     return out
 
 
-def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
+def fp8_gathered_params(parts: list[nn.Module], plan: PrecisionPlan) -> set[int]:
+    """ids of the parameters FSDP all-gathers in fp8 (mixed_precision.fp8_all_gather): the weights
+    of the Linears the plan runs in fp8, whether torchao converted them on meta or, not installed,
+    left them nn.Linear (the same rule picks both, so the sizes agree)."""
+    if not plan.fp8_all_gather:
+        return set()
+    return {id(m.weight) for part in parts for name, m in part.named_modules()
+            if plan.is_fp8_linear(unwrapped_name(name), m)}
+
+
+def fsdp_groups_of(part: nn.Module, fsdp_shard: int, fp8_params: frozenset[int] | set[int] = frozenset()
+                   ) -> list[FsdpGroup]:
     """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup; one sharded
-    over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts")."""
+    over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts").
+    `fp8_params` (fp8_gathered_params): weights whose all-gather sends float8."""
     groups, seen = [], set()
     names = {id(m): unwrapped_name(name) for name, m in part.named_modules()}
     for name, module in part.named_modules():
@@ -143,7 +157,9 @@ def fsdp_groups_of(part: nn.Module, fsdp_shard: int) -> list[FsdpGroup]:
             groups.append(FsdpGroup(
                 "+".join(names[id(m)] for m in g.modules) or "root",
                 sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
-                gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0))
+                gather, reduce, g.post_forward_mesh_info is not None, kind, shards if kind == "experts" else 0,
+                sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params
+                    if id(fp.sharded_param) in fp8_params)))
     return groups
 
 
@@ -158,10 +174,10 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Job:
     """Validate the layout for `world_size` ranks (default: dry_run.world_size, else the product
     of the degrees) with the trainer's own checks (job.resolve) and derive the analytic inputs;
     raises ConfigError as the trainer would. Cheap: no process group, no model. Precision is
-    decided for the CPU (no device checks for GPUs we do not have): its dtypes do not depend on
-    the device type."""
+    decided for the target device, dry_run.device (default cuda), whatever machine runs this:
+    what only that device could answer (bf16 support, torchao, fp8 matmuls) is not asked."""
     world_size = resolve_world_size(config) if world_size is None else world_size
-    return resolve_job(config, world_size, "cpu", dry_run=True)
+    return resolve_job(config, world_size, config.dry_run.device, dry_run=True)
 
 
 def run(config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
@@ -199,7 +215,8 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     state = measure_state(parts, plan.optimizer_state_dtype)
     analytic = memory.state_bytes(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"],
                                   dp_shard_rank=layout.fsdp_rank(coords["dp_shard"], coords["cp"]))
-    stage_groups = ([(s, fsdp_groups_of(part, dims.fsdp_shard)) for s, part in zip(stages, parts)]
+    fp8_params = fp8_gathered_params(parts, plan)
+    stage_groups = ([(s, fsdp_groups_of(part, dims.fsdp_shard, fp8_params)) for s, part in zip(stages, parts)]
                     if dims.fsdp_enabled else [])
     comm: dict[str, ByDtype] = {}
     calls: dict[str, int] = {}
@@ -237,7 +254,8 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "precision": {"path": plan.path, "storage_dtype": prec.storage, "param_dtype": prec.param,
                       "reduce_dtype": prec.reduce, "output_dtype": prec.output, "comm_hook": plan.comm_hook,
                       "residual_dtype": prec.residual, "matmul_dtype": prec.compute,
-                      "cp_reduce_dtype": prec.cp_reduce if dims.cp_enabled else None},
+                      "cp_reduce_dtype": prec.cp_reduce if dims.cp_enabled else None,
+                      "fp8": plan.fp8, "fp8_all_gather": plan.fp8_all_gather, "target": res.device_type},
         "pipeline": {
             "schedule": layout.pp_schedule if dims.pp_enabled else None,
             "num_stages": num_stages,
@@ -260,10 +278,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
             "bytes_per_param": prec.bytes_per_param(),
         },
-        "fsdp_groups": [{"stage": s.index, "name": g.name, "kind": g.kind,
-                         "unsharded_numel": g.unsharded_numel(dims.fsdp_shard), "gather_dtype": g.gather_dtype,
-                         "reduce_dtype": g.reduce_dtype, "reshard_after_forward": g.reshard_after_forward}
-                        for s, gs in stage_groups for g in gs],
+        "fsdp_groups": _groups_report(stage_groups, dims.fsdp_shard, plan.fp8_all_gather),
         "communication": comm,
         "communication_total": memory.merge(*comm.values()),
         "fsdp_collective_calls": calls,
@@ -271,7 +286,21 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     }
 
 
+def _groups_report(stage_groups: list[tuple[Stage, list[FsdpGroup]]], fsdp_shard: int,
+                   fp8_all_gather: bool) -> list[dict[str, Any]]:
+    """The report's FSDP groups; fp8_unsharded_numel only where the job gathers in fp8 (the other
+    reports' groups keep the keys the real-run comparison reads)."""
+    return [{"stage": s.index, "name": g.name, "kind": g.kind, "unsharded_numel": g.unsharded_numel(fsdp_shard),
+             "gather_dtype": g.gather_dtype, "reduce_dtype": g.reduce_dtype,
+             "reshard_after_forward": g.reshard_after_forward,
+             **({"fp8_unsharded_numel": g.fp8_shard_numel * g.degree(fsdp_shard)} if fp8_all_gather else {})}
+            for s, gs in stage_groups for g in gs]
+
+
 FORMULAS = {
+    "peak": "allocated: params + grads + optimizer + transient + activations alive at once; the CUDA caching "
+            "allocator's reserved memory (what torch.cuda.max_memory_reserved and torchtitan's published "
+            "numbers report) is at least this, plus its cache and fragmentation, not estimated here",
     "params": "local elements (TP shard, then FSDP dim-0 shard, torch.chunk rows) x bytes(storage)",
     "params_padded": "FSDP2 allocates each shard padded to ceil(dim0 / dp_shard) rows",
     "grads": "same shards as params, storage dtype (FSDP2 reduce-scatters into fp32 sharded grads); a "
@@ -284,7 +313,8 @@ FORMULAS = {
                   "a tensor replicated across ranks (DDP, TP-replicated norms) is written by one rank only, "
                   "so there it is an upper bound",
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
-                 "unsharded in gather dtype (in use, prefetched, its grad) + its reduce-scatter input; "
+                 "unsharded in gather dtype (in use, prefetched, its grad; the first two 1 byte per fp8 "
+                 "Linear weight under fp8_all_gather) + its reduce-scatter input; "
                  "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
     "activations": "in-flight microbatches x tokens (this rank's: seq / cp) x (layers x per-layer + ends); per "
                    "layer (bytes/token): 2(8d+4)/sp + k*c*d + c(2d/t+2kv'*cp) + 4H/t + 4c*f/t, + c*seq "
@@ -294,7 +324,8 @@ FORMULAS = {
                    "mask) under block_causal; full AC keeps r*d/sp per layer plus one recomputed layer "
                    "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
-                       "rest) per forward, x2 for groups resharded after forward (backward re-gathers); "
+                       "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups "
+                       "resharded after forward (backward re-gathers); "
                        "under PP only when the group is sharded at that pass",
     "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
@@ -328,6 +359,12 @@ def _params(model: dict[str, Any]) -> str:
     return f"{total:,} params" + (f", {active:,} active per token" if active != total else "")
 
 
+def _fp8_words(precision: dict[str, Any]) -> str:
+    if precision["fp8"] == "none":
+        return ""
+    return f" fp8={precision['fp8']}" + (" with fp8 all-gather" if precision["fp8_all_gather"] else "")
+
+
 def format_table(r: dict[str, Any]) -> str:
     fb, fd = memory.fmt_bytes, memory.fmt_by_dtype
     m, pr, deg = r["memory"], r["precision"], r["degrees"]
@@ -338,7 +375,8 @@ def format_table(r: dict[str, Any]) -> str:
         f"cp {deg['cp']} x tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
         f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
-        f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else ""),
+        f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else "")
+        + _fp8_words(pr) + f"; sized for {pr['target']}",
     ]
     if deg.get("ep", 1) > 1:
         lines.append(f"  experts  ep {deg['ep']}: each MoE layer's routed experts split over {deg['ep']} ranks, "
@@ -378,8 +416,8 @@ def format_table(r: dict[str, Any]) -> str:
         by = "" if "est" in d else fd(d)
         lines.append(f"  {name:34s} {fb(memory.sum_bytes(d)):>12s}  {by}")
     pk = m["peak_estimate"]
-    lines.append(f"  {'peak estimate (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
-                 f"  (configured: {fb(pk['configured'])})")
+    lines.append(f"  {'peak allocated (AC none / full)':34s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
+                 f"  (configured: {fb(pk['configured'])}; reserved >= allocated)")
     lines.append(f"  {'checkpoint (this rank writes)':34s} {fb(m['checkpoint']):>12s}  params + optimizer state")
     bpp = m["bytes_per_param"]
     lines.append(f"  {'bytes per trained parameter':34s} {bpp['trained_total']:>10d} B  param {bpp['param']} + grad "

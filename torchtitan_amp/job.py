@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_amp import memory, profiling
+from torchtitan_amp import fp8, memory, profiling
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training
 from torchtitan_amp.context_parallel import check_causal_kernel
@@ -159,8 +159,8 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         plan.check_fp8_modules(model)
     job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
               n_microbatches, validation)
-    # A dry run sizes GPUs: it asks what CUDA would run, whatever machine it runs on.
-    check_cp_attention(job, "cuda" if dry_run else device_type)
+    # A dry run asks what its target device (dry_run.device) would run, whatever machine it runs on.
+    check_cp_attention(job, device_type)
     return job
 
 
@@ -185,7 +185,10 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     job.plan.apply_router_dtype(model)
     job.plan.mark_fp32_by_name(model)
     job.plan.freeze(model)
-    job.plan.apply_fp8(model)
+    if materialize or job.plan.fp8 == "none" or fp8.torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None:
+        # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
+        # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
+        job.plan.apply_fp8(model)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)

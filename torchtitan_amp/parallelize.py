@@ -245,8 +245,8 @@ def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) 
     """Decide once, here, whether each MoE layer's experts run the grouped matmul or the loop
     (moe.grouped_mm_kernel), for the dtype the plan has them compute in on this device."""
     layers = expert_layers(model)
-    if not layers:
-        return
+    if not layers or (plan.device_type == "cuda" and not torch.cuda.is_available()):
+        return  # nothing to decide, or a dry run sizing GPUs on a machine without one (nothing runs)
     device = f"cuda:{torch.cuda.current_device()}" if plan.device_type == "cuda" else plan.device_type
     for layer in layers:
         experts = layer.experts

@@ -15,8 +15,9 @@ from typing import Literal
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = typing.get_args(DtypeName)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# float8_e4m3fn: what torchao's fp8 all-gather sends and holds unsharded (memory.FsdpGroup).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
 
 
 def dtype_name(dtype: object) -> str:

@@ -349,6 +349,11 @@ class DryRun:
         0, "Vocabulary size for job.dry_run (0: the tokenizer's; e.g. 128256 to size a run that "
         "will use Llama 3's tokenizer)."
     )
+    device: Literal["cuda", "cpu"] = _f(
+        "cuda", "The device job.dry_run sizes the job for, whatever machine runs the dry run: 'cuda' "
+        "(backend nccl) sizes fp8, fp8 all-gather and the other GPU-only options a GPU run takes; 'cpu' "
+        "(gloo) refuses them as a CPU run would."
+    )
 
 
 @dataclass

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import fsdp_padded_numel, fsdp_split, tp_local_shape
-from torchtitan_amp.memory.sizes import ByDtype, add_bytes
+from torchtitan_amp.memory.sizes import ByDtype, add_bytes, merge
 from torchtitan_amp.memory.specs import Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.memory.stages import stage_ops
 from torchtitan_amp.rules import DTYPE_BYTES, reshard_after_forward
 from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
+
+FP8_GATHER = "float8_e4m3fn"  # torchao's Float8Linear weights, all-gathered under fp8_all_gather
 
 
 @dataclass(frozen=True)
@@ -27,12 +29,24 @@ class FsdpGroup:
     kind: str  # "block" | "fp32" | "root" | "experts"
     # Its own shard degree where it is not FSDP's (EP-split experts: efsdp); 0: the layout's.
     shards: int = 0
+    # Of padded_shard_numel, the fp8 Linears' weights under mixed_precision.fp8_all_gather: torchao
+    # all-gathers them in float8_e4m3fn (1 byte on the wire and unsharded); their unsharded
+    # gradients stay in gather_dtype (the fp8 weight computes in the policy's param dtype).
+    fp8_shard_numel: int = 0
 
     def degree(self, layout_shards: int) -> int:
         return self.shards or layout_shards
 
     def unsharded_numel(self, shards: int) -> int:
         return self.padded_shard_numel * self.degree(shards)
+
+    def gathered(self, shards: int) -> ByDtype:
+        """The unsharded (padded) params as the all-gather delivers them, bytes by dtype."""
+        out: ByDtype = {}
+        n, fp8 = self.degree(shards), self.fp8_shard_numel
+        add_bytes(out, FP8_GATHER, fp8 * n * DTYPE_BYTES[FP8_GATHER])
+        add_bytes(out, self.gather_dtype, (self.padded_shard_numel - fp8) * n * DTYPE_BYTES[self.gather_dtype])
+        return out
 
     @property
     def category(self) -> str:
@@ -107,9 +121,9 @@ def fsdp_gathers_per_step(group: FsdpGroup, ops: list[str], pp: bool) -> int:
 def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, ByDtype]:
     """FSDP traffic of one rank per optimizer step, from its stages' groups:
 
-    all-gather     = unsharded (padded) params in gather dtype, per gather (each forward, plus the
-                     backward re-gather of groups resharded after forward; see
-                     fsdp_gathers_per_step)
+    all-gather     = unsharded (padded) params in gather dtype (fp8 weights in float8), per gather
+                     (each forward, plus the backward re-gather of groups resharded after
+                     forward; see fsdp_gathers_per_step)
     reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP once per
                      schedule step (the stage syncs gradients after its last microbatch)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
@@ -126,8 +140,9 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
             full = g.unsharded_numel(layout.fsdp_shard)
             if g.degree(layout.fsdp_shard) > 1:
                 gathers = fsdp_gathers_per_step(g, ops, layout.pp > 1)
-                add_bytes(out.setdefault(f"{g.category}_all_gather", {}), g.gather_dtype,
-                          layout.grad_accum * gathers * full * DTYPE_BYTES[g.gather_dtype])
+                for dtype, nbytes in g.gathered(layout.fsdp_shard).items():
+                    add_bytes(out.setdefault(f"{g.category}_all_gather", {}), dtype,
+                              layout.grad_accum * gathers * nbytes)
                 add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
                           layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
             if layout.dp_replicate > 1:
@@ -171,16 +186,19 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
     for _stage, groups in stage_groups:
         if layout.pp > 1:
             for g in groups:
-                add_bytes(out, g.gather_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.gather_dtype])
+                out = merge(out, g.gathered(n))
                 add_bytes(out, g.reduce_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.reduce_dtype])
             continue
         for g in groups:
             if not g.reshard_after_forward:
-                add_bytes(out, g.gather_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.gather_dtype])
+                out = merge(out, g.gathered(n))
         for kind in ("block", "experts"):
             blocks = [g for g in groups if g.kind == kind and g.reshard_after_forward]
             if blocks:
                 big = max(blocks, key=lambda g: g.unsharded_numel(n))
-                add_bytes(out, big.gather_dtype, 3 * big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
+                # In use and prefetched as gathered (fp8 weights: 1 byte); the gradient in gather dtype.
+                gathered = big.gathered(n)
+                out = merge(out, gathered, gathered)
+                add_bytes(out, big.gather_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
                 add_bytes(out, big.reduce_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.reduce_dtype])
     return out

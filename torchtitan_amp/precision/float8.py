@@ -36,6 +36,12 @@ def _keep_fp32(module: nn.Module) -> bool:
     return getattr(module, FP32_BY_NAME, False) or getattr(module, FROZEN, False)
 
 
+def is_fp8_linear(plan: PrecisionPlan, name: str, module: nn.Module) -> bool:
+    """Whether the plan runs `module` (named `name` in the whole model) in fp8: the rule apply_fp8
+    converts by, also true of a Float8Linear it converted (still an nn.Linear)."""
+    return plan.fp8 != "none" and fp8.convertible(name, module, plan.fp8_skip, _keep_fp32)
+
+
 def apply_fp8(plan: PrecisionPlan, model: nn.Module) -> list[str]:
     """Convert the model's fp8 Linears (before parallelizing); returns their names."""
     if plan.fp8 == "none":

@@ -145,8 +145,9 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
             f"'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path (data-parallel "
             f"sharding with mixed precision); this job has fp8 = '{mp.fp8}' on the {path} path")
     if mp.fp8_all_gather and device_type != "cuda":
+        # A dry run checks its target (dry_run.device), a real run its own device.
         raise PrecisionError(f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
-                             "all-gather float8 tensors")
+                             "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)"))
     if not on_hardware:
         return
     why = fp8.torchao_missing(mp.fp8, mp.fp8_all_gather) or fp8.matmul_unsupported(device_type)
@@ -255,7 +256,8 @@ class PrecisionPlan:
         param = _DTYPES[mp.param_dtype] if enabled else storage
         reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
         output = _DTYPES[mp.output_dtype] if enabled else storage
-        _check_device_support(device_type, param)
+        if probe is not None:  # a dry run sizes a device this machine may not have: nothing to ask
+            _check_device_support(device_type, param)
         safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
         path = _choose_path(enabled, param, reduce, dims)
         comm_hook = "none"
@@ -433,6 +435,9 @@ class PrecisionPlan:
 
     def apply_fp8(self, model: nn.Module) -> list[str]:
         return float8.apply_fp8(self, model)
+
+    def is_fp8_linear(self, name: str, module: nn.Module) -> bool:
+        return float8.is_fp8_linear(self, name, module)
 
     def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
         float8.after_optimizer_step(self, model_parts)
