@@ -3,7 +3,8 @@
 microbatches forwarded and not yet backwarded (the dry run's in-flight count), and the most bytes
 of FSDP's unsharded buffers alive at once over all the rank's stages (gathered parameters,
 unsharded gradients, accumulated unsharded gradients in the reduce dtype), sampled after every
-forward and backward pass of a stage and at every FSDP group's post-backward (before it reduces)."""
+forward and backward pass of a stage, at every FSDP group's post-backward (before it reduces) and
+as every FSDP group copies its gradients into its reduce-scatter input (both counted in)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 
@@ -23,8 +25,8 @@ def _fsdp_params(parts: list[torch.nn.Module]) -> Iterator:  # type: ignore[type
                     yield from group.fsdp_params
 
 
-def unsharded_bytes(parts: list[torch.nn.Module]) -> dict[str, int]:
-    """Bytes of distinct live storages FSDP holds unsharded, by dtype."""
+def unsharded_bytes(parts: list[torch.nn.Module], extra: list[torch.Tensor] = ()) -> dict[str, int]:  # type: ignore[assignment]
+    """Bytes of distinct live storages FSDP holds unsharded (and of `extra`), by dtype."""
     seen: set[int] = set()
     out: dict[str, int] = defaultdict(int)
 
@@ -41,6 +43,8 @@ def unsharded_bytes(parts: list[torch.nn.Module]) -> dict[str, int]:
         add(param)
         add(None if param is None else param.grad)
         add(fp.unsharded_accumulated_grad)
+    for t in extra:
+        add(t)
     return dict(out)
 
 
@@ -63,6 +67,15 @@ class PipelineHeld:
             return original(group, *args)
 
         FSDPParamGroup.post_backward = post_backward  # this worker process only
+        copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+
+        def counted_copy_in(grads, reduce_scatter_input, *args, **kwargs):  # type: ignore[no-untyped-def]
+            # The moment a group's unsharded gradients and its reduce-scatter input both exist
+            # (its parameters already resharded when reshard_after_backward is on).
+            self.sample([*grads, reduce_scatter_input])
+            return copy_in(grads, reduce_scatter_input, *args, **kwargs)
+
+        _fsdp_collectives.foreach_reduce_scatter_copy_in = counted_copy_in
 
     def _wrap(self, stage) -> None:  # type: ignore[no-untyped-def]
         fwd, bwd, sid = stage.forward_one_chunk, stage.backward_one_chunk, stage.stage_index
@@ -84,9 +97,9 @@ class PipelineHeld:
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward, backward
 
-    def sample(self) -> None:
+    def sample(self, extra: list[torch.Tensor] = ()) -> None:  # type: ignore[assignment]
         if not self.on:
             return
-        now = unsharded_bytes(self.parts)
+        now = unsharded_bytes(self.parts, extra)
         if sum(now.values()) > sum(self.fsdp.values()):
             self.fsdp = now
