@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -33,6 +34,8 @@ def unsharded_bytes(parts: list[torch.nn.Module], extra: list[torch.Tensor] = ()
     def add(t: torch.Tensor | None) -> None:
         if t is None:
             return
+        if isinstance(t, DTensor):  # EP- or TP-split parameters: this rank's piece
+            t = t.to_local()
         storage = t.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
