@@ -459,3 +459,12 @@ def test_moe_dry_run_total_vs_active_and_expert_parallel(tmp_path: Path, flavor:
                                                         "int64": moe_layers * dims.n_routed_experts * 8}
     assert "expert_fsdp_all_gather" in report["communication"]
     assert "active per token" in dry_run.format_table(report) and f"ep {ep}" in dry_run.format_table(report)
+
+
+def test_pipeline_fsdp_reduce_needs_fsdp(tmp_path: Path) -> None:
+    """Choosing when FSDP reduces under PP is a config error on a layout without FSDP."""
+    args = ["--job.dump_folder", str(tmp_path), *BASE, *PP, "--parallelism.pipeline_fsdp_reduce", "per_microbatch"]
+    assert dry_run.resolve(load_config(args), 4).layout.pp_fsdp_reduce == "per_microbatch"
+    with pytest.raises(ConfigError, match="pipeline_fsdp_reduce"):
+        dry_run.resolve(load_config([*args, "--parallelism.data_parallel_replicate_degree", "2",
+                                     "--parallelism.data_parallel_shard_degree", "1"]), 4)

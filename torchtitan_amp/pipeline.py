@@ -136,6 +136,12 @@ def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
             f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
             f"microbatch_size = {n_microbatches}) to be a multiple of pipeline_parallel_degree = {dims.pp}"
         )
+    if p.pipeline_fsdp_reduce == "per_microbatch" and not dims.fsdp_enabled:
+        raise ConfigError(
+            "'parallelism.pipeline_fsdp_reduce' = 'per_microbatch' chooses when FSDP reduces under "
+            "pipeline parallel; this layout has no FSDP (data_parallel_shard_degree x "
+            "context_parallel_degree = 1): leave it 'per_step'"
+        )
     if p.pipeline_parallel_schedule == "1F1B" and n_microbatches < dims.pp:
         raise ConfigError(
             f"1F1B needs at least pipeline_parallel_degree = {dims.pp} microbatches, got "
