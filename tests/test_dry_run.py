@@ -75,6 +75,12 @@ JOBS = {
         "fsdp2_tp2_ac": ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
         "pp2_fsdp2_1f1b": [*PP],
         "pp2_fsdp2_interleaved": [*PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+        # Each microbatch's backward reshards and reduce-scatters: no unsharded gradient is held
+        # across microbatches, one reduce-scatter per microbatch, a re-gather after each backward.
+        "pp2_fsdp2_1f1b_reduce_per_microbatch": [*PP, "--parallelism.pipeline_fsdp_reduce", "per_microbatch"],
+        "pp2_fsdp2_interleaved_reduce_per_microbatch_ac": [
+            *PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "8",
+            "--parallelism.pipeline_fsdp_reduce", "per_microbatch", "--activation_checkpoint.mode", "full"],
         "pp2_ddp2_gpipe": [*PP, "--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.pipeline_parallel_schedule", "GPipe", "--mixed_precision.reduce_dtype", "bfloat16"],
         "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2"],
@@ -151,6 +157,7 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             else:  # older torch: one fp32 group per norm (torch_compat), and per MoE router
                 norms = [n for n in in_blocks if not n.endswith(".router")]
                 assert all(n.count("_norm") == 1 for n in norms) and len(norms) % 2 == 0, f"{where}: {in_blocks}"
+            _check_pp_held(report, measured, res, where)
             unmodelled = _total({k: v for k, v in measured["comm"].items() if ":" in k})
             assert not any(k.startswith("optimizer:") for k in measured["comm"]), f"{where}: {measured['comm']}"
             assert unmodelled <= 16 * mem["num_param_tensors"], f"{where}: {measured['comm']}"
@@ -169,6 +176,29 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
                                                                                 else []), where
         if nproc == 1:
             assert real[name][0]["comm"] == {} and report["communication"] == {}
+
+
+def _check_pp_held(report: dict, measured: dict, res, where: str) -> None:  # type: ignore[no-untyped-def]
+    """Under PP: the microbatches each stage held at once, and under FSDP the most bytes of
+    gathered params and unsharded gradients alive at once (tests/workers/pp_held.py), equal to
+    the dry run's in-flight count and FSDP transient."""
+    held = measured["pp_held"]
+    if held is None:
+        return
+    pp_rank = report["coordinates"]["pp"]
+    predicted = {s: memory.in_flight_microbatches(res.layout, int(s), pp_rank) for s in held["in_flight"]}
+    assert predicted == held["in_flight"], f"{where}: in flight dry run {predicted} != real {held['in_flight']}"
+    if not res.dims.fsdp_enabled:
+        return
+    dry, real = report["memory"]["transient"], held["fsdp"]
+    if not any(g["kind"] == "experts" for g in report["fsdp_groups"]):
+        assert dry == real, f"{where}: FSDP held dry run {dry} != real {real}"
+        return
+    # An MoE block's own gradients computed before its routed experts' group takes theirs (the
+    # shared expert's) are alive then too and not modelled: short by less than one block.
+    block = max(g["unsharded_numel"] * memory.DTYPE_BYTES[g["gather_dtype"]] for g in report["fsdp_groups"]
+                if g["kind"] == "block")
+    assert 0 <= memory.sum_bytes(real) - memory.sum_bytes(dry) < block, f"{where}: FSDP held dry run {dry}, real {real}"
 
 
 def _stage_numel(model: memory.ModelDims, stage: memory.Stage) -> int:
@@ -382,6 +412,25 @@ def test_1f1b_order_and_fsdp_gathers() -> None:
     # Under PP params stay gathered after backward: FFBFBFBB gathers at F1, F2 (after F), B0, B1 (after F) ...
     assert memory.fsdp_gathers_per_step(resharded, list("FFBFBFBB"), pp=True) == 5
     assert memory.fsdp_gathers_per_step(kept, list("FFBFBFBB"), pp=True) == 1
+    # Reduced per microbatch, each backward reshards: every F after a B and every B after a B
+    # gathers; FSDP2's backward prefetch re-gathers its target once in a B after two Fs.
+    assert memory.fsdp_gathers_per_step(kept, list("FFBFBFBB"), pp=True, per_microbatch=True) == 4
+    assert memory.fsdp_gathers_per_step(kept, list("FFBFBFBB"), pp=True, per_microbatch=True, mistargeted=True) == 5
+
+
+def test_interleaved_order_mirrors_torch() -> None:
+    """The Interleaved1F1B order the model simulates is torch's own, rank by rank."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    for pp, m in ((2, 4), (2, 8), (4, 8), (8, 32)):
+        schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+        schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = pp, 2, m
+        schedule.number_of_rounds = max(1, m // pp)
+        schedule.microbatches_per_round = m // schedule.number_of_rounds
+        for rank in range(pp):
+            ops = [(a.stage_index, "F" if a.computation_type == _ComputationType.FORWARD else "B")
+                   for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+            assert memory.interleaved_order(pp, m, 2, rank) == ops, (pp, m, rank)
 
 
 @pytest.mark.parametrize("flavor, vocab, world, ep", [("qwen3_30b_a3b", 151936, 64, 8), ("deepseek_v3_16b", 102400, 32, 8)])
@@ -410,3 +459,12 @@ def test_moe_dry_run_total_vs_active_and_expert_parallel(tmp_path: Path, flavor:
                                                         "int64": moe_layers * dims.n_routed_experts * 8}
     assert "expert_fsdp_all_gather" in report["communication"]
     assert "active per token" in dry_run.format_table(report) and f"ep {ep}" in dry_run.format_table(report)
+
+
+def test_pipeline_fsdp_reduce_needs_fsdp(tmp_path: Path) -> None:
+    """Choosing when FSDP reduces under PP is a config error on a layout without FSDP."""
+    args = ["--job.dump_folder", str(tmp_path), *BASE, *PP, "--parallelism.pipeline_fsdp_reduce", "per_microbatch"]
+    assert dry_run.resolve(load_config(args), 4).layout.pp_fsdp_reduce == "per_microbatch"
+    with pytest.raises(ConfigError, match="pipeline_fsdp_reduce"):
+        dry_run.resolve(load_config([*args, "--parallelism.data_parallel_replicate_degree", "2",
+                                     "--parallelism.data_parallel_shard_degree", "1"]), 4)

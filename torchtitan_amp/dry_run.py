@@ -315,19 +315,24 @@ FORMULAS = {
     "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
                  "unsharded in gather dtype (in use, prefetched, its grad; the first two 1 byte per fp8 "
                  "Linear weight under fp8_all_gather) + its reduce-scatter input; "
-                 "FSDP under PP: every group's unsharded params and grads; DDP: gradient buckets",
-    "activations": "in-flight microbatches x tokens (this rank's: seq / cp) x (layers x per-layer + ends); per "
+                 "FSDP under PP: per_step, every group's unsharded params and reduce-dtype grads; "
+                 "per_microbatch, the params kept after forward; + one backward's unsharded grads "
+                 "(parallelism.pipeline_fsdp_reduce; see torchtitan_amp.memory.fsdp_transient); "
+                 "DDP: gradient buckets",
+    "activations": "in-flight microbatches (at the schedule's peak) x tokens (this rank's: seq / cp) x "
+                   "(layers x per-layer + ends), + one recomputed layer under AC; per "
                    "layer (bytes/token): 2(8d+4)/sp + k*c*d + c(2d/t+2kv'*cp) + 4H/t + 4c*f/t, + c*seq "
                    "(SDPA's additive copy of the mask) under block_causal, + c*d/t + 16cp/B (wo's input "
                    "copied from the two query chunks' outputs, the window-order index) under causal cp > 1 "
                    "(sized for CUDA: CPU's SDPA also saves each chunk's causal mask); ends: + seq (the bool "
-                   "mask) under block_causal; full AC keeps r*d/sp per layer plus one recomputed layer "
+                   "mask) under block_causal; full AC keeps r*d/sp per layer "
                    "(see torchtitan_amp.memory.activation_terms)",
     "fsdp_all_gather": "unsharded padded params in gather dtype (param_dtype for safe groups, fp32 for the "
                        "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups "
                        "resharded after forward (backward re-gathers); "
                        "under PP only when the group is sharded at that pass",
-    "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (per schedule step under PP)",
+    "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (under PP: per schedule step, "
+                           "or per microbatch with pipeline_fsdp_reduce = per_microbatch)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
           "forward, again when the block is recomputed (AC); reduce-scatter of their gradients in "
           "cp_reduce_dtype in backward; nothing else (the keys' positions follow from the shape, block_causal's "

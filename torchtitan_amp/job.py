@@ -79,6 +79,7 @@ class Job:
             ac_mode=ac.mode, ac_option=ac.selective_ac_option,
             reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
             cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
+            pp_fsdp_reduce=p.pipeline_fsdp_reduce,
         )
 
     @property

@@ -136,6 +136,12 @@ def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
             f"{p.pipeline_parallel_schedule} needs the number of microbatches (local_batch_size / "
             f"microbatch_size = {n_microbatches}) to be a multiple of pipeline_parallel_degree = {dims.pp}"
         )
+    if p.pipeline_fsdp_reduce == "per_microbatch" and not dims.fsdp_enabled:
+        raise ConfigError(
+            "'parallelism.pipeline_fsdp_reduce' = 'per_microbatch' chooses when FSDP reduces under "
+            "pipeline parallel; this layout has no FSDP (data_parallel_shard_degree x "
+            "context_parallel_degree = 1): leave it 'per_step'"
+        )
     if p.pipeline_parallel_schedule == "1F1B" and n_microbatches < dims.pp:
         raise ConfigError(
             f"1F1B needs at least pipeline_parallel_degree = {dims.pp} microbatches, got "
@@ -156,6 +162,7 @@ def build_pipeline(
     loss_fn: LossFn,
     eval_loss_fn: LossFn,
     apply_forward_context: Callable[[nn.Module], None],
+    fsdp_reduce: str = "per_step",
 ) -> Pipeline:
     """Wrap this rank's parallelized stages (job.build_model_parts) in a schedule, each stage's
     forward (only) in the precision plan's forward context: the schedule interleaves forward and
@@ -169,7 +176,8 @@ def build_pipeline(
     stages = []
     for sid, part in zip(stage_ids, parts):
         apply_forward_context(part)
-        stages.append(Stage(part, sid, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(Stage(part, sid, num_stages, device, group=pp_mesh.get_group(),
+                            reduce_per_microbatch=fsdp_reduce == "per_microbatch"))
     schedule_cls = get_schedule_class(schedule_name)
     # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
     # holds, including those accumulated by earlier gradient-accumulation steps, and would weigh
@@ -178,6 +186,6 @@ def build_pipeline(
     stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
     loss = _ModalLoss(loss_fn, eval_loss_fn)
     schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-    logger.info("pipeline: %s, %d stages, %d microbatches; this rank holds stages %s",
-                schedule_name, num_stages, n_microbatches, stage_ids)
+    logger.info("pipeline: %s, %d stages, %d microbatches; this rank holds stages %s; FSDP reduces %s",
+                schedule_name, num_stages, n_microbatches, stage_ids, fsdp_reduce.replace("_", " "))
     return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches, loss)

@@ -8,7 +8,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicateModule
 from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.nn.parallel.distributed import _find_tensors
 
 from torchtitan_amp.pipeline import reset_step_counters
@@ -25,8 +27,11 @@ class Stage(PipelineStage):
     (through the comm hook) carries the summed gradient.
     """
 
-    def __init__(self, submod: nn.Module, *args, **kwargs) -> None:
+    def __init__(self, submod: nn.Module, *args, reduce_per_microbatch: bool = False, **kwargs) -> None:
         super().__init__(submod, *args, **kwargs)
+        # parallelism.pipeline_fsdp_reduce = "per_microbatch": FSDP runs every microbatch's
+        # backward as a plain one (reshard, reduce-scatter) instead of torch's no-sync accumulation.
+        self._fsdp_per_microbatch = reduce_per_microbatch and isinstance(submod, FSDPModule)
         self._replicate = replicate.state(submod) if isinstance(submod, ReplicateModule) else None
         if self._replicate is not None:
             # Runs after replicate's own pre-hook, before its post-hook (which would arm).
@@ -48,6 +53,8 @@ class Stage(PipelineStage):
         return result
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if self._fsdp_per_microbatch:
+            return self._fsdp_backward(backward_type, bwd_kwargs)
         state = self._replicate
         # _no_sync set by the trainer means "accumulate this whole step" (gradient accumulation).
         if state is not None and last_backward and not state._no_sync:
@@ -55,3 +62,16 @@ class Stage(PipelineStage):
                 raise NotImplementedError("replicate() stages support only full-backward schedules")
             state._ddp.reducer.prepare_for_backward(list(_find_tensors(bwd_kwargs["stage_output"])))
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def _fsdp_backward(self, backward_type, bwd_kwargs):  # type: ignore[no-untyped-def]
+        """One microbatch's backward with FSDP's own post-backward: each group reshards its
+        parameters and reduce-scatters its gradient into the sharded (reduce dtype) one, so no
+        unsharded gradient outlives the microbatch. torch's base method would turn both off until
+        the step's last microbatch; its perform_reduce_grad then finds nothing left to reduce."""
+        if backward_type != "full":
+            raise NotImplementedError("pipeline_fsdp_reduce = 'per_microbatch' supports only full-backward schedules")
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None

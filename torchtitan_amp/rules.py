@@ -105,6 +105,8 @@ def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
 
 
 ReshardPolicy = Literal["default", "always", "never"]
+# When a pipeline stage under FSDP reduce-scatters its gradients (parallelism.pipeline_fsdp_reduce).
+PipelineFsdpReduce = Literal["per_step", "per_microbatch"]
 
 
 def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool) -> bool:

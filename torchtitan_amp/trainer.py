@@ -207,7 +207,8 @@ class Trainer:
             self.pipeline = build_pipeline(
                 built.parts, built.stage_ids, self.job.num_stages, self.job.n_microbatches, self.dims,
                 self.config.parallelism.pipeline_parallel_schedule, self.device, self._pipeline_loss,
-                self._pipeline_eval_loss, self.plan.apply_forward_context)
+                self._pipeline_eval_loss, self.plan.apply_forward_context,
+                self.config.parallelism.pipeline_fsdp_reduce)
         if self.is_logging_rank:
             logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
                         self.config.model.flavor, f"{built.num_params:,}", self.flops_per_token, self.accum)

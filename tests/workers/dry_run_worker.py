@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node N dry_run_worker.py SPEC.json (tests/support.py
 runs one train step (warm-up: lazy init, pipeline shape inference), then counts one more step:
 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
+- under PP, what a rank holds across microbatches (tests/workers/pp_held.py);
 - bytes of every collective it issues, by category and dtype (torchtitan_amp/traffic.py: the
   torch.distributed, point-to-point and functional-collective entry points, and torch's
   `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too; here:
@@ -33,6 +34,7 @@ from torchtitan_amp import traffic as collectives
 from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.trainer import Trainer
 from tests.support import exit_process, read_spec
+from tests.workers.pp_held import PipelineHeld
 
 _state = threading.local()
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
@@ -167,9 +169,14 @@ def run_job(args: list[str]) -> dict:
         GROUP_DIMS[ranks] = "efsdp"
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)
+    held = PipelineHeld(trainer) if trainer.pipeline is not None else None
     trainer.train_step(batches)  # warm-up: lazy init, pipeline shape inference
+    if held is not None:
+        held.on = True
     with collectives.counting():
         trainer.train_step(batches)
+    if held is not None:
+        held.on = False
     params = [p for part in trainer.model_parts for p in part.parameters()]
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     result = {
@@ -179,6 +186,8 @@ def run_job(args: list[str]) -> dict:
         "comm": collectives.snapshot(),
         "comm_calls": collectives.call_counts(),
         "pp_rank": trainer.dims.mesh["pp"].get_local_rank() if trainer.dims.pp_enabled else 0,
+        "pp_held": None if held is None else {"in_flight": {str(k): v for k, v in held.in_flight.items()},
+                                              "fsdp": held.fsdp},
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
         result["calls"] = list(collectives.CALLS)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchtitan_amp.rules import DtypeName, PipelineSchedule, ReshardPolicy, family_names, flavor_names
+from torchtitan_amp.rules import (DtypeName, PipelineFsdpReduce, PipelineSchedule, ReshardPolicy, family_names,
+                                  flavor_names)
 
 # A boolean that may also be "auto" (mixed_precision.enabled).
 BoolOrAuto = bool | Literal["auto"]
@@ -171,6 +172,16 @@ class Parallelism:
         "default",
         "Free gathered params after forward ('default': yes, except the last group, and no group "
         "under pipeline parallel, as torchtitan).",
+    )
+    pipeline_fsdp_reduce: PipelineFsdpReduce = _f(
+        "per_step",
+        "When a pipeline stage under FSDP reduce-scatters its gradients. 'per_step' (torch's "
+        "pipelining, as torchtitan runs it): every microbatch's backward keeps the stage's gathered "
+        "parameters and accumulates its unsharded gradients in the reduce dtype; one reduce-scatter "
+        "per step. 'per_microbatch': each microbatch's backward frees the gathered parameters and "
+        "reduce-scatters its gradients into the sharded ones: a stage's unsharded gradients "
+        "(4 bytes a parameter with fp32 reduce) are never held across microbatches, at the cost "
+        "of one reduce-scatter per microbatch and one all-gather per microbatch's forward.",
     )
     backend: Literal["auto", "gloo", "nccl"] = _f("auto", "Process-group backend: 'auto' is nccl on CUDA, gloo on CPU.")
     ddp_bucket_cap_mb: float = _f(

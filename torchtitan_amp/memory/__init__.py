@@ -46,7 +46,8 @@ from torchtitan_amp.memory.moe import MoEDims
 from torchtitan_amp.memory.shards import chunk_size, fsdp_local_numel, fsdp_padded_numel, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes, fmt_by_dtype, fmt_bytes, merge, sum_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.memory.stages import in_flight_microbatches, rank_stages, schedule_ops, stage_ops
+from torchtitan_amp.memory.stages import (in_flight_at_peak, in_flight_microbatches, interleaved_order, rank_order,
+                                          rank_stages, schedule_ops, stage_ops)
 from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, StateBytes, state_bytes
 from torchtitan_amp.memory.totals import MemoryEstimate, estimate, transient_bytes
 from torchtitan_amp.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
@@ -57,7 +58,8 @@ __all__ = [
     "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "comm", "cp_comm", "ddp_comm",
     "dp_comm", "estimate", "fmt_by_dtype", "fmt_bytes", "fsdp_calls", "fsdp_comm", "fsdp_gathers_per_step",
     "fsdp_groups", "fsdp_local_numel", "fsdp_padded_numel", "fsdp_transient", "grad_comm",
-    "in_flight_microbatches", "merge", "param_specs", "pp_comm", "rank_stages", "recomputed_blocks", "schedule_ops",
+    "in_flight_at_peak", "in_flight_microbatches", "interleaved_order", "merge", "param_specs", "pp_comm",
+    "rank_order", "rank_stages", "recomputed_blocks", "schedule_ops",
     "stage_layer_ranges", "stage_ops", "state_bytes", "sum_bytes", "tp_comm", "tp_local_shape",
     "tp_partial_grad_comm", "transient_bytes",
 ]

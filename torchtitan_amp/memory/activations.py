@@ -1,6 +1,6 @@
 """Peak activation bytes on one rank: the family's bytes per token (ActivationTerms) times the
 tokens of a microbatch, over the layers of each stage under each AC mode, times the microbatches
-in flight at the pipeline's peak."""
+in flight at the pipeline's peak, plus the one block a recomputing mode rebuilds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec, Stage
-from torchtitan_amp.memory.stages import in_flight_microbatches, rank_stages
+from torchtitan_amp.memory.stages import in_flight_at_peak, rank_stages
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ActivationEstimate:
 
 def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
                      pp_rank: int = 0, device: str = "cuda") -> ActivationEstimate:
-    """stage bytes = in-flight microbatches x tokens x (layers x per-layer + ends), where a
-    recomputing mode adds one block's full activations (the one being recomputed). `device`
+    """peak = tokens x (sum over stages of in-flight microbatches x (layers x per-layer + ends)
+    + one recomputed block's full activations under a recomputing mode). `device`
     "cpu" adds what only CPU's attention saves (ActivationTerms.layer_cpu), to compare with a
     measurement on this machine; GPUs are sized without it."""
     terms = model.activation_terms(prec, layout)
@@ -47,29 +47,34 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
     tokens = layout.microbatch_tokens
     stages = rank_stages(model, layout, pp_rank)
 
-    def stage_total(stage: Stage, mode: str) -> float:
+    def stage_terms(stage: Stage, mode: str) -> tuple[float, float]:
+        """(bytes per token a microbatch keeps saved on this stage between its passes, bytes per
+        token of the one block a recomputing mode rebuilds during a backward)."""
         n = len(stage.layers)
         ends = (terms.head if stage.last else 0.0) + (terms.embedding if stage.first else 0.0) + terms.stage
         full = [terms.layer_at(i) for i in stage.layers]
         if mode == "none":
-            per = sum(full)
-        elif mode == "full":
-            per = n * terms.layer_checkpointed + max(full, default=0)
-        elif layout.ac_option == "op":
-            per = sum(terms.op_sac_at(i) for i in stage.layers) + max(full, default=0)
-        else:
-            ac = set(range(0, n, int(layout.ac_option)))
-            kept = [f for j, f in enumerate(full) if j not in ac]
-            per = len(ac) * terms.layer_checkpointed + sum(kept) + max((full[j] for j in ac), default=0)
-        return per + ends
+            return sum(full) + ends, 0.0
+        if mode == "full":
+            return n * terms.layer_checkpointed + ends, max(full, default=0.0)
+        if layout.ac_option == "op":
+            return sum(terms.op_sac_at(i) for i in stage.layers) + ends, max(full, default=0.0)
+        ac = set(range(0, n, int(layout.ac_option)))
+        kept = [f for j, f in enumerate(full) if j not in ac]
+        return (len(ac) * terms.layer_checkpointed + sum(kept) + ends,
+                max((full[j] for j in ac), default=0.0))
 
-    in_flight = {s.index: in_flight_microbatches(layout, s.index, pp_rank) for s in stages}
+    def peak(mode: str) -> tuple[int, dict[int, int]]:
+        """Saved bytes at the step's peak: the microbatches in flight on each stage at the moment
+        their kept bytes add up to most, plus one recomputed block (one microbatch's backward
+        rebuilds one block at a time, whatever the count in flight)."""
+        kept = {s.index: stage_terms(s, mode)[0] for s in stages}
+        rebuilt = max((stage_terms(s, mode)[1] for s in stages), default=0.0)
+        held = in_flight_at_peak(layout, pp_rank, kept)
+        return int(tokens * (sum(held[s] * kept[s] for s in kept) + rebuilt)), held
 
     biggest = max((terms.layer_at(i) for s in stages for i in s.layers), default=terms.layer)
-
-    def total(mode: str) -> int:
-        return int(sum(in_flight[s.index] * tokens * stage_total(s, mode) for s in stages))
-
-    return ActivationEstimate(total("none"), total("full"), total(layout.ac_mode), layout.ac_mode,
+    configured, in_flight = peak(layout.ac_mode)
+    return ActivationEstimate(peak("none")[0], peak("full")[0], configured, layout.ac_mode,
                               int(tokens * biggest), int(tokens * terms.layer_checkpointed),
                               in_flight, tokens)

@@ -101,21 +101,60 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     return groups
 
 
-def fsdp_gathers_per_step(group: FsdpGroup, ops: list[str], pp: bool) -> int:
+def fsdp_gathers_per_step(group: FsdpGroup, ops: list[str], pp: bool, per_microbatch: bool = False,
+                          mistargeted: bool = False) -> int:
     """All-gathers of one group in a step of forward (F) / backward (B) passes.
 
     Without PP every pass starts sharded (backward reshards): F gathers, and B gathers again if
-    the group was resharded after forward. With PP the stage runs backward with
-    reshard_after_backward off until its last microbatch, so a pass gathers only when the group
-    is sharded at that moment (after a resharding F, or at the start of the step).
+    the group was resharded after forward. With PP a pass gathers only when the group is sharded
+    at that moment: after a resharding F, after a B under pipeline_fsdp_reduce = "per_microbatch"
+    (per_step: the stage runs backward with reshard_after_backward off until its last microbatch),
+    or at the start of the step. `mistargeted` (per_microbatch only, fsdp_prefetch_target): a B
+    that follows two or more Fs gathers this group once more. FSDP2 prefetches in backward by the
+    reverse post-forward order, which then still lists the earlier microbatch's forward, and the
+    stage's first group in that order reaches back to its last group, already resharded by this
+    backward (measured, torch 2.13).
     """
     if not pp:
         return sum(1 if op == "F" else int(group.reshard_after_forward) for op in ops)
-    sharded, count = True, 0
+    sharded, count, forwards = True, 0, 0
     for op in ops:
         count += sharded
-        sharded = op == "F" and group.reshard_after_forward
+        if op == "B":
+            count += mistargeted and per_microbatch and forwards >= 2
+            forwards = 0
+        else:
+            forwards += 1
+        sharded = group.reshard_after_forward if op == "F" else per_microbatch
     return count
+
+
+def fsdp_prefetch_target(groups: list[FsdpGroup], stage: Stage) -> FsdpGroup | None:
+    """The group FSDP2's backward prefetch re-gathers after two or more forwards (see
+    fsdp_gathers_per_step): the stage's last group in forward order (the fp32 group of the norm
+    and output on the last stage, else its last block), unless the stage's first group runs
+    inside it (a single block, no embedding group), when it is still gathered."""
+    blocks = [g for g in groups if g.kind == "block"]
+    outside = [g for g in groups if g.kind == "fp32" and not g.name.startswith("layers.")]
+    if not blocks or (len(blocks) == 1 and not outside):
+        return None
+    if stage.last and outside:
+        return outside[-1]
+    return blocks[-1]
+
+
+def _reductions(layout: Layout, ops: list[str]) -> int:
+    """Reduce-scatters of each group per schedule step: one per backward without PP and under
+    pipeline_fsdp_reduce = "per_microbatch", else one after the stage's last microbatch."""
+    if layout.pp > 1 and layout.pp_fsdp_reduce != "per_microbatch":
+        return 1
+    return ops.count("B")
+
+
+def _gathers(g: FsdpGroup, groups: list[FsdpGroup], stage: Stage, ops: list[str], layout: Layout) -> int:
+    per_microbatch = layout.pp_fsdp_reduce == "per_microbatch"
+    return fsdp_gathers_per_step(g, ops, layout.pp > 1, per_microbatch,
+                                 per_microbatch and g is fsdp_prefetch_target(groups, stage))
 
 
 def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, ByDtype]:
@@ -124,8 +163,9 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     all-gather     = unsharded (padded) params in gather dtype (fp8 weights in float8), per gather
                      (each forward, plus the backward re-gather of groups resharded after
                      forward; see fsdp_gathers_per_step)
-    reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP once per
-                     schedule step (the stage syncs gradients after its last microbatch)
+    reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP with
+                     pipeline_fsdp_reduce = "per_step" once per schedule step (the stage syncs
+                     gradients after its last microbatch)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
     x gradient-accumulation steps. EP-split experts gather and reduce over their efsdp ranks
     (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
@@ -135,11 +175,11 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     ar: ByDtype = {}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
-        reduces = 1 if layout.pp > 1 else ops.count("B")
+        reduces = _reductions(layout, ops)
         for g in groups:
             full = g.unsharded_numel(layout.fsdp_shard)
             if g.degree(layout.fsdp_shard) > 1:
-                gathers = fsdp_gathers_per_step(g, ops, layout.pp > 1)
+                gathers = _gathers(g, groups, stage, ops, layout)
                 for dtype, nbytes in g.gathered(layout.fsdp_shard).items():
                     add_bytes(out.setdefault(f"{g.category}_all_gather", {}), dtype,
                               layout.grad_accum * gathers * nbytes)
@@ -159,16 +199,84 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
     out = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
-        reduces = 1 if layout.pp > 1 else ops.count("B")
+        reduces = _reductions(layout, ops)
         for g in groups:
             if layout.dp_replicate > 1:
                 out["hsdp_all_reduce"] = out.get("hsdp_all_reduce", 0) + layout.grad_accum * reduces
             if g.degree(layout.fsdp_shard) == 1:
                 continue
-            for op, n in (("all_gather", fsdp_gathers_per_step(g, ops, layout.pp > 1)), ("reduce_scatter", reduces)):
+            for op, n in (("all_gather", _gathers(g, groups, stage, ops, layout)), ("reduce_scatter", reduces)):
                 key = f"{g.category}_{op}"
                 out[key] = out.get(key, 0) + layout.grad_accum * n
     return out
+
+
+def _add(out: ByDtype, dtype: str, numel: int) -> None:
+    add_bytes(out, dtype, numel * DTYPE_BYTES[dtype])
+
+
+def _pp_transient(groups: list[FsdpGroup], n: int, per_microbatch: bool, out: ByDtype) -> None:
+    """One PP stage's FSDP buffers held between its passes. per_step: every group's gathered
+    params and its unsharded gradient accumulated in the reduce dtype, across microbatches.
+    per_microbatch: the params of the groups kept after forward (all, under the default policy)
+    and two of the largest block otherwise (in use, prefetched)."""
+    kept = [g for g in groups if not g.reshard_after_forward]
+    for g in (kept if per_microbatch else groups):
+        for dtype, nbytes in g.gathered(n).items():  # fp8 weights gathered in float8
+            add_bytes(out, dtype, nbytes)
+        if not per_microbatch:
+            _add(out, g.reduce_dtype, g.unsharded_numel(n))
+    resharding = [g for g in groups if g.reshard_after_forward]
+    if per_microbatch and resharding:
+        big = max(resharding, key=lambda g: g.unsharded_numel(n))
+        for dtype, nbytes in big.gathered(n).items():  # in use and prefetched
+            add_bytes(out, dtype, 2 * nbytes)
+
+
+def _block_of(group: FsdpGroup) -> int | None:
+    """The block a group belongs to (its modules are named layers.N...), None outside blocks."""
+    parts = group.name.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else None
+
+
+def _freed_before(group: FsdpGroup, reducing: FsdpGroup, stage: Stage) -> bool:
+    """Whether a group's backward has run (and resharded it) by the time `reducing` reduces:
+    itself, its own and later blocks' groups, and the norm / output group after the blocks of the
+    last stage; never the root, whose post-backward runs last."""
+    if group.kind == "root":
+        return False
+    block, mine = _block_of(group), _block_of(reducing)
+    if block is None:
+        return stage.last and group.kind == "fp32" and mine is not None
+    return mine is not None and block >= mine
+
+
+def _reducing(group: FsdpGroup, groups: list[FsdpGroup], stage: Stage, n: int, per_microbatch: bool) -> ByDtype:
+    """Change to what a stage holds while FSDP takes one group's gradient: autograd's unsharded
+    gradient (gather dtype) of it and of the root group (whose post-backward runs last), and
+    under per_microbatch its reduce-scatter input (reduce dtype), net of the params already
+    resharded by then (its own and those of the groups whose backward ran before it)."""
+    here: ByDtype = {}
+    for g in {id(g): g for g in (group, *(g for g in groups if g.kind == "root"))}.values():
+        _add(here, g.gather_dtype, g.unsharded_numel(n))
+    if per_microbatch:
+        _add(here, group.reduce_dtype, group.unsharded_numel(n))
+        for g in groups:
+            if not g.reshard_after_forward and _freed_before(g, group, stage):
+                _add(here, g.gather_dtype, -g.unsharded_numel(n))
+    return here
+
+
+def _pp_backward_grads(stage_groups: list[tuple[Stage, list[FsdpGroup]]], n: int, per_microbatch: bool) -> ByDtype:
+    """The most gradient bytes alive inside one backward (_reducing of the worst group; a rank
+    runs one backward at a time, so the worst over its stages)."""
+    best: ByDtype = {}
+    for stage, groups in stage_groups:
+        for g in [g for g in groups if g.kind != "root"] or groups:
+            here = _reducing(g, groups, stage, n, per_microbatch)
+            if sum(here.values()) > sum(best.values()):
+                best = here
+    return best
 
 
 def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> ByDtype:
@@ -178,16 +286,19 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
                 the largest block (and the largest EP experts group: an MoE block has both in
                 use), the gathered copy in use, the next one prefetched, its unsharded gradient
                 (gather dtype) and its reduce-scatter input (reduce dtype)
-    with PP:    a stage keeps its params unsharded and accumulates unsharded grads (reduce dtype)
-                until its last microbatch: every group's unsharded params and grads
+    with PP:    per pipeline_fsdp_reduce: what each stage of the rank holds between its passes
+                (_pp_transient; under Interleaved1F1B every stage keeps its own) plus the
+                gradients of the one backward running (_pp_backward_grads). Measured equal in
+                real runs (tests/workers/pp_held.py).
     """
     n = layout.fsdp_shard
     out: ByDtype = {}
+    if layout.pp > 1:
+        for dtype, b in _pp_backward_grads(stage_groups, n, layout.pp_fsdp_reduce == "per_microbatch").items():
+            add_bytes(out, dtype, b)
     for _stage, groups in stage_groups:
         if layout.pp > 1:
-            for g in groups:
-                out = merge(out, g.gathered(n))
-                add_bytes(out, g.reduce_dtype, g.unsharded_numel(n) * DTYPE_BYTES[g.reduce_dtype])
+            _pp_transient(groups, n, layout.pp_fsdp_reduce == "per_microbatch", out)
             continue
         for g in groups:
             if not g.reshard_after_forward:

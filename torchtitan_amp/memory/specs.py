@@ -118,6 +118,7 @@ class Layout:
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)
     ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard x cp ranks
+    pp_fsdp_reduce: str = "per_step"  # "per_step" | "per_microbatch" (parallelism.pipeline_fsdp_reduce)
 
     @property
     def world_size(self) -> int:
@@ -174,6 +175,10 @@ class Layout:
     @property
     def microbatch_sequences(self) -> int:
         return self.pp_microbatch_size if self.pp > 1 else self.local_batch_size
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank holding a stage (looped placement)."""
+        return stage % self.pp if self.pp > 1 else 0
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """Stages held by a pipeline rank: rank r holds r, r + pp, ... (looped placement)."""

@@ -4,8 +4,6 @@ its peak."""
 
 from __future__ import annotations
 
-import math
-
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.specs import Layout, Stage
 from torchtitan_amp.rules import STAGES_PER_RANK, stage_layer_ranges
@@ -31,24 +29,63 @@ def schedule_ops(schedule: str, n_microbatches: int, num_stages: int, stage: int
     return ops + ["B"] * warmup
 
 
-def in_flight_microbatches(layout: Layout, stage: int, pp_rank: int) -> int:
-    """Microbatches whose activations a stage holds at its peak: 1F1B's warm-up depth, every
-    microbatch under GPipe; Interleaved1F1B per torch's warm-up count (forward chunks over this
-    rank's stages before the first backward), spread evenly over its stages."""
+def interleaved_order(pp: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> list[tuple[int, str]]:
+    """(stage, F|B) passes of one rank under Interleaved1F1B, in torch's order
+    (ScheduleInterleaved1F1B: rounds of pp microbatches, a warm-up of (v - 1) x per-round + 2 x
+    (pp - 1 - rank) forwards, then one forward and one backward per slot, then the backwards)."""
+    m, v = n_microbatches, stages_per_rank
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)
+
+    def fwd(op: int) -> int:
+        return ((op // per_round) % v) * pp + pp_rank
+
+    def bwd(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * pp + pp_rank
+
+    order = [(fwd(op), "F") for op in range(warmup)]
+    for op in range(warmup, m * v):
+        order += [(fwd(op), "F"), (bwd(op), "B")]
+    return order + [(bwd(op), "B") for op in range(m * v, m * v + warmup)]
+
+
+def rank_order(layout: Layout, pp_rank: int) -> list[tuple[int, str]]:
+    """(stage, F|B) passes of one pipeline rank in a schedule step, in the schedule's order."""
     if layout.pp == 1:
-        return 1
-    m = layout.microbatches
-    if layout.pp_schedule == "GPipe":
-        return m
-    if layout.pp_schedule == "1F1B":
-        return min(m, layout.num_stages - stage)
+        return [(0, "F"), (0, "B")]
     v = STAGES_PER_RANK[layout.pp_schedule]
-    warmup = min((v - 1) * layout.pp + 2 * (layout.pp - 1 - pp_rank), m * v)
-    return max(1, math.ceil((warmup + 1) / v))
+    if v > 1:
+        return interleaved_order(layout.pp, layout.microbatches, v, pp_rank)
+    ops = schedule_ops(layout.pp_schedule, layout.microbatches, layout.num_stages, pp_rank)
+    return [(pp_rank, op) for op in ops]
+
+
+def in_flight_at_peak(layout: Layout, pp_rank: int, weights: dict[int, float]) -> dict[int, int]:
+    """Microbatches forwarded and not yet backwarded, per stage of this rank, at the moment of the
+    step when sum(held x weights[stage]) is largest (weights: a microbatch's saved bytes on each
+    stage). Measured equal in real runs (tests/workers/pp_held.py). 1F1B: the warm-up depth
+    min(m, stages - stage); GPipe: m; Interleaved1F1B: the first stage's chunk holds up to its
+    warm-up forwards while the later chunks start to drain."""
+    held: dict[int, int] = {s: 0 for s in weights}
+    best, best_bytes = dict(held), -1.0
+    for stage, op in rank_order(layout, pp_rank):
+        held[stage] += 1 if op == "F" else -1
+        now = sum(held[s] * w for s, w in weights.items())
+        if now > best_bytes:
+            best, best_bytes = dict(held), now
+    return best
+
+
+def in_flight_microbatches(layout: Layout, stage: int, pp_rank: int) -> int:
+    """The most microbatches one stage holds at once in a step (1 without PP)."""
+    held = most = 0
+    for s, op in rank_order(layout, pp_rank):
+        if s == stage:
+            held += 1 if op == "F" else -1
+            most = max(most, held)
+    return max(most, 1)
 
 
 def stage_ops(layout: Layout, stage: Stage) -> list[str]:
     """Forward/backward passes of a stage in one schedule step (["F", "B"] without PP)."""
-    if layout.pp == 1:
-        return ["F", "B"]
-    return schedule_ops(layout.pp_schedule, layout.microbatches, layout.num_stages, stage.index)
+    return [op for s, op in rank_order(layout, layout.stage_rank(stage.index)) if s == stage.index]
