@@ -149,10 +149,9 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
                                            sum, each sequence's expert fractions [B, E] (fp32)
 
     in place of the MLP's k_ffn x c x d + 4 c f / t. Under TP the router and routed experts see
-    the whole sequence on every rank (not divided by t). Op-level SAC recomputes an MoE layer's
-    feed-forward whole (parallelize.recomputed_whole): such a block keeps Llama's op-SAC bytes
-    less its MLP's matmul outputs (the region's input is kept either way); the dense blocks keep
-    Llama's.
+    the whole sequence on every rank (not divided by t). Op-level SAC checkpoints an MoE block by
+    region and recomputes its feed-forward whole (parallelize.recomputed_whole): moe_op_sac; the
+    dense blocks, one region each, keep Llama's.
     """
     base = activation_terms(model, prec, layout)
     t = layout.tp
