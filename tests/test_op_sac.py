@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import CheckpointPolicy
 
 from torchtitan_amp import parallelize
 from torchtitan_amp.config import ConfigError, load_config
@@ -84,7 +85,7 @@ def test_alternate_rule_recomputes_every_second_mm() -> None:
     policy = parallelize._op_sac_policy("alternate")
     mm, ctx = torch.ops.aten.mm.default, type("Ctx", (), {"is_recompute": False})()
     got = [policy(ctx, mm) for _ in range(4)]
-    keep, again = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    keep, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert got == [keep, again, keep, again]
     assert [parallelize._op_sac_policy("all")(ctx, mm) for _ in range(2)] == [keep, keep]
 
