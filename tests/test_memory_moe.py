@@ -161,12 +161,14 @@ OP_SAC_CASES = {
 }
 
 
+@pytest.mark.parametrize("save_mm", ["alternate", "all"])
 @pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
 @pytest.mark.parametrize("case", list(OP_SAC_CASES))
-def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str) -> None:
-    """Under op-level SAC a block keeps (per token) its norms, both regions' inputs and the outputs
-    of the saved ops (matmuls, SDPA); an MoE block's feed-forward is recomputed whole
-    (parallelize.recomputed_whole), so it keeps only that region's input. Measured as a
+def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str, save_mm: str) -> None:
+    """Under op-level SAC a dense block is one checkpointed region: it keeps (per token) its input
+    and the outputs of the saved ops (SDPA; every matmul, or every second one); an MoE block is
+    checkpointed by region, its feed-forward recomputed whole (parallelize.recomputed_whole), so
+    it keeps its norms, both regions' inputs and the attention's saved outputs. Measured as a
     difference of layer counts (3 blocks minus 1; with the first of 3 dense for the MoE
     family): equal to ActivationTerms.op_sac_at, but for the MoE layer's [E] int64 token counts,
     held until backward outside autograd's saved tensors (8 E bytes per layer and microbatch), and
@@ -179,6 +181,7 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
     family = get_family(name)
     config = load_config(["--model.name", name, "--model.flavor", flavor, "--activation_checkpoint.mode", "selective",
                           "--activation_checkpoint.selective_ac_option", "op",
+                          "--activation_checkpoint.per_op_sac_save_mm", save_mm,
                           "--mixed_precision.enabled", "false" if precision == "fp32" else "true"])
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
@@ -194,7 +197,8 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
         plan.apply_fp32_islands(model)
         parallelize.apply_ac(model, config.activation_checkpoint, family.ac_regions)
         measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
-    layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op")
+    layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op",
+                           op_sac_save_mm=save_mm)
     terms = family.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, family.norm_cls), layout)
     tokens = layout.microbatch_tokens
     counts = 8 * getattr(args, "n_routed_experts", 0)
@@ -202,4 +206,5 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
     if name == "moe":
         dense = measured[3, 1] - measured[3, 0]
         assert abs(dense - ((terms.op_sac_at(0) - terms.layer_op_sac) * tokens - counts)) <= SCALAR_SLACK, measured
-        assert terms.op_sac_at(0) > terms.layer_op_sac  # the dense block keeps its MLP's matmul outputs
+        # A dense block is one region (no norms, one input kept): less than an MoE block's regions.
+        assert terms.op_sac_at(0) < terms.layer_op_sac

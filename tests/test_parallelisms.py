@@ -146,7 +146,7 @@ AC_RUNS = [("full", "fsdp2", "fp32"), ("selective2", "fsdp2", "fp32"), ("op", "f
 AC_WRAPPED = {
     "full": [f"layers.{i}" for i in range(N_LAYERS)],
     "selective2": [f"layers.{i}" for i in range(0, N_LAYERS, 2)],
-    "op": [f"layers.{i}.{m}" for i in range(N_LAYERS) for m in ("attention", "feed_forward")],
+    "op": [f"layers.{i}" for i in range(N_LAYERS)],  # op-level SAC wraps a dense block whole, as torchtitan
 }
 
 

@@ -76,7 +76,7 @@ class Job:
             seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=self.accum,
             pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
             sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
-            ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+            ac_mode=ac.mode, ac_option=ac.selective_ac_option, op_sac_save_mm=ac.per_op_sac_save_mm,
             reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
             cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -279,8 +282,25 @@ def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     )
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+def _op_sac_policy(save_mm: str) -> Callable[..., CheckpointPolicy]:
+    """Keep the outputs of SAC_SAVE_LIST's ops, but with save_mm="alternate" only the 1st, 3rd,
+    5th... aten.mm of the region (torchtitan's rule: about half the matmul outputs, each
+    recomputed one costing a matmul in backward). A fresh counter per region call, counted apart
+    in forward and recompute (torch 2.13 asks the policy in forward only; older torch also asked
+    it in the recompute, where the count must start again)."""
+    counts: dict[bool, int] = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is torch.ops.aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            if save_mm == "alternate" and counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _op_sac_contexts(save_mm: str) -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_op_sac_policy(save_mm))
 
 
 def recomputed_whole(region: nn.Module) -> bool:
@@ -294,31 +314,36 @@ def recomputed_whole(region: nn.Module) -> bool:
 
 
 def _wrap_block(block: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> nn.Module:
-    if ac.mode == "selective" and ac.selective_ac_option == "op":
-        # Op-level SAC wraps the family's regions (attention and feed-forward), not the block: the
-        # norms' own fp32 FSDP groups would run their hooks inside the region, and SAC's replay
-        # requires the recompute to issue exactly the forward's ops.
-        for name in regions:
-            region = getattr(block, name)
-            sac = {} if recomputed_whole(region) else {
-                "context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
-            block.register_module(name, checkpoint_wrapper(region, preserve_rng_state=False, **sac))
-        return block
-    return checkpoint_wrapper(block, preserve_rng_state=False)
+    if not (ac.mode == "selective" and ac.selective_ac_option == "op"):
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    sac = partial(_op_sac_contexts, ac.per_op_sac_save_mm)
+    if not any(recomputed_whole(getattr(block, name)) for name in regions):
+        # The whole block, as torchtitan: its norms and residual adds are recomputed, not kept.
+        # The norms' own fp32 FSDP group runs its hooks inside the region, and SAC's replay needs
+        # the recompute to issue no op the forward did not: measured so (FSDP gathers no more
+        # per step than without AC; FSDP 2 and CP 2 train as without AC, tests/test_parallelisms.py
+        # and tests/test_context_parallel_compose.py).
+        return checkpoint_wrapper(block, preserve_rng_state=False, context_fn=sac)
+    # An MoE block: its regions (attention, feed-forward), not the block; the feed-forward whole.
+    for name in regions:
+        region = getattr(block, name)
+        kw = {} if recomputed_whole(region) else {"context_fn": sac}
+        block.register_module(name, checkpoint_wrapper(region, preserve_rng_state=False, **kw))
+    return block
 
 
 def apply_ac(model: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> None:
     """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
-    every = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else 1
+    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    every = int(ac.selective_ac_option) if ac.mode == "selective" and not op else 1
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if i % every == 0:
             model.layers.register_module(name, _wrap_block(block, ac, regions))
-    whole = ac.mode == "selective" and ac.selective_ac_option == "op" and any(
-        recomputed_whole(getattr(block, name)) for block in model.layers.children() for name in regions)
+    whole = op and any(recomputed_whole(block) for block in model.layers.children())
     logger.info("activation checkpointing: %s%s", ac.mode if ac.mode == "full" else
-                f"selective ({ac.selective_ac_option})",
-                "; MoE feed-forwards recomputed whole (their router and experts are FSDP units of their own)"
-                if whole else "")
+                f"selective ({ac.selective_ac_option}" + (f", {ac.per_op_sac_save_mm} mm outputs kept)" if op else ")"),
+                "; MoE blocks by region, their feed-forwards recomputed whole (router and experts "
+                "are FSDP units of their own)" if whole else "")
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:

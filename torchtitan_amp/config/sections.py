@@ -291,6 +291,12 @@ class ActivationCheckpoint:
     selective_ac_option: str = _f(
         "2", "With mode=selective: an integer N (every N-th block) or 'op' (op-level save list)."
     )
+    per_op_sac_save_mm: Literal["alternate", "all"] = _f(
+        "alternate",
+        "With selective_ac_option='op', which matmul outputs a block keeps: 'alternate' (torchtitan's "
+        "rule: the 1st, 3rd, 5th... mm of each checkpointed region, the others recomputed) or 'all' "
+        "(every one: more memory, less recompute).",
+    )
 
 
 @dataclass

@@ -144,7 +144,9 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     dtype (bf16: 2, fp32: 4). `layer` sizes a GPU (CUDA's kernels); `layer_cpu` is what CPU's
     attention saves beyond it: its causal masks (cp_causal_terms) and, where CUDA repeats K/V and
     CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
-    one block at a time in backward.
+    one block at a time in backward. Op-level SAC keeps the block's input, SDPA's output and
+    logsumexp and the kept matmul outputs (saved_mm: all, or the 1st, 3rd... of q, k, v, wo, w1,
+    w3, w2), and likewise recomputes one block at a time.
 
     Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
     token of this rank except what does not shrink with cp. SDPA saves the keys and values of the
@@ -178,7 +180,8 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
         + chunked
     )
     checkpointed = r * d / sp
-    op_sac = 2 * norm + 2 * r * d / sp + attention_op_sac(model, prec, layout) + mlp_op_sac(model, prec, layout)
+    op_sac = checkpointed + saved_mm(attention_mm(model, layout) + mlp_mm(model, layout), layout) * c \
+        + attention_sdpa_op_sac(model, prec, layout)
     lp = t if (t > 1 and layout.loss_parallel) else 1
     out_b = DTYPE_BYTES[prec.output]
     # Final norm, the head's input, then logits in matmul dtype, cast to output dtype, and
@@ -202,21 +205,32 @@ def saved_kv_width(model: ModelDims, prec: PrecisionSpec, layout: Layout, device
     return model.n_heads * model.head_dim / t
 
 
-def attention_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:
-    """What op-level SAC keeps of the attention region per token, beyond its input: the q, k, v
-    and wo matmul outputs (aten.mm is in parallelize.SAC_SAVE_LIST) and SDPA's output and
-    logsumexp. With the norms (outside the regions, saved whole) and both regions' inputs this
-    is a block's bytes under op SAC, equal to what a real forward keeps alive on CPU
-    (tests/test_memory_moe.py)."""
+def saved_mm(widths: list[float], layout: Layout) -> float:
+    """Elements per token op-level SAC keeps of one checkpointed region's matmul outputs, given
+    their widths in call order (parallelize._op_sac_policy): every one, or ("alternate",
+    torchtitan's rule) the 1st, 3rd, 5th..."""
+    return sum(widths if layout.op_sac_save_mm == "all" else widths[::2])
+
+
+def attention_mm(model: ModelDims, layout: Layout) -> list[float]:
+    """The attention's matmul output widths in call order: q, k, v (local heads) and wo (the
+    whole width: TP's partial sums before the reduction)."""
+    t, hq = layout.tp, model.n_heads * model.head_dim
+    return [hq / t, model.kv_dim / t, model.kv_dim / t, model.dim]
+
+
+def mlp_mm(model: ModelDims, layout: Layout) -> list[float]:
+    """The dense MLP's: w1, w3, w2."""
+    return [model.ffn_hidden / layout.tp, model.ffn_hidden / layout.tp, model.dim]
+
+
+def attention_sdpa_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:
+    """What op-level SAC keeps of attention beyond matmuls: SDPA's output and logsumexp. A
+    llama block is one checkpointed region (parallelize._wrap_block): its input, these and the
+    kept matmul outputs are its bytes, equal to what a real forward keeps alive on CPU
+    (tests/test_memory_moe.py); its norms, rotary and residual adds are recomputed."""
     t, c = layout.tp, DTYPE_BYTES[prec.compute]
-    hq = model.n_heads * model.head_dim
-    return c * (hq + 2 * model.kv_dim) / t + c * model.dim + (c * hq + 4 * model.n_heads) / t
-
-
-def mlp_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> float:
-    """The dense MLP region's: w1, w3 and w2 matmul outputs."""
-    c = DTYPE_BYTES[prec.compute]
-    return 2 * c * model.ffn_hidden / layout.tp + c * model.dim
+    return (c * model.n_heads * model.head_dim + 4 * model.n_heads) / t
 
 
 def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tuple[float, float]:

@@ -23,7 +23,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_amp.memory.llama import ModelDims, activation_terms, mlp_op_sac, param_specs
+from torchtitan_amp.memory.llama import (
+    ModelDims,
+    activation_terms,
+    attention_mm,
+    attention_sdpa_op_sac,
+    param_specs,
+    saved_mm,
+)
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.rules import DTYPE_BYTES
@@ -142,10 +149,9 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
                                            sum, each sequence's expert fractions [B, E] (fp32)
 
     in place of the MLP's k_ffn x c x d + 4 c f / t. Under TP the router and routed experts see
-    the whole sequence on every rank (not divided by t). Op-level SAC recomputes an MoE layer's
-    feed-forward whole (parallelize.recomputed_whole): such a block keeps Llama's op-SAC bytes
-    less its MLP's matmul outputs (the region's input is kept either way); the dense blocks keep
-    Llama's.
+    the whole sequence on every rank (not divided by t). Op-level SAC checkpoints an MoE block by
+    region and recomputes its feed-forward whole (parallelize.recomputed_whole): moe_op_sac; the
+    dense blocks, one region each, keep Llama's.
     """
     base = activation_terms(model, prec, layout)
     t = layout.tp
@@ -164,8 +170,19 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
     dense = tuple((i, base.layer + qk) for i in range(model.n_dense_layers))
     dense_op_sac = tuple((i, base.layer_op_sac) for i in range(model.n_dense_layers))
     return dataclasses.replace(base, layer=moe_layer, layer_by_index=dense,
-                               layer_op_sac=base.layer_op_sac - mlp_op_sac(model, prec, layout),
-                               op_sac_by_index=dense_op_sac)
+                               layer_op_sac=moe_op_sac(model, prec, layout), op_sac_by_index=dense_op_sac)
+
+
+def moe_op_sac(model: MoEDims, prec: PrecisionSpec, layout: Layout) -> float:
+    """An MoE block under op-level SAC, checkpointed by region (parallelize._wrap_block): its
+    norms (outside the regions: fp32 input, normalized x, rstd each), both regions' inputs, the
+    attention region's kept matmul outputs (its own mm count) and SDPA's; the feed-forward is
+    recomputed whole."""
+    sp = layout.tp if layout.sp else 1
+    c, r = DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual]
+    norm = (8 * model.dim + 4) / sp
+    return (2 * norm + 2 * r * model.dim / sp + c * saved_mm(attention_mm(model, layout), layout)
+            + attention_sdpa_op_sac(model, prec, layout))
 
 
 def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, ByDtype]:

@@ -113,6 +113,7 @@ class Layout:
     loss_parallel: bool = True
     ac_mode: str = "none"  # "none" | "full" | "selective"
     ac_option: str = "2"  # selective: every N-th block, or "op"
+    op_sac_save_mm: str = "alternate"  # op-level SAC's matmul outputs kept: "alternate" | "all"
     reshard_after_forward: str = "default"  # "default" | "always" | "never"
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window

@@ -73,8 +73,8 @@ class ModelFamily:
     tp_block_plan: Callable[[Any, Any], dict[str, Any]]
     # A block's norms: sequence-parallel under TP with SP on, replicated DTensor params without.
     block_norms: tuple[str, ...]
-    # The submodules of a block that op-level selective AC wraps (never the norms: their own fp32
-    # FSDP groups would run hooks inside the recomputed region).
+    # The submodules of a block that op-level selective AC wraps where it cannot wrap the whole
+    # block (an MoE block: parallelize.recomputed_whole); never the norms, which stay outside.
     ac_regions: tuple[str, ...]
     # The norm class (the memory model's "norm" kind in lower_precision_safe_modules).
     norm_cls: type[nn.Module]

@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 # Sequence-parallel under TP with SP on, replicated DTensor params without.
 BLOCK_NORMS = ("attention_norm", "ffn_norm")
-# Op-level selective AC wraps these, not the whole block.
+# Op-level selective AC wraps these where a block holds an MoE layer; a dense block whole.
 AC_REGIONS = ("attention", "feed_forward")
 
 
