@@ -17,12 +17,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from torchtitan_amp.torch_compat import fsdp_param_groups
+
 
 def _fsdp_params(parts: list[torch.nn.Module]) -> Iterator:  # type: ignore[type-arg]
     for part in parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
+                for group in fsdp_param_groups(module._get_fsdp_state()):
                     yield from group.fsdp_params
 
 
