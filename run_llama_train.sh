@@ -21,7 +21,7 @@ done
 
 # COMM_MODE=fake_backend: plan without the hardware. One process, no torchrun: it simulates NGPU
 # ranks (unset: the product of the configured degrees) with a fake process group and reports rank
-# DRY_RUN_RANK's (default 0) memory and traffic per step (see torchtitan_amp/dry_run.py).
+# DRY_RUN_RANK's (default 0) memory and traffic per step (see torchtitan_amp/train/dry_run.py).
 if [ "${COMM_MODE:-}" = "fake_backend" ]; then
   exec "$PYTHON" train.py --job.config_file "$CONFIG_FILE" --job.dry_run \
     --dry_run.world_size "${NGPU:--1}" --dry_run.rank "${DRY_RUN_RANK:-0}" "$@"

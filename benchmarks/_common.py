@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.environment import require, separate_inductor_cache
+from torchtitan_amp.core.environment import require, separate_inductor_cache
 from torchtitan_amp.tools.common import load_average, machine, torchrun
 
 require()

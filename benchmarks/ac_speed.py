@@ -36,10 +36,11 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
     """The model under this AC mode, and its activation bytes per token per layer."""
     import torch
 
-    from torchtitan_amp import memory, parallelize
+    from torchtitan_amp import memory
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.distributed import activation_checkpoint
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.models import get_family
-    from torchtitan_amp.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan
 
     family = get_family("llama3")
@@ -51,7 +52,7 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
     model.init_weights()
     ac = config.activation_checkpoint
     if ac.mode != "none":
-        parallelize.apply_ac(model, ac, family.ac_regions)
+        activation_checkpoint.apply_ac(model, ac, family.ac_regions)
     layout = memory.Layout(seq_len=seq_len, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                            op_sac_save_mm=ac.per_op_sac_save_mm)
     prec = memory.PrecisionSpec.from_plan(PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu"),

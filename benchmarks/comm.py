@@ -33,7 +33,7 @@ from pathlib import Path
 from benchmarks._common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,
                      use_model)
 
-from torchtitan_amp import traffic as collectives
+from torchtitan_amp.observability import traffic as collectives
 
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
@@ -56,19 +56,19 @@ HOOK_STATES: list = []
 
 
 def install_counters() -> None:
-    """Count the collectives (torchtitan_amp/traffic.py, by op), make DDP's default all-reduce
+    """Count the collectives (torchtitan_amp/observability/traffic.py, by op), make DDP's default all-reduce
     visible, and keep every compress-hook state installed so that its own byte count can be read."""
-    from torchtitan_amp import parallelize
+    from torchtitan_amp.train import data_parallel
 
     collectives.install()
     collectives.install_default_ddp_hook()
-    original_install = parallelize.install_comm_hook
+    original_install = data_parallel.install_comm_hook
 
     def install_comm_hook(model, state):  # type: ignore[no-untyped-def]
         HOOK_STATES.append(state)
         original_install(model, state)
 
-    parallelize.install_comm_hook = install_comm_hook
+    data_parallel.install_comm_hook = install_comm_hook
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -77,10 +77,11 @@ def worker(spec_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_amp import distributed, memory
+    from torchtitan_amp import memory
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.dry_run import resolve
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.train.dry_run import resolve
+    from torchtitan_amp.train.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING)
     install_counters()
@@ -113,7 +114,7 @@ def worker(spec_path: str, out_path: str) -> int:
         gc.collect()
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    distributed.shutdown()
+    process_groups.shutdown()
     return 0
 
 

@@ -52,9 +52,9 @@ def worker(spec_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_amp import distributed
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.train.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING)
     results = []
@@ -76,7 +76,7 @@ def worker(spec_path: str, out_path: str) -> int:
         gc.collect()
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    distributed.shutdown()
+    process_groups.shutdown()
     return 0
 
 

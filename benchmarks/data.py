@@ -116,7 +116,7 @@ import json, sys, time, warnings
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 import torch
 from torchtitan_amp.data import build_dataloader
-from torchtitan_amp.tokenizer import ByteTokenizer
+from torchtitan_amp.data.tokenizer import ByteTokenizer
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 spec, workers, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -147,8 +147,8 @@ def probe_loader(spec: str, workers: int = 0, seconds: float = 0.0) -> dict:
 
 def debug_step_time(dataset: str, dump: Path) -> float:
     """Median step time of the debug model (seq_len 256, batch 8, fp32) here, in-process."""
-    from torchtitan_amp import trainer as trainer_module
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
 
     trainer_module.peak_flops = lambda device, dtype: 1e12  # skip MFU's matmul benchmark
     args = ["--training.dataset", dataset, "--training.seq_len", "256", "--training.local_batch_size", "8",

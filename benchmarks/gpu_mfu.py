@@ -12,7 +12,7 @@ AdamW state, activations) for the hungriest configuration stays under --mem-frac
 memory (an out-of-memory error still lowers the count by a quarter and retries). Every
 configuration is built as the Trainer builds its model: a JobConfig (load_config with the
 configuration's overrides: precision, --ac, compile), ParallelDims and its device mesh,
-PrecisionPlan.from_config, then torchtitan_amp.job.build_model_parts
+PrecisionPlan.from_config, then torchtitan_amp.train.job.build_model_parts
 (parallelize_model: fp32 islands, activation checkpointing, torch.compile of each block, FSDP2
 fully_shard with the plan's MixedPrecisionPolicy), and trained with loss_fn, clip_grad_norm_ and
 build_optimizer (AdamW, fused on CUDA). On one GPU the FSDP "shard" is the whole model (a 1-rank
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
+from torchtitan_amp.core.environment import require, separate_inductor_cache  # noqa: E402
 
 require()
 separate_inductor_cache()
@@ -52,13 +52,13 @@ import torch.distributed as dist  # noqa: E402
 
 from torchtitan_amp import memory  # noqa: E402
 from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
-from torchtitan_amp.metrics import peak_flops  # noqa: E402
+from torchtitan_amp.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
-from torchtitan_amp.optim import build_optimizer  # noqa: E402
-from torchtitan_amp.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_amp.observability.metrics import peak_flops  # noqa: E402
 from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
-from torchtitan_amp.job import Job, build_model_parts  # noqa: E402
-from torchtitan_amp.trainer import clip_grad_norm_, loss_fn  # noqa: E402
+from torchtitan_amp.train.job import Job, build_model_parts  # noqa: E402
+from torchtitan_amp.train.optim import build_optimizer  # noqa: E402
+from torchtitan_amp.train.trainer import clip_grad_norm_, loss_fn  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 CONFIGS = {

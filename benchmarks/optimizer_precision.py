@@ -45,8 +45,8 @@ CHOICES: dict[str, list[str]] = {
 
 
 def curve(name: str, args: list[str], out: Path) -> tuple[list[float], dict, float]:
-    from torchtitan_amp import trainer as trainer_module
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
 
     trainer_module.peak_flops = lambda device, dtypes: 1e12  # MFU is not read here
     folder = out / name.replace(" ", "_").replace(",", "").replace("+", "plus")

@@ -166,7 +166,7 @@ def measure(job: dict) -> dict:
     import torch.distributed as dist
 
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     config = load_config([*use_model(job["model"]), *job["args"]])
     trainer = Trainer(config)
@@ -208,13 +208,13 @@ def worker(spec_path: str, out_path: str) -> int:
 
     import torch.distributed as dist
 
-    from torchtitan_amp import distributed
+    from torchtitan_amp.distributed import process_groups
 
     logging.basicConfig(level=logging.WARNING)
     results = [measure(job) for job in json.loads(Path(spec_path).read_text())]
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    distributed.shutdown()
+    process_groups.shutdown()
     return 0
 
 

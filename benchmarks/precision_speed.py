@@ -12,7 +12,7 @@ hits both alike: the speed-up column is the robust number, absolute times are no
 batch is the same in every layout (2 ranks run half the local batch), so the tokens per step are
 equal and step times compare directly. MFU = achieved FLOP/s per process /
 the best of the fp32 and bf16 matmul rates this CPU reached with the same thread count, measured at
-start-up the way torchtitan_amp.metrics does (where bf16 is native, the bf16 peak: fp32 runs show
+start-up the way torchtitan_amp.observability.metrics does (where bf16 is native, the bf16 peak: fp32 runs show
 what they leave on the table, like torchtitan's GPU MFU). FSDP needs at least 2 data-parallel ranks in torchtitan_amp, so the FSDP policy appears
 in the 2-rank rows only.
 """
@@ -45,10 +45,10 @@ def worker(spec_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_amp import distributed
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.metrics import peak_flops
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.observability.metrics import peak_flops
+    from torchtitan_amp.train.trainer import Trainer
 
     logging.basicConfig(level=logging.WARNING)
     jobs = json.loads(Path(spec_path).read_text())
@@ -86,7 +86,7 @@ def worker(spec_path: str, out_path: str) -> int:
         gc.collect()
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    distributed.shutdown()
+    process_groups.shutdown()
     return 0
 
 

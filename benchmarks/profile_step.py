@@ -28,7 +28,7 @@ def build(model: str, seq: int, batch: int, overrides: list[str], out: str):  # 
     import torch
 
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     trainer = Trainer(load_config([*use_model(model), "--training.seq_len", str(seq), "--training.local_batch_size",
                                    str(batch), "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2",

@@ -28,9 +28,9 @@ from benchmarks._common import CPU_MODELS, header, md_table, use_model
 
 import torch  # noqa: E402
 
-from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
+from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
+from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
 
 WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

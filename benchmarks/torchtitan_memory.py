@@ -6,7 +6,7 @@
 
 torchtitan's numbers are from pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md
 (Llama 3.1 on H100s, 2024-12): the *maximum reserved* memory per GPU (the CUDA caching allocator's,
-the maximum over all GPUs of the job). Ours is the dry run's (torchtitan_amp/dry_run.py) *allocated*
+the maximum over all GPUs of the job). Ours is the dry run's (torchtitan_amp/train/dry_run.py) *allocated*
 peak of the configured AC mode (tensors alive at the peak; no allocator cache or fragmentation):
 reserved >= allocated, so a ratio above 1 means this framework would hold more than torchtitan
 did. Under PP the row takes the largest of the pp ranks (one dry run per pp coordinate), as
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_amp.rules import STAGES_PER_RANK
+from torchtitan_amp.core.rules import STAGES_PER_RANK
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -101,8 +101,8 @@ def pp_ranks(world: int, pp: int) -> list[int]:
 
 def dry_run_peak(row: Row, tmp: str) -> float:
     """The row's allocated peak in GiB (configured AC mode), the largest over its pp ranks."""
-    from torchtitan_amp import dry_run
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import dry_run
 
     config = load_config(row.args(tmp))
     peak = 0

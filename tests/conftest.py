@@ -6,7 +6,7 @@ import pytest
 
 # Every process the suite starts inherits this: under AVX2 emulation (ATEN_CPU_CAPABILITY=avx2)
 # torch.compile must not reuse kernels compiled natively, or the reverse (see environment.py).
-from torchtitan_amp.environment import separate_inductor_cache
+from torchtitan_amp.core.environment import separate_inductor_cache
 
 separate_inductor_cache()
 

@@ -291,8 +291,8 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_amp.parallelize import parallel_context
-    from torchtitan_amp.trainer import loss_fn
+    from torchtitan_amp.distributed.tensor_parallel import parallel_context
+    from torchtitan_amp.train.trainer import loss_fn
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -381,10 +381,10 @@ def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, shrink: tuple[tu
 
     import torch
 
-    from torchtitan_amp import job as job_mod
     from torchtitan_amp.config import load_config
     from torchtitan_amp.data import build_dataloader
-    from torchtitan_amp.trainer import loss_fn
+    from torchtitan_amp.train import job as job_mod
+    from torchtitan_amp.train.trainer import loss_fn
 
     job = job_mod.resolve(load_config(["--model.flavor", "debugmodel", *overrides,
                                        "--mixed_precision.enabled", "false"]), 1, "cpu")
@@ -447,7 +447,7 @@ def c_compiler() -> str | None:
 NO_COMPILER = "torch.compile (inductor on CPU) needs a C++ compiler: none of g++ / c++ / cc is on PATH"
 
 
-# The host-sync budget of a training step (torchtitan_amp/host_syncs.py), as the layouts worker
+# The host-sync budget of a training step (torchtitan_amp/observability/host_syncs.py), as the layouts worker
 # records it for each run's second step on every rank (rank{R}.json "host_syncs"): the one
 # finiteness read of trainer.train_step (fp16 with a non-fused AdamW: and GradScaler.step's read
 # of found_inf), plus one .tolist() of the split sizes per expert-parallel

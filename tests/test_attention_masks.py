@@ -73,7 +73,7 @@ def test_a_family_without_doc_ids_refuses_block_causal_in_one_line() -> None:
 
     from torch import nn
 
-    from torchtitan_amp.job import check_mask_type
+    from torchtitan_amp.train.job import check_mask_type
 
     class NoDocIds(nn.Module):
         def forward(self, tokens):  # type: ignore[no-untyped-def]

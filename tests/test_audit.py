@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.support import launch_worker, run_python
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.train import trainer as trainer_module
 
 # The smallest flavour: the audit checks dtypes, not sizes, and CPUs without native bf16 emulate it
 # at tens of times fp32's cost. Its 4 blocks still give PP 2 a block per stage, its 2 heads split
@@ -95,8 +95,8 @@ def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
 
 
 def test_fp32_module_name_matching_nothing_is_an_error() -> None:
-    from torchtitan_amp.errors import PrecisionError
-    from torchtitan_amp.job import resolve
+    from torchtitan_amp.core.errors import PrecisionError
+    from torchtitan_amp.train.job import resolve
 
     with pytest.raises(PrecisionError, match="'mixed_precision.fp32_module_names' entry 'layer.0' matches no module"):
         resolve(load_config([*BASE, *BF16, "--mixed_precision.fp32_module_names", "output,layer.0"]), 1, "cpu")
@@ -201,7 +201,7 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
 def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collective: str) -> None:
     """The frozen Linears' gradients would be 2 bytes per parameter in the bf16 reduction: they
     are missing from it, and the frozen parameters are in no optimizer state."""
-    from torchtitan_amp.job import build_model_parts, resolve
+    from torchtitan_amp.train.job import build_model_parts, resolve
 
     job = resolve(load_config([*BASE, *PRECISIONS["frozen"]]), 1, "cpu")
     model = build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
@@ -285,7 +285,7 @@ def test_cp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
 def test_cp_breaches_unit() -> None:
     """check_context_parallel on recorded categories: a sum in another dtype, K/V gathered in fp32
     under a bf16 promise, and nothing seen at all are each named."""
-    from torchtitan_amp.audit import check_context_parallel
+    from torchtitan_amp.precision.audit import check_context_parallel
 
     good = {"all_gather:cp": {"bfloat16": 8, "int64": 4}, "reduce_scatter:cp": {"float32": 16}}
     assert check_context_parallel(good, "float32", {"bfloat16"}) == []
@@ -302,7 +302,7 @@ def test_ep_breaches_unit() -> None:
     """check_expert_parallel on recorded categories: rows in another dtype, nothing seen on a rank
     holding expert-parallel layers, and an all-to-all on another group are each named; a rank
     without such layers (a PP stage of dense blocks) may see none."""
-    from torchtitan_amp.audit import check_expert_parallel
+    from torchtitan_amp.precision.audit import check_expert_parallel
 
     good = {"all_to_all:ep": {"bfloat16": 64, "int64": 32}}
     assert check_expert_parallel(good, "bfloat16", True) == []

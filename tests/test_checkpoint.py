@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp import dry_run
-from torchtitan_amp import run_control
-from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.checkpoint import preemption
+from torchtitan_amp.train import dry_run
+from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.checkpoint import (
     CheckpointError,
     export_checkpoint,
@@ -37,7 +37,7 @@ from torchtitan_amp.checkpoint import (
 )
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models import get_family
-from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
+from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
 from tests.support import (
     ONE_THREAD,
@@ -442,11 +442,11 @@ def test_sigterm_and_sigusr1_request_a_stop(monkeypatch):
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         for sig in previous:
-            monkeypatch.setattr(run_control, "_stop_signal", None)
-            run_control.install_preemption_handlers()
-            assert run_control.stop_requested() is None
+            monkeypatch.setattr(preemption, "_stop_signal", None)
+            preemption.install_preemption_handlers()
+            assert preemption.stop_requested() is None
             os.kill(os.getpid(), sig)
-            assert run_control.stop_requested() == sig.name
+            assert preemption.stop_requested() == sig.name
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -12,8 +12,8 @@ import torch
 from tests.support import TINY
 from torchtitan_amp.checkpoint import manager
 from torchtitan_amp.config import load_config
-from torchtitan_amp.errors import ConfigError
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.train.trainer import Trainer
 
 
 def _trainer(tmp_path: Path, *extra: str) -> Trainer:

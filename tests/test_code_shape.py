@@ -104,3 +104,109 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "PACKAGE", pkg)
     with pytest.raises(AssertionError, match="torchtitan_amp.a"):
         test_no_import_cycle_between_modules()
+
+
+# The packages from the bottom up: each imports only packages before it (and its own modules, in
+# an order without cycles). docs/architecture.md draws the same order.
+LAYERS = ("core", "config", "observability", "memory", "distributed", "models", "precision", "data",
+          "checkpoint", "eval", "train", "", "tools")
+ENTRY_POINTS = {"torchtitan_amp", "torchtitan_amp.main", "torchtitan_amp.launch", "torchtitan_amp.__main__"}
+
+
+def _all_imports(name: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
+    """Every package module `name` imports, with the line: at module level, under
+    `if TYPE_CHECKING:` and inside functions alike (a lazy import is still a dependency)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] or [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):
+                found.add((t, node.lineno))
+    return found
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 2 or (len(parts) == 2 and module not in ENTRY_POINTS) else ""
+    return LAYERS.index(top)
+
+
+def test_every_module_belongs_to_a_layer():
+    assert [n for n in _modules() if n not in ENTRY_POINTS and n.split(".")[1] not in LAYERS] == []
+
+
+def test_packages_import_only_the_layers_below_them():
+    """No upward import between packages, type-only and in-function imports included."""
+    modules = _modules()
+    upward = []
+    for name, path in modules.items():
+        for target, line in sorted(_all_imports(name, path, set(modules))):
+            if _layer(target) > _layer(name):
+                upward.append(f"{name}:{line} -> {target}")
+    assert upward == []
+
+
+def test_no_import_cycle_within_a_package():
+    """Inside a package the modules import each other in one direction too, type-only and
+    in-function imports included (a package's __init__ re-exporting its modules aside)."""
+    modules = _modules()
+    graph = {n: {t for t, _ in _all_imports(n, p, set(modules)) if not t.startswith(n + ".")}
+             for n, p in modules.items()}
+    cycles = _cycles(graph)
+    assert cycles == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
+                continue  # a package and its own submodules
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [])
+    return cycles
+
+
+def test_the_layer_check_sees_an_upward_and_a_type_only_cycle(tmp_path, monkeypatch):
+    """The checkers themselves: a config module importing train lazily is upward; two precision
+    modules importing each other, one only under TYPE_CHECKING, are a cycle."""
+    pkg = tmp_path / "torchtitan_amp"
+    for sub in ("config", "train", "precision"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "a.py").write_text("def f():\n    from torchtitan_amp.train import b\n")
+    (pkg / "train" / "b.py").write_text("")
+    (pkg / "precision" / "plan.py").write_text("from torchtitan_amp.precision import fsdp\n")
+    (pkg / "precision" / "fsdp.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchtitan_amp.precision.plan import P\n")
+    monkeypatch.setitem(globals(), "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match=r"torchtitan_amp.config.a:2 -> torchtitan_amp.train.b"):
+        test_packages_import_only_the_layers_below_them()
+    with pytest.raises(AssertionError, match="torchtitan_amp.precision.fsdp"):
+        test_no_import_cycle_within_a_package()

@@ -13,8 +13,8 @@ import pytest
 
 from tests.support import REPO, run_python
 from torchtitan_amp import config as config_mod
-from torchtitan_amp.config import presentation
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
+from torchtitan_amp.config import presentation
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "job.toml") -> str:
@@ -277,7 +277,7 @@ def test_printed_config_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchtitan_amp.models import llama
+    from torchtitan_amp.models.llama3 import model as llama
 
     # As tools/gpu_checks.py registers its 8B-shaped 2-block stack; undone after the test.
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel_2l",
@@ -296,7 +296,7 @@ MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux
 
 def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchtitan_amp.models import llama
+    from torchtitan_amp.models.llama3 import model as llama
 
     message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
     assert message == ("'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
@@ -403,12 +403,13 @@ def test_no_config_error_leaves_a_partial_config(tmp_path: Path) -> None:
 @pytest.fixture
 def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes starting a process group or building the model a test failure."""
-    from torchtitan_amp import distributed, trainer
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.train import trainer
 
     def forbidden(*_args, **_kwargs):
         raise AssertionError("a bad config reached process-group / model construction")
 
-    monkeypatch.setattr(distributed, "init", forbidden)
+    monkeypatch.setattr(process_groups, "init", forbidden)
     monkeypatch.setattr(trainer.Trainer, "_build_model", forbidden, raising=False)
     for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -425,7 +426,7 @@ def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
 ])
 def test_world_size_checks_run_before_any_process_group(no_process_group: None, monkeypatch: pytest.MonkeyPatch,
                                                         world_size: int, argv: list[str], expected: list[str]) -> None:
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     config = load_config(["--training.seq_len", "16", *argv])

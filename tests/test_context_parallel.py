@@ -10,12 +10,17 @@ import pytest
 import torch
 
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.context_parallel import BatchSharder, attention_mask, check_seq_len, head_tail_positions
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.distributed.context_parallel import (
+    BatchSharder,
+    attention_mask,
+    check_seq_len,
+    head_tail_positions,
+)
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import get_family
 from torchtitan_amp.models.attention import MaskInputs, block_causal_mask, document_ids
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer
-from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 
 BOS, EOS = 256, 257
@@ -97,7 +102,7 @@ def test_seq_len_must_split_into_two_chunks_per_cp_rank() -> None:
 
 
 def test_layout_checks_seq_len_per_cp_and_tp_rank() -> None:
-    from torchtitan_amp.parallelize import validate_layout
+    from torchtitan_amp.train.parallelize import validate_layout
 
     def validate(*argv: str, world: int) -> None:
         config = load_config(list(argv))
@@ -115,7 +120,7 @@ def test_layout_checks_seq_len_per_cp_and_tp_rank() -> None:
 
 
 def test_validation_windows_split_like_training_windows() -> None:
-    from torchtitan_amp.validation import resolve_spec
+    from torchtitan_amp.eval.validation import resolve_spec
 
     config = load_config(["--parallelism.context_parallel_degree", "2", "--validation.enable", "true",
                           "--validation.seq_len", "18", "--training.seq_len", "32"])
@@ -126,7 +131,7 @@ def test_validation_windows_split_like_training_windows() -> None:
 def test_family_without_positions_is_refused_for_cp() -> None:
     from torch import nn
 
-    from torchtitan_amp.job import check_mask_type
+    from torchtitan_amp.train.job import check_mask_type
 
     class NoPositions(nn.Module):
         def forward(self, tokens, doc_ids=None):  # type: ignore[no-untyped-def]
@@ -183,7 +188,7 @@ def test_cp_reduce_dtype_without_cp_is_noted_and_fp16_under_bf16_refused() -> No
 def test_causal_chunks_attend_as_the_position_mask(cp: int, rank: int) -> None:
     """Causal CP attends each of a rank's two query chunks to the window's keys up to its end
     (a lower-right causal bias, no mask tensor): the same as one call with the position mask."""
-    from torchtitan_amp.context_parallel import ContextParallel, gathered_positions
+    from torchtitan_amp.distributed.context_parallel import ContextParallel, gathered_positions
 
     Rank = type("Rank", (ContextParallel,), {"degree": cp, "rank": rank})
 

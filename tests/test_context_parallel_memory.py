@@ -13,10 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_amp.context_parallel import ContextParallel, gathered_positions, head_tail_positions
+from torchtitan_amp.distributed.context_parallel import (
+    ContextParallel,
+    gathered_positions,
+    head_tail_positions,
+)
+from torchtitan_amp.core.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, repeat_kv
-from torchtitan_amp.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
 
 
 @pytest.mark.parametrize("device, dtype, head_dim, mask, kernel", [
@@ -160,7 +164,7 @@ def test_causal_chunk_attention_takes_grouped_kv_as_repeated() -> None:
 def test_sharder_hands_the_window_documents_in_the_keys_gathered_order() -> None:
     """kv_doc_ids on every rank is what an all-gather of the ranks' doc_ids would give: rank 0's
     chunks first (the order gather_kv lays keys out); positions follow from the shape."""
-    from torchtitan_amp.context_parallel import BatchSharder
+    from torchtitan_amp.distributed.context_parallel import BatchSharder
     from torchtitan_amp.models.attention import MaskInputs
 
     cp, seq = 4, 32
@@ -181,10 +185,10 @@ def test_sharder_hands_the_window_documents_in_the_keys_gathered_order() -> None
 def test_cp_forward_gathers_keys_and_values_only(monkeypatch: pytest.MonkeyPatch, mask_type: str) -> None:
     """One forward of a CP 2 rank (a fake process group) all-gathers K and V per block and nothing
     else: no positions, no document ids (block_causal gathered both every forward before)."""
-    from torchtitan_amp import context_parallel as cp_mod
-    from torchtitan_amp import dry_run, parallelize
-    from torchtitan_amp.context_parallel import BatchSharder
+    from torchtitan_amp.distributed import context_parallel as cp_mod
+    from torchtitan_amp.distributed.context_parallel import BatchSharder
     from torchtitan_amp.models.attention import MaskInputs
+    from torchtitan_amp.train import dry_run
 
     gathered: list[torch.dtype] = []
     gather = cp_mod.collectives()[0]
@@ -198,7 +202,7 @@ def test_cp_forward_gathers_keys_and_values_only(monkeypatch: pytest.MonkeyPatch
     created = dry_run.init_fake_process_group(cp, 1)
     try:
         model = _gqa_model(layers)
-        parallelize.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
+        cp_mod.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
         tokens = torch.randint(0, 64, (2, seq))
         inputs, _, extra = BatchSharder(MaskInputs(mask_type, 256, 257), cp, 1)(tokens, tokens)
         model(inputs, **extra)
@@ -227,7 +231,7 @@ def _attention_ops(run) -> set:  # type: ignore[no-untyped-def]
 
 def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
     """On this CPU: causal, CP's lower-right bias and an explicit bool mask, in fp32 and bf16, with
-    grouped and repeated K/V, dispatch ops in parallelize.SAC_SAVE_LIST. On CUDA the lower-right
+    grouped and repeated K/V, dispatch ops in activation_checkpoint.SAC_SAVE_LIST. On CUDA the lower-right
     bias calls its kernels by name (torch.nn.attention.bias): each of those names is in it too
     (the efficient one, _efficient_attention_forward, was missing: op-level SAC recomputed CP's
     fp32 attention in backward)."""
@@ -236,8 +240,8 @@ def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
 
     from torch.nn.attention.bias import CausalBias
 
-    from torchtitan_amp.context_parallel import lower_right_causal
-    from torchtitan_amp.parallelize import SAC_SAVE_LIST
+    from torchtitan_amp.distributed.activation_checkpoint import SAC_SAVE_LIST
+    from torchtitan_amp.distributed.context_parallel import lower_right_causal
 
     n, end = 8, 24
     seen = set()
@@ -260,7 +264,7 @@ def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
 
 def test_cp_causal_that_would_build_a_mask_on_cuda_is_refused_in_one_line() -> None:
     from torchtitan_amp.config import ConfigError
-    from torchtitan_amp.context_parallel import check_causal_kernel
+    from torchtitan_amp.distributed.context_parallel import check_causal_kernel
 
     check_causal_kernel("cuda", "bfloat16", 128, 8, "x")  # flash
     check_causal_kernel("cuda", "float32", 128, 8, "x")  # efficient
@@ -278,9 +282,9 @@ def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: 
     """Through the trainer's checks (job.resolve): a dry run sizes GPUs, so it asks CUDA's kernels;
     a flavour with head_dim 6 in fp32 has neither (efficient needs a multiple of 4); block_causal
     and CP 1 are not refused."""
-    from torchtitan_amp import dry_run
     from torchtitan_amp.config import ConfigError, load_config
     from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
+    from torchtitan_amp.train import dry_run
 
     monkeypatch.setitem(LLAMA3_FLAVORS, "head_dim_6", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"],
                                                                           dim=24, n_heads=4))

@@ -13,7 +13,7 @@ from torchtitan_amp.data import (
     load_texts,
     tokenize_corpus,
 )
-from torchtitan_amp.tokenizer import ByteTokenizer
+from torchtitan_amp.data.tokenizer import ByteTokenizer
 
 # torchdata's StatefulDataLoader calls the deprecated torch.set_vital on construction.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
-from torchtitan_amp.errors import ConfigError
-import torchtitan_amp.data.prepare as prepare_module
+from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.data import DataError, build_dataloader, load_texts, tokenize_corpus
 from torchtitan_amp.data.cli import main as cli_main
 from torchtitan_amp.data.index import read_index, verify
 from torchtitan_amp.data.packed import PackedTextDataset
 from torchtitan_amp.data.prepare import PrepareConfig, merge, prepare
+import torchtitan_amp.data.prepare as prepare_module
+from torchtitan_amp.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtitan_amp.data.tokens import WindowOrder
-from torchtitan_amp.tokenizer import ByteTokenizer, build_tokenizer
+from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 TOK = ByteTokenizer()

@@ -1,4 +1,4 @@
-"""The fake-backend dry run (torchtitan_amp/dry_run.py) and the analytic model behind it
+"""The fake-backend dry run (torchtitan_amp/train/dry_run.py) and the analytic model behind it
 (torchtitan_amp/memory/), checked against what real runs hold and send.
 
 - Real runs on 1, 2 and 4 CPU processes (tests/workers/dry_run_worker.py) count each rank's
@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from tests.support import REPO, launch_worker, new_dump_folder, run_command
-from torchtitan_amp import dry_run, memory, parallelize
+from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
+from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
+from torchtitan_amp.distributed import context_parallel as cp_module
+from torchtitan_amp.train import dry_run
 
 # Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
 # against must not fall back to fp32 on a CPU that emulates bf16. The smallest flavour: the
@@ -54,7 +56,7 @@ JOBS = {
                         "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.1"],
         "tp2_safe_norms_bf16_reduce": ["--parallelism.tensor_parallel_degree", "2", "--mixed_precision.reduce_dtype", "bfloat16",
                                        "--mixed_precision.lower_precision_safe_modules",
-                                       "torch.nn.Linear,torchtitan_amp.models.llama.RMSNorm"],
+                                       "torch.nn.Linear,torchtitan_amp.models.llama3.model.RMSNorm"],
         "tp2_frozen_bf16_moments": ["--parallelism.tensor_parallel_degree", "2", "--training.freeze", "layers.0,output",
                                     "--optimizer.state_dtype", "bfloat16"],
         "tp2": ["--parallelism.tensor_parallel_degree", "2"],
@@ -340,9 +342,9 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
     attends chunk by chunk, and on this CPU SDPA saves each chunk's causal mask, which CUDA's
     kernels do not build: the check adds that CPU-only term (ActivationTerms.layer_cpu, counted
     for ranks > 0; rank 0's first chunk needs none)."""
-    from torchtitan_amp.context_parallel import ContextParallel, head_tail_positions
-    from torchtitan_amp.models.llama import LlamaModelArgs, Transformer
-    from torchtitan_amp.parallel_dims import ParallelDims
+    from torchtitan_amp.distributed.context_parallel import ContextParallel, head_tail_positions
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
     from torchtitan_amp.precision import PrecisionPlan
 
     args = ["--mixed_precision.enabled", "false" if precision == "fp32" else "true"]
@@ -365,7 +367,7 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
             model.init_weights()
             plan.apply_fp32_islands(model)
             if cp > 1:
-                parallelize.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
+                cp_module.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
             tokens = torch.randint(0, 258, (b, s // cp))
             measured[layers] = _saved_activation_bytes(model, tokens, plan.forward_context, **extra)
     finally:
@@ -383,9 +385,9 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
 
 
 def test_stage_split_and_chunks_mirror_torch_and_pipeline() -> None:
-    from torchtitan_amp.models.llama import LLAMA3_FLAVORS
-    from torchtitan_amp.pipeline import stage_boundaries
-    from torchtitan_amp.rules import FLAVORS
+    from torchtitan_amp.core.rules import FLAVORS
+    from torchtitan_amp.distributed.pipeline import stage_boundaries
+    from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 
     assert tuple(LLAMA3_FLAVORS) == FLAVORS  # the torch-free flavour list names every model
     for n_layers in (6, 32, 80, 126):

@@ -18,7 +18,7 @@ import pytest
 from tests.support import by_step, launch_worker
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.prepare import PrepareConfig, prepare
-from torchtitan_amp.tokenizer import ByteTokenizer
+from torchtitan_amp.data.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 

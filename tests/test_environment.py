@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, run_python
-from torchtitan_amp import environment
+from torchtitan_amp.core import environment
 
 
 def test_this_environment_is_fine() -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.support import by_step, launch_worker
-from torchtitan_amp import fp8
-from torchtitan_amp import job as job_mod
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.precision import float8
 from torchtitan_amp.tools.gpu_checks import FP8_TOLERANCE
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train import trainer as trainer_module
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
@@ -51,13 +51,13 @@ def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], wor
 
 
 def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monkeypatch) -> None:
-    monkeypatch.setattr(fp8, "torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
-                        + fp8.INSTALL)
+    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
+                        + float8.INSTALL)
     with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
                                              r"pip install 'torchao>=0.18'"):
         _resolve(*FP8)
-    monkeypatch.setattr(fp8, "torchao_missing", lambda recipe=None, all_gather=None: None)
-    monkeypatch.setattr(fp8, "matmul_unsupported", lambda device: "torch._scaled_mm fails on cpu: no kernel")
+    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
+    monkeypatch.setattr(float8, "matmul_unsupported", lambda device: "torch._scaled_mm fails on cpu: no kernel")
     with pytest.raises(PrecisionError, match="'mixed_precision.fp8' = 'tensorwise': torch._scaled_mm fails on cpu"):
         _resolve(*FP8)
     # A dry run sizes other machines: neither this machine's torchao nor its device is asked.
@@ -66,7 +66,7 @@ def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monk
 
 def test_this_cpu_runs_fp8_matmuls() -> None:
     """What makes the CPU tests below possible; if a torch drops CPU _scaled_mm they must say so."""
-    assert fp8.matmul_unsupported("cpu") is None
+    assert float8.matmul_unsupported("cpu") is None
 
 
 def test_fp8_trains_close_to_bf16_and_reports_its_modules(tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.support import by_step, launch_worker
-from torchtitan_amp import job as job_mod
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train import trainer as trainer_module
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp import job as job_mod
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.generation import (
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.eval.generation import (
     ModelRunner,
     Sampling,
     filter_logits,
@@ -26,9 +26,9 @@ from torchtitan_amp.generation import (
     next_token,
     step_logits,
 )
-from torchtitan_amp.metrics import MetricsLogger
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Attention, Transformer
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer
+from torchtitan_amp.observability.metrics import MetricsLogger
 from torchtitan_amp.tools.generate import main as generate_main
 
 PROMPT = [256, *b"Hello"]  # BOS + bytes

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from tests.support import REPO, run_command
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import load_config
-from torchtitan_amp.models import llama
+from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.tools import gpu_checks
+from torchtitan_amp.train import trainer as trainer_module
 
 GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 
@@ -189,7 +189,7 @@ def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_predictio
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Told that CPU's lower-right attention makes no mask (as CUDA's kernels do not), the check
     sees the masks this CPU builds and fails."""
-    from torchtitan_amp import rules
+    from torchtitan_amp.core import rules
 
     a = argparse.Namespace(device="cpu", tiny=True)
     assert gpu_checks.check_cp_attention(a, tmp_path, {}) is True

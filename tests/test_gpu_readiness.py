@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 
-from torchtitan_amp import distributed, parallelize, trainer
 from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed import activation_checkpoint
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.train import trainer
 from tests.support import TINY
 
 
@@ -23,11 +25,11 @@ def test_trainer_sets_the_gpu_and_determinism_before_the_plan(monkeypatch: pytes
     before `distributed.init` set the device, so every local rank opened a context on cuda:0, and
     cuBLAS's workspace was fixed before CUBLAS_WORKSPACE_CONFIG could be set."""
     events: list[str] = []
-    monkeypatch.setattr(distributed, "choose_device", lambda requested, local_rank: torch.device("cuda", local_rank))
-    monkeypatch.setattr(distributed, "choose_backend", lambda requested, device: "nccl")
+    monkeypatch.setattr(process_groups, "choose_device", lambda requested, local_rank: torch.device("cuda", local_rank))
+    monkeypatch.setattr(process_groups, "choose_backend", lambda requested, device: "nccl")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(f"set_device {device}"))
-    monkeypatch.setattr(distributed, "set_determinism", lambda on: events.append(f"determinism {on}"))
+    monkeypatch.setattr(process_groups, "set_determinism", lambda on: events.append(f"determinism {on}"))
 
     def resolve_job(*args, **kwargs):  # type: ignore[no-untyped-def]
         events.append("plan")
@@ -56,7 +58,7 @@ def restore_determinism():  # type: ignore[no-untyped-def]
 def test_determinism_configures_cublas_and_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch.backends.cudnn.benchmark = True
-    distributed.set_determinism(True)
+    process_groups.set_determinism(True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
@@ -66,9 +68,9 @@ def test_determinism_configures_cublas_and_cudnn(monkeypatch: pytest.MonkeyPatch
 def test_determinism_keeps_the_users_workspace_and_off_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     torch.use_deterministic_algorithms(False)
-    distributed.set_determinism(False)
+    process_groups.set_determinism(False)
     assert not torch.are_deterministic_algorithms_enabled()
-    distributed.set_determinism(True)
+    process_groups.set_determinism(True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
@@ -79,10 +81,10 @@ def test_determinism_keeps_the_users_workspace_and_off_changes_nothing(monkeypat
     "_scaled_dot_product_flash_attention_for_cpu",
 ])
 def test_selective_ac_saves_every_sdpa_kernel(op: str) -> None:
-    assert getattr(torch.ops.aten, op).default in parallelize.SAC_SAVE_LIST
+    assert getattr(torch.ops.aten, op).default in activation_checkpoint.SAC_SAVE_LIST
 
 
 def test_selective_ac_saves_tp_collectives() -> None:
     """Recomputing a TP reduce-scatter in backward would repeat the collective (torchtitan saves it)."""
-    assert torch.ops._c10d_functional.reduce_scatter_tensor.default in parallelize.SAC_SAVE_LIST
-    assert torch.ops._c10d_functional.all_reduce.default in parallelize.SAC_SAVE_LIST
+    assert torch.ops._c10d_functional.reduce_scatter_tensor.default in activation_checkpoint.SAC_SAVE_LIST
+    assert torch.ops._c10d_functional.all_reduce.default in activation_checkpoint.SAC_SAVE_LIST

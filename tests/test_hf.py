@@ -29,10 +29,10 @@ from torchtitan_amp.checkpoint.hf import (
     permute_to_hf,
     rotary_rows,
 )
-from torchtitan_amp.errors import CheckpointError, DataError
-from torchtitan_amp.models import llama
-from torchtitan_amp.models.llama import LlamaModelArgs, Transformer, ffn_hidden_dim
-from torchtitan_amp.tokenizer import build_tokenizer
+from torchtitan_amp.core.errors import CheckpointError, DataError
+from torchtitan_amp.data.tokenizer import build_tokenizer
+from torchtitan_amp.models.llama3 import model as llama
+from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, ffn_hidden_dim
 
 # Rope scaling from position 16 on, so that it changes a 32-token sequence's logits (Llama 3.1
 # scales from 8192, which a test-sized sequence would never reach); GQA: 4 query, 2 kv heads.
@@ -132,8 +132,8 @@ def test_import_matches_transformers_on_one_process(hf):
 
 def test_import_through_the_trainer_on_one_process(hf, tokenizer_folder, tmp_path, monkeypatch):
     """checkpoint.initial_load_path = the folder, through the checkpoint manager, one process."""
-    from torchtitan_amp import trainer as trainer_module
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
 
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
     monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)  # MFU is not read here

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from tests.support import WORKERS, run_python, spawn_ranks, write_spec, ONE_THREAD
 from torchtitan_amp.checkpoint.format import quiet_single_process
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX, check_config, hf_config, load_hf, to_hf_tensors
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.moe import FAMILY
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransformer
 
@@ -138,8 +138,8 @@ def _job(dump: Path, hf_folder: Path, *extra: str) -> list[str]:
 
 def test_import_through_the_trainer_on_one_process(hf, tmp_path, monkeypatch):
     """checkpoint.initial_load_path = the folder, with config.json checked against the flavour."""
-    from torchtitan_amp import trainer as trainer_module
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
 
     monkeypatch.setitem(MOE_FLAVORS, FLAVOR, ARGS)
     monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)  # MFU is not read here

@@ -1,4 +1,4 @@
-"""The host-sync budget (torchtitan_amp/host_syncs.py counts what would stall a GPU), in one
+"""The host-sync budget (torchtitan_amp/observability/host_syncs.py counts what would stall a GPU), in one
 process on CPU: the counter itself; a dense training step reads the device once (the finiteness
 flag), a logging step adds its log line's reads; an MoE layer without expert parallel reads
 nothing, forward, backward and balancing included; with expert parallel (a 1-rank gloo group, the
@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import load_config
-from torchtitan_amp.expert_parallel import ExpertParallel
-from torchtitan_amp.host_syncs import HostSyncs, StepSyncs, uncounted
+from torchtitan_amp.distributed.expert_parallel import ExpertParallel
 from torchtitan_amp.models.moe.balance import after_backward, after_step
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer
 from torchtitan_amp.models.moe.moe import MoE
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.observability.host_syncs import HostSyncs, StepSyncs, uncounted
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
         "--training.steps", "4", "--metrics.log_freq", "2"]

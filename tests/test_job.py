@@ -1,4 +1,4 @@
-"""The one setup path (torchtitan_amp/job.py): every config-time check in one place, and the
+"""The one setup path (torchtitan_amp/train/job.py): every config-time check in one place, and the
 model parts that the trainer and the dry run both build from it; the torch-free rules module."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tests.support import run_python
-from torchtitan_amp import memory, rules
+from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.core import rules
 from torchtitan_amp.data import DataError
-from torchtitan_amp.job import build_model_parts, resolve
+from torchtitan_amp.train.job import build_model_parts, resolve
 
 TINY = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "2")
 
@@ -89,8 +90,8 @@ def test_reshard_after_forward_follows_torchtitan_under_pp() -> None:
 
 
 def test_rules_memory_and_config_import_no_torch() -> None:
-    code = ("import sys; import torchtitan_amp.rules, torchtitan_amp.memory, torchtitan_amp.config, "
-            "torchtitan_amp.environment; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = ("import sys; import torchtitan_amp.core.rules, torchtitan_amp.memory, torchtitan_amp.config, "
+            "torchtitan_amp.core.environment; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.describe()
 

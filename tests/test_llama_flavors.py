@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from torchtitan_amp.checkpoint.hf import CONFIG, check_config, hf_config
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
+from torchtitan_amp.core.rules import FAMILIES
 from torchtitan_amp.memory import ModelDims
 from torchtitan_amp.models import count_params, get_family
 from torchtitan_amp.models.llama3.hf import config_fields
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer, build_model_args, flops_per_token
-from torchtitan_amp.rules import FAMILIES
 
 VOCAB = 128256  # Llama 3's tiktoken vocabulary: 128000 BPE tokens + 256 special
 
@@ -155,8 +155,9 @@ def test_dry_run_of_the_tied_1b_matches_the_memory_model(degrees: tuple[str, ...
     """On 8 simulated ranks (fake backend, meta model), FSDP 4 x TP 2 and DDP 8: the state bytes,
     FSDP groups and communication the real (tied) model has are the memory model's, which counts
     the table once, as a Linear (bf16 all-gather with the output, one gradient)."""
-    from torchtitan_amp import dry_run, memory
+    from torchtitan_amp import memory
     from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import dry_run
 
     config = load_config(["--model.flavor", "llama3_2_1b", "--training.seq_len", "2048", "--dry_run.vocab_size",
                           str(VOCAB), "--job.dump_folder", "unused", *degrees])

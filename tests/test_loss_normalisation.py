@@ -1,4 +1,4 @@
-"""The loss normalisation (torchtitan_amp/loss.py), in process: each part of a step (rank,
+"""The loss normalisation (torchtitan_amp/models/loss.py), in process: each part of a step (rank,
 accumulation micro-batch, pipeline microbatch) contributes its cross-entropy sum times
 label_weight = G / N, N the step's count of valid labels (not -100) and G the ranks the gradient
 wrappers average over, so that the step is one process's mean over all valid labels, however
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support import mask_labels
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import load_config
-from torchtitan_amp.loss import IGNORE_INDEX, count_valid_labels, label_weight, loss_fn
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.models.loss import IGNORE_INDEX, count_valid_labels, label_weight, loss_fn
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer
 
 # fp32 sums of a few hundred terms in another order, and one more division: a few unit roundoffs.
 FP32_RTOL = 1e-6

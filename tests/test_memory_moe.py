@@ -12,9 +12,9 @@ import torch
 
 from torchtitan_amp import memory
 from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import count_params, get_family
 from torchtitan_amp.models.moe.model import active_params
-from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 
 FAMILY = get_family("moe")
@@ -93,8 +93,8 @@ def test_moe_activation_formula_matches_saved_tensors(case: str, precision: str)
 def test_mfu_counts_the_active_experts_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The trainer's MFU numerator (job.build_model_parts -> ModelParts.flops_per_token ->
     metrics) is the family's flops_per_token: 6 x active parameters + attention."""
-    from torchtitan_amp import dry_run
-    from torchtitan_amp.job import build_model_parts
+    from torchtitan_amp.train import dry_run
+    from torchtitan_amp.train.job import build_model_parts
 
     config = load_config(["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--job.dump_folder", str(tmp_path),
                           "--training.seq_len", "64"])
@@ -167,7 +167,7 @@ OP_SAC_CASES = {
 def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str, save_mm: str) -> None:
     """Under op-level SAC a dense block is one checkpointed region: it keeps (per token) its input
     and the outputs of the saved ops (SDPA; every matmul, or every second one); an MoE block is
-    checkpointed by region, its feed-forward recomputed whole (parallelize.recomputed_whole), so
+    checkpointed by region, its feed-forward recomputed whole (activation_checkpoint.recomputed_whole), so
     it keeps its norms, both regions' inputs and the attention's saved outputs. Measured as a
     difference of layer counts (3 blocks minus 1; with the first of 3 dense for the MoE
     family): equal to ActivationTerms.op_sac_at, but for the MoE layer's [E] int64 token counts,
@@ -175,7 +175,7 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
     up to SCALAR_SLACK bytes per layer of Python-held scalars (the aux loss kept for the log; some
     appear only after an earlier test's runs: measured 4-12 bytes); a missed tensor of the model
     would be 128 tokens x its width x its dtype's bytes, at least 128."""
-    from torchtitan_amp import parallelize
+    from torchtitan_amp.distributed import activation_checkpoint
 
     name, flavor, overrides = OP_SAC_CASES[case]
     family = get_family(name)
@@ -195,7 +195,7 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
         model.init_weights()
         plan.apply_router_dtype(model)
         plan.apply_fp32_islands(model)
-        parallelize.apply_ac(model, config.activation_checkpoint, family.ac_regions)
+        activation_checkpoint.apply_ac(model, config.activation_checkpoint, family.ac_regions)
         measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
     layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op",
                            op_sac_save_mm=save_mm)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.support import TINY
-from torchtitan_amp import matmul_speed, metrics
-from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_memory_gib
+from torchtitan_amp.core import matmul_speed
+from torchtitan_amp.observability import metrics
+from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_memory_gib
 
 CPU = torch.device("cpu")
 BASE_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}
@@ -104,7 +105,7 @@ def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low
     """A real run whose start-up peak measurement is absurdly low (1 kFLOP/s): the trainer's
     logger measures again and no logged MFU passes 100%; the summary names the peak it used."""
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: 1e3)
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from torchtitan_amp.models.llama import (
+from torchtitan_amp.models.llama3.model import (
     LLAMA3_FLAVORS,
     RMSNorm,
     Transformer,

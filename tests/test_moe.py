@@ -11,14 +11,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan_amp.config import load_config
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.core.torch_compat import grouped_mm_supported
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import count_params, get_family
 from torchtitan_amp.models.moe.balance import after_backward, after_step, set_aux_grad_scale
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer, active_params
 from torchtitan_amp.models.moe.moe import GroupedExperts, MoE, Router, sequence_aux_loss
-from torchtitan_amp.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.torch_compat import grouped_mm_supported
 
 
 def _model(flavor: str = "debugmodel_moe", **changes: object) -> MoETransformer:
@@ -195,7 +195,7 @@ def test_bf16_router_flips_routing_and_fp32_does_not(tmp_path) -> None:  # type:
     3rd scores are closer than TIE (fp32 rounds the logits by ~1e-7 relative; a score gap below
     1e-5 is a tie at that precision); bf16 (8 significant bits) flips a measurable share (measured
     2-9% per layer on this model)."""
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     trainer = Trainer(load_config([
         "--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "64", "--training.steps", "20",

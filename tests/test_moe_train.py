@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import load_config
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.models.moe import moe as moe_mod
 from torchtitan_amp.models.moe.balance import moe_layers
-from torchtitan_amp.trainer import Trainer, loss_fn
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer, loss_fn
 
 # fp16 autocast with dynamic loss scaling that grows every step (the scale a resumed run starts
 # from differs from the first run's), accumulation 4 (global batch 8 of local batches 2).

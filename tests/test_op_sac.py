@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import CheckpointPolicy
 
-from torchtitan_amp import parallelize
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.distributed import activation_checkpoint
 from torchtitan_amp.models import get_family
 
 STEPS = 3
@@ -39,7 +39,7 @@ def _build(name: str, save_mm: str | None) -> torch.nn.Module:
     model = family.build_model(args)
     model.init_weights()
     if save_mm is not None:
-        parallelize.apply_ac(model, config.activation_checkpoint, family.ac_regions)
+        activation_checkpoint.apply_ac(model, config.activation_checkpoint, family.ac_regions)
     return model
 
 
@@ -82,12 +82,12 @@ def test_dense_blocks_are_checkpointed_whole_moe_blocks_by_region() -> None:
 
 def test_alternate_rule_recomputes_every_second_mm() -> None:
     """torchtitan's counter: the 1st, 3rd... mm of a region are saved, the 2nd, 4th... not."""
-    policy = parallelize._op_sac_policy("alternate")
+    policy = activation_checkpoint._op_sac_policy("alternate")
     mm, ctx = torch.ops.aten.mm.default, type("Ctx", (), {"is_recompute": False})()
     got = [policy(ctx, mm) for _ in range(4)]
     keep, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert got == [keep, again, keep, again]
-    assert [parallelize._op_sac_policy("all")(ctx, mm) for _ in range(2)] == [keep, keep]
+    assert [activation_checkpoint._op_sac_policy("all")(ctx, mm) for _ in range(2)] == [keep, keep]
 
 
 def test_unknown_matmul_rule_is_a_one_line_config_error() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import WORKERS, read_metrics, run_train
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.trainer import NonFiniteError, Trainer
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import NonFiniteError, Trainer
 
 # The smallest flavour: these tests are about the run's control flow, not the model.
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

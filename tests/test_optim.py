@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchtitan_amp.config import LRScheduler, Optimizer, load_config
-from torchtitan_amp.optim import build_lr_scheduler, build_optimizer, lr_factor
+from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 CPU = torch.device("cpu")
 DECAYS = ("linear", "cosine", "sqrt")

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_amp import job as job_mod
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import Optimizer, load_config
-from torchtitan_amp.errors import PrecisionError
-from torchtitan_amp.optim import AdamWMixedState, build_optimizer, stochastic_round_bf16
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train.optim import AdamWMixedState, build_optimizer, stochastic_round_bf16
 
 
 CPU = torch.device("cpu")

@@ -56,7 +56,7 @@ def test_wheel_builds_with_the_package_and_its_commands(tmp_path: Path) -> None:
     assert result.returncode == 0, result.describe()
     (wheel,) = tmp_path.glob("torchtitan_amp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("torchtitan_amp/main.py", "torchtitan_amp/checkpoint/manager.py", "torchtitan_amp/rules.py"):
+    for module in ("torchtitan_amp/main.py", "torchtitan_amp/checkpoint/manager.py", "torchtitan_amp/core/rules.py"):
         assert module in names
     assert not any(n.startswith(("tests/", "benchmarks/", "scripts/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_amp.config import ConfigError, Parallelism, load_config
-from torchtitan_amp.parallel_dims import MESH_DIMS, ParallelDims
-from torchtitan_amp.parallelize import apply_async_tp, validate_layout
-from torchtitan_amp.pipeline import stage_boundaries, validate_pipeline
+from torchtitan_amp.distributed.parallel_dims import MESH_DIMS, ParallelDims
+from torchtitan_amp.distributed.pipeline import stage_boundaries, validate_pipeline
+from torchtitan_amp.distributed.tensor_parallel import apply_async_tp
+from torchtitan_amp.train.parallelize import validate_layout
 
 DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
 DEBUG_LAYERS = 6
@@ -318,12 +319,12 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     """parallelize_model hands parallelism.ddp_bucket_cap_mb to replicate (recorded, not run)."""
     from types import SimpleNamespace
 
-    from torchtitan_amp import parallelize
     from torchtitan_amp.models import get_family
+    from torchtitan_amp.train import data_parallel, parallelize
 
     seen: dict = {}
-    monkeypatch.setattr(parallelize, "replicate", lambda model, **kw: seen.update(kw))
-    monkeypatch.setattr(parallelize, "install_comm_hook", lambda model, state: None)
+    monkeypatch.setattr(data_parallel, "replicate", lambda model, **kw: seen.update(kw))
+    monkeypatch.setattr(data_parallel, "install_comm_hook", lambda model, state: None)
     mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, fsdp_enabled=False, ddp_enabled=True,
                            mesh={"dp_replicate": mesh})

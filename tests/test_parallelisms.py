@@ -277,7 +277,7 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def test_data_parallel_ranks_share_the_single_process_batch() -> None:
     """D ranks with local batch B see, step by step, the windows of one process with batch D x B."""
     from torchtitan_amp.data import build_dataloader
-    from torchtitan_amp.tokenizer import build_tokenizer
+    from torchtitan_amp.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer("byte")
 
@@ -497,7 +497,7 @@ def test_grad_norm_and_clipping_match_fp64_reference(trained: Launches, name: st
 def test_a_step_reads_the_device_once_on_every_layout(trained: Launches, name: str, nproc: int) -> None:
     """Step 2's host syncs on every rank of every run (single, FSDP, DDP, HSDP, TP, PP schedules,
     2-D, AC modes, document masking, fp16): trainer.train_step's finiteness read alone, counted at
-    the dispatcher (torchtitan_amp/host_syncs.py); under fp16 that read is the loss scale after
+    the dispatcher (torchtitan_amp/observability/host_syncs.py); under fp16 that read is the loss scale after
     GradScaler.update (the fused optimizer takes found_inf on the device)."""
     assert_step_sync_budget(trained.run(name, nproc).ranks(), name)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_amp import dry_run
 from torchtitan_amp.config import load_config
-from torchtitan_amp.models.llama import LLAMA3_FLAVORS
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 from torchtitan_amp.tools import plan_layout as pl
+from torchtitan_amp.train import dry_run
 
 
 

@@ -19,8 +19,8 @@ from torch import nn
 import train as train_script
 from torchtitan_amp import precision as precision_mod
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.models.llama import RMSNorm, Transformer, build_model_args
-from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.models.llama3.model import RMSNorm, Transformer, build_model_args
 from torchtitan_amp.precision import (
     CompressHookState,
     LossScaler,
@@ -185,7 +185,7 @@ def test_conflict_unknown_safe_module(name: str) -> None:
 
 
 def test_safe_modules_resolve_to_classes() -> None:
-    assert resolve_module_classes(["torch.nn.Linear", "torchtitan_amp.models.llama.RMSNorm"]) == (nn.Linear, RMSNorm)
+    assert resolve_module_classes(["torch.nn.Linear", "torchtitan_amp.models.llama3.model.RMSNorm"]) == (nn.Linear, RMSNorm)
 
 
 def test_conflict_device_without_mixed_precision() -> None:
@@ -240,7 +240,7 @@ def test_check_no_user_autocast() -> None:
 
 
 def test_train_step_inside_user_autocast_is_refused(tmp_path: Path) -> None:
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     trainer = Trainer(load_config([
         "--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "1",

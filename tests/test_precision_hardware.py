@@ -17,9 +17,9 @@ import torch
 
 from tests.support import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp import matmul_speed
-from torchtitan_amp.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
-from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.core import matmul_speed
+from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 
 SINGLE = ParallelDims(1, 1, 1, 1, 1)
@@ -136,7 +136,7 @@ def test_environment_pins_the_answer_and_rejects_other_values(monkeypatch: pytes
 def test_trainer_writes_the_decision_to_the_log_and_the_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         enabled: str, level: int, expected: str) -> None:
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     monkeypatch.setenv(LOWP_ENV, "emulated")
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
@@ -153,7 +153,7 @@ def test_trainer_writes_the_decision_to_the_log_and_the_report(
 
 
 def test_dry_run_plans_for_the_gpus_it_sizes_not_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchtitan_amp import dry_run
+    from torchtitan_amp.train import dry_run
 
     monkeypatch.setenv(LOWP_ENV, "emulated")
     resolved = dry_run.resolve(load_config(["--model.flavor", "debugmodel"]), world_size=2)
@@ -163,7 +163,7 @@ def test_dry_run_plans_for_the_gpus_it_sizes_not_this_cpu(monkeypatch: pytest.Mo
 def test_the_measurement_sees_through_avx2_emulation() -> None:
     """With torch and oneDNN held to AVX2, bf16 matmul is emulated on any x86 CPU: the real
     measurement (one thread, fp32 and bf16 timed in turn) must call it so."""
-    code = ("import torch; from torchtitan_amp.matmul_speed import low_precision_speed as s; "
+    code = ("import torch; from torchtitan_amp.core.matmul_speed import low_precision_speed as s; "
             "r = s('cpu', torch.bfloat16); print(r.capability, r.native, r.slowdown)")
     result = run_python("-c", code, timeout=120,
                         env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", LOWP_ENV: ""})
@@ -210,7 +210,7 @@ def test_every_peak_table_entry_is_reachable() -> None:
     ("NVIDIA A100-SXM4-80GB", 312),
 ])
 def test_mfu_peak_of_a_gpu_by_its_device_name(monkeypatch: pytest.MonkeyPatch, device_name: str, tflops: int) -> None:
-    from torchtitan_amp.metrics import peak_flops
+    from torchtitan_amp.observability.metrics import peak_flops
 
     fake_gpu(monkeypatch, device_name)
     assert peak_flops(torch.device("cuda", 0), [torch.bfloat16, torch.float32]) == pytest.approx(tflops * 1e12)
@@ -241,7 +241,7 @@ def test_bf16_on_ampere_and_later_is_native(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# torchao: what fp8.py calls is checked by name (no upper version bound)
+# torchao: what float8.py calls is checked by name (no upper version bound)
 
 
 def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,7 +249,7 @@ def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytes
     import enum
     import types
 
-    from torchtitan_amp import fp8
+    from torchtitan_amp.precision import float8
 
     class Recipe(enum.Enum):
         ROWWISE = "rowwise"
@@ -263,15 +263,15 @@ def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytes
     later = types.SimpleNamespace(Float8LinearConfig=Config, Float8LinearRecipeName=Recipe,
                                   convert_to_float8_training=object())
     # A torchao that kept rowwise and dropped tensorwise and the FSDP fp8 all-gather:
-    assert fp8._lacking(later, ("rowwise",), all_gather=False) is None
-    assert fp8._lacking(later, ("tensorwise",), all_gather=False) == "torchao's 'tensorwise' float8 recipe"
-    assert fp8._lacking(later, ("rowwise",), all_gather=True) == "torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
+    assert float8._lacking(later, ("rowwise",), all_gather=False) is None
+    assert float8._lacking(later, ("tensorwise",), all_gather=False) == "torchao's 'tensorwise' float8 recipe"
+    assert float8._lacking(later, ("rowwise",), all_gather=True) == "torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
     later.precompute_float8_dynamic_scale_for_fsdp = object()
-    assert fp8._lacking(later, ("rowwise",), all_gather=True) == (
+    assert float8._lacking(later, ("rowwise",), all_gather=True) == (
         "Float8LinearConfig.enable_fsdp_float8_all_gather (the FSDP fp8 all-gather)")
-    assert fp8.torchao_missing() is None  # the installed torchao has everything
-    monkeypatch.setattr(fp8, "_lacking", lambda *args: "torchao's 'tensorwise' float8 recipe")
-    monkeypatch.setattr(fp8, "_version", lambda: "0.99.0")
-    assert fp8.torchao_missing("tensorwise", False) == (
+    assert float8.torchao_missing() is None  # the installed torchao has everything
+    monkeypatch.setattr(float8, "_lacking", lambda *args: "torchao's 'tensorwise' float8 recipe")
+    monkeypatch.setattr(float8, "_version", lambda: "0.99.0")
+    assert float8.torchao_missing("tensorwise", False) == (
         "fp8 training needs torchao's 'tensorwise' float8 recipe, which torchao 0.99.0 lacks; "
         "pip install 'torchao==0.18.0' (the version tested)")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan_amp import launch
+from torchtitan_amp.checkpoint.preemption import DeadlineCheck
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.run_control import DeadlineCheck
 
 
 def _fake_proc(root: Path, pid: int, ppid: int, comm: str, environ: bytes) -> None:

@@ -15,16 +15,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.staging as dcp_staging
 
 from tests.support import read_metrics
-from torchtitan_amp import distributed, run_control
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.checkpoint import manager as manager_mod
+from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.checkpoint.format import scan_folder
 from torchtitan_amp.config import load_config
+from torchtitan_amp.core.torch_compat import default_stager_reusable
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
-from torchtitan_amp.tokenizer import ByteTokenizer
-from torchtitan_amp.trainer import Trainer
-from torchtitan_amp.torch_compat import default_stager_reusable
+from torchtitan_amp.data.tokenizer import ByteTokenizer
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
         "--mixed_precision.enabled", "false"]
@@ -79,16 +80,16 @@ def _fake_world(monkeypatch: pytest.MonkeyPatch, backend: str) -> list[dict[str,
 def test_control_group_is_a_new_gloo_group_on_nccl_and_the_default_group_on_gloo(
         monkeypatch: pytest.MonkeyPatch) -> None:
     made = _fake_world(monkeypatch, "nccl")
-    group = distributed.control_group(60.0)
+    group = process_groups.control_group(60.0)
     # The poll must not run on nccl's default group (a device sync per step): a gloo group of its own.
     assert isinstance(group, _Group)
     assert made == [{"backend": "gloo", "timeout": timedelta(seconds=60)}]
     made = _fake_world(monkeypatch, "gloo")
-    assert distributed.control_group(60.0) is None and made == []  # the default group is gloo already
+    assert process_groups.control_group(60.0) is None and made == []  # the default group is gloo already
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-    assert distributed.control_group(60.0) is None  # one rank: nothing to agree with
+    assert process_groups.control_group(60.0) is None  # one rank: nothing to agree with
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    assert distributed.control_group(60.0) is None
+    assert process_groups.control_group(60.0) is None
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
@@ -119,11 +120,11 @@ def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
 
     def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
         calls.append((t.device, group))
-        t[0] = int(run_control.signal.SIGUSR1)  # a signal on the other rank
+        t[0] = int(preemption.signal.SIGUSR1)  # a signal on the other rank
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(run_control, "_stop_signal", None)
+    monkeypatch.setattr(preemption, "_stop_signal", None)
     assert checkpointer.should_stop() is True
     assert calls == [(torch.device("cpu"), group)]
 
@@ -150,12 +151,12 @@ def test_a_stop_signal_during_a_step_saves_and_exits_after_that_step(
     trainer = _trainer(tmp_path, "--training.steps", "12", "--metrics.log_freq", "5", "--checkpoint.enable",
                        "--checkpoint.interval", "100")
     polled = _record_polls(monkeypatch, trainer)
-    monkeypatch.setattr(run_control, "_stop_signal", None)
+    monkeypatch.setattr(preemption, "_stop_signal", None)
     step_fn = trainer.train_step
 
     def signalled_at_step_2(batches):  # type: ignore[no-untyped-def]
         if trainer.step == 2:
-            monkeypatch.setattr(run_control, "_stop_signal", "SIGUSR1")
+            monkeypatch.setattr(preemption, "_stop_signal", "SIGUSR1")
         return step_fn(batches)
 
     monkeypatch.setattr(trainer, "train_step", signalled_at_step_2)

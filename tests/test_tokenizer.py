@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 
 from torchtitan_amp.data import DataError
-from torchtitan_amp.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, build_tokenizer
+from torchtitan_amp.data.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, build_tokenizer
 
 TEXTS = ["hello world", "héllo wörld – naïve façade, 日本語テキスト", "emoji 👋🏽🚀 and 🇫🇷 flags", ""]
 
@@ -157,7 +157,7 @@ def _llama3_split(s: str, max_run: int = 25_000) -> list[str]:
     "word " * 100_000, "\n" * 25_001 + "é" * 75_000,
 ])
 def test_tiktoken_long_runs_are_cut_like_llama3(tmp_path: Path, text: str) -> None:
-    from torchtitan_amp.tokenizer import _tiktoken_pieces
+    from torchtitan_amp.data.tokenizer import _tiktoken_pieces
 
     # Llama 3's encode: 400,000-character chunks, each split as above.
     reference = [p for i in range(0, len(text), 400_000) for p in _llama3_split(text[i : i + 400_000])]

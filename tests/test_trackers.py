@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from tests.support import TINY
-from torchtitan_amp import trainer as trainer_module
-from torchtitan_amp import trackers
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.main import check_config
+from torchtitan_amp.observability import trackers
+from torchtitan_amp.train import trainer as trainer_module
 
 _BLOCK, _HEADER = 32768, 7
 _FULL, _LAST = 1, 4

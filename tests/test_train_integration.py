@@ -63,7 +63,7 @@ def load_ranks(folder: Path, world: int = 2) -> list[dict]:
 
 
 def first_step_in_process(dump: Path, *overrides: str) -> dict:
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     with pytest.MonkeyPatch.context() as mp:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -223,7 +223,7 @@ def test_train_py_rejects_missing_dataset(tmp_path: Path) -> None:
 
 def test_trainer_rejects_non_utf8_dataset(tmp_path: Path) -> None:
     from torchtitan_amp.data import DataError
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.trainer import Trainer
 
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café au lait ".encode("latin-1") * 100)

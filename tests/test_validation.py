@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from tests.support import STEP1_MIN, STEP1_TOL, by_step, launch_worker, run_python
-from torchtitan_amp import job as job_mod
-from torchtitan_amp import trainer as trainer_module
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.tools.evaluate import evaluate
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train import trainer as trainer_module
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
@@ -195,7 +195,7 @@ def test_training_is_bitwise_equal_with_and_without_validation_single(tmp_path: 
 def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """name -> evaluate() result: '<layout>_fp32' / '<layout>_bf16' of the seed checkpoint, 'ckpt_on_1'
     of training job A's step-2 checkpoint on one process; plus the training dump folders."""
-    import torchtitan_amp.trainer as tm
+    import torchtitan_amp.train.trainer as tm
 
     root = tmp_path_factory.mktemp("validation")
     tm.peak_flops = lambda device, dtype: 1e12  # module scope: the autouse patch is per test

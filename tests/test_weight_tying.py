@@ -26,15 +26,15 @@ from torch import nn
 
 from tests.support import launch_worker, read_metrics
 from tests.test_llama_flavors import PUBLISHED
-from torchtitan_amp import job as job_mod
 from torchtitan_amp import memory
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models import count_params
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer, ffn_hidden_dim
-from torchtitan_amp.parallelize import group_by_block
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train.data_parallel import group_by_block
 
 TIED = "debugmodel_tiny_tied"
 TIED_ARGS = dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], enable_weight_tying=True)
@@ -197,7 +197,7 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from torchtitan_amp import trainer as trainer_module
+    from torchtitan_amp.train import trainer as trainer_module
 
     args, cfg = _shrunk(flavor)
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "shrunk", args)
@@ -265,7 +265,7 @@ GRAD_RTOL = 1e-5  # of the gradient's largest element
 def _single_process(root: Path) -> Path:
     """The reference run, in this process (one rank): losses of STEPS steps and step 1's grads."""
     from tests.workers import layouts
-    from torchtitan_amp import trainer as trainer_module
+    from torchtitan_amp.train import trainer as trainer_module
 
     folder = root / "single"
     trainer = trainer_module.Trainer(load_config([*BASE, "--training.steps", str(STEPS),
@@ -292,7 +292,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launch_worker("layouts", root, jobs, 2, flavors=flavors)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(llama.LLAMA3_FLAVORS, TIED, TIED_ARGS)
-        mp.setattr("torchtitan_amp.trainer.peak_flops", lambda device, dtype: 1e12)
+        mp.setattr("torchtitan_amp.train.trainer.peak_flops", lambda device, dtype: 1e12)
         _single_process(root)
     return root
 
@@ -338,7 +338,7 @@ def test_an_untied_export_does_not_load_into_a_tied_model(tmp_path: Path) -> Non
 
     from torchtitan_amp.checkpoint.format import EXPORT_FILE
     from torchtitan_amp.checkpoint.loading import load_export
-    from torchtitan_amp.errors import CheckpointError
+    from torchtitan_amp.core.errors import CheckpointError
 
     def _raise(error: str | None) -> None:
         if error is not None:

@@ -10,7 +10,7 @@ checkpoint loses that checkpoint whenever step + save take longer than the agent
 What this does instead: torchrun runs in a session of its own, so a terminal's Ctrl-C reaches
 only this process, not the agent or the ranks. On SIGTERM, SIGINT, SIGHUP or SIGUSR1 it sends
 SIGTERM to the agent's worker processes (the ranks), never to the agent. Each rank finishes its
-step, saves and exits 0 (torchtitan_amp/run_control.py); the agent sees its workers succeed and
+step, saves and exits 0 (torchtitan_amp/checkpoint/preemption.py); the agent sees its workers succeed and
 exits 0; this process exits with the agent's code. A second signal is forwarded too, which ends
 the ranks at once (their second-signal behaviour). If no rank is running yet (rendezvous, start
 up), there is nothing to save: the agent gets the signal and shuts down as torchrun does.

@@ -1,7 +1,7 @@
 """The training entry point behind `train.py`, the `torchtitan-amp-train` command and
 `python -m torchtitan_amp`: `torchrun ... train.py --job.config_file FILE [--section.key VALUE ...]`.
 
-Exit codes (torchtitan_amp/errors.py): 0 done (or --help), 2 bad config, data, checkpoint or
+Exit codes (torchtitan_amp/core/errors.py): 0 done (or --help), 2 bad config, data, checkpoint or
 environment (one `error: ...` line on stderr, raised before any process group or model exists
 where the check needs none), 1 a diverged run (non-finite loss), anything else is a crash with
 its traceback.
@@ -57,23 +57,23 @@ def main(argv: list[str]) -> int:
     config = _parse(argv)
     if isinstance(config, int):
         return config
-    from torchtitan_amp.environment import require, separate_inductor_cache
-    from torchtitan_amp.errors import NonFiniteError, UserError
+    from torchtitan_amp.core.environment import require, separate_inductor_cache
+    from torchtitan_amp.core.errors import NonFiniteError, UserError
 
     require()  # an old torch or a missing torchdata: one line with the install command, exit 2
     separate_inductor_cache()
     setup_logging()
     if config.job.dry_run or os.environ.get("COMM_MODE") == "fake_backend":
         # Plan without hardware: one process, fake process group, meta model, no training.
-        from torchtitan_amp import dry_run
+        from torchtitan_amp.train import dry_run
 
         try:
             return dry_run.main(config)
         except ValueError as e:  # UserError, or a shape no layout accepts
             return fail(e)
-    from torchtitan_amp import distributed
-    from torchtitan_amp.run_control import install_preemption_handlers
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.checkpoint.preemption import install_preemption_handlers
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.train.trainer import Trainer
 
     # SIGTERM / SIGUSR1 (what SLURM sends before a kill): finish the step, save, exit 0.
     install_preemption_handlers()
@@ -82,10 +82,10 @@ def main(argv: list[str]) -> int:
         if config.mixed_precision.audit:
             return 0 if trainer.audit().ok else 1
         trainer.train()
-    except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/errors.py
+    except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/core/errors.py
         return fail(e, e.exit_code)
     finally:
-        distributed.shutdown()
+        process_groups.shutdown()
     return 0
 
 

@@ -47,13 +47,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_amp import checkpoint, run_control
-from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp import checkpoint
+from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.config import load_config
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train.trainer import Trainer
 from tests.support import digest, exit_process, probe_trainer, read_spec
 
 
@@ -177,7 +178,7 @@ def _routers_in_bf16():  # type: ignore[no-untyped-def]
 def _ep_dispatch_in_fp32():  # type: ignore[no-untyped-def]
     """Expert parallel's token rows sent in fp32 (and cast back on arrival): the experts still
     compute in bf16, only the wire carries twice the bytes the plan names."""
-    from torchtitan_amp import expert_parallel
+    from torchtitan_amp.distributed import expert_parallel
 
     original = expert_parallel.all_to_all_single_autograd
 
@@ -212,7 +213,7 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
     with PP (each rank holds one stage)."""
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_amp.parallelize import parallel_context
+    from torchtitan_amp.distributed.tensor_parallel import parallel_context
 
     tokens = tokens.to(trainer.device)
     for part in trainer.model_parts:
@@ -251,7 +252,7 @@ def _record_rows(trainer: Trainer) -> list[str]:
 def main(spec_path: str) -> int:
     spec = read_spec(spec_path)
     if spec.options.get("flavor"):
-        from torchtitan_amp.models import llama
+        from torchtitan_amp.models.llama3 import model as llama
 
         llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"],
                                                                  **spec.options["flavor"])
@@ -260,7 +261,7 @@ def main(spec_path: str) -> int:
         _count_hf_reads()
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group("gloo")  # the Trainers reuse it; ranks can agree before the first one
-    run_control.install_preemption_handlers()
+    preemption.install_preemption_handlers()
     for job in spec.jobs:
         if _rank() == 0:
             for src, dst in job.get("copy", []):

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchtitan_amp import context_parallel as cp_mod
-from torchtitan_amp.context_parallel import ContextParallel, attention_mask, head_tail_positions
+from torchtitan_amp.distributed import context_parallel as cp_mod
+from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask, head_tail_positions
 from tests.support import exit_process, read_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -6,7 +6,7 @@ runs one train step (warm-up: lazy init, pipeline shape inference), then counts 
 
 - bytes of its parameters, gradients and optimizer state, by dtype (DTensors: local shards);
 - under PP, what a rank holds across microbatches (tests/workers/pp_held.py);
-- bytes of every collective it issues, by category and dtype (torchtitan_amp/traffic.py: the
+- bytes of every collective it issues, by category and dtype (torchtitan_amp/observability/traffic.py: the
   torch.distributed, point-to-point and functional-collective entry points, and torch's
   `allreduce_hook` on DDP without a compress hook so that its C++ all-reduce is seen too; here:
   expert parallel's all-to-alls, both ways).
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import load_config
-from torchtitan_amp import traffic as collectives
-from torchtitan_amp import trainer as trainer_module
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.observability import traffic as collectives
+from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train.trainer import Trainer
 from tests.support import exit_process, read_spec
 from tests.workers.pp_held import PipelineHeld
 
@@ -119,7 +119,7 @@ class _CountBackward(torch.autograd.Function):
 def install_all_to_all_counters() -> None:
     """Expert parallel's exchanges: the split sizes (dist.all_to_all_single) and the rows
     (expert_parallel's autograd all-to-all, both ways); volume = the tensor a rank sends."""
-    from torchtitan_amp import expert_parallel
+    from torchtitan_amp.distributed import expert_parallel
 
     counts_a2a, rows_a2a = dist.all_to_all_single, expert_parallel.all_to_all_single_autograd
 

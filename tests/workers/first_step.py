@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import distributed
 from torchtitan_amp.config import load_config
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.train.trainer import Trainer
 from tests.support import exit_process
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
         # The step above was step 1 (it advanced the LR schedule); train() logs steps 2..steps.
         trainer.step = 1
         trainer.train()
-    distributed.shutdown()
+    process_groups.shutdown()
 
 
 if __name__ == "__main__":

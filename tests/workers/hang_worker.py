@@ -9,9 +9,9 @@ import os
 import sys
 import time
 
-from torchtitan_amp import distributed
 from torchtitan_amp.config import load_config
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.train.trainer import Trainer
 
 HANG_AT_STEP = 3
 
@@ -29,7 +29,7 @@ def main() -> None:
     try:
         trainer.train()
     finally:
-        distributed.shutdown()
+        process_groups.shutdown()
 
 
 if __name__ == "__main__":

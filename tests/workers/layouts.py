@@ -5,7 +5,7 @@
 SPEC.json is tests/support.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
 one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavours (FLAVOR's
 args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
-`train()`, exactly what train.py does (torchtitan_amp.trainer.train_in_turn, shared with
+`train()`, exactly what train.py does (torchtitan_amp.train.trainer.train_in_turn, shared with
 torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
 all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
 mesh coordinates, data-parallel rank and what AC / compile wrapped, and evidence taken during the
@@ -33,14 +33,14 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from torchtitan_amp import distributed
-from torchtitan_amp import optim as optim_mod
-from torchtitan_amp import trainer as trainer_mod
-from torchtitan_amp.host_syncs import StepSyncs, uncounted
+from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.models.moe.moe import MoE
+from torchtitan_amp.observability.host_syncs import StepSyncs, uncounted
 from torchtitan_amp.precision.tags import FROZEN
-from torchtitan_amp.trainer import Trainer, train_in_turn
+from torchtitan_amp.train import optim as optim_mod
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, mask_labels, read_spec
 from tests.workers import norm_check
 
@@ -207,7 +207,7 @@ def _save_grads(trainer: Trainer) -> None:
         for name, p in part.named_parameters():
             if p.grad is not None:
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                grads[distributed.unwrapped_name(name)] = grad.detach().float().clone()
+                grads[process_groups.unwrapped_name(name)] = grad.detach().float().clone()
     folder = Path(trainer.config.job.dump_folder)
     torch.save(grads, folder / f"grads_rank{trainer.info.rank}.pt")
 
@@ -301,7 +301,7 @@ def main(spec_path: str) -> None:
         if rank == "0":
             (out / runs[i]["name"] / "wall_s.txt").write_text(f"{wall_s:.2f}\n")
             print(f"[layouts] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
-    distributed.shutdown()
+    process_groups.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Test-side check of the trainer's gradient norm and clipping against an independent value.
 
-`install()` replaces `torchtitan_amp.trainer.clip_grad_norm_` (the trainer calls it as a module
+`install()` replaces `torchtitan_amp.train.trainer.clip_grad_norm_` (the trainer calls it as a module
 global, after `scaler.unscale_`) with a wrapper that, on every rank and every step:
 
 1. computes the true global norm itself, in float64 and without DTensor's reductions: every rank
@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import trainer as trainer_mod
-from torchtitan_amp.host_syncs import uncounted
+from torchtitan_amp.observability.host_syncs import uncounted
+from torchtitan_amp.train import trainer as trainer_mod
 
 # The trainer's clipping formula adds this to the norm (clip_grad_norm_).
 CLIP_EPS = 1e-6

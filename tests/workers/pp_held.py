@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from torchtitan_amp.torch_compat import fsdp_param_groups
+from torchtitan_amp.core.torch_compat import fsdp_param_groups
 
 
 def _fsdp_params(parts: list[torch.nn.Module]) -> Iterator:  # type: ignore[type-arg]

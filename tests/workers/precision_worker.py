@@ -55,11 +55,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_amp import trainer as trainer_mod
 from torchtitan_amp.config import load_config
-from torchtitan_amp.models import llama
+from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan
-from torchtitan_amp.trainer import Trainer, clip_grad_norm_
+from torchtitan_amp.train import trainer as trainer_mod
+from torchtitan_amp.train.trainer import Trainer, clip_grad_norm_
 from tests.support import exit_process, read_spec
 from tests.workers import norm_check
 

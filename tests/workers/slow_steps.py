@@ -13,7 +13,7 @@ import sys
 import time
 
 from torchtitan_amp import main as entry
-from torchtitan_amp import trainer as trainer_module
+from torchtitan_amp.train import trainer as trainer_module
 from tests.support import exit_process
 
 

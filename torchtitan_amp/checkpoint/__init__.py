@@ -10,7 +10,7 @@
   poll, close); `train_state.py` holds `TrainState`;
 - `cli.py`: `python -m torchtitan_amp.checkpoint list | verify | export`.
 
-Pre-emption signals and fault injection are run control (torchtitan_amp/run_control.py). See
+Pre-emption signals and fault injection are run control (torchtitan_amp/checkpoint/preemption.py). See
 docs/checkpointing.md.
 """
 
@@ -31,7 +31,7 @@ __all__ = sorted([*_HOME, "CheckpointError"])
 
 def __getattr__(name: str) -> Any:
     if name == "CheckpointError":
-        from torchtitan_amp.errors import CheckpointError
+        from torchtitan_amp.core.errors import CheckpointError
 
         return CheckpointError
     if name not in _HOME:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchtitan_amp.errors import CheckpointError, DataError
-from torchtitan_amp.rules import DTYPES
+from torchtitan_amp.core.errors import CheckpointError, DataError
+from torchtitan_amp.core.rules import DTYPES
 
 USAGE = ("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
          "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
 
 def cli() -> None:
     """Console entry point (`torchtitan-amp-checkpoint`, `python -m torchtitan_amp.checkpoint`)."""
-    from torchtitan_amp.environment import require
+    from torchtitan_amp.core.environment import require
 
     require()
     sys.exit(main(sys.argv[1:]))

@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchtitan_amp.errors import CheckpointError
-from torchtitan_amp.rules import DTYPES
+from torchtitan_amp.core.errors import CheckpointError
+from torchtitan_amp.core.rules import DTYPES
 
 FORMAT_VERSION = 1
 MARKER = "checkpoint.json"

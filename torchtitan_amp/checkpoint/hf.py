@@ -57,7 +57,7 @@ from torchtitan_amp.checkpoint.format import (
     one_line,
     quiet_single_process,
 )
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import FAMILIES, ModelFamily
 from torchtitan_amp.models.spec import HFAdapter
 
@@ -409,7 +409,7 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     shard in `dtype`, never the whole model."""
     from safetensors.torch import save_file
 
-    from torchtitan_amp.tokenizer import build_tokenizer
+    from torchtitan_amp.data.tokenizer import build_tokenizer
 
     info = inspect_checkpoint(step_dir)
     family = checkpoint_family(info.meta)

@@ -32,7 +32,7 @@ from torchtitan_amp.checkpoint.format import (
 from torchtitan_amp.checkpoint.integrity import verify_checksums
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import get_family
 
 if TYPE_CHECKING:

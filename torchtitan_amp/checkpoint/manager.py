@@ -40,8 +40,8 @@ from torchtitan_amp.checkpoint.saving import PendingSave
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 # Looked up here when the manager is made (tests replace it through this module).
-from torchtitan_amp.distributed import control_group
-from torchtitan_amp.errors import CheckpointError, ConfigError
+from torchtitan_amp.core.errors import CheckpointError, ConfigError
+from torchtitan_amp.distributed.process_groups import control_group
 
 logger = logging.getLogger("torchtitan_amp")
 

@@ -38,10 +38,10 @@ from torchtitan_amp.checkpoint.format import (
 from torchtitan_amp.checkpoint.integrity import file_crc32, verify_checksums
 from torchtitan_amp.checkpoint.retention import purge
 from torchtitan_amp.checkpoint.train_state import TrainState
-from torchtitan_amp.distributed import local_tensor as _local
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
+from torchtitan_amp.core.torch_compat import default_stager_reusable
+from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.models import get_family
-from torchtitan_amp.torch_compat import default_stager_reusable
 
 if TYPE_CHECKING:
     from torchtitan_amp.checkpoint.manager import CheckpointManager

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from torchtitan_amp.checkpoint.preemption import stop_requested
 from torchtitan_amp.checkpoint.saving import close_stager, finish_pending
-from torchtitan_amp.run_control import stop_requested
 
 if TYPE_CHECKING:
     from torchtitan_amp.checkpoint.manager import CheckpointManager

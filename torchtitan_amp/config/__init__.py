@@ -16,7 +16,7 @@ from torchtitan_amp.config.sections import (
     section_names,
 )
 from torchtitan_amp.config.validation import validate
-from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.core.errors import ConfigError
 
 __all__ = [
     "ActivationCheckpoint", "BoolOrAuto", "Checkpoint", "Comm", "Compile", "ConfigError", "DryRun", "Job",

@@ -11,7 +11,7 @@ import typing
 from typing import Any, Literal
 
 from torchtitan_amp.config.sections import _AUTO, BoolOrAuto, JobConfig, section_names
-from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.core.errors import ConfigError
 
 
 def _section_type(section: str) -> type:

@@ -12,7 +12,7 @@ from torchtitan_amp.config.fields import (
 )
 from torchtitan_amp.config.sections import JobConfig
 from torchtitan_amp.config.validation import validate
-from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

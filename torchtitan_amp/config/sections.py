@@ -8,8 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchtitan_amp.rules import (DtypeName, PipelineFsdpReduce, PipelineSchedule, ReshardPolicy, family_names,
-                                  flavor_names)
+from torchtitan_amp.core.rules import (
+    DtypeName,
+    PipelineFsdpReduce,
+    PipelineSchedule,
+    ReshardPolicy,
+    family_names,
+    flavor_names,
+)
 
 # A boolean that may also be "auto" (mixed_precision.enabled).
 BoolOrAuto = bool | Literal["auto"]
@@ -351,7 +357,7 @@ class MixedPrecision:
     audit: bool = _f(
         False, "Instead of training: run one step of this job with dtype recorders on, write "
         "precision_audit.json and exit 1 if anything ran or moved in another dtype than this plan "
-        "promises (torchtitan_amp/audit.py)."
+        "promises (torchtitan_amp/precision/audit.py)."
     )
 
 

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from torchtitan_amp.config.sections import JobConfig
-from torchtitan_amp.errors import ConfigError
-from torchtitan_amp.rules import flavor_names
-from torchtitan_amp.trackers import WANDB_PROJECT_FORBIDDEN, wandb_missing
+from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.core.rules import flavor_names
+from torchtitan_amp.observability.trackers import WANDB_PROJECT_FORBIDDEN, wandb_missing
 
 
 def _require(cond: bool, message: str) -> None:

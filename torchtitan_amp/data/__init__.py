@@ -11,7 +11,7 @@ the prepare command (and its worker processes) never import torch.
 from importlib import import_module
 from typing import Any
 
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 
 _EXPORTS = {
     "build_dataloader": "loader",

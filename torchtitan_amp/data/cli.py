@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan_amp.errors import UserError
+from torchtitan_amp.core.errors import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def _verify(args: argparse.Namespace) -> str:
     from tqdm import tqdm
 
     from torchtitan_amp.data.index import total_bytes, verify
-    from torchtitan_amp.tokenizer import build_tokenizer
+    from torchtitan_amp.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer) if args.tokenizer else None
     with tqdm(total=total_bytes(args.folder), unit="B", unit_scale=True, desc="verify",

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 
 FORMAT = "torchtitan_amp.tokens/1"
 INDEX_NAME = "index.json"

@@ -6,13 +6,13 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.data import text
 from torchtitan_amp.data.index import open_split
 from torchtitan_amp.data.packed import PackedTextDataset, Sample
+from torchtitan_amp.data.tokenizer import Tokenizer
 from torchtitan_amp.data.tokens import Batch, TokenWindowDataset
-from torchtitan_amp.errors import DataError
-from torchtitan_amp.host_syncs import uncounted
-from torchtitan_amp.tokenizer import Tokenizer
+from torchtitan_amp.observability.host_syncs import uncounted
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

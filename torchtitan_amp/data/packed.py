@@ -4,7 +4,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 
 Sample = tuple[torch.Tensor, torch.Tensor]
 

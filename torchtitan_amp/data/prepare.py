@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.data import index as fmt
 from torchtitan_amp.data.sources import Unit, iter_documents, plan_units
-from torchtitan_amp.errors import DataError
-from torchtitan_amp.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from torchtitan_amp.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 _BATCH_CHARS = 4 << 20  # texts are tokenized in batches of about this many characters
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 
 _TEXT = (".txt", ".md")
 _COMPRESSED = (".gz", ".zst")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_amp.errors import DataError
-from torchtitan_amp.tokenizer import Tokenizer
+from torchtitan_amp.core.errors import DataError
+from torchtitan_amp.data.tokenizer import Tokenizer
 
 _TEXT_SUFFIXES = (".txt", ".md")
 _JSONL_SUFFIX = ".jsonl"

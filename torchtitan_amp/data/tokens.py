@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.data.index import TokenSplit
-from torchtitan_amp.errors import DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _M64 = (1 << 64) - 1

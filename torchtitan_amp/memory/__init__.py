@@ -1,6 +1,6 @@
 """Analytic per-rank memory and communication of a training layout: pure functions, no torch.
 
-Used by the fake-backend dry run (`torchtitan_amp/dry_run.py`, for the terms a meta model cannot
+Used by the fake-backend dry run (`torchtitan_amp/train/dry_run.py`, for the terms a meta model cannot
 show: activations, TP and PP traffic), by the layout planner (`torchtitan_amp/tools/plan_layout.py`, for
 everything) and by the memory estimate script. Every number is bytes on one rank for one
 optimizer step, computed from shapes alone; the formulas are stated next to the code and in
@@ -48,9 +48,9 @@ from torchtitan_amp.memory.sizes import ByDtype, add_bytes, fmt_by_dtype, fmt_by
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.memory.stages import (in_flight_at_peak, in_flight_microbatches, interleaved_order, rank_order,
                                           rank_stages, schedule_ops, stage_ops)
+from torchtitan_amp.core.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
 from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, StateBytes, state_bytes
 from torchtitan_amp.memory.totals import MemoryEstimate, estimate, transient_bytes
-from torchtitan_amp.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
 
 __all__ = [
     "ADAMW_STEP_BYTES", "DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "ActivationEstimate", "ActivationTerms",

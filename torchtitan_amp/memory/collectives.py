@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.fsdp import fsdp_comm, fsdp_groups
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
 from torchtitan_amp.memory.stages import rank_stages
-from torchtitan_amp.rules import DTYPE_BYTES
 
 
 def ddp_comm(params: list[tuple[int, bool]], prec: PrecisionSpec) -> dict[str, ByDtype]:

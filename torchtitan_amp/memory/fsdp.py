@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchtitan_amp.core.rules import DTYPE_BYTES, reshard_after_forward
+from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import fsdp_padded_numel, fsdp_split, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes, merge
 from torchtitan_amp.memory.specs import Layout, ParamSpec, PrecisionSpec, Stage
 from torchtitan_amp.memory.stages import stage_ops
-from torchtitan_amp.rules import DTYPE_BYTES, reshard_after_forward
-from torchtitan_amp.torch_compat import grouped_fsdp_casts_every_output
 
 FP8_GATHER = "float8_e4m3fn"  # torchao's Float8Linear weights, all-gathered under fp8_all_gather
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_amp.core.rules import DTYPE_BYTES, ffn_hidden_dim, takes_grouped_kv
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.rules import DTYPE_BYTES, takes_grouped_kv
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class ModelDims:
 
     @classmethod
     def from_args(cls, args: Any) -> "ModelDims":
-        """From a `LlamaModelArgs` (the caller has imported the model, and torch, already)."""
-        from torchtitan_amp.models.llama3.model import ffn_hidden_dim
-
+        """From a `LlamaModelArgs` (or any args with its fields)."""
         return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
                    ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size,
                    tied=getattr(args, "enable_weight_tying", False))

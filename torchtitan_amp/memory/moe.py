@@ -31,9 +31,9 @@ from torchtitan_amp.memory.llama import (
     param_specs,
     saved_mm,
 )
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.rules import DTYPE_BYTES
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")  # [E, dim, hidden], [E, hidden, dim], [E, dim, hidden]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchtitan_amp.rules import SHORT
+from torchtitan_amp.core.rules import SHORT
 
 
 ByDtype = dict[str, int]

@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_amp.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
+from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ its peak."""
 
 from __future__ import annotations
 
+from torchtitan_amp.core.rules import STAGES_PER_RANK, stage_layer_ranges
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.specs import Layout, Stage
-from torchtitan_amp.rules import STAGES_PER_RANK, stage_layer_ranges
 
 
 def rank_stages(model: ModelDims, layout: Layout, pp_rank: int = 0) -> list[Stage]:

@@ -7,12 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import efsdp_rank, fsdp_local_numel, fsdp_padded_numel, fsdp_split, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
 from torchtitan_amp.memory.stages import rank_stages
-from torchtitan_amp.rules import DTYPE_BYTES
 
 
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).

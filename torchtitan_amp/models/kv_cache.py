@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 # Context parallel's per-shape cache of torch's lower-right causal bias (made outside any dispatch mode).
-from torchtitan_amp.context_parallel import lower_right_causal
+from torchtitan_amp.distributed.context_parallel import lower_right_causal
 
 
 class KVCache:

@@ -12,7 +12,7 @@ Applying it (each a function of the plan; `PrecisionPlan` keeps a thin method pe
 - `fsdp.py`:       `MixedPrecisionPolicy` per `fully_shard` group, block input cast (the FSDP path);
 - `comm_hooks.py`: the DDP gradient compress hook (safe modules in reduce_dtype, on gloo and nccl);
 - `reducers.py`:   TP's partial gradients, reduced once per step;
-- `float8.py`:     fp8 Linear conversion as planned (torchtitan_amp/fp8.py does the torchao work);
+- `float8.py`:     fp8 Linear conversion as planned (torchtitan_amp/precision/float8.py does the torchao work);
 - `scaler.py`:     fp16 loss scaling (`LossScaler`, `build_scaler`).
 
 A new capability lands as a decision in plan.py plus an applier module of its own.
@@ -22,13 +22,13 @@ A new capability lands as a decision in plan.py plus an applier module of its ow
 # `precision.dist.all_reduce`, which is torch.distributed's own, the one comm_hooks calls).
 import torch.distributed as dist  # noqa: F401
 
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.core.rules import dtype_name
 from torchtitan_amp.precision.comm_hooks import CompressHookState, compress_hook, install_comm_hook
 from torchtitan_amp.precision.plan import PrecisionPlan, resolve_module_classes
 from torchtitan_amp.precision.reducers import PartialGradReducer
 from torchtitan_amp.precision.report import FP32_ISLANDS
 from torchtitan_amp.precision.scaler import LossScaler
-from torchtitan_amp.rules import dtype_name
 
 __all__ = ["FP32_ISLANDS", "CompressHookState", "LossScaler", "PartialGradReducer", "PrecisionError",
            "PrecisionPlan", "compress_hook", "dtype_name", "install_comm_hook", "resolve_module_classes"]

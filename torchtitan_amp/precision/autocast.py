@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from torchtitan_amp.errors import PrecisionError
-from torchtitan_amp.rules import dtype_name
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.core.rules import dtype_name
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan

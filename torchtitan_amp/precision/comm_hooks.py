@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_amp.rules import dtype_name
+from torchtitan_amp.core.rules import dtype_name
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan

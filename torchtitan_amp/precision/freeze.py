@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.core.rules import dtype_name
 from torchtitan_amp.precision.tags import FROZEN, tied_modules
-from torchtitan_amp.rules import dtype_name
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan

@@ -23,17 +23,16 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import torch
 from torch import nn
 
-from torchtitan_amp import fp8
 from torchtitan_amp.config import JobConfig
-from torchtitan_amp.context_parallel import ContextParallel
-from torchtitan_amp.errors import PrecisionError
-from torchtitan_amp.matmul_speed import LowPrecisionSpeed, low_precision_speed
-from torchtitan_amp.parallel_dims import ParallelDims
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.core.matmul_speed import LowPrecisionSpeed, low_precision_speed
+from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
+from torchtitan_amp.distributed.context_parallel import ContextParallel
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import autocast, comm_hooks, float8, fsdp, reducers, scaler, tags
 from torchtitan_amp.precision import freeze as freezing
 from torchtitan_amp.precision import report as reporting
 from torchtitan_amp.precision.tags import FP32_BY_NAME
-from torchtitan_amp.rules import DTYPES, dtype_name, short_name
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -150,7 +149,7 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
                              "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)"))
     if not on_hardware:
         return
-    why = fp8.torchao_missing(mp.fp8, mp.fp8_all_gather) or fp8.matmul_unsupported(device_type)
+    why = float8.torchao_missing(mp.fp8, mp.fp8_all_gather) or float8.matmul_unsupported(device_type)
     if why is not None:
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from torchtitan_amp.core.rules import dtype_name, short_name
 from torchtitan_amp.precision.tags import FP32_BY_NAME
-from torchtitan_amp.rules import dtype_name, short_name
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchtitan_amp.errors import PrecisionError
+from torchtitan_amp.core.errors import PrecisionError
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan

@@ -89,7 +89,7 @@ def load_average() -> str:
 def machine() -> str:
     """CPU model, core count, bf16-relevant ISA flags, torch and Python versions."""
     # torch's version from its metadata: a driver that only launches ranks need not import torch.
-    from torchtitan_amp.environment import _torch_version
+    from torchtitan_amp.core.environment import _torch_version
 
     cpu = platform.processor() or platform.machine()
     try:

@@ -86,7 +86,7 @@ def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
 def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[str, Any]:
     """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict; device
     "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves)."""
-    from torchtitan_amp.dry_run import resolve
+    from torchtitan_amp.train.dry_run import resolve
 
     res = resolve(config, ngpu)
     est = memory.estimate(res.model_dims, res.precision, res.layout, device=device)
@@ -183,7 +183,7 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
     cached CPU peak-FLOPs measurement) so that it is not counted as the model's memory."""
     import torch
 
-    from torchtitan_amp.metrics import peak_flops
+    from torchtitan_amp.observability.metrics import peak_flops
     # Any small model loads the same kernels and threads; Llama's stands in for every family.
     from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
@@ -205,8 +205,8 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     import torch
     import torch.distributed as dist
 
-    from torchtitan_amp.dry_run import resolve
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.train.dry_run import resolve
+    from torchtitan_amp.train.trainer import Trainer
 
     config = load_config(argv)
     apply_shape(config.model.name, config.model.flavor, shape)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.environment import require, separate_inductor_cache
+from torchtitan_amp.core.environment import require, separate_inductor_cache
 from torchtitan_amp.tools.common import weights_only_overrides
 
 
@@ -44,8 +44,8 @@ def _overrides(config_argv: list[str], scratch: str) -> list[str]:
 def evaluate(config_argv: list[str]) -> dict[str, Any]:
     """The evaluation of the checkpoint `config_argv` points at (every rank must call it)."""
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.errors import CheckpointError
-    from torchtitan_amp.trainer import Trainer
+    from torchtitan_amp.core.errors import CheckpointError
+    from torchtitan_amp.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="torchtitan_amp_eval_") as scratch:
         trainer = Trainer(load_config(_overrides(config_argv, scratch)))
@@ -67,8 +67,8 @@ def main(argv: list[str]) -> int:
     args, config_argv = parse_args(argv)
     require()
     separate_inductor_cache()
-    from torchtitan_amp import distributed
-    from torchtitan_amp.errors import UserError
+    from torchtitan_amp.core.errors import UserError
+    from torchtitan_amp.distributed import process_groups
     from torchtitan_amp.main import fail, setup_logging
 
     setup_logging()
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         return fail(e, e.exit_code)
     finally:
-        distributed.shutdown()
+        process_groups.shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result))

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchtitan_amp.environment import require, separate_inductor_cache
-from torchtitan_amp.errors import ConfigError, DataError
+from torchtitan_amp.core.environment import require, separate_inductor_cache
+from torchtitan_amp.core.errors import ConfigError, DataError
 from torchtitan_amp.tools.common import weights_only_overrides
 
 if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
-    from torchtitan_amp.generation import ModelRunner, Sampling
+    from torchtitan_amp.eval.generation import ModelRunner, Sampling
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -135,7 +135,7 @@ class Loaded:
 
 
 def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: int) -> None:
-    from torchtitan_amp.generation import first_too_long
+    from torchtitan_amp.eval.generation import first_too_long
 
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -150,18 +150,18 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
 def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
     """Every config-time check (the prompts' lengths included) before any process group, then the
     model built on this rank's layout with the checkpoint's weights. Every rank calls it."""
-    from torchtitan_amp import distributed
     from torchtitan_amp.checkpoint import CheckpointManager
-    from torchtitan_amp.generation import ModelRunner
-    from torchtitan_amp.job import build_model_parts
-    from torchtitan_amp.job import resolve as resolve_job
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.eval.generation import ModelRunner
+    from torchtitan_amp.train.job import build_model_parts
+    from torchtitan_amp.train.job import resolve as resolve_job
 
-    info = distributed.resolve(config)
-    distributed.set_device(info)
+    info = process_groups.resolve(config)
+    process_groups.set_device(info)
     job = resolve_job(config, info.world_size, info.device.type)
     ids = [job.tokenizer.encode(text, bos=True, eos=False) for text in prompts]
     _check_lengths(ids, max_new_tokens, job.model_args.max_seq_len)
-    distributed.init(info, config.comm.init_timeout_seconds)
+    process_groups.init(info, config.comm.init_timeout_seconds)
     if info.world_size > 1:
         job.dims.build_mesh(info.device.type)
     model = build_model_parts(job, info.device, [0]).parts[0]
@@ -175,7 +175,7 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
 def generate_texts(args: argparse.Namespace, config_argv: list[str]) -> list[dict[str, Any]]:
     """Every prompt's record (generation.record), on every rank."""
     from torchtitan_amp.config import load_config
-    from torchtitan_amp.generation import Sampling, generate, record
+    from torchtitan_amp.eval.generation import Sampling, generate, record
 
     prompts = read_prompts(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -200,8 +200,8 @@ def main(argv: list[str]) -> int:
     args, config_argv = parse_args(argv)
     require()
     separate_inductor_cache()
-    from torchtitan_amp import distributed
-    from torchtitan_amp.errors import UserError
+    from torchtitan_amp.core.errors import UserError
+    from torchtitan_amp.distributed import process_groups
     from torchtitan_amp.main import fail
 
     try:
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         return fail(e, e.exit_code)
     finally:
-        distributed.shutdown()
+        process_groups.shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
         for r in records:
             print(r["prompt"] + r["text"], flush=True)

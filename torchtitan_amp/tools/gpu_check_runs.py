@@ -17,8 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.config import load_config
-from torchtitan_amp.host_syncs import StepSyncs
-from torchtitan_amp.trainer import Trainer
+from torchtitan_amp.observability.host_syncs import StepSyncs
+from torchtitan_amp.train.trainer import Trainer
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm")
 
@@ -131,9 +131,9 @@ def cp_chunk_attention(device: str, dtype: torch.dtype, head_dim: int, tiny: boo
     and backward on `device`, without a process group (the keys stand for the gathered window),
     shaped like Llama 3 8B (32 heads, 8 kv heads; --tiny: 4 and 2) and handing K/V grouped or
     repeated as the model does. What ran, against what rules.attention_kernel predicts."""
-    from torchtitan_amp.context_parallel import ContextParallel
+    from torchtitan_amp.core.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
+    from torchtitan_amp.distributed.context_parallel import ContextParallel
     from torchtitan_amp.models.llama3.model import _DTYPE_NAMES, repeat_kv
-    from torchtitan_amp.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
 
     cp, rank = 4, 1
     heads, kv_heads, seq = (4, 2, 64) if tiny else (32, 8, 8192)

@@ -65,7 +65,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.environment import require, separate_inductor_cache  # noqa: E402
+from torchtitan_amp.core.environment import require, separate_inductor_cache  # noqa: E402
 
 require()
 separate_inductor_cache()
@@ -73,16 +73,16 @@ separate_inductor_cache()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from torchtitan_amp import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.distributed import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E402
+from torchtitan_amp.distributed.process_groups import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E402
+from torchtitan_amp.distributed.tensor_parallel import parallel_context  # noqa: E402
 from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
-from torchtitan_amp.parallelize import parallel_context  # noqa: E402
+from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
     OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
     step_syncs, sync_budget_kept, train)
-from torchtitan_amp.trainer import Trainer, loss_fn  # noqa: E402
+from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
 # steps there); fp16 with a scaler sits closer to fp32, compile only reorders bf16 arithmetic.
@@ -258,7 +258,7 @@ def check_resume(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
 
 
 def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    from torchtitan_amp.torch_compat import grouped_mm_supported
+    from torchtitan_amp.core.torch_compat import grouped_mm_supported
 
     grouped = {d: grouped_mm_supported(a.device, getattr(torch, d)) for d in ("bfloat16", "float32")}
     out.update(grouped_mm_supported=grouped, tolerance=TOLERANCE["bf16"], final_loss={}, expert_ops={})
@@ -292,7 +292,7 @@ def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
 def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) -> torch.Tensor:
     """Prefill PROMPT, then feed tokens[len(PROMPT):-1] one at a time through the KV cache: the
     logits after every position from len(PROMPT) - 1 on."""
-    from torchtitan_amp.generation import kv_caches, step_logits
+    from torchtitan_amp.eval.generation import kv_caches, step_logits
 
     def ids(t: list[int]) -> torch.Tensor:
         return torch.tensor([t], device=device)
@@ -313,7 +313,7 @@ def _sharpen_attention(model: nn.Module) -> None:
 
 
 def check_generate(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    from torchtitan_amp.generation import ModelRunner, generate
+    from torchtitan_amp.eval.generation import ModelRunner, generate
 
     new = 16 if a.tiny else 24
     ok = True

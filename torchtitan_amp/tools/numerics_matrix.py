@@ -219,8 +219,8 @@ def worker(spec_path: str) -> int:
     import logging
 
     # Here, not at the top: the driver only launches, and without torch it starts in ~0.3 s.
-    from torchtitan_amp import distributed
-    from torchtitan_amp.trainer import train_in_turn
+    from torchtitan_amp.distributed import process_groups
+    from torchtitan_amp.train.trainer import train_in_turn
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
@@ -229,7 +229,7 @@ def worker(spec_path: str) -> int:
         if rank == 0:
             (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s}))
             print(f"[numerics_matrix] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
-    distributed.shutdown()
+    process_groups.shutdown()
     return 0
 
 

@@ -238,8 +238,8 @@ def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
 
 def candidates(args: Any) -> tuple[list[Candidate], int]:
     """Every valid, evaluated candidate (fitting or not) and the number of rejected ones."""
-    from torchtitan_amp import dry_run
     from torchtitan_amp.models import get_family
+    from torchtitan_amp.train import dry_run
 
     flavor = get_family(args.model).flavors[args.flavor]
     n_layers, n_experts = flavor.n_layers, getattr(flavor, "n_routed_experts", 0)

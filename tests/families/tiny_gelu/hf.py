@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.llama3 import hf as llama_hf
 from torchtitan_amp.models.spec import HFAdapter
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory import ActivationTerms, Layout, ModelDims, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.rules import DTYPE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, ffn_hidden_dim
 from torchtitan_amp.models.spec import HFAdapter
 

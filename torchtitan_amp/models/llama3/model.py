@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_amp.context_parallel import ContextParallel, attention_mask
+from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import block_causal_mask
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
-from torchtitan_amp.rules import takes_grouped_kv
+from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv  # noqa: F401  (ffn_hidden_dim: the model's width rule, re-exported)
 
 # Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
 # carry their own copy because Llama 3.2 checkpoints use factor 32 (checkpoint/hf.py maps them).
@@ -346,15 +346,6 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-
-
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Llama 3 SwiGLU width: 2/3 of 4*dim (keeps the param count of a 4*dim
-    two-matrix MLP), times the multiplier, rounded up to multiple_of."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * math.ceil(hidden / multiple_of)
 
 
 class FeedForward(nn.Module):

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.errors import CheckpointError
+from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.llama3.hf import LAYER_NAMES, TOP_NAMES, layer_mapped_name, rope_settings
 from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 from torchtitan_amp.models.moe.model import MoEModelArgs

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.torch_compat import grouped_mm_supported
+from torchtitan_amp.core.torch_compat import grouped_mm_supported
 
 
 def local(param: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ reshard-after-forward policy, model flavour names.
 
 from __future__ import annotations
 
+import math
+
 import sys
 import typing
 from collections.abc import Iterable
@@ -181,3 +183,12 @@ def materialises_causal_mask(device: str, dtype: str, head_dim: int) -> bool:
     [n, end] mask per chunk shared by the batch and heads), on CUDA only where neither flash nor
     efficient takes the call (the math fallback: a mask and the whole score matrix)."""
     return attention_kernel(device, dtype, head_dim, "causal") in ("cpu_flash", "math")
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama 3 SwiGLU width: 2/3 of 4*dim (keeps the param count of a 4*dim
+    two-matrix MLP), times the multiplier, rounded up to multiple_of."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)

@@ -20,8 +20,9 @@ an (op, group) pair; by default the op: "all_gather", "reduce_scatter", "all_red
 "recv".
 
 DDP without a compress hook all-reduces in C++, out of these wrappers' sight:
-`install_default_ddp_hook()` gives it torch's Python equivalent (`allreduce_hook`: the same fp32
-buckets, through dist.all_reduce) so that its traffic is seen too.
+`install_default_ddp_hook()` has DDP given torch's Python equivalent instead (`default_ddp_hook`,
+passed to apply_ddp: `allreduce_hook`, the same fp32 buckets through dist.all_reduce) so that its
+traffic is seen too.
 """
 
 from __future__ import annotations
@@ -174,18 +175,20 @@ def call_counts() -> dict[str, int]:
     return dict(CALL_COUNTS)
 
 
+_DEFAULT_DDP_HOOK = [False]  # set by install_default_ddp_hook; read when DDP is applied
+
+
 def install_default_ddp_hook() -> None:
-    """Make DDP's C++ default all-reduce visible: where torchtitan_amp's apply_ddp installs no
-    compress hook, register torch's `allreduce_hook` (same buckets, same dtype, mean)."""
+    """Make DDP's C++ default all-reduce visible: from now on, where the plan installs no compress
+    hook, DDP is given torch's `allreduce_hook` (same buckets, same dtype, mean: default_ddp_hook)."""
+    _DEFAULT_DDP_HOOK[0] = True
+
+
+def default_ddp_hook() -> Callable[..., Any] | None:
+    """The hook DDP runs where the plan has no compress hook: torch's Python `allreduce_hook` while
+    traffic is recorded (install_default_ddp_hook), else None (DDP's C++ all-reduce)."""
+    if not _DEFAULT_DDP_HOOK[0]:
+        return None
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from torchtitan_amp import parallelize
-
-    original = parallelize.apply_ddp
-
-    def apply_ddp(model, mesh, plan, *args):  # type: ignore[no-untyped-def]
-        original(model, mesh, plan, *args)
-        if plan.comm_hook == "none":
-            model.register_comm_hook(mesh.get_group(), allreduce_hook)
-
-    parallelize.apply_ddp = apply_ddp
+    return allreduce_hook

@@ -18,9 +18,9 @@ from typing import IO, Any, Callable, Iterable
 
 import torch
 
-from torchtitan_amp.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
-from torchtitan_amp.rules import dtype_name
-from torchtitan_amp.trackers import TensorBoardTracker, Tracker
+from torchtitan_amp.core.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
+from torchtitan_amp.core.rules import dtype_name
+from torchtitan_amp.observability.trackers import TensorBoardTracker, Tracker
 
 logger = logging.getLogger("torchtitan_amp")
 

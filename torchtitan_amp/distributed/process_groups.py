@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_amp.config import ConfigError, JobConfig
 
 if TYPE_CHECKING:
-    from torchtitan_amp.parallel_dims import ParallelDims
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

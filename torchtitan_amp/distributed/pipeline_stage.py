@@ -1,6 +1,6 @@
 """The pipeline stage torch's schedules run (pipeline.build_pipeline): torch's PipelineStage made
 to accumulate gradients under `replicate()` and to keep per-step counters out of its metadata
-pass. A module of its own so that importing torchtitan_amp.pipeline does not import
+pass. A module of its own so that importing torchtitan_amp.distributed.pipeline does not import
 torch.distributed.pipelining (which imports dynamo) in runs without pipeline parallel."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.nn.parallel.distributed import _find_tensors
-
-from torchtitan_amp.pipeline import reset_step_counters
 
 
 class Stage(PipelineStage):
@@ -75,3 +73,11 @@ class Stage(PipelineStage):
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
         return grads, None
+
+
+def reset_step_counters(module: nn.Module) -> None:
+    """Modules with a `reset_step_counters()` (models/spec.py) forget what the last pass counted."""
+    for m in module.modules():
+        reset = getattr(m, "reset_step_counters", None)
+        if callable(reset):
+            reset()

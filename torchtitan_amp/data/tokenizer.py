@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from torchtitan_amp.errors import DataError
+from torchtitan_amp.core.errors import DataError
 
 # Checked in order; the first name present in the vocabulary wins. GPT-2 style vocabularies
 # only have <|endoftext|>, which then serves as both BOS and EOS.

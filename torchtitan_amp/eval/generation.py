@@ -32,13 +32,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.errors import ConfigError
+from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.models.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
+    from torchtitan_amp.data.tokenizer import Tokenizer
     from torchtitan_amp.precision import PrecisionPlan
-    from torchtitan_amp.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

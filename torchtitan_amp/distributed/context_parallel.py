@@ -21,16 +21,20 @@ cover the CUDA flash / efficient / cuDNN ops only (no CPU, no masks, so no block
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
-from torchtitan_amp.rules import materialises_causal_mask
-from torchtitan_amp.torch_compat import sequence_collectives
+from torchtitan_amp.core.rules import materialises_causal_mask
+from torchtitan_amp.core.torch_compat import sequence_collectives
+
+logger = logging.getLogger("torchtitan_amp")
 
 # The seam for tools that label or record the cp collectives (the audit, the precision test):
 # None means torch's functional collectives, looked up per call so that a traffic recorder
@@ -232,3 +236,13 @@ def attention_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: torch.Tensor
     if doc_q is not None:
         mask &= doc_k[:, None, :] == doc_q[:, :, None]
     return mask[:, None]
+
+
+def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
+    """Hand the cp group to every module of the model that attends across the sequence (those
+    declaring a `context_parallel` attribute: the model, for its mask, and each attention)."""
+    for module in model.modules():
+        if hasattr(type(module), "context_parallel"):
+            module.context_parallel = cp
+    logger.info("applied context parallel (degree %d): K/V all-gathered per layer, gradients "
+                "reduce-scattered in %s", cp.group.size(), str(cp.reduce_dtype).removeprefix("torch."))

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, Parallelism
-from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.rules import STAGES_PER_RANK, even_stage_starts
+from torchtitan_amp.core.rules import STAGES_PER_RANK, even_stage_starts
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -73,14 +73,6 @@ class Pipeline:
             run(target=targets, losses=losses, return_outputs=False, **extra)
         # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
         return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
-
-
-def reset_step_counters(module: nn.Module) -> None:
-    """Modules with a `reset_step_counters()` (models/spec.py) forget what the last pass counted."""
-    for m in module.modules():
-        reset = getattr(m, "reset_step_counters", None)
-        if callable(reset):
-            reset()
 
 
 def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:
@@ -170,7 +162,7 @@ def build_pipeline(
     # Imported here: torch.distributed.pipelining imports dynamo (0.7 s of every process's start).
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-    from torchtitan_amp.pipeline_stage import Stage
+    from torchtitan_amp.distributed.pipeline_stage import Stage
 
     pp_mesh = dims.mesh["pp"]
     stages = []

@@ -43,11 +43,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_amp.distributed import local_tensor as _local
-from torchtitan_amp.distributed import unwrapped_name
-from torchtitan_amp import traffic
+from torchtitan_amp.core.rules import dtype_name
+from torchtitan_amp.distributed.process_groups import local_tensor as _local
+from torchtitan_amp.distributed.process_groups import unwrapped_name
+from torchtitan_amp.observability import traffic
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.rules import dtype_name
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -218,7 +218,7 @@ def _categorize(op: str, group: Any) -> str:
 def _cp_collectives() -> Iterator[None]:
     """Label context_parallel's collectives (through its seam) as category "cp": its group may be
     the very group FSDP shards over (cp alone: both are the world), so the group cannot tell."""
-    from torchtitan_amp import context_parallel as cp_mod
+    from torchtitan_amp.distributed import context_parallel as cp_mod
 
     def on_cp(collective: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

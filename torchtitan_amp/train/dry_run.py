@@ -37,15 +37,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.distributed import local_tensor as _local
-from torchtitan_amp.distributed import unwrapped_name
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, JobConfig
-from torchtitan_amp.job import Job, build_model_parts
-from torchtitan_amp.job import resolve as resolve_job
+from torchtitan_amp.core.torch_compat import fsdp_param_groups
+from torchtitan_amp.distributed.process_groups import local_tensor as _local
+from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.precision import PrecisionPlan, dtype_name
-from torchtitan_amp.torch_compat import fsdp_param_groups
+from torchtitan_amp.train.job import Job, build_model_parts
+from torchtitan_amp.train.job import resolve as resolve_job
 
 logger = logging.getLogger("torchtitan_amp")
 

@@ -26,16 +26,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import ConfigError, JobConfig
-from torchtitan_amp.context_parallel import check_seq_len
+from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.data import ParallelAwareDataLoader, build_dataloader
 from torchtitan_amp.data.loader import to_device
-from torchtitan_amp.errors import DataError
-from torchtitan_amp.generation import ModelRunner, SamplePrompts, resolve_samples
-from torchtitan_amp.loss import IGNORE_INDEX
-from torchtitan_amp.parallelize import parallel_context
-from torchtitan_amp.pipeline import Pipeline
+from torchtitan_amp.data.tokenizer import Tokenizer
+from torchtitan_amp.distributed.context_parallel import check_seq_len
+from torchtitan_amp.distributed.pipeline import Pipeline
+from torchtitan_amp.distributed.tensor_parallel import parallel_context
+from torchtitan_amp.eval.generation import ModelRunner, SamplePrompts, resolve_samples
+from torchtitan_amp.models.loss import IGNORE_INDEX
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.tokenizer import Tokenizer
 
 # A batch -> (inputs, labels, keyword inputs) as this rank's model sees it.
 ModelInputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]

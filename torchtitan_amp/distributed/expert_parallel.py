@@ -21,6 +21,7 @@ with or without activation checkpointing.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+logger = logging.getLogger("torchtitan_amp")
 
 # GroupedExperts computes on its weights' local values (moe.local): the dispatched rows are this
 # rank's share of a ragged exchange, which no DTensor layout describes.
@@ -97,3 +101,30 @@ def shard_experts(experts: nn.Module, mesh) -> None:
         whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E
         sharded = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+
+def is_expert_layer(module: nn.Module) -> bool:
+    """A layer of routed experts: one whose class declares an `expert_parallel` slot (models/moe's
+    MoE), the attribute apply_ep hands the dispatcher to."""
+    return hasattr(type(module), "expert_parallel")
+
+
+def expert_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_expert_layer(m)]
+
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> None:
+    """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them.
+
+    Under TP `expert_mesh` is (ep, tp): the experts are not split by TP (ETP = 1) and the MoE layer
+    is replicated over tp (models/moe/parallelize.py), so every TP rank routes the whole sequence
+    and exchanges the same tokens with its EP peers of the same tp coordinate (redundantly:
+    torchtitan's ETP = 1 instead takes the tp ranks into the ep group and splits the tokens).
+    """
+    layers = expert_layers(model)
+    for layer in layers:
+        shard_experts(layer.experts, expert_mesh)
+        layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
+    logger.info("applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
+                "all-to-all in the activations' dtype", ep_mesh.size(), len(layers))

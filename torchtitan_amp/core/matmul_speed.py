@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_amp.errors import ConfigError
-from torchtitan_amp.rules import dtype_name, short_name
+from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.core.rules import dtype_name, short_name
 
 logger = logging.getLogger("torchtitan_amp")
 

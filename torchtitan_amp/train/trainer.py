@@ -19,25 +19,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import distributed, memory, profiling, validation
+from torchtitan_amp import memory
 from torchtitan_amp.checkpoint import CheckpointManager
+from torchtitan_amp.checkpoint.preemption import DeadlineCheck, maybe_inject_fault
 from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
-from torchtitan_amp.context_parallel import BatchSharder
+from torchtitan_amp.core.errors import NonFiniteError
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
-from torchtitan_amp.errors import NonFiniteError
-from torchtitan_amp.job import build_model_parts
-from torchtitan_amp.job import resolve as resolve_job
-from torchtitan_amp.loss import count_valid_labels, label_weight, loss_fn
-from torchtitan_amp.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
-from torchtitan_amp.optim import build_lr_scheduler, build_optimizer
-from torchtitan_amp.parallelize import parallel_context
-from torchtitan_amp.run_control import DeadlineCheck, maybe_inject_fault
-from torchtitan_amp.trackers import build_trackers
-from torchtitan_amp.pipeline import Pipeline, build_pipeline
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.distributed.context_parallel import BatchSharder
+from torchtitan_amp.distributed.pipeline import Pipeline, build_pipeline
+from torchtitan_amp.distributed.tensor_parallel import parallel_context
+from torchtitan_amp.eval import validation
+from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
+from torchtitan_amp.observability import profiling
+from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
+from torchtitan_amp.observability.trackers import build_trackers
+from torchtitan_amp.train.job import build_model_parts
+from torchtitan_amp.train.job import resolve as resolve_job
+from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer
 
 if TYPE_CHECKING:
-    from torchtitan_amp.audit import AuditResult
+    from torchtitan_amp.precision.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -79,11 +82,11 @@ class Trainer:
         self.config = config
         t = config.training
         # Everything that can reject the config runs before any process group exists.
-        self.info = distributed.resolve(config)
+        self.info = process_groups.resolve(config)
         # Before the plan: its probes run CUDA matmuls, which would open a context on cuda:0 on
         # every local rank and fix cuBLAS's workspace before determinism could configure it.
-        distributed.set_device(self.info)
-        distributed.set_determinism(t.deterministic)
+        process_groups.set_device(self.info)
+        process_groups.set_determinism(t.deterministic)
         self.job = resolve_job(config, self.info.world_size, self.info.device.type)
         self.dims, self.accum, self.plan = self.job.dims, self.job.accum, self.job.plan
         self.model_args = self.job.model_args
@@ -98,7 +101,7 @@ class Trainer:
         val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
                       if spec is not None else None)
 
-        distributed.init(self.info, config.comm.init_timeout_seconds)
+        process_groups.init(self.info, config.comm.init_timeout_seconds)
         self.device = self.info.device
         self.is_logging_rank = self.info.rank == 0
         if self.is_logging_rank and config.job.print_config:
@@ -361,7 +364,7 @@ class Trainer:
                 self.tokens_seen += tokens_per_step
                 if self.step == first_step + 1:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
-                    distributed.set_timeouts(self.config.comm.timeout_seconds, self.dims)
+                    process_groups.set_timeouts(self.config.comm.timeout_seconds, self.dims)
                 maybe_inject_fault(self.config, self.step, self.info.rank)
                 val = self._maybe_validate()
                 if self.metrics.should_log(self.step) or self.step == t.steps or val:
@@ -384,7 +387,7 @@ class Trainer:
     def audit(self) -> "AuditResult":
         """One train step with dtype recorders on, checked against the precision plan
         (mixed_precision.audit); the logging rank writes precision_audit.json and the table."""
-        from torchtitan_amp import audit
+        from torchtitan_amp.precision import audit
 
         with torch.random.fork_rng(devices=[]):
             batches = iter(self.dataloader)
@@ -427,7 +430,7 @@ class Trainer:
             dist.all_reduce(loss, group=self.pp_group)
         # Each rank's loss is its share of the step's label sum times the loss group's size
         # (label_weight): their mean over the data- and context-parallel ranks is the step's mean.
-        mean_loss = distributed.mean_across(loss, self.loss_group)
+        mean_loss = process_groups.mean_across(loss, self.loss_group)
         if not math.isfinite(mean_loss) and not self.scaler.enabled and not self.config.training.skip_nonfinite_steps:
             raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
                                  f"training.max_norm > 0, or training.skip_nonfinite_steps = true")

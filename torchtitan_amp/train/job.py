@@ -14,19 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_amp import fp8, memory, profiling
+from torchtitan_amp import memory
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training
-from torchtitan_amp.context_parallel import check_causal_kernel
-from torchtitan_amp.matmul_speed import low_precision_speed
+from torchtitan_amp.core.matmul_speed import low_precision_speed
+from torchtitan_amp.data.tokenizer import Tokenizer, build_tokenizer
+from torchtitan_amp.distributed.context_parallel import check_causal_kernel
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.distributed.pipeline import stage_module
+from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
-from torchtitan_amp.parallel_dims import ParallelDims
-from torchtitan_amp.parallelize import check_weight_tying, parallelize_model, validate_layout
-from torchtitan_amp.pipeline import stage_module
+from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.tokenizer import Tokenizer, build_tokenizer
-from torchtitan_amp.validation import ValidationSpec, resolve_spec
+from torchtitan_amp.precision import float8
+from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
 # parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
@@ -186,7 +188,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     job.plan.apply_router_dtype(model)
     job.plan.mark_fp32_by_name(model)
     job.plan.freeze(model)
-    if materialize or job.plan.fp8 == "none" or fp8.torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None:
+    if materialize or job.plan.fp8 == "none" or float8.torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None:
         # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
         job.plan.apply_fp8(model)

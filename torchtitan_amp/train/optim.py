@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import LRScheduler, Optimizer
-from torchtitan_amp.distributed import local_tensor as _local
+from torchtitan_amp.distributed.process_groups import local_tensor as _local
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -1,0 +1,1 @@
+"""Held-out loss (validation) and text generation on the model as trained."""
