@@ -73,6 +73,12 @@ def above(low: float) -> Range:
     return Range(low=low, low_open=True)
 
 
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False,
+            also: dict[float, str] | None = None) -> Range:
+    """low <= value <= high (strict at an open end), or one of `also` (value -> what it means)."""
+    return Range(low, high, low_open, high_open, tuple((also or {}).items()))
+
+
 @dataclass(frozen=True)
 class Text:
     """A string of min_len to max_len characters holding none of `forbidden`. With `each` (what an

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torchtitan_amp.config.bounds import Bounds, Range, Text, above, at_least
+from torchtitan_amp.config.bounds import Bounds, Text, above, at_least, between
 from torchtitan_amp.core.rules import (
     DtypeName,
     PipelineFsdpReduce,
@@ -73,8 +73,8 @@ class Model:
 class Optimizer:
     name: Literal["AdamW"] = _f("AdamW", "Optimizer.")
     lr: float = _f(8e-4, "Peak learning rate.", bounds=above(0))
-    beta1: float = _f(0.9, "AdamW beta1.", bounds=Range(0, 1, high_open=True))
-    beta2: float = _f(0.95, "AdamW beta2.", bounds=Range(0, 1, high_open=True))
+    beta1: float = _f(0.9, "AdamW beta1.", bounds=between(0, 1, high_open=True))
+    beta2: float = _f(0.95, "AdamW beta2.", bounds=between(0, 1, high_open=True))
     eps: float = _f(1e-8, "AdamW epsilon.", bounds=above(0))
     weight_decay: float = _f(0.1, "Decoupled weight decay.", bounds=at_least(0))
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
@@ -97,9 +97,9 @@ class LRScheduler:
     warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.", bounds=at_least(0))
     decay_ratio: float = _f(
         -1.0, "Fraction of steps spent decaying at the end (-1: all steps after warm-up).",
-        bounds=Range(0, 1, also=((-1, ""),)))
+        bounds=between(0, 1, also={-1: ""}))
     decay_type: Literal["linear", "cosine", "sqrt"] = _f("linear", "Shape of the decay.")
-    min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.", bounds=Range(0, 1))
+    min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.", bounds=between(0, 1))
 
 
 @dataclass
@@ -354,7 +354,7 @@ class MixedPrecision:
     init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.", bounds=above(0))
     growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.", bounds=above(1))
     backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.",
-                               bounds=Range(0, 1, low_open=True, high_open=True))
+                               bounds=between(0, 1, low_open=True, high_open=True))
     growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.", bounds=at_least(1))
     fp8: Literal["none", "tensorwise", "rowwise"] = _f(
         "none", "float8 training of nn.Linear through torchao (its recipe names): 'tensorwise' "
