@@ -15,6 +15,7 @@ from tests.support import REPO, run_python
 from torchtitan_amp import config as config_mod
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
 from torchtitan_amp.config import presentation
+from torchtitan_amp.config.bounds import Range
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "job.toml") -> str:
@@ -254,6 +255,69 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
     assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
             "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
             "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-field bounds: declared on the field, checked as it is set, shown by --help
+
+
+def _outside(bounds: Range) -> list[float]:
+    """Values just outside a Range, at each end, that none of its special values covers."""
+    near = [x for end in (bounds.low, bounds.high) if end is not None for x in (end - 1, end - 0.5, end,
+                                                                               end + 0.5, end + 1, end - 2)]
+    return [x for x in near if not bounds.contains(x)]
+
+
+def bounded_fields() -> list[tuple[str, str, object]]:
+    return [(s, f.name, f.metadata["bounds"]) for s, f in all_fields() if "bounds" in f.metadata]
+
+
+def test_every_bound_is_in_help_and_holds_for_its_default() -> None:
+    lines = help_text().splitlines()
+    assert len(bounded_fields()) >= 40
+    for section, key, bounds in bounded_fields():
+        line = next(l for l in lines if l.strip().startswith(f"--{section}.{key} "))
+        assert line.endswith(f"  ({bounds.describe()})"), line
+        assert bounds.problem(f"{section}.{key}", getattr(getattr(JobConfig(), section), key)) is None
+
+
+def test_a_value_outside_its_bounds_is_one_line_naming_the_field_and_the_range(tmp_path: Path) -> None:
+    for section, key, bounds in bounded_fields():
+        if not isinstance(bounds, Range):
+            continue
+        is_int = isinstance(getattr(getattr(JobConfig(), section), key), int)
+        for value in _outside(bounds):
+            if is_int and not float(value).is_integer():
+                continue
+            text = str(int(value)) if is_int else str(value)
+            shown = int(value) if is_int else float(value)
+            expected = f"'{section}.{key}' must be {bounds.describe()}, got {shown}"
+            assert error_of(tmp_path, None, f"--{section}.{key}={text}") == expected
+            assert error_of(tmp_path, f"[{section}]\n{key} = {text}\n") == expected
+
+
+@pytest.mark.parametrize("section, key, described", [
+    ("training", "steps", ">= 1"),
+    ("training", "global_batch_size", "-1 or >= 1"),
+    ("optimizer", "beta2", "in [0, 1)"),
+    ("optimizer", "lr", "> 0"),
+    ("lr_scheduler", "decay_ratio", "-1 or in [0, 1]"),
+    ("mixed_precision", "backoff_factor", "in (0, 1)"),
+    ("validation", "steps", "-1 (the whole split) or >= 1"),
+    ("validation", "seq_len", "0 (training's) or >= 2"),
+    ("validation", "sample_temperature", ">= 0 (0: greedy)"),
+    ("metrics", "wandb_project", "at most 128 characters, none of / \\ # ? % :"),
+    ("metrics", "wandb_tags", "each tag 1-64 characters"),
+])
+def test_help_shows_what_a_field_allows(section: str, key: str, described: str) -> None:
+    line = next(l for l in help_text().splitlines() if l.strip().startswith(f"--{section}.{key} "))
+    assert line.endswith(f"  ({described})"), line
+
+
+def test_a_bad_value_in_the_file_is_refused_even_when_the_command_line_overrides_it(tmp_path: Path) -> None:
+    # As a wrongly typed or unknown value is: the file itself is wrong.
+    message = error_of(tmp_path, "[training]\nsteps = 0\n", "--training.steps", "5")
+    assert message == "'training.steps' must be >= 1, got 0"
 
 
 def test_train_py_help_exits_0() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from tests.support import TINY
 from torchtitan_amp.core import matmul_speed
-from torchtitan_amp.observability import metrics
+from torchtitan_amp.observability import metrics, step_metrics
 from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_memory_gib
 
 CPU = torch.device("cpu")
@@ -335,3 +335,47 @@ def test_tensorboard_scalars_written(tmp_path: Path) -> None:
     loss = accumulator.Scalars("train/loss")
     assert [(e.step, e.value) for e in loss] == [(1, 3.0), (10, 2.5)]
     assert [e.value for e in accumulator.Scalars("train/loss_scale")] == [1024.0, 2048.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The computation without I/O (step_metrics) and metrics.jsonl as a sink
+
+
+def step(n: int, tps: float, mfu: float, memory_gib: float) -> step_metrics.StepMetrics:
+    return step_metrics.StepMetrics(n, 2.0, 1.0, 1e-3, tps, 0.0, mfu, memory_gib, 0.0)
+
+
+def test_throughput_and_mfu_are_pure_arithmetic() -> None:
+    rate = step_metrics.throughput(tokens=3000, seconds=1.5, flops_per_token=6e9, num_ranks_for_mfu=2)
+    assert rate.tps == pytest.approx(2000.0) and rate.device_flops == pytest.approx(6e12)
+    assert rate.mfu(60e12) == pytest.approx(10.0)
+    assert step_metrics.throughput(100, 0.0, 6e9, 1) == step_metrics.Throughput(0.0, 0.0)
+
+
+def test_run_summary_leaves_out_the_first_step_and_keeps_the_peak_memory() -> None:
+    logged = [step(1, 10.0, 1.0, 9.0), step(2, 100.0, 10.0, 2.0), step(4, 300.0, 30.0, 3.0)]
+    summary = step_metrics.RunSummary.of(logged, first_step=0)
+    assert (summary.mean_tps, summary.mean_mfu, summary.peak_memory_gib) == (200.0, 20.0, 9.0)
+    # Only the start-up step logged: it is the mean.
+    assert step_metrics.RunSummary.of(logged[:1], first_step=0).mean_tps == 10.0
+    assert summary.line(4, 12345, 3725.0, 2, "1 TFLOP/s") == (
+        "summary: 4 steps, 12,345 tokens, mean tps 200, mean mfu 20.00%, peak memory 9.00GiB, "
+        "wall time 1h02m, checkpoints written 2, mfu peak 1 TFLOP/s")
+
+
+def test_progress_line_estimates_the_rest_from_the_mean_step_time() -> None:
+    assert step_metrics.format_progress(4, 10, first_step=2, run_s=20.0) == \
+        "progress: 4/10 steps, elapsed 0m20s, eta: 1m00s"
+    assert step_metrics.format_progress(2, 10, first_step=2, run_s=5.0) is None
+
+
+def test_jsonl_sink_writes_step_then_scalars_with_null_for_non_finite(tmp_path: Path) -> None:
+    from torchtitan_amp.observability.trackers import JsonlTracker
+
+    sink = JsonlTracker(tmp_path / "sub" / "metrics.jsonl")
+    sink.log_scalars(3, {"loss": float("inf"), "lr": 1e-3, "loss_scale": 8.0})
+    sink.log_text(3, "samples/0", "ignored")
+    sink.close()
+    sink.close()  # closing twice is harmless
+    text = (tmp_path / "sub" / "metrics.jsonl").read_text()
+    assert text == '{"step": 3, "loss": null, "lr": 0.001, "loss_scale": 8.0}\n'

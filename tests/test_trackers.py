@@ -12,6 +12,7 @@ record one wandb.proto Record message."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ import pytest
 
 from tests.support import TINY
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.core import environment
 from torchtitan_amp.main import check_config
 from torchtitan_amp.observability import trackers
+from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
 _BLOCK, _HEADER = 32768, 7
@@ -174,9 +177,14 @@ def test_bad_metrics_config_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
         assert check_config(list(args)) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
-    # Without the package, enabling W&B is refused at config time with the install command.
-    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match=r"^'metrics.enable_wandb' needs the wandb package, which is not "
-                       r"installed: pip install wandb$"):
-        load_config(["--metrics.enable_wandb"])
-    load_config([])  # disabled, the package is not needed
+    # Without the package, enabling W&B is refused with the install command before anything is
+    # built: by the config check train.py and check_config run, and by job.resolve (any Trainer).
+    # The config itself is valid: wandb being installed is a property of the environment.
+    monkeypatch.setattr(environment.importlib.util, "find_spec", lambda name: None)
+    missing = "'metrics.enable_wandb' needs the wandb package, which is not installed: pip install wandb"
+    config = load_config(["--metrics.enable_wandb", *TINY])
+    assert check_config(["--metrics.enable_wandb"]) == 2
+    assert capsys.readouterr().err == f"error: {missing}\n"
+    with pytest.raises(ConfigError, match=f"^{re.escape(missing)}$"):
+        job_mod.resolve(config, 1, "cpu")
+    assert check_config([]) == 0  # disabled, the package is not needed

@@ -97,8 +97,8 @@ def train_args(dump: Path, *extra: str, validation: bool = True) -> list[str]:
 @pytest.mark.parametrize("overrides, message", [
     (["--validation.freq", "0"], "'validation.freq' must be >= 1, got 0"),
     (["--validation.steps", "0"], "'validation.steps' must be -1 (the whole split) or >= 1, got 0"),
-    (["--validation.local_batch_size", "-1"], "'validation.local_batch_size' must be >= 1"),
-    (["--validation.seq_len", "1"], "'validation.seq_len' must be >= 2"),
+    (["--validation.local_batch_size", "-1"], "'validation.local_batch_size' must be 0 (training's) or >= 1, got -1"),
+    (["--validation.seq_len", "1"], "'validation.seq_len' must be 0 (training's) or >= 2, got 1"),
 ])
 def test_bad_validation_field_is_a_config_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -33,17 +33,22 @@ def fail(error: Exception, code: int = 2) -> int:
 
 
 def _parse(argv: list[str]) -> "JobConfig | int":
-    """The resolved config, or an exit code: 0 after --help, 2 after a one-line error.
-    Imports no torch, so a mistyped override fails in a fraction of a second."""
+    """The resolved config, or an exit code: 0 after --help, 2 after a one-line error (a bad
+    config, or a package a feature it turns on needs is missing). Imports no torch, so a mistyped
+    override fails in a fraction of a second."""
     from torchtitan_amp.config import ConfigError, help_text, load_config
+    from torchtitan_amp.core.environment import wandb_missing
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
         return 0
     try:
-        return load_config(argv)
+        config = load_config(argv)
     except ConfigError as e:
         return fail(e)
+    # Here as well as in job.resolve: check_config (run before torchrun starts) catches it too.
+    missing = wandb_missing() if config.metrics.enable_wandb else None
+    return fail(ConfigError(missing)) if missing else config
 
 
 def check_config(argv: list[str]) -> int:

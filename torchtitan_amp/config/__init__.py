@@ -3,8 +3,9 @@
 Precedence is CLI > TOML > dataclass defaults. Every error is a `ConfigError` with a one-line
 message naming the field and what is allowed; `train.py` turns it into exit code 2.
 
-sections.py is the schema, fields.py what a field allows and how a value is typed, loading.py the
-resolution order, validation.py the parse-time checks, presentation.py --help and the TOML dump.
+sections.py is the schema, bounds.py what one field allows beyond its type (declared on the field,
+shown by --help), fields.py what a field allows and how a value is typed and checked, loading.py the
+resolution order, validation.py the rules across fields, presentation.py --help and the TOML dump.
 """
 
 from torchtitan_amp.config.fields import choices_of, field_choices

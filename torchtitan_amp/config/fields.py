@@ -1,5 +1,6 @@
-"""What the schema allows: section and key lookup with suggestions, the allowed values of a field,
-and typing a value from TOML or from the command line into the field's type."""
+"""What the schema allows: section and key lookup with suggestions, the allowed values and bounds
+of a field, typing a value from TOML or from the command line into the field's type, and the one
+check of a value against its field as it is set."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import typing
 from typing import Any, Literal
 
+from torchtitan_amp.config.bounds import Bounds
 from torchtitan_amp.config.sections import _AUTO, BoolOrAuto, JobConfig, section_names
 from torchtitan_amp.core.errors import ConfigError
 
@@ -53,11 +55,19 @@ def choices_of(tp: Any) -> tuple[Any, ...] | None:
     return None
 
 
+def _field(section: str, key: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(_section_type(section)) if f.name == key)
+
+
 def field_choices(section: str, key: str) -> tuple[Any, ...] | None:
     """The allowed values of `section.key` now: its `choices` callable's, else its type's."""
-    f = next(f for f in dataclasses.fields(_section_type(section)) if f.name == key)
-    choices = f.metadata.get("choices")
+    choices = _field(section, key).metadata.get("choices")
     return tuple(choices()) if choices is not None else choices_of(_field_types(section)[key])
+
+
+def field_bounds(section: str, key: str) -> Bounds | None:
+    """What a value of `section.key` must be beyond its type and choices (bounds.py), if anything."""
+    return _field(section, key).metadata.get("bounds")
 
 
 def _type_name(tp: Any) -> str:
@@ -138,9 +148,16 @@ def _from_cli(name: str, tp: Any, text: str) -> Any:
 
 
 def _set(config: JobConfig, section: str, key: str, value: Any, source: str) -> None:
+    """Set a typed value after checking it against everything its field declares: its choices and
+    its bounds. A value is refused where it is given, even when a later source overrides it, as
+    a wrongly typed one is."""
     choices = field_choices(section, key)
     if choices is not None and value not in choices:
         allowed = ", ".join(repr(c) for c in choices)
         raise ConfigError(f"'{section}.{key}' = {value!r} is not allowed; choose one of: {allowed}")
+    bounds = field_bounds(section, key)
+    problem = bounds.problem(f"{section}.{key}", value) if bounds is not None else None
+    if problem is not None:
+        raise ConfigError(problem)
     setattr(getattr(config, section), key, value)
     config.sources[f"{section}.{key}"] = source

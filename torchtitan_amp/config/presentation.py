@@ -1,5 +1,5 @@
 """The config as people read it: the resolved TOML (--job.print_config, config.toml in the dump
-folder) and --help, one line per field with its default and allowed values."""
+folder) and --help, one line per field with its default, allowed values and bounds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from torchtitan_amp.config.fields import _section_type, field_choices
+from torchtitan_amp.config.fields import _section_type, field_bounds, field_choices
 from torchtitan_amp.config.sections import JobConfig, section_names
 
 
@@ -49,6 +49,8 @@ def help_text() -> str:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = field_choices(section, f.name)
             allowed = f"  {{{', '.join(_format_choice(c) for c in choices if c != '')}}}" if choices else ""
-            lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}")
+            bounds = field_bounds(section, f.name)
+            limits = f"  ({bounds.describe()})" if bounds is not None else ""
+            lines.append(f"  --{section}.{f.name} (default {_format_value(default)}){allowed}{limits}")
             lines.append(f"      {f.metadata['help']}")
     return "\n".join(lines)

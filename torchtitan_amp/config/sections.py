@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torchtitan_amp.config.bounds import Bounds, Text, above, at_least, between
 from torchtitan_amp.core.rules import (
     DtypeName,
     PipelineFsdpReduce,
@@ -20,13 +21,21 @@ from torchtitan_amp.core.rules import (
 # A boolean that may also be "auto" (mixed_precision.enabled).
 BoolOrAuto = bool | Literal["auto"]
 _AUTO = "auto"
+# Characters W&B refuses in a project name: refused here rather than by wandb.init after the
+# model is built.
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
-def _f(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None) -> Any:
+
+def _f(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None,
+       bounds: Bounds | None = None) -> Any:
     """A config field: `help` becomes the --help line; a Literal type is the allowed set, or
-    `choices` for a set that grows at run time (asked each time a value is set)."""
+    `choices` for a set that grows at run time (asked each time a value is set); `bounds` what a
+    value must be beyond its type (bounds.py), checked as it is set and shown by --help."""
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    if bounds is not None:
+        meta["bounds"] = bounds
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -63,11 +72,11 @@ class Model:
 @dataclass
 class Optimizer:
     name: Literal["AdamW"] = _f("AdamW", "Optimizer.")
-    lr: float = _f(8e-4, "Peak learning rate.")
-    beta1: float = _f(0.9, "AdamW beta1.")
-    beta2: float = _f(0.95, "AdamW beta2.")
-    eps: float = _f(1e-8, "AdamW epsilon.")
-    weight_decay: float = _f(0.1, "Decoupled weight decay.")
+    lr: float = _f(8e-4, "Peak learning rate.", bounds=above(0))
+    beta1: float = _f(0.9, "AdamW beta1.", bounds=between(0, 1, high_open=True))
+    beta2: float = _f(0.95, "AdamW beta2.", bounds=between(0, 1, high_open=True))
+    eps: float = _f(1e-8, "AdamW epsilon.", bounds=above(0))
+    weight_decay: float = _f(0.1, "Decoupled weight decay.", bounds=at_least(0))
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
         "auto", "AdamW kernel: 'auto' picks fused where the device supports it, else foreach. "
         "Applies to torch's AdamW, used unless state_dtype or stochastic_rounding ask for more.")
@@ -85,12 +94,12 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.")
+    warmup_steps: int = _f(200, "Linear warm-up steps from ~0 to optimizer.lr.", bounds=at_least(0))
     decay_ratio: float = _f(
-        -1.0, "Fraction of steps spent decaying at the end (-1: all steps after warm-up)."
-    )
+        -1.0, "Fraction of steps spent decaying at the end (-1: all steps after warm-up).",
+        bounds=between(0, 1, also={-1: ""}))
     decay_type: Literal["linear", "cosine", "sqrt"] = _f("linear", "Shape of the decay.")
-    min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.")
+    min_lr_factor: float = _f(0.0, "LR at the end of decay, as a fraction of optimizer.lr.", bounds=between(0, 1))
 
 
 @dataclass
@@ -104,16 +113,14 @@ class Training:
     )
     dataloader_num_workers: int = _f(
         0, "Loader worker processes per rank building batches ahead of the step ('tokens:' datasets "
-        "only; the batches are the same for any number)."
-    )
-    local_batch_size: int = _f(8, "Sequences per micro-batch per data-parallel rank.")
+        "only; the batches are the same for any number).", bounds=at_least(0))
+    local_batch_size: int = _f(8, "Sequences per micro-batch per data-parallel rank.", bounds=at_least(1))
     global_batch_size: int = _f(
         -1,
         "Sequences per optimizer step over all ranks (-1: local_batch_size x dp degree); "
-        "larger values accumulate gradients.",
-    )
-    seq_len: int = _f(2048, "Tokens per sequence.")
-    steps: int = _f(10000, "Optimizer steps to train.")
+        "larger values accumulate gradients.", bounds=at_least(1, also={-1: ""}))
+    seq_len: int = _f(2048, "Tokens per sequence.", bounds=at_least(2))
+    steps: int = _f(10000, "Optimizer steps to train.", bounds=at_least(1))
     max_norm: float = _f(1.0, "Gradient clipping by global norm (<= 0 disables).")
     seed: int = _f(0, "Seed for model init and data order.")
     deterministic: bool = _f(False, "Use deterministic algorithms (slower).")
@@ -132,37 +139,38 @@ class Training:
         "or gradient reduction) and stored in their compute dtype: param_dtype for lower-precision-safe "
         "modules in mixed precision, else as trained ones; a pattern naming no module is an error."
     )
-    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).")
+    gc_freq: int = _f(50, "Run Python's garbage collector every N steps (0: leave it automatic).",
+                      bounds=at_least(0))
     skip_nonfinite_steps: bool = _f(
         False, "Skip (and count) a step whose loss or grad norm is inf/nan instead of stopping the job "
         "(fp16 overflow is always handled by the loss scaler, not by this)."
     )
     fault_inject_at_step: int = _f(
         0, "Testing only: rank fault_inject_rank exits hard (os._exit(1)) after step N, once per "
-        "dump folder (a marker file there records it); 0 disables."
-    )
+        "dump folder (a marker file there records it); 0 disables.", bounds=at_least(0, note="0: off"))
     fault_inject_rank: int = _f(0, "Testing only: the rank that fault_inject_at_step kills.")
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _f(1, "Replicas (DDP, or the replicate dim of HSDP).")
+    data_parallel_replicate_degree: int = _f(1, "Replicas (DDP, or the replicate dim of HSDP).",
+                                              bounds=at_least(1))
     data_parallel_shard_degree: int = _f(
-        -1, "FSDP shard degree; -1 fills the ranks not used by the other degrees."
-    )
-    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree.")
-    pipeline_parallel_degree: int = _f(1, "Pipeline-parallel degree.")
+        -1, "FSDP shard degree; -1 fills the ranks not used by the other degrees.",
+        bounds=at_least(1, also={-1: ""}))
+    tensor_parallel_degree: int = _f(1, "Tensor-parallel degree.", bounds=at_least(1))
+    pipeline_parallel_degree: int = _f(1, "Pipeline-parallel degree.", bounds=at_least(1))
     context_parallel_degree: int = _f(
         1, "Context-parallel degree: every sequence is split over this many ranks (load-balanced, "
         "head-tail chunks), each rank attending with its queries to the K/V all-gathered over them; "
-        "FSDP shards parameters over dp_shard x cp. training.seq_len must divide by 2 x this degree."
-    )
+        "FSDP shards parameters over dp_shard x cp. training.seq_len must divide by 2 x this degree.",
+        bounds=at_least(1))
     expert_parallel_degree: int = _f(
         1, "Expert-parallel degree (MoE models): every MoE layer's routed experts are split over this "
         "many ranks, each token sent to the rank holding its expert and back by all-to-all. EP "
         "borrows its ranks from FSDP's (it must divide data_parallel_shard_degree x "
-        "context_parallel_degree); the experts are FSDP-sharded over the remaining ones."
-    )
+        "context_parallel_degree); the experts are FSDP-sharded over the remaining ones.",
+        bounds=at_least(1))
     enable_sequence_parallel: bool = _f(True, "Shard norms/activations along the sequence under TP.")
     disable_loss_parallel: bool = _f(False, "Gather logits before the loss under TP.")
     enable_async_tensor_parallel: bool = _f(
@@ -170,7 +178,7 @@ class Parallelism:
         "CUDA, compile.enable and tensor_parallel_degree > 1."
     )
     pipeline_parallel_schedule: PipelineSchedule = _f("1F1B", "Pipeline schedule.")
-    pipeline_parallel_microbatch_size: int = _f(1, "Sequences per pipeline micro-batch.")
+    pipeline_parallel_microbatch_size: int = _f(1, "Sequences per pipeline micro-batch.", bounds=at_least(1))
     pipeline_parallel_split_points: list[str] = _f(
         [], "Module names starting each stage after the first (e.g. layers.4); empty: even split."
     )
@@ -194,20 +202,20 @@ class Parallelism:
         25.0, "DDP gradient bucket size in MiB (torch's DistributedDataParallel default): each bucket's "
         "all-reduce starts as soon as its gradients are ready, overlapping the rest of backward. "
         "Measured on gloo (CPU, 2 ranks, 103M model): 25 was ~4% faster per step than 100; not "
-        "measured on nccl (docs/performance.md).",
-    )
+        "measured on nccl (docs/performance.md).", bounds=above(0))
 
 
 @dataclass
 class Checkpoint:
     enable: bool = _f(False, "Save and resume distributed checkpoints.")
     folder: str = _f("checkpoint", "Checkpoint folder, under job.dump_folder.")
-    interval: int = _f(500, "Save every N steps (and at the last step).")
+    interval: int = _f(500, "Save every N steps (and at the last step).", bounds=at_least(1))
     keep_latest_k: int = _f(
         0, "Keep only the newest K full checkpoints (0 keeps all); older ones are removed only "
-        "after a newer one is complete. Seed checkpoints and model-only exports are kept."
-    )
-    load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).")
+        "after a newer one is complete. Seed checkpoints and model-only exports are kept.",
+        bounds=at_least(0))
+    load_step: int = _f(-1, "Step to resume from (-1: newest complete checkpoint).",
+                         bounds=at_least(0, also={-1: "newest"}))
     initial_load_path: str = _f(
         "", "Weights to start from when the folder holds no checkpoint: a step folder (seed, full "
         "or model-only export), a folder of them, or a Hugging Face Llama folder (config.json + "
@@ -241,8 +249,8 @@ class Checkpoint:
         0, "Seconds from the pre-emption signal to the hard kill (SLURM's --signal=B:USR1@N, "
         "docker stop -t N); 0: not known, no check. When set, start-up warns if a step plus a save "
         "(estimated from this rank's checkpoint size and a timed 64 MiB write) would not fit, and "
-        "so does a measured step plus save later. scripts/multinode_trainer.slurm sets it."
-    )
+        "so does a measured step plus save later. scripts/multinode_trainer.slurm sets it.",
+        bounds=at_least(0, note="0: unknown"))
     checksums: bool = _f(
         True, "Record a CRC-32 of every checkpoint file at save and verify them before loading "
         "(ranks split the files); a corrupt checkpoint is named and the previous one loaded. "
@@ -257,38 +265,42 @@ class Validation:
         "", "Any form training.dataset takes; '' evaluates on the training data itself (no held-out "
         "split: the log says so)."
     )
-    freq: int = _f(500, "Evaluate every N steps (and after the last step).")
+    freq: int = _f(500, "Evaluate every N steps (and after the last step).", bounds=at_least(1))
     steps: int = _f(
         -1, "Batches per evaluation: -1 evaluates the whole split once (every rank's full batches); N "
         "continues through the split from where the previous evaluation stopped (the position is "
-        "checkpointed)."
-    )
-    local_batch_size: int = _f(0, "Sequences per evaluation batch per data-parallel rank (0: training's).")
-    seq_len: int = _f(0, "Tokens per evaluation sequence (0: training's).")
+        "checkpointed).", bounds=at_least(1, also={-1: "the whole split"}))
+    local_batch_size: int = _f(0, "Sequences per evaluation batch per data-parallel rank (0: training's).",
+                              bounds=at_least(1, also={0: "training's"}))
+    seq_len: int = _f(0, "Tokens per evaluation sequence (0: training's).",
+                     bounds=at_least(2, also={0: "training's"}))
     sample_prompts: list[str] = _f(
         [], "Prompts whose continuations every evaluation generates and writes to the log, "
         "samples.jsonl and TensorBoard text (docs/generation.md); on the command line comma-separated. "
         "Not with pipeline or context parallel."
     )
-    sample_max_new_tokens: int = _f(32, "Tokens generated per sample prompt (fewer if EOS comes first).")
+    sample_max_new_tokens: int = _f(32, "Tokens generated per sample prompt (fewer if EOS comes first).",
+                                   bounds=at_least(1))
     sample_temperature: float = _f(
         0.0, "Sampling temperature of the sample prompts: 0 is greedy; above 0 draws from the softmax, "
-        "seeded with training.seed at every evaluation.")
+        "seeded with training.seed at every evaluation.", bounds=at_least(0, note="0: greedy"))
 
 
 @dataclass
 class Metrics:
-    log_freq: int = _f(10, "Log every N steps (and at step 1).")
+    log_freq: int = _f(10, "Log every N steps (and at step 1).", bounds=at_least(1))
     enable_tensorboard: bool = _f(False, "Write TensorBoard scalars.")
     save_tb_folder: str = _f("tb", "TensorBoard folder, under job.dump_folder.")
     enable_wandb: bool = _f(
         False, "Log to Weights & Biases too (rank 0; with TensorBoard or alone): scalars, the job config "
         "and the precision report, under job.dump_folder/wandb/. Offline unless logged in (WANDB_API_KEY "
         "or a netrc entry); WANDB_MODE overrides. A run resumed in the same dump folder appends to its W&B run.")
-    wandb_project: str = _f("", "W&B project (empty: $WANDB_PROJECT, else 'torchtitan_amp').")
+    wandb_project: str = _f("", "W&B project (empty: $WANDB_PROJECT, else 'torchtitan_amp').",
+                            bounds=Text(max_len=128, forbidden=WANDB_PROJECT_FORBIDDEN))
     wandb_entity: str = _f("", "W&B entity, user or team (empty: $WANDB_ENTITY, else your default).")
     wandb_run_name: str = _f("", "W&B run name (empty: the dump folder's name).")
-    wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).")
+    wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).",
+                               bounds=Text(min_len=1, max_len=64, each="tag"))
 
 
 @dataclass
@@ -339,10 +351,11 @@ class MixedPrecision:
         [], "fnmatch patterns of module names kept in fp32 on every path, e.g. 'output,layers.0.*' "
         "(a block's name covers everything in it); a pattern naming no module is an error."
     )
-    init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.")
-    growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.")
-    backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.")
-    growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.")
+    init_scale: float = _f(65536.0, "fp16 loss scaling: initial scale.", bounds=above(0))
+    growth_factor: float = _f(2.0, "fp16 loss scaling: growth factor.", bounds=above(1))
+    backoff_factor: float = _f(0.5, "fp16 loss scaling: back-off factor on overflow.",
+                               bounds=between(0, 1, low_open=True, high_open=True))
+    growth_interval: int = _f(2000, "fp16 loss scaling: overflow-free steps before growing.", bounds=at_least(1))
     fp8: Literal["none", "tensorwise", "rowwise"] = _f(
         "none", "float8 training of nn.Linear through torchao (its recipe names): 'tensorwise' "
         "(fastest) or 'rowwise' (more accurate); needs torchao and a device with fp8 matmuls."
@@ -365,13 +378,11 @@ class MixedPrecision:
 class DryRun:
     world_size: int = _f(
         -1, "Ranks to simulate with job.dry_run (-1: the product of the parallel degrees, counting "
-        "data_parallel_shard_degree = -1 as 1)."
-    )
-    rank: int = _f(0, "The rank whose memory and traffic job.dry_run reports.")
+        "data_parallel_shard_degree = -1 as 1).", bounds=at_least(1, also={-1: ""}))
+    rank: int = _f(0, "The rank whose memory and traffic job.dry_run reports.", bounds=at_least(0))
     vocab_size: int = _f(
         0, "Vocabulary size for job.dry_run (0: the tokenizer's; e.g. 128256 to size a run that "
-        "will use Llama 3's tokenizer)."
-    )
+        "will use Llama 3's tokenizer).", bounds=at_least(0, note="0: the tokenizer's"))
     device: Literal["cuda", "cpu"] = _f(
         "cuda", "The device job.dry_run sizes the job for, whatever machine runs the dry run: 'cuda' "
         "(backend nccl) sizes fp8, fp8 all-gather and the other GPU-only options a GPU run takes; 'cpu' "
@@ -390,11 +401,10 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _f(300, "Timeout for process-group start-up and the first step.")
+    init_timeout_seconds: int = _f(300, "Timeout for process-group start-up and the first step.", bounds=at_least(1))
     timeout_seconds: int = _f(
         600, "Timeout of every collective after the first step: a rank that died or hangs ends the "
-        "job with an error after this long instead of blocking it forever."
-    )
+        "job with an error after this long instead of blocking it forever.", bounds=at_least(1))
 
 
 @dataclass

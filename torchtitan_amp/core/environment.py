@@ -1,12 +1,14 @@
-"""Is this Python able to run torchtitan_amp? Checked before anything imports torch, so that an
-old torch or a missing torchdata is one line naming the fix, not an ImportError deep in a module
-(Lightning's RequirementCache is the anchor). Imports nothing but the standard library.
+"""Is this Python able to run torchtitan_amp, and the features a job turns on? Checked before
+anything imports torch, so that an old torch, a missing torchdata or a tracker's missing package
+is one line naming the fix, not an ImportError deep in a module (Lightning's RequirementCache is
+the anchor). Imports nothing but the standard library.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import tempfile
@@ -16,6 +18,9 @@ INSTALL = "pip install torch==2.13.0 -r requirements.txt"
 # (module to import, what to install): beyond torch, what a run imports unconditionally.
 _REQUIRED = (("torchdata.stateful_dataloader", "torchdata==0.11.0"),) + (
     (("tomli", "tomli"),) if sys.version_info < (3, 11) else ())
+
+
+WANDB_INSTALL = "pip install wandb"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -50,6 +55,14 @@ def problem() -> str | None:
             importlib.import_module(module)
         except ImportError as e:
             return f"{package.split('=')[0]} is missing or broken ({e}); install it with: pip install {package}"
+    return None
+
+
+def wandb_missing() -> str | None:
+    """Why metrics.enable_wandb cannot work in this Python, or None; asked only when it is on, and
+    before any model is built (main's config check, job.resolve)."""
+    if importlib.util.find_spec("wandb") is None:
+        return f"'metrics.enable_wandb' needs the wandb package, which is not installed: {WANDB_INSTALL}"
     return None
 
 

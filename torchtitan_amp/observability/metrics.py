@@ -1,26 +1,28 @@
-"""Training metrics: throughput, MFU, memory, and their sinks (log line, JSONL, the trackers of
-trackers.py: TensorBoard, Weights & Biases); the run's step times, progress line and end-of-run
-summary."""
+"""Training metrics on every rank: the device's peak FLOP/s and memory, and `MetricsLogger`, which
+times the intervals between logged steps, computes their throughput and MFU (step_metrics.py,
+no I/O), logs the step line, and hands every logged step to its sinks: metrics.jsonl and the
+trackers of trackers.py (TensorBoard, Weights & Biases). It also times the run for the progress
+line and the end-of-run summary."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import resource
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from torchtitan_amp.core.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
 from torchtitan_amp.core.rules import dtype_name
-from torchtitan_amp.observability.trackers import TensorBoardTracker, Tracker
+from torchtitan_amp.observability.step_metrics import (
+    RunSummary, StepMetrics, checked_extra, format_line, format_progress, scalars, throughput,
+)
+from torchtitan_amp.observability.trackers import JsonlTracker, TensorBoardTracker, Tracker
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -73,26 +75,9 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tps: float
-    tflops: float
-    mfu: float
-    memory_gib: float
-    elapsed_s: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-# Fixed order of the built-in fields in every sink; extras follow them.
-_BASE_KEYS = tuple(f.name for f in dataclasses.fields(StepMetrics) if f.name != "extra")
-
-
 class MetricsLogger:
-    """Turns per-step scalars into throughput/MFU and writes them to every enabled sink.
+    """Turns per-step scalars into throughput/MFU, logs the step line and writes the step to every
+    sink: metrics.jsonl, the trackers it is given, TensorBoard when enable_tensorboard.
 
     Every rank must call record_tokens and log so that interval counters stay in step;
     only the logging rank writes anything.
@@ -119,8 +104,9 @@ class MetricsLogger:
         peak_label: where peak_flops comes from (e.g. "best measured fp32/bf16 matmul"), for the
         log. remeasure_peak: called once if a step beats peak_flops (a start-up measurement
         taken while the machine was busy): MFU is never above 100%. trackers: where each logged
-        step's scalars also go (the logging rank's; trackers.build_trackers), besides a
-        TensorBoard one that enable_tensorboard adds; closed by close()."""
+        step's scalars also go (the logging rank's; trackers.build_trackers), after
+        <dump_folder>/metrics.jsonl and before a TensorBoard one that enable_tensorboard adds;
+        all closed by close()."""
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
         if num_ranks_for_mfu < 1:
@@ -144,17 +130,13 @@ class MetricsLogger:
         self._last_logged_step = 0
         self._logged: list[StepMetrics] = []
 
-        self._samples_path = Path(dump_folder) / _SAMPLES_NAME  # log_samples appends there
-        self._jsonl: IO[str] | None = None
-        self._trackers: list[Tracker] = []
+        folder = Path(dump_folder)
+        self._samples_path = folder / _SAMPLES_NAME  # log_samples appends there
+        self._sinks: list[Tracker] = []
         if is_logging_rank:
-            folder = Path(dump_folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            # Append so a resumed run continues the same history instead of truncating it.
-            self._jsonl = open(folder / _JSONL_NAME, "a", encoding="utf-8")
-            self._trackers = list(trackers)
+            self._sinks = [JsonlTracker(folder / _JSONL_NAME), *trackers]
             if enable_tensorboard:
-                self._trackers.append(TensorBoardTracker(folder / tensorboard_folder))
+                self._sinks.append(TensorBoardTracker(folder / tensorboard_folder))
 
     def start_run(self, first_step: int, total_steps: int) -> None:
         """The training loop starts after `first_step` (0, or the step a run resumed from) and
@@ -190,12 +172,10 @@ class MetricsLogger:
         lr: float,
         extra: dict[str, float] | None = None,
     ) -> StepMetrics | None:
+        """Close the interval at `step`: its metrics on the logging rank (logged, written to
+        every sink, returned), None elsewhere."""
         # Validated on every rank so a bad call fails everywhere instead of hanging the others.
-        extra = {k: float(v) for k, v in (extra or {}).items()}
-        clashing = extra.keys() & set(_BASE_KEYS)
-        if clashing:
-            raise ValueError(f"extra metrics clash with built-in keys: {sorted(clashing)}")
-
+        extra = checked_extra(extra)
         now = time.perf_counter()
         interval_s = now - self._last_log_time
         tokens = self._tokens_since_log
@@ -205,38 +185,26 @@ class MetricsLogger:
         if not self._is_logging_rank:
             return None
 
-        tps = tokens / interval_s if interval_s > 0 else 0.0
-        device_flops = tps * self._flops_per_token / self._num_ranks_for_mfu
-        if device_flops > self._peak_flops:
-            self._raise_peak(device_flops)
+        rate = throughput(tokens, interval_s, self._flops_per_token, self._num_ranks_for_mfu)
+        if rate.device_flops > self._peak_flops:
+            self._raise_peak(rate.device_flops)
         metrics = StepMetrics(
-            step=step,
-            loss=float(loss),
-            grad_norm=float(grad_norm),
-            lr=float(lr),
-            tps=tps,
-            tflops=device_flops / 1e12,
-            mfu=100.0 * device_flops / self._peak_flops,
-            memory_gib=peak_memory_gib(self._device),
-            elapsed_s=now - self._start_time,
-            extra=extra,
+            step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr), tps=rate.tps,
+            tflops=rate.device_flops / 1e12, mfu=rate.mfu(self._peak_flops),
+            memory_gib=peak_memory_gib(self._device), elapsed_s=now - self._start_time, extra=extra,
         )
         # Each line reports the peak of its own interval rather than of the whole run.
         reset_peak_memory(self._device)
 
-        logger.info(_format_line(metrics))
-        self._write_jsonl(metrics)
-        scalars = {k: v for k, v in _flat_items(metrics) if k != "step"}
-        for tracker in self._trackers:
-            tracker.log_scalars(step, scalars)
+        logger.info(format_line(metrics))
+        values = scalars(metrics)
+        for sink in self._sinks:
+            sink.log_scalars(step, values)
         if self._run_start is not None:
             self._logged.append(metrics)
-            steps_done = step - self._first_step
-            if steps_done:
-                run_s = now - self._run_start
-                remaining = run_s / steps_done * (self._total_steps - step)
-                logger.info("progress: %d/%d steps, elapsed %s, eta: %s", step, self._total_steps,
-                            _hms(run_s), _hms(remaining))
+            progress = format_progress(step, self._total_steps, self._first_step, now - self._run_start)
+            if progress is not None:
+                logger.info(progress)
         return metrics
 
     @property
@@ -256,37 +224,32 @@ class MetricsLogger:
                        achieved / 1e9, old / 1e9, self._peak_flops / 1e9)
 
     def log_summary(self, steps: int, tokens: int, checkpoints: int) -> None:
-        """The end-of-run line (logging rank): means over the logged steps of this run, leaving
-        out the first step's start-up (compile, first all-gathers) when there is more."""
+        """The end-of-run line (logging rank): step_metrics.RunSummary of this run's logged steps."""
         if not self._is_logging_rank or self._run_start is None:
             return
         wall_s = time.perf_counter() - self._run_start
-        steady = [m for m in self._logged if m.step > self._first_step + 1] or self._logged
-        mean = lambda key: sum(getattr(m, key) for m in steady) / max(len(steady), 1)  # noqa: E731
-        peak = max((m.memory_gib for m in self._logged), default=0.0)
-        logger.info("summary: %d steps, %s tokens, mean tps %s, mean mfu %.2f%%, peak memory %.2fGiB, "
-                    "wall time %s, checkpoints written %d, mfu peak %s", steps, f"{tokens:,}",
-                    f"{mean('tps'):,.0f}", mean("mfu"), peak, _hms(wall_s), checkpoints, self.describe_peak())
+        summary = RunSummary.of(self._logged, self._first_step)
+        logger.info(summary.line(steps, tokens, wall_s, checkpoints, self.describe_peak()))
 
     def describe_peak(self) -> str:
         rate = f"{self._peak_flops / 1e12:.3g} TFLOP/s"
         return f"{rate} ({self._peak_label})" if self._peak_label else rate
 
     def describe_run(self, config: Mapping[str, Any], files: Sequence[Path]) -> None:
-        """Hand every tracker the run's config and files (logging rank; a no-op elsewhere)."""
-        for tracker in self._trackers:
-            tracker.log_config(config)
+        """Hand every sink the run's config and files (logging rank; a no-op elsewhere)."""
+        for sink in self._sinks:
+            sink.log_config(config)
             for path in files:
-                tracker.attach_file(path)
+                sink.attach_file(path)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
-        """A text (e.g. generated samples) to every tracker at `step` (logging rank)."""
-        for tracker in self._trackers:
-            tracker.log_text(step, tag, text)
+        """A text (e.g. generated samples) to every sink at `step` (logging rank)."""
+        for sink in self._sinks:
+            sink.log_text(step, tag, text)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Generated continuations (generation.record's dicts; validation.sample_prompts): one log
-        line each, one `samples.jsonl` line each with the step, text to every tracker. Logging rank only."""
+        line each, one `samples.jsonl` line each with the step, text to every sink. Logging rank only."""
         if not self._is_logging_rank:
             return
         with open(self._samples_path, "a", encoding="utf-8") as f:
@@ -296,49 +259,6 @@ class MetricsLogger:
                 self.log_text(step, f"samples/{i}", sample["prompt"] + sample["text"])
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        trackers, self._trackers = self._trackers, []
-        for tracker in trackers:
-            tracker.close()
-
-    def _write_jsonl(self, metrics: StepMetrics) -> None:
-        assert self._jsonl is not None
-        record = {k: _json_number(v) for k, v in _flat_items(metrics)}
-        # allow_nan=False keeps the file strict JSON; non-finite values are already null.
-        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-        # Flush per line so a crash or kill loses at most the line being written.
-        self._jsonl.flush()
-
-
-def _hms(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
-def _format_line(m: StepMetrics) -> str:
-    line = (
-        f"step: {m.step:3d}  loss: {m.loss:7.4f}  grad_norm: {m.grad_norm:7.4f}  "
-        f"lr: {m.lr:.4e}  memory: {m.memory_gib:5.2f}GiB  tps: {m.tps:,.0f}  "
-        f"tflops: {m.tflops:,.2f}  mfu: {m.mfu:.2f}%"
-    )
-    extras = "".join(f"  {k}: {_format_extra(v)}" for k, v in m.extra.items())
-    return line + extras
-
-
-def _format_extra(value: float) -> str:
-    # Counters and power-of-two loss scales read best as plain integers ("65536", not "6.554e+04").
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return f"{value:.4g}"
-
-
-def _flat_items(m: StepMetrics) -> list[tuple[str, float]]:
-    return [(k, getattr(m, k)) for k in _BASE_KEYS] + list(m.extra.items())
-
-
-def _json_number(value: float) -> float | None:
-    # JSON has no NaN/Infinity; null keeps the line parseable by strict readers.
-    return value if math.isfinite(value) else None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()

@@ -1,30 +1,28 @@
-"""Experiment trackers: where the logging rank's scalars, texts, run config and report files go
-besides metrics.jsonl. One small protocol, `Tracker`; TensorBoard and Weights & Biases implement
-it (docs/operations.md shows the shape of an adapter for another one, e.g. MLflow).
+"""Sinks of the logging rank's metrics: where its scalars, texts, run config and report files go.
+One small protocol, `Tracker`; metrics.jsonl, TensorBoard and Weights & Biases implement it
+(docs/operations.md shows the shape of an adapter for another one, e.g. MLflow).
 
 Both libraries are imported only when their tracker is enabled."""
 
 from __future__ import annotations
 
 import html
-import importlib.util
 import json
+import math
 import netrc
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
 
-WANDB_INSTALL = "pip install wandb"
 # Where a dump folder keeps its W&B run id, so that a run resumed in the same folder appends to
 # the same W&B run (as metrics.jsonl and TensorBoard append in the same folder).
 WANDB_ID_FILE = Path("wandb") / "run_id"
 _WANDB_DEFAULT_PROJECT = "torchtitan_amp"
-WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
 _WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 
 
@@ -42,6 +40,44 @@ class Tracker(Protocol):
         """A file the run wrote (precision_report.json), kept with the run."""
 
     def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """metrics.jsonl: one strict-JSON object per logged step, `step` first, then the scalars in
+    their order; a value that is not finite is null. Texts, config and files have other homes
+    (samples.jsonl, config.toml, the reports themselves)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Append so a resumed run continues the same history instead of truncating it.
+        self._file: IO[str] | None = open(path, "a", encoding="utf-8")
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        assert self._file is not None, "metrics.jsonl written after close()"
+        record = {"step": step, **{k: _json_number(v) for k, v in scalars.items()}}
+        # allow_nan=False keeps the file strict JSON; non-finite values are already null.
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        # Flush per line so a crash or kill loses at most the line being written.
+        self._file.flush()
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        pass
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        pass
+
+    def attach_file(self, path: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _json_number(value: float) -> float | None:
+    # JSON has no NaN/Infinity; null keeps the line parseable by strict readers.
+    return value if math.isfinite(value) else None
 
 
 class TensorBoardTracker:
@@ -127,13 +163,6 @@ def wandb_mode() -> str:
     except (netrc.NetrcParseError, OSError):
         entry = None
     return "online" if entry and entry[2] else "offline"  # (login, account, password): the key is the password
-
-
-def wandb_missing() -> str | None:
-    """Why metrics.enable_wandb cannot work here, or None (checked at config time)."""
-    if importlib.util.find_spec("wandb") is None:
-        return f"'metrics.enable_wandb' needs the wandb package, which is not installed: {WANDB_INSTALL}"
-    return None
 
 
 def build_trackers(config: JobConfig) -> list[Tracker]:
