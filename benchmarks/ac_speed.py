@@ -41,7 +41,7 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
     from torchtitan_amp.distributed import activation_checkpoint
     from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.models import get_family
-    from torchtitan_amp.precision import PrecisionPlan
+    from torchtitan_amp.precision import PrecisionPlan, memory_spec
 
     family = get_family("llama3")
     config = load_config(["--model.flavor", CPU_MODELS[name]["flavor"], "--mixed_precision.enabled", "false",
@@ -55,8 +55,8 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
         activation_checkpoint.apply_ac(model, ac, family.ac_regions)
     layout = memory.Layout(seq_len=seq_len, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
                            op_sac_save_mm=ac.per_op_sac_save_mm)
-    prec = memory.PrecisionSpec.from_plan(PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu"),
-                                          family.norm_cls)
+    prec = memory_spec.from_plan(PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu"),
+                                 family.norm_cls)
     terms = family.memory_dims(args).activation_terms(prec, layout)
     kept = {"none": terms.layer, "full": terms.layer_checkpointed, "selective": terms.layer_op_sac}[ac.mode]
     return model, kept

@@ -55,7 +55,7 @@ from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
 from torchtitan_amp.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
 from torchtitan_amp.observability.metrics import peak_flops  # noqa: E402
-from torchtitan_amp.precision import PrecisionPlan  # noqa: E402
+from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec  # noqa: E402
 from torchtitan_amp.train.job import Job, build_model_parts  # noqa: E402
 from torchtitan_amp.train.optim import build_optimizer  # noqa: E402
 from torchtitan_amp.train.trainer import clip_grad_norm_, loss_fn  # noqa: E402
@@ -197,9 +197,9 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step() -> torch.Tensor:
-        with plan.forward_context():
-            loss = loss_fn(plan.cast_output(model(inputs)), labels)
-        with plan.backward_context():
+        with autocast.forward_context(plan):
+            loss = loss_fn(autocast.cast_output(plan, model(inputs)), labels)
+        with autocast.backward_context(plan):
             loss.backward()
         clip_grad_norm_(params, config.training.max_norm)
         optimizer.step()
@@ -351,7 +351,7 @@ def main(argv: list[str]) -> int:
     mesh = ParallelDims.from_config(load_config([]).parallelism, 1)
     mesh.build_mesh(device.type)
     # --layers auto sizes the model for what the planner decides for each configuration.
-    specs = [memory.PrecisionSpec.from_plan(build_plan(c, False, a, device, mesh)[2]) for c in configs]
+    specs = [memory_spec.from_plan(build_plan(c, False, a, device, mesh)[2]) for c in configs]
     layers, why = choose_layers(a, device, specs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,

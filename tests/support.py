@@ -292,6 +292,7 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from torchtitan_amp.distributed.tensor_parallel import parallel_context
+    from torchtitan_amp.precision import autocast
     from torchtitan_amp.train.trainer import loss_fn
 
     def full(t: torch.Tensor) -> torch.Tensor:
@@ -302,8 +303,8 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
     inputs, labels = tokens[:, :-1].to(trainer.device), tokens[:, 1:].to(trainer.device)
 
     def loss_now() -> float:
-        with torch.no_grad(), parallel_context(trainer.dims, trainer.config), trainer.plan.forward_context():
-            return float(full(loss_fn(trainer.plan.cast_output(trainer.model(inputs)), labels)))
+        with torch.no_grad(), parallel_context(trainer.dims, trainer.config), autocast.forward_context(trainer.plan):
+            return float(full(loss_fn(autocast.cast_output(trainer.plan, trainer.model(inputs)), labels)))
 
     model_sums = {k: digest(full(v)) for k, v in trainer.model.state_dict().items()}
     optim = get_optimizer_state_dict(trainer.model, trainer.optimizer,

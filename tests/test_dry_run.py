@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -345,7 +346,7 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
     from torchtitan_amp.distributed.context_parallel import ContextParallel, head_tail_positions
     from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
-    from torchtitan_amp.precision import PrecisionPlan
+    from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
 
     args = ["--mixed_precision.enabled", "false" if precision == "fp32" else "true"]
     config = load_config(args)
@@ -365,17 +366,18 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
             torch.manual_seed(0)
             model = Transformer(margs)
             model.init_weights()
-            plan.apply_fp32_islands(model)
+            autocast.apply_fp32_islands(plan, model)
             if cp > 1:
                 cp_module.apply_cp(model, ContextParallel(torch.distributed.group.WORLD))
             tokens = torch.randint(0, 258, (b, s // cp))
-            measured[layers] = _saved_activation_bytes(model, tokens, plan.forward_context, **extra)
+            context = functools.partial(autocast.forward_context, plan)
+            measured[layers] = _saved_activation_bytes(model, tokens, context, **extra)
     finally:
         if created:
             torch.distributed.destroy_process_group()
     per_layer = (measured[3] - measured[1]) / 2
     layout = memory.Layout(seq_len=s, local_batch_size=b, cp=cp, attn_mask_type=mask_type)
-    terms = memory.activation_terms(memory.ModelDims.from_args(margs), memory.PrecisionSpec.from_plan(plan), layout)
+    terms = memory.activation_terms(memory.ModelDims.from_args(margs), memory_spec.from_plan(plan), layout)
     predicted = (terms.layer + terms.layer_cpu) * layout.microbatch_tokens
     assert per_layer == predicted, (per_layer, predicted)
 

@@ -6,6 +6,7 @@ tensors autograd saves, the FLOPs the metrics use, and the EP all-to-all's volum
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import count_params, get_family
 from torchtitan_amp.models.moe.model import active_params
-from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
 
 FAMILY = get_family("moe")
 
@@ -79,10 +80,11 @@ def test_moe_activation_formula_matches_saved_tensors(case: str, precision: str)
         model = FAMILY.build_model(args)
         model.init_weights()
         plan.apply_router_dtype(model)
-        plan.apply_fp32_islands(model)
-        measured[layers, dense] = _saved_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
+        autocast.apply_fp32_islands(plan, model)
+        context = functools.partial(autocast.forward_context, plan)
+        measured[layers, dense] = _saved_bytes(model, torch.randint(0, 258, (b, s)), context)
     layout = memory.Layout(seq_len=s, local_batch_size=b)
-    terms = FAMILY.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, FAMILY.norm_cls), layout)
+    terms = FAMILY.memory_dims(args).activation_terms(memory_spec.from_plan(plan, FAMILY.norm_cls), layout)
     tokens = layout.microbatch_tokens
     # layer_cpu: what this CPU's attention saves beyond a GPU's (grouped K/V in fp32 here).
     assert (measured[3, 0] - measured[1, 0]) / 2 == (terms.layer + terms.layer_cpu) * tokens
@@ -194,12 +196,13 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
         model = family.build_model(args)
         model.init_weights()
         plan.apply_router_dtype(model)
-        plan.apply_fp32_islands(model)
+        autocast.apply_fp32_islands(plan, model)
         activation_checkpoint.apply_ac(model, config.activation_checkpoint, family.ac_regions)
-        measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), plan.forward_context)
+        context = functools.partial(autocast.forward_context, plan)
+        measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), context)
     layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op",
                            op_sac_save_mm=save_mm)
-    terms = family.memory_dims(args).activation_terms(memory.PrecisionSpec.from_plan(plan, family.norm_cls), layout)
+    terms = family.memory_dims(args).activation_terms(memory_spec.from_plan(plan, family.norm_cls), layout)
     tokens = layout.microbatch_tokens
     counts = 8 * getattr(args, "n_routed_experts", 0)
     assert abs((measured[3, 0] - measured[1, 0]) / 2 - (terms.layer_op_sac * tokens + counts)) <= SCALAR_SLACK, measured

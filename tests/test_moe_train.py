@@ -15,6 +15,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.models.moe import moe as moe_mod
 from torchtitan_amp.models.moe.balance import moe_layers
+from torchtitan_amp.precision import autocast
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer, loss_fn
 
@@ -63,10 +64,10 @@ def _explicit_aux_grads(trainer: Trainer, batches: list, monkeypatch: pytest.Mon
     trainer.optimizer.zero_grad(set_to_none=True)
     for inputs, _labels in batches:
         _RecordAux.seen.clear()
-        with trainer.plan.forward_context():
+        with autocast.forward_context(trainer.plan):
             trainer.model(to_device(inputs, trainer.device))
         aux = torch.stack(_RecordAux.seen).sum() / trainer.accum
-        with trainer.plan.backward_context():
+        with autocast.backward_context(trainer.plan):
             trainer.scaler.scale(aux).backward()
     monkeypatch.undo()
     return _router_grads(trainer)

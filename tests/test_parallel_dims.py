@@ -320,16 +320,17 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     from types import SimpleNamespace
 
     from torchtitan_amp.models import get_family
+    from torchtitan_amp.precision import comm_hooks
     from torchtitan_amp.train import data_parallel, parallelize
 
     seen: dict = {}
     monkeypatch.setattr(data_parallel, "replicate", lambda model, **kw: seen.update(kw))
-    monkeypatch.setattr(data_parallel, "install_comm_hook", lambda model, state: None)
+    monkeypatch.setattr(comm_hooks, "install_comm_hook", lambda model, state: None)
     mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
     dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, fsdp_enabled=False, ddp_enabled=True,
                            mesh={"dp_replicate": mesh})
-    plan = SimpleNamespace(apply_fp32_islands=lambda model: None, comm_hook_state=lambda model, group: None,
-                           comm_hook="none")
+    # What the appliers read of a plan: no autocast (no fp32 islands), no compress hook.
+    plan = SimpleNamespace(autocast_dtype=None, comm_hook="none")
     parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))
     assert seen["bucket_cap_mb"] == expected and seen["device_mesh"] is mesh
 

@@ -26,9 +26,14 @@ from torchtitan_amp.precision import (
     LossScaler,
     PrecisionError,
     PrecisionPlan,
+    autocast,
+    comm_hooks,
     compress_hook,
+    fsdp,
     resolve_module_classes,
+    scaler,
 )
+from torchtitan_amp.precision import report as precision_report
 
 # (dp_replicate, dp_shard, tp, pp)
 LAYOUTS = {
@@ -227,16 +232,16 @@ def test_conflicts_exit_2_with_one_line_through_train_main(argv: list[str], caps
 
 def test_check_no_user_autocast() -> None:
     p = plan("single")
-    p.check_no_user_autocast()  # fine outside autocast
+    autocast.check_no_user_autocast(p)  # fine outside autocast
     with torch.autocast("cpu", dtype=torch.float16):
         with pytest.raises(PrecisionError) as info:
-            p.check_no_user_autocast()
+            autocast.check_no_user_autocast(p)
     msg = str(info.value)
     assert "\n" not in msg and "torch.autocast('cpu')" in msg and "param_dtype = 'float16'" in msg
     # The plan's own forward context is not a user's autocast region to complain about when
     # entered by the trainer after the check; disabled autocast is no region at all.
     with torch.autocast("cpu", enabled=False):
-        p.check_no_user_autocast()
+        autocast.check_no_user_autocast(p)
 
 
 def test_train_step_inside_user_autocast_is_refused(tmp_path: Path) -> None:
@@ -268,7 +273,7 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     p = plan("fsdp", "--mixed_precision.reduce_dtype", "bfloat16")
     model = tiny_model()
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
-        report = p.log_and_write_report(model, str(tmp_path), is_writer=True)
+        report = precision_report.log_and_write_report(p, model, str(tmp_path), is_writer=True)
     assert json.loads((tmp_path / "precision_report.json").read_text()) == report
     assert {k: report[k] for k in ("path", "param_dtype", "reduce_dtype", "output_dtype", "comm_hook",
                                    "grad_scaler", "autocast_dtype")} == {
@@ -291,24 +296,24 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 
 def test_report_autocast_reduce_follows_hook() -> None:
     model = tiny_model()
-    assert _groups(plan("single", "--mixed_precision.reduce_dtype", "bfloat16").report(model))["Linear"][
-        "reduce_dtype"] == "float32"  # nothing is reduced by DDP, so no low-precision reduce
-    ddp = plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16").report(model)
+    single = precision_report.report(plan("single", "--mixed_precision.reduce_dtype", "bfloat16"), model)
+    assert _groups(single)["Linear"]["reduce_dtype"] == "float32"  # nothing is reduced by DDP, so no low-precision reduce
+    ddp = precision_report.report(plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16"), model)
     assert ddp["comm_hook"] == "bf16_compress" and ddp["autocast_dtype"] == "bfloat16"
     assert _groups(ddp)["Linear"]["reduce_dtype"] == "bfloat16"
     assert _groups(ddp)["RMSNorm"]["reduce_dtype"] == "float32"
 
 
 def test_report_honours_safe_module_list() -> None:
-    report = plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16",
+    report = precision_report.report(plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16",
                   "--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear,torch.nn.Embedding"
-                  ).report(tiny_model())
+                  ), tiny_model())
     assert report["fp32_modules"] == ["torchtitan_amp.models.llama3.model.RMSNorm"]
     assert _groups(report)["Embedding"]["reduce_dtype"] == "bfloat16"
 
 
 def test_report_disabled_says_fp32_everywhere() -> None:
-    report = plan("fsdp", "--mixed_precision.enabled", "false").report(tiny_model())
+    report = precision_report.report(plan("fsdp", "--mixed_precision.enabled", "false"), tiny_model())
     assert report["path"] == "full" and report["autocast_dtype"] is None
     assert report["param_dtype"] == report["reduce_dtype"] == report["output_dtype"] == "float32"
     assert all(g[k] == "float32" for g in report["param_groups"]
@@ -317,7 +322,7 @@ def test_report_disabled_says_fp32_everywhere() -> None:
 
 
 def test_report_fp16_names_the_scaler() -> None:
-    assert plan("fsdp", "--mixed_precision.param_dtype", "float16").report(tiny_model())[
+    assert precision_report.report(plan("fsdp", "--mixed_precision.param_dtype", "float16"), tiny_model())[
         "grad_scaler"] == "ShardedGradScaler"
 
 
@@ -327,13 +332,13 @@ def test_report_fp16_names_the_scaler() -> None:
 
 def test_fsdp_policies() -> None:
     p = plan("fsdp")
-    low = p.fsdp_policy(low_precision=True, cast_forward_inputs=False)
+    low = fsdp.fsdp_policy(p, low_precision=True, cast_forward_inputs=False)
     assert (low.param_dtype, low.reduce_dtype, low.cast_forward_inputs) == (torch.bfloat16, torch.float32, False)
-    fp32 = p.fsdp_policy(low_precision=False)
+    fp32 = fsdp.fsdp_policy(p, low_precision=False)
     assert (fp32.param_dtype, fp32.reduce_dtype) == (torch.float32, torch.float32)
-    root = p.fsdp_policy(low_precision=True, output_dtype=torch.float32)
+    root = fsdp.fsdp_policy(p, low_precision=True, output_dtype=torch.float32)
     assert root.output_dtype == torch.float32
-    off = plan("fsdp", "--mixed_precision.enabled", "false").fsdp_policy(low_precision=True)
+    off = fsdp.fsdp_policy(plan("fsdp", "--mixed_precision.enabled", "false"), low_precision=True)
     assert off.param_dtype is None and off.reduce_dtype is None
 
 
@@ -345,13 +350,13 @@ class _Recorder(nn.Module):
 
 def test_cast_block_inputs_casts_hidden_state_only() -> None:
     block = _Recorder()
-    plan("fsdp").cast_block_inputs(block)
+    fsdp.cast_block_inputs(plan("fsdp"), block)
     x, cos, sin = torch.randn(2, 4), torch.randn(4, 2), torch.randn(4, 2)
     assert block(x, cos, sin).dtype == torch.bfloat16
     assert block.seen == (torch.bfloat16, torch.float32, torch.float32)
     for other in ("single", "ddp"):  # autocast path: nothing to cast
         block = _Recorder()
-        plan(other).cast_block_inputs(block)
+        fsdp.cast_block_inputs(plan(other), block)
         block(x, cos, sin)
         assert block.seen == (torch.float32,) * 3
 
@@ -362,36 +367,37 @@ def test_cast_block_inputs_casts_hidden_state_only() -> None:
 
 def test_forward_context_autocasts_and_backward_context_does_not() -> None:
     p = plan("single")
-    with p.forward_context():
+    with autocast.forward_context(p):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-        with p.backward_context():
+        with autocast.backward_context(p):
             assert not torch.is_autocast_enabled("cpu")
     for layout, argv in (("fsdp", ()), ("single", ("--mixed_precision.enabled", "false"))):
-        with plan(layout, *argv).forward_context():
+        with autocast.forward_context(plan(layout, *argv)):
             assert not torch.is_autocast_enabled("cpu")
 
 
 def test_cast_output() -> None:
     logits = torch.randn(2, 3, dtype=torch.bfloat16)
-    assert plan("single").cast_output(logits).dtype == torch.float32
-    assert plan("single", "--mixed_precision.output_dtype", "bfloat16").cast_output(logits).dtype == torch.bfloat16
-    assert plan("fsdp").cast_output(logits).dtype == torch.bfloat16  # FSDP's root policy owns it
+    assert autocast.cast_output(plan("single"), logits).dtype == torch.float32
+    bf16_output = plan("single", "--mixed_precision.output_dtype", "bfloat16")
+    assert autocast.cast_output(bf16_output, logits).dtype == torch.bfloat16
+    assert autocast.cast_output(plan("fsdp"), logits).dtype == torch.bfloat16  # FSDP's root policy owns it
     tokens = torch.ones(2, dtype=torch.long)
-    assert plan("single").cast_output(tokens).dtype == torch.long
+    assert autocast.cast_output(plan("single"), tokens).dtype == torch.long
 
 
 def test_autocast_path_runs_unsafe_modules_in_fp32() -> None:
     """With Linear left off the safe list, autocast must not run it in bf16."""
     p = plan("single", "--mixed_precision.lower_precision_safe_modules", "torch.nn.Embedding")
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    p.apply_fp32_islands(model)
-    with p.forward_context():
+    autocast.apply_fp32_islands(p, model)
+    with autocast.forward_context(p):
         out = model(torch.randn(2, 4))
     assert out.dtype == torch.float32
     safe = plan("single")
     model = nn.Sequential(nn.Linear(4, 4))
-    safe.apply_fp32_islands(model)
-    with safe.forward_context():
+    autocast.apply_fp32_islands(safe, model)
+    with autocast.forward_context(safe):
         assert model(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
@@ -526,10 +532,10 @@ def test_compress_hook_waits_for_every_collective(monkeypatch: pytest.MonkeyPatc
 def test_compress_hook_state_lists_safe_params() -> None:
     model = tiny_model()
     p = plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16")
-    state = p.comm_hook_state(model, None)
+    state = comm_hooks.comm_hook_state(p, model, None)
     linear = {id(q) for m in model.modules() if isinstance(m, nn.Linear) for q in m.parameters()}
     assert state is not None and state.low_precision_params == linear and state.dtype == torch.bfloat16
-    assert plan("ddp").comm_hook_state(model, None) is None
+    assert comm_hooks.comm_hook_state(plan("ddp"), model, None) is None
 
 
 def test_compress_hook_is_not_torch_bf16_hook_by_name() -> None:
@@ -591,12 +597,13 @@ def test_loss_scaler_unscale_twice_in_one_step_raises() -> None:
 
 
 def test_build_scaler_matches_plan() -> None:
-    assert not plan("single").build_scaler().enabled
-    s = plan("single", "--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", "256").build_scaler()
+    assert not scaler.build_scaler(plan("single")).enabled
+    s = scaler.build_scaler(plan("single", "--mixed_precision.param_dtype", "float16",
+                                 "--mixed_precision.init_scale", "256"))
     assert type(s.scaler) is torch.amp.GradScaler and s.get_scale() == 256.0
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    assert isinstance(plan("fsdp", "--mixed_precision.param_dtype", "float16").build_scaler().scaler,
+    assert isinstance(scaler.build_scaler(plan("fsdp", "--mixed_precision.param_dtype", "float16")).scaler,
                       ShardedGradScaler)
 
 

@@ -21,6 +21,7 @@ from torchtitan_amp.core import matmul_speed
 from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision import report as precision_report
 
 SINGLE = ParallelDims(1, 1, 1, 1, 1)
 FSDP = ParallelDims(1, 2, 1, 1, 2)
@@ -84,7 +85,8 @@ def test_naming_the_dtype_is_asking_for_it() -> None:
         plan = make_plan(*argv, native=False)
         assert plan.path == "autocast" and len(plan.warnings) == 1, argv
         assert plan.decision.startswith("mixed_precision.enabled = auto, param_dtype = bfloat16 set -> bf16 mixed")
-        assert plan.report(torch.nn.Linear(2, 2))["mixed_precision_enabled"] == "auto, param_dtype = bfloat16 set"
+        enabled = precision_report.report(plan, torch.nn.Linear(2, 2))["mixed_precision_enabled"]
+        assert enabled == "auto, param_dtype = bfloat16 set"
 
 
 def test_fp16_is_checked_too_and_fp32_asks_nothing(tmp_path: Path) -> None:
@@ -106,7 +108,7 @@ def test_fp16_is_checked_too_and_fp32_asks_nothing(tmp_path: Path) -> None:
 
 def test_report_records_the_setting_the_measurement_and_the_decision() -> None:
     plan = make_plan(native=False)
-    report = plan.report(torch.nn.Linear(2, 2))
+    report = precision_report.report(plan, torch.nn.Linear(2, 2))
     assert report["mixed_precision_enabled"] == "auto" and report["decision"] == plan.decision
     assert report["low_precision_matmul"] == {
         "device_type": "cpu", "capability": "AVX2", "dtype": "bfloat16", "native": False,

@@ -33,6 +33,7 @@ from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models import count_params
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer, ffn_hidden_dim
+from torchtitan_amp.precision import by_name, float8, freeze
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train.data_parallel import group_by_block
 
@@ -84,9 +85,9 @@ def test_tie_survives_storage_dtype_freezing_and_to_empty(tied_flavor: str) -> N
     job = _job("--training.dtype", "bfloat16", "--training.freeze", "tok_embeddings,output")
     with torch.device("meta"):
         model = Transformer(job.model_args)
-    job.plan.apply_storage_dtype(model)
-    job.plan.mark_fp32_by_name(model)
-    job.plan.freeze(model)
+    freeze.apply_storage_dtype(job.plan, model)
+    by_name.mark_fp32_by_name(job.plan, model)
+    freeze.freeze(job.plan, model)
     assert _tied(model) and model.output.weight.dtype == torch.bfloat16 and not model.output.weight.requires_grad
     model.to_empty(device="cpu")  # a new tensor per module: init_weights ties them again
     assert not _tied(model)
@@ -116,7 +117,7 @@ def test_gradient_is_the_sum_of_both_uses(tied_flavor: str) -> None:
 def _meta_model(job: job_mod.Job) -> nn.Module:
     with torch.device("meta"):
         model = Transformer(job.model_args)
-    job.plan.mark_fp32_by_name(model)
+    by_name.mark_fp32_by_name(job.plan, model)
     return model
 
 
@@ -163,9 +164,9 @@ def test_fp8_must_skip_a_tied_output(tied_flavor: str) -> None:
         model = Transformer(dataclasses.replace(TIED_ARGS, dim=64, vocab_size=256))  # fp8 needs multiples of 16
     with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8_skip_modules' must cover 'output': its weight "
                                              r"is shared with 'tok_embeddings'") as e:
-        plan.check_fp8_modules(model)
+        float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
     assert "\n" not in str(e.value)
-    dataclasses.replace(plan, fp8_skip=("output",)).check_fp8_modules(model)
+    float8.check_fp8_modules(model, plan.fp8, ("output",))
 
 
 # ---------------------------------------------------------------------------------------------

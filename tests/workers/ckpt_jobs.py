@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torchtitan_amp import checkpoint
 from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.config import load_config
-from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision import PrecisionPlan, fsdp
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
 from torchtitan_amp.train import trainer as trainer_module
@@ -142,17 +142,17 @@ def _broken(what: str | None):  # type: ignore[no-untyped-def]
             yield
         return
     assert what == "fsdp_reduce_in_fp32", what
-    original = PrecisionPlan.fsdp_policy
+    original = fsdp.fsdp_policy
 
-    def fp32_reduce(self, **kwargs):  # type: ignore[no-untyped-def]
-        policy = original(self, **kwargs)
+    def fp32_reduce(plan, **kwargs):  # type: ignore[no-untyped-def]
+        policy = original(plan, **kwargs)
         return dataclasses.replace(policy, reduce_dtype=torch.float32)
 
-    PrecisionPlan.fsdp_policy = fp32_reduce
+    fsdp.fsdp_policy = fp32_reduce
     try:
         yield
     finally:
-        PrecisionPlan.fsdp_policy = original
+        fsdp.fsdp_policy = original
 
 
 @contextlib.contextmanager

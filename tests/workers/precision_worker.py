@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
-from torchtitan_amp.precision import CompressHookState, PrecisionPlan
+from torchtitan_amp.precision import CompressHookState, PrecisionPlan, comm_hooks
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer, clip_grad_norm_
 from tests.support import exit_process, read_spec
@@ -445,18 +445,18 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
 
 def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> dict[str, Any]:
     captured: list[CompressHookState | None] = []
-    orig_state = PrecisionPlan.comm_hook_state
+    orig_state = comm_hooks.comm_hook_state
 
-    def capture(self, model, group):  # type: ignore[no-untyped-def]
-        state = orig_state(self, model, group)
+    def capture(plan, model, group):  # type: ignore[no-untyped-def]
+        state = orig_state(plan, model, group)
         captured.append(state)
         return state
 
-    PrecisionPlan.comm_hook_state = capture  # type: ignore[method-assign]
+    comm_hooks.comm_hook_state = capture
     try:
         trainer = make_trainer(out, name, overrides, ["--training.max_norm", "0"] + extra)
     finally:
-        PrecisionPlan.comm_hook_state = orig_state  # type: ignore[method-assign]
+        comm_hooks.comm_hook_state = orig_state
     plan, dims = trainer.plan, trainer.dims
     parts = list(getattr(trainer, "model_parts", None) or [trainer.model])
     hook_state = captured[0] if captured else None

@@ -21,7 +21,9 @@ cover the CUDA flash / efficient / cuDNN ops only (no CPU, no masks, so no block
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +38,9 @@ from torchtitan_amp.core.torch_compat import sequence_collectives
 
 logger = logging.getLogger("torchtitan_amp")
 
-# The seam for tools that label or record the cp collectives (the audit, the precision test):
-# None means torch's functional collectives, looked up per call so that a traffic recorder
-# wrapping torch's module sees them too.
+# The seam for tools that label or record the cp collectives (the audit through
+# `wrapped_collectives`, tests by patching): None means torch's functional collectives, looked up
+# per call so that a traffic recorder wrapping torch's module sees them too.
 _ALL_GATHER: Any = None
 _REDUCE_SCATTER: Any = None
 
@@ -47,6 +49,19 @@ def collectives() -> tuple[Any, Any]:
     """(all_gather, reduce_scatter) the cp group uses now."""
     gather, scatter = sequence_collectives()
     return _ALL_GATHER or gather, _REDUCE_SCATTER or scatter
+
+
+@contextlib.contextmanager
+def wrapped_collectives(wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Inside the block the cp group's all-gather and reduce-scatter are `wrap(collective)`, of
+    the ones in use on entry; on exit those are restored."""
+    global _ALL_GATHER, _REDUCE_SCATTER
+    saved = _ALL_GATHER, _REDUCE_SCATTER
+    _ALL_GATHER, _REDUCE_SCATTER = map(wrap, collectives())
+    try:
+        yield
+    finally:
+        _ALL_GATHER, _REDUCE_SCATTER = saved
 
 
 def head_tail_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ evaluation; tools/generate.py is the command line. See docs/generation.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.models.kv_cache import KVCache
+from torchtitan_amp.precision import autocast
 
 if TYPE_CHECKING:
     from torchtitan_amp.config import JobConfig
@@ -108,7 +110,8 @@ class ModelRunner:
 
     @classmethod
     def for_plan(cls, model: nn.Module, plan: PrecisionPlan, tp: int, sequence_parallel: bool) -> ModelRunner:
-        return cls(model, plan.forward_context, plan.cast_output, sequence_multiple(tp, sequence_parallel))
+        return cls(model, functools.partial(autocast.forward_context, plan),
+                   functools.partial(autocast.cast_output, plan), sequence_multiple(tp, sequence_parallel))
 
     @property
     def max_seq_len(self) -> int:

@@ -35,7 +35,7 @@ from torchtitan_amp.distributed.pipeline import Pipeline
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.eval.generation import ModelRunner, SamplePrompts, resolve_samples
 from torchtitan_amp.models.loss import IGNORE_INDEX
-from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision import PrecisionPlan, autocast
 
 # A batch -> (inputs, labels, keyword inputs) as this rank's model sees it.
 ModelInputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -136,7 +136,7 @@ class Validator:
         """One evaluation: the mean loss over every evaluated valid label (not ignore_index) of
         every data-parallel rank, its perplexity, the count of those labels and the wall time (sample generation
         included; the continuations are in `self.samples`)."""
-        self.plan.check_no_user_autocast()
+        autocast.check_no_user_autocast(self.plan)
         start = time.perf_counter()
         modes = [m.training for part in self.model_parts for m in part.modules()]
         for part in self.model_parts:
@@ -186,8 +186,8 @@ class Validator:
             loss = torch.stack(losses).sum()
         else:
             # Its own outermost autocast region per forward (see the module docstring).
-            with parallel_context(self.dims, self.config), self.plan.forward_context():
-                loss = self.loss_fn(self.plan.cast_output(self.model_parts[0](inputs, **extra)), labels,
+            with parallel_context(self.dims, self.config), autocast.forward_context(self.plan):
+                loss = self.loss_fn(autocast.cast_output(self.plan, self.model_parts[0](inputs, **extra)), labels,
                                     reduction="sum")
             if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
                 loss = loss.full_tensor()

@@ -93,7 +93,7 @@ def param_specs(model: ModelDims, stage: Stage) -> list[ParamSpec]:
     """Parameters of one pipeline stage with their TP sharding (parallelize.apply_tp):
     q/k/v, w1/w3 and the output head column-wise (dim 0), wo/w2 row-wise (dim 1), the embedding
     row-wise (vocab rows, dim 0), norms replicated. A tied table is one "linear" parameter: it takes
-    the output projection's precision (precision.tags.align_tied_modules), on the first stage (PP
+    the output projection's precision (precision.by_name.align_tied_modules), on the first stage (PP
     refuses tying)."""
     d, kv, f, v = model.dim, model.kv_dim, model.ffn_hidden, model.vocab_size
     hq = model.n_heads * model.head_dim

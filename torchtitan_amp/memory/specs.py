@@ -1,21 +1,21 @@
 """What the accounting is told, as plain data: the precision plan's decisions (PrecisionSpec), the
 layout (Layout), and the shapes a model family describes for it: its parameters per pipeline stage
-(ParamSpec, Stage) and its saved-for-backward bytes per token (ActivationTerms). PrecisionSpec.
-from_plan is told the family's norm class (the "norm" kind of the safe-module list).
+(ParamSpec, Stage) and its saved-for-backward bytes per token (ActivationTerms). A precision plan
+becomes a PrecisionSpec in precision/memory_spec.py, told the family's norm class (the "norm" kind
+of the safe-module list).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any
 
 from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
 
 
 @dataclass(frozen=True)
 class PrecisionSpec:
-    """What the precision plan decided, as names (see torchtitan_amp.precision.PrecisionPlan)."""
+    """What the precision plan decided, as names (precision.memory_spec.from_plan builds it)."""
 
     path: str = "fsdp"  # "fsdp" | "autocast" | "full"
     storage: str = "float32"  # parameters, gradients and AdamW state
@@ -30,26 +30,6 @@ class PrecisionSpec:
     frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
     cp_reduce: str = "float32"  # context parallel: the K/V gradients' reduce-scatter
     router: str = "float32"  # MoE routing arithmetic (mixed_precision.router_dtype)
-
-    @classmethod
-    def from_plan(cls, plan: Any, norm_cls: type | None = None) -> "PrecisionSpec":
-        """`norm_cls`: the model family's norm (ModelFamily.norm_cls), the "norm" kind; None: any
-        safe module class that declares `computes_in_fp32` (every family's norms do)."""
-        import torch
-        from torch import nn
-
-        from torchtitan_amp.precision import dtype_name as name
-
-        kinds = set()
-        for cls_, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding"), (norm_cls, "norm")):
-            if cls_ is not None and any(issubclass(cls_, safe) for safe in plan.safe_modules):
-                kinds.add(kind)
-        if norm_cls is None and any(getattr(safe, "computes_in_fp32", False) for safe in plan.safe_modules):
-            kinds.add("norm")
-        return cls(plan.path, name(plan.storage_dtype), name(plan.param_dtype), name(plan.reduce_dtype),
-                   name(plan.output_dtype), plan.comm_hook != "none", frozenset(kinds),
-                   name(plan.optimizer_state_dtype), tuple(plan.frozen_names), name(plan.cp_reduce_dtype),
-                   name(getattr(plan, "router_dtype", torch.float32)))
 
     @classmethod
     def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",

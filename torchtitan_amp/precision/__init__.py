@@ -5,21 +5,26 @@ Deciding (config -> plan, and what the plan answers and reports):
                    code asks (path, dtypes, `is_safe`, `fp32_modules`, `compute_dtype`, ...);
 - `report.py`:     precision_report.json and the start-up log lines.
 
-Applying it (each a function of the plan; `PrecisionPlan` keeps a thin method per entry point):
-- `tags.py`:       marks left on modules (fp32 by name, frozen), `mark_fp32_by_name`;
-- `freeze.py`:     parameter storage dtype, training.freeze;
-- `autocast.py`:   forward / backward contexts, fp32 islands, output cast (the autocast path);
-- `fsdp.py`:       `MixedPrecisionPolicy` per `fully_shard` group, block input cast (the FSDP path);
-- `comm_hooks.py`: the DDP gradient compress hook (safe modules in reduce_dtype, on gloo and nccl);
-- `reducers.py`:   TP's partial gradients, reduced once per step;
-- `float8.py`:     fp8 Linear conversion as planned (torchtitan_amp/precision/float8.py does the torchao work);
-- `scaler.py`:     fp16 loss scaling (`LossScaler`, `build_scaler`).
+Applying it (each a function taking the plan; callers call them, `autocast.forward_context(plan)`:
+the plan imports none of them):
+- `tags.py`:        the marks left on modules (fp32 by name, frozen) and tied-weight groups;
+- `by_name.py`:     `mark_fp32_by_name`: modules kept in fp32 by name, tied modules aligned;
+- `freeze.py`:      parameter storage dtype, training.freeze, `refreeze` after TP;
+- `autocast.py`:    forward / backward contexts, fp32 islands, output cast (the autocast path);
+- `fsdp.py`:        `MixedPrecisionPolicy` per `fully_shard` group, block input cast (the FSDP path);
+- `comm_hooks.py`:  the DDP gradient compress hook (safe modules in reduce_dtype, on gloo and nccl);
+- `reducers.py`:    TP's partial gradients, reduced once per step;
+- `float8.py`:      torchao fp8: the probes the plan asks (torchao_missing, matmul_unsupported) and
+                    the Linear conversion, taking the plan's fp8 values (the plan imports it);
+- `scaler.py`:      fp16 loss scaling (`LossScaler`, `build_scaler`);
+- `memory_spec.py`: the plan as the memory model's `PrecisionSpec`;
+- `audit.py`:       one real step recorded against the plan's promises (mixed_precision.audit).
 
 A new capability lands as a decision in plan.py plus an applier module of its own.
 """
 
-# `dist` and `dtype_name` stay reachable here as they were from the single module (tests patch
-# `precision.dist.all_reduce`, which is torch.distributed's own, the one comm_hooks calls).
+# `dist` is reachable here for tests that patch `precision.dist.all_reduce`: torch.distributed's
+# own, the one comm_hooks calls.
 import torch.distributed as dist  # noqa: F401
 
 from torchtitan_amp.core.errors import PrecisionError

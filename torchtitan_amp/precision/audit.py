@@ -44,10 +44,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.core.rules import dtype_name
+from torchtitan_amp.distributed import context_parallel
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.observability import traffic
-from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision.plan import PrecisionPlan
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -214,11 +215,9 @@ def _categorize(op: str, group: Any) -> str:
     return f"{op}:{_GROUP_DIMS.get(ranks, 'other')}"
 
 
-@contextlib.contextmanager
-def _cp_collectives() -> Iterator[None]:
+def _cp_collectives() -> contextlib.AbstractContextManager:
     """Label context_parallel's collectives (through its seam) as category "cp": its group may be
     the very group FSDP shards over (cp alone: both are the world), so the group cannot tell."""
-    from torchtitan_amp.distributed import context_parallel as cp_mod
 
     def on_cp(collective: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -230,12 +229,7 @@ def _cp_collectives() -> Iterator[None]:
 
         return call
 
-    saved = cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER
-    cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = map(on_cp, cp_mod.collectives())  # traffic's, now
-    try:
-        yield
-    finally:
-        cp_mod._ALL_GATHER, cp_mod._REDUCE_SCATTER = saved
+    return context_parallel.wrapped_collectives(on_cp)
 
 
 def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: str, kv_dtypes: set[str]

@@ -29,7 +29,7 @@ def forward_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager:
 def apply_forward_context(plan: PrecisionPlan, module: nn.Module) -> None:
     """Run `module`'s forward (only) in the forward context: for pipeline stages, whose
     schedule interleaves forward and backward so no context can wrap forward alone."""
-    _wrap_forward(module, plan.forward_context)
+    _wrap_forward(module, functools.partial(forward_context, plan))
 
 
 def apply_fp32_islands(plan: PrecisionPlan, model: nn.Module) -> None:

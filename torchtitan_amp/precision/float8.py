@@ -1,10 +1,14 @@
 """float8 training through torchao, as the precision plan decided it.
 
-precision/plan.py decides (recipe, skipped modules, fp8 all-gather) and refuses what cannot hold; this
-module only answers "can this device multiply in fp8?", names the Linears a recipe converts, and
-converts them (torchao's Float8Linear keeps its weight in the storage dtype and casts to
-float8_e4m3fn per matmul with dynamic scales, so checkpoints hold no fp8 state to restore).
+precision/plan.py decides (recipe, skipped modules, fp8 all-gather) and refuses what cannot hold,
+asking this module whether torchao and the device can run fp8 (torchao_missing, matmul_unsupported);
+this module names the Linears a recipe converts and converts them (torchao's Float8Linear keeps its
+weight in the storage dtype and casts to float8_e4m3fn per matmul with dynamic scales, so
+checkpoints hold no fp8 state to restore).
 torchao is imported here only, and only when fp8 is asked for.
+
+The plan imports this module for its probes, so the functions here take the plan's values (recipe,
+skip patterns, all-gather) rather than the plan: fp8 stays one module without an import cycle.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import functools
 import importlib.metadata
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -144,45 +147,42 @@ def precompute_scales(parts: list[nn.Module]) -> None:
         precompute_float8_dynamic_scale_for_fsdp(part)
 
 
-if TYPE_CHECKING:
-    from torchtitan_amp.precision.plan import PrecisionPlan
+def _keep_fp32(module: nn.Module) -> bool:
+    return getattr(module, FP32_BY_NAME, False) or getattr(module, FROZEN, False)
 
 
-def check_fp8_modules(plan: PrecisionPlan, model: nn.Module) -> None:
+def check_fp8_modules(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> None:
     """Every fp8 skip pattern names a Linear of the model (a typo would convert it), and no Linear
     whose weight another module shares (a tied output projection) is converted: the embedding
     would read a weight that fp8 all-gather and torchao's module swap do not keep one tensor."""
-    if plan.fp8 != "none":
-        unmatched = unmatched_patterns(model, plan.fp8_skip)
+    if recipe != "none":
+        unmatched = unmatched_patterns(model, skip)
         if unmatched:
             raise PrecisionError(f"'mixed_precision.fp8_skip_modules' entry {unmatched[0]!r} matches no "
                                  "nn.Linear of the model (names such as 'output', 'layers.0.*')")
         for group in tied_modules(model):
             for name, module in group:
-                if convertible(name, module, plan.fp8_skip, _keep_fp32):
+                if convertible(name, module, skip, _keep_fp32):
                     shared = next(n for n, _ in group if n != name)
                     raise PrecisionError(f"'mixed_precision.fp8_skip_modules' must cover '{name}': its weight is "
                                          f"shared with '{shared}' (model enable_weight_tying), which fp8 cannot keep")
 
 
-def _keep_fp32(module: nn.Module) -> bool:
-    return getattr(module, FP32_BY_NAME, False) or getattr(module, FROZEN, False)
+def is_fp8_linear(name: str, module: nn.Module, recipe: str, skip: tuple[str, ...]) -> bool:
+    """Whether `module` (named `name` in the whole model) runs in fp8 under `recipe` with `skip`:
+    the rule apply_fp8 converts by, also true of a Float8Linear it converted (still an nn.Linear)."""
+    return recipe != "none" and convertible(name, module, skip, _keep_fp32)
 
 
-def is_fp8_linear(plan: PrecisionPlan, name: str, module: nn.Module) -> bool:
-    """Whether the plan runs `module` (named `name` in the whole model) in fp8: the rule apply_fp8
-    converts by, also true of a Float8Linear it converted (still an nn.Linear)."""
-    return plan.fp8 != "none" and convertible(name, module, plan.fp8_skip, _keep_fp32)
-
-
-def apply_fp8(plan: PrecisionPlan, model: nn.Module) -> list[str]:
-    """Convert the model's fp8 Linears (before parallelizing); returns their names."""
-    if plan.fp8 == "none":
+def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool) -> list[str]:
+    """Convert the model's fp8 Linears (before parallelizing; not those tagged fp32 by name or
+    frozen); returns their names."""
+    if recipe == "none":
         return []
-    return convert(model, plan.fp8, plan.fp8_skip, plan.fp8_all_gather,
-                       keep_fp32=_keep_fp32)
+    return convert(model, recipe, skip, all_gather, keep_fp32=_keep_fp32)
 
 
-def after_optimizer_step(plan: PrecisionPlan, model_parts: list[nn.Module]) -> None:
-    if plan.fp8_all_gather:
+def after_optimizer_step(model_parts: list[nn.Module], all_gather: bool) -> None:
+    """With the fp8 all-gather, the next step's weight scales (see precompute_scales)."""
+    if all_gather:
         precompute_scales(model_parts)

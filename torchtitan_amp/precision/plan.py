@@ -10,12 +10,13 @@
 - "full":     one dtype everywhere (fp32, or pure bf16 when `training.dtype = "bfloat16"`).
 
 Everything else (parallelize, trainer, checkpoint) asks the plan and never re-decides. This module
-decides and answers; the modules next to it apply the decision (see the package's docstring).
+decides and answers, and imports none of the modules next to it that apply the decision (see the
+package's docstring): each of them takes the plan, and callers call them with it. It imports
+float8.py only for its probes (is torchao installed, can this device multiply in fp8).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
@@ -29,14 +30,11 @@ from torchtitan_amp.core.matmul_speed import LowPrecisionSpeed, low_precision_sp
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
-from torchtitan_amp.precision import autocast, comm_hooks, float8, fsdp, reducers, scaler, tags
-from torchtitan_amp.precision import freeze as freezing
-from torchtitan_amp.precision import report as reporting
+from torchtitan_amp.precision import float8
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 Path_ = Literal["fsdp", "autocast", "full"]
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
@@ -195,6 +193,21 @@ def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: P
     return "autocast"
 
 
+def _comm_hook(path: Path_, reduce: torch.dtype, dims: ParallelDims) -> str:
+    """DDP's gradient compress hook: only on the autocast path, when gradients travel below fp32."""
+    if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
+        return "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
+    return "none"
+
+
+def _grad_scaler(param: torch.dtype, path: Path_, dims: ParallelDims) -> str:
+    """fp16 needs a loss scale. Ranks holding different gradient shards (FSDP, TP, PP) must agree
+    on inf/nan, or some would step while others skip; ShardedGradScaler all-reduces found_inf."""
+    if param != torch.float16 or path == "full":
+        return "none"
+    return "ShardedGradScaler" if path == "fsdp" or dims.tp_enabled or dims.pp_enabled else "GradScaler"
+
+
 @dataclass(frozen=True)
 class PrecisionPlan:
     path: Path_
@@ -254,42 +267,37 @@ class PrecisionPlan:
                 warnings.append(_emulated_warning(speed, config))
         param = _DTYPES[mp.param_dtype] if enabled else storage
         reduce = _DTYPES[mp.reduce_dtype] if enabled else storage
-        output = _DTYPES[mp.output_dtype] if enabled else storage
         if probe is not None:  # a dry run sizes a device this machine may not have: nothing to ask
             _check_device_support(device_type, param)
-        safe = resolve_module_classes(mp.lower_precision_safe_modules) if enabled else ()
         path = _choose_path(enabled, param, reduce, dims)
-        comm_hook = "none"
-        if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
-            comm_hook = "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
-        grad_scaler = "none"
-        if param == torch.float16 and path != "full":
-            # Ranks holding different gradient shards (FSDP, TP, PP) must agree on inf/nan, or
-            # some would step while others skip; ShardedGradScaler all-reduces found_inf.
-            sharded = path == "fsdp" or dims.tp_enabled or dims.pp_enabled
-            grad_scaler = "ShardedGradScaler" if sharded else "GradScaler"
-        elif enabled and "mixed_precision.init_scale" in config.explicit:
+        grad_scaler = _grad_scaler(param, path, dims)
+        if grad_scaler == "none" and enabled and "mixed_precision.init_scale" in config.explicit:
             notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
         if mp.enabled is False:
             notes.append("mixed_precision.enabled = false: every path trains in one dtype")
-        cp_reduce = _DTYPES[mp.cp_reduce_dtype] if enabled else storage
-        router = _router_dtype(config, enabled, storage)
         if "mixed_precision.cp_reduce_dtype" in config.explicit and not dims.cp_enabled:
             notes.append("mixed_precision.cp_reduce_dtype has no effect: context_parallel_degree is 1")
-        scaler_kwargs = {"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
-                         "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval}
+        router = _router_dtype(config, enabled, storage)
         decision = _decision_line(setting, path, param, storage, speed)
         if mp.fp8 != "none":
             _check_fp8(config, dims, path, device_type, on_hardware=probe is not None)
             decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
-        state_dtype = _optimizer_state_dtype(config, storage)
-        plan = cls(path, device_type, storage, param, reduce, output, safe, comm_hook, grad_scaler,
-                   scaler_kwargs, tuple(notes), setting, speed, decision, tuple(warnings), mp.fp8,
-                   tuple(mp.fp8_skip_modules), mp.fp8_all_gather, tuple(mp.fp32_module_names),
-                   tuple(config.training.freeze), state_dtype, config.optimizer.stochastic_rounding,
-                   cp_reduce, dims.cp, router, dims.ep)
+        plan = cls(
+            path=path, device_type=device_type, storage_dtype=storage, param_dtype=param, reduce_dtype=reduce,
+            output_dtype=_DTYPES[mp.output_dtype] if enabled else storage,
+            safe_modules=resolve_module_classes(mp.lower_precision_safe_modules) if enabled else (),
+            comm_hook=_comm_hook(path, reduce, dims), grad_scaler=grad_scaler,
+            scaler_kwargs={"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
+                           "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval},
+            notes=tuple(notes), enabled_setting=setting, speed=speed, decision=decision, warnings=tuple(warnings),
+            fp8=mp.fp8, fp8_skip=tuple(mp.fp8_skip_modules), fp8_all_gather=mp.fp8_all_gather,
+            fp32_names=tuple(mp.fp32_module_names), frozen_names=tuple(config.training.freeze),
+            optimizer_state_dtype=_optimizer_state_dtype(config, storage),
+            stochastic_rounding=config.optimizer.stochastic_rounding,
+            cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage, context_parallel_degree=dims.cp,
+            router_dtype=router, expert_parallel_degree=dims.ep)
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
@@ -407,84 +415,3 @@ class PrecisionPlan:
                 "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
                            else f"torch AdamW in {short_name(self.storage_dtype)}"),
                 "weight_rounding": "stochastic" if self.stochastic_rounding else "nearest"}
-
-    # -----------------------------------------------------------------------------------------
-    # Applying the plan: the code, and what it does and why, lives in the applier module each
-    # method names; the methods keep one object for the rest of the code to ask.
-
-    # tags.py and freeze.py: marks by module name, what the parameters are stored in
-    def mark_fp32_by_name(self, model: nn.Module) -> list[str]:
-        return tags.mark_fp32_by_name(self, model)
-
-    def apply_storage_dtype(self, model: nn.Module) -> None:
-        freezing.apply_storage_dtype(self, model)
-
-    def freeze(self, model: nn.Module) -> dict[str, str]:
-        return freezing.freeze(self, model)
-
-    def refreeze(self, model: nn.Module) -> None:
-        freezing.refreeze(model)
-
-    def frozen_low_precision_modules(self, model: nn.Module) -> list[nn.Module]:
-        return freezing.frozen_low_precision_modules(self, model)
-
-    # float8.py
-    def check_fp8_modules(self, model: nn.Module) -> None:
-        float8.check_fp8_modules(self, model)
-
-    def apply_fp8(self, model: nn.Module) -> list[str]:
-        return float8.apply_fp8(self, model)
-
-    def is_fp8_linear(self, name: str, module: nn.Module) -> bool:
-        return float8.is_fp8_linear(self, name, module)
-
-    def after_optimizer_step(self, model_parts: list[nn.Module]) -> None:
-        float8.after_optimizer_step(self, model_parts)
-
-    # fsdp.py
-    def fsdp_policy(self, *, low_precision: bool, output_dtype: torch.dtype | None = None,
-                    cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
-        return fsdp.fsdp_policy(self, low_precision=low_precision, output_dtype=output_dtype,
-                                cast_forward_inputs=cast_forward_inputs)
-
-    def cast_block_inputs(self, block: nn.Module) -> None:
-        fsdp.cast_block_inputs(self, block)
-
-    # autocast.py
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return autocast.forward_context(self)
-
-    def apply_forward_context(self, module: nn.Module) -> None:
-        autocast.apply_forward_context(self, module)
-
-    def apply_fp32_islands(self, model: nn.Module) -> None:
-        autocast.apply_fp32_islands(self, model)
-
-    def backward_context(self) -> contextlib.AbstractContextManager:
-        return autocast.backward_context(self)
-
-    def cast_output(self, output: torch.Tensor) -> torch.Tensor:
-        return autocast.cast_output(self, output)
-
-    def check_no_user_autocast(self) -> None:
-        autocast.check_no_user_autocast(self)
-
-    # scaler.py, comm_hooks.py, reducers.py
-    def build_scaler(self) -> scaler.LossScaler:
-        return scaler.build_scaler(self)
-
-    def comm_hook_state(self, model: nn.Module, group: dist.ProcessGroup | None) -> comm_hooks.CompressHookState | None:
-        return comm_hooks.comm_hook_state(self, model, group)
-
-    def partial_grad_reducer(self, model_parts: list[nn.Module]) -> reducers.PartialGradReducer:
-        return reducers.partial_grad_reducer(self, model_parts)
-
-    # -----------------------------------------------------------------------------------------
-    # Report (report.py)
-
-    def report(self, model: nn.Module) -> dict[str, Any]:
-        return reporting.report(self, model)
-
-    def log_and_write_report(self, model: nn.Module, dump_folder: str, is_writer: bool,
-                             extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return reporting.log_and_write_report(self, model, dump_folder, is_writer, extra)

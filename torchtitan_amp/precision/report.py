@@ -110,10 +110,10 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """`extra`: sections the job adds (gradient collectives and bytes per parameter, which
     the memory model computes from this plan)."""
-    report = {**plan.report(model), **(extra or {})}
+    written = {**report(plan, model), **(extra or {})}
     if is_writer:
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
-        (Path(dump_folder) / "precision_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (Path(dump_folder) / "precision_report.json").write_text(json.dumps(written, indent=2) + "\n")
         logger.info("precision: %s", plan.decision)
         for warning in plan.warnings:
             logger.warning("precision: %s", warning)
@@ -121,29 +121,29 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
                     plan.path, short_name(plan.param_dtype), short_name(plan.reduce_dtype),
                     short_name(plan.output_dtype), plan.comm_hook, plan.grad_scaler)
         logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
-        for g in report["param_groups"]:
+        for g in written["param_groups"]:
             logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
                         f"{g['num_params']:,}", *(short_name(g[k]) for k in
                                                   ("storage_dtype", "compute_dtype", "reduce_dtype")))
-        opt = report["optimizer"]
+        opt = written["optimizer"]
         logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(plan.optimizer_state_dtype),
                     opt["update"], opt["weight_rounding"])
-        router = report["router"]
+        router = written["router"]
         if router is not None:
             logger.info("  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
                         router["routers"], router["router_dtype"], router["parameters"])
-        ep = report["expert_parallel"]
+        ep = written["expert_parallel"]
         if ep is not None:
             logger.info("  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums "
                         "in float32", ep["degree"], ep["dispatch_dtype"])
-        cp = report["context_parallel"]
+        cp = written["context_parallel"]
         if cp is not None:
             logger.info("  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
                         "no softmax merge (one attention call per rank)", cp["degree"],
                         cp["kv_all_gather_dtype"], cp["kv_grad_reduce_scatter_dtype"])
-        for name, by_dtype in report.get("gradient_collectives", {}).items():
+        for name, by_dtype in written.get("gradient_collectives", {}).items():
             logger.info("  gradient collective %s: %s per step", name,
                         ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))
         for note in plan.notes:
             logger.info("  note: %s", note)
-    return report
+    return written

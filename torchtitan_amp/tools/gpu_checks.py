@@ -78,6 +78,7 @@ from torchtitan_amp.distributed.process_groups import CUBLAS_DETERMINISTIC_WORKS
 from torchtitan_amp.distributed.tensor_parallel import parallel_context  # noqa: E402
 from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
+from torchtitan_amp.precision import autocast  # noqa: E402
 from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
     OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
@@ -150,10 +151,10 @@ def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     inputs, labels = next(iter(trainer.dataloader))
     inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
     forward, backward = OpDtypes(), OpDtypes()
-    with parallel_context(trainer.dims, trainer.config), trainer.plan.forward_context(), forward:
-        logits = trainer.plan.cast_output(trainer.model(inputs))
+    with parallel_context(trainer.dims, trainer.config), autocast.forward_context(trainer.plan), forward:
+        logits = autocast.cast_output(trainer.plan, trainer.model(inputs))
         loss = loss_fn(logits, labels)
-    with trainer.plan.backward_context(), backward:
+    with autocast.backward_context(trainer.plan), backward:
         loss.backward()
     for h in hooks:
         h.remove()

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 from torchtitan_amp.core.rules import reshard_after_forward
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.distributed.expert_parallel import expert_layers
-from torchtitan_amp.precision import PrecisionPlan, install_comm_hook
+from torchtitan_amp.precision import PrecisionPlan, comm_hooks, freeze, fsdp
 from torchtitan_amp.precision.tags import tied_modules
 
 logger = logging.getLogger("torchtitan_amp")
@@ -37,22 +37,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
         fp32 = [m for m in plan.fp32_modules(model) if m is not model]
         # A group's output_dtype must reach each norm's output (torch_compat says where it does).
         for group in reversed(group_by_block(model, fp32, grouped=grouped_fsdp_casts_every_output())):
-            shard(group, mp_policy=plan.fsdp_policy(low_precision=False), reshard_after_forward=reshard(False))
+            shard(group, mp_policy=fsdp.fsdp_policy(plan, low_precision=False), reshard_after_forward=reshard(False))
         # Frozen modules stored in param_dtype: no group mixes them with fp32 trained parameters.
-        for group in reversed(group_by_block(model, plan.frozen_low_precision_modules(model))):
-            shard(group, mp_policy=plan.fsdp_policy(low_precision=True), reshard_after_forward=reshard(False))
+        for group in reversed(group_by_block(model, freeze.frozen_low_precision_modules(plan, model))):
+            shard(group, mp_policy=fsdp.fsdp_policy(plan, low_precision=True), reshard_after_forward=reshard(False))
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
-        shard(block, mp_policy=plan.fsdp_policy(low_precision=True, cast_forward_inputs=False),
+        shard(block, mp_policy=fsdp.fsdp_policy(plan, low_precision=True, cast_forward_inputs=False),
               reshard_after_forward=reshard(i == len(blocks) - 1))
-        plan.cast_block_inputs(block)
+        fsdp.cast_block_inputs(plan, block)
     # The root's forward ends the step, so keeping its params gathered saves one all-gather
     # (rules.reshard_after_forward's is_last).
     # Only the stage that produces logits casts to output_dtype: earlier pipeline stages send
     # hidden states to the next stage in param dtype, not at twice the bytes in fp32.
     output_dtype = plan.output_dtype if model.output is not None else None
-    shard(model, mp_policy=plan.fsdp_policy(low_precision=True, output_dtype=output_dtype),
+    shard(model, mp_policy=fsdp.fsdp_policy(plan, low_precision=True, output_dtype=output_dtype),
           reshard_after_forward=reshard(True))
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 
@@ -69,7 +69,7 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
     """
     for layer in expert_layers(model):
         experts = layer.experts
-        fully_shard(experts, mesh=mesh, mp_policy=plan.fsdp_policy(low_precision=plan.is_safe(experts)),
+        fully_shard(experts, mesh=mesh, mp_policy=fsdp.fsdp_policy(plan, low_precision=plan.is_safe(experts)),
                     reshard_after_forward=reshard(False), shard_placement_fn=lambda _: Shard(1))
         experts.set_gradient_divide_factor(float(dp_size))
         # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself. Not on one
@@ -107,7 +107,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, bucket_ca
     """DDP (`replicate`) with the plan's compress hook; without one, `default_hook` if given (the
     traffic recorder's visible all-reduce: observability.traffic.default_ddp_hook)."""
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
-    install_comm_hook(model, plan.comm_hook_state(model, mesh.get_group()))
+    comm_hooks.install_comm_hook(model, comm_hooks.comm_hook_state(plan, model, mesh.get_group()))
     if plan.comm_hook == "none" and default_hook is not None:
         model.register_comm_hook(mesh.get_group(), default_hook)
     logger.info("applied DDP (replicate) over mesh %s, comm hook %s", mesh.mesh_dim_names, plan.comm_hook)

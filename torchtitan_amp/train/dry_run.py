@@ -43,7 +43,7 @@ from torchtitan_amp.core.torch_compat import fsdp_param_groups
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
-from torchtitan_amp.precision import PrecisionPlan, dtype_name
+from torchtitan_amp.precision import PrecisionPlan, dtype_name, float8
 from torchtitan_amp.train.job import Job, build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
 
@@ -131,7 +131,7 @@ def fp8_gathered_params(parts: list[nn.Module], plan: PrecisionPlan) -> set[int]
     if not plan.fp8_all_gather:
         return set()
     return {id(m.weight) for part in parts for name, m in part.named_modules()
-            if plan.is_fp8_linear(unwrapped_name(name), m)}
+            if float8.is_fp8_linear(unwrapped_name(name), m, plan.fp8, plan.fp8_skip)}
 
 
 def fsdp_groups_of(part: nn.Module, fsdp_shard: int, fp8_params: frozenset[int] | set[int] = frozenset()

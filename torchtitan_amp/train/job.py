@@ -27,8 +27,7 @@ from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.precision import float8
+from torchtitan_amp.precision import PrecisionPlan, by_name, float8, freeze, memory_spec
 from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
@@ -91,7 +90,7 @@ class Job:
 
     @property
     def precision(self) -> memory.PrecisionSpec:
-        return memory.PrecisionSpec.from_plan(self.plan, self.family.norm_cls)
+        return memory_spec.from_plan(self.plan, self.family.norm_cls)
 
     @functools.cached_property
     def mask_inputs(self) -> MaskInputs:
@@ -161,9 +160,9 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):
             model = family.build_model(args)
-        plan.mark_fp32_by_name(model)
-        plan.freeze(model)
-        plan.check_fp8_modules(model)
+        by_name.mark_fp32_by_name(plan, model)
+        freeze.freeze(plan, model)
+        float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
     job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
               n_microbatches, validation)
     # A dry run asks what its target device (dry_run.device) would run, whatever machine it runs on.
@@ -188,14 +187,14 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     args, t, family = job.model_args, job.config.training, job.family
     with torch.device("meta"):
         model = family.build_model(args)
-    job.plan.apply_storage_dtype(model)
+    freeze.apply_storage_dtype(job.plan, model)
     job.plan.apply_router_dtype(model)
-    job.plan.mark_fp32_by_name(model)
-    job.plan.freeze(model)
+    by_name.mark_fp32_by_name(job.plan, model)
+    freeze.freeze(job.plan, model)
     if materialize or job.plan.fp8 == "none" or float8.torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None:
         # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
-        job.plan.apply_fp8(model)
+        float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)

@@ -25,7 +25,7 @@ from torchtitan_amp.models import get_family
 from torchtitan_amp.models.moe.moe import grouped_mm_kernel
 from torchtitan_amp.models.spec import ModelFamily
 from torchtitan_amp.observability import traffic
-from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision import PrecisionPlan, autocast, freeze
 from torchtitan_amp.train.data_parallel import apply_ddp, apply_fsdp
 
 logger = logging.getLogger("torchtitan_amp")
@@ -103,11 +103,11 @@ def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
 
 def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan,
                       config: JobConfig) -> nn.Module:
-    plan.apply_fp32_islands(model)
+    autocast.apply_fp32_islands(plan, model)
     if dims.tp_enabled:
         apply_tp(model, family.tp_block_plan, family.block_norms, dims.mesh["tp"], loss_parallel_enabled(dims, config),
                  config.parallelism.enable_sequence_parallel)
-        plan.refreeze(model)
+        freeze.refreeze(model)
         if config.parallelism.enable_async_tensor_parallel:
             apply_async_tp(dims.mesh["tp"])
     if dims.cp_enabled:

@@ -35,6 +35,7 @@ from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.observability.trackers import build_trackers
+from torchtitan_amp.precision import autocast, float8, reducers, report, scaler
 from torchtitan_amp.train.job import build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
 from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer
@@ -109,7 +110,7 @@ class Trainer:
         self._build_groups()
         # What this rank's model sees of a batch: document ids, and its chunks under CP.
         self.model_inputs = BatchSharder(self.job.mask_inputs, self.dims.cp, self.dims.cp_rank(self.info.rank))
-        self.scaler = self.plan.build_scaler()
+        self.scaler = scaler.build_scaler(self.plan)
         self.pipeline: Pipeline | None = None
         self._label_weight = torch.ones((), device=self.device)  # set per step (forward_backward)
         self.model_parts = self._build_model()
@@ -125,11 +126,11 @@ class Trainer:
                                                       if self.plan.mixed_state_optimizer else None),
                                          stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed,
                                          fused_ok=self.plan.fused_optimizer_ok)
-        self.reduce_partial_grads = self.plan.partial_grad_reducer(self.model_parts)
+        self.reduce_partial_grads = reducers.partial_grad_reducer(self.plan, self.model_parts)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
-        report = self.plan.log_and_write_report(nn.ModuleList(self.model_parts), config.job.dump_folder,
-                                                self.is_logging_rank, self._memory_facts())
-        self.metrics = self._build_metrics(report)
+        written = report.log_and_write_report(self.plan, nn.ModuleList(self.model_parts), config.job.dump_folder,
+                                              self.is_logging_rank, self._memory_facts())
+        self.metrics = self._build_metrics(written)
         self.step = 0
         self.tokens_seen = 0
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
@@ -210,7 +211,7 @@ class Trainer:
             self.pipeline = build_pipeline(
                 built.parts, built.stage_ids, self.job.num_stages, self.job.n_microbatches, self.dims,
                 self.config.parallelism.pipeline_parallel_schedule, self.device, self._pipeline_loss,
-                self._pipeline_eval_loss, self.plan.apply_forward_context,
+                self._pipeline_eval_loss, partial(autocast.apply_forward_context, self.plan),
                 self.config.parallelism.pipeline_fsdp_reduce)
         if self.is_logging_rank:
             logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
@@ -223,13 +224,13 @@ class Trainer:
         """Loss on the last stage, called by the schedule per microbatch (scaled for fp16): the sum
         over its valid labels times the step's label weight, so that the microbatches of all
         accumulation steps and ranks make the step's mean."""
-        loss = loss_fn(self.plan.cast_output(output), labels, reduction="sum") * self._label_weight
+        loss = loss_fn(autocast.cast_output(self.plan, output), labels, reduction="sum") * self._label_weight
         return self.scaler.scale(loss)
 
     def _pipeline_eval_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss on the last stage during evaluation: the sum over the microbatch's valid labels
         (validation divides by their count)."""
-        return loss_fn(self.plan.cast_output(output), labels, reduction="sum")
+        return loss_fn(autocast.cast_output(self.plan, output), labels, reduction="sum")
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
                          weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,10 +253,10 @@ class Trainer:
         # Before the forward: the aux loss captures its factor there, and the factor must be the
         # one this micro-batch's loss is scaled by (the scale changes only between steps).
         self._set_loss_factor(self.accum)
-        with parallel_context(self.dims, self.config), self.plan.forward_context():
-            logits = self.plan.cast_output(self.model(inputs, **extra))
+        with parallel_context(self.dims, self.config), autocast.forward_context(self.plan):
+            logits = autocast.cast_output(self.plan, self.model(inputs, **extra))
             loss = loss_fn(logits, labels, reduction="sum") * self._label_weight
-        with parallel_context(self.dims, self.config), self.plan.backward_context():
+        with parallel_context(self.dims, self.config), autocast.backward_context(self.plan):
             self.scaler.scale(loss).backward()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
@@ -275,7 +276,7 @@ class Trainer:
             self.job.family.set_loss_factor(self.model_parts, self.scaler.get_scale() / divisor)
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        self.plan.check_no_user_autocast()
+        autocast.check_no_user_autocast(self.plan)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -319,7 +320,7 @@ class Trainer:
         if stepped:
             # A skipped fp16 step must not advance the schedule.
             self.lr_scheduler.step()
-            self.plan.after_optimizer_step(self.model_parts)
+            float8.after_optimizer_step(self.model_parts, self.plan.fp8_all_gather)
             if self.job.family.after_step is not None:
                 self.job.family.after_step(self.model_parts)
         return loss_sum, grad_norm, stepped
