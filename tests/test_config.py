@@ -501,6 +501,63 @@ def test_world_size_checks_run_before_any_process_group(no_process_group: None, 
     assert "\n" not in str(info.value)
 
 
+# Configs that cannot run on their world size, each with what its one error line says. The
+# pre-flight (torchtitan_amp/train/preflight.py) finds them before torchrun starts; the launches
+# through run_llama_train.sh and torchtitan_amp.launch are in tests/test_multinode.py.
+DEBUG_CONFIG = ("--job.config_file", "train_configs/debug_model.toml")
+_TINY = ("--model.flavor", "debugmodel_tiny")
+_MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
+WORLD_SIZE_ERRORS = [
+    (2, ["--parallelism.expert_parallel_degree", "2"], "needs a model with routed experts"),
+    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
+     "'training.seq_len' = 66 must be divisible by 2 x context_parallel_degree = 4"),
+    (2, ["--parallelism.data_parallel_shard_degree", "4"], "= 4 differs from the world size 2"),
+    (3, ["--parallelism.tensor_parallel_degree", "2"], "= 2 does not divide the world size 3"),
+    (2, ["--parallelism.data_parallel_replicate_degree", "3"], "= 3 does not divide the world size 2"),
+    (2, ["--training.global_batch_size", "24"], "is not a multiple of local_batch_size x dp degree = 8 x 2"),
+    (2, [*_MOE, "--parallelism.expert_parallel_degree", "4"],
+     "'parallelism.expert_parallel_degree' = 4 must divide data_parallel_shard_degree x context_parallel_degree"),
+    (6, [*_MOE, "--parallelism.expert_parallel_degree", "3"], "= 3 must divide the model's n_routed_experts = 8"),
+    (4, [*_TINY, "--parallelism.tensor_parallel_degree", "4"], "= 4 must divide the model's n_heads = 2"),
+    (8, [*_TINY, "--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages need at least as many layers"),
+    (2, [*_TINY, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
+     "must be a multiple of 'parallelism.pipeline_parallel_microbatch_size' = 3"),
+    (2, [*_TINY, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"],
+     "'training.seq_len' = 63 must be divisible by tensor_parallel_degree = 2 with sequence parallel on"),
+]
+
+
+@pytest.mark.parametrize("world_size, argv, expected", WORLD_SIZE_ERRORS)
+def test_preflight_finds_world_size_errors_in_one_line(capsys: pytest.CaptureFixture, no_process_group: None,
+                                                       world_size: int, argv: list[str], expected: str) -> None:
+    from torchtitan_amp.train import preflight
+
+    assert preflight.check(world_size, [*DEBUG_CONFIG, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+
+
+def test_preflight_passes_a_good_config_silently(capsys: pytest.CaptureFixture, no_process_group: None) -> None:
+    from torchtitan_amp.train import preflight
+
+    assert preflight.check(2, [*DEBUG_CONFIG]) == 0
+    assert preflight.check(2, [*DEBUG_CONFIG, "--parallelism.expert_parallel_degree", "2", "--help"]) == 0
+    assert preflight.check(1, [*DEBUG_CONFIG, "--parallelism.data_parallel_shard_degree", "2", "--job.dry_run"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_preflight_reads_the_world_size_and_the_script_from_torchruns_options() -> None:
+    from torchtitan_amp.train.preflight import training_job
+
+    args = ["train.py", *DEBUG_CONFIG]
+    assert training_job(["--standalone", "--nproc_per_node=2", *args]) == (2, list(DEBUG_CONFIG))
+    assert training_job(["--nnodes", "2", "--nproc_per_node", "3", "--rdzv_id", "x", *args]) == (6, list(DEBUG_CONFIG))
+    assert training_job(["--nproc_per_node=2", "-m", "torchtitan_amp", "--x.y", "1"]) == (2, ["--x.y", "1"])
+    assert training_job(["--nnodes", "1:4", "--nproc_per_node=2", *args]) is None  # elastic: decided at rendezvous
+    assert training_job(["--nproc_per_node=2", "tests/workers/layouts.py", "spec.json"]) is None  # not a config
+    assert training_job(["--no-such-option", *args]) is None  # torchrun reports its own usage errors
+
+
 # ---------------------------------------------------------------------------------------------
 # What the user sees: exit code 2, one line on stderr, no traceback
 

@@ -50,8 +50,6 @@ from tests.test_parallelisms import (
     max_rel,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-
 CP = "--parallelism.context_parallel_degree"
 SEQ_LEN = 32
 # The bounds: fp32 CP reorders sums only (measured: see the printed values).

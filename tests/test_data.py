@@ -1,3 +1,4 @@
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +15,6 @@ from torchtitan_amp.data import (
     tokenize_corpus,
 )
 from torchtitan_amp.data.tokenizer import ByteTokenizer
-
-# torchdata's StatefulDataLoader calls the deprecated torch.set_vital on construction.
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 TOK = ByteTokenizer()
@@ -47,6 +45,13 @@ def tiny_corpus(tmp_path: Path) -> str:
 
 def _tiny_loader(dataset: str, seed: int = 0, batch: int = 5) -> ParallelAwareDataLoader:
     return build_dataloader(dataset, TOK, seq_len=4, local_batch_size=batch, dp_rank=0, dp_world_size=1, seed=seed)
+
+
+def test_building_a_loader_warns_nothing(tiny_corpus: str) -> None:
+    # torchdata's constructor calls torch.set_vital, deprecated with a warning since torch 2.13.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _tiny_loader(tiny_corpus)
 
 
 # --- corpora -------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from tests.support import assert_step_sync_budget, by_step, launch_worker
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 STEPS, RESUME_FROM = 5, 3
 GLOBAL_BATCH = 4

@@ -27,8 +27,6 @@ import torch
 from tests.support import CURVE_MEAN_TOL, CURVE_TOL, assert_step_sync_budget, launch_worker
 from tests.test_parallelisms import GLOBAL_BATCH, PP, SHARD, STEPS, TP, Layout, Run, max_rel
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-
 MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 QWEN3 = ("--model.name", "moe", "--model.flavor", "debugmodel_qwen3")
 FP32_LOSS_RTOL = 1e-6

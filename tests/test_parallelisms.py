@@ -57,8 +57,6 @@ from tests.support import (
 )
 from tests.support import bf16_rounding_sigma as rounding_sigma
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-
 STEPS = 5
 N_LAYERS = 4  # debugmodel_tiny's blocks
 GLOBAL_BATCH = 4

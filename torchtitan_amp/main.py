@@ -52,8 +52,9 @@ def _parse(argv: list[str]) -> "JobConfig | int":
 
 
 def check_config(argv: list[str]) -> int:
-    """What run_llama_train.sh calls before starting torchrun. Checks that need the world size
-    run later, in Trainer."""
+    """What run_llama_train.sh calls first: the config alone, without torch (a mistyped override
+    fails in a fraction of a second; --help prints the fields). The checks that need the world
+    size follow in torchtitan_amp.launch's pre-flight, before torchrun starts (train/preflight.py)."""
     parsed = _parse(argv)
     return parsed if isinstance(parsed, int) else 0
 

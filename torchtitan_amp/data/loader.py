@@ -1,5 +1,7 @@
 """The data-parallel-aware, resumable loader every dataset kind is served through."""
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def _no_set_vital_warning() -> Iterator[None]:
+    """torchdata's StatefulDataLoader.__init__ calls torch.set_vital, which torch 2.13 deprecates
+    with a UserWarning that every run would print and no user can act on; only that warning is
+    silenced, only around the constructor."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
+        yield
 
 
 def _stack_samples(samples: list[Sample]) -> Sample:
@@ -55,15 +67,16 @@ class ParallelAwareDataLoader(StatefulDataLoader):
             raise DataError(f"local_batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise DataError(f"num_workers must be >= 0, got {num_workers}")
-        if isinstance(dataset, TokenWindowDataset):
-            # The dataset builds whole batches (one vectorised gather), so no collation here.
-            super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
-        elif num_workers:
+        if num_workers and not isinstance(dataset, TokenWindowDataset):
             raise DataError("num_workers > 0 needs a 'tokens:' dataset (pydoc and path: are tokenised in memory "
                             "and every worker would repeat the same samples)")
-        else:
-            super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples,
-                             pin_memory=pin_memory)
+        with _no_set_vital_warning():
+            if isinstance(dataset, TokenWindowDataset):
+                # The dataset builds whole batches (one vectorised gather), so no collation here.
+                super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+            else:
+                super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples,
+                                 pin_memory=pin_memory)
         self._packed = dataset
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
