@@ -105,3 +105,9 @@ def test_relative_links_in_the_docs_point_to_files():
             if "://" not in target and not (path.parent / target).exists():
                 missing.append(f"{path.relative_to(REPO)}: {target}")
     assert missing == []
+
+
+def test_the_readme_fits_in_150_lines():
+    """The README is the front page (what, why, install, run, configure, where to read more); the
+    rest belongs in docs/ and CONTRIBUTING.md."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 150
