@@ -1,4 +1,4 @@
-"""The checkpoint manager is driven by one table (checkpoint.manager.PARTS): a new state to save
+"""The checkpoint manager is driven by one table (checkpoint.parts.PARTS): a new state to save
 and restore is one entry there, in DCP (resharded on load) or in the per-rank files, and
 `checkpoint.exclude_from_loading` knows its name at once. One process, a tiny model, in-process."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support import TINY
-from torchtitan_amp.checkpoint import manager
+from torchtitan_amp.checkpoint import parts
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.train.trainer import Trainer
@@ -25,11 +25,11 @@ def _trainer(tmp_path: Path, *extra: str) -> Trainer:
 def test_a_new_state_is_one_table_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = {"tensor": torch.arange(4.0), "count": 41}
     restored: dict[str, object] = {}
-    in_dcp = manager.StatePart("probe_dcp", True, lambda m: {"t": source["tensor"].clone()},
-                               lambda m, sd: restored.__setitem__("dcp", sd["t"].clone()))
-    per_rank = manager.StatePart("probe_rank", False, lambda m: {"count": source["count"]},
-                                 lambda m, sd: restored.__setitem__("rank", sd["count"]))
-    monkeypatch.setattr(manager, "PARTS", manager.PARTS + (in_dcp, per_rank))
+    in_dcp = parts.StatePart("probe_dcp", True, lambda m: {"t": source["tensor"].clone()},
+                             lambda m, sd: restored.__setitem__("dcp", sd["t"].clone()))
+    per_rank = parts.StatePart("probe_rank", False, lambda m: {"count": source["count"]},
+                               lambda m, sd: restored.__setitem__("rank", sd["count"]))
+    monkeypatch.setattr(parts, "PARTS", parts.PARTS + (in_dcp, per_rank))
 
     first = _trainer(tmp_path, "--training.steps", "1")
     first.train()

@@ -5,6 +5,7 @@ process, one rank, CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -111,11 +112,12 @@ def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
     assert made_with == [45.0]
     group = checkpointer._control_pg
     if backend == "nccl":
-        assert isinstance(group, _Group) and group is not checkpointer._async_pg
+        assert isinstance(group, _Group) and group is not checkpointer.saver.async_group
     else:
         assert group is None
     # Two ranks on a GPU ("meta" stands for it: a tensor on the model's device would show here).
-    checkpointer.world_size, checkpointer.device = 2, torch.device("meta")
+    checkpointer.ranks = dataclasses.replace(checkpointer.ranks, world_size=2)
+    checkpointer.state.device = torch.device("meta")
     calls: list[tuple[torch.device, Any]] = []
 
     def all_reduce(t: torch.Tensor, op: Any = None, group: Any = None) -> None:
@@ -252,13 +254,13 @@ def test_pinned_stager_is_made_once_per_run_closed_at_the_end_and_a_finished_sav
     def step(batches):  # type: ignore[no-untyped-def]
         out = step_fn(batches)
         if trainer.step == 3:
-            trainer.checkpointer._pending.future.result()
+            trainer.checkpointer.saver.pending.future.result()
         return out
 
     def should_stop() -> bool:
         stop = stop_fn()
         if trainer.step == 3:
-            seen["pending"] = trainer.checkpointer._pending
+            seen["pending"] = trainer.checkpointer.saver.pending
             seen["complete"] = sorted(scan_folder(tmp_path / "checkpoint")[0])
         return stop
 
@@ -269,7 +271,7 @@ def test_pinned_stager_is_made_once_per_run_closed_at_the_end_and_a_finished_sav
     complete = scan_folder(tmp_path / "checkpoint")[0]
     assert {s: info.kind for s, info in complete.items()} == {2: "full", 4: "full", 5: "full"}
     assert (_CountingStager.made, _CountingStager.closed) == ((1, 1) if per_run else (3, 3))
-    assert trainer.checkpointer._stager is None
+    assert trainer.checkpointer.saver.stager is None
 
 
 def test_stager_reuse_is_read_from_torch_itself() -> None:

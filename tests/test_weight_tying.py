@@ -339,14 +339,12 @@ def test_an_untied_export_does_not_load_into_a_tied_model(tmp_path: Path) -> Non
 
     from torchtitan_amp.checkpoint.format import EXPORT_FILE
     from torchtitan_amp.checkpoint.loading import load_export
+    from torchtitan_amp.checkpoint.ranks import RankLayout
     from torchtitan_amp.core.errors import CheckpointError
 
-    def _raise(error: str | None) -> None:
-        if error is not None:
-            raise CheckpointError(error)
-
     tied = Transformer(TIED_ARGS)
-    manager = SimpleNamespace(_model=tied, _model_state_dict=tied.state_dict, _all_ok=_raise, pp_degree=1)
+    # One process: all_ok raises this rank's error itself.
+    manager = SimpleNamespace(model=tied, model_state_dict=tied.state_dict, ranks=RankLayout())
     untied = Transformer(dataclasses.replace(TIED_ARGS, enable_weight_tying=False))
     torch.save(untied.state_dict(), tmp_path / EXPORT_FILE)
     with pytest.raises(CheckpointError, match=r"does not fit this model: the model has no 'output.weight'") as e:

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_amp import checkpoint
 from torchtitan_amp.checkpoint import preemption
+from torchtitan_amp.checkpoint.saving import Saver
 from torchtitan_amp.config import load_config
 from torchtitan_amp.precision import PrecisionPlan, fsdp
 from torchtitan_amp.tools.evaluate import evaluate
@@ -106,7 +106,7 @@ def _install_test_hooks(options: dict) -> None:
         Trainer.train_step = slow_step
     crash_step = options.get("crash_in_save_step")
     if crash_step is not None:
-        original_commit = checkpoint.CheckpointManager._commit
+        original_commit = Saver.commit
 
         def crashing_commit(self, state, *args, **kwargs):  # type: ignore[no-untyped-def]
             if state.step == crash_step:
@@ -114,7 +114,7 @@ def _install_test_hooks(options: dict) -> None:
                 os._exit(1)
             return original_commit(self, state, *args, **kwargs)
 
-        checkpoint.CheckpointManager._commit = crashing_commit
+        Saver.commit = crashing_commit
 
 
 @contextlib.contextmanager

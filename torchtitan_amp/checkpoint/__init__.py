@@ -3,15 +3,18 @@
 - `format.py`: the on-disk format (names, marker and manifest, what makes a folder complete,
   inspecting and scanning, the single-file model export);
 - `integrity.py`: CRC-32 checksums of the files;
-- `manager.py`: `CheckpointManager`, driven by one table of stateful parts (`PARTS`: model,
-  optimizer, LR schedule, loss scaler, train state in DCP; dataloader and RNG per rank); its jobs
-  are `saving.py` (saves, async saves, commits, exports), `loading.py` (choosing, verifying and
-  restoring a checkpoint), `retention.py` (keep_latest_k) and `stopping.py` (the per-step stop
-  poll, close); `train_state.py` holds `TrainState`;
+- `parts.py`: one table of stateful parts (`PARTS`: model, optimizer, LR schedule, loss scaler,
+  train state in DCP; dataloader, RNG and validation position per rank) and `RunState`, the live
+  objects it reads and writes; `train_state.py` holds `TrainState`;
+- `ranks.py`: `RankLayout` (this rank's place in the job) and the cross-rank `agree` / `all_ok`;
+- `saving.py`: `Saver` (saves, async saves with their stager and group, commits, exports);
+  `loading.py` (choosing, verifying and restoring a checkpoint); `retention.py` (keep_latest_k);
+  `stopping.py` (the per-step stop poll); `preemption.py` (stop signals, the pre-emption
+  deadline, fault injection);
+- `manager.py`: `CheckpointManager`, which composes them for the trainer;
 - `cli.py`: `python -m torchtitan_amp.checkpoint list | verify | export`.
 
-Pre-emption signals and fault injection are run control (torchtitan_amp/checkpoint/preemption.py). See
-docs/checkpointing.md.
+See docs/checkpointing.md.
 """
 
 import importlib
@@ -23,7 +26,9 @@ _EXPORTS = {
     "format": ("EXPORT_FILE", "FORMAT_VERSION", "KINDS", "MARKER", "CheckpointInfo", "export_checkpoint",
                "inspect_checkpoint", "scan_folder"),
     "integrity": ("file_crc32", "verify_checksums"),
-    "manager": ("PARTS", "CheckpointManager", "StatePart", "TrainState", "validate_config"),
+    "manager": ("CheckpointManager", "validate_config"),
+    "parts": ("PARTS", "StatePart"),
+    "train_state": ("TrainState",),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted([*_HOME, "CheckpointError"])

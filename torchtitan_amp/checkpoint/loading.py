@@ -3,8 +3,8 @@
 it, resharded to this run's layout: DCP parts by key, a model-only export or a Hugging Face folder
 as starting weights, per-rank parts from the file of the rank that held this rank's share.
 
-Free functions over the manager `m` (the state they restore lives there, and its collective
-helpers); choosing itself needs only the config and the folder.
+Free functions: restoring writes into the parts table's live objects (parts.RunState, which knows
+this rank's place in the job); choosing needs only the config, the folder and the ranks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,12 @@ from torchtitan_amp.checkpoint.format import (
     scan_folder,
 )
 from torchtitan_amp.checkpoint.integrity import verify_checksums
+from torchtitan_amp.checkpoint.parts import RunState
+from torchtitan_amp.checkpoint.ranks import RankLayout, agree, all_ok
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import get_family
-
-if TYPE_CHECKING:
-    from torchtitan_amp.checkpoint.manager import CheckpointManager
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -50,60 +49,61 @@ class Choice(NamedTuple):
     step: int
 
 
-@torch.no_grad()
-def load(m: CheckpointManager) -> TrainState | None:
-    """Resume from the newest complete checkpoint (or load_step), else initial_load_path.
+class Restored(NamedTuple):
+    """What load() restored: the step and tokens to resume at, and the folder they came from."""
+    train_state: TrainState
+    path: Path
 
-    Returns the restored step and tokens, or None when starting fresh.
-    """
-    c = m.config.checkpoint
-    if not m.enabled or c.create_seed_checkpoint:
-        return None
-    choice = choose_verified(m)
+
+@torch.no_grad()
+def load(config: JobConfig, folder: Path, state: RunState) -> Restored | None:
+    """Resume from the newest complete checkpoint in `folder` (or load_step), else
+    initial_load_path, into `state`. None when starting fresh. Collective."""
+    c = config.checkpoint
+    ranks = state.ranks
+    choice = choose_verified(config, folder, ranks, state.model_args)
     if choice is None:
         return None
     path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
     begin = time.monotonic()
-    every = tuple(p.name for p in m.parts)
+    every = tuple(p.name for p in state.parts)
     names = tuple(n for n in (("model",) if initial or kind != "full" else every)
                   if n not in c.exclude_from_loading)
-    state = TrainState()
+    train_state = TrainState()
     if kind == "hf":
         from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
 
-        load_hf(m._model, path, m.model_args, complete_model=m.pp_degree == 1,
-                agree=lambda error: m._all_ok(error), family=get_family(m.config.model.name))
+        load_hf(state.model, path, state.model_args, complete_model=ranks.pp_degree == 1,
+                agree=lambda error: all_ok(ranks, error), family=get_family(config.model.name))
     elif kind == "model_only":
-        load_export(m, path)
+        load_export(state, path)
     else:
-        state = load_dcp(m, path, names)
+        train_state = load_dcp(state, path, names)
     if kind == "full":
-        load_rank_state(m, path, meta, names)
-    if m.rank == 0:
+        load_rank_state(state, path, meta, names)
+    if ranks.rank == 0:
         skipped = [n for n in every if n not in names]
         logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
-                    time.monotonic() - begin, state.step,
+                    time.monotonic() - begin, train_state.step,
                     f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
-    m.last_saved_step = state.step
-    m.loaded_path = path
-    return state
+    return Restored(train_state, path)
 
 
-def choose_verified(m: CheckpointManager) -> Choice | None:
+def choose_verified(config: JobConfig, folder: Path, ranks: RankLayout, model_args: Any) -> Choice | None:
     """Rank 0 picks a checkpoint, every rank checks the CRC-32s of a share of its files; a
     corrupt one is named and the next older one is tried (unless it was asked for by name)."""
     corrupt: dict[int, str] = {}
     while True:
-        choice = m._agree(lambda: choose(m.config, m.folder, m.model_args, corrupt))
-        if choice is None or not m.config.checkpoint.checksums:
+        choice = agree(ranks, lambda: choose(config, folder, model_args, corrupt))
+        if choice is None or not config.checkpoint.checksums:
             return choice
-        share = verify_checksums(choice.path, choice.meta, (m.rank, m.world_size))
-        bad = next((b for b in m._all_ok(None, share) if b), None)
+        share = verify_checksums(choice.path, choice.meta, (ranks.rank, ranks.world_size))
+        bad = next((b for b in all_ok(ranks, None, share) if b), None)
         if bad is None:
             return choice
         if choice.initial:
             raise CheckpointError(f"checkpoint.initial_load_path: {bad}")
-        if m.rank == 0:
+        if ranks.rank == 0:
             logger.warning("checkpoint: skipping %s", bad)
         corrupt[choice.step] = bad
 
@@ -175,53 +175,53 @@ def choose_initial(path: Path, model_args: Any, flavor: str, family: Any = None)
     return Choice(str(info.path), info.kind, info.meta, True, info.step)
 
 
-def load_dcp(m: CheckpointManager, path: Path, names: tuple[str, ...]) -> TrainState:
+def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
     """Load the DCP parts among `names`; the saved TrainState, or a fresh one without it."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    sd = m._dcp_state(names, TrainState())
+    sd = state.dcp_state(names, TrainState())
     error = None
     try:
-        for part in m.dcp_parts:
-            if part.name in sd and not part.loadable(m, path, saved, sd[part.name]):
+        for part in state.dcp_parts:
+            if part.name in sd and not part.loadable(state, path, saved, sd[part.name]):
                 sd.pop(part.name)
     except CheckpointError as e:
         error = str(e)
-    m._all_ok(error)
+    all_ok(state.ranks, error)
     try:
         with quiet_single_process():
             dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
         raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
-    m.train_state = TrainState()
-    for part in m.dcp_parts:
+    state.train_state = TrainState()
+    for part in state.dcp_parts:
         if part.name in sd:
-            part.put(m, sd[part.name])
-    return m.train_state
+            part.put(state, sd[part.name])
+    return state.train_state
 
 
-def load_export(m: CheckpointManager, path: Path) -> None:
+def load_export(state: RunState, path: Path) -> None:
     """A model-only export (full tensors, maybe another dtype) as starting weights."""
     sd = torch.load(path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
     error = None
     try:
-        own = m._model_state_dict()
+        own = state.model_state_dict()
         for key, value in own.items():
             if key not in sd or tuple(sd[key].shape) != tuple(value.shape):
                 got = tuple(sd[key].shape) if key in sd else "nothing"
                 raise CheckpointError(f"{path} does not fit this model: '{key}' has shape {got} in the "
                                       f"export but {tuple(value.shape)} in the model")
         # A whole model takes every tensor (an untied export's output.weight has no place in a tied one).
-        extra = sorted(set(sd) - set(own)) if m.pp_degree == 1 else []
+        extra = sorted(set(sd) - set(own)) if state.ranks.pp_degree == 1 else []
         if extra:
             raise CheckpointError(f"{path} does not fit this model: the model has no '{extra[0]}'")
     except CheckpointError as e:
         error = str(e)
-    m._all_ok(error)
+    all_ok(state.ranks, error)
     mine = {k: v for k, v in sd.items() if k in own}
-    set_model_state_dict(m._model, mine, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True))
 
 
-def load_rank_state(m: CheckpointManager, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
+def load_rank_state(state: RunState, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
     """The per-rank parts among `names`, each from the file its `source_rank` names."""
     @functools.cache
     def rank_file(rank: int) -> dict[str, Any]:  # the parts usually share one file
@@ -229,10 +229,10 @@ def load_rank_state(m: CheckpointManager, path: Path, meta: dict[str, Any], name
 
     error = None
     try:
-        for part in m.rank_parts:
-            source = part.source_rank(m, path, meta) if part.name in names else None
+        for part in state.rank_parts:
+            source = part.source_rank(state, path, meta) if part.name in names else None
             if source is not None and (part.name in rank_file(source) or not part.optional):
-                part.put(m, rank_file(source)[part.name])
+                part.put(state, rank_file(source)[part.name])
     except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
         error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"
-    m._all_ok(error)
+    all_ok(state.ranks, error)

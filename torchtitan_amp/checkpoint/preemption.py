@@ -1,7 +1,9 @@
 """Run control: pre-emption signals (SIGTERM / SIGUSR1 ask every rank to finish its step, save
 and exit 0), the check that step + save fit in the pre-emption warning, and fault injection for
-the restart tests. torchtitan_amp/launch.py keeps torchrun from killing the ranks meanwhile. The collective timeouts that end a job
-whose rank died live with the process groups (distributed.set_timeouts)."""
+the restart tests. Process-wide state with no checkpoint types: stopping.py reads the signal, the
+trainer the rest. torchtitan_amp/launch.py keeps torchrun from killing the ranks meanwhile. The
+collective timeouts that end a job whose rank died live with the process groups
+(distributed.set_timeouts)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def install_preemption_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
-    """Call from the main thread of the entry point (train.py)."""
+    """Call from the main thread of the entry point (torchtitan_amp/main.py)."""
     for sig in signals:
         signal.signal(sig, _on_signal)
 

@@ -1,49 +1,40 @@
-"""The per-step agreement to stop and the shutdown: every rank polls once a step whether a stop
-signal reached any rank (committing a finished background save on the way), and close() finishes
-the last save and releases the pinned-memory stager."""
+"""The per-step agreement to stop: every rank polls once a step whether a stop signal reached any
+rank, and commits a finished background save on the way (so a save's commit never waits for the
+next save or the end of the run)."""
 
 from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_amp.checkpoint.preemption import stop_requested
-from torchtitan_amp.checkpoint.saving import close_stager, finish_pending
-
-if TYPE_CHECKING:
-    from torchtitan_amp.checkpoint.manager import CheckpointManager
+from torchtitan_amp.checkpoint.ranks import RankLayout
+from torchtitan_amp.checkpoint.saving import Saver
 
 logger = logging.getLogger("torchtitan_amp")
 
 
-def should_stop(m: CheckpointManager) -> bool:
+def should_stop(ranks: RankLayout, group: dist.ProcessGroup | None, saver: Saver) -> bool:
     """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
     finished background save is committed here too. Call once per step on every rank.
 
-    The flags travel as a CPU tensor on a gloo group (distributed.control_group, made with the
-    manager): reading the result back never waits for the GPU."""
+    The flags travel as a CPU tensor on `group`, a gloo group (distributed.control_group; None:
+    the default group, gloo already): reading the result back never waits for the GPU."""
     stop = stop_requested()
     signum = int(signal.Signals[stop]) if stop else 0
-    flags = [signum, int(m._pending is not None and not m._pending.future.done())]
-    if dist.is_initialized() and m.world_size > 1:
+    flags = [signum, int(saver.uploading())]
+    if dist.is_initialized() and ranks.world_size > 1:
         t = torch.tensor(flags, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=m._control_pg)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         flags = [int(x) for x in t.tolist()]
     signum, still_writing = flags
-    if m._pending is not None and not still_writing:
-        finish_pending(m)
-    if signum and m.rank == 0:
+    if saver.pending is not None and not still_writing:
+        saver.finish_pending()
+    if signum and ranks.rank == 0:
         logger.warning("stop requested (%s on some rank): %s", signal.Signals(signum).name,
-                       "saving a checkpoint and exiting" if m.enabled else
+                       "saving a checkpoint and exiting" if saver.enabled else
                        "exiting after this step (checkpoint.enable is false: nothing is saved)")
     return bool(signum)
-
-
-def close(m: CheckpointManager) -> None:
-    """Finish any background save, then shut the pinned-memory stager down. Collective."""
-    finish_pending(m)
-    close_stager(m)

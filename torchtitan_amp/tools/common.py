@@ -66,7 +66,7 @@ def weights_only_overrides(config_argv: list[str], scratch: str) -> list[str]:
     on with only WEIGHTS_ONLY restored (from checkpoint.folder, or checkpoint.initial_load_path
     alone when given), and run files (logs, precision report) in a scratch folder so that the
     run's own files stay untouched."""
-    from torchtitan_amp.checkpoint.manager import PARTS
+    from torchtitan_amp.checkpoint.parts import PARTS
     from torchtitan_amp.config import load_config
 
     user = load_config(config_argv)
