@@ -776,21 +776,6 @@ def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
     assert snapshot(folder) == before
 
 
-def test_per_rank_data_position_is_not_resharded_silently(matrix, tmp_path):
-    """A checkpoint from before the global data order (no 'data_order' in its marker) holds
-    per-rank positions: another dp degree is refused in one line, naming the way out."""
-    legacy = tmp_path / "checkpoint"
-    shutil.copytree(matrix("fsdp") / "fp32" / "a" / "checkpoint" / f"step-{RESUME_FROM}", legacy / f"step-{RESUME_FROM}")
-    marker = legacy / f"step-{RESUME_FROM}" / "checkpoint.json"
-    meta = json.loads(marker.read_text())
-    del meta["data_order"]
-    marker.write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="data-parallel degree 2 but this run has 1.*per rank.*exclude_from_loading") as e:
-        trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "other",
-                                                    "--checkpoint.folder", str(legacy))))
-    assert "\n" not in str(e.value)
-
-
 def test_unwritable_checkpoint_folder(tmp_path):
     dump = tmp_path / "job"
     dump.mkdir()

@@ -124,23 +124,12 @@ def _dataloader_source(m: RunState, path: Path, meta: dict[str, Any]) -> int:
     if meta["dp_degree"] == m.ranks.dp_degree:
         sources = [r for r, d in meta["rank_dp"] if d == m.ranks.dp_rank]
         return m.ranks.rank if m.ranks.rank in sources else sources[0]
-    if meta.get("data_order") != "global":
-        raise CheckpointError(
-            f"{path} was saved with data-parallel degree {meta['dp_degree']} but this run has "
-            f"{m.ranks.dp_degree}: its data position is per rank (saved before the global data order) and "
-            "cannot be resharded; add 'dataloader' to checkpoint.exclude_from_loading to restart the data stream"
-        )
     return 0  # the global position: every rank's file holds the same one
 
 
 def _validation_source(m: RunState, path: Path, meta: dict[str, Any]) -> int | None:
     if m.validator is None or not m.validator.state_dict():
         return None  # validation off, or every evaluation covers the whole split: no position
-    if meta["dp_degree"] != m.ranks.dp_degree and meta.get("data_order") != "global":
-        if m.ranks.rank == 0:
-            logger.warning("validation position not restored: %s was saved with data-parallel degree %d, "
-                           "this run has %d, and holds per-rank positions", path, meta["dp_degree"], m.ranks.dp_degree)
-        return None
     return _dataloader_source(m, path, meta)
 
 
