@@ -297,19 +297,10 @@ def test_another_global_batch_continues_from_the_same_sample(tiny_corpus: str) -
     assert _rows(_take(iter(resumed), 3)) == straight[10:19]
 
 
-def test_legacy_per_rank_state_loads_at_its_degree_only() -> None:
-    # What a checkpoint from before the global order holds: StatefulDataLoader states by dp rank.
-    legacy = {"dp_rank_0": {"_num_yielded": 3}, "dp_rank_1": {"_num_yielded": 3}, "world_size": 2}
-    straight = [_pydoc_loader(dp_rank=r, dp_world_size=2) for r in range(2)]
-    want = _global_batches(straight, 5)[3:]
-    resumed = [_pydoc_loader(dp_rank=r, dp_world_size=2) for r in range(2)]
-    for dl in resumed:
-        dl.load_state_dict(legacy)
-    assert _global_batches(resumed, 2) == want
-    with pytest.raises(DataError, match="saved with dp world_size 2, but this run has 1; a per-rank position"):
-        _pydoc_loader(dp_rank=0, dp_world_size=1).load_state_dict(legacy)
-    with pytest.raises(DataError, match=r"no 'dp_rank_1' entry \(found: dp_rank_0\)"):
-        _pydoc_loader(dp_rank=1, dp_world_size=2).load_state_dict({"dp_rank_0": {}, "world_size": 2})
+def test_a_state_without_the_global_position_is_refused_in_one_line() -> None:
+    with pytest.raises(DataError, match=r"^dataloader state needs a 'position' \(the global data position\), "
+                                        r"got keys \['dp_rank_0', 'world_size'\]$"):
+        _pydoc_loader(dp_rank=0, dp_world_size=1).load_state_dict({"dp_rank_0": {}, "world_size": 2})
 
 
 def test_state_of_another_dataset_is_refused(tiny_corpus: str) -> None:

@@ -45,14 +45,6 @@ def _stack_samples(samples: list[Sample]) -> Sample:
     return torch.stack(inputs), torch.stack(labels)
 
 
-def _legacy_samples(state: dict[str, Any], batch_size: int) -> int:
-    """Samples one rank had taken, from a StatefulDataLoader state saved before the global order:
-    the batches it had yielded (single process) or its last snapshot plus the steps since (workers)."""
-    if "_num_yielded" in state:
-        return int(state["_num_yielded"]) * batch_size
-    return (int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])) * batch_size
-
-
 class ParallelAwareDataLoader(StatefulDataLoader):
     """StatefulDataLoader whose state is the run's global data position: samples consumed over all
     data-parallel ranks (the datasets' docstrings give the order). Every rank yields the same number
@@ -135,11 +127,10 @@ class ParallelAwareDataLoader(StatefulDataLoader):
         if not state_dict:
             return
         position = state_dict.get("position")
-        if position is None:
-            start = self._legacy_start(state_dict)
-        else:
-            start = self._check_position(position, state_dict.get("world_size"))
-        self._packed.restart(start)
+        if not isinstance(position, dict):
+            raise DataError(f"dataloader state needs a 'position' (the global data position), got keys "
+                            f"{sorted(state_dict)}")
+        self._packed.restart(self._check_position(position, state_dict.get("world_size")))
         self._yielded = 0
 
     def _check_position(self, position: dict[str, Any], saved_world: Any) -> int:
@@ -161,24 +152,6 @@ class ParallelAwareDataLoader(StatefulDataLoader):
         self.resume_note = (f"data resumes at sample {samples} (epoch {position.get('epoch')}); "
                             + "; ".join(notes)) if notes else ""
         return samples
-
-    def _legacy_start(self, state_dict: dict[str, Any]) -> int:
-        """A per-rank state from before the global order: loadable at its own degree only."""
-        if state_dict.get("world_size") != self.dp_world_size:
-            raise DataError(
-                f"dataloader state was saved with dp world_size {state_dict.get('world_size')}, "
-                f"but this run has {self.dp_world_size}; a per-rank position (saved before the global "
-                "data order) cannot be resharded"
-            )
-        key = f"dp_rank_{self.dp_rank}"
-        if key not in state_dict:
-            saved = sorted(k for k in state_dict if k.startswith("dp_rank_"))
-            raise DataError(f"dataloader state has no '{key}' entry (found: {', '.join(saved) or 'none'})")
-        # The old order dropped each epoch's last N mod R windows; rank r's s-th sample was epoch
-        # s // W, position (s mod W) * R + r (W = N // R), which is global sample e*N + (s mod W)*R + r.
-        per_rank = self.num_windows_per_epoch
-        epoch, index = divmod(_legacy_samples(state_dict[key], self.local_batch_size), per_rank)
-        return epoch * self._packed.num_windows + index * self.dp_world_size
 
 
 def build_dataloader(
