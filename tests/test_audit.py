@@ -64,7 +64,7 @@ MOE_LAYOUTS = {"moe_ep2_tp2": [SHARD, "2", TP, "2", EP, "2"], "moe_ep2_efsdp2": 
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:

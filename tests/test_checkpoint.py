@@ -94,7 +94,7 @@ RESHARD_RTOL = 1e-5
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
     """In-process Trainers: skip MFU's matmul benchmark (the workers skip it too)."""
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def job_args(layout: str, precision: str, dump: Path, *extra: str) -> list[str]:

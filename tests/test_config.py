@@ -468,13 +468,13 @@ def test_no_config_error_leaves_a_partial_config(tmp_path: Path) -> None:
 def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes starting a process group or building the model a test failure."""
     from torchtitan_amp.distributed import process_groups
-    from torchtitan_amp.train import trainer
+    from torchtitan_amp.train import build
 
     def forbidden(*_args, **_kwargs):
         raise AssertionError("a bad config reached process-group / model construction")
 
     monkeypatch.setattr(process_groups, "init", forbidden)
-    monkeypatch.setattr(trainer.Trainer, "_build_model", forbidden, raising=False)
+    monkeypatch.setattr(build, "build_model", forbidden)
     for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
 

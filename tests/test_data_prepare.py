@@ -465,7 +465,7 @@ def test_verify_reads_what_startup_only_stats(numbered: Path, capsys: pytest.Cap
 
 def test_trainer_resumes_bitwise_on_tokens_with_loader_workers(numbered: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
     args = ["--model.flavor", "debugmodel_h64", "--training.dataset", f"tokens:{numbered}", "--training.seq_len", "16",
             "--training.local_batch_size", "2", "--training.steps", "4", "--training.dataloader_num_workers", "2",
             "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--mixed_precision.enabled", "false",

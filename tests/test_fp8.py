@@ -28,7 +28,7 @@ SHARD = "--parallelism.data_parallel_shard_degree"
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def _resolve(*extra: str, world: int = 1, dry_run: bool = False) -> job_mod.Job:

@@ -27,7 +27,7 @@ FREEZE = ["--training.freeze", "tok_embeddings,layers.0,layers.1.attention"]
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp_path: Path) -> None:

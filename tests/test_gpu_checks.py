@@ -22,7 +22,7 @@ from tests.support import REPO, run_command
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.tools import gpu_checks
-from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train import build as train_build
 
 GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 
@@ -112,7 +112,7 @@ def test_json_is_written_after_each_check(tmp_path: Path, monkeypatch: pytest.Mo
     path = tmp_path / "out" / "gpu_checks.json"
     seen: dict[str, dict[str, str]] = {}
     monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, seen))
-    monkeypatch.setattr(trainer_module, "peak_flops", trainer_module.peak_flops)  # main patches it on CPU
+    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)  # main patches it on CPU
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     handler = signal.getsignal(signal.SIGTERM)
     begin = time.monotonic()
@@ -140,7 +140,7 @@ def test_json_is_written_after_each_check(tmp_path: Path, monkeypatch: pytest.Mo
 def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gpu_checks.json"
     monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, {}))
-    monkeypatch.setattr(trainer_module, "peak_flops", trainer_module.peak_flops)
+    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes", "--time-budget", "1"]) == 1
     result = json.loads(path.read_text())["checks"]["passes"]
@@ -177,7 +177,7 @@ def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, m
     """The generate check's comparison can fail: decode steps rotated as if at position 0."""
     from torchtitan_amp.models.kv_cache import KVCache
 
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr(train_build, "peak_flops", lambda device, dtype: 1e12)
     monkeypatch.setattr(KVCache, "rotary_rows", lambda self, cos, sin: (cos, sin))
     a = argparse.Namespace(device="cpu", tiny=True, steps=3)
     out: dict[str, Any] = {}

@@ -12,7 +12,7 @@ import torch
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed import activation_checkpoint
 from torchtitan_amp.distributed import process_groups
-from torchtitan_amp.train import trainer
+from torchtitan_amp.train import build, trainer
 from tests.support import TINY
 
 
@@ -35,7 +35,7 @@ def test_trainer_sets_the_gpu_and_determinism_before_the_plan(monkeypatch: pytes
         events.append("plan")
         raise _StopBeforePlan
 
-    monkeypatch.setattr(trainer, "resolve_job", resolve_job)
+    monkeypatch.setattr(build, "resolve_job", resolve_job)
     with pytest.raises(_StopBeforePlan):
         trainer.Trainer(load_config([*TINY, "--training.deterministic", "true"]))
     assert events == ["set_device cuda:3", "determinism True", "plan"]

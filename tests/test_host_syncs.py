@@ -22,7 +22,6 @@ from torchtitan_amp.models.moe.balance import after_backward, after_step
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer
 from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.observability.host_syncs import HostSyncs, StepSyncs, uncounted
-from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
@@ -39,7 +38,7 @@ LOG_READS = {"dense": 2, "moe": 4}
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer_mod, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 # ---------------------------------------------------------------------------------------------

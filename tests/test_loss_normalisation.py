@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.support import mask_labels
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.loss import IGNORE_INDEX, count_valid_labels, label_weight, loss_fn
-from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
 
 # fp32 sums of a few hundred terms in another order, and one more division: a few unit roundoffs.
@@ -30,7 +29,7 @@ TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--mixe
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """MFU's matmul benchmark is not what these tests are about."""
-    monkeypatch.setattr(trainer_mod, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def _masked_batch(batch: int = 8, seq: int = 16, vocab: int = 11) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,6 @@ from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.models.moe import moe as moe_mod
 from torchtitan_amp.models.moe.balance import moe_layers
 from torchtitan_amp.precision import autocast
-from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer, loss_fn
 
 # fp16 autocast with dynamic loss scaling that grows every step (the scale a resumed run starts
@@ -29,7 +28,7 @@ FP16_ACCUM4 = ["--model.name", "moe", "--model.flavor", "debugmodel_moe_aux", "-
 
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer_mod, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 class _RecordAux:

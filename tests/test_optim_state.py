@@ -185,7 +185,7 @@ def test_settings_that_cannot_hold_are_refused(args: list[str], match: str) -> N
 
 
 def test_report_shows_state_dtype_rounding_and_bytes_per_param(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
     args = [*BASE, *PURE_BF16, "--optimizer.state_dtype", "float32", "--optimizer.stochastic_rounding",
             "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
     t = trainer_module.Trainer(load_config(args))

@@ -1,15 +1,13 @@
-"""Pictures of runs (issue 31): tools/plot.py, scripts/loss_compare.py --plot and the figures of
+"""Pictures of runs (issue 31): tools/plot.py, tools/loss_compare.py --plot and the figures of
 docs/numerics.md (tools/numerics_figures.py). In-process, from small synthetic metrics; each PNG
 is decoded and checked by its pixels (size, non-blank, which panel holds which run's colour), the
 figure's panels by their titles."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from matplotlib import image as mpimg
 from matplotlib.colors import to_rgb
 
 from tests.support import REPO
+from torchtitan_amp.tools import loss_compare as lc
 from torchtitan_amp.tools import numerics_figures as nf
 from torchtitan_amp.tools import plot
 
@@ -135,18 +134,8 @@ def test_plot_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captu
 # loss_compare --plot
 
 
-def _loss_compare(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """scripts/loss_compare.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("loss_compare", REPO / "scripts" / "loss_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "loss_compare", module)  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_loss_compare_plot_draws_both_curves_and_their_difference(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    lc = _loss_compare(monkeypatch)
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = _write_run(tmp_path / "a", 30, loss0=5.0)
     b = tmp_path / "b.jsonl"
     # B is A plus 0.01 * step / 30: the difference panel ends 0.01 above its start.

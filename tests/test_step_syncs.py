@@ -35,7 +35,7 @@ TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_sc
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     """MFU's matmul benchmark is not what these tests are about."""
-    monkeypatch.setattr(trainer_mod, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def _trainer(tmp_path: Path, *extra: str) -> Trainer:

@@ -1,5 +1,6 @@
-"""The numerics and benchmark tools of issue 6: scripts/loss_compare.py, torchtitan_amp.tools'
-numerics_matrix and estimate_memory, and the CPU tiny-shape mode of benchmarks/gpu_mfu.py.
+"""The numerics and benchmark tools of issue 6: torchtitan_amp.tools' loss_compare (through
+scripts/loss_compare.py), numerics_matrix and estimate_memory, and the CPU tiny-shape mode of
+benchmarks/gpu_mfu.py.
 
 Launches are the cost (~5 s of start-up each on 2 cores), so one small numerics matrix (3 steps,
 single + DDP 2, fp32 + bf16) is shared by the matrix and loss_compare tests, and the estimate is
@@ -357,7 +358,8 @@ def test_overhead_runs_every_layout(tmp_path: Path) -> None:
 
 BENCHMARKS = ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision",
               "context_parallel", "torchtitan_memory"]
-TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks", "plot", "numerics_figures", "generate"]
+TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks", "plot", "numerics_figures", "generate",
+         "loss_compare"]
 # Runs each module as `python -m MODULE --help` does (runpy as __main__, sys.argv set), one after
 # another in one process, so that torch is imported once rather than once per script (~3 s each on
 # 2 cores); each script's exit code and output are kept apart.

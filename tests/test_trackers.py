@@ -91,7 +91,7 @@ def no_wandb_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var, name in (("WANDB_CONFIG_DIR", "wb_config"), ("WANDB_CACHE_DIR", "wb_cache"), ("WANDB_DATA_DIR", "wb_data")):
         monkeypatch.setenv(var, str(tmp_path / name))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtypes: 1e12)  # no matmul measurement
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtypes: 1e12)  # no matmul measurement
 
 
 def test_wandb_and_tensorboard_hold_every_logged_step(tmp_path: Path, no_wandb_login: None) -> None:

@@ -69,7 +69,7 @@ SAMPLED_LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")
 @pytest.fixture(autouse=True)
 def _no_peak_flops_measurement(monkeypatch):
     """In-process Trainers: skip MFU's matmul benchmark (the workers skip it too)."""
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
 def val_args(layout: str) -> list[str]:
@@ -195,10 +195,11 @@ def test_training_is_bitwise_equal_with_and_without_validation_single(tmp_path: 
 def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """name -> evaluate() result: '<layout>_fp32' / '<layout>_bf16' of the seed checkpoint, 'ckpt_on_1'
     of training job A's step-2 checkpoint on one process; plus the training dump folders."""
+    import torchtitan_amp.train.build as train_build
     import torchtitan_amp.train.trainer as tm
 
     root = tmp_path_factory.mktemp("validation")
-    tm.peak_flops = lambda device, dtype: 1e12  # module scope: the autouse patch is per test
+    train_build.peak_flops = lambda device, dtype: 1e12  # module scope: the autouse patch is per test
     seed_dump = root / "seed"
     tm.Trainer(load_config([*BASE, *FP32, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                             "--job.dump_folder", str(seed_dump)])).train()

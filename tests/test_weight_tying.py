@@ -202,7 +202,7 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
 
     args, cfg = _shrunk(flavor)
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "shrunk", args)
-    monkeypatch.setattr(trainer_module, "peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(LlamaConfig(**copy.deepcopy(cfg))).eval()  # it edits rope_scaling in place
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -293,7 +293,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launch_worker("layouts", root, jobs, 2, flavors=flavors)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(llama.LLAMA3_FLAVORS, TIED, TIED_ARGS)
-        mp.setattr("torchtitan_amp.train.trainer.peak_flops", lambda device, dtype: 1e12)
+        mp.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
         _single_process(root)
     return root
 

@@ -1,16 +1,12 @@
-"""train.py with the test-only tiny_gelu family registered: `torchrun ... train_tiny_gelu.py
---model.name tiny_gelu --model.flavor tiny ...` (what a user's own entry point for a family would do)."""
+"""train.py with the test-only tiny_gelu family registered (what a user's own entry point for a
+family would do). From the repo root: `torchrun ... -m tests.families.train_tiny_gelu --model.name
+tiny_gelu --model.flavor tiny ...`, or the file's path with the repo root on PYTHONPATH (as
+tests/support.run_train launches it)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `tests.families`
-
-from tests.families import tiny_gelu  # noqa: E402
+from tests.families import tiny_gelu
+from torchtitan_amp.main import cli
 
 tiny_gelu.register()
-
-from torchtitan_amp.main import cli  # noqa: E402
 
 if __name__ == "__main__":
     cli()

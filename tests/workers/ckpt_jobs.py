@@ -53,7 +53,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.precision import PrecisionPlan, fsdp
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
-from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train.trainer import Trainer
 from tests.support import digest, exit_process, probe_trainer, read_spec
 
@@ -93,7 +93,7 @@ def _count_hf_reads() -> None:
 def _install_test_hooks(options: dict) -> None:
     # MFU's CPU peak is measured with a 1024^3 matmul per dtype, which takes tens of seconds in
     # fp16 on a CPU without fp16 GEMM; these tests never read MFU.
-    trainer_module.peak_flops = lambda device, dtype: 1e12
+    train_build.peak_flops = lambda device, dtype: 1e12
     delay = options.get("step_delay", 0)
     if delay:
         original_step = Trainer.train_step

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import load_config
 from torchtitan_amp.observability import traffic as collectives
+from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.trainer import Trainer
 from tests.support import exit_process, read_spec
@@ -205,7 +206,7 @@ def fast_init() -> None:
 
 def main(spec_path: str) -> int:
     fast_init()
-    trainer_module.peak_flops = lambda device, dtype: 1e12  # MFU's timed matmuls: never read here
+    train_build.peak_flops = lambda device, dtype: 1e12  # MFU's timed matmuls: never read here
     collectives.install(_category, point_to_point=True, functional=True,
                         record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
     collectives.install_default_ddp_hook()

@@ -38,8 +38,8 @@ from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.observability.host_syncs import StepSyncs, uncounted
 from torchtitan_amp.precision.tags import FROZEN
+from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import optim as optim_mod
-from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer, train_in_turn
 from tests.support import digest, exit_process, mask_labels, read_spec
 from tests.workers import norm_check
@@ -283,7 +283,7 @@ def _rank_info(trainer: Trainer) -> dict:
 
 def main(spec_path: str) -> None:
     # MFU's CPU peak (a timed matmul per dtype, ~0.4 s each, every process) is never read here.
-    trainer_mod.peak_flops = lambda device, dtype: 1e12
+    train_build.peak_flops = lambda device, dtype: 1e12
     norm_check.install()
     Trainer.train = _train_with_evidence  # type: ignore[method-assign]
     optim_mod.adam_step = _recording_adam_step  # type: ignore[assignment]

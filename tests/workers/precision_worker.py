@@ -58,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan, comm_hooks
+from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer, clip_grad_norm_
 from tests.support import exit_process, read_spec
@@ -85,7 +86,7 @@ RANK = int(os.environ.get("RANK", "0"))
 
 # MFU is irrelevant here, and measuring the CPU's peak runs 1024^3 matmuls in the compute dtype:
 # in fp16 (~100x slower than bf16 on this CPU) that alone costs 10-40 s per process.
-trainer_mod.peak_flops = lambda device, dtype: 1e12  # type: ignore[assignment]
+train_build.peak_flops = lambda device, dtype: 1e12  # type: ignore[assignment]
 
 
 _T0 = time.perf_counter()

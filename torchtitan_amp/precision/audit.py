@@ -433,3 +433,14 @@ def write(result: AuditResult, dump_folder: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     return path
+
+
+def audit_step(trainer: Any, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], dump_folder: str,
+               is_logging_rank: bool) -> AuditResult:
+    """`mixed_precision.audit`: one train step of `trainer` recorded and checked (Auditor); the
+    logging rank writes precision_audit.json and logs the table."""
+    result = Auditor(trainer).run(batches)
+    if is_logging_rank:
+        path = write(result, dump_folder)
+        logger.info("%s\n  written to %s", table(result), path)
+    return result

@@ -205,6 +205,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     import torch
     import torch.distributed as dist
 
+    from torchtitan_amp.train import build as train_build
     from torchtitan_amp.train.dry_run import resolve
     from torchtitan_amp.train.trainer import Trainer
 
@@ -212,15 +213,15 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     apply_shape(config.model.name, config.model.flavor, shape)
     _warm_up(resolve(config, int(os.environ.get("WORLD_SIZE", "1"))).plan.param_dtype)
     marks: dict[str, int] = {}
-    build = Trainer._build_model
+    build_model = train_build.build_model
 
-    def build_and_mark(self):  # type: ignore[no-untyped-def]
+    def build_and_mark(*args, **kwargs):  # type: ignore[no-untyped-def]
         gc.collect()
         reset_peak_rss()
         marks["baseline"] = rss_bytes()
-        return build(self)
+        return build_model(*args, **kwargs)
 
-    Trainer._build_model = build_and_mark  # the window opens right before the model exists
+    train_build.build_model = build_and_mark  # the window opens right before the model exists
     trainer = Trainer(config)
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.dataloader)

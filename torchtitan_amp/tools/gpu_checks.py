@@ -80,6 +80,7 @@ from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
 from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.precision import autocast  # noqa: E402
 from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
+from torchtitan_amp.train import build as train_build  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
     OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
     step_syncs, sync_budget_kept, train)
@@ -578,7 +579,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     # MFU's CPU peak measurement runs an fp16 GEMM that takes minutes on CPUs without fp16 units.
     if a.device == "cpu":
-        trainer_module.peak_flops = lambda device, dtype: 1e12
+        train_build.peak_flops = lambda device, dtype: 1e12
     names = a.only.split(",")
     report = Report(a.json, environment(a), names)
     print(json.dumps(report.data["env"]), flush=True)

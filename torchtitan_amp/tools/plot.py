@@ -6,7 +6,7 @@ against steps or tokens, one line per run, from each run's metrics.jsonl.
 
 (or `torchtitan-amp-plot`). RUN is a dump folder or its metrics.jsonl; the legend names each run
 by its folder. Only the panels whose metrics some run logged are drawn. A resumed run logs some
-steps twice: the last entry of a step wins, as in scripts/loss_compare.py. The format follows the
+steps twice: the last entry of a step wins, as in tools/loss_compare.py. The format follows the
 extension of -o (.png, .svg, .pdf). Exit 0, or 2 with one `error:` line for a missing or empty run.
 """
 

@@ -1,4 +1,6 @@
-"""The training loop: config -> dims -> precision plan -> model -> parallelize -> steps."""
+"""The training loop: train steps (micro-batches, loss, backward, gradient clipping, optimizer
+step) and the cadence around them (logging, validation, checkpoints, stopping), over what
+train/build.py built for this rank."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,26 +20,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp import memory
-from torchtitan_amp.checkpoint import CheckpointManager
-from torchtitan_amp.checkpoint.preemption import DeadlineCheck, maybe_inject_fault
-from torchtitan_amp.config import ConfigError, JobConfig, load_config, to_toml
+from torchtitan_amp.checkpoint.preemption import maybe_inject_fault
+from torchtitan_amp.config import ConfigError, JobConfig, load_config
 from torchtitan_amp.core.errors import NonFiniteError
-from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.distributed import process_groups
-from torchtitan_amp.distributed.context_parallel import BatchSharder
-from torchtitan_amp.distributed.pipeline import Pipeline, build_pipeline
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
-from torchtitan_amp.eval import validation
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
-from torchtitan_amp.observability.trackers import build_trackers
-from torchtitan_amp.precision import autocast, float8, reducers, report, scaler
-from torchtitan_amp.train.job import build_model_parts
-from torchtitan_amp.train.job import resolve as resolve_job
-from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer
+from torchtitan_amp.precision import autocast, float8
+from torchtitan_amp.train.build import build_training
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.audit import AuditResult
@@ -79,120 +70,35 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
 
 
 class Trainer:
+    """Runs the training loop over what `build.build_training` built for this rank: the step
+    (micro-batches, loss, backward, clipping, optimizer), and when to log, validate, save and stop."""
+
     def __init__(self, config: JobConfig) -> None:
         self.config = config
-        t = config.training
-        # Everything that can reject the config runs before any process group exists.
-        self.info = process_groups.resolve(config)
-        # Before the plan: its probes run CUDA matmuls, which would open a context on cuda:0 on
-        # every local rank and fix cuBLAS's workspace before determinism could configure it.
-        process_groups.set_device(self.info)
-        process_groups.set_determinism(t.deterministic)
-        self.job = resolve_job(config, self.info.world_size, self.info.device.type)
+        setup = build_training(config, pipeline_loss=self._pipeline_loss,
+                               pipeline_eval_loss=self._pipeline_eval_loss)
+        self.info, self.job, self.device = setup.info, setup.job, setup.info.device
         self.dims, self.accum, self.plan = self.job.dims, self.job.accum, self.job.plan
         self.model_args = self.job.model_args
-        # Bad data is a config-time error too: the loader is built before any process group.
-        dp_rank = self.dims.dp_rank(self.info.rank)
-        self.dataloader = build_dataloader(t.dataset, self.job.tokenizer, t.seq_len, t.local_batch_size,
-                                           dp_rank, self.dims.dp_degree, t.seed,
-                                           num_workers=t.dataloader_num_workers,
-                                           pin_memory=self.info.device.type == "cuda",
-                                           samples_per_step=t.local_batch_size * self.dims.dp_degree * self.accum)
-        spec = self.job.validation
-        val_loader = (validation.build_loader(spec, self.job.tokenizer, dp_rank, self.dims.dp_degree, t.seed)
-                      if spec is not None else None)
-
-        process_groups.init(self.info, config.comm.init_timeout_seconds)
-        self.device = self.info.device
         self.is_logging_rank = self.info.rank == 0
-        if self.is_logging_rank and config.job.print_config:
-            logger.info("resolved config:\n%s", to_toml(config))
-        self._build_groups()
-        # What this rank's model sees of a batch: document ids, and its chunks under CP.
-        self.model_inputs = BatchSharder(self.job.mask_inputs, self.dims.cp, self.dims.cp_rank(self.info.rank))
-        self.scaler = scaler.build_scaler(self.plan)
-        self.pipeline: Pipeline | None = None
-        self._label_weight = torch.ones((), device=self.device)  # set per step (forward_backward)
-        self.model_parts = self._build_model()
+        self.dp_group, self.pp_group, self.loss_group = setup.groups.dp, setup.groups.pp, setup.groups.loss
+        self.model_inputs, self.scaler, self.pipeline = setup.model_inputs, setup.scaler, setup.pipeline
+        self.model_parts = setup.model_parts
         self.model = self.model_parts[0]
-        self.validator = None if spec is None else validation.Validator(
-            spec, val_loader, config=config, plan=self.plan, dims=self.dims, model_parts=self.model_parts,
-            pipeline=self.pipeline, loss_fn=loss_fn, model_inputs=self.model_inputs, device=self.device,
-            loss_group=self.loss_group,
-            pp_group=self.pp_group, is_logging_rank=self.is_logging_rank)
-        self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, config.optimizer, self.device,
-                                         state_dtype=(self.plan.optimizer_state_dtype
-                                                      if self.plan.mixed_state_optimizer else None),
-                                         stochastic_rounding=self.plan.stochastic_rounding, seed=t.seed,
-                                         fused_ok=self.plan.fused_optimizer_ok)
-        self.reduce_partial_grads = reducers.partial_grad_reducer(self.plan, self.model_parts)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, t.steps)
-        written = report.log_and_write_report(self.plan, nn.ModuleList(self.model_parts), config.job.dump_folder,
-                                              self.is_logging_rank, self._memory_facts())
-        self.metrics = self._build_metrics(written)
-        self.step = 0
-        self.tokens_seen = 0
+        opt = setup.optimization
+        self.params, self.optimizer, self.lr_scheduler = opt.params, opt.optimizer, opt.lr_scheduler
+        self.reduce_partial_grads = opt.reduce_partial_grads
+        self.dataloader, self.validator = setup.dataloader, setup.validator
+        self.metrics, self.checkpointer = setup.metrics, setup.checkpointer
+        self._label_weight = torch.ones((), device=self.device)  # set per step (forward_backward)
+        self.step = setup.resumed.step if setup.resumed is not None else 0
+        self.tokens_seen = setup.resumed.tokens_seen if setup.resumed is not None else 0
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
-        self.checkpointer = CheckpointManager(
-            config, model=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            scaler=self.scaler, dataloader=self.dataloader, model_args=self.model_args,
-            device=self.device, pp_degree=self.dims.pp, validator=self.validator)
-        resumed = self.checkpointer.load()
-        if resumed is not None:
-            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
-        self.deadline = DeadlineCheck(config.checkpoint.preemption_warning_s if self.checkpointer.enabled else 0)
-        self.estimated_save_s = 0.0
+        self.deadline, self.estimated_save_s = setup.deadline, setup.estimated_save_s
         if self.deadline.warning_s:
-            self.estimated_save_s = self._estimate_save()
             self._check_deadline(0.0, "start-up estimate:")
-
-    def _build_metrics(self, precision_report: dict[str, object]) -> MetricsLogger:
-        """The metrics logger and its trackers, which get the job config and the precision report."""
-        config, dtypes = self.config, self.plan.compute_dtypes
-        metrics = MetricsLogger(
-            config.job.dump_folder, log_freq=config.metrics.log_freq, enable_tensorboard=False,
-            trackers=build_trackers(config) if self.is_logging_rank else (), is_logging_rank=self.is_logging_rank,
-            flops_per_token=self.flops_per_token, peak_flops=peak_flops(self.device, dtypes), device=self.device,
-            num_ranks_for_mfu=self.dims.tp * self.dims.pp * self.dims.cp, peak_label=peak_label(self.device, dtypes),
-            remeasure_peak=partial(remeasure_cpu_peak, dtypes) if self.device.type == "cpu" else None,
-        )
-        metrics.describe_run({**config.to_dict(), "precision_report": precision_report},
-                             [Path(config.job.dump_folder) / "precision_report.json"])
-        if self.is_logging_rank:
-            logger.info("mfu is relative to %s", metrics.describe_peak())
-        return metrics
-
-    def _build_groups(self) -> None:
-        """The mesh, and the groups the loop itself talks over (data, loss, pipeline)."""
-        self.dp_group, self.pp_group, self.loss_group = None, None, None
-        if self.info.world_size == 1:
-            return
-        mesh = self.dims.build_mesh(self.device.type)
-        assert self.dims.dp_mesh.get_local_rank() == self.dims.dp_rank(self.info.rank)
-        assert mesh["cp"].get_local_rank() == self.dims.cp_rank(self.info.rank)
-        self.dp_group = self.dims.dp_mesh.get_group()
-        # Every rank holding a share of the step's tokens: cp ranks hold parts of one window.
-        self.loss_group = self.dims.loss_mesh.get_group()
-        self.pp_group = mesh["pp"].get_group() if self.dims.pp_enabled else None
-
-    def _memory_facts(self) -> dict[str, object]:
-        """This rank's gradient collectives per step and the bytes per parameter, from the memory
-        model (the dry run's numbers, which tests check against real traffic)."""
-        coords = self.dims.coordinates(self.info.world_size)
-        prec = self.job.precision
-        return {"gradient_collectives": memory.grad_comm(self.job.model_dims, prec, self.job.layout,
-                                                         pp_rank=coords["pp"], tp_rank=coords["tp"]),
-                "bytes_per_param": prec.bytes_per_param()}
-
-    def _estimate_save(self) -> float:
-        size, save_s = self.checkpointer.estimate_save_s()
-        if self.is_logging_rank:
-            logger.info("pre-emption: %d s warning; a save writes %.2f GiB on this rank, estimated "
-                        "%.1f s on the slowest rank", self.deadline.warning_s, size / 2**30, save_s)
-        return save_s
 
     def _check_deadline(self, step_s: float, basis: str) -> None:
         """Warn (once per basis) when a step plus the last measured save, or the estimate before
@@ -201,22 +107,6 @@ class Trainer:
         problem = self.deadline.problem(step_s, save_s, basis)
         if problem and self.is_logging_rank:
             logger.warning(problem)
-
-    def _build_model(self) -> list[nn.Module]:
-        """This rank's model parts (job.build_model_parts); under PP, wrapped in a schedule."""
-        pp_rank = self.dims.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0
-        built = build_model_parts(self.job, self.device, self.job.stage_ids(pp_rank))
-        self.flops_per_token = built.flops_per_token
-        if self.dims.pp_enabled:
-            self.pipeline = build_pipeline(
-                built.parts, built.stage_ids, self.job.num_stages, self.job.n_microbatches, self.dims,
-                self.config.parallelism.pipeline_parallel_schedule, self.device, self._pipeline_loss,
-                self._pipeline_eval_loss, partial(autocast.apply_forward_context, self.plan),
-                self.config.parallelism.pipeline_fsdp_reduce)
-        if self.is_logging_rank:
-            logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
-                        self.config.model.flavor, f"{built.num_params:,}", self.flops_per_token, self.accum)
-        return built.parts
 
     # -----------------------------------------------------------------------------------------
 
@@ -276,6 +166,9 @@ class Trainer:
             self.job.family.set_loss_factor(self.model_parts, self.scaler.get_scale() / divisor)
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step over `accum` micro-batches from `batches`. Returns this rank's loss
+        (its share of the step's mean), the global gradient norm, and whether the optimizer stepped
+        (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
@@ -337,15 +230,14 @@ class Trainer:
         return out
 
     def train(self) -> None:
+        """Steps up to training.steps (or a stop signal), validating, logging and saving at their
+        intervals; with checkpoint.create_seed_checkpoint, only the step-0 checkpoint."""
         t = self.config.training
         if self.config.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
             self.metrics.close()
             return
-        # Creating the iterator draws a seed from the global RNG; fork so that a resumed run's RNG
-        # (restored from the checkpoint) matches the uninterrupted run's.
-        with torch.random.fork_rng(devices=[]):
-            batches = iter(self.dataloader)
+        batches = self._new_batches()
         tokens_per_step = t.local_batch_size * t.seq_len * self.accum * self.dims.dp_degree
         if self.is_logging_rank:
             logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
@@ -385,21 +277,24 @@ class Trainer:
         self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
 
+    def _new_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """An iterator over the training loader, from where it stands."""
+        # Creating the iterator draws a seed from the global RNG; fork so that a resumed run's RNG
+        # (restored from the checkpoint) matches the uninterrupted run's.
+        with torch.random.fork_rng(devices=[]):
+            return iter(self.dataloader)
+
     def audit(self) -> "AuditResult":
-        """One train step with dtype recorders on, checked against the precision plan
-        (mixed_precision.audit); the logging rank writes precision_audit.json and the table."""
+        """One train step checked against the precision plan (`mixed_precision.audit`, by
+        precision/audit.py), instead of training."""
         from torchtitan_amp.precision import audit
 
-        with torch.random.fork_rng(devices=[]):
-            batches = iter(self.dataloader)
-        result = audit.Auditor(self).run(batches)
-        if self.is_logging_rank:
-            path = audit.write(result, self.config.job.dump_folder)
-            logger.info("%s\n  written to %s", audit.table(result), path)
+        result = audit.audit_step(self, self._new_batches(), self.config.job.dump_folder, self.is_logging_rank)
         self.metrics.close()
         return result
 
     def _maybe_validate(self) -> dict[str, float]:
+        """The validation results when an evaluation is due at this step, else {}."""
         if self.validator is None or not self.validator.spec.due(self.step, self.config.training.steps):
             return {}
         result = self.validator.run()
@@ -416,6 +311,8 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
              val: dict[str, float] | None = None) -> None:
+        """One metrics row: the step's mean loss over the loss ranks (NonFiniteError when it is not
+        finite and nothing may skip it), the gradient norm, LR and the run's counters."""
         extra = {"tokens_seen": float(self.tokens_seen), "epoch": float(self.dataloader.epoch),
                  "step_time_s": self.metrics.step_time_s(self.step),
                  "data_time_s": self.data_time_s, **{k: float(v) for k, v in self.family_metrics.items()},

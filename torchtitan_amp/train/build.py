@@ -1,0 +1,236 @@
+"""What a training run is built from, in the order it needs it: `build_training(config, ...)`
+checks the config (job.resolve) and builds the data loaders before any process group exists, then
+starts the process groups and builds this rank's model parts, optimizer, validator, metrics and
+checkpoint manager, resuming from a checkpoint when there is one. The Trainer takes the returned
+`TrainingSetup` and runs the loop over it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_amp import memory
+from torchtitan_amp.checkpoint import CheckpointManager
+from torchtitan_amp.checkpoint.preemption import DeadlineCheck
+from torchtitan_amp.checkpoint.train_state import TrainState
+from torchtitan_amp.config import JobConfig, to_toml
+from torchtitan_amp.data import build_dataloader
+from torchtitan_amp.data.loader import ParallelAwareDataLoader
+from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.distributed.context_parallel import BatchSharder
+from torchtitan_amp.distributed.pipeline import Pipeline, build_pipeline
+from torchtitan_amp.eval import validation
+from torchtitan_amp.models.loss import loss_fn
+from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
+from torchtitan_amp.observability.trackers import build_trackers
+from torchtitan_amp.precision import autocast, reducers
+from torchtitan_amp.precision import report as report_mod
+from torchtitan_amp.precision import scaler as scaler_mod
+from torchtitan_amp.train.job import Job, ModelParts, build_model_parts
+from torchtitan_amp.train.job import resolve as resolve_job
+from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("torchtitan_amp")
+
+# The schedule's loss on the last pipeline stage: (stage output, labels) -> loss.
+StageLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LoopGroups:
+    """The process groups the training loop itself talks over; all None on one rank."""
+
+    dp: dist.ProcessGroup | None = None  # the data-parallel ranks: the step's count of valid labels
+    pp: dist.ProcessGroup | None = None  # the pipeline stages: gradient norm, the last stage's loss
+    loss: dist.ProcessGroup | None = None  # every rank holding a share of the step's tokens (dp x cp)
+
+
+@dataclass
+class Optimization:
+    """What updates this rank's trainable parameters."""
+
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    reduce_partial_grads: Callable[[list[nn.Parameter]], None]  # the plan's reducer of partial grads
+
+
+@dataclass
+class TrainingSetup:
+    """One rank's training run, built and (when a checkpoint exists) resumed."""
+
+    info: process_groups.DistInfo
+    job: Job
+    groups: LoopGroups
+    model_inputs: BatchSharder  # a batch -> what this rank's model sees (document ids, CP chunks)
+    scaler: Any  # the plan's loss scaler (a no-op off fp16)
+    model_parts: list[nn.Module]
+    pipeline: Pipeline | None
+    optimization: Optimization
+    dataloader: ParallelAwareDataLoader
+    validator: validation.Validator | None
+    metrics: MetricsLogger
+    checkpointer: CheckpointManager
+    resumed: TrainState | None  # the step and token count a loaded checkpoint resumes from
+    deadline: DeadlineCheck
+    estimated_save_s: float  # a save's estimated time before any was measured (pre-emption only)
+
+
+def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo, Job]:
+    """This process's rank and device, and the job: every check that can reject the config,
+    before any process group exists."""
+    info = process_groups.resolve(config)
+    # Before the plan: its probes run CUDA matmuls, which would open a context on cuda:0 on
+    # every local rank and fix cuBLAS's workspace before determinism could configure it.
+    process_groups.set_device(info)
+    process_groups.set_determinism(config.training.deterministic)
+    return info, resolve_job(config, info.world_size, info.device.type)
+
+
+def build_loaders(config: JobConfig, job: Job, info: process_groups.DistInfo
+                  ) -> tuple[ParallelAwareDataLoader, ParallelAwareDataLoader | None]:
+    """The training loader and the validation one (None: validation off). Bad data is a
+    config-time error too, so they are built before any process group."""
+    t, dims = config.training, job.dims
+    dp_rank = dims.dp_rank(info.rank)
+    loader = build_dataloader(t.dataset, job.tokenizer, t.seq_len, t.local_batch_size, dp_rank, dims.dp_degree,
+                              t.seed, num_workers=t.dataloader_num_workers, pin_memory=info.device.type == "cuda",
+                              samples_per_step=t.local_batch_size * dims.dp_degree * job.accum)
+    spec = job.validation
+    val_loader = (validation.build_loader(spec, job.tokenizer, dp_rank, dims.dp_degree, t.seed)
+                  if spec is not None else None)
+    return loader, val_loader
+
+
+def build_groups(info: process_groups.DistInfo, job: Job) -> LoopGroups:
+    """The device mesh, and the groups the loop itself talks over (data, loss, pipeline)."""
+    if info.world_size == 1:
+        return LoopGroups()
+    dims = job.dims
+    mesh = dims.build_mesh(info.device.type)
+    assert dims.dp_mesh.get_local_rank() == dims.dp_rank(info.rank)
+    assert mesh["cp"].get_local_rank() == dims.cp_rank(info.rank)
+    # Every rank holding a share of the step's tokens: cp ranks hold parts of one window.
+    return LoopGroups(dp=dims.dp_mesh.get_group(), pp=mesh["pp"].get_group() if dims.pp_enabled else None,
+                      loss=dims.loss_mesh.get_group())
+
+
+def build_model(config: JobConfig, job: Job, device: torch.device, is_logging_rank: bool,
+                pipeline_loss: StageLoss, pipeline_eval_loss: StageLoss) -> tuple[ModelParts, Pipeline | None]:
+    """This rank's model parts (job.build_model_parts); under PP also the schedule over them, which
+    calls `pipeline_loss` (training) or `pipeline_eval_loss` (validation) on the last stage."""
+    dims, plan = job.dims, job.plan
+    pp_rank = dims.mesh["pp"].get_local_rank() if dims.pp_enabled else 0
+    built = build_model_parts(job, device, job.stage_ids(pp_rank))
+    pipeline = None
+    if dims.pp_enabled:
+        pipeline = build_pipeline(
+            built.parts, built.stage_ids, job.num_stages, job.n_microbatches, dims,
+            config.parallelism.pipeline_parallel_schedule, device, pipeline_loss,
+            pipeline_eval_loss, partial(autocast.apply_forward_context, plan),
+            config.parallelism.pipeline_fsdp_reduce)
+    if is_logging_rank:
+        logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
+                    config.model.flavor, f"{built.num_params:,}", built.flops_per_token, job.accum)
+    return built, pipeline
+
+
+def build_optimization(config: JobConfig, job: Job, device: torch.device,
+                       model_parts: list[nn.Module]) -> Optimization:
+    """The optimizer (its state dtype and rounding from the plan), the LR schedule and the plan's
+    reducer of the gradients DTensor leaves partial, over the parts' trainable parameters."""
+    plan = job.plan
+    params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, config.optimizer, device,
+                                state_dtype=plan.optimizer_state_dtype if plan.mixed_state_optimizer else None,
+                                stochastic_rounding=plan.stochastic_rounding, seed=config.training.seed,
+                                fused_ok=plan.fused_optimizer_ok)
+    reduce_partial_grads = reducers.partial_grad_reducer(plan, model_parts)
+    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    return Optimization(params, optimizer, lr_scheduler, reduce_partial_grads)
+
+
+def memory_facts(job: Job, world_size: int) -> dict[str, object]:
+    """This rank's gradient collectives per step and the bytes per parameter, from the memory
+    model (the dry run's numbers, which tests check against real traffic)."""
+    coords = job.dims.coordinates(world_size)
+    prec = job.precision
+    return {"gradient_collectives": memory.grad_comm(job.model_dims, prec, job.layout,
+                                                     pp_rank=coords["pp"], tp_rank=coords["tp"]),
+            "bytes_per_param": prec.bytes_per_param()}
+
+
+def build_metrics(config: JobConfig, job: Job, device: torch.device, is_logging_rank: bool,
+                  flops_per_token: float, precision_report: dict[str, object]) -> MetricsLogger:
+    """The metrics logger and its trackers, which get the job config and the precision report."""
+    dims, dtypes = job.dims, job.plan.compute_dtypes
+    metrics = MetricsLogger(
+        config.job.dump_folder, log_freq=config.metrics.log_freq, enable_tensorboard=False,
+        trackers=build_trackers(config) if is_logging_rank else (), is_logging_rank=is_logging_rank,
+        flops_per_token=flops_per_token, peak_flops=peak_flops(device, dtypes), device=device,
+        num_ranks_for_mfu=dims.tp * dims.pp * dims.cp, peak_label=peak_label(device, dtypes),
+        remeasure_peak=partial(remeasure_cpu_peak, dtypes) if device.type == "cpu" else None,
+    )
+    metrics.describe_run({**config.to_dict(), "precision_report": precision_report},
+                         [Path(config.job.dump_folder) / "precision_report.json"])
+    if is_logging_rank:
+        logger.info("mfu is relative to %s", metrics.describe_peak())
+    return metrics
+
+
+def start_deadline(config: JobConfig, checkpointer: CheckpointManager, is_logging_rank: bool
+                   ) -> tuple[DeadlineCheck, float]:
+    """The pre-emption deadline check and, when a warning is configured, a save's estimated time
+    (a probe write), so that a job that cannot save in time is told before its first step."""
+    deadline = DeadlineCheck(config.checkpoint.preemption_warning_s if checkpointer.enabled else 0)
+    if not deadline.warning_s:
+        return deadline, 0.0
+    size, save_s = checkpointer.estimate_save_s()
+    if is_logging_rank:
+        logger.info("pre-emption: %d s warning; a save writes %.2f GiB on this rank, estimated "
+                    "%.1f s on the slowest rank", deadline.warning_s, size / 2**30, save_s)
+    return deadline, save_s
+
+
+def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval_loss: StageLoss) -> TrainingSetup:
+    """Everything one rank trains with, in order: the config checks and data loaders before any
+    process group, then the process groups, model parts, validator, optimizer, precision report,
+    metrics and checkpoint manager, loading the checkpoint to resume from when there is one.
+    `pipeline_loss` / `pipeline_eval_loss`: the loss the pipeline schedule computes on the last
+    stage (used only under PP)."""
+    info, job = resolve_process_and_job(config)
+    dataloader, val_loader = build_loaders(config, job, info)
+    process_groups.init(info, config.comm.init_timeout_seconds)
+    device, is_logging_rank = info.device, info.rank == 0
+    if is_logging_rank and config.job.print_config:
+        logger.info("resolved config:\n%s", to_toml(config))
+    groups = build_groups(info, job)
+    model_inputs = BatchSharder(job.mask_inputs, job.dims.cp, job.dims.cp_rank(info.rank))
+    scaler = scaler_mod.build_scaler(job.plan)
+    built, pipeline = build_model(config, job, device, is_logging_rank, pipeline_loss, pipeline_eval_loss)
+    spec, parts = job.validation, built.parts
+    validator = None if spec is None else validation.Validator(
+        spec, val_loader, config=config, plan=job.plan, dims=job.dims, model_parts=parts, pipeline=pipeline,
+        loss_fn=loss_fn, model_inputs=model_inputs, device=device, loss_group=groups.loss, pp_group=groups.pp,
+        is_logging_rank=is_logging_rank)
+    optimization = build_optimization(config, job, device, parts)
+    report = report_mod.log_and_write_report(job.plan, nn.ModuleList(parts), config.job.dump_folder,
+                                             is_logging_rank, memory_facts(job, info.world_size))
+    metrics = build_metrics(config, job, device, is_logging_rank, built.flops_per_token, report)
+    checkpointer = CheckpointManager(
+        config, model=parts, optimizer=optimization.optimizer, lr_scheduler=optimization.lr_scheduler,
+        scaler=scaler, dataloader=dataloader, model_args=job.model_args, device=device, pp_degree=job.dims.pp,
+        validator=validator)
+    resumed = checkpointer.load()
+    deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
+    return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
+                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s)
