@@ -72,25 +72,7 @@ def test_no_import_cycle_between_modules():
     graph = {n: _module_imports(n, p, set(modules)) for n, p in modules.items()}
     # A package's __init__ re-exporting its submodules is not a cycle with them: a submodule that
     # imports a sibling through the package name resolves to the sibling's own module here.
-    state: dict[str, int] = {}
-    cycles: list[list[str]] = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
-                continue  # a package and its own submodules
-            if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
-            elif nxt not in state:
-                visit(nxt, stack)
-        stack.pop()
-        state[node] = 2
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n, [])
+    cycles = _cycles(graph)
     assert cycles == []
 
 
