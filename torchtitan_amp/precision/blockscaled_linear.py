@@ -14,13 +14,15 @@ and stochastic rounding of the gradient operand of dgrad and wgrad from a seeded
 MXFP8 follows torchao's MXLinear: e4m3 everywhere, no RHT, no SR.
 
 What differs from a tensor core: the emulation dequantizes each operand to fp32 (exactly: element
-times block scale), multiplies with one fp32 GEMM (products exact, K-long fp32 sums in the CPU
-BLAS's order) and applies NVFP4's two tensor scales as one fp32 multiply of the output (the GEMM's
-alpha, as torch.nn.functional.scaled_mm takes them). The hardware sums each block's products in
-its own fixed-point/wider partial sum, scales it by the two block scales and accumulates block
-partials in fp32 in its own order; the two agree to fp32 accumulation error (gamma_K of the sum
-of |products|), not bit for bit. Hardware SR draws its random bits per element in the convert
-instruction; here torch.rand on a torch.Generator: the same distribution, not the same draws.
+times block scale), multiplies with one fp32 GEMM (products exact unless they fall below fp32's
+range, which needs two blocks scaled near 2^-127; K-long fp32 sums in the BLAS's order) and
+applies NVFP4's two tensor scales as one fp32 multiply of the output (the GEMM's alpha, as
+torch.nn.functional.scaled_mm takes them). The hardware sums each block's products internally
+(in a format NVIDIA does not document), scales the partial sum by the two block scales and
+accumulates in fp32 in its own order: the two agree to fp32 accumulation error (gamma_K of the
+sum of |products|), not bit for bit. Hardware SR takes its random bits inside the convert
+instruction; here torch.rand on a torch.Generator: the same distribution (to the resolution of
+the random bits), not the same draws. Autocast is off inside the emulated GEMM.
 The emulation keeps x and W in their storage dtype for backward and re-quantizes them there
 (a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
 A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
