@@ -115,8 +115,8 @@ def rht_matrix(seed: int, n: int = RHT_DIM) -> torch.Tensor:
 def apply_rht(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """t @ blockdiag(r, r, ...) along the last dim (a multiple of r's size), in fp32 (fp64 if t is)."""
     n, dtype = r.shape[0], torch.promote_types(t.dtype, torch.float32)
-    blocks = t.to(dtype).reshape(*t.shape[:-1], t.shape[-1] // n, n)
-    return (blocks @ r.to(t.device, dtype)).reshape(t.shape)
+    blocks = t.to(dtype).contiguous().view(-1, n)  # one (numel / n, n) x (n, n) GEMM
+    return (blocks @ r.to(t.device, dtype)).view(t.shape)
 
 
 # ----------------------------------------------------------------------------- operands and GEMM
