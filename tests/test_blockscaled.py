@@ -528,3 +528,13 @@ def test_autocast_does_not_change_the_emulated_gemm() -> None:
         plain = bl.blockscaled_linear(x, w, None, recipe)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(bl.blockscaled_linear(x, w, None, recipe), plain)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_nan_activation_is_refused_or_with_check_finite_off_reaches_the_output(fmt) -> None:
+    x, w = torch.randn(4, 64), torch.randn(8, 64)
+    x[1, 3] = float("nan")
+    with pytest.raises(bs.NonFiniteBlockError, match="NaN"):
+        bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt))
+    y = bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt, check_finite=False))
+    assert y[1].isnan().all() and not y[[0, 2, 3]].isnan().any()

@@ -49,7 +49,10 @@ RHT_DIM = 16
 @dataclasses.dataclass(frozen=True)
 class BlockScaledRecipe:
     """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
-    uses one sign vector) and, per module, the SR generator."""
+    uses one sign vector) and, per module, the SR generator. `check_finite` refuses NaN / inf in
+    any operand (NonFiniteBlockError; one host sync per quantized operand, six per Linear step);
+    off, such a block gets a NaN scale and the NaN reaches the loss (for compiled / sync-free runs,
+    where the trainer's own non-finite check catches it)."""
 
     format: Literal["mxfp8", "nvfp4"]
     mx_scale_mode: Literal["floor", "rceil"] = "floor"
@@ -57,6 +60,7 @@ class BlockScaledRecipe:
     rht: bool = False
     stochastic_rounding: bool = False
     seed: int = 0
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -176,13 +180,14 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: t
         t = apply_rht(t, rht)
     rounding = "rne" if generator is None else "stochastic"
     if recipe.format == "mxfp8":
-        q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode)
+        q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode, check_finite=recipe.check_finite)
         info = OperandInfo("float8_e4m3fn", "float8_e8m0fnu", (1, bs.MX_BLOCK), tuple(q.scale.shape), rounding,
                            rht is not None)
         return Operand(q.dequantize(), torch.ones((), device=t.device), info)
     if block_2d:
         t = _pad_last(t.t(), bs.NVFP4_BLOCK).t()
-    values, s_t = bs.nvfp4_dequantized(t.contiguous(), generator=generator, block_2d=block_2d)
+    values, s_t = bs.nvfp4_dequantized(t.contiguous(), generator=generator, block_2d=block_2d,
+                                       check_finite=recipe.check_finite)
     info = OperandInfo("float4_e2m1fn", "float8_e4m3fn", (16, 16) if block_2d else (1, 16),
                        (t.shape[0], t.shape[1] // bs.NVFP4_BLOCK), rounding, rht is not None)
     return Operand(values, s_t, info)
