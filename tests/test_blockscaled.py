@@ -437,7 +437,8 @@ def test_backward_gemms_are_the_recipe_s_and_within_the_bound(name) -> None:
     with torch.no_grad():
         lin.weight.copy_(w)
     xr = x.clone().requires_grad_(True)
-    state = lin.generator.get_state() if lin.generator is not None else None
+    gen_ = lin.sr_generator()
+    state = gen_.get_state() if gen_ is not None else None
     lin(xr).backward(dy)
     gen = None
     if state is not None:
@@ -538,3 +539,21 @@ def test_a_nan_activation_is_refused_or_with_check_finite_off_reaches_the_output
         bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt))
     y = bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt, check_finite=False))
     assert y[1].isnan().all() and not y[[0, 2, 3]].isnan().any()
+
+
+def test_a_module_built_on_meta_gets_its_sr_generator_when_it_first_runs() -> None:
+    recipe = bl.BlockScaledRecipe.nvfp4_full(seed=4)
+    grads = []
+    for _ in range(2):
+        lin = bl.BlockScaledLinear(64, 32, recipe=recipe, sr_stream=1, device="meta")
+        lin.to_empty(device="cpu")
+        with torch.no_grad():
+            lin.weight.copy_(torch.linspace(-1, 1, 64 * 32).reshape(32, 64))
+            lin.bias.zero_()
+        assert lin.generator is None
+        lin(torch.ones(16, 64)).pow(2).sum().backward()
+        assert lin.generator is not None and lin.generator.device.type == "cpu"
+        grads.append(lin.weight.grad)
+    assert torch.equal(grads[0], grads[1])
+    built = bl.BlockScaledLinear.from_linear(torch.nn.Linear(64, 32), recipe)
+    assert built.sr_generator() is not None

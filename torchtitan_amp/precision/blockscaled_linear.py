@@ -252,32 +252,36 @@ def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class BlockScaledLinear(nn.Linear):
-    """nn.Linear whose matmuls run block-scaled (emulated); its SR generator is seeded from the
-    recipe's seed and `sr_stream` (one stream per module), so a run is reproducible from the seed."""
+    """nn.Linear whose matmuls run block-scaled (emulated). Its SR generator is seeded from the
+    recipe's seed and `sr_stream` (one stream per module), so a run is reproducible from the seed;
+    it is made on the weight's device at the first forward (a module built on meta and materialized
+    later gets it then) and made again, from the seed, if the weight moves to another device."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: BlockScaledRecipe, sr_stream: int = 0, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
         self.sr_stream = sr_stream
-        self.generator = self._new_generator()
+        self.generator: torch.Generator | None = None
 
-    def _new_generator(self) -> torch.Generator | None:
+    def sr_generator(self) -> torch.Generator | None:
         if not self.recipe.stochastic_rounding:
             return None
-        return torch.Generator(device=self.weight.device).manual_seed(
-            (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63)
+        device = self.weight.device
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(
+                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63)
+        return self.generator
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, sr_stream: int = 0) -> BlockScaledLinear:
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
                   sr_stream=sr_stream, device="meta")
         new.weight, new.bias = linear.weight, linear.bias
-        new.generator = new._new_generator()
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.generator)
+        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.format}"
