@@ -1,0 +1,287 @@
+"""Emulated block-scaled Linear (MXFP8, NVFP4): the three GEMMs of a Linear as the hardware does
+them, with operands quantized bit-exactly (blockscaled.py) and products summed in fp32 (issue 45).
+
+    forward  y  = Q(x) Q(W)^T          x (M, K) and W (N, K) quantized along K
+    dgrad    dx = Q(dy) Q(W^T)^T       dy (M, N) and W^T (K, N) along N
+    wgrad    dW = Q(dy^T) Q(x^T)^T     dy^T (N, M) and x^T (K, M) along M (the tokens)
+
+The recipe (`BlockScaledRecipe`) says the format and, for NVFP4, NVIDIA's pre-training options:
+2-D 16x16 weight scaling (W is quantized once per tile, so forward and dgrad see the same
+quantized weight), a random Hadamard transform of both wgrad operands along M in blocks of 16
+(R = diag(signs) H16 / 4 is orthogonal with dyadic entries, so R R^T = I exactly and
+dy^T R (x^T R)^T = dy^T x: it spreads outliers before quantization and cancels in the product),
+and stochastic rounding of the gradient operand of dgrad and wgrad from a seeded generator.
+MXFP8 follows torchao's MXLinear: e4m3 everywhere, no RHT, no SR.
+
+What differs from a tensor core: the emulation dequantizes each operand to fp32 (exactly: element
+times block scale), multiplies with one fp32 GEMM (products exact unless they fall below fp32's
+range, which needs two blocks scaled near 2^-127; K-long fp32 sums in the BLAS's order) and
+applies NVFP4's two tensor scales as one fp32 multiply of the output (the GEMM's alpha, as
+torch.nn.functional.scaled_mm takes them). The hardware sums each block's products internally
+(in a format NVIDIA does not document), scales the partial sum by the two block scales and
+accumulates in fp32 in its own order: the two agree to fp32 accumulation error (gamma_K of the
+sum of |products|), not bit for bit. Hardware SR takes its random bits inside the convert
+instruction; here torch.rand on a torch.Generator: the same distribution (to the resolution of
+the random bits), not the same draws. Autocast is off inside the emulated GEMM.
+The emulation keeps x and W in their storage dtype for backward and re-quantizes them there
+(a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
+A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
+product); the hardware kernels instead require multiples of 32 (MXFP8) / 16 (NVFP4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_amp.precision import blockscaled as bs
+
+FORMATS = ("mxfp8", "nvfp4")
+RHT_DIM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledRecipe:
+    """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
+    uses one sign vector) and, per module, the SR generator. `check_finite` refuses NaN / inf in
+    any operand (NonFiniteBlockError; one host sync per quantized operand, six per Linear step);
+    off, such a block gets a NaN scale and the NaN reaches the loss (for compiled / sync-free runs,
+    where the trainer's own non-finite check catches it)."""
+
+    format: Literal["mxfp8", "nvfp4"]
+    mx_scale_mode: Literal["floor", "rceil"] = "floor"
+    weight_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
+    seed: int = 0
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"block-scaled format must be one of {FORMATS}, not {self.format!r}")
+        if self.mx_scale_mode not in bs.SCALE_MODES:
+            raise ValueError(f"mx_scale_mode must be one of {bs.SCALE_MODES}, not {self.mx_scale_mode!r}")
+        extras = [n for n in ("weight_2d", "rht", "stochastic_rounding") if getattr(self, n)]
+        if self.format == "mxfp8" and extras:
+            raise ValueError(f"{', '.join(extras)} belong to the nvfp4 recipe; mxfp8 (torchao's MXLinear) "
+                             "has 1x32 scaling, no RHT and no stochastic rounding")
+
+    @classmethod
+    def nvfp4_full(cls, seed: int = 0) -> BlockScaledRecipe:
+        """NVIDIA's NVFP4 pre-training recipe: 2-D weights, RHT on wgrad, SR on gradients."""
+        return cls("nvfp4", weight_2d=True, rht=True, stochastic_rounding=True, seed=seed)
+
+    @property
+    def block_size(self) -> int:
+        return bs.MX_BLOCK if self.format == "mxfp8" else bs.NVFP4_BLOCK
+
+    def describe(self) -> dict[str, str]:
+        """Each pass's operands and their format, for a report."""
+        if self.format == "mxfp8":
+            f = f"mxfp8 e4m3 1x32 e8m0 ({self.mx_scale_mode})"
+            return {"forward": f"x {f}; W {f}", "dgrad": f"dy {f}; W^T {f}", "wgrad": f"dy^T {f}; x^T {f}"}
+        w = "nvfp4 16x16" if self.weight_2d else "nvfp4 1x16"
+        sr = " SR" if self.stochastic_rounding else ""
+        rht = " RHT16" if self.rht else ""
+        return {"forward": f"x nvfp4 1x16; W {w}", "dgrad": f"dy nvfp4 1x16{sr}; W^T {w}",
+                "wgrad": f"dy^T nvfp4 1x16{sr}{rht}; x^T nvfp4 1x16{rht}"}
+
+
+# ----------------------------------------------------------------------------- RHT
+
+
+def hadamard(n: int = RHT_DIM) -> torch.Tensor:
+    """Sylvester Hadamard matrix / sqrt(n), fp32 (entries +-1/4 for n = 16: dyadic, exact)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, not {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / (n ** 0.5)
+
+
+def rht_signs(seed: int, n: int = RHT_DIM) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.float32)
+
+
+def rht_matrix(seed: int, n: int = RHT_DIM) -> torch.Tensor:
+    """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly."""
+    return rht_signs(seed, n).unsqueeze(1) * hadamard(n)
+
+
+def apply_rht(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """t @ blockdiag(r, r, ...) along the last dim (a multiple of r's size), in fp32 (fp64 if t is)."""
+    n, dtype = r.shape[0], torch.promote_types(t.dtype, torch.float32)
+    blocks = t.to(dtype).contiguous().view(-1, n)  # one (numel / n, n) x (n, n) GEMM
+    return (blocks @ r.to(t.device, dtype)).view(t.shape)
+
+
+# ----------------------------------------------------------------------------- operands and GEMM
+
+
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[-1] % multiple
+    return F.pad(t, (0, extra)) if extra else t
+
+
+class OperandInfo(NamedTuple):
+    """What a GEMM operand was quantized to, as the hardware would read it (for a report / audit)."""
+
+    elements: str  # "float8_e4m3fn" | "float4_e2m1fn"
+    scales: str  # "float8_e8m0fnu" | "float8_e4m3fn" (+ an fp32 tensor scale for nvfp4)
+    block: tuple[int, int]  # (1, 32), (1, 16) or (16, 16)
+    scale_shape: tuple[int, int]  # one scale per 1 x block along the reduction dim (rows repeat a tile's)
+    rounding: str  # "rne" | "stochastic"
+    rht: bool
+
+
+class Operand(NamedTuple):
+    values: torch.Tensor  # dequantized fp32 without the tensor scale: exact
+    tensor_scale: torch.Tensor  # fp32 0-d; 1 for mxfp8
+    info: OperandInfo
+
+
+class GemmRecord(NamedTuple):
+    what: str  # "forward" | "dgrad" | "wgrad" (or a caller's label)
+    format: str
+    shape: tuple[int, int, int]  # rows, cols, reduction length (padded)
+    a: OperandInfo
+    b: OperandInfo
+
+
+_OBSERVERS: list[Callable[[GemmRecord], None]] = []
+
+
+@contextlib.contextmanager
+def observe_gemms(callback: Callable[[GemmRecord], None]) -> Iterator[None]:
+    """Calls `callback` with a GemmRecord for every emulated GEMM run inside (forward and backward)."""
+    _OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(callback)
+
+
+def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: torch.Generator | None = None,
+                     block_2d: bool = False, rht: torch.Tensor | None = None) -> Operand:
+    """A 2-D GEMM operand quantized along its last dim: zero-padded to the block (both dims with
+    block_2d), rotated by `rht` in blocks along that dim if given, then quantized; stochastic
+    rounding if `generator`. The padding is kept: the other operand's reduction dim is padded the
+    same way."""
+    t = _pad_last(t, recipe.block_size)
+    if rht is not None:
+        t = apply_rht(t, rht)
+    rounding = "rne" if generator is None else "stochastic"
+    if recipe.format == "mxfp8":
+        q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode, check_finite=recipe.check_finite)
+        info = OperandInfo("float8_e4m3fn", "float8_e8m0fnu", (1, bs.MX_BLOCK), tuple(q.scale.shape), rounding,
+                           rht is not None)
+        return Operand(q.dequantize(), torch.ones((), device=t.device), info)
+    if block_2d:
+        t = _pad_last(t.t(), bs.NVFP4_BLOCK).t()
+    values, s_t = bs.nvfp4_dequantized(t.contiguous(), generator=generator, block_2d=block_2d,
+                                       check_finite=recipe.check_finite)
+    info = OperandInfo("float4_e2m1fn", "float8_e4m3fn", (16, 16) if block_2d else (1, 16),
+                       (t.shape[0], t.shape[1] // bs.NVFP4_BLOCK), rounding, rht is not None)
+    return Operand(values, s_t, info)
+
+
+def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm") -> torch.Tensor:
+    """A x B^T -> fp32 (rows, cols): one fp32 GEMM of the dequantized operands (autocast off: the
+    emulation decides the dtypes), then alpha = s_a * s_b. Observers get a GemmRecord."""
+    with torch.autocast(a.values.device.type, enabled=False):
+        out = a.values @ b.values.t()
+    for observe in list(_OBSERVERS):
+        observe(GemmRecord(what, "mxfp8" if a.info.elements == "float8_e4m3fn" else "nvfp4",
+                           (rows, cols, a.values.shape[-1]), a.info, b.info))
+    return (out * (a.tensor_scale * b.tensor_scale))[:rows, :cols]
+
+
+def _quantized_weight(w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool) -> Operand:
+    """W for forward (along K) or dgrad (along N); with 2-D scaling both are one tile-quantized W."""
+    if recipe.weight_2d:
+        op = quantize_operand(w, recipe, block_2d=True)
+        return op._replace(values=op.values.t()) if along_n else op
+    return quantize_operand(w.t() if along_n else w, recipe)
+
+
+class _BlockScaledLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, generator):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = emulated_mm(quantize_operand(x2, recipe), _quantized_weight(weight, recipe, False),
+                          x2.shape[0], weight.shape[0], "forward")
+        out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.generator, ctx.has_bias = recipe, generator, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        recipe = ctx.recipe
+        gen = ctx.generator if recipe.stochastic_rounding else None
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        m, (n, k) = g2.shape[0], weight.shape
+        grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen),
+                             _quantized_weight(weight, recipe, True), m, k, "dgrad")
+        r = rht_matrix(recipe.seed) if recipe.rht else None
+        grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r),
+                             quantize_operand(x2.t(), recipe, rht=r), n, k, "wgrad")
+        grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None
+        return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None)
+
+
+def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       recipe: BlockScaledRecipe, generator: torch.Generator | None = None) -> torch.Tensor:
+    """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
+    rounding; required when the recipe asks for it."""
+    if recipe.stochastic_rounding and generator is None:
+        raise ValueError("the recipe rounds gradients stochastically: pass a seeded torch.Generator")
+    return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator)
+
+
+class BlockScaledLinear(nn.Linear):
+    """nn.Linear whose matmuls run block-scaled (emulated). Its SR generator is seeded from the
+    recipe's seed and `sr_stream` (one stream per module), so a run is reproducible from the seed;
+    it is made on the weight's device at the first forward (a module built on meta and materialized
+    later gets it then) and made again, from the seed, if the weight moves to another device."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: BlockScaledRecipe, sr_stream: int = 0, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe
+        self.sr_stream = sr_stream
+        self.generator: torch.Generator | None = None
+
+    def sr_generator(self) -> torch.Generator | None:
+        if not self.recipe.stochastic_rounding:
+            return None
+        device = self.weight.device
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(
+                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63)
+        return self.generator
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, sr_stream: int = 0) -> BlockScaledLinear:
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
+                  sr_stream=sr_stream, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.format}"
