@@ -2,6 +2,10 @@
 then writes OUT/rank{R}.json with the step it ended at and a digest of each parameter shard it
 holds, so that the test can compare the groups' weights bit for bit.
 
+A group that trains alone (its peer was killed and has not rejoined yet) sleeps
+FT_PACE_ALONE_S seconds after each step: on two busy cores a restarted group needs 10-30 s to
+start, longer than a tiny model's remaining steps take, and the test is about its rejoining.
+
 Usage: ft_group.py OUT TRAIN_ARGS..."""
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from torch.distributed.tensor import DTensor
@@ -20,7 +25,17 @@ from torchtitan_amp.train.trainer import Trainer
 
 def main() -> None:
     out = Path(sys.argv[1])
-    trainer = Trainer(load_config(sys.argv[2:]))
+    config = load_config(sys.argv[2:])
+    trainer = Trainer(config)
+    pace, step = float(os.environ.get("FT_PACE_ALONE_S", "0")), trainer.train_step
+
+    def paced_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if trainer.ft.participants < config.fault_tolerance.group_size:
+            time.sleep(pace)
+        return result
+
+    trainer.train_step = paced_step
     trainer.train()
     shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
