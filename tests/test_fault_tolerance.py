@@ -1,8 +1,11 @@
 """Fault tolerance with torchft on gloo: two replica groups of FSDP 2 (four ranks, two torchruns)
-on debugmodel_tiny, a lighthouse in this process. Group 1 dies hard after step 5 (its rank 0 exits,
-torchrun ends the rest of the group) and is started again; group 0 is never restarted.
+on debugmodel_tiny, a lighthouse in this process. Group 1 dies hard at step 5, either between steps
+(its rank 0 exits after the step) or during the step's cross-group all-reduce (its rank 0 is
+SIGKILLed inside it); torchrun ends the rest of the group, and the test starts it again. Group 0 is
+never restarted.
 
-What must hold: the survivor logs every step once and finishes; the restarted group heals from it
+What must hold: the survivor logs every step once and finishes, having discarded only the step the
+kill interrupted (none between steps, one during the all-reduce); the restarted group heals from it
 (copies its state over HTTP) and resumes at the survivor's step, not at step 1; at the end both
 groups hold the same shard of every parameter, bit for bit; the loss falls.
 """
@@ -25,11 +28,12 @@ STEPS, KILL_AT = 40, 5
 TIMEOUT_S = 300
 
 
-def _launch(out: Path, replica_id: int, lighthouse: str, *extra: str) -> subprocess.Popen:
+def _launch(out: Path, replica_id: int, lighthouse: str, *extra: str, env: dict[str, str] | None = None
+            ) -> subprocess.Popen:
     args = ["--job.dump_folder", out, *TINY, "--training.steps", str(STEPS), "--fault_tolerance.enable", "true",
             "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id), *extra]
     cmd = torchrun_cmd(2, WORKERS / "ft_group.py", out, *args)
-    env = _env({"TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "FT_PACE_ALONE_S": "1"})
+    env = _env({"TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "FT_PACE_ALONE_S": "1", **(env or {})})
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, env=env, stdout=open(out.parent / f"{out.name}.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -46,66 +50,75 @@ def _wait(proc: subprocess.Popen, deadline: float) -> int:
         pytest.fail(f"a replica group did not finish within {TIMEOUT_S} s")
 
 
-@pytest.fixture(scope="module")
-def killed_between_steps(tmp_path_factory) -> Path:
-    """g0: the survivor; g1a: group 1 until it dies after step KILL_AT; g1b: group 1 restarted."""
+# How group 1 is killed at step KILL_AT, and the steps the survivor discards for it.
+KILLS = {"between_steps": (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0),
+         "during_allreduce": ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)}
+
+
+@pytest.fixture(scope="module", params=sorted(KILLS))
+def killed(request, tmp_path_factory) -> tuple[Path, int]:
+    """(root, steps the survivor must discard): root/g0 the survivor, g1a group 1 until it dies
+    at step KILL_AT, g1b group 1 restarted."""
     from torchft._torchft import LighthouseServer
 
-    root = tmp_path_factory.mktemp("ft")
+    root = tmp_path_factory.mktemp(f"ft_{request.param}")
+    args, env, discarded = KILLS[request.param]
     # A dead group is left out of the quorum once it misses heartbeats for heartbeat_timeout_ms.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         survivor = _launch(root / "g0", 0, lighthouse.address())
-        victim = _launch(root / "g1a", 1, lighthouse.address(), "--training.fault_inject_at_step", str(KILL_AT))
+        victim = _launch(root / "g1a", 1, lighthouse.address(), *args, env=env)
         (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
         restarted = _launch(root / "g1b", 1, lighthouse.address())
         (root / "g0.rc").write_text(str(_wait(survivor, deadline)))
         (root / "g1b.rc").write_text(str(_wait(restarted, deadline)))
     finally:
         lighthouse.shutdown()
-    return root
+    return root, discarded
 
 
 def _log(root: Path, name: str) -> str:
     return (root / f"{name}.log").read_text()[-4000:]
 
 
-def test_the_killed_group_died_and_the_others_finished(killed_between_steps: Path) -> None:
-    root = killed_between_steps
+def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int]) -> None:
+    root, _ = killed
     assert (root / "g1a.rc").read_text() != "0", _log(root, "g1a")
     assert (root / "g0.rc").read_text() == "0", _log(root, "g0")
     assert (root / "g1b.rc").read_text() == "0", _log(root, "g1b")
 
 
-def test_the_survivor_loses_no_step(killed_between_steps: Path) -> None:
-    rows = read_metrics(killed_between_steps / "g0")
+def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int]) -> None:
+    root, discarded = killed
+    rows = read_metrics(root / "g0")
+    # A discarded step is retried under the same number: every step is logged once.
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    # Killed between steps: the survivor's quorum left the dead group out before any all-reduce.
-    assert rows[-1]["ft_discarded"] == 0
+    # Between steps, the survivor's next quorum leaves the dead group out before any all-reduce.
+    assert rows[-1]["ft_discarded"] == discarded, _log(root, "g0")
     assert any(r["ft_participants"] == 1 for r in rows), "the survivor never trained alone"
     assert rows[-1]["ft_participants"] == 2, "the restarted group never rejoined"
     assert_loss_falls(rows)
 
 
-def test_the_restarted_group_heals_at_the_survivors_step(killed_between_steps: Path) -> None:
-    rows = read_metrics(killed_between_steps / "g1b")
+def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int]) -> None:
+    rows = read_metrics(killed[0] / "g1b")
     assert rows[0]["step"] > KILL_AT, "the restarted group started over instead of healing"
     assert rows[-1]["step"] == STEPS
     assert rows[-1]["ft_heals"] == 1
     assert rows[-1]["ft_heal_s"] < 30
 
 
-def test_both_groups_hold_identical_weights(killed_between_steps: Path) -> None:
+def test_both_groups_hold_identical_weights(killed: tuple[Path, int]) -> None:
     for rank in (0, 1):
-        survivor = json.loads((killed_between_steps / "g0" / f"rank{rank}.json").read_text())
-        healed = json.loads((killed_between_steps / "g1b" / f"rank{rank}.json").read_text())
+        survivor = json.loads((killed[0] / "g0" / f"rank{rank}.json").read_text())
+        healed = json.loads((killed[0] / "g1b" / f"rank{rank}.json").read_text())
         assert survivor["step"] == healed["step"] == STEPS
         assert survivor["shards"] == healed["shards"], f"rank {rank}'s shards differ after healing"
 
 
-def test_precision_report_states_the_cross_group_dtype(killed_between_steps: Path) -> None:
-    report = json.loads((killed_between_steps / "g0" / "precision_report.json").read_text())
+def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int]) -> None:
+    report = json.loads((killed[0] / "g0" / "precision_report.json").read_text())
     ft = report["fault_tolerance"]
     assert ft["replica_groups"] == 2
     assert ft["cross_group_allreduce_dtypes"] == sorted({g["reduce_dtype"] for g in report["param_groups"]})

@@ -6,12 +6,16 @@ A group that trains alone (its peer was killed and has not rejoined yet) sleeps
 FT_PACE_ALONE_S seconds after each step: on two busy cores a restarted group needs 10-30 s to
 start, longer than a tiny model's remaining steps take, and the test is about its rejoining.
 
+FT_KILL_DURING_ALLREDUCE=N: rank 0 SIGKILLs itself inside step N's second cross-group all-reduce,
+after its peers have started it (the whole group then goes: torchrun ends the other rank).
+
 Usage: ft_group.py OUT TRAIN_ARGS..."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,6 +40,17 @@ def main() -> None:
         return result
 
     trainer.train_step = paced_step
+    kill_at = int(os.environ.get("FT_KILL_DURING_ALLREDUCE", "0"))
+    if kill_at and os.environ.get("RANK") == "0":
+        allreduce, calls = trainer.ft.manager.allreduce, []
+
+        def dying_allreduce(*args, **kwargs):
+            calls.append(trainer.step)
+            if calls.count(kill_at) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return allreduce(*args, **kwargs)
+
+        trainer.ft.manager.allreduce = dying_allreduce
     trainer.train()
     shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
