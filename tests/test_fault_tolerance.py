@@ -1,5 +1,5 @@
 """Fault tolerance with torchft on gloo: two replica groups of FSDP 2 (four ranks, two torchruns)
-on debugmodel_tiny, a lighthouse in this process. Group 1 dies hard at step 5, either between steps
+on debugmodel_tiny, a lighthouse in this process (and two one-rank groups: torchft alone replicates). Group 1 dies hard at step 5, either between steps
 (its rank 0 exits after the step) or during the step's cross-group all-reduce (its rank 0 is
 SIGKILLed inside it); torchrun ends the rest of the group, and the test starts it again. Group 0 is
 never restarted.
@@ -28,11 +28,11 @@ STEPS, KILL_AT = 40, 5
 TIMEOUT_S = 300
 
 
-def _launch(out: Path, replica_id: int, lighthouse: str, *extra: str, env: dict[str, str] | None = None
-            ) -> subprocess.Popen:
+def _launch(out: Path, nproc: int, replica_id: int, lighthouse: str, *extra: str,
+            env: dict[str, str] | None = None) -> subprocess.Popen:
     args = ["--job.dump_folder", out, *TINY, "--training.steps", str(STEPS), "--fault_tolerance.enable", "true",
             "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id), *extra]
-    cmd = torchrun_cmd(2, WORKERS / "ft_group.py", out, *args)
+    cmd = torchrun_cmd(nproc, WORKERS / "ft_group.py", out, *args)
     env = _env({"TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "FT_PACE_ALONE_S": "1", **(env or {})})
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, env=env, stdout=open(out.parent / f"{out.name}.log", "w"),
@@ -50,47 +50,50 @@ def _wait(proc: subprocess.Popen, deadline: float) -> int:
         pytest.fail(f"a replica group did not finish within {TIMEOUT_S} s")
 
 
-# How group 1 is killed at step KILL_AT, and the steps the survivor discards for it.
-KILLS = {"between_steps": (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0),
-         "during_allreduce": ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)}
+# Ranks per group, how group 1 is killed at step KILL_AT, and the steps the survivor discards for
+# it. One rank per group: no FSDP, torchft all-reduces the plain gradients (replicate only).
+_BETWEEN = (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0)
+_DURING = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)
+KILLS = {"fsdp2_between_steps": (2, *_BETWEEN), "fsdp2_during_allreduce": (2, *_DURING),
+         "one_rank_between_steps": (1, *_BETWEEN)}
 
 
 @pytest.fixture(scope="module", params=sorted(KILLS))
-def killed(request, tmp_path_factory) -> tuple[Path, int]:
-    """(root, steps the survivor must discard): root/g0 the survivor, g1a group 1 until it dies
-    at step KILL_AT, g1b group 1 restarted."""
+def killed(request, tmp_path_factory) -> tuple[Path, int, int]:
+    """(root, steps the survivor must discard, ranks per group): root/g0 the survivor, g1a group 1
+    until it dies at step KILL_AT, g1b group 1 restarted."""
     from torchft._torchft import LighthouseServer
 
     root = tmp_path_factory.mktemp(f"ft_{request.param}")
-    args, env, discarded = KILLS[request.param]
+    nproc, args, env, discarded = KILLS[request.param]
     # A dead group is left out of the quorum once it misses heartbeats for heartbeat_timeout_ms.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        survivor = _launch(root / "g0", 0, lighthouse.address())
-        victim = _launch(root / "g1a", 1, lighthouse.address(), *args, env=env)
+        survivor = _launch(root / "g0", nproc, 0, lighthouse.address())
+        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *args, env=env)
         (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
-        restarted = _launch(root / "g1b", 1, lighthouse.address())
+        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address())
         (root / "g0.rc").write_text(str(_wait(survivor, deadline)))
         (root / "g1b.rc").write_text(str(_wait(restarted, deadline)))
     finally:
         lighthouse.shutdown()
-    return root, discarded
+    return root, discarded, nproc
 
 
 def _log(root: Path, name: str) -> str:
     return (root / f"{name}.log").read_text()[-4000:]
 
 
-def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int]) -> None:
-    root, _ = killed
+def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int, int]) -> None:
+    root = killed[0]
     assert (root / "g1a.rc").read_text() != "0", _log(root, "g1a")
     assert (root / "g0.rc").read_text() == "0", _log(root, "g0")
     assert (root / "g1b.rc").read_text() == "0", _log(root, "g1b")
 
 
-def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int]) -> None:
-    root, discarded = killed
+def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, int]) -> None:
+    root, discarded, _ = killed
     rows = read_metrics(root / "g0")
     # A discarded step is retried under the same number: every step is logged once.
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -101,7 +104,7 @@ def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int]) 
     assert_loss_falls(rows)
 
 
-def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int]) -> None:
+def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int, int]) -> None:
     rows = read_metrics(killed[0] / "g1b")
     assert rows[0]["step"] > KILL_AT, "the restarted group started over instead of healing"
     assert rows[-1]["step"] == STEPS
@@ -109,15 +112,15 @@ def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int
     assert rows[-1]["ft_heal_s"] < 30
 
 
-def test_both_groups_hold_identical_weights(killed: tuple[Path, int]) -> None:
-    for rank in (0, 1):
+def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int]) -> None:
+    for rank in range(killed[2]):
         survivor = json.loads((killed[0] / "g0" / f"rank{rank}.json").read_text())
         healed = json.loads((killed[0] / "g1b" / f"rank{rank}.json").read_text())
         assert survivor["step"] == healed["step"] == STEPS
         assert survivor["shards"] == healed["shards"], f"rank {rank}'s shards differ after healing"
 
 
-def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int]) -> None:
+def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int]) -> None:
     report = json.loads((killed[0] / "g0" / "precision_report.json").read_text())
     ft = report["fault_tolerance"]
     assert ft["replica_groups"] == 2
