@@ -81,3 +81,21 @@ def test_plan_reports_the_cross_group_allreduce() -> None:
     assert plan.cross_group_dtype(torch.float32) == torch.float32
     off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
     assert off.fault_tolerance_summary() is None
+
+
+@pytest.mark.parametrize("shard", [2, 1])
+def test_memory_model_prices_the_cross_group_allreduce_as_the_replicate_one(shard: int) -> None:
+    """torchft's all-reduce moves what HSDP's (FSDP) or DDP's (one-rank groups) would over a
+    replicate dimension of the same size."""
+    import dataclasses
+
+    from torchtitan_amp import memory
+    from torchtitan_amp.train.job import resolve
+
+    config = load_config([*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
+                          "--dry_run.vocab_size", "258", "--mixed_precision.enabled", "false"])
+    job = resolve(config, shard, "cpu", dry_run=True)
+    ft = memory.grad_comm(job.model_dims, job.precision, job.layout)["ft_cross_group_all_reduce"]
+    replicated = dataclasses.replace(job.layout, dp_replicate=2, replica_groups=1)
+    plain = memory.grad_comm(job.model_dims, job.precision, replicated)
+    assert ft == plain["hsdp_all_reduce" if shard > 1 else "ddp_all_reduce"]

@@ -48,7 +48,8 @@ def _parse(argv: list[str]) -> "JobConfig | int":
         return fail(e)
     # Here as well as in job.resolve: check_config (run before torchrun starts) catches it too.
     missing = wandb_missing() if config.metrics.enable_wandb else None
-    missing = missing or (torchft_missing() if config.fault_tolerance.enable else None)
+    # A dry run sizes one rank of one group on a fake backend: it needs no torchft.
+    missing = missing or (torchft_missing() if config.fault_tolerance.enable and not config.job.dry_run else None)
     return fail(ConfigError(missing)) if missing else config
 
 

@@ -82,6 +82,7 @@ class Job:
             reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
             cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,
+            replica_groups=self.config.fault_tolerance.group_size if self.config.fault_tolerance.enable else 1,
         )
 
     @property
