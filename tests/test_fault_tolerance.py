@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import TINY, WORKERS, _env, assert_loss_falls, read_metrics, torchrun_cmd
+from tests.support import (ONE_THREAD, REPO, TINY, WORKERS, _env, _free_port, assert_loss_falls, read_metrics,
+                           run_command, torchrun_cmd)
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchtitan-amp[ft])")
 
@@ -125,3 +126,30 @@ def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, 
     ft = report["fault_tolerance"]
     assert ft["replica_groups"] == 2
     assert ft["cross_group_allreduce_dtypes"] == sorted({g["reduce_dtype"] for g in report["param_groups"]})
+
+
+def test_slurm_script_starts_the_lighthouse_and_a_group_per_node(tmp_path: Path) -> None:
+    """scripts/fault_tolerance.slurm on one node with srun stubbed (it drops its options and runs
+    the task, as slurmstepd would): the lighthouse comes up on the first node and the node's
+    replica group trains against it, in its own dump folder."""
+    import os
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("scontrol", "echo node1\n"), ("hostname", "echo 127.0.0.1\n"),
+                       ("srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\n'
+                                'exec "$@"\n')):
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    dump = tmp_path / "ft"
+    env = {**ONE_THREAD, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+           "SLURM_JOB_ID": "4243", "GPUS_PER_NODE": "2", "LIGHTHOUSE_PORT": str(_free_port()),
+           "FT_PROCESS_GROUP": "gloo", "DUMP_FOLDER": str(dump), "CONFIG_FILE": "train_configs/debug_model.toml"}
+    result = run_command(["bash", str(REPO / "scripts" / "fault_tolerance.slurm"), *TINY, "--training.steps", "3"],
+                         timeout=180, env=env)
+    assert result.returncode == 0, result.describe()
+    assert "lighthouse listening on" in result.output
+    rows = read_metrics(dump / "group0")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["ft_participants"] == 1
