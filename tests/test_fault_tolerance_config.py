@@ -79,6 +79,9 @@ def test_plan_reports_the_cross_group_allreduce() -> None:
     # The group's reduce dtype crosses groups as it is: no second rounding, no extra bytes.
     assert plan.cross_group_dtype(torch.bfloat16) == torch.bfloat16
     assert plan.cross_group_dtype(torch.float32) == torch.float32
+    with pytest.raises(ConfigError, match="float16 loss scaling is not supported with fault_tolerance"):
+        PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true", "--mixed_precision.param_dtype",
+                                               "float16"]), dims, "cpu", probe=None)
     off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
     assert off.fault_tolerance_summary() is None
 

@@ -301,6 +301,11 @@ class PrecisionPlan:
             cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage, context_parallel_degree=dims.cp,
             router_dtype=router, expert_parallel_degree=dims.ep,
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0)
+        if plan.replica_groups and plan.grad_scaler != "none":
+            # Each group's gradients would cross groups scaled by its own loss scale, and a healed
+            # group would start from init_scale: the average would mix scales.
+            raise PrecisionError("float16 loss scaling is not supported with fault_tolerance.enable: train in "
+                                 "bfloat16 (mixed_precision.param_dtype = 'bfloat16')")
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
