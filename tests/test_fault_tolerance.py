@@ -100,6 +100,9 @@ def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, i
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # Between steps, the survivor's next quorum leaves the dead group out before any all-reduce.
     assert rows[-1]["ft_discarded"] == discarded, _log(root, "g0")
+    assert (rows[-1]["ft_lost_s"] > 0) == (discarded > 0)
+    # The step after the kill waits out the lighthouse's heartbeat timeout (3 s) in its quorum.
+    assert max(r["ft_quorum_s"] for r in rows) >= 2.5
     assert any(r["ft_participants"] == 1 for r in rows), "the survivor never trained alone"
     assert rows[-1]["ft_participants"] == 2, "the restarted group never rejoined"
     assert_loss_falls(rows)

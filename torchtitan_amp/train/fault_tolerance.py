@@ -132,6 +132,9 @@ class FaultTolerance:
         self.discarded = 0  # steps whose cross-group all-reduce failed (not committed)
         self.heals = 0  # times this group copied the state of a live group
         self.heal_s = 0.0  # seconds the last heal took (quorum + transfer + load)
+        self.quorum_s = 0.0  # seconds the last quorum took (a dead group costs its heartbeat timeout)
+        self.lost_s = 0.0  # seconds spent in discarded steps, in all
+        self._step_start = 0.0
         self.last_discarded = False
         self._healed = False
 
@@ -169,12 +172,13 @@ class FaultTolerance:
         """The step's quorum (healing first when this group is behind). True when this group has
         just loaded a live group's state: the caller's data iterator must restart from it."""
         self._healed = False
-        start = time.perf_counter()
+        self._step_start = time.perf_counter()
         self.manager.start_quorum()
+        self.quorum_s = time.perf_counter() - self._step_start
         self.participants = self.manager.num_participants()
         if self._healed:
             self.heals += 1
-            self.heal_s = time.perf_counter() - start
+            self.heal_s = self.quorum_s
             logger.info("fault tolerance: replica group %d healed from a live group in %.2f s (%d groups)",
                         self.replica_id, self.heal_s, self.participants)
         return self._healed
@@ -186,13 +190,15 @@ class FaultTolerance:
         self.last_discarded = not commit
         if not commit:
             self.discarded += 1
+            self.lost_s += time.perf_counter() - self._step_start
             logger.warning("fault tolerance: step discarded (%d so far): a replica group failed during it",
                            self.discarded)
         return commit
 
     def metrics(self) -> dict[str, float]:
         return {"ft_participants": float(self.participants), "ft_discarded": float(self.discarded),
-                "ft_heals": float(self.heals), "ft_heal_s": self.heal_s}
+                "ft_heals": float(self.heals), "ft_heal_s": self.heal_s, "ft_quorum_s": self.quorum_s,
+                "ft_lost_s": self.lost_s}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
