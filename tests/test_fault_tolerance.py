@@ -122,6 +122,10 @@ def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int]) -> No
         healed = json.loads((killed[0] / "g1b" / f"rank{rank}.json").read_text())
         assert survivor["step"] == healed["step"] == STEPS
         assert survivor["shards"] == healed["shards"], f"rank {rank}'s shards differ after healing"
+        # The healed group took the survivor's counters and data position: both read their shares
+        # of the same steps of the global order, to the end.
+        assert survivor["tokens_seen"] == healed["tokens_seen"]
+        assert survivor["data_position"] == healed["data_position"]
 
 
 def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int]) -> None:

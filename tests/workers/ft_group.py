@@ -1,6 +1,6 @@
 """One rank of a torchft replica group (tests/test_fault_tolerance.py): trains as train.py does,
-then writes OUT/rank{R}.json with the step it ended at and a digest of each parameter shard it
-holds, so that the test can compare the groups' weights bit for bit.
+then writes OUT/rank{R}.json with the step it ended at, a digest of each parameter shard it holds
+(to compare the groups' weights bit for bit), its token count and its loader's global position.
 
 A group that trains alone (its peer was killed and has not rejoined yet) sleeps
 FT_PACE_ALONE_S seconds after each step: on two busy cores a restarted group needs 10-30 s to
@@ -55,7 +55,8 @@ def main() -> None:
     shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(
-        json.dumps({"step": trainer.step, "shards": shards}))
+        json.dumps({"step": trainer.step, "shards": shards, "tokens_seen": trainer.tokens_seen,
+                    "data_position": trainer.dataloader.state_dict()["position"]}))
     exit_process(0)
 
 
