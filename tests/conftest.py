@@ -22,7 +22,8 @@ SLOW_MODULES = frozenset({"test_parallelisms", "test_precision_dist", "test_opti
 DIST_MODULES = SLOW_MODULES | {"test_checkpoint", "test_dry_run", "test_gpu_checks", "test_hf", "test_multinode",
                                "test_operations", "test_tools", "test_train_integration", "test_families_dist", "test_validation", "test_audit", "test_fp8", "test_freeze",
                                "test_context_parallel_precision", "test_context_parallel_compose", "test_expert_parallel",
-                               "test_hf_moe", "test_elastic", "test_weight_tying", "test_trackers"}
+                               "test_hf_moe", "test_elastic", "test_weight_tying", "test_trackers",
+                               "test_fault_tolerance"}
 
 # `oldest_torch`: the launched modules that CI runs again on the oldest supported torch (2.11, the
 # GPU images'), with every unit test: one step of every layout x precision under the audit, the

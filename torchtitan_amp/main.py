@@ -37,7 +37,7 @@ def _parse(argv: list[str]) -> "JobConfig | int":
     config, or a package a feature it turns on needs is missing). Imports no torch, so a mistyped
     override fails in a fraction of a second."""
     from torchtitan_amp.config import ConfigError, help_text, load_config
-    from torchtitan_amp.core.environment import wandb_missing
+    from torchtitan_amp.core.environment import torchft_missing, wandb_missing
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text())
@@ -48,6 +48,8 @@ def _parse(argv: list[str]) -> "JobConfig | int":
         return fail(e)
     # Here as well as in job.resolve: check_config (run before torchrun starts) catches it too.
     missing = wandb_missing() if config.metrics.enable_wandb else None
+    # A dry run sizes one rank of one group on a fake backend: it needs no torchft.
+    missing = missing or (torchft_missing() if config.fault_tolerance.enable and not config.job.dry_run else None)
     return fail(ConfigError(missing)) if missing else config
 
 

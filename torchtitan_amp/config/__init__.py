@@ -12,7 +12,7 @@ from torchtitan_amp.config.fields import choices_of, field_choices
 from torchtitan_amp.config.loading import apply_toml, load_config, load_toml, parse_cli
 from torchtitan_amp.config.presentation import help_text, to_toml
 from torchtitan_amp.config.sections import (
-    ActivationCheckpoint, BoolOrAuto, Checkpoint, Comm, Compile, DryRun, Job, JobConfig, LRScheduler,
+    ActivationCheckpoint, BoolOrAuto, Checkpoint, Comm, Compile, DryRun, FaultTolerance, Job, JobConfig, LRScheduler,
     Metrics, MixedPrecision, Model, Optimizer, Parallelism, Profiling, Training, Validation,
     section_names,
 )
@@ -20,7 +20,7 @@ from torchtitan_amp.config.validation import validate
 from torchtitan_amp.core.errors import ConfigError
 
 __all__ = [
-    "ActivationCheckpoint", "BoolOrAuto", "Checkpoint", "Comm", "Compile", "ConfigError", "DryRun", "Job",
+    "ActivationCheckpoint", "BoolOrAuto", "Checkpoint", "Comm", "Compile", "ConfigError", "DryRun", "FaultTolerance", "Job",
     "JobConfig", "LRScheduler", "Metrics", "MixedPrecision", "Model", "Optimizer", "Parallelism",
     "Profiling", "Training", "Validation", "apply_toml", "choices_of", "field_choices", "help_text",
     "load_config", "load_toml", "parse_cli", "section_names", "to_toml", "validate",

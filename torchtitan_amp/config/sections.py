@@ -408,6 +408,35 @@ class Comm:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = _f(
+        False, "Train as one replica group of several under torchft (pip install torchtitan-amp[ft]): "
+        "a lost group is left out of the step while the others go on, and rejoins by copying the "
+        "weights of a live group. Each group is its own torchrun; torchft owns the replicate "
+        "dimension (FSDP inside a group, torchft's all-reduce across groups). docs/fault_tolerance.md")
+    replica_id: int = _f(0, "This group's index among the replica groups (0 .. group_size - 1).",
+                         bounds=at_least(0))
+    group_size: int = _f(
+        0, "How many replica groups the job has at most (torchtitan's name): the data is split over "
+        "group_size x the data-parallel degree inside a group.", bounds=at_least(0, note="0: unset"))
+    min_replica_size: int = _f(1, "Groups that must take part in a step for it to be committed.",
+                               bounds=at_least(1))
+    process_group: Literal["gloo", "nccl"] = _f("gloo", "Backend of the cross-group all-reduce.")
+    process_group_timeout_ms: int = _f(
+        10000, "A cross-group collective that has not finished after this long fails; the step is "
+        "discarded and the next quorum leaves the lost group out.", bounds=at_least(1))
+    quorum_timeout_seconds: int = _f(
+        60, "How long a group waits for the lighthouse to form a quorum before failing.", bounds=at_least(1))
+    lighthouse: str = _f(
+        "", "Address of torchft's lighthouse (http://HOST:PORT); empty: the TORCHFT_LIGHTHOUSE "
+        "environment variable.", bounds=Text(max_len=256))
+    semi_sync_method: Literal["none", "diloco"] = _f(
+        "none", "'none': every step's gradients are averaged across groups; 'diloco': groups train "
+        "alone and average their weight changes every sync_steps steps.")
+    sync_steps: int = _f(5, "semi_sync_method = 'diloco': inner steps between syncs.", bounds=at_least(1))
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -424,6 +453,7 @@ class JobConfig:
     dry_run: DryRun = field(default_factory=DryRun)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     # "section.key" of every field set by TOML or CLI -> where it was last set ("toml" or "cli"):
     # an alias and its canonical name conflict only within one source; across sources the usual
     # precedence (CLI > TOML) applies.

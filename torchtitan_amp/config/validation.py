@@ -3,7 +3,7 @@ one field allows alone (its type, choices and bounds) was checked as it was set 
 
 from __future__ import annotations
 
-from torchtitan_amp.config.sections import JobConfig
+from torchtitan_amp.config.sections import FaultTolerance, JobConfig
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.core.rules import flavor_names
 
@@ -36,3 +36,40 @@ def validate(config: JobConfig) -> None:
     # the meaning of those names; dtype combinations are checked there too.
     _require(not (config.mixed_precision.audit and config.compile.enable),
              "'mixed_precision.audit' records the eager model's ops; set compile.enable = false for the audit")
+    validate_fault_tolerance(config)
+
+
+# What a replica group under torchft may not combine with: torchft owns the replicate dimension,
+# and the cross-group all-reduce covers FSDP's and plain gradients only.
+_FT_EXCLUSIVE = (
+    ("parallelism.data_parallel_replicate_degree", lambda c: c.parallelism.data_parallel_replicate_degree,
+     "torchft owns the replicate dimension: keep it 1 and set fault_tolerance.group_size"),
+    ("parallelism.tensor_parallel_degree", lambda c: c.parallelism.tensor_parallel_degree,
+     "not supported with fault_tolerance.enable: use FSDP inside a group"),
+    ("parallelism.pipeline_parallel_degree", lambda c: c.parallelism.pipeline_parallel_degree,
+     "not supported with fault_tolerance.enable: use FSDP inside a group"),
+    ("parallelism.context_parallel_degree", lambda c: c.parallelism.context_parallel_degree,
+     "not supported with fault_tolerance.enable: use FSDP inside a group"),
+    ("parallelism.expert_parallel_degree", lambda c: c.parallelism.expert_parallel_degree,
+     "not supported with fault_tolerance.enable: use FSDP inside a group"),
+)
+
+
+def validate_fault_tolerance(config: JobConfig) -> None:
+    """The rules of [fault_tolerance] across fields, when it is on."""
+    ft: FaultTolerance = config.fault_tolerance
+    if not ft.enable:
+        return
+    _require(ft.group_size >= 1, "'fault_tolerance.group_size' must be the number of replica groups (>= 1) "
+             "when fault_tolerance.enable = true")
+    _require(ft.replica_id < ft.group_size, f"'fault_tolerance.replica_id' = {ft.replica_id} must be below "
+             f"fault_tolerance.group_size = {ft.group_size}")
+    _require(ft.min_replica_size <= ft.group_size, f"'fault_tolerance.min_replica_size' = {ft.min_replica_size} "
+             f"is more than the fault_tolerance.group_size = {ft.group_size} groups there are")
+    _require(ft.semi_sync_method == "none", "'fault_tolerance.semi_sync_method' = 'diloco' is not implemented; "
+             "use 'none' (gradients averaged across groups every step)")
+    for name, value, why in _FT_EXCLUSIVE:
+        _require(value(config) == 1, f"'{name}' = {value(config)}: {why}")
+    # Every group would write the same folder and none would know which steps the others committed.
+    _require(not config.checkpoint.enable, "'checkpoint.enable' is not supported with fault_tolerance.enable: "
+             "replica groups have no checkpoint of their own; a group that restarts heals from a live one")

@@ -21,6 +21,8 @@ _REQUIRED = (("torchdata.stateful_dataloader", "torchdata==0.11.0"),) + (
 
 
 WANDB_INSTALL = "pip install wandb"
+# torchft is an extra (pyproject's [ft]), pinned to the release the kill tests pass on.
+TORCHFT_INSTALL = "pip install torchft-nightly==2026.10.26"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -63,6 +65,15 @@ def wandb_missing() -> str | None:
     before any model is built (main's config check, job.resolve)."""
     if importlib.util.find_spec("wandb") is None:
         return f"'metrics.enable_wandb' needs the wandb package, which is not installed: {WANDB_INSTALL}"
+    return None
+
+
+def torchft_missing() -> str | None:
+    """Why fault_tolerance.enable cannot work in this Python, or None; asked only when it is on,
+    before any process group exists."""
+    if importlib.util.find_spec("torchft") is None:
+        return (f"'fault_tolerance.enable' needs torchft, which is not installed: {TORCHFT_INSTALL} "
+                f"(or pip install torchtitan-amp[ft])")
     return None
 
 

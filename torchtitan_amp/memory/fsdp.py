@@ -167,7 +167,8 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
                      pipeline_fsdp_reduce = "per_step" once per schedule step (the stage syncs
                      gradients after its last microbatch)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
-    x gradient-accumulation steps. EP-split experts gather and reduce over their efsdp ranks
+    x gradient-accumulation steps; the same across torchft's replica groups (layout.replica_groups,
+    category ft_cross_group_all_reduce). EP-split experts gather and reduce over their efsdp ranks
     (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
     still all-reduce over dp_replicate under HSDP.
     """
@@ -185,12 +186,17 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
                               layout.grad_accum * gathers * nbytes)
                 add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
                           layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
-            if layout.dp_replicate > 1:
+            if layout.dp_replicate > 1 or layout.replica_groups > 1:
                 add_bytes(ar, g.reduce_dtype, layout.grad_accum * reduces * g.padded_shard_numel
                           * DTYPE_BYTES[g.reduce_dtype])
     if ar:
-        out["hsdp_all_reduce"] = ar
+        out[_replicate_key(layout)] = ar
     return out
+
+
+def _replicate_key(layout: Layout) -> str:
+    """The all-reduce over the replicas: HSDP's, or torchft's across replica groups."""
+    return "ft_cross_group_all_reduce" if layout.replica_groups > 1 else "hsdp_all_reduce"
 
 
 def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, int]:
@@ -201,8 +207,9 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
         ops = stage_ops(layout, stage)
         reduces = _reductions(layout, ops)
         for g in groups:
-            if layout.dp_replicate > 1:
-                out["hsdp_all_reduce"] = out.get("hsdp_all_reduce", 0) + layout.grad_accum * reduces
+            if layout.dp_replicate > 1 or layout.replica_groups > 1:
+                key = _replicate_key(layout)
+                out[key] = out.get(key, 0) + layout.grad_accum * reduces
             if g.degree(layout.fsdp_shard) == 1:
                 continue
             for op, n in (("all_gather", _gathers(g, groups, stage, ops, layout)), ("reduce_scatter", reduces)):

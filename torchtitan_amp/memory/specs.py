@@ -100,6 +100,8 @@ class Layout:
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)
     ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard x cp ranks
     pp_fsdp_reduce: str = "per_step"  # "per_step" | "per_microbatch" (parallelism.pipeline_fsdp_reduce)
+    # fault_tolerance.group_size when on: groups whose gradients torchft averages (1: off)
+    replica_groups: int = 1
 
     @property
     def world_size(self) -> int:

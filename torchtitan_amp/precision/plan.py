@@ -240,6 +240,8 @@ class PrecisionPlan:
     # Mixture of experts: what routers compute their logits, scores, top-k and weights in
     router_dtype: torch.dtype = torch.float32
     expert_parallel_degree: int = 1
+    # fault_tolerance.enable: the torchft replica groups whose gradients are averaged (0: off)
+    replica_groups: int = 0
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -297,7 +299,13 @@ class PrecisionPlan:
             optimizer_state_dtype=_optimizer_state_dtype(config, storage),
             stochastic_rounding=config.optimizer.stochastic_rounding,
             cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage, context_parallel_degree=dims.cp,
-            router_dtype=router, expert_parallel_degree=dims.ep)
+            router_dtype=router, expert_parallel_degree=dims.ep,
+            replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0)
+        if plan.replica_groups and plan.grad_scaler != "none":
+            # Each group's gradients would cross groups scaled by its own loss scale, and a healed
+            # group would start from init_scale: the average would mix scales.
+            raise PrecisionError("float16 loss scaling is not supported with fault_tolerance.enable: train in "
+                                 "bfloat16 (mixed_precision.param_dtype = 'bfloat16')")
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
@@ -408,6 +416,21 @@ class PrecisionPlan:
                 "kv_grad_reduce_scatter_dtype": dtype_name(self.cp_reduce_dtype),
                 "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
                                  "in one SDPA call (no partial outputs or log-sum-exps to merge)"}
+
+    def cross_group_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype torchft's cross-group all-reduce averages a gradient in: the one its group
+        reduced it in (each param group's reduce dtype). Lower would round a second time what the
+        group summed; higher would cost bytes without undoing the group's rounding."""
+        return grad_dtype
+
+    def fault_tolerance_summary(self) -> dict[str, Any] | None:
+        """The report's fault-tolerance section (None when fault_tolerance.enable is off); the
+        report adds the dtypes the param groups reduce in."""
+        if not self.replica_groups:
+            return None
+        return {"replica_groups": self.replica_groups,
+                "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
+                                         "quorum, in each param group's reduce_dtype (cross_group_dtype)"}
 
     def optimizer_summary(self) -> dict[str, Any]:
         mixed = self.mixed_state_optimizer

@@ -71,6 +71,15 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
     return list(groups.values())
 
 
+def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The plan's fault-tolerance section with the dtypes the cross-group all-reduce carries."""
+    summary = plan.fault_tolerance_summary()
+    if summary is not None:
+        dtypes = {g["reduce_dtype"] for g in groups if g["reduce_dtype"] != "-"}
+        summary["cross_group_allreduce_dtypes"] = sorted(dtypes)
+    return summary
+
+
 def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
     groups = param_groups(plan, model)
     return {
@@ -100,6 +109,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "context_parallel": plan.context_parallel_summary(),
         "router": plan.router_summary(model),
         "expert_parallel": plan.expert_parallel_summary(),
+        "fault_tolerance": _fault_tolerance(plan, groups),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
                                and any(True for _ in m.parameters(recurse=False))),
@@ -120,6 +130,9 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
                     plan.path, short_name(plan.param_dtype), short_name(plan.reduce_dtype),
                     short_name(plan.output_dtype), plan.comm_hook, plan.grad_scaler)
+        if (ft := written.get("fault_tolerance")) is not None:
+            logger.info("precision: cross-group all-reduce (torchft, up to %d groups) in %s",
+                        ft["replica_groups"], ", ".join(ft["cross_group_allreduce_dtypes"]))
         logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
         for g in written["param_groups"]:
             logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),

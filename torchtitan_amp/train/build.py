@@ -35,6 +35,7 @@ from torchtitan_amp.observability.trackers import build_trackers
 from torchtitan_amp.precision import autocast, reducers
 from torchtitan_amp.precision import report as report_mod
 from torchtitan_amp.precision import scaler as scaler_mod
+from torchtitan_amp.train import fault_tolerance
 from torchtitan_amp.train.job import Job, ModelParts, build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
 from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer
@@ -83,6 +84,7 @@ class TrainingSetup:
     resumed: TrainState | None  # the step and token count a loaded checkpoint resumes from
     deadline: DeadlineCheck
     estimated_save_s: float  # a save's estimated time before any was measured (pre-emption only)
+    ft: fault_tolerance.FaultTolerance | None  # this replica group's torchft Manager (fault_tolerance.enable)
 
 
 def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo, Job]:
@@ -101,12 +103,13 @@ def build_loaders(config: JobConfig, job: Job, info: process_groups.DistInfo
     """The training loader and the validation one (None: validation off). Bad data is a
     config-time error too, so they are built before any process group."""
     t, dims = config.training, job.dims
-    dp_rank = dims.dp_rank(info.rank)
-    loader = build_dataloader(t.dataset, job.tokenizer, t.seq_len, t.local_batch_size, dp_rank, dims.dp_degree,
+    # Under fault tolerance every replica group reads its own share of the global order.
+    dp_rank, dp_degree = fault_tolerance.data_position(config, dims, info.rank)
+    loader = build_dataloader(t.dataset, job.tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_degree,
                               t.seed, num_workers=t.dataloader_num_workers, pin_memory=info.device.type == "cuda",
-                              samples_per_step=t.local_batch_size * dims.dp_degree * job.accum)
+                              samples_per_step=t.local_batch_size * dp_degree * job.accum)
     spec = job.validation
-    val_loader = (validation.build_loader(spec, job.tokenizer, dp_rank, dims.dp_degree, t.seed)
+    val_loader = (validation.build_loader(spec, job.tokenizer, dp_rank, dp_degree, t.seed)
                   if spec is not None else None)
     return loader, val_loader
 
@@ -217,6 +220,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     model_inputs = BatchSharder(job.mask_inputs, job.dims.cp, job.dims.cp_rank(info.rank))
     scaler = scaler_mod.build_scaler(job.plan)
     built, pipeline = build_model(config, job, device, is_logging_rank, pipeline_loss, pipeline_eval_loss)
+    ft = fault_tolerance.build(config, job.plan)
+    if ft is not None:
+        ft.attach(built.parts)
     spec, parts = job.validation, built.parts
     validator = None if spec is None else validation.Validator(
         spec, val_loader, config=config, plan=job.plan, dims=job.dims, model_parts=parts, pipeline=pipeline,
@@ -233,4 +239,4 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     resumed = checkpointer.load()
     deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
     return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
-                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s)
+                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft)

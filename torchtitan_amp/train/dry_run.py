@@ -228,6 +228,8 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     elif dims.ddp_enabled:
         comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
         transient = dict(state.grads)  # DDP's gradient buckets
+    elif layout.replica_groups > 1:  # one-rank replica groups: torchft's all-reduce of every gradient
+        comm.update(memory.dp_comm(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"]))
     comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.cp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.pp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
@@ -240,6 +242,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "world_size": res.world_size,
         "rank": rank,
         "coordinates": coords,
+        "replica_groups": layout.replica_groups,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                     "tp": dims.tp, "fsdp_shard": dims.fsdp_shard, "ep": dims.ep, "efsdp": layout.efsdp},
         "model": {"flavor": config.model.flavor, "total_params": total_params,
@@ -377,7 +380,9 @@ def format_table(r: dict[str, Any]) -> str:
         f"dry run: {r['model']['flavor']} ({_params(r['model'])}, vocab "
         f"{r['model']['vocab_size']:,}), rank {r['rank']} of {r['world_size']}",
         f"  layout   pp {deg['pp']} x dp_replicate {deg['dp_replicate']} x dp_shard {deg['dp_shard']} x "
-        f"cp {deg['cp']} x tp {deg['tp']}; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
+        f"cp {deg['cp']} x tp {deg['tp']}"
+        + (f" in each of {r['replica_groups']} torchft replica groups" if r.get("replica_groups", 1) > 1 else "")
+        + "; this rank at " + ", ".join(f"{k} {v}" for k, v in r["coordinates"].items()),
         f"  precision path={pr['path']} storage={pr['storage_dtype']} param={pr['param_dtype']} "
         f"reduce={pr['reduce_dtype']} comm_hook={pr['comm_hook']} (residual {pr['residual_dtype']}, "
         f"matmuls {pr['matmul_dtype']})" + (f" cp_reduce={pr['cp_reduce_dtype']}" if deg["cp"] > 1 else "")

@@ -17,7 +17,7 @@ from torch import nn
 from torchtitan_amp import memory
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
 from torchtitan_amp.config import ConfigError, JobConfig, Training
-from torchtitan_amp.core.environment import wandb_missing
+from torchtitan_amp.core.environment import torchft_missing, wandb_missing
 from torchtitan_amp.core.matmul_speed import low_precision_speed
 from torchtitan_amp.data.tokenizer import Tokenizer, build_tokenizer
 from torchtitan_amp.distributed.context_parallel import check_causal_kernel
@@ -82,6 +82,7 @@ class Job:
             reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
             cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,
+            replica_groups=self.config.fault_tolerance.group_size if self.config.fault_tolerance.enable else 1,
         )
 
     @property
@@ -146,6 +147,8 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         profiling.validate(config, device_type)
         # An environment check, not a config rule: the same config is fine where wandb is installed.
         if config.metrics.enable_wandb and (missing := wandb_missing()) is not None:
+            raise ConfigError(missing)
+        if config.fault_tolerance.enable and (missing := torchft_missing()) is not None:
             raise ConfigError(missing)
     # A dry run told the vocabulary size need not read a tokenizer file of the machines it sizes.
     tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)

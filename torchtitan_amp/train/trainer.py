@@ -30,6 +30,7 @@ from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, float8
 from torchtitan_amp.train.build import build_training
+from torchtitan_amp.train.fault_tolerance import TrainingState, init_optimizer_state
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.audit import AuditResult
@@ -99,6 +100,10 @@ class Trainer:
         self.deadline, self.estimated_save_s = setup.deadline, setup.estimated_save_s
         if self.deadline.warning_s:
             self._check_deadline(0.0, "start-up estimate:")
+        self.ft = setup.ft
+        if self.ft is not None:
+            init_optimizer_state(self.optimizer, self.params)
+            self.ft.register(TrainingState(self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self))
 
     def _check_deadline(self, step_s: float, basis: str) -> None:
         """Warn (once per basis) when a step plus the last measured save, or the estimate before
@@ -185,10 +190,15 @@ class Trainer:
             loss_sum += self.forward_backward(inputs, labels, weight)
             self.metrics.record_tokens(inputs.numel())
         self.reduce_partial_grads(self.params)
+        if self.ft is not None:
+            self.ft.allreduce_grads(self.params)
         if self.job.family.after_backward is not None:
             self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
+        if self.ft is not None and not self.ft.should_commit():
+            # A replica group failed during the cross-group all-reduce: the gradients are partial.
+            return loss_sum, grad_norm, False
         # The one device->host read of a step, kept on purpose: skipping exactly (weights, AdamW
         # moments and step counts, LR schedule untouched; NonFiniteError raised at this step)
         # needs the flag before the optimizer step is launched. A skip on the device would need
@@ -250,9 +260,14 @@ class Trainer:
                 self.step += 1
                 if t.gc_freq and self.step % t.gc_freq == 0:
                     gc.collect(1)
-                lr = self.lr_scheduler.get_last_lr()[0]
                 step_start = time.perf_counter()
+                if self.ft is not None and self.ft.start_step():
+                    batches = self._new_batches()  # healed: the data position is the live group's
+                lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm, _ = self.train_step(batches)
+                if self.ft is not None and self.ft.last_discarded:
+                    self.step -= 1  # the step is retried on the next batches by the groups still alive
+                    continue
                 step_s = time.perf_counter() - step_start
                 self.tokens_seen += tokens_per_step
                 if self.step == first_step + 1:
@@ -274,6 +289,8 @@ class Trainer:
                 if stop:
                     break
         self.checkpointer.close()
+        if self.ft is not None:
+            self.ft.shutdown()
         self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
 
@@ -320,6 +337,8 @@ class Trainer:
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)
+        if self.ft is not None:
+            extra.update(self.ft.metrics())
         if self.scaler.enabled:
             extra.update(loss_scale=self.scaler.get_scale(), skipped_steps=float(self.scaler.skipped_steps))
         if self.pp_group is not None:

@@ -1,0 +1,162 @@
+"""Fault tolerance with torchft on gloo: two replica groups of FSDP 2 (four ranks, two torchruns)
+on debugmodel_tiny, a lighthouse in this process (and two one-rank groups: torchft alone replicates). Group 1 dies hard at step 5, either between steps
+(its rank 0 exits after the step) or during the step's cross-group all-reduce (its rank 0 is
+SIGKILLed inside it); torchrun ends the rest of the group, and the test starts it again. Group 0 is
+never restarted.
+
+What must hold: the survivor logs every step once and finishes, having discarded only the step the
+kill interrupted (none between steps, one during the all-reduce); the restarted group heals from it
+(copies its state over HTTP) and resumes at the survivor's step, not at step 1; at the end both
+groups hold the same shard of every parameter, bit for bit; the loss falls.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import (ONE_THREAD, REPO, TINY, WORKERS, _env, _free_port, assert_loss_falls, read_metrics,
+                           run_command, torchrun_cmd)
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchtitan-amp[ft])")
+
+STEPS, KILL_AT = 40, 5
+# Long enough for a restarted group to start on two busy cores (10-30 s) while the survivor paces.
+TIMEOUT_S = 300
+
+
+def _launch(out: Path, nproc: int, replica_id: int, lighthouse: str, *extra: str,
+            env: dict[str, str] | None = None) -> subprocess.Popen:
+    args = ["--job.dump_folder", out, *TINY, "--training.steps", str(STEPS), "--fault_tolerance.enable", "true",
+            "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id), *extra]
+    cmd = torchrun_cmd(nproc, WORKERS / "ft_group.py", out, *args)
+    env = _env({"TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "FT_PACE_ALONE_S": "1", **(env or {})})
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, env=env, stdout=open(out.parent / f"{out.name}.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, deadline: float) -> int:
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"a replica group did not finish within {TIMEOUT_S} s")
+
+
+# Ranks per group, how group 1 is killed at step KILL_AT, and the steps the survivor discards for
+# it. One rank per group: no FSDP, torchft all-reduces the plain gradients (replicate only).
+_BETWEEN = (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0)
+_DURING = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)
+KILLS = {"fsdp2_between_steps": (2, *_BETWEEN), "fsdp2_during_allreduce": (2, *_DURING),
+         "one_rank_between_steps": (1, *_BETWEEN)}
+
+
+@pytest.fixture(scope="module", params=sorted(KILLS))
+def killed(request, tmp_path_factory) -> tuple[Path, int, int]:
+    """(root, steps the survivor must discard, ranks per group): root/g0 the survivor, g1a group 1
+    until it dies at step KILL_AT, g1b group 1 restarted."""
+    from torchft._torchft import LighthouseServer
+
+    root = tmp_path_factory.mktemp(f"ft_{request.param}")
+    nproc, args, env, discarded = KILLS[request.param]
+    # A dead group is left out of the quorum once it misses heartbeats for heartbeat_timeout_ms.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        survivor = _launch(root / "g0", nproc, 0, lighthouse.address())
+        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *args, env=env)
+        (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
+        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address())
+        (root / "g0.rc").write_text(str(_wait(survivor, deadline)))
+        (root / "g1b.rc").write_text(str(_wait(restarted, deadline)))
+    finally:
+        lighthouse.shutdown()
+    return root, discarded, nproc
+
+
+def _log(root: Path, name: str) -> str:
+    return (root / f"{name}.log").read_text()[-4000:]
+
+
+def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int, int]) -> None:
+    root = killed[0]
+    assert (root / "g1a.rc").read_text() != "0", _log(root, "g1a")
+    assert (root / "g0.rc").read_text() == "0", _log(root, "g0")
+    assert (root / "g1b.rc").read_text() == "0", _log(root, "g1b")
+
+
+def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, int]) -> None:
+    root, discarded, _ = killed
+    rows = read_metrics(root / "g0")
+    # A discarded step is retried under the same number: every step is logged once.
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # Between steps, the survivor's next quorum leaves the dead group out before any all-reduce.
+    assert rows[-1]["ft_discarded"] == discarded, _log(root, "g0")
+    assert (rows[-1]["ft_lost_s"] > 0) == (discarded > 0)
+    # The step after the kill waits out the lighthouse's heartbeat timeout (3 s) in its quorum.
+    assert max(r["ft_quorum_s"] for r in rows) >= 2.5
+    assert any(r["ft_participants"] == 1 for r in rows), "the survivor never trained alone"
+    assert rows[-1]["ft_participants"] == 2, "the restarted group never rejoined"
+    assert_loss_falls(rows)
+
+
+def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int, int]) -> None:
+    rows = read_metrics(killed[0] / "g1b")
+    assert rows[0]["step"] > KILL_AT, "the restarted group started over instead of healing"
+    assert rows[-1]["step"] == STEPS
+    assert rows[-1]["ft_heals"] == 1
+    assert rows[-1]["ft_heal_s"] < 30
+
+
+def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int]) -> None:
+    for rank in range(killed[2]):
+        survivor = json.loads((killed[0] / "g0" / f"rank{rank}.json").read_text())
+        healed = json.loads((killed[0] / "g1b" / f"rank{rank}.json").read_text())
+        assert survivor["step"] == healed["step"] == STEPS
+        assert survivor["shards"] == healed["shards"], f"rank {rank}'s shards differ after healing"
+        # The healed group took the survivor's counters and data position: both read their shares
+        # of the same steps of the global order, to the end.
+        assert survivor["tokens_seen"] == healed["tokens_seen"]
+        assert survivor["data_position"] == healed["data_position"]
+
+
+def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int]) -> None:
+    report = json.loads((killed[0] / "g0" / "precision_report.json").read_text())
+    ft = report["fault_tolerance"]
+    assert ft["replica_groups"] == 2
+    assert ft["cross_group_allreduce_dtypes"] == sorted({g["reduce_dtype"] for g in report["param_groups"]})
+
+
+def test_slurm_script_starts_the_lighthouse_and_a_group_per_node(tmp_path: Path) -> None:
+    """scripts/fault_tolerance.slurm on one node with srun stubbed (it drops its options and runs
+    the task, as slurmstepd would): the lighthouse comes up on the first node and the node's
+    replica group trains against it, in its own dump folder."""
+    import os
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("scontrol", "echo node1\n"), ("hostname", "echo 127.0.0.1\n"),
+                       ("srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\n'
+                                'exec "$@"\n')):
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    dump = tmp_path / "ft"
+    env = {**ONE_THREAD, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
+           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+           "SLURM_JOB_ID": "4243", "GPUS_PER_NODE": "2", "LIGHTHOUSE_PORT": str(_free_port()),
+           "FT_PROCESS_GROUP": "gloo", "DUMP_FOLDER": str(dump), "CONFIG_FILE": "train_configs/debug_model.toml"}
+    result = run_command(["bash", str(REPO / "scripts" / "fault_tolerance.slurm"), *TINY, "--training.steps", "3"],
+                         timeout=180, env=env)
+    assert result.returncode == 0, result.describe()
+    assert "lighthouse listening on" in result.output
+    rows = read_metrics(dump / "group0")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["ft_participants"] == 1

@@ -1,0 +1,104 @@
+"""[fault_tolerance] without starting anything: its bounds and cross-field rules, the one-line
+error when torchft is missing, each replica group's share of the data, the precision plan's
+cross-group all-reduce, and the extra's pin. The launches are in test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from torchtitan_amp.config import ConfigError, help_text, load_config
+from torchtitan_amp.core import environment
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.train.fault_tolerance import data_position
+
+ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2")
+
+
+def test_off_by_default_and_in_help() -> None:
+    ft = load_config([]).fault_tolerance
+    assert not ft.enable and ft.semi_sync_method == "none" and ft.process_group == "gloo"
+    assert "--fault_tolerance.min_replica_size" in help_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--fault_tolerance.enable", "true"), "'fault_tolerance.group_size' must be the number of replica groups"),
+    ((*ON, "--fault_tolerance.replica_id", "2"), "'fault_tolerance.replica_id' = 2 must be below"),
+    ((*ON, "--fault_tolerance.min_replica_size", "3"), "'fault_tolerance.min_replica_size' = 3 is more than"),
+    ((*ON, "--fault_tolerance.semi_sync_method", "diloco"), "'fault_tolerance.semi_sync_method' = 'diloco'"),
+    ((*ON, "--parallelism.data_parallel_replicate_degree", "2"), "torchft owns the replicate dimension"),
+    ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
+    ((*ON, "--checkpoint.enable", "true"), "'checkpoint.enable' is not supported with fault_tolerance"),
+    (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
+    (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
+])
+def test_rules_name_the_field(args: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(list(args))
+
+
+def test_rules_apply_only_when_on() -> None:
+    load_config(["--fault_tolerance.replica_id", "5", "--parallelism.data_parallel_replicate_degree", "2"])
+
+
+def test_missing_torchft_is_one_line_naming_the_install(monkeypatch, capsys) -> None:
+    from torchtitan_amp import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert main.main(list(ON)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 'fault_tolerance.enable' needs torchft")
+    assert environment.TORCHFT_INSTALL in err[0]
+
+
+def test_the_extra_pins_what_the_error_says_to_install() -> None:
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pin = environment.TORCHFT_INSTALL.removeprefix("pip install ")
+    assert f'ft = ["{pin}"]' in pyproject
+
+
+def test_each_group_reads_its_own_share_of_the_global_order() -> None:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=2)
+    positions = {data_position(load_config([*ON, "--fault_tolerance.replica_id", str(g)]), dims, r)
+                 for g in (0, 1) for r in (0, 1)}
+    assert positions == {(0, 4), (1, 4), (2, 4), (3, 4)}
+    assert data_position(load_config([]), dims, 1) == (1, 2)
+
+
+def test_plan_reports_the_cross_group_allreduce() -> None:
+    import torch
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=2)
+    plan = PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true"]), dims, "cpu", probe=None)
+    assert plan.fault_tolerance_summary()["replica_groups"] == 2
+    # The group's reduce dtype crosses groups as it is: no second rounding, no extra bytes.
+    assert plan.cross_group_dtype(torch.bfloat16) == torch.bfloat16
+    assert plan.cross_group_dtype(torch.float32) == torch.float32
+    with pytest.raises(ConfigError, match="float16 loss scaling is not supported with fault_tolerance"):
+        PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true", "--mixed_precision.param_dtype",
+                                               "float16"]), dims, "cpu", probe=None)
+    off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
+    assert off.fault_tolerance_summary() is None
+
+
+@pytest.mark.parametrize("shard", [2, 1])
+def test_memory_model_prices_the_cross_group_allreduce_as_the_replicate_one(shard: int) -> None:
+    """torchft's all-reduce moves what HSDP's (FSDP) or DDP's (one-rank groups) would over a
+    replicate dimension of the same size."""
+    import dataclasses
+
+    from torchtitan_amp import memory
+    from torchtitan_amp.train.job import resolve
+
+    config = load_config([*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
+                          "--dry_run.vocab_size", "258", "--mixed_precision.enabled", "false"])
+    job = resolve(config, shard, "cpu", dry_run=True)
+    ft = memory.grad_comm(job.model_dims, job.precision, job.layout)["ft_cross_group_all_reduce"]
+    replicated = dataclasses.replace(job.layout, dp_replicate=2, replica_groups=1)
+    plain = memory.grad_comm(job.model_dims, job.precision, replicated)
+    assert ft == plain["hsdp_all_reduce" if shard > 1 else "ddp_all_reduce"]

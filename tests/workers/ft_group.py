@@ -1,0 +1,64 @@
+"""One rank of a torchft replica group (tests/test_fault_tolerance.py): trains as train.py does,
+then writes OUT/rank{R}.json with the step it ended at, a digest of each parameter shard it holds
+(to compare the groups' weights bit for bit), its token count and its loader's global position.
+
+A group that trains alone (its peer was killed and has not rejoined yet) sleeps
+FT_PACE_ALONE_S seconds after each step: on two busy cores a restarted group needs 10-30 s to
+start, longer than a tiny model's remaining steps take, and the test is about its rejoining.
+
+FT_KILL_DURING_ALLREDUCE=N: rank 0 SIGKILLs itself inside step N's second cross-group all-reduce,
+after its peers have started it (the whole group then goes: torchrun ends the other rank).
+
+Usage: ft_group.py OUT TRAIN_ARGS..."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.tensor import DTensor
+
+from tests.support import digest, exit_process
+from torchtitan_amp.config import load_config
+from torchtitan_amp.train.trainer import Trainer
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    config = load_config(sys.argv[2:])
+    trainer = Trainer(config)
+    pace, step = float(os.environ.get("FT_PACE_ALONE_S", "0")), trainer.train_step
+
+    def paced_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if trainer.ft.participants < config.fault_tolerance.group_size:
+            time.sleep(pace)
+        return result
+
+    trainer.train_step = paced_step
+    kill_at = int(os.environ.get("FT_KILL_DURING_ALLREDUCE", "0"))
+    if kill_at and os.environ.get("RANK") == "0":
+        allreduce, calls = trainer.ft.manager.allreduce, []
+
+        def dying_allreduce(*args, **kwargs):
+            calls.append(trainer.step)
+            if calls.count(kill_at) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return allreduce(*args, **kwargs)
+
+        trainer.ft.manager.allreduce = dying_allreduce
+    trainer.train()
+    shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(
+        json.dumps({"step": trainer.step, "shards": shards, "tokens_seen": trainer.tokens_seen,
+                    "data_position": trainer.dataloader.state_dict()["position"]}))
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()

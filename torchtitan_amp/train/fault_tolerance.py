@@ -1,0 +1,210 @@
+"""Fault tolerance with torchft (`[fault_tolerance]`): this torchrun is one replica group of several.
+Inside the group the model is FSDP-sharded (or whole, on a one-rank group) as usual; across the
+groups torchft's Manager averages the gradients and decides, per step, which groups take part:
+
+- `start_step` asks the lighthouse for the step's quorum; a group that is behind (restarted) copies
+  the training state of a live group over HTTP before its forward (`heal`);
+- the cross-group all-reduce runs inside backward (FSDP's all-reduce hook, on each reduce-scatter
+  output) or after it (plain gradients), in the dtype the precision plan decides;
+- `should_commit` says whether every group's all-reduce went through: when not (a peer died during
+  the step), the step is discarded (no optimizer or LR step) and the next quorum leaves the dead
+  group out.
+
+torchft is imported here only, and only when fault_tolerance.enable is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan_amp.config import FaultTolerance as FaultToleranceConfig
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan
+
+if TYPE_CHECKING:
+    from torchtitan_amp.data.loader import ParallelAwareDataLoader
+
+logger = logging.getLogger("torchtitan_amp")
+
+
+def data_position(config: JobConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
+    """(data rank, data degree) of `rank`: each replica group reads its own share of the global
+    order, as if its data-parallel ranks followed those of the groups before it (torchtitan's
+    split). Without fault tolerance, the data-parallel rank and degree."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return dims.dp_rank(rank), dims.dp_degree
+    return ft.replica_id * dims.dp_degree + dims.dp_rank(rank), ft.group_size * dims.dp_degree
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's shard (a view, so the reference stays live)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """Create the optimizer's per-parameter state before the first step, so that a live group can
+    serve it (and a healing one receive it) at any step. A zero-gradient step at lr 0 leaves
+    AdamW's weights and moments as they were; its step counters are put back to 0, so the first
+    real step is the same as without this."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+
+
+class TrainingState:
+    """What a healing group copies from a live one: this rank's shards of the weights and of the
+    optimizer state, the LR, the schedule, the data position and the step counters.
+
+    The tensors are references cached once (shards are updated in place), not a state_dict()
+    per request: torchft serves them from its own thread, and FSDP2's state_dict() there, during
+    the live group's forward, breaks it."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any, dataloader: "ParallelAwareDataLoader", counters: Any) -> None:
+        self.optimizer, self.lr_scheduler, self.dataloader, self.counters = optimizer, lr_scheduler, dataloader, counters
+        named = [(f"{i}.{n}", p) for i, part in enumerate(model_parts) for n, p in part.named_parameters()]
+        self.weights = {n: _local(p.detach()) for n, p in named}
+        self.moments = {f"{n}/{k}": _local(v) for n, p in named for k, v in optimizer.state.get(p, {}).items()
+                        if isinstance(v, torch.Tensor)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "moments": self.moments,
+                "lr": [g["lr"] for g in self.optimizer.param_groups],
+                "lr_scheduler": self.lr_scheduler.state_dict(), "data": self.dataloader.state_dict(),
+                "step": self.counters.step, "tokens_seen": self.counters.tokens_seen}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("weights", "moments"):
+            mine = getattr(self, key)
+            if set(mine) != set(state[key]):
+                raise RuntimeError(f"the live group's {key} differ from this group's: another model or layout?")
+            for name, t in mine.items():
+                t.copy_(state[key][name])
+        for g, lr in zip(self.optimizer.param_groups, state["lr"]):
+            g["lr"] = lr
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.dataloader.load_state_dict(state["data"])
+        self.counters.step, self.counters.tokens_seen = state["step"], state["tokens_seen"]
+
+
+class FaultTolerance:
+    """This group's torchft Manager and what the loop asks of it, with the counters it logs."""
+
+    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan) -> None:
+        import torchft
+
+        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+        pg = torchft.ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else \
+            torchft.ProcessGroupNCCL(timeout=timeout)
+        # Synchronous quorum: a healing group loads the live state before its forward, and the live
+        # group serves it while its own weights stand still (between its optimizer steps).
+        # init_sync off: every group initialises the same weights from training.seed.
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+            use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=ft.lighthouse or None,
+            init_sync=False)
+        self.plan, self.replica_id = plan, ft.replica_id
+        self.participants = 0  # groups in the current step's quorum
+        self.discarded = 0  # steps whose cross-group all-reduce failed (not committed)
+        self.heals = 0  # times this group copied the state of a live group
+        self.heal_s = 0.0  # seconds the last heal took (quorum + transfer + load)
+        self.quorum_s = 0.0  # seconds the last quorum took (a dead group costs its heartbeat timeout)
+        self.lost_s = 0.0  # seconds spent in discarded steps, in all
+        self._step_start = 0.0
+        self.last_discarded = False
+        self._healed = False
+
+    def register(self, state: TrainingState) -> None:
+        """What this group serves to a healing one, and loads when it heals."""
+        self.manager.register_state_dict_fn("training", self._load(state), state.state_dict)
+
+    def _load(self, state: TrainingState) -> Callable[[dict[str, Any]], None]:
+        def load(sd: dict[str, Any]) -> None:
+            state.load_state_dict(sd)
+            self._healed = True
+        return load
+
+    def attach(self, model_parts: list[nn.Module]) -> None:
+        """Cross-group all-reduce of every FSDP group's reduce-scatter output, inside backward."""
+        for part in model_parts:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_all_reduce_hook(self._allreduce_in_place)
+
+    def _allreduce_in_place(self, grad: torch.Tensor) -> None:
+        dtype = self.plan.cross_group_dtype(grad.dtype)
+        wire = grad if dtype == grad.dtype else grad.to(dtype)
+        self.manager.allreduce(wire).wait()
+        if wire is not grad:
+            grad.copy_(wire)
+
+    def allreduce_grads(self, params: list[nn.Parameter]) -> None:
+        """Plain gradients (a group without FSDP): averaged across groups after backward."""
+        for p in params:
+            if p.grad is not None and not isinstance(p.grad, DTensor):
+                self._allreduce_in_place(p.grad)
+
+    def start_step(self) -> bool:
+        """The step's quorum (healing first when this group is behind). True when this group has
+        just loaded a live group's state: the caller's data iterator must restart from it."""
+        self._healed = False
+        self._step_start = time.perf_counter()
+        self.manager.start_quorum()
+        self.quorum_s = time.perf_counter() - self._step_start
+        self.participants = self.manager.num_participants()
+        if self._healed:
+            self.heals += 1
+            self.heal_s = self.quorum_s
+            logger.info("fault tolerance: replica group %d healed from a live group in %.2f s (%d groups)",
+                        self.replica_id, self.heal_s, self.participants)
+        return self._healed
+
+    def should_commit(self) -> bool:
+        """Whether every group's all-reduce of this step went through (all ranks of the group
+        agree); a step that did not is discarded and counted."""
+        commit = self.manager.should_commit()
+        self.last_discarded = not commit
+        if not commit:
+            self.discarded += 1
+            self.lost_s += time.perf_counter() - self._step_start
+            logger.warning("fault tolerance: step discarded (%d so far): a replica group failed during it",
+                           self.discarded)
+        return commit
+
+    def metrics(self) -> dict[str, float]:
+        return {"ft_participants": float(self.participants), "ft_discarded": float(self.discarded),
+                "ft_heals": float(self.heals), "ft_heal_s": self.heal_s, "ft_quorum_s": self.quorum_s,
+                "ft_lost_s": self.lost_s}
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def build(config: JobConfig, plan: PrecisionPlan) -> FaultTolerance | None:
+    """The group's Manager when fault_tolerance.enable is on (after the group's process group:
+    it reads torchrun's store), else None."""
+    return FaultTolerance(config.fault_tolerance, plan) if config.fault_tolerance.enable else None
