@@ -36,3 +36,19 @@ def validate(config: JobConfig) -> None:
     # the meaning of those names; dtype combinations are checked there too.
     _require(not (config.mixed_precision.audit and config.compile.enable),
              "'mixed_precision.audit' records the eager model's ops; set compile.enable = false for the audit")
+    _check_block_scaled(config)
+
+
+def _check_block_scaled(config: JobConfig) -> None:
+    """block_scaled against fp8 (both replace the same Linears) and the nvfp4-only options."""
+    mp = config.mixed_precision
+    _require(mp.block_scaled == "none" or mp.fp8 == "none",
+             f"'mixed_precision.block_scaled' = '{mp.block_scaled}' and 'mixed_precision.fp8' = '{mp.fp8}' "
+             "both convert the Linears: choose one")
+    for key in ("nvfp4_weight_2d", "nvfp4_rht", "nvfp4_stochastic_rounding"):
+        _require(f"mixed_precision.{key}" not in config.explicit or mp.block_scaled == "nvfp4",
+                 f"'mixed_precision.{key}' belongs to the nvfp4 recipe; this job has "
+                 f"mixed_precision.block_scaled = '{mp.block_scaled}'")
+    _require("mixed_precision.mxfp8_scale_mode" not in config.explicit or mp.block_scaled == "mxfp8",
+             f"'mixed_precision.mxfp8_scale_mode' belongs to the mxfp8 recipe; this job has "
+             f"mixed_precision.block_scaled = '{mp.block_scaled}'")
