@@ -12,7 +12,7 @@ the next (different batches), two bf16 paths of one model already differ by 1e-3
 steps (docs/mixed_precision.md), and NVFP4's e2m1 elements round each operand by up to 1/4 of its
 value (RNE; 1/2 with SR) where bf16 rounds by 2^-9: a hundred times coarser per element, averaged
 over the 64-256 long reductions. 0.02 is 0.6% of the loss at the end of the run and 3x what was
-measured (0.0058, below); a quantizer off by a scale factor or a transposed operand moves the loss
+measured (0.0041 at 10 steps; 0.0046-0.0088 over 30 steps and three seeds); a quantizer off by a scale factor or a transposed operand moves the loss
 by 0.1 and more within a few steps.
 """
 
@@ -41,6 +41,7 @@ NVFP4 = ["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_sca
 MXFP8 = ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"]
 STEPS = 10
 GAP = 0.02
+SPREAD = 0.005  # the full recipe's gap varies by 0.0042 across seeds 0-2 (30 steps)
 VARIANTS = {"bf16": [], "nvfp4": NVFP4, "nvfp4 no RHT": [*NVFP4, "--mixed_precision.nvfp4_rht", "false"],
             "nvfp4 no SR": [*NVFP4, "--mixed_precision.nvfp4_stochastic_rounding", "false"]}
 
@@ -125,6 +126,10 @@ def test_audit_passes_and_names_a_promised_module_run_as_a_plain_linear(tmp_path
 def curves(tmp_path_factory) -> dict[str, list[float]]:
     root = tmp_path_factory.mktemp("blockscaled_train")
     out = {}
+    threads = torch.get_num_threads()
+    # One thread: the emulation is hundreds of small ops, each of which, on a shared 2-core
+    # machine, would wait for its second thread (measured 4x the wall time under load).
+    torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
         for name, extra in VARIANTS.items():
@@ -133,6 +138,7 @@ def curves(tmp_path_factory) -> dict[str, list[float]]:
             _trainer(folder, "--training.steps", str(STEPS), *extra).train()
             losses = by_step(folder)
             out[name] = [losses[s]["loss"] for s in sorted(losses)]
+    torch.set_num_threads(threads)
     return out
 
 
@@ -143,15 +149,18 @@ def _gap(curves: dict[str, list[float]], name: str) -> float:
 def test_nvfp4_full_recipe_trains_within_the_gap_of_bf16(curves) -> None:
     gap = _gap(curves, "nvfp4")
     assert 0 < gap < GAP, (gap, curves)
-    assert curves["nvfp4"][-1] < curves["nvfp4"][0] - 1.0  # it learns, as bf16 does
+    assert curves["nvfp4"][-1] < curves["nvfp4"][0] - 0.5  # it learns, as bf16 does
 
 
-def test_rht_and_sr_switched_off_stay_within_the_gap_and_are_reported(curves) -> None:
-    """Measured here (10 steps): mean |gap| full 0.0056, no RHT 0.0062, no SR 0.0040 (12 steps,
-    docs/numerics.md). RHT off is worse; SR off is better at this length: SR trades a bias for
-    variance, and its benefit (no drift in long runs) is not visible in 10 steps of a tiny model."""
+def test_rht_and_sr_switched_off_are_equal_within_the_seed_spread(curves) -> None:
+    """Measured (one thread, seed 0, 10 steps): mean |gap| to bf16 full recipe 0.0041, RHT off
+    0.0051, SR off 0.0032. Over 30 steps and seeds 0, 1, 2 (docs/numerics.md): full 0.0046 /
+    0.0088 / 0.0077, RHT off 0.0052 / 0.0069 / 0.0078, SR off 0.0034 / 0.0077 / 0.0071: neither
+    option off is measurably worse at this scale; the differences stay inside the full recipe's
+    own seed-to-seed spread (0.0042). RHT and SR target outliers and long-run bias, which a
+    0.3M-parameter model trained for tens of steps does not show."""
     full = _gap(curves, "nvfp4")
-    assert _gap(curves, "nvfp4 no RHT") < GAP and _gap(curves, "nvfp4 no SR") < GAP
-    # The runs differ (each option changes the numerics) and replay from the seed.
+    for name in ("nvfp4 no RHT", "nvfp4 no SR"):
+        assert _gap(curves, name) < GAP and abs(_gap(curves, name) - full) < SPREAD, (name, _gap(curves, name), full)
+    # Each option changes the numerics: the runs differ from each other.
     assert curves["nvfp4 no RHT"] != curves["nvfp4"] != curves["nvfp4 no SR"]
-    assert full > 0
