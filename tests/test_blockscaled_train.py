@@ -74,7 +74,7 @@ def test_config_refuses_block_scaled_with_fp8_and_options_of_the_other_format(ex
 @pytest.mark.parametrize("extra, world, message", [
     (["--mixed_precision.block_scaled", "nvfp4"], 1,
      "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: cpu has no MX / NVFP4 "
-     "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 2-6x slower than bf16 here)"),
+     "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 4-7x slower than bf16 on a 2-core AVX512 CPU)"),
     ([*NVFP4, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
      "under tensor parallel they are sharded (not supported)"),
     ([*NVFP4, "--mixed_precision.block_scaled_skip_modules", "outptu"], 1,

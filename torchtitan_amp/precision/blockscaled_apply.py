@@ -31,7 +31,7 @@ from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
 KERNEL_CAPABILITY = (10, 0)
 # What the emulation costs against a bf16 F.linear, forward + backward (benchmarks/blockscaled_speed.py
 # on the 2-core CPU of docs/performance.md): said in the start-up line and the refusal.
-EMULATION_COST = "about 2-6x slower than bf16 here"
+EMULATION_COST = "about 4-7x slower than bf16 on a 2-core AVX512 CPU"
 
 
 @functools.cache
