@@ -63,8 +63,8 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     (["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.fp8", "rowwise"],
      "'mixed_precision.block_scaled' = 'nvfp4' and 'mixed_precision.fp8' = 'rowwise' both convert the Linears"),
     (["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.nvfp4_rht", "false"],
-     "'mixed_precision.nvfp4_rht' belongs to the nvfp4 recipe"),
-    ([*NVFP4, "--mixed_precision.mxfp8_scale_mode", "rceil"], "'mixed_precision.mxfp8_scale_mode' belongs to the mxfp8 recipe"),
+     "'mixed_precision.nvfp4_rht' = False belongs to the nvfp4 recipe"),
+    ([*NVFP4, "--mixed_precision.mxfp8_scale_mode", "rceil"], "'mixed_precision.mxfp8_scale_mode' = 'rceil' belongs to the mxfp8 recipe"),
 ])
 def test_config_refuses_block_scaled_with_fp8_and_options_of_the_other_format(extra, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

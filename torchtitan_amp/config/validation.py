@@ -40,15 +40,16 @@ def validate(config: JobConfig) -> None:
 
 
 def _check_block_scaled(config: JobConfig) -> None:
-    """block_scaled against fp8 (both replace the same Linears) and the nvfp4-only options."""
+    """block_scaled against fp8 (both replace the same Linears), and a recipe option changed from its
+    default under the other format (a dumped TOML holds every default: those pass)."""
     mp = config.mixed_precision
     _require(mp.block_scaled == "none" or mp.fp8 == "none",
              f"'mixed_precision.block_scaled' = '{mp.block_scaled}' and 'mixed_precision.fp8' = '{mp.fp8}' "
              "both convert the Linears: choose one")
-    for key in ("nvfp4_weight_2d", "nvfp4_rht", "nvfp4_stochastic_rounding"):
-        _require(f"mixed_precision.{key}" not in config.explicit or mp.block_scaled == "nvfp4",
-                 f"'mixed_precision.{key}' belongs to the nvfp4 recipe; this job has "
+    defaults = type(mp)()
+    owner = {"nvfp4_weight_2d": "nvfp4", "nvfp4_rht": "nvfp4", "nvfp4_stochastic_rounding": "nvfp4",
+             "mxfp8_scale_mode": "mxfp8"}
+    for key, fmt in owner.items():
+        _require(getattr(mp, key) == getattr(defaults, key) or mp.block_scaled == fmt,
+                 f"'mixed_precision.{key}' = {getattr(mp, key)!r} belongs to the {fmt} recipe; this job has "
                  f"mixed_precision.block_scaled = '{mp.block_scaled}'")
-    _require("mixed_precision.mxfp8_scale_mode" not in config.explicit or mp.block_scaled == "mxfp8",
-             f"'mixed_precision.mxfp8_scale_mode' belongs to the mxfp8 recipe; this job has "
-             f"mixed_precision.block_scaled = '{mp.block_scaled}'")
