@@ -125,6 +125,17 @@ def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip:
     return [n for n, _ in chosen]
 
 
+def seed_step(parts: list[nn.Module], step: int) -> None:
+    """Seed every stochastically rounding BlockScaledLinear's generator from (recipe seed, its
+    stream, `step`) before the step: the draws then depend on the step number alone, so a run
+    resumed from a checkpoint draws what the uninterrupted run drew, with no generator state saved."""
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, BlockScaledLinear) and m.recipe.stochastic_rounding:
+                seed = ((m.recipe.seed * 1_000_003 + m.sr_stream) * 1_000_033 + step) % 2**63
+                m.generator = torch.Generator(device=m.weight.device).manual_seed(seed)
+
+
 def summary(recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
     """The report's block_scaled section: each converted module's format per pass, the Linears kept
     out (they compute in the plan's dtype)."""
