@@ -111,6 +111,9 @@ def test_audit_passes_and_names_a_promised_module_run_as_a_plain_linear(tmp_path
     fmt = "float4_e2m1fn" if extra is NVFP4 else "float8_e4m3fn"
     assert {ops[0][0][0] for m, p in result.gemms.items() for ops in p.values()} == {fmt}
     assert len(result.gemms) == 14 and "output" not in result.gemms
+    # The emulated GEMMs are fp32 mms; the Linears kept out ran in the plan's compute dtype.
+    assert result.modules["layers.1.attention.wq"] == {"forward matmul": ["float32"]}
+    assert result.modules["layers.0.attention.wq"] == result.modules["output"] == {"forward matmul": ["bfloat16"]}
     t = _trainer(tmp_path / "swapped", *extra)
     old = t.model.layers["1"].attention.wq
     plain = nn.Linear(old.in_features, old.out_features, bias=False)
