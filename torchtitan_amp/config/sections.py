@@ -367,6 +367,30 @@ class MixedPrecision:
     fp8_all_gather: bool = _f(
         False, "fp8 = 'tensorwise' on the FSDP path: all-gather the weights in fp8 (half of bf16's bytes)."
     )
+    block_scaled: Literal["none", "mxfp8", "nvfp4"] = _f(
+        "none", "Block-scaled training of nn.Linear (torchao's names): 'mxfp8' (OCP MX: e4m3 in blocks "
+        "of 32, E8M0 scales) or 'nvfp4' (e2m1 in blocks of 16, e4m3 scales, an fp32 tensor scale); all "
+        "three matmuls of each converted Linear. Not with fp8."
+    )
+    block_scaled_emulate: BoolOrAuto = _f(
+        "auto", "true: quantize bit-exactly and multiply in fp32 on any device (slower than bf16); "
+        "'auto': the device's block-scaled kernels, refused where it has none; false: kernels only."
+    )
+    mxfp8_scale_mode: Literal["floor", "rceil"] = _f(
+        "floor", "mxfp8 block scale rule: 'floor' (OCP spec) or 'rceil' (NVIDIA's: rounds the scale up, never saturates)."
+    )
+    nvfp4_weight_2d: bool = _f(True, "nvfp4: one scale per 16x16 weight tile (forward and dgrad see one quantized W).")
+    nvfp4_rht: bool = _f(True, "nvfp4: random Hadamard transform (16x16) of both weight-gradient operands.")
+    nvfp4_stochastic_rounding: bool = _f(
+        True, "nvfp4: round the gradient operands of dgrad and wgrad stochastically (seeded by training.seed)."
+    )
+    block_scaled_skip_modules: list[str] = _f(
+        ["output"], "fnmatch patterns of Linear names kept out of block_scaled (in the plan's compute dtype); "
+        "a pattern naming no Linear is an error."
+    )
+    block_scaled_edge_layers: int = _f(
+        1, "The first and the last N transformer blocks stay out of block_scaled (NVIDIA's NVFP4 recipe "
+        "keeps a few edge blocks in bf16).", bounds=at_least(0, note="0: convert every block"))
     audit: bool = _f(
         False, "Instead of training: run one step of this job with dtype recorders on, write "
         "precision_audit.json and exit 1 if anything ran or moved in another dtype than this plan "

@@ -37,6 +37,7 @@ def validate(config: JobConfig) -> None:
     _require(not (config.mixed_precision.audit and config.compile.enable),
              "'mixed_precision.audit' records the eager model's ops; set compile.enable = false for the audit")
     validate_fault_tolerance(config)
+    _check_block_scaled(config)
 
 
 # What a replica group under torchft may not combine with: torchft owns the replicate dimension,
@@ -73,3 +74,19 @@ def validate_fault_tolerance(config: JobConfig) -> None:
     # Every group would write the same folder and none would know which steps the others committed.
     _require(not config.checkpoint.enable, "'checkpoint.enable' is not supported with fault_tolerance.enable: "
              "replica groups have no checkpoint of their own; a group that restarts heals from a live one")
+
+
+def _check_block_scaled(config: JobConfig) -> None:
+    """block_scaled against fp8 (both replace the same Linears), and a recipe option changed from its
+    default under the other format (a dumped TOML holds every default: those pass)."""
+    mp = config.mixed_precision
+    _require(mp.block_scaled == "none" or mp.fp8 == "none",
+             f"'mixed_precision.block_scaled' = '{mp.block_scaled}' and 'mixed_precision.fp8' = '{mp.fp8}' "
+             "both convert the Linears: choose one")
+    defaults = type(mp)()
+    owner = {"nvfp4_weight_2d": "nvfp4", "nvfp4_rht": "nvfp4", "nvfp4_stochastic_rounding": "nvfp4",
+             "mxfp8_scale_mode": "mxfp8"}
+    for key, fmt in owner.items():
+        _require(getattr(mp, key) == getattr(defaults, key) or mp.block_scaled == fmt,
+                 f"'mixed_precision.{key}' = {getattr(mp, key)!r} belongs to the {fmt} recipe; this job has "
+                 f"mixed_precision.block_scaled = '{mp.block_scaled}'")

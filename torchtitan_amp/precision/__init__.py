@@ -16,6 +16,10 @@ the plan imports none of them):
 - `reducers.py`:    TP's partial gradients, reduced once per step;
 - `float8.py`:      torchao fp8: the probes the plan asks (torchao_missing, matmul_unsupported) and
                     the Linear conversion, taking the plan's fp8 values (the plan imports it);
+- `blockscaled.py`, `blockscaled_linear.py`: MXFP8 / NVFP4 quantization, bit-exact, and the emulated
+                    Linear (its three GEMMs, `BlockScaledRecipe`, `observe_gemms`);
+- `blockscaled_apply.py`: block-scaled training: the kernel probe the plan asks, the rule and the
+                    Linear swap, the report's section and the audit's GEMM check;
 - `scaler.py`:      fp16 loss scaling (`LossScaler`, `build_scaler`);
 - `memory_spec.py`: the plan as the memory model's `PrecisionSpec`;
 - `audit.py`:       one real step recorded against the plan's promises (mixed_precision.audit).

@@ -20,6 +20,10 @@ Promises checked, each by module name or collective:
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
   dtype (integers, if a caller gathers document ids), their gradients reduce-scattered over "cp"
   in the plan's cp_reduce_dtype, and both are seen at all;
+- block-scaled (mixed_precision.block_scaled): every Linear the plan converts ran its forward,
+  dgrad and wgrad GEMMs with the recipe's operands (element and scale dtypes, block shape,
+  rounding, RHT: blockscaled_linear's GemmRecords), and the Linears kept out ran none (their
+  matmuls are checked in their compute dtype above). The emulated GEMMs themselves are fp32 mms;
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
   only (the counts before them as integers), on no other group, and are seen at all where this
@@ -48,6 +52,8 @@ from torchtitan_amp.distributed import context_parallel
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.observability import traffic
+from torchtitan_amp.precision import blockscaled_apply
+from torchtitan_amp.precision.blockscaled_linear import GemmRecord, observe_gemms
 from torchtitan_amp.precision.plan import PrecisionPlan
 
 logger = logging.getLogger("torchtitan_amp")
@@ -82,6 +88,7 @@ class AuditResult:
     tensors: dict[str, list[str]]  # params / grads / optimizer state -> dtypes
     collectives: dict[str, dict[str, int]]  # "reduce_scatter:dp_shard" -> dtype -> bytes
     backward_matmuls: list[str] = field(default_factory=list)
+    gemms: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # block-scaled: module -> pass -> operands
 
     @property
     def ok(self) -> bool:
@@ -90,7 +97,7 @@ class AuditResult:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "breaches": [asdict(b) for b in self.breaches], "modules": self.modules,
                 "backward_matmuls": self.backward_matmuls, "tensors": self.tensors,
-                "collectives": self.collectives}
+                "collectives": self.collectives, "block_scaled_gemms": self.gemms}
 
 
 def _clean(name: str) -> str:
@@ -280,7 +287,15 @@ class Auditor:
         _GROUP_DIMS.clear()
         _GROUP_DIMS.update(_group_dims(self.trainer.dims))
         _EP_RANKS[:] = [_mesh_ranks(self.trainer.dims.ep_mesh)] if self.trainer.dims.ep > 1 else []
-        with _module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder:
+        gemms: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+
+        def on_gemm(record: GemmRecord) -> None:
+            module, what, operands = blockscaled_apply.operand_seen(record)
+            if operands not in gemms[_clean(module)][what]:
+                gemms[_clean(module)][what].append(operands)
+
+        with (_module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder,
+              observe_gemms(on_gemm)):
             self.trainer.train_step(batches)
         collectives = traffic.snapshot()
         for category, by_dtype in recorder.all_to_all.items():
@@ -289,7 +304,7 @@ class Auditor:
         modules = self._gather(modules)
         backward = sorted(set().union(*self._gather_list(sorted(recorder.backward_matmuls))))
         tensors = self._gather_tensors()
-        result = AuditResult([], modules, tensors, collectives, backward)
+        result = AuditResult([], modules, tensors, collectives, backward, self._gather_gemms(gemms))
         result.breaches = self.check(result)
         return result
 
@@ -309,6 +324,26 @@ class Auditor:
                 for k, v in ops.items():
                     merged[m][k] |= set(v)
         return {m: {k: sorted(v) for k, v in ops.items()} for m, ops in sorted(merged.items())}
+
+    def _gather_gemms(self, gemms: dict[str, dict[str, list[Any]]]) -> dict[str, dict[str, list[Any]]]:
+        merged: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+        for rank in self._gather_list({m: dict(p) for m, p in gemms.items()}):
+            for m, passes in rank.items():
+                for what, ops in passes.items():
+                    merged[m][what] += [o for o in ops if o not in merged[m][what]]
+        return {m: dict(p) for m, p in sorted(merged.items())}
+
+    def _check_block_scaled(self, gemms: dict[str, dict[str, list[Any]]]) -> list[Breach]:
+        """The plan's block-scaled Linears on this job's ranks against the GEMMs they ran."""
+        plan = self.plan
+        if plan.block_scaled is None:
+            return [Breach(f"{m}: block-scaled GEMMs", ["none (mixed_precision.block_scaled = 'none')"], sorted(p))
+                    for m, p in gemms.items()]
+        skip = blockscaled_apply.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers,
+                                               self.trainer.job.model_args.n_layers)
+        linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
+        promised = {n for n, m in linears.items() if blockscaled_apply.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
+        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, set(linears) - promised, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
         params = self.trainer.params
@@ -346,8 +381,10 @@ class Auditor:
                 expect(f"{name}: computes_in_fp32 module", {"float32"}, ops["compute"])
         expect("loss: log_softmax input", {"float32"}, r.modules.get("<loss>", {}).get("log_softmax", []))
         routed = {dtype_name(plan.router_dtype)} if any(plan.routes(m) for m in self.named.values()) else set()
-        expect("backward matmuls", {low, storage, *routed, *(_FP8 if plan.fp8 != "none" else ())},
+        emulated = {"float32"} if plan.block_scaled is not None else set()  # the emulation's fp32 GEMMs
+        expect("backward matmuls", {low, storage, *routed, *emulated, *(_FP8 if plan.fp8 != "none" else ())},
                r.backward_matmuls)
+        breaches += self._check_block_scaled(r.gemms)
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)

@@ -154,6 +154,7 @@ class GemmRecord(NamedTuple):
     shape: tuple[int, int, int]  # rows, cols, reduction length (padded)
     a: OperandInfo
     b: OperandInfo
+    module: str = ""  # the BlockScaledLinear's `label` (its name in the model), "" for a bare call
 
 
 _OBSERVERS: list[Callable[[GemmRecord], None]] = []
@@ -193,14 +194,14 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: t
     return Operand(values, s_t, info)
 
 
-def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm") -> torch.Tensor:
+def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm", module: str = "") -> torch.Tensor:
     """A x B^T -> fp32 (rows, cols): one fp32 GEMM of the dequantized operands (autocast off: the
     emulation decides the dtypes), then alpha = s_a * s_b. Observers get a GemmRecord."""
     with torch.autocast(a.values.device.type, enabled=False):
         out = a.values @ b.values.t()
     for observe in list(_OBSERVERS):
         observe(GemmRecord(what, "mxfp8" if a.info.elements == "float8_e4m3fn" else "nvfp4",
-                           (rows, cols, a.values.shape[-1]), a.info, b.info))
+                           (rows, cols, a.values.shape[-1]), a.info, b.info, module))
     return (out * (a.tensor_scale * b.tensor_scale))[:rows, :cols]
 
 
@@ -214,15 +215,15 @@ def _quantized_weight(w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool)
 
 class _BlockScaledLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, generator):
+    def forward(ctx, x, weight, bias, recipe, generator, label):
         x2 = x.reshape(-1, x.shape[-1])
         out = emulated_mm(quantize_operand(x2, recipe), _quantized_weight(weight, recipe, False),
-                          x2.shape[0], weight.shape[0], "forward")
+                          x2.shape[0], weight.shape[0], "forward", label)
         out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.generator, ctx.has_bias = recipe, generator, bias is not None
+        ctx.recipe, ctx.generator, ctx.has_bias, ctx.label = recipe, generator, bias is not None, label
         return out
 
     @staticmethod
@@ -234,21 +235,22 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         m, (n, k) = g2.shape[0], weight.shape
         grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen),
-                             _quantized_weight(weight, recipe, True), m, k, "dgrad")
+                             _quantized_weight(weight, recipe, True), m, k, "dgrad", ctx.label)
         r = rht_matrix(recipe.seed) if recipe.rht else None
         grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r),
-                             quantize_operand(x2.t(), recipe, rht=r), n, k, "wgrad")
+                             quantize_operand(x2.t(), recipe, rht=r), n, k, "wgrad", ctx.label)
         grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None
-        return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None)
+        return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None, None)
 
 
 def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       recipe: BlockScaledRecipe, generator: torch.Generator | None = None) -> torch.Tensor:
+                       recipe: BlockScaledRecipe, generator: torch.Generator | None = None, label: str = "",
+                       ) -> torch.Tensor:
     """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
-    rounding; required when the recipe asks for it."""
+    rounding; required when the recipe asks for it. `label` names the GEMMs' module for observers."""
     if recipe.stochastic_rounding and generator is None:
         raise ValueError("the recipe rounds gradients stochastically: pass a seeded torch.Generator")
-    return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator)
+    return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator, label)
 
 
 class BlockScaledLinear(nn.Linear):
@@ -263,6 +265,9 @@ class BlockScaledLinear(nn.Linear):
         self.recipe = recipe
         self.sr_stream = sr_stream
         self.generator: torch.Generator | None = None
+        # Its name in the model, set by the converter: observers (the audit) attribute the GEMMs,
+        # backward ones included, where no module hook runs.
+        self.label = ""
 
     def sr_generator(self) -> torch.Generator | None:
         if not self.recipe.stochastic_rounding:
@@ -281,7 +286,7 @@ class BlockScaledLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator())
+        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator(), self.label)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.format}"

@@ -12,7 +12,8 @@
 Everything else (parallelize, trainer, checkpoint) asks the plan and never re-decides. This module
 decides and answers, and imports none of the modules next to it that apply the decision (see the
 package's docstring): each of them takes the plan, and callers call them with it. It imports
-float8.py only for its probes (is torchao installed, can this device multiply in fp8).
+float8.py and blockscaled_apply.py only for their probes (is torchao installed, can this device
+multiply in fp8, does it have block-scaled kernels) and the block-scaled recipe.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torchtitan_amp.core.matmul_speed import LowPrecisionSpeed, low_precision_sp
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
-from torchtitan_amp.precision import float8
+from torchtitan_amp.precision import blockscaled_apply, float8
+from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
 if TYPE_CHECKING:
@@ -152,6 +154,30 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 
 
+def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool
+                  ) -> tuple[BlockScaledRecipe | None, bool, str]:
+    """The block-scaled recipe (None: off), whether it is emulated, and the decision line's words.
+    `emulate = true` runs the bit-exact emulation anywhere; otherwise the device's kernels, which
+    this build does not drive: refused in one line, never a silent bf16 fallback."""
+    mp = config.mixed_precision
+    recipe = blockscaled_apply.recipe_of(mp.block_scaled, mp.mxfp8_scale_mode, mp.nvfp4_weight_2d, mp.nvfp4_rht,
+                                         mp.nvfp4_stochastic_rounding, config.training.seed)
+    if recipe is None:
+        return None, False, ""
+    where = f"'mixed_precision.block_scaled' = '{mp.block_scaled}'"
+    if dims.tp_enabled:
+        raise PrecisionError(f"{where} quantizes whole operands in blocks; under tensor parallel they are sharded "
+                             "(not supported): set parallelism.tensor_parallel_degree = 1")
+    if mp.block_scaled_emulate is True:
+        return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
+                              f"{blockscaled_apply.EMULATION_COST})")
+    why = blockscaled_apply.kernels_missing(recipe.format, device_type) if on_hardware else None
+    why = why or "torchtitan_amp drives no block-scaled training kernels, only their emulation"
+    fix = ("set mixed_precision.block_scaled_emulate = true to emulate "
+           f"({blockscaled_apply.EMULATION_COST})")
+    raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
+
+
 def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
     """optimizer.state_dtype, with 'auto' = the storage dtype (what torch's AdamW keeps), and the
     optimizer settings no machine can honour refused."""
@@ -230,6 +256,10 @@ class PrecisionPlan:
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # torchao float8 recipe of the Linears
     fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
     fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
+    block_scaled: BlockScaledRecipe | None = None  # MXFP8 / NVFP4 recipe of the converted Linears
+    block_scaled_emulated: bool = False  # quantized bit-exactly, multiplied in fp32 (no kernels)
+    block_scaled_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out
+    block_scaled_edge_layers: int = 0  # first and last blocks kept out
     fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
     frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
     optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
@@ -286,6 +316,8 @@ class PrecisionPlan:
             decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
+        block_scaled, emulated, words = _block_scaled(config, dims, device_type, on_hardware=probe is not None)
+        decision += words
         plan = cls(
             path=path, device_type=device_type, storage_dtype=storage, param_dtype=param, reduce_dtype=reduce,
             output_dtype=_DTYPES[mp.output_dtype] if enabled else storage,
@@ -295,6 +327,8 @@ class PrecisionPlan:
                            "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval},
             notes=tuple(notes), enabled_setting=setting, speed=speed, decision=decision, warnings=tuple(warnings),
             fp8=mp.fp8, fp8_skip=tuple(mp.fp8_skip_modules), fp8_all_gather=mp.fp8_all_gather,
+            block_scaled=block_scaled, block_scaled_emulated=emulated,
+            block_scaled_skip=tuple(mp.block_scaled_skip_modules), block_scaled_edge_layers=mp.block_scaled_edge_layers,
             fp32_names=tuple(mp.fp32_module_names), frozen_names=tuple(config.training.freeze),
             optimizer_state_dtype=_optimizer_state_dtype(config, storage),
             stochastic_rounding=config.optimizer.stochastic_rounding,
@@ -373,6 +407,8 @@ class PrecisionPlan:
         frozen storage dtype and the audit's promises all ask this."""
         if type(module).__name__ == "Float8Linear":
             return torch.float8_e4m3fn
+        if isinstance(module, BlockScaledLinear):  # the emulation's GEMMs: dequantized operands in fp32
+            return torch.float32
         if self.routes(module):
             return self.router_dtype
         return self.param_dtype if self.path != "full" and self.is_safe(module) else self.storage_dtype

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchtitan_amp.core.rules import dtype_name, short_name
+from torchtitan_amp.precision import blockscaled_apply
+from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
 if TYPE_CHECKING:
@@ -58,14 +60,16 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
         low = plan.is_safe(module) and plan.path != "full"
         # Off the "full" path storage is fp32: modules outside the safe list compute in it.
         compute = plan.compute_dtype(module)
+        # The emulation multiplies in fp32; what the row promises is the recipe's format.
+        compute_name = module.recipe.format if isinstance(module, BlockScaledLinear) else dtype_name(compute)
         name = _class_name(_user_class(module))
         reduce = plan.reduce_dtype if low else plan.storage_dtype
         if plan.path == "autocast" and plan.comm_hook == "none":
             reduce = plan.storage_dtype
         frozen = not own[0].requires_grad
-        g = groups[f"{name} {compute} {frozen}"]
+        g = groups[f"{name} {compute_name} {frozen}"]
         g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
-                 compute_dtype=dtype_name(compute), reduce_dtype="-" if frozen else dtype_name(reduce),
+                 compute_dtype=compute_name, reduce_dtype="-" if frozen else dtype_name(reduce),
                  trained=not frozen)
         g["num_params"] += sum(p.numel() for p in own)
     return list(groups.values())
@@ -104,6 +108,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp8": plan.fp8,
         "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
         "fp8_all_gather": plan.fp8_all_gather,
+        "block_scaled": blockscaled_apply.summary(plan.block_scaled, plan.block_scaled_emulated, _named_modules(model)),
         "fp32_module_names": list(plan.fp32_names),
         "optimizer": plan.optimizer_summary(),
         "context_parallel": plan.context_parallel_summary(),
@@ -157,6 +162,18 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         for name, by_dtype in written.get("gradient_collectives", {}).items():
             logger.info("  gradient collective %s: %s per step", name,
                         ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))
+        _log_block_scaled(written["block_scaled"])
         for note in plan.notes:
             logger.info("  note: %s", note)
     return written
+
+
+def _log_block_scaled(section: dict[str, Any] | None) -> None:
+    """The start-up table's block-scaled lines: the format of each pass, the Linears kept out."""
+    if section is None:
+        return
+    logger.info("  block-scaled %s%s: %d Linears", section["format"], " (emulated)" if section["emulated"] else "",
+                len(section["modules"]))
+    for what, operands in section["recipe"].items():
+        logger.info("    %-7s %s", what, operands)
+    logger.info("    kept out (plan's compute dtype): %s", ", ".join(section["kept_out"]) or "none")

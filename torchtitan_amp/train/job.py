@@ -27,7 +27,7 @@ from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import PrecisionPlan, by_name, float8, freeze, memory_spec
+from torchtitan_amp.precision import PrecisionPlan, blockscaled_apply, by_name, float8, freeze, memory_spec
 from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
@@ -160,12 +160,13 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
                                                  device_type)
     check_weight_tying(args, dims, config.model.flavor)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None, tokenizer)
-    if plan.fp8 != "none" or plan.fp32_names or plan.frozen_names:
+    if plan.fp8 != "none" or plan.block_scaled is not None or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):
             model = family.build_model(args)
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
+        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers)
     job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
               n_microbatches, validation)
     # A dry run asks what its target device (dry_run.device) would run, whatever machine it runs on.
@@ -198,6 +199,9 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
         # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
         float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
+    # The whole model, before the pipeline split: the edge blocks are counted on it.
+    blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
+                                         job.plan.block_scaled_edge_layers)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)

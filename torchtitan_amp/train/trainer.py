@@ -28,7 +28,7 @@ from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import autocast, float8
+from torchtitan_amp.precision import autocast, blockscaled_apply, float8
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, init_optimizer_state
 
@@ -175,6 +175,7 @@ class Trainer:
         (its share of the step's mean), the global gradient norm, and whether the optimizer stepped
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
+        blockscaled_apply.seed_step(self.model_parts, self.step)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
