@@ -133,7 +133,9 @@ def seed_step(parts: list[nn.Module], step: int) -> None:
         for m in part.modules():
             if isinstance(m, BlockScaledLinear) and m.recipe.stochastic_rounding:
                 seed = ((m.recipe.seed * 1_000_003 + m.sr_stream) * 1_000_033 + step) % 2**63
-                m.generator = torch.Generator(device=m.weight.device).manual_seed(seed)
+                if m.generator is None or m.generator.device != m.weight.device:
+                    m.generator = torch.Generator(device=m.weight.device)
+                m.generator.manual_seed(seed)
 
 
 def summary(recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:

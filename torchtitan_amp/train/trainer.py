@@ -175,7 +175,8 @@ class Trainer:
         (its share of the step's mean), the global gradient norm, and whether the optimizer stepped
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
-        blockscaled_apply.seed_step(self.model_parts, self.step)
+        if self.plan.block_scaled is not None and self.plan.block_scaled.stochastic_rounding:
+            blockscaled_apply.seed_step(self.model_parts, self.step)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
