@@ -163,10 +163,19 @@ class FaultTolerance:
             grad.copy_(wire)
 
     def allreduce_grads(self, params: list[nn.Parameter]) -> None:
-        """Plain gradients (a group without FSDP): averaged across groups after backward."""
+        """Plain gradients (a group without FSDP): averaged across groups after backward, every
+        all-reduce issued before the first is waited on, so that they overlap."""
+        pending = []
         for p in params:
             if p.grad is not None and not isinstance(p.grad, DTensor):
-                self._allreduce_in_place(p.grad)
+                grad = p.grad
+                dtype = self.plan.cross_group_dtype(grad.dtype)
+                wire = grad if dtype == grad.dtype else grad.to(dtype)
+                pending.append((grad, wire, self.manager.allreduce(wire)))
+        for grad, wire, work in pending:
+            work.wait()
+            if wire is not grad:
+                grad.copy_(wire)
 
     def start_step(self) -> bool:
         """The step's quorum (healing first when this group is behind). True when this group has
