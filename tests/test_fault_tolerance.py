@@ -8,6 +8,12 @@ What must hold: the survivor logs every step once and finishes, having discarded
 kill interrupted (none between steps, one during the all-reduce); the restarted group heals from it
 (copies its state over HTTP) and resumes at the survivor's step, not at step 1; at the end both
 groups hold the same shard of every parameter, bit for bit; the loss falls.
+
+DiLoCo (semi_sync_method = "diloco", a sync every SYNC_STEPS steps, bf16 pseudo-gradients): group 1
+is killed inside the sync of step 5 (after the quorum, before its all-reduce). The survivor
+discards that sync (back to the initial global weights: steps 1-5 lost, none retried), trains alone,
+and the restarted group heals at one of its later syncs; STEPS is a multiple of SYNC_STEPS, so the
+last step is a sync and both groups end on the same global weights.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from tests.support import (ONE_THREAD, REPO, TINY, WORKERS, _env, _free_port, as
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchtitan-amp[ft])")
 
-STEPS, KILL_AT = 40, 5
+STEPS, KILL_AT, SYNC_STEPS = 40, 5, 5
+assert STEPS % SYNC_STEPS == 0 and KILL_AT % SYNC_STEPS == 0
 # Long enough for a restarted group to start on two busy cores (10-30 s) while the survivor paces.
 TIMEOUT_S = 300
 
@@ -51,72 +58,85 @@ def _wait(proc: subprocess.Popen, deadline: float) -> int:
         pytest.fail(f"a replica group did not finish within {TIMEOUT_S} s")
 
 
-# Ranks per group, how group 1 is killed at step KILL_AT, and the steps the survivor discards for
-# it. One rank per group: no FSDP, torchft all-reduces the plain gradients (replicate only).
+# Ranks per group, every group's extra arguments, how group 1 is killed at step KILL_AT, and the
+# steps (DiLoCo: syncs) the survivor discards for it. One rank per group: no FSDP, torchft
+# all-reduces the plain gradients (replicate only).
 _BETWEEN = (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0)
 _DURING = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)
-KILLS = {"fsdp2_between_steps": (2, *_BETWEEN), "fsdp2_during_allreduce": (2, *_DURING),
-         "one_rank_between_steps": (1, *_BETWEEN)}
+DILOCO = ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(SYNC_STEPS),
+          "--fault_tolerance.pseudo_gradient_dtype", "bfloat16")
+_DURING_SYNC = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT), "FT_KILL_AT_CALL": "1"}, 1)
+KILLS = {"fsdp2_between_steps": (2, (), *_BETWEEN), "fsdp2_during_allreduce": (2, (), *_DURING),
+         "one_rank_between_steps": (1, (), *_BETWEEN), "diloco_fsdp2_during_sync": (2, DILOCO, *_DURING_SYNC)}
 
 
 @pytest.fixture(scope="module", params=sorted(KILLS))
-def killed(request, tmp_path_factory) -> tuple[Path, int, int]:
-    """(root, steps the survivor must discard, ranks per group): root/g0 the survivor, g1a group 1
-    until it dies at step KILL_AT, g1b group 1 restarted."""
+def killed(request, tmp_path_factory) -> tuple[Path, int, int, bool]:
+    """(root, steps the survivor must discard, ranks per group, DiLoCo?): root/g0 the survivor,
+    g1a group 1 until it dies at step KILL_AT, g1b group 1 restarted."""
     from torchft._torchft import LighthouseServer
 
     root = tmp_path_factory.mktemp(f"ft_{request.param}")
-    nproc, args, env, discarded = KILLS[request.param]
+    nproc, common, args, env, discarded = KILLS[request.param]
     # A dead group is left out of the quorum once it misses heartbeats for heartbeat_timeout_ms.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        survivor = _launch(root / "g0", nproc, 0, lighthouse.address())
-        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *args, env=env)
+        survivor = _launch(root / "g0", nproc, 0, lighthouse.address(), *common)
+        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *common, *args, env=env)
         (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
-        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address())
+        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address(), *common)
         (root / "g0.rc").write_text(str(_wait(survivor, deadline)))
         (root / "g1b.rc").write_text(str(_wait(restarted, deadline)))
     finally:
         lighthouse.shutdown()
-    return root, discarded, nproc
+    return root, discarded, nproc, bool(common)
 
 
 def _log(root: Path, name: str) -> str:
     return (root / f"{name}.log").read_text()[-4000:]
 
 
-def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int, int]) -> None:
+def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int, int, bool]) -> None:
     root = killed[0]
     assert (root / "g1a.rc").read_text() != "0", _log(root, "g1a")
     assert (root / "g0.rc").read_text() == "0", _log(root, "g0")
     assert (root / "g1b.rc").read_text() == "0", _log(root, "g1b")
 
 
-def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, int]) -> None:
-    root, discarded, _ = killed
+def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, int, bool]) -> None:
+    root, discarded, _, diloco = killed
     rows = read_metrics(root / "g0")
-    # A discarded step is retried under the same number: every step is logged once.
+    # A discarded step is retried under the same number; a discarded DiLoCo sync is not retried
+    # (its inner steps are undone, the count goes on): either way every step is logged once.
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     # Between steps, the survivor's next quorum leaves the dead group out before any all-reduce.
     assert rows[-1]["ft_discarded"] == discarded, _log(root, "g0")
     assert (rows[-1]["ft_lost_s"] > 0) == (discarded > 0)
-    # The step after the kill waits out the lighthouse's heartbeat timeout (3 s) in its quorum.
-    assert max(r["ft_quorum_s"] for r in rows) >= 2.5
+    if diloco:
+        # The discarded sync undid steps 1..KILL_AT; the join (step 0) and every later sync committed.
+        assert rows[-1]["ft_inner_steps_lost"] == KILL_AT
+        assert rows[-1]["ft_syncs"] == 1 + STEPS // SYNC_STEPS - discarded
+    else:
+        # The step after the kill waits out the lighthouse's heartbeat timeout (3 s) in its quorum
+        # (under DiLoCo the next quorum comes SYNC_STEPS paced steps later, after that timeout).
+        assert max(r["ft_quorum_s"] for r in rows) >= 2.5
     assert any(r["ft_participants"] == 1 for r in rows), "the survivor never trained alone"
     assert rows[-1]["ft_participants"] == 2, "the restarted group never rejoined"
     assert_loss_falls(rows)
 
 
-def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int, int]) -> None:
+def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int, int, bool]) -> None:
     rows = read_metrics(killed[0] / "g1b")
     assert rows[0]["step"] > KILL_AT, "the restarted group started over instead of healing"
+    if killed[3]:  # it joined at one of the survivor's syncs and trained on from the step after
+        assert (rows[0]["step"] - 1) % SYNC_STEPS == 0
     assert rows[-1]["step"] == STEPS
     assert rows[-1]["ft_heals"] == 1
     assert rows[-1]["ft_heal_s"] < 30
 
 
-def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int]) -> None:
+def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int, bool]) -> None:
     for rank in range(killed[2]):
         survivor = json.loads((killed[0] / "g0" / f"rank{rank}.json").read_text())
         healed = json.loads((killed[0] / "g1b" / f"rank{rank}.json").read_text())
@@ -128,11 +148,19 @@ def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int]) -> No
         assert survivor["data_position"] == healed["data_position"]
 
 
-def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int]) -> None:
+def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int, bool]) -> None:
     report = json.loads((killed[0] / "g0" / "precision_report.json").read_text())
     ft = report["fault_tolerance"]
     assert ft["replica_groups"] == 2
-    assert ft["cross_group_allreduce_dtypes"] == sorted({g["reduce_dtype"] for g in report["param_groups"]})
+    if not killed[3]:
+        assert ft["cross_group_allreduce_dtypes"] == sorted({g["reduce_dtype"] for g in report["param_groups"]})
+        return
+    # DiLoCo: the bf16 pseudo-gradient of this rank's shard of every trained parameter, once per sync.
+    assert ft["cross_group_allreduce_dtypes"] == ["bfloat16"] and ft["global_weights_dtype"] == "float32"
+    trained = sum(g["num_params"] for g in report["param_groups"] if g["trained"])
+    assert ft["bytes_per_sync"]["group"] == 2 * trained
+    # Rank 0 of FSDP 2 holds the larger half of each dim-0 split.
+    assert trained <= ft["bytes_per_sync"]["this_rank"] < ft["bytes_per_sync"]["group"]
 
 
 def test_slurm_script_starts_the_lighthouse_and_a_group_per_node(tmp_path: Path) -> None:

@@ -29,7 +29,15 @@ def test_off_by_default_and_in_help() -> None:
     (("--fault_tolerance.enable", "true"), "'fault_tolerance.group_size' must be the number of replica groups"),
     ((*ON, "--fault_tolerance.replica_id", "2"), "'fault_tolerance.replica_id' = 2 must be below"),
     ((*ON, "--fault_tolerance.min_replica_size", "3"), "'fault_tolerance.min_replica_size' = 3 is more than"),
-    ((*ON, "--fault_tolerance.semi_sync_method", "diloco"), "'fault_tolerance.semi_sync_method' = 'diloco'"),
+    ((*ON, "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"),
+     "'fault_tolerance.pseudo_gradient_dtype' = 'bfloat16' applies to semi_sync_method = 'diloco'"),
+    ((*ON, "--fault_tolerance.sync_steps", "10"), "'fault_tolerance.sync_steps' = 10 applies to semi_sync_method"),
+    ((*ON, "--fault_tolerance.outer_lr", "0.5"), "'fault_tolerance.outer_lr' = 0.5 applies to semi_sync_method"),
+    ((*ON, "--fault_tolerance.semi_sync_method", "diloco", "--parallelism.tensor_parallel_degree", "2"),
+     "'parallelism.tensor_parallel_degree' = 2"),
+    (("--fault_tolerance.pseudo_gradient_dtype", "float16"), "fault_tolerance.pseudo_gradient_dtype"),
+    (("--fault_tolerance.outer_momentum", "1.0"), "fault_tolerance.outer_momentum"),
+    (("--fault_tolerance.outer_lr", "0"), "fault_tolerance.outer_lr"),
     ((*ON, "--parallelism.data_parallel_replicate_degree", "2"), "torchft owns the replicate dimension"),
     ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
     ((*ON, "--checkpoint.enable", "true"), "'checkpoint.enable' is not supported with fault_tolerance"),
@@ -39,6 +47,14 @@ def test_off_by_default_and_in_help() -> None:
 def test_rules_name_the_field(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(list(args))
+
+
+def test_diloco_is_accepted_with_its_settings() -> None:
+    ft = load_config([*ON, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "10",
+                      "--fault_tolerance.pseudo_gradient_dtype", "bfloat16", "--fault_tolerance.outer_lr", "0.5",
+                      "--fault_tolerance.outer_momentum", "0.8"]).fault_tolerance
+    assert (ft.semi_sync_method, ft.sync_steps, ft.pseudo_gradient_dtype, ft.outer_lr, ft.outer_momentum) == \
+        ("diloco", 10, "bfloat16", 0.5, 0.8)
 
 
 def test_rules_apply_only_when_on() -> None:

@@ -7,7 +7,9 @@ FT_PACE_ALONE_S seconds after each step: on two busy cores a restarted group nee
 start, longer than a tiny model's remaining steps take, and the test is about its rejoining.
 
 FT_KILL_DURING_ALLREDUCE=N: rank 0 SIGKILLs itself inside step N's second cross-group all-reduce,
-after its peers have started it (the whole group then goes: torchrun ends the other rank).
+after its peers have started it (the whole group then goes: torchrun ends the other rank);
+FT_KILL_AT_CALL=K: at the K-th instead (1 under DiLoCo, whose sync is one all-reduce, after the
+quorum: the peer waits for data that never comes).
 
 Usage: ft_group.py OUT TRAIN_ARGS..."""
 
@@ -43,10 +45,11 @@ def main() -> None:
     kill_at = int(os.environ.get("FT_KILL_DURING_ALLREDUCE", "0"))
     if kill_at and os.environ.get("RANK") == "0":
         allreduce, calls = trainer.ft.manager.allreduce, []
+        kill_call = int(os.environ.get("FT_KILL_AT_CALL", "2"))
 
         def dying_allreduce(*args, **kwargs):
             calls.append(trainer.step)
-            if calls.count(kill_at) == 2:
+            if calls.count(kill_at) == kill_call:
                 os.kill(os.getpid(), signal.SIGKILL)
             return allreduce(*args, **kwargs)
 

@@ -457,7 +457,17 @@ class FaultTolerance:
     semi_sync_method: Literal["none", "diloco"] = _f(
         "none", "'none': every step's gradients are averaged across groups; 'diloco': groups train "
         "alone and average their weight changes every sync_steps steps.")
-    sync_steps: int = _f(5, "semi_sync_method = 'diloco': inner steps between syncs.", bounds=at_least(1))
+    sync_steps: int = _f(5, "semi_sync_method = 'diloco': inner steps between syncs (and the last step syncs).",
+                         bounds=at_least(1))
+    outer_lr: float = _f(0.7, "semi_sync_method = 'diloco': the outer optimizer's (Nesterov SGD) learning rate, "
+                         "applied to the groups' mean pseudo-gradient at each sync (torchtitan's 0.7).",
+                         bounds=above(0))
+    outer_momentum: float = _f(0.9, "semi_sync_method = 'diloco': the outer optimizer's Nesterov momentum "
+                               "(torchtitan's 0.9).", bounds=between(0, 1, high_open=True))
+    pseudo_gradient_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "semi_sync_method = 'diloco': the dtype the pseudo-gradients (global weights - local "
+        "weights, computed in fp32) cross the groups in; bfloat16 halves a sync's bytes and rounds each "
+        "group's pseudo-gradient once. The global weights and the outer momentum stay float32.")
 
 
 @dataclass

@@ -67,13 +67,26 @@ def validate_fault_tolerance(config: JobConfig) -> None:
              f"fault_tolerance.group_size = {ft.group_size}")
     _require(ft.min_replica_size <= ft.group_size, f"'fault_tolerance.min_replica_size' = {ft.min_replica_size} "
              f"is more than the fault_tolerance.group_size = {ft.group_size} groups there are")
-    _require(ft.semi_sync_method == "none", "'fault_tolerance.semi_sync_method' = 'diloco' is not implemented; "
-             "use 'none' (gradients averaged across groups every step)")
+    _check_diloco_fields(ft)
     for name, value, why in _FT_EXCLUSIVE:
         _require(value(config) == 1, f"'{name}' = {value(config)}: {why}")
     # Every group would write the same folder and none would know which steps the others committed.
     _require(not config.checkpoint.enable, "'checkpoint.enable' is not supported with fault_tolerance.enable: "
              "replica groups have no checkpoint of their own; a group that restarts heals from a live one")
+
+
+# Read only under semi_sync_method = 'diloco': set elsewhere, they would silently do nothing.
+_DILOCO_ONLY = ("sync_steps", "outer_lr", "outer_momentum", "pseudo_gradient_dtype")
+
+
+def _check_diloco_fields(ft: FaultTolerance) -> None:
+    """A DiLoCo setting changed from its default while the groups average gradients every step (a
+    dumped TOML holds every default: those pass)."""
+    defaults = type(ft)()
+    for key in _DILOCO_ONLY:
+        _require(ft.semi_sync_method == "diloco" or getattr(ft, key) == getattr(defaults, key),
+                 f"'fault_tolerance.{key}' = {getattr(ft, key)!r} applies to semi_sync_method = 'diloco'; this "
+                 f"job has fault_tolerance.semi_sync_method = '{ft.semi_sync_method}'")
 
 
 def _check_block_scaled(config: JobConfig) -> None:

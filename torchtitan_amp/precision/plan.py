@@ -178,6 +178,19 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
 
 
+def _diloco(config: JobConfig) -> dict[str, Any]:
+    """The plan's DiLoCo decisions: pseudo-gradients cross the groups in
+    fault_tolerance.pseudo_gradient_dtype (float32 unless asked: each group's pseudo-gradient is a
+    difference of weights sync_steps apart, and bf16 keeps only 8 bits of it); the global weights
+    and the outer momentum are float32 whatever the parameters' dtype, since the outer step adds
+    an update far smaller than the weights to them (in bf16 most such updates round away)."""
+    ft = config.fault_tolerance
+    if not ft.enable or ft.semi_sync_method != "diloco":
+        return {}
+    return {"sync_steps": ft.sync_steps, "pseudo_gradient_dtype": _DTYPES[ft.pseudo_gradient_dtype],
+            "outer_state_dtype": torch.float32}
+
+
 def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
     """optimizer.state_dtype, with 'auto' = the storage dtype (what torch's AdamW keeps), and the
     optimizer settings no machine can honour refused."""
@@ -272,6 +285,12 @@ class PrecisionPlan:
     expert_parallel_degree: int = 1
     # fault_tolerance.enable: the torchft replica groups whose gradients are averaged (0: off)
     replica_groups: int = 0
+    # fault_tolerance.semi_sync_method = "diloco": every `sync_steps` inner steps the groups average
+    # their pseudo-gradients in pseudo_gradient_dtype; the global weights and the outer (Nesterov)
+    # momentum are kept in outer_state_dtype (0 sync_steps: gradients averaged every step)
+    sync_steps: int = 0
+    pseudo_gradient_dtype: torch.dtype = torch.float32
+    outer_state_dtype: torch.dtype = torch.float32
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -334,7 +353,8 @@ class PrecisionPlan:
             stochastic_rounding=config.optimizer.stochastic_rounding,
             cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage, context_parallel_degree=dims.cp,
             router_dtype=router, expert_parallel_degree=dims.ep,
-            replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0)
+            replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
+            **_diloco(config))
         if plan.replica_groups and plan.grad_scaler != "none":
             # Each group's gradients would cross groups scaled by its own loss scale, and a healed
             # group would start from init_scale: the average would mix scales.
@@ -461,9 +481,18 @@ class PrecisionPlan:
 
     def fault_tolerance_summary(self) -> dict[str, Any] | None:
         """The report's fault-tolerance section (None when fault_tolerance.enable is off); the
-        report adds the dtypes the param groups reduce in."""
+        report adds the dtypes the param groups reduce in, or under DiLoCo the bytes of a sync."""
         if not self.replica_groups:
             return None
+        if self.sync_steps:
+            outer = short_name(self.outer_state_dtype)
+            return {"replica_groups": self.replica_groups, "semi_sync_method": "diloco", "sync_steps": self.sync_steps,
+                    "cross_group_allreduce": f"torchft Manager.allreduce every {self.sync_steps} steps: average of "
+                                             f"the pseudo-gradients (global - local weights, computed in fp32) in "
+                                             f"{short_name(self.pseudo_gradient_dtype)}; no per-step all-reduce",
+                    "pseudo_gradient_dtype": dtype_name(self.pseudo_gradient_dtype),
+                    "global_weights_dtype": dtype_name(self.outer_state_dtype),
+                    "outer_optimizer": f"Nesterov SGD in {outer} on the {outer} global weights, {outer} momentum"}
         return {"replica_groups": self.replica_groups,
                 "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
                                          "quorum, in each param group's reduce_dtype (cross_group_dtype)"}

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.core.rules import dtype_name, short_name
+from torchtitan_amp.core.rules import DTYPE_BYTES, dtype_name, short_name
 from torchtitan_amp.precision import blockscaled_apply
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
@@ -75,10 +76,19 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
     return list(groups.values())
 
 
-def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The plan's fault-tolerance section with the dtypes the cross-group all-reduce carries."""
+def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: nn.Module) -> dict[str, Any] | None:
+    """The plan's fault-tolerance section with the dtypes the cross-group all-reduce carries (and
+    under DiLoCo the bytes of one sync)."""
     summary = plan.fault_tolerance_summary()
-    if summary is not None:
+    if summary is not None and plan.sync_steps:
+        wire = summary["pseudo_gradient_dtype"]
+        summary["cross_group_allreduce_dtypes"] = [wire]
+        # Every trained parameter's shard crosses once per sync (this rank), the whole model per group.
+        trained = [p for _, p in _named_parameters(model) if p.requires_grad]
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trained)
+        summary["bytes_per_sync"] = {"this_rank": local * DTYPE_BYTES[wire],
+                                     "group": sum(p.numel() for p in trained) * DTYPE_BYTES[wire]}
+    elif summary is not None:
         dtypes = {g["reduce_dtype"] for g in groups if g["reduce_dtype"] != "-"}
         summary["cross_group_allreduce_dtypes"] = sorted(dtypes)
     return summary
@@ -114,7 +124,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "context_parallel": plan.context_parallel_summary(),
         "router": plan.router_summary(model),
         "expert_parallel": plan.expert_parallel_summary(),
-        "fault_tolerance": _fault_tolerance(plan, groups),
+        "fault_tolerance": _fault_tolerance(plan, groups, model),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
                                and any(True for _ in m.parameters(recurse=False))),
@@ -135,7 +145,11 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
                     plan.path, short_name(plan.param_dtype), short_name(plan.reduce_dtype),
                     short_name(plan.output_dtype), plan.comm_hook, plan.grad_scaler)
-        if (ft := written.get("fault_tolerance")) is not None:
+        if (ft := written.get("fault_tolerance")) is not None and ft.get("semi_sync_method") == "diloco":
+            logger.info("precision: DiLoCo (torchft, up to %d groups): pseudo-gradients averaged every %d steps in "
+                        "%s (%s B per sync on this rank); %s", ft["replica_groups"], ft["sync_steps"],
+                        ft["pseudo_gradient_dtype"], f"{ft['bytes_per_sync']['this_rank']:,}", ft["outer_optimizer"])
+        elif ft is not None:
             logger.info("precision: cross-group all-reduce (torchft, up to %d groups) in %s",
                         ft["replica_groups"], ", ".join(ft["cross_group_allreduce_dtypes"]))
         logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")

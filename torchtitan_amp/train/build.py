@@ -221,7 +221,7 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     scaler = scaler_mod.build_scaler(job.plan)
     built, pipeline = build_model(config, job, device, is_logging_rank, pipeline_loss, pipeline_eval_loss)
     ft = fault_tolerance.build(config, job.plan)
-    if ft is not None:
+    if ft is not None and not job.plan.sync_steps:  # DiLoCo: no per-step cross-group all-reduce
         ft.attach(built.parts)
     spec, parts = job.validation, built.parts
     validator = None if spec is None else validation.Validator(

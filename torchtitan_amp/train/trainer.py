@@ -29,6 +29,7 @@ from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, blockscaled_apply, float8
+from torchtitan_amp.train import diloco
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, init_optimizer_state
 
@@ -104,6 +105,9 @@ class Trainer:
         if self.ft is not None:
             init_optimizer_state(self.optimizer, self.params)
             self.ft.register(TrainingState(self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self))
+        # semi_sync_method = "diloco": groups train alone and sync every sync_steps (else None).
+        self.diloco = diloco.build(config, self.ft, self.params, self.plan)
+        self.ft_every_step = self.ft is not None and self.diloco is None
 
     def _check_deadline(self, step_s: float, basis: str) -> None:
         """Warn (once per basis) when a step plus the last measured save, or the estimate before
@@ -192,13 +196,13 @@ class Trainer:
             loss_sum += self.forward_backward(inputs, labels, weight)
             self.metrics.record_tokens(inputs.numel())
         self.reduce_partial_grads(self.params)
-        if self.ft is not None:
+        if self.ft_every_step:
             self.ft.allreduce_grads(self.params)
         if self.job.family.after_backward is not None:
             self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
-        if self.ft is not None and not self.ft.should_commit():
+        if self.ft_every_step and not self.ft.should_commit():
             # A replica group failed during the cross-group all-reduce: the gradients are partial.
             return loss_sum, grad_norm, False
         # The one device->host read of a step, kept on purpose: skipping exactly (weights, AdamW
@@ -250,6 +254,8 @@ class Trainer:
             self.metrics.close()
             return
         batches = self._new_batches()
+        if self.diloco is not None and self.diloco.sync(self):
+            batches = self._new_batches()  # joined by healing: the data position is the live group's
         tokens_per_step = t.local_batch_size * t.seq_len * self.accum * self.dims.dp_degree
         if self.is_logging_rank:
             logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
@@ -263,15 +269,17 @@ class Trainer:
                 if t.gc_freq and self.step % t.gc_freq == 0:
                     gc.collect(1)
                 step_start = time.perf_counter()
-                if self.ft is not None and self.ft.start_step():
+                if self.ft_every_step and self.ft.start_step():
                     batches = self._new_batches()  # healed: the data position is the live group's
                 lr = self.lr_scheduler.get_last_lr()[0]
                 loss, grad_norm, _ = self.train_step(batches)
-                if self.ft is not None and self.ft.last_discarded:
+                if self.ft_every_step and self.ft.last_discarded:
                     self.step -= 1  # the step is retried on the next batches by the groups still alive
                     continue
                 step_s = time.perf_counter() - step_start
                 self.tokens_seen += tokens_per_step
+                if self.diloco is not None and self.diloco.due(self.step, t.steps) and self.diloco.sync(self):
+                    batches = self._new_batches()  # healed: step, counters and data are the live group's
                 if self.step == first_step + 1:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
                     process_groups.set_timeouts(self.config.comm.timeout_seconds, self.dims)
@@ -341,6 +349,8 @@ class Trainer:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)
         if self.ft is not None:
             extra.update(self.ft.metrics())
+        if self.diloco is not None:
+            extra.update(self.diloco.metrics())
         if self.scaler.enabled:
             extra.update(loss_scale=self.scaler.get_scale(), skipped_steps=float(self.scaler.skipped_steps))
         if self.pp_group is not None:

@@ -1,0 +1,173 @@
+"""DiLoCo's arithmetic in one process (train/diloco.py), as numbers: the pseudo-gradient (global -
+local, in fp32, rounded once to the wire dtype), the outer Nesterov step against torch.optim.SGD,
+a committed sync against a hand-made two-group average, a discarded one (back to the global
+weights), and fp32 global weights under bf16 parameters. torchft's all-reduce is replaced by a
+stand-in that averages with a given peer; the launches are in test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.train.diloco import DiLoCo, outer_step, pseudo_gradient
+
+ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+      "--fault_tolerance.semi_sync_method", "diloco", "--mixed_precision.enabled", "false")
+FP32_EPS = 2.0 ** -23
+
+
+def _plan(*extra: str) -> PrecisionPlan:
+    return PrecisionPlan.from_config(load_config([*ON, *extra]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class _Manager:
+    """torchft's Manager as DiLoCo uses it: the all-reduce averages with `peer` in the wire's
+    dtype (sum, then divide, as torchft's AVG does)."""
+
+    def __init__(self, peer: torch.Tensor) -> None:
+        self.peer = peer
+
+    def register_state_dict_fn(self, *args) -> None:
+        pass
+
+    def allreduce(self, t: torch.Tensor) -> _Work:
+        t.add_(self.peer.to(t.dtype)).div_(2)
+        return _Work()
+
+
+class _FT:
+    def __init__(self, peer: torch.Tensor, commit: bool) -> None:
+        self.manager, self.commit, self._step_start = _Manager(peer), commit, 0.0
+
+    def start_step(self) -> bool:
+        return False
+
+    def should_commit(self) -> bool:
+        return self.commit
+
+
+def test_the_plan_decides_the_wire_and_the_outer_state() -> None:
+    plan = _plan()
+    assert (plan.sync_steps, plan.pseudo_gradient_dtype, plan.outer_state_dtype) == (5, torch.float32, torch.float32)
+    bf16 = _plan("--fault_tolerance.pseudo_gradient_dtype", "bfloat16", "--fault_tolerance.sync_steps", "7")
+    assert (bf16.sync_steps, bf16.pseudo_gradient_dtype, bf16.outer_state_dtype) == (7, torch.bfloat16, torch.float32)
+    summary = bf16.fault_tolerance_summary()
+    assert summary["pseudo_gradient_dtype"] == "bfloat16" and summary["global_weights_dtype"] == "float32"
+    every_step = PrecisionPlan.from_config(load_config(list(ON[:4])), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
+    assert every_step.sync_steps == 0 and "semi_sync_method" not in every_step.fault_tolerance_summary()
+
+
+def test_pseudo_gradient_is_computed_in_fp32_and_rounded_once() -> None:
+    torch.manual_seed(0)
+    g = [torch.randn(5, 3), torch.randn(7)]
+    w = [x + 1e-3 * torch.randn_like(x) for x in g]
+    exact = torch.cat([(a.double() - b.double()).reshape(-1) for a, b in zip(g, w)])
+    fp32 = pseudo_gradient(g, w, torch.float32)
+    # One fp32 subtraction of two fp32 numbers: within half an ulp of the result.
+    assert fp32.dtype == torch.float32
+    assert torch.all((fp32.double() - exact).abs() <= exact.abs() * FP32_EPS / 2 + 1e-12)
+    bf16 = pseudo_gradient(g, w, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
+    # bf16 keeps 8 significant bits (7 stored): half an ulp is at most 2^-8 of the value.
+    assert torch.all((bf16.double() - exact).abs() <= exact.abs() * (2.0 ** -8 + FP32_EPS))
+    assert not torch.equal(bf16.float(), fp32)
+
+
+def test_outer_step_is_torch_nesterov_sgd() -> None:
+    torch.manual_seed(1)
+    start = [torch.randn(4, 3), torch.randn(6)]
+    ours = [t.clone() for t in start]
+    momentum = [torch.zeros_like(t) for t in start]
+    ref = [nn.Parameter(t.clone().double()) for t in start]
+    sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        mean = 1e-2 * torch.randn(sum(t.numel() for t in start))
+        outer_step(ours, momentum, mean, 0.7, 0.9)
+        offset = 0
+        for p in ref:
+            p.grad = mean[offset:offset + p.numel()].view_as(p).double()
+            offset += p.numel()
+        sgd.step()
+    # A few fp32 roundings per step on weights of size ~1: a small multiple of fp32's eps.
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a.double(), b.detach(), rtol=0, atol=16 * FP32_EPS * 3)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(2)
+    return nn.Linear(4, 3).to(dtype)
+
+
+def test_a_committed_sync_steps_the_global_weights_with_the_groups_mean() -> None:
+    model = _model()
+    params = list(model.parameters())
+    peer_delta = 1e-2 * torch.randn(sum(p.numel() for p in params))
+    ft = _FT(peer_delta, commit=True)
+    diloco = DiLoCo(ft, params, _plan(), outer_lr=0.7, outer_momentum=0.9)
+    start = [p.detach().clone() for p in params]
+    with torch.no_grad():  # two inner steps' worth of local change
+        for p in params:
+            p.sub_(0.05)
+    diloco.sync(SimpleNamespace(step=5))
+    # The mean pseudo-gradient d = (0.05 + peer) / 2; first Nesterov step: g -= lr (1 + mu) d.
+    mean = (torch.full_like(peer_delta, 0.05) + peer_delta) / 2
+    offset = 0
+    for p, s, g, m in zip(params, start, diloco.global_weights, diloco.momentum):
+        d = mean[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        # d is within an ulp of 0.05 (fp32 subtraction and mean); weights of size ~1.
+        assert torch.allclose(m, d, rtol=4 * FP32_EPS, atol=0), "the first momentum is the mean pseudo-gradient"
+        assert torch.allclose(g, s - 0.7 * 1.9 * d, rtol=0, atol=8 * FP32_EPS)
+        assert torch.equal(p.detach(), g), "the parameters must continue from the new global weights"
+    assert diloco.syncs == 1 and diloco.inner_steps_lost == 0
+
+
+def test_a_discarded_sync_goes_back_to_the_global_weights() -> None:
+    model = _model()
+    params = list(model.parameters())
+    ft = _FT(torch.zeros(sum(p.numel() for p in params)), commit=False)
+    diloco = DiLoCo(ft, params, _plan(), outer_lr=0.7, outer_momentum=0.9)
+    start = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    diloco.sync(SimpleNamespace(step=5))
+    assert all(torch.equal(p.detach(), s) for p, s in zip(params, start))
+    assert all(torch.count_nonzero(m) == 0 for m in diloco.momentum), "a discarded sync moved the momentum"
+    assert diloco.syncs == 0 and diloco.inner_steps_lost == 5
+
+
+def test_global_weights_and_momentum_stay_fp32_under_bf16_parameters() -> None:
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    ft = _FT(torch.zeros(sum(p.numel() for p in params)), commit=True)
+    diloco = DiLoCo(ft, params, _plan("--training.dtype", "bfloat16"), outer_lr=0.7, outer_momentum=0.9)
+    assert {g.dtype for g in diloco.global_weights} == {m.dtype for m in diloco.momentum} == {torch.float32}
+    before = [g.clone() for g in diloco.global_weights]
+    with torch.no_grad():  # a local change of one bf16 ulp at most on weights below 1
+        for p in params:
+            p.copy_(p.float().mul(1 - 2.0 ** -8).to(torch.bfloat16))
+    diloco.sync(SimpleNamespace(step=5))
+    # The peer's pseudo-gradient is 0: the mean is half this group's; the fp32 global keeps the
+    # step exactly where a bf16 copy would round part of it away.
+    for g, b in zip(diloco.global_weights, before):
+        assert g.dtype == torch.float32 and not torch.equal(g, b)
+    for p, g in zip(params, diloco.global_weights):
+        assert torch.equal(p.detach(), g.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("steps, last, expected", [(5, 12, True), (6, 12, False), (12, 12, True), (10, 10, True)])
+def test_syncs_every_sync_steps_and_at_the_last_step(steps: int, last: int, expected: bool) -> None:
+    diloco = DiLoCo(_FT(torch.zeros(15), commit=True), list(_model().parameters()), _plan(), 0.7, 0.9)
+    assert diloco.due(steps, last) is expected

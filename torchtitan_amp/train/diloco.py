@@ -1,0 +1,158 @@
+"""DiLoCo across torchft replica groups (`fault_tolerance.semi_sync_method = "diloco"`): each group
+trains alone (FSDP inside it as usual, no per-step cross-group all-reduce), and at every
+`sync_steps`-th step (and the last) the groups average their *pseudo-gradients* (global weights
+- local weights) and an outer optimizer, Nesterov SGD (`outer_lr`, `outer_momentum`), steps the
+global weights; every group then trains on from the new global weights.
+
+Written here rather than with `torchft.local_sgd.DiLoCo` (torchft-nightly 2026.10.26), because that
+class (1) all-reduces the pseudo-gradients in the parameters' dtype or, with `should_quantize`, in
+fp8 through triton kernels (CUDA only): the precision plan could not choose float32 or bfloat16
+on the wire; (2) keeps the backup ("global") weights in the parameters' dtype and steps its outer
+optimizer on the model's parameters, so under pure bf16 training the global weights and the
+Nesterov momentum would be bf16; (3) starts the quorum from the inner optimizer's step hooks,
+while this loop owns the quorum, healing and discard counters (train/fault_tolerance.py). What is
+kept from it: the pseudo-gradient's sign, the outer step on the averaged pseudo-gradient, and the
+discard rule below.
+
+Per rank, on this rank's shards (FSDP DTensors' local tensors, or whole parameters): the global
+weights and the outer momentum in the plan's outer_state_dtype (float32), one flat pseudo-gradient
+buffer per sync cast to the plan's pseudo_gradient_dtype for torchft's all-reduce (one call).
+
+- A sync is a torchft quorum: a group that is behind (restarted) copies a live group's state
+  there (TrainingState: weights, inner AdamW moments, LR, schedule, data position, counters; and
+  this module's global weights, outer momentum and sync count), then all-reduces with it. A
+  process's first act is such a sync (the *join*): on a fresh job every pseudo-gradient is zero
+  and nothing changes; a restarted group heals there and joins the live groups' next sync.
+- A discarded sync (a peer died during the all-reduce: `should_commit` is False): the weights go
+  back to the last global weights, so the inner steps since the last sync are lost, as
+  torchft's DiLoCo does; the step counter, data position and LR schedule go on, and the inner
+  AdamW moments keep what those steps added (undoing that would need a second copy of them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_amp.config import JobConfig
+from torchtitan_amp.precision import PrecisionPlan
+
+if TYPE_CHECKING:
+    from torchtitan_amp.train.fault_tolerance import FaultTolerance
+
+logger = logging.getLogger("torchtitan_amp")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's shard as a view (updated in place)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def pseudo_gradient(global_weights: list[torch.Tensor], weights: list[torch.Tensor],
+                    wire_dtype: torch.dtype) -> torch.Tensor:
+    """global - local for every tensor, in one flat buffer: computed in the global weights' dtype
+    (float32), then rounded once to `wire_dtype` for the all-reduce."""
+    total = sum(g.numel() for g in global_weights)
+    flat = torch.empty(total, dtype=global_weights[0].dtype if global_weights else torch.float32,
+                       device=global_weights[0].device if global_weights else None)
+    offset = 0
+    for g, w in zip(global_weights, weights):
+        torch.sub(g.reshape(-1), w.reshape(-1), out=flat[offset:offset + g.numel()])
+        offset += g.numel()
+    return flat if flat.dtype == wire_dtype else flat.to(wire_dtype)
+
+
+@torch.no_grad()
+def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor], mean: torch.Tensor,
+               lr: float, mu: float) -> None:
+    """Nesterov SGD on the global weights with the groups' mean pseudo-gradient `mean` (flat, any
+    dtype; upcast to the state's): m = mu m + d; g -= lr (d + mu m), torch.optim.SGD's
+    nesterov rule with zero dampening, in the state's dtype."""
+    if not global_weights:  # a rank holding no trained shard still joined the all-reduce
+        return
+    mean = mean.to(global_weights[0].dtype)
+    deltas, offset = [], 0
+    for g in global_weights:
+        deltas.append(mean[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    torch._foreach_mul_(momentum, mu)
+    torch._foreach_add_(momentum, deltas)
+    update = torch._foreach_add(deltas, momentum, alpha=mu)
+    torch._foreach_add_(global_weights, update, alpha=-lr)
+
+
+class DiLoCo:
+    """This rank's global weights and outer momentum, and the sync the loop calls."""
+
+    def __init__(self, ft: "FaultTolerance", params: list[nn.Parameter], plan: PrecisionPlan,
+                 outer_lr: float, outer_momentum: float) -> None:
+        self.ft, self.plan, self.lr, self.mu = ft, plan, outer_lr, outer_momentum
+        self.sync_steps = plan.sync_steps
+        # References to the shards (views), updated in place: a healing group copies into them.
+        self.weights = [_local(p.detach()) for p in params if p.requires_grad]
+        self.global_weights = [w.to(plan.outer_state_dtype, copy=True) for w in self.weights]
+        self.momentum = [torch.zeros_like(g) for g in self.global_weights]
+        self.syncs = 0  # syncs committed (the join of a fresh job included)
+        self.inner_steps_lost = 0  # inner steps undone by discarded syncs
+        self._last_sync_step, self._last_sync_time = 0, time.perf_counter()
+        ft.manager.register_state_dict_fn("diloco", self.load_state_dict, self.state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global": self.global_weights, "momentum": self.momentum, "syncs": self.syncs}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, mine in (("global", self.global_weights), ("momentum", self.momentum)):
+            if len(state[key]) != len(mine):
+                raise RuntimeError(f"the live group's DiLoCo {key} differ from this group's: another model or layout?")
+            for t, theirs in zip(mine, state[key]):
+                t.copy_(theirs)
+        self.syncs = state["syncs"]
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether `step` ends with a sync: every sync_steps-th step and the last."""
+        return step % self.sync_steps == 0 or step == last_step
+
+    @torch.no_grad()
+    def sync(self, counters: Any) -> bool:
+        """Quorum (healing first when behind), pseudo-gradient all-reduce, outer step or discard;
+        `counters.step` is the step that just ended (0 for the join). True when this group has
+        just loaded a live group's state: the caller's data iterator must restart from it."""
+        healed = self.ft.start_step()
+        if healed:
+            self._last_sync_step = counters.step
+        wire = pseudo_gradient(self.global_weights, self.weights, self.plan.pseudo_gradient_dtype)
+        self.ft.manager.allreduce(wire).wait()
+        # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
+        self.ft._step_start = self._last_sync_time
+        if self.ft.should_commit():
+            outer_step(self.global_weights, self.momentum, wire, self.lr, self.mu)
+            self.syncs += 1
+        else:
+            lost = counters.step - self._last_sync_step
+            self.inner_steps_lost += lost
+            logger.warning("DiLoCo: the sync after step %d was discarded (a replica group failed during it): "
+                           "back to the global weights of step %d, %d inner steps lost", counters.step,
+                           self._last_sync_step, lost)
+        # Committed: the new global weights; discarded: the last ones.
+        torch._foreach_copy_(self.weights, self.global_weights)
+        self._last_sync_step, self._last_sync_time = counters.step, time.perf_counter()
+        return healed
+
+    def metrics(self) -> dict[str, float]:
+        return {"ft_syncs": float(self.syncs), "ft_inner_steps_lost": float(self.inner_steps_lost)}
+
+
+def build(config: JobConfig, ft: "FaultTolerance | None", params: list[nn.Parameter],
+          plan: PrecisionPlan) -> DiLoCo | None:
+    """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None (after
+    the optimizer's state exists: the loop's TrainingState is registered first)."""
+    if ft is None or not plan.sync_steps:
+        return None
+    f = config.fault_tolerance
+    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum)
