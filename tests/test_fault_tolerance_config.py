@@ -118,3 +118,24 @@ def test_memory_model_prices_the_cross_group_allreduce_as_the_replicate_one(shar
     replicated = dataclasses.replace(job.layout, dp_replicate=2, replica_groups=1)
     plain = memory.grad_comm(job.model_dims, job.precision, replicated)
     assert ft == plain["hsdp_all_reduce" if shard > 1 else "ddp_all_reduce"]
+
+
+def test_dry_run_prices_diloco_per_sync_not_per_step(tmp_path: Path) -> None:
+    """Under DiLoCo the per-step cross-group all-reduce is gone; a sync moves this rank's shard of
+    every trained parameter once in the pseudo-gradient dtype, and the fp32 global weights and
+    momentum (2 x 4 bytes per local parameter) join the peak."""
+    from torchtitan_amp.train import dry_run
+
+    base = [*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--dry_run.vocab_size", "258",
+            "--job.dump_folder", str(tmp_path)]
+    every_step = dry_run.run(load_config(base), world_size=2, rank=0, write=False)
+    diloco = dry_run.run(load_config([*base, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps",
+                                      "10", "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"]),
+                         world_size=2, rank=0, write=False)
+    assert "ft_cross_group_all_reduce" in every_step["communication"] and every_step["diloco"] is None
+    assert "ft_cross_group_all_reduce" not in diloco["communication"]
+    params = diloco["memory"]["params"]["float32"]  # every parameter trained, fp32 storage
+    assert diloco["diloco"]["bytes_per_sync"] == {"bfloat16": params // 2}
+    assert diloco["diloco"]["bytes_per_step"] == round(params / 2 / 10)
+    assert diloco["diloco"]["outer_state"] == {"float32": 2 * params}
+    assert diloco["memory"]["peak_estimate"]["configured"] == every_step["memory"]["peak_estimate"]["configured"] + 2 * params

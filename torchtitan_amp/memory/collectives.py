@@ -38,7 +38,7 @@ def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     if layout.dp_replicate > 1:
         return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
                          for s in stages for p in model.param_specs(s) if not prec.is_frozen(p.name)], prec)
-    if layout.replica_groups > 1:
+    if layout.cross_group_every_step:
         # One-rank replica groups: torchft all-reduces every trained gradient once per step, in
         # the dtype backward left it (storage: no compress hook on this path).
         numel = sum(math.prod(tp_local_shape(p, layout.tp, tp_rank)) for s in stages for p in model.param_specs(s)

@@ -168,7 +168,7 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
                      gradients after its last microbatch)
     HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
     x gradient-accumulation steps; the same across torchft's replica groups (layout.replica_groups,
-    category ft_cross_group_all_reduce). EP-split experts gather and reduce over their efsdp ranks
+    category ft_cross_group_all_reduce; none under DiLoCo). EP-split experts gather and reduce over their efsdp ranks
     (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
     still all-reduce over dp_replicate under HSDP.
     """
@@ -186,7 +186,7 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
                               layout.grad_accum * gathers * nbytes)
                 add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
                           layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
-            if layout.dp_replicate > 1 or layout.replica_groups > 1:
+            if layout.dp_replicate > 1 or layout.cross_group_every_step:
                 add_bytes(ar, g.reduce_dtype, layout.grad_accum * reduces * g.padded_shard_numel
                           * DTYPE_BYTES[g.reduce_dtype])
     if ar:
@@ -207,7 +207,7 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
         ops = stage_ops(layout, stage)
         reduces = _reductions(layout, ops)
         for g in groups:
-            if layout.dp_replicate > 1 or layout.replica_groups > 1:
+            if layout.dp_replicate > 1 or layout.cross_group_every_step:
                 key = _replicate_key(layout)
                 out[key] = out.get(key, 0) + layout.grad_accum * reduces
             if g.degree(layout.fsdp_shard) == 1:

@@ -102,6 +102,13 @@ class Layout:
     pp_fsdp_reduce: str = "per_step"  # "per_step" | "per_microbatch" (parallelism.pipeline_fsdp_reduce)
     # fault_tolerance.group_size when on: groups whose gradients torchft averages (1: off)
     replica_groups: int = 1
+    # fault_tolerance DiLoCo: steps between the groups' pseudo-gradient syncs (0: gradients every step)
+    sync_steps: int = 0
+
+    @property
+    def cross_group_every_step(self) -> bool:
+        """torchft all-reduces gradients across replica groups every step (not under DiLoCo)."""
+        return self.replica_groups > 1 and not self.sync_steps
 
     @property
     def world_size(self) -> int:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.core.torch_compat import fsdp_param_groups
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
@@ -228,7 +229,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     elif dims.ddp_enabled:
         comm.update(memory.ddp_comm(_ddp_params(parts, plan), prec))
         transient = dict(state.grads)  # DDP's gradient buckets
-    elif layout.replica_groups > 1:  # one-rank replica groups: torchft's all-reduce of every gradient
+    elif layout.cross_group_every_step:  # one-rank replica groups: torchft's all-reduce of every gradient
         comm.update(memory.dp_comm(model_dims, prec, layout, pp_rank=coords["pp"], tp_rank=coords["tp"]))
     comm.update(memory.tp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
     comm.update(memory.cp_comm(model_dims, prec, layout, pp_rank=coords["pp"]))
@@ -237,12 +238,16 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
     # Measured state and FSDP groups, analytic activations.
     estimate = memory.MemoryEstimate(state, transient, acts)
+    diloco = _diloco(parts, plan)
+    # DiLoCo's fp32 global weights and outer momentum live beside the model all along.
+    outer = memory.sum_bytes(diloco["outer_state"]) if diloco else 0
     all_stages = memory.stage_layer_ranges(args.n_layers, num_stages, layout.split_points)
     return {
         "world_size": res.world_size,
         "rank": rank,
         "coordinates": coords,
         "replica_groups": layout.replica_groups,
+        "diloco": diloco,
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                     "tp": dims.tp, "fsdp_shard": dims.fsdp_shard, "ep": dims.ep, "efsdp": layout.efsdp},
         "model": {"flavor": config.model.flavor, "total_params": total_params,
@@ -275,7 +280,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
                                                                    state.optimizer, state.params_padded),
             "transient": transient,
             "activations": acts.to_dict(),
-            "peak_estimate": estimate.to_dict()["peak"],
+            "peak_estimate": {k: v + outer for k, v in estimate.to_dict()["peak"].items()},
             # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
             # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
@@ -287,6 +292,20 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
         "fsdp_collective_calls": calls,
         "formulas": FORMULAS,
     }
+
+
+def _diloco(parts: list[nn.Module], plan: PrecisionPlan) -> dict[str, Any] | None:
+    """DiLoCo's cross-group traffic and state on this rank (None unless semi_sync_method is
+    "diloco"): every trained shard's pseudo-gradient once per sync, in the plan's wire dtype, and
+    the global weights and outer momentum in its outer-state dtype (train/diloco.py)."""
+    if not plan.sync_steps:
+        return None
+    local = sum(_local(p).numel() for part in parts for p in part.parameters() if p.requires_grad)
+    wire, outer = dtype_name(plan.pseudo_gradient_dtype), dtype_name(plan.outer_state_dtype)
+    per_sync = local * DTYPE_BYTES[wire]
+    return {"sync_steps": plan.sync_steps, "pseudo_gradient_dtype": wire,
+            "bytes_per_sync": {wire: per_sync}, "bytes_per_step": round(per_sync / plan.sync_steps),
+            "outer_state": {outer: 2 * local * DTYPE_BYTES[outer]}}
 
 
 def _groups_report(stage_groups: list[tuple[Stage, list[FsdpGroup]]], fsdp_shard: int,
@@ -341,6 +360,9 @@ FORMULAS = {
           "cp_reduce_dtype in backward; nothing else (the keys' positions follow from the shape, block_causal's "
           "document ids come with the batch)",
     "hsdp_all_reduce": "padded grad shard in reduce dtype after each reduce-scatter",
+    "diloco": "semi_sync_method = diloco: no per-step cross-group all-reduce; every sync_steps steps this rank's "
+              "shard of every trained parameter once in pseudo_gradient_dtype (bytes_per_sync); fp32 global "
+              "weights + fp32 outer momentum (2 x 4 bytes per local trained parameter, in peak_estimate)",
     "ddp_all_reduce": "grads of lower_precision_safe modules in reduce_dtype (compress hook), others in "
                       "storage dtype; once per step",
     "tp": "per block: SP fwd 2 all-gather (residual dtype) + 2 reduce-scatter (matmul dtype), bwd the "
@@ -421,6 +443,8 @@ def format_table(r: dict[str, Any]) -> str:
     ]
     if acts["configured_mode"] not in ("none", "full"):
         rows.append((f"activations, AC {acts['configured_mode']}", {"est": acts["configured"]}))
+    if r.get("diloco"):
+        rows.append(("DiLoCo global weights + momentum", r["diloco"]["outer_state"]))
     lines += ["", f"  {'memory per rank':34s} {'total':>12s}  by dtype"]
     for name, d in rows:
         by = "" if "est" in d else fd(d)
@@ -439,6 +463,11 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append("  (none: a single rank)")
     lines.append(f"  {'total':34s} {fb(memory.sum_bytes(r['communication_total'])):>12s}  "
                  f"{fd(r['communication_total'])}")
+    if r.get("diloco"):
+        dl = r["diloco"]
+        lines.append(f"  {'DiLoCo pseudo-gradient all-reduce':34s} {fb(memory.sum_bytes(dl['bytes_per_sync'])):>12s}  "
+                     f"{fd(dl['bytes_per_sync'])} per sync, every {dl['sync_steps']} steps (not in the per-step total; "
+                     f"{fb(dl['bytes_per_step'])} per step on average)")
     lines.append(f"  (volumes are full tensor sizes; dry run took {r.get('elapsed_s', 0):.1f} s)")
     return "\n".join(lines)
 

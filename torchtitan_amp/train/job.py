@@ -83,6 +83,7 @@ class Job:
             cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,
             replica_groups=self.config.fault_tolerance.group_size if self.config.fault_tolerance.enable else 1,
+            sync_steps=self.plan.sync_steps,
         )
 
     @property
