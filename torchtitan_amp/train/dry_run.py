@@ -238,16 +238,13 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
     acts = memory.activation_bytes(model_dims, prec, layout, pp_rank=coords["pp"])
     # Measured state and FSDP groups, analytic activations.
     estimate = memory.MemoryEstimate(state, transient, acts)
-    diloco = _diloco(parts, plan)
-    # DiLoCo's fp32 global weights and outer momentum live beside the model all along.
-    outer = memory.sum_bytes(diloco["outer_state"]) if diloco else 0
     all_stages = memory.stage_layer_ranges(args.n_layers, num_stages, layout.split_points)
     return {
         "world_size": res.world_size,
         "rank": rank,
         "coordinates": coords,
         "replica_groups": layout.replica_groups,
-        "diloco": diloco,
+        "diloco": (diloco := _diloco(parts, plan)),
         "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
                     "tp": dims.tp, "fsdp_shard": dims.fsdp_shard, "ep": dims.ep, "efsdp": layout.efsdp},
         "model": {"flavor": config.model.flavor, "total_params": total_params,
@@ -280,7 +277,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
                                                                    state.optimizer, state.params_padded),
             "transient": transient,
             "activations": acts.to_dict(),
-            "peak_estimate": {k: v + outer for k, v in estimate.to_dict()["peak"].items()},
+            "peak_estimate": _with_outer_state(estimate.to_dict()["peak"], diloco),
             # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
             # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
@@ -306,6 +303,12 @@ def _diloco(parts: list[nn.Module], plan: PrecisionPlan) -> dict[str, Any] | Non
     return {"sync_steps": plan.sync_steps, "pseudo_gradient_dtype": wire,
             "bytes_per_sync": {wire: per_sync}, "bytes_per_step": round(per_sync / plan.sync_steps),
             "outer_state": {outer: 2 * local * DTYPE_BYTES[outer]}}
+
+
+def _with_outer_state(peak: dict[str, int], diloco: dict[str, Any] | None) -> dict[str, int]:
+    """The peaks plus DiLoCo's global weights and outer momentum, which live beside the model all along."""
+    outer = memory.sum_bytes(diloco["outer_state"]) if diloco else 0
+    return {k: v + outer for k, v in peak.items()}
 
 
 def _groups_report(stage_groups: list[tuple[Stage, list[FsdpGroup]]], fsdp_shard: int,
