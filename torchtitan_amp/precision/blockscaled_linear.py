@@ -27,6 +27,9 @@ The emulation keeps x and W in their storage dtype for backward and re-quantizes
 (a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
 A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
 product); the hardware kernels instead require multiples of 32 (MXFP8) / 16 (NVFP4).
+Under tensor parallel (a DTensor weight) each rank runs the emulation on its local shards, with
+NVFP4's tensor amaxes all-reduced over the TP group; blocks never straddle shards (checked at job
+resolution), so every operand quantizes as on one device.
 """
 
 from __future__ import annotations
