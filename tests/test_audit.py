@@ -3,7 +3,7 @@
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
 (single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2, CP 2, FSDP 2 x CP 2; bf16, bf16
 reduce, fp32, pure bf16, fp16 on DDP, fp8 on single, DDP, FSDP, TP and PP, emulated nvfp4 on DDP,
-FSDP and PP; single-process block-scaled audits are in test_blockscaled_train.py), and each deliberate
+FSDP, TP and PP, emulated mxfp8 on DDP, FSDP and TP; single-process block-scaled audits are in test_blockscaled_train.py), and each deliberate
 breach is caught by name: a Linear run in fp32, an RMSNorm run in bf16, logits reaching the loss
 in bf16, FSDP reducing every gradient in fp32, context parallel summing K/V gradients in bf16.
 """
@@ -42,14 +42,17 @@ PRECISIONS = {
     "frozen": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.0,layers.1.attention"],
     # Block-scaled, emulated: blocks 1-2 in nvfp4 (full recipe), the rest bf16.
     "nvfp4": [*BF16, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"],
+    "mxfp8": [*BF16, "--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"],
 }
 SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.data_parallel_replicate_degree"
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
 CP = "--parallelism.context_parallel_degree"  # seq_len 32: divisible by 2 x cp
 LAYOUTS = {
-    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "nvfp4")),
-    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "nvfp4")),
-    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen")),
+    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "nvfp4",
+                                                "mxfp8")),
+    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "nvfp4",
+                               "mxfp8")),
+    "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8")),
     "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
@@ -190,7 +193,7 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
     # Merged over ranks: every stage's modules (PP: the last block is on stage 1) and shard's ops
     # were recorded.
     assert result["modules"]["layers.3.feed_forward.w1"]["forward matmul"], result["modules"]
-    if run.endswith("nvfp4"):  # every converted Linear's three GEMMs seen, merged over the ranks
+    if run.endswith(("nvfp4", "mxfp8")):  # every converted Linear's three GEMMs seen, merged over the ranks
         assert len(result["block_scaled_gemms"]) == 14 and all(
             sorted(p) == ["dgrad", "forward", "wgrad"] for p in result["block_scaled_gemms"].values()), result
     if run.endswith("fp32_names"):

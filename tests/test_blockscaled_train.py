@@ -18,6 +18,7 @@ by 0.1 and more within a few steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from torch import nn
 from tests.support import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
@@ -71,18 +73,31 @@ def test_config_refuses_block_scaled_with_fp8_and_options_of_the_other_format(ex
         load_config(extra)
 
 
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+def test_tensor_parallel_splits_whole_blocks() -> None:
+    """debugmodel_tiny under TP 2: every converted Linear's sharded dim splits into 32 per rank,
+    whole mxfp8 blocks and nvfp4 blocks / 16x16 tiles: accepted, the plan unchanged."""
+    for fmt in (MXFP8, NVFP4):
+        assert _resolve(*fmt, *TP2, world=2).plan.block_scaled.format == fmt[1]
+
+
 @pytest.mark.parametrize("extra, world, message", [
     (["--mixed_precision.block_scaled", "nvfp4"], 1,
      "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: cpu has no MX / NVFP4 "
      "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 4-7x slower than bf16 on a 2-core AVX512 CPU)"),
-    ([*NVFP4, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "under tensor parallel they are sharded (not supported)"),
+    # dim 96 over TP 2: the column-wise wq's 96 outputs split 48 per rank, not whole 32-blocks.
+    ([*MXFP8, "--model.flavor", "blockscaled_dim96", *TP2], 2,
+     "'mixed_precision.block_scaled' = 'mxfp8' under parallelism.tensor_parallel_degree = 2: layers.1.attention.wq "
+     "splits its out_features 96 into 48 per rank, not a multiple of the 32-element block"),
     ([*NVFP4, "--mixed_precision.block_scaled_skip_modules", "outptu"], 1,
      "'mixed_precision.block_scaled_skip_modules' entry 'outptu' matches no nn.Linear"),
     ([*NVFP4, "--mixed_precision.block_scaled_edge_layers", "2"], 1,
      "'mixed_precision.block_scaled' = 'nvfp4' converts no nn.Linear"),
 ])
 def test_what_cannot_hold_is_one_line_never_a_fallback(extra, world, message) -> None:
+    register_flavor("blockscaled_dim96", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=96))
     with pytest.raises(PrecisionError) as e:
         _resolve(*extra, world=world)
     assert message.removeprefix("error-free: ") in str(e.value) and "\n" not in str(e.value)

@@ -77,6 +77,17 @@ def apply_tp(model: nn.Module, block_plan: Callable[[object, nn.Module], dict], 
 
 
 
+def linear_shard_dims(model: nn.Module, block_plan: Callable[[object, nn.Module], dict]) -> dict[str, int]:
+    """The weight dim apply_tp shards, by module name: 0 for the blocks' column-wise Linears, 1 for
+    the row-wise ones (what a check of per-rank shapes needs before the model is split)."""
+    dims = {}
+    for block_name, block in model.layers.items():
+        for name, style in block_plan(Replicate(), block).items():
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                dims[f"layers.{block_name}.{name}"] = 0 if isinstance(style, ColwiseParallel) else 1
+    return dims
+
+
 def apply_async_tp(tp_mesh: DeviceMesh) -> None:
     """Let inductor micro-pipeline TP (all-gather/reduce-scatter fused with the matmuls) in the
     compiled blocks. validate_layout has checked CUDA + compile + TP degree > 1."""

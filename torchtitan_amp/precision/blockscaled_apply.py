@@ -9,7 +9,9 @@ are unchanged), the report's section, and the audit's check of the GEMMs one ste
 
 Only the emulated path exists here (blockscaled_linear.py: operands quantized bit-exactly, fp32
 GEMMs). Under FSDP the weight is all-gathered in the plan's param / storage dtype and quantized
-inside the module: there is no MX / NVFP4 all-gather.
+inside the module: there is no MX / NVFP4 all-gather (torchao has an MXFP8 all-gather only on its
+kernel path). Under tensor parallel each rank quantizes its shards: `check_tensor_parallel`
+refuses, at job resolution, a split that would cut a block between ranks.
 """
 
 from __future__ import annotations
@@ -103,6 +105,30 @@ def check_modules(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tupl
     if not any(is_block_scaled_linear(n, m, recipe, every) for n, m in linears):
         raise PrecisionError(f"'mixed_precision.block_scaled' = '{recipe.format}' converts no nn.Linear: "
                              f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all")
+
+
+def check_tensor_parallel(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
+                          tp: int, sharded_dim: dict[str, int]) -> None:
+    """Under tensor parallel every converted Linear's sharded dim splits into whole blocks: its
+    local length a multiple of the recipe's block (32 MXFP8, 16 NVFP4, 2-D tiles 16), so no block
+    straddles two ranks and each rank quantizes its shard's blocks as one device would.
+    `sharded_dim[name]`: 0 for a column-wise Linear (out_features split: dgrad's reduction dim),
+    1 for a row-wise one (in_features split: the forward's and the 2-D tiles' dim)."""
+    if recipe is None or tp == 1:
+        return
+    every = skip_patterns(skip, edge, n_layers_of(model))
+    for name, m in model.named_modules():
+        if name not in sharded_dim or not is_block_scaled_linear(name, m, recipe, every):
+            continue
+        dim = sharded_dim[name]
+        full = m.weight.shape[dim]
+        if full % tp or (full // tp) % recipe.block_size:
+            field = "out_features" if dim == 0 else "in_features"
+            raise PrecisionError(
+                f"'mixed_precision.block_scaled' = '{recipe.format}' under parallelism.tensor_parallel_degree = {tp}: "
+                f"{name} splits its {field} {full} into {full / tp:g} per rank, not a multiple of the "
+                f"{recipe.block_size}-element block (a block would straddle ranks); keep it out with "
+                f"block_scaled_skip_modules or use a tensor_parallel_degree that divides it into whole blocks")
 
 
 def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:

@@ -27,6 +27,9 @@ The emulation keeps x and W in their storage dtype for backward and re-quantizes
 (a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
 A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
 product); the hardware kernels instead require multiples of 32 (MXFP8) / 16 (NVFP4).
+Under tensor parallel (a DTensor weight) each rank runs the emulation on its local shards, with
+NVFP4's tensor amaxes all-reduced over the TP group; blocks never straddle shards (checked at job
+resolution), so every operand quantizes as on one device.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torchtitan_amp.precision import blockscaled as bs
 
@@ -171,14 +176,21 @@ def observe_gemms(callback: Callable[[GemmRecord], None]) -> Iterator[None]:
 
 
 def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: torch.Generator | None = None,
-                     block_2d: bool = False, rht: torch.Tensor | None = None) -> Operand:
+                     block_2d: bool = False, rht: torch.Tensor | None = None,
+                     amax_group: dist.ProcessGroup | None = None) -> Operand:
     """A 2-D GEMM operand quantized along its last dim: zero-padded to the block (both dims with
     block_2d), rotated by `rht` in blocks along that dim if given, then quantized; stochastic
     rounding if `generator`. The padding is kept: the other operand's reduction dim is padded the
-    same way."""
+    same way. `amax_group` (a tensor-parallel group holding shards of one logical operand): NVFP4's
+    tensor scale is taken from the amax all-reduced (MAX) over it, the whole operand's, so each
+    shard's blocks quantize as on one device (MXFP8 has no tensor scale)."""
     t = _pad_last(t, recipe.block_size)
     if rht is not None:
         t = apply_rht(t, rht)
+    tensor_amax = None
+    if amax_group is not None and recipe.format == "nvfp4":
+        tensor_amax = t.detach().abs().amax().to(torch.float32)
+        dist.all_reduce(tensor_amax, op=dist.ReduceOp.MAX, group=amax_group)
     rounding = "rne" if generator is None else "stochastic"
     if recipe.format == "mxfp8":
         q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode, check_finite=recipe.check_finite)
@@ -188,7 +200,7 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: t
     if block_2d:
         t = _pad_last(t.t(), bs.NVFP4_BLOCK).t()
     values, s_t = bs.nvfp4_dequantized(t.contiguous(), generator=generator, block_2d=block_2d,
-                                       check_finite=recipe.check_finite)
+                                       tensor_amax=tensor_amax, check_finite=recipe.check_finite)
     info = OperandInfo("float4_e2m1fn", "float8_e4m3fn", (16, 16) if block_2d else (1, 16),
                        (t.shape[0], t.shape[1] // bs.NVFP4_BLOCK), rounding, rht is not None)
     return Operand(values, s_t, info)
@@ -205,52 +217,55 @@ def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm"
     return (out * (a.tensor_scale * b.tensor_scale))[:rows, :cols]
 
 
-def _quantized_weight(w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool) -> Operand:
+def _quantized_weight(w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool,
+                      group: dist.ProcessGroup | None) -> Operand:
     """W for forward (along K) or dgrad (along N); with 2-D scaling both are one tile-quantized W."""
     if recipe.weight_2d:
-        op = quantize_operand(w, recipe, block_2d=True)
+        op = quantize_operand(w, recipe, block_2d=True, amax_group=group)
         return op._replace(values=op.values.t()) if along_n else op
-    return quantize_operand(w.t() if along_n else w, recipe)
+    return quantize_operand(w.t() if along_n else w, recipe, amax_group=group)
 
 
 class _BlockScaledLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, generator, label):
+    def forward(ctx, x, weight, bias, recipe, generator, label, group):
         x2 = x.reshape(-1, x.shape[-1])
-        out = emulated_mm(quantize_operand(x2, recipe), _quantized_weight(weight, recipe, False),
+        out = emulated_mm(quantize_operand(x2, recipe, amax_group=group), _quantized_weight(weight, recipe, False, group),
                           x2.shape[0], weight.shape[0], "forward", label)
         out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.generator, ctx.has_bias, ctx.label = recipe, generator, bias is not None, label
+        ctx.recipe, ctx.generator, ctx.has_bias, ctx.label, ctx.group = recipe, generator, bias is not None, label, group
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        recipe = ctx.recipe
+        recipe, group = ctx.recipe, ctx.group
         gen = ctx.generator if recipe.stochastic_rounding else None
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         m, (n, k) = g2.shape[0], weight.shape
-        grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen),
-                             _quantized_weight(weight, recipe, True), m, k, "dgrad", ctx.label)
+        grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen, amax_group=group),
+                             _quantized_weight(weight, recipe, True, group), m, k, "dgrad", ctx.label)
         r = rht_matrix(recipe.seed) if recipe.rht else None
-        grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r),
-                             quantize_operand(x2.t(), recipe, rht=r), n, k, "wgrad", ctx.label)
+        grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r, amax_group=group),
+                             quantize_operand(x2.t(), recipe, rht=r, amax_group=group), n, k, "wgrad", ctx.label)
         grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None
-        return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None, None)
+        return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None, None, None)
 
 
 def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        recipe: BlockScaledRecipe, generator: torch.Generator | None = None, label: str = "",
-                       ) -> torch.Tensor:
+                       amax_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
-    rounding; required when the recipe asks for it. `label` names the GEMMs' module for observers."""
+    rounding; required when the recipe asks for it. `label` names the GEMMs' module for observers.
+    `amax_group`: x, weight and the output gradient are shards of tensors split over that group
+    (tensor parallel): NVFP4's tensor scales come from all-reduced amaxes (quantize_operand)."""
     if recipe.stochastic_rounding and generator is None:
         raise ValueError("the recipe rounds gradients stochastically: pass a seeded torch.Generator")
-    return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator, label)
+    return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator, label, amax_group)
 
 
 class BlockScaledLinear(nn.Linear):
@@ -286,7 +301,37 @@ class BlockScaledLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            return self._forward_tensor_parallel(x)
         return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator(), self.label)
+
+    def _forward_tensor_parallel(self, x: torch.Tensor | DTensor) -> DTensor:
+        """The emulation on this rank's shards, with DTensor placements on the way out: column-wise
+        (W Shard(0): x replicated, the output's columns sharded, dx a partial sum) or row-wise
+        (W Shard(1): x sharded along K, the output a partial sum reduced by the style). Each
+        block lies inside one shard (blockscaled_apply.check_tensor_parallel), so the operands
+        quantize as on one device; only the fp32 sums of a row-wise output and of a column-wise
+        dx are split into one partial per rank, rounded to the output dtype and then added."""
+        w, mesh = self.weight, self.weight.device_mesh
+        if mesh.ndim != 1 or len(w.placements) != 1:
+            raise NotImplementedError(f"{self.label}: block-scaled Linear on a {mesh.ndim}-D mesh {w.placements}; "
+                                      "one tensor-parallel dim is supported")
+        (place,) = w.placements
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate() if place.is_shard(0) else Shard(x.dim() - 1)], run_check=False)
+        if place.is_shard(0):
+            x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            out_place, bias = Shard(x.dim() - 1), self.bias
+        elif place.is_shard(1):
+            x_local = x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local()
+            out_place, bias = Partial(), None
+        else:
+            raise NotImplementedError(f"{self.label}: block-scaled Linear with weight placement {place}")
+        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        out = blockscaled_linear(x_local, w.to_local(), local_bias, self.recipe, self.sr_generator(), self.label,
+                                 amax_group=mesh.get_group())
+        out = DTensor.from_local(out, mesh, [out_place], run_check=False)
+        return out + self.bias if place.is_shard(1) and self.bias is not None else out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.format}"

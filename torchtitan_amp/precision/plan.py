@@ -165,9 +165,6 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     if recipe is None:
         return None, False, ""
     where = f"'mixed_precision.block_scaled' = '{mp.block_scaled}'"
-    if dims.tp_enabled:
-        raise PrecisionError(f"{where} quantizes whole operands in blocks; under tensor parallel they are sharded "
-                             "(not supported): set parallelism.tensor_parallel_degree = 1")
     if mp.block_scaled_emulate is True:
         return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
                               f"{blockscaled_apply.EMULATION_COST})")

@@ -23,6 +23,7 @@ from torchtitan_amp.data.tokenizer import Tokenizer, build_tokenizer
 from torchtitan_amp.distributed.context_parallel import check_causal_kernel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.distributed.pipeline import stage_module
+from torchtitan_amp.distributed.tensor_parallel import linear_shard_dims
 from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
@@ -168,6 +169,10 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
         blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers)
+        if dims.tp_enabled:
+            blockscaled_apply.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
+                                                    plan.block_scaled_edge_layers, dims.tp,
+                                                    linear_shard_dims(model, family.tp_block_plan))
     job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
               n_microbatches, validation)
     # A dry run asks what its target device (dry_run.device) would run, whatever machine it runs on.
