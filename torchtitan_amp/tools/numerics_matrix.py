@@ -136,8 +136,9 @@ LOW_PRECISION_GEMMS = (
 PRECISIONS = (*NATIVE_PRECISIONS, *LOW_PRECISION_GEMMS)
 # Named selections (--preset): an --only regex and the settings their docs table was measured with.
 PRESETS = {
-    "blockscaled": {"only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4.*)$",
-                    "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off, 1x16 W)"},
+    "blockscaled": {"only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4|nvfp4, RHT off|nvfp4, SR off)$",
+                    "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off; "
+                            "'nvfp4, 1x16 W' by --only)"},
 }
 
 # Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
