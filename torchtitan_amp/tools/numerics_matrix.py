@@ -254,7 +254,7 @@ def worker(spec_path: str) -> int:
     runs = json.loads(Path(spec_path).read_text())["runs"]
     for i, wall_s in train_in_turn([(Path(run["dump_folder"]), run["args"]) for run in runs]):
         if rank == 0:
-            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s}))
+            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s, "args": runs[i]["args"]}))
             print(f"[numerics_matrix] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
     process_groups.shutdown()
     return 0
@@ -289,10 +289,20 @@ def read_result(run: Run, folder: Path) -> Result:
     return result
 
 
+def reusable(run: Run, a: argparse.Namespace, out: Path) -> bool:
+    """Whether `out` holds this run finished with exactly these training arguments (--reuse)."""
+    done = out / run.key / "done.json"
+    return done.is_file() and json.loads(done.read_text()).get("args") == train_args(run, a)
+
+
 def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dict[str, Result]:
     """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest."""
     results: dict[str, Result] = {}
-    pending = list(runs)
+    pending = [r for r in runs if not (a.reuse and reusable(r, a, out))]
+    for r in runs:
+        if r not in pending:
+            results[r.label] = read_result(r, out / r.key)
+            print(f"  {r.label}: reused from {out / r.key}", flush=True)
     attempt = 0
     while pending:
         spec = {"runs": [{"name": r.label, "dump_folder": str(out / r.key), "args": train_args(r, a)}
@@ -487,6 +497,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
     p.add_argument("--json", metavar="FILE", help="also write every run's per-step losses as JSON (the data "
                    "of docs/numerics.md's figures: python -m torchtitan_amp.tools.numerics_figures)")
+    p.add_argument("--reuse", action="store_true", help="keep the runs --out already holds finished with the "
+                   "same training arguments (an interrupted matrix resumes; wall times are the original runs')")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
     p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="train nothing: compare two --out folders run by run, step by step, bit for bit "
