@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from torchtitan_amp.tools import numerics_matrix
@@ -54,5 +55,7 @@ def test_reuse_keeps_runs_finished_with_the_same_arguments(tmp_path: Path, capsy
     out = capsys.readouterr().out
     assert "single / fp32: reused from" in out and "launching" not in out
     assert "| single | fp32 |  | 5.25000 |" in out and "| single / fp32 | 5.3750 |" in out
+    # The tail gap's standard error: differences 0.1 and 0.3 -> sd 0.1414, / sqrt(2) = 0.1.
+    assert math.isclose(numerics_matrix.tail_gap_se({1: 5.1, 2: 5.3}, {1: 5.0, 2: 5.0}, 2), 0.1, rel_tol=1e-9)
     done.write_text(json.dumps({"wall_s": 1.5}))
     assert not numerics_matrix.reusable(run, a, tmp_path)

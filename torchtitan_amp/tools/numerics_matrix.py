@@ -431,17 +431,33 @@ def tail_mean(losses: dict[int, float], tail: int) -> float:
     return sum(last) / len(last) if last else math.nan
 
 
+def tail_gap_se(losses: dict[int, float], base: dict[int, float], tail: int) -> float:
+    """The standard error of the mean of (loss - base loss) over the last `tail` common steps, as
+    if the steps were independent: how much of a tail gap one batch's noise alone could make."""
+    steps = sorted(losses.keys() & base.keys())[-tail:]
+    d = [losses[s] - base[s] for s in steps]
+    if len(d) < 2:
+        return math.nan
+    mean = sum(d) / len(d)
+    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+
+
 def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline: str) -> str:
-    """Per run: the mean of its last `tail` losses, and that minus the `baseline` run's."""
+    """Per run: the mean of its last `tail` losses, that minus the `baseline` run's (± the standard
+    error of the per-step differences' mean) and the run's wall time."""
     base = results.get(baseline)
-    base_mean = tail_mean(base.losses, tail) if base is not None and not base.error else math.nan
-    lines = [f"| run | mean loss, last {tail} steps | minus {baseline}'s | wall time |", "| --- | ---: | ---: | ---: |"]
+    ok = base is not None and not base.error
+    base_mean = tail_mean(base.losses, tail) if ok else math.nan
+    lines = [f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
+             "| --- | ---: | ---: | ---: |"]
     for run in runs:
         res = results.get(run.label)
         if res is None or res.error:
             continue
         mean = tail_mean(res.losses, tail)
-        lines.append(f"| {run.label} | {mean:.4f} | {fmt(mean - base_mean, '+.4f')} | {res.wall_s:.0f} s |")
+        se = tail_gap_se(res.losses, base.losses, tail) if ok and run.label != baseline else math.nan
+        gap = fmt(mean - base_mean, '+.4f') + (f" (± {se:.4f})" if math.isfinite(se) else "")
+        lines.append(f"| {run.label} | {mean:.4f} | {gap} | {res.wall_s:.0f} s |")
     return "\n".join(lines)
 
 
