@@ -26,7 +26,10 @@ Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp3
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
 (training.dtype = bfloat16: bf16 params, grads and AdamW state); bf16 + bf16 cp reduce
-(context-parallel layouts: the K/V gradients summed over the cp ranks in bf16).
+(context-parallel layouts: the K/V gradients summed over the cp ranks in bf16). Opt-in, single
+process only, when --only or --preset names them: fp8 rowwise (torchao) and the emulated
+block-scaled recipes (mxfp8; nvfp4 full, RHT off, SR off, 1x16 W), each on top of bf16;
+`--preset blockscaled --tail N` compares their last N steps with bf16's.
 
 Runs are grouped by process count: one torchrun launch trains all runs of that size one after
 another (this file's --worker mode), paying process start-up once. A run that fails is reported in
