@@ -207,11 +207,24 @@ def test_numerics_figures_from_json_alone(tmp_path: Path, capsys: pytest.Capture
     assert nf.main([str(tmp_path / "nothing")]) == 2 and capsys.readouterr().err.startswith("error: ")
 
 
+def test_blockscaled_figure_compares_single_runs_with_bf16() -> None:
+    fig = nf.blockscaled_figure(_matrix_json())
+    top, bottom = fig.axes
+    # Single runs only (fp32, bf16); fp32 - bf16 = -1e-3 x step, averaged from the start (5 < SMOOTH).
+    assert [ln.get_label() for ln in bottom.lines[:-1]] == ["fp32", "bf16"]  # the last: the zero line
+    assert np.allclose(bottom.lines[0].get_ydata(), [-1e-3 * (s + 1) / 2 for s in range(1, 6)], rtol=1e-9)
+    assert not np.any(bottom.lines[1].get_ydata())
+    data = _matrix_json()
+    data["runs"] = [r for r in data["runs"] if r["label"] != "single / bf16"]
+    with pytest.raises(nf.FigureError, match="no 'single / bf16' run"):
+        nf.blockscaled_figure(data)
+
+
 def test_docs_figures_are_checked_in_small_and_regenerate_from_their_json(tmp_path: Path) -> None:
     """docs/numerics.md shows figures drawn by one command from JSON kept beside them: the
     command redraws each at the same size, and each is under 150 KB."""
-    names = ["numerics_matrix.png", "numerics_matrix_curves.png", "optimizer_precision.png"]
-    for name in (nf.MATRIX_JSON, nf.OPTIMIZER_JSON):
+    names = ["numerics_matrix.png", "numerics_matrix_curves.png", "optimizer_precision.png", "blockscaled_curves.png"]
+    for name in (nf.MATRIX_JSON, nf.OPTIMIZER_JSON, nf.BLOCKSCALED_JSON):
         (tmp_path / name).write_bytes((DOCS_IMG / name).read_bytes())
     assert nf.main([str(tmp_path)]) == 0
     docs = (REPO / "docs" / "numerics.md").read_text()

@@ -2,11 +2,12 @@
 
     python -m torchtitan_amp.tools.numerics_figures docs/img
 
-reads, in that folder, numerics_matrix.json (`numerics_matrix --json`) and optimizer_precision.json
-(`python -m benchmarks.optimizer_precision --json`), whichever exist, and writes next to them
-numerics_matrix.png (max |loss - fp32 single| per layout x precision), numerics_matrix_curves.png
-(each run's loss minus its fp32 single-process reference, per step, one panel per precision) and
-optimizer_precision.png (the loss curves and their running-mean difference from fp32's).
+reads, in that folder, numerics_matrix.json (`numerics_matrix --json`), optimizer_precision.json
+(`python -m benchmarks.optimizer_precision --json`) and blockscaled_curves.json (`numerics_matrix
+--preset blockscaled --json`), whichever exist, and writes next to them numerics_matrix.png (max
+|loss - fp32 single| per layout x precision), numerics_matrix_curves.png (each run's loss minus its
+fp32 single-process reference, per step, one panel per precision), optimizer_precision.png and
+blockscaled_curves.png (the loss curves and their running-mean difference from fp32's / bf16's).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 MATRIX_JSON = "numerics_matrix.json"
 OPTIMIZER_JSON = "optimizer_precision.json"
+BLOCKSCALED_JSON = "blockscaled_curves.json"
+BLOCKSCALED_REFERENCE = "single / bf16"
 SMOOTH = 25  # steps in the optimizer figure's running mean: per-step noise is ~0.02, the bias sought ~0.01
 
 
@@ -156,19 +159,50 @@ def optimizer_figure(data: dict[str, Any]) -> Figure:
     return fig
 
 
+def blockscaled_figure(data: dict[str, Any]) -> Figure:
+    """The single-process runs of a numerics_matrix JSON against its bf16 run: the loss (running
+    mean over SMOOTH steps: one batch's loss is noise) and loss - bf16's loss (the same mean)."""
+    from matplotlib.figure import Figure
+
+    runs = [r for r in data["runs"] if r["layout"] == "single" and not r["error"]]
+    ref = next((r for r in runs if r["label"] == BLOCKSCALED_REFERENCE), None)
+    if ref is None:
+        raise FigureError(f"{BLOCKSCALED_JSON} has no '{BLOCKSCALED_REFERENCE}' run to compare with")
+    fig = Figure(figsize=(9, 7), dpi=DPI, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    for i, r in enumerate(runs):
+        losses = losses_by_step(r)
+        steps = sorted(losses)
+        top.plot(steps, running_mean([losses[s] for s in steps], SMOOTH), color=f"C{i}", linewidth=0.9,
+                 label=r["precision"])
+        d_steps, ds = deltas(r, ref)
+        bottom.plot(d_steps, running_mean(ds, SMOOTH), color=f"C{i}", label=r["precision"])
+    top.set_title(f"loss, running mean over {SMOOTH} steps")
+    top.legend(fontsize=8)
+    bottom.set_title(f"loss - bf16's loss, running mean over {SMOOTH} steps")
+    bottom.axhline(0.0, color="gray", linewidth=0.5)
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
 def write_figures(folder: Path) -> list[Path]:
     """Every figure whose data `folder` holds; the paths written."""
     written = []
-    matrix, optimizer = folder / MATRIX_JSON, folder / OPTIMIZER_JSON
-    if not matrix.is_file() and not optimizer.is_file():
-        raise FigureError(f"'{folder}' holds neither {MATRIX_JSON} nor {OPTIMIZER_JSON} (write them with "
-                          "numerics_matrix --json FILE, benchmarks.optimizer_precision --json FILE)")
+    matrix, optimizer, blockscaled = folder / MATRIX_JSON, folder / OPTIMIZER_JSON, folder / BLOCKSCALED_JSON
+    if not any(p.is_file() for p in (matrix, optimizer, blockscaled)):
+        raise FigureError(f"'{folder}' holds none of {MATRIX_JSON}, {OPTIMIZER_JSON}, {BLOCKSCALED_JSON} (write "
+                          "them with numerics_matrix --json FILE, benchmarks.optimizer_precision --json FILE, "
+                          "numerics_matrix --preset blockscaled --json FILE)")
     jobs = []
     if matrix.is_file():
         data = _read(matrix)
         jobs += [("numerics_matrix.png", matrix_figure, data), ("numerics_matrix_curves.png", curves_figure, data)]
     if optimizer.is_file():
         jobs.append(("optimizer_precision.png", optimizer_figure, _read(optimizer)))
+    if blockscaled.is_file():
+        jobs.append(("blockscaled_curves.png", blockscaled_figure, _read(blockscaled)))
     for name, draw, data in jobs:
         draw(data).savefig(folder / name, dpi=DPI)
         written.append(folder / name)

@@ -26,7 +26,10 @@ Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp3
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16
 (training.dtype = bfloat16: bf16 params, grads and AdamW state); bf16 + bf16 cp reduce
-(context-parallel layouts: the K/V gradients summed over the cp ranks in bf16).
+(context-parallel layouts: the K/V gradients summed over the cp ranks in bf16). Opt-in, single
+process only, when --only or --preset names them: fp8 rowwise (torchao) and the emulated
+block-scaled recipes (mxfp8; nvfp4 full, RHT off, SR off, 1x16 W), each on top of bf16;
+`--preset blockscaled --tail N` compares their last N steps with bf16's.
 
 Runs are grouped by process count: one torchrun launch trains all runs of that size one after
 another (this file's --worker mode), paying process start-up once. A run that fails is reported in
@@ -82,6 +85,9 @@ class PrecisionSpec:
     needs_dp: bool = False  # only meaningful where gradients are reduced over data parallel ranks
     needs_cp: bool = False  # only meaningful under context parallel
     needs_moe: bool = False  # only meaningful for a model with routers
+    # Low-precision GEMM rows (fp8, block-scaled): one process only, and only when --only or
+    # --preset names them (the default matrix is layouts x the PyTorch-native precisions).
+    opt_in: bool = False
 
 
 LAYOUTS = (
@@ -101,7 +107,7 @@ LAYOUTS = (
                                     ("EP 2", 2, 2, (SHARD, "2", EP, "2")), ("TP 2", 2, 1, (SHARD, "1", TP, "2")))),
 )
 
-PRECISIONS = (
+NATIVE_PRECISIONS = (
     PrecisionSpec("fp32", ("--mixed_precision.enabled", "false")),
     PrecisionSpec("bf16", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")),
     PrecisionSpec("bf16 + bf16 reduce", ("--mixed_precision.param_dtype", "bfloat16",
@@ -115,6 +121,28 @@ PRECISIONS = (
     PrecisionSpec("bf16 + bf16 router", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype",
                                          "float32", "--mixed_precision.router_dtype", "bfloat16"), needs_moe=True),
 )
+
+BF16 = ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")
+BLOCK_SCALED = (*BF16, "--mixed_precision.block_scaled_emulate", "true", "--mixed_precision.block_scaled")
+NVFP4 = (*BLOCK_SCALED, "nvfp4")
+# The GEMM formats on top of bf16 (the Linears they leave out compute in bf16): torchao's fp8
+# rowwise (torch._scaled_mm, which runs on CPU too), and the emulated block-scaled recipes with
+# their defaults (output and the first and last block in bf16; nvfp4: NVIDIA's full recipe).
+LOW_PRECISION_GEMMS = (
+    PrecisionSpec("fp8 rowwise", (*BF16, "--mixed_precision.fp8", "rowwise"), opt_in=True),
+    PrecisionSpec("mxfp8", (*BLOCK_SCALED, "mxfp8"), opt_in=True),
+    PrecisionSpec("nvfp4", NVFP4, opt_in=True),
+    PrecisionSpec("nvfp4, RHT off", (*NVFP4, "--mixed_precision.nvfp4_rht", "false"), opt_in=True),
+    PrecisionSpec("nvfp4, SR off", (*NVFP4, "--mixed_precision.nvfp4_stochastic_rounding", "false"), opt_in=True),
+    PrecisionSpec("nvfp4, 1x16 W", (*NVFP4, "--mixed_precision.nvfp4_weight_2d", "false"), opt_in=True),
+)
+PRECISIONS = (*NATIVE_PRECISIONS, *LOW_PRECISION_GEMMS)
+# Named selections (--preset): an --only regex and the settings their docs table was measured with.
+PRESETS = {
+    "blockscaled": {"only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4|nvfp4, RHT off|nvfp4, SR off)$",
+                    "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off; "
+                            "'nvfp4, 1x16 W' by --only)"},
+}
 
 # Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
 # kernel (~10x slower than fp32 at these sizes), so fp16 runs on the 2-process layouts only.
@@ -176,6 +204,8 @@ def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]
                 continue
             if prec.needs_moe and not layout.model or prec.name not in (layout.precisions or (prec.name,)):
                 continue
+            if prec.opt_in and (layout.nproc > 1 or layout.model or not only or not re.search(only, run.label)):
+                continue
             candidates.append(run)
     matched = {r.label for r in candidates if not only or re.search(only, r.label)}
     # Without --only (or when it matches nothing) the Llama reference runs, as it always has.
@@ -227,7 +257,7 @@ def worker(spec_path: str) -> int:
     runs = json.loads(Path(spec_path).read_text())["runs"]
     for i, wall_s in train_in_turn([(Path(run["dump_folder"]), run["args"]) for run in runs]):
         if rank == 0:
-            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s}))
+            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s, "args": runs[i]["args"]}))
             print(f"[numerics_matrix] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
     process_groups.shutdown()
     return 0
@@ -262,10 +292,20 @@ def read_result(run: Run, folder: Path) -> Result:
     return result
 
 
+def reusable(run: Run, a: argparse.Namespace, out: Path) -> bool:
+    """Whether `out` holds this run finished with exactly these training arguments (--reuse)."""
+    done = out / run.key / "done.json"
+    return done.is_file() and json.loads(done.read_text()).get("args") == train_args(run, a)
+
+
 def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dict[str, Result]:
     """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest."""
     results: dict[str, Result] = {}
-    pending = list(runs)
+    pending = [r for r in runs if not (a.reuse and reusable(r, a, out))]
+    for r in runs:
+        if r not in pending:
+            results[r.label] = read_result(r, out / r.key)
+            print(f"  {r.label}: reused from {out / r.key}", flush=True)
     attempt = 0
     while pending:
         spec = {"runs": [{"name": r.label, "dump_folder": str(out / r.key), "args": train_args(r, a)}
@@ -388,6 +428,42 @@ def diff_outputs(before: Path, after: Path) -> list[str]:
     return problems
 
 
+def tail_mean(losses: dict[int, float], tail: int) -> float:
+    """The mean loss of the last `tail` logged steps (one step's loss is mostly its batch's noise)."""
+    last = [losses[s] for s in sorted(losses)[-tail:]]
+    return sum(last) / len(last) if last else math.nan
+
+
+def tail_gap_se(losses: dict[int, float], base: dict[int, float], tail: int) -> float:
+    """The standard error of the mean of (loss - base loss) over the last `tail` common steps, as
+    if the steps were independent: how much of a tail gap one batch's noise alone could make."""
+    steps = sorted(losses.keys() & base.keys())[-tail:]
+    d = [losses[s] - base[s] for s in steps]
+    if len(d) < 2:
+        return math.nan
+    mean = sum(d) / len(d)
+    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+
+
+def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline: str) -> str:
+    """Per run: the mean of its last `tail` losses, that minus the `baseline` run's (± the standard
+    error of the per-step differences' mean) and the run's wall time."""
+    base = results.get(baseline)
+    ok = base is not None and not base.error
+    base_mean = tail_mean(base.losses, tail) if ok else math.nan
+    lines = [f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
+             "| --- | ---: | ---: | ---: |"]
+    for run in runs:
+        res = results.get(run.label)
+        if res is None or res.error:
+            continue
+        mean = tail_mean(res.losses, tail)
+        se = tail_gap_se(res.losses, base.losses, tail) if ok and run.label != baseline else math.nan
+        gap = fmt(mean - base_mean, '+.4f') + (f" (± {se:.4f})" if math.isfinite(se) else "")
+        lines.append(f"| {run.label} | {mean:.4f} | {gap} | {res.wall_s:.0f} s |")
+    return "\n".join(lines)
+
+
 def results_json(results: dict[str, Result], runs: list[Run], header: dict[str, object]) -> dict[str, object]:
     """Every run's per-step losses and the facts of its table row, for figures drawn without
     retraining (tools/numerics_figures.py); non-finite losses are null."""
@@ -430,17 +506,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=8,
                    help="global batches of the validation loss after the last step (0: none; default %(default)s)")
     p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection instead of --only: "
+                   + "; ".join(f"{k}: {v['help']}" for k, v in PRESETS.items()))
+    p.add_argument("--tail", type=int, default=0, help="also tabulate each run's mean loss over its last N steps "
+                   "against single bf16 (--preset: a tenth of --steps unless given)")
     p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
                    "(the fp32 single-process reference of each model it selects always runs)")
     p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
     p.add_argument("--json", metavar="FILE", help="also write every run's per-step losses as JSON (the data "
                    "of docs/numerics.md's figures: python -m torchtitan_amp.tools.numerics_figures)")
+    p.add_argument("--reuse", action="store_true", help="keep the runs --out already holds finished with the "
+                   "same training arguments (an interrupted matrix resumes; wall times are the original runs')")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
     p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="train nothing: compare two --out folders run by run, step by step, bit for bit "
                    "(exit 1 if any run differs)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.preset:
+        if a.only:
+            p.error("--preset and --only both select runs: give one")
+        a.only = PRESETS[a.preset]["only"]
+        a.tail = a.tail or max(1, a.steps // 10)
+    return a
 
 
 def main(argv: list[str]) -> int:
@@ -469,6 +557,8 @@ def main(argv: list[str]) -> int:
         "",
         table(results, runs, a.steps),
     ]
+    if a.tail:
+        md += ["", tail_table(results, runs, a.tail, "single / bf16")]
     if notes:
         md += ["", *[f"- {n}" for n in notes]]
     text = "\n".join(md) + "\n"
