@@ -458,6 +458,10 @@ class FaultTolerance:
         "none", "'none': every step's gradients are averaged across groups; 'diloco': groups train "
         "alone and average their weight changes every sync_steps steps.")
     sync_steps: int = _f(5, "semi_sync_method = 'diloco': inner steps between syncs.", bounds=at_least(1))
+    max_retries: int = _f(
+        -1, "Steps in a row this group may fail to commit (a cross-group all-reduce failed) before it "
+        "gives up with an error, so that its launcher restarts it and it heals; torchft's name. "
+        "-1: never give up.", bounds=at_least(0, also={-1: "never give up"}))
 
 
 @dataclass
