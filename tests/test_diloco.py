@@ -48,12 +48,12 @@ class _Manager:
 
 class _FT:
     def __init__(self, peer: torch.Tensor, commit: bool) -> None:
-        self.manager, self.commit, self._step_start = _Manager(peer), commit, 0.0
+        self.manager, self.commit = _Manager(peer), commit
 
     def start_step(self) -> bool:
         return False
 
-    def should_commit(self) -> bool:
+    def should_commit(self, since: float | None = None) -> bool:
         return self.commit
 
 

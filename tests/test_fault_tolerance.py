@@ -14,6 +14,10 @@ is killed inside the sync of step 5 (after the quorum, before its all-reduce). T
 discards that sync (back to the initial global weights: steps 1-5 lost, none retried), trains alone,
 and the restarted group heals at one of its later syncs; STEPS is a multiple of SYNC_STEPS, so the
 last step is a sync and both groups end on the same global weights.
+
+One scenario (CHECKPOINTED) also saves checkpoints every CKPT_EVERY steps into one folder shared by
+the groups, then restarts both groups from the first checkpoint written after the kill (a full
+restart, as after losing every group): each loads the shared state and its own data position.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip i
 
 STEPS, KILL_AT, SYNC_STEPS = 40, 5, 5
 assert STEPS % SYNC_STEPS == 0 and KILL_AT % SYNC_STEPS == 0
+# KILL_AT not a multiple of CKPT_EVERY: a save right before the kill would eat into the lighthouse's heartbeat
+# timeout, which test_the_survivor_loses_only_the_interrupted_step measures.
+CHECKPOINTED, CKPT_EVERY, RESTART_STEPS = "fsdp2_between_steps", 4, 2
+RESUME_AT = (KILL_AT // CKPT_EVERY + 1) * CKPT_EVERY  # the first checkpoint after the kill
+assert (RESUME_AT + RESTART_STEPS) % CKPT_EVERY, "the restart's last save must not replace a checkpoint of the first run"
 # Long enough for a restarted group to start on two busy cores (10-30 s) while the survivor paces.
 TIMEOUT_S = 300
 
@@ -78,19 +87,50 @@ def killed(request, tmp_path_factory) -> tuple[Path, int, int, bool]:
 
     root = tmp_path_factory.mktemp(f"ft_{request.param}")
     nproc, common, args, env, discarded = KILLS[request.param]
+    ckpt = _checkpoint_args(root) if request.param == CHECKPOINTED else ()
     # A dead group is left out of the quorum once it misses heartbeats for heartbeat_timeout_ms.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        survivor = _launch(root / "g0", nproc, 0, lighthouse.address(), *common)
-        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *common, *args, env=env)
+        survivor = _launch(root / "g0", nproc, 0, lighthouse.address(), *common, *ckpt)
+        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *common, *args, *ckpt, env=env)
         (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
-        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address(), *common)
+        restarted = _launch(root / "g1b", nproc, 1, lighthouse.address(), *common, *ckpt)
         (root / "g0.rc").write_text(str(_wait(survivor, deadline)))
         (root / "g1b.rc").write_text(str(_wait(restarted, deadline)))
     finally:
         lighthouse.shutdown()
+    if ckpt:
+        _restart_every_group(root, nproc, ckpt)
     return root, discarded, nproc, bool(common)
+
+
+def _checkpoint_args(root: Path) -> tuple[str, ...]:
+    # An absolute checkpoint folder: the groups' dump folders differ here, their checkpoints are shared.
+    return ("--checkpoint.enable", "true", "--checkpoint.interval", str(CKPT_EVERY),
+            "--checkpoint.folder", str(root / "ckpt"))
+
+
+def _restart_every_group(root: Path, nproc: int, ckpt: tuple[str, ...]) -> None:
+    """Both groups start again from step-RESUME_AT (r0, r1), a checkpoint the survivor wrote after
+    the kill, and train RESTART_STEPS steps; the lighthouse waits for both."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
+    resume = ("--checkpoint.load_step", str(RESUME_AT), "--training.steps", str(RESUME_AT + RESTART_STEPS))
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        groups = [_launch(root / f"r{g}", nproc, g, lighthouse.address(), *ckpt, *resume) for g in (0, 1)]
+        for g, proc in enumerate(groups):
+            (root / f"r{g}.rc").write_text(str(_wait(proc, deadline)))
+    finally:
+        lighthouse.shutdown()
+
+
+def _outputs(root: Path, name: str) -> Path:
+    """Where the launch `name` (g0, g1a, g1b, r0, r1) wrote its metrics: its group's replica_<id>
+    subfolder of the dump folder."""
+    return root / name / f"replica_{0 if name in ('g0', 'r0') else 1}"
 
 
 def _log(root: Path, name: str) -> str:
@@ -106,7 +146,7 @@ def test_the_killed_group_died_and_the_others_finished(killed: tuple[Path, int, 
 
 def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, int, bool]) -> None:
     root, discarded, _, diloco = killed
-    rows = read_metrics(root / "g0")
+    rows = read_metrics(_outputs(root, "g0"))
     # A discarded step is retried under the same number; a discarded DiLoCo sync is not retried
     # (its inner steps are undone, the count goes on): either way every step is logged once.
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -127,7 +167,7 @@ def test_the_survivor_loses_only_the_interrupted_step(killed: tuple[Path, int, i
 
 
 def test_the_restarted_group_heals_at_the_survivors_step(killed: tuple[Path, int, int, bool]) -> None:
-    rows = read_metrics(killed[0] / "g1b")
+    rows = read_metrics(_outputs(killed[0], "g1b"))
     assert rows[0]["step"] > KILL_AT, "the restarted group started over instead of healing"
     if killed[3]:  # it joined at one of the survivor's syncs and trained on from the step after
         assert (rows[0]["step"] - 1) % SYNC_STEPS == 0
@@ -148,8 +188,54 @@ def test_both_groups_hold_identical_weights(killed: tuple[Path, int, int, bool])
         assert survivor["data_position"] == healed["data_position"]
 
 
+def _checkpointed(killed: tuple[Path, int, int, bool]) -> Path:
+    root = killed[0]
+    if not root.name.startswith(f"ft_{CHECKPOINTED}"):
+        pytest.skip(f"checkpoints are saved in the {CHECKPOINTED} scenario only")
+    return root
+
+
+def test_every_checkpoint_written_around_the_kill_is_complete(killed: tuple[Path, int, int, bool]) -> None:
+    """One group wrote each shared step-N (the quorum's first); every group its own files at the
+    steps it trained; no save was left half-written, by the killed group or the healed one."""
+    from torchtitan_amp.checkpoint import inspect_checkpoint, verify_checksums
+
+    ckpt = _checkpointed(killed) / "ckpt"
+    saved = list(range(CKPT_EVERY, STEPS + 1, CKPT_EVERY)) + [RESUME_AT + RESTART_STEPS]
+    for step in saved:
+        info = inspect_checkpoint(ckpt / f"step-{step}")
+        assert info.kind == "full" and info.meta["replica_group"] in (0, 1)
+        assert verify_checksums(info.path, info.meta) is None
+    own = {g: sorted(int(p.name.removeprefix("step-")) for p in (ckpt / f"ft-replica-{g}").iterdir()) for g in (0, 1)}
+    assert own[0] == sorted(saved)
+    # Group 1 saved before it was killed, then from its heal on (the steps between depend on its restart).
+    assert CKPT_EVERY in own[1] and STEPS in own[1] and RESUME_AT + RESTART_STEPS in own[1]
+    for g, steps in own.items():
+        for step in steps:
+            assert inspect_checkpoint(ckpt / f"ft-replica-{g}" / f"step-{step}").kind == "replica"
+    assert not list(ckpt.rglob("*.tmp")), "a save was left half-written"
+
+
+def test_a_full_restart_resumes_every_group_where_it_was(killed: tuple[Path, int, int, bool]) -> None:
+    """Both groups restarted from step-RESUME_AT, written after the kill: the survivor's first step
+    after it is the one it took then, bit for bit (same weights, same data); the groups train in
+    step and end identical."""
+    root = _checkpointed(killed)
+    assert (root / "r0.rc").read_text() == "0", _log(root, "r0")
+    assert (root / "r1.rc").read_text() == "0", _log(root, "r1")
+    resumed = list(range(RESUME_AT + 1, RESUME_AT + RESTART_STEPS + 1))
+    rows = {g: read_metrics(_outputs(root, f"r{g}")) for g in (0, 1)}
+    assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == resumed
+    before = {r["step"]: r["loss"] for r in read_metrics(_outputs(root, "g0"))}
+    assert rows[0][0]["loss"] == before[RESUME_AT + 1]
+    assert rows[1][-1]["ft_participants"] == 2 and rows[1][-1]["ft_heals"] == 0
+    for rank in range(killed[2]):
+        r0, r1 = (json.loads((root / f"r{g}" / f"rank{rank}.json").read_text()) for g in (0, 1))
+        assert r0["shards"] == r1["shards"] and r0["data_position"] == r1["data_position"]
+
+
 def test_precision_report_states_the_cross_group_dtype(killed: tuple[Path, int, int, bool]) -> None:
-    report = json.loads((killed[0] / "g0" / "precision_report.json").read_text())
+    report = json.loads((_outputs(killed[0], "g0") / "precision_report.json").read_text())
     ft = report["fault_tolerance"]
     assert ft["replica_groups"] == 2
     if not killed[3]:
@@ -186,5 +272,5 @@ def test_slurm_script_starts_the_lighthouse_and_a_group_per_node(tmp_path: Path)
                          timeout=180, env=env)
     assert result.returncode == 0, result.describe()
     assert "lighthouse listening on" in result.output
-    rows = read_metrics(dump / "group0")
+    rows = read_metrics(dump / "replica_0")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["ft_participants"] == 1

@@ -14,7 +14,7 @@ from torchtitan_amp.config import ConfigError, help_text, load_config
 from torchtitan_amp.core import environment
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
-from torchtitan_amp.train.fault_tolerance import data_position
+from torchtitan_amp.train.fault_tolerance import data_position, group_config
 
 ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2")
 
@@ -40,7 +40,10 @@ def test_off_by_default_and_in_help() -> None:
     (("--fault_tolerance.outer_lr", "0"), "fault_tolerance.outer_lr"),
     ((*ON, "--parallelism.data_parallel_replicate_degree", "2"), "torchft owns the replicate dimension"),
     ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
-    ((*ON, "--checkpoint.enable", "true"), "'checkpoint.enable' is not supported with fault_tolerance"),
+    ((*ON, "--checkpoint.enable", "true", "--checkpoint.async_mode", "async"), "'checkpoint.async_mode' = 'async'"),
+    ((*ON, "--checkpoint.create_seed_checkpoint", "true"), "'checkpoint.create_seed_checkpoint' runs without"),
+    ((*ON, "--checkpoint.enable", "true", "--fault_tolerance.semi_sync_method", "diloco"),
+     "'checkpoint.enable' is not supported with fault_tolerance.semi_sync_method = 'diloco'"),
     (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
     (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
 ])
@@ -59,6 +62,10 @@ def test_diloco_is_accepted_with_its_settings() -> None:
 
 def test_rules_apply_only_when_on() -> None:
     load_config(["--fault_tolerance.replica_id", "5", "--parallelism.data_parallel_replicate_degree", "2"])
+
+
+def test_checkpoints_are_allowed() -> None:
+    assert load_config([*ON, "--checkpoint.enable", "true"]).checkpoint.enable
 
 
 def test_missing_torchft_is_one_line_naming_the_install(monkeypatch, capsys) -> None:
@@ -139,3 +146,92 @@ def test_dry_run_prices_diloco_per_sync_not_per_step(tmp_path: Path) -> None:
     assert diloco["diloco"]["bytes_per_step"] == round(params / 2 / 10)
     assert diloco["diloco"]["outer_state"] == {"float32": 2 * params}
     assert diloco["memory"]["peak_estimate"]["configured"] == every_step["memory"]["peak_estimate"]["configured"] + 2 * params
+
+
+def test_groups_launched_with_one_dump_folder_write_apart_and_share_checkpoints(tmp_path: Path) -> None:
+    configs = [group_config(load_config([*ON, "--fault_tolerance.replica_id", str(g), "--job.dump_folder",
+                                         str(tmp_path)])) for g in (0, 1)]
+    assert [c.job.dump_folder for c in configs] == [str(tmp_path / "replica_0"), str(tmp_path / "replica_1")]
+    assert {c.checkpoint.folder for c in configs} == {str(tmp_path / "checkpoint")}
+    plain = load_config(["--job.dump_folder", str(tmp_path)])
+    assert group_config(plain) is plain
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _PeerManager:
+    """torchft's Manager against one peer group whose gradients are 3g + 1 of this group's:
+    allreduce averages with them elementwise, in the tensor's (wire) dtype, as gloo does for two
+    groups (a + b is b + a, exactly)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, int]] = []
+
+    def allreduce(self, t):
+        self.calls.append((t.dtype, t.numel()))
+        t.add_(t * 3 + 1).div_(2)
+        return _Done()
+
+
+@pytest.mark.parametrize("wire", ["same", "bfloat16"])
+def test_one_rank_groups_allreduce_buckets_bit_identical_to_per_tensor(monkeypatch, wire: str) -> None:
+    """FaultTolerance.allreduce_grads with 1 KiB buckets: one collective per bucket (per wire
+    dtype, a gradient over the cap alone and in place), and every gradient exactly what one
+    all-reduce of it alone gives."""
+    import types
+
+    import torch
+
+    from torchtitan_amp.train import fault_tolerance as ftmod
+
+    torch.manual_seed(0)
+    shapes = [(10, 10), (100,), (4, 25), (300,), (7,)]
+    grads = [torch.randn(s) for s in shapes] + [torch.randn(50).to(torch.bfloat16)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    wire_dtype = (lambda d: d) if wire == "same" else (lambda d: torch.bfloat16)
+    expected = []
+    for g in grads:
+        w = g.to(wire_dtype(g.dtype))
+        expected.append(w.add_(w * 3 + 1).div_(2).to(g.dtype))
+    ft = ftmod.FaultTolerance.__new__(ftmod.FaultTolerance)
+    ft.manager, ft.plan = _PeerManager(), types.SimpleNamespace(cross_group_dtype=wire_dtype)
+    monkeypatch.setattr(ftmod, "BUCKET_BYTES", 1024)
+    ft.allreduce_grads(params)
+    for p, e in zip(params, expected):
+        assert torch.equal(p.grad, e)
+    f32, bf16 = torch.float32, torch.bfloat16
+    if wire == "same":  # 256 fp32 elements a bucket: [100, 100], [100], [300] alone, [7]; bf16 apart
+        assert ft.manager.calls == [(f32, 200), (f32, 100), (f32, 300), (f32, 7), (bf16, 50)]
+    else:  # 512 bf16 elements a bucket, every gradient on a bf16 wire: [100, 100, 100], [300, 7, 50]
+        assert ft.manager.calls == [(bf16, 300), (bf16, 357)]
+
+
+@pytest.mark.parametrize("retries, passed", [("2", 2), ("-1", None)])
+def test_max_retries_reaches_torchft_and_giving_up_is_one_line(monkeypatch, retries: str, passed) -> None:
+    """fault_tolerance.max_retries is torchft's Manager(max_retries) (-1: None, never); when the
+    Manager gives up, the group stops with one line naming the field (exit code 1)."""
+    torchft = pytest.importorskip("torchft")
+    from torchtitan_amp.core.errors import ReplicaGroupGaveUp
+    from torchtitan_amp.train.fault_tolerance import FaultTolerance
+
+    seen: dict = {}
+
+    class GivingUpManager:
+        def __init__(self, **kwargs) -> None:
+            seen.update(kwargs)
+
+        def should_commit(self) -> bool:
+            raise RuntimeError("should_commit failed 3 times consecutively, exceeding max_retries=2")
+
+    monkeypatch.setattr(torchft, "Manager", GivingUpManager)
+    ft = FaultTolerance(load_config([*ON, "--fault_tolerance.max_retries", retries]).fault_tolerance, plan=None)
+    assert seen["max_retries"] == passed
+    with pytest.raises(ReplicaGroupGaveUp, match=r"^replica group 0 failed to commit .* in a row "
+                                                 r"\(fault_tolerance.max_retries = " + retries) as e:
+        ft.should_commit()
+    assert e.value.exit_code == 1 and "\n" not in str(e.value)

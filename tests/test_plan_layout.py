@@ -173,3 +173,36 @@ def test_expert_parallel_proposed_for_qwen3_moe() -> None:
     # FLOPs of the active experts only: the step's compute is well under a dense 30B model's.
     dense_flops = 6 * (res.model_dims.total_params() - 151936 * 2048) * 16 * 4096
     assert best.compute_s < 0.2 * dense_flops / 16 / (0.4 * 989e12) * (4 / 3 if best.ac == "full" else 1)
+
+
+def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> None:
+    """8B on 16 GPUs as 2 torchft replica groups of 8: each group's layouts are those the trainer
+    allows under fault tolerance (FSDP 8), with the job's global batch split between the groups,
+    and each rank all-reduces its gradient shard across the groups: params / 8 in the reduce dtype,
+    priced between nodes on top of the same group's FSDP traffic."""
+    args = pl.parse_args(["--flavor", "llama3_8b", "--gpus", "16", "--seq-len", "8192", "--replica-groups", "2"])
+    result = pl.plan(args)
+    cands = result["fitting"]
+    assert {(c.precision, c.ac) for c in cands} >= {("fp32", "full"), ("bf16/bf16-reduce", "full")}
+    assert all(c.degrees == (1, 8, 1, 1, 1) and c.replica_groups == 2 for c in cands)
+    assert cands[0].describe() == "FT 2 x FSDP 8"
+    # One 8-GPU job's FSDP 8 candidates: the same per-rank batch and group traffic.
+    plain = {(c.precision, c.ac): c for c in _evaluated()[0] if c.degrees == (1, 8, 1, 1, 1)}
+    n = 8_030_261_248  # Llama 3 8B's parameters
+    for c in cands:
+        res = dry_run.resolve(load_config(c.overrides), 8)
+        assert res.layout.replica_groups == 2 and res.layout.grad_accum == 1
+        shard_bytes = sum(c.ft_allreduce_bytes.values())
+        # Every parameter's shard once (FSDP pads dim 0 to a multiple of 8: a little more).
+        elements = c.ft_allreduce_bytes.get("float32", 0) / 4 + c.ft_allreduce_bytes.get("bfloat16", 0) / 2
+        assert elements == pytest.approx(n / 8, rel=1e-3)
+        if c.precision == "fp32":
+            assert set(c.ft_allreduce_bytes) == {"float32"}
+        if c.precision == "bf16/bf16-reduce":  # bf16 but for what the plan keeps in fp32
+            assert c.ft_allreduce_bytes["bfloat16"] > 0.85 * n / 8 * 2
+        # An all-reduce over 2 groups moves 2 x (2 - 1) / 2 of the bytes, at 50 GB/s between nodes.
+        extra = c.dp_comm_s - plain[(c.precision, c.ac)].dp_comm_s
+        assert extra == pytest.approx(shard_bytes / 50e9, rel=1e-9)
+    assert "2 torchft replica groups of 8 GPUs" in pl.format_plan(result, 3)
+    with pytest.raises(SystemExit):
+        pl.parse_args(["--flavor", "llama3_8b", "--gpus", "16", "--replica-groups", "3"])

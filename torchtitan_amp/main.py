@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     if isinstance(config, int):
         return config
     from torchtitan_amp.core.environment import require, separate_inductor_cache
-    from torchtitan_amp.core.errors import NonFiniteError, UserError
+    from torchtitan_amp.core.errors import NonFiniteError, ReplicaGroupGaveUp, UserError
 
     require()  # an old torch or a missing torchdata: one line with the install command, exit 2
     separate_inductor_cache()
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
         if config.mixed_precision.audit:
             return 0 if trainer.audit().ok else 1
         trainer.train()
-    except (UserError, NonFiniteError) as e:  # exit codes: torchtitan_amp/core/errors.py
+    except (UserError, NonFiniteError, ReplicaGroupGaveUp) as e:  # exit codes: torchtitan_amp/core/errors.py
         return fail(e, e.exit_code)
     finally:
         process_groups.shutdown()

@@ -11,6 +11,8 @@
   `loading.py` (choosing, verifying and restoring a checkpoint); `retention.py` (keep_latest_k);
   `stopping.py` (the per-step stop poll); `preemption.py` (stop signals, the pre-emption
   deadline, fault injection);
+- `replicas.py`: who saves what under fault tolerance (the shared checkpoint by one replica group,
+  each group's own per-rank files in `ft-replica-<id>/`);
 - `manager.py`: `CheckpointManager`, which composes them for the trainer;
 - `cli.py`: `python -m torchtitan_amp.checkpoint list | verify | export`.
 

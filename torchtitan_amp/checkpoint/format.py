@@ -29,8 +29,9 @@ FORMAT_VERSION = 1
 MARKER = "checkpoint.json"
 EXPORT_FILE = "model.pt"
 # Kinds of complete checkpoint: full (a resume point), seed (step 0, DCP model only),
-# model_only (the last step's single-file export; not a resume point).
-KINDS = ("full", "seed", "model_only")
+# model_only (the last step's single-file export; not a resume point), replica (a fault-tolerant
+# replica group's own per-rank files, no DCP: checkpoint/replicas.py).
+KINDS = ("full", "seed", "model_only", "replica")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # export dtypes
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
@@ -82,7 +83,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
             raise CheckpointError(
                 f"{path}: file {name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or corrupt)"
             )
-    if kind != "model_only":
+    if kind not in ("model_only", "replica"):
         try:
             dcp.FileSystemReader(str(path)).read_metadata()
         except Exception as e:  # noqa: BLE001 - any failure means the DCP metadata is unusable

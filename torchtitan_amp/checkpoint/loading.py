@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from torchtitan_amp.checkpoint import replicas
 from torchtitan_amp.checkpoint.format import (
     EXPORT_FILE,
     MARKER,
@@ -56,9 +57,11 @@ class Restored(NamedTuple):
 
 
 @torch.no_grad()
-def load(config: JobConfig, folder: Path, state: RunState) -> Restored | None:
+def load(config: JobConfig, folder: Path, state: RunState,
+         replica: replicas.ReplicaGroup | None = None) -> Restored | None:
     """Resume from the newest complete checkpoint in `folder` (or load_step), else
-    initial_load_path, into `state`. None when starting fresh. Collective."""
+    initial_load_path, into `state`. None when starting fresh. Collective. A fault-tolerant
+    replica group reads its per-rank parts from its own folder (replicas.py)."""
     c = config.checkpoint
     ranks = state.ranks
     choice = choose_verified(config, folder, ranks, state.model_args)
@@ -80,7 +83,7 @@ def load(config: JobConfig, folder: Path, state: RunState) -> Restored | None:
     else:
         train_state = load_dcp(state, path, names)
     if kind == "full":
-        load_rank_state(state, path, meta, names)
+        load_rank_state(state, *_rank_files(folder, replica, ranks, choice, names))
     if ranks.rank == 0:
         skipped = [n for n in every if n not in names]
         logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
@@ -219,6 +222,19 @@ def load_export(state: RunState, path: Path) -> None:
     all_ok(state.ranks, error)
     mine = {k: v for k, v in sd.items() if k in own}
     set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True))
+
+
+def _rank_files(folder: Path, replica: replicas.ReplicaGroup | None, ranks: RankLayout, choice: Choice,
+                names: tuple[str, ...]) -> tuple[Path, dict[str, Any], tuple[str, ...]]:
+    """Where the per-rank parts come from: the chosen checkpoint, or a replica group's own files of
+    its step. A group without them takes the (global) positions from the shared checkpoint and
+    keeps its seeded RNG states: the saving group's would be another group's."""
+    if replica is None or choice.initial:
+        return Path(choice.path), choice.meta, names
+    own = agree(ranks, lambda: replicas.own_files(folder, replica, choice.step, ranks.world_size))
+    if own is not None:
+        return own[0], own[1], names
+    return Path(choice.path), choice.meta, tuple(n for n in names if n != "rng")
 
 
 def load_rank_state(state: RunState, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:

@@ -7,7 +7,8 @@ continue exactly where it stopped. It composes the parts, each owning its own st
 - `saving.py`: `Saver` (saves, background saves with their stager and group, commits, exports);
 - `loading.py`: choosing, verifying and restoring a checkpoint;
 - `stopping.py`: the per-step stop poll, on the control group the manager makes;
-- `retention.py`: keep_latest_k.
+- `retention.py`: keep_latest_k;
+- `replicas.py`: who saves what under fault tolerance (replica groups).
 
 Saving writes `step-N.tmp/`, waits for every rank, then rank 0 writes the marker and renames the
 folder to `step-N` (format.py). Also here: the config checks that need the world size or device.
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_amp.checkpoint import loading, parts, stopping
+from torchtitan_amp.checkpoint import loading, parts, replicas, stopping
 from torchtitan_amp.checkpoint.parts import RunState
 from torchtitan_amp.checkpoint.ranks import RankLayout, agree
 from torchtitan_amp.checkpoint.saving import Saver, probe_writable
@@ -69,6 +70,7 @@ class CheckpointManager:
     `model` may be a list (the pipeline stages this rank holds) and `optimizer` one optimizer
     over all of them or a list (parts.RunState).
     Collective calls (every rank must make them): load, maybe_save, should_stop, close.
+    `replica`: this run's replica group under fault tolerance (replicas.py).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class CheckpointManager:
         device: torch.device,
         pp_degree: int = 1,
         validator: Any = None,
+        replica: replicas.ReplicaGroup | None = None,
     ) -> None:
         c = config.checkpoint
         self.config = config
@@ -97,7 +100,9 @@ class CheckpointManager:
         # should_stop's group (gloo even on nccl runs, so the poll never syncs the GPU). Made first,
         # before the saver's, because every rank polls every step, checkpointing on or off.
         self._control_pg = control_group(config.comm.timeout_seconds)
-        self.saver = Saver(config, self.folder, self.ranks, self.state, enabled=self.enabled)
+        # Under fault tolerance: this replica group, which saves its own files and maybe the shared ones.
+        self.replica = replica
+        self.saver = Saver(config, self.folder, self.ranks, self.state, enabled=self.enabled, replica=replica)
         if not self.enabled:
             return
         agree(self.ranks, lambda: probe_writable(self.folder))
@@ -148,7 +153,7 @@ class CheckpointManager:
         """
         if not self.enabled or self.config.checkpoint.create_seed_checkpoint:
             return None
-        restored = loading.load(self.config, self.folder, self.state)
+        restored = loading.load(self.config, self.folder, self.state, self.replica)
         if restored is None:
             return None
         self.saver.last_saved_step = restored.train_state.step

@@ -123,8 +123,13 @@ def _has_scaler(m: RunState, path: Path, saved: dict[str, Any], template: Any) -
 def _dataloader_source(m: RunState, path: Path, meta: dict[str, Any]) -> int:
     if meta["dp_degree"] == m.ranks.dp_degree:
         sources = [r for r, d in meta["rank_dp"] if d == m.ranks.dp_rank]
-        return m.ranks.rank if m.ranks.rank in sources else sources[0]
-    return 0  # the global position: every rank's file holds the same one
+        if m.ranks.rank in sources:
+            return m.ranks.rank
+        if sources:
+            return sources[0]
+    # The global position: every rank's file holds the same one (also another replica group's
+    # files, whose data ranks are not this group's: fault tolerance, replicas.py).
+    return 0
 
 
 def _validation_source(m: RunState, path: Path, meta: dict[str, Any]) -> int | None:

@@ -12,8 +12,9 @@ from torchtitan_amp.checkpoint.format import scan_folder
 logger = logging.getLogger("torchtitan_amp")
 
 
-def purge(folder: Path, keep_latest_k: int, saved_step: int) -> None:
-    """keep_latest_k counts full checkpoints only; it runs (on rank 0) after a newer one is complete.
+def purge(folder: Path, keep_latest_k: int, saved_step: int, kind: str = "full") -> None:
+    """keep_latest_k counts full checkpoints only (in a replica group's own folder, its `replica`
+    ones); it runs (on rank 0) after a newer one is complete.
 
     Checkpoints of later steps than the one just saved (left by a run resumed from an older
     step: a load_step, or a newer checkpoint that failed its checksum) are neither counted
@@ -22,7 +23,7 @@ def purge(folder: Path, keep_latest_k: int, saved_step: int) -> None:
     if not keep_latest_k:
         return
     complete, _ = scan_folder(folder)
-    full = sorted(s for s, info in complete.items() if info.kind == "full" and s <= saved_step)
+    full = sorted(s for s, info in complete.items() if info.kind == kind and s <= saved_step)
     for step in full[:-keep_latest_k]:
         path = folder / f"step-{step}"
         doomed = path.with_name(path.name + ".deleting")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from torchtitan_amp.checkpoint import replicas
 from torchtitan_amp.checkpoint.format import (
     EXPORT_FILE,
     FORMAT_VERSION,
@@ -67,8 +68,9 @@ class Saver:
     collective: every rank calls it at the same point."""
 
     def __init__(self, config: JobConfig, folder: Path, ranks: RankLayout, state: RunState, *,
-                 enabled: bool) -> None:
+                 enabled: bool, replica: replicas.ReplicaGroup | None = None) -> None:
         self.config = config
+        self.replica = replica  # this run's replica group under fault tolerance (checkpoint/replicas.py)
         self.folder = folder
         self.ranks = ranks
         self.state = state
@@ -119,6 +121,8 @@ class Saver:
     def save(self, step: int, tokens_seen: int, *, kind: str = "full") -> None:
         # Commits go through self.commit, a method: tests replace it to crash mid-commit.
         self.finish_pending()
+        if self.replica is not None and kind != "seed" and not self._writes_shared(step, tokens_seen, kind):
+            return
         begin = time.monotonic()
         final = self.folder / f"step-{step}"
         tmp = self.folder / f"step-{step}.tmp"
@@ -148,6 +152,35 @@ class Saver:
             if rank == 0:
                 logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
                             time.monotonic() - begin)
+
+    def _writes_shared(self, step: int, tokens_seen: int, kind: str) -> bool:
+        """Under fault tolerance: this group's own files first (full saves), then whether this
+        group also writes the step's shared checkpoint (replicas.py)."""
+        assert self.replica is not None
+        if kind == "full":
+            self._save_own_files(step, tokens_seen)
+        if self.replica.saves_shared():
+            return True
+        self.last_saved_step = step
+        if self.ranks.rank == 0:
+            logger.info("step %d: replica group %d saved its own files; another group saves the shared "
+                        "checkpoint", step, self.replica.replica_id)
+        return False
+
+    def _save_own_files(self, step: int, tokens_seen: int) -> None:
+        """This group's per-rank files into ft-replica-<id>/step-N, committed with a marker."""
+        assert self.replica is not None
+        begin = time.monotonic()
+        own = replicas.folder(self.folder, self.replica.replica_id)
+        final, tmp = own / f"step-{step}", own / f"step-{step}.tmp"
+        agree(self.ranks, lambda: prepare_tmp(own, tmp))
+        rank, error = self.ranks.rank, None
+        try:
+            torch.save(self.state.rank_state(), tmp / f"rank_{rank}.pt")
+        except OSError as e:
+            error = f"rank {rank} could not write {tmp}/rank_{rank}.pt: {one_line(e)}"
+        all_ok(self.ranks, error)
+        self.commit(TrainState(step, tokens_seen), tmp, final, replicas.KIND, begin)
 
     def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self.async_group,
@@ -250,13 +283,15 @@ class Saver:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
             "job_config": self.config.to_dict(),
         }
+        if self.replica is not None:
+            meta["replica_group"] = self.replica.replica_id  # the group that wrote this folder
         if c.checksums:
             meta["crc32"] = {name: crc for *_, share in gathered for name, crc in sorted(share.items())}
 
         def publish_and_purge() -> None:  # rank 0; one broadcast hands every rank the outcome
-            publish(self.folder, tmp, final, meta)
+            publish(final.parent, tmp, final, meta)
             logger.info("saved %s checkpoint %s in %.2f s", kind, final, time.monotonic() - begin)
-            purge(self.folder, c.keep_latest_k, state.step)
+            purge(final.parent, c.keep_latest_k, state.step, replicas.KIND if kind == replicas.KIND else "full")
 
         agree(r, publish_and_purge)
         self.last_saved_step = state.step

@@ -468,6 +468,10 @@ class FaultTolerance:
         "float32", "semi_sync_method = 'diloco': the dtype the pseudo-gradients (global weights - local "
         "weights, computed in fp32) cross the groups in; bfloat16 halves a sync's bytes and rounds each "
         "group's pseudo-gradient once. The global weights and the outer momentum stay float32.")
+    max_retries: int = _f(
+        -1, "Steps in a row this group may fail to commit (a cross-group all-reduce failed) before it "
+        "gives up with an error, so that its launcher restarts it and it heals; torchft's name. "
+        "-1: never give up.", bounds=at_least(0, also={-1: "never give up"}))
 
 
 @dataclass

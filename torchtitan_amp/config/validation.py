@@ -70,9 +70,18 @@ def validate_fault_tolerance(config: JobConfig) -> None:
     _check_diloco_fields(ft)
     for name, value, why in _FT_EXCLUSIVE:
         _require(value(config) == 1, f"'{name}' = {value(config)}: {why}")
-    # Every group would write the same folder and none would know which steps the others committed.
-    _require(not config.checkpoint.enable, "'checkpoint.enable' is not supported with fault_tolerance.enable: "
-             "replica groups have no checkpoint of their own; a group that restarts heals from a live one")
+    # The group saving the shared checkpoint can change between saves (checkpoint/replicas.py): a
+    # background upload of one group could meet the next group's save of the same folder.
+    _require(config.checkpoint.async_mode == "disabled",
+             f"'checkpoint.async_mode' = '{config.checkpoint.async_mode}' is not supported with "
+             "fault_tolerance.enable: use 'disabled'")
+    _require(not config.checkpoint.create_seed_checkpoint, "'checkpoint.create_seed_checkpoint' runs without "
+             "fault_tolerance.enable (one process, no replica groups)")
+    # A checkpoint holds the inner model and optimizer, not DiLoCo's global weights and outer momentum:
+    # a full restart would resume from local weights in the middle of an outer step.
+    _require(not (config.checkpoint.enable and ft.semi_sync_method == "diloco"),
+             "'checkpoint.enable' is not supported with fault_tolerance.semi_sync_method = 'diloco' (checkpoints "
+             "do not hold its global weights and outer momentum): a group that restarts heals from a live one")
 
 
 # Read only under semi_sync_method = 'diloco': set elsewhere, they would silently do nothing.

@@ -2,8 +2,9 @@
 
 A `UserError` is bad input (config, data, checkpoint, environment) named in one line: train.py
 prints `error: <message>` on stderr and exits with code 2, before any process group exists where
-the check needs none. A `NonFiniteError` is a run that diverged (exit code 1). Anything else is a
-crash with its traceback. No torch import: the config loader uses these.
+the check needs none. A `NonFiniteError` is a run that diverged (exit code 1), a
+`ReplicaGroupGaveUp` a fault-tolerant replica group out of retries (exit code 1). Anything else is
+a crash with its traceback. No torch import: the config loader uses these.
 """
 
 from __future__ import annotations
@@ -37,5 +38,12 @@ class CheckpointError(UserError):
 
 class NonFiniteError(RuntimeError):
     """Loss or gradient norm became inf/nan outside fp16 loss scaling."""
+
+    exit_code = 1
+
+
+class ReplicaGroupGaveUp(RuntimeError):
+    """A fault-tolerant replica group failed to commit fault_tolerance.max_retries + 1 steps in a
+    row: it exits (code 1) so that its launcher restarts it, and it heals from a live group."""
 
     exit_code = 1

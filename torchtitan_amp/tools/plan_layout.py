@@ -33,6 +33,13 @@ Cost model (per optimizer step, all terms per GPU; docs/scaling.md has the deriv
   step     = compute + bubble + exposed
 Memory per GPU (max over pipeline stages) must be <= --gpu-mem-gib x --mem-fraction. Layouts are
 ranked by step time; times within ~1% are a tie, broken by lower memory.
+
+Fault tolerance (--replica-groups N, the job's fault_tolerance.group_size): --gpus is the whole job,
+N torchft replica groups of --gpus / N GPUs each. The layouts are those of one group (FSDP, or one
+rank, as the trainer allows under fault tolerance), and every rank also all-reduces its gradient
+shard across the groups each step (ft_cross_group_all_reduce, in the plan's reduce dtype: the bytes
+are printed), priced as a dp all-reduce over N ranks between nodes (inside one when the whole job
+fits in a node). --global-batch-size is the job's; each group's config gets its 1/N share.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ PRECISIONS = {
 }
 AC_MODES = ("none", "full")
 DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce",
-                 "expert_fsdp_all_gather", "expert_fsdp_reduce_scatter")
+                 "expert_fsdp_all_gather", "expert_fsdp_reduce_scatter", "ft_cross_group_all_reduce")
 
 
 @dataclass
@@ -87,6 +94,8 @@ class Candidate:
     fits: bool = False
     ep: int = 1  # expert parallel (MoE): a split of dp_shard x cp, not a degree of its own
     ep_comm_s: float = 0.0
+    replica_groups: int = 1  # torchft replica groups (fault_tolerance.group_size); degrees are one group's
+    ft_allreduce_bytes: dict[str, int] = field(default_factory=dict)  # per rank per step, by dtype
 
     @property
     def degrees(self) -> tuple[int, int, int, int, int]:
@@ -104,7 +113,8 @@ class Candidate:
             parts.append(f"TP {self.tp}")
         if self.pp > 1:
             parts.append(f"PP {self.pp}")
-        return " x ".join(parts) or "single"
+        group = " x ".join(parts) or "single"
+        return f"FT {self.replica_groups} x {group}" if self.replica_groups > 1 else group
 
 
 Degrees = tuple[int, int, int, int, int]  # (dp_replicate, dp_shard, tp, pp, cp)
@@ -136,6 +146,8 @@ def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
 
 
 def _group_bandwidth(dim: str, degrees: Degrees, args: Any, ep: int = 1) -> float:
+    if dim == "replica_groups":  # groups are torchruns of their own: between nodes unless the job fits in one
+        return (args.intra_node_gbps if args.gpus <= args.gpus_per_node else args.inter_node_gbps) * 1e9
     """Bytes/s for a collective over `dim`: intra-node when the group's span fits in a node. The
     mesh is (pp, dp_replicate, dp_shard, cp, tp), tp innermost, so a group's ranks are
     `stride` apart with stride = product of the inner degrees. FSDP ("dp_shard") shards over
@@ -155,9 +167,10 @@ def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: An
     dim = {"fsdp_all_gather": "dp_shard", "fsdp_reduce_scatter": "dp_shard", "hsdp_all_reduce": "dp_replicate",
            "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp", "cp_all_gather": "cp",
            "cp_reduce_scatter": "cp", "ep_all_to_all": "ep", "expert_fsdp_all_gather": "efsdp",
-           "expert_fsdp_reduce_scatter": "efsdp"}.get(category, "tp")
+           "expert_fsdp_reduce_scatter": "efsdp", "ft_cross_group_all_reduce": "replica_groups"}.get(category, "tp")
     r, s, t, p, c = degrees
-    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c, "ep": ep, "efsdp": s * c // ep}[dim]
+    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c, "ep": ep, "efsdp": s * c // ep,
+         "replica_groups": args.replica_groups}[dim]
     if n == 1 or category == "pp_recv":  # a receive is the other end of a send
         return 0.0
     bw = _group_bandwidth(dim, degrees, args, ep)
@@ -191,6 +204,8 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
         for category, by_dtype in memory.comm(model, prec, layout, pp_rank=r).items():
             t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args, cand.ep)
             comm[category] = max(comm.get(category, 0.0), t)
+            if category == "ft_cross_group_all_reduce":
+                cand.ft_allreduce_bytes = {str(k): int(v) for k, v in by_dtype.items()}
     cand.dp_comm_s = sum(v for k, v in comm.items() if k in DP_CATEGORIES)
     cand.tp_comm_s = sum(v for k, v in comm.items() if k.startswith("tp_")) * args.tp_exposed
     cand.pp_comm_s = sum(v for k, v in comm.items() if k.startswith("pp_"))
@@ -216,7 +231,8 @@ def expert_splits(degrees: Degrees, n_experts: int) -> list[int]:
 
 def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
     r, s, t, p, c = degrees
-    per_dp = args.global_batch_size // (r * s)  # sequences per data-parallel rank per step
+    groups = args.replica_groups
+    per_dp = args.global_batch_size // (groups * r * s)  # sequences per data-parallel rank per step
     out = [
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
         "--parallelism.data_parallel_replicate_degree", str(r),
@@ -227,13 +243,16 @@ def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
     out += ["--parallelism.expert_parallel_degree", str(ep)] if ep > 1 else []
     if args.model != "llama3":  # the default family goes unsaid in the printed overrides
         out += ["--model.name", args.model]
+    if groups > 1:  # replica_id is each group's own
+        out += ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", str(groups)]
     if p > 1:
         # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
         return out + ["--training.local_batch_size", str(per_dp),
                       "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
     # Gradient accumulation over --local-batch-size sequences.
+    # A group's training.global_batch_size is its own share (its data-parallel ranks').
     return out + ["--training.local_batch_size", str(args.local_batch_size),
-                  "--training.global_batch_size", str(args.global_batch_size)]
+                  "--training.global_batch_size", str(args.global_batch_size // groups)]
 
 
 def candidates(args: Any) -> tuple[list[Candidate], int]:
@@ -245,9 +264,11 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
     n_layers, n_experts = flavor.n_layers, getattr(flavor, "n_routed_experts", 0)
     out: list[Candidate] = []
     rejected = 0
-    for degrees in factorizations(args.gpus):
+    group_gpus = args.gpus // args.replica_groups  # the world of one torchrun
+    for degrees in factorizations(group_gpus):
         r, s, t, p, c = degrees
-        if not structurally_valid(degrees, args, n_layers) or args.global_batch_size % (r * s * args.local_batch_size):
+        if (not structurally_valid(degrees, args, n_layers)
+                or args.global_batch_size % (args.replica_groups * r * s * args.local_batch_size)):
             rejected += 1
             continue
         for ep in expert_splits(degrees, n_experts):
@@ -256,12 +277,12 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
                     overrides = _layout_args(degrees, ep, args) + prec_args + ["--activation_checkpoint.mode", ac]
                     try:
                         res = dry_run.resolve(load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]),
-                                              args.gpus)
+                                              group_gpus)
                     except ConfigError:
                         rejected += 1
                         continue
                     cand = Candidate(r, s, t, p, c, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
-                                     overrides, ep=ep)
+                                     overrides, ep=ep, replica_groups=args.replica_groups)
                     out.append(evaluate(cand, res, args))
     return out, rejected
 
@@ -292,7 +313,9 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         f"{a['flavor']} on {a['gpus']} GPUs ({a['gpu_mem_gib']:g} GiB, {a['mem_fraction']:.0%} usable), "
         f"seq {a['seq_len']}, global batch {a['global_batch_size']} x {a['seq_len']} tokens, "
         f"microbatch {a['local_batch_size']} sequence(s); MFU {a['mfu']:.0%} of {a['peak_tflops']:g} TFLOP/s; "
-        f"{a['intra_node_gbps']:g} GB/s in a node of {a['gpus_per_node']}, {a['inter_node_gbps']:g} GB/s between",
+        f"{a['intra_node_gbps']:g} GB/s in a node of {a['gpus_per_node']}, {a['inter_node_gbps']:g} GB/s between"
+        + (f"; {a['replica_groups']} torchft replica groups of {a['gpus'] // a['replica_groups']} GPUs"
+           if a["replica_groups"] > 1 else ""),
         f"{result['evaluated']} valid candidates ({result['rejected_invalid']} invalid combinations skipped), "
         f"{len(result['fitting'])} fit in memory" + ("; context parallel needed: nothing fits without it"
                                                     if result.get("needs_cp") and result["fitting"] else ""),
@@ -313,6 +336,10 @@ def format_plan(result: dict[str, Any], top: int) -> str:
             lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.ac:4s} {c.memory_gib:8.1f} GiB")
     lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
               "FSDP/DDP traffic; tp/pp: TP (+ CP, + EP all-to-all) and PP traffic time", ""]
+    if a["replica_groups"] > 1:
+        lines.append("cross-group all-reduce (torchft), per rank per step: "
+                     + "; ".join(f"#{i} {memory.fmt_by_dtype(c.ft_allreduce_bytes)}"
+                                 for i, c in enumerate(result["fitting"][:top], 1)))
     for i, c in enumerate(result["fitting"][:top], 1):
         lines.append(f"#{i}: " + " ".join(c.overrides))
     return "\n".join(lines)
@@ -347,9 +374,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="Fraction of TP traffic on the critical path (default 1.0: no async TP).")
     ap.add_argument("--min-cp-tokens", type=int, default=4096,
                     help="Context parallel only down to this many tokens of a sequence per rank (default 4096).")
+    ap.add_argument("--replica-groups", type=int, default=1,
+                    help="torchft replica groups (fault_tolerance.group_size; default 1: no fault tolerance); "
+                         "--gpus is the whole job, each group --gpus / N of them.")
     ap.add_argument("--top", type=int, default=10, help="Layouts to print (default 10).")
     ap.add_argument("--json", default="", help="Also write every evaluated candidate to this JSON file.")
     args = ap.parse_args(argv)
+    if args.replica_groups < 1 or args.gpus % args.replica_groups:
+        ap.error(f"--replica-groups {args.replica_groups} must divide --gpus {args.gpus}")
     if args.global_batch_size <= 0:
         args.global_batch_size = args.gpus * args.local_batch_size
     return args

@@ -235,7 +235,7 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     checkpointer = CheckpointManager(
         config, model=parts, optimizer=optimization.optimizer, lr_scheduler=optimization.lr_scheduler,
         scaler=scaler, dataloader=dataloader, model_args=job.model_args, device=device, pp_degree=job.dims.pp,
-        validator=validator)
+        validator=validator, replica=ft.replica_group() if ft is not None else None)
     resumed = checkpointer.load()
     deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
     return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,

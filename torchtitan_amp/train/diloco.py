@@ -129,8 +129,7 @@ class DiLoCo:
         wire = pseudo_gradient(self.global_weights, self.weights, self.plan.pseudo_gradient_dtype)
         self.ft.manager.allreduce(wire).wait()
         # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
-        self.ft._step_start = self._last_sync_time
-        if self.ft.should_commit():
+        if self.ft.should_commit(since=self._last_sync_time):
             outer_step(self.global_weights, self.momentum, wire, self.lr, self.mu)
             self.syncs += 1
         else:

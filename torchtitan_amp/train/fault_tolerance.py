@@ -15,10 +15,12 @@ torchft is imported here only, and only when fault_tolerance.enable is on.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +28,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torchtitan_amp.checkpoint.replicas import ReplicaGroup
 from torchtitan_amp.config import FaultTolerance as FaultToleranceConfig
 from torchtitan_amp.config import JobConfig
+from torchtitan_amp.core.errors import ReplicaGroupGaveUp
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 
@@ -45,6 +49,22 @@ def data_position(config: JobConfig, dims: ParallelDims, rank: int) -> tuple[int
     if not ft.enable:
         return dims.dp_rank(rank), dims.dp_degree
     return ft.replica_id * dims.dp_degree + dims.dp_rank(rank), ft.group_size * dims.dp_degree
+
+
+def group_config(config: JobConfig) -> JobConfig:
+    """The config a replica group runs with: its own outputs (metrics, precision report, traces)
+    in `job.dump_folder/replica_<id>`, as torchtitan's metrics are, so that groups launched with
+    one dump folder never write the same file; the checkpoint folder stays the job's,
+    `job.dump_folder/checkpoint.folder`, shared by the groups (checkpoint/replicas.py). Without
+    fault tolerance, `config` itself."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return config
+    job_folder = Path(config.job.dump_folder)
+    group = copy.deepcopy(config)
+    group.job.dump_folder = str(job_folder / f"replica_{ft.replica_id}")
+    group.checkpoint.folder = str((job_folder / config.checkpoint.folder).absolute())
+    return group
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +91,47 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Param
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
+
+
+# Cap of one cross-group all-reduce bucket of plain gradients: DDP's default bucket_cap_mb.
+BUCKET_BYTES = 25 << 20
+
+
+def grad_buckets(grads: list[torch.Tensor], wire_dtype: Callable[[torch.dtype], torch.dtype],
+                 cap_bytes: int) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+    """`grads` in order, grouped by (device, wire dtype) into buckets of at most `cap_bytes` on
+    the wire (a larger gradient is a bucket of its own)."""
+    open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    done: list[tuple[torch.dtype, list[torch.Tensor]]] = []
+    for g in grads:
+        dtype = wire_dtype(g.dtype)
+        key = (g.device, dtype)
+        size = g.numel() * dtype.itemsize
+        bucket, used = open_buckets.setdefault(key, ([], [0]))
+        if bucket and used[0] + size > cap_bytes:
+            done.append((dtype, bucket))
+            bucket, used = open_buckets[key] = ([], [0])
+        bucket.append(g)
+        used[0] += size
+    return done + [(dtype, bucket) for (_, dtype), (bucket, _) in open_buckets.items()]
+
+
+def _flatten(bucket: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The bucket as one contiguous tensor in the wire dtype; a lone gradient already in it and
+    contiguous is all-reduced in place."""
+    if len(bucket) == 1 and bucket[0].dtype == dtype and bucket[0].is_contiguous():
+        return bucket[0]
+    return torch.cat([g.reshape(-1).to(dtype) for g in bucket])
+
+
+def _unflatten(wire: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    """The averaged bucket back into its gradients (converted to their dtype)."""
+    if len(bucket) == 1 and wire is bucket[0]:
+        return
+    offset = 0
+    for g in bucket:
+        g.copy_(wire[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class TrainingState:
@@ -126,7 +187,8 @@ class FaultTolerance:
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
             use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=ft.lighthouse or None,
-            init_sync=False)
+            init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries)
+        self.max_retries = ft.max_retries
         self.plan, self.replica_id = plan, ft.replica_id
         self.participants = 0  # groups in the current step's quorum
         self.discarded = 0  # steps whose cross-group all-reduce failed (not committed)
@@ -163,19 +225,24 @@ class FaultTolerance:
             grad.copy_(wire)
 
     def allreduce_grads(self, params: list[nn.Parameter]) -> None:
-        """Plain gradients (a group without FSDP): averaged across groups after backward, every
-        all-reduce issued before the first is waited on, so that they overlap."""
+        """Plain gradients (a group without FSDP): averaged across groups after backward, in
+        flat buckets of up to BUCKET_BYTES per wire dtype (as DDP's), one collective each rather
+        than one per tensor; every bucket's all-reduce is issued before the first is waited on,
+        so that they overlap. An average is elementwise: bucketing changes no value."""
+        grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
         pending = []
-        for p in params:
-            if p.grad is not None and not isinstance(p.grad, DTensor):
-                grad = p.grad
-                dtype = self.plan.cross_group_dtype(grad.dtype)
-                wire = grad if dtype == grad.dtype else grad.to(dtype)
-                pending.append((grad, wire, self.manager.allreduce(wire)))
-        for grad, wire, work in pending:
+        for dtype, bucket in grad_buckets(grads, self.plan.cross_group_dtype, BUCKET_BYTES):
+            wire = _flatten(bucket, dtype)
+            pending.append((bucket, wire, self.manager.allreduce(wire)))
+        for bucket, wire, work in pending:
             work.wait()
-            if wire is not grad:
-                grad.copy_(wire)
+            _unflatten(wire, bucket)
+
+    def replica_group(self) -> ReplicaGroup:
+        """This group for the checkpoints: the group ranking first in the step's quorum writes
+        the shared checkpoint (checkpoint/replicas.py); torchft gives every rank of a group the
+        same rank."""
+        return ReplicaGroup(self.replica_id, lambda: self.manager.participating_rank() == 0)
 
     def start_step(self) -> bool:
         """The step's quorum (healing first when this group is behind). True when this group has
@@ -192,14 +259,23 @@ class FaultTolerance:
                         self.replica_id, self.heal_s, self.participants)
         return self._healed
 
-    def should_commit(self) -> bool:
+    def should_commit(self, since: float | None = None) -> bool:
         """Whether every group's all-reduce of this step went through (all ranks of the group
-        agree); a step that did not is discarded and counted."""
-        commit = self.manager.should_commit()
+        agree); a step that did not is discarded and counted, with the time lost since `since`
+        (time.perf_counter(); default: the step's start)."""
+        try:
+            commit = self.manager.should_commit()
+        except RuntimeError as e:
+            if "max_retries" not in str(e):
+                raise
+            raise ReplicaGroupGaveUp(
+                f"replica group {self.replica_id} failed to commit {self.max_retries + 1} steps in a row "
+                f"(fault_tolerance.max_retries = {self.max_retries}); restart it to heal from a live group"
+            ) from None
         self.last_discarded = not commit
         if not commit:
             self.discarded += 1
-            self.lost_s += time.perf_counter() - self._step_start
+            self.lost_s += time.perf_counter() - (self._step_start if since is None else since)
             logger.warning("fault tolerance: step discarded (%d so far): a replica group failed during it",
                            self.discarded)
         return commit

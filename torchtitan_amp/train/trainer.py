@@ -31,7 +31,7 @@ from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, blockscaled_apply, float8
 from torchtitan_amp.train import diloco
 from torchtitan_amp.train.build import build_training
-from torchtitan_amp.train.fault_tolerance import TrainingState, init_optimizer_state
+from torchtitan_amp.train.fault_tolerance import TrainingState, group_config, init_optimizer_state
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.audit import AuditResult
@@ -76,6 +76,7 @@ class Trainer:
     (micro-batches, loss, backward, clipping, optimizer), and when to log, validate, save and stop."""
 
     def __init__(self, config: JobConfig) -> None:
+        config = group_config(config)  # a fault-tolerant replica group's own output folder
         self.config = config
         setup = build_training(config, pipeline_loss=self._pipeline_loss,
                                pipeline_eval_loss=self._pipeline_eval_loss)
