@@ -52,7 +52,7 @@ from torchtitan_amp.distributed import context_parallel
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.observability import traffic
-from torchtitan_amp.precision import blockscaled_apply
+from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
 from torchtitan_amp.precision.blockscaled_linear import GemmRecord, observe_gemms
 from torchtitan_amp.precision.plan import PrecisionPlan
 
@@ -343,6 +343,13 @@ class Auditor:
                                                self.trainer.job.model_args.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
         promised = {n for n, m in linears.items() if blockscaled_apply.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
+        if not plan.block_scaled_emulated:
+            # torchao's kernels quantize inside their own autograd functions, out of the recorder's
+            # sight: the audit checks the module each promised Linear became (type and settings),
+            # and that no emulated GEMM ran.
+            return [Breach(*b) for b in blockscaled_torchao.check_modules(linears, promised, set(linears) - promised,
+                                                                         plan.block_scaled)
+                    + [(f"{m}: block-scaled GEMMs", ["none (torchao kernels)"], sorted(p)) for m, p in gemms.items()]]
         return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, set(linears) - promised, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:

@@ -1,23 +1,22 @@
 """Block-scaled training (MXFP8, NVFP4) as the precision plan decided it.
 
-precision/plan.py decides (the recipe, the patterns kept out, emulated or not) and asks this module
-one probe, `kernels_missing`: can this device run torchao's block-scaled training kernels. The rest
-realises the decision on a model: the rule naming the Linears a recipe converts
-(`is_block_scaled_linear`, the same rule the report and the audit read), the module swap
-(`apply_block_scaled`: nn.Linear -> BlockScaledLinear, parameters kept, so names and checkpoints
-are unchanged), the report's section, and the audit's check of the GEMMs one step ran.
+precision/plan.py decides (the recipe, the patterns kept out, emulated or on torchao's kernels:
+blockscaled_torchao.py probes and converts for the latter). This module realises the emulated
+decision on a model: the rule naming the Linears a recipe converts (`is_block_scaled_linear`, the
+same rule the report, the audit and the torchao path read), the module swap (`apply_block_scaled`:
+nn.Linear -> BlockScaledLinear, parameters kept, so names and checkpoints are unchanged), the
+report's section, and the audit's check of the GEMMs one step ran.
 
-Only the emulated path exists here (blockscaled_linear.py: operands quantized bit-exactly, fp32
-GEMMs). Under FSDP the weight is all-gathered in the plan's param / storage dtype and quantized
-inside the module: there is no MX / NVFP4 all-gather (torchao has an MXFP8 all-gather only on its
-kernel path). Under tensor parallel each rank quantizes its shards: `check_tensor_parallel`
-refuses, at job resolution, a split that would cut a block between ranks.
+The emulation (blockscaled_linear.py: operands quantized bit-exactly, fp32 GEMMs): under FSDP the
+weight is all-gathered in the plan's param / storage dtype and quantized inside the module: there
+is no MX / NVFP4 all-gather (nor has torchao 0.18 one for training: blockscaled_torchao.py).
+Under tensor parallel each rank quantizes its shards: `check_tensor_parallel` refuses, at job
+resolution, a split that would cut a block between ranks.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,27 +33,6 @@ KERNEL_CAPABILITY = (10, 0)
 # What the emulation costs against a bf16 F.linear, forward + backward (benchmarks/blockscaled_speed.py
 # on the 2-core CPU of docs/performance.md): said in the start-up line and the refusal.
 EMULATION_COST = "about 4-7x slower than bf16 on a 2-core AVX512 CPU"
-
-
-@functools.cache
-def kernels_missing(fmt: str, device_type: str) -> str | None:
-    """Why `device_type` cannot run `fmt`'s block-scaled training kernels, or None."""
-    if device_type != "cuda":
-        return f"{device_type} has no MX / NVFP4 tensor cores"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    cap = torch.cuda.get_device_capability()
-    if cap < KERNEL_CAPABILITY:
-        return (f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
-                f"tensor cores; {KERNEL_CAPABILITY[0]}.{KERNEL_CAPABILITY[1]}+ (Blackwell) needed")
-    try:
-        from torchao.prototype import mx_formats
-    except ImportError as e:
-        return f"torchao's mx_formats cannot be imported ({e})"
-    needed = "MXLinearConfig" if fmt == "mxfp8" else "NVFP4TrainingConfig"
-    if not hasattr(mx_formats, needed):
-        return f"torchao.prototype.mx_formats lacks {needed}"
-    return None
 
 
 def recipe_of(fmt: str, scale_mode: str, weight_2d: bool, rht: bool, sr: bool, seed: int) -> BlockScaledRecipe | None:

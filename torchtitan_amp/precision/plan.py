@@ -31,7 +31,7 @@ from torchtitan_amp.core.matmul_speed import LowPrecisionSpeed, low_precision_sp
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
-from torchtitan_amp.precision import blockscaled_apply, float8
+from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao, float8
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
@@ -157,8 +157,9 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
 def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool
                   ) -> tuple[BlockScaledRecipe | None, bool, str]:
     """The block-scaled recipe (None: off), whether it is emulated, and the decision line's words.
-    `emulate = true` runs the bit-exact emulation anywhere; otherwise the device's kernels, which
-    this build does not drive: refused in one line, never a silent bf16 fallback."""
+    `emulate = true` runs the bit-exact emulation anywhere; otherwise torchao's kernels where the
+    device and torchao have them and torchao can honour the recipe, else refused in one line:
+    never a silent bf16 fallback, never a silently different recipe."""
     mp = config.mixed_precision
     recipe = blockscaled_apply.recipe_of(mp.block_scaled, mp.mxfp8_scale_mode, mp.nvfp4_weight_2d, mp.nvfp4_rht,
                                          mp.nvfp4_stochastic_rounding, config.training.seed)
@@ -168,11 +169,16 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     if mp.block_scaled_emulate is True:
         return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
                               f"{blockscaled_apply.EMULATION_COST})")
-    why = blockscaled_apply.kernels_missing(recipe.format, device_type) if on_hardware else None
-    why = why or "torchtitan_amp drives no block-scaled training kernels, only their emulation"
     fix = ("set mixed_precision.block_scaled_emulate = true to emulate "
            f"({blockscaled_apply.EMULATION_COST})")
-    raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
+    # A dry run sizes its target: neither this machine's device nor its torchao is asked.
+    why = blockscaled_torchao.kernels_missing(recipe.format, device_type) if on_hardware else None
+    if why is not None:
+        raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
+    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp)
+    if refused is not None:
+        raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
+    return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({blockscaled_torchao.MODULES[recipe.format]})"
 
 
 def _diloco(config: JobConfig) -> dict[str, Any]:
@@ -267,7 +273,7 @@ class PrecisionPlan:
     fp8_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out of fp8
     fp8_all_gather: bool = False  # FSDP all-gathers fp8 weights (tensorwise only)
     block_scaled: BlockScaledRecipe | None = None  # MXFP8 / NVFP4 recipe of the converted Linears
-    block_scaled_emulated: bool = False  # quantized bit-exactly, multiplied in fp32 (no kernels)
+    block_scaled_emulated: bool = False  # quantized bit-exactly, multiplied in fp32; False: torchao kernels
     block_scaled_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out
     block_scaled_edge_layers: int = 0  # first and last blocks kept out
     fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.core.rules import DTYPE_BYTES, dtype_name, short_name
-from torchtitan_amp.precision import blockscaled_apply
+from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
@@ -118,7 +118,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp8": plan.fp8,
         "fp8_modules": sorted(n for n, m in _named_modules(model) if type(m).__name__ == "Float8Linear"),
         "fp8_all_gather": plan.fp8_all_gather,
-        "block_scaled": blockscaled_apply.summary(plan.block_scaled, plan.block_scaled_emulated, _named_modules(model)),
+        "block_scaled": _block_scaled(plan, model),
         "fp32_module_names": list(plan.fp32_names),
         "optimizer": plan.optimizer_summary(),
         "context_parallel": plan.context_parallel_summary(),
@@ -191,3 +191,11 @@ def _log_block_scaled(section: dict[str, Any] | None) -> None:
     for what, operands in section["recipe"].items():
         logger.info("    %-7s %s", what, operands)
     logger.info("    kept out (plan's compute dtype): %s", ", ".join(section["kept_out"]) or "none")
+
+
+def _block_scaled(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any] | None:
+    """The emulation's section, or torchao's (the modules it converted to, their settings)."""
+    named = _named_modules(model)
+    if plan.block_scaled_emulated:
+        return blockscaled_apply.summary(plan.block_scaled, True, named)
+    return blockscaled_torchao.summary(plan.block_scaled, named)

@@ -28,7 +28,8 @@ from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import PrecisionPlan, blockscaled_apply, by_name, float8, freeze, memory_spec
+from torchtitan_amp.precision import (PrecisionPlan, blockscaled_apply, blockscaled_torchao, by_name, float8,
+                                      freeze, memory_spec)
 from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
@@ -206,8 +207,13 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
         float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
     # The whole model, before the pipeline split: the edge blocks are counted on it.
-    blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                         job.plan.block_scaled_edge_layers)
+    if job.plan.block_scaled_emulated or job.plan.block_scaled is None:
+        blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
+                                             job.plan.block_scaled_edge_layers)
+    elif materialize or blockscaled_torchao.torchao_missing(job.plan.block_scaled.format) is None:
+        # As fp8 above: a dry run without torchao keeps the nn.Linears (same params and shards).
+        blockscaled_torchao.apply_torchao(model, job.plan.block_scaled, job.plan.block_scaled_skip,
+                                          job.plan.block_scaled_edge_layers)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)
@@ -228,4 +234,6 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
                     part.init_weights(buffer_device=device)
             part.train()
         parts.append(part)
+    if materialize:
+        blockscaled_torchao.materialized(parts)
     return ModelParts(parts, list(stage_ids), num_params, fpt)

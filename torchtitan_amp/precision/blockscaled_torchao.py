@@ -1,0 +1,228 @@
+"""Block-scaled training (MXFP8, NVFP4) on torchao's kernels, as the precision plan decided it.
+
+precision/plan.py asks `kernels_missing` (can this device and torchao run the recipe's training
+kernels) and `recipe_refused` (an option of our recipe torchao cannot honour); where both say
+None and block_scaled_emulate is not true, the job converts the same Linears the emulation would
+(blockscaled_apply.is_block_scaled_linear) with `apply_torchao`, mapping OUR recipe to torchao's
+modules (torchao 0.18, torchao.prototype.moe_training):
+
+- mxfp8 -> MXFP8Linear: all three GEMMs e4m3 in 1x32 blocks with E8M0 scales, the scale rule
+  `mx_scale_mode` (ScaleCalculationMode FLOOR or RCEIL), weight gradient in MXFP8 (wgrad_with_hp
+  off), KernelPreference AUTO (its Triton / CUDA casts and the CUTLASS / cuBLAS MX GEMMs).
+- nvfp4 -> NVFP4Linear: torchao's one NVFP4 training recipe, Triton-only: 2-D 16x16 weight scales,
+  RHT16 of the weight-gradient operands, stochastic rounding of the gradients. A recipe with
+  nvfp4_weight_2d, nvfp4_rht or nvfp4_stochastic_rounding off is refused (torchao has no switch
+  for them). The RHT sign vector is ours (the recipe's seed: every rank and every restart uses
+  the same one, which torchao's per-module random default does not promise under FSDP) and each
+  module's SR key is seeded from (recipe seed, its stream); the per-step SR offsets come from the
+  default CUDA generator, which training.seed seeds: a resumed run does not replay the draws the
+  uninterrupted run made (the emulation does, see blockscaled_apply.seed_step).
+
+Parameters are kept (the module's weight and bias are the Linear's Parameters), so names and
+checkpoints are those of the bf16 model. Under FSDP torchao all-gathers the weights in the plan's
+param dtype and quantizes after the gather: torchao 0.18 has no MXFP8 / NVFP4 FSDP all-gather
+for training (its weight wrapper's fsdp_pre_all_gather sends param_dtype), so none is offered.
+
+The audit cannot see inside torchao's autograd functions (the quantized operands never leave
+them): `check_modules` checks that each promised module is torchao's module type with the
+recipe's settings, and that a kept-out one is not.
+
+`EMULATED_KERNELS` is the test hook: True converts with torchao's KernelPreference.EMULATED (its
+own quantization in PyTorch, then a matmul of the dequantized operands in the operands' dtype),
+which runs on CPU. Only MXFP8Linear has it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.precision import blockscaled_apply
+from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe, rht_signs
+from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
+
+# Tests set it (see the module docstring); a job never does.
+EMULATED_KERNELS = False
+# torchao's NVFP4 training kernel (nvfp4_mm_triton) takes only tiles of 128 in M, K and N.
+NVFP4_TILE = 128
+# What each format converts to, for the decision line.
+MODULES = {"mxfp8": "torchao MXFP8Linear", "nvfp4": "torchao NVFP4Linear: 2-D weights, RHT, SR"}
+_NEEDED = {"mxfp8": ("torchao.prototype.moe_training.mxfp8_linear", "MXFP8Linear"),
+           "nvfp4": ("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4Linear")}
+
+
+def _import(module: str) -> Any:
+    # torchao's import logs a WARNING per optional CUDA kernel library it cannot load.
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return __import__(module, fromlist=["_"])
+    finally:
+        quiet.setLevel(level)
+
+
+def torchao_missing(fmt: str) -> str | None:
+    """Why torchao cannot convert to `fmt`'s training module, or None."""
+    module, name = _NEEDED[fmt]
+    try:
+        found = _import(module)
+    except ImportError as e:
+        return f"torchao's {module} cannot be imported ({e})"
+    if not hasattr(found, name):
+        return f"{module} lacks {name} (torchao 0.18 has it)"
+    return None
+
+
+@functools.cache
+def kernels_missing(fmt: str, device_type: str) -> str | None:
+    """Why `device_type` cannot run `fmt`'s block-scaled training kernels through torchao, or None."""
+    if device_type != "cuda":
+        return f"{device_type} has no MX / NVFP4 tensor cores"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    cap, need = torch.cuda.get_device_capability(), blockscaled_apply.KERNEL_CAPABILITY
+    if cap < need:
+        return (f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
+                f"tensor cores; {need[0]}.{need[1]}+ (Blackwell) needed")
+    return torchao_missing(fmt)
+
+
+def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int) -> str | None:
+    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'."""
+    if tensor_parallel > 1:
+        return ("parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
+                "parallel here (the emulation is)")
+    if recipe.format == "nvfp4":
+        for field, on in (("nvfp4_weight_2d", recipe.weight_2d), ("nvfp4_rht", recipe.rht),
+                          ("nvfp4_stochastic_rounding", recipe.stochastic_rounding)):
+            if not on:
+                return (f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use 2-D "
+                        "weight scales, RHT and stochastic rounding")
+    return None
+
+
+def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    kernel = KernelPreference.EMULATED if EMULATED_KERNELS else KernelPreference.AUTO
+    return MXFP8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
+                       kernel_preference=kernel, wgrad_with_hp=False,
+                       scale_calculation_mode=ScaleCalculationMode(recipe.mx_scale_mode))
+
+
+def sr_seed(recipe: BlockScaledRecipe, stream: int) -> int:
+    """The module's SR key as an int64 (the emulation's per-module seed rule)."""
+    s = (recipe.seed * 1_000_003 + stream) % 2**64
+    return s - 2**64 if s >= 2**63 else s
+
+
+def _nvfp4_module(name: str, linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
+    from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+    if linear.in_features % NVFP4_TILE or linear.out_features % NVFP4_TILE:
+        raise PrecisionError(
+            f"'mixed_precision.block_scaled' = 'nvfp4' on torchao's kernels: {name} is {linear.in_features} -> "
+            f"{linear.out_features}, and the kernel takes multiples of {NVFP4_TILE}; keep it out with "
+            "block_scaled_skip_modules or set block_scaled_emulate = true")
+    new = NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                      device=linear.weight.device, rht_sign_vector=tuple(int(v) for v in rht_signs(recipe.seed)))
+    new.block_scaled_recipe, new.sr_stream = recipe, stream
+    if linear.weight.device.type != "meta":
+        fill_buffers(new)
+    return new
+
+
+def fill_buffers(module: nn.Module) -> None:
+    """An NVFP4Linear's RHT signs and SR key from the recipe: after the model is materialized
+    (to_empty leaves its buffers uninitialised, and init_weights knows nothing of them)."""
+    recipe = module.block_scaled_recipe
+    with torch.no_grad():
+        module._rht_sign_vector.copy_(rht_signs(recipe.seed).to(torch.int8))
+        module._sr_seed.fill_(sr_seed(recipe, module.sr_stream))
+    module._refresh_rht_sign_vector_tuple()
+
+
+def materialized(parts: list[nn.Module]) -> None:
+    """Call after the model parts are materialized: fills every NVFP4Linear's buffers."""
+    for part in parts:
+        for m in part.modules():
+            if type(m).__name__ == "NVFP4Linear" and hasattr(m, "block_scaled_recipe"):
+                fill_buffers(m)
+
+
+def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
+    """Swap the model's block-scaled Linears (blockscaled_apply's rule) for torchao's training
+    modules, keeping their Parameters; returns their names."""
+    if recipe is None:
+        return []
+    every = blockscaled_apply.skip_patterns(skip, edge, blockscaled_apply.n_layers_of(model))
+    chosen = [(n, m) for n, m in model.named_modules() if blockscaled_apply.is_block_scaled_linear(n, m, recipe, every)
+              and not is_torchao_module(m)]
+    for stream, (name, linear) in enumerate(chosen):
+        parent_name, _, child = name.rpartition(".")
+        new = (_mxfp8_module(linear, recipe) if recipe.format == "mxfp8"
+               else _nvfp4_module(name, linear, recipe, stream))
+        new.weight, new.bias = linear.weight, linear.bias
+        for tag in (FP32_BY_NAME, FROZEN):
+            if hasattr(linear, tag):
+                setattr(new, tag, getattr(linear, tag))
+        setattr(model.get_submodule(parent_name), child, new)
+    return [n for n, _ in chosen]
+
+
+def is_torchao_module(module: nn.Module) -> bool:
+    return type(module).__name__ in ("MXFP8Linear", "NVFP4Linear")
+
+
+def settings_of(module: nn.Module) -> dict[str, Any]:
+    """What a converted module will run, in the recipe's words (for the report and the audit)."""
+    name = type(module).__name__
+    if name == "MXFP8Linear":
+        return {"module": name, "scale_mode": module.scale_calculation_mode.value,
+                "wgrad": "hp" if module.wgrad_with_hp else "mxfp8", "kernels": module.kernel_preference.value}
+    if name == "NVFP4Linear":
+        return {"module": name, "rht_signs": list(module.rht_sign_vector), "kernels": module.kernel_preference.value}
+    return {"module": name}
+
+
+def promised_settings(recipe: BlockScaledRecipe) -> dict[str, Any]:
+    if recipe.format == "mxfp8":
+        return {"module": "MXFP8Linear", "scale_mode": recipe.mx_scale_mode, "wgrad": "mxfp8",
+                "kernels": "emulated" if EMULATED_KERNELS else "auto"}
+    return {"module": "NVFP4Linear", "rht_signs": [int(v) for v in rht_signs(recipe.seed)], "kernels": "triton"}
+
+
+def summary(recipe: BlockScaledRecipe | None, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
+    """The report's block_scaled section on torchao's kernels (blockscaled_apply.summary's keys)."""
+    if recipe is None:
+        return None
+    return {"format": recipe.format, "emulated": False, "kernels": "torchao", "recipe": recipe.describe(),
+            "modules": {n: settings_of(m) for n, m in named if is_torchao_module(m)},
+            "kept_out": sorted(n for n, m in named if isinstance(m, nn.Linear) and not is_torchao_module(m)),
+            "fsdp_all_gather": "param dtype (torchao has no MXFP8 / NVFP4 all-gather for training)"}
+
+
+def check_modules(named: dict[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str],
+                  recipe: BlockScaledRecipe) -> list[tuple[str, list[str], list[str]]]:
+    """(what, promised, seen) for each promised module that is not torchao's module with the
+    recipe's settings, and each kept-out module that is one."""
+    want = promised_settings(recipe)
+    breaches = []
+    for name in sorted(promised):
+        got = settings_of(named[name])
+        if got != want:
+            breaches.append((f"{name}: torchao block-scaled module", [str(want)], [str(got)]))
+    for name in sorted(kept_out):
+        if is_torchao_module(named[name]):
+            breaches.append((f"{name}: torchao block-scaled module", ["none (kept out of block_scaled)"],
+                             [str(settings_of(named[name]))]))
+    return breaches
