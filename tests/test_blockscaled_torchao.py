@@ -36,7 +36,8 @@ BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--trai
 # fp32 end to end: torchao's emulated GEMM multiplies in the operands' dtype and needs both alike.
 FP32 = ["--mixed_precision.enabled", "false"]
 MXFP8 = ["--mixed_precision.block_scaled", "mxfp8"]
-NVFP4 = ["--mixed_precision.block_scaled", "nvfp4"]
+# NVFP4's kernel takes GEMMs in tiles of 128 rows: 4 sequences of 32 tokens.
+NVFP4 = ["--mixed_precision.block_scaled", "nvfp4", "--training.local_batch_size", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +99,10 @@ def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one
             _resolve(*NVFP4, f"--mixed_precision.{field}", "false")
         assert f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use" in str(e.value)
         assert "block_scaled_emulate = true" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(PrecisionError, match=r"on torchao's kernels: training.local_batch_size x training.seq_len "
+                       r"/ context_parallel_degree gives 64 tokens a GEMM, and torchao's nvfp4 kernels take "
+                       r"multiples of 128; set mixed_precision.block_scaled_emulate = true"):
+        _resolve(*NVFP4, "--training.local_batch_size", "2")
     # The emulation honours every option.
     assert _resolve(*NVFP4, "--mixed_precision.nvfp4_rht", "false", "--mixed_precision.block_scaled_emulate",
                     "true").plan.block_scaled_emulated
@@ -126,8 +131,13 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     lazy.to_empty(device="cpu")
     blockscaled_torchao.materialized([lazy])
     assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0)
-    with pytest.raises(PrecisionError, match="0 is 64 -> 128, and the kernel takes multiples of 128"):
+    with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
+                                             "multiples of 128; keep it out with block_scaled_skip_modules"):
         blockscaled_torchao.apply_torchao(nn.Sequential(nn.Linear(64, 128)), recipe, (), 0)
+    with pytest.raises(PrecisionError, match="'mxfp8' on torchao's kernels: 1 is 64 -> 48, and the kernels take "
+                                             "multiples of 32"):
+        blockscaled_torchao.apply_torchao(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48)),
+                                          BlockScaledRecipe("mxfp8"), (), 0)
 
 
 def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None:

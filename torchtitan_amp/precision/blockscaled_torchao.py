@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.precision import blockscaled as bs
 from torchtitan_amp.precision import blockscaled_apply
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe, rht_signs
 from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
@@ -94,11 +95,22 @@ def kernels_missing(fmt: str, device_type: str) -> str | None:
     return torchao_missing(fmt)
 
 
-def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int) -> str | None:
-    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'."""
+def token_tile(fmt: str) -> int:
+    """What torchao's kernels need the tokens of one GEMM to be a multiple of: MXFP8's weight
+    gradient quantizes along the tokens in blocks of 32 (no padding); NVFP4's kernel takes tiles of 128."""
+    return bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
+
+
+def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int, tokens: int, tokens_field: str) -> str | None:
+    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'.
+    `tokens`: the rows of one Linear's GEMM (a micro-batch's sequences times their local length)."""
     if tensor_parallel > 1:
         return ("parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
                 "parallel here (the emulation is)")
+    tile = token_tile(recipe.format)
+    if tokens % tile:
+        return (f"{tokens_field} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take "
+                f"multiples of {tile}")
     if recipe.format == "nvfp4":
         for field, on in (("nvfp4_weight_2d", recipe.weight_2d), ("nvfp4_rht", recipe.rht),
                           ("nvfp4_stochastic_rounding", recipe.stochastic_rounding)):
@@ -125,14 +137,9 @@ def sr_seed(recipe: BlockScaledRecipe, stream: int) -> int:
     return s - 2**64 if s >= 2**63 else s
 
 
-def _nvfp4_module(name: str, linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
+def _nvfp4_module(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
     from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
-    if linear.in_features % NVFP4_TILE or linear.out_features % NVFP4_TILE:
-        raise PrecisionError(
-            f"'mixed_precision.block_scaled' = 'nvfp4' on torchao's kernels: {name} is {linear.in_features} -> "
-            f"{linear.out_features}, and the kernel takes multiples of {NVFP4_TILE}; keep it out with "
-            "block_scaled_skip_modules or set block_scaled_emulate = true")
     new = NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None,
                       device=linear.weight.device, rht_sign_vector=tuple(int(v) for v in rht_signs(recipe.seed)))
     new.block_scaled_recipe, new.sr_stream = recipe, stream
@@ -159,6 +166,16 @@ def materialized(parts: list[nn.Module]) -> None:
                 fill_buffers(m)
 
 
+def _check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
+    """Both dims of a converted Linear in whole tiles of torchao's kernels (they do not pad)."""
+    tile = bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
+    if linear.in_features % tile or linear.out_features % tile:
+        raise PrecisionError(
+            f"'mixed_precision.block_scaled' = '{fmt}' on torchao's kernels: {name} is {linear.in_features} -> "
+            f"{linear.out_features}, and the kernels take multiples of {tile}; keep it out with "
+            "block_scaled_skip_modules or set block_scaled_emulate = true")
+
+
 def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
     """Swap the model's block-scaled Linears (blockscaled_apply's rule) for torchao's training
     modules, keeping their Parameters; returns their names."""
@@ -167,10 +184,11 @@ def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tupl
     every = blockscaled_apply.skip_patterns(skip, edge, blockscaled_apply.n_layers_of(model))
     chosen = [(n, m) for n, m in model.named_modules() if blockscaled_apply.is_block_scaled_linear(n, m, recipe, every)
               and not is_torchao_module(m)]
+    for name, linear in chosen:
+        _check_shape(name, linear, recipe.format)
     for stream, (name, linear) in enumerate(chosen):
         parent_name, _, child = name.rpartition(".")
-        new = (_mxfp8_module(linear, recipe) if recipe.format == "mxfp8"
-               else _nvfp4_module(name, linear, recipe, stream))
+        new = _mxfp8_module(linear, recipe) if recipe.format == "mxfp8" else _nvfp4_module(linear, recipe, stream)
         new.weight, new.bias = linear.weight, linear.bias
         for tag in (FP32_BY_NAME, FROZEN):
             if hasattr(linear, tag):

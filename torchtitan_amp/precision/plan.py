@@ -175,7 +175,10 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     why = blockscaled_torchao.kernels_missing(recipe.format, device_type) if on_hardware else None
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
-    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp)
+    per = config.parallelism.pipeline_parallel_microbatch_size if dims.pp_enabled else config.training.local_batch_size
+    field = ("parallelism.pipeline_parallel_microbatch_size" if dims.pp_enabled else "training.local_batch_size")
+    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, per * config.training.seq_len // dims.cp,
+                                                 f"{field} x training.seq_len / context_parallel_degree")
     if refused is not None:
         raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
     return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({blockscaled_torchao.MODULES[recipe.format]})"
