@@ -103,6 +103,12 @@ def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one
                        r"/ context_parallel_degree gives 64 tokens a GEMM, and torchao's nvfp4 kernels take "
                        r"multiples of 128; set mixed_precision.block_scaled_emulate = true"):
         _resolve(*NVFP4, "--training.local_batch_size", "2")
+    with pytest.raises(PrecisionError, match=r"validation.local_batch_size x validation.seq_len / "
+                                             r"context_parallel_degree gives 32 tokens a GEMM"):
+        _resolve(*NVFP4, "--validation.enable", "true", "--validation.local_batch_size", "1")
+    # MXFP8 tiles the tokens only in the weight gradient: evaluation batches of any size run.
+    assert not _resolve(*MXFP8, "--validation.enable", "true", "--validation.local_batch_size", "1"
+                        ).plan.block_scaled_emulated
     # The emulation honours every option.
     assert _resolve(*NVFP4, "--mixed_precision.nvfp4_rht", "false", "--mixed_precision.block_scaled_emulate",
                     "true").plan.block_scaled_emulated

@@ -101,22 +101,24 @@ def token_tile(fmt: str) -> int:
     return bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
 
 
-def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int, tokens: int, tokens_field: str) -> str | None:
+def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int, gemm_rows: list[tuple[int, str, bool]]
+                   ) -> str | None:
     """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'.
-    `tokens`: the rows of one Linear's GEMM (a micro-batch's sequences times their local length)."""
+    `gemm_rows`: (tokens, the fields that set them, backward too) of each kind of GEMM the job runs."""
     if tensor_parallel > 1:
         return ("parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
                 "parallel here (the emulation is)")
-    tile = token_tile(recipe.format)
-    if tokens % tile:
-        return (f"{tokens_field} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take "
-                f"multiples of {tile}")
     if recipe.format == "nvfp4":
         for field, on in (("nvfp4_weight_2d", recipe.weight_2d), ("nvfp4_rht", recipe.rht),
                           ("nvfp4_stochastic_rounding", recipe.stochastic_rounding)):
             if not on:
                 return (f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use 2-D "
                         "weight scales, RHT and stochastic rounding")
+    tile = token_tile(recipe.format)
+    for tokens, fields, backward in gemm_rows:
+        # MXFP8 quantizes along the tokens only for the weight gradient; NVFP4 tiles them always.
+        if (backward or recipe.format == "nvfp4") and tokens % tile:
+            return f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take multiples of {tile}"
     return None
 
 

@@ -175,13 +175,25 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     why = blockscaled_torchao.kernels_missing(recipe.format, device_type) if on_hardware else None
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
-    per = config.parallelism.pipeline_parallel_microbatch_size if dims.pp_enabled else config.training.local_batch_size
-    field = ("parallelism.pipeline_parallel_microbatch_size" if dims.pp_enabled else "training.local_batch_size")
-    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, per * config.training.seq_len // dims.cp,
-                                                 f"{field} x training.seq_len / context_parallel_degree")
+    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
     if refused is not None:
         raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
     return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({blockscaled_torchao.MODULES[recipe.format]})"
+
+
+def _gemm_rows(config: JobConfig, dims: ParallelDims) -> list[tuple[int, str, bool]]:
+    """(tokens, the fields that set them, with backward) of each kind of Linear GEMM the job runs:
+    training's micro-batches, evaluation batches, one token at a time when sampling."""
+    t, v = config.training, config.validation
+    per, field = ((config.parallelism.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size")
+                  if dims.pp_enabled else (t.local_batch_size, "training.local_batch_size"))
+    rows = [(per * t.seq_len // dims.cp, f"{field} x training.seq_len / context_parallel_degree", True)]
+    if v.enable:
+        rows.append(((v.local_batch_size or t.local_batch_size) * (v.seq_len or t.seq_len) // dims.cp,
+                     "validation.local_batch_size x validation.seq_len / context_parallel_degree", False))
+    if v.enable and v.sample_prompts:
+        rows.append((1, "validation.sample_prompts (decoding one token a step)", False))
+    return rows
 
 
 def _diloco(config: JobConfig) -> dict[str, Any]:
