@@ -118,7 +118,8 @@ def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int, gemm_rows: l
     for tokens, fields, backward in gemm_rows:
         # MXFP8 quantizes along the tokens only for the weight gradient; NVFP4 tiles them always.
         if (backward or recipe.format == "nvfp4") and tokens % tile:
-            return f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take multiples of {tile}"
+            return (f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take "
+                    f"multiples of {tile}")
     return None
 
 

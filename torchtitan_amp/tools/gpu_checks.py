@@ -81,6 +81,7 @@ from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
 from torchtitan_amp.precision import autocast  # noqa: E402
 from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.train import build as train_build  # noqa: E402
+from torchtitan_amp.tools.gpu_check_blockscaled import block_scaled_kernels  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
     OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
     step_syncs, sync_budget_kept, train)
@@ -117,8 +118,7 @@ PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
 # Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
 # milliseconds there; compilation (bf16_compile, the compiled speed runs) dominates.
 CUDA_LIMITS_S = {"probe": 60.0, "curves": 150.0, "resume": 90.0, "moe": 60.0, "syncs": 40.0, "generate": 40.0,
-                 "cp_attention": 30.0, "fp8": 90.0, "fp8_speed": 200.0,
-                 "block_scaled_kernels": 30.0}
+                 "cp_attention": 30.0, "fp8": 90.0, "fp8_speed": 200.0, "block_scaled_kernels": 30.0}
 # A check is not started with less time than this left in --time-budget.
 MIN_START_S = 5.0
 
@@ -420,78 +420,10 @@ def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -
     return passed
 
 
-def _bf16_bound(ours: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|ours - theirs| for two bf16 results of a @ b^T on exactly-representable dequantized
-    operands: each side's fp32 sum is within gamma_K sum|a b| of the exact one (s: both), then
-    rounded to bf16 (relative 2^-8 each): s (1 + 2^-8) + 2^-7 |ours| (1 + 2^-7)."""
-    k = a.shape[-1]
-    s = 2 * (k * 2.0**-24 / (1 - k * 2.0**-24)) * (a.float().abs() @ b.float().abs().T)
-    return s * (1 + 2.0**-8) + 2.0**-7 * (1 + 2.0**-7) * ours.float().abs()
-
-
-def _block_scaled_pair(recipe: Any, device: str, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-    """(ours, torchao's) forward output, input and weight gradients of one n x n bf16 Linear on n
-    tokens, and the torchao module."""
-    from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
-
-    torch.manual_seed(0)
-    models = [nn.Sequential(nn.Linear(n, n, bias=False)).to(device, torch.bfloat16) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    blockscaled_apply.apply_block_scaled(models[0], recipe, (), 0)
-    blockscaled_torchao.apply_torchao(models[1], recipe, (), 0)
-    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    g = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    results = []
-    for m in models:
-        xx = x.clone().requires_grad_()
-        y = m(xx)
-        y.backward(g)
-        results.append([y.detach(), xx.grad, m[0].weight.grad])
-    return results[0], results[1], (x, g, models[0][0].weight.detach())
-
-
-def check_block_scaled_kernels(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    """torchao's block-scaled training modules (precision/blockscaled_torchao.py) against the
-    emulation, one 256 x 256 bf16 Linear: mxfp8's three GEMMs within `_bf16_bound` (same
-    quantization, exact products; only the fp32 order and the bf16 rounding differ), nvfp4's
-    forward too (its gradients round stochastically: their distance is recorded). Where the
-    device has no MX tensor cores (below compute capability 10.0) the mxfp8 comparison runs
-    torchao's emulated kernel instead and nvfp4 (Triton kernels only) is skipped; it says which."""
-    from torchtitan_amp.precision import blockscaled as bs
-    from torchtitan_amp.precision import blockscaled_torchao
-    from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe
-
-    why = blockscaled_torchao.kernels_missing("mxfp8", a.device)
-    out["kernels"] = "torchao" if why is None else f"torchao's emulated kernel ({why})"
-    previous, blockscaled_torchao.EMULATED_KERNELS = blockscaled_torchao.EMULATED_KERNELS, why is not None
-    try:
-        ok = True
-        for mode in ("floor", "rceil"):
-            ours, theirs, (x, g, w) = _block_scaled_pair(BlockScaledRecipe("mxfp8", mx_scale_mode=mode), a.device, 256)
-            q = lambda t: bs.quantize_mxfp8(t.float().contiguous(), scale_mode=mode).dequantize()  # noqa: E731
-            operands = ((q(x), q(w)), (q(g), q(w.T)), (q(g.T), q(x.T)))
-            worst = {}
-            for what, o, t, (p, r) in zip(("forward", "dgrad", "wgrad"), ours, theirs, operands):
-                over = ((o.float() - t.float()).abs() - _bf16_bound(o, p, r)).max().item()
-                worst[what] = over
-                ok = ok and over <= 0
-            out[f"mxfp8_{mode}_excess_over_bound"] = worst  # <= 0: within the bound
-        if blockscaled_torchao.kernels_missing("nvfp4", a.device) is None:
-            ours, theirs, _ = _block_scaled_pair(BlockScaledRecipe.nvfp4_full(), a.device, 256)
-            rel = [((o.float() - t.float()).norm() / o.float().norm()).item() for o, t in zip(ours, theirs)]
-            out["nvfp4_relative_distance"] = dict(zip(("forward", "dgrad", "wgrad"), rel))
-            ok = ok and rel[0] <= 2.0**-7 and all(map(math.isfinite, rel))
-        else:
-            out["nvfp4"] = "skipped: torchao's NVFP4 training kernels need compute capability 10.0 and Triton"
-        return ok
-    finally:
-        blockscaled_torchao.EMULATED_KERNELS = previous
-
-
 CHECKS: dict[str, Check] = {"probe": check_probe, "curves": check_curves, "resume": check_resume,
                             "moe": check_moe, "syncs": check_syncs, "generate": check_generate,
                             "cp_attention": check_cp_attention, "fp8": check_fp8, "fp8_speed": check_fp8_speed,
-                            "block_scaled_kernels": check_block_scaled_kernels}
+                            "block_scaled_kernels": lambda a, work, out: block_scaled_kernels(a.device, out)}
 
 
 # ---------------------------------------------------------------------------------------------
