@@ -128,6 +128,8 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     assert blockscaled_torchao.apply_torchao(model, recipe, (), 0) == ["0", "1"]
     assert [type(m).__name__ for m in model] == ["NVFP4Linear", "NVFP4Linear"]
     assert all(m.weight is w for m, w in zip(model, weights))
+    # Checkpoints hold what the plain model's do: the buffers come from the recipe, not the state dict.
+    assert sorted(model.state_dict()) == ["0.weight", "1.weight"]
     signs = [int(v) for v in rht_signs(5)]
     assert all(list(m.rht_sign_vector) == signs for m in model)
     assert [int(m._sr_seed) for m in model] == [blockscaled_torchao.sr_seed(recipe, i) for i in range(2)]

@@ -18,8 +18,8 @@ modules (torchao 0.18, torchao.prototype.moe_training):
   default CUDA generator, which training.seed seeds: a resumed run does not replay the draws the
   uninterrupted run made (the emulation does, see blockscaled_apply.seed_step).
 
-Parameters are kept (the module's weight and bias are the Linear's Parameters), so names and
-checkpoints are those of the bf16 model. Under FSDP torchao all-gathers the weights in the plan's
+Parameters are kept (the module's weight and bias are the Linear's Parameters) and NVFP4Linear's
+two buffers are kept out of the state dict, so names and checkpoints are those of the bf16 model. Under FSDP torchao all-gathers the weights in the plan's
 param dtype and quantizes after the gather: torchao 0.18 has no MXFP8 / NVFP4 FSDP all-gather
 for training (its weight wrapper's fsdp_pre_all_gather sends param_dtype), so none is offered.
 
@@ -146,6 +146,9 @@ def _nvfp4_module(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> 
     new = NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None,
                       device=linear.weight.device, rht_sign_vector=tuple(int(v) for v in rht_signs(recipe.seed)))
     new.block_scaled_recipe, new.sr_stream = recipe, stream
+    # Both are derived from the recipe (fill_buffers): out of the state dict, checkpoints stay
+    # those of the plain model, loadable by the emulated path and back.
+    new._non_persistent_buffers_set.update({"_rht_sign_vector", "_sr_seed"})
     if linear.weight.device.type != "meta":
         fill_buffers(new)
     return new
