@@ -51,6 +51,7 @@ from torchtitan_amp.core.rules import dtype_name
 from torchtitan_amp.distributed import context_parallel
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
+from torchtitan_amp.models.moe.moe import GroupedExperts
 from torchtitan_amp.observability import traffic
 from torchtitan_amp.precision import blockscaled_apply
 from torchtitan_amp.precision.blockscaled_linear import GemmRecord, observe_gemms
@@ -343,7 +344,16 @@ class Auditor:
                                                self.trainer.job.model_args.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
         promised = {n for n, m in linears.items() if blockscaled_apply.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
-        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, set(linears) - promised, plan.block_scaled)]
+        kept_out = set(linears) - promised
+        # Grouped experts: promised by the plan's rule, whatever the module holds (one whose
+        # block-scaled GEMMs were lost runs the plain grouped matmul and is named here).
+        for n, m in self.named.items():
+            if isinstance(m, GroupedExperts):
+                labels = set(blockscaled_apply.expert_gemm_labels(n))
+                chosen = blockscaled_apply.is_block_scaled_experts(n, m, plan.block_scaled, skip,
+                                                                   plan.block_scaled_experts)
+                (promised if chosen else kept_out).update(labels)
+        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
         params = self.trainer.params
