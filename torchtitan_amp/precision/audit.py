@@ -20,9 +20,10 @@ Promises checked, each by module name or collective:
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
   dtype (integers, if a caller gathers document ids), their gradients reduce-scattered over "cp"
   in the plan's cp_reduce_dtype, and both are seen at all;
-- block-scaled (mixed_precision.block_scaled): every Linear the plan converts ran its forward,
-  dgrad and wgrad GEMMs with the recipe's operands (element and scale dtypes, block shape,
-  rounding, RHT: blockscaled_linear's GemmRecords), and the Linears kept out ran none (their
+- block-scaled (mixed_precision.block_scaled): every Linear the plan converts, and with
+  block_scaled_experts every routed experts module's w1, w2 and w3 GEMMs, ran forward, dgrad and
+  wgrad with the recipe's operands (element and scale dtypes, block shape, rounding, RHT:
+  blockscaled_linear's GemmRecords), and the Linears and experts kept out ran none (their
   matmuls are checked in their compute dtype above). The emulated GEMMs themselves are fp32 mms;
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
