@@ -5,7 +5,7 @@ blockscaled_grouped_mm equal, bit for bit, a loop over experts of blockscaled_li
 w[e]^T on that expert's token group (one group empty, the others not multiples of the block, so
 wgrad's token-dim blocks are padded per group). Then the trainer on a tiny MoE model: the report
 and the audit name the experts' GEMMs, the audit names an expert run as a plain grouped matmul, and
-mxfp8 with experts trains within `GAP` of bf16.
+mxfp8 with experts trains within `GAP` of bf16. Under expert parallel: tests/test_moe_dist.py.
 
 The training comparison: debugmodel_moe (4 blocks, the first dense; the edge blocks 0 and 3 and
 `output` stay bf16, so blocks 1-2 run their attention Linears, shared expert and the 8 routed
@@ -118,9 +118,9 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
      "'mixed_precision.block_scaled_experts' = true needs mixed_precision.block_scaled = 'mxfp8' or 'nvfp4'", ConfigError),
     ([*MXFP8_EXPERTS, "--model.name", "llama3", "--model.flavor", "debugmodel_tiny"],
      "'mixed_precision.block_scaled_experts' = true converts no grouped experts: the model has none", PrecisionError),
-    ([*MXFP8_EXPERTS, "--parallelism.expert_parallel_degree", "2"],
-     "'mixed_precision.block_scaled_experts' = true under parallelism.expert_parallel_degree = 2: block-scaled "
-     "experts are not tested under expert parallel", PrecisionError),
+    ([*MXFP8_EXPERTS, "--mixed_precision.block_scaled_skip_modules", "output,layers.*.feed_forward.experts"],
+     "'mixed_precision.block_scaled_experts' = true converts no grouped experts: block_scaled_edge_layers = 1 and "
+     "block_scaled_skip_modules keep them all", PrecisionError),
 ])
 def test_block_scaled_experts_refusals_are_one_line(extra, message, error) -> None:
     with pytest.raises(error) as e:

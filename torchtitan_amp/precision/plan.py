@@ -165,10 +165,6 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     if recipe is None:
         return None, False, ""
     where = f"'mixed_precision.block_scaled' = '{mp.block_scaled}'"
-    if mp.block_scaled_experts and dims.ep > 1:
-        raise PrecisionError(f"'mixed_precision.block_scaled_experts' = true under parallelism.expert_parallel_degree = "
-                             f"{dims.ep}: block-scaled experts are not tested under expert parallel; use "
-                             "expert_parallel_degree = 1 or block_scaled_experts = false")
     if mp.block_scaled_emulate is True:
         return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
                               f"{blockscaled_apply.EMULATION_COST})")
