@@ -167,3 +167,21 @@ def test_mxfp8_with_experts_trains_within_the_gap_of_bf16(tmp_path: Path) -> Non
     gap = sum(abs(a - b) for a, b in zip(curves["mxfp8"], curves["bf16"])) / STEPS
     assert 0 < gap < GAP, (gap, curves)
     assert curves["mxfp8"][-1] < curves["mxfp8"][0] - 0.5, curves
+
+
+def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> None:
+    """nvfp4 (SR on gradients) with experts: each experts module has its own stream after the
+    Linears', and blockscaled_apply.seed_step reseeds it from (seed, stream, step) as it does a
+    Linear's, so a resumed run draws what the uninterrupted one drew."""
+    from torchtitan_amp.precision import blockscaled_apply
+
+    t = _trainer(tmp_path, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true",
+                 "--mixed_precision.block_scaled_experts", "true")
+    holders = [m.experts.block_scaled_mm for m in (t.model.layers["1"].feed_forward, t.model.layers["2"].feed_forward)]
+    assert holders[0].recipe.stochastic_rounding and holders[0].sr_stream != holders[1].sr_stream
+    draws = []
+    for step in (3, 4, 3):
+        blockscaled_apply.seed_step([t.model], step)
+        draws.append([torch.rand(4, generator=h.generator) for h in holders])
+    assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
+    assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][0], draws[0][1])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -188,17 +188,23 @@ def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip:
     return [n for n, _ in [*chosen, *grouped]]
 
 
+def _sr_holders(part: nn.Module) -> Iterator[tuple[BlockScaledLinear | BlockScaledExperts, torch.device]]:
+    """The block-scaled GEMM owners of `part` (Linears, experts' BlockScaledExperts) and their device."""
+    for m in part.modules():
+        if isinstance(m, BlockScaledLinear):
+            yield m, m.weight.device
+        elif isinstance(m, GroupedExperts) and isinstance(m.block_scaled_mm, BlockScaledExperts):
+            yield m.block_scaled_mm, m.w1.device
+
+
 def seed_step(parts: list[nn.Module], step: int) -> None:
-    """Seed every stochastically rounding BlockScaledLinear's generator from (recipe seed, its
-    stream, `step`) before the step: the draws then depend on the step number alone, so a run
-    resumed from a checkpoint draws what the uninterrupted run drew, with no generator state saved."""
+    """Seed every stochastically rounding BlockScaledLinear's and BlockScaledExperts' generator
+    from (recipe seed, its stream, `step`) before the step: the draws then depend on the step
+    number alone, so a run resumed from a checkpoint draws what the uninterrupted run drew, with
+    no generator state saved."""
     for part in parts:
-        for m in part.modules():
-            holder, device = m, getattr(m, "weight", None)
-            if isinstance(m, GroupedExperts) and m.block_scaled_mm is not None:
-                holder, device = m.block_scaled_mm, m.w1
-            if isinstance(holder, (BlockScaledLinear, BlockScaledExperts)) and holder.recipe.stochastic_rounding:
-                device = device.device
+        for holder, device in _sr_holders(part):
+            if holder.recipe.stochastic_rounding:
                 seed = ((holder.recipe.seed * 1_000_003 + holder.sr_stream) * 1_000_033 + step) % 2**63
                 if holder.generator is None or holder.generator.device != device:
                     holder.generator = torch.Generator(device=device)
