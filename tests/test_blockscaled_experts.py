@@ -130,7 +130,10 @@ def test_block_scaled_experts_refusals_are_one_line(extra, message, error) -> No
 
 def test_report_and_audit_see_the_experts_gemms_and_name_one_run_plain(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *MXFP8_EXPERTS)
-    report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
+    whole = json.loads((tmp_path / "precision_report.json").read_text())
+    rows = {g["compute_dtype"]: g["num_params"] for g in whole["param_groups"] if g["module_type"].endswith("GroupedExperts")}
+    assert rows == {"mxfp8": 2 * 3 * 8 * 64 * 64, "bfloat16": 3 * 8 * 64 * 64}  # blocks 1-2 / block 3
+    report = whole["block_scaled"]
     assert set(EXPERT_GEMMS) <= set(report["modules"])
     assert report["modules"]["layers.1.feed_forward.experts.w2"]["wgrad"] == \
         "dy^T mxfp8 e4m3 1x32 e8m0 (floor); x^T mxfp8 e4m3 1x32 e8m0 (floor)"
