@@ -29,7 +29,7 @@ from torch import nn
 from tests.support import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
@@ -96,8 +96,9 @@ def test_tensor_parallel_splits_whole_blocks() -> None:
     ([*NVFP4, "--mixed_precision.block_scaled_edge_layers", "2"], 1,
      "'mixed_precision.block_scaled' = 'nvfp4' converts no nn.Linear"),
 ])
-def test_what_cannot_hold_is_one_line_never_a_fallback(extra, world, message) -> None:
-    register_flavor("blockscaled_dim96", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=96))
+def test_what_cannot_hold_is_one_line_never_a_fallback(extra, world, message, monkeypatch) -> None:
+    # Registered for this test only: the registry is process-wide, and other tests list it.
+    monkeypatch.setitem(LLAMA3_FLAVORS, "blockscaled_dim96", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=96))
     with pytest.raises(PrecisionError) as e:
         _resolve(*extra, world=world)
     assert message.removeprefix("error-free: ") in str(e.value) and "\n" not in str(e.value)
