@@ -270,6 +270,7 @@ class PrecisionPlan:
     block_scaled_emulated: bool = False  # quantized bit-exactly, multiplied in fp32 (no kernels)
     block_scaled_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out
     block_scaled_edge_layers: int = 0  # first and last blocks kept out
+    block_scaled_experts: bool = False  # the routed experts' grouped GEMMs in the recipe too
     fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
     frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
     optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
@@ -345,6 +346,7 @@ class PrecisionPlan:
             fp8=mp.fp8, fp8_skip=tuple(mp.fp8_skip_modules), fp8_all_gather=mp.fp8_all_gather,
             block_scaled=block_scaled, block_scaled_emulated=emulated,
             block_scaled_skip=tuple(mp.block_scaled_skip_modules), block_scaled_edge_layers=mp.block_scaled_edge_layers,
+            block_scaled_experts=block_scaled is not None and mp.block_scaled_experts,
             fp32_names=tuple(mp.fp32_module_names), frozen_names=tuple(config.training.freeze),
             optimizer_state_dtype=_optimizer_state_dtype(config, storage),
             stochastic_rounding=config.optimizer.stochastic_rounding,
@@ -424,7 +426,8 @@ class PrecisionPlan:
         frozen storage dtype and the audit's promises all ask this."""
         if type(module).__name__ == "Float8Linear":
             return torch.float8_e4m3fn
-        if isinstance(module, BlockScaledLinear):  # the emulation's GEMMs: dequantized operands in fp32
+        # The emulation's GEMMs (a Linear's, or grouped experts'): dequantized operands in fp32.
+        if isinstance(module, BlockScaledLinear) or getattr(module, "block_scaled_mm", None) is not None:
             return torch.float32
         if self.routes(module):
             return self.router_dtype

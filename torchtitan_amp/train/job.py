@@ -168,7 +168,8 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
-        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers)
+        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers,
+                                        plan.block_scaled_experts)
         if dims.tp_enabled:
             blockscaled_apply.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
                                                     plan.block_scaled_edge_layers, dims.tp,
@@ -207,7 +208,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
         float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
     # The whole model, before the pipeline split: the edge blocks are counted on it.
     blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                         job.plan.block_scaled_edge_layers)
+                                         job.plan.block_scaled_edge_layers, job.plan.block_scaled_experts)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)
