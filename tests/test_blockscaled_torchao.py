@@ -109,6 +109,9 @@ def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one
     # MXFP8 tiles the tokens only in the weight gradient: evaluation batches of any size run.
     assert not _resolve(*MXFP8, "--validation.enable", "true", "--validation.local_batch_size", "1"
                         ).plan.block_scaled_emulated
+    with pytest.raises(PrecisionError, match="on torchao's kernels: mixed_precision.block_scaled_experts = true: "
+                                             "the grouped experts' GEMMs are emulated only"):
+        _resolve(*MXFP8, "--mixed_precision.block_scaled_experts", "true")
     # The emulation honours every option.
     assert _resolve(*NVFP4, "--mixed_precision.nvfp4_rht", "false", "--mixed_precision.block_scaled_emulate",
                     "true").plan.block_scaled_emulated

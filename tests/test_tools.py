@@ -358,7 +358,7 @@ def test_overhead_runs_every_layout(tmp_path: Path) -> None:
 
 BENCHMARKS = ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision",
               "context_parallel", "torchtitan_memory", "blockscaled_speed", "blockscaled_loss", "diloco_precision",
-              "blockscaled_error"]
+              "blockscaled_error", "blockscaled_experts"]
 TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks", "plot", "numerics_figures", "generate",
          "loss_compare"]
 # Runs each module as `python -m MODULE --help` does (runpy as __main__, sys.argv set), one after

@@ -384,6 +384,11 @@ class MixedPrecision:
     nvfp4_stochastic_rounding: bool = _f(
         True, "nvfp4: round the gradient operands of dgrad and wgrad stochastically (seeded by training.seed)."
     )
+    block_scaled_experts: bool = _f(
+        False, "With block_scaled: the routed experts' grouped GEMMs (MoE models) run in the same format, "
+        "per expert (torchtitan: quantize.grouped_mm.mx.fqns = ['experts']); false keeps them in the plan's "
+        "compute dtype. The router and the shared expert's gates are not grouped experts."
+    )
     block_scaled_skip_modules: list[str] = _f(
         ["output"], "fnmatch patterns of Linear names kept out of block_scaled (in the plan's compute dtype); "
         "a pattern naming no Linear is an error."

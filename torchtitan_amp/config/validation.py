@@ -105,6 +105,8 @@ def _check_block_scaled(config: JobConfig) -> None:
     _require(mp.block_scaled == "none" or mp.fp8 == "none",
              f"'mixed_precision.block_scaled' = '{mp.block_scaled}' and 'mixed_precision.fp8' = '{mp.fp8}' "
              "both convert the Linears: choose one")
+    _require(not mp.block_scaled_experts or mp.block_scaled != "none",
+             "'mixed_precision.block_scaled_experts' = true needs mixed_precision.block_scaled = 'mxfp8' or 'nvfp4'")
     defaults = type(mp)()
     owner = {"nvfp4_weight_2d": "nvfp4", "nvfp4_rht": "nvfp4", "nvfp4_stochastic_rounding": "nvfp4",
              "mxfp8_scale_mode": "mxfp8"}

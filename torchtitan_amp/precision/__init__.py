@@ -18,8 +18,9 @@ the plan imports none of them):
                     the Linear conversion, taking the plan's fp8 values (the plan imports it);
 - `blockscaled.py`, `blockscaled_linear.py`: MXFP8 / NVFP4 quantization, bit-exact, and the emulated
                     Linear (its three GEMMs, `BlockScaledRecipe`, `observe_gemms`);
-- `blockscaled_apply.py`: block-scaled training: the kernel probe the plan asks, the rule and the
-                    Linear swap, the report's section and the audit's GEMM check;
+- `blockscaled_grouped.py`: the routed experts' grouped GEMMs block-scaled, per expert, as the Linear's;
+- `blockscaled_apply.py`: block-scaled training: the kernel probe the plan asks, the rules and the
+                    Linear swap (and the experts' conversion), the report's section and the audit's GEMM check;
 - `scaler.py`:      fp16 loss scaling (`LossScaler`, `build_scaler`);
 - `memory_spec.py`: the plan as the memory model's `PrecisionSpec`;
 - `audit.py`:       one real step recorded against the plan's promises (mixed_precision.audit).

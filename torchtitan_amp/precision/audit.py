@@ -20,9 +20,10 @@ Promises checked, each by module name or collective:
 - context parallel: keys and values are all-gathered over "cp" in their attention's activation
   dtype (integers, if a caller gathers document ids), their gradients reduce-scattered over "cp"
   in the plan's cp_reduce_dtype, and both are seen at all;
-- block-scaled (mixed_precision.block_scaled): every Linear the plan converts ran its forward,
-  dgrad and wgrad GEMMs with the recipe's operands (element and scale dtypes, block shape,
-  rounding, RHT: blockscaled_linear's GemmRecords), and the Linears kept out ran none (their
+- block-scaled (mixed_precision.block_scaled): every Linear the plan converts, and with
+  block_scaled_experts every routed experts module's w1, w2 and w3 GEMMs, ran forward, dgrad and
+  wgrad with the recipe's operands (element and scale dtypes, block shape, rounding, RHT:
+  blockscaled_linear's GemmRecords), and the Linears and experts kept out ran none (their
   matmuls are checked in their compute dtype above). The emulated GEMMs themselves are fp32 mms;
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
@@ -51,6 +52,7 @@ from torchtitan_amp.core.rules import dtype_name
 from torchtitan_amp.distributed import context_parallel
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
+from torchtitan_amp.models.moe.moe import GroupedExperts
 from torchtitan_amp.observability import traffic
 from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
 from torchtitan_amp.precision.blockscaled_linear import GemmRecord, observe_gemms
@@ -343,14 +345,24 @@ class Auditor:
                                                self.trainer.job.model_args.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
         promised = {n for n, m in linears.items() if blockscaled_apply.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
+        kept_out = set(linears) - promised
+        # Grouped experts: promised by the plan's rule, whatever the module holds (one whose
+        # block-scaled GEMMs were lost runs the plain grouped matmul and is named here).
+        for n, m in self.named.items():
+            if isinstance(m, GroupedExperts):
+                labels = set(blockscaled_apply.expert_gemm_labels(n))
+                chosen = blockscaled_apply.is_block_scaled_experts(n, m, plan.block_scaled, skip,
+                                                                   plan.block_scaled_experts)
+                (promised if chosen else kept_out).update(labels)
         if not plan.block_scaled_emulated:
             # torchao's kernels quantize inside their own autograd functions, out of the recorder's
             # sight: the audit checks the module each promised Linear became (type and settings),
-            # and that no emulated GEMM ran.
-            return [Breach(*b) for b in blockscaled_torchao.check_modules(linears, promised, set(linears) - promised,
+            # and that no emulated GEMM ran (grouped experts are not converted on this path).
+            mine = promised & set(linears)
+            return [Breach(*b) for b in blockscaled_torchao.check_modules(linears, mine, set(linears) - mine,
                                                                          plan.block_scaled)
                     + [(f"{m}: block-scaled GEMMs", ["none (torchao kernels)"], sorted(p)) for m, p in gemms.items()]]
-        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, set(linears) - promised, plan.block_scaled)]
+        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
         params = self.trainer.params

@@ -2,10 +2,15 @@
 
 precision/plan.py decides (the recipe, the patterns kept out, emulated or on torchao's kernels:
 blockscaled_torchao.py probes and converts for the latter). This module realises the emulated
-decision on a model: the rule naming the Linears a recipe converts (`is_block_scaled_linear`, the
-same rule the report, the audit and the torchao path read), the module swap (`apply_block_scaled`:
-nn.Linear -> BlockScaledLinear, parameters kept, so names and checkpoints are unchanged), the
-report's section, and the audit's check of the GEMMs one step ran.
+decision on a model: the rules naming the Linears and the grouped experts a recipe converts
+(`is_block_scaled_linear`, `is_block_scaled_experts`, the same rules the report, the audit and the
+torchao path read), the conversion (`apply_block_scaled`: nn.Linear -> BlockScaledLinear, and with
+mixed_precision.block_scaled_experts each GroupedExperts' GEMMs run by blockscaled_grouped's
+BlockScaledExperts; parameters kept, so names and checkpoints are unchanged), the report's
+section, and the audit's check of the GEMMs one step ran. The experts' GEMMs are named by their
+weights (`layers.1.feed_forward.experts.w1`, `.w2`, `.w3`); the router and the shared expert's
+gates are not grouped experts: the router stays in its router_dtype, the shared expert's Linears
+follow the Linear rule.
 
 The emulation (blockscaled_linear.py: operands quantized bit-exactly, fp32 GEMMs): under FSDP the
 weight is all-gathered in the plan's param / storage dtype and quantized inside the module: there
@@ -17,13 +22,15 @@ resolution, a split that would cut a block between ranks.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.models.moe.moe import GroupedExperts
+from torchtitan_amp.precision.blockscaled_grouped import BlockScaledExperts
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe, GemmRecord
 from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
 
@@ -64,21 +71,46 @@ def is_block_scaled_linear(name: str, module: nn.Module, recipe: BlockScaledReci
             and not any(fnmatch.fnmatchcase(name, p) for p in skip))
 
 
+def is_block_scaled_experts(name: str, module: nn.Module, recipe: BlockScaledRecipe | None,
+                            skip: tuple[str, ...], experts: bool) -> bool:
+    """Whether the grouped experts `module` (named `name`) run block-scaled: the recipe is on,
+    mixed_precision.block_scaled_experts asks for the experts, and the same exclusions as a Linear
+    (fp32 by name, frozen, a skip pattern or an edge block)."""
+    return (experts and recipe is not None and isinstance(module, GroupedExperts)
+            and not getattr(module, FP32_BY_NAME, False) and not getattr(module, FROZEN, False)
+            and not any(fnmatch.fnmatchcase(name, p) for p in skip))
+
+
+def expert_gemm_labels(name: str) -> list[str]:
+    """The names a GroupedExperts module's GEMMs are reported and audited under."""
+    return [f"{name}.{w}" for w in ("w1", "w2", "w3")]
+
+
 def n_layers_of(model: nn.Module) -> int:
     layers = getattr(model, "layers", None)
     return len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
 
 
-def check_modules(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> None:
-    """Every configured skip pattern names a Linear of the model (a typo would convert it), and the
-    recipe converts at least one Linear (edge blocks and skips can cover them all)."""
+def check_modules(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
+                  experts: bool = False) -> None:
+    """Every configured skip pattern names a Linear (or, with `experts`, grouped experts) of the
+    model (a typo would convert it), the recipe converts at least one Linear (edge blocks and
+    skips can cover them all), and `experts` (mixed_precision.block_scaled_experts) has grouped
+    experts to convert."""
     if recipe is None:
         return
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    grouped = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)] if experts else []
     for p in skip:
-        if not any(fnmatch.fnmatchcase(n, p) for n, _ in linears):
+        if not any(fnmatch.fnmatchcase(n, p) for n, _ in [*linears, *grouped]):
             raise PrecisionError(f"'mixed_precision.block_scaled_skip_modules' entry {p!r} matches no nn.Linear "
-                                 "of the model (names such as 'output', 'layers.0.*')")
+                                 f"{'or grouped experts ' if experts else ''}of the model (names such as 'output', "
+                                 "'layers.0.*')")
+    if experts and not any(is_block_scaled_experts(n, m, recipe, skip_patterns(skip, edge, n_layers_of(model)), True)
+                           for n, m in grouped):
+        raise PrecisionError("'mixed_precision.block_scaled_experts' = true converts no grouped experts: "
+                             + ("the model has none (a mixture-of-experts model has them)" if not grouped else
+                                f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all"))
     every = skip_patterns(skip, edge, n_layers_of(model))
     if not any(is_block_scaled_linear(n, m, recipe, every) for n, m in linears):
         raise PrecisionError(f"'mixed_precision.block_scaled' = '{recipe.format}' converts no nn.Linear: "
@@ -109,15 +141,20 @@ def check_tensor_parallel(model: nn.Module, recipe: BlockScaledRecipe | None, sk
                 f"block_scaled_skip_modules or use a tensor_parallel_degree that divides it into whole blocks")
 
 
-def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
-    """Swap the model's block-scaled Linears for BlockScaledLinear (the whole model, before
-    splitting and parallelizing: the edge blocks are counted on it); returns their names. Each
+def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
+                       experts: bool = False) -> list[str]:
+    """Swap the model's block-scaled Linears for BlockScaledLinear and, with `experts`, give each
+    block-scaled GroupedExperts a BlockScaledExperts (the whole model, before splitting and
+    parallelizing: the edge blocks are counted on it); returns the converted modules' names. Each
     gets its own stochastic-rounding stream, numbered in model order."""
     if recipe is None:
         return []
     every = skip_patterns(skip, edge, n_layers_of(model))
     chosen = [(n, m) for n, m in model.named_modules() if is_block_scaled_linear(n, m, recipe, every)
               and not isinstance(m, BlockScaledLinear)]
+    grouped = [(n, m) for n, m in model.named_modules() if is_block_scaled_experts(n, m, recipe, every, experts)]
+    for stream, (name, module) in enumerate(grouped, start=len(chosen)):
+        module.block_scaled_mm = BlockScaledExperts(recipe, name, stream)
     for stream, (name, linear) in enumerate(chosen):
         parent_name, _, child = name.rpartition(".")
         new = BlockScaledLinear.from_linear(linear, recipe, sr_stream=stream)
@@ -126,30 +163,49 @@ def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip:
             if hasattr(linear, tag):
                 setattr(new, tag, getattr(linear, tag))
         setattr(model.get_submodule(parent_name), child, new)
-    return [n for n, _ in chosen]
+    return [n for n, _ in [*chosen, *grouped]]
+
+
+def _sr_holders(part: nn.Module) -> Iterator[tuple[BlockScaledLinear | BlockScaledExperts, torch.device]]:
+    """The block-scaled GEMM owners of `part` (Linears, experts' BlockScaledExperts) and their device."""
+    for m in part.modules():
+        if isinstance(m, BlockScaledLinear):
+            yield m, m.weight.device
+        elif isinstance(m, GroupedExperts) and isinstance(m.block_scaled_mm, BlockScaledExperts):
+            yield m.block_scaled_mm, m.w1.device
 
 
 def seed_step(parts: list[nn.Module], step: int) -> None:
-    """Seed every stochastically rounding BlockScaledLinear's generator from (recipe seed, its
-    stream, `step`) before the step: the draws then depend on the step number alone, so a run
-    resumed from a checkpoint draws what the uninterrupted run drew, with no generator state saved."""
+    """Seed every stochastically rounding BlockScaledLinear's and BlockScaledExperts' generator
+    from (recipe seed, its stream, `step`) before the step: the draws then depend on the step
+    number alone, so a run resumed from a checkpoint draws what the uninterrupted run drew, with
+    no generator state saved."""
     for part in parts:
-        for m in part.modules():
-            if isinstance(m, BlockScaledLinear) and m.recipe.stochastic_rounding:
-                seed = ((m.recipe.seed * 1_000_003 + m.sr_stream) * 1_000_033 + step) % 2**63
-                if m.generator is None or m.generator.device != m.weight.device:
-                    m.generator = torch.Generator(device=m.weight.device)
-                m.generator.manual_seed(seed)
+        for holder, device in _sr_holders(part):
+            if holder.recipe.stochastic_rounding:
+                seed = ((holder.recipe.seed * 1_000_003 + holder.sr_stream) * 1_000_033 + step) % 2**63
+                if holder.generator is None or holder.generator.device != device:
+                    holder.generator = torch.Generator(device=device)
+                holder.generator.manual_seed(seed)
+
+
+def experts_gemms(named: Iterable[tuple[str, nn.Module]], converted: bool) -> list[str]:
+    """The GEMM names of the grouped experts that run block-scaled (`converted`) or do not."""
+    return [g for n, m in named if isinstance(m, GroupedExperts)
+            and (getattr(m, "block_scaled_mm", None) is not None) == converted for g in expert_gemm_labels(n)]
 
 
 def summary(recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
-    """The report's block_scaled section: each converted module's format per pass, the Linears kept
-    out (they compute in the plan's dtype)."""
+    """The report's block_scaled section: each converted module's format per pass (a grouped
+    experts module per weight: its three GEMMs per expert), the Linears and experts kept out
+    (they compute in the plan's dtype)."""
     if recipe is None:
         return None
-    return {"format": recipe.format, "emulated": emulated, "recipe": recipe.describe(),
-            "modules": {n: recipe.describe() for n, m in named if isinstance(m, BlockScaledLinear)},
-            "kept_out": sorted(n for n, m in named if isinstance(m, nn.Linear) and not isinstance(m, BlockScaledLinear))}
+    modules = {n: recipe.describe() for n, m in named if isinstance(m, BlockScaledLinear)}
+    modules |= {g: recipe.describe() for g in experts_gemms(named, True)}
+    kept = [n for n, m in named if isinstance(m, nn.Linear) and not isinstance(m, BlockScaledLinear)]
+    return {"format": recipe.format, "emulated": emulated, "recipe": recipe.describe(), "modules": modules,
+            "kept_out": sorted([*kept, *experts_gemms(named, False)])}
 
 
 # ----------------------------------------------------------------------------- the audit's check

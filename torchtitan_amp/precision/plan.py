@@ -176,6 +176,9 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
     refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
+    if refused is None and mp.block_scaled_experts:
+        refused = ("mixed_precision.block_scaled_experts = true: the grouped experts' GEMMs are emulated only "
+                   "(torchao's grouped MXFP8 kernels are not wired here)")
     if refused is not None:
         raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
     return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({blockscaled_torchao.MODULES[recipe.format]})"
@@ -291,6 +294,7 @@ class PrecisionPlan:
     block_scaled_emulated: bool = False  # quantized bit-exactly, multiplied in fp32; False: torchao kernels
     block_scaled_skip: tuple[str, ...] = ()  # fnmatch patterns of Linears kept out
     block_scaled_edge_layers: int = 0  # first and last blocks kept out
+    block_scaled_experts: bool = False  # the routed experts' grouped GEMMs in the recipe too
     fp32_names: tuple[str, ...] = ()  # fnmatch patterns of module names kept in fp32 (by name)
     frozen_names: tuple[str, ...] = ()  # training.freeze: fnmatch patterns of frozen modules
     optimizer_state_dtype: torch.dtype = torch.float32  # AdamW's exp_avg and exp_avg_sq
@@ -366,6 +370,7 @@ class PrecisionPlan:
             fp8=mp.fp8, fp8_skip=tuple(mp.fp8_skip_modules), fp8_all_gather=mp.fp8_all_gather,
             block_scaled=block_scaled, block_scaled_emulated=emulated,
             block_scaled_skip=tuple(mp.block_scaled_skip_modules), block_scaled_edge_layers=mp.block_scaled_edge_layers,
+            block_scaled_experts=block_scaled is not None and mp.block_scaled_experts,
             fp32_names=tuple(mp.fp32_module_names), frozen_names=tuple(config.training.freeze),
             optimizer_state_dtype=_optimizer_state_dtype(config, storage),
             stochastic_rounding=config.optimizer.stochastic_rounding,
@@ -445,7 +450,8 @@ class PrecisionPlan:
         frozen storage dtype and the audit's promises all ask this."""
         if type(module).__name__ == "Float8Linear":
             return torch.float8_e4m3fn
-        if isinstance(module, BlockScaledLinear):  # the emulation's GEMMs: dequantized operands in fp32
+        # The emulation's GEMMs (a Linear's, or grouped experts'): dequantized operands in fp32.
+        if isinstance(module, BlockScaledLinear) or getattr(module, "block_scaled_mm", None) is not None:
             return torch.float32
         if self.routes(module):
             return self.router_dtype

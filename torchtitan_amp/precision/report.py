@@ -62,7 +62,9 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
         # Off the "full" path storage is fp32: modules outside the safe list compute in it.
         compute = plan.compute_dtype(module)
         # The emulation multiplies in fp32; what the row promises is the recipe's format.
-        compute_name = module.recipe.format if isinstance(module, BlockScaledLinear) else dtype_name(compute)
+        compute_name = (module.recipe.format if isinstance(module, BlockScaledLinear)
+                        else module.block_scaled_mm.recipe.format if getattr(module, "block_scaled_mm", None) is not None
+                        else dtype_name(compute))
         name = _class_name(_user_class(module))
         reduce = plan.reduce_dtype if low else plan.storage_dtype
         if plan.path == "autocast" and plan.comm_hook == "none":
@@ -186,8 +188,8 @@ def _log_block_scaled(section: dict[str, Any] | None) -> None:
     """The start-up table's block-scaled lines: the format of each pass, the Linears kept out."""
     if section is None:
         return
-    logger.info("  block-scaled %s%s: %d Linears", section["format"], " (emulated)" if section["emulated"] else "",
-                len(section["modules"]))
+    logger.info("  block-scaled %s%s: %d Linears / expert weights", section["format"],
+                " (emulated)" if section["emulated"] else "", len(section["modules"]))
     for what, operands in section["recipe"].items():
         logger.info("    %-7s %s", what, operands)
     logger.info("    kept out (plan's compute dtype): %s", ", ".join(section["kept_out"]) or "none")

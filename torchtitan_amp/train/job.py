@@ -169,7 +169,8 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
-        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers)
+        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers,
+                                        plan.block_scaled_experts)
         if dims.tp_enabled:
             blockscaled_apply.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
                                                     plan.block_scaled_edge_layers, dims.tp,
@@ -209,7 +210,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     # The whole model, before the pipeline split: the edge blocks are counted on it.
     if job.plan.block_scaled_emulated or job.plan.block_scaled is None:
         blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                             job.plan.block_scaled_edge_layers)
+                                             job.plan.block_scaled_edge_layers, job.plan.block_scaled_experts)
     elif materialize or blockscaled_torchao.torchao_missing(job.plan.block_scaled.format) is None:
         # As fp8 above: a dry run without torchao keeps the nn.Linears (same params and shards).
         blockscaled_torchao.apply_torchao(model, job.plan.block_scaled, job.plan.block_scaled_skip,

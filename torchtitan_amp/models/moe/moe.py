@@ -83,6 +83,10 @@ class GroupedExperts(nn.Module):
     # (parallelize.apply_expert_kernels), so that a compiled block reads a constant (no probe, no
     # graph break); None (a model used outside the trainer) probes on first use.
     grouped_mm: bool | None = None
+    # Set by the precision plan's applier (precision/blockscaled_apply.py) when the experts run
+    # block-scaled (mixed_precision.block_scaled_experts): called as mm(x, w, sizes, weight_name)
+    # for each of the three GEMMs, in place of the grouped matmul.
+    block_scaled_mm: Callable[[torch.Tensor, torch.Tensor, list[int], str], torch.Tensor] | None = None
 
     def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -97,6 +101,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, counts [E] tokens per expert -> [N, dim]."""
+        if self.block_scaled_mm is not None:
+            # As a block-scaled Linear: the operands as they come (it quantizes them), its
+            # output in x's dtype. One host read of the counts (the loop path's).
+            mm, sizes = self.block_scaled_mm, counts.tolist()
+            w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
+            h = F.silu(mm(x, w1, sizes, "w1")) * mm(x, w3, sizes, "w3")
+            return mm(h, w2, sizes, "w2")
         # Autocast has no rule for grouped matmuls: on the autocast path take its dtype explicitly
         # (the plan's param dtype), as a Linear would get it; on the FSDP path x is in it already.
         device = x.device.type
