@@ -189,7 +189,7 @@ def _log_block_scaled(section: dict[str, Any] | None) -> None:
     if section is None:
         return
     logger.info("  block-scaled %s%s: %d Linears / expert weights", section["format"],
-                " (emulated)" if section["emulated"] else "", len(section["modules"]))
+                " (emulated)" if section["emulated"] else " (torchao kernels)", len(section["modules"]))
     for what, operands in section["recipe"].items():
         logger.info("    %-7s %s", what, operands)
     logger.info("    kept out (plan's compute dtype): %s", ", ".join(section["kept_out"]) or "none")
