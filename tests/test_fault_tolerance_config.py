@@ -198,8 +198,8 @@ def test_one_rank_groups_allreduce_buckets_bit_identical_to_per_tensor(monkeypat
     for g in grads:
         w = g.to(wire_dtype(g.dtype))
         expected.append(w.add_(w * 3 + 1).div_(2).to(g.dtype))
-    ft = ftmod.FaultTolerance.__new__(ftmod.FaultTolerance)
-    ft.manager, ft.plan = _PeerManager(), types.SimpleNamespace(cross_group_dtype=wire_dtype)
+    ft = ftmod.FaultTolerance(load_config(list(ON)).fault_tolerance, types.SimpleNamespace(cross_group_dtype=wire_dtype),
+                              manager=_PeerManager())
     monkeypatch.setattr(ftmod, "BUCKET_BYTES", 1024)
     ft.allreduce_grads(params)
     for p, e in zip(params, expected):

@@ -127,7 +127,7 @@ class DiLoCo:
         if healed:
             self._last_sync_step = counters.step
         wire = pseudo_gradient(self.global_weights, self.weights, self.plan.pseudo_gradient_dtype)
-        self.ft.manager.allreduce(wire).wait()
+        self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire).wait()
         # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
         if self.ft.should_commit(since=self._last_sync_time):
             outer_step(self.global_weights, self.momentum, wire, self.lr, self.mu)

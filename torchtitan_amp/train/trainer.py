@@ -312,6 +312,17 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             return iter(self.dataloader)
 
+    def audited_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The step the audit records: a train step as the loop runs it, so under fault tolerance
+        with its quorum first (torchft's all-reduce needs one: per-step averaging), or followed by
+        a DiLoCo sync (the pseudo-gradient all-reduce). Each replica group runs its audit, and the
+        quorum waits for fault_tolerance.min_replica_size of them, as training does."""
+        if self.ft_every_step:
+            self.ft.start_step()
+        self.train_step(batches)
+        if self.diloco is not None:
+            self.diloco.sync(self)
+
     def audit(self) -> "AuditResult":
         """One train step checked against the precision plan (`mixed_precision.audit`, by
         precision/audit.py), instead of training."""
