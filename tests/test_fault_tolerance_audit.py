@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support import SameValuesManager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
@@ -30,46 +31,11 @@ BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--trai
 DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
 
 
-class _Work:
-    def wait(self) -> None:
-        pass
-
-
-class _SameValuesManager:
-    """torchft's Manager with a peer group holding this group's values: the average is the
-    tensor itself; the quorum is immediate and every step commits."""
-
-    def __init__(self) -> None:
-        self.sent: list[torch.dtype] = []
-
-    def register_state_dict_fn(self, *args) -> None:
-        pass
-
-    def start_quorum(self) -> None:
-        pass
-
-    def num_participants(self) -> int:
-        return 2
-
-    def participating_rank(self) -> int:
-        return 0
-
-    def should_commit(self) -> bool:
-        return True
-
-    def allreduce(self, t: torch.Tensor) -> _Work:
-        self.sent.append(t.dtype)
-        return _Work()
-
-    def shutdown(self, wait: bool = False) -> None:
-        pass
-
-
 @pytest.fixture(autouse=True)
 def _stand_in_manager(monkeypatch):
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
     monkeypatch.setattr(build_module.fault_tolerance, "build", lambda config, plan: FaultTolerance(
-        config.fault_tolerance, plan, manager=_SameValuesManager()))
+        config.fault_tolerance, plan, manager=SameValuesManager()))
 
 
 def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
@@ -119,7 +85,7 @@ def test_fsdp_hook_path_is_recorded_per_reduce_scatter_output() -> None:
     """FSDP's all-reduce hook hands each reduce-scatter output (in its reduce dtype) to
     _allreduce_in_place: recorded with that dtype, sent in cross_group_dtype of it."""
     plan = _plan("--mixed_precision.enabled", "true", "--mixed_precision.reduce_dtype", "bfloat16")
-    manager = _SameValuesManager()
+    manager = SameValuesManager()
     ft = FaultTolerance(load_config(BASE[-4:]).fault_tolerance, plan, manager=manager)
     wires = CrossGroupWires()
     with ft.recording(wires):

@@ -77,7 +77,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Param
     """Create the optimizer's per-parameter state before the first step, so that a live group can
     serve it (and a healing one receive it) at any step. A zero-gradient step at lr 0 leaves
     AdamW's weights and moments as they were; its step counters are put back to 0, so the first
-    real step is the same as without this."""
+    real step is the same as without this. A resumed optimizer (its state loaded from a
+    checkpoint) is left as it is: such a step would decay its moments and zero its counters."""
+    if all(optimizer.state.get(p) for p in params):
+        return
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0

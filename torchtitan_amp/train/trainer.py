@@ -29,7 +29,6 @@ from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, blockscaled_apply, float8
-from torchtitan_amp.train import diloco
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, group_config, init_optimizer_state
 
@@ -107,7 +106,7 @@ class Trainer:
             init_optimizer_state(self.optimizer, self.params)
             self.ft.register(TrainingState(self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self))
         # semi_sync_method = "diloco": groups train alone and sync every sync_steps (else None).
-        self.diloco = diloco.build(config, self.ft, self.params, self.plan)
+        self.diloco = setup.diloco
         self.ft_every_step = self.ft is not None and self.diloco is None
 
     def _check_deadline(self, step_s: float, basis: str) -> None:
