@@ -241,8 +241,8 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
         scaler=scaler, dataloader=dataloader, model_args=job.model_args, device=device, pp_degree=job.dims.pp,
         validator=validator, replica=ft.replica_group() if ft is not None else None, outer_state=outer)
     resumed = checkpointer.load()
-    if outer is not None and not outer.restored:
-        outer.restart_from_weights()  # the global weights are the loaded (or initial) ones
+    if outer is not None:
+        outer.after_load()
     deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
     return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
                          validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft, outer)

@@ -135,11 +135,15 @@ class DiLoCo:
         self.restored = True
 
     @torch.no_grad()
-    def restart_from_weights(self) -> None:
-        """Global weights = the parameters, momentum 0: after a load without DiLoCo's state (an
-        initial model, or 'diloco' in checkpoint.exclude_from_loading)."""
-        torch._foreach_copy_(self.global_weights, self.weights)
-        torch._foreach_zero_(self.momentum)
+    def after_load(self) -> None:
+        """After the checkpoint load (or none): the shards taken again (loading a state dict into
+        FSDP2 parameters gives them new local tensors: the old views would be stale), and, unless
+        DiLoCo's own state was loaded, global weights = the parameters and momentum 0 (a fresh
+        job, an initial model, or 'diloco' in checkpoint.exclude_from_loading)."""
+        self.weights = [_local(p.detach()) for p in self.params]
+        if not self.restored:
+            torch._foreach_copy_(self.global_weights, self.weights)
+            torch._foreach_zero_(self.momentum)
 
     def state_dict(self) -> dict[str, Any]:
         return {"global": self.global_weights, "momentum": self.momentum, "syncs": self.syncs}

@@ -329,6 +329,8 @@ class Trainer:
 
         result = audit.audit_step(self, self._new_batches(), self.config.job.dump_folder, self.is_logging_rank)
         self.metrics.close()
+        if self.ft is not None:
+            self.ft.shutdown()
         return result
 
     def _maybe_validate(self) -> dict[str, float]:
