@@ -31,7 +31,8 @@ buffer per sync cast to the plan's pseudo_gradient_dtype for torchft's all-reduc
   DTensors laid out like the parameters (a DCP load reshards them like the model), the sync count
   and the step of the last sync. Regular saves fall on syncs (checkpoint.interval is a multiple of
   sync_steps), where every group's local weights are the global ones, so the one group's shared
-  checkpoint is every group's state. A process that restored them joins without an outer step
+  checkpoint holds every group's model (each group's own inner optimizer state goes into its own
+  files: checkpoint/replicas.py). A process that restored them joins without an outer step
   (its join's all-reduce still runs, for the quorum) and trains on from the restored weights: a
   full restart continues as if never stopped. A pre-emption's forced save between syncs holds the
   saving group's local weights mid-interval: every group resumes from those.
