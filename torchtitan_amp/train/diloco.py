@@ -214,6 +214,7 @@ def build(config: JobConfig, ft: "FaultTolerance | None", model_parts: list[nn.M
     `params` named as in `model_parts` (the checkpoint's keys)."""
     if ft is None or not plan.sync_steps:
         return None
-    names = {id(p): unwrapped_name(f"{n}") for part in model_parts for n, p in part.named_parameters()}
+    by_id = {id(p): unwrapped_name(n) for part in model_parts for n, p in part.named_parameters()}
+    names = [by_id.get(id(p), str(i)) for i, p in enumerate(params)]
     f = config.fault_tolerance
-    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum, [names.get(id(p), str(i)) for i, p in enumerate(params)])
+    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum, names)
