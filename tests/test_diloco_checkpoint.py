@@ -23,11 +23,11 @@ from torchtitan_amp.train import build as build_module
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
-ARGS = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--training.steps", "4", "--training.dtype", "bfloat16",
-        "--mixed_precision.enabled", "false", "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-        "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+COMMON = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+          "--training.gc_freq", "0", "--training.steps", "4", "--training.dtype", "bfloat16",
+          "--mixed_precision.enabled", "false", "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+          "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+ARGS = [*COMMON, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +76,14 @@ def test_a_restart_from_a_sync_checkpoint_continues_bitwise(tmp_path: Path) -> N
         else:  # global weights rebuilt from the bf16 model, momentum from 0: a different run
             assert [k for k in want if k.startswith("model.") and k not in same]
             assert [k for k in want if k.startswith("global.") and k not in same]
+
+
+def test_a_checkpoint_without_diloco_state_is_refused_in_one_line(tmp_path: Path) -> None:
+    from torchtitan_amp.core.errors import CheckpointError
+
+    every_step = [*COMMON, "--training.steps", "2", "--job.dump_folder", str(tmp_path)]  # gradients every step
+    trainer_module.Trainer(load_config(every_step)).train()
+    with pytest.raises(CheckpointError, match=r"step-2 has no DiLoCo state \(saved without fault_tolerance."
+                                              r"semi_sync_method = 'diloco'\); add 'diloco' to checkpoint.exclude") as e:
+        trainer_module.Trainer(load_config([*ARGS, "--job.dump_folder", str(tmp_path)]))
+    assert "\n" not in str(e.value)
