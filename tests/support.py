@@ -463,3 +463,39 @@ def assert_step_sync_budget(ranks: list[dict], label: str = "") -> None:
         if info["ep_layers"]:
             want["tolist"] = info["ep_layers"] * info["forwards_per_step"]
         assert record["syncs"] == want, f"{label} rank {info['rank']}: {record['where']}"
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class SameValuesManager:
+    """torchft's Manager for one replica group run in-process, its peer group holding the same
+    values: the all-reduce's average is the tensor itself (the dtypes sent are kept in `sent`),
+    the quorum is immediate, every step commits, and this group saves the shared checkpoint."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def register_state_dict_fn(self, *args: Any) -> None:
+        pass
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 2
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def should_commit(self) -> bool:
+        return True
+
+    def allreduce(self, t: Any) -> _Done:
+        self.sent.append(t.dtype)
+        return _Done()
+
+    def shutdown(self, wait: bool = False) -> None:
+        pass

@@ -47,5 +47,5 @@ def test_a_new_state_is_one_table_entry(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_exclude_from_loading_names_come_from_the_table(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown state 'probe'; choose from: model, optimizer, lr_scheduler, "
-                                          "scaler, train_state, dataloader, rng"):
+                                          "scaler, diloco, train_state, dataloader, rng"):
         _trainer(tmp_path, "--checkpoint.exclude_from_loading", "probe")

@@ -16,6 +16,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.train.diloco import DiLoCo, outer_step, pseudo_gradient
+from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
 ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
       "--fault_tolerance.semi_sync_method", "diloco", "--mixed_precision.enabled", "false")
@@ -33,28 +34,32 @@ class _Work:
 
 class _Manager:
     """torchft's Manager as DiLoCo uses it: the all-reduce averages with `peer` in the wire's
-    dtype (sum, then divide, as torchft's AVG does)."""
+    dtype (sum, then divide, as torchft's AVG does); the quorum is immediate and the sync
+    commits when `commit`."""
 
-    def __init__(self, peer: torch.Tensor) -> None:
-        self.peer = peer
+    def __init__(self, peer: torch.Tensor, commit: bool) -> None:
+        self.peer, self.commit = peer, commit
 
     def register_state_dict_fn(self, *args) -> None:
         pass
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 2
+
+    def should_commit(self) -> bool:
+        return self.commit
 
     def allreduce(self, t: torch.Tensor) -> _Work:
         t.add_(self.peer.to(t.dtype)).div_(2)
         return _Work()
 
 
-class _FT:
-    def __init__(self, peer: torch.Tensor, commit: bool) -> None:
-        self.manager, self.commit = _Manager(peer), commit
-
-    def start_step(self) -> bool:
-        return False
-
-    def should_commit(self, since: float | None = None) -> bool:
-        return self.commit
+def _FT(peer: torch.Tensor, commit: bool) -> FaultTolerance:
+    """The loop's FaultTolerance over the stand-in Manager."""
+    return FaultTolerance(load_config(list(ON)).fault_tolerance, _plan(), manager=_Manager(peer, commit))
 
 
 def test_the_plan_decides_the_wire_and_the_outer_state() -> None:

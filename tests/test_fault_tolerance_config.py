@@ -42,8 +42,8 @@ def test_off_by_default_and_in_help() -> None:
     ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
     ((*ON, "--checkpoint.enable", "true", "--checkpoint.async_mode", "async"), "'checkpoint.async_mode' = 'async'"),
     ((*ON, "--checkpoint.create_seed_checkpoint", "true"), "'checkpoint.create_seed_checkpoint' runs without"),
-    ((*ON, "--checkpoint.enable", "true", "--fault_tolerance.semi_sync_method", "diloco"),
-     "'checkpoint.enable' is not supported with fault_tolerance.semi_sync_method = 'diloco'"),
+    ((*ON, "--checkpoint.enable", "true", "--fault_tolerance.semi_sync_method", "diloco", "--checkpoint.interval", "7"),
+     "'checkpoint.interval' = 7 must be a multiple of fault_tolerance.sync_steps = 5"),
     (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
     (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
 ])
@@ -198,8 +198,8 @@ def test_one_rank_groups_allreduce_buckets_bit_identical_to_per_tensor(monkeypat
     for g in grads:
         w = g.to(wire_dtype(g.dtype))
         expected.append(w.add_(w * 3 + 1).div_(2).to(g.dtype))
-    ft = ftmod.FaultTolerance.__new__(ftmod.FaultTolerance)
-    ft.manager, ft.plan = _PeerManager(), types.SimpleNamespace(cross_group_dtype=wire_dtype)
+    ft = ftmod.FaultTolerance(load_config(list(ON)).fault_tolerance, types.SimpleNamespace(cross_group_dtype=wire_dtype),
+                              manager=_PeerManager())
     monkeypatch.setattr(ftmod, "BUCKET_BYTES", 1024)
     ft.allreduce_grads(params)
     for p, e in zip(params, expected):

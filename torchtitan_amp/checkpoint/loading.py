@@ -83,7 +83,12 @@ def load(config: JobConfig, folder: Path, state: RunState,
     else:
         train_state = load_dcp(state, path, names)
     if kind == "full":
-        load_rank_state(state, *_rank_files(folder, replica, ranks, choice, names))
+        rank_path, rank_meta, rank_names = _rank_files(folder, replica, ranks, choice, names)
+        load_rank_state(state, rank_path, rank_meta, rank_names)
+        # Under DiLoCo a group's own files also hold its optimizer state (replicas.own_dcp_parts).
+        own_parts = tuple(n for n in replicas.own_dcp_parts(state.outer_state is not None) if n in names)
+        if own_parts and rank_path != Path(choice.path):
+            load_dcp(state, rank_path, own_parts)
     if ranks.rank == 0:
         skipped = [n for n in every if n not in names]
         logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),

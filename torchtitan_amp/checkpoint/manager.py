@@ -70,7 +70,8 @@ class CheckpointManager:
     `model` may be a list (the pipeline stages this rank holds) and `optimizer` one optimizer
     over all of them or a list (parts.RunState).
     Collective calls (every rank must make them): load, maybe_save, should_stop, close.
-    `replica`: this run's replica group under fault tolerance (replicas.py).
+    `replica`: this run's replica group under fault tolerance (replicas.py); `outer_state`: its
+    DiLoCo state under semi_sync_method = "diloco" (parts.RunState).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class CheckpointManager:
         pp_degree: int = 1,
         validator: Any = None,
         replica: replicas.ReplicaGroup | None = None,
+        outer_state: Any = None,
     ) -> None:
         c = config.checkpoint
         self.config = config
@@ -95,7 +97,7 @@ class CheckpointManager:
         self.ranks = RankLayout.current(dataloader, pp_degree)
         self.state = RunState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler,
                               dataloader=dataloader, validator=validator, model_args=model_args,
-                              device=device, ranks=self.ranks)
+                              device=device, ranks=self.ranks, outer_state=outer_state)
         self.loaded_path: Path | None = None  # what load() restored from
         # should_stop's group (gloo even on nccl runs, so the poll never syncs the GPU). Made first,
         # before the saver's, because every rank polls every step, checkpointing on or off.

@@ -4,7 +4,8 @@ state to save is one entry in the table: saving, loading and `checkpoint.exclude
 all read it.
 
 DCP holds the layout-free parts (model and optimizer keyed by FQN, so any parallel layout can load
-them, LR schedule, loss scaler, train state); `rank_<r>.pt` holds each rank's own: RNG states, and
+them, LR schedule, loss scaler, train state, and under DiLoCo its global weights and outer
+momentum, placed like the parameters); `rank_<r>.pt` holds each rank's own: RNG states, and
 the data position, which is global (samples consumed, the same in every file), so another
 data-parallel degree reads it from any rank's file.
 """
@@ -155,6 +156,16 @@ def _put_dataloader(m: RunState, state: dict[str, Any]) -> None:
         logger.info("%s", note)
 
 
+def _has_outer_state(m: RunState, path: Path, saved: dict[str, Any], template: Any) -> bool:
+    if m.outer_state is None:
+        return False  # not DiLoCo: a DiLoCo checkpoint's model and optimizer resume a per-step run
+    if not any(k.startswith("diloco.") for k in saved):
+        raise CheckpointError(f"{path} has no DiLoCo state (saved without fault_tolerance.semi_sync_method = "
+                              "'diloco'); add 'diloco' to checkpoint.exclude_from_loading to start the global "
+                              "weights from the loaded model, with zero momentum")
+    return True
+
+
 def _put_train_state(m: RunState, state: dict[str, Any]) -> None:
     m.train_state = TrainState(int(state["step"]), int(state["tokens_seen"]))
 
@@ -171,6 +182,8 @@ PARTS: tuple[StatePart, ...] = (
               lambda m, sd: m.lr_scheduler.load_state_dict(sd)),
     StatePart("scaler", True, lambda m: m.scaler.state_dict(), lambda m, sd: m.scaler.load_state_dict(sd),
               _has_scaler),
+    StatePart("diloco", True, lambda m: m.outer_state.checkpoint_state() if m.outer_state is not None else {},
+              lambda m, sd: m.outer_state.load_checkpoint_state(sd), _has_outer_state),
     StatePart("train_state", True, lambda m: dataclasses.asdict(m.train_state), _put_train_state),
     StatePart("dataloader", False, lambda m: m.dataloader.state_dict(),
               _put_dataloader, source_rank=_dataloader_source),
@@ -190,6 +203,10 @@ class RunState:
     scaler, data and validation positions, RNG, and the step count (`train_state`, which the table's
     train_state entry saves and restores).
 
+    `outer_state`: DiLoCo's (train/diloco.py) under fault_tolerance.semi_sync_method = "diloco",
+    else None; its `checkpoint_state()` is the "diloco" part (global weights and outer momentum
+    as DTensors placed like the parameters, sync counters), `load_checkpoint_state` restores it.
+
     `model` may be a list (the pipeline stages this rank holds) and `optimizer` one optimizer
     over all of them or a list: the stages are merged into one module for the state_dict
     helpers, which works because stage FQNs never collide.
@@ -207,6 +224,7 @@ class RunState:
         model_args: Any,
         device: torch.device,
         ranks: RankLayout,
+        outer_state: Any = None,
     ) -> None:
         self.model_parts = model if isinstance(model, list) else [model]
         self.model = self.model_parts[0] if len(self.model_parts) == 1 else merge_parts(self.model_parts)
@@ -218,6 +236,7 @@ class RunState:
         self.model_args = model_args
         self.device = device
         self.ranks = ranks
+        self.outer_state = outer_state
         self.train_state = TrainState()
         self.parts = PARTS  # read once: the table in force when the run started
         self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)

@@ -13,6 +13,11 @@ full restart of every group loads the shared state and each group its own files.
 its own step-N (it was dead, or not yet back, when step N was saved) takes the data and
 validation positions from the shared checkpoint: positions are global (samples consumed by the
 run, data/loader.py), the same in every group's files; its RNG states stay as seeded.
+
+Under DiLoCo the groups train apart between syncs: at a sync their weights are the same, their
+inner optimizer states (AdamW moments) are not. Each group's own files then also hold its
+optimizer state (DCP, `own_dcp_parts`), which a full restart loads over the shared one; a group
+without its own step-N takes the saving group's.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ class ReplicaGroup:
 
     replica_id: int
     saves_shared: Callable[[], bool]
+
+
+def own_dcp_parts(diloco: bool) -> tuple[str, ...]:
+    """The DCP parts (parts.PARTS) a group saves in its own files too: under DiLoCo the inner
+    optimizer's state, which is each group's own; none when the groups average every step."""
+    return ("optimizer",) if diloco else ()
 
 
 def folder(checkpoint_folder: Path, replica_id: int) -> Path:

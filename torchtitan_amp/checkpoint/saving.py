@@ -168,7 +168,8 @@ class Saver:
         return False
 
     def _save_own_files(self, step: int, tokens_seen: int) -> None:
-        """This group's per-rank files into ft-replica-<id>/step-N, committed with a marker."""
+        """This group's per-rank files into ft-replica-<id>/step-N (and under DiLoCo its optimizer
+        state, replicas.own_dcp_parts), committed with a marker."""
         assert self.replica is not None
         begin = time.monotonic()
         own = replicas.folder(self.folder, self.replica.replica_id)
@@ -180,6 +181,11 @@ class Saver:
         except OSError as e:
             error = f"rank {rank} could not write {tmp}/rank_{rank}.pt: {one_line(e)}"
         all_ok(self.ranks, error)
+        own_parts = replicas.own_dcp_parts(self.state.outer_state is not None)
+        if own_parts:
+            with quiet_single_process():
+                dcp.save(self.state.dcp_state(own_parts, TrainState(step, tokens_seen)), checkpoint_id=str(tmp),
+                         no_dist=not dist.is_initialized())
         self.commit(TrainState(step, tokens_seen), tmp, final, replicas.KIND, begin)
 
     def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:

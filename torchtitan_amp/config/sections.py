@@ -238,7 +238,7 @@ class Checkpoint:
         "'async_with_pinned_mem' (CUDA only) stages through pinned host memory.",
     )
     exclude_from_loading: list[str] = _f(
-        [], "States not to restore on load, from: model, optimizer, lr_scheduler, scaler, "
+        [], "States not to restore on load, from: model, optimizer, lr_scheduler, scaler, diloco, "
         "train_state, dataloader, rng, validation."
     )
     create_seed_checkpoint: bool = _f(

@@ -77,11 +77,12 @@ def validate_fault_tolerance(config: JobConfig) -> None:
              "fault_tolerance.enable: use 'disabled'")
     _require(not config.checkpoint.create_seed_checkpoint, "'checkpoint.create_seed_checkpoint' runs without "
              "fault_tolerance.enable (one process, no replica groups)")
-    # A checkpoint holds the inner model and optimizer, not DiLoCo's global weights and outer momentum:
-    # a full restart would resume from local weights in the middle of an outer step.
-    _require(not (config.checkpoint.enable and ft.semi_sync_method == "diloco"),
-             "'checkpoint.enable' is not supported with fault_tolerance.semi_sync_method = 'diloco' (checkpoints "
-             "do not hold its global weights and outer momentum): a group that restarts heals from a live one")
+    # One group saves the shared checkpoint: only at a sync is its local model every group's (train/diloco.py).
+    c = config.checkpoint
+    _require(not (c.enable and ft.semi_sync_method == "diloco" and c.interval % ft.sync_steps),
+             f"'checkpoint.interval' = {c.interval} must be a multiple of fault_tolerance.sync_steps = "
+             f"{ft.sync_steps} under semi_sync_method = 'diloco': checkpoints are saved at syncs, where "
+             "every replica group holds the same weights")
 
 
 # Read only under semi_sync_method = 'diloco': set elsewhere, they would silently do nothing.

@@ -28,7 +28,13 @@ Promises checked, each by module name or collective:
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
   only (the counts before them as integers), on no other group, and are seen at all where this
-  rank holds an expert-parallel layer.
+  rank holds an expert-parallel layer;
+- fault tolerance (torchft replica groups): every cross-group all-reduce (torchft's Manager, on
+  its own process group, recorded where train/fault_tolerance.py calls it) moves the plan's
+  dtype: per-step gradient averages (FSDP's all-reduce hook or the one-rank buckets) in
+  cross_group_dtype of the gradients' dtype, DiLoCo's pseudo-gradient in pseudo_gradient_dtype;
+  the one the method promises is seen at all (the audited step runs its quorum, or a DiLoCo sync),
+  the other never.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class AuditResult:
     collectives: dict[str, dict[str, int]]  # "reduce_scatter:dp_shard" -> dtype -> bytes
     backward_matmuls: list[str] = field(default_factory=list)
     gemms: dict[str, dict[str, list[Any]]] = field(default_factory=dict)  # block-scaled: module -> pass -> operands
+    # fault tolerance: "gradients" / "pseudo_gradient" -> dtypes of the values sent ("+"-joined for
+    # a bucket of several) -> the wire dtypes they were sent in
+    cross_group: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -99,7 +108,8 @@ class AuditResult:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "breaches": [asdict(b) for b in self.breaches], "modules": self.modules,
                 "backward_matmuls": self.backward_matmuls, "tensors": self.tensors,
-                "collectives": self.collectives, "block_scaled_gemms": self.gemms}
+                "collectives": self.collectives, "block_scaled_gemms": self.gemms,
+                "cross_group_allreduce": self.cross_group}
 
 
 def _clean(name: str) -> str:
@@ -273,6 +283,56 @@ def check_expert_parallel(collectives: dict[str, dict[str, int]], dispatch: str,
     return breaches
 
 
+# torchft's cross-group all-reduces, by the kind train/fault_tolerance.py tells its recorders.
+CROSS_GROUP = {"gradients": "gradient all_reduce:replica_groups",
+               "pseudo_gradient": "pseudo-gradient all_reduce:replica_groups"}
+
+
+class CrossGroupWires:
+    """A recorder of torchft's cross-group all-reduces (fault_tolerance.WireRecorder): per kind,
+    the dtypes of the values sent -> the wire dtypes, and the bytes per wire dtype."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def __call__(self, kind: str, sources: tuple[torch.dtype, ...], wire: torch.Tensor) -> None:
+        source = "+".join(sorted(dtype_name(d) for d in sources))
+        self.seen[kind][source].add(dtype_name(wire.dtype))
+        self.bytes[CROSS_GROUP.get(kind, kind)][dtype_name(wire.dtype)] += wire.numel() * wire.element_size()
+
+    def result(self) -> dict[str, dict[str, list[str]]]:
+        return {k: {s: sorted(w) for s, w in by.items()} for k, by in self.seen.items()}
+
+
+def check_cross_group(seen: dict[str, dict[str, list[str]]], plan: PrecisionPlan, sends: bool) -> list["Breach"]:
+    """torchft's cross-group all-reduces of one audited step against the plan: under DiLoCo
+    (plan.sync_steps) the pseudo-gradient in pseudo_gradient_dtype, else each gradient dtype in
+    cross_group_dtype of it; the other kind never, and the promised one seen where this rank
+    `sends` (holds trained parameters). Without fault tolerance, none."""
+    if not plan.replica_groups:
+        return [Breach(CROSS_GROUP.get(k, k), ["none (fault_tolerance.enable = false)"],
+                       sorted({w for ws in by.values() for w in ws})) for k, by in seen.items()]
+    kind = "pseudo_gradient" if plan.sync_steps else "gradients"
+    method = "diloco" if plan.sync_steps else "none"
+    breaches = [Breach(CROSS_GROUP.get(k, k), [f"none (semi_sync_method = '{method}')"],
+                       sorted({w for ws in by.values() for w in ws})) for k, by in seen.items() if k != kind]
+
+    def promised(source: str) -> set[str]:
+        if plan.sync_steps:
+            return {dtype_name(plan.pseudo_gradient_dtype)}
+        return {dtype_name(plan.cross_group_dtype(getattr(torch, d))) for d in source.split("+")}
+
+    by_source = seen.get(kind, {})
+    if sends and not by_source:
+        every = sorted(promised(dtype_name(plan.reduce_dtype)) | promised(dtype_name(plan.storage_dtype)))
+        breaches.append(Breach(CROSS_GROUP[kind], every, ["none seen"]))
+    for source, wires in sorted(by_source.items()):
+        if set(wires) != promised(source):
+            breaches.append(Breach(f"{CROSS_GROUP[kind]} of {source} values", sorted(promised(source)), wires))
+    return breaches
+
+
 class Auditor:
     """Records one train step of `trainer` and checks it against `trainer.plan`."""
 
@@ -296,17 +356,20 @@ class Auditor:
             if operands not in gemms[_clean(module)][what]:
                 gemms[_clean(module)][what].append(operands)
 
+        wires = CrossGroupWires()
+        ft = getattr(self.trainer, "ft", None)
         with (_module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder,
-              observe_gemms(on_gemm)):
-            self.trainer.train_step(batches)
+              observe_gemms(on_gemm), ft.recording(wires) if ft is not None else contextlib.nullcontext()):
+            self.trainer.audited_step(batches)
         collectives = traffic.snapshot()
+        collectives.update({c: dict(d) for c, d in wires.bytes.items()})
         for category, by_dtype in recorder.all_to_all.items():
             collectives[category] = dict(by_dtype)
         modules = {m: {k: sorted(v) for k, v in ops.items()} for m, ops in recorder.seen.items()}
         modules = self._gather(modules)
         backward = sorted(set().union(*self._gather_list(sorted(recorder.backward_matmuls))))
         tensors = self._gather_tensors()
-        result = AuditResult([], modules, tensors, collectives, backward, self._gather_gemms(gemms))
+        result = AuditResult([], modules, tensors, collectives, backward, self._gather_gemms(gemms), wires.result())
         result.breaches = self.check(result)
         return result
 
@@ -407,6 +470,8 @@ class Auditor:
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)
+        sends = any(p.requires_grad for p in self.trainer.params)
+        breaches += check_cross_group(r.cross_group, plan, sends)
         for category, by_dtype in r.collectives.items():
             op, _, dim = category.partition(":")
             if op == "all_gather" and dim in _DP_DIMS:

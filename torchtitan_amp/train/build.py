@@ -35,6 +35,7 @@ from torchtitan_amp.observability.trackers import build_trackers
 from torchtitan_amp.precision import autocast, reducers
 from torchtitan_amp.precision import report as report_mod
 from torchtitan_amp.precision import scaler as scaler_mod
+from torchtitan_amp.train import diloco as diloco_mod
 from torchtitan_amp.train import fault_tolerance
 from torchtitan_amp.train.job import Job, ModelParts, build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
@@ -85,6 +86,7 @@ class TrainingSetup:
     deadline: DeadlineCheck
     estimated_save_s: float  # a save's estimated time before any was measured (pre-emption only)
     ft: fault_tolerance.FaultTolerance | None  # this replica group's torchft Manager (fault_tolerance.enable)
+    diloco: diloco_mod.DiLoCo | None  # semi_sync_method = "diloco": the outer state, restored with the rest
 
 
 def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo, Job]:
@@ -229,14 +231,18 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
         loss_fn=loss_fn, model_inputs=model_inputs, device=device, loss_group=groups.loss, pp_group=groups.pp,
         is_logging_rank=is_logging_rank)
     optimization = build_optimization(config, job, device, parts)
+    # Before the checkpoint manager: a checkpoint holds DiLoCo's state (its "diloco" part).
+    outer = diloco_mod.build(config, ft, parts, optimization.params, job.plan)
     report = report_mod.log_and_write_report(job.plan, nn.ModuleList(parts), config.job.dump_folder,
                                              is_logging_rank, memory_facts(job, info.world_size))
     metrics = build_metrics(config, job, device, is_logging_rank, built.flops_per_token, report)
     checkpointer = CheckpointManager(
         config, model=parts, optimizer=optimization.optimizer, lr_scheduler=optimization.lr_scheduler,
         scaler=scaler, dataloader=dataloader, model_args=job.model_args, device=device, pp_degree=job.dims.pp,
-        validator=validator, replica=ft.replica_group() if ft is not None else None)
+        validator=validator, replica=ft.replica_group() if ft is not None else None, outer_state=outer)
     resumed = checkpointer.load()
+    if outer is not None:
+        outer.after_load()
     deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
     return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
-                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft)
+                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft, outer)

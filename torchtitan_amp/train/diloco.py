@@ -27,6 +27,15 @@ buffer per sync cast to the plan's pseudo_gradient_dtype for torchft's all-reduc
   back to the last global weights, so the inner steps since the last sync are lost, as
   torchft's DiLoCo does; the step counter, data position and LR schedule go on, and the inner
   AdamW moments keep what those steps added (undoing that would need a second copy of them).
+- Checkpoints (checkpoint/parts.py's "diloco" part): the global weights and outer momentum as
+  DTensors laid out like the parameters (a DCP load reshards them like the model), the sync count
+  and the step of the last sync. Regular saves fall on syncs (checkpoint.interval is a multiple of
+  sync_steps), where every group's local weights are the global ones, so the one group's shared
+  checkpoint holds every group's model (each group's own inner optimizer state goes into its own
+  files: checkpoint/replicas.py). A process that restored them joins without an outer step
+  (its join's all-reduce still runs, for the quorum) and trains on from the restored weights: a
+  full restart continues as if never stopped. A pre-emption's forced save between syncs holds the
+  saving group's local weights mid-interval: every group resumes from those.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import JobConfig
+from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.precision import PrecisionPlan
 
 if TYPE_CHECKING:
@@ -90,17 +100,51 @@ class DiLoCo:
     """This rank's global weights and outer momentum, and the sync the loop calls."""
 
     def __init__(self, ft: "FaultTolerance", params: list[nn.Parameter], plan: PrecisionPlan,
-                 outer_lr: float, outer_momentum: float) -> None:
+                 outer_lr: float, outer_momentum: float, names: list[str] | None = None) -> None:
+        """`names`: the parameters' names in the model (checkpoint keys; default their index)."""
         self.ft, self.plan, self.lr, self.mu = ft, plan, outer_lr, outer_momentum
         self.sync_steps = plan.sync_steps
+        trained = [(n, p) for n, p in zip(names or [str(i) for i in range(len(params))], params) if p.requires_grad]
+        self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
         # References to the shards (views), updated in place: a healing group copies into them.
-        self.weights = [_local(p.detach()) for p in params if p.requires_grad]
+        self.weights = [_local(p.detach()) for p in self.params]
         self.global_weights = [w.to(plan.outer_state_dtype, copy=True) for w in self.weights]
         self.momentum = [torch.zeros_like(g) for g in self.global_weights]
         self.syncs = 0  # syncs committed (the join of a fresh job included)
         self.inner_steps_lost = 0  # inner steps undone by discarded syncs
         self._last_sync_step, self._last_sync_time = 0, time.perf_counter()
+        self.restored = False  # the state came from a checkpoint: the next join takes no outer step
         ft.manager.register_state_dict_fn("diloco", self.load_state_dict, self.state_dict)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The checkpoint's "diloco" part: per trained parameter its global weights and momentum
+        shaped and placed like it (this rank's shards, as DTensors of the parameter's mesh: DCP
+        saves and loads them like the model's), the sync count and the step of the last sync."""
+        out: dict[str, Any] = {"syncs": self.syncs, "last_sync_step": self._last_sync_step}
+        for name, p, g, m in zip(self.names, self.params, self.global_weights, self.momentum):
+            out[f"global.{name}"], out[f"momentum.{name}"] = _placed_like(p, g), _placed_like(p, m)
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """The "diloco" part loaded (DCP loaded the tensors into checkpoint_state's, which are
+        views of this rank's state; copied anyway so any state dict of that form loads)."""
+        for name, g, m in zip(self.names, self.global_weights, self.momentum):
+            g.copy_(_local(state[f"global.{name}"]))
+            m.copy_(_local(state[f"momentum.{name}"]))
+        self.syncs, self._last_sync_step = int(state["syncs"]), int(state["last_sync_step"])
+        self.restored = True
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """After the checkpoint load (or none): the shards taken again (loading a state dict into
+        FSDP2 parameters gives them new local tensors: the old views would be stale), and, unless
+        DiLoCo's own state was loaded, global weights = the parameters and momentum 0 (a fresh
+        job, an initial model, or 'diloco' in checkpoint.exclude_from_loading)."""
+        self.weights = [_local(p.detach()) for p in self.params]
+        if not self.restored:
+            torch._foreach_copy_(self.global_weights, self.weights)
+            torch._foreach_zero_(self.momentum)
 
     def state_dict(self) -> dict[str, Any]:
         return {"global": self.global_weights, "momentum": self.momentum, "syncs": self.syncs}
@@ -124,12 +168,20 @@ class DiLoCo:
         `counters.step` is the step that just ended (0 for the join). True when this group has
         just loaded a live group's state: the caller's data iterator must restart from it."""
         healed = self.ft.start_step()
+        # A join after a checkpoint restore, with every group at the same step (no heal): the groups
+        # hold that checkpoint's state, which no outer step may change (the uninterrupted run took
+        # none here). Its all-reduce still runs: the quorum's groups all take part in each sync.
+        resumed, self.restored = self.restored and not healed, False
         if healed:
             self._last_sync_step = counters.step
         wire = pseudo_gradient(self.global_weights, self.weights, self.plan.pseudo_gradient_dtype)
-        self.ft.manager.allreduce(wire).wait()
+        self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire).wait()
         # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
-        if self.ft.should_commit(since=self._last_sync_time):
+        committed = self.ft.should_commit(since=self._last_sync_time)
+        if committed and resumed:  # the restored weights, global weights and momentum stand
+            self._last_sync_time = time.perf_counter()
+            return False
+        if committed:
             outer_step(self.global_weights, self.momentum, wire, self.lr, self.mu)
             self.syncs += 1
         else:
@@ -147,11 +199,22 @@ class DiLoCo:
         return {"ft_syncs": float(self.syncs), "ft_inner_steps_lost": float(self.inner_steps_lost)}
 
 
-def build(config: JobConfig, ft: "FaultTolerance | None", params: list[nn.Parameter],
-          plan: PrecisionPlan) -> DiLoCo | None:
-    """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None (after
-    the optimizer's state exists: the loop's TrainingState is registered first)."""
+def _placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part of `param`, in any dtype) as a tensor placed like `param`: a
+    DTensor of its mesh and placements (a view of `local`), or `local` itself."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def build(config: JobConfig, ft: "FaultTolerance | None", model_parts: list[nn.Module],
+          params: list[nn.Parameter], plan: PrecisionPlan) -> DiLoCo | None:
+    """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None;
+    `params` named as in `model_parts` (the checkpoint's keys)."""
     if ft is None or not plan.sync_steps:
         return None
+    by_id = {id(p): unwrapped_name(n) for part in model_parts for n, p in part.named_parameters()}
+    names = [by_id.get(id(p), str(i)) for i, p in enumerate(params)]
     f = config.fault_tolerance
-    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum)
+    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum, names)

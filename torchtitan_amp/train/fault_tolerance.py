@@ -15,10 +15,11 @@ torchft is imported here only, and only when fault_tolerance.enable is on.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,7 +77,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Param
     """Create the optimizer's per-parameter state before the first step, so that a live group can
     serve it (and a healing one receive it) at any step. A zero-gradient step at lr 0 leaves
     AdamW's weights and moments as they were; its step counters are put back to 0, so the first
-    real step is the same as without this."""
+    real step is the same as without this. A resumed optimizer (its state loaded from a
+    checkpoint) is left as it is: such a step would decay its moments and zero its counters."""
+    if all(optimizer.state.get(p) for p in params):
+        return
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
@@ -91,6 +95,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Param
             state["step"].zero_()
         elif "step" in state:
             state["step"] = 0
+
+
+# Who is told of every cross-group all-reduce (the precision audit): called with what it carries
+# ("gradients": the per-step average; "pseudo_gradient": DiLoCo's sync), the dtypes of the values
+# before the wire cast, and the wire tensor itself, before torchft sends it. torchft's
+# Manager.allreduce runs on its own process group, out of torch.distributed's (and so of
+# observability.traffic's) sight: our call sites are where its dtype can be seen.
+WireRecorder = Callable[[str, tuple[torch.dtype, ...], torch.Tensor], None]
 
 
 # Cap of one cross-group all-reduce bucket of plain gradients: DDP's default bucket_cap_mb.
@@ -174,22 +186,13 @@ class TrainingState:
 class FaultTolerance:
     """This group's torchft Manager and what the loop asks of it, with the counters it logs."""
 
-    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan) -> None:
-        import torchft
-
-        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-        pg = torchft.ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else \
-            torchft.ProcessGroupNCCL(timeout=timeout)
-        # Synchronous quorum: a healing group loads the live state before its forward, and the live
-        # group serves it while its own weights stand still (between its optimizer steps).
-        # init_sync off: every group initialises the same weights from training.seed.
-        self.manager = torchft.Manager(
-            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
-            use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=ft.lighthouse or None,
-            init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries)
+    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan, manager: Any = None) -> None:
+        """`manager`: torchft's Manager for this group (None: built from `ft`; tests pass a
+        stand-in)."""
+        self.manager = manager if manager is not None else _manager(ft)
         self.max_retries = ft.max_retries
         self.plan, self.replica_id = plan, ft.replica_id
+        self.recorders: list[WireRecorder] = []
         self.participants = 0  # groups in the current step's quorum
         self.discarded = 0  # steps whose cross-group all-reduce failed (not committed)
         self.heals = 0  # times this group copied the state of a live group
@@ -199,6 +202,22 @@ class FaultTolerance:
         self._step_start = 0.0
         self.last_discarded = False
         self._healed = False
+
+    @contextlib.contextmanager
+    def recording(self, recorder: WireRecorder) -> Iterator[None]:
+        """Inside the block `recorder` is told of every cross-group all-reduce (WireRecorder)."""
+        self.recorders.append(recorder)
+        try:
+            yield
+        finally:
+            self.recorders.remove(recorder)
+
+    def allreduce(self, kind: str, sources: tuple[torch.dtype, ...], wire: torch.Tensor) -> Any:
+        """torchft's average of `wire` over the quorum's groups (in place; returns its work), the
+        recorders told first: every cross-group collective goes through here."""
+        for record in self.recorders:
+            record(kind, sources, wire)
+        return self.manager.allreduce(wire)
 
     def register(self, state: TrainingState) -> None:
         """What this group serves to a healing one, and loads when it heals."""
@@ -220,7 +239,7 @@ class FaultTolerance:
     def _allreduce_in_place(self, grad: torch.Tensor) -> None:
         dtype = self.plan.cross_group_dtype(grad.dtype)
         wire = grad if dtype == grad.dtype else grad.to(dtype)
-        self.manager.allreduce(wire).wait()
+        self.allreduce("gradients", (grad.dtype,), wire).wait()
         if wire is not grad:
             grad.copy_(wire)
 
@@ -233,7 +252,8 @@ class FaultTolerance:
         pending = []
         for dtype, bucket in grad_buckets(grads, self.plan.cross_group_dtype, BUCKET_BYTES):
             wire = _flatten(bucket, dtype)
-            pending.append((bucket, wire, self.manager.allreduce(wire)))
+            sources = tuple(sorted({g.dtype for g in bucket}, key=str))
+            pending.append((bucket, wire, self.allreduce("gradients", sources, wire)))
         for bucket, wire, work in pending:
             work.wait()
             _unflatten(wire, bucket)
@@ -287,6 +307,23 @@ class FaultTolerance:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _manager(ft: FaultToleranceConfig) -> Any:
+    """This group's torchft Manager."""
+    import torchft
+
+    timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+    pg = torchft.ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else \
+        torchft.ProcessGroupNCCL(timeout=timeout)
+    # Synchronous quorum: a healing group loads the live state before its forward, and the live
+    # group serves it while its own weights stand still (between its optimizer steps).
+    # init_sync off: every group initialises the same weights from training.seed.
+    return torchft.Manager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+        use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
+        quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=ft.lighthouse or None,
+        init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries)
 
 
 def build(config: JobConfig, plan: PrecisionPlan) -> FaultTolerance | None:

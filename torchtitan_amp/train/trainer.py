@@ -29,7 +29,6 @@ from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, blockscaled_apply, float8
-from torchtitan_amp.train import diloco
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, group_config, init_optimizer_state
 
@@ -107,7 +106,7 @@ class Trainer:
             init_optimizer_state(self.optimizer, self.params)
             self.ft.register(TrainingState(self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader, self))
         # semi_sync_method = "diloco": groups train alone and sync every sync_steps (else None).
-        self.diloco = diloco.build(config, self.ft, self.params, self.plan)
+        self.diloco = setup.diloco
         self.ft_every_step = self.ft is not None and self.diloco is None
 
     def _check_deadline(self, step_s: float, basis: str) -> None:
@@ -312,6 +311,17 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             return iter(self.dataloader)
 
+    def audited_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The step the audit records: a train step as the loop runs it, so under fault tolerance
+        with its quorum first (torchft's all-reduce needs one: per-step averaging), or followed by
+        a DiLoCo sync (the pseudo-gradient all-reduce). Each replica group runs its audit, and the
+        quorum waits for fault_tolerance.min_replica_size of them, as training does."""
+        if self.ft_every_step:
+            self.ft.start_step()
+        self.train_step(batches)
+        if self.diloco is not None:
+            self.diloco.sync(self)
+
     def audit(self) -> "AuditResult":
         """One train step checked against the precision plan (`mixed_precision.audit`, by
         precision/audit.py), instead of training."""
@@ -319,6 +329,8 @@ class Trainer:
 
         result = audit.audit_step(self, self._new_batches(), self.config.job.dump_folder, self.is_logging_rank)
         self.metrics.close()
+        if self.ft is not None:
+            self.ft.shutdown()
         return result
 
     def _maybe_validate(self) -> dict[str, float]:
