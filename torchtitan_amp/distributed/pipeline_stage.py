@@ -5,6 +5,7 @@ torch.distributed.pipelining (which imports dynamo) in runs without pipeline par
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed._composable.replicate import DDP as ReplicateModule
 from torch.distributed._composable.replicate import replicate
@@ -44,6 +45,17 @@ class Stage(PipelineStage):
         result = super()._prepare_forward_infra(*args, **kwargs)
         reset_step_counters(self.submod)
         return result
+
+    # The metadata pass materialises a later stage's inputs from their metadata with torch.empty:
+    # uninitialised memory, which may hold NaN, goes through a real forward. Zeros instead, so a
+    # module that checks its inputs (block-scaled quantization refuses non-finite blocks) and the
+    # pass itself see finite values, the same on every run.
+    def _to_tensor(self, arg):  # type: ignore[no-untyped-def]
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                t.zero_()
+        return t
 
     def _prepare_backward_infra(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         result = super()._prepare_backward_infra(*args, **kwargs)
