@@ -92,8 +92,9 @@ def killed(request, tmp_path_factory) -> tuple[Path, int, int, bool]:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=3000)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        survivor = _launch(root / "g0", nproc, 0, lighthouse.address(), *common, *ckpt)
-        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *common, *args, *ckpt, env=env)
+        together = {"FT_START_TOGETHER": str(root / "start")}  # both in the first quorum
+        survivor = _launch(root / "g0", nproc, 0, lighthouse.address(), *common, *ckpt, env=together)
+        victim = _launch(root / "g1a", nproc, 1, lighthouse.address(), *common, *args, *ckpt, env={**env, **together})
         (root / "g1a.rc").write_text(str(_wait(victim, deadline)))
         restarted = _launch(root / "g1b", nproc, 1, lighthouse.address(), *common, *ckpt)
         (root / "g0.rc").write_text(str(_wait(survivor, deadline)))

@@ -11,6 +11,11 @@ after its peers have started it (the whole group then goes: torchrun ends the ot
 FT_KILL_AT_CALL=K: at the K-th instead (1 under DiLoCo, whose sync is one all-reduce, after the
 quorum: the peer waits for data that never comes).
 
+FT_START_TOGETHER=DIR: the groups first launched together wait, their Managers made (heartbeating),
+until every group has marked DIR: otherwise one group can still be importing torch when the other
+asks for the first quorum, which the lighthouse then forms without it (after join_timeout_ms),
+and the late group's first act is to heal.
+
 Usage: ft_group.py OUT TRAIN_ARGS..."""
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     config = load_config(sys.argv[2:])
     trainer = Trainer(config)
+    if os.environ.get("FT_START_TOGETHER"):
+        _start_together(Path(os.environ["FT_START_TOGETHER"]), config.fault_tolerance)
     pace, step = float(os.environ.get("FT_PACE_ALONE_S", "0")), trainer.train_step
 
     def paced_step(*args, **kwargs):
@@ -61,6 +68,16 @@ def main() -> None:
         json.dumps({"step": trainer.step, "shards": shards, "tokens_seen": trainer.tokens_seen,
                     "data_position": trainer.dataloader.state_dict()["position"]}))
     exit_process(0)
+
+
+def _start_together(folder: Path, ft, timeout_s: float = 120.0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"ready_g{ft.replica_id}_r{os.environ.get('RANK', '0')}").touch()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(any(folder.glob(f"ready_g{g}_r*")) for g in range(ft.group_size)):
+            return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
