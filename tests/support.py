@@ -499,3 +499,14 @@ class SameValuesManager:
 
     def shutdown(self, wait: bool = False) -> None:
         pass
+
+
+def use_stand_in_manager(monkeypatch: Any) -> None:
+    """Trainers built under `monkeypatch` run fault tolerance in-process against a SameValuesManager
+    (no lighthouse), with a fixed peak FLOP/s (no matmul probe)."""
+    from torchtitan_amp.train import build
+    from torchtitan_amp.train.fault_tolerance import FaultTolerance
+
+    monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan: FaultTolerance(
+        config.fault_tolerance, plan, manager=SameValuesManager()))

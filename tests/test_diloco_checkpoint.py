@@ -17,11 +17,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.support import SameValuesManager
+from tests.support import use_stand_in_manager
 from torchtitan_amp.config import load_config
-from torchtitan_amp.train import build as build_module
 from torchtitan_amp.train import trainer as trainer_module
-from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
 COMMON = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
           "--training.gc_freq", "0", "--training.steps", "4", "--training.dtype", "bfloat16",
@@ -32,9 +30,7 @@ ARGS = [*COMMON, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolera
 
 @pytest.fixture(autouse=True)
 def _stand_in_manager(monkeypatch):
-    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build_module.fault_tolerance, "build", lambda config, plan: FaultTolerance(
-        config.fault_tolerance, plan, manager=SameValuesManager()))
+    use_stand_in_manager(monkeypatch)
 
 
 def _train(folder: Path, *extra: str) -> trainer_module.Trainer:

@@ -16,12 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support import SameValuesManager
+from tests.support import SameValuesManager, use_stand_in_manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.precision.audit import CrossGroupWires, check_cross_group
-from torchtitan_amp.train import build as build_module
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
@@ -33,9 +32,7 @@ DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.syn
 
 @pytest.fixture(autouse=True)
 def _stand_in_manager(monkeypatch):
-    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build_module.fault_tolerance, "build", lambda config, plan: FaultTolerance(
-        config.fault_tolerance, plan, manager=SameValuesManager()))
+    use_stand_in_manager(monkeypatch)
 
 
 def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
