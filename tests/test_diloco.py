@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support import SameValuesManager
+
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
@@ -27,34 +29,21 @@ def _plan(*extra: str) -> PrecisionPlan:
     return PrecisionPlan.from_config(load_config([*ON, *extra]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
 
 
-class _Work:
-    def wait(self) -> None:
-        pass
-
-
-class _Manager:
+class _Manager(SameValuesManager):
     """torchft's Manager as DiLoCo uses it: the all-reduce averages with `peer` in the wire's
-    dtype (sum, then divide, as torchft's AVG does); the quorum is immediate and the sync
-    commits when `commit`."""
+    dtype (sum, then divide, as torchft's AVG does); the sync commits when `commit`."""
 
     def __init__(self, peer: torch.Tensor, commit: bool) -> None:
+        super().__init__()
         self.peer, self.commit = peer, commit
-
-    def register_state_dict_fn(self, *args) -> None:
-        pass
-
-    def start_quorum(self) -> None:
-        pass
-
-    def num_participants(self) -> int:
-        return 2
 
     def should_commit(self) -> bool:
         return self.commit
 
-    def allreduce(self, t: torch.Tensor) -> _Work:
+    def allreduce(self, t: torch.Tensor):
+        work = super().allreduce(t)
         t.add_(self.peer.to(t.dtype)).div_(2)
-        return _Work()
+        return work
 
 
 def _FT(peer: torch.Tensor, commit: bool) -> FaultTolerance:
