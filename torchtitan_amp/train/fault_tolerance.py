@@ -113,19 +113,21 @@ def grad_buckets(grads: list[torch.Tensor], wire_dtype: Callable[[torch.dtype], 
                  cap_bytes: int) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
     """`grads` in order, grouped by (device, wire dtype) into buckets of at most `cap_bytes` on
     the wire (a larger gradient is a bucket of its own)."""
-    open_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    open_buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    used: dict[tuple[torch.device, torch.dtype], int] = {}
     done: list[tuple[torch.dtype, list[torch.Tensor]]] = []
     for g in grads:
         dtype = wire_dtype(g.dtype)
-        key = (g.device, dtype)
-        size = g.numel() * dtype.itemsize
-        bucket, used = open_buckets.setdefault(key, ([], [0]))
-        if bucket and used[0] + size > cap_bytes:
+        key, size = (g.device, dtype), g.numel() * dtype.itemsize
+        bucket = open_buckets.setdefault(key, [])
+        if bucket and used[key] + size > cap_bytes:
             done.append((dtype, bucket))
-            bucket, used = open_buckets[key] = ([], [0])
+            bucket = open_buckets[key] = []
+        if not bucket:
+            used[key] = 0
         bucket.append(g)
-        used[0] += size
-    return done + [(dtype, bucket) for (_, dtype), (bucket, _) in open_buckets.items()]
+        used[key] += size
+    return done + [(dtype, bucket) for (_, dtype), bucket in open_buckets.items()]
 
 
 def _flatten(bucket: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
