@@ -24,7 +24,7 @@ ARGS = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--trai
 
 def _trainer(monkeypatch, manager: SameValuesManager, folder: Path, *extra: str) -> trainer_module.Trainer:
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan: FaultTolerance(
+    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
         config.fault_tolerance, plan, manager=manager))
     return trainer_module.Trainer(load_config([*ARGS, *extra, "--job.dump_folder", str(folder)]))
 
@@ -91,3 +91,26 @@ def test_a_healed_group_switches_to_the_steady_state_timeouts(monkeypatch, tmp_p
     trainer.train()
     assert trainer.ft.heals == 1 and trainer.step == 10
     assert calls == [123], "the healed group kept the start-up timeouts"
+
+
+def test_one_process_without_torchrun_is_a_replica_group(monkeypatch, tmp_path: Path) -> None:
+    """`python train.py --fault_tolerance.enable true ...` (no torchrun, so no MASTER_ADDR): the
+    process is a one-rank group with a store of its own, against a real lighthouse."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    from tests.support import read_metrics
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        args = [*ARGS, "--fault_tolerance.group_size", "1", "--fault_tolerance.lighthouse", lighthouse.address(),
+                "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        trainer = trainer_module.Trainer(load_config(args))
+        trainer.train()
+    finally:
+        lighthouse.shutdown()
+    rows = read_metrics(tmp_path / "replica_0")
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["ft_participants"] == 1
