@@ -25,6 +25,17 @@ def test_off_by_default_and_in_help() -> None:
     assert "--fault_tolerance.min_replica_size" in help_text()
 
 
+def test_the_default_collective_timeout_outlasts_a_heal() -> None:
+    """The survivors' first cross-group collective after a heal waits for the healing group, which
+    joins it only once it has copied and loaded the live state: a heal slower than
+    process_group_timeout_ms fails that collective and the survivors discard their step (their
+    DiLoCo sync). A rank of Llama 3 8B on FSDP 8 heals 1e9 parameters x (fp32 weights + 2 AdamW
+    moments + DiLoCo's fp32 global weights and momentum) = 20 GB; at 1 GB/s over torchft's HTTP
+    transport, 20 s: the default leaves 3x that."""
+    heal_s = 1e9 * (4 + 8 + 8) / 1e9
+    assert load_config([]).fault_tolerance.process_group_timeout_ms >= 3 * heal_s * 1000
+
+
 @pytest.mark.parametrize("args, message", [
     (("--fault_tolerance.enable", "true"), "'fault_tolerance.group_size' must be the number of replica groups"),
     ((*ON, "--fault_tolerance.replica_id", "2"), "'fault_tolerance.replica_id' = 2 must be below"),
@@ -195,6 +206,25 @@ def test_dry_run_prices_diloco_per_sync_not_per_step(tmp_path: Path) -> None:
     assert diloco["diloco"]["bytes_per_step"] == round(params / 2 / 10)
     assert diloco["diloco"]["outer_state"] == {"float32": 2 * params}
     assert diloco["memory"]["peak_estimate"]["configured"] == every_step["memory"]["peak_estimate"]["configured"] + 2 * params
+
+
+def test_memory_model_bounds_a_diloco_sync_by_its_chunks() -> None:
+    """A sync holds its wire buffer (this rank's shard in the pseudo-gradient dtype) and at most 3
+    chunks of the outer-state dtype (train/diloco.py's CHUNK_ELEMENTS), after the step's activations
+    are gone: 8B on FSDP 8 (1e9 local parameters) with bf16 pseudo-gradients, 2 GB + 192 MiB instead
+    of three shard-sized temporaries (10 GB)."""
+    from torchtitan_amp import memory
+    from torchtitan_amp.train.diloco import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS == 1 << 24
+    outer, sync = memory.diloco_bytes(10**9, "bfloat16", "float32", CHUNK_ELEMENTS)
+    assert outer == {"float32": 8 * 10**9}
+    assert sync == {"bfloat16": 2 * 10**9, "float32": 3 * 4 * CHUNK_ELEMENTS}
+    assert memory.diloco_bytes(1000, "float32", "float32", CHUNK_ELEMENTS)[1] == {"float32": 4000 + 3 * 4 * 1000}
+    # The peak is the larger of training's and the sync's (state + outer state + the sync's buffers).
+    assert memory.peak_with_diloco({"a": 100, "b": 10}, outer, sync, state_total=0) == {
+        "a": 100 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 100),
+        "b": 10 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 10)}
 
 
 def test_groups_launched_with_one_dump_folder_write_apart_and_share_checkpoints(tmp_path: Path) -> None:

@@ -453,8 +453,10 @@ class FaultTolerance:
     process_group: Literal["auto", "gloo", "nccl"] = _f(
         "auto", "Backend of the cross-group all-reduce; 'auto': nccl where the job trains on CUDA, else gloo.")
     process_group_timeout_ms: int = _f(
-        10000, "A cross-group collective that has not finished after this long fails; the step is "
-        "discarded and the next quorum leaves the lost group out.", bounds=at_least(1))
+        60000, "A cross-group collective that has not finished after this long fails; the step is "
+        "discarded and the next quorum leaves the lost group out. It must outlast a heal (the "
+        "survivors' next collective waits for the healing group: its state bytes / transfer rate), "
+        "docs/fault_tolerance.md.", bounds=at_least(1))
     quorum_timeout_seconds: int = _f(
         60, "How long a group waits for the lighthouse to form a quorum before failing.", bounds=at_least(1))
     lighthouse: str = _f(
