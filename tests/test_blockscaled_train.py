@@ -200,3 +200,39 @@ def test_resume_with_stochastic_rounding_is_bitwise(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
     straight, resumed = by_step(tmp_path / "straight"), by_step(tmp_path / "resumed")
     assert [straight[s]["loss"] for s in sorted(straight)] == [resumed[s]["loss"] for s in sorted(resumed)]
+
+
+# fp16 whose first scaled loss overflows: 2^40 x a loss of ~6 overflows fp16's 65504 in backward.
+FP16_OVERFLOW = ["--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", str(2.0**40),
+                 "--training.steps", "2"]
+
+
+def test_fp16_overflow_is_skipped_and_backed_off_as_in_plain_fp16(tmp_path: Path) -> None:
+    """An inf in a block-scaled operand (the scaled gradient of an fp16 step that overflowed) is
+    encoded as a NaN block scale and reaches the gradients, where the loss scaler finds it: the
+    step is skipped and the scale backed off, as in plain fp16, never a refusal in backward."""
+    seen = {}
+    for name, extra in {"fp16": [], "mxfp8": MXFP8, "nvfp4": NVFP4}.items():
+        t = _trainer(tmp_path / name, *FP16_OVERFLOW, *extra)
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        t.train()
+        assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items()), name  # skipped
+        seen[name] = [(r["loss_scale"], r["skipped_steps"]) for r in by_step(tmp_path / name).values()]
+    assert seen["fp16"] == [(2.0**39, 1.0), (2.0**38, 2.0)], seen
+    assert seen["mxfp8"] == seen["nvfp4"] == seen["fp16"], seen
+
+
+def test_a_non_finite_activation_reaches_the_step_skip(tmp_path: Path) -> None:
+    """training.skip_nonfinite_steps: an inf entering a block-scaled Linear makes the step's
+    gradient norm non-finite, and the trainer skips that step (the quantizer does not stop the run)."""
+    t = _trainer(tmp_path, *NVFP4, "--training.steps", "2", "--training.skip_nonfinite_steps")
+    calls = []
+
+    def inf_at_first_call(module, args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return (args[0].masked_fill(torch.zeros_like(args[0], dtype=torch.bool).index_fill_(-1, torch.tensor([3]), True),
+                                    float("inf")),) if len(calls) == 1 else None
+
+    t.model.layers["1"].attention.wq.register_forward_pre_hook(inf_at_first_call)
+    t.train()
+    assert t.nonfinite_skipped == 1 and t.step == 2 and len(calls) == 2

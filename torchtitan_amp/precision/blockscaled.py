@@ -24,7 +24,9 @@ NVFP4 (NVIDIA: blocks of 16 e2m1 elements, e4m3 block scales, an fp32 tensor sca
 
 Non-finite input is refused (`NonFiniteBlockError`) unless `check_finite=False`, when a block
 holding NaN or +-inf gets a NaN scale (E8M0 0xFF, e4m3 0x7F) and dequantizes to NaN. The check
-reads one bool back to the host per call (a sync on a GPU).
+reads one bool back to the host per call (a sync on a GPU): it is for tools that quantize weights;
+training (blockscaled_linear.BlockScaledRecipe) turns it off, so that a non-finite operand, such
+as an fp16 gradient whose loss scale overflowed, reaches the loss scaler's and the trainer's checks.
 
 Against torchao 0.18 (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL, nvfp4_quantize), the
 results are bit-identical on finite data whose blocks are not tiny; they differ, by design, where

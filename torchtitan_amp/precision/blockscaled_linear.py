@@ -54,10 +54,12 @@ RHT_DIM = 16
 @dataclasses.dataclass(frozen=True)
 class BlockScaledRecipe:
     """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
-    uses one sign vector) and, per module, the SR generator. `check_finite` refuses NaN / inf in
-    any operand (NonFiniteBlockError; one host sync per quantized operand, six per Linear step);
-    off, such a block gets a NaN scale and the NaN reaches the loss (for compiled / sync-free runs,
-    where the trainer's own non-finite check catches it)."""
+    uses one sign vector) and, per module, the SR generator. `check_finite` (off: training's
+    setting) refuses NaN / inf in any operand (NonFiniteBlockError; one host sync per quantized
+    operand, six per Linear step). Off, a block holding one gets a NaN scale and the NaN reaches
+    the output or the gradients, where training's own check finds it: fp16's loss scaler skips the
+    step and backs off (an overflowed scaled gradient is the common case), training.skip_nonfinite_steps
+    skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
 
     format: Literal["mxfp8", "nvfp4"]
     mx_scale_mode: Literal["floor", "rceil"] = "floor"
@@ -65,7 +67,7 @@ class BlockScaledRecipe:
     rht: bool = False
     stochastic_rounding: bool = False
     seed: int = 0
-    check_finite: bool = True
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
