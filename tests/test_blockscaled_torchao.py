@@ -159,7 +159,7 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["kernels"] == "torchao" and not report["emulated"] and sorted(report["modules"]) == converted
-    assert report["modules"]["layers.1.attention.wq"] == {"module": "MXFP8Linear", "scale_mode": "floor",
+    assert report["modules"]["layers.1.attention.wq"] == {"module": "MXFP8Linear", "scale_mode": "rceil",
                                                           "wgrad": "mxfp8", "kernels": "emulated"}
     assert "output" in report["kept_out"] and "layers.0.attention.wq" in report["kept_out"]
     result = t.audit()

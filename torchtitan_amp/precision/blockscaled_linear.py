@@ -62,7 +62,7 @@ class BlockScaledRecipe:
     skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
 
     format: Literal["mxfp8", "nvfp4"]
-    mx_scale_mode: Literal["floor", "rceil"] = "floor"
+    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
     weight_2d: bool = False
     rht: bool = False
     stochastic_rounding: bool = False

@@ -30,9 +30,10 @@ from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import autocast, blockscaled_apply, float8
 from torchtitan_amp.train.build import build_training
-from torchtitan_amp.train.fault_tolerance import TrainingState, group_config, init_optimizer_state
+from torchtitan_amp.train.fault_tolerance import TrainingState, data_position, group_config, init_optimizer_state
 
 if TYPE_CHECKING:
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.precision.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
@@ -68,6 +69,14 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
         for grads in groups:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
+
+
+def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
+    """The rank that keys block-scaled stochastic rounding (blockscaled_apply.seed_step): one per
+    (data share, cp rank, tp rank), the ranks that round different values of one step; pipeline
+    stages hold different modules, whose streams differ already."""
+    data_rank, _ = data_position(config, dims, rank)
+    return (data_rank * dims.cp + dims.cp_rank(rank)) * dims.tp + rank % dims.tp
 
 
 class Trainer:
@@ -180,7 +189,7 @@ class Trainer:
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
         if self.plan.block_scaled is not None and self.plan.block_scaled.stochastic_rounding:
-            blockscaled_apply.seed_step(self.model_parts, self.step)
+            blockscaled_apply.seed_step(self.model_parts, self.step, sr_rank(self.config, self.dims, self.info.rank))
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
