@@ -559,3 +559,19 @@ def test_a_module_built_on_meta_gets_its_sr_generator_when_it_first_runs() -> No
     assert torch.equal(grads[0], grads[1])
     built = bl.BlockScaledLinear.from_linear(torch.nn.Linear(64, 32), recipe)
     assert built.sr_generator() is not None
+
+
+def test_the_rht_matrix_is_built_once_per_seed_and_device(monkeypatch) -> None:
+    """The wgrad's two rotations (and every Linear's, every step) take one cached R per (seed,
+    device): the Hadamard matrix is not rebuilt on the CPU and copied to the device per GEMM."""
+    built = []
+    hadamard = bl.hadamard
+    bl.rht_matrix.cache_clear()
+    monkeypatch.setattr(bl, "hadamard", lambda n=bl.RHT_DIM: built.append(n) or hadamard(n))
+    r = bl.rht_matrix(21, device="cpu")
+    assert r is bl.rht_matrix(21, device=torch.device("cpu")) and torch.equal(r @ r.t(), torch.eye(16))
+    assert built == [16] and bl.rht_matrix(22, device="cpu") is not r and built == [16, 16]
+    lin = bl.BlockScaledLinear(64, 32, recipe=bl.BlockScaledRecipe.nvfp4_full(seed=21))
+    for _ in range(2):  # two steps: forward, then dgrad and wgrad with both operands rotated
+        lin(torch.randn(32, 64)).square().sum().backward()
+    assert built == [16, 16]

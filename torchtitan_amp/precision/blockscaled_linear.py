@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple
 
@@ -118,9 +119,21 @@ def rht_signs(seed: int, n: int = RHT_DIM) -> torch.Tensor:
     return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.float32)
 
 
-def rht_matrix(seed: int, n: int = RHT_DIM) -> torch.Tensor:
-    """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly."""
-    return rht_signs(seed, n).unsqueeze(1) * hadamard(n)
+def rht_matrix(seed: int, n: int = RHT_DIM, device: torch.device | str | None = None) -> torch.Tensor:
+    """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly.
+    fp32 on `device` (default the CPU), built once per (seed, n, device) and cached: every
+    rotated GEMM of a run takes the same tensor (do not modify it), with no CPU build and copy
+    per GEMM."""
+    return _rht_matrix_on(seed, n, torch.device("cpu" if device is None else device))
+
+
+@functools.lru_cache(maxsize=64)
+def _rht_matrix_on(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor whatever mode asks first
+        return (rht_signs(seed, n).unsqueeze(1) * hadamard(n)).to(device)
+
+
+rht_matrix.cache_clear = _rht_matrix_on.cache_clear  # type: ignore[attr-defined]
 
 
 def apply_rht(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -251,7 +264,7 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         m, (n, k) = g2.shape[0], weight.shape
         grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen, amax_group=group),
                              _quantized_weight(weight, recipe, True, group), m, k, "dgrad", ctx.label)
-        r = rht_matrix(recipe.seed) if recipe.rht else None
+        r = rht_matrix(recipe.seed, device=g2.device) if recipe.rht else None
         grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r, amax_group=group),
                              quantize_operand(x2.t(), recipe, rht=r, amax_group=group), n, k, "wgrad", ctx.label)
         grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None
