@@ -34,13 +34,26 @@ reads one bool back to the host per call (a sync on a GPU): it is for tools that
 training (blockscaled_linear.BlockScaledRecipe) turns it off, so that a non-finite operand, such
 as an fp16 gradient whose loss scale overflowed, reaches the loss scaler's and the trainer's checks.
 
-Against torchao 0.18 (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL, nvfp4_quantize), the
-results are bit-identical on finite data whose blocks are not tiny; they differ, by design, where
-torchao departs from the rule above: to_mx FLOOR divides by max(X, 2^-126) (a block with
-amax < 2^-118 keeps scale 0x00 but is scaled as if 0x01), to_mx RCEIL multiplies by 1 instead of
-2^127 when the scale is 0x00, and nvfp4_quantize clamps block scales up to e4m3's smallest normal
-2^-6 (blocks with amax < 2^-6 * 6 * s_t) and divides 0 by 0 for an all-zero tensor. torchao has no
-stochastic rounding, 2-D scaling or NaN refusal on CPU (its SR and 2-D kernels are Triton-only).
+Against torchao 0.18's quantizers (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL,
+nvfp4_quantize) the results are bit-identical on finite random data whose blocks are not tiny
+(tests/test_blockscaled.py); they differ, by design, where torchao departs from the rules above:
+  - to_mx FLOOR divides by max(X, 2^-126): a block with amax < 2^-118 keeps scale 0x00 but is
+    scaled as if 0x01; to_mx RCEIL multiplies by 1 instead of 2^127 when the scale is 0x00.
+  - to_mx RCEIL (eager, and its Triton casts without the PTX instruction) takes ceil(log2(amax /
+    448)) with an fp32 log2, which rounds the log2 of a quotient just above a power of two 2^k onto
+    k once fp32's spacing at k is coarser than log2 of the excess (|k| >= 5 for 1 + 2^-23): one
+    scale lower than the rule, the block's top clamped to 448.
+  - torchao's Triton MXFP8 casts with FLOOR (triton_to_mxfp8_dim0 / dim1, which MXFP8Linear's
+    kernels use for column-wise operands) take the exponent of bf16(amax): on an fp32 operand an amax within 2^-9 below a power of two rounds up to it, one
+    scale higher than the rule; on bf16 operands (the plan's) the two agree.
+  - nvfp4_quantize and NVFP4Linear's kernels clamp block scales up to e4m3's smallest normal
+    2^-6 (blocks with amax < 2^-6 * 6 * s_t: this rule keeps e4m3 subnormal scales, which round on
+    a fixed 2^-9 grid, so such a block's top can land past 6 and clip; torchao's clamp flushes
+    more of it instead), and nvfp4_quantize divides 0 by 0 for an all-zero tensor.
+  - NVFP4Linear casts its inputs to bf16 and rounds the RHT output to bf16 before quantizing;
+    the emulation quantizes the fp32 rotation of the operand as the plan stores it.
+torchao has no stochastic rounding, 2-D scaling or NaN refusal on CPU (its SR and 2-D kernels are
+Triton-only).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ torch.nn.functional.scaled_mm takes them). The hardware sums each block's produc
 accumulates in fp32 in its own order: the two agree to fp32 accumulation error (gamma_K of the
 sum of |products|), not bit for bit. Hardware SR takes its random bits inside the convert
 instruction; here torch.rand on a torch.Generator: the same distribution (to the resolution of
-the random bits), not the same draws. Autocast is off inside the emulated GEMM.
+the random bits), not the same draws. Autocast is off inside the emulated GEMM. The fp32 result
+is rounded once to x's dtype (bf16 under the plan, as the kernels' bf16 output is): an error
+bound on the Linear's output adds that rounding (2^-8 of it in bf16) to the GEMM's.
 The emulation keeps x and W in their storage dtype for backward and re-quantizes them there
 (a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
 A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
