@@ -28,7 +28,7 @@ from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import autocast, blockscaled_apply, float8
+from torchtitan_amp.precision import autocast, blockscaled_apply, blockscaled_torchao, float8
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, data_position, group_config, init_optimizer_state
 
@@ -96,6 +96,8 @@ class Trainer:
         self.model_inputs, self.scaler, self.pipeline = setup.model_inputs, setup.scaler, setup.pipeline
         self.model_parts = setup.model_parts
         self.model = self.model_parts[0]
+        # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
+        blockscaled_torchao.materialized(self.model_parts, sr_rank(config, self.dims, self.info.rank))
         opt = setup.optimization
         self.params, self.optimizer, self.lr_scheduler = opt.params, opt.optimizer, opt.lr_scheduler
         self.reduce_partial_grads = opt.reduce_partial_grads
