@@ -193,9 +193,9 @@ def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:
     what the uninterrupted run drew, with no generator state saved. `rank` (trainer.sr_rank) tells
     apart the ranks that round different values of one step: data-parallel ranks (fault-tolerant
     replica groups included), context-parallel and tensor-parallel ranks. With one key for all of
-    them, a gradient of consistent sign got the same rounding errors on every data-parallel rank
-    (measured: correlation 0.23, 1.8x the noise variance in the rank mean of a weight gradient),
-    where independent draws average out in the gradient mean."""
+    them, every data-parallel rank drew the same numbers, so a gradient of consistent sign got
+    correlated rounding errors across ranks, which the gradient mean does not average out;
+    independent draws do (tests/test_blockscaled_train.py)."""
     for part in parts:
         for holder, device in _sr_holders(part):
             if holder.recipe.stochastic_rounding:
