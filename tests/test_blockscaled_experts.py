@@ -37,7 +37,7 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.unit
 
-RECIPES = {"mxfp8": BlockScaledRecipe("mxfp8"), "mxfp8 rceil": BlockScaledRecipe("mxfp8", mx_scale_mode="rceil"),
+RECIPES = {"mxfp8 floor": BlockScaledRecipe("mxfp8", mx_scale_mode="floor"), "mxfp8 rceil": BlockScaledRecipe("mxfp8"),
            "nvfp4 2d rht": BlockScaledRecipe("nvfp4", weight_2d=True, rht=True, seed=3),
            "nvfp4 1x16": BlockScaledRecipe("nvfp4")}
 
@@ -71,7 +71,7 @@ def test_wgrad_blocks_do_not_straddle_token_groups() -> None:
     """Two experts' groups of 16 tokens share one 32-token block if quantized together: an outlier
     in expert 0's tokens would then set the scale of expert 1's. Per group, expert 1's weight
     gradient is the same with and without expert 0's outlier."""
-    recipe = RECIPES["mxfp8"]
+    recipe = RECIPES["mxfp8 rceil"]
     torch.manual_seed(1)
     x, w, dy = torch.randn(32, 32), torch.randn(2, 32, 32), torch.randn(32, 32)
     grads = []
@@ -89,7 +89,7 @@ def test_stochastic_rounding_needs_a_generator_and_groups_must_fit() -> None:
     with pytest.raises(ValueError, match="pass a seeded torch.Generator"):
         blockscaled_grouped_mm(x, w, [4, 4], BlockScaledRecipe.nvfp4_full())
     with pytest.raises(ValueError, match=r"token groups \[4, 3\] do not fit x \(8, 16\) and 2 experts"):
-        blockscaled_grouped_mm(x, w, [4, 3], RECIPES["mxfp8"])
+        blockscaled_grouped_mm(x, w, [4, 3], RECIPES["mxfp8 rceil"])
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -136,7 +136,7 @@ def test_report_and_audit_see_the_experts_gemms_and_name_one_run_plain(tmp_path:
     report = whole["block_scaled"]
     assert set(EXPERT_GEMMS) <= set(report["modules"])
     assert report["modules"]["layers.1.feed_forward.experts.w2"]["wgrad"] == \
-        "dy^T mxfp8 e4m3 1x32 e8m0 (floor); x^T mxfp8 e4m3 1x32 e8m0 (floor)"
+        "dy^T mxfp8 e4m3 1x32 e8m0 (rceil); x^T mxfp8 e4m3 1x32 e8m0 (rceil)"
     assert "layers.3.feed_forward.experts.w1" in report["kept_out"]
     assert "layers.1.feed_forward.router" not in json.dumps(report)  # the router is not converted
     result = t.audit()
@@ -184,7 +184,7 @@ def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> No
     assert holders[0].recipe.stochastic_rounding and holders[0].sr_stream != holders[1].sr_stream
     draws = []
     for step in (3, 4, 3):
-        blockscaled_apply.seed_step([t.model], step)
+        blockscaled_apply.seed_step([t.model], step, rank=0)
         draws.append([torch.rand(4, generator=h.generator) for h in holders])
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
     assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][0], draws[0][1])

@@ -144,6 +144,9 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     lazy.to_empty(device="cpu")
     blockscaled_torchao.materialized([lazy])
     assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0)
+    # Another data-parallel rank (trainer.sr_rank) gets another SR key for the same module.
+    blockscaled_torchao.materialized([lazy], rank=1)
+    assert int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0, 1) != blockscaled_torchao.sr_seed(recipe, 0)
     with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
                                              "multiples of 128; keep it out with block_scaled_skip_modules"):
         blockscaled_torchao.apply_torchao(nn.Sequential(nn.Linear(64, 128)), recipe, (), 0)
@@ -159,7 +162,7 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["kernels"] == "torchao" and not report["emulated"] and sorted(report["modules"]) == converted
-    assert report["modules"]["layers.1.attention.wq"] == {"module": "MXFP8Linear", "scale_mode": "floor",
+    assert report["modules"]["layers.1.attention.wq"] == {"module": "MXFP8Linear", "scale_mode": "rceil",
                                                           "wgrad": "mxfp8", "kernels": "emulated"}
     assert "output" in report["kept_out"] and "layers.0.attention.wq" in report["kept_out"]
     result = t.audit()

@@ -30,7 +30,7 @@ from tests.support import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
+from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -66,11 +66,21 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
      "'mixed_precision.block_scaled' = 'nvfp4' and 'mixed_precision.fp8' = 'rowwise' both convert the Linears"),
     (["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.nvfp4_rht", "false"],
      "'mixed_precision.nvfp4_rht' = False belongs to the nvfp4 recipe"),
-    ([*NVFP4, "--mixed_precision.mxfp8_scale_mode", "rceil"], "'mixed_precision.mxfp8_scale_mode' = 'rceil' belongs to the mxfp8 recipe"),
+    ([*NVFP4, "--mixed_precision.mxfp8_scale_mode", "floor"], "'mixed_precision.mxfp8_scale_mode' = 'floor' belongs to the mxfp8 recipe"),
 ])
 def test_config_refuses_block_scaled_with_fp8_and_options_of_the_other_format(extra, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(extra)
+
+
+def test_mxfp8_rounds_its_block_scales_up_by_default() -> None:
+    """rceil (torchao's MXFP8 training default, TransformerEngine, cuBLAS) unless asked for the OCP
+    spec's floor rule, which lets a block's largest element reach 512 and clamps it to 448."""
+    assert load_config([]).mixed_precision.mxfp8_scale_mode == "rceil"
+    assert BlockScaledRecipe("mxfp8").mx_scale_mode == "rceil"
+    recipe = _resolve(*MXFP8).plan.block_scaled
+    assert recipe.mx_scale_mode == "rceil" and recipe.describe()["forward"].endswith("(rceil)")
+    assert _resolve(*MXFP8, "--mixed_precision.mxfp8_scale_mode", "floor").plan.block_scaled.mx_scale_mode == "floor"
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
@@ -200,3 +210,80 @@ def test_resume_with_stochastic_rounding_is_bitwise(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
     straight, resumed = by_step(tmp_path / "straight"), by_step(tmp_path / "resumed")
     assert [straight[s]["loss"] for s in sorted(straight)] == [resumed[s]["loss"] for s in sorted(resumed)]
+
+
+# fp16 whose first scaled loss overflows: 2^40 x a loss of ~6 overflows fp16's 65504 in backward.
+FP16_OVERFLOW = ["--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", str(2.0**40),
+                 "--training.steps", "2"]
+
+
+def test_fp16_overflow_is_skipped_and_backed_off_as_in_plain_fp16(tmp_path: Path) -> None:
+    """An inf in a block-scaled operand (the scaled gradient of an fp16 step that overflowed) is
+    encoded as a NaN block scale and reaches the gradients, where the loss scaler finds it: the
+    step is skipped and the scale backed off, as in plain fp16, never a refusal in backward."""
+    seen = {}
+    for name, extra in {"fp16": [], "mxfp8": MXFP8, "nvfp4": NVFP4}.items():
+        t = _trainer(tmp_path / name, *FP16_OVERFLOW, *extra)
+        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        t.train()
+        assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items()), name  # skipped
+        seen[name] = [(r["loss_scale"], r["skipped_steps"]) for r in by_step(tmp_path / name).values()]
+    assert seen["fp16"] == [(2.0**39, 1.0), (2.0**38, 2.0)], seen
+    assert seen["mxfp8"] == seen["nvfp4"] == seen["fp16"], seen
+
+
+def test_a_non_finite_activation_reaches_the_step_skip(tmp_path: Path) -> None:
+    """training.skip_nonfinite_steps: an inf entering a block-scaled Linear makes the step's
+    gradient norm non-finite, and the trainer skips that step (the quantizer does not stop the run)."""
+    t = _trainer(tmp_path, *NVFP4, "--training.steps", "2", "--training.skip_nonfinite_steps")
+    calls = []
+
+    def inf_at_first_call(module, args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return (args[0].masked_fill(torch.zeros_like(args[0], dtype=torch.bool).index_fill_(-1, torch.tensor([3]), True),
+                                    float("inf")),) if len(calls) == 1 else None
+
+    t.model.layers["1"].attention.wq.register_forward_pre_hook(inf_at_first_call)
+    t.train()
+    assert t.nonfinite_skipped == 1 and t.step == 2 and len(calls) == 2
+
+
+def test_stochastic_rounding_draws_differ_between_ranks_and_replay_per_step() -> None:
+    """seed_step keys each generator by (recipe seed, stream, step, rank): two data-parallel ranks
+    rounding the same gradient draw independently, so their rounding errors are uncorrelated and
+    the mean of their gradients halves the SR noise variance (with one key for all ranks a
+    consistently signed gradient got the same errors on every rank: correlation 1 here). The same
+    (step, rank) replays, which keeps resume bitwise; rank 0's key is the one-process key."""
+    from torchtitan_amp.precision import blockscaled as bs
+    from torchtitan_amp.precision import blockscaled_apply
+
+    lin = BlockScaledLinear(64, 32, recipe=BlockScaledRecipe.nvfp4_full(seed=0), sr_stream=3)
+    g = torch.rand(256, 64, generator=torch.Generator().manual_seed(0)) + 0.1  # one sign throughout
+
+    def rounding_error(step: int, rank: int) -> torch.Tensor:
+        blockscaled_apply.seed_step([lin], step, rank)
+        values, s_t = bs.nvfp4_dequantized(g, generator=lin.generator)
+        return (values * s_t - g).flatten().double()
+
+    e0, e1 = rounding_error(5, 0), rounding_error(5, 1)
+    assert torch.equal(rounding_error(5, 0), e0) and not torch.equal(rounding_error(6, 0), e0)
+    # |correlation| of independent draws over n = 16384 elements: within 4 / sqrt(n) = 0.031
+    corr = torch.corrcoef(torch.stack([e0, e1]))[0, 1].item()
+    assert abs(corr) < 4 / e0.numel() ** 0.5, corr
+    lin.generator.manual_seed((0 * 1_000_003 + 3) * 1_000_033 + 5)  # the key of a single process
+    assert torch.equal((bs.nvfp4_dequantized(g, generator=lin.generator)[0] * bs.nvfp4_tensor_scale(g.amax())
+                        - g).flatten().double(), e0)
+
+
+@pytest.mark.parametrize("layout, world, ranks", [
+    (["--parallelism.data_parallel_shard_degree", "4"], 4, [0, 1, 2, 3]),
+    # TP ranks quantize different shards (or, row-wise, one replicated dy): their own draws too
+    (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 4, [0, 1, 2, 3]),
+    # pipeline stages hold different modules (own streams): stage 1 repeats stage 0's ranks
+    (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"], 4, [0, 1, 0, 1]),
+    (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 2, [0, 1]),
+])
+def test_each_rank_rounding_its_own_values_gets_its_own_stochastic_rounding_key(layout, world, ranks) -> None:
+    config = load_config([*BASE, *NVFP4, *layout])
+    dims = job_mod.resolve(config, world, "cpu").dims
+    assert [trainer_module.sr_rank(config, dims, r) for r in range(world)] == ranks

@@ -112,6 +112,10 @@ def _counted_run(tmp_path: Path, *extra: str) -> dict[int, dict]:
     ("dense", ()),
     ("dense", ("--mixed_precision.param_dtype", "float16")),
     ("moe", ()),
+    # Block-scaled (emulated): no finiteness read per quantized operand; a non-finite one reaches
+    # the gradient norm's check (the full nvfp4 recipe: SR reseeded per step, RHT, 2-D weights).
+    ("dense", ("--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true")),
+    ("dense", ("--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true")),
 ])
 def test_a_training_step_reads_the_device_once(tmp_path: Path, family: str, precision: tuple[str, ...]) -> None:
     model = ["--model.flavor", "debugmodel_tiny"] if family == "dense" else MOE

@@ -566,15 +566,15 @@ def test_grad_norm_and_clipping_match_fp64_reference(trained: Launches, name: st
     print(f"\n[norm check] {name}: reported vs fp64 norm max rel {norm_err:.1e}, clipped grads max rel {clip_err:.1e}")
 
 
-# Block-scaled runs are left out: their quantizer refuses NaN / inf with one host read per operand
-# (BlockScaledRecipe.check_finite), six per converted Linear and step, by design.
-SYNC_RUNS = [(name, nproc) for name, nproc in NORM_RUNS if not name.endswith(tuple(BLOCK_SCALED))]
+# Block-scaled runs included: training's recipe reads no operand's finiteness (a NaN / inf block
+# gets a NaN scale and reaches the step's one finiteness read).
+SYNC_RUNS = NORM_RUNS
 
 
 @pytest.mark.parametrize("name, nproc", SYNC_RUNS)
 def test_a_step_reads_the_device_once_on_every_layout(trained: Launches, name: str, nproc: int) -> None:
     """Step 2's host syncs on every rank of every run (single, FSDP, DDP, HSDP, TP, PP schedules,
-    2-D, AC modes, document masking, fp16): trainer.train_step's finiteness read alone, counted at
+    2-D, AC modes, document masking, fp16, block-scaled): trainer.train_step's finiteness read alone, counted at
     the dispatcher (torchtitan_amp/observability/host_syncs.py); under fp16 that read is the loss scale after
     GradScaler.update (the fused optimizer takes found_inf on the device)."""
     assert_step_sync_budget(trained.run(name, nproc).ranks(), name)

@@ -73,6 +73,21 @@ def test_nvfp4_flushes_what_rounds_below_a_quarter() -> None:
     assert math.isclose(e.max_err, 0.9 / 6.0, rel_tol=1e-6)  # 5.1 -> 6 is the largest miss
 
 
+def test_nvfp4_clips_only_blocks_whose_scale_is_an_e4m3_subnormal() -> None:
+    """A normal e4m3 block scale rounds by at most 1/16 of itself, so a block's top lands at most
+    at 6 x 17/16 = 6.375 and rounds to 6 (not clipped); a scale below e4m3's smallest normal 2^-6
+    (a block under 2^-6 x 6 x s_t, 1/28672 of the tensor's amax) rounds on the subnormals' fixed
+    2^-9 grid, and its top can land far past 6."""
+    x = torch.zeros(1, 48)
+    x[0, 0] = 2688.0  # s_t = 2688 / 2688 = 1
+    x[0, 16] = 6 * 1.0624  # s_b = 1.0624 -> 1 (the largest normal round-down): top at 6.37
+    x[0, 32] = 6 * 1.4 * 2.0**-9  # s_b = 1.4 x 2^-9 -> 2^-9 (subnormal): top at 8.4, clipped to 6
+    e = qe.quant_error(x, "nvfp4 1x16")
+    assert (e.groups, e.saturated) == (3, 1)
+    q, _ = qe.fake_quantize(x, "nvfp4 1x16")
+    assert q[0, 16] == 6.0 and q[0, 32] == 6 * 2.0**-9  # 8.4 x 2^-9 quantized 29% low
+
+
 def test_nvfp4_16x16_weights_share_one_scale_per_tile() -> None:
     w = torch.randn(32, 32, generator=torch.Generator().manual_seed(3))
     w[0, 0] = 50.0  # one outlier: its tile's 16 rows lose precision, the other tiles keep theirs

@@ -377,7 +377,9 @@ class MixedPrecision:
         "'auto': the device's block-scaled kernels, refused where it has none; false: kernels only."
     )
     mxfp8_scale_mode: Literal["floor", "rceil"] = _f(
-        "floor", "mxfp8 block scale rule: 'floor' (OCP spec) or 'rceil' (NVIDIA's: rounds the scale up, never saturates)."
+        "rceil", "mxfp8 block scale rule: 'rceil' (the training recipes': torchao's MXFP8 default, TransformerEngine, "
+        "cuBLAS; rounds the scale up, no element clipped) or 'floor' (the OCP spec's rule; a block's largest "
+        "element can exceed 448 and is clamped to it)."
     )
     nvfp4_weight_2d: bool = _f(True, "nvfp4: one scale per 16x16 weight tile (forward and dgrad see one quantized W).")
     nvfp4_rht: bool = _f(True, "nvfp4: random Hadamard transform (16x16) of both weight-gradient operands.")

@@ -6,13 +6,19 @@ plus NVFP4's fp32 per-tensor scale. Dequantizing gives fp32 values that are exac
 element times a power of two, or an e2m1 value times an e4m3 value), so a matmul of dequantized
 operands has exact products and only its fp32 accumulation rounds (blockscaled_linear.py).
 
-MXFP8 (OCP Microscaling Formats v1.0, section 6.3, "minimally supported" conversion):
-  blocks of 32; shared scale X = 2^(floor(log2(amax)) - emax_elem), emax of e4m3 = 8, stored E8M0
-  (biased exponent, 0x00 = 2^-127, 0xFF = NaN); elements float8_e4m3fn = RNE(v / X) saturated to
-  +-448 (with the floor rule amax / X lies in [256, 512), so the top of a block can saturate).
-  The exponent is clamped to E8M0's [-127, 127]. A zero block has log2(0) = -inf, clamped: scale
-  0x00 (2^-127), elements +0. `scale_mode="rceil"` is NVIDIA's rule instead (cuBLAS / TE /
-  torchao RCEIL: X = 2^ceil(log2(amax / 448)), no saturation).
+MXFP8 (OCP Microscaling Formats v1.0): blocks of 32 e4m3 elements sharing one power-of-two scale X,
+  stored E8M0 (biased exponent, 0x00 = 2^-127, 0xFF = NaN); elements float8_e4m3fn = RNE(v / X)
+  saturated to +-448; the exponent is clamped to E8M0's [-127, 127]. Two scale rules:
+  `scale_mode="rceil"` (the default: the training recipes' rule, cuBLAS / TransformerEngine /
+  torchao's MXFP8 training default RCEIL): X = 2^ceil(log2(amax / 448)), so amax / X <= 448 and no
+  element is clipped; `scale_mode="floor"` (the spec's section 6.3 "minimally supported"
+  conversion): X = 2^(floor(log2(amax)) - emax_elem), emax of e4m3 = 8, so amax / X lies in
+  [256, 512) and the top of a block saturates to 448 (measured on real operands: 14-16% of the
+  blocks, 13-25% more L2 error than rceil, docs/numerics.md). A zero block has log2(0) = -inf,
+  clamped: scale 0x00 (2^-127), elements +0. rceil's one overflow: an element of a block whose
+  scale is 2^120 (amax at or above 448 * 2^119) that rounds to e4m3's 256 dequantizes to
+  256 * 2^120 = 2^128, past fp32's range: inputs of magnitude at or above 248 * 2^120 (3.2967e38)
+  dequantize to inf (floor clamps them to 448 * 2^119).
 NVFP4 (NVIDIA: blocks of 16 e2m1 elements, e4m3 block scales, an fp32 tensor scale):
   tensor scale s_t = amax(tensor) / (448 * 6) (fp32, floored at 2^-126 so that an all-zero or
   denormal tensor still has a finite reciprocal); block scale s_b = e4m3_RNE(amax(block) / 6 / s_t)
@@ -24,15 +30,30 @@ NVFP4 (NVIDIA: blocks of 16 e2m1 elements, e4m3 block scales, an fp32 tensor sca
 
 Non-finite input is refused (`NonFiniteBlockError`) unless `check_finite=False`, when a block
 holding NaN or +-inf gets a NaN scale (E8M0 0xFF, e4m3 0x7F) and dequantizes to NaN. The check
-reads one bool back to the host per call (a sync on a GPU).
+reads one bool back to the host per call (a sync on a GPU): it is for tools that quantize weights;
+training (blockscaled_linear.BlockScaledRecipe) turns it off, so that a non-finite operand, such
+as an fp16 gradient whose loss scale overflowed, reaches the loss scaler's and the trainer's checks.
 
-Against torchao 0.18 (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL, nvfp4_quantize), the
-results are bit-identical on finite data whose blocks are not tiny; they differ, by design, where
-torchao departs from the rule above: to_mx FLOOR divides by max(X, 2^-126) (a block with
-amax < 2^-118 keeps scale 0x00 but is scaled as if 0x01), to_mx RCEIL multiplies by 1 instead of
-2^127 when the scale is 0x00, and nvfp4_quantize clamps block scales up to e4m3's smallest normal
-2^-6 (blocks with amax < 2^-6 * 6 * s_t) and divides 0 by 0 for an all-zero tensor. torchao has no
-stochastic rounding, 2-D scaling or NaN refusal on CPU (its SR and 2-D kernels are Triton-only).
+Against torchao 0.18's quantizers (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL,
+nvfp4_quantize) the results are bit-identical on finite random data whose blocks are not tiny
+(tests/test_blockscaled.py); they differ, by design, where torchao departs from the rules above:
+  - to_mx FLOOR divides by max(X, 2^-126): a block with amax < 2^-118 keeps scale 0x00 but is
+    scaled as if 0x01; to_mx RCEIL multiplies by 1 instead of 2^127 when the scale is 0x00.
+  - to_mx RCEIL (eager, and its Triton casts without the PTX instruction) takes ceil(log2(amax /
+    448)) with an fp32 log2, which rounds the log2 of a quotient just above a power of two 2^k onto
+    k once fp32's spacing at k is coarser than log2 of the excess (|k| >= 5 for 1 + 2^-23): one
+    scale lower than the rule, the block's top clamped to 448.
+  - torchao's Triton MXFP8 casts with FLOOR (triton_to_mxfp8_dim0 / dim1, which MXFP8Linear's
+    kernels use for column-wise operands) take the exponent of bf16(amax): on an fp32 operand an amax within 2^-9 below a power of two rounds up to it, one
+    scale higher than the rule; on bf16 operands (the plan's) the two agree.
+  - nvfp4_quantize and NVFP4Linear's kernels clamp block scales up to e4m3's smallest normal
+    2^-6 (blocks with amax < 2^-6 * 6 * s_t: this rule keeps e4m3 subnormal scales, which round on
+    a fixed 2^-9 grid, so such a block's top can land past 6 and clip; torchao's clamp flushes
+    more of it instead), and nvfp4_quantize divides 0 by 0 for an all-zero tensor.
+  - NVFP4Linear casts its inputs to bf16 and rounds the RHT output to bf16 before quantizing;
+    the emulation quantizes the fp32 rotation of the operand as the plan stores it.
+torchao has no stochastic rounding, 2-D scaling or NaN refusal on CPU (its SR and 2-D kernels are
+Triton-only).
 """
 
 from __future__ import annotations
@@ -210,7 +231,7 @@ def round_e2m1(y: torch.Tensor, generator: torch.Generator | None = None) -> tor
 # ----------------------------------------------------------------------------- MXFP8
 
 
-def mx_scale_exponent(amax: torch.Tensor, scale_mode: str = "floor") -> torch.Tensor:
+def mx_scale_exponent(amax: torch.Tensor, scale_mode: str = "rceil") -> torch.Tensor:
     """The unbiased shared exponent of each block (int32) from its fp32 amax (finite, >= 0)."""
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, not {scale_mode!r}")
@@ -225,7 +246,7 @@ def mx_scale_exponent(amax: torch.Tensor, scale_mode: str = "floor") -> torch.Te
     return e.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
-def quantize_mxfp8(x: torch.Tensor, *, block_size: int = MX_BLOCK, scale_mode: str = "floor",
+def quantize_mxfp8(x: torch.Tensor, *, block_size: int = MX_BLOCK, scale_mode: str = "rceil",
                    check_finite: bool = True) -> MXFP8Quantized:
     """MXFP8 (e4m3 elements, E8M0 scales) along the last dim; see the module docstring."""
     blocks = _blocks(x, block_size, "MXFP8")

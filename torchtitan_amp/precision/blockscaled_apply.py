@@ -175,15 +175,31 @@ def _sr_holders(part: nn.Module) -> Iterator[tuple[BlockScaledLinear | BlockScal
             yield m.block_scaled_mm, m.w1.device
 
 
-def seed_step(parts: list[nn.Module], step: int) -> None:
+# Odd, with low bits set: a CPU generator seeds its Mersenne Twister from the key's low 32 bits
+# only (CUDA's Philox takes all 64), so the rank must change those.
+RANK_KEY = 0x1E3779B97F4A7C15
+
+
+def sr_key(seed: int, stream: int, step: int, rank: int) -> int:
+    """A stochastic-rounding generator's seed: (recipe seed, module stream, step) as one process
+    has it, plus `rank` times an odd constant (rank 0's key is the one-process key)."""
+    return ((seed * 1_000_003 + stream) * 1_000_033 + step + rank * RANK_KEY) % 2**63
+
+
+def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:
     """Seed every stochastically rounding BlockScaledLinear's and BlockScaledExperts' generator
-    from (recipe seed, its stream, `step`) before the step: the draws then depend on the step
-    number alone, so a run resumed from a checkpoint draws what the uninterrupted run drew, with
-    no generator state saved."""
+    from (recipe seed, its stream, `step`, `rank`) before the step: the draws then depend on the
+    step number and the rank alone, so a run resumed from a checkpoint on the same layout draws
+    what the uninterrupted run drew, with no generator state saved. `rank` (trainer.sr_rank) tells
+    apart the ranks that round different values of one step: data-parallel ranks (fault-tolerant
+    replica groups included), context-parallel and tensor-parallel ranks. With one key for all of
+    them, every data-parallel rank drew the same numbers, so a gradient of consistent sign got
+    correlated rounding errors across ranks, which the gradient mean does not average out;
+    independent draws do (tests/test_blockscaled_train.py)."""
     for part in parts:
         for holder, device in _sr_holders(part):
             if holder.recipe.stochastic_rounding:
-                seed = ((holder.recipe.seed * 1_000_003 + holder.sr_stream) * 1_000_033 + step) % 2**63
+                seed = sr_key(holder.recipe.seed, holder.sr_stream, step, rank)
                 if holder.generator is None or holder.generator.device != device:
                     holder.generator = torch.Generator(device=device)
                 holder.generator.manual_seed(seed)

@@ -58,7 +58,7 @@ class _GroupedFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         recipe, label = ctx.recipe, ctx.label
         gen = ctx.generator if recipe.stochastic_rounding else None
-        r = rht_matrix(recipe.seed) if recipe.rht else None
+        r = rht_matrix(recipe.seed, device=grad_out.device) if recipe.rht else None
         k, n = w.shape[1], w.shape[2]
         grad_x, grad_w = [], torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for e, (g, xe) in enumerate(zip(grad_out.float().split(ctx.sizes), x.float().split(ctx.sizes))):

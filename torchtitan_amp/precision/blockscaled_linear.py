@@ -22,7 +22,9 @@ torch.nn.functional.scaled_mm takes them). The hardware sums each block's produc
 accumulates in fp32 in its own order: the two agree to fp32 accumulation error (gamma_K of the
 sum of |products|), not bit for bit. Hardware SR takes its random bits inside the convert
 instruction; here torch.rand on a torch.Generator: the same distribution (to the resolution of
-the random bits), not the same draws. Autocast is off inside the emulated GEMM.
+the random bits), not the same draws. Autocast is off inside the emulated GEMM. The fp32 result
+is rounded once to x's dtype (bf16 under the plan, as the kernels' bf16 output is): an error
+bound on the Linear's output adds that rounding (2^-8 of it in bf16) to the GEMM's.
 The emulation keeps x and W in their storage dtype for backward and re-quantizes them there
 (a hardware recipe saves the quantized column-wise copies): memory differs, numerics do not.
 A reduction dim that is not a multiple of the block is zero-padded (zeros change no amax and no
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple
 
@@ -54,18 +57,20 @@ RHT_DIM = 16
 @dataclasses.dataclass(frozen=True)
 class BlockScaledRecipe:
     """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
-    uses one sign vector) and, per module, the SR generator. `check_finite` refuses NaN / inf in
-    any operand (NonFiniteBlockError; one host sync per quantized operand, six per Linear step);
-    off, such a block gets a NaN scale and the NaN reaches the loss (for compiled / sync-free runs,
-    where the trainer's own non-finite check catches it)."""
+    uses one sign vector) and, per module, the SR generator. `check_finite` (off: training's
+    setting) refuses NaN / inf in any operand (NonFiniteBlockError; one host sync per quantized
+    operand, six per Linear step). Off, a block holding one gets a NaN scale and the NaN reaches
+    the output or the gradients, where training's own check finds it: fp16's loss scaler skips the
+    step and backs off (an overflowed scaled gradient is the common case), training.skip_nonfinite_steps
+    skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
 
     format: Literal["mxfp8", "nvfp4"]
-    mx_scale_mode: Literal["floor", "rceil"] = "floor"
+    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
     weight_2d: bool = False
     rht: bool = False
     stochastic_rounding: bool = False
     seed: int = 0
-    check_finite: bool = True
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -116,9 +121,21 @@ def rht_signs(seed: int, n: int = RHT_DIM) -> torch.Tensor:
     return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.float32)
 
 
-def rht_matrix(seed: int, n: int = RHT_DIM) -> torch.Tensor:
-    """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly."""
-    return rht_signs(seed, n).unsqueeze(1) * hadamard(n)
+def rht_matrix(seed: int, n: int = RHT_DIM, device: torch.device | str | None = None) -> torch.Tensor:
+    """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly.
+    fp32 on `device` (default the CPU), built once per (seed, n, device) and cached: every
+    rotated GEMM of a run takes the same tensor (do not modify it), with no CPU build and copy
+    per GEMM."""
+    return _rht_matrix_on(seed, n, torch.device("cpu" if device is None else device))
+
+
+@functools.lru_cache(maxsize=64)
+def _rht_matrix_on(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor whatever mode asks first
+        return (rht_signs(seed, n).unsqueeze(1) * hadamard(n)).to(device)
+
+
+rht_matrix.cache_clear = _rht_matrix_on.cache_clear  # type: ignore[attr-defined]
 
 
 def apply_rht(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -249,7 +266,7 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         m, (n, k) = g2.shape[0], weight.shape
         grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen, amax_group=group),
                              _quantized_weight(weight, recipe, True, group), m, k, "dgrad", ctx.label)
-        r = rht_matrix(recipe.seed) if recipe.rht else None
+        r = rht_matrix(recipe.seed, device=g2.device) if recipe.rht else None
         grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r, amax_group=group),
                              quantize_operand(x2.t(), recipe, rht=r, amax_group=group), n, k, "wgrad", ctx.label)
         grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None

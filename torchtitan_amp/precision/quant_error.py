@@ -21,7 +21,9 @@ Measures (`QuantError`, each over the nonzero entries and blocks): the relative 
 quantize to zero (flushed); the fraction of nonzero scaling groups (blocks, rows, the tensor) where
 the clamp to the format's largest magnitude changed some element beyond rounding (saturated: a
 scaled magnitude above the max plus half the grid step below it; MXFP8's floor rule lets a block's
-top reach 512, NVFP4's round-to-nearest e4m3 block scale lets it reach 6.375, which rounds to 6). Flushing and clipping are
+top reach 512; NVFP4's round-to-nearest e4m3 block scale lets it reach 6.375, which rounds to 6,
+while its scale is normal, but a block whose scale is an e4m3 subnormal, amax below 2^-6 * 6 * s_t,
+rounds it on the fixed 2^-9 grid, and its top can land far past 6). Flushing and clipping are
 read where the quantizer sees the values (after the RHT).
 """
 

@@ -28,11 +28,12 @@ from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import autocast, blockscaled_apply, float8
+from torchtitan_amp.precision import autocast, blockscaled_apply, blockscaled_torchao, float8
 from torchtitan_amp.train.build import build_training
-from torchtitan_amp.train.fault_tolerance import TrainingState, group_config, init_optimizer_state
+from torchtitan_amp.train.fault_tolerance import TrainingState, data_position, group_config, init_optimizer_state
 
 if TYPE_CHECKING:
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.precision.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
@@ -70,6 +71,14 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     return total
 
 
+def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
+    """The rank that keys block-scaled stochastic rounding (blockscaled_apply.seed_step): one per
+    (data share, cp rank, tp rank), the ranks that round different values of one step; pipeline
+    stages hold different modules, whose streams differ already."""
+    data_rank, _ = data_position(config, dims, rank)
+    return (data_rank * dims.cp + dims.cp_rank(rank)) * dims.tp + rank % dims.tp
+
+
 class Trainer:
     """Runs the training loop over what `build.build_training` built for this rank: the step
     (micro-batches, loss, backward, clipping, optimizer), and when to log, validate, save and stop."""
@@ -87,6 +96,8 @@ class Trainer:
         self.model_inputs, self.scaler, self.pipeline = setup.model_inputs, setup.scaler, setup.pipeline
         self.model_parts = setup.model_parts
         self.model = self.model_parts[0]
+        # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
+        blockscaled_torchao.materialized(self.model_parts, sr_rank(config, self.dims, self.info.rank))
         opt = setup.optimization
         self.params, self.optimizer, self.lr_scheduler = opt.params, opt.optimizer, opt.lr_scheduler
         self.reduce_partial_grads = opt.reduce_partial_grads
@@ -180,7 +191,7 @@ class Trainer:
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
         if self.plan.block_scaled is not None and self.plan.block_scaled.stochastic_rounding:
-            blockscaled_apply.seed_step(self.model_parts, self.step)
+            blockscaled_apply.seed_step(self.model_parts, self.step, sr_rank(self.config, self.dims, self.info.rank))
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
