@@ -3,7 +3,7 @@ process on CPU: the counter itself; a dense training step reads the device once 
 flag), a logging step adds its log line's reads; an MoE layer without expert parallel reads
 nothing, forward, backward and balancing included; with expert parallel (a 1-rank gloo group, the
 same code path as EP 2) one read per layer forward, none in an activation-checkpoint recompute
-or in backward; a compiled bf16 MoE block has no graph break. The launched layouts' counts are
+or in backward, and one count all-to-all per forward (a recompute exchanges only the rows); a compiled bf16 MoE block has no graph break. The launched layouts' counts are
 checked where they train (test_parallelisms, test_moe_dist, test_expert_parallel)."""
 
 from __future__ import annotations
@@ -205,9 +205,9 @@ def test_expert_parallel_recompute_reuses_the_forwards_counts(one_rank_group, mo
         torch.testing.assert_close(y, want)
     assert calls == ["counts", "rows", "rows"] * 2
     calls.clear()
-    y.square().sum().backward()  # only the second micro-batch's graph: one recompute
+    y.square().sum().backward()  # one micro-batch's graph: one recompute (same inputs, same counts)
     assert calls == ["rows", "rows"], calls
-    assert len(layer.expert_parallel.read) == 1  # the first micro-batch's, for its recompute
+    assert len(layer.expert_parallel.read) == 1  # kept for the other micro-batch's recompute
 
 
 def test_compiled_bf16_moe_block_has_no_graph_break() -> None:

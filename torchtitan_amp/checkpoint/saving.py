@@ -1,7 +1,7 @@
 """Saving and committing: a save writes `step-N.tmp/` (DCP parts, then each rank's file), at once
-or in the background (DCP's async save, with the run's one pinned-memory stager, staging.py), and the commit
-checksums the files, writes the marker and renames the folder to `step-N` (format.py), then prunes
-(retention.py). Also the model-only and Hugging Face exports, and the save-time estimate.
+or in the background (DCP's async save, with the run's one pinned-memory stager, staging.py), and
+the commit checksums the files, writes the marker and renames the folder to `step-N` (format.py),
+then prunes (retention.py). Also the model-only and Hugging Face exports, and the save-time estimate.
 
 `Saver` owns what outlives one save: the background save in flight, the pinned-memory stager, the
 upload thread's process group, and when and how long the last commit was. What it saves is the
