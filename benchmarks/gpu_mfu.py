@@ -201,7 +201,7 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
             loss = loss_fn(autocast.cast_output(plan, model(inputs)), labels)
         with autocast.backward_context(plan):
             loss.backward()
-        clip_grad_norm_(params, config.training.max_norm)
+        clip_grad_norm_(params, config.training.max_norm, device=device)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()

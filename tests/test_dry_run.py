@@ -64,7 +64,8 @@ JOBS = {
         "tp2_no_sp_ac": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false",
                          "--activation_checkpoint.mode", "full"],
         # MoE: routers in the blocks' fp32 groups; under EP 2 each rank holds 4 of the 8 experts
-        # (efsdp 1: no expert FSDP collective) and exchanges rows by all-to-all, again when recomputed.
+        # (efsdp 1: no expert FSDP collective) and exchanges rows by all-to-all, again when recomputed
+        # (the counts once: a recompute reuses the forward's).
         "moe_fsdp2": [*MOE],
         "moe_ep2_ac": [*MOE, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
         # MoE under TP (autocast: fp32 residual stream, bf16 matmuls): each MoE layer gathers the

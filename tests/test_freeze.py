@@ -30,7 +30,8 @@ def _no_peak_flops_measurement(monkeypatch):
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
-def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp_path: Path) -> None:
+def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # lr 1e-2, not BASE's 3e-3: debugmodel_tiny's trained blocks learn too little in 3 steps at
     # 3e-3 for the margins below (measured 0.033 and 0.078 under the twin at steps 2 and 3).
     t = trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-2",
@@ -44,7 +45,12 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     assert named["layers.0.ffn_norm.weight"].dtype == named["tok_embeddings.weight"].dtype == torch.float32
     assert named["layers.1.feed_forward.w1.weight"].dtype == torch.float32 and "layers.1.ffn_norm.weight" not in frozen
     before = {n: named[n].detach().clone() for n in frozen}
+    clip_devices = []  # the trainer names its device: a rank with nothing trained has no parameter to ask
+    clip = trainer_module.clip_grad_norm_
+    monkeypatch.setattr(trainer_module, "clip_grad_norm_",
+                        lambda *a, **k: clip_devices.append(k.get("device")) or clip(*a, **k))
     t.train()
+    assert clip_devices == [t.device] * 3, clip_devices
     assert all(torch.equal(named[n], before[n]) for n in frozen)
     assert all(named[n].grad is None for n in frozen)
     state_ids = {id(p) for p in t.optimizer.state}
@@ -65,6 +71,17 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     baseline = [r["loss"] for r in by_step(still).values()]
     assert len(losses) == len(baseline) == 3 and losses[0] == baseline[0], (losses, baseline)
     assert losses[1] < baseline[1] - 0.03 and losses[2] < baseline[2] - 0.1, (losses, baseline)
+
+
+def test_grad_norm_of_a_stage_with_nothing_trained_is_on_the_given_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline stage whose parameters are all frozen still joins the stages' norm all-reduce:
+    with the device it is given (the trainer's), not a CPU tensor, which nccl refuses. Recorded
+    on the meta device, which no default can produce."""
+    sent = []
+    monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda t, group=None: sent.append(t))
+    meta = torch.device("meta")
+    norm = trainer_module.clip_grad_norm_([], 1.0, object(), device=meta)  # type: ignore[arg-type]
+    assert [t.device for t in sent] == [meta] and norm.device == meta and norm.dtype == torch.float32
 
 
 def test_fp32_training_freezes_in_fp32(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ process on CPU: the counter itself; a dense training step reads the device once 
 flag), a logging step adds its log line's reads; an MoE layer without expert parallel reads
 nothing, forward, backward and balancing included; with expert parallel (a 1-rank gloo group, the
 same code path as EP 2) one read per layer forward, none in an activation-checkpoint recompute
-or in backward; a compiled bf16 MoE block has no graph break. The launched layouts' counts are
+or in backward, and one count all-to-all per forward (a recompute exchanges only the rows); a compiled bf16 MoE block has no graph break. The launched layouts' counts are
 checked where they train (test_parallelisms, test_moe_dist, test_expert_parallel)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed import expert_parallel
 from torchtitan_amp.distributed.expert_parallel import ExpertParallel
 from torchtitan_amp.models.moe.balance import after_backward, after_step
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer
@@ -187,6 +188,30 @@ def test_expert_parallel_reads_the_split_sizes_once_per_forward(one_rank_group) 
     with torch.no_grad(), HostSyncs() as syncs:  # evaluation: read, nothing kept
         layer(x)
     assert syncs.counts == {"tolist": 1} and not layer.expert_parallel.read
+
+
+def test_expert_parallel_recompute_reuses_the_forwards_counts(one_rank_group, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The int64 count exchange runs once per grad-enabled forward: an activation-checkpoint
+    recompute takes the received counts the forward kept, with its split sizes (on nccl a
+    repeated exchange is a collective and a wait inside backward), and exchanges only the rows."""
+    model, layer = _moe()
+    x = torch.randn(2, 16, model.model_args.dim, requires_grad=True)
+    want = layer(x)
+    layer.reset_step_counters()
+    layer.expert_parallel = ExpertParallel(one_rank_group, 1)
+    calls: list[str] = []
+    counts_a2a, rows_a2a = dist.all_to_all_single, expert_parallel.all_to_all_single_autograd
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: calls.append("counts") or counts_a2a(*a, **k))
+    monkeypatch.setattr(expert_parallel, "all_to_all_single_autograd",
+                        lambda *a, **k: calls.append("rows") or rows_a2a(*a, **k))
+    for _ in range(2):  # two micro-batches forward, then both backward (first in, first out)
+        y = checkpoint(layer, x, use_reentrant=False)
+        torch.testing.assert_close(y, want)
+    assert calls == ["counts", "rows", "rows"] * 2
+    calls.clear()
+    y.square().sum().backward()  # one micro-batch's graph: one recompute (same inputs, same counts)
+    assert calls == ["rows", "rows"], calls
+    assert len(layer.expert_parallel.read) == 1  # kept for the other micro-batch's recompute
 
 
 def test_compiled_bf16_moe_block_has_no_graph_break() -> None:

@@ -1,11 +1,13 @@
 """Host syncs per step (issue 26, items 7 and 8): the stop flag is agreed every step on a gloo
 group with a CPU tensor, so the poll never syncs the GPU; input batches go to CUDA from pinned
-memory without blocking; the pinned-memory checkpoint stager is made once per run and closed. In
+memory without blocking; the pinned-memory checkpoint stager is made once per run, refills its
+host buffers at every save, copies after the step's kernels (a stream-order fake) and is closed. In
 process, one rank, CPU."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,14 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint.staging as dcp_staging
+from torch.distributed.checkpoint import state_dict_saver as _sds
 
 from tests.support import read_metrics
 from torchtitan_amp.checkpoint import manager as manager_mod
-from torchtitan_amp.checkpoint import preemption
+from torchtitan_amp.checkpoint import preemption, saving, staging
 from torchtitan_amp.checkpoint.format import scan_folder
 from torchtitan_amp.config import load_config
-from torchtitan_amp.core.torch_compat import default_stager_reusable
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.data.tokenizer import ByteTokenizer
@@ -215,38 +216,96 @@ def test_build_dataloader_pins_only_when_asked() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# async_with_pinned_mem: one stager per run
+# async_with_pinned_mem: one stager per run, after the step's kernels
 
 
-class _CountingStager(dcp_staging.DefaultStager):
-    """DefaultStager as the manager asks for it, minus what needs CUDA (pinning, non-blocking)."""
+class _CountingStager(staging.PinnedStager):
+    """The run's stager minus what needs CUDA (pinning)."""
 
     made = 0
     closed = 0
 
-    def __init__(self, options: dcp_staging.StagingOptions) -> None:
-        assert options.use_pinned_memory
+    def __init__(self) -> None:
         type(self).made += 1
-        super().__init__(dcp_staging.StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                    use_async_staging=True, use_non_blocking_copy=False))
+        super().__init__(pin_memory=False)
+        real = self.copier.stage
+
+        def copy(sd: Any, non_blocking: bool = False) -> Any:
+            _log.append(f"copy on {_FakeStream.current}")
+            time.sleep(0.05)  # a save that did not wait for its copies would return first
+            return real(sd, non_blocking=non_blocking)
+
+        self.copier.stage = copy
 
     def close(self) -> None:
         type(self).closed += 1
         super().close()
 
 
-def test_pinned_stager_is_made_once_per_run_closed_at_the_end_and_a_finished_save_commits_at_the_next_poll(
+_log: list[str] = []
+
+
+class _FakeStream:
+    """A stream that logs what waits for what: the order a GPU would run them in."""
+
+    current = "compute"  # the stream copies are queued on
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        _log.append(f"{self.name} waits for {other.name}")
+
+    def synchronize(self) -> None:
+        _log.append(f"{self.name} synchronized")
+
+    def __enter__(self) -> None:
+        type(self).current = self.name
+
+    def __exit__(self, *exc: object) -> None:
+        type(self).current = "compute"
+
+
+def _storages(obj: Any) -> list[torch.UntypedStorage]:
+    if isinstance(obj, torch.Tensor):
+        return [obj.untyped_storage()] if obj.numel() > 1 else []
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [s for v in items for s in _storages(v)]
+
+
+def test_pinned_stager_waits_for_the_step_reuses_its_buffers_and_a_finished_save_commits_at_the_next_poll(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stager per run, closed at the end; every save refills the first save's host buffers
+    (torch 2.11's DefaultStager drops them after each save: there 171 of this run's 171 storages
+    are new at the second save). On a stream-order fake: the staging stream waits for the compute stream (the
+    optimizer step queued there) before the copies, which run on the staging stream; it is
+    synchronized before the save returns, so the next optimizer step comes after."""
     # The mode is refused on CPU at config time: configure "async", switch after the checks.
     trainer = _trainer(tmp_path, "--training.steps", "5", "--metrics.log_freq", "100", "--checkpoint.enable",
                        "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
     trainer.config.checkpoint.async_mode = "async_with_pinned_mem"
-    # Three saves (steps 2, 4, 5): one stager for all, or one each where torch's serves one save
-    # (asked before DefaultStager is replaced below).
-    per_run = default_stager_reusable()
-    monkeypatch.setattr(dcp_staging, "DefaultStager", _CountingStager)
+    monkeypatch.setattr(saving, "PinnedStager", _CountingStager)
     monkeypatch.setattr(_CountingStager, "made", 0)
     monkeypatch.setattr(_CountingStager, "closed", 0)
+    monkeypatch.setattr(staging, "compute_stream", lambda: _FakeStream("compute"))
+    monkeypatch.setattr(staging, "staging_stream", lambda: _FakeStream("staging"))
+    _log.clear()
+    logged = trainer.optimizer.register_step_post_hook(lambda *_: _log.append("optimizer step"))
+    staged, buffers = [], []  # what each save's upload writes (kept alive: no address is reused)
+    execute_save = _sds._ThreadBasedAsyncCheckpointExecutor.execute_save
+
+    def keep(done: Any) -> None:
+        staged.append(done.result())
+        buffers.append(sorted(s.data_ptr() for s in _storages(staged[-1])))
+
+    def upload(self, sd, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sd.add_done_callback(keep)  # the staging future: waiting here would hide a save that did not
+        return execute_save(self, sd, *args, **kwargs)
+
+    monkeypatch.setattr(_sds._ThreadBasedAsyncCheckpointExecutor, "execute_save", upload)
+    saver = trainer.checkpointer.saver
+    async_save = saver._async_save
+    monkeypatch.setattr(saver, "_async_save", lambda *a: (async_save(*a), _log.append("save returned"))[0])
     # Step 3 waits for step 2's upload: its own poll (every step) commits the save.
     seen: dict[str, Any] = {}
     step_fn, stop_fn = trainer.train_step, trainer.checkpointer.should_stop
@@ -267,24 +326,13 @@ def test_pinned_stager_is_made_once_per_run_closed_at_the_end_and_a_finished_sav
     monkeypatch.setattr(trainer, "train_step", step)
     monkeypatch.setattr(trainer.checkpointer, "should_stop", should_stop)
     trainer.train()
+    logged.remove()
     assert seen == {"pending": None, "complete": [2]}
     complete = scan_folder(tmp_path / "checkpoint")[0]
     assert {s: info.kind for s, info in complete.items()} == {2: "full", 4: "full", 5: "full"}
-    assert (_CountingStager.made, _CountingStager.closed) == ((1, 1) if per_run else (3, 3))
+    assert (_CountingStager.made, _CountingStager.closed) == (1, 1)
     assert trainer.checkpointer.saver.stager is None
-
-
-def test_stager_reuse_is_read_from_torch_itself() -> None:
-    """The probe agrees with what a second stage through one DefaultStager really does."""
-    stager = dcp_staging.DefaultStager(dcp_staging.StagingOptions(False, False, False, False))
-    state = {"w": torch.ones(3)}
-    try:
-        stager.stage(state)
-        try:
-            again = stager.stage(state)
-            works = torch.equal(again["w"], state["w"])
-        except KeyError:
-            works = False
-    finally:
-        stager.close()
-    assert default_stager_reusable() is works
+    save = ["staging waits for compute", "copy on staging", "staging synchronized", "save returned"]
+    step = ["optimizer step"]
+    assert _log == step * 2 + save + step * 2 + save + step + save, _log  # saves at steps 2, 4 and 5 (the last)
+    assert len(buffers) == 3 and buffers[0] and buffers[1] == buffers[0] == buffers[2]

@@ -83,11 +83,10 @@ def _copies(g: torch.Tensor, stage_ranks: int) -> int:
     return stage_ranks // mesh.size() * replicated
 
 
-def true_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> float:
+def true_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, device: torch.device) -> float:
     """fp64 norm of every gradient element once, from the parts the ranks hold: one all-reduce of
     one float64 over all ranks. Partial gradients (summands, not parts) are summed first."""
     world, stage_ranks = _world(pp_group)
-    device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad
@@ -102,10 +101,9 @@ def true_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) ->
     return math.sqrt(float(total))
 
 
-def gathered_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> float:
+def gathered_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, device: torch.device) -> float:
     """fp64 norm of the full gradients of `params`, summed over the pipeline stages. Every rank of
     a DTensor's mesh walks the same parameters in the same order (full_tensor is a collective)."""
-    device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is not None:
@@ -132,12 +130,12 @@ def _clip_rel_err(before: list[torch.Tensor], after: list[torch.Tensor], coef: f
 
 
 def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                            pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                            pp_group: dist.ProcessGroup | None = None, *, device: torch.device) -> torch.Tensor:
     with uncounted():  # the evidence's reads are not the step's host syncs (StepSyncs)
-        true = true_norm(params, pp_group)
-        gathered = gathered_norm(params, pp_group) if not _records else None
+        true = true_norm(params, pp_group, device)
+        gathered = gathered_norm(params, pp_group, device) if not _records else None
         before = [_local(p.grad.detach()).clone() for p in params if p.grad is not None]
-    reported = _original(params, max_norm, pp_group)
+    reported = _original(params, max_norm, pp_group, device=device)
     with uncounted():
         after = [_local(p.grad.detach()) for p in params if p.grad is not None]
         check = max_norm > 0 and math.isfinite(true)

@@ -598,7 +598,7 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
         checked = gather_objects(norm_check.records())
         # After clipping to 1e-3 the gradients' own norm must be 1e-3: clipping acted on true grads.
         # The trainer's norm (max_norm 0: measure only) covers every shard, TP and PP included.
-        post = clip_grad_norm_(t.params, 0.0, t.pp_group)
+        post = clip_grad_norm_(t.params, 0.0, t.pp_group, device=t.device)
         norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.scaler.get_scale(),
                        "post_clip_norm": float(post), "norm_check": checked}
     res["norms"] = norms

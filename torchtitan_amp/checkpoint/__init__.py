@@ -8,6 +8,7 @@
   objects it reads and writes; `train_state.py` holds `TrainState`;
 - `ranks.py`: `RankLayout` (this rank's place in the job) and the cross-rank `agree` / `all_ok`;
 - `saving.py`: `Saver` (saves, async saves with their stager and group, commits, exports);
+  `staging.py` (the run's pinned-memory stager, its copies after the step's kernels);
   `loading.py` (choosing, verifying and restoring a checkpoint); `retention.py` (keep_latest_k);
   `stopping.py` (the per-step stop poll); `preemption.py` (stop signals, the pre-emption
   deadline, fault injection);

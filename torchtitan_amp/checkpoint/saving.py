@@ -1,7 +1,7 @@
 """Saving and committing: a save writes `step-N.tmp/` (DCP parts, then each rank's file), at once
-or in the background (DCP's async save, with the run's one pinned-memory stager), and the commit
-checksums the files, writes the marker and renames the folder to `step-N` (format.py), then prunes
-(retention.py). Also the model-only and Hugging Face exports, and the save-time estimate.
+or in the background (DCP's async save, with the run's one pinned-memory stager, staging.py), and
+the commit checksums the files, writes the marker and renames the folder to `step-N` (format.py),
+then prunes (retention.py). Also the model-only and Hugging Face exports, and the save-time estimate.
 
 `Saver` owns what outlives one save: the background save in flight, the pinned-memory stager, the
 upload thread's process group, and when and how long the last commit was. What it saves is the
@@ -42,10 +42,10 @@ from torchtitan_amp.checkpoint.integrity import file_crc32, verify_checksums
 from torchtitan_amp.checkpoint.parts import RunState
 from torchtitan_amp.checkpoint.ranks import RankLayout, agree, all_ok
 from torchtitan_amp.checkpoint.retention import purge
+from torchtitan_amp.checkpoint.staging import PinnedStager
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
-from torchtitan_amp.core.torch_compat import default_stager_reusable
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.models import get_family
 
@@ -80,7 +80,7 @@ class Saver:
         # the steps that overlapped the write are counted too).
         self.last_save_s = 0.0
         self.pending: PendingSave | None = None
-        self.stager: Any = None  # async_with_pinned_mem's DefaultStager, one per run (pinned_stager)
+        self.stager: PinnedStager | None = None  # async_with_pinned_mem's, one per run (pinned_stager)
         self.async_group = None
         if enabled and config.checkpoint.async_mode != "disabled" and dist.is_initialized():
             # The upload thread's collectives must not interleave with training's on the default group.
@@ -198,21 +198,18 @@ class Saver:
         if isinstance(response, Future):
             return response
         # An AsyncSaveResponse: the next optimizer step must not run before staging has copied
-        # the tensors, so wait for it here; only the upload overlaps training.
+        # the tensors (on a GPU: the staging stream synchronized, staging.py), so wait for it
+        # here; only the upload overlaps training.
         response.staging_completion.result()
         return response.upload_completion
 
-    def pinned_stager(self) -> Any:
+    def pinned_stager(self) -> PinnedStager:
         """The run's one stager, made at the first save: its pinned host copies are reused by every
         save, and close() shuts it down. One per save would pin the whole state again and leak a
         thread each time. Reuse is safe: a save first finishes the previous one, whose upload
-        reads those copies. Where torch's stager serves one save only (torch_compat, 2.11), it is
-        closed once its save is committed and the next save makes another."""
+        reads those copies."""
         if self.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
+            self.stager = PinnedStager()
         return self.stager
 
     def close_stager(self) -> None:
@@ -234,8 +231,6 @@ class Saver:
             pending.future.result()
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"background save of {pending.tmp} failed: {one_line(e)}"
-        if self.stager is not None and not default_stager_reusable():
-            self.close_stager()
         all_ok(self.ranks, error)
         self.commit(pending.state, pending.tmp, pending.final, pending.kind, pending.started)
 

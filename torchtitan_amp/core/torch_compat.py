@@ -32,28 +32,6 @@ def fsdp_param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-@functools.cache
-def default_stager_reusable() -> bool:
-    """Whether one DCP `DefaultStager` can stage more than once. torch 2.13's keeps its pinned
-    copies for the next save; 2.11's clears its copy dispatch table after every stage, so a second
-    save through it fails (KeyError: <class 'type'>): there, a stager serves one save. Asked by
-    staging a tiny CPU state dict twice (no pinning, no thread)."""
-    import torch
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
-    state = {"t": torch.zeros(2), "nested": {"n": 1}}
-    try:
-        stager.stage(state)
-        stager.stage(state)
-        return True
-    except KeyError:
-        return False
-    finally:
-        stager.close()
-
-
 def sequence_collectives() -> tuple[Any, Any]:
     """(all_gather, reduce_scatter) of torch's functional collectives: torch 2.13 names them
     `*_single` and deprecates `all_gather_tensor` / `reduce_scatter_tensor`, which are all torch

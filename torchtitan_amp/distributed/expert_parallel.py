@@ -13,10 +13,11 @@ before it needs no gradient.
 Host syncs: all_to_all's split sizes are host integers, so a layer's forward reads them once
 (send and receive sizes stacked into one `.tolist()`, torchtitan's figure); everything else stays
 on the device (the row order's `repeat_interleave` is given its output size from that read). An
-activation-checkpoint recompute runs the forward again inside backward: it takes the sizes the
-forward read (kept per layer, first in first out, since microbatches are recomputed in the order
-they ran forward) instead of reading again, so a step costs one read per layer and microbatch
-with or without activation checkpointing.
+activation-checkpoint recompute runs the forward again inside backward: it takes the counts the
+forward received and the sizes it read (kept per layer, first in first out, since microbatches are
+recomputed in the order they ran forward) instead of exchanging and reading again, so a step costs
+one count all-to-all and one read per layer and microbatch with or without activation
+checkpointing; the recompute exchanges only the rows.
 """
 
 from __future__ import annotations
@@ -44,36 +45,39 @@ class ExpertParallel:
 
     group: dist.ProcessGroup
     degree: int
-    # The split sizes of this step's grad-enabled forwards, (rows sent, [send sizes], [receive
-    # sizes]), for their recomputes; emptied by `forget` once the step's backward is done.
-    read: deque[tuple[int, list[int], list[int]]] = field(default_factory=deque)
+    # What this step's grad-enabled forwards exchanged, (rows sent, received counts [ep, E/ep],
+    # [send sizes], [receive sizes]), for their recomputes; emptied by `forget` once the step's
+    # backward is done.
+    read: deque[tuple[int, torch.Tensor, list[int], list[int]]] = field(default_factory=deque)
 
     def forget(self) -> None:
         """The step's backward is done (or a pass without backward ran): no recompute is due."""
         self.read.clear()
 
-    def split_sizes(self, rows: int, send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Rows to send to / receive from each EP rank: the one host read of a forward, or what
-        the forward read when this is its activation-checkpoint recompute (inside backward)."""
+    def exchange_counts(self, rows: int, send: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The counts each EP rank sends this one ([ep, E/ep], int64, by all-to-all) and the rows
+        to send to / receive from each (the one host read of a forward); or, when this is an
+        activation-checkpoint recompute (inside backward), what its forward received and read:
+        the routing is recomputed bit for bit, so neither the exchange nor the read is repeated."""
         recompute = torch._C._current_graph_task_id() != -1
         if recompute and self.read:
-            sent, send_split, recv_split = self.read.popleft()
+            sent, recv, send_split, recv_split = self.read.popleft()
             if sent != rows:  # a recompute must route like its forward: never exchange wrong sizes
                 raise RuntimeError(f"expert parallel: a recompute routes {rows} rows, its forward {sent}")
-            return send_split, recv_split
+            return recv, send_split, recv_split
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
         send_split, recv_split = torch.stack([send.sum(1), recv.sum(1)]).tolist()
         if torch.is_grad_enabled() and not recompute:
-            self.read.append((rows, send_split, recv_split))
-        return send_split, recv_split
+            self.read.append((rows, recv, send_split, recv_split))
+        return recv, send_split, recv_split
 
     def __call__(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [N, dim] sorted by global expert, counts [E] -> the experts' outputs for those rows,
         in the same order, computed on the ranks owning the experts."""
         ep = self.degree
         send = counts.view(ep, -1)  # [destination rank, its local expert]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        send_split, recv_split = self.split_sizes(rows.shape[0], send, recv)
+        recv, send_split, recv_split = self.exchange_counts(rows.shape[0], send)
         arrived = all_to_all_single_autograd(rows, recv_split, send_split, self.group)
         # Arrived rows are grouped (source rank, local expert); the grouped matmul wants them
         # grouped by local expert, so sort by expert and keep the source order inside each.

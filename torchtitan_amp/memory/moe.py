@@ -190,7 +190,8 @@ def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[St
     per MoE layer and forward pass of T tokens (volumes: what the rank sends, its own share
     included):
 
-        token counts  [E] int64, forward only (the split sizes; no gradient)
+        token counts  [E] int64, forward only (the split sizes; no gradient; a recompute
+                      reuses the forward's)
         dispatch      [T x k, d] in the hidden states' dtype (PrecisionSpec.residual: the block
                       input's), forward; its gradient back in backward
         combine       [T x k, d] in the experts' output dtype (param dtype under mixed
@@ -199,8 +200,8 @@ def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[St
     Every row is sent whatever the routing, so the volume is exact; what crosses the network is
     (ep - 1) / ep of it under uniform routing (the planner's assumption: balancing drives the
     loads there, and an unbalanced step sends more to the hot experts' ranks). A recomputed block
-    (full or selective AC; op-level SAC too: an all-to-all is not saved) repeats its forward
-    exchanges. x microbatches (PP) x gradient-accumulation steps.
+    (full or selective AC; op-level SAC too: an all-to-all is not saved) repeats its forward's
+    row exchanges, not its count exchange. x microbatches (PP) x gradient-accumulation steps.
     """
     if layout.ep == 1:
         return {}
@@ -212,7 +213,7 @@ def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[St
     for stage in stages:
         layers = [i for i in stage.layers if model.is_moe(i)]
         forwards = len(layers) + len([i for i in _recomputed(layout, stage) if model.is_moe(i)])
-        add_bytes(out, "int64", passes * forwards * model.n_routed_experts * 8)
+        add_bytes(out, "int64", passes * len(layers) * model.n_routed_experts * 8)
         for dtype in (dispatch, combine):
             add_bytes(out, dtype, passes * (forwards + len(layers)) * rows * DTYPE_BYTES[dtype])
     return {"ep_all_to_all": out} if out else {}

@@ -383,7 +383,7 @@ FORMULAS = {
           "(param_dtype under FSDP: only the last stage's root casts to output_dtype; fp32 under autocast)",
     "ep_all_to_all": "per MoE layer per forward pass: the token counts ([E] int64), the dispatched rows "
                      "[tokens x top_k, dim] (hidden states' dtype) and the combined rows (experts' output "
-                     "dtype); the rows' gradients back in backward; again for recomputed blocks (AC); "
+                     "dtype); the rows' gradients back in backward; the rows again for recomputed blocks (AC); "
                      "volume = what a rank sends, its own share included ((ep-1)/ep leaves it under "
                      "uniform routing)",
     "expert_fsdp": "EP-split experts: all-gather / reduce-scatter over the efsdp ranks (none when efsdp is 1)",

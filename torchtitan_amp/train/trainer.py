@@ -50,16 +50,18 @@ def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global grad norm (over every shard and pipeline stage), clipping when max_norm > 0."""
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    *, device: torch.device) -> torch.Tensor:
+    """Global grad norm (over every shard and pipeline stage), clipping when max_norm > 0. `device`
+    is the rank's (the trainer's): a stage with nothing trained has no parameter to take it from."""
     groups = _grad_groups(params)
     squares = []
     for grads in groups:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    # A stage whose parameters got no gradient still joins the pipeline all-reduce, on their device.
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=params[0].device if params else None)
+    # A stage whose parameters got no gradient (or that trains none) still joins the pipeline
+    # all-reduce, on the rank's device (nccl takes no CPU tensor).
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
         # Stages hold disjoint parameters: add squared norms across them.
         dist.all_reduce(total, group=pp_group)
@@ -212,7 +214,7 @@ class Trainer:
         if self.job.family.after_backward is not None:
             self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group)
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group)
+        grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group, device=self.device)
         if self.ft_every_step and not self.ft.should_commit():
             # A replica group failed during the cross-group all-reduce: the gradients are partial.
             return loss_sum, grad_norm, False
