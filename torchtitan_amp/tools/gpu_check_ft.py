@@ -77,8 +77,9 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
     timeout) or `timeout_s` has passed; then any still running are killed with their children."""
     deadline = time.monotonic() + timeout_s
     try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]  # every one polled: any() would stop at the first
+            if None not in codes or any(c not in (None, 0) for c in codes):
                 break
             time.sleep(0.1)
     finally:

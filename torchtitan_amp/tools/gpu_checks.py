@@ -4,8 +4,9 @@
     python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json --time-budget 200   # GPU
     python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                            # CPU trial
 
-Everything runs in this one process (one CUDA start-up), in the order below (cheap first; each
-check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
+Everything runs in this one process (one CUDA start-up; fault_tolerance's two replica groups are
+processes of their own), cheap first in CUDA_LIMITS_S's order (each check's cap), all but
+fp8_speed by default:
 
 - `kernels`    which SDPA op a bf16 causal call runs, non-grouped and grouped, under the model's
                pinned order and torch's own, and the cuDNN version (pass: the pinned calls run
@@ -36,6 +37,12 @@ check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
 - `syncs`      host syncs per training step of the debug and MoE debug models in bf16 (one
                device, no EP): counted at the dispatcher and reported by CUDA's sync debug mode.
                Pass: each step after the first within STEP_SYNC_BUDGET (the finiteness read).
+- `block_scaled_syncs` the same for the debug model in emulated mxfp8 and nvfp4 (the full recipe);
+               `ep_syncs` for the MoE debug model with expert parallel's dispatch and combine on a
+               1-rank process group (nccl; budget + one read per EP layer): gpu_check_syncs.py.
+- `fault_tolerance` two 1-rank torchft replica groups (processes, on this device, a lighthouse on
+               loopback): step time with and without fault tolerance, quorum seconds, host syncs
+               per step: gpu_check_ft.py.
 - `generate`   a 3-step-trained debug model (its q and k scaled by 8, so that positions matter)
                decodes 24 tokens greedily with its KV cache on this device: pass when every step's logits equal one full forward over the text (fp32
                within GENERATE_ATOL, bf16 within GENERATE_BF16_REL of the largest logit) and each
@@ -53,9 +60,9 @@ check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
 The --json file is rewritten (atomically) when each check starts and ends; each check has a status:
 "passed", "failed", "error" (it raised), "timeout" (over its limit: SIGALRM), "killed" (SIGTERM,
 e.g. the outer `timeout`), "running" (the process died during it), "skipped" (torchao missing:
-fp8, fp8_speed, block_scaled_kernels) or "not run". A check's limit is the smaller of its cap
-(CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves; each records `compile_s`, its
-seconds in torch.compile (cold on a fresh machine).
+fp8, fp8_speed, block_scaled_kernels; torchft missing: fault_tolerance) or "not run". A check's
+limit is the smaller of its cap (CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves;
+each records `compile_s`, its seconds in torch.compile (cold on a fresh machine).
 
 Multi-rank checks (nccl compress hook, FSDP on CUDA) need two GPUs: NCCL refuses two ranks on one
 device. Exit 0 when every check passes, 1 otherwise; each check prints one line.
@@ -103,7 +110,8 @@ from torchtitan_amp.tools.gpu_check_runner import Check, Report, run_all  # noqa
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
     BF16, MOE, OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats,
     records, step_syncs, sync_budget_kept, train)
-from torchtitan_amp.tools.gpu_check_syncs import COUNTED_RUN_STEPS, check_block_scaled_syncs, check_ep_syncs  # noqa: E402
+from torchtitan_amp.tools.gpu_check_syncs import (  # noqa: E402
+    COUNTED_RUN_STEPS, check_block_scaled_syncs, check_ep_syncs)
 from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
