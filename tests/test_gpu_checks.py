@@ -75,7 +75,7 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     summary = ft["summary"]
     assert summary["participants"] == [2] and summary["discarded"] == 0, summary
     assert summary["train_step_syncs"] == {"fault_tolerance": [1], "without": [1]}, summary
-    assert summary["timed_steps_per_group"] == 2 and all(v > 0 for v in summary["step_s_median"].values())
+    assert summary["timed_steps_per_group"] == 4 and all(v > 0 for v in summary["step_s_median"].values())
     assert summary["quorum_s"]["median"] >= 0 and len(summary["quorum_s"]["first_step"]) == 2
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated

@@ -39,7 +39,7 @@ from torchtitan_amp.tools.gpu_check_runs import BF16, STEP_SYNC_BUDGET, base_arg
 # Steps of each run: step 1 waits in its first quorum for the other group's start-up and builds
 # lazily, step 2 still warms up (allocator, first gloo buffers); the host syncs are counted in
 # COUNTED_STEPS, and the steps after them are timed (the counting slows every op it sees).
-FT_STEPS, TINY_FT_STEPS = 12, 6
+FT_STEPS, TINY_FT_STEPS = 12, 8
 COUNTED_STEPS = {3, 4}
 QUORUM_TIMEOUT_S = 30
 GROUP_TIMEOUT_S = 180.0
@@ -122,6 +122,9 @@ def check_fault_tolerance(a: argparse.Namespace, work: Path, out: dict[str, Any]
     counted train_step within STEP_SYNC_BUDGET at the dispatcher (the run without fault tolerance
     also by CUDA's report). Under fault tolerance CUDA's report is recorded, not held to the
     budget: torchft's should_commit synchronizes the device by design (docs/parallelisms.md)."""
+    # Before torchft's extension is loaded (it reads this once): its INFO line per quorum would
+    # fill the run's log; the groups' processes inherit it.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=GROUPS, join_timeout_ms=1000)
