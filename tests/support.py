@@ -514,7 +514,7 @@ def use_stand_in_manager(monkeypatch: Any) -> None:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan: FaultTolerance(
+    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
         config.fault_tolerance, plan, manager=SameValuesManager()))
 
 
@@ -525,7 +525,7 @@ def use_paired_managers(monkeypatch: Any, groups: "PairedGroups") -> None:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan: FaultTolerance(
+    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
         config.fault_tolerance, plan, manager=groups.managers[config.fault_tolerance.replica_id])
         if config.fault_tolerance.enable else None)
 

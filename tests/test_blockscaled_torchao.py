@@ -43,7 +43,7 @@ NVFP4 = ["--mixed_precision.block_scaled", "nvfp4", "--training.local_batch_size
 @pytest.fixture(autouse=True)
 def _kernels_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, device_type: None)
+    monkeypatch.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, device_type, run_kernel=True: None)
     monkeypatch.setattr(blockscaled_torchao, "EMULATED_KERNELS", True)
 
 
@@ -117,7 +117,7 @@ def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one
                     "true").plan.block_scaled_emulated
     # block_scaled_emulate = false with kernels missing: refused, never emulated.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, d: "cpu has no MX / NVFP4 tensor cores")
+        mp.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, d, run_kernel=True: "cpu has no MX / NVFP4 tensor cores")
         with pytest.raises(PrecisionError, match="needs block-scaled tensor cores: cpu has no MX"):
             _resolve(*MXFP8, "--mixed_precision.block_scaled_emulate", "false")
 
@@ -171,3 +171,39 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     breaches = t.audit().breaches
     assert [(b.what, b.seen) for b in breaches] == [("layers.1.attention.wq: torchao block-scaled module",
                                                      ["{'module': 'Linear'}"])]
+
+
+# The probe itself, before the autouse fixture replaces it.
+KERNELS_MISSING = blockscaled_torchao.kernels_missing
+
+
+def _blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compute capability 10.0 device as far as the probe's capability check can tell."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    monkeypatch.setattr(blockscaled_torchao, "torchao_missing", lambda fmt: None)
+    KERNELS_MISSING.cache_clear()
+
+
+def test_the_block_scaled_probe_runs_one_step_and_reports_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Blackwell machine whose torchao MXFP8 CUDA op did not load (torchao only warns) is refused
+    by the step's own error, in the probe's one line; the pre-flight (run_kernel False) runs none."""
+    _blackwell(monkeypatch)
+    steps = []
+
+    def broken(fmt: str, device: str) -> None:
+        steps.append((fmt, device))
+        raise RuntimeError("torchao::mxfp8_quantize\nis not a registered op")
+
+    monkeypatch.setattr(blockscaled_torchao, "tiny_step", broken)
+    assert KERNELS_MISSING("mxfp8", "cuda", False) is None and steps == []
+    why = KERNELS_MISSING("mxfp8", "cuda")
+    assert why == ("torchao's mxfp8 training step fails here (RuntimeError: torchao::mxfp8_quantize is not a "
+                   "registered op)"), why
+    assert steps == [("mxfp8", "cuda")]
+    KERNELS_MISSING.cache_clear()
+
+
+def test_the_probes_tiny_step_trains_on_torchaos_emulated_mxfp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blockscaled_torchao, "EMULATED_KERNELS", True)
+    blockscaled_torchao.tiny_step("mxfp8", "cpu")

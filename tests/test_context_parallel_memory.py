@@ -41,6 +41,41 @@ def test_attention_kernel_by_device_dtype_head_dim_and_mask(device: str, dtype: 
     assert attention_kernel(device, dtype, head_dim, mask) == kernel
 
 
+@pytest.mark.parametrize("capability, head_dim, training, kernel", [
+    ((9, 0), 200, True, "flash"),
+    ((10, 0), 128, True, "flash"),
+    ((8, 9), 200, True, "efficient"),  # consumer parts: flash refuses training at head_dim (192, 224]
+    ((12, 0), 224, True, "efficient"),
+    ((8, 6), 200, False, "flash"),  # inference is taken
+    ((8, 9), 232, True, "flash"),  # past 224 without dropout: taken
+    ((7, 5), 128, True, "efficient"),  # below sm80: no flash
+])
+def test_attention_kernel_by_compute_capability(capability: tuple[int, int], head_dim: int, training: bool,
+                                                kernel: str) -> None:
+    assert attention_kernel("cuda", "bfloat16", head_dim, "causal", capability, training) == kernel
+    assert takes_grouped_kv("cuda", "bfloat16", head_dim, "causal", capability, training) == (kernel == "flash")
+
+
+def test_the_models_attention_runs_under_the_pinned_kernel_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SDPA call of the model's attention (plain causal, a KV cache, context parallel's
+    chunks) runs with cuDNN attention off and flash, efficient, math first, in that order: the
+    order rules.attention_kernel predicts (torch would put cuDNN first on sm90 / sm100)."""
+    from torch.nn.attention import SDPBackend
+
+    original, seen = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch._C._get_sdp_priority_order()[:3]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = _gqa_model()
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+    pinned = [int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.EFFICIENT_ATTENTION), int(SDPBackend.MATH)]
+    assert seen == [(False, pinned)] * 2, seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each call
+
+
 def test_grouped_kv_only_where_the_kernel_takes_it_exactly() -> None:
     """CUDA: flash takes grouped heads, efficient does not; CPU: fp32 (bitwise as repeated), not
     16 bits (its backward sums a group's dK/dV in 16 bits)."""

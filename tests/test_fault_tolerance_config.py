@@ -21,8 +21,19 @@ ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2")
 
 def test_off_by_default_and_in_help() -> None:
     ft = load_config([]).fault_tolerance
-    assert not ft.enable and ft.semi_sync_method == "none" and ft.process_group == "gloo"
+    assert not ft.enable and ft.semi_sync_method == "none" and ft.process_group == "auto"
     assert "--fault_tolerance.min_replica_size" in help_text()
+
+
+def test_the_default_collective_timeout_outlasts_a_heal() -> None:
+    """The survivors' first cross-group collective after a heal waits for the healing group, which
+    joins it only once it has copied and loaded the live state: a heal slower than
+    process_group_timeout_ms fails that collective and the survivors discard their step (their
+    DiLoCo sync). A rank of Llama 3 8B on FSDP 8 heals 1e9 parameters x (fp32 weights + 2 AdamW
+    moments + DiLoCo's fp32 global weights and momentum) = 20 GB; at 1 GB/s over torchft's HTTP
+    transport, 20 s: the default leaves 3x that."""
+    heal_s = 1e9 * (4 + 8 + 8) / 1e9
+    assert load_config([]).fault_tolerance.process_group_timeout_ms >= 3 * heal_s * 1000
 
 
 @pytest.mark.parametrize("args, message", [
@@ -46,6 +57,12 @@ def test_off_by_default_and_in_help() -> None:
      "'checkpoint.interval' = 7 must be a multiple of fault_tolerance.sync_steps = 5"),
     (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
     (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
+    (("--fault_tolerance.semi_sync_method", "diloco"),
+     "'fault_tolerance.semi_sync_method' = 'diloco' needs fault_tolerance.enable = true"),
+    ((*ON, "--fault_tolerance.lighthouse", "127.0.0.1"),
+     "'fault_tolerance.lighthouse' = '127.0.0.1' must be a URL http://HOST:PORT"),
+    ((*ON, "--fault_tolerance.lighthouse", "http://127.0.0.1"),
+     "'fault_tolerance.lighthouse' = 'http://127.0.0.1' must be a URL http://HOST:PORT"),
 ])
 def test_rules_name_the_field(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -58,6 +75,49 @@ def test_diloco_is_accepted_with_its_settings() -> None:
                       "--fault_tolerance.outer_momentum", "0.8"]).fault_tolerance
     assert (ft.semi_sync_method, ft.sync_steps, ft.pseudo_gradient_dtype, ft.outer_lr, ft.outer_momentum) == \
         ("diloco", 10, "bfloat16", 0.5, 0.8)
+
+
+@pytest.mark.parametrize("address", ["http://127.0.0.1:29510", "http://node-1.cluster:29510/", "http://[::1]:29510",
+                                     "https://lighthouse.example:443"])
+def test_lighthouse_urls_are_accepted(address: str) -> None:
+    assert load_config([*ON, "--fault_tolerance.lighthouse", address]).fault_tolerance.lighthouse == address
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_process_group_auto_follows_the_training_device(device: str, backend: str) -> None:
+    from torchtitan_amp.train.fault_tolerance import process_group_backend
+
+    assert process_group_backend(load_config(list(ON)).fault_tolerance, device) == backend
+    gloo = load_config([*ON, "--fault_tolerance.process_group", "gloo"]).fault_tolerance
+    assert process_group_backend(gloo, device) == "gloo"
+
+
+def test_nccl_without_cuda_is_one_line() -> None:
+    from torchtitan_amp.train.fault_tolerance import process_group_backend
+
+    nccl = load_config([*ON, "--fault_tolerance.process_group", "nccl"]).fault_tolerance
+    with pytest.raises(ConfigError, match=re.escape("'fault_tolerance.process_group' = 'nccl' needs CUDA; this "
+                                                    "job trains on cpu: use 'gloo' or 'auto'")) as e:
+        process_group_backend(nccl, "cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_or_bad_lighthouse_address_is_one_line(monkeypatch) -> None:
+    from torchtitan_amp.train.fault_tolerance import lighthouse_address
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    ft = load_config(list(ON)).fault_tolerance
+    with pytest.raises(ConfigError, match=re.escape("fault_tolerance.enable needs torchft's lighthouse: set "
+                                                    "fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE")):
+        lighthouse_address(ft)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "localhost:29510")
+    with pytest.raises(ConfigError, match=re.escape("TORCHFT_LIGHTHOUSE = 'localhost:29510' must be a URL "
+                                                    "http://HOST:PORT")):
+        lighthouse_address(ft)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
+    assert lighthouse_address(ft) == "http://localhost:29510"
+    assert lighthouse_address(load_config([*ON, "--fault_tolerance.lighthouse", "http://h:1"]).fault_tolerance) == \
+        "http://h:1"
 
 
 def test_rules_apply_only_when_on() -> None:
@@ -148,6 +208,25 @@ def test_dry_run_prices_diloco_per_sync_not_per_step(tmp_path: Path) -> None:
     assert diloco["memory"]["peak_estimate"]["configured"] == every_step["memory"]["peak_estimate"]["configured"] + 2 * params
 
 
+def test_memory_model_bounds_a_diloco_sync_by_its_chunks() -> None:
+    """A sync holds its wire buffer (this rank's shard in the pseudo-gradient dtype) and at most 3
+    chunks of the outer-state dtype (train/diloco.py's CHUNK_ELEMENTS), after the step's activations
+    are gone: 8B on FSDP 8 (1e9 local parameters) with bf16 pseudo-gradients, 2 GB + 192 MiB instead
+    of three shard-sized temporaries (10 GB)."""
+    from torchtitan_amp import memory
+    from torchtitan_amp.train.diloco import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS == 1 << 24
+    outer, sync = memory.diloco_bytes(10**9, "bfloat16", "float32", CHUNK_ELEMENTS)
+    assert outer == {"float32": 8 * 10**9}
+    assert sync == {"bfloat16": 2 * 10**9, "float32": 3 * 4 * CHUNK_ELEMENTS}
+    assert memory.diloco_bytes(1000, "float32", "float32", CHUNK_ELEMENTS)[1] == {"float32": 4000 + 3 * 4 * 1000}
+    # The peak is the larger of training's and the sync's (state + outer state + the sync's buffers).
+    assert memory.peak_with_diloco({"a": 100, "b": 10}, outer, sync, state_total=0) == {
+        "a": 100 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 100),
+        "b": 10 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 10)}
+
+
 def test_groups_launched_with_one_dump_folder_write_apart_and_share_checkpoints(tmp_path: Path) -> None:
     configs = [group_config(load_config([*ON, "--fault_tolerance.replica_id", str(g), "--job.dump_folder",
                                          str(tmp_path)])) for g in (0, 1)]
@@ -229,6 +308,7 @@ def test_max_retries_reaches_torchft_and_giving_up_is_one_line(monkeypatch, retr
             raise RuntimeError("should_commit failed 3 times consecutively, exceeding max_retries=2")
 
     monkeypatch.setattr(torchft, "Manager", GivingUpManager)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     ft = FaultTolerance(load_config([*ON, "--fault_tolerance.max_retries", retries]).fault_tolerance, plan=None)
     assert seen["max_retries"] == passed
     with pytest.raises(ReplicaGroupGaveUp, match=r"^replica group 0 failed to commit .* in a row "

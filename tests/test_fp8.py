@@ -57,7 +57,7 @@ def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monk
                                              r"pip install 'torchao>=0.18'"):
         _resolve(*FP8)
     monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
-    monkeypatch.setattr(float8, "matmul_unsupported", lambda device: "torch._scaled_mm fails on cpu: no kernel")
+    monkeypatch.setattr(float8, "matmul_unsupported", lambda *args: "torch._scaled_mm fails on cpu: no kernel")
     with pytest.raises(PrecisionError, match="'mixed_precision.fp8' = 'tensorwise': torch._scaled_mm fails on cpu"):
         _resolve(*FP8)
     # A dry run sizes other machines: neither this machine's torchao nor its device is asked.
@@ -67,6 +67,45 @@ def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monk
 def test_this_cpu_runs_fp8_matmuls() -> None:
     """What makes the CPU tests below possible; if a torch drops CPU _scaled_mm they must say so."""
     assert float8.matmul_unsupported("cpu") is None
+
+
+def _scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    import torch
+
+    calls, original = [], torch._scaled_mm
+
+    def spy(a, b, *, scale_a, scale_b, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
+        return original(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    float8.matmul_unsupported.cache_clear()
+    monkeypatch.setattr(float8, "matmul_unsupported", float8.matmul_unsupported)  # cleared again after
+    return calls
+
+
+def test_the_fp8_probe_runs_the_recipes_own_scale_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rowwise: one scale per row of the left operand and per column of the right one, as torchao
+    hands them; tensorwise: scalars."""
+    calls = _scaled_mm_calls(monkeypatch)
+    assert float8.matmul_unsupported("cpu", "rowwise") is None
+    assert float8.matmul_unsupported("cpu", "tensorwise") is None
+    assert calls == [((16, 1), (1, 16)), ((), ())]
+    float8.matmul_unsupported.cache_clear()
+
+
+def test_preflight_runs_no_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's pre-flight (before torchrun) checks fp8 by capability only: a kernel there
+    would open a CUDA context on cuda:0 that nothing uses; the ranks' own resolve runs it."""
+    from torchtitan_amp.train import preflight
+
+    calls = _scaled_mm_calls(monkeypatch)
+    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
+    assert preflight.check(1, [*BASE, "--mixed_precision.fp8", "rowwise"]) == 0
+    assert calls == []
+    _resolve("--mixed_precision.fp8", "rowwise")  # a rank
+    assert calls == [((16, 1), (1, 16))]
+    float8.matmul_unsupported.cache_clear()
 
 
 def test_fp8_trains_close_to_bf16_and_reports_its_modules(tmp_path: Path) -> None:

@@ -31,18 +31,28 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = tmp_path / "gpu_checks.json"
     # 2 steps per curve: the trial proves the checks run; --tiny's shape is the smallest flavour.
     result = run_command([sys.executable, "-m", "torchtitan_amp.tools.gpu_checks", "--device", "cpu", "--tiny",
-                          "--steps", "2", "--json", str(out)], timeout=900, env={"OMP_NUM_THREADS": "2"})
+                          "--steps", "2", "--json", str(out), "--only", ",".join(reversed(gpu_checks.CHECKS))],
+                         timeout=900, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.describe()
     results = json.loads(out.read_text())
-    assert results["finished"] and {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(
-        gpu_checks.CHECKS, "passed")
+    # Every check passed, in CHECKS' order (cheap first) whatever order --only named them in.
+    assert results["finished"] and list(results["checks"].items()) == [
+        (n, results["checks"][n]) for n in gpu_checks.CHECKS]
+    assert {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(gpu_checks.CHECKS, "passed")
+    assert all(r["compile_s"] >= 0 for r in results["checks"].values())
+    kernels = results["checks"]["kernels"]
+    assert kernels["sdpa"]["pinned_runs_predicted_op"] and kernels["fp8_rowwise_scaled_mm"] == "ran", kernels
+    assert results["checks"]["fsdp_hook"]["bitwise_equal"] is True
     probe = results["checks"]["probe"]
     assert probe["linear_out"] == {"bfloat16": probe["linear_out"]["bfloat16"]}
     assert any(op.startswith("mm:") for op in probe["forward_ops"])
     assert any("attention" in op for op in probe["backward_ops"])
     resume = results["checks"]["resume"]
     assert resume["deterministic"] is True
+    # Saved at step 3, which logs nothing (every 2nd step logs): the logged steps after it match.
+    assert sorted(map(int, resume["uninterrupted"])) == [1, 2, 4, 6]
     assert resume["resumed"] == {k: v for k, v in resume["uninterrupted"].items() if int(k) > 3}
+    assert resume["save"]["bytes"] > 0 and resume["save"]["save_s"] > 0, resume["save"]
     assert results["checks"]["fp8_speed"]["compile"] is False  # CPU: eager
     moe = results["checks"]["moe"]
     assert moe["router"]["router_dtype"] == "float32" and moe["expert_ops"]["bf16"], moe
@@ -145,6 +155,67 @@ def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path, monkeypatch: 
     assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes", "--time-budget", "1"]) == 1
     result = json.loads(path.read_text())["checks"]["passes"]
     assert result["status"] == "not run" and result["error"] == "1 s left of the time budget"
+
+
+def test_a_missing_torchao_skips_only_the_checks_that_import_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    path = tmp_path / "gpu_checks.json"
+    checks = fake_checks(path, {})
+    monkeypatch.setattr(gpu_checks, "CHECKS", {"probe": checks["passes"], "fp8": checks["passes"],
+                                               "block_scaled_kernels": checks["passes"]})
+    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    find_spec = gpu_checks.importlib.util.find_spec
+    monkeypatch.setattr(gpu_checks.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "probe,fp8,block_scaled_kernels"]) == 1
+    assert statuses(path) == {"probe": "passed", "fp8": "skipped", "block_scaled_kernels": "skipped"}
+    assert "torchao is not importable" in json.loads(path.read_text())["checks"]["fp8"]["error"]
+
+
+def _script_default(name: str) -> str:
+    import re
+
+    # The last default in the script: the GPU one (the CPU smoke's comes first).
+    return re.findall(r"\$\{" + name + r":-([^}]*)\}", (REPO / "scripts" / "gpu_run.sh").read_text())[-1]
+
+
+def test_the_default_selection_fits_its_budget_and_the_call_fits_five_minutes() -> None:
+    """The caps of the checks run without --only add up to no more than the budget gpu_run.sh gives
+    them (its timeout less the 20 s margin), the cheap probes run before the compiled ones, and
+    the checks plus the MFU benchmark take at most 300 s by their own limits."""
+    caps = gpu_checks.CUDA_LIMITS_S
+    default = gpu_checks.parse_args(["--device", "cpu"]).only.split(",")
+    assert default == gpu_checks.DEFAULT_CHECKS and set(caps) == set(gpu_checks.CHECKS)
+    assert sum(caps[n] for n in default) <= gpu_checks.DEFAULT_BUDGET_S, sum(caps[n] for n in default)
+    timeout, mfu = float(_script_default("GPU_CHECKS_TIMEOUT")), float(_script_default("GPU_MFU_TIMEOUT"))
+    assert timeout - 20 >= gpu_checks.DEFAULT_BUDGET_S and timeout + mfu <= 300
+    order = list(gpu_checks.CHECKS)
+    assert order.index("kernels") < order.index("block_scaled_kernels") < order.index("curves")
+    assert _script_default("GPU_RUN_NEEDS") == "torchdata"  # torchao missing stops no run
+
+
+def test_block_scaled_kernels_sum_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its bound assumes fp32 sums: cuBLAS's reduced-precision bf16 reduction is off while it runs
+    and as it was after."""
+    import torch
+
+    from torchtitan_amp.tools import gpu_check_blockscaled as gcb
+
+    seen, pair = [], gcb._block_scaled_pair
+
+    def spy(*args: Any) -> Any:
+        seen.append(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+        return pair(*args)
+
+    monkeypatch.setattr(gcb, "_block_scaled_pair", spy)
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, True
+    try:
+        gcb.block_scaled_kernels("cpu", {})
+        assert seen and not any(seen) and matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
 
 
 @pytest.mark.parametrize("value", ["curves", "curves=0", "curves=soon", "nope=3"])
@@ -261,6 +332,17 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
     mfu = json.loads((out / "gpu_mfu.json").read_text())
     assert [(r["config"], r["compile"]) for r in mfu["results"]] == [("autocast", False)]
     assert "error" not in mfu["results"][0]
+
+
+def test_gpu_run_can_skip_the_mfu_benchmark(tmp_path: Path) -> None:
+    """A rerun of the checks alone: GPU_RUN_MFU=0 (0 cannot be a timeout, which means none)."""
+    result = run_command(["bash", GPU_RUN, "--only", "kernels"], timeout=240,
+                         env={**gpu_run_env(tmp_path, "torchdata"), "GPU_RUN_MFU": "0"})
+    assert result.returncode == 0, result.describe()
+    log = (tmp_path / "out" / "gpu_run.log").read_text()
+    assert "gpu_mfu skipped (GPU_RUN_MFU=0)" in log and "gpu_checks exit 0, gpu_mfu exit 0" in log
+    assert not (tmp_path / "out" / "gpu_mfu.json").exists()
+    assert statuses(tmp_path / "out" / "gpu_checks.json") == {"kernels": "passed"}
 
 
 def test_gpu_run_refuses_a_missing_package_without_a_wheel(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def test_auto_on_a_cpu_without_native_bf16_trains_fp32_and_says_why() -> None:
         assert (plan.path, plan.param_dtype, plan.autocast_dtype) == ("full", torch.float32, None)
         assert plan.compute_dtypes == (torch.float32,) and plan.warnings == ()
         assert plan.decision == ("mixed_precision.enabled = auto -> fp32: bf16 matmul on this CPU (AVX2) is "
-                                 "emulated: measured 1.3 vs 74.7 GFLOP/s in fp32, 57x slower")
+                                 "emulated: measured 1.3 vs 74.7 GFLOP/s in fp32 on one thread, 57x slower")
 
 
 def test_auto_where_bf16_is_native_is_mixed_precision() -> None:
@@ -65,7 +65,7 @@ def test_explicit_bf16_on_an_emulating_cpu_is_honoured_with_a_warning() -> None:
     plan = make_plan("--mixed_precision.enabled", "true", native=False)
     assert (plan.path, plan.autocast_dtype) == ("autocast", torch.bfloat16)
     (warning,) = plan.warnings
-    assert "measured 1.3 vs 74.7 GFLOP/s in fp32, 57x slower" in warning
+    assert "measured 1.3 vs 74.7 GFLOP/s in fp32 on one thread, 57x slower" in warning
     assert "training in bfloat16 as configured anyway" in warning
     assert '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto") trains in fp32' in warning
     assert plan.decision.startswith("mixed_precision.enabled = true -> bf16 mixed precision")

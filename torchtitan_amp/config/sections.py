@@ -450,14 +450,17 @@ class FaultTolerance:
         "group_size x the data-parallel degree inside a group.", bounds=at_least(0, note="0: unset"))
     min_replica_size: int = _f(1, "Groups that must take part in a step for it to be committed.",
                                bounds=at_least(1))
-    process_group: Literal["gloo", "nccl"] = _f("gloo", "Backend of the cross-group all-reduce.")
+    process_group: Literal["auto", "gloo", "nccl"] = _f(
+        "auto", "Backend of the cross-group all-reduce; 'auto': nccl where the job trains on CUDA, else gloo.")
     process_group_timeout_ms: int = _f(
-        10000, "A cross-group collective that has not finished after this long fails; the step is "
-        "discarded and the next quorum leaves the lost group out.", bounds=at_least(1))
+        60000, "A cross-group collective that has not finished after this long fails; the step is "
+        "discarded and the next quorum leaves the lost group out. It must outlast a heal (the "
+        "survivors' next collective waits for the healing group: its state bytes / transfer rate), "
+        "docs/fault_tolerance.md.", bounds=at_least(1))
     quorum_timeout_seconds: int = _f(
         60, "How long a group waits for the lighthouse to form a quorum before failing.", bounds=at_least(1))
     lighthouse: str = _f(
-        "", "Address of torchft's lighthouse (http://HOST:PORT); empty: the TORCHFT_LIGHTHOUSE "
+        "", "Address of torchft's lighthouse, a URL http://HOST:PORT; empty: the TORCHFT_LIGHTHOUSE "
         "environment variable.", bounds=Text(max_len=256))
     semi_sync_method: Literal["none", "diloco"] = _f(
         "none", "'none': every step's gradients are averaged across groups; 'diloco': groups train "

@@ -3,6 +3,8 @@ one field allows alone (its type, choices and bounds) was checked as it was set 
 
 from __future__ import annotations
 
+import re
+
 from torchtitan_amp.config.sections import FaultTolerance, JobConfig
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.core.rules import flavor_names
@@ -56,11 +58,29 @@ _FT_EXCLUSIVE = (
 )
 
 
+# torchft's lighthouse address: a URL with a scheme, a host and a port (torchft's client needs all three;
+# without them it fails only after its connect timeout).
+_LIGHTHOUSE_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}/?$")
+
+
+def lighthouse_problem(address: str, source: str) -> str | None:
+    """Why `address` (named `source` in the message) is not a lighthouse URL, or None."""
+    if _LIGHTHOUSE_URL.match(address):
+        return None
+    return f"{source} = {address!r} must be a URL http://HOST:PORT (torchft's lighthouse, e.g. http://localhost:29510)"
+
+
 def validate_fault_tolerance(config: JobConfig) -> None:
-    """The rules of [fault_tolerance] across fields, when it is on."""
+    """The rules of [fault_tolerance] across fields, when it is on (and the one setting that would
+    otherwise be silently ignored when it is off)."""
     ft: FaultTolerance = config.fault_tolerance
+    _require(ft.enable or ft.semi_sync_method == "none",
+             f"'fault_tolerance.semi_sync_method' = '{ft.semi_sync_method}' needs fault_tolerance.enable = true "
+             "(and the replica groups' settings: docs/fault_tolerance.md); without it the job trains as one group")
     if not ft.enable:
         return
+    problem = lighthouse_problem(ft.lighthouse, "'fault_tolerance.lighthouse'") if ft.lighthouse else None
+    _require(problem is None, problem or "")
     _require(ft.group_size >= 1, "'fault_tolerance.group_size' must be the number of replica groups (>= 1) "
              "when fault_tolerance.enable = true")
     _require(ft.replica_id < ft.group_size, f"'fault_tolerance.replica_id' = {ft.replica_id} must be below "

@@ -192,7 +192,7 @@ class LowPrecisionSpeed:
             return f"{short_name(self.dtype)} matmul on this GPU ({self.capability}) is {how}"
         if self.source == "env":
             return f"{what} is {'native' if self.native else 'emulated'} ({LOWP_ENV} says so)"
-        speed = f"{self.gflops:.1f} vs {self.fp32_gflops:.1f} GFLOP/s in fp32"
+        speed = f"{self.gflops:.1f} vs {self.fp32_gflops:.1f} GFLOP/s in fp32 on one thread"
         if self.native:
             return f"{what} is native: measured {speed}"
         return f"{what} is emulated: measured {speed}, {self.slowdown:.0f}x slower"

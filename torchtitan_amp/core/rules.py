@@ -130,22 +130,54 @@ def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool
 # the call's device type, dtype, head size and mask kind. The model picks how it hands keys and
 # values from it (grouped or repeated), config validation refuses context parallel where CUDA
 # would build a mask, and the memory model counts what the kernel saves.
+#
+# On CUDA the model runs its attention under SDPA_PRIORITY (models/llama3/model.py, through
+# torch.nn.attention.sdpa_kernel with set_priority): flash, then efficient, then math, cuDNN
+# attention off. Left alone, torch moves cuDNN attention to the front of its order on sm90 and
+# sm100 (sdp_utils.cpp, check_prefer_cudnn_attention: the cuDNN torch 2.11's CUDA 13 wheels bundle
+# qualifies), and a non-grouped 16-bit causal call would then run cuDNN, not what this rule, the
+# memory model and the selective-AC save list assume; pinned, the rule is what runs.
 
 # "causal": a causal flag, or torch's lower-right causal bias (context parallel's query chunks
 # against a prefix of the window's keys); "mask": an explicit bool mask (block_causal).
 AttentionMask = Literal["causal", "mask"]
 _HALF = ("bfloat16", "float16")
+# The SDPA backends the model's attention may run on CUDA, in priority order (SDPBackend names).
+SDPA_PRIORITY = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# Flash runs on compute capability 8.0 up to 12.1; on 8.6-8.9 and 12.0-12.1 (consumer parts) it
+# refuses training with head_dim in (192, 224] (sdp_utils.cpp,
+# check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120).
+_FLASH_CAPABILITY = ((8, 0), (12, 1))
+_FLASH_NO_TRAINING_CAPABILITY = (((8, 6), (8, 9)), ((12, 0), (12, 1)))
+_FLASH_NO_TRAINING_HEAD_DIM = (192, 224)
 
 
-def attention_kernel(device: str, dtype: str, head_dim: int, mask: str) -> str:
-    """The SDPA kernel a call runs, keys and values handed as `takes_grouped_kv` says:
+def _flash_runs(dtype: str, head_dim: int, mask: str, capability: tuple[int, int] | None, training: bool) -> bool:
+    if not (mask == "causal" and dtype in _HALF and head_dim <= 256):
+        return False
+    if capability is None:  # not asked: a data-centre part (sm80, sm90, sm100)
+        return True
+    low, high = _FLASH_CAPABILITY
+    if not low <= tuple(capability) <= high:
+        return False
+    lo_dim, hi_dim = _FLASH_NO_TRAINING_HEAD_DIM
+    consumer = any(a <= tuple(capability) <= b for a, b in _FLASH_NO_TRAINING_CAPABILITY)
+    return not (training and consumer and lo_dim < head_dim <= hi_dim)
+
+
+def attention_kernel(device: str, dtype: str, head_dim: int, mask: str,
+                     capability: tuple[int, int] | None = None, training: bool = True) -> str:
+    """The SDPA kernel a call runs under SDPA_PRIORITY, keys and values handed as
+    `takes_grouped_kv` says:
 
     cuda  "flash" for "causal" in bfloat16/float16 with head_dim <= 256 (it rejects explicit
-          masks; a head_dim not a multiple of 8 is padded, a copy of q, k and v); else
-          "efficient" (float32 too; head_dim a multiple of 8 in 16 bits, of 4 in float32, on
-          sm80 and newer), which takes the lower-right bias as a flag and a bool mask as an
-          additive copy; else "math": the scores materialised (and the lower-right bias as a
-          mask tensor).
+          masks; a head_dim not a multiple of 8 is padded, a copy of q, k and v) on compute
+          capability 8.0-12.1, except training with head_dim in (192, 224] on 8.6-8.9 and
+          12.0-12.1; else "efficient" (float32 too; head_dim a multiple of 8 in 16 bits, of 4 in
+          float32, on sm80 and newer), which takes the lower-right bias as a flag and a bool mask
+          as an additive copy; else "math": the scores materialised (and the lower-right bias as
+          a mask tensor). `capability` None (not asked: the memory model, a dry run) means a
+          data-centre part (8.0, 9.0, 10.0); `training`: the inputs require gradients.
     cpu   "cpu_flash" (any float dtype, any head_dim, masks taken); the lower-right bias is
           built as an [n, end] mask per call by design (torch.nn.attention.bias).
     other "unknown" (nothing is assumed about it).
@@ -157,7 +189,7 @@ def attention_kernel(device: str, dtype: str, head_dim: int, mask: str) -> str:
         return "cpu_flash"
     if device != "cuda":
         return "unknown"
-    if mask == "causal" and dtype in _HALF and head_dim <= 256:
+    if _flash_runs(dtype, head_dim, mask, capability, training):
         return "flash"
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, "float32") and head_dim % alignment == 0:
@@ -165,7 +197,8 @@ def attention_kernel(device: str, dtype: str, head_dim: int, mask: str) -> str:
     return "math"
 
 
-def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str) -> bool:
+def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str,
+                     capability: tuple[int, int] | None = None, training: bool = True) -> bool:
     """Whether attention is handed the kv_heads keys and values themselves (SDPA's enable_gqa)
     rather than each repeated to the query heads (repeat_kv, a copy autograd saves).
 
@@ -174,15 +207,16 @@ def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str) -> bool:
     SDPA would fall to math). CPU's flash kernel takes them, bitwise as repeated in float32 and
     float64; in 16 bits its backward accumulates dK/dV over a group in 16 bits (measured, torch
     2.13: 1.5x the error of repeat_kv at 8 query heads per kv head, 2.6x at 32), so those repeat."""
-    kernel = attention_kernel(device, dtype, head_dim, mask)
+    kernel = attention_kernel(device, dtype, head_dim, mask, capability, training)
     return kernel == "flash" or (kernel == "cpu_flash" and dtype in ("float32", "float64"))
 
 
-def materialises_causal_mask(device: str, dtype: str, head_dim: int) -> bool:
+def materialises_causal_mask(device: str, dtype: str, head_dim: int,
+                             capability: tuple[int, int] | None = None, training: bool = True) -> bool:
     """Whether a lower-right causal bias becomes a mask tensor: always on CPU (by design, one
     [n, end] mask per chunk shared by the batch and heads), on CUDA only where neither flash nor
     efficient takes the call (the math fallback: a mask and the whole score matrix)."""
-    return attention_kernel(device, dtype, head_dim, "causal") in ("cpu_flash", "math")
+    return attention_kernel(device, dtype, head_dim, "causal", capability, training) in ("cpu_flash", "math")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

@@ -49,13 +49,13 @@ from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, Prec
 from torchtitan_amp.memory.stages import (in_flight_at_peak, in_flight_microbatches, interleaved_order, rank_order,
                                           rank_stages, schedule_ops, stage_ops)
 from torchtitan_amp.core.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
-from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, StateBytes, state_bytes
+from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, StateBytes, diloco_bytes, peak_with_diloco, state_bytes
 from torchtitan_amp.memory.totals import MemoryEstimate, estimate, transient_bytes
 
 __all__ = [
     "ADAMW_STEP_BYTES", "DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "ActivationEstimate", "ActivationTerms",
     "ByDtype", "FsdpGroup", "Layout", "MemoryEstimate", "ModelDims", "MoEDims", "ParamSpec", "PrecisionSpec", "Stage",
-    "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "comm", "cp_comm", "ddp_comm",
+    "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "diloco_bytes", "peak_with_diloco", "comm", "cp_comm", "ddp_comm",
     "dp_comm", "estimate", "fmt_by_dtype", "fmt_bytes", "fsdp_calls", "fsdp_comm", "fsdp_gathers_per_step",
     "fsdp_groups", "fsdp_local_numel", "fsdp_padded_numel", "fsdp_transient", "grad_comm",
     "in_flight_at_peak", "in_flight_microbatches", "interleaved_order", "merge", "param_specs", "pp_comm",

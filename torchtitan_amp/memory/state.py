@@ -78,3 +78,27 @@ def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_ran
             add_bytes(out.optimizer, prec.state, 2 * numel * mb)
     add_bytes(out.optimizer, "float32", ADAMW_STEP_BYTES * trained_tensors)
     return out
+
+
+# DiLoCo (train/diloco.py): the outer optimizer's state beside the model all along, and a sync's
+# buffers. A sync runs after the step's optimizer step, when the activations and the gathers are
+# gone: the wire buffer (the pseudo-gradient of this rank's shard, all-reduced in place and kept
+# until the commit decision) and the per-chunk temporaries (the fp32 difference, the rounded start
+# of a low-precision model, the upcast mean, the outer update), at most 3 chunks of the state dtype.
+DILOCO_CHUNK_TEMPORARIES = 3
+
+
+def diloco_bytes(local_numel: int, wire: str, outer: str, chunk_elements: int) -> tuple[ByDtype, ByDtype]:
+    """(outer state: global weights + momentum, a sync's buffers: wire + chunk temporaries) of a
+    rank holding `local_numel` trained elements, by dtype."""
+    sync: ByDtype = {}
+    add_bytes(sync, wire, local_numel * DTYPE_BYTES[wire])
+    add_bytes(sync, outer, DILOCO_CHUNK_TEMPORARIES * min(local_numel, chunk_elements) * DTYPE_BYTES[outer])
+    return {outer: 2 * local_numel * DTYPE_BYTES[outer]}, sync
+
+
+def peak_with_diloco(peak: dict[str, int], outer_state: ByDtype, sync: ByDtype, state_total: int) -> dict[str, int]:
+    """Each training peak with DiLoCo: plus the outer state, or the sync's peak (state + outer state
+    + its buffers) where that is higher."""
+    outer, at_sync = sum(outer_state.values()), state_total + sum(outer_state.values()) + sum(sync.values())
+    return {k: max(v + outer, at_sync) for k, v in peak.items()}

@@ -10,7 +10,11 @@ forward and, on CUDA, SDPA's memory-efficient kernel instead of flash.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from torchtitan_amp.core.rules import SDPA_PRIORITY
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
@@ -42,3 +46,18 @@ class MaskInputs:
         if self.mask_type == "causal":
             return {}
         return {"doc_ids": document_ids(tokens, self.bos_id, self.eos_id)}
+
+
+def pinned_kernels() -> contextlib.AbstractContextManager[object]:
+    """The SDPA backends and their order (rules.SDPA_PRIORITY: flash, efficient, math; cuDNN
+    attention off) around a model's attention call, so that what runs is what rules.attention_kernel
+    says (torch would put cuDNN first on sm90 / sm100). torch.compile traces it (torch 2.9+)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_PRIORITY], set_priority=True)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """This process's CUDA device's compute capability, or None without one; read when a model
+    is built (eager), kept on its attention modules, so that a compiled forward reads a constant."""
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None  # type: ignore[return-value]

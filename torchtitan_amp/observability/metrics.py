@@ -51,7 +51,9 @@ def peak_label(device: torch.device, dtypes: Iterable[torch.dtype]) -> str:
     if device.type == "cuda":
         return f"bf16 tensor-core peak of {torch.cuda.get_device_name(device)}"
     names = "/".join(sorted(dtype_name(d) for d in set(dtypes)))
-    return f"best measured {names} matmul on this {device.type.upper()}"
+    # All of this process's threads (what peak_flops measured with), where the start-up precision
+    # line's "native" check timed one thread.
+    return f"best measured {names} matmul on this {device.type.upper()}, {torch.get_num_threads()} threads"
 
 
 def remeasure_cpu_peak(dtypes: Iterable[torch.dtype]) -> float:

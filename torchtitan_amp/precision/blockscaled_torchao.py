@@ -82,8 +82,11 @@ def torchao_missing(fmt: str) -> str | None:
 
 
 @functools.cache
-def kernels_missing(fmt: str, device_type: str) -> str | None:
-    """Why `device_type` cannot run `fmt`'s block-scaled training kernels through torchao, or None."""
+def kernels_missing(fmt: str, device_type: str, run_kernel: bool = True) -> str | None:
+    """Why `device_type` cannot run `fmt`'s block-scaled training kernels through torchao, or None.
+    Past the capability and the import, one tiny forward + backward on the device (torchao only
+    warns when its MXFP8 CUDA extension did not load; the step is what fails). `run_kernel` False
+    (the launcher's pre-flight: no CUDA context before torchrun starts): no step; the ranks run it."""
     if device_type != "cuda":
         return f"{device_type} has no MX / NVFP4 tensor cores"
     if not torch.cuda.is_available():
@@ -92,7 +95,24 @@ def kernels_missing(fmt: str, device_type: str) -> str | None:
     if cap < need:
         return (f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
                 f"tensor cores; {need[0]}.{need[1]}+ (Blackwell) needed")
-    return torchao_missing(fmt)
+    missing = torchao_missing(fmt)
+    if missing is not None or not run_kernel:
+        return missing
+    try:
+        tiny_step(fmt, device_type)
+    except Exception as e:  # noqa: BLE001 - whatever torchao raises, in the one line
+        return f"torchao's {fmt} training step fails here ({type(e).__name__}: {' '.join(str(e).splitlines())[:200]})"
+    return None
+
+
+def tiny_step(fmt: str, device: str) -> None:
+    """One forward + backward of a 128 x 128 bf16 Linear on 128 tokens through torchao's `fmt`
+    training module (128: NVFP4's tile; MXFP8 needs multiples of 32)."""
+    recipe = BlockScaledRecipe("mxfp8") if fmt == "mxfp8" else BlockScaledRecipe.nvfp4_full()
+    model = nn.Sequential(nn.Linear(128, 128, bias=False)).to(device, torch.bfloat16)
+    apply_torchao(model, recipe, (), 0)
+    x = torch.randn(128, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+    model(x).float().square().sum().backward()
 
 
 def token_tile(fmt: str) -> int:

@@ -86,23 +86,37 @@ def _version() -> str:
         return "(version unknown)"
 
 
+def probe_scales(recipe: str, m: int, n: int, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales torchao hands torch._scaled_mm under `recipe` for an [m, k] x [k, n] product:
+    one fp32 scalar per operand (tensorwise), or one fp32 per row of the left operand ([m, 1])
+    and per column of the right one ([1, n]) (rowwise)."""
+    if recipe.startswith("rowwise"):
+        return torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+    return torch.ones((), device=device), torch.ones((), device=device)
+
+
 @functools.cache
-def matmul_unsupported(device_type: str) -> str | None:
-    """Why `device_type` cannot run float8 matmuls, or None: a GPU below compute capability 8.9
-    (H100, L40, RTX 4090 and newer have fp8), or a device where a tiny torch._scaled_mm fails."""
+def matmul_unsupported(device_type: str, recipe: str = "tensorwise", run_kernel: bool = True) -> str | None:
+    """Why `device_type` cannot run `recipe`'s float8 matmuls, or None: a GPU below compute
+    capability 8.9 (H100, L40, RTX 4090 and newer have fp8), or a device where a tiny
+    torch._scaled_mm with the recipe's own scale shapes fails. `run_kernel` False (the launcher's
+    pre-flight, which must open no CUDA context before torchrun starts): the capability only; the
+    ranks run the kernel."""
     if device_type == "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device is visible"
         if torch.cuda.get_device_capability() < (8, 9):
             name = torch.cuda.get_device_name()
             return f"{name} (compute capability {torch.cuda.get_device_capability()}) has no fp8 matmuls; 8.9+ needed"
+    if not run_kernel:
+        return None
     a = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn)
     b = torch.ones(16, 16, device=device_type).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=device_type)
+    scale_a, scale_b = probe_scales(recipe, 16, 16, device_type)
     try:
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as e:
-        return f"torch._scaled_mm fails on {device_type}: {' '.join(str(e).splitlines())[:160]}"
+        return f"torch._scaled_mm ({recipe} scales) fails on {device_type}: {' '.join(str(e).splitlines())[:160]}"
     return None
 
 

@@ -135,7 +135,8 @@ def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch
     return f"mixed_precision.enabled = {setting} -> {what}{why}"
 
 
-def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool) -> None:
+def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool,
+               run_kernels: bool = True) -> None:
     """What fp8 cannot do here, refused in one line (never a silent bf16/fp32 fallback).
     `on_hardware` False (a dry run): the device and torchao are not this machine's to check."""
     mp = config.mixed_precision
@@ -149,13 +150,14 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
                              "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)"))
     if not on_hardware:
         return
-    why = float8.torchao_missing(mp.fp8, mp.fp8_all_gather) or float8.matmul_unsupported(device_type)
+    why = float8.torchao_missing(mp.fp8, mp.fp8_all_gather) or float8.matmul_unsupported(device_type, mp.fp8,
+                                                                                         run_kernels)
     if why is not None:
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 
 
-def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool
-                  ) -> tuple[BlockScaledRecipe | None, bool, str]:
+def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool,
+                  run_kernels: bool = True) -> tuple[BlockScaledRecipe | None, bool, str]:
     """The block-scaled recipe (None: off), whether it is emulated, and the decision line's words.
     `emulate = true` runs the bit-exact emulation anywhere; otherwise torchao's kernels where the
     device and torchao have them and torchao can honour the recipe, else refused in one line:
@@ -172,7 +174,7 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     fix = ("set mixed_precision.block_scaled_emulate = true to emulate "
            f"({blockscaled_apply.EMULATION_COST})")
     # A dry run sizes its target: neither this machine's device nor its torchao is asked.
-    why = blockscaled_torchao.kernels_missing(recipe.format, device_type) if on_hardware else None
+    why = blockscaled_torchao.kernels_missing(recipe.format, device_type, run_kernels) if on_hardware else None
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
     refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
@@ -320,10 +322,12 @@ class PrecisionPlan:
     @classmethod
     def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str, *,
                     probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
-                    ) -> "PrecisionPlan":
+                    run_kernels: bool = True) -> "PrecisionPlan":
         """`probe` answers whether a low-precision matmul is native on `device_type` (measured
         on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
-        `mixed_precision.enabled = "auto"` means on."""
+        `mixed_precision.enabled = "auto"` means on. `run_kernels` False (the launcher's
+        pre-flight): the fp8 and block-scaled probes read the GPU's capability and run no kernel
+        (no CUDA context before torchrun starts); the ranks run them."""
         mp = config.mixed_precision
         storage = _DTYPES[config.training.dtype]
         # Mixed precision asked for, or left to "auto" (pure low precision is the "full" path).
@@ -353,11 +357,12 @@ class PrecisionPlan:
         router = _router_dtype(config, enabled, storage)
         decision = _decision_line(setting, path, param, storage, speed)
         if mp.fp8 != "none":
-            _check_fp8(config, dims, path, device_type, on_hardware=probe is not None)
+            _check_fp8(config, dims, path, device_type, on_hardware=probe is not None, run_kernels=run_kernels)
             decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
-        block_scaled, emulated, words = _block_scaled(config, dims, device_type, on_hardware=probe is not None)
+        block_scaled, emulated, words = _block_scaled(config, dims, device_type, on_hardware=probe is not None,
+                                                      run_kernels=run_kernels)
         decision += words
         plan = cls(
             path=path, device_type=device_type, storage_dtype=storage, param_dtype=param, reduce_dtype=reduce,

@@ -52,10 +52,14 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
     quantization, exact products; only the fp32 order and the bf16 rounding differ), nvfp4's
     forward too (its gradients round stochastically: their distance is recorded). Where the
     device has no MX tensor cores (below compute capability 10.0) the mxfp8 comparison runs
-    torchao's emulated kernel instead and nvfp4 (Triton kernels only) is skipped; it says which."""
+    torchao's emulated kernel instead and nvfp4 (Triton kernels only) is skipped; it says which.
+    `_bf16_bound` assumes fp32 summation: cuBLAS's reduced-precision bf16 reduction (allowed by
+    torch's default) is turned off for the check and restored after."""
     why = blockscaled_torchao.kernels_missing("mxfp8", device)
     out["kernels"] = "torchao" if why is None else f"torchao's emulated kernel ({why})"
     previous, blockscaled_torchao.EMULATED_KERNELS = blockscaled_torchao.EMULATED_KERNELS, why is not None
+    matmul = torch.backends.cuda.matmul
+    reduced, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
     try:
         ok = True
         for mode in ("floor", "rceil"):
@@ -78,3 +82,4 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
         return ok
     finally:
         blockscaled_torchao.EMULATED_KERNELS = previous
+        matmul.allow_bf16_reduced_precision_reduction = reduced

@@ -222,7 +222,7 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     model_inputs = BatchSharder(job.mask_inputs, job.dims.cp, job.dims.cp_rank(info.rank))
     scaler = scaler_mod.build_scaler(job.plan)
     built, pipeline = build_model(config, job, device, is_logging_rank, pipeline_loss, pipeline_eval_loss)
-    ft = fault_tolerance.build(config, job.plan)
+    ft = fault_tolerance.build(config, job.plan, device.type)
     if ft is not None and not job.plan.sync_steps:  # DiLoCo: no per-step cross-group all-reduce
         ft.attach(built.parts)
     spec, parts = job.validation, built.parts

@@ -70,18 +70,62 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# Elements per chunk of a sync's work (pseudo-gradient, all-reduce, outer step): the temporaries
+# beyond the wire buffer are a few chunks, 64 MiB each in fp32, whatever the shard's size.
+CHUNK_ELEMENTS = 1 << 24
+
+Piece = tuple[int, int, int]  # (index of the tensor, start, end) in that tensor's flat view
+
+
+def chunks(sizes: list[int], chunk: int) -> list[tuple[int, int, list[Piece]]]:
+    """The concatenation of tensors of `sizes` elements cut into chunks of `chunk` elements (the
+    last shorter): (start, end) in the concatenation and the tensors' pieces each chunk covers."""
+    out: list[tuple[int, int, list[Piece]]] = []
+    pieces: list[Piece] = []
+    start = pos = 0
+    for i, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            take = min(n - lo, chunk - (pos - start))
+            pieces.append((i, lo, lo + take))
+            lo, pos = lo + take, pos + take
+            if pos - start == chunk:
+                out.append((start, pos, pieces))
+                pieces, start = [], pos
+    if pieces:
+        out.append((start, pos, pieces))
+    return out
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements lo..hi of `t` in order: a view (written in place) of a contiguous tensor."""
+    return t.view(-1)[lo:hi] if t.is_contiguous() else t.reshape(-1)[lo:hi]
+
+
 def pseudo_gradient(global_weights: list[torch.Tensor], weights: list[torch.Tensor],
-                    wire_dtype: torch.dtype) -> torch.Tensor:
-    """global - local for every tensor, in one flat buffer: computed in the global weights' dtype
-    (float32), then rounded once to `wire_dtype` for the all-reduce."""
+                    wire_dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+    """start - local for every tensor, in one flat buffer of `wire_dtype`, where start is where the
+    model began the interval: the global weights as the model holds them (rounded once to the
+    parameters' dtype, as the sync copied them in; the global weights themselves when that dtype
+    is theirs). Taken against the global weights instead, a bf16 model would send the rounding
+    of the global weights back as part of its pseudo-gradient, every sync. Computed in the global
+    weights' dtype (float32), then rounded once to `wire_dtype`, `chunk` elements at a time."""
     total = sum(g.numel() for g in global_weights)
-    flat = torch.empty(total, dtype=global_weights[0].dtype if global_weights else torch.float32,
-                       device=global_weights[0].device if global_weights else None)
-    offset = 0
-    for g, w in zip(global_weights, weights):
-        torch.sub(g.reshape(-1), w.reshape(-1), out=flat[offset:offset + g.numel()])
-        offset += g.numel()
-    return flat if flat.dtype == wire_dtype else flat.to(wire_dtype)
+    state_dtype = global_weights[0].dtype if global_weights else torch.float32
+    wire = torch.empty(total, dtype=wire_dtype, device=global_weights[0].device if global_weights else None)
+    for start, end, pieces in chunks([g.numel() for g in global_weights], chunk or CHUNK_ELEMENTS):
+        direct = wire_dtype == state_dtype  # computed into the wire buffer itself
+        out = wire[start:end] if direct else torch.empty(end - start, dtype=state_dtype, device=wire.device)
+        offset = 0
+        for i, lo, hi in pieces:
+            g, w = _flat(global_weights[i], lo, hi), _flat(weights[i], lo, hi)
+            began = g if w.dtype == g.dtype else g.to(w.dtype).to(g.dtype)
+            torch.sub(began, w, out=out[offset:offset + hi - lo])
+            offset += hi - lo
+        if not direct:
+            wire[start:end].copy_(out)
+        del out, began  # before the next chunk's: at most one chunk's temporaries at a time
+    return wire
 
 
 @torch.no_grad()
@@ -96,21 +140,27 @@ def mean_step(global_buffers: list[torch.Tensor], mean: torch.Tensor) -> None:
 
 @torch.no_grad()
 def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor], mean: torch.Tensor,
-               lr: float, mu: float) -> None:
+               lr: float, mu: float, chunk: int | None = None) -> None:
     """Nesterov SGD on the global weights with the groups' mean pseudo-gradient `mean` (flat, any
-    dtype; upcast to the state's): m = mu m + d; g -= lr (d + mu m), torch.optim.SGD's
-    nesterov rule with zero dampening, in the state's dtype."""
+    dtype; upcast to the state's `chunk` elements at a time): m = mu m + d; g -= lr (d + mu m),
+    torch.optim.SGD's nesterov rule with zero dampening, in the state's dtype. Elementwise, so the
+    chunking changes no value."""
     if not global_weights:  # a rank holding no trained shard still joined the all-reduce
         return
-    mean = mean.to(global_weights[0].dtype)
-    deltas, offset = [], 0
-    for g in global_weights:
-        deltas.append(mean[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    torch._foreach_mul_(momentum, mu)
-    torch._foreach_add_(momentum, deltas)
-    update = torch._foreach_add(deltas, momentum, alpha=mu)
-    torch._foreach_add_(global_weights, update, alpha=-lr)
+    dtype = global_weights[0].dtype
+    for start, end, pieces in chunks([g.numel() for g in global_weights], chunk or CHUNK_ELEMENTS):
+        d = mean[start:end].to(dtype)
+        deltas, gw, mom, offset = [], [], [], 0
+        for i, lo, hi in pieces:
+            deltas.append(d[offset:offset + hi - lo])
+            gw.append(_flat(global_weights[i], lo, hi))
+            mom.append(_flat(momentum[i], lo, hi))
+            offset += hi - lo
+        torch._foreach_mul_(mom, mu)
+        torch._foreach_add_(mom, deltas)
+        update = torch._foreach_add(deltas, mom, alpha=mu)
+        torch._foreach_add_(gw, update, alpha=-lr)
+        del d, deltas, update
 
 
 class DiLoCo:
@@ -127,7 +177,8 @@ class DiLoCo:
         self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
         # References to the shards (views), updated in place: a healing group copies into them.
         self.weights = [_local(p.detach()) for p in self.params]
-        self.global_weights = [w.to(plan.outer_state_dtype, copy=True) for w in self.weights]
+        self.global_weights = [w.to(plan.outer_state_dtype, copy=True, memory_format=torch.contiguous_format)
+                               for w in self.weights]
         self.momentum = [torch.zeros_like(g) for g in self.global_weights]
         self.buffers = list(buffers or [])
         self.global_buffers = [b.to(plan.outer_state_dtype, copy=True) for b in self.buffers]
@@ -202,7 +253,11 @@ class DiLoCo:
             self._last_sync_step = counters.step
         wire = pseudo_gradient(self.global_weights + self.global_buffers, self.weights + self.buffers,
                                self.plan.pseudo_gradient_dtype)
-        self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire).wait()
+        # One all-reduce per chunk of the wire buffer, all issued before the first is waited on.
+        works = [self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire[start:end])
+                 for start, end, _ in chunks([wire.numel()], CHUNK_ELEMENTS) or [(0, 0, [])]]
+        for work in works:
+            work.wait()
         # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
         committed = self.ft.should_commit(since=self._last_sync_time)
         if committed and resumed:  # the restored weights, global weights and momentum stand

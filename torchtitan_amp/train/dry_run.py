@@ -277,7 +277,7 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
                                                                    state.optimizer, state.params_padded),
             "transient": transient,
             "activations": acts.to_dict(),
-            "peak_estimate": _with_outer_state(estimate.to_dict()["peak"], diloco),
+            "peak_estimate": _with_outer_state(estimate.to_dict()["peak"], diloco, estimate.state_total),
             # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
             # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
             "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
@@ -293,22 +293,28 @@ def _report(config: JobConfig, res: Job, rank: int, coords: dict[str, int], stag
 
 def _diloco(parts: list[nn.Module], plan: PrecisionPlan) -> dict[str, Any] | None:
     """DiLoCo's cross-group traffic and state on this rank (None unless semi_sync_method is
-    "diloco"): every trained shard's pseudo-gradient once per sync, in the plan's wire dtype, and
-    the global weights and outer momentum in its outer-state dtype (train/diloco.py)."""
+    "diloco"): every trained shard's pseudo-gradient once per sync, in the plan's wire dtype, the
+    global weights and outer momentum in its outer-state dtype, and a sync's buffers (its wire
+    buffer and chunk temporaries: train/diloco.py)."""
     if not plan.sync_steps:
         return None
+    from torchtitan_amp.train.diloco import CHUNK_ELEMENTS
+
     local = sum(_local(p).numel() for part in parts for p in part.parameters() if p.requires_grad)
     wire, outer = dtype_name(plan.pseudo_gradient_dtype), dtype_name(plan.outer_state_dtype)
     per_sync = local * DTYPE_BYTES[wire]
+    outer_state, sync = memory.diloco_bytes(local, wire, outer, CHUNK_ELEMENTS)
     return {"sync_steps": plan.sync_steps, "pseudo_gradient_dtype": wire,
             "bytes_per_sync": {wire: per_sync}, "bytes_per_step": round(per_sync / plan.sync_steps),
-            "outer_state": {outer: 2 * local * DTYPE_BYTES[outer]}}
+            "outer_state": outer_state, "sync_buffers": sync}
 
 
-def _with_outer_state(peak: dict[str, int], diloco: dict[str, Any] | None) -> dict[str, int]:
-    """The peaks plus DiLoCo's global weights and outer momentum, which live beside the model all along."""
-    outer = memory.sum_bytes(diloco["outer_state"]) if diloco else 0
-    return {k: v + outer for k, v in peak.items()}
+def _with_outer_state(peak: dict[str, int], diloco: dict[str, Any] | None, state_total: int) -> dict[str, int]:
+    """The peaks with DiLoCo's global weights and outer momentum, which live beside the model all
+    along, or a sync's peak where that is higher (memory.peak_with_diloco)."""
+    if not diloco:
+        return peak
+    return memory.peak_with_diloco(peak, diloco["outer_state"], diloco["sync_buffers"], state_total)
 
 
 def _groups_report(stage_groups: list[tuple[Stage, list[FsdpGroup]]], fsdp_shard: int,
@@ -448,6 +454,7 @@ def format_table(r: dict[str, Any]) -> str:
         rows.append((f"activations, AC {acts['configured_mode']}", {"est": acts["configured"]}))
     if r.get("diloco"):
         rows.append(("DiLoCo global weights + momentum", r["diloco"]["outer_state"]))
+        rows.append(("DiLoCo sync (wire + chunks)", r["diloco"]["sync_buffers"]))
     lines += ["", f"  {'memory per rank':34s} {'total':>12s}  by dtype"]
     for name, d in rows:
         by = "" if "est" in d else fd(d)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -34,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.checkpoint.replicas import ReplicaGroup
 from torchtitan_amp.config import FaultTolerance as FaultToleranceConfig
-from torchtitan_amp.config import JobConfig
+from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.config.validation import lighthouse_problem
 from torchtitan_amp.core.errors import ReplicaGroupGaveUp
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
@@ -206,10 +208,12 @@ class TrainingState:
 class FaultTolerance:
     """This group's torchft Manager and what the loop asks of it, with the counters it logs."""
 
-    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan, manager: Any = None) -> None:
-        """`manager`: torchft's Manager for this group (None: built from `ft`; tests pass a
-        stand-in)."""
-        self.manager = manager if manager is not None else _manager(ft)
+    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan, manager: Any = None,
+                 device_type: str = "cpu") -> None:
+        """`manager`: torchft's Manager for this group (None: built from `ft` for a job training on
+        `device_type`; tests pass a stand-in)."""
+        self._store = None  # the group's own TCPStore when it runs as one process without torchrun
+        self.manager = manager if manager is not None else self._build_manager(ft, device_type)
         self.max_retries = ft.max_retries
         self.plan, self.replica_id = plan, ft.replica_id
         self.recorders: list[WireRecorder] = []
@@ -355,24 +359,63 @@ class FaultTolerance:
         self.manager.shutdown(wait=False)
 
 
-def _manager(ft: FaultToleranceConfig) -> Any:
-    """This group's torchft Manager."""
-    import torchft
+    def _build_manager(self, ft: FaultToleranceConfig, device_type: str) -> Any:
+        """This group's torchft Manager. It meets the group's ranks through torchrun's store
+        (MASTER_ADDR/MASTER_PORT); a group of one process started without torchrun gets a store
+        of its own here."""
+        import torchft
 
-    timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-    pg = torchft.ProcessGroupGloo(timeout=timeout) if ft.process_group == "gloo" else \
-        torchft.ProcessGroupNCCL(timeout=timeout)
-    # Synchronous quorum: a healing group loads the live state before its forward, and the live
-    # group serves it while its own weights stand still (between its optimizer steps).
-    # init_sync off: every group initialises the same weights from training.seed.
-    return torchft.Manager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
-        use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
-        quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=ft.lighthouse or None,
-        init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries)
+        backend, lighthouse = process_group_backend(ft, device_type), lighthouse_address(ft)
+        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+        pg = torchft.ProcessGroupGloo(timeout=timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(timeout=timeout)
+        where: dict[str, Any] = {}
+        if "MASTER_ADDR" not in os.environ:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ConfigError("fault_tolerance.enable: WORLD_SIZE is set without MASTER_ADDR; launch each "
+                                  "replica group with torchrun (docs/fault_tolerance.md)")
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            where = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
+        # Synchronous quorum: a healing group loads the live state before its forward, and the live
+        # group serves it while its own weights stand still (between its optimizer steps).
+        # init_sync off: every group initialises the same weights from training.seed.
+        return torchft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+            use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=lighthouse,
+            init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries, **where)
 
 
-def build(config: JobConfig, plan: PrecisionPlan) -> FaultTolerance | None:
+def process_group_backend(ft: FaultToleranceConfig, device_type: str) -> str:
+    """The cross-group backend: fault_tolerance.process_group, 'auto' resolved for the training
+    device (nccl on CUDA, else gloo). nccl off CUDA is refused in one line."""
+    if ft.process_group == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if ft.process_group == "nccl" and device_type != "cuda":
+        raise ConfigError(f"'fault_tolerance.process_group' = 'nccl' needs CUDA; this job trains on {device_type}: "
+                          "use 'gloo' or 'auto'")
+    return ft.process_group
+
+
+def lighthouse_address(ft: FaultToleranceConfig) -> str:
+    """torchft's lighthouse URL: fault_tolerance.lighthouse (checked when the config was read), else
+    TORCHFT_LIGHTHOUSE, checked here: without one torchft fails with a KeyError, and with a bad one
+    only after its connect timeout."""
+    if ft.lighthouse:
+        return ft.lighthouse
+    address = os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise ConfigError("fault_tolerance.enable needs torchft's lighthouse: set fault_tolerance.lighthouse or "
+                          "TORCHFT_LIGHTHOUSE to its URL http://HOST:PORT (docs/fault_tolerance.md)")
+    problem = lighthouse_problem(address, "TORCHFT_LIGHTHOUSE")
+    if problem:
+        raise ConfigError(problem)
+    return address
+
+
+def build(config: JobConfig, plan: PrecisionPlan, device_type: str = "cpu") -> FaultTolerance | None:
     """The group's Manager when fault_tolerance.enable is on (after the group's process group:
     it reads torchrun's store), else None."""
-    return FaultTolerance(config.fault_tolerance, plan) if config.fault_tolerance.enable else None
+    ft = config.fault_tolerance
+    return FaultTolerance(ft, plan, device_type=device_type) if ft.enable else None

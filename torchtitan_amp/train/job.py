@@ -136,15 +136,18 @@ def check_cp_attention(job: Job, device_type: str) -> None:
     check_causal_kernel(device_type, prec.compute, job.model_args.head_dim, job.dims.cp, where)
 
 
-def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False) -> Job:
+def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False,
+            preflight: bool = False) -> Job:
     """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
     the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
     is not asked whether bf16 is native ("auto" means on), `dry_run.vocab_size` may replace the
-    tokenizer's, and this machine's checkpoint folder and profiler are not checked."""
+    tokenizer's, and this machine's checkpoint folder and profiler are not checked. `preflight`: the
+    launcher's check before torchrun starts: the precision probes run no kernel (capability only)."""
     t, p = config.training, config.parallelism
     dims = ParallelDims.from_config(p, world_size)
     accum = grad_accum_steps(t, dims.dp_degree)
-    plan = PrecisionPlan.from_config(config, dims, device_type, probe=None if dry_run else low_precision_speed)
+    plan = PrecisionPlan.from_config(config, dims, device_type, probe=None if dry_run else low_precision_speed,
+                                     run_kernels=not preflight)
     if not dry_run:
         validate_checkpoint_config(config, world_size, device_type)
         profiling.validate(config, device_type)

@@ -16,8 +16,9 @@ exit code 2, and torchrun never starts. A config that passes prints nothing.
 The checks are the ranks' own, in their order: the environment (core.environment.require), the
 config, the device and backend (process_groups.resolve, for local rank 0: CUDA when a GPU is
 visible, else CPU) and train.job.resolve for N ranks on that device type. No process group, no
-model weights. On CUDA the precision plan reads the GPU's compute capability; this process exits
-before torchrun starts, so nothing it opened on the GPU is held while the ranks run. What only a
+model weights. On CUDA the precision plan reads the GPU's compute capability and runs no kernel
+(the fp8 and block-scaled probes run on the ranks): this process opens no CUDA context, so it
+holds no GPU memory and cannot be the first to fail on the GPU. What only a
 rank can find (its data, its device's memory) is left to the ranks.
 
 Exit codes: 0 nothing to report, or nothing to check (not this project's training script, --help,
@@ -70,7 +71,7 @@ def _resolve(world_size: int, argv: list[str]) -> None:
     from torchtitan_amp.train.job import resolve
 
     info = process_groups.resolve(config)
-    resolve(config, world_size, info.device.type)
+    resolve(config, world_size, info.device.type, preflight=True)
 
 
 def is_training_entry(script: str, *, module: bool = False, no_python: bool = False) -> bool:

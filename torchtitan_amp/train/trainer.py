@@ -288,7 +288,7 @@ class Trainer:
         if self.is_logging_rank:
             logger.info("training %d steps on %s (%s), world size %d", t.steps, self.device,
                         self.info.backend, self.info.world_size)
-        first_step, checkpoints = self.step, 0
+        first_step, checkpoints, ran = self.step, 0, 0
         self.metrics.start_run(first_step, t.steps)
         with profiling.maybe_profile(self.config, self.info.rank, self.step) as prof, \
                 profiling.maybe_memory_snapshot(self.config, self.info.rank):
@@ -303,13 +303,17 @@ class Trainer:
                 loss, grad_norm, _ = self.train_step(batches)
                 if self.ft_every_step and self.ft.last_discarded:
                     self.step -= 1  # the step is retried on the next batches by the groups still alive
+                    if self._stop_after_discarded_step():
+                        break
                     continue
                 step_s = time.perf_counter() - step_start
                 self.tokens_seen += tokens_per_step
                 if self.diloco is not None and self.diloco.due(self.step, t.steps) and self.diloco.sync(self):
                     batches = self._new_batches()  # healed: step, counters and data are the live group's
-                if self.step == first_step + 1:
+                ran += 1
+                if ran == 1:
                     # Start-up (compile, first all-gathers) may be slow; steady state must not hang.
+                    # Counted in steps this process ran: a heal sets self.step to the live group's.
                     process_groups.set_timeouts(self.config.comm.timeout_seconds, self.dims)
                 maybe_inject_fault(self.config, self.step, self.info.rank)
                 val = self._maybe_validate()
@@ -331,6 +335,15 @@ class Trainer:
             self.ft.shutdown()
         self.metrics.log_summary(self.step, self.tokens_seen, checkpoints)
         self.metrics.close()
+
+    def _stop_after_discarded_step(self) -> bool:
+        """After a discarded fault-tolerant step: whether a stop signal reached any rank (every
+        rank of the group discarded it, so every rank polls), and if so the forced save of the last
+        committed step. A group that keeps failing to commit must still obey pre-emption."""
+        if not self.checkpointer.should_stop():
+            return False
+        self.checkpointer.maybe_save(self.step, self.tokens_seen, force=True)
+        return True
 
     def _new_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """An iterator over the training loader, from where it stands."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask
-from torchtitan_amp.models.attention import block_causal_mask
+from torchtitan_amp.models.attention import block_causal_mask, cuda_capability, pinned_kernels
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
 from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv  # noqa: F401  (ffn_hidden_dim: the model's width rule, re-exported)
@@ -251,12 +251,15 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat
                 torch.float16: "float16"}
 
 
-def grouped_kv(xq: torch.Tensor, head_dim: int, mask: torch.Tensor | None) -> bool:
+def grouped_kv(xq: torch.Tensor, head_dim: int, mask: torch.Tensor | None,
+               capability: tuple[int, int] | None = None) -> bool:
     """Whether this call's kernel takes the kv_heads keys and values as they are (SDPA's
     enable_gqa; rules.takes_grouped_kv says where: CUDA's flash kernel, CPU's in float32): the
-    queries' device and dtype are the call's, whatever path (FSDP, autocast) made them."""
+    queries' device and dtype are the call's, whatever path (FSDP, autocast) made them, and
+    whether they require gradients says training (flash refuses some head sizes' backward)."""
     dtype = _DTYPE_NAMES.get(xq.dtype, "other")
-    return takes_grouped_kv(xq.device.type, dtype, head_dim, "causal" if mask is None else "mask")
+    return takes_grouped_kv(xq.device.type, dtype, head_dim, "causal" if mask is None else "mask",
+                            capability if xq.device.type == "cuda" else None, xq.requires_grad)
 
 
 class RMSNorm(nn.Module):
@@ -297,6 +300,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
+        # Which SDPA kernel runs depends on it (rules.attention_kernel); a constant when compiled.
+        self.cuda_capability = cuda_capability()
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -335,16 +340,18 @@ class Attention(nn.Module):
             xk, xv = cp.gather_kv(xk), cp.gather_kv(xv)
             if mask is None:  # causal: each query chunk against its prefix of the window
                 xk, xv = cp.to_window_order(xk), cp.to_window_order(xv)
-        grouped = self.n_rep > 1 and grouped_kv(xq, self.head_dim, mask)
+        grouped = self.n_rep > 1 and grouped_kv(xq, self.head_dim, mask, self.cuda_capability)
         if not grouped:  # the kernel needs one key/value head per query head: a copy, saved
             xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        if cache is not None:
-            out = cache.attend(q, k, v, enable_gqa=grouped)
-        elif cp is not None and mask is None:
-            out = cp.causal_attention(q, k, v, enable_gqa=grouped)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
+        with pinned_kernels():  # the kernels rules.attention_kernel predicts, in its order
+            if cache is not None:
+                out = cache.attend(q, k, v, enable_gqa=grouped)
+            elif cp is not None and mask is None:
+                out = cp.causal_attention(q, k, v, enable_gqa=grouped)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                     enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
