@@ -315,3 +315,22 @@ def test_max_retries_reaches_torchft_and_giving_up_is_one_line(monkeypatch, retr
                                                  r"\(fault_tolerance.max_retries = " + retries) as e:
         ft.should_commit()
     assert e.value.exit_code == 1 and "\n" not in str(e.value)
+
+
+def test_dry_run_reduces_once_per_step_under_accumulation(tmp_path: Path) -> None:
+    """Per-step fault tolerance with FSDP 2 and 2 micro-batches: gradient sync is off until the
+    last one, so the reduce-scatter and the cross-group all-reduce run once per step (as with one
+    micro-batch), and every group's unsharded gradient (reduce dtype: fp32, as many bytes as one
+    reduce-scatter's input) is held across the micro-batches."""
+    from torchtitan_amp.train import dry_run
+
+    base = [*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--dry_run.vocab_size", "258",
+            "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)]
+    one, two = (dry_run.run(load_config([*base, *extra]), world_size=2, rank=0, write=False)
+                for extra in ([], ["--training.global_batch_size", "8"]))
+    for key in ("fsdp_reduce_scatter", "ft_cross_group_all_reduce"):
+        assert two["communication"][key] == one["communication"][key], key
+    gathers = one["communication"]["fsdp_all_gather"]
+    assert two["communication"]["fsdp_all_gather"] == {dtype: 2 * n for dtype, n in gathers.items()}
+    held = two["memory"]["peak_estimate"]["configured"] - one["memory"]["peak_estimate"]["configured"]
+    assert held == one["communication"]["fsdp_reduce_scatter"]["float32"]

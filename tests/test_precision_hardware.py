@@ -162,6 +162,23 @@ def test_dry_run_plans_for_the_gpus_it_sizes_not_this_cpu(monkeypatch: pytest.Mo
     assert resolved.plan.path == "fsdp" and resolved.plan.speed is None
 
 
+@pytest.mark.parametrize(("ratio", "native"), [
+    (0.01, False), (0.03, False),  # AVX2: bf16 and fp16 emulated in software
+    (0.22 / 1.5, False), (0.22, False), (0.30, False), (0.30 * 1.5, False),  # AVX512 without AVX512-BF16 (bf16 converted to fp32), 1.5x noise
+    (2.0 / 1.5, True), (2.5, True),  # AVX512-BF16 / AMX
+])
+def test_every_rank_lands_on_the_same_side_of_the_native_threshold(
+        monkeypatch: pytest.MonkeyPatch, ratio: float, native: bool) -> None:
+    """Each rank (and each torchft replica group) times the matmuls on its own, so the threshold
+    must lie in a gap between the classes of CPUs, wide enough that timing noise on busy cores
+    never splits a job: an AVX512 CPU without AVX512-BF16 measured bf16 at 0.22-0.30x fp32, rank
+    by rank, and a threshold inside that range made one rank of an FSDP job all-gather bf16 while
+    the other all-gathered fp32 (a gloo size mismatch)."""
+    monkeypatch.delenv(LOWP_ENV, raising=False)
+    monkeypatch.setattr(matmul_speed, "single_thread_rates", lambda dtype: (ratio * 100e9, 100e9))
+    assert low_precision_speed("cpu", torch.bfloat16).native is native
+
+
 def test_the_measurement_sees_through_avx2_emulation() -> None:
     """With torch and oneDNN held to AVX2, bf16 matmul is emulated on any x86 CPU: the real
     measurement (one thread, fp32 and bf16 timed in turn) must call it so."""
@@ -171,7 +188,7 @@ def test_the_measurement_sees_through_avx2_emulation() -> None:
                         env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", LOWP_ENV: ""})
     assert result.returncode == 0, result.describe()
     capability, native, slowdown = result.stdout.split()
-    assert (capability, native) == ("AVX2", "False") and float(slowdown) > 1 / 0.25, result.stdout
+    assert (capability, native) == ("AVX2", "False") and float(slowdown) > 1 / matmul_speed.NATIVE_MIN_RATIO, result.stdout
 
 
 def test_the_readme_debug_run_follows_the_device() -> None:

@@ -151,6 +151,15 @@ def _reductions(layout: Layout, ops: list[str]) -> int:
     return ops.count("B")
 
 
+def _reductions_per_step(layout: Layout, ops: list[str]) -> int:
+    """Reduce-scatters of each group per optimizer step: _reductions per schedule step times the
+    accumulation steps; one under per-step fault tolerance without PP, whose gradient sync is off
+    for all but the last micro-batch (the replica groups' all-reduce then runs once per step)."""
+    if layout.cross_group_every_step and layout.pp == 1:
+        return 1
+    return layout.grad_accum * _reductions(layout, ops)
+
+
 def _gathers(g: FsdpGroup, groups: list[FsdpGroup], stage: Stage, ops: list[str], layout: Layout) -> int:
     per_microbatch = layout.pp_fsdp_reduce == "per_microbatch"
     return fsdp_gathers_per_step(g, ops, layout.pp > 1, per_microbatch,
@@ -166,9 +175,11 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     reduce-scatter = unsharded (padded) grads in reduce dtype, per backward; under PP with
                      pipeline_fsdp_reduce = "per_step" once per schedule step (the stage syncs
                      gradients after its last microbatch)
-    HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter
-    x gradient-accumulation steps; the same across torchft's replica groups (layout.replica_groups,
-    category ft_cross_group_all_reduce; none under DiLoCo). EP-split experts gather and reduce over their efsdp ranks
+    x gradient-accumulation steps, except under per-step fault tolerance: once per step
+    (_reductions_per_step);
+    HSDP all-reduce = this rank's padded grad shard in reduce dtype, after each reduce-scatter;
+    the same across torchft's replica groups (layout.replica_groups, category
+    ft_cross_group_all_reduce; none under DiLoCo). EP-split experts gather and reduce over their efsdp ranks
     (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
     still all-reduce over dp_replicate under HSDP.
     """
@@ -176,7 +187,7 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     ar: ByDtype = {}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
-        reduces = _reductions(layout, ops)
+        reduces = _reductions_per_step(layout, ops)
         for g in groups:
             full = g.unsharded_numel(layout.fsdp_shard)
             if g.degree(layout.fsdp_shard) > 1:
@@ -185,10 +196,9 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
                     add_bytes(out.setdefault(f"{g.category}_all_gather", {}), dtype,
                               layout.grad_accum * gathers * nbytes)
                 add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
-                          layout.grad_accum * reduces * full * DTYPE_BYTES[g.reduce_dtype])
+                          reduces * full * DTYPE_BYTES[g.reduce_dtype])
             if layout.dp_replicate > 1 or layout.cross_group_every_step:
-                add_bytes(ar, g.reduce_dtype, layout.grad_accum * reduces * g.padded_shard_numel
-                          * DTYPE_BYTES[g.reduce_dtype])
+                add_bytes(ar, g.reduce_dtype, reduces * g.padded_shard_numel * DTYPE_BYTES[g.reduce_dtype])
     if ar:
         out[_replicate_key(layout)] = ar
     return out
@@ -205,16 +215,17 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
     out = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
-        reduces = _reductions(layout, ops)
+        reduces = _reductions_per_step(layout, ops)
         for g in groups:
             if layout.dp_replicate > 1 or layout.cross_group_every_step:
                 key = _replicate_key(layout)
-                out[key] = out.get(key, 0) + layout.grad_accum * reduces
+                out[key] = out.get(key, 0) + reduces
             if g.degree(layout.fsdp_shard) == 1:
                 continue
-            for op, n in (("all_gather", _gathers(g, groups, stage, ops, layout)), ("reduce_scatter", reduces)):
+            for op, n in (("all_gather", layout.grad_accum * _gathers(g, groups, stage, ops, layout)),
+                          ("reduce_scatter", reduces)):
                 key = f"{g.category}_{op}"
-                out[key] = out.get(key, 0) + layout.grad_accum * n
+                out[key] = out.get(key, 0) + n
     return out
 
 
@@ -289,7 +300,9 @@ def _pp_backward_grads(stage_groups: list[tuple[Stage, list[FsdpGroup]]], n: int
 def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> ByDtype:
     """FSDP buffers alive at the peak, by dtype (not counted in params/grads):
 
-    without PP: groups not resharded after forward (root, last block) stay unsharded, plus, for
+    without PP: groups not resharded after forward (root, last block) stay unsharded; under
+                per-step fault tolerance with gradient accumulation every group's unsharded
+                gradient in the reduce dtype (accumulated until the last micro-batch); plus, for
                 the largest block (and the largest EP experts group: an MoE block has both in
                 use), the gathered copy in use, the next one prefetched, its unsharded gradient
                 (gather dtype) and its reduce-scatter input (reduce dtype)
@@ -310,6 +323,9 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
         for g in groups:
             if not g.reshard_after_forward:
                 out = merge(out, g.gathered(n))
+            if layout.cross_group_every_step and layout.grad_accum > 1:
+                # Gradient sync off until the last micro-batch: unsharded, accumulated in the reduce dtype.
+                _add(out, g.reduce_dtype, g.unsharded_numel(n))
         for kind in ("block", "experts"):
             blocks = [g for g in groups if g.kind == kind and g.reshard_after_forward]
             if blocks:

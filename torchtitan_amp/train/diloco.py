@@ -18,6 +18,11 @@ Per rank, on this rank's shards (FSDP DTensors' local tensors, or whole paramete
 weights and the outer momentum in the plan's outer_state_dtype (float32), one flat pseudo-gradient
 buffer per sync cast to the plan's pseudo_gradient_dtype for torchft's all-reduce (one call).
 
+- The model's persistent buffers (MoE's expert biases, which learn outside the optimizer from
+  each group's own token counts) are synced with the weights: their pseudo-gradients travel in
+  the same all-reduce, and their global copies (fp32) take the groups' mean step whole, no outer
+  optimizer (a balancing controller's state, not trained weights): the new global buffers are
+  the groups' mean, every group trains on from them.
 - A sync is a torchft quorum: a group that is behind (restarted) copies a live group's state
   there (TrainingState: weights, inner AdamW moments, LR, schedule, data position, counters; and
   this module's global weights, outer momentum and sync count), then all-reduces with it. A
@@ -51,6 +56,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.precision import PrecisionPlan
+
+from torchtitan_amp.train.fault_tolerance import persistent_buffers
 
 if TYPE_CHECKING:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
@@ -122,6 +129,16 @@ def pseudo_gradient(global_weights: list[torch.Tensor], weights: list[torch.Tens
 
 
 @torch.no_grad()
+def mean_step(global_buffers: list[torch.Tensor], mean: torch.Tensor) -> None:
+    """The global buffers minus the groups' mean pseudo-gradient (flat, any dtype): the groups'
+    mean buffers."""
+    offset = 0
+    for g in global_buffers:
+        g.sub_(mean[offset:offset + g.numel()].view_as(g).to(g.dtype))
+        offset += g.numel()
+
+
+@torch.no_grad()
 def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor], mean: torch.Tensor,
                lr: float, mu: float, chunk: int | None = None) -> None:
     """Nesterov SGD on the global weights with the groups' mean pseudo-gradient `mean` (flat, any
@@ -150,8 +167,10 @@ class DiLoCo:
     """This rank's global weights and outer momentum, and the sync the loop calls."""
 
     def __init__(self, ft: "FaultTolerance", params: list[nn.Parameter], plan: PrecisionPlan,
-                 outer_lr: float, outer_momentum: float, names: list[str] | None = None) -> None:
-        """`names`: the parameters' names in the model (checkpoint keys; default their index)."""
+                 outer_lr: float, outer_momentum: float, names: list[str] | None = None,
+                 buffers: list[torch.Tensor] | None = None) -> None:
+        """`names`: the parameters' names in the model (checkpoint keys; default their index);
+        `buffers`: the model's floating-point persistent buffers, synced by their mean."""
         self.ft, self.plan, self.lr, self.mu = ft, plan, outer_lr, outer_momentum
         self.sync_steps = plan.sync_steps
         trained = [(n, p) for n, p in zip(names or [str(i) for i in range(len(params))], params) if p.requires_grad]
@@ -161,6 +180,8 @@ class DiLoCo:
         self.global_weights = [w.to(plan.outer_state_dtype, copy=True, memory_format=torch.contiguous_format)
                                for w in self.weights]
         self.momentum = [torch.zeros_like(g) for g in self.global_weights]
+        self.buffers = list(buffers or [])
+        self.global_buffers = [b.to(plan.outer_state_dtype, copy=True) for b in self.buffers]
         self.syncs = 0  # syncs committed (the join of a fresh job included)
         self.inner_steps_lost = 0  # inner steps undone by discarded syncs
         self._last_sync_step, self._last_sync_time = 0, time.perf_counter()
@@ -193,16 +214,21 @@ class DiLoCo:
         DiLoCo's own state was loaded, global weights = the parameters and momentum 0 (a fresh
         job, an initial model, or 'diloco' in checkpoint.exclude_from_loading)."""
         self.weights = [_local(p.detach()) for p in self.params]
+        # Not in the checkpoint: saves fall on syncs, where the buffers are the global ones.
+        for g, b in zip(self.global_buffers, self.buffers):
+            g.copy_(b)
         if not self.restored:
             torch._foreach_copy_(self.global_weights, self.weights)
             torch._foreach_zero_(self.momentum)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global": self.global_weights, "momentum": self.momentum, "syncs": self.syncs}
+        return {"global": self.global_weights, "momentum": self.momentum, "global_buffers": self.global_buffers,
+                "syncs": self.syncs}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (("global", self.global_weights), ("momentum", self.momentum)):
+        for key, mine in (("global", self.global_weights), ("momentum", self.momentum),
+                          ("global_buffers", self.global_buffers)):
             if len(state[key]) != len(mine):
                 raise RuntimeError(f"the live group's DiLoCo {key} differ from this group's: another model or layout?")
             for t, theirs in zip(mine, state[key]):
@@ -225,7 +251,8 @@ class DiLoCo:
         resumed, self.restored = self.restored and not healed, False
         if healed:
             self._last_sync_step = counters.step
-        wire = pseudo_gradient(self.global_weights, self.weights, self.plan.pseudo_gradient_dtype)
+        wire = pseudo_gradient(self.global_weights + self.global_buffers, self.weights + self.buffers,
+                               self.plan.pseudo_gradient_dtype)
         # One all-reduce per chunk of the wire buffer, all issued before the first is waited on.
         works = [self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire[start:end])
                  for start, end, _ in chunks([wire.numel()], CHUNK_ELEMENTS) or [(0, 0, [])]]
@@ -237,7 +264,9 @@ class DiLoCo:
             self._last_sync_time = time.perf_counter()
             return False
         if committed:
-            outer_step(self.global_weights, self.momentum, wire, self.lr, self.mu)
+            trained = sum(g.numel() for g in self.global_weights)
+            outer_step(self.global_weights, self.momentum, wire[:trained], self.lr, self.mu)
+            mean_step(self.global_buffers, wire[trained:])
             self.syncs += 1
         else:
             lost = counters.step - self._last_sync_step
@@ -246,7 +275,7 @@ class DiLoCo:
                            "back to the global weights of step %d, %d inner steps lost", counters.step,
                            self._last_sync_step, lost)
         # Committed: the new global weights; discarded: the last ones.
-        torch._foreach_copy_(self.weights, self.global_weights)
+        torch._foreach_copy_(self.weights + self.buffers, self.global_weights + self.global_buffers)
         self._last_sync_step, self._last_sync_time = counters.step, time.perf_counter()
         return healed
 
@@ -272,4 +301,5 @@ def build(config: JobConfig, ft: "FaultTolerance | None", model_parts: list[nn.M
     by_id = {id(p): unwrapped_name(n) for part in model_parts for n, p in part.named_parameters()}
     names = [by_id.get(id(p), str(i)) for i, p in enumerate(params)]
     f = config.fault_tolerance
-    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum, names)
+    buffers = [b for _, b in persistent_buffers(model_parts) if b.is_floating_point()]
+    return DiLoCo(ft, params, plan, f.outer_lr, f.outer_momentum, names, buffers)

@@ -5,7 +5,9 @@ groups torchft's Manager averages the gradients and decides, per step, which gro
 - `start_step` asks the lighthouse for the step's quorum; a group that is behind (restarted) copies
   the training state of a live group over HTTP before its forward (`heal`);
 - the cross-group all-reduce runs inside backward (FSDP's all-reduce hook, on each reduce-scatter
-  output) or after it (plain gradients), in the dtype the precision plan decides;
+  output of the step's last micro-batch) or after it (plain gradients), in the dtype the precision
+  plan decides; the step's count of valid labels and the MoE experts' token counts are summed over
+  the quorum too, so that every group takes the same step as one process over all their data;
 - `should_commit` says whether every group's all-reduce went through: when not (a peer died during
   the step), the step is discarded (no optimizer or LR step) and the next quorum leaves the dead
   group out.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -150,9 +153,23 @@ def _unflatten(wire: torch.Tensor, bucket: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
+def persistent_buffers(model_parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The model's persistent buffers (those of its state dict), named as in it: state that is
+    not a parameter but belongs to the model (MoE's expert biases); not the non-persistent ones
+    (rotary tables, MoE's per-step token counts)."""
+    out = []
+    for i, part in enumerate(model_parts):
+        for prefix, module in part.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    out.append((f"{i}.{prefix}.{name}" if prefix else f"{i}.{name}", buf))
+    return out
+
+
 class TrainingState:
     """What a healing group copies from a live one: this rank's shards of the weights and of the
-    optimizer state, the LR, the schedule, the data position and the step counters.
+    optimizer state, the model's persistent buffers (MoE's expert biases: the model's state dict,
+    as torchtitan's heal loads it), the LR, the schedule, the data position and the step counters.
 
     The tensors are references cached once (shards are updated in place), not a state_dict()
     per request: torchft serves them from its own thread, and FSDP2's state_dict() there, during
@@ -165,16 +182,17 @@ class TrainingState:
         self.weights = {n: _local(p.detach()) for n, p in named}
         self.moments = {f"{n}/{k}": _local(v) for n, p in named for k, v in optimizer.state.get(p, {}).items()
                         if isinstance(v, torch.Tensor)}
+        self.buffers = dict(persistent_buffers(model_parts))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "moments": self.moments,
+        return {"weights": self.weights, "moments": self.moments, "buffers": self.buffers,
                 "lr": [g["lr"] for g in self.optimizer.param_groups],
                 "lr_scheduler": self.lr_scheduler.state_dict(), "data": self.dataloader.state_dict(),
                 "step": self.counters.step, "tokens_seen": self.counters.tokens_seen}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("weights", "moments"):
+        for key in ("weights", "moments", "buffers"):
             mine = getattr(self, key)
             if set(mine) != set(state[key]):
                 raise RuntimeError(f"the live group's {key} differ from this group's: another model or layout?")
@@ -208,6 +226,9 @@ class FaultTolerance:
         self._step_start = 0.0
         self.last_discarded = False
         self._healed = False
+        # The tensors FSDP's all-reduce hook sent in this backward, held until it has ended
+        # (backward_done): see _allreduce_in_place.
+        self._in_flight: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def recording(self, recorder: WireRecorder) -> Iterator[None]:
@@ -220,10 +241,17 @@ class FaultTolerance:
 
     def allreduce(self, kind: str, sources: tuple[torch.dtype, ...], wire: torch.Tensor) -> Any:
         """torchft's average of `wire` over the quorum's groups (in place; returns its work), the
-        recorders told first: every cross-group collective goes through here."""
+        recorders told first: every cross-group collective of values goes through here (the
+        integer counts of sum_across_groups are exact in any case, and not recorded)."""
         for record in self.recorders:
             record(kind, sources, wire)
         return self.manager.allreduce(wire)
+
+    def sum_across_groups(self, counts: torch.Tensor) -> None:
+        """`counts` (an integer tensor: valid labels, tokens per expert) summed over the quorum's
+        groups, in place. A group that fails during it fails the step's commit, as a gradient's
+        all-reduce does: the step, and whatever was computed from the counts, is discarded."""
+        self.manager.allreduce(counts, reduce_op=dist.ReduceOp.SUM).wait()
 
     def register(self, state: TrainingState) -> None:
         """What this group serves to a healing one, and loads when it heals."""
@@ -243,11 +271,27 @@ class FaultTolerance:
                     m.set_all_reduce_hook(self._allreduce_in_place)
 
     def _allreduce_in_place(self, grad: torch.Tensor) -> None:
+        """FSDP's all-reduce hook: `grad` is a reduce-scatter output, allocated on FSDP's
+        reduce-scatter stream and used here on the all-reduce stream, whose wait for torchft's
+        all-reduce holds that stream, not the host. FSDP then drops it (it casts a reduce dtype
+        other than the parameters' to theirs, or adds it to an accumulated gradient), and the
+        caching allocator could hand its block to the next reduce-scatter while the all-reduce
+        is still queued on it. torch keeps its own HSDP all-reduce's buffer referenced for that
+        reason (FSDPParamGroup._all_reduce_state), not a hook's: so it is kept here, until the
+        backward has ended (backward_done), when FSDP's finalize_backward has made the default
+        stream, on which every later reduce-scatter waits, wait for the all-reduce stream."""
         dtype = self.plan.cross_group_dtype(grad.dtype)
         wire = grad if dtype == grad.dtype else grad.to(dtype)
+        self._in_flight.append(grad)
+        if wire is not grad:
+            self._in_flight.append(wire)
         self.allreduce("gradients", (grad.dtype,), wire).wait()
         if wire is not grad:
             grad.copy_(wire)
+
+    def backward_done(self) -> None:
+        """After a backward: the hook's tensors may go back to the allocator."""
+        self._in_flight.clear()
 
     def allreduce_grads(self, params: list[nn.Parameter]) -> None:
         """Plain gradients (a group without FSDP): averaged across groups after backward, in

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.checkpoint.preemption import maybe_inject_fault
@@ -179,8 +180,23 @@ class Trainer:
         every data-parallel rank. The cp ranks of a data-parallel rank hold the same windows, so
         the dp group's sum is the step's count; the gradient mean runs over dp x cp (the loss
         group, which is also FSDP's, HSDP's or DDP's group and EP's divide factor)."""
+        return self._label_weights(labels)[0]
+
+    def _label_weights(self, labels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(each valid label's weight, the factor that turns this group's losses into its own
+        mean, or None). Under per-step fault tolerance torchft then averages the replica groups'
+        gradients: the count is the quorum's (summed across the groups) and the weight is
+        multiplied by the groups, so that the average is the mean over every valid label of the
+        quorum, not a mean of the groups' means (which differ whenever the groups hold different
+        numbers of valid labels). Each group still logs its own mean loss (the factor)."""
         grad_mean_size = dist.get_world_size(self.loss_group) if self.loss_group is not None else 1
-        return label_weight(count_valid_labels(labels, self.dp_group), grad_mean_size)
+        count = count_valid_labels(labels, self.dp_group)
+        if not self.ft_every_step:
+            return label_weight(count, grad_mean_size), None
+        total = count.clone()
+        self.ft.sum_across_groups(total)
+        weight = label_weight(total, grad_mean_size * self.ft.participants)
+        return weight, label_weight(count, grad_mean_size) / weight
 
     def _set_loss_factor(self, divisor: int) -> None:
         """Losses the model adds itself (MoE's auxiliary loss) get the trainer's loss factor."""
@@ -200,19 +216,21 @@ class Trainer:
         micro_batches = self._next_micro_batches(batches)
         # Every micro-batch's loss is divided by the step's count of valid labels, known before the
         # first backward: the micro-batches are fetched first (as torchtitan does).
-        weight = self._step_label_weight([labels for _, labels in micro_batches])
+        weight, group_loss_factor = self._label_weights([labels for _, labels in micro_batches])
         for micro, (inputs, labels) in enumerate(micro_batches):
-            if self.dims.ddp_enabled:
-                # Accumulate locally; the last micro-batch's backward all-reduces the sum once.
-                for part in self.model_parts:
-                    part.set_requires_gradient_sync(micro == self.accum - 1)
+            self._set_gradient_sync(micro == self.accum - 1)
             loss_sum += self.forward_backward(inputs, labels, weight)
             self.metrics.record_tokens(inputs.numel())
+        if group_loss_factor is not None:
+            loss_sum *= group_loss_factor
         self.reduce_partial_grads(self.params)
         if self.ft_every_step:
+            self.ft.backward_done()
             self.ft.allreduce_grads(self.params)
         if self.job.family.after_backward is not None:
-            self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group)
+            cross_group = self.ft.sum_across_groups if self.ft_every_step else None
+            self.family_metrics = self.job.family.after_backward(self.model_parts, self.loss_group, self.pp_group,
+                                                                 cross_group=cross_group)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_(self.params, self.config.training.max_norm, self.pp_group, device=self.device)
         if self.ft_every_step and not self.ft.should_commit():
@@ -246,6 +264,16 @@ class Trainer:
             if self.job.family.after_step is not None:
                 self.job.family.after_step(self.model_parts)
         return loss_sum, grad_norm, stepped
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        """DDP, and FSDP under per-step fault tolerance, accumulate the micro-batches' gradients
+        locally and reduce once, in the last micro-batch's backward (`sync`): the all-reduce
+        across DDP's ranks, or across the replica groups (torchft's, in FSDP's all-reduce hook:
+        its reduce-scatter runs once too, over unsharded gradients accumulated in the reduce
+        dtype). Plain FSDP reduce-scatters every micro-batch (sharded gradients accumulate)."""
+        for part in self.model_parts:
+            if self.dims.ddp_enabled or (self.ft_every_step and isinstance(part, FSDPModule)):
+                part.set_requires_gradient_sync(sync)
 
     def _next_micro_batches(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
                             ) -> list[tuple[torch.Tensor, torch.Tensor]]:

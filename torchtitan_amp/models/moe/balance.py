@@ -2,7 +2,8 @@
 
 Auxiliary-loss-free balancing (DeepSeek-V3, torchtitan's default): after each step's backward, the
 tokens every expert received are summed over all ranks that saw other tokens (data and context
-parallel), and each expert's bias moves by `bias_update_speed` towards the mean load:
+parallel; under fault tolerance's per-step averaging, over every replica group of the step's
+quorum too), and each expert's bias moves by `bias_update_speed` towards the mean load:
 delta = speed * sign(mean - load), centred to zero mean (otherwise the biases drift together
 step after step, and next to the scores' bf16 resolution they would swamp them). The update is
 applied after the optimizer step, and only when that step is applied: a step skipped for
@@ -12,6 +13,8 @@ fp32, whatever the precision plan.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,11 @@ def set_aux_grad_scale(model_parts: list[nn.Module], scale: float) -> None:
 
 @torch.no_grad()
 def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None,
-                   pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Sum the step's per-expert token counts over `group`, compute the expert-bias updates of
+                   pp_group: dist.ProcessGroup | None = None,
+                   cross_group: Callable[[torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
+    """Sum the step's per-expert token counts over `group` (and with `cross_group`, which sums
+    them in place over the replica groups that average this step's gradients: every group then
+    takes the same bias update), compute the expert-bias updates of
     layers balanced by bias (applied by `after_step`), reset the counts; returns the step's load
     metrics: the most and least loaded expert of any layer relative to a uniform load (1.0 is
     perfect balance), over every pipeline stage. Every rank must call it (collectives)."""
@@ -47,6 +53,8 @@ def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None
         counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] int64
         if group is not None:
             dist.all_reduce(counts, group=group)
+        if cross_group is not None:
+            cross_group(counts)
         loads = counts.double()  # exact for any count below 2**53
         mean = loads.mean(dim=1, keepdim=True)
         for layer, load, avg in zip(layers, loads, mean):
