@@ -4,8 +4,8 @@
 #   1. torchtitan_amp/tools/gpu_checks.py (GPU_CHECKS_TIMEOUT, 220 s; its --time-budget 200 s, which
 #      the default selection's caps fit): kernel probes (SDPA op, cuDNN, torchao extensions, fp8
 #      rowwise), the FSDP all-reduce-hook hazard, autocast dtypes, CP chunk attention, block-scaled
-#      kernels, host syncs, KV-cache generation, resume bit for bit, MoE, fp8 curve + audit, loss
-#      curves (compiled bf16 last: the dearest)
+#      kernels, host syncs (plain, block-scaled, EP), KV-cache generation, resume bit for bit, MoE,
+#      two torchft replica groups, fp8 curve + audit, loss curves (compiled bf16 last: the dearest)
 #   2. benchmarks/gpu_mfu.sh (GPU_MFU_TIMEOUT, 80 s)  8B-shaped model: tokens/s/GPU, MFU, peak memory;
 #      GPU_RUN_MFU=0 skips it (a rerun of the checks alone)
 # Results: $OUT/gpu_checks.json (rewritten as each check starts and ends), $OUT/gpu_mfu.json,
@@ -17,8 +17,8 @@
 # says which wheels). Each carried wheel whose package this Python cannot import is installed into
 # $GPU_RUN_SITE (/tmp/site); a package of GPU_RUN_NEEDS (torchdata: every training check needs
 # it) that is still missing stops the run in one line, before any device time is spent on it.
-# torchao is optional: without it fp8, fp8_speed and block_scaled_kernels are recorded "skipped"
-# and the other checks run.
+# torchao and torchft are optional: without torchao fp8, fp8_speed and block_scaled_kernels are
+# recorded "skipped", without torchft fault_tolerance, and the other checks run.
 #
 # GPU_RUN_CPU_SMOKE=1 runs the same script on CPU: tiny shapes, small limits, the MFU benchmark's
 # tiny shape only; everything but CUDA (wheels, limits, the JSON after each check) is exercised.

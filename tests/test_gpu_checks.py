@@ -65,6 +65,18 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     for name in ("dense", "moe"):
         assert syncs[name]["steps"]["2"]["syncs"] == {"_local_scalar_dense": 1}, syncs[name]
         assert syncs[name]["steps"]["2"]["cuda_sync_warnings"] is None  # CUDA's own report: on CUDA only
+    for name in ("mxfp8", "nvfp4"):  # emulated block-scaled: the finiteness read alone
+        assert results["checks"]["block_scaled_syncs"][name]["steps"]["2"]["syncs"] == {"_local_scalar_dense": 1}
+    ep = results["checks"]["ep_syncs"]  # plus one read of the split sizes per EP layer forward
+    assert ep["backend"] == "gloo" and ep["ep_layers"] == 3 and ep["ep"]["budget"] == 4, ep["summary"]
+    assert ep["ep"]["steps"]["2"]["syncs"] == {"_local_scalar_dense": 1, "tolist": 3}, ep["ep"]["steps"]["2"]
+    ft = results["checks"]["fault_tolerance"]
+    assert ft["lighthouse"].startswith("http://127.0.0.1:") and ft["exit_codes"] == [0, 0], ft
+    summary = ft["summary"]
+    assert summary["participants"] == [2] and summary["discarded"] == 0, summary
+    assert summary["train_step_syncs"] == {"fault_tolerance": [1], "without": [1]}, summary
+    assert summary["timed_steps_per_group"] == 4 and all(v > 0 for v in summary["step_s_median"].values())
+    assert summary["quorum_s"]["median"] >= 0 and len(summary["quorum_s"]["first_step"]) == 2
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated
     assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated
@@ -157,20 +169,23 @@ def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path, monkeypatch: 
     assert result["status"] == "not run" and result["error"] == "1 s left of the time budget"
 
 
-def test_a_missing_torchao_skips_only_the_checks_that_import_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                 ) -> None:
+def test_a_missing_optional_package_skips_only_the_checks_that_import_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gpu_checks.json"
     checks = fake_checks(path, {})
-    monkeypatch.setattr(gpu_checks, "CHECKS", {"probe": checks["passes"], "fp8": checks["passes"],
-                                               "block_scaled_kernels": checks["passes"]})
+    names = ["probe", "block_scaled_kernels", "fault_tolerance", "fp8"]
+    monkeypatch.setattr(gpu_checks, "CHECKS", dict.fromkeys(names, checks["passes"]))
     monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     find_spec = gpu_checks.importlib.util.find_spec
     monkeypatch.setattr(gpu_checks.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torchao" else find_spec(name, *a))
-    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "probe,fp8,block_scaled_kernels"]) == 1
-    assert statuses(path) == {"probe": "passed", "fp8": "skipped", "block_scaled_kernels": "skipped"}
-    assert "torchao is not importable" in json.loads(path.read_text())["checks"]["fp8"]["error"]
+                        lambda name, *a: None if name in ("torchao", "torchft") else find_spec(name, *a))
+    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", ",".join(names)]) == 1
+    assert statuses(path) == {"probe": "passed", "block_scaled_kernels": "skipped", "fault_tolerance": "skipped",
+                              "fp8": "skipped"}
+    checks_json = json.loads(path.read_text())["checks"]
+    assert "torchao is not importable" in checks_json["fp8"]["error"]
+    assert "torchft is not importable" in checks_json["fault_tolerance"]["error"]
 
 
 def _script_default(name: str) -> str:
@@ -268,6 +283,48 @@ def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_predictio
     out: dict[str, Any] = {}
     assert gpu_checks.check_cp_attention(a, tmp_path, out) is False
     assert out["float32_hd32"]["chunk_shaped_tensors"] and out["float32_hd32"]["expected_op_ran"], out
+
+
+def test_the_ep_syncs_check_fails_a_dispatch_that_reads_once_more(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """ep_syncs runs the EP dispatch (a 1-rank gloo group here) and holds it to its budget: one
+    more host read per layer forward fails it."""
+    import torch
+
+    from torchtitan_amp.distributed.expert_parallel import ExpertParallel
+    from torchtitan_amp.tools import gpu_check_syncs
+
+    monkeypatch.setattr(train_build, "peak_flops", lambda device, dtype: 1e12)
+    exchange = ExpertParallel.exchange_counts
+
+    def reads_twice(self: ExpertParallel, rows: int, send: torch.Tensor) -> Any:
+        send.sum().item()
+        return exchange(self, rows, send)
+
+    monkeypatch.setattr(ExpertParallel, "exchange_counts", reads_twice)
+    monkeypatch.setattr(gpu_check_syncs, "COUNTED_RUN_STEPS", 2)  # step 2 alone is counted
+    a = argparse.Namespace(device="cpu", tiny=True, steps=2)
+    out: dict[str, Any] = {}
+    assert gpu_check_syncs.check_ep_syncs(a, tmp_path, out) is False
+    assert out["summary"]["train_step_syncs"] == [7], out["summary"]  # 1 + 3 layers x 2 reads
+    assert not torch.distributed.is_initialized()  # the group is gone for later checks
+
+
+def test_fault_tolerance_waits_are_bounded() -> None:
+    """The groups' wait: a failed group ends it at once (its peer would only wait out the quorum
+    timeout), a hanging one at the deadline; either way nothing is left running."""
+    import subprocess
+
+    from torchtitan_amp.tools.gpu_check_ft import _wait_all
+
+    def start(*cmd: str) -> subprocess.Popen:
+        return subprocess.Popen(list(cmd), start_new_session=True)
+
+    for procs, deadline in (([start("sleep", "30"), start("false")], 30.0), ([start("sleep", "30")], 0.5)):
+        begin = time.monotonic()
+        _wait_all(procs, deadline)
+        assert time.monotonic() - begin < 10 and all(p.returncode is not None for p in procs)
+        assert procs[0].returncode == -signal.SIGKILL
 
 
 def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

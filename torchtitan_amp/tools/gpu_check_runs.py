@@ -8,8 +8,10 @@ import argparse
 import gc
 import json
 import math
+import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.observability.host_syncs import StepSyncs
 from torchtitan_amp.train.trainer import Trainer
 
+BF16 = ["--mixed_precision.param_dtype", "bfloat16"]
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm")
 
 
@@ -166,13 +170,15 @@ STEP_SYNC_BUDGET = 1
 class _CudaSyncWarnings:
     """Wraps a trainer's train_step: with torch.cuda.set_sync_debug_mode("warn") on, CUDA itself
     reports every synchronizing call (what the dispatcher count cannot see: a blocking copy made
-    inside an op, a stream sync in a library). Per step: the warnings' first lines."""
+    inside an op, a stream sync in a library). Per step of `only`: the warnings' first lines."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, only: set[int]) -> None:
         self.per_step: dict[int, list[str]] = {}
         step_fn = trainer.train_step
 
         def warned(*args: Any, **kwargs: Any) -> Any:
+            if trainer.step not in only:
+                return step_fn(*args, **kwargs)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -186,25 +192,59 @@ class _CudaSyncWarnings:
         trainer.train_step = warned
 
 
-def step_syncs(args: list[str]) -> dict[str, Any]:
-    """Train; for every step after the first (which builds lazily): the host syncs counted at the
-    dispatcher (host_syncs.StepSyncs, with the line of each) and, on CUDA, the synchronizing calls
-    CUDA's sync debug mode reported inside train_step."""
+class StepTimes:
+    """Wraps a trainer's train_step (outermost, so that its device sync is in no count): per
+    step, the seconds train_step took until the device finished it, and, under per-step fault
+    tolerance, the seconds of the quorum just before it (FaultTolerance.quorum_s), the groups in
+    it and the steps discarded so far."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.per_step: dict[int, dict[str, float]] = {}
+        step_fn = trainer.train_step
+        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return step_fn(*args, **kwargs)
+            finally:
+                sync()
+                record = {"train_step_s": time.perf_counter() - begin}
+                if trainer.ft is not None:
+                    record.update(quorum_s=trainer.ft.quorum_s, participants=trainer.ft.participants,
+                                  discarded=trainer.ft.discarded)
+                self.per_step[trainer.step] = record
+
+        trainer.train_step = timed
+
+
+def step_syncs(args: list[str], budget: int = STEP_SYNC_BUDGET, setup: Callable[[Trainer], Any] | None = None,
+               counted: set[int] | None = None) -> dict[str, Any]:
+    """Train; for each step of `counted` (default: every step after the first, which builds
+    lazily): the host syncs counted at the dispatcher (host_syncs.StepSyncs, with the line of
+    each) and, on CUDA, the synchronizing calls CUDA's sync debug mode reported inside
+    train_step. "step_times": every step's StepTimes record (a counted step's seconds include the
+    counting's own cost: time the others). `setup(trainer)` runs on the built Trainer before it
+    trains (e.g. attaches expert parallel)."""
     trainer = Trainer(load_config(args))
-    recorder = StepSyncs(only=set(range(2, trainer.config.training.steps + 1)), where=True)
+    if setup is not None:
+        setup(trainer)
+    counted = set(range(2, trainer.config.training.steps + 1)) if counted is None else counted
+    recorder = StepSyncs(only=counted, where=True)
     recorder.install(trainer)
-    cuda = _CudaSyncWarnings(trainer) if trainer.device.type == "cuda" else None
+    cuda = _CudaSyncWarnings(trainer, counted) if trainer.device.type == "cuda" else None
+    times = StepTimes(trainer)
     trainer.train()
     recorder.finish()
     trainer.metrics.close()
     steps = {s: {**r, "cuda_sync_warnings": cuda.per_step.get(s) if cuda else None} for s, r in recorder.steps.items()}
-    return {"budget": STEP_SYNC_BUDGET, "steps": steps}
+    return {"budget": budget, "steps": steps, "step_times": times.per_step}
 
 
 def sync_budget_kept(result: dict[str, Any]) -> bool:
-    """Every counted step's train_step within the budget, at the dispatcher and (CUDA) by CUDA."""
+    """Every counted step's train_step within its budget, at the dispatcher and (CUDA) by CUDA."""
     steps = result["steps"].values()
-    return bool(steps) and all(max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= STEP_SYNC_BUDGET
+    return bool(steps) and all(max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= result["budget"]
                                for r in steps)
 
 

@@ -4,8 +4,9 @@
     python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json --time-budget 200   # GPU
     python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                            # CPU trial
 
-Everything runs in this one process (one CUDA start-up), in the order below (cheap first; each
-check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
+Everything runs in this one process (one CUDA start-up; fault_tolerance's two replica groups are
+processes of their own), cheap first in CUDA_LIMITS_S's order (each check's cap), all but
+fp8_speed by default:
 
 - `kernels`    which SDPA op a bf16 causal call runs, non-grouped and grouped, under the model's
                pinned order and torch's own, and the cuDNN version (pass: the pinned calls run
@@ -36,6 +37,12 @@ check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
 - `syncs`      host syncs per training step of the debug and MoE debug models in bf16 (one
                device, no EP): counted at the dispatcher and reported by CUDA's sync debug mode.
                Pass: each step after the first within STEP_SYNC_BUDGET (the finiteness read).
+- `block_scaled_syncs` the same for the debug model in emulated mxfp8 and nvfp4 (the full recipe);
+               `ep_syncs` for the MoE debug model with expert parallel's dispatch and combine on a
+               1-rank process group (nccl; budget + one read per EP layer): gpu_check_syncs.py.
+- `fault_tolerance` two 1-rank torchft replica groups (processes, on this device, a lighthouse on
+               loopback): step time with and without fault tolerance, quorum seconds, host syncs
+               per step: gpu_check_ft.py.
 - `generate`   a 3-step-trained debug model (its q and k scaled by 8, so that positions matter)
                decodes 24 tokens greedily with its KV cache on this device: pass when every step's logits equal one full forward over the text (fp32
                within GENERATE_ATOL, bf16 within GENERATE_BF16_REL of the largest logit) and each
@@ -53,9 +60,9 @@ check's cap in CUDA_LIMITS_S), all but fp8_speed by default:
 The --json file is rewritten (atomically) when each check starts and ends; each check has a status:
 "passed", "failed", "error" (it raised), "timeout" (over its limit: SIGALRM), "killed" (SIGTERM,
 e.g. the outer `timeout`), "running" (the process died during it), "skipped" (torchao missing:
-fp8, fp8_speed, block_scaled_kernels) or "not run". A check's limit is the smaller of its cap
-(CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves; each records `compile_s`, its
-seconds in torch.compile (cold on a fresh machine).
+fp8, fp8_speed, block_scaled_kernels; torchft missing: fault_tolerance) or "not run". A check's
+limit is the smaller of its cap (CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves;
+each records `compile_s`, its seconds in torch.compile (cold on a fresh machine).
 
 Multi-rank checks (nccl compress hook, FSDP on CUDA) need two GPUs: NCCL refuses two ranks on one
 device. Exit 0 when every check passes, 1 otherwise; each check prints one line.
@@ -97,17 +104,19 @@ from torchtitan_amp.precision import autocast  # noqa: E402
 from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
 from torchtitan_amp.train import build as train_build  # noqa: E402
 from torchtitan_amp.tools.gpu_check_blockscaled import block_scaled_kernels  # noqa: E402
+from torchtitan_amp.tools.gpu_check_ft import check_fault_tolerance  # noqa: E402
 from torchtitan_amp.tools.gpu_check_probes import check_fsdp_hook, check_kernels  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runner import Check, Report, run_all  # noqa: E402
 from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
-    OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats, records,
-    step_syncs, sync_budget_kept, train)
+    BF16, MOE, OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats,
+    records, step_syncs, sync_budget_kept, train)
+from torchtitan_amp.tools.gpu_check_syncs import (  # noqa: E402
+    COUNTED_RUN_STEPS, check_block_scaled_syncs, check_ep_syncs)
 from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
 # steps there); fp16 with a scaler sits closer to fp32, compile only reorders bf16 arithmetic.
 TOLERANCE = {"bf16": 0.01, "fp16": 0.01, "bf16_compile": 0.01}
-BF16 = ["--mixed_precision.param_dtype", "bfloat16"]
 PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
     "bf16": BF16,
@@ -126,7 +135,6 @@ RESUME_LOG_FREQ = 2
 # The resume check's step-3 save (seconds from asking to commit, bytes on disk), filled as it runs.
 SAVE_FACTS: dict[str, Any] = {}
 SPEED_FLAVOR = "llama3_8b_2l"
-MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]
 # KV-cache decode against a full forward, fp32: the CPU suite measures 1.43e-6 on logits up to
 # 4.1 (tests/test_generation.py bounds it by 1e-5); CUDA's attention kernels for one query row
 # and for a whole matrix differ more in summation order: 1e-4 is still ~100 ulps of 4.0.
@@ -136,18 +144,24 @@ GENERATE_BF16_REL = 0.05
 PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
 
 # Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
-# milliseconds there; compilation (bf16_compile in curves, the compiled speed runs) dominates.
+# milliseconds there; compilation (bf16_compile in curves, the compiled speed runs), process and
+# NCCL start-ups and Trainer builds (~1 s each) dominate. About twice each check's expected time:
+# a handful of ops (cp_attention, block_scaled_kernels) 5 s; one Trainer and a step (probe) or
+# two 3-step runs and decoding (generate) 10 s; two 4-step counted runs (syncs,
+# block_scaled_syncs) 6 s, ep_syncs 8 s with its NCCL start-up; fault_tolerance's two group
+# processes (a Python, torch and CUDA start-up each, side by side, then 2 x 12 steps) 15 s.
 # In the order the checks run: the cheap probes first, so that a short call still reaches them.
-CUDA_LIMITS_S = {"kernels": 10.0, "fsdp_hook": 10.0, "probe": 15.0, "cp_attention": 10.0,
-                 "block_scaled_kernels": 10.0, "syncs": 15.0, "generate": 15.0, "resume": 20.0, "moe": 15.0,
-                 "fp8": 30.0, "curves": 50.0, "fp8_speed": 150.0}
+CUDA_LIMITS_S = {"kernels": 10.0, "fsdp_hook": 10.0, "probe": 10.0, "cp_attention": 5.0,
+                 "block_scaled_kernels": 5.0, "syncs": 6.0, "block_scaled_syncs": 6.0, "ep_syncs": 8.0,
+                 "generate": 10.0, "resume": 20.0, "moe": 15.0, "fault_tolerance": 15.0, "fp8": 30.0,
+                 "curves": 50.0, "fp8_speed": 150.0}
 # What runs without --only: every check but fp8_speed (two compiled 8B-shaped runs; ask for it with
 # --only fp8_speed, e.g. on a rerun that skips the MFU benchmark). Its caps sum to DEFAULT_BUDGET_S
 # or less (tests/test_gpu_checks.py), scripts/gpu_run.sh's default --time-budget.
 DEFAULT_CHECKS = [name for name in CUDA_LIMITS_S if name != "fp8_speed"]
 DEFAULT_BUDGET_S = 200.0
-# Checks that import torchao: skipped (the others run) where it is not importable.
-NEEDS_TORCHAO = frozenset({"fp8", "fp8_speed", "block_scaled_kernels"})
+# Checks that import an optional package: skipped (the others run) where it is not importable.
+NEEDS = {"fp8": "torchao", "fp8_speed": "torchao", "block_scaled_kernels": "torchao", "fault_tolerance": "torchft"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +325,7 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
 
 def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     for name, extra in (("dense", BF16), ("moe", [*MOE, *BF16])):
-        out[name] = step_syncs(base_args(a, work / name) + extra)
+        out[name] = step_syncs(base_args(a, work / name) + extra + ["--training.steps", str(COUNTED_RUN_STEPS)])
         free_memory()
     return sync_budget_kept(out["dense"]) and sync_budget_kept(out["moe"])
 
@@ -447,15 +461,17 @@ def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -
 _BY_NAME: dict[str, Check] = {
     "kernels": check_kernels, "fsdp_hook": check_fsdp_hook, "probe": check_probe, "cp_attention": check_cp_attention,
     "block_scaled_kernels": lambda a, work, out: block_scaled_kernels(a.device, out), "syncs": check_syncs,
-    "generate": check_generate, "resume": check_resume, "moe": check_moe, "fp8": check_fp8, "curves": check_curves,
-    "fp8_speed": check_fp8_speed}
+    "block_scaled_syncs": check_block_scaled_syncs, "ep_syncs": check_ep_syncs, "generate": check_generate,
+    "resume": check_resume, "moe": check_moe, "fault_tolerance": check_fault_tolerance, "fp8": check_fp8,
+    "curves": check_curves, "fp8_speed": check_fp8_speed}
 CHECKS: dict[str, Check] = {name: _BY_NAME[name] for name in CUDA_LIMITS_S}  # in running order
 
 
 def unavailable(name: str) -> str | None:
     """Why check `name` cannot run in this Python (a package it imports is missing), or None."""
-    if name in NEEDS_TORCHAO and importlib.util.find_spec("torchao") is None:
-        return "torchao is not importable: carry its wheel in .whl/ (docs/performance.md, \"GPU checks\")"
+    package = NEEDS.get(name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"{package} is not importable: carry its wheels in .whl/ (docs/performance.md, \"GPU checks\")"
     return None
 
 
