@@ -334,3 +334,25 @@ def test_dry_run_reduces_once_per_step_under_accumulation(tmp_path: Path) -> Non
     assert two["communication"]["fsdp_all_gather"] == {dtype: 2 * n for dtype, n in gathers.items()}
     held = two["memory"]["peak_estimate"]["configured"] - one["memory"]["peak_estimate"]["configured"]
     assert held == one["communication"]["fsdp_reduce_scatter"]["float32"]
+
+
+def test_a_diloco_sync_of_a_moe_model_also_carries_its_expert_biases(tmp_path: Path) -> None:
+    """DiLoCo averages the floating-point persistent buffers (MoE's expert biases, whole on every
+    rank) with the pseudo-gradient: the dry run's bytes per sync count them too."""
+    import torch
+
+    from torchtitan_amp.models import get_family
+    from torchtitan_amp.models.spec import synced_buffer_elements
+    from torchtitan_amp.train import dry_run
+
+    config = load_config([*ON, "--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
+                          "--dry_run.vocab_size", "258", "--job.dump_folder", str(tmp_path),
+                          "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "10"])
+    result = dry_run.run(config, world_size=1, rank=0, write=False)
+    family = get_family("moe")
+    with torch.device("meta"):
+        model = family.build_model(family.build_args("debugmodel_moe", 258, 32))
+    buffers = synced_buffer_elements([model])
+    assert buffers > 0
+    params = sum(p.numel() for p in model.parameters())
+    assert result["diloco"]["bytes_per_sync"] == {"float32": 4 * (params + buffers)}

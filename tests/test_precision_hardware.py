@@ -179,6 +179,45 @@ def test_every_rank_lands_on_the_same_side_of_the_native_threshold(
     assert low_precision_speed("cpu", torch.bfloat16).native is native
 
 
+def test_ranks_that_timed_the_cpu_differently_are_stopped_in_one_line() -> None:
+    """The threshold's gap is the first guard; the second: the ranks of a job compare what each
+    decided (through the rendezvous store, no collective) before any parameter is sharded, so a
+    CPU whose timing straddles the threshold fails in one line instead of training two precisions."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from torchtitan_amp.core.errors import PrecisionError
+    from torchtitan_amp.distributed.process_groups import values_by_rank
+
+    plans = [make_plan(native=True, dims=FSDP), make_plan(native=False, dims=FSDP)]
+    assert all(p.measured_here for p in plans)
+    master = TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+    stores = [master, TCPStore("127.0.0.1", master.port, world_size=2, is_master=False)]
+    seen: list[list[str]] = [[], []]
+
+    def rank(r: int) -> None:
+        seen[r] = values_by_rank("precision", plans[r].what_trains, stores[r], r, 2)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen[0] == seen[1] == [plans[0].what_trains, plans[1].what_trains]
+    assert seen[0] == ["fsdp path, bf16 compute, fp32 storage, fp32 reduce",
+                       "full path, fp32 compute, fp32 storage, fp32 reduce"]
+    problem = plans[1].disagreement(seen[1])
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith("mixed_precision.enabled = auto: the ranks decided differently (rank 0: fsdp path, "
+                              "bf16 compute")
+    assert "rank 1: full path, fp32 compute" in problem and f"{LOWP_ENV}=native|emulated" in problem
+    assert isinstance(PrecisionError(problem), ConfigError)
+    assert plans[0].disagreement([plans[0].what_trains] * 4) is None
+    # An explicit setting, or the environment's answer, is the same on every rank: nothing to compare.
+    assert not make_plan("--mixed_precision.enabled", "true", native=True).measured_here
+
+
 def test_the_measurement_sees_through_avx2_emulation() -> None:
     """With torch and oneDNN held to AVX2, bf16 matmul is emulated on any x86 CPU: the real
     measurement (one thread, fp32 and bf16 timed in turn) must call it so."""

@@ -92,6 +92,23 @@ def init(info: DistInfo, timeout_s: float = 300.0) -> None:
                                 device_id=info.device if info.device.type == "cuda" else None)
 
 
+def values_by_rank(name: str, value: str, store: dist.Store | None = None, rank: int | None = None,
+                   world_size: int | None = None) -> list[str]:
+    """Every rank's `value` for `name`, in rank order, through the default group's store (the
+    torchrun rendezvous): a start-up fact the ranks must agree on, exchanged without a collective,
+    so no traffic counter or predicted collective count sees it. `store`/`rank`/`world_size`
+    default to the default group's."""
+    if store is None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [value]
+        store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    assert rank is not None and world_size is not None
+    keys = [f"torchtitan_amp/{name}/{r}" for r in range(world_size)]
+    store.set(keys[rank], value)
+    store.wait(keys)
+    return [store.get(k).decode() for k in keys]
+
+
 def set_timeouts(timeout_s: float, dims: "ParallelDims") -> None:
     """Give every process group the steady-state timeout: a collective that a dead or hung rank
     never joins then fails after `timeout_s` instead of blocking the job forever."""

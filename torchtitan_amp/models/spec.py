@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 
@@ -127,3 +128,22 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
         total -= sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
                      for p in m.parameters() if id(p) not in in_matmuls)
     return total
+
+
+def persistent_buffers(model_parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The model's persistent buffers (those of its state dict), named as in it: state that is
+    not a parameter but belongs to the model (MoE's expert biases); not the non-persistent ones
+    (rotary tables, MoE's per-step token counts)."""
+    out = []
+    for i, part in enumerate(model_parts):
+        for prefix, module in part.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    out.append((f"{i}.{prefix}.{name}" if prefix else f"{i}.{name}", buf))
+    return out
+
+
+def synced_buffer_elements(model_parts: list[nn.Module]) -> int:
+    """Elements of the floating-point persistent buffers (MoE's expert biases), which DiLoCo
+    averages across the replica groups with the pseudo-gradient (train/diloco.py)."""
+    return sum(b.numel() for _, b in persistent_buffers(model_parts) if b.is_floating_point())

@@ -27,7 +27,7 @@ from torch import nn
 
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.core.matmul_speed import LowPrecisionSpeed, low_precision_speed
+from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
@@ -402,6 +402,30 @@ class PrecisionPlan:
     def compute_dtypes(self) -> tuple[torch.dtype, ...]:
         """The dtypes the step's matmuls run in: storage (fp32 islands, or everything) and param."""
         return tuple(sorted({self.storage_dtype, self.param_dtype}, key=str))
+
+    @property
+    def measured_here(self) -> bool:
+        """Whether this rank's decision rests on a timing of this machine ("auto" on a CPU; an
+        explicit setting only warns from it), which another rank may measure otherwise: the ranks
+        must then check that they agree."""
+        return self.enabled_setting == "auto" and self.speed is not None and self.speed.source == "measured"
+
+    @property
+    def what_trains(self) -> str:
+        """The decision in a few words, the same on every rank that decided alike."""
+        return (f"{self.path} path, {short_name(self.param_dtype)} compute, {short_name(self.storage_dtype)} "
+                f"storage, {short_name(self.reduce_dtype)} reduce")
+
+    def disagreement(self, by_rank: list[str]) -> str | None:
+        """One error line when the ranks' `what_trains` differ (None when they agree): one rank
+        computing in bf16 while another computes in fp32 trains a model nobody asked for, or dies
+        in its first all-gather (gloo: "Received data size doesn't match")."""
+        if len(set(by_rank)) <= 1:
+            return None
+        other = next(r for r, w in enumerate(by_rank) if w != by_rank[0])
+        return (f"mixed_precision.enabled = {self.enabled_setting}: the ranks decided differently (rank 0: "
+                f"{by_rank[0]}; rank {other}: {by_rank[other]}) because each timed this CPU's low-precision "
+                f"matmul on its own; set mixed_precision.enabled = true or false, or {LOWP_ENV}=native|emulated")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

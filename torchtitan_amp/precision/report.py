@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.core.rules import DTYPE_BYTES, dtype_name, short_name
+from torchtitan_amp.models.spec import synced_buffer_elements
 from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
@@ -87,9 +88,11 @@ def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: n
         summary["cross_group_allreduce_dtypes"] = [wire]
         # Every trained parameter's shard crosses once per sync (this rank), the whole model per group.
         trained = [p for _, p in _named_parameters(model) if p.requires_grad]
-        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trained)
+        # The floating-point persistent buffers (MoE's expert biases) ride along, whole on every rank.
+        buffers = synced_buffer_elements([model])
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trained) + buffers
         summary["bytes_per_sync"] = {"this_rank": local * DTYPE_BYTES[wire],
-                                     "group": sum(p.numel() for p in trained) * DTYPE_BYTES[wire]}
+                                     "group": (sum(p.numel() for p in trained) + buffers) * DTYPE_BYTES[wire]}
     elif summary is not None:
         dtypes = {g["reduce_dtype"] for g in groups if g["reduce_dtype"] != "-"}
         summary["cross_group_allreduce_dtypes"] = sorted(dtypes)

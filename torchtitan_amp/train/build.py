@@ -23,6 +23,7 @@ from torchtitan_amp.checkpoint import CheckpointManager
 from torchtitan_amp.checkpoint.preemption import DeadlineCheck
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig, to_toml
+from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import ParallelAwareDataLoader
 from torchtitan_amp.distributed import process_groups
@@ -215,6 +216,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     info, job = resolve_process_and_job(config)
     dataloader, val_loader = build_loaders(config, job, info)
     process_groups.init(info, config.comm.init_timeout_seconds)
+    if job.plan.measured_here and (problem := job.plan.disagreement(
+            process_groups.values_by_rank("precision", job.plan.what_trains))):
+        raise PrecisionError(problem)
     device, is_logging_rank = info.device, info.rank == 0
     if is_logging_rank and config.job.print_config:
         logger.info("resolved config:\n%s", to_toml(config))

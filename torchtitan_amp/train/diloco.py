@@ -55,9 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.distributed.process_groups import unwrapped_name
+from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
-
-from torchtitan_amp.train.fault_tolerance import persistent_buffers
 
 if TYPE_CHECKING:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance

@@ -44,6 +44,7 @@ from torchtitan_amp.core.torch_compat import fsdp_param_groups
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
+from torchtitan_amp.models.spec import synced_buffer_elements
 from torchtitan_amp.precision import PrecisionPlan, dtype_name, float8
 from torchtitan_amp.train.job import Job, build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
@@ -300,7 +301,9 @@ def _diloco(parts: list[nn.Module], plan: PrecisionPlan) -> dict[str, Any] | Non
         return None
     from torchtitan_amp.train.diloco import CHUNK_ELEMENTS
 
-    local = sum(_local(p).numel() for part in parts for p in part.parameters() if p.requires_grad)
+    # The floating-point persistent buffers (MoE's expert biases) ride along, whole on every rank.
+    local = (sum(_local(p).numel() for part in parts for p in part.parameters() if p.requires_grad)
+             + synced_buffer_elements(parts))
     wire, outer = dtype_name(plan.pseudo_gradient_dtype), dtype_name(plan.outer_state_dtype)
     per_sync = local * DTYPE_BYTES[wire]
     outer_state, sync = memory.diloco_bytes(local, wire, outer, CHUNK_ELEMENTS)

@@ -39,6 +39,7 @@ from torchtitan_amp.config import ConfigError, JobConfig
 from torchtitan_amp.config.validation import lighthouse_problem
 from torchtitan_amp.core.errors import ReplicaGroupGaveUp
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
 
 if TYPE_CHECKING:
@@ -151,19 +152,6 @@ def _unflatten(wire: torch.Tensor, bucket: list[torch.Tensor]) -> None:
     for g in bucket:
         g.copy_(wire[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def persistent_buffers(model_parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """The model's persistent buffers (those of its state dict), named as in it: state that is
-    not a parameter but belongs to the model (MoE's expert biases); not the non-persistent ones
-    (rotary tables, MoE's per-step token counts)."""
-    out = []
-    for i, part in enumerate(model_parts):
-        for prefix, module in part.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    out.append((f"{i}.{prefix}.{name}" if prefix else f"{i}.{name}", buf))
-    return out
 
 
 class TrainingState:
