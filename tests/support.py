@@ -370,6 +370,22 @@ GATHERED_RTOL = 1e-9
 
 
 @functools.cache
+def cpu_scaled_mm_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes rowwise scales (torch 2.13's does, 2.11's
+    asserts scalar scales): asked of torch directly, so the fp8 probe's answer is checked against
+    something other than itself."""
+    import torch
+
+    a = torch.zeros(16, 32).to(torch.float8_e4m3fn)
+    b = torch.zeros(16, 32).to(torch.float8_e4m3fn).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.cache
 def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, shrink: tuple[tuple[str, int], ...] = ()) -> float:
     """Standard deviation of the step-1 loss if every linear output of the debug model (config
     `overrides`, with the model's fields `shrink` replaced) on the first `batch` sequences of its data were

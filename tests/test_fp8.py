@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import by_step, launch_worker
+from tests.support import by_step, cpu_scaled_mm_takes_rowwise_scales, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision import float8
@@ -86,9 +86,12 @@ def _scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, .
 
 def test_the_fp8_probe_runs_the_recipes_own_scale_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     """rowwise: one scale per row of the left operand and per column of the right one, as torchao
-    hands them; tensorwise: scalars."""
+    hands them; tensorwise: scalars. The probe's verdict is torch's own (rowwise runs on torch
+    2.13's CPU, not on 2.11's, which the probe must then refuse)."""
+    rowwise_runs = cpu_scaled_mm_takes_rowwise_scales()
     calls = _scaled_mm_calls(monkeypatch)
-    assert float8.matmul_unsupported("cpu", "rowwise") is None
+    rowwise = float8.matmul_unsupported("cpu", "rowwise")
+    assert rowwise is None if rowwise_runs else rowwise.startswith("torch._scaled_mm (rowwise scales) fails on cpu")
     assert float8.matmul_unsupported("cpu", "tensorwise") is None
     assert calls == [((16, 1), (1, 16)), ((), ())]
     float8.matmul_unsupported.cache_clear()
@@ -99,11 +102,16 @@ def test_preflight_runs_no_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     would open a CUDA context on cuda:0 that nothing uses; the ranks' own resolve runs it."""
     from torchtitan_amp.train import preflight
 
+    rowwise_runs = cpu_scaled_mm_takes_rowwise_scales()
     calls = _scaled_mm_calls(monkeypatch)
     monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
     assert preflight.check(1, [*BASE, "--mixed_precision.fp8", "rowwise"]) == 0
     assert calls == []
-    _resolve("--mixed_precision.fp8", "rowwise")  # a rank
+    if rowwise_runs:
+        _resolve("--mixed_precision.fp8", "rowwise")  # a rank
+    else:  # the rank's probe refuses what this torch's CPU kernel lacks, in one line
+        with pytest.raises(PrecisionError, match=r"rowwise scales\) fails on cpu"):
+            _resolve("--mixed_precision.fp8", "rowwise")
     assert calls == [((16, 1), (1, 16))]
     float8.matmul_unsupported.cache_clear()
 
