@@ -100,7 +100,8 @@ class Trainer:
         self.model_parts = setup.model_parts
         self.model = self.model_parts[0]
         # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
-        blockscaled_torchao.materialized(self.model_parts, sr_rank(config, self.dims, self.info.rank))
+        self.sr_rank = sr_rank(config, self.dims, self.info.rank)  # fixed for the run
+        blockscaled_torchao.materialized(self.model_parts, self.sr_rank)
         opt = setup.optimization
         self.params, self.optimizer, self.lr_scheduler = opt.params, opt.optimizer, opt.lr_scheduler
         self.reduce_partial_grads = opt.reduce_partial_grads
@@ -209,7 +210,7 @@ class Trainer:
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
         if self.plan.block_scaled is not None and self.plan.block_scaled.stochastic_rounding:
-            blockscaled_apply.seed_step(self.model_parts, self.step, sr_rank(self.config, self.dims, self.info.rank))
+            blockscaled_apply.seed_step(self.model_parts, self.step, self.sr_rank)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
