@@ -403,8 +403,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def test_fault_injection_restart_resumes_bitwise(matrix, tmp_path):
     reference = by_step(matrix("fsdp") / "bf16" / "a")
     dump = tmp_path / "job"
-    proc = launch_train(job_args("fsdp", "bf16", dump, "--training.fault_inject_at_step", "5",
-                                  "--training.fault_inject_rank", "1"), 2, max_restarts=1)
+    proc = launch_train(job_args("fsdp", "bf16", dump, "--debug.fault_inject_at_step", "5",
+                                  "--debug.fault_inject_rank", "1"), 2, max_restarts=1)
     assert (dump / ".fault_injected_at_step_5").exists()
     assert f"checkpoint/step-{RESUME_FROM} (" in proc.stdout  # the restarted job loaded step-3
     steps = [r["step"] for r in read_metrics(dump)]

@@ -7,6 +7,7 @@ exit code 2 and a single `error: ...` line without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from tests.support import REPO, run_python
 from torchtitan_amp import config as config_mod
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
-from torchtitan_amp.config import presentation
+from torchtitan_amp.config import presentation, sections
 from torchtitan_amp.config.bounds import Range
 
 
@@ -255,6 +256,32 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
     assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
             "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
             "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
+
+
+def test_help_says_what_a_field_does_not_what_was_measured() -> None:
+    # Measurements (timings, speed-ups, the machine they came from) live in docs/performance.md.
+    measured = re.compile(r"[Mm]easured on|\d+(\.\d+)?\s*(%|x) (faster|slower)")
+    assert [f"{s}.{f.name}" for s, f in all_fields() if measured.search(f.metadata["help"])] == []
+
+
+def test_section_classes_end_in_config_and_are_exported() -> None:
+    for section in section_names():
+        cls = type(getattr(JobConfig(), section))
+        assert cls.__name__.endswith("Config") and getattr(config_mod, cls.__name__) is cls, cls.__name__
+    assert sections.option.__doc__ and not hasattr(sections, "_f")  # the field helper has a real name
+
+
+def test_fault_injection_is_set_in_the_debug_section(tmp_path: Path) -> None:
+    config = load(tmp_path, "[debug]\nfault_inject_at_step = 3\n", "--debug.fault_inject_rank", "1")
+    assert (config.debug.fault_inject_at_step, config.debug.fault_inject_rank) == (3, 1)
+    assert not hasattr(config.training, "fault_inject_at_step")
+
+
+@pytest.mark.parametrize("key", ["fault_inject_at_step", "fault_inject_rank"])
+def test_fault_injection_under_training_says_where_it_moved(tmp_path: Path, key: str) -> None:
+    expected = f"unknown config key 'training.{key}': it moved to 'debug.{key}' ([debug])"
+    assert error_of(tmp_path, None, f"--training.{key}", "1") == expected
+    assert error_of(tmp_path, f"[training]\n{key} = 1\n") == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def _wait(proc: subprocess.Popen, deadline: float) -> int:
 # Ranks per group, every group's extra arguments, how group 1 is killed at step KILL_AT, and the
 # steps (DiLoCo: syncs) the survivor discards for it. One rank per group: no FSDP, torchft
 # all-reduces the plain gradients (replicate only).
-_BETWEEN = (("--training.fault_inject_at_step", str(KILL_AT)), {}, 0)
+_BETWEEN = (("--debug.fault_inject_at_step", str(KILL_AT)), {}, 0)
 _DURING = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)
 DILOCO = ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(SYNC_STEPS),
           "--fault_tolerance.pseudo_gradient_dtype", "bfloat16")

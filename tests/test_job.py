@@ -34,6 +34,8 @@ def test_resolve_returns_everything_decided_before_a_process_group() -> None:
      "'parallelism.pipeline_parallel_split_points' needs 1 increasing layer indices"),
     (("--mixed_precision.lower_precision_safe_modules", "torch.nn.Nope"), 1, "torch.nn.Nope"),
     (("--model.tokenizer", "/no/such/tokenizer.json"), 1, "/no/such/tokenizer.json"),
+    (("--debug.fault_inject_at_step", "1", "--debug.fault_inject_rank", "2"), 2,
+     "'debug.fault_inject_rank' = 2 is not a rank of this job"),
 ])
 def test_resolve_refuses_bad_configs_naming_the_field(argv: tuple[str, ...], world: int, message: str) -> None:
     with pytest.raises((ConfigError, DataError), match=message.replace("(", r"\(").replace(".", r"\.")):

@@ -105,7 +105,7 @@ def test_a_rank_that_fails_inside_the_job_is_one_line_naming_the_log(tmp_path: P
     # Rank 1 exits hard after step 1; only rank 0 is shown (LOG_RANK=0). The config passes the
     # pre-flight silently, and rank 0's start-up lines show the job ran.
     cmd, env = _script(2, "--job.dump_folder", tmp_path / "out", *TINY, "--training.steps", "3",
-                       "--training.fault_inject_at_step", "1", "--training.fault_inject_rank", "1")
+                       "--debug.fault_inject_at_step", "1", "--debug.fault_inject_rank", "1")
     result = run_command(cmd, env={**env, "CONFIG_FILE": DEBUG_CONFIG[1]}, timeout=240)
     assert result.returncode == 1, result.describe()
     line = _one_error_line(result)

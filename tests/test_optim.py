@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_amp.config import LRScheduler, Optimizer, load_config
+from torchtitan_amp.config import LRSchedulerConfig, OptimizerConfig, load_config
 from torchtitan_amp.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 CPU = torch.device("cpu")
@@ -81,8 +81,8 @@ def test_decay_never_overlaps_warmup() -> None:
 
 def test_scheduler_drives_the_optimizer_lr() -> None:
     model = nn.Linear(2, 2)
-    opt = build_optimizer(list(model.parameters()), Optimizer(lr=1e-2), CPU)
-    cfg = LRScheduler(warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
+    opt = build_optimizer(list(model.parameters()), OptimizerConfig(lr=1e-2), CPU)
+    cfg = LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
     sched = build_lr_scheduler(opt, cfg, total_steps=10)
     expected = partial(lr_factor, warmup=3, total=10, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
     seen = []
@@ -128,7 +128,7 @@ def test_scheduler_from_job_config() -> None:
 ])
 def test_adamw_kernel_is_the_configured_one(implementation: str, device: torch.device, fused_ok: bool, fused: bool,
                                             foreach: bool) -> None:
-    cfg = Optimizer(implementation=implementation)
+    cfg = OptimizerConfig(implementation=implementation)
     opt = build_optimizer(list(nn.Linear(4, 4).parameters()), cfg, device, fused_ok=fused_ok)
     assert isinstance(opt, torch.optim.AdamW)
     assert bool(opt.defaults["fused"]) is fused
@@ -136,7 +136,7 @@ def test_adamw_kernel_is_the_configured_one(implementation: str, device: torch.d
 
 
 def test_adamw_hyperparameters_come_from_config() -> None:
-    cfg = Optimizer(lr=1e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05)
+    cfg = OptimizerConfig(lr=1e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05)
     params = list(nn.Linear(4, 4).parameters())
     opt = build_optimizer(params, cfg, CPU)
     group = opt.param_groups[0]
@@ -150,7 +150,7 @@ def test_adamw_kernels_agree() -> None:
     for impl in ("fused", "foreach", "for-loop"):
         torch.manual_seed(0)
         model = nn.Linear(8, 8)
-        opt = build_optimizer(list(model.parameters()), Optimizer(implementation=impl, lr=1e-2), CPU)
+        opt = build_optimizer(list(model.parameters()), OptimizerConfig(implementation=impl, lr=1e-2), CPU)
         for _ in range(3):
             model(torch.randn(4, 8)).square().mean().backward()
             opt.step()

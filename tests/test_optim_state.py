@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_amp.config import Optimizer, load_config
+from torchtitan_amp.config import OptimizerConfig, load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
@@ -150,8 +150,8 @@ def test_build_optimizer_uses_torch_adamw_unless_the_plan_asks() -> None:
     """The plan says when torch's AdamW cannot hold the state (moments in the storage dtype,
     rounded to nearest: torch's; anything else: AdamWMixedState); build_optimizer follows it."""
     params = list(nn.Linear(4, 4).parameters())
-    assert type(build_optimizer(params, Optimizer(), CPU)) is torch.optim.AdamW
-    assert type(build_optimizer(params, Optimizer(), CPU, state_dtype=torch.bfloat16)) is AdamWMixedState
+    assert type(build_optimizer(params, OptimizerConfig(), CPU)) is torch.optim.AdamW
+    assert type(build_optimizer(params, OptimizerConfig(), CPU, state_dtype=torch.bfloat16)) is AdamWMixedState
     plan = lambda *args: job_mod.resolve(load_config([*BASE, *args]), 1, "cpu").plan  # noqa: E731
     assert not plan().mixed_state_optimizer and not plan(*PURE_BF16).mixed_state_optimizer
     assert plan("--optimizer.state_dtype", "float32").mixed_state_optimizer is False

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtitan_amp.config import ConfigError, Parallelism, load_config
+from torchtitan_amp.config import ConfigError, ParallelismConfig, load_config
 from torchtitan_amp.distributed.parallel_dims import MESH_DIMS, ParallelDims
 from torchtitan_amp.distributed.pipeline import stage_boundaries, validate_pipeline
 from torchtitan_amp.distributed.tensor_parallel import apply_async_tp
@@ -25,7 +25,7 @@ DEBUG_LAYERS = 6
 def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1,
             ep: int = 1) -> ParallelDims:
     return ParallelDims.from_config(
-        Parallelism(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
+        ParallelismConfig(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
                     tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
                     expert_parallel_degree=ep), world)
 
@@ -215,7 +215,7 @@ def test_more_stages_than_layers() -> None:
 
 
 def test_validate_pipeline_returns_boundaries_and_microbatches() -> None:
-    p = Parallelism(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
+    p = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
                     pipeline_parallel_microbatch_size=2)
     assert validate_pipeline(dims_of(2, pp=2), p, 6, 8) == ([0, 2, 4, 5], 4)
 

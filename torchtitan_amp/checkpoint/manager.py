@@ -56,10 +56,10 @@ def validate_config(config: JobConfig, world_size: int, device_type: str) -> Non
             f"'checkpoint.create_seed_checkpoint' must run on one process (world size is {world_size}): "
             "the seed is layout-free and every layout loads it"
         )
-    t = config.training
-    if t.fault_inject_at_step and not 0 <= t.fault_inject_rank < world_size:
+    d = config.debug
+    if d.fault_inject_at_step and not 0 <= d.fault_inject_rank < world_size:
         raise ConfigError(
-            f"'training.fault_inject_rank' = {t.fault_inject_rank} is not a rank of this job "
+            f"'debug.fault_inject_rank' = {d.fault_inject_rank} is not a rank of this job "
             f"(world size {world_size})"
         )
 

@@ -72,13 +72,13 @@ class DeadlineCheck:
 
 
 def maybe_inject_fault(config: JobConfig, step: int, rank: int) -> None:
-    """`training.fault_inject_at_step`: kill one rank hard after step N, once per dump folder.
+    """`debug.fault_inject_at_step`: kill one rank hard after step N, once per dump folder.
 
     The marker file makes it fire once, so a job restarted by `torchrun --max-restarts` (or a
     requeued one) runs through; delete the marker to fire it again.
     """
-    t = config.training
-    if not t.fault_inject_at_step or step != t.fault_inject_at_step or rank != t.fault_inject_rank:
+    d = config.debug
+    if not d.fault_inject_at_step or step != d.fault_inject_at_step or rank != d.fault_inject_rank:
         return
     marker = Path(config.job.dump_folder) / f".fault_injected_at_step_{step}"
     if marker.exists():

@@ -12,16 +12,18 @@ from torchtitan_amp.config.fields import choices_of, field_choices
 from torchtitan_amp.config.loading import apply_toml, load_config, load_toml, parse_cli
 from torchtitan_amp.config.presentation import help_text, to_toml
 from torchtitan_amp.config.sections import (
-    ActivationCheckpoint, BoolOrAuto, Checkpoint, Comm, Compile, DryRun, FaultTolerance, Job, JobConfig, LRScheduler,
-    Metrics, MixedPrecision, Model, Optimizer, Parallelism, Profiling, Training, Validation,
+    ActivationCheckpointConfig, BoolOrAuto, CheckpointConfig, CommConfig, CompileConfig, DebugConfig, DryRunConfig,
+    FaultToleranceConfig, JobConfig, JobSectionConfig, LRSchedulerConfig, MetricsConfig, MixedPrecisionConfig,
+    ModelConfig, OptimizerConfig, ParallelismConfig, ProfilingConfig, TrainingConfig, ValidationConfig,
     section_names,
 )
 from torchtitan_amp.config.validation import validate
 from torchtitan_amp.core.errors import ConfigError
 
 __all__ = [
-    "ActivationCheckpoint", "BoolOrAuto", "Checkpoint", "Comm", "Compile", "ConfigError", "DryRun", "FaultTolerance", "Job",
-    "JobConfig", "LRScheduler", "Metrics", "MixedPrecision", "Model", "Optimizer", "Parallelism",
-    "Profiling", "Training", "Validation", "apply_toml", "choices_of", "field_choices", "help_text",
-    "load_config", "load_toml", "parse_cli", "section_names", "to_toml", "validate",
+    "ActivationCheckpointConfig", "BoolOrAuto", "CheckpointConfig", "CommConfig", "CompileConfig", "ConfigError",
+    "DebugConfig", "DryRunConfig", "FaultToleranceConfig", "JobConfig", "JobSectionConfig", "LRSchedulerConfig",
+    "MetricsConfig", "MixedPrecisionConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
+    "ProfilingConfig", "TrainingConfig", "ValidationConfig", "apply_toml", "choices_of", "field_choices",
+    "help_text", "load_config", "load_toml", "parse_cli", "section_names", "to_toml", "validate",
 ]

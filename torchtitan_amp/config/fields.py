@@ -12,7 +12,7 @@ import typing
 from typing import Any, Literal
 
 from torchtitan_amp.config.bounds import Bounds
-from torchtitan_amp.config.sections import _AUTO, BoolOrAuto, JobConfig, section_names
+from torchtitan_amp.config.sections import _AUTO, MOVED_FIELDS, BoolOrAuto, JobConfig, section_names
 from torchtitan_amp.core.errors import ConfigError
 
 
@@ -40,6 +40,11 @@ def _check_known(section: str, key: str | None) -> None:
     if key is not None:
         keys = list(_field_types(section))
         if key not in keys:
+            moved = MOVED_FIELDS.get(f"{section}.{key}")
+            if moved is not None:
+                raise ConfigError(
+                    f"unknown config key '{section}.{key}': it moved to '{moved}' ([{moved.partition('.')[0]}])"
+                )
             dotted = [f"{section}.{k}" for k in keys]
             raise ConfigError(
                 f"unknown config key '{section}.{key}'{_suggest(f'{section}.{key}', dotted)}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from torchtitan_amp.config.sections import FaultTolerance, JobConfig
+from torchtitan_amp.config.sections import FaultToleranceConfig, JobConfig
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.core.rules import flavor_names
 
@@ -73,7 +73,7 @@ def lighthouse_problem(address: str, source: str) -> str | None:
 def validate_fault_tolerance(config: JobConfig) -> None:
     """The rules of [fault_tolerance] across fields, when it is on (and the one setting that would
     otherwise be silently ignored when it is off)."""
-    ft: FaultTolerance = config.fault_tolerance
+    ft: FaultToleranceConfig = config.fault_tolerance
     _require(ft.enable or ft.semi_sync_method == "none",
              f"'fault_tolerance.semi_sync_method' = '{ft.semi_sync_method}' needs fault_tolerance.enable = true "
              "(and the replica groups' settings: docs/fault_tolerance.md); without it the job trains as one group")
@@ -109,7 +109,7 @@ def validate_fault_tolerance(config: JobConfig) -> None:
 _DILOCO_ONLY = ("sync_steps", "outer_lr", "outer_momentum", "pseudo_gradient_dtype")
 
 
-def _check_diloco_fields(ft: FaultTolerance) -> None:
+def _check_diloco_fields(ft: FaultToleranceConfig) -> None:
     """A DiLoCo setting changed from its default while the groups average gradients every step (a
     dumped TOML holds every default: those pass)."""
     defaults = type(ft)()

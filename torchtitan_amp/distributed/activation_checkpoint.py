@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan_amp.config import ActivationCheckpoint
+from torchtitan_amp.config import ActivationCheckpointConfig
 from torchtitan_amp.distributed.expert_parallel import is_expert_layer
 
 logger = logging.getLogger("torchtitan_amp")
@@ -77,7 +77,7 @@ def recomputed_whole(region: nn.Module) -> bool:
 
 
 
-def _wrap_block(block: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> nn.Module:
+def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> nn.Module:
     if not (ac.mode == "selective" and ac.selective_ac_option == "op"):
         return checkpoint_wrapper(block, preserve_rng_state=False)
     sac = partial(_op_sac_contexts, ac.per_op_sac_save_mm)
@@ -97,7 +97,7 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, 
 
 
 
-def apply_ac(model: nn.Module, ac: ActivationCheckpoint, regions: tuple[str, ...]) -> None:
+def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> None:
     """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     every = int(ac.selective_ac_option) if ac.mode == "selective" and not op else 1

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtitan_amp.config import ConfigError, Parallelism
+from torchtitan_amp.config import ConfigError, ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -29,7 +29,7 @@ class ParallelDims:
     _expert_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
-    def from_config(cls, p: Parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, p: ParallelismConfig, world_size: int) -> "ParallelDims":
         """Resolve dp_shard = -1 and check that the degrees multiply to the world size."""
         cp = p.context_parallel_degree
         rep, tp, pp = p.data_parallel_replicate_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.config import ConfigError, Parallelism
+from torchtitan_amp.config import ConfigError, ParallelismConfig
 from torchtitan_amp.core.rules import STAGES_PER_RANK, even_stage_starts
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 
@@ -112,7 +112,7 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     return part
 
 
-def validate_pipeline(dims: ParallelDims, p: Parallelism, n_layers: int,
+def validate_pipeline(dims: ParallelDims, p: ParallelismConfig, n_layers: int,
                       local_batch_size: int) -> tuple[list[int], int]:
     """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count)."""
     stages_per_rank = STAGES_PER_RANK[p.pipeline_parallel_schedule]

@@ -34,8 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.checkpoint.replicas import ReplicaGroup
-from torchtitan_amp.config import FaultTolerance as FaultToleranceConfig
-from torchtitan_amp.config import ConfigError, JobConfig
+from torchtitan_amp.config import ConfigError, FaultToleranceConfig, JobConfig
 from torchtitan_amp.config.validation import lighthouse_problem
 from torchtitan_amp.core.errors import ReplicaGroupGaveUp
 from torchtitan_amp.distributed.parallel_dims import ParallelDims

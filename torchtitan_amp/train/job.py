@@ -16,7 +16,7 @@ from torch import nn
 
 from torchtitan_amp import memory
 from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_config
-from torchtitan_amp.config import ConfigError, JobConfig, Training
+from torchtitan_amp.config import ConfigError, JobConfig, TrainingConfig
 from torchtitan_amp.core.environment import torchft_missing, wandb_missing
 from torchtitan_amp.core.matmul_speed import low_precision_speed
 from torchtitan_amp.data.tokenizer import Tokenizer, build_tokenizer
@@ -37,7 +37,7 @@ from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_mod
 FULL_INIT_MAX_PARAMS = 2_000_000_000
 
 
-def grad_accum_steps(t: Training, dp_degree: int) -> int:
+def grad_accum_steps(t: TrainingConfig, dp_degree: int) -> int:
     per_step = t.local_batch_size * dp_degree
     if t.global_batch_size == -1:
         return 1

@@ -12,13 +12,13 @@ from torch.optim.adam import adam as adam_step
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_amp.config import LRScheduler, Optimizer
+from torchtitan_amp.config import LRSchedulerConfig, OptimizerConfig
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, device: torch.device, *,
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, device: torch.device, *,
                     state_dtype: torch.dtype | None = None, stochastic_rounding: bool = False,
                     seed: int = 0, fused_ok: bool = True) -> torch.optim.Optimizer:
     """torch's AdamW, or with `state_dtype` (the precision plan's `mixed_state_optimizer`
@@ -166,7 +166,7 @@ def lr_factor(step: int, *, warmup: int, total: int, decay_ratio: float, decay_t
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler,
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
                        total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     fn = partial(lr_factor, warmup=cfg.warmup_steps, total=total_steps, decay_ratio=cfg.decay_ratio,
                  decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
