@@ -1,5 +1,5 @@
 """What one field allows beyond its type and choices, declared on the field in sections.py
-(`_f(..., bounds=...)`): a numeric range, with values outside it that mean something (-1: derive
+(`option(..., bounds=...)`): a numeric range, with values outside it that mean something (-1: derive
 it), or a string's length and the characters it may not hold (for a list field, every item's).
 
 One check serves every field as its value is set (fields._set), and the same description is what

@@ -32,7 +32,7 @@ WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
 
 
 def option(default: Any, help: str, choices: Callable[[], tuple[str, ...]] | None = None,
-       bounds: Bounds | None = None) -> Any:
+           bounds: Bounds | None = None) -> Any:
     """A config field: `help` becomes the --help line; a Literal type is the allowed set, or
     `choices` for a set that grows at run time (asked each time a value is set); `bounds` what a
     value must be beyond its type (bounds.py), checked as it is set and shown by --help."""
