@@ -164,12 +164,13 @@ def _error(call: pytest.CallInfo[None]) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).splitlines())[:500]}"
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
-    report = yield
+@pytest.hookimpl(hookwrapper=True)  # the old-style wrapper: any pytest the GPU machine's image has
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
     name, results = check_name(item), _RUN["report"]
     if name is None or results is None or (call.when != "call" and report.passed):
-        return report
+        return
     status = item.stash[_STATUS] = _status(item, report, call)
     result: dict[str, Any] = {"status": status}
     if item.stash.get(_START, None) is not None:
@@ -183,4 +184,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if terminal is not None and SETTINGS.json is not None:  # the device call's log: each check's numbers
         line = json.dumps(results.data["checks"][name], default=str)
         terminal.write_line(f"\n{status.upper()} {name}: {line[:3000]}")
-    return report

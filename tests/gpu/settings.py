@@ -8,7 +8,7 @@ reads a sub-folder's conftest too late for command-line options; scripts/gpu_run
     GPU_CHECKS_STEPS    steps of each loss curve (default 30)
     GPU_CHECKS_BUDGET   seconds for all checks: each check's limit is cut to what is left, and one
                         is not started with under MIN_START_S left (default: no budget)
-    GPU_CHECKS_TIMEOUT  NAME=S[,NAME=S]: a check's own limit (CUDA default: CUDA_LIMITS_S; CPU: none)
+    GPU_CHECKS_LIMITS   NAME=S[,NAME=S]: a check's own limit (CUDA default: CUDA_LIMITS_S; CPU: none)
     GPU_CHECKS_SPEED    1: also run fp8_speed (two compiled 8B-shaped runs, 150 s)
     GPU_CHECKS_JSON     write the results here: env, then per check its status ("passed",
                         "failed", "error", "timeout", "killed", "skipped", "running" while it runs,
@@ -58,13 +58,13 @@ def parse_limits(text: str) -> dict[str, float]:
     for item in filter(None, (i.strip() for i in text.split(","))):
         name, _, seconds = item.partition("=")
         if name not in CUDA_LIMITS_S:
-            raise ValueError(f"GPU_CHECKS_TIMEOUT: unknown check {name!r}; choose from {', '.join(CHECKS)}")
+            raise ValueError(f"GPU_CHECKS_LIMITS: unknown check {name!r}; choose from {', '.join(CHECKS)}")
         try:
             limits[name] = float(seconds)
         except ValueError:
             limits[name] = math.nan
         if not limits[name] > 0:
-            raise ValueError(f"GPU_CHECKS_TIMEOUT: {item!r}: expected NAME=SECONDS with SECONDS > 0")
+            raise ValueError(f"GPU_CHECKS_LIMITS: {item!r}: expected NAME=SECONDS with SECONDS > 0")
     return limits
 
 
@@ -86,7 +86,7 @@ class Settings:
         budget = env.get("GPU_CHECKS_BUDGET")
         return cls(device=device, tiny=env.get("GPU_CHECKS_TINY", "0") == "1",
                    steps=int(env.get("GPU_CHECKS_STEPS", "30")), budget_s=float(budget) if budget else None,
-                   limits=parse_limits(env.get("GPU_CHECKS_TIMEOUT", "")), speed=env.get("GPU_CHECKS_SPEED") == "1",
+                   limits=parse_limits(env.get("GPU_CHECKS_LIMITS", "")), speed=env.get("GPU_CHECKS_SPEED") == "1",
                    json=Path(env["GPU_CHECKS_JSON"]) if env.get("GPU_CHECKS_JSON") else None)
 
     def args(self) -> argparse.Namespace:
@@ -94,7 +94,7 @@ class Settings:
         return argparse.Namespace(device=self.device, tiny=self.tiny, steps=self.steps)
 
     def cap(self, name: str) -> float:
-        """The check's own limit: GPU_CHECKS_TIMEOUT's, else CUDA_LIMITS_S on CUDA, else none (inf)."""
+        """The check's own limit: GPU_CHECKS_LIMITS's, else CUDA_LIMITS_S on CUDA, else none (inf)."""
         return self.limits.get(name, CUDA_LIMITS_S[name] if self.device == "cuda" else math.inf)
 
     def why_skipped(self, name: str) -> str | None:
