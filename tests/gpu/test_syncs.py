@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.gpu.runs import BF16, MOE, STEP_SYNC_BUDGET, base_args, free_memory, step_syncs, sync_budget_kept
-from tests.gpu.test_probes import one_rank_group
+from tests.gpu.test_device_ops import one_rank_group
 from torchtitan_amp.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu

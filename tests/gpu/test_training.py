@@ -1,5 +1,5 @@
 """The GPU checks that train the debug models through the real Trainer on one device (the others:
-test_probes.py, test_block_scaled_kernels.py, test_syncs.py, test_ft_groups.py; the whole list, in
+test_device_ops.py, test_block_scaled_kernels.py, test_syncs.py, test_ft_groups.py; the whole list, in
 running order, with caps and pass criteria: docs/performance.md, "GPU checks"):
 
 - `probe`      one bf16 autocast forward + backward: the dtype every nn.Linear returns, what
