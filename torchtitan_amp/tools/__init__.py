@@ -10,4 +10,5 @@ command (pyproject.toml):
     torchtitan-amp-generate          python -m torchtitan_amp.tools.generate         text from a checkpoint, an export or an HF folder
 
 `python -m` works from a checkout without installing (run it from the repository root).
+memory_table.py is no command: the dry-run memory table benchmarks/torchtitan_memory.py prints.
 """
