@@ -21,33 +21,19 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_amp.core.rules import STAGES_PER_RANK
+from torchtitan_amp.tools.memory_table import Row, build_table, dry_run_peak
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-VOCAB = 128256
-GIB = 2**30
 FP8 = ("--mixed_precision.fp8", "tensorwise")
 FP8_AG = (*FP8, "--mixed_precision.fp8_all_gather", "true")
 
 
-@dataclass(frozen=True)
-class Row:
-    """One published torchtitan measurement and the dry run of the same layout."""
-
-    label: str  # torchtitan's layout, as their table states it
-    theirs_gib: float  # their max reserved GiB per GPU
-    config: str  # train_configs/<config>.toml
-    world: int
-    overrides: tuple[str, ...]
-    features: str  # what their run had beyond the layout (compile, Float8), and ours
-
-    def args(self, tmp: str) -> list[str]:
-        return ["--job.config_file", str(REPO / "train_configs" / f"{self.config}.toml"), "--job.dump_folder", tmp,
-                "--dry_run.vocab_size", str(VOCAB), "--dry_run.device", "cuda", *self.overrides]
+def _config(name: str) -> str:
+    return str(REPO / "train_configs" / f"{name}.toml")
 
 
 def _layout(shard: int, *, tp: int = 1, pp: int = 1, cp: int = 1, lb: int, seq: int, ac: str,
@@ -69,60 +55,30 @@ def _layout(shard: int, *, tp: int = 1, pp: int = 1, cp: int = 1, lb: int, seq: 
 # Their Tables 1 and 3 (eager FSDP rows), 2 (compile + Float8), 4-6 (compile + Float8 with float8
 # all-gather, their 70B/405B configs' setting; Tables 5-6 add async TP).
 ROWS: tuple[Row, ...] = (
-    Row("8B, FSDP 8, local batch 2, seq 8192, selective op AC", 82.4, "llama3_8b", 8,
+    Row("8B, FSDP 8, local batch 2, seq 8192, selective op AC", 82.4, _config("llama3_8b"), 8,
         _layout(8, lb=2, seq=8192, ac="op"), "eager; ours eager"),
-    Row("8B, FSDP 128, local batch 2, seq 8192, selective op AC", 67.0, "llama3_8b", 128,
+    Row("8B, FSDP 128, local batch 2, seq 8192, selective op AC", 67.0, _config("llama3_8b"), 128,
         _layout(128, lb=2, seq=8192, ac="op"), "eager; ours eager"),
-    Row("8B, FSDP 8 / CP 1, seq 32768, local batch 1, full AC", 83.9, "llama3_8b", 8,
+    Row("8B, FSDP 8 / CP 1, seq 32768, local batch 1, full AC", 83.9, _config("llama3_8b"), 8,
         _layout(8, lb=1, seq=32768, ac="full") + FP8, "compile + Float8; ours fp8"),
-    Row("8B, FSDP 1 / CP 8, seq 262144, local batch 1, full AC", 84.5, "llama3_8b", 8,
+    Row("8B, FSDP 1 / CP 8, seq 262144, local batch 1, full AC", 84.5, _config("llama3_8b"), 8,
         _layout(1, cp=8, lb=1, seq=262144, ac="full") + FP8, "compile + Float8; ours fp8"),
-    Row("70B, FSDP 32 x TP 8, local batch 16, seq 8192, full AC", 71.9, "llama3_70b", 256,
+    Row("70B, FSDP 32 x TP 8, local batch 16, seq 8192, full AC", 71.9, _config("llama3_70b"), 256,
         _layout(32, tp=8, lb=16, seq=8192, ac="full") + FP8_AG, "compile + Float8 (fp8 all-gather); ours the same"),
-    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, seq 8192, full AC", 82.5, "llama3_405b", 512,
+    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, seq 8192, full AC", 82.5, _config("llama3_405b"), 512,
         _layout(8, tp=8, pp=8, lb=32, seq=8192, ac="full") + FP8_AG,
         "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, same, Interleaved 1F1B", 72.7, "llama3_405b", 512,
+    Row("405B, same, Interleaved 1F1B", 72.7, _config("llama3_405b"), 512,
         _layout(8, tp=8, pp=8, lb=32, seq=8192, ac="full", schedule="Interleaved1F1B") + FP8_AG,
         "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, seq 32768, local batch 8, full AC", 75.3, "llama3_405b", 512,
+    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, seq 32768, local batch 8, full AC", 75.3, _config("llama3_405b"), 512,
         _layout(8, tp=8, pp=8, lb=8, seq=32768, ac="full") + FP8_AG,
         "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, FSDP 1 x CP 8 x TP 8 x PP 8, 1F1B, seq 262144, local batch 8, full AC", 84.9, "llama3_405b", 512,
+    Row("405B, FSDP 1 x CP 8 x TP 8 x PP 8, 1F1B, seq 262144, local batch 8, full AC", 84.9,
+        _config("llama3_405b"), 512,
         _layout(1, cp=8, tp=8, pp=8, lb=8, seq=262144, ac="full") + FP8_AG,
         "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
 )
-
-
-def pp_ranks(world: int, pp: int) -> list[int]:
-    """One rank per pp coordinate: pp is the mesh's outermost dimension."""
-    return [k * (world // pp) for k in range(pp)]
-
-
-def dry_run_peak(row: Row, tmp: str) -> float:
-    """The row's allocated peak in GiB (configured AC mode), the largest over its pp ranks."""
-    from torchtitan_amp.config import load_config
-    from torchtitan_amp.train import dry_run
-
-    config = load_config(row.args(tmp))
-    peak = 0
-    for k, rank in enumerate(pp_ranks(row.world, config.parallelism.pipeline_parallel_degree)):
-        report = dry_run.run(config, world_size=row.world, rank=rank, write=False)
-        if report["coordinates"]["pp"] != k:
-            raise RuntimeError(f"rank {rank} of {row.world} is at pp {report['coordinates']['pp']}, not {k}")
-        peak = max(peak, report["memory"]["peak_estimate"]["configured"])
-    return peak / GIB
-
-
-def build_table(measured: list[tuple[Row, float]]) -> str:
-    """The markdown comparison table: one line per row, ratio = ours / theirs (bold above 1)."""
-    lines = ["| torchtitan row | their run / ours | theirs GiB (max reserved) | ours GiB (allocated) | ratio |",
-             "| --- | --- | ---: | ---: | ---: |"]
-    for row, ours in measured:
-        ratio = ours / row.theirs_gib
-        shown = f"**{ratio:.2f}**" if ratio > 1 else f"{ratio:.2f}"
-        lines.append(f"| {row.label} | {row.features} | {row.theirs_gib:.1f} | {ours:.1f} | {shown} |")
-    return "\n".join(lines)
 
 
 def command(indices: list[int] | None) -> str:

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should run, as one device call of about 5 minutes (300 s of
 # commands; the machine's start and the transfers come on top, out of the same 15 minutes):
-#   1. torchtitan_amp/tools/gpu_checks.py (GPU_CHECKS_TIMEOUT, 220 s; its --time-budget 200 s, which
-#      the default selection's caps fit): kernel probes (SDPA op, cuDNN, torchao extensions, fp8
-#      rowwise), the FSDP all-reduce-hook hazard, autocast dtypes, CP chunk attention, block-scaled
-#      kernels, host syncs (plain, block-scaled, EP), KV-cache generation, resume bit for bit, MoE,
-#      two torchft replica groups, fp8 curve + audit, loss curves (compiled bf16 last: the dearest)
+#   1. the GPU checks: `pytest -m gpu tests/gpu` (GPU_CHECKS_TIMEOUT, 220 s; their budget,
+#      GPU_CHECKS_BUDGET, 200 s, which the default selection's caps fit), in this order: kernel
+#      probes (SDPA op, cuDNN, torchao extensions, fp8 rowwise), the FSDP all-reduce-hook hazard,
+#      autocast dtypes, CP chunk attention, block-scaled kernels, host syncs (plain, block-scaled,
+#      EP), KV-cache generation, resume bit for bit, MoE, two torchft replica groups, fp8 curve +
+#      audit, loss curves (compiled bf16 last: the dearest); tests/gpu/settings.py has the knobs
 #   2. benchmarks/gpu_mfu.sh (GPU_MFU_TIMEOUT, 80 s)  8B-shaped model: tokens/s/GPU, MFU, peak memory;
 #      GPU_RUN_MFU=0 skips it (a rerun of the checks alone)
-# Results: $OUT/gpu_checks.json (rewritten as each check starts and ends), $OUT/gpu_mfu.json,
-# $OUT/gpu_run.log. Extra arguments go to gpu_checks (e.g. --only resume,curves, or
-# --only fp8_speed with GPU_RUN_MFU=0 and GPU_CHECKS_TIMEOUT=300).
+# Results: $OUT/gpu_checks.json (rewritten as each check starts and ends: status, seconds and the
+# numbers each check recorded), $OUT/gpu_checks.xml (pytest's junit XML, the numbers as the
+# property "recorded"), $OUT/gpu_mfu.json, $OUT/gpu_run.log. Extra arguments go to pytest (e.g.
+# -k "resume or curves"; or -k fp8_speed with GPU_CHECKS_SPEED=1, GPU_RUN_MFU=0 and
+# GPU_CHECKS_TIMEOUT=300).
 #
-# The machine has its own torch and lacks packages (torchdata, torchao): carry their wheels in
-# .whl/ (git-ignored: the call must name it, carry [".whl"]; docs/performance.md, "GPU checks",
-# says which wheels). Each carried wheel whose package this Python cannot import is installed into
-# $GPU_RUN_SITE (/tmp/site); a package of GPU_RUN_NEEDS (torchdata: every training check needs
-# it) that is still missing stops the run in one line, before any device time is spent on it.
-# torchao and torchft are optional: without torchao fp8, fp8_speed and block_scaled_kernels are
-# recorded "skipped", without torchft fault_tolerance, and the other checks run.
+# The machine has its own torch and pytest and lacks packages (torchdata, torchao): carry their
+# wheels in .whl/ (git-ignored: the call must name it, carry [".whl"]; docs/performance.md, "GPU
+# checks", says which wheels). Each carried wheel whose package this Python cannot import is
+# installed into $GPU_RUN_SITE (/tmp/site); a package of GPU_RUN_NEEDS (torchdata: every training
+# check needs it; pytest runs them) that is still missing stops the run in one line, before any
+# device time is spent on it. torchao and torchft are optional: without torchao fp8, fp8_speed and
+# block_scaled_kernels are skipped, without torchft fault_tolerance, and the other checks run.
 #
 # GPU_RUN_CPU_SMOKE=1 runs the same script on CPU: tiny shapes, small limits, the MFU benchmark's
 # tiny shape only; everything but CUDA (wheels, limits, the JSON after each check) is exercised.
@@ -28,7 +31,7 @@ PYTHON=${PYTHON:-python3}
 export OUT=${OUT:-outputs} PYTHONUNBUFFERED=1
 WHEELS=${GPU_RUN_WHEELS:-.whl}
 SITE=${GPU_RUN_SITE:-/tmp/site}
-NEEDS=${GPU_RUN_NEEDS:-torchdata}
+NEEDS=${GPU_RUN_NEEDS:-torchdata pytest}
 MFU=${GPU_RUN_MFU:-1}
 SMOKE=${GPU_RUN_CPU_SMOKE:-0}
 mkdir -p "$OUT"
@@ -86,17 +89,17 @@ require_needed
 
 if [ "$SMOKE" = 1 ]; then
   CHECKS_TIMEOUT=${GPU_CHECKS_TIMEOUT:-240} MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-120}
-  checks_args=(--device cpu --tiny --steps 3)
+  export GPU_CHECKS_DEVICE=cpu GPU_CHECKS_TINY=1 GPU_CHECKS_STEPS=3
   mfu_args=(--tiny --device cpu --configs autocast --compile off --steps 1 --warmup 1)
 else
   CHECKS_TIMEOUT=${GPU_CHECKS_TIMEOUT:-220} MFU_TIMEOUT=${GPU_MFU_TIMEOUT:-80}
-  checks_args=()
   mfu_args=(--time-budget "${GPU_MFU_BUDGET:-$((MFU_TIMEOUT - 40))}")
 fi
-# The checks' own budget ends 20 s before the outer timeout: a check over it is stopped and
-# recorded ("timeout") by gpu_checks itself; the outer timeout only catches a hang in C code.
-timeout --kill-after=10 "$CHECKS_TIMEOUT" "$PYTHON" -m torchtitan_amp.tools.gpu_checks \
-  --json "$OUT/gpu_checks.json" --time-budget $((CHECKS_TIMEOUT - 20)) ${checks_args[@]+"${checks_args[@]}"} "$@"
+# The checks' own budget ends 20 s before the outer timeout: a check over its limit is stopped and
+# recorded ("timeout") by tests/gpu/conftest.py itself; the outer timeout only catches a hang in C code.
+export GPU_CHECKS_JSON=$OUT/gpu_checks.json GPU_CHECKS_BUDGET=$((CHECKS_TIMEOUT - 20))
+timeout --kill-after=10 "$CHECKS_TIMEOUT" "$PYTHON" -m pytest -m gpu tests/gpu -v -p no:cacheprovider \
+  --junitxml "$OUT/gpu_checks.xml" "$@"
 checks=$?
 [ $checks -gt 1 ] && mark_killed $checks
 if [ "$MFU" = 0 ]; then

@@ -370,7 +370,7 @@ def test_printed_config_round_trips(tmp_path: Path) -> None:
 def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan_amp.models.llama3 import model as llama
 
-    # As tools/gpu_checks.py registers its 8B-shaped 2-block stack; undone after the test.
+    # As the GPU check fp8_speed registers its 8B-shaped 2-block stack; undone after the test.
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel_2l",
                         dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], n_layers=2))
     assert load_config(["--model.flavor", "debugmodel_2l"]).model.flavor == "debugmodel_2l"

@@ -1,7 +1,8 @@
 """The dry run sizes its target device's job (dry_run.device, default cuda): GPU-only options such
 as fp8 all-gather are sized, not refused, with or without torchao on this machine; a real CPU run
-(and a dry run told to size a CPU job) still refuses them in one line. And the table of
-benchmarks/torchtitan_memory.py (our dry run against torchtitan's published memory)."""
+(and a dry run told to size a CPU job) still refuses them in one line. And the memory table that
+benchmarks/torchtitan_memory.py prints (tools/memory_table.py: our dry run against torchtitan's
+published memory)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import torchtitan_memory
+from tests.support import REPO
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision import float8
+from torchtitan_amp.tools import memory_table
 from torchtitan_amp.train import dry_run
 from torchtitan_amp.train import job as job_mod
 
@@ -76,14 +78,14 @@ def test_fp8_all_gather_is_refused_in_one_line_on_a_cpu_run_and_a_cpu_target(tmp
 
 
 def test_torchtitan_table_on_one_small_row(tmp_path: Path) -> None:
-    row = torchtitan_memory.Row("tiny, FSDP 2", 1.0, "debug_model", 2,
+    row = memory_table.Row("tiny, FSDP 2", 1.0, str(REPO / "train_configs" / "debug_model.toml"), 2,
                                 ("--model.flavor", "debugmodel_tiny", "--parallelism.data_parallel_shard_degree", "2",
                                  "--training.seq_len", "64", "--training.local_batch_size", "2", *FP8_AG), "fp8")
-    ours = torchtitan_memory.dry_run_peak(row, str(tmp_path))
+    ours = memory_table.dry_run_peak(row, str(tmp_path))
     report = dry_run.run(load_config(row.args(str(tmp_path))), world_size=2, write=False)
-    assert ours == report["memory"]["peak_estimate"]["configured"] / torchtitan_memory.GIB > 0
-    table = torchtitan_memory.build_table([(row, 0.5), (row, 1.25)]).splitlines()
+    assert ours == report["memory"]["peak_estimate"]["configured"] / memory_table.GIB > 0
+    table = memory_table.build_table([(row, 0.5), (row, 1.25)]).splitlines()
     assert table[0].startswith("| torchtitan row |") and len(table) == 4
     assert table[2] == "| tiny, FSDP 2 | fp8 | 1.0 | 0.5 | 0.50 |"
     assert table[3].endswith("| 1.2 | **1.25** |")  # above theirs: bold
-    assert torchtitan_memory.pp_ranks(512, 8) == [0, 64, 128, 192, 256, 320, 384, 448]
+    assert memory_table.pp_ranks(512, 8) == [0, 64, 128, 192, 256, 320, 384, 448]

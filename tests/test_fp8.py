@@ -1,7 +1,7 @@
 """fp8 training through torchao (issue 18): decided by the precision plan, refused in one line
 where it cannot hold, trained and resumed for real. torch 2.13 runs torch._scaled_mm on CPU, so
 the fp8 path itself runs here (slowly); what only a GPU shows (speed, nccl fp8 all-gather) is in
-torchtitan_amp/tools/gpu_checks.py's `fp8` check. The audit of fp8 steps is in test_audit.py.
+tests/gpu/test_training.py's `fp8` check. The audit of fp8 steps is in test_audit.py.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.test_training import FP8_TOLERANCE
 from tests.support import by_step, cpu_scaled_mm_takes_rowwise_scales, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision import float8
-from torchtitan_amp.tools.gpu_checks import FP8_TOLERANCE
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 

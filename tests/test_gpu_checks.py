@@ -1,6 +1,7 @@
-"""torchtitan_amp/tools/gpu_checks.py and scripts/gpu_run.sh run on CPU, so that their one GPU call
-is not their first run: the checks with tiny shapes, the JSON after each check under timeouts and
-kills, the carried wheels, and the non-tiny fp8 speed step's configuration (parsed, not run)."""
+"""The GPU checks (tests/gpu/, marker `gpu`) and scripts/gpu_run.sh run on CPU, so that their one
+GPU call is not their first run: the checks with tiny shapes, `-m gpu` collecting them in their
+order and skipping them without CUDA, the results JSON after each check under limits and the
+budget, the carried wheels, and the non-tiny fp8 speed step's configuration (parsed, not run)."""
 
 from __future__ import annotations
 
@@ -8,38 +9,56 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import signal
 import sys
 import time
+import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.gpu import settings
+from tests.gpu import test_device_ops as device_ops
+from tests.gpu import test_training as training
 from tests.support import REPO, run_command
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
-from torchtitan_amp.tools import gpu_checks
 from torchtitan_amp.train import build as train_build
 
 GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 
 
-def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def statuses(path: Path) -> dict[str, str]:
+    return {name: r["status"] for name, r in json.loads(path.read_text())["checks"].items()}
+
+
+def run_gpu_checks(tmp_path: Path, env: dict[str, str], *paths: str) -> tuple[Any, dict[str, Any]]:
+    """`pytest -m gpu` in its own process with the GPU_CHECKS_* settings `env`; its results JSON."""
     out = tmp_path / "gpu_checks.json"
-    # 2 steps per curve: the trial proves the checks run; --tiny's shape is the smallest flavour.
-    result = run_command([sys.executable, "-m", "torchtitan_amp.tools.gpu_checks", "--device", "cpu", "--tiny",
-                          "--steps", "2", "--json", str(out), "--only", ",".join(reversed(gpu_checks.CHECKS))],
-                         timeout=900, env={"OMP_NUM_THREADS": "2"})
+    result = run_command([sys.executable, "-m", "pytest", "-m", "gpu", *(paths or ("tests/gpu",)), "-q", "-rs",
+                          "-p", "no:cacheprovider", "--junitxml", str(tmp_path / "gpu_checks.xml")],
+                         timeout=900, env={"OMP_NUM_THREADS": "2", "GPU_CHECKS_JSON": str(out), **env})
+    return result, json.loads(out.read_text())
+
+
+def test_gpu_checks_trial_run_on_cpu(tmp_path: Path) -> None:
+    # 2 steps per curve: the trial proves the checks run; GPU_CHECKS_TINY's shape is the smallest flavour.
+    result, results = run_gpu_checks(tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_TINY": "1",
+                                                "GPU_CHECKS_STEPS": "2", "GPU_CHECKS_SPEED": "1"})
     assert result.returncode == 0, result.describe()
-    results = json.loads(out.read_text())
-    # Every check passed, in CHECKS' order (cheap first) whatever order --only named them in.
-    assert results["finished"] and list(results["checks"].items()) == [
-        (n, results["checks"][n]) for n in gpu_checks.CHECKS]
-    assert {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(gpu_checks.CHECKS, "passed")
+    # Every check passed, in CHECKS' order (cheap first) whatever order the files hold them in.
+    assert results["finished"] and list(results["checks"]) == settings.CHECKS
+    assert {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(settings.CHECKS, "passed")
     assert all(r["compile_s"] >= 0 for r in results["checks"].values())
+    # The junit XML carries each check's recorded numbers too.
+    recorded = {case.get("name"): json.loads(prop.get("value"))
+                for case in ET.parse(tmp_path / "gpu_checks.xml").iter("testcase")
+                for prop in case.iter("property") if prop.get("name") == "recorded"}
+    assert recorded["test_generate"] == {k: v for k, v in results["checks"]["generate"].items()
+                                         if k not in ("status", "seconds", "limit_s", "compile_s")}
     kernels = results["checks"]["kernels"]
     assert kernels["sdpa"]["pinned_runs_predicted_op"] and kernels["fp8_rowwise_scaled_mm"] == "ran", kernels
     assert results["checks"]["fsdp_hook"]["bitwise_equal"] is True
@@ -79,113 +98,40 @@ def test_gpu_checks_trial_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert summary["quorum_s"]["median"] >= 0 and len(summary["quorum_s"]["first_step"]) == 2
     generated = results["checks"]["generate"]
     assert generated["fp32"]["greedy_matches_full_forward"], generated
-    assert generated["fp32"]["max_abs_logit_diff"] <= gpu_checks.GENERATE_ATOL, generated
-    # A bad --only is a usage error naming the choices (main in this process: a launch would cost a
-    # torch import for a parse; the command line's entry runs above).
-    with pytest.raises(SystemExit) as bad:
-        gpu_checks.main(["--device", "cpu", "--only", "nope"])
-    assert bad.value.code == 2 and "unknown check 'nope'" in capsys.readouterr().err
+    assert generated["fp32"]["max_abs_logit_diff"] <= training.GENERATE_ATOL, generated
 
 
-# ---------------------------------------------------------------------------------------------
-# The JSON after each check: fake checks, in this process
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device runs the checks")
+def test_minus_m_gpu_collects_the_checks_in_order_and_skips_them_without_cuda(tmp_path: Path) -> None:
+    """`pytest -m gpu` selects the checks alone (another module's tests are deselected), sorts them
+    cheap first, skips every one here (no CUDA) and records each in the JSON."""
+    result, results = run_gpu_checks(tmp_path, {}, "tests/gpu", "tests/test_gpu_readiness.py")
+    assert result.returncode == 0, result.describe()
+    assert f"{len(settings.CHECKS)} skipped" in result.output and " deselected" in result.output, result.output
+    assert results["finished"] and list(results["checks"]) == settings.CHECKS
+    assert {r["error"] for r in results["checks"].values()} == {settings.Settings().why_skipped("probe")}
+    assert statuses(tmp_path / "gpu_checks.json") == dict.fromkeys(settings.CHECKS, "skipped")
 
 
-def statuses(path: Path) -> dict[str, str]:
-    return {name: r["status"] for name, r in json.loads(path.read_text())["checks"].items()}
-
-
-def fake_checks(path: Path, seen: dict[str, dict[str, str]]) -> dict[str, gpu_checks.Check]:
-    """Checks that pass, fail, raise, overrun their limit and get SIGTERM; each first records what
-    the JSON on disk said when it started."""
-
-    def start(name: str) -> None:
-        seen[name] = statuses(path)
-
-    def passes(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-        start("passes")
-        out["value"] = 1
-        return True
-
-    def fails(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-        start("fails")
-        return False
-
-    def raises(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-        start("raises")
-        raise ValueError("broken\nover two lines")
-
-    def hangs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-        start("hangs")
-        out["partial"] = "kept"
-        time.sleep(30)
-        return True
-
-    def killed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-        start("killed")
-        os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends first
-        time.sleep(30)
-        return True
-
-    return {f.__name__: f for f in (passes, fails, raises, hangs, killed)} | {"after": passes}
-
-
-def test_json_is_written_after_each_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "out" / "gpu_checks.json"
-    seen: dict[str, dict[str, str]] = {}
-    monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, seen))
-    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)  # main patches it on CPU
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    handler = signal.getsignal(signal.SIGTERM)
-    begin = time.monotonic()
-    code = gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes,fails,raises,hangs,killed,after",
-                            "--check-timeout", "hangs=0.5"])
-    assert code == 1 and time.monotonic() - begin < 20
-    assert signal.getsignal(signal.SIGTERM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-    # Each check found the ones before it recorded, and itself "running".
-    order = ["passes", "fails", "raises", "hangs", "killed"]
-    final = {"passes": "passed", "fails": "failed", "raises": "error", "hangs": "timeout", "killed": "killed"}
-    for i, name in enumerate(order):
-        expected = {n: final[n] for n in order[:i]} | {name: "running"}
-        expected |= {n: "not run" for n in order[i + 1:]} | {"after": "not run"}
-        assert seen[name] == expected, name
-    results = json.loads(path.read_text())
-    assert statuses(path) == final | {"after": "not run"} and results["finished"]
+def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path) -> None:
+    result, results = run_gpu_checks(tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_BUDGET": "1"},
+                                     "tests/gpu/test_training.py")
+    assert result.returncode == 0, result.describe()
     checks = results["checks"]
-    assert checks["passes"]["value"] == 1 and checks["raises"]["error"] == "ValueError: broken over two lines"
-    assert checks["hangs"]["partial"] == "kept" and checks["hangs"]["limit_s"] == 0.5
-    assert checks["hangs"]["error"] == "stopped after its 0.5 s limit" and checks["hangs"]["seconds"] < 5
-    assert checks["killed"]["error"] == "SIGTERM received (the outer timeout?)"
-    assert not path.with_name("gpu_checks.json.tmp").exists()
+    assert checks.pop("fp8_speed")["status"] == "skipped"  # without GPU_CHECKS_SPEED=1
+    assert {n: (r["status"], r["error"]) for n, r in checks.items()} == dict.fromkeys(
+        checks, ("not run", "1 s left of the time budget"))
 
 
-def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "gpu_checks.json"
-    monkeypatch.setattr(gpu_checks, "CHECKS", fake_checks(path, {}))
-    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", "passes", "--time-budget", "1"]) == 1
-    result = json.loads(path.read_text())["checks"]["passes"]
-    assert result["status"] == "not run" and result["error"] == "1 s left of the time budget"
-
-
-def test_a_missing_optional_package_skips_only_the_checks_that_import_it(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "gpu_checks.json"
-    checks = fake_checks(path, {})
-    names = ["probe", "block_scaled_kernels", "fault_tolerance", "fp8"]
-    monkeypatch.setattr(gpu_checks, "CHECKS", dict.fromkeys(names, checks["passes"]))
-    monkeypatch.setattr(train_build, "peak_flops", train_build.peak_flops)
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    find_spec = gpu_checks.importlib.util.find_spec
-    monkeypatch.setattr(gpu_checks.importlib.util, "find_spec",
+def test_a_missing_optional_package_skips_only_the_checks_that_import_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = settings.importlib.util.find_spec
+    monkeypatch.setattr(settings.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("torchao", "torchft") else find_spec(name, *a))
-    assert gpu_checks.main(["--device", "cpu", "--json", str(path), "--only", ",".join(names)]) == 1
-    assert statuses(path) == {"probe": "passed", "block_scaled_kernels": "skipped", "fault_tolerance": "skipped",
-                              "fp8": "skipped"}
-    checks_json = json.loads(path.read_text())["checks"]
-    assert "torchao is not importable" in checks_json["fp8"]["error"]
-    assert "torchft is not importable" in checks_json["fault_tolerance"]["error"]
+    why = {n: settings.Settings(device="cpu", speed=True).why_skipped(n)
+           for n in ("probe", "block_scaled_kernels", "fault_tolerance", "fp8")}
+    assert why["probe"] is None
+    assert "torchao is not importable" in why["fp8"] and "torchao is not importable" in why["block_scaled_kernels"]
+    assert "torchft is not importable" in why["fault_tolerance"]
 
 
 def _script_default(name: str) -> str:
@@ -196,18 +142,19 @@ def _script_default(name: str) -> str:
 
 
 def test_the_default_selection_fits_its_budget_and_the_call_fits_five_minutes() -> None:
-    """The caps of the checks run without --only add up to no more than the budget gpu_run.sh gives
-    them (its timeout less the 20 s margin), the cheap probes run before the compiled ones, and
-    the checks plus the MFU benchmark take at most 300 s by their own limits."""
-    caps = gpu_checks.CUDA_LIMITS_S
-    default = gpu_checks.parse_args(["--device", "cpu"]).only.split(",")
-    assert default == gpu_checks.DEFAULT_CHECKS and set(caps) == set(gpu_checks.CHECKS)
-    assert sum(caps[n] for n in default) <= gpu_checks.DEFAULT_BUDGET_S, sum(caps[n] for n in default)
+    """The caps of the checks run without GPU_CHECKS_SPEED add up to no more than the budget
+    gpu_run.sh gives them (its timeout less the 20 s margin), the cheap probes run before the
+    compiled ones, and the checks plus the MFU benchmark take at most 300 s by their own limits."""
+    caps = settings.CUDA_LIMITS_S
+    default = [n for n in settings.CHECKS if n != "fp8_speed"]
+    assert "GPU_CHECKS_SPEED=1" in str(settings.Settings(device="cpu").why_skipped("fp8_speed"))
+    assert default == settings.DEFAULT_CHECKS and set(caps) == set(settings.CHECKS)
+    assert sum(caps[n] for n in default) <= settings.DEFAULT_BUDGET_S, sum(caps[n] for n in default)
     timeout, mfu = float(_script_default("GPU_CHECKS_TIMEOUT")), float(_script_default("GPU_MFU_TIMEOUT"))
-    assert timeout - 20 >= gpu_checks.DEFAULT_BUDGET_S and timeout + mfu <= 300
-    order = list(gpu_checks.CHECKS)
+    assert timeout - 20 >= settings.DEFAULT_BUDGET_S and timeout + mfu <= 300
+    order = list(settings.CHECKS)
     assert order.index("kernels") < order.index("block_scaled_kernels") < order.index("curves")
-    assert _script_default("GPU_RUN_NEEDS") == "torchdata"  # torchao missing stops no run
+    assert _script_default("GPU_RUN_NEEDS") == "torchdata pytest"  # torchao missing stops no run
 
 
 def test_block_scaled_kernels_sum_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,7 +162,7 @@ def test_block_scaled_kernels_sum_in_fp32(monkeypatch: pytest.MonkeyPatch) -> No
     and as it was after."""
     import torch
 
-    from torchtitan_amp.tools import gpu_check_blockscaled as gcb
+    from tests.gpu import test_block_scaled_kernels as gcb
 
     seen, pair = [], gcb._block_scaled_pair
 
@@ -234,10 +181,10 @@ def test_block_scaled_kernels_sum_in_fp32(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.parametrize("value", ["curves", "curves=0", "curves=soon", "nope=3"])
-def test_bad_check_timeouts_are_usage_errors(value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        gpu_checks.parse_args(["--device", "cpu", "--check-timeout", value])
-    assert info.value.code == 2 and "--check-timeout" in capsys.readouterr().err
+def test_bad_check_limits_are_usage_errors(value: str) -> None:
+    with pytest.raises(ValueError, match="GPU_CHECKS_LIMITS"):
+        settings.Settings.from_env({"GPU_CHECKS_LIMITS": value})
+    assert settings.Settings.from_env({"GPU_CHECKS_LIMITS": "curves=60, fp8=0.5"}).limits == {"curves": 60, "fp8": 0.5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,12 +197,12 @@ def test_fp16_curve_is_compared_step_aligned_past_skipped_steps() -> None:
     fp32 = {1: 5.0, 2: 4.0, 3: 3.5, 4: 3.2}
     fp16 = {1: 5.0, 2: 5.0, 3: 4.001, 4: 3.5}
     recs = {1: {"skipped_steps": 1.0}, 2: {"skipped_steps": 1.0}, 3: {"skipped_steps": 1.0}, 4: {}}
-    behind = gpu_checks.skipped_before(recs)
+    behind = training.skipped_before(recs)
     assert behind == {1: 0, 2: 1, 3: 1, 4: 1}
-    assert gpu_checks.aligned_diff(fp32, fp16, behind) == pytest.approx(0.001)
-    assert gpu_checks.aligned_diff(fp32, fp16, {}) == pytest.approx(1.0)  # without the alignment
-    assert gpu_checks.aligned_diff(fp32, {**fp16, 4: 3.0}, behind) == pytest.approx(0.2)  # below the band
-    assert gpu_checks.aligned_diff(fp32, {**fp16, 3: float("inf")}, behind) == float("inf")
+    assert training.aligned_diff(fp32, fp16, behind) == pytest.approx(0.001)
+    assert training.aligned_diff(fp32, fp16, {}) == pytest.approx(1.0)  # without the alignment
+    assert training.aligned_diff(fp32, {**fp16, 4: 3.0}, behind) == pytest.approx(0.2)  # below the band
+    assert training.aligned_diff(fp32, {**fp16, 3: float("inf")}, behind) == float("inf")
 
 
 def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -267,8 +214,8 @@ def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, m
     monkeypatch.setattr(KVCache, "rotary_rows", lambda self, cos, sin: (cos, sin))
     a = argparse.Namespace(device="cpu", tiny=True, steps=3)
     out: dict[str, Any] = {}
-    assert gpu_checks.check_generate(a, tmp_path, out) is False
-    assert out["fp32"]["max_abs_logit_diff"] > 100 * gpu_checks.GENERATE_ATOL, out
+    assert training.check_generate(a, tmp_path, out) is False
+    assert out["fp32"]["max_abs_logit_diff"] > 100 * training.GENERATE_ATOL, out
 
 
 def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_prediction(
@@ -278,10 +225,10 @@ def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_predictio
     from torchtitan_amp.core import rules
 
     a = argparse.Namespace(device="cpu", tiny=True)
-    assert gpu_checks.check_cp_attention(a, tmp_path, {}) is True
+    assert device_ops.check_cp_attention(a, tmp_path, {}) is True
     monkeypatch.setattr(rules, "materialises_causal_mask", lambda *args: False)
     out: dict[str, Any] = {}
-    assert gpu_checks.check_cp_attention(a, tmp_path, out) is False
+    assert device_ops.check_cp_attention(a, tmp_path, out) is False
     assert out["float32_hd32"]["chunk_shaped_tensors"] and out["float32_hd32"]["expected_op_ran"], out
 
 
@@ -292,7 +239,7 @@ def test_the_ep_syncs_check_fails_a_dispatch_that_reads_once_more(tmp_path: Path
     import torch
 
     from torchtitan_amp.distributed.expert_parallel import ExpertParallel
-    from torchtitan_amp.tools import gpu_check_syncs
+    from tests.gpu import test_syncs as gpu_check_syncs
 
     monkeypatch.setattr(train_build, "peak_flops", lambda device, dtype: 1e12)
     exchange = ExpertParallel.exchange_counts
@@ -315,7 +262,7 @@ def test_fault_tolerance_waits_are_bounded() -> None:
     timeout), a hanging one at the deadline; either way nothing is left running."""
     import subprocess
 
-    from torchtitan_amp.tools.gpu_check_ft import _wait_all
+    from tests.gpu.test_ft_groups import _wait_all
 
     def start(*cmd: str) -> subprocess.Popen:
         return subprocess.Popen(list(cmd), start_new_session=True)
@@ -329,9 +276,9 @@ def test_fault_tolerance_waits_are_bounded() -> None:
 
 def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_speed's non-tiny runs: the flavour it registers is accepted, compiled in bf16 and fp8."""
-    monkeypatch.setitem(llama.LLAMA3_FLAVORS, gpu_checks.SPEED_FLAVOR, llama.LLAMA3_FLAVORS["llama3_8b"])
+    monkeypatch.setitem(llama.LLAMA3_FLAVORS, training.SPEED_FLAVOR, llama.LLAMA3_FLAVORS["llama3_8b"])
     a = argparse.Namespace(tiny=False, device="cuda", steps=30)
-    configs = {name: load_config(args) for name, args in gpu_checks.speed_configs(a, tmp_path).items()}
+    configs = {name: load_config(args) for name, args in training.speed_configs(a, tmp_path).items()}
     assert set(configs) == {"bf16", "fp8"}
     for name, config in configs.items():
         assert (config.model.flavor, config.training.seq_len, config.training.local_batch_size) == (
@@ -375,8 +322,8 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
     checks' JSON kept across a check stopped by its limit, the MFU benchmark's tiny run."""
     fake_wheel(tmp_path / "whl", "tta_smoke_pkg")
     (tmp_path / "whl" / "torchdata-0.11.0-py3-none-any.whl").write_bytes(b"installed already: not opened")
-    result = run_command(["bash", GPU_RUN, "--only", "probe,curves", "--check-timeout", "curves=1"],
-                         timeout=240, env=gpu_run_env(tmp_path, "torchdata tta_smoke_pkg"))
+    result = run_command(["bash", GPU_RUN, "-k", "probe or curves"], timeout=240,
+                         env={**gpu_run_env(tmp_path, "torchdata tta_smoke_pkg"), "GPU_CHECKS_LIMITS": "curves=1"})
     out = tmp_path / "out"
     assert result.returncode == 1, result.describe()
     assert (tmp_path / "site" / "tta_smoke_pkg" / "__init__.py").is_file()
@@ -386,6 +333,8 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
     results = json.loads((out / "gpu_checks.json").read_text())
     assert statuses(out / "gpu_checks.json") == {"probe": "passed", "curves": "timeout"}, log[-3000:]
     assert results["finished"] and results["env"]["time_budget_s"] == 220
+    assert results["checks"]["curves"]["error"] == "stopped after its 1 s limit", results["checks"]["curves"]
+    assert results["checks"]["curves"]["seconds"] < 10 and (out / "gpu_checks.xml").is_file()
     mfu = json.loads((out / "gpu_mfu.json").read_text())
     assert [(r["config"], r["compile"]) for r in mfu["results"]] == [("autocast", False)]
     assert "error" not in mfu["results"][0]
@@ -393,7 +342,7 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
 
 def test_gpu_run_can_skip_the_mfu_benchmark(tmp_path: Path) -> None:
     """A rerun of the checks alone: GPU_RUN_MFU=0 (0 cannot be a timeout, which means none)."""
-    result = run_command(["bash", GPU_RUN, "--only", "kernels"], timeout=240,
+    result = run_command(["bash", GPU_RUN, "-k", "kernels and not block"], timeout=240,
                          env={**gpu_run_env(tmp_path, "torchdata"), "GPU_RUN_MFU": "0"})
     assert result.returncode == 0, result.describe()
     log = (tmp_path / "out" / "gpu_run.log").read_text()

@@ -286,8 +286,8 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("gpu_mfu")
     # Inductor on CPU needs a C++ compiler; without one only the eager configurations run. Of the
     # compiled ones only the FSDP policy's (~17 CPU-seconds each, cold): its graph-broken blocks are
-    # the benchmark's own case; autocast blocks compile as in the Trainer, which gpu_checks' curves
-    # (tests/test_gpu_checks.py) compile in bf16 already.
+    # the benchmark's own case; autocast blocks compile as in the Trainer, which the GPU check
+    # `curves` (tests/gpu/test_training.py) compiles in bf16 already.
     compiles = ["--compile", "off,on", "--compile-configs", "fsdp"] if HAVE_COMPILER else ["--compile", "off"]
     r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", *compiles],
                     timeout=900, env={"OUT": str(out), "PYTHON": sys.executable})
@@ -359,8 +359,7 @@ def test_overhead_runs_every_layout(tmp_path: Path) -> None:
 BENCHMARKS = ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision",
               "context_parallel", "torchtitan_memory", "blockscaled_speed", "blockscaled_loss", "diloco_precision",
               "blockscaled_error", "blockscaled_experts"]
-TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "gpu_checks", "plot", "numerics_figures", "generate",
-         "loss_compare"]
+TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "plot", "numerics_figures", "generate", "loss_compare"]
 # Runs each module as `python -m MODULE --help` does (runpy as __main__, sys.argv set), one after
 # another in one process, so that torch is imported once rather than once per script (~3 s each on
 # 2 cores); each script's exit code and output are kept apart.

@@ -63,7 +63,7 @@ def family_names() -> tuple[str, ...]:
 
 
 def flavor_names(family: str | None = None) -> tuple[str, ...]:
-    """The flavours of `family` (e.g. gpu_checks registers llama3_8b_2l into llama3's); None: every
+    """The flavours of `family` (e.g. a GPU check registers llama3_8b_2l into llama3's); None: every
     family's, in registry order without repeats (what model.flavor may hold before model.name is
     known; config.validate then checks it against the chosen family's)."""
     table = _family_flavors()

@@ -1,4 +1,4 @@
-"""gpu_checks' `fault_tolerance` check: two 1-rank torchft replica groups of the real Trainer
+"""The GPU check `fault_tolerance`: two 1-rank torchft replica groups of the real Trainer
 (fault_tolerance.enable) on one device, each its own process (a group is its own torchrun in a
 job), against a lighthouse in the checking process. Each group trains FT_STEPS steps with fault
 tolerance, then the same steps without it in the same (warm) process, the two groups side by side
@@ -16,7 +16,7 @@ groups share cuda:0 (gloo all-reduces CUDA tensors through host memory). The gro
 the device (and the host's cores): step times are measured under that sharing, with and without
 fault tolerance alike.
 
-    python -m torchtitan_amp.tools.gpu_check_ft SPEC.json   # one group (the check starts two)
+    python -m tests.gpu.test_ft_groups SPEC.json   # one group (the check starts two)
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.tools.gpu_check_runs import BF16, STEP_SYNC_BUDGET, base_args, step_syncs, sync_budget_kept
+import pytest
+
+from tests.gpu.runs import BF16, STEP_SYNC_BUDGET, base_args, step_syncs, sync_budget_kept
+
+pytestmark = pytest.mark.gpu
 
 # Steps of each run: step 1 waits in its first quorum for the other group's start-up and builds
 # lazily, step 2 still warms up (allocator, first gloo buffers); the host syncs are counted in
@@ -65,7 +69,7 @@ def _runs(a: argparse.Namespace, work: Path, replica_id: int, lighthouse: str) -
 
 def _group_env(device: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    root = str(Path(__file__).resolve().parents[2])  # the torchtitan_amp this process runs
+    root = str(Path(__file__).resolve().parents[2])  # the checkout (tests, torchtitan_amp) this process runs
     env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"  # two groups on the CPU's cores
@@ -139,7 +143,7 @@ def check_fault_tolerance(a: argparse.Namespace, work: Path, out: dict[str, Any]
             spec.write_text(json.dumps({"out": str(work / f"result{g}.json"), "device": a.device,
                                         "runs": _runs(a, work, g, url)}))
             with open(logs[g], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "torchtitan_amp.tools.gpu_check_ft", str(spec)],
+                procs.append(subprocess.Popen([sys.executable, "-m", "tests.gpu.test_ft_groups", str(spec)],
                                               env=_group_env(a.device), stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
         _wait_all(procs, GROUP_TIMEOUT_S)
@@ -164,7 +168,7 @@ def group_main(spec_path: str) -> None:
     spec["out"]. Ends without interpreter finalization, as train.py does (gloo's threads)."""
     spec = json.loads(Path(spec_path).read_text())
     socket.gethostname = lambda: LOOPBACK  # what torchft advertises (its Manager, its state server)
-    if spec["device"] == "cpu":  # as gpu_checks does: no minutes-long fp16 peak measurement
+    if spec["device"] == "cpu":  # as tests/gpu/conftest.py does: no minutes-long fp16 peak measurement
         from torchtitan_amp.train import build as train_build
 
         train_build.peak_flops = lambda device, dtype: 1e12
@@ -179,6 +183,10 @@ def group_main(spec_path: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def test_fault_tolerance(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_fault_tolerance(a, tmp_path, out), out
 
 
 if __name__ == "__main__":

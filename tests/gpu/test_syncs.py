@@ -1,6 +1,6 @@
-"""gpu_checks' host-sync checks beyond the plain bf16 runs of `syncs`: emulated block-scaled
-training (mxfp8, nvfp4) and expert parallel's dispatch and combine on a 1-rank process group, per
-training step of the real Trainer on one device."""
+"""The GPU checks' host syncs per training step of the real Trainer on one device: the plain bf16
+runs (`syncs`: dense and MoE), emulated block-scaled training (mxfp8, nvfp4) and expert
+parallel's dispatch and combine on a 1-rank process group."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
-from torchtitan_amp.tools.gpu_check_probes import one_rank_group
-from torchtitan_amp.tools.gpu_check_runs import (BF16, MOE, STEP_SYNC_BUDGET, base_args, free_memory, step_syncs,
-                                                  sync_budget_kept)
+from tests.gpu.runs import BF16, MOE, STEP_SYNC_BUDGET, base_args, free_memory, step_syncs, sync_budget_kept
+from tests.gpu.test_device_ops import one_rank_group
 from torchtitan_amp.train.trainer import Trainer
+
+pytestmark = pytest.mark.gpu
 
 # Steps each counted run trains: step 1 builds lazily and is not counted; the count is the same
 # every step after it, so 3 counted steps show it (and that it holds).
@@ -32,6 +34,13 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
     steps = result["steps"].values()
     return {"train_step_syncs": sorted({r["train_step"] for r in steps}),
             "by_op": sorted({json.dumps(r["syncs"], sort_keys=True) for r in steps})}
+
+
+def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    for name, extra in (("dense", BF16), ("moe", [*MOE, *BF16])):
+        out[name] = step_syncs(base_args(a, work / name) + extra + ["--training.steps", str(COUNTED_RUN_STEPS)])
+        free_memory()
+    return sync_budget_kept(out["dense"]) and sync_budget_kept(out["moe"])
 
 
 def check_block_scaled_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
@@ -84,3 +93,15 @@ def check_ep_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bo
                summary=_summary(result))
     free_memory()
     return layers[0] > 0 and sync_budget_kept(result)
+
+
+def test_syncs(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_syncs(a, tmp_path, out), out
+
+
+def test_block_scaled_syncs(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_block_scaled_syncs(a, tmp_path, out), out
+
+
+def test_ep_syncs(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_ep_syncs(a, tmp_path, out), out

@@ -1,4 +1,4 @@
-"""What the GPU checks (tools/gpu_checks.py) run and read: the Trainer on one device, the losses
+"""What the GPU checks (tests/gpu/) run and read: the Trainer on one device, the losses
 it logged, a dispatch-level count of the matmul and attention kernels a pass ran, by dtype, and
 the host syncs of its training steps."""
 

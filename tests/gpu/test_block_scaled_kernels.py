@@ -1,17 +1,21 @@
-"""gpu_checks' `block_scaled_kernels` check: torchao's block-scaled training modules
+"""The GPU check `block_scaled_kernels`: torchao's block-scaled training modules
 (precision/blockscaled_torchao.py) against the emulation (precision/blockscaled_linear.py)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from torchtitan_amp.precision import blockscaled as bs
 from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
 from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe
+
+pytestmark = pytest.mark.gpu
 
 
 def _bf16_bound(ours: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,3 +87,7 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
     finally:
         blockscaled_torchao.EMULATED_KERNELS = previous
         matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
+def test_block_scaled_kernels(a: argparse.Namespace, out: dict[str, Any]) -> None:
+    assert block_scaled_kernels(a.device, out), out

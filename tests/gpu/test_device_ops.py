@@ -1,7 +1,8 @@
-"""gpu_checks' cheap probes, each a few seconds on a GPU: which SDPA kernel the model's attention
+"""The GPU checks' cheap probes, each a few seconds on a GPU: which SDPA kernel the model's attention
 runs (pinned and left to torch) and the cuDNN version, torchao's loaded extensions and its MXFP8
-op, one fp8 rowwise torch._scaled_mm, and the FSDP all-reduce-hook hazard (a hook whose
-all-reduce runs late on its own stream must leave the gradients as no hook does)."""
+op, one fp8 rowwise torch._scaled_mm, the FSDP all-reduce-hook hazard (a hook whose all-reduce
+runs late on its own stream must leave the gradients as no hook does), and context parallel's
+chunk attention kernels."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.gpu.runs import cp_chunk_attention
 from torchtitan_amp.core.rules import attention_kernel
 from torchtitan_amp.models.attention import cuda_capability, pinned_kernels
+
+pytestmark = pytest.mark.gpu
 
 # The forward op each kernel rules.attention_kernel names runs as, for a plain causal call.
 KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention",
@@ -151,3 +156,26 @@ def check_fsdp_hook(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> b
     same = [torch.equal(x, y) for x, y in zip(plain, hooked)]
     out.update(params=len(same), bitwise_equal=all(same), backend="nccl" if a.device == "cuda" else "gloo")
     return all(same) and len(same) == 4
+
+
+def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
+    hd = 32 if a.tiny else 128
+    cases = [(torch.bfloat16, hd), (torch.float32, hd)] + ([(torch.bfloat16, 260)] if a.device == "cuda" else [])
+    passed = True
+    for dtype, head_dim in cases:
+        r = out[f"{dtype}_hd{head_dim}".removeprefix("torch.")] = cp_chunk_attention(a.device, dtype, head_dim, a.tiny)
+        if r["kernel_predicted"] != "math":  # math (head_dim 260): what config validation refuses
+            passed &= r["expected_op_ran"] and bool(r["chunk_shaped_tensors"]) == r["mask_predicted"]
+    return passed
+
+
+def test_kernels(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_kernels(a, tmp_path, out), out
+
+
+def test_fsdp_hook(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_fsdp_hook(a, tmp_path, out), out
+
+
+def test_cp_attention(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_cp_attention(a, tmp_path, out), out

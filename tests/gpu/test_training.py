@@ -1,22 +1,6 @@
-#!/usr/bin/env python3
-"""The checks the CPU test suite cannot make, for one CUDA GPU in one short call (~3.5 minutes).
-
-    python -m torchtitan_amp.tools.gpu_checks --json $OUT/gpu_checks.json --time-budget 200   # GPU
-    python -m torchtitan_amp.tools.gpu_checks --device cpu --tiny                            # CPU trial
-
-Everything runs in this one process (one CUDA start-up; fault_tolerance's two replica groups are
-processes of their own), cheap first in CUDA_LIMITS_S's order (each check's cap), all but
-fp8_speed by default:
-
-- `kernels`    which SDPA op a bf16 causal call runs, non-grouped and grouped, under the model's
-               pinned order and torch's own, and the cuDNN version (pass: the pinned calls run
-               what rules.attention_kernel predicts); torchao's shipped and loaded extensions
-               and whether torch.ops.torchao.mxfp8_quantize exists; one fp8 rowwise
-               torch._scaled_mm (pass on compute capability 8.9+: it runs).
-- `fsdp_hook`  a 1-rank process group (nccl): a fully_shard model whose all-reduce hook issues
-               its collective ~50 ms late on a side stream; pass: gradients equal no hook's.
-- `block_scaled_kernels` see gpu_check_blockscaled.py (cuBLAS's reduced-precision bf16
-               reduction off while it runs).
+"""The GPU checks that train the debug models through the real Trainer on one device (the others:
+test_device_ops.py, test_block_scaled_kernels.py, test_syncs.py, test_ft_groups.py; the whole list, in
+running order, with caps and pass criteria: docs/performance.md, "GPU checks"):
 
 - `probe`      one bf16 autocast forward + backward: the dtype every nn.Linear returns, what
                RMSNorm takes and returns, the logits' dtype, the dtype of every matmul / attention
@@ -34,52 +18,25 @@ fp8_speed by default:
                says the grouped kernel works: `_grouped_mm` in bf16), and, measured only, torch.mm
                with bf16 inputs and fp32 output (`out_dtype`: the cheaper router gate matmul, not
                built until it is measured here).
-- `syncs`      host syncs per training step of the debug and MoE debug models in bf16 (one
-               device, no EP): counted at the dispatcher and reported by CUDA's sync debug mode.
-               Pass: each step after the first within STEP_SYNC_BUDGET (the finiteness read).
-- `block_scaled_syncs` the same for the debug model in emulated mxfp8 and nvfp4 (the full recipe);
-               `ep_syncs` for the MoE debug model with expert parallel's dispatch and combine on a
-               1-rank process group (nccl; budget + one read per EP layer): gpu_check_syncs.py.
-- `fault_tolerance` two 1-rank torchft replica groups (processes, on this device, a lighthouse on
-               loopback): step time with and without fault tolerance, quorum seconds, host syncs
-               per step: gpu_check_ft.py.
 - `generate`   a 3-step-trained debug model (its q and k scaled by 8, so that positions matter)
-               decodes 24 tokens greedily with its KV cache on this device: pass when every step's logits equal one full forward over the text (fp32
-               within GENERATE_ATOL, bf16 within GENERATE_BF16_REL of the largest logit) and each
-               fp32 token is that forward's argmax; decode tokens/s recorded.
+               decodes 24 tokens greedily with its KV cache on this device: pass when every step's
+               logits equal one full forward over the text (fp32 within GENERATE_ATOL, bf16 within
+               GENERATE_BF16_REL of the largest logit) and each fp32 token is that forward's
+               argmax; decode tokens/s recorded.
 - `fp8`        torchao float8 (tensorwise) against bf16: 200 steps' loss curve (pass: within
                FP8_TOLERANCE) and the precision audit of one fp8 step (pass: no breach).
-- `cp_attention` context parallel's causal chunk attention (rank 1 of 4, 8B's heads, window 8192)
-               in bf16 and fp32, forward + backward: pass when the kernel rules.attention_kernel
-               predicts ran (flash with grouped K/V, efficient) and no [n, end] tensor (mask or
-               scores) was made on CUDA (CPU builds its masks by design); head_dim 260 recorded.
 - `fp8_speed`  step time of an 8B-shaped 2-block stack (seq 2048), bf16 and fp8, both compiled as
-               torchao needs (--tiny: the tiny shape, eager). Pass on CUDA: fp8 is faster. Not
-               in the default selection (--only fp8_speed).
-
-The --json file is rewritten (atomically) when each check starts and ends; each check has a status:
-"passed", "failed", "error" (it raised), "timeout" (over its limit: SIGALRM), "killed" (SIGTERM,
-e.g. the outer `timeout`), "running" (the process died during it), "skipped" (torchao missing:
-fp8, fp8_speed, block_scaled_kernels; torchft missing: fault_tolerance) or "not run". A check's
-limit is the smaller of its cap (CUDA_LIMITS_S, or --check-timeout) and what --time-budget leaves;
-each records `compile_s`, its seconds in torch.compile (cold on a fresh machine).
-
-Multi-rank checks (nccl compress hook, FSDP on CUDA) need two GPUs: NCCL refuses two ranks on one
-device. Exit 0 when every check passes, 1 otherwise; each check prints one line.
+               torchao needs (tiny: the tiny shape, eager). Pass on CUDA: fp8 is faster. Runs with
+               GPU_CHECKS_SPEED=1 only.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import math
-import os
-import platform
-import importlib.util
 import shutil
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -87,32 +44,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.core.environment import require, separate_inductor_cache  # noqa: E402
+import pytest
+import torch
+from torch import nn
 
-require()
-separate_inductor_cache()
+from tests.gpu.runs import (BF16, MOE, OpDtypes, base_args, free_memory, losses, mm_out_dtype, moe_combine_repeats,
+                            records, train)
+from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed.tensor_parallel import parallel_context
+from torchtitan_amp.models.llama3 import model as llama
+from torchtitan_amp.models.llama3.model import RMSNorm
+from torchtitan_amp.precision import autocast
+from torchtitan_amp.train.trainer import Trainer, loss_fn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.distributed.process_groups import CUBLAS_DETERMINISTIC_WORKSPACE  # noqa: E402
-from torchtitan_amp.distributed.tensor_parallel import parallel_context  # noqa: E402
-from torchtitan_amp.models.llama3 import model as llama  # noqa: E402
-from torchtitan_amp.models.llama3.model import RMSNorm  # noqa: E402
-from torchtitan_amp.precision import autocast  # noqa: E402
-from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
-from torchtitan_amp.train import build as train_build  # noqa: E402
-from torchtitan_amp.tools.gpu_check_blockscaled import block_scaled_kernels  # noqa: E402
-from torchtitan_amp.tools.gpu_check_ft import check_fault_tolerance  # noqa: E402
-from torchtitan_amp.tools.gpu_check_probes import check_fsdp_hook, check_kernels  # noqa: E402
-from torchtitan_amp.tools.gpu_check_runner import Check, Report, run_all  # noqa: E402
-from torchtitan_amp.tools.gpu_check_runs import (  # noqa: E402
-    BF16, MOE, OpDtypes, base_args, cp_chunk_attention, free_memory, losses, mm_out_dtype, moe_combine_repeats,
-    records, step_syncs, sync_budget_kept, train)
-from torchtitan_amp.tools.gpu_check_syncs import (  # noqa: E402
-    COUNTED_RUN_STEPS, check_block_scaled_syncs, check_ep_syncs)
-from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 # Max |loss - fp32 loss| over the run: the CPU suite's bound for bf16 (measured 0.0019 over 30
 # steps there); fp16 with a scaler sits closer to fp32, compile only reorders bf16 arithmetic.
@@ -142,26 +87,6 @@ GENERATE_ATOL = 1e-4
 # bf16 (8-bit mantissa): keys, values and activations round at 2^-8 relative.
 GENERATE_BF16_REL = 0.05
 PROMPT = [256, *b"Hello"]  # the byte tokenizer's BOS, then bytes
-
-# Per-check caps on CUDA, from estimates (no GPU run yet): the debug model's steps take
-# milliseconds there; compilation (bf16_compile in curves, the compiled speed runs), process and
-# NCCL start-ups and Trainer builds (~1 s each) dominate. About twice each check's expected time:
-# a handful of ops (cp_attention, block_scaled_kernels) 5 s; one Trainer and a step (probe) or
-# two 3-step runs and decoding (generate) 10 s; two 4-step counted runs (syncs,
-# block_scaled_syncs) 6 s, ep_syncs 8 s with its NCCL start-up; fault_tolerance's two group
-# processes (a Python, torch and CUDA start-up each, side by side, then 2 x 12 steps) 15 s.
-# In the order the checks run: the cheap probes first, so that a short call still reaches them.
-CUDA_LIMITS_S = {"kernels": 10.0, "fsdp_hook": 10.0, "probe": 10.0, "cp_attention": 5.0,
-                 "block_scaled_kernels": 5.0, "syncs": 6.0, "block_scaled_syncs": 6.0, "ep_syncs": 8.0,
-                 "generate": 10.0, "resume": 20.0, "moe": 15.0, "fault_tolerance": 15.0, "fp8": 30.0,
-                 "curves": 50.0, "fp8_speed": 150.0}
-# What runs without --only: every check but fp8_speed (two compiled 8B-shaped runs; ask for it with
-# --only fp8_speed, e.g. on a rerun that skips the MFU benchmark). Its caps sum to DEFAULT_BUDGET_S
-# or less (tests/test_gpu_checks.py), scripts/gpu_run.sh's default --time-budget.
-DEFAULT_CHECKS = [name for name in CUDA_LIMITS_S if name != "fp8_speed"]
-DEFAULT_BUDGET_S = 200.0
-# Checks that import an optional package: skipped (the others run) where it is not importable.
-NEEDS = {"fp8": "torchao", "fp8_speed": "torchao", "block_scaled_kernels": "torchao", "fault_tolerance": "torchft"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,13 +248,6 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
             and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"])))
 
 
-def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    for name, extra in (("dense", BF16), ("moe", [*MOE, *BF16])):
-        out[name] = step_syncs(base_args(a, work / name) + extra + ["--training.steps", str(COUNTED_RUN_STEPS)])
-        free_memory()
-    return sync_budget_kept(out["dense"]) and sync_budget_kept(out["moe"])
-
-
 def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) -> torch.Tensor:
     """Prefill PROMPT, then feed tokens[len(PROMPT):-1] one at a time through the KV cache: the
     logits after every position from len(PROMPT) - 1 on."""
@@ -447,110 +365,29 @@ def check_fp8_speed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> b
     return out["fp8_speedup"] > 1.0 or a.device != "cuda"
 
 
-def check_cp_attention(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    hd = 32 if a.tiny else 128
-    cases = [(torch.bfloat16, hd), (torch.float32, hd)] + ([(torch.bfloat16, 260)] if a.device == "cuda" else [])
-    passed = True
-    for dtype, head_dim in cases:
-        r = out[f"{dtype}_hd{head_dim}".removeprefix("torch.")] = cp_chunk_attention(a.device, dtype, head_dim, a.tiny)
-        if r["kernel_predicted"] != "math":  # math (head_dim 260): what config validation refuses
-            passed &= r["expected_op_ran"] and bool(r["chunk_shaped_tensors"]) == r["mask_predicted"]
-    return passed
+def test_probe(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_probe(a, tmp_path, out), out
 
 
-_BY_NAME: dict[str, Check] = {
-    "kernels": check_kernels, "fsdp_hook": check_fsdp_hook, "probe": check_probe, "cp_attention": check_cp_attention,
-    "block_scaled_kernels": lambda a, work, out: block_scaled_kernels(a.device, out), "syncs": check_syncs,
-    "block_scaled_syncs": check_block_scaled_syncs, "ep_syncs": check_ep_syncs, "generate": check_generate,
-    "resume": check_resume, "moe": check_moe, "fault_tolerance": check_fault_tolerance, "fp8": check_fp8,
-    "curves": check_curves, "fp8_speed": check_fp8_speed}
-CHECKS: dict[str, Check] = {name: _BY_NAME[name] for name in CUDA_LIMITS_S}  # in running order
+def test_generate(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_generate(a, tmp_path, out), out
 
 
-def unavailable(name: str) -> str | None:
-    """Why check `name` cannot run in this Python (a package it imports is missing), or None."""
-    package = NEEDS.get(name)
-    if package is not None and importlib.util.find_spec(package) is None:
-        return f"{package} is not importable: carry its wheels in .whl/ (docs/performance.md, \"GPU checks\")"
-    return None
+def test_resume(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_resume(a, tmp_path, out), out
 
 
-def environment(a: argparse.Namespace) -> dict[str, Any]:
-    cuda = a.device == "cuda"
-    try:
-        torchao = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        torchao = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "torchao": torchao,
-            "python": platform.python_version(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
-            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "tiny": a.tiny, "steps": a.steps,
-            "time_budget_s": a.time_budget}
+def test_moe(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_moe(a, tmp_path, out), out
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
+def test_fp8(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_fp8(a, tmp_path, out), out
 
 
-def _limits(text: str) -> dict[str, float]:
-    """--check-timeout curves=60,fp8=30 -> {"curves": 60.0, "fp8": 30.0}."""
-    limits = {}
-    for item in filter(None, (i.strip() for i in text.split(","))):
-        name, _, seconds = item.partition("=")
-        if name not in CHECKS:
-            raise argparse.ArgumentTypeError(f"unknown check {name!r}; choose from {', '.join(CHECKS)}")
-        try:
-            limits[name] = float(seconds)
-        except ValueError:
-            limits[name] = math.nan
-        if not limits[name] > 0:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=SECONDS with SECONDS > 0")
-    return limits
+def test_curves(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_curves(a, tmp_path, out), out
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="small shapes (CPU trial run)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--only", default=",".join(DEFAULT_CHECKS),
-                   help=f"comma list from {', '.join(CHECKS)} (default: all but fp8_speed), run in that order")
-    p.add_argument("--json", type=Path, help="write the results here (rewritten as each check starts and ends)")
-    p.add_argument("--time-budget", type=float, help="seconds for all checks; each check's limit is cut to "
-                   "what is left, and one is not started with under 5 s left (default: no budget)")
-    p.add_argument("--check-timeout", type=_limits, default={}, metavar="NAME=S[,NAME=S]",
-                   help="a check's own limit (CUDA default: " + ", ".join(f"{k} {v:.0f} s" for k, v in
-                                                                            CUDA_LIMITS_S.items()) + "; CPU: none)")
-    a = p.parse_args(argv)
-    unknown = set(a.only.split(",")) - set(CHECKS)
-    if unknown:
-        p.error(f"--only: unknown check {sorted(unknown)[0]!r}; choose from {', '.join(CHECKS)}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here (use --device cpu --tiny for a trial run)")
-    return a
-
-
-def main(argv: list[str]) -> int:
-    a = parse_args(argv)
-    # Before the first CUDA matmul: cuBLAS sizes its workspace once per process, and the resume
-    # check runs with training.deterministic = true, which needs this setting (torch's notes).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-    # MFU's CPU peak measurement runs an fp16 GEMM that takes minutes on CPUs without fp16 units.
-    if a.device == "cpu":
-        train_build.peak_flops = lambda device, dtype: 1e12
-    names = [n for n in CHECKS if n in a.only.split(",")]  # cheap first, whatever order was asked
-    report = Report(a.json, environment(a), names)
-    print(json.dumps(report.data["env"]), flush=True)
-    report.write()
-    run_all(a, report, names, CHECKS, CUDA_LIMITS_S, unavailable)
-    report.data["finished"] = True
-    report.write()
-    return 0 if report.passed() else 1
-
-
-def cli() -> None:
-    sys.exit(main(sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    cli()
+def test_fp8_speed(a: argparse.Namespace, tmp_path: Path, out: dict[str, Any]) -> None:
+    assert check_fp8_speed(a, tmp_path, out), out
