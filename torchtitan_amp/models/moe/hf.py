@@ -18,7 +18,6 @@ from typing import Any
 
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.llama3.hf import LAYER_NAMES, LlamaHFAdapter, rope_settings
-from torchtitan_amp.models.llama3.model import ffn_hidden_dim
 from torchtitan_amp.models.moe.model import MoEModelArgs
 
 CONFIG = "config.json"
@@ -70,10 +69,6 @@ _HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "
              "route_norm": "norm_topk_prob", "score_func": "router scores (softmax in Qwen3-MoE)",
              "route_scale": "routed scaling (1.0 in Qwen3-MoE)", "n_shared_experts": "shared experts (none in Qwen3-MoE)",
              "n_dense_layers": "mlp_only_layers", "dense_hidden": "intermediate_size"}
-
-
-def _dense_hidden(args: MoEModelArgs) -> int:
-    return args.dense_inter_dim or ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
 
 
 def _check_exportable(args: MoEModelArgs) -> None:
@@ -167,7 +162,7 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
                   "route_scale": args.route_scale, "n_shared_experts": args.n_shared_experts,
                   "n_dense_layers": args.n_dense_layers}
         if args.n_dense_layers:
-            fields["dense_hidden"] = _dense_hidden(args)
+            fields["dense_hidden"] = args.dense_hidden
         return fields
 
     def hf_config(self, args: MoEModelArgs, dtype: str, bos_id: int | None,
@@ -177,7 +172,7 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
         _check_exportable(args)
         cfg: dict[str, Any] = {
             "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": args.dim,
-            "intermediate_size": _dense_hidden(args), "moe_intermediate_size": args.moe_inter_dim,
+            "intermediate_size": args.dense_hidden, "moe_intermediate_size": args.moe_inter_dim,
             "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
             "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "num_experts": args.n_routed_experts,
             "num_experts_per_tok": args.top_k, "norm_topk_prob": args.route_norm, "decoder_sparse_step": 1,
