@@ -140,8 +140,8 @@ def parallel_dims(name: str, config: JobConfig, mesh: ParallelDims) -> ParallelD
     configuration would create new process groups each time)."""
     d = ParallelDims.from_config(config.parallelism, 1)
     cls = WholeModelShard if name == "fsdp" else ParallelDims
-    return cls(d.dp_replicate, d.dp_shard, d.tp, d.pp, d.world_size, _mesh=mesh.mesh, _dp_mesh=mesh.dp_mesh,
-               _fsdp_mesh=mesh.fsdp_mesh, _loss_mesh=mesh.loss_mesh)
+    return cls(d.dp_replicate, d.dp_shard, d.tp, d.pp, d.world_size, _mesh=mesh.mesh,
+               _meshes={name: mesh.get_mesh(name) for name in ("dp", "fsdp", "loss")})
 
 
 def build_plan(name: str, compiled: bool, a: argparse.Namespace, device: torch.device,

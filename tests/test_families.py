@@ -97,6 +97,36 @@ def test_hf_names_round_trip(registered) -> None:  # type: ignore[no-untyped-def
                                                     "float32", None, None)["hidden_act"] == "silu"
 
 
+def test_hf_adapters_implement_the_named_interface(registered) -> None:  # type: ignore[no-untyped-def]
+    """HFAdapter is an abstract class of named, typed methods; each family's adapter is a class
+    implementing it (tiny_gelu's derives from Llama's), and one that leaves a method out cannot be
+    made."""
+    import inspect
+    import typing
+
+    from torchtitan_amp.models.llama3.hf import LlamaHFAdapter
+    from torchtitan_amp.models.spec import HFAdapter
+
+    assert inspect.isabstract(HFAdapter)
+    methods = ("to_hf_name", "from_hf_name", "rotary_heads", "config_fields", "args_fields", "hf_config",
+               "describe", "stacked")
+    for name in methods:
+        assert "return" in typing.get_type_hints(getattr(HFAdapter, name)), name
+    for family in ("llama3", "moe", "tiny_gelu"):
+        hf = get_family(family).hf
+        assert isinstance(hf, HFAdapter) and all(inspect.ismethod(getattr(hf, m)) for m in methods)
+    assert isinstance(get_family("tiny_gelu").hf, LlamaHFAdapter)
+
+    class NoConfig(HFAdapter):
+        display_name = "partial"
+
+        def to_hf_name(self, fqn: str) -> str:
+            return fqn
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoConfig()  # type: ignore[abstract]
+
+
 def test_adding_a_family_touches_its_folder_and_one_line() -> None:
     """tiny_gelu lives in its folder; the framework names no family but in models/__init__.py's
     registry (and Llama's own folder)."""

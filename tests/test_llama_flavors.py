@@ -18,7 +18,7 @@ from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.core.rules import FAMILIES
 from torchtitan_amp.memory import ModelDims
 from torchtitan_amp.models import count_params, get_family
-from torchtitan_amp.models.llama3.hf import config_fields
+from torchtitan_amp.models.llama3.hf import ADAPTER
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer, build_model_args, flops_per_token
 
 VOCAB = 128256  # Llama 3's tiktoken vocabulary: 128000 BPE tokens + 256 special
@@ -79,7 +79,7 @@ def test_published_config_loads_under_its_flavour(flavor: str, tmp_path: Path) -
     flavour (tying, rope scaling 32 or none, FFN width included) and no other new flavour."""
     folder = _write(tmp_path, PUBLISHED[flavor])
     check_config(folder, build_model_args(flavor, VOCAB, 8192), flavor)
-    fields = config_fields(PUBLISHED[flavor], folder)
+    fields = ADAPTER.config_fields(PUBLISHED[flavor], folder)
     args = LLAMA3_FLAVORS[flavor]
     assert fields["enable_weight_tying"] == args.enable_weight_tying == (flavor.startswith("llama3_2"))
     assert fields["use_scaled_rope"] == args.use_scaled_rope

@@ -158,6 +158,21 @@ def test_active_parameters_and_flops() -> None:
         6 * active_params(args, no_emb) + 12 * args.n_layers * args.n_heads * args.head_dim * 4096)
 
 
+def test_moe_family_is_llamas_with_what_differs_replaced() -> None:
+    """The MoE family derives from Llama's: every field it does not replace (norms, AC regions, the
+    norm class, ...) is Llama's own object; its model, TP plan and HF adapter extend Llama's."""
+    from torchtitan_amp.models.llama3.hf import LlamaHFAdapter
+    from torchtitan_amp.models.llama3.model import Transformer
+
+    moe, llama = get_family("moe"), get_family("llama3")
+    replaced = {"name", "model_cls", "args_cls", "flavors", "flops_per_token", "tp_block_plan", "memory_dims", "hf",
+                "after_backward", "after_step", "set_loss_factor", "compile_fullgraph"}
+    for field in dataclasses.fields(moe):
+        if field.name not in replaced:
+            assert getattr(moe, field.name) is getattr(llama, field.name), field.name
+    assert issubclass(moe.model_cls, Transformer) and isinstance(moe.hf, LlamaHFAdapter)
+
+
 # ---------------------------------------------------------------------------------------------
 # Router precision: the plan decides it
 

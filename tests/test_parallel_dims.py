@@ -96,7 +96,14 @@ def test_mesh_before_build_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="build_mesh"):
         _ = dims_of(1).mesh
     with pytest.raises(RuntimeError, match="build_mesh"):
-        _ = dims_of(1).dp_mesh
+        _ = dims_of(1).get_mesh("dp")
+
+
+def test_unknown_mesh_name_names_the_allowed_ones() -> None:
+    with pytest.raises(ValueError) as e:
+        dims_of(1).get_mesh("dp_shard")
+    assert one_line_error(e) == ("unknown mesh 'dp_shard'; allowed meshes: dp, fsdp, loss, ep, expert, expert_fsdp "
+                                 "(the root mesh's dims: ParallelDims.mesh[name])")
 
 
 @pytest.mark.parametrize("flag, value", [("tensor_parallel_degree", "0"), ("data_parallel_shard_degree", "-2"),
@@ -296,7 +303,7 @@ def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     pp_i, rep_i, shard_i, cp_i, tp_i = coord
     assert dims.cp_rank(RANK) == cp_i
     # The flattened dp view: every rank with this rank's pp, cp and tp coordinates, replicate-major.
-    dp = dims.dp_mesh
+    dp = dims.get_mesh("dp")
     assert dp.mesh_dim_names == ("dp",)
     assert mesh["dp"].mesh.tolist() == dp.mesh.tolist()  # what the trainer slices today
     assert dp.size() == dims.dp_degree
@@ -304,14 +311,14 @@ def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     assert dp.get_local_rank() == rep_i * dims.dp_shard + shard_i == dims.dp_rank(RANK)
     # FSDP shards over dp_shard x cp (with dp_replicate in front under HSDP); the loss is averaged
     # over every data- and context-parallel rank.
-    fsdp = dims.fsdp_mesh
+    fsdp = dims.get_mesh("fsdp")
     shard_cp = mesh.mesh[pp_i, rep_i, :, :, tp_i].flatten().tolist()
     if dims.hsdp_enabled:
         assert fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
         assert fsdp.mesh.tolist() == mesh.mesh[pp_i, :, :, :, tp_i].flatten(1).tolist()
     else:
         assert fsdp.mesh_dim_names == ("dp_shard_cp",) and fsdp.mesh.tolist() == shard_cp
-    assert dims.loss_mesh.mesh.tolist() == mesh.mesh[pp_i, :, :, :, tp_i].flatten().tolist()
+    assert dims.get_mesh("loss").mesh.tolist() == mesh.mesh[pp_i, :, :, :, tp_i].flatten().tolist()
 
 
 @pytest.mark.parametrize("argv, expected", [([], 25.0), (["--parallelism.ddp_bucket_cap_mb", "7.5"], 7.5)])
@@ -392,13 +399,13 @@ def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
     plain = {k: v for k, v in degrees.items() if k != "ep"}
     mesh = dims.build_mesh("cpu")
     assert mesh.mesh_dim_names == MESH_DIMS
-    fsdp = dims.fsdp_mesh.mesh.flatten().tolist()  # this rank's dp_replicate x dp_shard x cp ranks
+    fsdp = dims.get_mesh("fsdp").mesh.flatten().tolist()  # this rank's dp_replicate x dp_shard x cp ranks
     shard_cp = fsdp[-dims.fsdp_shard:] if not dims.hsdp_enabled else [
-        r for row in dims.fsdp_mesh.mesh.tolist() for r in row if RANK in row]
+        r for row in dims.get_mesh("fsdp").mesh.tolist() for r in row if RANK in row]
     i = shard_cp.index(RANK)
-    assert dims.ep_mesh.mesh_dim_names == ("ep",)
-    assert dims.ep_mesh.mesh.tolist() == shard_cp[i - i % dims.ep: i - i % dims.ep + dims.ep]
-    expert = dims.expert_fsdp_mesh
+    assert dims.get_mesh("ep").mesh_dim_names == ("ep",)
+    assert dims.get_mesh("ep").mesh.tolist() == shard_cp[i - i % dims.ep: i - i % dims.ep + dims.ep]
+    expert = dims.get_mesh("expert_fsdp")
     efsdp = shard_cp[i % dims.ep::dims.ep]
     assert dims.efsdp == len(efsdp) == dims.fsdp_shard // dims.ep
     if dims.hsdp_enabled:
@@ -408,18 +415,19 @@ def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
         assert expert.mesh_dim_names == ("efsdp",) and expert.mesh.tolist() == efsdp
     # The experts' DTensor mesh: ep, then under TP the rank's tp row (ETP = 1: replicated over tp),
     # so an EP group is the ranks of one tp coordinate.
-    ep_ranks = dims.ep_mesh.mesh.tolist()
+    ep_ranks = dims.get_mesh("ep").mesh.tolist()
     if dims.tp_enabled:
-        assert dims.expert_mesh.mesh_dim_names == ("ep", "tp")
-        assert dims.expert_mesh.mesh.tolist() == [[r - r % dims.tp + t for t in range(dims.tp)] for r in ep_ranks]
+        assert dims.get_mesh("expert").mesh_dim_names == ("ep", "tp")
+        assert dims.get_mesh("expert").mesh.tolist() == [[r - r % dims.tp + t for t in range(dims.tp)]
+                                                         for r in ep_ranks]
         assert all(r % dims.tp == RANK % dims.tp for r in ep_ranks)
     else:
-        assert dims.expert_mesh is dims.ep_mesh
+        assert dims.get_mesh("expert") is dims.get_mesh("ep")
     # The dense meshes do not change with EP.
     assert dims_of(WORLD, **plain).fsdp_shard == dims.fsdp_shard and dims.ep_enabled
 
 
-@pytest.mark.parametrize("mesh", ["ep_mesh", "expert_mesh", "expert_fsdp_mesh"])
+@pytest.mark.parametrize("mesh", ["ep", "expert", "expert_fsdp"])
 def test_ep_meshes_need_ep(mesh: str) -> None:
     with pytest.raises(RuntimeError, match="expert_parallel_degree > 1"):
-        _ = getattr(dims_of(1), mesh)
+        _ = dims_of(1).get_mesh(mesh)

@@ -54,7 +54,20 @@ def test_factorizations_are_exactly_the_valid_layouts() -> None:
     for c in cands[::17]:
         res = dry_run.resolve(load_config(c.overrides), 8)
         assert (res.dims.dp_replicate, res.dims.dp_shard, res.dims.tp, res.dims.pp, res.dims.cp) == c.degrees
-        assert res.layout.ac_mode == c.ac
+        assert res.layout.ac_mode == c.layout.ac_mode
+
+
+def test_candidate_embeds_the_memory_layout() -> None:
+    """A candidate holds the memory model's Layout that the dry run resolved from its overrides and
+    declares none of its fields again."""
+    from dataclasses import fields
+
+    from torchtitan_amp import memory
+
+    assert not {f.name for f in fields(pl.Candidate)} & {f.name for f in fields(memory.Layout)}
+    for c in _evaluated()[0][::41]:
+        assert c.layout == dry_run.resolve(load_config(c.overrides + ["--dry_run.vocab_size", "128256"]), 8).layout
+        assert c.degrees == (c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.pp, c.layout.cp)
 
 
 def test_tp_beyond_a_node_is_excluded() -> None:
@@ -75,19 +88,19 @@ def test_memory_filter() -> None:
     assert not tiny["fitting"] and len(tiny["not_fitting"]) == len(_evaluated()[0])
     # What fits in 40 GiB without needing CP is listed; CP layouts that fit too are left out.
     unlisted = len(_evaluated()[0]) - len(small["fitting"]) - len(small["not_fitting"])
-    assert unlisted == sum(c.fits and c.cp > 1 for c in _evaluated()[0])
+    assert unlisted == sum(c.fits and c.layout.cp > 1 for c in _evaluated()[0])
     assert "nothing fits" in pl.format_plan(tiny, 5)
 
 
 def test_ranking_8b_on_8_gpus_picks_fsdp_8() -> None:
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
     best = result["fitting"][0]
-    assert best.degrees == (1, 8, 1, 1, 1) and best.ac == "none" and best.precision.startswith("bf16")
+    assert best.degrees == (1, 8, 1, 1, 1) and best.layout.ac_mode == "none" and best.precision.startswith("bf16")
     keys = [pl.rank_key(c) for c in result["fitting"]]
     assert keys == sorted(keys)
     assert all(c.step_s >= best.step_s / 1.01 for c in result["fitting"])
     # fp32 compute is slower than bf16 for the same layout; bf16 reduce never sends more.
-    same = {(c.precision, c.ac): c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)}
+    same = {(c.precision, c.layout.ac_mode): c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)}
     assert same[("fp32", "full")].step_s > same[("bf16/fp32-reduce", "full")].step_s
     assert same[("bf16/bf16-reduce", "none")].dp_comm_s < same[("bf16/fp32-reduce", "none")].dp_comm_s
 
@@ -95,23 +108,24 @@ def test_ranking_8b_on_8_gpus_picks_fsdp_8() -> None:
 def test_more_memory_allows_less_activation_checkpointing() -> None:
     def best_fsdp8(mem: str) -> str:
         result = _plan(*EIGHT_B, "--gpu-mem-gib", mem)
-        return next(c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)).ac
+        return next(c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1)).layout.ac_mode
 
     assert best_fsdp8("80") == "full"
     assert best_fsdp8("141") == "none"
     # And AC costs time: the same layout is faster without it.
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
-    by_ac = {c.ac: c for c in result["fitting"] if c.degrees == (1, 8, 1, 1, 1) and c.precision == "bf16/fp32-reduce"}
+    by_ac = {c.layout.ac_mode: c for c in result["fitting"]
+             if c.degrees == (1, 8, 1, 1, 1) and c.precision == "bf16/fp32-reduce"}
     assert by_ac["full"].compute_s > by_ac["none"].compute_s
 
 
 def test_pipeline_bubble_and_bandwidth() -> None:
     args = pl.parse_args([*EIGHT_B, "--gpu-mem-gib", "1000"])
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "1000")
-    pp = [c for c in result["fitting"] if c.pp > 1]
+    pp = [c for c in result["fitting"] if c.layout.pp > 1]
     assert pp
     for c in pp:
-        assert c.bubble_s == pytest.approx(c.compute_s * (c.pp - 1) / c.microbatches)
+        assert c.bubble_s == pytest.approx(c.compute_s * (c.layout.pp - 1) / c.layout.microbatches)
     # Groups that leave the node use the inter-node bandwidth (mesh: pp, dp_replicate, dp_shard, tp).
     assert pl._group_bandwidth("tp", (1, 8, 8, 1, 1), args) == 450e9
     assert pl._group_bandwidth("dp_shard", (1, 8, 8, 1, 1), args) == 50e9
@@ -137,14 +151,14 @@ def test_cli_prints_overrides_and_json(tmp_path: Path, capsys: pytest.CaptureFix
 def test_context_parallel_only_when_the_sequence_needs_it() -> None:
     # 8B at 8192 on 8 GPUs fits without CP: none is proposed, though CP 2 layouts were evaluated.
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "80")
-    assert not result["needs_cp"] and all(c.cp == 1 for c in result["fitting"])
-    assert any(c.cp == 2 for c in result["not_fitting"] + _evaluated()[0])
+    assert not result["needs_cp"] and all(c.layout.cp == 1 for c in result["fitting"])
+    assert any(c.layout.cp == 2 for c in result["not_fitting"] + _evaluated()[0])
     # 524288 tokens: one sequence's activations fit no FSDP / TP / PP split of 64 80 GiB GPUs (at
     # 131072, TP 4 with full AC still does); context parallel is what makes it fit.
     args = pl.parse_args(["--flavor", "llama3_8b", "--gpus", "64", "--seq-len", "524288", "--gpu-mem-gib", "80",
                           "--top", "3", "--min-cp-tokens", "16384"])
     long = pl.plan(args)
-    assert long["needs_cp"] and long["fitting"] and all(c.cp > 1 for c in long["fitting"])
+    assert long["needs_cp"] and long["fitting"] and all(c.layout.cp > 1 for c in long["fitting"])
     best = long["fitting"][0]
     assert best.cp_comm_s > 0 and "CP" in best.describe()
     assert "--parallelism.context_parallel_degree" in " ".join(best.overrides)
@@ -163,16 +177,19 @@ def test_expert_parallel_proposed_for_qwen3_moe() -> None:
                           "--vocab-size", "151936", "--gpu-mem-gib", "80", "--top", "3"])
     result = pl.plan(args)
     cands = result["fitting"] + result["not_fitting"]
-    assert {c.ep for c in cands} == {1, 2, 4, 8, 16}
-    assert {c.ep for c in cands if c.tp > 1} == {1, 2, 4, 8}  # EP x TP proposed: at most dp_shard = 8 with TP 2
+    assert {c.layout.ep for c in cands} == {1, 2, 4, 8, 16}
+    # EP x TP proposed: at most dp_shard = 8 with TP 2
+    assert {c.layout.ep for c in cands if c.layout.tp > 1} == {1, 2, 4, 8}
     best = result["fitting"][0]
-    assert best.ep > 1 and best.ep_comm_s > 0 and f"EP {best.ep}" in best.describe(), pl.format_plan(result, 5)
-    assert f"--parallelism.expert_parallel_degree {best.ep}" in " ".join(best.overrides)
+    assert best.layout.ep > 1 and best.ep_comm_s > 0 and f"EP {best.layout.ep}" in best.describe(), \
+        pl.format_plan(result, 5)
+    assert f"--parallelism.expert_parallel_degree {best.layout.ep}" in " ".join(best.overrides)
     res = dry_run.resolve(load_config(best.overrides + ["--dry_run.vocab_size", "151936"]), 16)
-    assert res.dims.ep == best.ep and res.layout.ep == best.ep
+    assert res.dims.ep == best.layout.ep and res.layout.ep == best.layout.ep
     # FLOPs of the active experts only: the step's compute is well under a dense 30B model's.
     dense_flops = 6 * (res.model_dims.total_params() - 151936 * 2048) * 16 * 4096
-    assert best.compute_s < 0.2 * dense_flops / 16 / (0.4 * 989e12) * (4 / 3 if best.ac == "full" else 1)
+    full_ac = 4 / 3 if best.layout.ac_mode == "full" else 1
+    assert best.compute_s < 0.2 * dense_flops / 16 / (0.4 * 989e12) * full_ac
 
 
 def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> None:
@@ -183,11 +200,11 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
     args = pl.parse_args(["--flavor", "llama3_8b", "--gpus", "16", "--seq-len", "8192", "--replica-groups", "2"])
     result = pl.plan(args)
     cands = result["fitting"]
-    assert {(c.precision, c.ac) for c in cands} >= {("fp32", "full"), ("bf16/bf16-reduce", "full")}
-    assert all(c.degrees == (1, 8, 1, 1, 1) and c.replica_groups == 2 for c in cands)
+    assert {(c.precision, c.layout.ac_mode) for c in cands} >= {("fp32", "full"), ("bf16/bf16-reduce", "full")}
+    assert all(c.degrees == (1, 8, 1, 1, 1) and c.layout.replica_groups == 2 for c in cands)
     assert cands[0].describe() == "FT 2 x FSDP 8"
     # One 8-GPU job's FSDP 8 candidates: the same per-rank batch and group traffic.
-    plain = {(c.precision, c.ac): c for c in _evaluated()[0] if c.degrees == (1, 8, 1, 1, 1)}
+    plain = {(c.precision, c.layout.ac_mode): c for c in _evaluated()[0] if c.degrees == (1, 8, 1, 1, 1)}
     n = 8_030_261_248  # Llama 3 8B's parameters
     for c in cands:
         res = dry_run.resolve(load_config(c.overrides), 8)
@@ -201,7 +218,7 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
         if c.precision == "bf16/bf16-reduce":  # bf16 but for what the plan keeps in fp32
             assert c.ft_allreduce_bytes["bfloat16"] > 0.85 * n / 8 * 2
         # An all-reduce over 2 groups moves 2 x (2 - 1) / 2 of the bytes, at 50 GB/s between nodes.
-        extra = c.dp_comm_s - plain[(c.precision, c.ac)].dp_comm_s
+        extra = c.dp_comm_s - plain[(c.precision, c.layout.ac_mode)].dp_comm_s
         assert extra == pytest.approx(shard_bytes / 50e9, rel=1e-9)
     assert "2 torchft replica groups of 8 GPUs" in pl.format_plan(result, 3)
     with pytest.raises(SystemExit):

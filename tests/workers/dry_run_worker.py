@@ -157,14 +157,14 @@ def run_job(args: list[str]) -> dict:
         if trainer.dims.cp_enabled:
             # FSDP shards over dp_shard x cp: its group is neither dim's. Groups are told apart by
             # their ranks, so a layout whose FSDP group has the cp group's ranks cannot be counted.
-            fsdp = trainer.dims.fsdp_mesh
+            fsdp = trainer.dims.get_mesh("fsdp")
             ranks = _group_ranks((fsdp["dp_shard_cp"] if trainer.dims.hsdp_enabled else fsdp).get_group())
             assert ranks not in GROUP_DIMS, f"FSDP's group {ranks} is also the {GROUP_DIMS[ranks]} group's"
             GROUP_DIMS[ranks] = "dp_shard"
     HSDP["on"] = trainer.dims.hsdp_enabled
-    EP["ranks"] = _group_ranks(trainer.dims.ep_mesh.get_group()) if trainer.dims.ep_enabled else None
+    EP["ranks"] = _group_ranks(trainer.dims.get_mesh("ep").get_group()) if trainer.dims.ep_enabled else None
     if trainer.dims.ep_enabled and trainer.dims.efsdp > 1:
-        efsdp = trainer.dims.expert_fsdp_mesh
+        efsdp = trainer.dims.get_mesh("expert_fsdp")
         ranks = _group_ranks((efsdp["efsdp"] if trainer.dims.hsdp_enabled else efsdp).get_group())
         assert ranks not in GROUP_DIMS, f"the experts' FSDP group {ranks} is also the {GROUP_DIMS[ranks]} group's"
         GROUP_DIMS[ranks] = "efsdp"

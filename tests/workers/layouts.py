@@ -277,7 +277,7 @@ def _rank_info(trainer: Trainer) -> dict:
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
         info["mesh_shape"] = list(mesh.shape)
         info["coordinate"] = list(mesh.get_coordinate())
-        info["dp_mesh_size"] = dims.dp_mesh.size()
+        info["dp_mesh_size"] = dims.get_mesh("dp").size()
     return info
 
 

@@ -9,6 +9,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan_amp.config import ConfigError, ParallelismConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The meshes build_mesh derives from the root one (ParallelDims.get_mesh(name)), and what each is.
+MESHES = {
+    "dp": "all data-parallel ranks (replicate x shard) of this rank's pp/cp/tp coordinates, flattened",
+    "fsdp": "FSDP's mesh: dp_shard x cp flattened, with dp_replicate in front under HSDP",
+    "loss": "every rank holding a share of the step's tokens: data-parallel x context-parallel",
+    "ep": "the ranks a layer's routed experts are split over (consecutive ranks of dp_shard x cp)",
+    "expert": "the mesh the routed experts are DTensors on: ep (Shard(0)), then tp (Replicate) under TP",
+    "expert_fsdp": "FSDP's mesh for the routed experts: efsdp, with dp_replicate in front under HSDP",
+}
+EXPERT_MESHES = ("ep", "expert", "expert_fsdp")  # built only with expert_parallel_degree > 1
 
 
 @dataclass
@@ -21,12 +31,8 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
-    _dp_mesh: DeviceMesh | None = field(default=None, repr=False)
-    _fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
-    _loss_mesh: DeviceMesh | None = field(default=None, repr=False)
-    _ep_mesh: DeviceMesh | None = field(default=None, repr=False)
-    _expert_fsdp_mesh: DeviceMesh | None = field(default=None, repr=False)
-    _expert_mesh: DeviceMesh | None = field(default=None, repr=False)
+    # The meshes build_mesh derives, by their names in MESHES (get_mesh reads them).
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, p: ParallelismConfig, world_size: int) -> "ParallelDims":
@@ -84,7 +90,7 @@ class ParallelDims:
 
     @property
     def fsdp_mesh_dims(self) -> tuple[str, ...]:
-        """The mesh dims FSDP shards over (after build_mesh, `fsdp_mesh` is them as one mesh)."""
+        """The mesh dims FSDP shards over (after build_mesh, `get_mesh("fsdp")` is them as one mesh)."""
         return ("dp_replicate", "dp_shard_cp") if self.hsdp_enabled else ("dp_shard_cp",)
 
     @property
@@ -126,22 +132,22 @@ class ParallelDims:
         degrees = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, degrees, mesh_dim_names=MESH_DIMS)
         # Keep the flattened views: slicing them back out of the root mesh is deprecated in torch.
-        self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        meshes = {"dp": mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")}
         shard_cp = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-        self._loss_mesh = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
-        self._fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp_enabled else shard_cp
+        meshes["loss"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        meshes["fsdp"] = fsdp = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp_enabled else shard_cp
         if self.ep_enabled:
             # EP takes the innermost (nearest) ranks of dp_shard x cp, as torchtitan; unflattened
             # from FSDP's dim so that both expert meshes share the root mesh, which FSDP needs to
             # shard parameters that are already DTensors on the ep mesh.
             # By index: torch 2.11's _unflatten does not find a dim given by name.
-            sparse = self._fsdp_mesh._unflatten(self._fsdp_mesh.ndim - 1, (self.efsdp, self.ep), ("efsdp", "ep"))
-            self._ep_mesh = sparse["ep"]
-            self._expert_fsdp_mesh = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
+            sparse = fsdp._unflatten(fsdp.ndim - 1, (self.efsdp, self.ep), ("efsdp", "ep"))
+            meshes["ep"] = sparse["ep"]
+            meshes["expert_fsdp"] = sparse["dp_replicate", "efsdp"] if self.hsdp_enabled else sparse["efsdp"]
             # Under TP the experts are also replicated over tp (ETP = 1): one (ep, tp) mesh, whose ep
             # groups are the ranks of one tp coordinate.
-            self._expert_mesh = (DeviceMesh._concatenate([self._ep_mesh, mesh["tp"]]) if self.tp_enabled
-                                 else self._ep_mesh)
+            meshes["expert"] = DeviceMesh._concatenate([meshes["ep"], mesh["tp"]]) if self.tp_enabled else meshes["ep"]
+        self._meshes = meshes
         self._mesh = mesh
         return mesh
 
@@ -151,44 +157,13 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build_mesh() has not been called")
         return self._mesh
 
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: dp_shard x cp flattened, with dp_replicate in front under HSDP."""
-        if self._fsdp_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called")
-        return self._fsdp_mesh
-
-    @property
-    def loss_mesh(self) -> DeviceMesh:
-        """Every rank holding a share of the step's tokens: data-parallel x context-parallel."""
-        if self._loss_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called")
-        return self._loss_mesh
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """All data-parallel ranks (replicate x shard) of this rank's pp/tp coordinates, flattened."""
-        if self._dp_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called")
-        return self._dp_mesh
-
-    @property
-    def ep_mesh(self) -> DeviceMesh:
-        """The ranks a layer's routed experts are split over (consecutive ranks of dp_shard x cp)."""
-        if self._ep_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
-        return self._ep_mesh
-
-    @property
-    def expert_mesh(self) -> DeviceMesh:
-        """The mesh the routed experts are DTensors on: ep (Shard(0)), then tp (Replicate) under TP."""
-        if self._expert_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
-        return self._expert_mesh
-
-    @property
-    def expert_fsdp_mesh(self) -> DeviceMesh:
-        """FSDP's mesh for the routed experts: efsdp, with dp_replicate in front under HSDP."""
-        if self._expert_fsdp_mesh is None:
-            raise RuntimeError("ParallelDims.build_mesh() has not been called with expert_parallel_degree > 1")
-        return self._expert_fsdp_mesh
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """A mesh build_mesh derived from the root one, by its name in MESHES (the root mesh's own
+        dims are `mesh[dim]`)."""
+        if name not in MESHES:
+            raise ValueError(f"unknown mesh {name!r}; allowed meshes: {', '.join(MESHES)} "
+                             "(the root mesh's dims: ParallelDims.mesh[name])")
+        if name not in self._meshes:
+            needs = " with expert_parallel_degree > 1" if name in EXPERT_MESHES else ""
+            raise RuntimeError(f"ParallelDims.build_mesh() has not been called{needs}")
+        return self._meshes[name]

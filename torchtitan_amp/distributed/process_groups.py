@@ -119,8 +119,9 @@ def set_timeouts(timeout_s: float, dims: "ParallelDims") -> None:
     if dims.world_size > 1:
         mesh = dims.mesh
         groups += [mesh.get_group(name) for name in mesh.mesh_dim_names]
-        groups += [dims.dp_mesh.get_group(), dims.loss_mesh.get_group()]
-        groups += [dims.fsdp_mesh.get_group(i) for i in range(dims.fsdp_mesh.ndim)]
+        groups += [dims.get_mesh("dp").get_group(), dims.get_mesh("loss").get_group()]
+        fsdp = dims.get_mesh("fsdp")
+        groups += [fsdp.get_group(i) for i in range(fsdp.ndim)]
     for group in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 

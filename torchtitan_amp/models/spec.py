@@ -21,41 +21,69 @@ read that attribute, whatever the family), which makes them fp32 islands by defa
 from __future__ import annotations
 
 import dataclasses
+import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
 
-@dataclass(frozen=True)
-class HFAdapter:
-    """How a family's checkpoints look in Hugging Face form; checkpoint/hf.py does the reading,
-    writing, slicing and permuting for every family with these."""
+ArgsT = TypeVar("ArgsT")  # a family's model-args dataclass
 
-    display_name: str  # the model's name in messages ("Llama")
-    to_hf_name: Callable[[str], str]  # our FQN -> HF tensor name
-    from_hf_name: Callable[[str], str | None]  # HF tensor name -> our FQN (None: no place for it)
-    ignored: Any  # a compiled regex of HF tensor names to skip on import (e.g. rotary buffers)
-    # (our FQN, args) -> the head count of a tensor whose rows the HF rotary layout (halves)
-    # orders differently from ours (interleaved pairs), or None for every other tensor.
-    rotary_heads: Callable[[str, Any], int | None]
-    # (config.json, folder) -> the fields this family reads, in args terms (CheckpointError for a
-    # config it cannot represent); args -> the same fields; field -> its config.json name.
-    config_fields: Callable[[dict[str, Any], Any], dict[str, Any]]
-    args_fields: Callable[[Any], dict[str, Any]]
-    field_names: dict[str, str]
-    # (args, dtype name, bos id, eos id) -> config.json
-    hf_config: Callable[[Any, str, int | None, int | None], dict[str, Any]]
-    # (field, config.json's value in args terms) -> how an error message shows it
-    describe: Callable[[str, Any], Any] = lambda key, value: value
-    # (our FQN, args) -> (HF names, transposed) for one of our tensors that HF stores as several
-    # stacked along a new dim 0 (MoE experts: our [E, dim, hidden] is E HF [hidden, dim] weights,
-    # each transposed); None for the one-to-one tensors. from_hf_name maps each part to our FQN.
-    stacked: Callable[[str, Any], tuple[list[str], bool] | None] = lambda fqn, args: None
-    # A compiled regex of our FQNs that the HF form has no place for and whose zero value computes
-    # as the HF model does (MoE expert bias): zeroed on import; an export refuses a nonzero one.
-    zero_in_hf: Any = None
+
+class HFAdapter(ABC, Generic[ArgsT]):
+    """How a family's checkpoints look in Hugging Face form; checkpoint/hf.py does the reading,
+    writing, slicing and permuting for every family through these methods (torchtitan's
+    BaseStateDictAdapter). A family subclasses it (or another family's adapter) and sets the class
+    attributes; `describe` and `stacked` have defaults for a family without such cases."""
+
+    display_name: ClassVar[str]  # the model's name in messages ("Llama")
+    # HF tensor names to skip on import (e.g. rotary buffers older exports carry)
+    ignored: ClassVar[re.Pattern[str]] = re.compile(r"(?!)")
+    field_names: ClassVar[dict[str, str]]  # a config_fields field -> its config.json name (error messages)
+    # Our FQNs that the HF form has no place for and whose zero value computes as the HF model does
+    # (MoE expert bias): zeroed on import; an export refuses a nonzero one. None: no such tensor.
+    zero_in_hf: ClassVar[re.Pattern[str] | None] = None
+
+    @abstractmethod
+    def to_hf_name(self, fqn: str) -> str:
+        """Our FQN -> its HF tensor name."""
+
+    @abstractmethod
+    def from_hf_name(self, name: str) -> str | None:
+        """An HF tensor name -> our FQN (None: this model has no place for it)."""
+
+    @abstractmethod
+    def rotary_heads(self, fqn: str, args: ArgsT) -> int | None:
+        """The head count of a tensor of ours whose rows the HF rotary layout (halves) orders
+        differently from ours (interleaved pairs), or None for every other tensor."""
+
+    @abstractmethod
+    def config_fields(self, cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
+        """The fields of a folder's config.json this family reads, in model-args terms;
+        CheckpointError for a config it cannot represent."""
+
+    @abstractmethod
+    def args_fields(self, args: ArgsT) -> dict[str, Any]:
+        """The same fields as config_fields, from our model args (check_config compares the two)."""
+
+    @abstractmethod
+    def hf_config(self, args: ArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+        """config.json for `args`, with `dtype` as torch_dtype and the tokenizer's bos / eos ids
+        (None: left out); CheckpointError for args the HF form cannot say."""
+
+    def describe(self, key: str, value: Any) -> Any:
+        """A config_fields value as an error message shows it (config.json's spelling)."""
+        return value
+
+    def stacked(self, fqn: str, args: ArgsT) -> tuple[list[str], bool] | None:
+        """For one of our tensors that HF stores as several stacked along a new dim 0 (MoE experts:
+        our [E, dim, hidden] is E HF [hidden, dim] weights), the HF names of its parts and whether
+        each is transposed; None for the one-to-one tensors. from_hf_name maps each part to our FQN."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -84,7 +112,7 @@ class ModelFamily:
     memory_dims: Callable[[Any], Any]
     # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields);
     # None: the family has no Hugging Face form (import and export say so in one line).
-    hf: HFAdapter | None = None
+    hf: HFAdapter[Any] | None = None
     # Run on every rank after each step's backward, before the optimizer step, with (model parts,
     # the group of ranks holding other tokens, the pipeline group): state that learns from the
     # step outside the optimizer (MoE load balancing); returns metrics for the step's log line as

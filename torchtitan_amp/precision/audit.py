@@ -204,14 +204,14 @@ def _group_dims(dims: Any) -> dict[tuple[int, ...], str]:
         return {}
     out = {}
     if dims.ep > 1 and dims.efsdp > 1:
-        efsdp = dims.expert_fsdp_mesh
+        efsdp = dims.get_mesh("expert_fsdp")
         out[_mesh_ranks(efsdp["efsdp"] if efsdp.ndim > 1 else efsdp)] = "efsdp"
     for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         if getattr(dims, dim) > 1:
             out[_mesh_ranks(dims.mesh[dim])] = dim
     if dims.cp > 1:
-        out[_mesh_ranks(dims.loss_mesh)] = "dp_cp"
-        fsdp = dims.fsdp_mesh
+        out[_mesh_ranks(dims.get_mesh("loss"))] = "dp_cp"
+        fsdp = dims.get_mesh("fsdp")
         out[_mesh_ranks(fsdp["dp_shard_cp"] if fsdp.ndim > 1 else fsdp)] = "dp_shard_cp"
     return out
 
@@ -348,7 +348,7 @@ class Auditor:
             traffic.install(_categorize, point_to_point=True, functional=True)
         _GROUP_DIMS.clear()
         _GROUP_DIMS.update(_group_dims(self.trainer.dims))
-        _EP_RANKS[:] = [_mesh_ranks(self.trainer.dims.ep_mesh)] if self.trainer.dims.ep > 1 else []
+        _EP_RANKS[:] = [_mesh_ranks(self.trainer.dims.get_mesh("ep"))] if self.trainer.dims.ep > 1 else []
         gemms: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
 
         def on_gemm(record: GemmRecord) -> None:

@@ -69,15 +69,11 @@ DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "d
 
 @dataclass
 class Candidate:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    cp: int
-    precision: str
-    ac: str
-    microbatches: int
-    grad_accum: int
+    """One layout x precision x AC: the memory model's Layout that the dry run resolved from
+    `overrides` (degrees, EP split, replica groups, AC mode, microbatches), and its estimates."""
+
+    layout: memory.Layout
+    precision: str  # a name of PRECISIONS
     overrides: list[str]
     memory_gib: float = 0.0
     memory_by_stage_gib: list[float] = field(default_factory=list)
@@ -92,29 +88,29 @@ class Candidate:
     tokens_per_s_per_gpu: float = 0.0
     mfu: float = 0.0
     fits: bool = False
-    ep: int = 1  # expert parallel (MoE): a split of dp_shard x cp, not a degree of its own
     ep_comm_s: float = 0.0
-    replica_groups: int = 1  # torchft replica groups (fault_tolerance.group_size); degrees are one group's
     ft_allreduce_bytes: dict[str, int] = field(default_factory=dict)  # per rank per step, by dtype
 
     @property
     def degrees(self) -> tuple[int, int, int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp
+        lay = self.layout
+        return lay.dp_replicate, lay.dp_shard, lay.tp, lay.pp, lay.cp
 
     def describe(self) -> str:
-        parts = [f"CP {self.cp}"] if self.cp > 1 else []
-        parts += [f"EP {self.ep}"] if self.ep > 1 else []
-        if self.dp_replicate > 1:
-            ddp = self.dp_shard * self.cp == 1  # CP always shards (over dp_shard x cp)
-            parts.append(f"DDP {self.dp_replicate}" if ddp else f"HSDP {self.dp_replicate}x{self.dp_shard}")
-        if self.dp_shard > 1 and self.dp_replicate == 1:
-            parts.append(f"FSDP {self.dp_shard}")
-        if self.tp > 1:
-            parts.append(f"TP {self.tp}")
-        if self.pp > 1:
-            parts.append(f"PP {self.pp}")
+        lay = self.layout
+        parts = [f"CP {lay.cp}"] if lay.cp > 1 else []
+        parts += [f"EP {lay.ep}"] if lay.ep > 1 else []
+        if lay.dp_replicate > 1:
+            ddp = lay.dp_shard * lay.cp == 1  # CP always shards (over dp_shard x cp)
+            parts.append(f"DDP {lay.dp_replicate}" if ddp else f"HSDP {lay.dp_replicate}x{lay.dp_shard}")
+        if lay.dp_shard > 1 and lay.dp_replicate == 1:
+            parts.append(f"FSDP {lay.dp_shard}")
+        if lay.tp > 1:
+            parts.append(f"TP {lay.tp}")
+        if lay.pp > 1:
+            parts.append(f"PP {lay.pp}")
         group = " x ".join(parts) or "single"
-        return f"FT {self.replica_groups} x {group}" if self.replica_groups > 1 else group
+        return f"FT {lay.replica_groups} x {group}" if lay.replica_groups > 1 else group
 
 
 Degrees = tuple[int, int, int, int, int]  # (dp_replicate, dp_shard, tp, pp, cp)
@@ -197,12 +193,12 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     flops_tok = model_flops * (4 / 3 if layout.ac_mode == "full" else 1)
     rate = args.mfu * args.peak_tflops * 1e12 * (args.fp32_speed if cand.precision == "fp32" else 1.0)
     cand.compute_s = tokens * flops_tok / args.gpus / rate
-    cand.bubble_s = cand.compute_s * (layout.pp - 1) / cand.microbatches if layout.pp > 1 else 0.0
+    cand.bubble_s = cand.compute_s * (layout.pp - 1) / layout.microbatches if layout.pp > 1 else 0.0
 
     comm: dict[str, float] = {}
     for r in pp_ranks:  # the slowest stage sets the pace
         for category, by_dtype in memory.comm(model, prec, layout, pp_rank=r).items():
-            t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args, cand.ep)
+            t = _collective_seconds(category, memory.sum_bytes(by_dtype), cand.degrees, args, layout.ep)
             comm[category] = max(comm.get(category, 0.0), t)
             if category == "ft_cross_group_all_reduce":
                 cand.ft_allreduce_bytes = {str(k): int(v) for k, v in by_dtype.items()}
@@ -281,8 +277,7 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
                     except ConfigError:
                         rejected += 1
                         continue
-                    cand = Candidate(r, s, t, p, c, prec_name, ac, res.layout.microbatches, res.layout.grad_accum,
-                                     overrides, ep=ep, replica_groups=args.replica_groups)
+                    cand = Candidate(res.layout, prec_name, overrides)
                     out.append(evaluate(cand, res, args))
     return out, rejected
 
@@ -301,8 +296,8 @@ def plan(args: Any, evaluated: tuple[list[Candidate], int] | None = None) -> dic
         c.fits = c.memory_gib <= args.gpu_mem_gib * args.mem_fraction
     # CP only where the sequence needs it: it buys memory with K/V traffic (and, under block_causal,
     # attention over an explicit mask that computes every query-key block).
-    needs_cp = not any(c.fits and c.cp == 1 for c in cands)
-    fitting = sorted((c for c in cands if c.fits and (needs_cp or c.cp == 1)), key=rank_key)
+    needs_cp = not any(c.fits and c.layout.cp == 1 for c in cands)
+    fitting = sorted((c for c in cands if c.fits and (needs_cp or c.layout.cp == 1)), key=rank_key)
     return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected, "needs_cp": needs_cp,
             "fitting": fitting, "not_fitting": sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)}
 
@@ -324,16 +319,16 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         f"{'compute':>8s} {'bubble':>7s} {'dp exp':>7s} {'tp':>7s} {'pp':>6s} {'tok/s/GPU':>10s} {'MFU':>6s}",
     ]
     for i, c in enumerate(result["fitting"][:top], 1):
-        mb = c.microbatches if c.pp > 1 else c.grad_accum
+        mb = c.layout.microbatches if c.layout.pp > 1 else c.layout.grad_accum
         lines.append(
-            f"{i:3d} {c.describe():22s} {c.precision:17s} {c.ac:4s} {mb:4d} {c.memory_gib:8.1f} {c.step_s:8.2f} "
-            f"{c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} {c.tp_comm_s + c.cp_comm_s + c.ep_comm_s:7.2f} "
-            f"{c.pp_comm_s:6.2f} "
+            f"{i:3d} {c.describe():22s} {c.precision:17s} {c.layout.ac_mode:4s} {mb:4d} {c.memory_gib:8.1f} "
+            f"{c.step_s:8.2f} {c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} "
+            f"{c.tp_comm_s + c.cp_comm_s + c.ep_comm_s:7.2f} {c.pp_comm_s:6.2f} "
             f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}")
     if not result["fitting"]:
         lines.append("  (nothing fits; smallest footprints:)")
         for c in result["not_fitting"][:5]:
-            lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.ac:4s} {c.memory_gib:8.1f} GiB")
+            lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.layout.ac_mode:4s} {c.memory_gib:8.1f} GiB")
     lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
               "FSDP/DDP traffic; tp/pp: TP (+ CP, + EP all-to-all) and PP traffic time", ""]
     if a["replica_groups"] > 1:

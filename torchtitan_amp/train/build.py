@@ -123,11 +123,11 @@ def build_groups(info: process_groups.DistInfo, job: Job) -> LoopGroups:
         return LoopGroups()
     dims = job.dims
     mesh = dims.build_mesh(info.device.type)
-    assert dims.dp_mesh.get_local_rank() == dims.dp_rank(info.rank)
+    assert dims.get_mesh("dp").get_local_rank() == dims.dp_rank(info.rank)
     assert mesh["cp"].get_local_rank() == dims.cp_rank(info.rank)
     # Every rank holding a share of the step's tokens: cp ranks hold parts of one window.
-    return LoopGroups(dp=dims.dp_mesh.get_group(), pp=mesh["pp"].get_group() if dims.pp_enabled else None,
-                      loss=dims.loss_mesh.get_group())
+    return LoopGroups(dp=dims.get_mesh("dp").get_group(), pp=mesh["pp"].get_group() if dims.pp_enabled else None,
+                      loss=dims.get_mesh("loss").get_group())
 
 
 def build_model(config: JobConfig, job: Job, device: torch.device, is_logging_rank: bool,

@@ -113,7 +113,7 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
     if dims.cp_enabled:
         apply_cp(model, plan.context_parallel(dims.mesh["cp"].get_group()))
     if dims.ep_enabled:
-        apply_ep(model, dims.ep_mesh, dims.expert_mesh)
+        apply_ep(model, dims.get_mesh("ep"), dims.get_mesh("expert"))
     apply_expert_kernels(model, plan, config.compile.enable)
     if config.activation_checkpoint.mode != "none":
         apply_ac(model, config.activation_checkpoint, family.ac_regions)
@@ -122,8 +122,8 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         # trace, and a family may read sizes on the host (MoE): allow graph breaks there.
         apply_compile(model, fullgraph=plan.path != "fsdp" and family.compile_fullgraph)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.fsdp_mesh, plan, config.parallelism.fsdp_reshard_after_forward,
-                   dims.pp_enabled, dims.expert_fsdp_mesh if dims.ep_enabled else None)
+        apply_fsdp(model, dims.get_mesh("fsdp"), plan, config.parallelism.fsdp_reshard_after_forward,
+                   dims.pp_enabled, dims.get_mesh("expert_fsdp") if dims.ep_enabled else None)
     elif dims.ddp_enabled:
         apply_ddp(model, dims.mesh["dp_replicate"], plan, config.parallelism.ddp_bucket_cap_mb,
                   default_hook=traffic.default_ddp_hook())

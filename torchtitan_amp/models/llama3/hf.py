@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, ffn_hidden_dim
 from torchtitan_amp.models.spec import HFAdapter
 
 CONFIG = "config.json"
+LlamaArgsT = TypeVar("LlamaArgsT", bound=LlamaModelArgs)  # Llama's args or a family's that extend them
 
 # Our FQN inside layers.<i>. -> HF's inside model.layers.<i> (the MoE family's table extends it).
 LAYER_NAMES = {
@@ -47,27 +48,6 @@ def layer_mapped_name(fqn: str, layer_names: dict[str, str], top_names: dict[str
     return top_names[fqn]
 
 
-def to_hf_name(fqn: str) -> str:
-    return layer_mapped_name(fqn, LAYER_NAMES, TOP_NAMES)
-
-
-def from_hf_name(name: str) -> str | None:
-    """Our FQN for a Hugging Face tensor name, or None for one this model has no place for."""
-    if m := _HF_LAYER.match(name):
-        ours = {hf: o for o, hf in LAYER_NAMES.items()}.get(m[2])
-        return f"layers.{m[1]}.{ours}" if ours else None
-    return {hf: o for o, hf in TOP_NAMES.items()}.get(name)
-
-
-def rotary_heads(fqn: str, args: LlamaModelArgs) -> int | None:
-    """The head count of a q or k projection, whose rows the two rotary layouts order differently."""
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
-
-
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, llama3 scaling or None) from either spelling: `rope_theta` + `rope_scaling`
     (published configs, transformers < 5) or `rope_parameters` (transformers >= 5)."""
@@ -76,45 +56,6 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     scaling = cfg.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     return float(theta), (None if kind == "default" else {**scaling, "rope_type": kind})
-
-
-def config_fields(cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The config.json fields this model reads, in model-args terms; CheckpointError for a
-    config this model cannot represent (another architecture, biases, another rope type)."""
-    where = folder / CONFIG
-
-    def need(field: str) -> Any:
-        if field not in cfg:
-            raise CheckpointError(f"{where} has no '{field}'")
-        return cfg[field]
-
-    if cfg.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"{where}: 'model_type' = {cfg['model_type']!r}; only 'llama' can be loaded")
-    for field, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if cfg.get(field, allowed) != allowed:
-            raise CheckpointError(f"{where}: '{field}' = {cfg[field]!r}; this model supports only {allowed!r}")
-    dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    if cfg.get("head_dim") not in (None, dim // n_heads):
-        raise CheckpointError(f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
-                              f"= {dim // n_heads}; this model supports only the latter")
-    theta, scaling = rope_settings(cfg)
-    fields = {
-        "dim": dim, "n_layers": int(need("num_hidden_layers")), "n_heads": n_heads,
-        "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),
-        "ffn_hidden": int(need("intermediate_size")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_theta": theta, "use_scaled_rope": scaling is not None,
-        # transformers' default when the field is absent
-        "enable_weight_tying": bool(cfg.get("tie_word_embeddings", False)),
-    }
-    if scaling is not None:
-        if scaling["rope_type"] != "llama3":
-            raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported "
-                                  "(allowed: 'llama3', or none)")
-        fields.update(rope_scaling_factor=float(scaling["factor"]),
-                      rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                      rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                      rope_original_max_position=int(scaling["original_max_position_embeddings"]))
-    return fields
 
 
 # config.json's name for each model-args field, for the error message.
@@ -127,58 +68,119 @@ _HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "
              "enable_weight_tying": "tie_word_embeddings"}
 
 
-def args_fields(args: LlamaModelArgs) -> dict[str, Any]:
-    """The same fields as config_fields, from our model args. Tying is compared one way only: a
-    tied model cannot hold a folder's two different matrices, but an untied one can start from a
-    tied folder (its output layer begins as a copy of the embeddings: checkpoint/hf.HFReader)."""
-    fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
-              "vocab_size": args.vocab_size,
-              "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-              "norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope}
-    if args.enable_weight_tying:
-        fields["enable_weight_tying"] = True
-    if args.use_scaled_rope:
-        fields.update(rope_scaling_factor=args.rope_scaling_factor, rope_low_freq_factor=args.rope_low_freq_factor,
-                      rope_high_freq_factor=args.rope_high_freq_factor,
-                      rope_original_max_position=args.rope_original_max_position)
-    return fields
+class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
+    """LlamaForCausalLM. A family whose checkpoints are Llama's with other tensors (the MoE family's
+    Qwen3-MoE) derives from it and changes `layer_names` and the methods that differ."""
+
+    display_name = "Llama"
+    ignored = IGNORED
+    field_names = _HF_FIELD
+    # Our FQN inside layers.<i>. -> HF's inside model.layers.<i>.; the other tensors'.
+    layer_names: ClassVar[dict[str, str]] = LAYER_NAMES
+    top_names: ClassVar[dict[str, str]] = TOP_NAMES
+
+    def to_hf_name(self, fqn: str) -> str:
+        return layer_mapped_name(fqn, self.layer_names, self.top_names)
+
+    def from_hf_name(self, name: str) -> str | None:
+        """Our FQN for a Hugging Face tensor name, or None for one this model has no place for."""
+        if m := _HF_LAYER.match(name):
+            ours = {hf: o for o, hf in self.layer_names.items()}.get(m[2])
+            return f"layers.{m[1]}.{ours}" if ours else None
+        return {hf: o for o, hf in self.top_names.items()}.get(name)
+
+    def rotary_heads(self, fqn: str, args: LlamaArgsT) -> int | None:
+        """The head count of a q or k projection, whose rows the two rotary layouts order differently."""
+        if fqn.endswith("attention.wq.weight"):
+            return args.n_heads
+        if fqn.endswith("attention.wk.weight"):
+            return args.kv_heads
+        return None
+
+    def config_fields(self, cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
+        """The config.json fields this model reads, in model-args terms; CheckpointError for a
+        config this model cannot represent (another architecture, biases, another rope type)."""
+        where = folder / CONFIG
+
+        def need(field: str) -> Any:
+            if field not in cfg:
+                raise CheckpointError(f"{where} has no '{field}'")
+            return cfg[field]
+
+        if cfg.get("model_type", "llama") != "llama":
+            raise CheckpointError(f"{where}: 'model_type' = {cfg['model_type']!r}; only 'llama' can be loaded")
+        for field, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+            if cfg.get(field, allowed) != allowed:
+                raise CheckpointError(f"{where}: '{field}' = {cfg[field]!r}; this model supports only {allowed!r}")
+        dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        if cfg.get("head_dim") not in (None, dim // n_heads):
+            raise CheckpointError(f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
+                                  f"= {dim // n_heads}; this model supports only the latter")
+        theta, scaling = rope_settings(cfg)
+        fields = {
+            "dim": dim, "n_layers": int(need("num_hidden_layers")), "n_heads": n_heads,
+            "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),
+            "ffn_hidden": int(need("intermediate_size")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_theta": theta, "use_scaled_rope": scaling is not None,
+            # transformers' default when the field is absent
+            "enable_weight_tying": bool(cfg.get("tie_word_embeddings", False)),
+        }
+        if scaling is not None:
+            if scaling["rope_type"] != "llama3":
+                raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported "
+                                      "(allowed: 'llama3', or none)")
+            fields.update(rope_scaling_factor=float(scaling["factor"]),
+                          rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                          rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                          rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+        return fields
+
+    def args_fields(self, args: LlamaArgsT) -> dict[str, Any]:
+        """The same fields as config_fields, from our model args. Tying is compared one way only: a
+        tied model cannot hold a folder's two different matrices, but an untied one can start from a
+        tied folder (its output layer begins as a copy of the embeddings: checkpoint/hf.HFReader)."""
+        fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
+                  "vocab_size": args.vocab_size,
+                  "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+                  "norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope}
+        if args.enable_weight_tying:
+            fields["enable_weight_tying"] = True
+        if args.use_scaled_rope:
+            fields.update(rope_scaling_factor=args.rope_scaling_factor, rope_low_freq_factor=args.rope_low_freq_factor,
+                          rope_high_freq_factor=args.rope_high_freq_factor,
+                          rope_original_max_position=args.rope_original_max_position)
+        return fields
+
+    def hf_config(self, args: LlamaArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+        """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
+        transformers version and inference server reads. A tied model says so (tie_word_embeddings)
+        and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
+        cfg: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+            "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
+            "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False, "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
+        }
+        if args.use_scaled_rope:
+            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                                   "low_freq_factor": args.rope_low_freq_factor,
+                                   "high_freq_factor": args.rope_high_freq_factor,
+                                   "original_max_position_embeddings": args.rope_original_max_position}
+            # The context the scaling was made for, if longer than what this run trained on.
+            cfg["max_position_embeddings"] = max(args.max_seq_len,
+                                                 int(args.rope_original_max_position * args.rope_scaling_factor))
+        if bos_id is not None:
+            cfg["bos_token_id"] = bos_id
+        if eos_id is not None:
+            cfg["eos_token_id"] = eos_id
+        return cfg
+
+    def describe(self, key: str, value: Any) -> Any:
+        """A config value as config.json spells it, for an error message (rope scaling is a type)."""
+        return ("llama3" if value else "none") if key == "use_scaled_rope" else value
 
 
-def hf_config(args: LlamaModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
-    transformers version and inference server reads. A tied model says so (tie_word_embeddings)
-    and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
-    }
-    if args.use_scaled_rope:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                               "low_freq_factor": args.rope_low_freq_factor,
-                               "high_freq_factor": args.rope_high_freq_factor,
-                               "original_max_position_embeddings": args.rope_original_max_position}
-        # The context the scaling was made for, if longer than what this run trained on.
-        cfg["max_position_embeddings"] = max(args.max_seq_len,
-                                             int(args.rope_original_max_position * args.rope_scaling_factor))
-    if bos_id is not None:
-        cfg["bos_token_id"] = bos_id
-    if eos_id is not None:
-        cfg["eos_token_id"] = eos_id
-    return cfg
-
-
-def describe(key: str, value: Any) -> Any:
-    """A config value as config.json spells it, for an error message (rope scaling is a type)."""
-    return ("llama3" if value else "none") if key == "use_scaled_rope" else value
-
-
-ADAPTER = HFAdapter(
-    display_name="Llama", to_hf_name=to_hf_name, from_hf_name=from_hf_name, ignored=IGNORED, rotary_heads=rotary_heads,
-    config_fields=config_fields, args_fields=args_fields, field_names=_HF_FIELD, hf_config=hf_config,
-    describe=describe,
-)
+ADAPTER: LlamaHFAdapter[LlamaModelArgs] = LlamaHFAdapter()

@@ -24,6 +24,7 @@ from torchtitan_amp.models.llama3.model import (
     TransformerBlock,
     ffn_hidden_dim,
 )
+from torchtitan_amp.models.llama3.model import flops_per_token as llama_flops_per_token
 from torchtitan_amp.models.moe.moe import MoE
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -65,6 +66,11 @@ class MoEModelArgs(LlamaModelArgs):
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
 
+    @property
+    def dense_hidden(self) -> int:
+        """The dense blocks' MLP width: dense_inter_dim, else Llama's formula."""
+        return self.dense_inter_dim or ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.n_dense_layers
 
@@ -98,8 +104,7 @@ class MoEBlock(TransformerBlock):
 
     @staticmethod
     def build_feed_forward(args: MoEModelArgs) -> nn.Module:  # type: ignore[override]
-        hidden = args.dense_inter_dim or ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-        return FeedForward(args.dim, hidden)
+        return FeedForward(args.dim, args.dense_hidden)
 
 
 class MoETransformer(Transformer):
@@ -147,6 +152,5 @@ def active_params(args: MoEModelArgs, total_excl_embedding: int) -> int:
 
 
 def flops_per_token(args: MoEModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:
-    """6 x active parameters plus attention (Llama's convention): only the chosen experts' FLOPs."""
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return 6 * active_params(args, num_params_excl_embedding) + attention
+    """Llama's count (6N plus attention) with N the active parameters: only the chosen experts' FLOPs."""
+    return llama_flops_per_token(args, active_params(args, num_params_excl_embedding), seq_len)
