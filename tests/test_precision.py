@@ -450,8 +450,8 @@ def two_identical_ranks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dty
         t.add_(t)
         return Work(t)
 
-    monkeypatch.setattr(precision_mod.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(precision_mod.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     return calls
 
 
@@ -513,8 +513,8 @@ def test_compress_hook_waits_for_every_collective(monkeypatch: pytest.MonkeyPatc
         def get_future(self) -> torch.futures.Future:
             return self.fut
 
-    monkeypatch.setattr(precision_mod.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(precision_mod.dist, "all_reduce",
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce",
                         lambda t, group=None, async_op=False: Work(t))
     torch.manual_seed(0)
     shapes = [(8, 4), (4,), (3, 4)]  # both a low-precision and an fp32 collective per bucket
