@@ -623,3 +623,9 @@ def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     # The same dtype as the storage is what happens anyway: accepted.
     assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
                 "--mixed_precision.reduce_dtype", "bfloat16").reduce_dtype == torch.bfloat16
+
+
+def test_the_precision_package_keeps_no_seam_for_tests() -> None:
+    """The compress hook's tests patch torch.distributed itself: the package re-exports no module
+    for tests to patch."""
+    assert not hasattr(precision_mod, "dist")
