@@ -265,7 +265,7 @@ def test_where_torchao_departs_from_the_rule() -> None:
     ceil(log2(amax / 448)) with an fp32 log2, which rounds the log2 of a quotient just above a
     power of two 2^k onto k for |k| >= 5 (fp32's spacing there is coarser than log2(1 + 2^-23)):
     one scale lower than the rule, the block's top clamped to 448; its NVFP4 clamps block scales
-    up to 2^-6 (e4m3's smallest normal). Here all follow the rule (see blockscaled.py)."""
+    up to 2^-6 (e4m3's smallest normal). Here all follow the rule (see lowbit/formats.py)."""
     mx, nv, cfg, _ = _torchao()
     for k, lower in ((0, False), (3, False), (5, True), (10, True), (40, True), (-20, True)):
         z = _row([448.0 * 2.0**k * (1 + 2.0**-23)], block=32).reshape(1, 32)

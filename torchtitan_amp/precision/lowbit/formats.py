@@ -4,7 +4,7 @@ Each function quantizes along the last dimension (the reduction dimension of the
 consume the operand), in blocks, and returns the stored form: element codes and per-block scales,
 plus NVFP4's fp32 per-tensor scale. Dequantizing gives fp32 values that are exact (each is an
 element times a power of two, or an e2m1 value times an e4m3 value), so a matmul of dequantized
-operands has exact products and only its fp32 accumulation rounds (blockscaled_linear.py).
+operands has exact products and only its fp32 accumulation rounds (linear.py).
 
 MXFP8 (OCP Microscaling Formats v1.0): blocks of 32 e4m3 elements sharing one power-of-two scale X,
   stored E8M0 (biased exponent, 0x00 = 2^-127, 0xFF = NaN); elements float8_e4m3fn = RNE(v / X)
@@ -31,7 +31,7 @@ NVFP4 (NVIDIA: blocks of 16 e2m1 elements, e4m3 block scales, an fp32 tensor sca
 Non-finite input is refused (`NonFiniteBlockError`) unless `check_finite=False`, when a block
 holding NaN or +-inf gets a NaN scale (E8M0 0xFF, e4m3 0x7F) and dequantizes to NaN. The check
 reads one bool back to the host per call (a sync on a GPU): it is for tools that quantize weights;
-training (blockscaled_linear.BlockScaledRecipe) turns it off, so that a non-finite operand, such
+training (`BlockScaledRecipe`, below) turns it off, so that a non-finite operand, such
 as an fp16 gradient whose loss scale overflowed, reaches the loss scaler's and the trainer's checks.
 
 Against torchao 0.18's quantizers (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL,
