@@ -3,7 +3,7 @@
 steps, then one more batch run forward and backward in fp32 with hooks on every Linear of the
 transformer blocks, capturing its input x, weight W and output gradient dy; each operand, laid out
 as the GEMM that reads it (quantized along that GEMM's reduction dim), quantize-dequantized in each
-format of torchtitan_amp/precision/quant_error.py.
+format of torchtitan_amp/precision/lowbit/quant_error.py.
 
     OMP_NUM_THREADS=1 python -m benchmarks.blockscaled_error                 # 100 bf16 steps first
     python -m benchmarks.blockscaled_error --steps 10 --flavor debugmodel_tiny --json /tmp/err.json
@@ -79,7 +79,7 @@ def capture(steps: int, flavor: str, seq_len: int, batch: int, seed: int, folder
 
 def measure(captured, seed: int) -> dict[str, dict[str, dict[str, float]]]:  # type: ignore[no-untyped-def]
     """{role: {format: {rel_l2, worst_rel_l2, worst_module, max_err, flushed, saturated}}}."""
-    from torchtitan_amp.precision.quant_error import QuantError, quant_error
+    from torchtitan_amp.precision.lowbit.quant_error import QuantError, quant_error
 
     out: dict[str, dict[str, dict[str, float]]] = {}
     for role, (grad, extra) in ROLES.items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the block-scaled emulation costs: forward + backward of one Linear (M x K x N) as a plain
 F.linear in fp32 and bf16, and as the emulated MXFP8, NVFP4 and full NVFP4 recipe (2-D weights,
-RHT, SR) of torchtitan_amp.precision.blockscaled_linear, side by side on this CPU.
+RHT, SR) of torchtitan_amp.precision.lowbit.linear, side by side on this CPU.
 
     python -m benchmarks.blockscaled_speed                  # 1024^3, 6 rounds: ~1 min on 2 cores
     python -m benchmarks.blockscaled_speed --size 2048 --threads 2
@@ -32,14 +32,15 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from torchtitan_amp.precision import blockscaled_linear as bl
+    from torchtitan_amp.precision.lowbit import formats as bs
+    from torchtitan_amp.precision.lowbit import linear as bl
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n = args.size
     gen = torch.Generator().manual_seed(0)
-    recipes = {"linear": None, "mxfp8": bl.BlockScaledRecipe("mxfp8"), "nvfp4": bl.BlockScaledRecipe("nvfp4"),
-               "nvfp4 full (2-D W, RHT, SR)": bl.BlockScaledRecipe.nvfp4_full()}
+    recipes = {"linear": None, "mxfp8": bs.BlockScaledRecipe("mxfp8"), "nvfp4": bs.BlockScaledRecipe("nvfp4"),
+               "nvfp4 full (2-D W, RHT, SR)": bs.BlockScaledRecipe.nvfp4_full()}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     inputs = {d: (torch.randn(n, n, dtype=t, requires_grad=True), (torch.randn(n, n, dtype=t) / n**0.5).requires_grad_(True))
               for d, t in dtypes.items()}
@@ -49,7 +50,7 @@ def main() -> None:
             for name, recipe in recipes.items():
                 x, w = inputs[d]
                 t0 = time.process_time()
-                y = F.linear(x, w) if recipe is None else bl.blockscaled_linear(x, w, None, recipe, gen)
+                y = F.linear(x, w) if recipe is None else bl.block_scaled_linear(x, w, None, recipe, gen)
                 y.float().sum().backward()
                 if rnd:
                     times[(name, d)].append(time.process_time() - t0)

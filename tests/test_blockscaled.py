@@ -27,8 +27,8 @@ import math
 import pytest
 import torch
 
-from torchtitan_amp.precision import blockscaled as bs
-from torchtitan_amp.precision import blockscaled_linear as bl
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit import linear as bl
 
 pytestmark = pytest.mark.unit
 
@@ -265,7 +265,7 @@ def test_where_torchao_departs_from_the_rule() -> None:
     ceil(log2(amax / 448)) with an fp32 log2, which rounds the log2 of a quotient just above a
     power of two 2^k onto k for |k| >= 5 (fp32's spacing there is coarser than log2(1 + 2^-23)):
     one scale lower than the rule, the block's top clamped to 448; its NVFP4 clamps block scales
-    up to 2^-6 (e4m3's smallest normal). Here all follow the rule (see blockscaled.py)."""
+    up to 2^-6 (e4m3's smallest normal). Here all follow the rule (see lowbit/formats.py)."""
     mx, nv, cfg, _ = _torchao()
     for k, lower in ((0, False), (3, False), (5, True), (10, True), (40, True), (-20, True)):
         z = _row([448.0 * 2.0**k * (1 + 2.0**-23)], block=32).reshape(1, 32)
@@ -396,10 +396,10 @@ def _gemm_bound(a, b, recipe, gen_a=None, block_2d_b=False):
 
 
 RECIPES = {
-    "mxfp8_floor": bl.BlockScaledRecipe("mxfp8", mx_scale_mode="floor"),
-    "mxfp8_rceil": bl.BlockScaledRecipe("mxfp8", mx_scale_mode="rceil"),
-    "nvfp4": bl.BlockScaledRecipe("nvfp4"),
-    "nvfp4_2d": bl.BlockScaledRecipe("nvfp4", weight_2d=True),
+    "mxfp8_floor": bs.BlockScaledRecipe("mxfp8", mx_scale_mode="floor"),
+    "mxfp8_rceil": bs.BlockScaledRecipe("mxfp8", mx_scale_mode="rceil"),
+    "nvfp4": bs.BlockScaledRecipe("nvfp4"),
+    "nvfp4_2d": bs.BlockScaledRecipe("nvfp4", weight_2d=True),
 }
 
 
@@ -416,7 +416,7 @@ def _operands(seed: int, m: int, n: int, k: int):
 def test_emulated_forward_is_within_the_format_bound_of_fp64(name, dtype) -> None:
     recipe = RECIPES[name]
     x, w = (t.to(dtype).float() for t in _operands(10, 32, 48, 128))
-    y = bl.blockscaled_linear(x.to(dtype), w.to(dtype), None, recipe)
+    y = bl.block_scaled_linear(x.to(dtype), w.to(dtype), None, recipe)
     assert y.dtype == dtype
     exact = x.double() @ w.double().t()
     # the GEMM's bound, plus the output's rounding to bf16 (2^-8 of it; none in fp32)
@@ -435,7 +435,7 @@ def test_emulated_gemm_pads_a_reduction_dim_that_is_not_a_multiple_of_the_block(
     x, w = _operands(11, 8, 16, 80)  # 80 = 2.5 MX blocks
     xp, wp = torch.nn.functional.pad(x, (0, 16)), torch.nn.functional.pad(w, (0, 16))
     for recipe in RECIPES.values():
-        assert torch.equal(bl.blockscaled_linear(x, w, None, recipe), bl.blockscaled_linear(xp, wp, None, recipe))
+        assert torch.equal(bl.block_scaled_linear(x, w, None, recipe), bl.block_scaled_linear(xp, wp, None, recipe))
 
 
 def _dgrad_wgrad_by_hand(x, w, dy, recipe, gen):
@@ -455,7 +455,7 @@ def _dgrad_wgrad_by_hand(x, w, dy, recipe, gen):
 
 @pytest.mark.parametrize("name", ["mxfp8_floor", "nvfp4", "nvfp4_full"])
 def test_backward_gemms_are_the_recipe_s_and_within_the_bound(name) -> None:
-    recipe = RECIPES.get(name) or bl.BlockScaledRecipe.nvfp4_full(seed=3)
+    recipe = RECIPES.get(name) or bs.BlockScaledRecipe.nvfp4_full(seed=3)
     x, w = _operands(12, 64, 48, 32)
     dy = torch.randn(64, 48, generator=torch.Generator().manual_seed(13))
     lin = bl.BlockScaledLinear(32, 48, bias=True, recipe=recipe, sr_stream=5)
@@ -492,7 +492,7 @@ def test_stochastic_gradients_replay_from_the_seed() -> None:
     x, w = _operands(14, 32, 32, 64)
     grads = []
     for seed in (1, 1, 2):
-        lin = bl.BlockScaledLinear(64, 32, bias=False, recipe=bl.BlockScaledRecipe.nvfp4_full(seed=seed))
+        lin = bl.BlockScaledLinear(64, 32, bias=False, recipe=bs.BlockScaledRecipe.nvfp4_full(seed=seed))
         with torch.no_grad():
             lin.weight.copy_(w)
         lin(x).sum().backward()
@@ -503,7 +503,7 @@ def test_stochastic_gradients_replay_from_the_seed() -> None:
 def test_linear_runs_bf16_3d_inputs_and_from_linear_keeps_the_parameters() -> None:
     torch.manual_seed(0)
     base = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    lin = bl.BlockScaledLinear.from_linear(base, bl.BlockScaledRecipe("mxfp8"))
+    lin = bl.BlockScaledLinear.from_linear(base, bs.BlockScaledRecipe("mxfp8"))
     assert lin.weight is base.weight and lin.bias is base.bias
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
@@ -517,19 +517,19 @@ def test_linear_runs_bf16_3d_inputs_and_from_linear_keeps_the_parameters() -> No
 
 def test_recipe_refuses_nvfp4_options_on_mxfp8_and_needs_a_generator_for_sr() -> None:
     with pytest.raises(ValueError, match="rht, stochastic_rounding belong to the nvfp4 recipe"):
-        bl.BlockScaledRecipe("mxfp8", rht=True, stochastic_rounding=True)
+        bs.BlockScaledRecipe("mxfp8", rht=True, stochastic_rounding=True)
     with pytest.raises(ValueError, match="one of"):
-        bl.BlockScaledRecipe("fp4")
+        bs.BlockScaledRecipe("fp4")
     with pytest.raises(ValueError, match="seeded torch.Generator"):
-        bl.blockscaled_linear(torch.ones(2, 16), torch.ones(4, 16), None, bl.BlockScaledRecipe.nvfp4_full())
-    assert bl.BlockScaledRecipe.nvfp4_full().describe()["wgrad"] == "dy^T nvfp4 1x16 SR RHT16; x^T nvfp4 1x16 RHT16"
+        bl.block_scaled_linear(torch.ones(2, 16), torch.ones(4, 16), None, bs.BlockScaledRecipe.nvfp4_full())
+    assert bs.BlockScaledRecipe.nvfp4_full().describe()["wgrad"] == "dy^T nvfp4 1x16 SR RHT16; x^T nvfp4 1x16 RHT16"
 
 
 def test_observers_see_each_gemm_s_block_format_per_pass() -> None:
     """What the audit will check: the element and scale dtypes, the block and the scales' shape
     of both operands of the forward, dgrad and wgrad GEMMs."""
     records: list[bl.GemmRecord] = []
-    lin = bl.BlockScaledLinear(64, 48, recipe=bl.BlockScaledRecipe.nvfp4_full())
+    lin = bl.BlockScaledLinear(64, 48, recipe=bs.BlockScaledRecipe.nvfp4_full())
     with bl.observe_gemms(records.append):
         lin(torch.randn(2, 40, 64)).sum().backward()
     assert [r.what for r in records] == ["forward", "dgrad", "wgrad"]
@@ -542,7 +542,7 @@ def test_observers_see_each_gemm_s_block_format_per_pass() -> None:
     assert wgrad.b.rht and wgrad.b.rounding == "rne" and wgrad.shape == (48, 64, 80)
     mx: list[bl.GemmRecord] = []
     with bl.observe_gemms(mx.append):
-        bl.blockscaled_linear(torch.randn(8, 64), torch.randn(16, 64), None, bl.BlockScaledRecipe("mxfp8"))
+        bl.block_scaled_linear(torch.randn(8, 64), torch.randn(16, 64), None, bs.BlockScaledRecipe("mxfp8"))
     assert mx[0].a == bl.OperandInfo("float8_e4m3fn", "float8_e8m0fnu", (1, 32), (8, 2), "rne", False)
     lin(torch.randn(2, 40, 64))
     assert len(records) == 3  # nothing recorded outside the context
@@ -551,9 +551,9 @@ def test_observers_see_each_gemm_s_block_format_per_pass() -> None:
 def test_autocast_does_not_change_the_emulated_gemm() -> None:
     x, w = _operands(15, 16, 32, 64)
     for recipe in RECIPES.values():
-        plain = bl.blockscaled_linear(x, w, None, recipe)
+        plain = bl.block_scaled_linear(x, w, None, recipe)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert torch.equal(bl.blockscaled_linear(x, w, None, recipe), plain)
+            assert torch.equal(bl.block_scaled_linear(x, w, None, recipe), plain)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
@@ -563,13 +563,13 @@ def test_a_nan_activation_reaches_the_output_or_with_check_finite_is_refused(fmt
     x, w = torch.randn(4, 64), torch.randn(8, 64)
     x[1, 3] = float("nan")
     with pytest.raises(bs.NonFiniteBlockError, match="NaN"):
-        bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt, check_finite=True))
-    y = bl.blockscaled_linear(x, w, None, bl.BlockScaledRecipe(fmt))
+        bl.block_scaled_linear(x, w, None, bs.BlockScaledRecipe(fmt, check_finite=True))
+    y = bl.block_scaled_linear(x, w, None, bs.BlockScaledRecipe(fmt))
     assert y[1].isnan().all() and not y[[0, 2, 3]].isnan().any()
 
 
 def test_a_module_built_on_meta_gets_its_sr_generator_when_it_first_runs() -> None:
-    recipe = bl.BlockScaledRecipe.nvfp4_full(seed=4)
+    recipe = bs.BlockScaledRecipe.nvfp4_full(seed=4)
     grads = []
     for _ in range(2):
         lin = bl.BlockScaledLinear(64, 32, recipe=recipe, sr_stream=1, device="meta")
@@ -596,7 +596,7 @@ def test_the_rht_matrix_is_built_once_per_seed_and_device(monkeypatch) -> None:
     r = bl.rht_matrix(21, device="cpu")
     assert r is bl.rht_matrix(21, device=torch.device("cpu")) and torch.equal(r @ r.t(), torch.eye(16))
     assert built == [16] and bl.rht_matrix(22, device="cpu") is not r and built == [16, 16]
-    lin = bl.BlockScaledLinear(64, 32, recipe=bl.BlockScaledRecipe.nvfp4_full(seed=21))
+    lin = bl.BlockScaledLinear(64, 32, recipe=bs.BlockScaledRecipe.nvfp4_full(seed=21))
     for _ in range(2):  # two steps: forward, then dgrad and wgrad with both operands rotated
         lin(torch.randn(32, 64)).square().sum().backward()
     assert built == [16, 16]

@@ -1,7 +1,7 @@
 """Block-scaled grouped experts (mixed_precision.block_scaled_experts), single process on CPU.
 
 The grouped GEMM is the per-expert Linear's: for each format, forward, dgrad and wgrad of
-blockscaled_grouped_mm equal, bit for bit, a loop over experts of blockscaled_linear with weight
+block_scaled_grouped_mm equal, bit for bit, a loop over experts of block_scaled_linear with weight
 w[e]^T on that expert's token group (one group empty, the others not multiples of the block, so
 wgrad's token-dim blocks are padded per group). Then the trainer on a tiny MoE model: the report
 and the audit name the experts' GEMMs, the audit names an expert run as a plain grouped matmul, and
@@ -30,8 +30,9 @@ from tests.support import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.moe.moe import GroupedExperts
-from torchtitan_amp.precision.blockscaled_grouped import BlockScaledExperts, blockscaled_grouped_mm
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe, blockscaled_linear
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.grouped import BlockScaledExperts, block_scaled_grouped_mm
+from torchtitan_amp.precision.lowbit.linear import block_scaled_linear
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -51,14 +52,14 @@ def test_grouped_gemm_is_the_loop_of_per_expert_linears_bit_for_bit(name: str) -
     w = torch.randn(len(sizes), k, n, dtype=torch.float32) * 0.05
     dy = torch.randn(sum(sizes), n, dtype=torch.bfloat16)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = blockscaled_grouped_mm(xg, wg, sizes, recipe)
+    y = block_scaled_grouped_mm(xg, wg, sizes, recipe)
     y.backward(dy)
     for e, (xe, dye) in enumerate(zip(x.split(sizes), dy.split(sizes))):
         if not sizes[e]:
             assert torch.equal(wg.grad[e], torch.zeros(k, n))
             continue
         xl, wl = xe.clone().requires_grad_(), w[e].t().contiguous().requires_grad_()
-        yl = blockscaled_linear(xl, wl, None, recipe)
+        yl = block_scaled_linear(xl, wl, None, recipe)
         yl.backward(dye)
         rows = slice(sum(sizes[:e]), sum(sizes[:e + 1]))
         assert torch.equal(y[rows], yl), (e, "forward")
@@ -79,7 +80,7 @@ def test_wgrad_blocks_do_not_straddle_token_groups() -> None:
         xo = x.clone()
         xo[:16] *= outlier
         wg = w.clone().requires_grad_()
-        blockscaled_grouped_mm(xo, wg, [16, 16], recipe).backward(dy)
+        block_scaled_grouped_mm(xo, wg, [16, 16], recipe).backward(dy)
         grads.append(wg.grad[1])
     assert torch.equal(grads[0], grads[1])
 
@@ -87,9 +88,9 @@ def test_wgrad_blocks_do_not_straddle_token_groups() -> None:
 def test_stochastic_rounding_needs_a_generator_and_groups_must_fit() -> None:
     x, w = torch.randn(8, 16), torch.randn(2, 16, 16)
     with pytest.raises(ValueError, match="pass a seeded torch.Generator"):
-        blockscaled_grouped_mm(x, w, [4, 4], BlockScaledRecipe.nvfp4_full())
+        block_scaled_grouped_mm(x, w, [4, 4], BlockScaledRecipe.nvfp4_full())
     with pytest.raises(ValueError, match=r"token groups \[4, 3\] do not fit x \(8, 16\) and 2 experts"):
-        blockscaled_grouped_mm(x, w, [4, 3], RECIPES["mxfp8 rceil"])
+        block_scaled_grouped_mm(x, w, [4, 3], RECIPES["mxfp8 rceil"])
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -174,9 +175,9 @@ def test_mxfp8_with_experts_trains_within_the_gap_of_bf16(tmp_path: Path) -> Non
 
 def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> None:
     """nvfp4 (SR on gradients) with experts: each experts module has its own stream after the
-    Linears', and blockscaled_apply.seed_step reseeds it from (seed, stream, step) as it does a
+    Linears', and block_scaled.seed_step reseeds it from (seed, stream, step) as it does a
     Linear's, so a resumed run draws what the uninterrupted one drew."""
-    from torchtitan_amp.precision import blockscaled_apply
+    from torchtitan_amp.precision import block_scaled
 
     t = _trainer(tmp_path, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true",
                  "--mixed_precision.block_scaled_experts", "true")
@@ -184,7 +185,7 @@ def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> No
     assert holders[0].recipe.stochastic_rounding and holders[0].sr_stream != holders[1].sr_stream
     draws = []
     for step in (3, 4, 3):
-        blockscaled_apply.seed_step([t.model], step, rank=0)
+        block_scaled.seed_step([t.model], step, rank=0)
         draws.append([torch.rand(4, generator=h.generator) for h in holders])
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
     assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][0], draws[0][1])

@@ -1,4 +1,4 @@
-"""Block-scaled training on torchao's kernels (precision/blockscaled_torchao.py), wired and checked
+"""Block-scaled training on torchao's kernels (precision/lowbit/torchao_kernels.py), wired and checked
 on CPU: no device here has MX / NVFP4 tensor cores, so the tests inject the probe
 (`kernels_missing` -> None) and convert with torchao's KernelPreference.EMULATED (EMULATED_KERNELS),
 which runs torchao's own MXFP8 quantization in PyTorch and multiplies the dequantized operands.
@@ -7,7 +7,7 @@ NVFP4Linear is Triton-only (no emulated kernel): its conversion is checked, not 
 The numbers: torchao's emulated GEMM dequantizes each operand into the operand's dtype and calls
 mm there. With fp32 operands the dequantized values are e4m3 elements times powers of two, so
 every product is exact in fp32 on both sides (ours multiplies the same values, bit-identical
-quantization on finite data whose blocks are not tiny: precision/blockscaled.py); the two differ
+quantization on finite data whose blocks are not tiny: precision/lowbit/formats.py); the two differ
 only in the order of the fp32 sum, bounded by 2 * gamma_K * sum_k |a_k b_k| with gamma_K = K u /
 (1 - K u), u = 2^-24 (each side's recursive-sum error is at most gamma_K times the absolute sum).
 """
@@ -23,9 +23,11 @@ from torch import nn
 
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.precision import blockscaled as bs
-from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe, rht_signs
+from torchtitan_amp.precision import block_scaled
+from torchtitan_amp.precision.lowbit import capability, torchao_kernels
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.linear import rht_signs
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -43,8 +45,8 @@ NVFP4 = ["--mixed_precision.block_scaled", "nvfp4", "--training.local_batch_size
 @pytest.fixture(autouse=True)
 def _kernels_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, device_type, run_kernel=True: None)
-    monkeypatch.setattr(blockscaled_torchao, "EMULATED_KERNELS", True)
+    monkeypatch.setattr(capability, "block_scaled_kernels_missing", lambda fmt, device_type, run_kernel=True: None)
+    monkeypatch.setattr(torchao_kernels, "EMULATED_KERNELS", True)
 
 
 def _resolve(*extra: str, world: int = 1) -> job_mod.Job:
@@ -68,8 +70,8 @@ def test_torchao_mxfp8_matches_the_emulation_within_the_fp32_summation_bound(mod
     torch.manual_seed(0)
     ours, theirs = nn.Sequential(nn.Linear(128, 64, bias=False)), nn.Sequential(nn.Linear(128, 64, bias=False))
     theirs.load_state_dict(ours.state_dict())
-    assert blockscaled_apply.apply_block_scaled(ours, recipe, (), 0) == ["0"]
-    assert blockscaled_torchao.apply_torchao(theirs, recipe, (), 0) == ["0"]
+    assert block_scaled.apply_block_scaled(ours, recipe, (), 0) == ["0"]
+    assert block_scaled.apply_torchao(theirs, recipe, (), 0) == ["0"]
     assert type(theirs[0]).__name__ == "MXFP8Linear" and theirs[0].scale_calculation_mode.value == mode
     x, g = torch.randn(96, 128) * 3, torch.randn(96, 64) / 7  # g: the loss's fixed output gradient
     results = []
@@ -117,42 +119,43 @@ def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one
                     "true").plan.block_scaled_emulated
     # block_scaled_emulate = false with kernels missing: refused, never emulated.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blockscaled_torchao, "kernels_missing", lambda fmt, d, run_kernel=True: "cpu has no MX / NVFP4 tensor cores")
+        mp.setattr(capability, "block_scaled_kernels_missing",
+                   lambda fmt, d, run_kernel=True: "cpu has no MX / NVFP4 tensor cores")
         with pytest.raises(PrecisionError, match="needs block-scaled tensor cores: cpu has no MX"):
             _resolve(*MXFP8, "--mixed_precision.block_scaled_emulate", "false")
 
 
 def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds() -> None:
     # The installed torchao (the project's tested 0.18) has both modules the probe asks for.
-    assert blockscaled_torchao.torchao_missing("mxfp8") is None and blockscaled_torchao.torchao_missing("nvfp4") is None
+    assert capability.block_scaled_torchao_missing("mxfp8") is None and capability.block_scaled_torchao_missing("nvfp4") is None
     recipe = BlockScaledRecipe.nvfp4_full(seed=5)
     model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Linear(256, 128, bias=False))
     weights = [m.weight for m in model]
-    assert blockscaled_torchao.apply_torchao(model, recipe, (), 0) == ["0", "1"]
+    assert block_scaled.apply_torchao(model, recipe, (), 0) == ["0", "1"]
     assert [type(m).__name__ for m in model] == ["NVFP4Linear", "NVFP4Linear"]
     assert all(m.weight is w for m, w in zip(model, weights))
     # Checkpoints hold what the plain model's do: the buffers come from the recipe, not the state dict.
     assert sorted(model.state_dict()) == ["0.weight", "1.weight"]
     signs = [int(v) for v in rht_signs(5)]
     assert all(list(m.rht_sign_vector) == signs for m in model)
-    assert [int(m._sr_seed) for m in model] == [blockscaled_torchao.sr_seed(recipe, i) for i in range(2)]
-    assert blockscaled_torchao.sr_seed(recipe, 0) != blockscaled_torchao.sr_seed(recipe, 1)
+    assert [int(m._sr_seed) for m in model] == [torchao_kernels.sr_seed(recipe, i) for i in range(2)]
+    assert torchao_kernels.sr_seed(recipe, 0) != torchao_kernels.sr_seed(recipe, 1)
     # Built on meta and materialized (to_empty leaves buffers uninitialised): refilled from the recipe.
     with torch.device("meta"):
         lazy = nn.Sequential(nn.Linear(128, 128, bias=False))
-    blockscaled_torchao.apply_torchao(lazy, recipe, (), 0)
+    block_scaled.apply_torchao(lazy, recipe, (), 0)
     lazy.to_empty(device="cpu")
-    blockscaled_torchao.materialized([lazy])
-    assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0)
+    torchao_kernels.materialized([lazy])
+    assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == torchao_kernels.sr_seed(recipe, 0)
     # Another data-parallel rank (trainer.sr_rank) gets another SR key for the same module.
-    blockscaled_torchao.materialized([lazy], rank=1)
-    assert int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0, 1) != blockscaled_torchao.sr_seed(recipe, 0)
+    torchao_kernels.materialized([lazy], rank=1)
+    assert int(lazy[0]._sr_seed) == torchao_kernels.sr_seed(recipe, 0, 1) != torchao_kernels.sr_seed(recipe, 0)
     with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
                                              "multiples of 128; keep it out with block_scaled_skip_modules"):
-        blockscaled_torchao.apply_torchao(nn.Sequential(nn.Linear(64, 128)), recipe, (), 0)
+        block_scaled.apply_torchao(nn.Sequential(nn.Linear(64, 128)), recipe, (), 0)
     with pytest.raises(PrecisionError, match="'mxfp8' on torchao's kernels: 1 is 64 -> 48, and the kernels take "
                                              "multiples of 32"):
-        blockscaled_torchao.apply_torchao(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48)),
+        block_scaled.apply_torchao(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48)),
                                           BlockScaledRecipe("mxfp8"), (), 0)
 
 
@@ -177,14 +180,14 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
 
 
 # The probe itself, before the autouse fixture replaces it.
-KERNELS_MISSING = blockscaled_torchao.kernels_missing
+KERNELS_MISSING = capability.block_scaled_kernels_missing
 
 
 def _blackwell(monkeypatch: pytest.MonkeyPatch) -> None:
     """A compute capability 10.0 device as far as the probe's capability check can tell."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
-    monkeypatch.setattr(blockscaled_torchao, "torchao_missing", lambda fmt: None)
+    monkeypatch.setattr(capability, "block_scaled_torchao_missing", lambda fmt: None)
     KERNELS_MISSING.cache_clear()
 
 
@@ -198,7 +201,7 @@ def test_the_block_scaled_probe_runs_one_step_and_reports_its_error(monkeypatch:
         steps.append((fmt, device))
         raise RuntimeError("torchao::mxfp8_quantize\nis not a registered op")
 
-    monkeypatch.setattr(blockscaled_torchao, "tiny_step", broken)
+    monkeypatch.setattr(capability, "tiny_step", broken)
     assert KERNELS_MISSING("mxfp8", "cuda", False) is None and steps == []
     why = KERNELS_MISSING("mxfp8", "cuda")
     assert why == ("torchao's mxfp8 training step fails here (RuntimeError: torchao::mxfp8_quantize is not a "
@@ -208,5 +211,5 @@ def test_the_block_scaled_probe_runs_one_step_and_reports_its_error(monkeypatch:
 
 
 def test_the_probes_tiny_step_trains_on_torchaos_emulated_mxfp8(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(blockscaled_torchao, "EMULATED_KERNELS", True)
-    blockscaled_torchao.tiny_step("mxfp8", "cpu")
+    monkeypatch.setattr(torchao_kernels, "EMULATED_KERNELS", True)
+    capability.tiny_step("mxfp8", "cpu")

@@ -30,7 +30,8 @@ from tests.support import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -197,7 +198,7 @@ def test_rht_and_sr_switched_off_are_equal_within_the_seed_spread(curves) -> Non
 
 
 def test_resume_with_stochastic_rounding_is_bitwise(tmp_path: Path) -> None:
-    """SR draws are seeded per step (blockscaled_apply.seed_step): a run resumed at step 2 replays
+    """SR draws are seeded per step (block_scaled.seed_step): a run resumed at step 2 replays
     the uninterrupted one bit for bit, and the checkpoint holds the plain model's state."""
     ckpt = [*NVFP4, "--checkpoint.enable", "--checkpoint.interval", "2"]
     threads = torch.get_num_threads()
@@ -254,14 +255,14 @@ def test_stochastic_rounding_draws_differ_between_ranks_and_replay_per_step() ->
     the mean of their gradients halves the SR noise variance (with one key for all ranks a
     consistently signed gradient got the same errors on every rank: correlation 1 here). The same
     (step, rank) replays, which keeps resume bitwise; rank 0's key is the one-process key."""
-    from torchtitan_amp.precision import blockscaled as bs
-    from torchtitan_amp.precision import blockscaled_apply
+    from torchtitan_amp.precision import block_scaled
+    from torchtitan_amp.precision.lowbit import formats as bs
 
     lin = BlockScaledLinear(64, 32, recipe=BlockScaledRecipe.nvfp4_full(seed=0), sr_stream=3)
     g = torch.rand(256, 64, generator=torch.Generator().manual_seed(0)) + 0.1  # one sign throughout
 
     def rounding_error(step: int, rank: int) -> torch.Tensor:
-        blockscaled_apply.seed_step([lin], step, rank)
+        block_scaled.seed_step([lin], step, rank)
         values, s_t = bs.nvfp4_dequantized(g, generator=lin.generator)
         return (values * s_t - g).flatten().double()
 

@@ -40,7 +40,6 @@ def _module_imports(name: str, path: Path, known: set[str]) -> set[str]:
                 if sub.level:
                     anchor = package.split(".")[: len(package.split(".")) - sub.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets.add(base)
                 targets.update(f"{base}.{a.name}" for a in sub.names)
     resolved = set()
     for t in targets:
@@ -71,7 +70,8 @@ def test_no_import_cycle_between_modules():
     modules = _modules()
     graph = {n: _module_imports(n, p, set(modules)) for n, p in modules.items()}
     # A package's __init__ re-exporting its submodules is not a cycle with them: a submodule that
-    # imports a sibling through the package name resolves to the sibling's own module here.
+    # imports a sibling through the package name resolves to the sibling's own module here. One
+    # that imports a name the __init__ defines or re-exports depends on the __init__, which is.
     cycles = _cycles(graph)
     assert cycles == []
 
@@ -115,12 +115,14 @@ def _all_imports(name: str, path: Path, known: set[str]) -> set[tuple[str, int]]
         for t in targets:
             while t and t not in known:
                 t = t.rpartition(".")[0]
-            if t and t != name and not name.startswith(t + "."):
+            if t and t != name:
                 found.add((t, node.lineno))
     return found
 
 
 def _layer(module: str) -> int:
+    """The index in LAYERS of the top-level package `module` is in: a subpackage (models.llama3,
+    precision.lowbit) takes its parent's layer."""
     parts = module.split(".")
     top = parts[1] if len(parts) > 2 or (len(parts) == 2 and module not in ENTRY_POINTS) else ""
     return LAYERS.index(top)
@@ -145,8 +147,7 @@ def test_no_import_cycle_within_a_package():
     """Inside a package the modules import each other in one direction too, type-only and
     in-function imports included (a package's __init__ re-exporting its modules aside)."""
     modules = _modules()
-    graph = {n: {t for t, _ in _all_imports(n, p, set(modules)) if not t.startswith(n + ".")}
-             for n, p in modules.items()}
+    graph = {n: {t for t, _ in _all_imports(n, p, set(modules))} for n, p in modules.items()}
     cycles = _cycles(graph)
     assert cycles == []
 
@@ -159,8 +160,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph[node]):
-            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
-                continue  # a package and its own submodules
             if state.get(nxt) == 1:
                 cycles.append(stack[stack.index(nxt):] + [nxt])
             elif nxt not in state:
@@ -192,3 +191,44 @@ def test_the_layer_check_sees_an_upward_and_a_type_only_cycle(tmp_path, monkeypa
         test_packages_import_only_the_layers_below_them()
     with pytest.raises(AssertionError, match="torchtitan_amp.precision.fsdp"):
         test_no_import_cycle_within_a_package()
+
+
+def test_a_subpackage_takes_its_parents_layer_and_keeps_its_cycles_visible(tmp_path, monkeypatch):
+    """The checkers on a subpackage (precision/lowbit/, as models/llama3/): its modules are in the
+    precision layer (models below may be imported, data above may not), and a cycle through the
+    parent package's __init__ (a lowbit module importing a name the __init__ re-exports from a
+    module that imports lowbit) is a cycle."""
+    pkg = tmp_path / "torchtitan_amp"
+    for sub in ("models", "precision", "precision/lowbit", "data"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "m.py").write_text("")
+    (pkg / "data" / "d.py").write_text("")
+    (pkg / "precision" / "__init__.py").write_text("from torchtitan_amp.precision.plan import Plan\n")
+    (pkg / "precision" / "plan.py").write_text("from torchtitan_amp.precision.lowbit import probe\nPlan = 1\n")
+    (pkg / "precision" / "lowbit" / "probe.py").write_text(
+        "from torchtitan_amp.models import m\n\ndef f():\n    from torchtitan_amp.data import d\n")
+    monkeypatch.setitem(globals(), "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match=r"torchtitan_amp.precision.lowbit.probe:4 -> torchtitan_amp.data.d") as e:
+        test_packages_import_only_the_layers_below_them()
+    assert "probe:1" not in str(e.value)  # models is below precision
+    test_no_import_cycle_within_a_package()  # none yet
+    (pkg / "precision" / "lowbit" / "probe.py").write_text("def f():\n    from torchtitan_amp.precision import Plan\n")
+    with pytest.raises(AssertionError, match="torchtitan_amp.precision.lowbit.probe"):
+        test_no_import_cycle_within_a_package()
+
+
+PLAN_MAY_IMPORT = ("torchtitan_amp.precision.tags", "torchtitan_amp.precision.lowbit.")
+
+
+def test_the_plan_imports_no_applier():
+    """precision/plan.py decides; the modules that apply its decision take the plan and are called
+    with it. Of precision/ it imports the module tags (the marks it reads) and the low-bit formats'
+    probes, recipe and Linear class (precision/lowbit/), nothing else, lazily or not."""
+    modules = _modules()
+    name = "torchtitan_amp.precision.plan"
+    imported = {t for t, _ in _all_imports(name, modules[name], set(modules)) if t.startswith("torchtitan_amp.precision")}
+    assert sorted(t for t in imported if not t.startswith(PLAN_MAY_IMPORT)) == []
+    lowbit = {t for t in imported if t.startswith("torchtitan_amp.precision.lowbit.")}
+    assert lowbit <= {f"torchtitan_amp.precision.lowbit.{m}" for m in ("capability", "formats", "linear")}

@@ -22,6 +22,7 @@ from torchtitan_amp.models import get_family
 from torchtitan_amp.models.attention import MaskInputs, block_causal_mask, document_ids
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision.report import context_parallel_summary
 
 BOS, EOS = 256, 257
 
@@ -165,7 +166,7 @@ def test_cp_takes_the_fsdp_path_and_reduces_kv_gradients_in_fp32_by_default() ->
     assert dims.fsdp_enabled and dims.fsdp_shard == 2 and not dims.ddp_enabled and dims.dp_degree == 1
     plan = _plan("--mixed_precision.enabled", "true")
     assert plan.path == "fsdp" and plan.cp_reduce_dtype == torch.float32
-    assert plan.context_parallel_summary() == {
+    assert context_parallel_summary(plan) == {
         "degree": 2, "kv_all_gather_dtype": "bfloat16", "kv_grad_reduce_scatter_dtype": "float32",
         "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values in one SDPA "
                          "call (no partial outputs or log-sum-exps to merge)"}
@@ -173,12 +174,12 @@ def test_cp_takes_the_fsdp_path_and_reduces_kv_gradients_in_fp32_by_default() ->
                  "bfloat16").cp_reduce_dtype == torch.bfloat16
     # fp32 training: everything, the cp reduction included, in fp32.
     off = _plan("--mixed_precision.enabled", "false", "--mixed_precision.cp_reduce_dtype", "bfloat16")
-    assert off.cp_reduce_dtype == torch.float32 and off.context_parallel_summary()["kv_all_gather_dtype"] == "float32"
+    assert off.cp_reduce_dtype == torch.float32 and context_parallel_summary(off)["kv_all_gather_dtype"] == "float32"
 
 
 def test_cp_reduce_dtype_without_cp_is_noted_and_fp16_under_bf16_refused() -> None:
     plan = _plan("--mixed_precision.enabled", "true", "--mixed_precision.cp_reduce_dtype", "bfloat16", cp=1)
-    assert plan.context_parallel_summary() is None
+    assert context_parallel_summary(plan) is None
     assert any("cp_reduce_dtype has no effect" in note for note in plan.notes)
     with pytest.raises(PrecisionError, match="'mixed_precision.cp_reduce_dtype' = 'float16' with param_dtype"):
         _plan("--mixed_precision.enabled", "true", "--mixed_precision.cp_reduce_dtype", "float16")

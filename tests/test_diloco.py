@@ -20,6 +20,7 @@ from tests.support import SameValuesManager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision.report import fault_tolerance_summary
 from torchtitan_amp.train.diloco import DiLoCo, outer_step, pseudo_gradient
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
@@ -59,10 +60,10 @@ def test_the_plan_decides_the_wire_and_the_outer_state() -> None:
     assert (plan.sync_steps, plan.pseudo_gradient_dtype, plan.outer_state_dtype) == (5, torch.float32, torch.float32)
     bf16 = _plan("--fault_tolerance.pseudo_gradient_dtype", "bfloat16", "--fault_tolerance.sync_steps", "7")
     assert (bf16.sync_steps, bf16.pseudo_gradient_dtype, bf16.outer_state_dtype) == (7, torch.bfloat16, torch.float32)
-    summary = bf16.fault_tolerance_summary()
+    summary = fault_tolerance_summary(bf16)
     assert summary["pseudo_gradient_dtype"] == "bfloat16" and summary["global_weights_dtype"] == "float32"
     every_step = PrecisionPlan.from_config(load_config(list(ON[:4])), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
-    assert every_step.sync_steps == 0 and "semi_sync_method" not in every_step.fault_tolerance_summary()
+    assert every_step.sync_steps == 0 and "semi_sync_method" not in fault_tolerance_summary(every_step)
 
 
 def test_pseudo_gradient_is_computed_in_fp32_and_rounded_once() -> None:

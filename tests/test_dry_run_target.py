@@ -13,7 +13,7 @@ import pytest
 from tests.support import REPO
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.precision import float8
+from torchtitan_amp.precision.lowbit import capability
 from torchtitan_amp.tools import memory_table
 from torchtitan_amp.train import dry_run
 from torchtitan_amp.train import job as job_mod
@@ -33,8 +33,8 @@ def _dry(tmp_path: Path, *extra: str) -> dict:
 def test_dry_run_for_cuda_sizes_fp8_all_gather_at_one_byte_per_parameter(tmp_path: Path, torchao: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     if torchao.startswith("absent"):
-        monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: "no torchao")
-    elif float8.torchao_missing("tensorwise", True) is not None:
+        monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: "no torchao")
+    elif capability.fp8_torchao_missing("tensorwise", True) is not None:
         pytest.skip("torchao (the [fp8] extra) is not installed")
     bf16, f8 = _dry(tmp_path), _dry(tmp_path, *FP8_AG)
     assert (f8["precision"]["target"], f8["precision"]["fp8_all_gather"]) == ("cuda", True)
@@ -58,10 +58,10 @@ def test_dry_run_for_cuda_sizes_fp8_all_gather_at_one_byte_per_parameter(tmp_pat
 
 
 def test_fp8_sizes_agree_with_and_without_torchao(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if float8.torchao_missing("tensorwise", True) is not None:
+    if capability.fp8_torchao_missing("tensorwise", True) is not None:
         pytest.skip("torchao (the [fp8] extra) is not installed")
     converted = _dry(tmp_path, *FP8_AG)
-    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: "no torchao")
+    monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: "no torchao")
     by_rule = _dry(tmp_path, *FP8_AG)
     for key in ("memory", "communication", "fsdp_groups"):
         assert converted[key] == by_rule[key], key

@@ -14,6 +14,7 @@ from torchtitan_amp.config import ConfigError, help_text, load_config
 from torchtitan_amp.core import environment
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision.report import fault_tolerance_summary
 from torchtitan_amp.train.fault_tolerance import data_position, group_config
 
 ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2")
@@ -158,7 +159,7 @@ def test_plan_reports_the_cross_group_allreduce() -> None:
 
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=2)
     plan = PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true"]), dims, "cpu", probe=None)
-    assert plan.fault_tolerance_summary()["replica_groups"] == 2
+    assert fault_tolerance_summary(plan)["replica_groups"] == 2
     # The group's reduce dtype crosses groups as it is: no second rounding, no extra bytes.
     assert plan.cross_group_dtype(torch.bfloat16) == torch.bfloat16
     assert plan.cross_group_dtype(torch.float32) == torch.float32
@@ -166,7 +167,7 @@ def test_plan_reports_the_cross_group_allreduce() -> None:
         PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true", "--mixed_precision.param_dtype",
                                                "float16"]), dims, "cpu", probe=None)
     off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
-    assert off.fault_tolerance_summary() is None
+    assert fault_tolerance_summary(off) is None
 
 
 @pytest.mark.parametrize("shard", [2, 1])

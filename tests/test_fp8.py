@@ -15,7 +15,7 @@ from tests.gpu.test_training import FP8_TOLERANCE
 from tests.support import by_step, cpu_scaled_mm_takes_rowwise_scales, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.precision import float8
+from torchtitan_amp.precision.lowbit import capability
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -51,13 +51,13 @@ def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], wor
 
 
 def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monkeypatch) -> None:
-    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
-                        + float8.INSTALL)
+    monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
+                        + capability.INSTALL)
     with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
                                              r"pip install 'torchao>=0.18'"):
         _resolve(*FP8)
-    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
-    monkeypatch.setattr(float8, "matmul_unsupported", lambda *args: "torch._scaled_mm fails on cpu: no kernel")
+    monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: None)
+    monkeypatch.setattr(capability, "fp8_matmul_unsupported", lambda *args: "torch._scaled_mm fails on cpu: no kernel")
     with pytest.raises(PrecisionError, match="'mixed_precision.fp8' = 'tensorwise': torch._scaled_mm fails on cpu"):
         _resolve(*FP8)
     # A dry run sizes other machines: neither this machine's torchao nor its device is asked.
@@ -66,7 +66,7 @@ def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monk
 
 def test_this_cpu_runs_fp8_matmuls() -> None:
     """What makes the CPU tests below possible; if a torch drops CPU _scaled_mm they must say so."""
-    assert float8.matmul_unsupported("cpu") is None
+    assert capability.fp8_matmul_unsupported("cpu") is None
 
 
 def _scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -79,8 +79,8 @@ def _scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, .
         return original(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
-    float8.matmul_unsupported.cache_clear()
-    monkeypatch.setattr(float8, "matmul_unsupported", float8.matmul_unsupported)  # cleared again after
+    capability.fp8_matmul_unsupported.cache_clear()
+    monkeypatch.setattr(capability, "fp8_matmul_unsupported", capability.fp8_matmul_unsupported)  # cleared again after
     return calls
 
 
@@ -90,11 +90,11 @@ def test_the_fp8_probe_runs_the_recipes_own_scale_shapes(monkeypatch: pytest.Mon
     2.13's CPU, not on 2.11's, which the probe must then refuse)."""
     rowwise_runs = cpu_scaled_mm_takes_rowwise_scales()
     calls = _scaled_mm_calls(monkeypatch)
-    rowwise = float8.matmul_unsupported("cpu", "rowwise")
+    rowwise = capability.fp8_matmul_unsupported("cpu", "rowwise")
     assert rowwise is None if rowwise_runs else rowwise.startswith("torch._scaled_mm (rowwise scales) fails on cpu")
-    assert float8.matmul_unsupported("cpu", "tensorwise") is None
+    assert capability.fp8_matmul_unsupported("cpu", "tensorwise") is None
     assert calls == [((16, 1), (1, 16)), ((), ())]
-    float8.matmul_unsupported.cache_clear()
+    capability.fp8_matmul_unsupported.cache_clear()
 
 
 def test_preflight_runs_no_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +104,7 @@ def test_preflight_runs_no_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
     rowwise_runs = cpu_scaled_mm_takes_rowwise_scales()
     calls = _scaled_mm_calls(monkeypatch)
-    monkeypatch.setattr(float8, "torchao_missing", lambda recipe=None, all_gather=None: None)
+    monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: None)
     assert preflight.check(1, [*BASE, "--mixed_precision.fp8", "rowwise"]) == 0
     assert calls == []
     if rowwise_runs:
@@ -113,7 +113,7 @@ def test_preflight_runs_no_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(PrecisionError, match=r"rowwise scales\) fails on cpu"):
             _resolve("--mixed_precision.fp8", "rowwise")
     assert calls == [((16, 1), (1, 16))]
-    float8.matmul_unsupported.cache_clear()
+    capability.fp8_matmul_unsupported.cache_clear()
 
 
 def test_fp8_trains_close_to_bf16_and_reports_its_modules(tmp_path: Path) -> None:

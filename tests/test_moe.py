@@ -19,6 +19,7 @@ from torchtitan_amp.models.moe.balance import after_backward, after_step, set_au
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer, active_params
 from torchtitan_amp.models.moe.moe import GroupedExperts, MoE, Router, sequence_aux_loss
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.precision.report import router_summary
 
 
 def _model(flavor: str = "debugmodel_moe", **changes: object) -> MoETransformer:
@@ -188,7 +189,7 @@ def test_plan_routes_in_fp32_by_default_and_keeps_routers_out_of_low_precision()
     router, experts = model.layers["1"].feed_forward.router, model.layers["1"].feed_forward.experts
     assert router.router_dtype == torch.float32 and not plan.is_safe(router)
     assert plan.compute_dtype(router) == torch.float32 and plan.compute_dtype(experts) == torch.bfloat16
-    summary = plan.router_summary(model)
+    summary = router_summary(plan, model)
     assert summary["router_dtype"] == "float32" and summary["routers"] == 3
     assert _plan("--mixed_precision.router_dtype", "float64").router_dtype == torch.float64
     # Experts are Linears in another form: with Linear out of the safe list they stay fp32.

@@ -16,6 +16,7 @@ from torch import nn
 
 from torchtitan_amp.config import OptimizerConfig, load_config
 from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.precision.report import optimizer_summary
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.optim import AdamWMixedState, build_optimizer, stochastic_round_bf16
@@ -171,7 +172,7 @@ PURE_BF16 = ["--training.dtype", "bfloat16", "--mixed_precision.enabled", "false
 ])
 def test_plan_decides_the_state_dtype(args: list[str], state: str) -> None:
     plan = job_mod.resolve(load_config([*BASE, *args]), 1, "cpu").plan
-    assert plan.optimizer_summary()["state_dtype"] == state
+    assert optimizer_summary(plan)["state_dtype"] == state
 
 
 @pytest.mark.parametrize("args, match", [

@@ -380,7 +380,7 @@ def test_single_process_bf16_path(trained: Launches) -> None:
 # - MXFP8 has no tensor scale and its 1x32 blocks run along K inside one token's row (forward,
 #   dgrad) or, for wgrad, along 32 tokens = one sequence here: DDP and PP (ranks / microbatches
 #   holding whole sequences) quantize every operand as one process does, and TP's shards split K
-#   and N into whole blocks (blockscaled_apply.check_tensor_parallel). What remains is bf16's
+#   and N into whole blocks (block_scaled.check_tensor_parallel). What remains is bf16's
 #   (fp32 sums split by rank, TP's per-rank partial outputs rounded to bf16 before the reduction):
 #   the bf16 layouts' step-1 bounds.
 # - NVFP4 under TP all-reduces each operand's tensor amax over the TP ranks: the same tensor

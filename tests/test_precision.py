@@ -450,8 +450,8 @@ def two_identical_ranks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dty
         t.add_(t)
         return Work(t)
 
-    monkeypatch.setattr(precision_mod.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(precision_mod.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     return calls
 
 
@@ -513,8 +513,8 @@ def test_compress_hook_waits_for_every_collective(monkeypatch: pytest.MonkeyPatc
         def get_future(self) -> torch.futures.Future:
             return self.fut
 
-    monkeypatch.setattr(precision_mod.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(precision_mod.dist, "all_reduce",
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce",
                         lambda t, group=None, async_op=False: Work(t))
     torch.manual_seed(0)
     shapes = [(8, 4), (4,), (3, 4)]  # both a low-precision and an fp32 collective per bucket
@@ -623,3 +623,9 @@ def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     # The same dtype as the storage is what happens anyway: accepted.
     assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
                 "--mixed_precision.reduce_dtype", "bfloat16").reduce_dtype == torch.bfloat16
+
+
+def test_the_precision_package_keeps_no_seam_for_tests() -> None:
+    """The compress hook's tests patch torch.distributed itself: the package re-exports no module
+    for tests to patch."""
+    assert not hasattr(precision_mod, "dist")

@@ -299,7 +299,7 @@ def test_bf16_on_ampere_and_later_is_native(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# torchao: what float8.py calls is checked by name (no upper version bound)
+# torchao: what lowbit/float8.py calls is checked by name (no upper version bound)
 
 
 def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,7 +307,7 @@ def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytes
     import enum
     import types
 
-    from torchtitan_amp.precision import float8
+    from torchtitan_amp.precision.lowbit import capability
 
     class Recipe(enum.Enum):
         ROWWISE = "rowwise"
@@ -321,15 +321,15 @@ def test_a_torchao_lacking_what_fp8_uses_is_named_in_one_line(monkeypatch: pytes
     later = types.SimpleNamespace(Float8LinearConfig=Config, Float8LinearRecipeName=Recipe,
                                   convert_to_float8_training=object())
     # A torchao that kept rowwise and dropped tensorwise and the FSDP fp8 all-gather:
-    assert float8._lacking(later, ("rowwise",), all_gather=False) is None
-    assert float8._lacking(later, ("tensorwise",), all_gather=False) == "torchao's 'tensorwise' float8 recipe"
-    assert float8._lacking(later, ("rowwise",), all_gather=True) == "torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
+    assert capability._lacking(later, ("rowwise",), all_gather=False) is None
+    assert capability._lacking(later, ("tensorwise",), all_gather=False) == "torchao's 'tensorwise' float8 recipe"
+    assert capability._lacking(later, ("rowwise",), all_gather=True) == "torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
     later.precompute_float8_dynamic_scale_for_fsdp = object()
-    assert float8._lacking(later, ("rowwise",), all_gather=True) == (
+    assert capability._lacking(later, ("rowwise",), all_gather=True) == (
         "Float8LinearConfig.enable_fsdp_float8_all_gather (the FSDP fp8 all-gather)")
-    assert float8.torchao_missing() is None  # the installed torchao has everything
-    monkeypatch.setattr(float8, "_lacking", lambda *args: "torchao's 'tensorwise' float8 recipe")
-    monkeypatch.setattr(float8, "_version", lambda: "0.99.0")
-    assert float8.torchao_missing("tensorwise", False) == (
+    assert capability.fp8_torchao_missing() is None  # the installed torchao has everything
+    monkeypatch.setattr(capability, "_lacking", lambda *args: "torchao's 'tensorwise' float8 recipe")
+    monkeypatch.setattr(capability, "_version", lambda: "0.99.0")
+    assert capability.fp8_torchao_missing("tensorwise", False) == (
         "fp8 training needs torchao's 'tensorwise' float8 recipe, which torchao 0.99.0 lacks; "
         "pip install 'torchao==0.18.0' (the version tested)")

@@ -1,4 +1,4 @@
-"""The quantization-error measures of precision/quant_error.py on hand-made operands (what
+"""The quantization-error measures of precision/lowbit/quant_error.py on hand-made operands (what
 benchmarks/blockscaled_error.py tabulates for real ones), and the numerics matrix's low-precision
 GEMM rows resolving to the configs they name (no training)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from tests.support import cpu_scaled_mm_takes_rowwise_scales
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.precision import quant_error as qe
+from torchtitan_amp.precision.lowbit import quant_error as qe
 
 
 def _rel(q: torch.Tensor, x: torch.Tensor) -> float:

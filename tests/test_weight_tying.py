@@ -33,7 +33,8 @@ from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models import count_params
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer, ffn_hidden_dim
-from torchtitan_amp.precision import by_name, float8, freeze
+from torchtitan_amp.precision import by_name, freeze
+from torchtitan_amp.precision.lowbit import float8
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train.data_parallel import group_by_block
 

@@ -1,5 +1,5 @@
 """The GPU check `block_scaled_kernels`: torchao's block-scaled training modules
-(precision/blockscaled_torchao.py) against the emulation (precision/blockscaled_linear.py)."""
+(precision/lowbit/torchao_kernels.py) against the emulation (precision/lowbit/linear.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan_amp.precision import blockscaled as bs
-from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe
+from torchtitan_amp.precision import block_scaled
+from torchtitan_amp.precision.lowbit import capability, torchao_kernels
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
 
 pytestmark = pytest.mark.gpu
 
@@ -37,8 +38,8 @@ def _block_scaled_pair(recipe: BlockScaledRecipe, device: str, n: int
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(n, n, bias=False)).to(device, torch.bfloat16) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    blockscaled_apply.apply_block_scaled(models[0], recipe, (), 0)
-    blockscaled_torchao.apply_torchao(models[1], recipe, (), 0)
+    block_scaled.apply_block_scaled(models[0], recipe, (), 0)
+    block_scaled.apply_torchao(models[1], recipe, (), 0)
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     g = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     results = []
@@ -51,7 +52,7 @@ def _block_scaled_pair(recipe: BlockScaledRecipe, device: str, n: int
 
 
 def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
-    """torchao's block-scaled training modules (precision/blockscaled_torchao.py) against the
+    """torchao's block-scaled training modules (precision/lowbit/torchao_kernels.py) against the
     emulation, one 256 x 256 bf16 Linear: mxfp8's three GEMMs within `_bf16_bound` (same
     quantization, exact products; only the fp32 order and the bf16 rounding differ), nvfp4's
     forward too (its gradients round stochastically: their distance is recorded). Where the
@@ -59,9 +60,9 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
     torchao's emulated kernel instead and nvfp4 (Triton kernels only) is skipped; it says which.
     `_bf16_bound` assumes fp32 summation: cuBLAS's reduced-precision bf16 reduction (allowed by
     torch's default) is turned off for the check and restored after."""
-    why = blockscaled_torchao.kernels_missing("mxfp8", device)
+    why = capability.block_scaled_kernels_missing("mxfp8", device)
     out["kernels"] = "torchao" if why is None else f"torchao's emulated kernel ({why})"
-    previous, blockscaled_torchao.EMULATED_KERNELS = blockscaled_torchao.EMULATED_KERNELS, why is not None
+    previous, torchao_kernels.EMULATED_KERNELS = torchao_kernels.EMULATED_KERNELS, why is not None
     matmul = torch.backends.cuda.matmul
     reduced, matmul.allow_bf16_reduced_precision_reduction = matmul.allow_bf16_reduced_precision_reduction, False
     try:
@@ -76,7 +77,7 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
                 worst[what] = over
                 ok = ok and over <= 0
             out[f"mxfp8_{mode}_excess_over_bound"] = worst  # <= 0: within the bound
-        if blockscaled_torchao.kernels_missing("nvfp4", device) is None:
+        if capability.block_scaled_kernels_missing("nvfp4", device) is None:
             ours, theirs, _ = _block_scaled_pair(BlockScaledRecipe.nvfp4_full(), device, 256)
             rel = [((o.float() - t.float()).norm() / o.float().norm()).item() for o, t in zip(ours, theirs)]
             out["nvfp4_relative_distance"] = dict(zip(("forward", "dgrad", "wgrad"), rel))
@@ -85,7 +86,7 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
             out["nvfp4"] = "skipped: torchao's NVFP4 training kernels need compute capability 10.0 and Triton"
         return ok
     finally:
-        blockscaled_torchao.EMULATED_KERNELS = previous
+        torchao_kernels.EMULATED_KERNELS = previous
         matmul.allow_bf16_reduced_precision_reduction = reduced
 
 

@@ -91,11 +91,11 @@ def check_kernels(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> boo
     """The probes no training run needs: SDPA op and cuDNN version, torchao's extensions, one fp8
     rowwise torch._scaled_mm. Pass: the pinned SDPA runs the predicted op, and on a CUDA GPU of
     compute capability 8.9+ the rowwise _scaled_mm runs."""
-    from torchtitan_amp.precision import float8
+    from torchtitan_amp.precision.lowbit import capability
 
     out["sdpa"] = sdpa_probe(a.device)
     out["torchao"] = torchao_probe()
-    out["fp8_rowwise_scaled_mm"] = float8.matmul_unsupported(a.device, "rowwise") or "ran"
+    out["fp8_rowwise_scaled_mm"] = capability.fp8_matmul_unsupported(a.device, "rowwise") or "ran"
     fp8_expected = a.device != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
     return out["sdpa"]["pinned_runs_predicted_op"] and (out["fp8_rowwise_scaled_mm"] == "ran" or not fp8_expected)
 

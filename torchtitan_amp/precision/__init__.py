@@ -3,7 +3,8 @@
 Deciding (config -> plan, and what the plan answers and reports):
 - `plan.py`:       `PrecisionPlan.from_config` and the checks it runs; the questions the rest of the
                    code asks (path, dtypes, `is_safe`, `fp32_modules`, `compute_dtype`, ...);
-- `report.py`:     precision_report.json and the start-up log lines.
+- `report.py`:     precision_report.json (with its optimizer, context-parallel, router, expert-parallel
+                   and fault-tolerance sections) and the start-up log lines.
 
 Applying it (each a function taking the plan; callers call them, `autocast.forward_context(plan)`:
 the plan imports none of them):
@@ -14,23 +15,20 @@ the plan imports none of them):
 - `fsdp.py`:        `MixedPrecisionPolicy` per `fully_shard` group, block input cast (the FSDP path);
 - `comm_hooks.py`:  the DDP gradient compress hook (safe modules in reduce_dtype, on gloo and nccl);
 - `reducers.py`:    TP's partial gradients, reduced once per step;
-- `float8.py`:      torchao fp8: the probes the plan asks (torchao_missing, matmul_unsupported) and
-                    the Linear conversion, taking the plan's fp8 values (the plan imports it);
-- `blockscaled.py`, `blockscaled_linear.py`: MXFP8 / NVFP4 quantization, bit-exact, and the emulated
-                    Linear (its three GEMMs, `BlockScaledRecipe`, `observe_gemms`);
-- `blockscaled_grouped.py`: the routed experts' grouped GEMMs block-scaled, per expert, as the Linear's;
-- `blockscaled_apply.py`: block-scaled training: the kernel probe the plan asks, the rules and the
-                    Linear swap (and the experts' conversion), the report's section and the audit's GEMM check;
+- `block_scaled.py`: block-scaled training: the rules naming the Linears (and grouped experts) a
+                    recipe converts, the conversion (emulated, or to torchao's modules), the SR
+                    seeding per step, the report's section and the audit's GEMM check;
 - `scaler.py`:      fp16 loss scaling (`LossScaler`, `build_scaler`);
 - `memory_spec.py`: the plan as the memory model's `PrecisionSpec`;
 - `audit.py`:       one real step recorded against the plan's promises (mixed_precision.audit).
 
+The low-bit formats (precision/lowbit/): fp8 through torchao (and its Linear conversion), MXFP8 /
+NVFP4 quantization and the block-scaled recipe, the emulated block-scaled Linear and grouped experts,
+the mapping to torchao's block-scaled modules, quantization-error measures, and the capability
+probes. Of them the plan imports the probes, the recipe and the emulated Linear's class only.
+
 A new capability lands as a decision in plan.py plus an applier module of its own.
 """
-
-# `dist` is reachable here for tests that patch `precision.dist.all_reduce`: torch.distributed's
-# own, the one comm_hooks calls.
-import torch.distributed as dist  # noqa: F401
 
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.core.rules import dtype_name

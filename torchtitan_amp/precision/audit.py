@@ -23,7 +23,7 @@ Promises checked, each by module name or collective:
 - block-scaled (mixed_precision.block_scaled): every Linear the plan converts, and with
   block_scaled_experts every routed experts module's w1, w2 and w3 GEMMs, ran forward, dgrad and
   wgrad with the recipe's operands (element and scale dtypes, block shape, rounding, RHT:
-  blockscaled_linear's GemmRecords), and the Linears and experts kept out ran none (their
+  lowbit/linear.py's GemmRecords), and the Linears and experts kept out ran none (their
   matmuls are checked in their compute dtype above). The emulated GEMMs themselves are fp32 mms;
 - expert parallel: the token rows dispatched to the experts' ranks and combined back (and their
   gradients, the same exchange in reverse) cross "ep" by all-to-all in the plan's dispatch dtype
@@ -60,9 +60,11 @@ from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.models.moe.moe import GroupedExperts
 from torchtitan_amp.observability import traffic
-from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
-from torchtitan_amp.precision.blockscaled_linear import GemmRecord, observe_gemms
+from torchtitan_amp.precision import block_scaled
+from torchtitan_amp.precision.lowbit import torchao_kernels
+from torchtitan_amp.precision.lowbit.linear import GemmRecord, observe_gemms
 from torchtitan_amp.precision.plan import PrecisionPlan
+from torchtitan_amp.precision.report import expert_parallel_summary
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -352,7 +354,7 @@ class Auditor:
         gemms: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
 
         def on_gemm(record: GemmRecord) -> None:
-            module, what, operands = blockscaled_apply.operand_seen(record)
+            module, what, operands = block_scaled.operand_seen(record)
             if operands not in gemms[_clean(module)][what]:
                 gemms[_clean(module)][what].append(operands)
 
@@ -404,17 +406,17 @@ class Auditor:
         if plan.block_scaled is None:
             return [Breach(f"{m}: block-scaled GEMMs", ["none (mixed_precision.block_scaled = 'none')"], sorted(p))
                     for m, p in gemms.items()]
-        skip = blockscaled_apply.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers,
+        skip = block_scaled.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers,
                                                self.trainer.job.model_args.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
-        promised = {n for n, m in linears.items() if blockscaled_apply.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
+        promised = {n for n, m in linears.items() if block_scaled.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
         kept_out = set(linears) - promised
         # Grouped experts: promised by the plan's rule, whatever the module holds (one whose
         # block-scaled GEMMs were lost runs the plain grouped matmul and is named here).
         for n, m in self.named.items():
             if isinstance(m, GroupedExperts):
-                labels = set(blockscaled_apply.expert_gemm_labels(n))
-                chosen = blockscaled_apply.is_block_scaled_experts(n, m, plan.block_scaled, skip,
+                labels = set(block_scaled.expert_gemm_labels(n))
+                chosen = block_scaled.is_block_scaled_experts(n, m, plan.block_scaled, skip,
                                                                    plan.block_scaled_experts)
                 (promised if chosen else kept_out).update(labels)
         if not plan.block_scaled_emulated:
@@ -422,10 +424,10 @@ class Auditor:
             # sight: the audit checks the module each promised Linear became (type and settings),
             # and that no emulated GEMM ran (grouped experts are not converted on this path).
             mine = promised & set(linears)
-            return [Breach(*b) for b in blockscaled_torchao.check_modules(linears, mine, set(linears) - mine,
+            return [Breach(*b) for b in torchao_kernels.check_modules(linears, mine, set(linears) - mine,
                                                                          plan.block_scaled)
                     + [(f"{m}: block-scaled GEMMs", ["none (torchao kernels)"], sorted(p)) for m, p in gemms.items()]]
-        return [Breach(*b) for b in blockscaled_apply.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
+        return [Breach(*b) for b in block_scaled.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
         params = self.trainer.params
@@ -479,7 +481,7 @@ class Auditor:
                 expect(f"parameter {category}", {low, storage, *fp8_gather}, sorted(by_dtype))
         if self.trainer.dims.cp > 1:
             breaches += check_context_parallel(r.collectives, dtype_name(plan.cp_reduce_dtype), self._kv_dtypes(low))
-        ep = plan.expert_parallel_summary()
+        ep = expert_parallel_summary(plan)
         if ep is not None or any(c.startswith("all_to_all:") for c in r.collectives):
             holds = any(getattr(m, "expert_parallel", None) is not None for m in self.named.values())
             breaches += check_expert_parallel(r.collectives, ep["dispatch_dtype"] if ep else "none", holds)

@@ -11,9 +11,11 @@
 
 Everything else (parallelize, trainer, checkpoint) asks the plan and never re-decides. This module
 decides and answers, and imports none of the modules next to it that apply the decision (see the
-package's docstring): each of them takes the plan, and callers call them with it. It imports
-float8.py and blockscaled_apply.py only for their probes (is torchao installed, can this device
-multiply in fp8, does it have block-scaled kernels) and the block-scaled recipe.
+package's docstring): each of them takes the plan, and callers call them with it. Of the low-bit
+formats (precision/lowbit/) it imports the probes (lowbit/capability.py: is torchao installed, can
+this device multiply in fp8, does it have block-scaled kernels), the block-scaled recipe and the
+emulated Linear's class (what its matmuls compute in). What the report says of the plan is
+report.py's.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_pr
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
-from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao, float8
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe
+from torchtitan_amp.precision.lowbit import capability
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe, recipe_of
+from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
 if TYPE_CHECKING:
@@ -150,8 +153,8 @@ def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: 
                              "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)"))
     if not on_hardware:
         return
-    why = float8.torchao_missing(mp.fp8, mp.fp8_all_gather) or float8.matmul_unsupported(device_type, mp.fp8,
-                                                                                         run_kernels)
+    why = (capability.fp8_torchao_missing(mp.fp8, mp.fp8_all_gather)
+           or capability.fp8_matmul_unsupported(device_type, mp.fp8, run_kernels))
     if why is not None:
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 
@@ -163,27 +166,27 @@ def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on
     device and torchao have them and torchao can honour the recipe, else refused in one line:
     never a silent bf16 fallback, never a silently different recipe."""
     mp = config.mixed_precision
-    recipe = blockscaled_apply.recipe_of(mp.block_scaled, mp.mxfp8_scale_mode, mp.nvfp4_weight_2d, mp.nvfp4_rht,
-                                         mp.nvfp4_stochastic_rounding, config.training.seed)
+    recipe = recipe_of(mp.block_scaled, mp.mxfp8_scale_mode, mp.nvfp4_weight_2d, mp.nvfp4_rht,
+                       mp.nvfp4_stochastic_rounding, config.training.seed)
     if recipe is None:
         return None, False, ""
     where = f"'mixed_precision.block_scaled' = '{mp.block_scaled}'"
     if mp.block_scaled_emulate is True:
         return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
-                              f"{blockscaled_apply.EMULATION_COST})")
+                              f"{capability.EMULATION_COST})")
     fix = ("set mixed_precision.block_scaled_emulate = true to emulate "
-           f"({blockscaled_apply.EMULATION_COST})")
+           f"({capability.EMULATION_COST})")
     # A dry run sizes its target: neither this machine's device nor its torchao is asked.
-    why = blockscaled_torchao.kernels_missing(recipe.format, device_type, run_kernels) if on_hardware else None
+    why = capability.block_scaled_kernels_missing(recipe.format, device_type, run_kernels) if on_hardware else None
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
-    refused = blockscaled_torchao.recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
+    refused = capability.block_scaled_recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
     if refused is None and mp.block_scaled_experts:
         refused = ("mixed_precision.block_scaled_experts = true: the grouped experts' GEMMs are emulated only "
                    "(torchao's grouped MXFP8 kernels are not wired here)")
     if refused is not None:
         raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
-    return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({blockscaled_torchao.MODULES[recipe.format]})"
+    return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({capability.TORCHAO_MODULES[recipe.format]})"
 
 
 def _gemm_rows(config: JobConfig, dims: ParallelDims) -> list[tuple[int, str, bool]]:
@@ -443,27 +446,6 @@ class PrecisionPlan:
         """A token router (declares `router_dtype`): computes in the plan's router_dtype."""
         return hasattr(type(module), "router_dtype")
 
-    def router_summary(self, model: nn.Module) -> dict[str, Any] | None:
-        """The report's router section (None: the model routes no tokens)."""
-        routers = [name for name, m in model.named_modules() if self.routes(m)]
-        if not routers:
-            return None
-        return {"router_dtype": dtype_name(self.router_dtype), "routers": len(routers),
-                "gate_matmul": f"{short_name(self.router_dtype)} inputs and weights (activations upcast), "
-                               f"{short_name(self.router_dtype)} output",
-                "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
-                              "gradients reduced in fp32), never fp8",
-                "expert_bias_and_counts": "float32"}
-
-    def expert_parallel_summary(self) -> dict[str, Any] | None:
-        """The report's expert-parallel section (None without EP): tokens travel in the
-        activations' dtype, what the experts compute in anyway."""
-        if self.expert_parallel_degree == 1:
-            return None
-        activations = dtype_name(self.param_dtype if self.path != "full" else self.storage_dtype)
-        return {"degree": self.expert_parallel_degree, "dispatch_dtype": activations, "combine_dtype": activations,
-                "weighted_sum": "float32 (on the rank that routed the token)"}
-
     def apply_router_dtype(self, model: nn.Module) -> list[str]:
         """Tell every router what to route in; returns their names (for the report)."""
         names = []
@@ -515,44 +497,8 @@ class PrecisionPlan:
         cp_reduce_dtype."""
         return ContextParallel(group, self.cp_reduce_dtype)
 
-    def context_parallel_summary(self) -> dict[str, Any] | None:
-        """The report's context-parallel section (None without CP)."""
-        if self.context_parallel_degree == 1:
-            return None
-        activations = self.param_dtype if self.path != "full" else self.storage_dtype
-        return {"degree": self.context_parallel_degree,
-                "kv_all_gather_dtype": dtype_name(activations),
-                "kv_grad_reduce_scatter_dtype": dtype_name(self.cp_reduce_dtype),
-                "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
-                                 "in one SDPA call (no partial outputs or log-sum-exps to merge)"}
-
     def cross_group_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype torchft's cross-group all-reduce averages a gradient in: the one its group
         reduced it in (each param group's reduce dtype). Lower would round a second time what the
         group summed; higher would cost bytes without undoing the group's rounding."""
         return grad_dtype
-
-    def fault_tolerance_summary(self) -> dict[str, Any] | None:
-        """The report's fault-tolerance section (None when fault_tolerance.enable is off); the
-        report adds the dtypes the param groups reduce in, or under DiLoCo the bytes of a sync."""
-        if not self.replica_groups:
-            return None
-        if self.sync_steps:
-            outer = short_name(self.outer_state_dtype)
-            return {"replica_groups": self.replica_groups, "semi_sync_method": "diloco", "sync_steps": self.sync_steps,
-                    "cross_group_allreduce": f"torchft Manager.allreduce every {self.sync_steps} steps: average of "
-                                             f"the pseudo-gradients (global - local weights, computed in fp32) in "
-                                             f"{short_name(self.pseudo_gradient_dtype)}; no per-step all-reduce",
-                    "pseudo_gradient_dtype": dtype_name(self.pseudo_gradient_dtype),
-                    "global_weights_dtype": dtype_name(self.outer_state_dtype),
-                    "outer_optimizer": f"Nesterov SGD in {outer} on the {outer} global weights, {outer} momentum"}
-        return {"replica_groups": self.replica_groups,
-                "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
-                                         "quorum, in each param group's reduce_dtype (cross_group_dtype)"}
-
-    def optimizer_summary(self) -> dict[str, Any]:
-        mixed = self.mixed_state_optimizer
-        return {"state_dtype": dtype_name(self.optimizer_state_dtype),
-                "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
-                           else f"torch AdamW in {short_name(self.storage_dtype)}"),
-                "weight_rounding": "stochastic" if self.stochastic_rounding else "nearest"}

@@ -1,5 +1,6 @@
 """The plan as the job reports it: precision_report.json (param groups by module type with their
-storage / compute / reduce dtypes, fp8 and fp32-by-name modules, frozen parameters) and the start-up
+storage / compute / reduce dtypes, fp8 and fp32-by-name modules, frozen parameters, the sections
+on the optimizer, context parallel, routers, expert parallel and fault tolerance) and the start-up
 log lines."""
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.core.rules import DTYPE_BYTES, dtype_name, short_name
 from torchtitan_amp.models.spec import synced_buffer_elements
-from torchtitan_amp.precision import blockscaled_apply, blockscaled_torchao
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear
+from torchtitan_amp.precision import block_scaled
+from torchtitan_amp.precision.lowbit import torchao_kernels
+from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
 from torchtitan_amp.precision.tags import FP32_BY_NAME
 
 if TYPE_CHECKING:
@@ -79,10 +81,76 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
     return list(groups.values())
 
 
+# ----------------------------------------------------------------------------- the plan's sections
+
+
+def router_summary(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any] | None:
+    """The report's router section (None: the model routes no tokens)."""
+    routers = [name for name, m in model.named_modules() if plan.routes(m)]
+    if not routers:
+        return None
+    return {"router_dtype": dtype_name(plan.router_dtype), "routers": len(routers),
+            "gate_matmul": f"{short_name(plan.router_dtype)} inputs and weights (activations upcast), "
+                           f"{short_name(plan.router_dtype)} output",
+            "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
+                          "gradients reduced in fp32), never fp8",
+            "expert_bias_and_counts": "float32"}
+
+
+def expert_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
+    """The report's expert-parallel section (None without EP): tokens travel in the
+    activations' dtype, what the experts compute in anyway."""
+    if plan.expert_parallel_degree == 1:
+        return None
+    activations = dtype_name(plan.param_dtype if plan.path != "full" else plan.storage_dtype)
+    return {"degree": plan.expert_parallel_degree, "dispatch_dtype": activations, "combine_dtype": activations,
+            "weighted_sum": "float32 (on the rank that routed the token)"}
+
+
+def context_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
+    """The report's context-parallel section (None without CP)."""
+    if plan.context_parallel_degree == 1:
+        return None
+    activations = plan.param_dtype if plan.path != "full" else plan.storage_dtype
+    return {"degree": plan.context_parallel_degree,
+            "kv_all_gather_dtype": dtype_name(activations),
+            "kv_grad_reduce_scatter_dtype": dtype_name(plan.cp_reduce_dtype),
+            "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
+                             "in one SDPA call (no partial outputs or log-sum-exps to merge)"}
+
+
+def fault_tolerance_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
+    """The report's fault-tolerance section (None when fault_tolerance.enable is off); the
+    report adds the dtypes the param groups reduce in, or under DiLoCo the bytes of a sync."""
+    if not plan.replica_groups:
+        return None
+    if plan.sync_steps:
+        outer = short_name(plan.outer_state_dtype)
+        return {"replica_groups": plan.replica_groups, "semi_sync_method": "diloco", "sync_steps": plan.sync_steps,
+                "cross_group_allreduce": f"torchft Manager.allreduce every {plan.sync_steps} steps: average of "
+                                         f"the pseudo-gradients (global - local weights, computed in fp32) in "
+                                         f"{short_name(plan.pseudo_gradient_dtype)}; no per-step all-reduce",
+                "pseudo_gradient_dtype": dtype_name(plan.pseudo_gradient_dtype),
+                "global_weights_dtype": dtype_name(plan.outer_state_dtype),
+                "outer_optimizer": f"Nesterov SGD in {outer} on the {outer} global weights, {outer} momentum"}
+    return {"replica_groups": plan.replica_groups,
+            "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
+                                     "quorum, in each param group's reduce_dtype (cross_group_dtype)"}
+
+
+def optimizer_summary(plan: PrecisionPlan) -> dict[str, Any]:
+    """The report's optimizer section: the moments' dtype, the update's math, the weights' rounding."""
+    mixed = plan.mixed_state_optimizer
+    return {"state_dtype": dtype_name(plan.optimizer_state_dtype),
+            "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
+                       else f"torch AdamW in {short_name(plan.storage_dtype)}"),
+            "weight_rounding": "stochastic" if plan.stochastic_rounding else "nearest"}
+
+
 def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: nn.Module) -> dict[str, Any] | None:
     """The plan's fault-tolerance section with the dtypes the cross-group all-reduce carries (and
     under DiLoCo the bytes of one sync)."""
-    summary = plan.fault_tolerance_summary()
+    summary = fault_tolerance_summary(plan)
     if summary is not None and plan.sync_steps:
         wire = summary["pseudo_gradient_dtype"]
         summary["cross_group_allreduce_dtypes"] = [wire]
@@ -125,10 +193,10 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp8_all_gather": plan.fp8_all_gather,
         "block_scaled": _block_scaled(plan, model),
         "fp32_module_names": list(plan.fp32_names),
-        "optimizer": plan.optimizer_summary(),
-        "context_parallel": plan.context_parallel_summary(),
-        "router": plan.router_summary(model),
-        "expert_parallel": plan.expert_parallel_summary(),
+        "optimizer": optimizer_summary(plan),
+        "context_parallel": context_parallel_summary(plan),
+        "router": router_summary(plan, model),
+        "expert_parallel": expert_parallel_summary(plan),
         "fault_tolerance": _fault_tolerance(plan, groups, model),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
         "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
@@ -202,5 +270,5 @@ def _block_scaled(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any] | Non
     """The emulation's section, or torchao's (the modules it converted to, their settings)."""
     named = _named_modules(model)
     if plan.block_scaled_emulated:
-        return blockscaled_apply.summary(plan.block_scaled, True, named)
-    return blockscaled_torchao.summary(plan.block_scaled, named)
+        return block_scaled.summary(plan.block_scaled, True, named)
+    return torchao_kernels.summary(plan.block_scaled, named)

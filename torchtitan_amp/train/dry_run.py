@@ -45,7 +45,8 @@ from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.memory import ByDtype, FsdpGroup, Stage
 from torchtitan_amp.models.spec import synced_buffer_elements
-from torchtitan_amp.precision import PrecisionPlan, dtype_name, float8
+from torchtitan_amp.precision import PrecisionPlan, dtype_name
+from torchtitan_amp.precision.lowbit import float8
 from torchtitan_amp.train.job import Job, build_model_parts
 from torchtitan_amp.train.job import resolve as resolve_job
 

@@ -28,8 +28,8 @@ from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import (PrecisionPlan, blockscaled_apply, blockscaled_torchao, by_name, float8,
-                                      freeze, memory_spec)
+from torchtitan_amp.precision import PrecisionPlan, block_scaled, by_name, freeze, memory_spec
+from torchtitan_amp.precision.lowbit import capability, float8, torchao_kernels
 from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
@@ -172,10 +172,10 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
-        blockscaled_apply.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers,
+        block_scaled.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers,
                                         plan.block_scaled_experts)
         if dims.tp_enabled:
-            blockscaled_apply.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
+            block_scaled.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
                                                     plan.block_scaled_edge_layers, dims.tp,
                                                     linear_shard_dims(model, family.tp_block_plan))
     job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
@@ -206,18 +206,19 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     job.plan.apply_router_dtype(model)
     by_name.mark_fp32_by_name(job.plan, model)
     freeze.freeze(job.plan, model)
-    if materialize or job.plan.fp8 == "none" or float8.torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None:
+    if (materialize or job.plan.fp8 == "none"
+            or capability.fp8_torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None):
         # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
         float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
     # The whole model, before the pipeline split: the edge blocks are counted on it.
     if job.plan.block_scaled_emulated or job.plan.block_scaled is None:
-        blockscaled_apply.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                             job.plan.block_scaled_edge_layers, job.plan.block_scaled_experts)
-    elif materialize or blockscaled_torchao.torchao_missing(job.plan.block_scaled.format) is None:
+        block_scaled.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
+                                        job.plan.block_scaled_edge_layers, job.plan.block_scaled_experts)
+    elif materialize or capability.block_scaled_torchao_missing(job.plan.block_scaled.format) is None:
         # As fp8 above: a dry run without torchao keeps the nn.Linears (same params and shards).
-        blockscaled_torchao.apply_torchao(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                          job.plan.block_scaled_edge_layers)
+        block_scaled.apply_torchao(model, job.plan.block_scaled, job.plan.block_scaled_skip,
+                                   job.plan.block_scaled_edge_layers)
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)
@@ -239,5 +240,5 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
             part.train()
         parts.append(part)
     if materialize:
-        blockscaled_torchao.materialized(parts)
+        torchao_kernels.materialized(parts)
     return ModelParts(parts, list(stage_ids), num_params, fpt)

@@ -29,7 +29,8 @@ from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.loss import count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import autocast, blockscaled_apply, blockscaled_torchao, float8
+from torchtitan_amp.precision import autocast, block_scaled
+from torchtitan_amp.precision.lowbit import float8, torchao_kernels
 from torchtitan_amp.train.build import build_training
 from torchtitan_amp.train.fault_tolerance import TrainingState, data_position, group_config, init_optimizer_state
 
@@ -75,7 +76,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.
 
 
 def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
-    """The rank that keys block-scaled stochastic rounding (blockscaled_apply.seed_step): one per
+    """The rank that keys block-scaled stochastic rounding (block_scaled.seed_step): one per
     (data share, cp rank, tp rank), the ranks that round different values of one step; pipeline
     stages hold different modules, whose streams differ already."""
     data_rank, _ = data_position(config, dims, rank)
@@ -101,7 +102,7 @@ class Trainer:
         self.model = self.model_parts[0]
         # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
         self.sr_rank = sr_rank(config, self.dims, self.info.rank)  # fixed for the run
-        blockscaled_torchao.materialized(self.model_parts, self.sr_rank)
+        torchao_kernels.materialized(self.model_parts, self.sr_rank)
         opt = setup.optimization
         self.params, self.optimizer, self.lr_scheduler = opt.params, opt.optimizer, opt.lr_scheduler
         self.reduce_partial_grads = opt.reduce_partial_grads
@@ -210,7 +211,7 @@ class Trainer:
         (not on a skipped non-finite or fp16-overflow step)."""
         autocast.check_no_user_autocast(self.plan)
         if self.plan.block_scaled is not None and self.plan.block_scaled.stochastic_rounding:
-            blockscaled_apply.seed_step(self.model_parts, self.step, self.sr_rank)
+            block_scaled.seed_step(self.model_parts, self.step, self.sr_rank)
         self.optimizer.zero_grad(set_to_none=True)
         # fp32 accumulator: a low-precision running sum stalls once it is large enough.
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)

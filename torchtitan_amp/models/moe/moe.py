@@ -83,7 +83,7 @@ class GroupedExperts(nn.Module):
     # (parallelize.apply_expert_kernels), so that a compiled block reads a constant (no probe, no
     # graph break); None (a model used outside the trainer) probes on first use.
     grouped_mm: bool | None = None
-    # Set by the precision plan's applier (precision/blockscaled_apply.py) when the experts run
+    # Set by the precision plan's applier (precision/block_scaled.py) when the experts run
     # block-scaled (mixed_precision.block_scaled_experts): called as mm(x, w, sizes, weight_name)
     # for each of the three GEMMs, in place of the grouped matmul.
     block_scaled_mm: Callable[[torch.Tensor, torch.Tensor, list[int], str], torch.Tensor] | None = None

@@ -1,5 +1,5 @@
 """Emulated block-scaled grouped expert GEMMs (MXFP8, NVFP4): the routed experts' three GEMMs per
-expert exactly as blockscaled_linear does them for one Linear, over the token group each expert got.
+expert exactly as linear.py does them for one Linear, over the token group each expert got.
 
 GroupedExperts (models/moe/moe.py) holds E experts as [E, K, N] weights and multiplies x [M, K],
 its rows sorted by expert with counts [E], by w[e] for each expert's rows. Expert e's product is a
@@ -18,10 +18,10 @@ no tokens runs no GEMM (zero gradient, no rows out).
 
 NVFP4: each operand's fp32 tensor scale is taken per expert (from that expert's rows or weight),
 as the loop of per-expert Linears has it; torchao's NVFP4 grouped GEMM plumbs no tensor scale yet.
-2-D weight tiles, RHT and stochastic rounding apply per expert as in blockscaled_linear; the SR
+2-D weight tiles, RHT and stochastic rounding apply per expert as in linear.py; the SR
 draws come from one generator per experts module, expert by expert, dgrad then wgrad.
 
-It is a loop over experts of blockscaled_linear's own functions (quantize_operand, emulated_mm):
+It is a loop over experts of linear.py's own functions (quantize_operand, emulated_mm):
 one host read of the counts per call (the loop path's), E small fp32 GEMMs per pass.
 """
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan_amp.precision.blockscaled_linear import (
-    BlockScaledRecipe,
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.linear import (
     _quantized_weight,
     emulated_mm,
     quantize_operand,
@@ -76,7 +76,7 @@ class _GroupedFn(torch.autograd.Function):
         return torch.cat(grad_x), grad_w.to(w.dtype), None, None, None, None
 
 
-def blockscaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], recipe: BlockScaledRecipe,
+def block_scaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], recipe: BlockScaledRecipe,
                            generator: torch.Generator | None = None, label: str = "") -> torch.Tensor:
     """x [M, K] (rows sorted by expert, `sizes[e]` of them for expert e) times w [E, K, N] per
     expert -> [M, N] in x's dtype, all three GEMMs block-scaled (emulated) per expert.
@@ -91,7 +91,7 @@ def blockscaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], r
 
 class BlockScaledExperts:
     """What a GroupedExperts module runs its three weights' GEMMs with when the plan puts the
-    experts in a block-scaled format (blockscaled_apply.apply_block_scaled sets it as the
+    experts in a block-scaled format (block_scaled.apply_block_scaled sets it as the
     module's `block_scaled_mm`). Not a module: parameters, names and checkpoints are unchanged.
     The SR generator is seeded as a BlockScaledLinear's, from the recipe's seed and `sr_stream`."""
 
@@ -108,5 +108,5 @@ class BlockScaledExperts:
         return self.generator
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, sizes: list[int], weight_name: str) -> torch.Tensor:
-        return blockscaled_grouped_mm(x, w, sizes, self.recipe, self.sr_generator(w.device),
+        return block_scaled_grouped_mm(x, w, sizes, self.recipe, self.sr_generator(w.device),
                                       f"{self.label}.{weight_name}")

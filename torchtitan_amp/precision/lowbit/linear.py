@@ -1,11 +1,11 @@
 """Emulated block-scaled Linear (MXFP8, NVFP4): the three GEMMs of a Linear as the hardware does
-them, with operands quantized bit-exactly (blockscaled.py) and products summed in fp32 (issue 45).
+them, with operands quantized bit-exactly (formats.py) and products summed in fp32 (issue 45).
 
     forward  y  = Q(x) Q(W)^T          x (M, K) and W (N, K) quantized along K
     dgrad    dx = Q(dy) Q(W^T)^T       dy (M, N) and W^T (K, N) along N
     wgrad    dW = Q(dy^T) Q(x^T)^T     dy^T (N, M) and x^T (K, M) along M (the tokens)
 
-The recipe (`BlockScaledRecipe`) says the format and, for NVFP4, NVIDIA's pre-training options:
+The recipe (formats.py's `BlockScaledRecipe`) says the format and, for NVFP4, NVIDIA's pre-training options:
 2-D 16x16 weight scaling (W is quantized once per tile, so forward and dgrad see the same
 quantized weight), a random Hadamard transform of both wgrad operands along M in blocks of 16
 (R = diag(signs) H16 / 4 is orthogonal with dyadic entries, so R R^T = I exactly and
@@ -37,10 +37,9 @@ resolution), so every operand quantizes as on one device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,59 +47,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from torchtitan_amp.precision import blockscaled as bs
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
 
-FORMATS = ("mxfp8", "nvfp4")
 RHT_DIM = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockScaledRecipe:
-    """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
-    uses one sign vector) and, per module, the SR generator. `check_finite` (off: training's
-    setting) refuses NaN / inf in any operand (NonFiniteBlockError; one host sync per quantized
-    operand, six per Linear step). Off, a block holding one gets a NaN scale and the NaN reaches
-    the output or the gradients, where training's own check finds it: fp16's loss scaler skips the
-    step and backs off (an overflowed scaled gradient is the common case), training.skip_nonfinite_steps
-    skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
-
-    format: Literal["mxfp8", "nvfp4"]
-    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
-    weight_2d: bool = False
-    rht: bool = False
-    stochastic_rounding: bool = False
-    seed: int = 0
-    check_finite: bool = False
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"block-scaled format must be one of {FORMATS}, not {self.format!r}")
-        if self.mx_scale_mode not in bs.SCALE_MODES:
-            raise ValueError(f"mx_scale_mode must be one of {bs.SCALE_MODES}, not {self.mx_scale_mode!r}")
-        extras = [n for n in ("weight_2d", "rht", "stochastic_rounding") if getattr(self, n)]
-        if self.format == "mxfp8" and extras:
-            raise ValueError(f"{', '.join(extras)} belong to the nvfp4 recipe; mxfp8 (torchao's MXLinear) "
-                             "has 1x32 scaling, no RHT and no stochastic rounding")
-
-    @classmethod
-    def nvfp4_full(cls, seed: int = 0) -> BlockScaledRecipe:
-        """NVIDIA's NVFP4 pre-training recipe: 2-D weights, RHT on wgrad, SR on gradients."""
-        return cls("nvfp4", weight_2d=True, rht=True, stochastic_rounding=True, seed=seed)
-
-    @property
-    def block_size(self) -> int:
-        return bs.MX_BLOCK if self.format == "mxfp8" else bs.NVFP4_BLOCK
-
-    def describe(self) -> dict[str, str]:
-        """Each pass's operands and their format, for a report."""
-        if self.format == "mxfp8":
-            f = f"mxfp8 e4m3 1x32 e8m0 ({self.mx_scale_mode})"
-            return {"forward": f"x {f}; W {f}", "dgrad": f"dy {f}; W^T {f}", "wgrad": f"dy^T {f}; x^T {f}"}
-        w = "nvfp4 16x16" if self.weight_2d else "nvfp4 1x16"
-        sr = " SR" if self.stochastic_rounding else ""
-        rht = " RHT16" if self.rht else ""
-        return {"forward": f"x nvfp4 1x16; W {w}", "dgrad": f"dy nvfp4 1x16{sr}; W^T {w}",
-                "wgrad": f"dy^T nvfp4 1x16{sr}{rht}; x^T nvfp4 1x16{rht}"}
 
 
 # ----------------------------------------------------------------------------- RHT
@@ -273,7 +223,7 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None, None, None)
 
 
-def blockscaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        recipe: BlockScaledRecipe, generator: torch.Generator | None = None, label: str = "",
                        amax_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
@@ -320,13 +270,13 @@ class BlockScaledLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
             return self._forward_tensor_parallel(x)
-        return blockscaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator(), self.label)
+        return block_scaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator(), self.label)
 
     def _forward_tensor_parallel(self, x: torch.Tensor | DTensor) -> DTensor:
         """The emulation on this rank's shards, with DTensor placements on the way out: column-wise
         (W Shard(0): x replicated, the output's columns sharded, dx a partial sum) or row-wise
         (W Shard(1): x sharded along K, the output a partial sum reduced by the style). Each
-        block lies inside one shard (blockscaled_apply.check_tensor_parallel), so the operands
+        block lies inside one shard (block_scaled.check_tensor_parallel), so the operands
         quantize as on one device; only the fp32 sums of a row-wise output and of a column-wise
         dx are split into one partial per rank, rounded to the output dtype and then added."""
         w, mesh = self.weight, self.weight.device_mesh
@@ -345,10 +295,21 @@ class BlockScaledLinear(nn.Linear):
         else:
             raise NotImplementedError(f"{self.label}: block-scaled Linear with weight placement {place}")
         local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-        out = blockscaled_linear(x_local, w.to_local(), local_bias, self.recipe, self.sr_generator(), self.label,
+        out = block_scaled_linear(x_local, w.to_local(), local_bias, self.recipe, self.sr_generator(), self.label,
                                  amax_group=mesh.get_group())
         out = DTensor.from_local(out, mesh, [out_place], run_check=False)
         return out + self.bias if place.is_shard(1) and self.bias is not None else out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.format}"
+
+
+# Odd, with low bits set: a CPU generator seeds its Mersenne Twister from the key's low 32 bits
+# only (CUDA's Philox takes all 64), so the rank must change those.
+RANK_KEY = 0x1E3779B97F4A7C15
+
+
+def sr_key(seed: int, stream: int, step: int, rank: int) -> int:
+    """A stochastic-rounding generator's seed: (recipe seed, module stream, step) as one process
+    has it, plus `rank` times an odd constant (rank 0's key is the one-process key)."""
+    return ((seed * 1_000_003 + stream) * 1_000_033 + step + rank * RANK_KEY) % 2**63

@@ -3,15 +3,15 @@ format and measure the error (benchmarks/blockscaled_error.py tabulates it for r
 weights and gradients of the debug model).
 
 An operand is 2-D and quantized along its last dimension (the reduction dimension of the GEMM that
-reads it), as precision/blockscaled_linear.py quantizes it. The formats:
+reads it), as lowbit/linear.py quantizes it. The formats:
 
   bf16                   round to nearest even; no scale.
   fp8 tensorwise         torchao's tensorwise recipe: one fp32 scale 448 / amax (e4m3) for inputs and
                          weights, 57344 / amax (e5m2) for gradients (`grad=True`), saturated cast.
   fp8 rowwise            torchao's rowwise recipe: e4m3, one scale per row (along the reduction
                          dim), max / amax rounded down to a power of two.
-  mxfp8 floor | rceil    precision/blockscaled.py's quantize_mxfp8 (1x32 blocks, E8M0 scales).
-  nvfp4 1x16 | 16x16     precision/blockscaled.py's NVFP4 (16x16: one scale per tile, weights).
+  mxfp8 floor | rceil    lowbit/formats.py's quantize_mxfp8 (1x32 blocks, E8M0 scales).
+  nvfp4 1x16 | 16x16     lowbit/formats.py's NVFP4 (16x16: one scale per tile, weights).
   ... + RHT              the 16-point random Hadamard transform along the reduction dim first (the
                          recipe's wgrad operands); errors are measured back in the original basis.
   ... + SR               stochastic rounding of the e2m1 elements from a seeded generator.
@@ -36,8 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from torchtitan_amp.precision import blockscaled as bs
-from torchtitan_amp.precision.blockscaled_linear import rht_matrix
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit.linear import rht_matrix
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 E5M2_MAX = torch.finfo(torch.float8_e5m2).max  # 57344

@@ -4,7 +4,7 @@ Each function quantizes along the last dimension (the reduction dimension of the
 consume the operand), in blocks, and returns the stored form: element codes and per-block scales,
 plus NVFP4's fp32 per-tensor scale. Dequantizing gives fp32 values that are exact (each is an
 element times a power of two, or an e2m1 value times an e4m3 value), so a matmul of dequantized
-operands has exact products and only its fp32 accumulation rounds (blockscaled_linear.py).
+operands has exact products and only its fp32 accumulation rounds (linear.py).
 
 MXFP8 (OCP Microscaling Formats v1.0): blocks of 32 e4m3 elements sharing one power-of-two scale X,
   stored E8M0 (biased exponent, 0x00 = 2^-127, 0xFF = NaN); elements float8_e4m3fn = RNE(v / X)
@@ -31,7 +31,7 @@ NVFP4 (NVIDIA: blocks of 16 e2m1 elements, e4m3 block scales, an fp32 tensor sca
 Non-finite input is refused (`NonFiniteBlockError`) unless `check_finite=False`, when a block
 holding NaN or +-inf gets a NaN scale (E8M0 0xFF, e4m3 0x7F) and dequantizes to NaN. The check
 reads one bool back to the host per call (a sync on a GPU): it is for tools that quantize weights;
-training (blockscaled_linear.BlockScaledRecipe) turns it off, so that a non-finite operand, such
+training (`BlockScaledRecipe`, below) turns it off, so that a non-finite operand, such
 as an fp16 gradient whose loss scale overflowed, reaches the loss scaler's and the trainer's checks.
 
 Against torchao 0.18's quantizers (torchao.prototype.mx_formats: to_mx FLOOR / RCEIL,
@@ -59,6 +59,7 @@ Triton-only).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
@@ -323,3 +324,67 @@ def nvfp4_dequantized(x: torch.Tensor, *, generator: torch.Generator | None = No
     packing and decoding the codes (the emulated GEMM's path; the same bits)."""
     _, values, s_b, s_t = _nvfp4_parts(x, generator, block_2d, tensor_amax, check_finite, want_codes=False)
     return (values * s_b.to(torch.float32).unsqueeze(-1)).reshape(x.shape), s_t
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+FORMATS = ("mxfp8", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledRecipe:
+    """One block-scaled recipe. `seed` seeds the RHT signs (fixed for the run, as NVIDIA's recipe
+    uses one sign vector) and, per module, the SR generator. `check_finite` (off: training's
+    setting) refuses NaN / inf in any operand (NonFiniteBlockError; one host sync per quantized
+    operand, six per Linear step). Off, a block holding one gets a NaN scale and the NaN reaches
+    the output or the gradients, where training's own check finds it: fp16's loss scaler skips the
+    step and backs off (an overflowed scaled gradient is the common case), training.skip_nonfinite_steps
+    skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
+
+    format: Literal["mxfp8", "nvfp4"]
+    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
+    weight_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
+    seed: int = 0
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"block-scaled format must be one of {FORMATS}, not {self.format!r}")
+        if self.mx_scale_mode not in SCALE_MODES:
+            raise ValueError(f"mx_scale_mode must be one of {SCALE_MODES}, not {self.mx_scale_mode!r}")
+        extras = [n for n in ("weight_2d", "rht", "stochastic_rounding") if getattr(self, n)]
+        if self.format == "mxfp8" and extras:
+            raise ValueError(f"{', '.join(extras)} belong to the nvfp4 recipe; mxfp8 (torchao's MXLinear) "
+                             "has 1x32 scaling, no RHT and no stochastic rounding")
+
+    @classmethod
+    def nvfp4_full(cls, seed: int = 0) -> BlockScaledRecipe:
+        """NVIDIA's NVFP4 pre-training recipe: 2-D weights, RHT on wgrad, SR on gradients."""
+        return cls("nvfp4", weight_2d=True, rht=True, stochastic_rounding=True, seed=seed)
+
+    @property
+    def block_size(self) -> int:
+        return MX_BLOCK if self.format == "mxfp8" else NVFP4_BLOCK
+
+    def describe(self) -> dict[str, str]:
+        """Each pass's operands and their format, for a report."""
+        if self.format == "mxfp8":
+            f = f"mxfp8 e4m3 1x32 e8m0 ({self.mx_scale_mode})"
+            return {"forward": f"x {f}; W {f}", "dgrad": f"dy {f}; W^T {f}", "wgrad": f"dy^T {f}; x^T {f}"}
+        w = "nvfp4 16x16" if self.weight_2d else "nvfp4 1x16"
+        sr = " SR" if self.stochastic_rounding else ""
+        rht = " RHT16" if self.rht else ""
+        return {"forward": f"x nvfp4 1x16; W {w}", "dgrad": f"dy nvfp4 1x16{sr}; W^T {w}",
+                "wgrad": f"dy^T nvfp4 1x16{sr}{rht}; x^T nvfp4 1x16{rht}"}
+
+
+def recipe_of(fmt: str, scale_mode: str, weight_2d: bool, rht: bool, sr: bool, seed: int) -> BlockScaledRecipe | None:
+    """The config's recipe (None: block_scaled = "none"); the nvfp4 options apply to nvfp4 only."""
+    if fmt == "none":
+        return None
+    if fmt == "mxfp8":
+        return BlockScaledRecipe("mxfp8", mx_scale_mode=scale_mode, seed=seed)
+    return BlockScaledRecipe("nvfp4", weight_2d=weight_2d, rht=rht, stochastic_rounding=sr, seed=seed)

@@ -1,20 +1,21 @@
 """Block-scaled training (MXFP8, NVFP4) as the precision plan decided it.
 
 precision/plan.py decides (the recipe, the patterns kept out, emulated or on torchao's kernels:
-blockscaled_torchao.py probes and converts for the latter). This module realises the emulated
-decision on a model: the rules naming the Linears and the grouped experts a recipe converts
-(`is_block_scaled_linear`, `is_block_scaled_experts`, the same rules the report, the audit and the
-torchao path read), the conversion (`apply_block_scaled`: nn.Linear -> BlockScaledLinear, and with
-mixed_precision.block_scaled_experts each GroupedExperts' GEMMs run by blockscaled_grouped's
-BlockScaledExperts; parameters kept, so names and checkpoints are unchanged), the report's
+lowbit/capability.py probes for the latter). This module realises the decision on a model: the
+rules naming the Linears and the grouped experts a recipe converts (`is_block_scaled_linear`,
+`is_block_scaled_experts`, the same rules the report and the audit read), the conversion
+(`apply_block_scaled`: nn.Linear -> lowbit/linear.py's BlockScaledLinear, and with
+mixed_precision.block_scaled_experts each GroupedExperts' GEMMs run by lowbit/grouped.py's
+BlockScaledExperts; on torchao's kernels `apply_torchao`: nn.Linear -> lowbit/torchao_kernels.py's
+module; parameters kept, so names and checkpoints are unchanged), the report's
 section, and the audit's check of the GEMMs one step ran. The experts' GEMMs are named by their
 weights (`layers.1.feed_forward.experts.w1`, `.w2`, `.w3`); the router and the shared expert's
 gates are not grouped experts: the router stays in its router_dtype, the shared expert's Linears
 follow the Linear rule.
 
-The emulation (blockscaled_linear.py: operands quantized bit-exactly, fp32 GEMMs): under FSDP the
+The emulation (lowbit/linear.py: operands quantized bit-exactly, fp32 GEMMs): under FSDP the
 weight is all-gathered in the plan's param / storage dtype and quantized inside the module: there
-is no MX / NVFP4 all-gather (nor has torchao 0.18 one for training: blockscaled_torchao.py).
+is no MX / NVFP4 all-gather (nor has torchao 0.18 one for training: lowbit/torchao_kernels.py).
 Under tensor parallel each rank quantizes its shards: `check_tensor_parallel` refuses, at job
 resolution, a split that would cut a block between ranks.
 """
@@ -30,25 +31,11 @@ from torch import nn
 
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.moe.moe import GroupedExperts
-from torchtitan_amp.precision.blockscaled_grouped import BlockScaledExperts
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledLinear, BlockScaledRecipe, GemmRecord
+from torchtitan_amp.precision.lowbit import torchao_kernels
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.grouped import BlockScaledExperts
+from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear, GemmRecord, sr_key
 from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
-
-# torchao's MX / NVFP4 training GEMMs run on the tensor cores of compute capability 10.0 (B200,
-# GB200) and up; Hopper (H100, H200) has fp8 but no block-scaled MMA.
-KERNEL_CAPABILITY = (10, 0)
-# What the emulation costs against a bf16 F.linear, forward + backward (benchmarks/blockscaled_speed.py
-# on the 2-core CPU of docs/performance.md): said in the start-up line and the refusal.
-EMULATION_COST = "about 4-7x slower than bf16 on a 2-core AVX512 CPU"
-
-
-def recipe_of(fmt: str, scale_mode: str, weight_2d: bool, rht: bool, sr: bool, seed: int) -> BlockScaledRecipe | None:
-    """The config's recipe (None: block_scaled = "none"); the nvfp4 options apply to nvfp4 only."""
-    if fmt == "none":
-        return None
-    if fmt == "mxfp8":
-        return BlockScaledRecipe("mxfp8", mx_scale_mode=scale_mode, seed=seed)
-    return BlockScaledRecipe("nvfp4", weight_2d=weight_2d, rht=rht, stochastic_rounding=sr, seed=seed)
 
 
 def edge_patterns(n_layers: int, edge: int) -> tuple[str, ...]:
@@ -166,6 +153,23 @@ def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip:
     return [n for n, _ in [*chosen, *grouped]]
 
 
+def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
+    """Swap the model's block-scaled Linears (`is_block_scaled_linear`) for torchao's training
+    modules (lowbit/torchao_kernels.py), keeping their Parameters; returns their names. Every
+    shape is checked before any module is swapped."""
+    if recipe is None:
+        return []
+    every = skip_patterns(skip, edge, n_layers_of(model))
+    chosen = [(n, m) for n, m in model.named_modules() if is_block_scaled_linear(n, m, recipe, every)
+              and not torchao_kernels.is_torchao_module(m)]
+    for name, linear in chosen:
+        torchao_kernels.check_shape(name, linear, recipe.format)
+    for stream, (name, linear) in enumerate(chosen):
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, torchao_kernels.torchao_linear(linear, recipe, stream))
+    return [n for n, _ in chosen]
+
+
 def _sr_holders(part: nn.Module) -> Iterator[tuple[BlockScaledLinear | BlockScaledExperts, torch.device]]:
     """The block-scaled GEMM owners of `part` (Linears, experts' BlockScaledExperts) and their device."""
     for m in part.modules():
@@ -173,17 +177,6 @@ def _sr_holders(part: nn.Module) -> Iterator[tuple[BlockScaledLinear | BlockScal
             yield m, m.weight.device
         elif isinstance(m, GroupedExperts) and isinstance(m.block_scaled_mm, BlockScaledExperts):
             yield m.block_scaled_mm, m.w1.device
-
-
-# Odd, with low bits set: a CPU generator seeds its Mersenne Twister from the key's low 32 bits
-# only (CUDA's Philox takes all 64), so the rank must change those.
-RANK_KEY = 0x1E3779B97F4A7C15
-
-
-def sr_key(seed: int, stream: int, step: int, rank: int) -> int:
-    """A stochastic-rounding generator's seed: (recipe seed, module stream, step) as one process
-    has it, plus `rank` times an odd constant (rank 0's key is the one-process key)."""
-    return ((seed * 1_000_003 + stream) * 1_000_033 + step + rank * RANK_KEY) % 2**63
 
 
 def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:

@@ -1,10 +1,10 @@
 """Block-scaled training (MXFP8, NVFP4) on torchao's kernels, as the precision plan decided it.
 
-precision/plan.py asks `kernels_missing` (can this device and torchao run the recipe's training
-kernels) and `recipe_refused` (an option of our recipe torchao cannot honour); where both say
-None and block_scaled_emulate is not true, the job converts the same Linears the emulation would
-(blockscaled_apply.is_block_scaled_linear) with `apply_torchao`, mapping OUR recipe to torchao's
-modules (torchao 0.18, torchao.prototype.moe_training):
+precision/plan.py asks lowbit/capability.py (can this device and torchao run the recipe's training
+kernels, is there an option of our recipe torchao cannot honour); where both say no and
+block_scaled_emulate is not true, precision/block_scaled.py's `apply_torchao` converts the same
+Linears the emulation would (block_scaled.is_block_scaled_linear), each with `torchao_linear` here,
+which maps OUR recipe to torchao's modules (torchao 0.18, torchao.prototype.moe_training):
 
 - mxfp8 -> MXFP8Linear: all three GEMMs e4m3 in 1x32 blocks with E8M0 scales, the scale rule
   `mx_scale_mode` (ScaleCalculationMode FLOOR or RCEIL), weight gradient in MXFP8 (wgrad_with_hp
@@ -17,12 +17,13 @@ modules (torchao 0.18, torchao.prototype.moe_training):
   module's SR key is seeded from (recipe seed, its stream, the rank's trainer.sr_rank: ranks
   rounding different values draw differently); the per-step SR offsets come from the
   default CUDA generator, which training.seed seeds: a resumed run does not replay the draws the
-  uninterrupted run made (the emulation does, see blockscaled_apply.seed_step).
+  uninterrupted run made (the emulation does, see block_scaled.seed_step).
 
 Parameters are kept (the module's weight and bias are the Linear's Parameters) and NVFP4Linear's
-two buffers are kept out of the state dict, so names and checkpoints are those of the bf16 model. Under FSDP torchao all-gathers the weights in the plan's
-param dtype and quantizes after the gather: torchao 0.18 has no MXFP8 / NVFP4 FSDP all-gather
-for training (its weight wrapper's fsdp_pre_all_gather sends param_dtype), so none is offered.
+two buffers are kept out of the state dict, so names and checkpoints are those of the bf16 model.
+Under FSDP torchao all-gathers the weights in the plan's param dtype and quantizes after the
+gather: torchao 0.18 has no MXFP8 / NVFP4 FSDP all-gather for training (its weight wrapper's
+fsdp_pre_all_gather sends param_dtype), so none is offered.
 
 The audit cannot see inside torchao's autograd functions (the quantized operands never leave
 them): `check_modules` checks that each promised module is torchao's module type with the
@@ -35,8 +36,6 @@ which runs on CPU. Only MXFP8Linear has it.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,104 +43,21 @@ import torch
 from torch import nn
 
 from torchtitan_amp.core.errors import PrecisionError
-from torchtitan_amp.precision import blockscaled as bs
-from torchtitan_amp.precision import blockscaled_apply
-from torchtitan_amp.precision.blockscaled_linear import BlockScaledRecipe, rht_signs
+from torchtitan_amp.precision.lowbit import formats as bs
+from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
+from torchtitan_amp.precision.lowbit.linear import RANK_KEY, rht_signs
 from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
 
 # Tests set it (see the module docstring); a job never does.
 EMULATED_KERNELS = False
 # torchao's NVFP4 training kernel (nvfp4_mm_triton) takes only tiles of 128 in M, K and N.
 NVFP4_TILE = 128
-# What each format converts to, for the decision line.
-MODULES = {"mxfp8": "torchao MXFP8Linear", "nvfp4": "torchao NVFP4Linear: 2-D weights, RHT, SR"}
-_NEEDED = {"mxfp8": ("torchao.prototype.moe_training.mxfp8_linear", "MXFP8Linear"),
-           "nvfp4": ("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4Linear")}
-
-
-def _import(module: str) -> Any:
-    # torchao's import logs a WARNING per optional CUDA kernel library it cannot load.
-    quiet = logging.getLogger("torchao")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        return __import__(module, fromlist=["_"])
-    finally:
-        quiet.setLevel(level)
-
-
-def torchao_missing(fmt: str) -> str | None:
-    """Why torchao cannot convert to `fmt`'s training module, or None."""
-    module, name = _NEEDED[fmt]
-    try:
-        found = _import(module)
-    except ImportError as e:
-        return f"torchao's {module} cannot be imported ({e})"
-    if not hasattr(found, name):
-        return f"{module} lacks {name} (torchao 0.18 has it)"
-    return None
-
-
-@functools.cache
-def kernels_missing(fmt: str, device_type: str, run_kernel: bool = True) -> str | None:
-    """Why `device_type` cannot run `fmt`'s block-scaled training kernels through torchao, or None.
-    Past the capability and the import, one tiny forward + backward on the device (torchao only
-    warns when its MXFP8 CUDA extension did not load; the step is what fails). `run_kernel` False
-    (the launcher's pre-flight: no CUDA context before torchrun starts): no step; the ranks run it."""
-    if device_type != "cuda":
-        return f"{device_type} has no MX / NVFP4 tensor cores"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    cap, need = torch.cuda.get_device_capability(), blockscaled_apply.KERNEL_CAPABILITY
-    if cap < need:
-        return (f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
-                f"tensor cores; {need[0]}.{need[1]}+ (Blackwell) needed")
-    missing = torchao_missing(fmt)
-    if missing is not None or not run_kernel:
-        return missing
-    try:
-        tiny_step(fmt, device_type)
-    except Exception as e:  # noqa: BLE001 - whatever torchao raises, in the one line
-        return f"torchao's {fmt} training step fails here ({type(e).__name__}: {' '.join(str(e).splitlines())[:200]})"
-    return None
-
-
-def tiny_step(fmt: str, device: str) -> None:
-    """One forward + backward of a 128 x 128 bf16 Linear on 128 tokens through torchao's `fmt`
-    training module (128: NVFP4's tile; MXFP8 needs multiples of 32)."""
-    recipe = BlockScaledRecipe("mxfp8") if fmt == "mxfp8" else BlockScaledRecipe.nvfp4_full()
-    model = nn.Sequential(nn.Linear(128, 128, bias=False)).to(device, torch.bfloat16)
-    apply_torchao(model, recipe, (), 0)
-    x = torch.randn(128, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
-    model(x).float().square().sum().backward()
 
 
 def token_tile(fmt: str) -> int:
     """What torchao's kernels need the tokens of one GEMM to be a multiple of: MXFP8's weight
     gradient quantizes along the tokens in blocks of 32 (no padding); NVFP4's kernel takes tiles of 128."""
     return bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
-
-
-def recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int, gemm_rows: list[tuple[int, str, bool]]
-                   ) -> str | None:
-    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'.
-    `gemm_rows`: (tokens, the fields that set them, backward too) of each kind of GEMM the job runs."""
-    if tensor_parallel > 1:
-        return ("parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
-                "parallel here (the emulation is)")
-    if recipe.format == "nvfp4":
-        for field, on in (("nvfp4_weight_2d", recipe.weight_2d), ("nvfp4_rht", recipe.rht),
-                          ("nvfp4_stochastic_rounding", recipe.stochastic_rounding)):
-            if not on:
-                return (f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use 2-D "
-                        "weight scales, RHT and stochastic rounding")
-    tile = token_tile(recipe.format)
-    for tokens, fields, backward in gemm_rows:
-        # MXFP8 quantizes along the tokens only for the weight gradient; NVFP4 tiles them always.
-        if (backward or recipe.format == "nvfp4") and tokens % tile:
-            return (f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take "
-                    f"multiples of {tile}")
-    return None
 
 
 def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
@@ -157,9 +73,9 @@ def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
 
 def sr_seed(recipe: BlockScaledRecipe, stream: int, rank: int = 0) -> int:
     """The module's SR key as an int64: the emulation's per-module seed rule, with the rank's
-    (trainer.sr_rank) share folded in as blockscaled_apply.sr_key does, so that data-parallel
+    (trainer.sr_rank) share folded in as lowbit/linear.py's sr_key does, so that data-parallel
     ranks do not draw alike (rank 0 keeps the one-process key)."""
-    s = (recipe.seed * 1_000_003 + stream + rank * blockscaled_apply.RANK_KEY) % 2**64
+    s = (recipe.seed * 1_000_003 + stream + rank * RANK_KEY) % 2**64
     return s - 2**64 if s >= 2**63 else s
 
 
@@ -197,7 +113,7 @@ def materialized(parts: list[nn.Module], rank: int = 0) -> None:
                 fill_buffers(m)
 
 
-def _check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
+def check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
     """Both dims of a converted Linear in whole tiles of torchao's kernels (they do not pad)."""
     tile = bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
     if linear.in_features % tile or linear.out_features % tile:
@@ -207,25 +123,15 @@ def _check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
             "block_scaled_skip_modules or set block_scaled_emulate = true")
 
 
-def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
-    """Swap the model's block-scaled Linears (blockscaled_apply's rule) for torchao's training
-    modules, keeping their Parameters; returns their names."""
-    if recipe is None:
-        return []
-    every = blockscaled_apply.skip_patterns(skip, edge, blockscaled_apply.n_layers_of(model))
-    chosen = [(n, m) for n, m in model.named_modules() if blockscaled_apply.is_block_scaled_linear(n, m, recipe, every)
-              and not is_torchao_module(m)]
-    for name, linear in chosen:
-        _check_shape(name, linear, recipe.format)
-    for stream, (name, linear) in enumerate(chosen):
-        parent_name, _, child = name.rpartition(".")
-        new = _mxfp8_module(linear, recipe) if recipe.format == "mxfp8" else _nvfp4_module(linear, recipe, stream)
-        new.weight, new.bias = linear.weight, linear.bias
-        for tag in (FP32_BY_NAME, FROZEN):
-            if hasattr(linear, tag):
-                setattr(new, tag, getattr(linear, tag))
-        setattr(model.get_submodule(parent_name), child, new)
-    return [n for n, _ in chosen]
+def torchao_linear(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
+    """torchao's training module for `linear` under `recipe` (its shape checked by `check_shape`),
+    keeping its Parameters and its tags; `stream` numbers its stochastic-rounding key."""
+    new = _mxfp8_module(linear, recipe) if recipe.format == "mxfp8" else _nvfp4_module(linear, recipe, stream)
+    new.weight, new.bias = linear.weight, linear.bias
+    for tag in (FP32_BY_NAME, FROZEN):
+        if hasattr(linear, tag):
+            setattr(new, tag, getattr(linear, tag))
+    return new
 
 
 def is_torchao_module(module: nn.Module) -> bool:
@@ -251,7 +157,7 @@ def promised_settings(recipe: BlockScaledRecipe) -> dict[str, Any]:
 
 
 def summary(recipe: BlockScaledRecipe | None, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
-    """The report's block_scaled section on torchao's kernels (blockscaled_apply.summary's keys)."""
+    """The report's block_scaled section on torchao's kernels (block_scaled.summary's keys)."""
     if recipe is None:
         return None
     return {"format": recipe.format, "emulated": False, "kernels": "torchao", "recipe": recipe.describe(),
