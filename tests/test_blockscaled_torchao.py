@@ -144,7 +144,7 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     lazy.to_empty(device="cpu")
     blockscaled_torchao.materialized([lazy])
     assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0)
-    # Another data-parallel rank (trainer.sr_rank) gets another SR key for the same module.
+    # Another data-parallel rank (trainer.run.sr_rank) gets another SR key for the same module.
     blockscaled_torchao.materialized([lazy], rank=1)
     assert int(lazy[0]._sr_seed) == blockscaled_torchao.sr_seed(recipe, 0, 1) != blockscaled_torchao.sr_seed(recipe, 0)
     with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
