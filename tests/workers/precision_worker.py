@@ -291,7 +291,7 @@ def take_batches(trainer: Trainer, n: int) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def params_of(trainer: Trainer) -> list[nn.Parameter]:
-    return list(getattr(trainer, "params", None) or trainer.run.model.parameters())
+    return list(trainer.run.params)
 
 
 def tensor_dtypes(trainer: Trainer) -> dict[str, list[str]]:
@@ -460,7 +460,7 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
     finally:
         comm_hooks.comm_hook_state = orig_state
     plan, dims = trainer.run.plan, trainer.run.dims
-    parts = list(getattr(trainer, "model_parts", None) or [trainer.run.model])
+    parts = list(trainer.run.model_parts)
     hook_state = captured[0] if captured else None
     if dims.ddp_enabled and hook_state is None:
         # fp32 reduce: no hook of ours is installed; count DDP's plain fp32 all-reduce instead.
