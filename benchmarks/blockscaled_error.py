@@ -52,7 +52,7 @@ def capture(steps: int, flavor: str, seq_len: int, batch: int, seed: int, folder
                           "--metrics.log_freq", str(max(steps, 1)), "--job.dump_folder", str(folder)])
     trainer = trainer_module.Trainer(config)
     trainer.train()
-    model = trainer.model
+    model = trainer.run.model
     captured: dict[str, dict[str, torch.Tensor]] = {}
 
     def hook(name: str):  # type: ignore[no-untyped-def]
@@ -68,8 +68,8 @@ def capture(steps: int, flavor: str, seq_len: int, batch: int, seed: int, folder
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and n.startswith("layers.")]
-    inputs, labels = next(trainer._new_batches())
-    inputs, labels, extra = trainer.model_inputs(inputs, labels)
+    inputs, labels = next(trainer.new_batches())
+    inputs, labels, extra = trainer.run.model_inputs(inputs, labels)
     model.zero_grad(set_to_none=True)
     loss_fn(model(inputs, **extra), labels).backward()  # fp32: no autocast, the reference operands
     for h in handles:

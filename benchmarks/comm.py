@@ -91,7 +91,7 @@ def worker(spec_path: str, out_path: str) -> int:
         HOOK_STATES.clear()
         trainer = Trainer(config)
         with torch.random.fork_rng(devices=[]):
-            batches = iter(trainer.dataloader)
+            batches = iter(trainer.run.dataloader)
         trainer.train_step(batches)  # warm-up: lazy init
         hook_before = {k: v for s in HOOK_STATES if s for k, v in s.bytes_sent.items()}
         with collectives.counting():
@@ -104,12 +104,12 @@ def worker(spec_path: str, out_path: str) -> int:
             start = time.perf_counter()
             trainer.train_step(batches)
             times.append(time.perf_counter() - start)
-        res = resolve(config, trainer.info.world_size)
+        res = resolve(config, trainer.run.info.world_size)
         predicted = memory.comm(res.model_dims, res.precision, res.layout)
         results.append({**job, "counted": counted, "hook_bytes_sent": hook,
-                        "predicted": predicted, "path": trainer.plan.path, "comm_hook": trainer.plan.comm_hook,
+                        "predicted": predicted, "path": trainer.run.plan.path, "comm_hook": trainer.run.plan.comm_hook,
                         "step_s": statistics.median(times) if times else None})
-        trainer.metrics.close()
+        trainer.run.metrics.close()
         del trainer, batches
         gc.collect()
     if dist.get_rank() == 0:

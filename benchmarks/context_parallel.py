@@ -61,7 +61,7 @@ def worker(spec_path: str, out_path: str) -> int:
     for job in json.loads(Path(spec_path).read_text()):
         trainer = Trainer(load_config(job["args"]))
         with torch.random.fork_rng(devices=[]):
-            batches = iter(trainer.dataloader)
+            batches = iter(trainer.run.dataloader)
         trainer.train_step(batches)  # warm-up: lazy init
         times = []
         for _ in range(job["timed_steps"]):
@@ -71,7 +71,7 @@ def worker(spec_path: str, out_path: str) -> int:
             trainer.train_step(batches)
             times.append(time.perf_counter() - start)
         results.append({**job, "step_s": statistics.median(times)})
-        trainer.metrics.close()
+        trainer.run.metrics.close()
         del trainer, batches
         gc.collect()
     if not dist.is_initialized() or dist.get_rank() == 0:

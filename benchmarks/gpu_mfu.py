@@ -52,13 +52,14 @@ import torch.distributed as dist  # noqa: E402
 
 from torchtitan_amp import memory  # noqa: E402
 from torchtitan_amp.config import JobConfig, load_config  # noqa: E402
+from torchtitan_amp.distributed.grad_norm import clip_grad_norm_  # noqa: E402
 from torchtitan_amp.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, LlamaModelArgs  # noqa: E402
 from torchtitan_amp.observability.metrics import peak_flops  # noqa: E402
 from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec  # noqa: E402
 from torchtitan_amp.train.job import Job, build_model_parts  # noqa: E402
 from torchtitan_amp.train.optim import build_optimizer  # noqa: E402
-from torchtitan_amp.train.trainer import clip_grad_norm_, loss_fn  # noqa: E402
+from torchtitan_amp.train.trainer import loss_fn  # noqa: E402
 
 LLAMA3_VOCAB = 128256
 CONFIGS = {

@@ -149,13 +149,13 @@ def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: fl
 
 def trainer_step(trainer, batches) -> Callable[[], None]:  # type: ignore[no-untyped-def]
     """One step as Trainer.train runs it, without checkpointing and validation (off here)."""
-    trainer.metrics.start_run(trainer.step, trainer.config.training.steps)
+    trainer.run.metrics.start_run(trainer.step, trainer.config.training.steps)
 
     def step() -> None:
         trainer.step += 1
-        lr = trainer.lr_scheduler.get_last_lr()[0]
+        lr = trainer.run.lr_scheduler.get_last_lr()[0]
         loss, grad_norm, _ = trainer.train_step(batches)
-        if trainer.metrics.should_log(trainer.step):
+        if trainer.run.metrics.should_log(trainer.step):
             trainer._log(loss, grad_norm, lr)
 
     return step
@@ -171,9 +171,9 @@ def measure(job: dict) -> dict:
     config = load_config([*use_model(job["model"]), *job["args"]])
     trainer = Trainer(config)
     with torch.random.fork_rng(devices=[]):
-        batches = iter(trainer.dataloader)
+        batches = iter(trainer.run.dataloader)
     t_step = trainer_step(trainer, batches)
-    hand = hand_written(trainer.model_args, job["layout"], job["precision"], job["seq"], job["batch"],
+    hand = hand_written(trainer.run.job.model_args, job["layout"], job["precision"], job["seq"], job["batch"],
                         config.optimizer.lr)
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
     for _ in range(job["warmup"]):
@@ -195,9 +195,9 @@ def measure(job: dict) -> dict:
         for fn, times in (pair if i % 2 == 0 else pair[::-1]):
             timed(fn, times)
     result = {k: job[k] for k in ("model", "layout", "precision", "seq", "batch", "steps", "warmup")}
-    result.update(trainer=t_times, hand=h_times, threads=torch.get_num_threads(), path=trainer.plan.path,
+    result.update(trainer=t_times, hand=h_times, threads=torch.get_num_threads(), path=trainer.run.plan.path,
                   load=load_average())
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     del trainer, hand, t_step
     gc.collect()
     return result

@@ -63,7 +63,7 @@ def worker(spec_path: str, out_path: str) -> int:
         for prec in job["precisions"]:
             trainer = Trainer(load_config([*overrides, *job["args"], *prec["args"]]))
             with torch.random.fork_rng(devices=[]):
-                iters.append(iter(trainer.dataloader))
+                iters.append(iter(trainer.run.dataloader))
             trainers.append(trainer)
         for _ in range(job["warmup"]):
             for trainer, batches in zip(trainers, iters):
@@ -78,10 +78,10 @@ def worker(spec_path: str, out_path: str) -> int:
                 times[i].append(time.perf_counter() - start)
         for prec, trainer, t in zip(job["precisions"], trainers, times):
             results.append({**{k: v for k, v in job.items() if k not in ("precisions", "args")},
-                            "precision": prec["name"], "times": t, "path": trainer.plan.path,
+                            "precision": prec["name"], "times": t, "path": trainer.run.plan.path,
                             "flops_per_token": trainer.flops_per_token, "threads": torch.get_num_threads(),
-                            "world_size": trainer.info.world_size, "peaks": peaks})
-            trainer.metrics.close()
+                            "world_size": trainer.run.info.world_size, "peaks": peaks})
+            trainer.run.metrics.close()
         del trainers, iters, trainer, batches
         gc.collect()
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -34,7 +34,7 @@ def build(model: str, seq: int, batch: int, overrides: list[str], out: str):  # 
                                    str(batch), "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2",
                                    "--job.dump_folder", out, *overrides]))
     with torch.random.fork_rng(devices=[]):
-        batches = iter(trainer.dataloader)
+        batches = iter(trainer.run.dataloader)
     return lambda: trainer.train_step(batches)
 
 

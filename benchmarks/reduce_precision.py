@@ -41,14 +41,14 @@ def per_rank_gradients(model_name: str, n: int, seq_len: int, batch: int) -> lis
     trainer = Trainer(load_config([*use_model(model_name), "--mixed_precision.enabled", "false",
                                    "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch),
                                    "--job.dump_folder", "/tmp/reduce_precision"]))
-    grads, batches = [], iter(trainer.dataloader)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads, batches = [], iter(trainer.run.dataloader)
+    params = [p for p in trainer.run.model.parameters() if p.requires_grad]
     for _ in range(n):
         inputs, labels = next(batches)
-        trainer.model.zero_grad(set_to_none=True)
-        loss_fn(trainer.model(inputs), labels).backward()
+        trainer.run.model.zero_grad(set_to_none=True)
+        loss_fn(trainer.run.model(inputs), labels).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     return grads
 
 

@@ -299,15 +299,15 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, trainer.model_args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g)
-    inputs, labels = tokens[:, :-1].to(trainer.device), tokens[:, 1:].to(trainer.device)
+    tokens = torch.randint(0, trainer.run.job.model_args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g)
+    inputs, labels = tokens[:, :-1].to(trainer.run.device), tokens[:, 1:].to(trainer.run.device)
 
     def loss_now() -> float:
-        with torch.no_grad(), parallel_context(trainer.dims, trainer.config), autocast.forward_context(trainer.plan):
-            return float(full(loss_fn(autocast.cast_output(trainer.plan, trainer.model(inputs)), labels)))
+        with torch.no_grad(), parallel_context(trainer.run.dims, trainer.config), autocast.forward_context(trainer.run.plan):
+            return float(full(loss_fn(autocast.cast_output(trainer.run.plan, trainer.run.model(inputs)), labels)))
 
-    model_sums = {k: digest(full(v)) for k, v in trainer.model.state_dict().items()}
-    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+    model_sums = {k: digest(full(v)) for k, v in trainer.run.model.state_dict().items()}
+    optim = get_optimizer_state_dict(trainer.run.model, trainer.run.optimizer,
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
     optim_sums = {k: digest(full(v)) for k, v in optim.items()
                   if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}

@@ -110,7 +110,7 @@ def test_fp32_module_name_matching_nothing_is_an_error() -> None:
 
 def test_linear_run_in_fp32_is_named(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *BF16)
-    wq = t.model.layers["1"].attention.wq
+    wq = t.run.model.layers["1"].attention.wq
 
     def fp32_forward(x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", enabled=False):
@@ -123,7 +123,7 @@ def test_linear_run_in_fp32_is_named(tmp_path: Path) -> None:
 
 def test_norm_run_in_bf16_is_named(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *BF16)
-    norm = t.model.layers["0"].ffn_norm
+    norm = t.run.model.layers["0"].ffn_norm
     norm.forward = lambda x: F.rms_norm(x.bfloat16(), (x.shape[-1],), norm.weight.bfloat16(), norm.eps).to(x.dtype)
     breaches = t.audit().breaches
     # torch's rms_norm upcasts part of its bf16 decomposition itself: fp32 ops are seen too.

@@ -147,7 +147,7 @@ def test_report_and_audit_see_the_experts_gemms_and_name_one_run_plain(tmp_path:
     assert result.modules["layers.1.feed_forward.experts"] == {"forward matmul": ["float32"]}
     assert result.modules["layers.3.feed_forward.experts"] == {"forward matmul": ["bfloat16"]}
     t = _trainer(tmp_path / "plain", *MXFP8_EXPERTS)
-    experts = t.model.layers["2"].feed_forward.experts
+    experts = t.run.model.layers["2"].feed_forward.experts
     assert isinstance(experts, GroupedExperts) and isinstance(experts.block_scaled_mm, BlockScaledExperts)
     experts.block_scaled_mm = None  # runs the plain grouped matmul in bf16
     breaches = t.audit().breaches
@@ -181,11 +181,11 @@ def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> No
 
     t = _trainer(tmp_path, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true",
                  "--mixed_precision.block_scaled_experts", "true")
-    holders = [m.experts.block_scaled_mm for m in (t.model.layers["1"].feed_forward, t.model.layers["2"].feed_forward)]
+    holders = [m.experts.block_scaled_mm for m in (t.run.model.layers["1"].feed_forward, t.run.model.layers["2"].feed_forward)]
     assert holders[0].recipe.stochastic_rounding and holders[0].sr_stream != holders[1].sr_stream
     draws = []
     for step in (3, 4, 3):
-        block_scaled.seed_step([t.model], step, rank=0)
+        block_scaled.seed_step([t.run.model], step, rank=0)
         draws.append([torch.rand(4, generator=h.generator) for h in holders])
     assert all(torch.equal(a, b) for a, b in zip(draws[0], draws[2]))
     assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[0][0], draws[0][1])

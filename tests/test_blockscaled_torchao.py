@@ -147,7 +147,7 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     lazy.to_empty(device="cpu")
     torchao_kernels.materialized([lazy])
     assert list(lazy[0].rht_sign_vector) == signs and int(lazy[0]._sr_seed) == torchao_kernels.sr_seed(recipe, 0)
-    # Another data-parallel rank (trainer.sr_rank) gets another SR key for the same module.
+    # Another data-parallel rank (trainer.run.sr_rank) gets another SR key for the same module.
     torchao_kernels.materialized([lazy], rank=1)
     assert int(lazy[0]._sr_seed) == torchao_kernels.sr_seed(recipe, 0, 1) != torchao_kernels.sr_seed(recipe, 0)
     with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
@@ -161,7 +161,7 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
 
 def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None:
     t = trainer_module.Trainer(load_config([*BASE, *FP32, *MXFP8, "--job.dump_folder", str(tmp_path)]))
-    converted = sorted(n for n, m in t.model.named_modules() if type(m).__name__ == "MXFP8Linear")
+    converted = sorted(n for n, m in t.run.model.named_modules() if type(m).__name__ == "MXFP8Linear")
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["kernels"] == "torchao" and not report["emulated"] and sorted(report["modules"]) == converted
@@ -170,10 +170,10 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     assert "output" in report["kept_out"] and "layers.0.attention.wq" in report["kept_out"]
     result = t.audit()
     assert result.ok, result.breaches
-    old = t.model.layers["1"].attention.wq
+    old = t.run.model.layers["1"].attention.wq
     plain = nn.Linear(old.in_features, old.out_features, bias=False)
     plain.weight = old.weight
-    t.model.layers["1"].attention.wq = plain
+    t.run.model.layers["1"].attention.wq = plain
     breaches = t.audit().breaches
     assert [(b.what, b.seen) for b in breaches] == [("layers.1.attention.wq: torchao block-scaled module",
                                                      ["{'module': 'Linear'}"])]

@@ -32,6 +32,7 @@ from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
 from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
+from torchtitan_amp.train import build
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -118,14 +119,14 @@ def test_what_cannot_hold_is_one_line_never_a_fallback(monkeypatch: pytest.Monke
 
 def test_emulation_says_so_and_converts_blocks_1_2_keeping_parameter_names(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *NVFP4)
-    assert "nn.Linear in nvfp4, emulated" in t.plan.decision
-    converted = sorted(n for n, m in t.model.named_modules() if isinstance(m, BlockScaledLinear))
+    assert "nn.Linear in nvfp4, emulated" in t.run.plan.decision
+    converted = sorted(n for n, m in t.run.model.named_modules() if isinstance(m, BlockScaledLinear))
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     plain = _trainer(tmp_path / "plain")
     # Checkpoints see the same state: same keys, shapes and dtypes (the swap keeps the Parameters).
-    assert {k: (v.shape, v.dtype) for k, v in t.model.state_dict().items()} == \
-        {k: (v.shape, v.dtype) for k, v in plain.model.state_dict().items()}
-    t.model.load_state_dict(plain.model.state_dict())
+    assert {k: (v.shape, v.dtype) for k, v in t.run.model.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in plain.run.model.state_dict().items()}
+    t.run.model.load_state_dict(plain.run.model.state_dict())
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["format"] == "nvfp4" and report["emulated"] and sorted(report["modules"]) == converted
     assert report["modules"]["layers.1.attention.wq"]["wgrad"] == "dy^T nvfp4 1x16 SR RHT16; x^T nvfp4 1x16 RHT16"
@@ -143,10 +144,10 @@ def test_audit_passes_and_names_a_promised_module_run_as_a_plain_linear(tmp_path
     assert result.modules["layers.1.attention.wq"] == {"forward matmul": ["float32"]}
     assert result.modules["layers.0.attention.wq"] == result.modules["output"] == {"forward matmul": ["bfloat16"]}
     t = _trainer(tmp_path / "swapped", *extra)
-    old = t.model.layers["1"].attention.wq
+    old = t.run.model.layers["1"].attention.wq
     plain = nn.Linear(old.in_features, old.out_features, bias=False)
     plain.weight = old.weight
-    t.model.layers["1"].attention.wq = plain
+    t.run.model.layers["1"].attention.wq = plain
     breaches = t.audit().breaches
     assert [(b.what, b.seen) for b in breaches] == [
         (f"layers.1.attention.wq: {p} GEMM", ["no block-scaled GEMM (ran as a plain matmul)"])
@@ -225,9 +226,9 @@ def test_fp16_overflow_is_skipped_and_backed_off_as_in_plain_fp16(tmp_path: Path
     seen = {}
     for name, extra in {"fp16": [], "mxfp8": MXFP8, "nvfp4": NVFP4}.items():
         t = _trainer(tmp_path / name, *FP16_OVERFLOW, *extra)
-        before = {k: v.clone() for k, v in t.model.state_dict().items()}
+        before = {k: v.clone() for k, v in t.run.model.state_dict().items()}
         t.train()
-        assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items()), name  # skipped
+        assert all(torch.equal(before[k], v) for k, v in t.run.model.state_dict().items()), name  # skipped
         seen[name] = [(r["loss_scale"], r["skipped_steps"]) for r in by_step(tmp_path / name).values()]
     assert seen["fp16"] == [(2.0**39, 1.0), (2.0**38, 2.0)], seen
     assert seen["mxfp8"] == seen["nvfp4"] == seen["fp16"], seen
@@ -244,7 +245,7 @@ def test_a_non_finite_activation_reaches_the_step_skip(tmp_path: Path) -> None:
         return (args[0].masked_fill(torch.zeros_like(args[0], dtype=torch.bool).index_fill_(-1, torch.tensor([3]), True),
                                     float("inf")),) if len(calls) == 1 else None
 
-    t.model.layers["1"].attention.wq.register_forward_pre_hook(inf_at_first_call)
+    t.run.model.layers["1"].attention.wq.register_forward_pre_hook(inf_at_first_call)
     t.train()
     assert t.nonfinite_skipped == 1 and t.step == 2 and len(calls) == 2
 
@@ -287,4 +288,4 @@ def test_stochastic_rounding_draws_differ_between_ranks_and_replay_per_step() ->
 def test_each_rank_rounding_its_own_values_gets_its_own_stochastic_rounding_key(layout, world, ranks) -> None:
     config = load_config([*BASE, *NVFP4, *layout])
     dims = job_mod.resolve(config, world, "cpu").dims
-    assert [trainer_module.sr_rank(config, dims, r) for r in range(world)] == ranks
+    assert [build.sr_rank(config, dims, r) for r in range(world)] == ranks

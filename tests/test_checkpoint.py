@@ -297,7 +297,7 @@ def resharded(matrix, four_ranks, tmp_path_factory):
     single = trainer_module.Trainer(load_config(reshard_args("single", root, "--checkpoint.exclude_from_loading",
                                                              "dataloader")))
     results["single"] = probe_trainer(single)
-    single.metrics.close()
+    single.run.metrics.close()
     assert snapshot(folder) == before
     return root, results
 
@@ -367,11 +367,11 @@ def test_context_parallel_checkpoint_on_another_data_parallel_degree_keeps_its_d
     with caplog.at_level("INFO", logger="torchtitan_amp"):
         single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
                                                              str(folder), "--checkpoint.load_step", str(RESUME_FROM))))
-    assert single.dataloader.samples == RESUME_FROM * 2 * 2  # 2 dp ranks x local batch 2 per step
+    assert single.run.dataloader.samples == RESUME_FROM * 2 * 2  # 2 dp ranks x local batch 2 per step
     assert ("data resumes at sample 12 (epoch 0); saved on 2 data-parallel ranks, now 1; global batch was 4 "
             "sequences, now 2") in caplog.text
     got = probe_trainer(single)
-    single.metrics.close()
+    single.run.metrics.close()
     saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
     assert got["step"] == RESUME_FROM
     assert got["model_sums"] == {k: digest(v) for k, v in saved["model"].items()}

@@ -35,13 +35,13 @@ def test_a_new_state_is_one_table_entry(tmp_path: Path, monkeypatch: pytest.Monk
     first.train()
     source.update(tensor=torch.zeros(4), count=0)  # the live values moved on; the checkpoint has the old
     resumed = _trainer(tmp_path, "--training.steps", "2")
-    resumed.metrics.close()
+    resumed.run.metrics.close()
     assert resumed.step == 1
     assert torch.equal(restored["dcp"], torch.arange(4.0)) and restored["rank"] == 41
 
     restored.clear()
     skipping = _trainer(tmp_path, "--training.steps", "2", "--checkpoint.exclude_from_loading", "probe_rank")
-    skipping.metrics.close()
+    skipping.run.metrics.close()
     assert "rank" not in restored and "dcp" in restored
 
 

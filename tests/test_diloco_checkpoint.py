@@ -43,20 +43,20 @@ def _state(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
     def local(x: torch.Tensor) -> torch.Tensor:
         return (x.to_local() if isinstance(x, DTensor) else x).detach().clone()
 
-    out = {f"model.{n}": local(p) for n, p in t.model.named_parameters()}
-    out |= {f"global.{i}": g.clone() for i, g in enumerate(t.diloco.global_weights)}
-    out |= {f"momentum.{i}": m.clone() for i, m in enumerate(t.diloco.momentum)}
-    out |= {f"adam.{i}.{k}": local(v) for i, p in enumerate(t.params)
-            for k, v in t.optimizer.state[p].items() if isinstance(v, torch.Tensor)}
-    out["syncs"] = torch.tensor(t.diloco.syncs)
+    out = {f"model.{n}": local(p) for n, p in t.run.model.named_parameters()}
+    out |= {f"global.{i}": g.clone() for i, g in enumerate(t.run.diloco.global_weights)}
+    out |= {f"momentum.{i}": m.clone() for i, m in enumerate(t.run.diloco.momentum)}
+    out |= {f"adam.{i}.{k}": local(v) for i, p in enumerate(t.run.params)
+            for k, v in t.run.optimizer.state[p].items() if isinstance(v, torch.Tensor)}
+    out["syncs"] = torch.tensor(t.run.diloco.syncs)
     return out
 
 
 def test_a_restart_from_a_sync_checkpoint_continues_bitwise(tmp_path: Path) -> None:
     straight = _train(tmp_path / "straight")
     want = _state(straight)
-    assert straight.diloco.syncs == 3 and {g.dtype for g in straight.diloco.global_weights} == {torch.float32}
-    assert any(torch.count_nonzero(m) for m in straight.diloco.momentum)
+    assert straight.run.diloco.syncs == 3 and {g.dtype for g in straight.run.diloco.global_weights} == {torch.float32}
+    assert any(torch.count_nonzero(m) for m in straight.run.diloco.momentum)
     # Each group's own files hold its inner optimizer state (DCP) beside its rank files.
     assert (tmp_path / "straight" / "checkpoint" / "ft-replica-0" / "step-2" / ".metadata").is_file()
     for name, extra in (("restart", ()), ("without_diloco", ("--checkpoint.exclude_from_loading", "diloco"))):

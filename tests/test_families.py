@@ -85,6 +85,16 @@ def test_tiny_gelu_builds_through_the_spec(registered) -> None:  # type: ignore[
     assert specs == {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
+def test_a_family_without_per_step_hooks_gets_no_ops(registered) -> None:  # type: ignore[no-untyped-def]
+    """The trainer runs a family's hooks every step, unconditionally: a family that declares none
+    (tiny_gelu) gets callables that do nothing and report no metrics."""
+    family = get_family("tiny_gelu")
+    with torch.device("meta"):
+        parts = [family.build_model(family.build_args("tiny", 258, 32))]
+    assert family.after_backward(parts, None, None, cross_group=None) == {}
+    assert family.after_step(parts) is None and family.set_loss_factor(parts, 0.5) is None
+
+
 def test_hf_names_round_trip(registered) -> None:  # type: ignore[no-untyped-def]
     hf = get_family("tiny_gelu").hf
     args = get_family("tiny_gelu").build_args("tiny", 258, 32)

@@ -58,9 +58,9 @@ def test_audit_records_and_passes_the_cross_group_allreduce(tmp_path: Path, extr
 
 def test_a_gradient_sent_in_another_dtype_is_named(tmp_path: Path) -> None:
     t = _trainer(tmp_path)
-    real = t.ft.plan
+    real = t.run.ft.plan
     # The group sends fp32 gradients in bf16, where the plan promises their own dtype.
-    t.ft.plan = SimpleNamespace(cross_group_dtype=lambda d: torch.bfloat16)
+    t.run.ft.plan = SimpleNamespace(cross_group_dtype=lambda d: torch.bfloat16)
     assert real.cross_group_dtype(torch.float32) == torch.float32
     breaches = [str(b) for b in t.audit().breaches]
     assert breaches == ["gradient all_reduce:replica_groups of float32 values: promised float32, saw bfloat16"]
@@ -68,7 +68,7 @@ def test_a_gradient_sent_in_another_dtype_is_named(tmp_path: Path) -> None:
 
 def test_a_pseudo_gradient_sent_in_another_dtype_is_named(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *DILOCO)  # the plan: fp32 pseudo-gradients
-    t.diloco.plan = dataclasses.replace(t.plan, pseudo_gradient_dtype=torch.bfloat16)
+    t.run.diloco.plan = dataclasses.replace(t.run.plan, pseudo_gradient_dtype=torch.bfloat16)
     breaches = [str(b) for b in t.audit().breaches]
     assert breaches == ["pseudo-gradient all_reduce:replica_groups of float32 values: promised float32, saw bfloat16"]
 

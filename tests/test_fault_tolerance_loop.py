@@ -57,7 +57,7 @@ def test_a_group_that_keeps_failing_to_commit_obeys_a_stop_signal(monkeypatch, t
                        "--checkpoint.interval", "100")
     trainer.train()
     assert manager.tries == 3, "the stop was not seen at the discarded step it arrived in"
-    assert trainer.step == 1 and trainer.ft.discarded == 2
+    assert trainer.step == 1 and trainer.run.ft.discarded == 2
     # The forced save holds the last committed step.
     assert (tmp_path / "replica_0").is_dir() and (tmp_path / "checkpoint" / "step-1").is_dir()
 
@@ -89,7 +89,7 @@ def test_a_healed_group_switches_to_the_steady_state_timeouts(monkeypatch, tmp_p
     trainer = _trainer(monkeypatch, _HealsAtFirstQuorum(), tmp_path, "--training.steps", "10",
                        "--comm.timeout_seconds", "123")
     trainer.train()
-    assert trainer.ft.heals == 1 and trainer.step == 10
+    assert trainer.run.ft.heals == 1 and trainer.step == 10
     assert calls == [123], "the healed group kept the start-up timeouts"
 
 

@@ -50,7 +50,7 @@ def _groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tupl
 
 
 def _biases(trainer: Trainer) -> list[torch.Tensor]:
-    return [layer.router.expert_bias.detach().clone() for layer in moe_layers(trainer.model_parts)]
+    return [layer.router.expert_bias.detach().clone() for layer in moe_layers(trainer.run.model_parts)]
 
 
 @pytest.mark.parametrize("mode", ["per_step", "diloco"])
@@ -60,7 +60,7 @@ def test_moe_expert_biases_are_bit_equal_across_groups(monkeypatch, tmp_path: Pa
     groups, trainers = _groups(monkeypatch, tmp_path, *MOE, "--training.steps", str(STEPS),
                                *(DILOCO if mode == "diloco" else ()))
     groups.run([t.train for t in trainers])
-    weights = [dict(t.model.named_parameters()) for t in trainers]
+    weights = [dict(t.run.model.named_parameters()) for t in trainers]
     assert all(torch.equal(p, weights[1][n]) for n, p in weights[0].items())
     first, second = _biases(trainers[0]), _biases(trainers[1])
     assert any(b.abs().max() > 0 for b in first), "the biases never moved: the test would prove nothing"
@@ -99,15 +99,15 @@ def test_masked_labels_average_like_one_process(monkeypatch, tmp_path: Path) -> 
     not the mean of the two groups' means (which weighs group 0's labels over twice as much)."""
     groups, trainers = _groups(monkeypatch, tmp_path, *TINY, "--training.local_batch_size", "2")
     one = Trainer(load_config([*TINY, "--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "one")]))
-    inputs, labels = _masked_windows(one.model_args.vocab_size)
+    inputs, labels = _masked_windows(one.run.job.model_args.vocab_size)
 
     def step(t: Trainer, rows: slice):
-        t.ft.start_step()
+        t.run.ft.start_step()
         return t.train_step(iter([(inputs[rows], labels[rows])]))[0]
 
     losses = groups.run([lambda: step(trainers[0], slice(0, 2)), lambda: step(trainers[1], slice(2, 4))])
     want_loss = one.train_step(iter([(inputs, labels)]))[0]
-    grads = [{n: p.grad for n, p in t.model.named_parameters()} for t in (*trainers, one)]
+    grads = [{n: p.grad for n, p in t.run.model.named_parameters()} for t in (*trainers, one)]
     for name, want in grads[2].items():
         assert torch.equal(grads[0][name], grads[1][name])
         # The same per-label gradients (the weight 2 / count is 1 / count times 2, exactly, and
@@ -145,15 +145,15 @@ def test_fsdp_accumulation_all_reduces_across_groups_once_per_step(monkeypatch, 
     use_stand_in_manager(monkeypatch)
     t = Trainer(load_config([*TINY, *FT, "--training.local_batch_size", "1", "--training.global_batch_size", "2",
                              "--job.dump_folder", str(tmp_path)]))
-    assert t.accum == 2
-    fully_shard(t.model, mesh=init_device_mesh("cpu", (1,)))
-    t.ft.attach(t.model_parts)
-    t.params = list(t.model.parameters())
-    t.optimizer = torch.optim.AdamW(t.params, lr=1e-3)
-    inputs = torch.randint(0, t.model_args.vocab_size, (2, 1, 32))
-    t.ft.start_step()
+    assert t.run.accum == 2
+    fully_shard(t.run.model, mesh=init_device_mesh("cpu", (1,)))
+    t.run.ft.attach(t.run.model_parts)
+    t.run.optimization.params = list(t.run.model.parameters())
+    t.run.optimization.optimizer = torch.optim.AdamW(t.run.params, lr=1e-3)
+    inputs = torch.randint(0, t.run.job.model_args.vocab_size, (2, 1, 32))
+    t.run.ft.start_step()
     t.train_step(iter([(inputs[0], inputs[0]), (inputs[1], inputs[1])]))
-    gradients = [d for d in t.ft.manager.sent if d.is_floating_point]
+    gradients = [d for d in t.run.ft.manager.sent if d.is_floating_point]
     assert gradients == [torch.float32], f"{len(gradients)} cross-group all-reduces in one step of 2 micro-batches"
 
 

@@ -16,6 +16,7 @@ import torch
 from tests.support import by_step, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.distributed import grad_norm
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
@@ -36,7 +37,7 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     # 3e-3 for the margins below (measured 0.033 and 0.078 under the twin at steps 2 and 3).
     t = trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-2",
                                             "--job.dump_folder", str(tmp_path)]))
-    named = dict(t.model.named_parameters())
+    named = dict(t.run.model.named_parameters())
     frozen = {n for n, p in named.items() if not p.requires_grad}
     assert frozen == {n for n in named if n.startswith(("tok_embeddings.", "layers.0.", "layers.1.attention."))}
     # Safe modules (Linear) store their compute dtype; fp32 islands (embedding, norms) stay fp32.
@@ -50,10 +51,10 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     monkeypatch.setattr(trainer_module, "clip_grad_norm_",
                         lambda *a, **k: clip_devices.append(k.get("device")) or clip(*a, **k))
     t.train()
-    assert clip_devices == [t.device] * 3, clip_devices
+    assert clip_devices == [t.run.device] * 3, clip_devices
     assert all(torch.equal(named[n], before[n]) for n in frozen)
     assert all(named[n].grad is None for n in frozen)
-    state_ids = {id(p) for p in t.optimizer.state}
+    state_ids = {id(p) for p in t.run.optimizer.state}
     assert not any(id(named[n]) in state_ids for n in frozen) and len(state_ids) == len(named) - len(frozen)
     report = json.loads((tmp_path / "precision_report.json").read_text())
     assert report["frozen"]["layers.0.attention.wq.weight"] == "bfloat16" and len(report["frozen"]) == len(frozen)
@@ -78,9 +79,9 @@ def test_grad_norm_of_a_stage_with_nothing_trained_is_on_the_given_device(monkey
     with the device it is given (the trainer's), not a CPU tensor, which nccl refuses. Recorded
     on the meta device, which no default can produce."""
     sent = []
-    monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda t, group=None: sent.append(t))
+    monkeypatch.setattr(grad_norm.dist, "all_reduce", lambda t, group=None: sent.append(t))
     meta = torch.device("meta")
-    norm = trainer_module.clip_grad_norm_([], 1.0, object(), device=meta)  # type: ignore[arg-type]
+    norm = grad_norm.clip_grad_norm_([], 1.0, object(), device=meta)  # type: ignore[arg-type]
     assert [t.device for t in sent] == [meta] and norm.device == meta and norm.dtype == torch.float32
 
 

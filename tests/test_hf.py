@@ -139,9 +139,9 @@ def test_import_through_the_trainer_on_one_process(hf, tokenizer_folder, tmp_pat
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
     trainer = trainer_module.Trainer(load_config(_job(tmp_path, hf[0], tokenizer_folder)))
     try:
-        assert (_logits(trainer.model.eval()) - hf[2]).abs().max() <= LOGITS_ATOL
+        assert (_logits(trainer.run.model.eval()) - hf[2]).abs().max() <= LOGITS_ATOL
     finally:
-        trainer.metrics.close()
+        trainer.run.metrics.close()
 
 
 def test_import_tied_embeddings(tmp_path):

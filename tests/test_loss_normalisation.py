@@ -105,7 +105,7 @@ def _step(tmp_path: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], *ext
     trainer = Trainer(load_config(["--job.dump_folder", str(tmp_path), *TINY, *extra]))
     with _SyncCounter() as counter:
         loss, grad_norm, _ = trainer.train_step(iter(batches))
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in trainer.run.model.named_parameters() if p.grad is not None}
     return float(loss), float(grad_norm), grads, counter.syncs
 
 
@@ -152,9 +152,9 @@ def test_validation_loss_is_the_mean_over_valid_labels(tmp_path: Path) -> None:
     labels[0] = IGNORE_INDEX
     labels[3, :20] = IGNORE_INDEX
     batches = [(tokens[:2, :-1], labels[:2]), (tokens[2:, :-1], labels[2:])]
-    trainer.validator._iterator = lambda: iter(batches)  # type: ignore[method-assign]
-    got = trainer.validator.run()
+    trainer.run.validator._iterator = lambda: iter(batches)  # type: ignore[method-assign]
+    got = trainer.run.validator.run()
     with torch.no_grad():
-        want = loss_fn(trainer.model(tokens[:, :-1]), labels)
+        want = loss_fn(trainer.run.model(tokens[:, :-1]), labels)
     assert got["val_loss"] == pytest.approx(float(want), rel=FP32_RTOL)
     assert got["val_tokens"] == int((labels != IGNORE_INDEX).sum()) == 32 + 12 + 32

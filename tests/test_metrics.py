@@ -121,7 +121,7 @@ def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low
     assert len(mfus) == 3 and all(0 < m <= 100.0 for m in mfus), mfus
     # The fresh measurement replaced the bad one (1e3): at least what a step achieved, which is
     # machine- and load-dependent (a busy 2-core machine measured under 1e9), but far above 1e6.
-    assert trainer.metrics.peak_flops > 1e6
+    assert trainer.run.metrics.peak_flops > 1e6
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:"))
     assert f"(best measured float32 matmul on this CPU, {threads} threads)" in summary, summary
 

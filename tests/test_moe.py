@@ -218,12 +218,12 @@ def test_bf16_router_flips_routing_and_fp32_does_not(tmp_path) -> None:  # type:
         "--optimizer.lr", "1e-2", "--training.local_batch_size", "8", "--mixed_precision.enabled", "false",
         "--metrics.log_freq", "100", "--job.dump_folder", str(tmp_path)]))
     trainer.train()
-    model = trainer.model.eval()
+    model = trainer.run.model.eval()
     seen: dict[str, torch.Tensor] = {}
     for name, m in model.named_modules():
         if isinstance(m, Router):
             m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, args[0].detach()))
-    batch, _ = next(iter(trainer.dataloader))
+    batch, _ = next(iter(trainer.run.dataloader))
     with torch.no_grad():
         model(batch)
     tie, flips, tokens = 1e-5, {torch.float32: 0, torch.bfloat16: 0}, 0

@@ -43,16 +43,16 @@ class _RecordAux:
 
 
 def _router_grads(trainer: Trainer) -> list[torch.Tensor]:
-    return [layer.router.weight.grad.detach().clone() for layer in moe_layers(trainer.model_parts)]
+    return [layer.router.weight.grad.detach().clone() for layer in moe_layers(trainer.run.model_parts)]
 
 
 def _step_grads(trainer: Trainer, batches: list, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """The router gradients a train step holds just before unscaling (scaled, as backward left them)."""
     grads: list[list[torch.Tensor]] = []
-    real = trainer.scaler.unscale_
-    monkeypatch.setattr(trainer.scaler, "unscale_", lambda opt: (grads.append(_router_grads(trainer)), real(opt)))
+    real = trainer.run.scaler.unscale_
+    monkeypatch.setattr(trainer.run.scaler, "unscale_", lambda opt: (grads.append(_router_grads(trainer)), real(opt)))
     trainer.train_step(iter(batches))
-    monkeypatch.setattr(trainer.scaler, "unscale_", real)
+    monkeypatch.setattr(trainer.run.scaler, "unscale_", real)
     return grads[0]
 
 
@@ -60,27 +60,27 @@ def _explicit_aux_grads(trainer: Trainer, batches: list, monkeypatch: pytest.Mon
     """The router gradients of scale x sum over micro-batches of aux / accum, the aux loss added
     to a loss by hand (nothing else backpropagated)."""
     monkeypatch.setattr(moe_mod, "_AddAuxLoss", _RecordAux)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.run.optimizer.zero_grad(set_to_none=True)
     for inputs, _labels in batches:
         _RecordAux.seen.clear()
-        with autocast.forward_context(trainer.plan):
-            trainer.model(to_device(inputs, trainer.device))
-        aux = torch.stack(_RecordAux.seen).sum() / trainer.accum
-        with autocast.backward_context(trainer.plan):
-            trainer.scaler.scale(aux).backward()
+        with autocast.forward_context(trainer.run.plan):
+            trainer.run.model(to_device(inputs, trainer.run.device))
+        aux = torch.stack(_RecordAux.seen).sum() / trainer.run.accum
+        with autocast.backward_context(trainer.run.plan):
+            trainer.run.scaler.scale(aux).backward()
     monkeypatch.undo()
     return _router_grads(trainer)
 
 
 def _check_aux_gradient(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's router gradient = the step without the aux loss + the aux loss's explicit gradient."""
-    batches = [next(trainer._batches) for _ in range(trainer.accum)]
-    model_state = copy.deepcopy(trainer.model.state_dict())
-    scaler_state = copy.deepcopy(trainer.scaler.state_dict())
+    batches = [next(trainer._batches) for _ in range(trainer.run.accum)]
+    model_state = copy.deepcopy(trainer.run.model.state_dict())
+    scaler_state = copy.deepcopy(trainer.run.scaler.state_dict())
 
     def restore() -> None:
-        trainer.model.load_state_dict(model_state)
-        trainer.scaler.load_state_dict(copy.deepcopy(scaler_state))
+        trainer.run.model.load_state_dict(model_state)
+        trainer.run.scaler.load_state_dict(copy.deepcopy(scaler_state))
 
     full = _step_grads(trainer, batches, monkeypatch)
     restore()
@@ -99,7 +99,7 @@ def _check_aux_gradient(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> No
 
 def _trainer(folder: Path, *extra: str) -> Trainer:
     trainer = Trainer(load_config(["--job.dump_folder", str(folder), *FP16_ACCUM4, *extra]))
-    trainer._batches = iter(trainer.dataloader)
+    trainer._batches = iter(trainer.run.dataloader)
     return trainer
 
 
@@ -107,13 +107,13 @@ def test_aux_loss_gradient_uses_the_loss_factor_at_start_and_after_resume(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.steps", "1"]
     first = _trainer(tmp_path, *ckpt)
-    assert first.accum == 4 and first.scaler.enabled
+    assert first.run.accum == 4 and first.run.scaler.enabled
     _check_aux_gradient(first, monkeypatch)
     first.train()  # one step, saved
-    scale_saved = first.scaler.get_scale()
+    scale_saved = first.run.scaler.get_scale()
     del first
     resumed = _trainer(tmp_path, *ckpt[:-1], "2")
-    assert resumed.step == 1 and resumed.scaler.get_scale() == scale_saved != 65536.0
+    assert resumed.step == 1 and resumed.run.scaler.get_scale() == scale_saved != 65536.0
     _check_aux_gradient(resumed, monkeypatch)
 
 
@@ -122,11 +122,11 @@ def test_expert_biases_stay_on_a_skipped_fp16_step(tmp_path: Path) -> None:
     asked for are not applied; the next (applied) step moves them."""
     trainer = _trainer(tmp_path, "--model.flavor", "debugmodel_moe", "--mixed_precision.init_scale", "1e30",
                        "--mixed_precision.backoff_factor", "1e-26")
-    batches = iter(trainer.dataloader)
+    batches = iter(trainer.run.dataloader)
     _, _, stepped = trainer.train_step(batches)
     assert not stepped
-    assert all(not layer.router.expert_bias.any() for layer in moe_layers(trainer.model_parts))
+    assert all(not layer.router.expert_bias.any() for layer in moe_layers(trainer.run.model_parts))
     _, _, stepped = trainer.train_step(batches)
     assert stepped
-    for layer in moe_layers(trainer.model_parts):
+    for layer in moe_layers(trainer.run.model_parts):
         assert layer.router.expert_bias.any() and abs(float(layer.router.expert_bias.sum())) < 1e-6

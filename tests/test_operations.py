@@ -51,10 +51,10 @@ def test_skip_nonfinite_steps_counts_and_keeps_weights_and_lr(tmp_path: Path, mo
     step_fn = trainer.train_step
 
     def recording_step(batches):  # type: ignore[no-untyped-def]
-        before = [p.detach().clone() for p in trainer.params]
-        lr = trainer.lr_scheduler.get_last_lr()[0]
+        before = [p.detach().clone() for p in trainer.run.params]
+        lr = trainer.run.lr_scheduler.get_last_lr()[0]
         out = step_fn(batches)
-        snapshots[trainer.step] = (before, [p.detach().clone() for p in trainer.params], lr)
+        snapshots[trainer.step] = (before, [p.detach().clone() for p in trainer.run.params], lr)
         return out
 
     trainer.train_step = recording_step  # type: ignore[method-assign]

@@ -196,6 +196,6 @@ def test_report_shows_state_dtype_rounding_and_bytes_per_param(tmp_path: Path, m
                                    "weight_rounding": "stochastic"}
     # bf16 weights and gradients, fp32 moments: 2 + 2 + 8.
     assert report["bytes_per_param"]["trained_total"] == 12
-    states = [s["exp_avg"] for s in t.optimizer.state.values()]
+    states = [s["exp_avg"] for s in t.run.optimizer.state.values()]
     assert states and all(s.dtype == torch.float32 for s in states)
-    assert all(p.dtype == torch.bfloat16 for p in t.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in t.run.model.parameters())

@@ -250,15 +250,15 @@ def test_train_step_inside_user_autocast_is_refused(tmp_path: Path) -> None:
     trainer = Trainer(load_config([
         "--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "1",
         "--training.steps", "1", "--job.dump_folder", str(tmp_path)]))
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    batches = iter(trainer.dataloader)
+    before = [p.detach().clone() for p in trainer.run.model.parameters()]
+    batches = iter(trainer.run.dataloader)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(PrecisionError, match="param_dtype = 'bfloat16'"):
             trainer.train_step(batches)
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-    assert trainer.lr_scheduler.last_epoch == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.run.model.parameters()))
+    assert trainer.run.lr_scheduler.last_epoch == 0
     trainer.train_step(batches)  # outside the region the same trainer trains
-    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, trainer.run.model.parameters()))
 
 
 # ---------------------------------------------------------------------------------------------

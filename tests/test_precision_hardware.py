@@ -151,7 +151,7 @@ def test_trainer_writes_the_decision_to_the_log_and_the_report(
     report = json.loads((tmp_path / "precision_report.json").read_text())
     assert report["path"] == ("full" if enabled == "auto" else "autocast")
     assert report["low_precision_matmul"]["source"] == "env" and report["mixed_precision_enabled"] == enabled
-    trainer.metrics.close()
+    trainer.run.metrics.close()
 
 
 def test_dry_run_plans_for_the_gpus_it_sizes_not_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

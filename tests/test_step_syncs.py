@@ -46,13 +46,13 @@ def _trainer(tmp_path: Path, *extra: str) -> Trainer:
 def _record_polls(monkeypatch: pytest.MonkeyPatch, trainer: Trainer) -> list[int]:
     """The steps at which the trainer asked the checkpointer whether to stop."""
     polled: list[int] = []
-    real = trainer.checkpointer.should_stop
+    real = trainer.run.checkpointer.should_stop
 
     def should_stop() -> bool:
         polled.append(trainer.step)
         return real()
 
-    monkeypatch.setattr(trainer.checkpointer, "should_stop", should_stop)
+    monkeypatch.setattr(trainer.run.checkpointer, "should_stop", should_stop)
     return polled
 
 
@@ -109,7 +109,7 @@ def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
     monkeypatch.setattr(manager_mod, "control_group", control_group)
     # Checkpointing off: the poll runs anyway, so the group is made before the manager returns.
     trainer = _trainer(tmp_path, "--training.steps", "1", "--comm.timeout_seconds", "45")
-    checkpointer = trainer.checkpointer
+    checkpointer = trainer.run.checkpointer
     assert made_with == [45.0]
     group = checkpointer._control_pg
     if backend == "nccl":
@@ -145,8 +145,8 @@ def test_trainer_polls_the_stop_flag_every_step_and_copies_batches_through_to_de
     monkeypatch.setattr(trainer_mod, "to_device", recording_to_device)
     trainer.train()
     assert polled == list(range(1, 8))
-    assert trainer.dataloader.pin_memory is False  # a CPU run: nothing to pin for
-    assert copies == [(torch.device("cpu"), trainer.device)] * (2 * 7 * trainer.accum)  # inputs, labels
+    assert trainer.run.dataloader.pin_memory is False  # a CPU run: nothing to pin for
+    assert copies == [(torch.device("cpu"), trainer.run.device)] * (2 * 7 * trainer.run.accum)  # inputs, labels
 
 
 def test_a_stop_signal_during_a_step_saves_and_exits_after_that_step(
@@ -290,7 +290,7 @@ def test_pinned_stager_waits_for_the_step_reuses_its_buffers_and_a_finished_save
     monkeypatch.setattr(staging, "compute_stream", lambda: _FakeStream("compute"))
     monkeypatch.setattr(staging, "staging_stream", lambda: _FakeStream("staging"))
     _log.clear()
-    logged = trainer.optimizer.register_step_post_hook(lambda *_: _log.append("optimizer step"))
+    logged = trainer.run.optimizer.register_step_post_hook(lambda *_: _log.append("optimizer step"))
     staged, buffers = [], []  # what each save's upload writes (kept alive: no address is reused)
     execute_save = _sds._ThreadBasedAsyncCheckpointExecutor.execute_save
 
@@ -303,35 +303,35 @@ def test_pinned_stager_waits_for_the_step_reuses_its_buffers_and_a_finished_save
         return execute_save(self, sd, *args, **kwargs)
 
     monkeypatch.setattr(_sds._ThreadBasedAsyncCheckpointExecutor, "execute_save", upload)
-    saver = trainer.checkpointer.saver
+    saver = trainer.run.checkpointer.saver
     async_save = saver._async_save
     monkeypatch.setattr(saver, "_async_save", lambda *a: (async_save(*a), _log.append("save returned"))[0])
     # Step 3 waits for step 2's upload: its own poll (every step) commits the save.
     seen: dict[str, Any] = {}
-    step_fn, stop_fn = trainer.train_step, trainer.checkpointer.should_stop
+    step_fn, stop_fn = trainer.train_step, trainer.run.checkpointer.should_stop
 
     def step(batches):  # type: ignore[no-untyped-def]
         out = step_fn(batches)
         if trainer.step == 3:
-            trainer.checkpointer.saver.pending.future.result()
+            trainer.run.checkpointer.saver.pending.future.result()
         return out
 
     def should_stop() -> bool:
         stop = stop_fn()
         if trainer.step == 3:
-            seen["pending"] = trainer.checkpointer.saver.pending
+            seen["pending"] = trainer.run.checkpointer.saver.pending
             seen["complete"] = sorted(scan_folder(tmp_path / "checkpoint")[0])
         return stop
 
     monkeypatch.setattr(trainer, "train_step", step)
-    monkeypatch.setattr(trainer.checkpointer, "should_stop", should_stop)
+    monkeypatch.setattr(trainer.run.checkpointer, "should_stop", should_stop)
     trainer.train()
     logged.remove()
     assert seen == {"pending": None, "complete": [2]}
     complete = scan_folder(tmp_path / "checkpoint")[0]
     assert {s: info.kind for s, info in complete.items()} == {2: "full", 4: "full", 5: "full"}
     assert (_CountingStager.made, _CountingStager.closed) == (1, 1)
-    assert trainer.checkpointer.saver.stager is None
+    assert trainer.run.checkpointer.saver.stager is None
     save = ["staging waits for compute", "copy on staging", "staging synchronized", "save returned"]
     step = ["optimizer step"]
     assert _log == step * 2 + save + step * 2 + save + step + save, _log  # saves at steps 2, 4 and 5 (the last)

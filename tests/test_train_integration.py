@@ -75,11 +75,11 @@ def first_step_in_process(dump: Path, *overrides: str) -> dict:
             yield inputs, labels
 
     try:
-        loss, grad_norm, _ = trainer.train_step(recording(iter(trainer.dataloader)))
-        grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+        loss, grad_norm, _ = trainer.train_step(recording(iter(trainer.run.dataloader)))
+        grads = {n: p.grad.detach().clone() for n, p in trainer.run.model.named_parameters()}
     finally:
-        trainer.metrics.close()
-    return {"accum": trainer.accum, "loss": float(loss), "grad_norm": float(grad_norm), "grads": grads,
+        trainer.run.metrics.close()
+    return {"accum": trainer.run.accum, "loss": float(loss), "grad_norm": float(grad_norm), "grads": grads,
             "inputs": torch.cat(seen)}
 
 

@@ -157,15 +157,15 @@ def test_gradients_after_an_evaluation_equal_those_without_one(tmp_path: Path) -
     runs = {}
     for name, evaluate_first in (("with_eval", True), ("without_eval", False)):
         t = trainer_module.Trainer(load_config([*args, "--job.dump_folder", str(tmp_path / name)]))
-        assert t.plan.path == "autocast"
+        assert t.run.plan.path == "autocast"
         with torch.random.fork_rng(devices=[]):
-            batch = next(iter(t.dataloader))
+            batch = next(iter(t.run.dataloader))
         if evaluate_first:
-            assert math.isfinite(t.validator.run()["val_loss"])
-            assert all(m.training for m in t.model.modules())
+            assert math.isfinite(t.run.validator.run()["val_loss"])
+            assert all(m.training for m in t.run.model.modules())
         loss, grad_norm, _ = t.train_step(iter([batch]))
-        runs[name] = (float(loss), float(grad_norm), {n: p.grad.clone() for n, p in t.model.named_parameters()})
-        t.metrics.close()
+        runs[name] = (float(loss), float(grad_norm), {n: p.grad.clone() for n, p in t.run.model.named_parameters()})
+        t.run.metrics.close()
     (loss_a, norm_a, grads_a), (loss_b, norm_b, grads_b) = runs["with_eval"], runs["without_eval"]
     assert (loss_a, norm_a) == (loss_b, norm_b)
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
@@ -317,5 +317,5 @@ def test_held_out_split_from_the_prepare_step(tmp_path: Path, caplog: pytest.Log
         t.train()
     assert not any("evaluating on the training data" in r.message for r in caplog.records)
     record = by_step(tmp_path / "run")[2]
-    held_windows = t.validator.loader.num_windows_per_epoch
+    held_windows = t.run.validator.loader.num_windows_per_epoch
     assert record["val_tokens"] == held_windows // 2 * 2 * 32 and math.isfinite(record["val_loss"])

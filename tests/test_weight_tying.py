@@ -214,7 +214,7 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
         "--training.steps", "1", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
         "--checkpoint.last_save_hf", "--job.dump_folder", str(tmp_path / "run")]))
     try:
-        model = trainer.model
+        model = trainer.run.model
         assert _tied(model) == cfg["tie_word_embeddings"]
         with torch.no_grad():
             imported = float((model.eval()(TOKENS) - reference).abs().max())
@@ -225,7 +225,7 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
             trained = model.eval()(TOKENS)
         assert _tied(model) == cfg["tie_word_embeddings"]
     finally:
-        trainer.metrics.close()
+        trainer.run.metrics.close()
     exported = tmp_path / "run" / "checkpoint" / "hf-step-1"
     out_cfg = json.loads((exported / CONFIG).read_text())
     assert out_cfg["tie_word_embeddings"] == cfg["tie_word_embeddings"]
@@ -277,7 +277,7 @@ def _single_process(root: Path) -> Path:
         layouts._save_grads_after_first_step(trainer)
         trainer.train()
     finally:
-        trainer.metrics.close()
+        trainer.run.metrics.close()
     return folder
 
 

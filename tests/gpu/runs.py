@@ -67,7 +67,7 @@ def losses(dump: Path) -> dict[int, float]:
 def train(args: list[str]) -> Trainer:
     trainer = Trainer(load_config(args))
     trainer.train()
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     return trainer
 
 
@@ -201,7 +201,7 @@ class StepTimes:
     def __init__(self, trainer: Trainer) -> None:
         self.per_step: dict[int, dict[str, float]] = {}
         step_fn = trainer.train_step
-        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+        sync = torch.cuda.synchronize if trainer.run.device.type == "cuda" else (lambda: None)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             begin = time.perf_counter()
@@ -210,9 +210,9 @@ class StepTimes:
             finally:
                 sync()
                 record = {"train_step_s": time.perf_counter() - begin}
-                if trainer.ft is not None:
-                    record.update(quorum_s=trainer.ft.quorum_s, participants=trainer.ft.participants,
-                                  discarded=trainer.ft.discarded)
+                if trainer.run.ft is not None:
+                    record.update(quorum_s=trainer.run.ft.quorum_s, participants=trainer.run.ft.participants,
+                                  discarded=trainer.run.ft.discarded)
                 self.per_step[trainer.step] = record
 
         trainer.train_step = timed
@@ -232,11 +232,11 @@ def step_syncs(args: list[str], budget: int = STEP_SYNC_BUDGET, setup: Callable[
     counted = set(range(2, trainer.config.training.steps + 1)) if counted is None else counted
     recorder = StepSyncs(only=counted, where=True)
     recorder.install(trainer)
-    cuda = _CudaSyncWarnings(trainer, counted) if trainer.device.type == "cuda" else None
+    cuda = _CudaSyncWarnings(trainer, counted) if trainer.run.device.type == "cuda" else None
     times = StepTimes(trainer)
     trainer.train()
     recorder.finish()
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     steps = {s: {**r, "cuda_sync_warnings": cuda.per_step.get(s) if cuda else None} for s, r in recorder.steps.items()}
     return {"budget": budget, "steps": steps, "step_times": times.per_step}
 

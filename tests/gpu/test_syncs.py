@@ -65,7 +65,7 @@ def attach_expert_parallel(trainer: Trainer) -> int:
     EP 1 a shard is the whole). Returns the number of layers."""
     from torchtitan_amp.distributed.expert_parallel import ExpertParallel, expert_layers
 
-    layers = [layer for part in trainer.model_parts for layer in expert_layers(part)]
+    layers = [layer for part in trainer.run.model_parts for layer in expert_layers(part)]
     for layer in layers:
         layer.expert_parallel = ExpertParallel(dist.group.WORLD, 1)
     return len(layers)

@@ -98,26 +98,26 @@ def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     linear_out: Counter[str] = Counter()
     norm_io: Counter[str] = Counter()
     hooks = []
-    for module in trainer.model.modules():
+    for module in trainer.run.model.modules():
         if isinstance(module, nn.Linear):
             hooks.append(module.register_forward_hook(
                 lambda m, i, o: linear_out.update([str(o.dtype).removeprefix("torch.")])))
         elif isinstance(module, RMSNorm):
             hooks.append(module.register_forward_hook(
                 lambda m, i, o: norm_io.update([f"in {i[0].dtype} out {o.dtype}".replace("torch.", "")])))
-    inputs, labels = next(iter(trainer.dataloader))
-    inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
+    inputs, labels = next(iter(trainer.run.dataloader))
+    inputs, labels = inputs.to(trainer.run.device), labels.to(trainer.run.device)
     forward, backward = OpDtypes(), OpDtypes()
-    with parallel_context(trainer.dims, trainer.config), autocast.forward_context(trainer.plan), forward:
-        logits = autocast.cast_output(trainer.plan, trainer.model(inputs))
+    with parallel_context(trainer.run.dims, trainer.config), autocast.forward_context(trainer.run.plan), forward:
+        logits = autocast.cast_output(trainer.run.plan, trainer.run.model(inputs))
         loss = loss_fn(logits, labels)
-    with autocast.backward_context(trainer.plan), backward:
+    with autocast.backward_context(trainer.run.plan), backward:
         loss.backward()
     for h in hooks:
         h.remove()
-    param_dtypes = {str(p.dtype) for p in trainer.model.parameters()}
-    grad_dtypes = {str(p.grad.dtype) for p in trainer.model.parameters() if p.grad is not None}
-    trainer.metrics.close()
+    param_dtypes = {str(p.dtype) for p in trainer.run.model.parameters()}
+    grad_dtypes = {str(p.grad.dtype) for p in trainer.run.model.parameters() if p.grad is not None}
+    trainer.run.metrics.close()
     # RMSNorm's input may be bf16 (a Linear's output) but it computes and returns fp32 or the input
     # dtype per the fp32-island rule; recorded rather than guessed.
     out.update(linear_out=dict(linear_out), rms_norm=dict(norm_io), forward_ops=dict(forward.seen),
@@ -191,7 +191,7 @@ def resume_pair(a: argparse.Namespace, work: Path, mode: str, deterministic: boo
     first, second = work / f"a_{deterministic}", work / f"b_{deterministic}"
     with determinism_restored():
         trainer = train(base_args(a, first) + extra)
-        SAVE_FACTS.update(save_s=trainer.checkpointer.last_save_s, bytes=sum(
+        SAVE_FACTS.update(save_s=trainer.run.checkpointer.last_save_s, bytes=sum(
             f.stat().st_size for f in (first / "checkpoint" / "step-3").rglob("*") if f.is_file()))
         del trainer
         shutil.copytree(first / "checkpoint" / "step-3", second / "checkpoint" / "step-3")
@@ -278,10 +278,10 @@ def check_generate(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bo
     ok = True
     for name, extra in (("fp32", PRECISIONS["fp32"]), ("bf16", BF16)):
         trainer = train(base_args(a, work / name) + extra + ["--training.steps", "3"])
-        model = trainer.model.eval()
+        model = trainer.run.model.eval()
         _sharpen_attention(model)
-        runner = ModelRunner.for_plan(model, trainer.plan, tp=1, sequence_parallel=False)
-        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+        runner = ModelRunner.for_plan(model, trainer.run.plan, tp=1, sequence_parallel=False)
+        sync = torch.cuda.synchronize if trainer.run.device.type == "cuda" else (lambda: None)
         sync()
         begin = time.perf_counter()
         completion = generate(runner, PROMPT, new)
@@ -289,9 +289,9 @@ def check_generate(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bo
         seconds = time.perf_counter() - begin
         tokens = PROMPT + completion.tokens
         with torch.no_grad(), runner.forward_context():
-            full = runner.cast_output(model(torch.tensor([tokens], device=trainer.device)))[0, len(PROMPT) - 1:-1]
+            full = runner.cast_output(model(torch.tensor([tokens], device=trainer.run.device)))[0, len(PROMPT) - 1:-1]
         full = full.float()
-        err = float((_cached_step_logits(runner, tokens, trainer.device) - full).abs().max())
+        err = float((_cached_step_logits(runner, tokens, trainer.run.device) - full).abs().max())
         largest = float(full.abs().max())
         greedy = full.argmax(dim=-1).tolist() == completion.tokens
         out[name] = {"max_abs_logit_diff": err, "max_abs_logit": largest, "greedy_matches_full_forward": greedy,
@@ -337,15 +337,15 @@ def speed_configs(a: argparse.Namespace, work: Path) -> dict[str, list[str]]:
 def step_seconds(args: list[str], steps: int, warmup: int) -> float:
     """Median step time of a short run after `warmup` untimed steps (compilation)."""
     trainer = Trainer(load_config([*args, "--training.steps", str(steps)]))
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    batches, times = iter(trainer.dataloader), []
+    sync = torch.cuda.synchronize if trainer.run.device.type == "cuda" else (lambda: None)
+    batches, times = iter(trainer.run.dataloader), []
     for _ in range(steps):
         sync()
         begin = time.perf_counter()
         trainer.train_step(batches)
         sync()
         times.append(time.perf_counter() - begin)
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     del trainer
     free_memory()
     timed = sorted(times[warmup:])

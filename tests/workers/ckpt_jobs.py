@@ -215,20 +215,20 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 
     from torchtitan_amp.distributed.tensor_parallel import parallel_context
 
-    tokens = tokens.to(trainer.device)
-    for part in trainer.model_parts:
+    tokens = tokens.to(trainer.run.device)
+    for part in trainer.run.model_parts:
         part.eval()
-    with parallel_context(trainer.dims, trainer.config):
-        if not trainer.dims.pp_enabled:
-            out = trainer.model(tokens)
+    with parallel_context(trainer.run.dims, trainer.config):
+        if not trainer.run.dims.pp_enabled:
+            out = trainer.run.model(tokens)
             return out.full_tensor() if isinstance(out, DTensor) else out
         rank, world = _rank(), dist.get_world_size()
-        assert len(trainer.model_parts) == 1 and trainer.dims.pp == world, "one stage per rank"
+        assert len(trainer.run.model_parts) == 1 and trainer.run.dims.pp == world, "one stage per rank"
         h = tokens
         if rank > 0:
-            h = torch.empty(*tokens.shape, trainer.model_args.dim)
+            h = torch.empty(*tokens.shape, trainer.run.job.model_args.dim)
             dist.recv(h, rank - 1)
-        h = trainer.model(h)
+        h = trainer.run.model(h)
         if rank < world - 1:
             dist.send(h.contiguous(), rank + 1)
             return None
@@ -238,14 +238,14 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 def _record_rows(trainer: Trainer) -> list[str]:
     """Digests of the input rows this rank's loader hands out, in order (the windows it trains on)."""
     rows: list[str] = []
-    counted = trainer.dataloader._counted
+    counted = trainer.run.dataloader._counted
 
     def recording(batches):  # type: ignore[no-untyped-def]
         for inputs, labels in counted(batches):
             rows.extend(digest(row)[:16] for row in inputs)
             yield inputs, labels
 
-    trainer.dataloader._counted = recording
+    trainer.run.dataloader._counted = recording
     return rows
 
 
@@ -293,20 +293,20 @@ def main(spec_path: str) -> int:
             if job.get("hf_reads") and _rank() == 0:
                 Path(job["hf_reads"]).write_text(json.dumps(reads))
             logits = _logits(trainer, torch.tensor(job["tokens"]))
-            if logits is not None and (_rank() == 0 or trainer.dims.pp_enabled):
+            if logits is not None and (_rank() == 0 or trainer.run.dims.pp_enabled):
                 torch.save(logits.cpu(), job["logits"])
-            trainer.metrics.close()
+            trainer.run.metrics.close()
             continue
         if job.get("probe"):
             result = probe_trainer(trainer)
             if _rank() == 0:
                 Path(job["probe"]).write_text(json.dumps(result))
-            trainer.metrics.close()
+            trainer.run.metrics.close()
             continue
         rows = _record_rows(trainer) if job.get("record_batches") else []
         trainer.train()
         if job.get("record_batches"):
-            gathered = _gather([trainer.dataloader.dp_rank, rows])
+            gathered = _gather([trainer.run.dataloader.dp_rank, rows])
             if _rank() == 0:
                 Path(job["record_batches"]).write_text(json.dumps(gathered))
         if job.get("rng_out"):

@@ -148,29 +148,29 @@ def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 def run_job(args: list[str]) -> dict:
     trainer = Trainer(load_config(args))
-    trainer.optimizer.step = _in_phase(trainer.optimizer.step, "optimizer")
+    trainer.run.optimizer.step = _in_phase(trainer.run.optimizer.step, "optimizer")
     GROUP_DIMS.clear()
-    if trainer.info.world_size > 1:
+    if trainer.run.info.world_size > 1:
         for dim in ("pp", "dp_replicate", "dp_shard", "tp", "cp"):
-            if getattr(trainer.dims, dim) > 1:
-                GROUP_DIMS[_group_ranks(trainer.dims.mesh[dim].get_group())] = dim
-        if trainer.dims.cp_enabled:
+            if getattr(trainer.run.dims, dim) > 1:
+                GROUP_DIMS[_group_ranks(trainer.run.dims.mesh[dim].get_group())] = dim
+        if trainer.run.dims.cp_enabled:
             # FSDP shards over dp_shard x cp: its group is neither dim's. Groups are told apart by
             # their ranks, so a layout whose FSDP group has the cp group's ranks cannot be counted.
-            fsdp = trainer.dims.get_mesh("fsdp")
-            ranks = _group_ranks((fsdp["dp_shard_cp"] if trainer.dims.hsdp_enabled else fsdp).get_group())
+            fsdp = trainer.run.dims.get_mesh("fsdp")
+            ranks = _group_ranks((fsdp["dp_shard_cp"] if trainer.run.dims.hsdp_enabled else fsdp).get_group())
             assert ranks not in GROUP_DIMS, f"FSDP's group {ranks} is also the {GROUP_DIMS[ranks]} group's"
             GROUP_DIMS[ranks] = "dp_shard"
-    HSDP["on"] = trainer.dims.hsdp_enabled
-    EP["ranks"] = _group_ranks(trainer.dims.get_mesh("ep").get_group()) if trainer.dims.ep_enabled else None
-    if trainer.dims.ep_enabled and trainer.dims.efsdp > 1:
-        efsdp = trainer.dims.get_mesh("expert_fsdp")
-        ranks = _group_ranks((efsdp["efsdp"] if trainer.dims.hsdp_enabled else efsdp).get_group())
+    HSDP["on"] = trainer.run.dims.hsdp_enabled
+    EP["ranks"] = _group_ranks(trainer.run.dims.get_mesh("ep").get_group()) if trainer.run.dims.ep_enabled else None
+    if trainer.run.dims.ep_enabled and trainer.run.dims.efsdp > 1:
+        efsdp = trainer.run.dims.get_mesh("expert_fsdp")
+        ranks = _group_ranks((efsdp["efsdp"] if trainer.run.dims.hsdp_enabled else efsdp).get_group())
         assert ranks not in GROUP_DIMS, f"the experts' FSDP group {ranks} is also the {GROUP_DIMS[ranks]} group's"
         GROUP_DIMS[ranks] = "efsdp"
     with torch.random.fork_rng(devices=[]):
-        batches = iter(trainer.dataloader)
-    held = PipelineHeld(trainer) if trainer.pipeline is not None else None
+        batches = iter(trainer.run.dataloader)
+    held = PipelineHeld(trainer) if trainer.run.pipeline is not None else None
     trainer.train_step(batches)  # warm-up: lazy init, pipeline shape inference
     if held is not None:
         held.on = True
@@ -178,23 +178,23 @@ def run_job(args: list[str]) -> dict:
         trainer.train_step(batches)
     if held is not None:
         held.on = False
-    params = [p for part in trainer.model_parts for p in part.parameters()]
-    state = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    params = [p for part in trainer.run.model_parts for p in part.parameters()]
+    state = [t for s in trainer.run.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     result = {
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
         "optimizer": _by_dtype(state),
         "comm": collectives.snapshot(),
         "comm_calls": collectives.call_counts(),
-        "pp_rank": trainer.dims.mesh["pp"].get_local_rank() if trainer.dims.pp_enabled else 0,
+        "pp_rank": trainer.run.dims.mesh["pp"].get_local_rank() if trainer.run.dims.pp_enabled else 0,
         "pp_held": None if held is None else {"in_flight": {str(k): v for k, v in held.in_flight.items()},
                                               "fsdp": held.fsdp},
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
         result["calls"] = list(collectives.CALLS)
         result["grad_shapes"] = {n: [list(p.shape), list((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).shape), str(getattr(p.grad, "placements", ""))]
-                                 for part in trainer.model_parts for n, p in part.named_parameters() if p.grad is not None and "layers.1" not in n and "layers.2" not in n}
-    trainer.metrics.close()
+                                 for part in trainer.run.model_parts for n, p in part.named_parameters() if p.grad is not None and "layers.1" not in n and "layers.2" not in n}
+    trainer.run.metrics.close()
     return result
 
 

@@ -43,31 +43,31 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '0')}] %(message)s",
                         stream=sys.stdout)
     trainer = Trainer(load_config(argv))
-    inputs, labels = next(iter(trainer.dataloader))
+    inputs, labels = next(iter(trainer.run.dataloader))
     out: dict = {
-        "rank": trainer.info.rank,
-        "world_size": trainer.info.world_size,
-        "ddp": trainer.dims.ddp_enabled,
-        "fsdp": trainer.dims.fsdp_enabled,
-        "path": trainer.plan.path,
+        "rank": trainer.run.info.rank,
+        "world_size": trainer.run.info.world_size,
+        "ddp": trainer.run.dims.ddp_enabled,
+        "fsdp": trainer.run.dims.fsdp_enabled,
+        "path": trainer.run.plan.path,
         "inputs": inputs.clone(),
         "labels": labels.clone(),
         "batch_sha256": hashlib.sha256(inputs.numpy().tobytes()).hexdigest(),
     }
-    if trainer.dims.ddp_enabled:
-        trainer.model.set_requires_gradient_sync(False)
+    if trainer.run.dims.ddp_enabled:
+        trainer.run.model.set_requires_gradient_sync(False)
         trainer.forward_backward(inputs, labels)
-        out["local_grads"] = _grads(trainer.model)
-        trainer.optimizer.zero_grad(set_to_none=True)
+        out["local_grads"] = _grads(trainer.run.model)
+        trainer.run.optimizer.zero_grad(set_to_none=True)
     # The real step (sync back on for its last micro-batch) on the same batch.
-    loss, grad_norm, stepped = trainer.train_step(iter([(inputs, labels)] * trainer.accum))
+    loss, grad_norm, stepped = trainer.train_step(iter([(inputs, labels)] * trainer.run.accum))
     out.update(loss=float(loss), grad_norm=float(grad_norm), stepped=bool(stepped),
-               grads=_grads(trainer.model))
-    if trainer.dims.fsdp_enabled:
+               grads=_grads(trainer.run.model))
+    if trainer.run.dims.fsdp_enabled:
         out["shard_grads"] = {n: p.grad.detach().to_local().float().clone()
-                              for n, p in trainer.model.named_parameters() if isinstance(p.grad, DTensor)}
+                              for n, p in trainer.run.model.named_parameters() if isinstance(p.grad, DTensor)}
     folder = Path(trainer.config.job.dump_folder)
-    torch.save(out, folder / f"first_step_rank{trainer.info.rank}.pt")
+    torch.save(out, folder / f"first_step_rank{trainer.run.info.rank}.pt")
     if os.environ.get("WORKER_TRAIN") == "1":
         # The step above was step 1 (it advanced the LR schedule); train() logs steps 2..steps.
         trainer.step = 1

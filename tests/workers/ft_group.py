@@ -44,14 +44,14 @@ def main() -> None:
 
     def paced_step(*args, **kwargs):
         result = step(*args, **kwargs)
-        if trainer.ft.participants < config.fault_tolerance.group_size:
+        if trainer.run.ft.participants < config.fault_tolerance.group_size:
             time.sleep(pace)
         return result
 
     trainer.train_step = paced_step
     kill_at = int(os.environ.get("FT_KILL_DURING_ALLREDUCE", "0"))
     if kill_at and os.environ.get("RANK") == "0":
-        allreduce, calls = trainer.ft.manager.allreduce, []
+        allreduce, calls = trainer.run.ft.manager.allreduce, []
         kill_call = int(os.environ.get("FT_KILL_AT_CALL", "2"))
 
         def dying_allreduce(*args, **kwargs):
@@ -60,13 +60,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return allreduce(*args, **kwargs)
 
-        trainer.ft.manager.allreduce = dying_allreduce
+        trainer.run.ft.manager.allreduce = dying_allreduce
     trainer.train()
-    shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.model.named_parameters()}
+    shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.run.model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(
         json.dumps({"step": trainer.step, "shards": shards, "tokens_seen": trainer.tokens_seen,
-                    "data_position": trainer.dataloader.state_dict()["position"]}))
+                    "data_position": trainer.run.dataloader.state_dict()["position"]}))
     exit_process(0)
 
 

@@ -63,7 +63,7 @@ def _tp_replicated(p: torch.Tensor) -> bool:
 def _frozen_params(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
     """The parameters of the modules training.freeze tagged (the tag, not requires_grad: a frozen
     module whose parameters came to require grad again is still listed)."""
-    return {f"{mname}.{pname}" if mname else pname: p for part in trainer.model_parts
+    return {f"{mname}.{pname}" if mname else pname: p for part in trainer.run.model_parts
             for mname, m in part.named_modules() if getattr(m, FROZEN, False)
             for pname, p in m.named_parameters(recurse=False)}
 
@@ -163,9 +163,9 @@ def _train_with_evidence(trainer: Trainer) -> None:
     norm_check.reset()
     # Whatever the optimizer's own flag says: the evidence must not take the rounding mode's word.
     rounding = None
-    if isinstance(trainer.optimizer, optim_mod.AdamWMixedState) and any(
-            _local(p).dtype == torch.bfloat16 for p in trainer.params):
-        rounding = RoundingRecorder(trainer.optimizer)
+    if isinstance(trainer.run.optimizer, optim_mod.AdamWMixedState) and any(
+            _local(p).dtype == torch.bfloat16 for p in trainer.run.params):
+        rounding = RoundingRecorder(trainer.run.optimizer)
     # Not under compile: a compiled region's host reads are graph breaks (tests/test_host_syncs.py
     # explains a compiled MoE block), and a dispatch mode would make dynamo retrace the blocks.
     syncs = None if trainer.config.compile.enable else StepSyncs(only={trainer.step + 2}, where=True)
@@ -185,9 +185,9 @@ def _train_with_evidence(trainer: Trainer) -> None:
 
 def _frozen_info(trainer: Trainer) -> dict[str, dict]:
     """Per frozen parameter: what a frozen parameter must (not) have after training."""
-    in_groups = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    in_groups = {id(p) for g in trainer.run.optimizer.param_groups for p in g["params"]}
     return {n: {"requires_grad": p.requires_grad, "grad_is_none": p.grad is None,
-                "in_optimizer": id(p) in in_groups, "has_optimizer_state": p in trainer.optimizer.state,
+                "in_optimizer": id(p) in in_groups, "has_optimizer_state": p in trainer.run.optimizer.state,
                 "digest_unchanged": digest(_local(p)) == _run.frozen_digests.get(n)}
             for n, p in _frozen_params(trainer).items()}
 
@@ -203,13 +203,13 @@ _MASK_RUNS: set[str] = set()
 
 def _save_grads(trainer: Trainer) -> None:
     grads = {}
-    for part in trainer.model_parts:
+    for part in trainer.run.model_parts:
         for name, p in part.named_parameters():
             if p.grad is not None:
                 grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 grads[process_groups.unwrapped_name(name)] = grad.detach().float().clone()
     folder = Path(trainer.config.job.dump_folder)
-    torch.save(grads, folder / f"grads_rank{trainer.info.rank}.pt")
+    torch.save(grads, folder / f"grads_rank{trainer.run.info.rank}.pt")
 
 
 def _save_grads_after_first_step(trainer: Trainer) -> None:
@@ -225,37 +225,37 @@ def _save_grads_after_first_step(trainer: Trainer) -> None:
 
 
 def _rank_info(trainer: Trainer) -> dict:
-    dims = trainer.dims
-    modules = [(name, m) for part in trainer.model_parts for name, m in part.named_modules()]
-    info = {"rank": trainer.info.rank, "world_size": trainer.info.world_size,
+    dims = trainer.run.dims
+    modules = [(name, m) for part in trainer.run.model_parts for name, m in part.named_modules()]
+    info = {"rank": trainer.run.info.rank, "world_size": trainer.run.info.world_size,
             "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
                         "cp": dims.cp, "tp": dims.tp},
-            "dp_rank": trainer.dataloader.dp_rank, "dp_world_size": trainer.dataloader.dp_world_size,
+            "dp_rank": trainer.run.dataloader.dp_rank, "dp_world_size": trainer.run.dataloader.dp_world_size,
             "tokens_seen": trainer.tokens_seen,
-            "path": trainer.plan.path,
+            "path": trainer.run.plan.path,
             # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
             "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
             "compiled": [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None],
             "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
             # AdamW's moments as this rank holds them, and a digest of its replicated parameters
             # (plain tensors, or DTensors replicated on every mesh dim): equal across replicas.
-            "frozen_params": sorted(n for part in trainer.model_parts for n, p in part.named_parameters()
+            "frozen_params": sorted(n for part in trainer.run.model_parts for n, p in part.named_parameters()
                                     if not p.requires_grad),
             "optimizer_state_dtypes": sorted({str(_local(s[k]).dtype).removeprefix("torch.")
-                                              for s in trainer.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}),
+                                              for s in trainer.run.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}),
             "replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
-                                                          for part in trainer.model_parts for p in part.parameters()
+                                                          for part in trainer.run.model_parts for p in part.parameters()
                                                           if _replicated(p)] or [torch.zeros(0)])),
             # The same for parameters replicated over tp only: equal across the TP ranks.
-            "tp_replicated_params": sorted(n for part in trainer.model_parts for n, p in part.named_parameters()
+            "tp_replicated_params": sorted(n for part in trainer.run.model_parts for n, p in part.named_parameters()
                                            if _tp_replicated(p)),
             "tp_replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
-                                                             for part in trainer.model_parts for p in part.parameters()
+                                                             for part in trainer.run.model_parts for p in part.parameters()
                                                              if _tp_replicated(p)] or [torch.zeros(0)])),
             "norm_check": norm_check.records(),
             # enable_weight_tying: the output layer's weight is still the embedding table's object
             "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None
-                            and p.output.weight is p.tok_embeddings.weight for p in trainer.model_parts],
+                            and p.output.weight is p.tok_embeddings.weight for p in trainer.run.model_parts],
             "frozen": _frozen_info(trainer),
             "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
             "valid_labels": _run.valid_labels,
@@ -263,16 +263,16 @@ def _rank_info(trainer: Trainer) -> dict:
             # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
             # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
             "ep_layers": sum(isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
-                             for part in trainer.model_parts for m in part.modules()),
-            "forwards_per_step": trainer.accum * (trainer.pipeline.n_microbatches if trainer.pipeline else 1),
+                             for part in trainer.run.model_parts for m in part.modules()),
+            "forwards_per_step": trainer.run.accum * (trainer.run.pipeline.n_microbatches if trainer.run.pipeline else 1),
             # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
-            "scaler_reads_found_inf": trainer.scaler.enabled and not any(
-                g.get("fused") for g in trainer.optimizer.param_groups),
+            "scaler_reads_found_inf": trainer.run.scaler.enabled and not any(
+                g.get("fused") for g in trainer.run.optimizer.param_groups),
             # ShardedGradScaler.update with its scale on the CPU runs a Python path that reads
             # found_inf and the growth tracker (2); on CUDA it runs torch._amp_update_scale_ (none).
-            "cpu_only_scaler_reads": 2 if type(trainer.scaler.scaler).__name__ == "ShardedGradScaler"
-            and trainer.device.type == "cpu" else 0}
-    if trainer.info.world_size > 1:
+            "cpu_only_scaler_reads": 2 if type(trainer.run.scaler.scaler).__name__ == "ShardedGradScaler"
+            and trainer.run.device.type == "cpu" else 0}
+    if trainer.run.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
         info["mesh_shape"] = list(mesh.shape)

@@ -57,12 +57,12 @@ class PipelineHeld:
     """Installs the counters on a trainer's pipeline; read `in_flight` and `fsdp` after a step."""
 
     def __init__(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        self.parts = trainer.model_parts
+        self.parts = trainer.run.model_parts
         self.in_flight: dict[int, int] = defaultdict(int)
         self.fsdp: dict[str, int] = {}
         self._open: dict[int, int] = defaultdict(int)
         self.on = False
-        schedule = trainer.pipeline.schedule
+        schedule = trainer.run.pipeline.schedule
         for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
             self._wrap(stage)
         original = FSDPParamGroup.post_backward

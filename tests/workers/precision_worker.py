@@ -56,11 +56,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed.grad_norm import clip_grad_norm_
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.precision import CompressHookState, PrecisionPlan, comm_hooks
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_mod
-from torchtitan_amp.train.trainer import Trainer, clip_grad_norm_
+from torchtitan_amp.train.trainer import Trainer
 from tests.support import exit_process, read_spec
 from tests.workers import norm_check
 
@@ -285,17 +286,17 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def take_batches(trainer: Trainer, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    it = iter(trainer.dataloader)
+    it = iter(trainer.run.dataloader)
     return [next(it) for _ in range(n)]
 
 
 def params_of(trainer: Trainer) -> list[nn.Parameter]:
-    return list(getattr(trainer, "params", None) or trainer.model.parameters())
+    return list(trainer.run.params)
 
 
 def tensor_dtypes(trainer: Trainer) -> dict[str, list[str]]:
     params = params_of(trainer)
-    state = [trainer.optimizer.state[p] for p in params]
+    state = [trainer.run.optimizer.state[p] for p in params]
     return {
         "param": sorted({dname(p.dtype) for p in params} | {dname(local(p).dtype) for p in params}),
         "grad": sorted({dname(local(p.grad).dtype) for p in params if p.grad is not None}),
@@ -352,7 +353,7 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
 
 def _groups(trainer: Trainer) -> tuple[dist.ProcessGroup | None, ...]:
     """Process groups a gradient is reduced over, in the order the parallel path reduces."""
-    dims = trainer.dims
+    dims = trainer.run.dims
     if dims.world_size == 1 or not dims.dp_enabled:
         return ()
     mesh = dims.mesh
@@ -379,14 +380,14 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
     every micro-batch and accumulates in fp32; DDP accumulates locally and reduces once.
     Both end with the trainer's AdamW, re-built on fp32 master weights, at the LR of step 1.
     """
-    plan: PrecisionPlan = trainer.plan
-    master_model = llama.Transformer(trainer.model_args)
+    plan: PrecisionPlan = trainer.run.plan
+    master_model = llama.Transformer(trainer.run.job.model_args)
     master_model.load_state_dict(init)
     master = dict(master_model.named_parameters())
     safe_names = {f"{mn}.{pn}" if mn else pn for mn, m in master_model.named_modules() if plan.is_safe(m)
                   for pn, _ in m.named_parameters(recurse=False)}
     groups = _groups(trainer)
-    per_micro_reduce = trainer.dims.fsdp_enabled
+    per_micro_reduce = trainer.run.dims.fsdp_enabled
     accum = len(batches)
 
     def reduce(g: torch.Tensor, name: str) -> torch.Tensor:
@@ -399,7 +400,7 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
 
     model, ctx, out_dtype = master_model, contextlib.nullcontext, None
     if plan.path == "fsdp":
-        model = llama.Transformer(trainer.model_args)
+        model = llama.Transformer(trainer.run.job.model_args)
         model.load_state_dict(init)
         for m in model.modules():
             if plan.is_safe(m):
@@ -431,7 +432,7 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
         elif groups:
             p.grad = reduce(p.grad, n)
     grads = {n: p.grad.detach().clone() for n, p in master.items()}
-    opt = trainer.optimizer
+    opt = trainer.run.optimizer
     accepted = inspect.signature(type(opt).__init__).parameters
     ref_opt = type(opt)(list(master.values()), **{k: v for k, v in opt.defaults.items() if k in accepted})
     for g in ref_opt.param_groups:
@@ -458,22 +459,22 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
         trainer = make_trainer(out, name, overrides, ["--training.max_norm", "0"] + extra)
     finally:
         comm_hooks.comm_hook_state = orig_state
-    plan, dims = trainer.plan, trainer.dims
-    parts = list(getattr(trainer, "model_parts", None) or [trainer.model])
+    plan, dims = trainer.run.plan, trainer.run.dims
+    parts = list(trainer.run.model_parts)
     hook_state = captured[0] if captured else None
     if dims.ddp_enabled and hook_state is None:
         # fp32 reduce: no hook of ours is installed; count DDP's plain fp32 all-reduce instead.
         hook_state = CompressHookState(dims.mesh["dp_replicate"].get_group(), torch.float32, frozenset())
-        trainer.model.register_comm_hook(hook_state, counting_allreduce_hook)
-    init = full_state(trainer.model)
-    batches = take_batches(trainer, trainer.accum)
-    lr = trainer.optimizer.param_groups[0]["lr"]
+        trainer.run.model.register_comm_hook(hook_state, counting_allreduce_hook)
+    init = full_state(trainer.run.model)
+    batches = take_batches(trainer, trainer.run.accum)
+    lr = trainer.run.optimizer.param_groups[0]["lr"]
     recorder, ops, wire = Recorder(nn.ModuleList(parts)), OpDtypes(), WireCounter()
     with recorder.patched(), wire.patched(), ops:
         loss, grad_norm, stepped = trainer.train_step(iter(batches))
     result: dict[str, Any] = {
         "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "world_size")},
-        "path": plan.path, "accum": trainer.accum, "loss": float(loss), "loss_dtype": dname(loss.dtype),
+        "path": plan.path, "accum": trainer.run.accum, "loss": float(loss), "loss_dtype": dname(loss.dtype),
         "grad_norm": float(grad_norm), "stepped": bool(stepped),
         # Union over ranks: under PP the loss and the last blocks run on another rank than rank 0.
         "dtypes": merge_ranks(gather_objects(recorder.as_dict())),
@@ -483,10 +484,10 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
         "ddp_wire": dict(hook_state.bytes_sent) if hook_state is not None else None,
         "numel": numel_by_safety(nn.ModuleList(parts), plan.safe_modules or (nn.Linear,)),
         "report": json.loads((out / name / "precision_report.json").read_text()) if RANK == 0 else None,
-        "rope_buffer_dtype": dname(trainer.model.rope_cos.dtype),
+        "rope_buffer_dtype": dname(trainer.run.model.rope_cos.dtype),
     }
-    trained_grads = {n: full(p.grad).clone() for n, p in trainer.model.named_parameters()}
-    trained_params = full_state(trainer.model)
+    trained_grads = {n: full(p.grad).clone() for n, p in trainer.run.model.named_parameters()}
+    trained_params = full_state(trainer.run.model)
     if not (dims.tp_enabled or dims.pp_enabled):
         grads, params = reference_step(trainer, init, batches, lr)
         result["reference"] = {"grads": compare(trained_grads, grads),
@@ -521,7 +522,7 @@ def scenario_curve(out: Path, name: str, overrides: list[str], extra: list[str])
     trainer.train()
     rows = read_metrics(out / name) if RANK == 0 else []
     return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
-            "path": trainer.plan.path, "comm_hook": trainer.plan.comm_hook}
+            "path": trainer.run.plan.path, "comm_hook": trainer.run.plan.comm_hook}
 
 
 # fp16 matmuls are ~100x slower than bf16 on this CPU: the fp16 scenario uses a smaller model.
@@ -562,17 +563,17 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
 
     def recorded(batches):  # type: ignore[no-untyped-def]
         before = torch.cat([local(p.detach()).flatten().float() for p in params]).clone()
-        scale_before = trainer.scaler.get_scale()
-        lr_before = trainer.optimizer.param_groups[0]["lr"]
-        epoch_before = trainer.lr_scheduler.last_epoch
+        scale_before = trainer.run.scaler.get_scale()
+        lr_before = trainer.run.optimizer.param_groups[0]["lr"]
+        epoch_before = trainer.run.lr_scheduler.last_epoch
         loss, grad_norm, stepped = orig_step(batches)
         after = torch.cat([local(p.detach()).flatten().float() for p in params])
-        adam_steps = sorted({float(trainer.optimizer.state[p]["step"]) for p in params
-                             if "step" in trainer.optimizer.state[p]})
+        adam_steps = sorted({float(trainer.run.optimizer.state[p]["step"]) for p in params
+                             if "step" in trainer.run.optimizer.state[p]})
         per_step.append({
-            "stepped": bool(stepped), "scale_before": scale_before, "scale_after": trainer.scaler.get_scale(),
+            "stepped": bool(stepped), "scale_before": scale_before, "scale_after": trainer.run.scaler.get_scale(),
             "lr_used": lr_before, "sched_epoch_before": epoch_before,
-            "sched_epoch_after": trainer.lr_scheduler.last_epoch,
+            "sched_epoch_after": trainer.run.lr_scheduler.last_epoch,
             "params_changed": bool(not torch.equal(before, after)), "adam_steps": adam_steps,
             "grad_norm": float(grad_norm), "loss": float(loss),
             "grads_finite": bool(all(torch.isfinite(local(p.grad)).all() for p in params if p.grad is not None)),
@@ -582,9 +583,9 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
     trainer.train_step = recorded  # type: ignore[method-assign]
     norm_check.reset()
     trainer.train()
-    res["overflow"] = {"steps": gather_objects(per_step), "skipped_steps": trainer.scaler.skipped_steps,
+    res["overflow"] = {"steps": gather_objects(per_step), "skipped_steps": trainer.run.scaler.skipped_steps,
                        "norm_check": gather_objects(norm_check.records()),
-                       "grad_scaler": trainer.plan.grad_scaler, "scaler_type": type(trainer.scaler.scaler).__name__,
+                       "grad_scaler": trainer.run.plan.grad_scaler, "scaler_type": type(trainer.run.scaler.scaler).__name__,
                        "metrics": read_metrics(out / "fp16_overflow") if RANK == 0 else []}
 
     # 2. Clipping sees unscaled gradients: step-1 grad norm under fp16 (scale 2**12, no overflow)
@@ -594,12 +595,12 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
                         ("fp32_norm", ["--mixed_precision.enabled", "false"])):
         t = make_trainer(out, name, overrides, extra + ["--training.max_norm", "1e-3"])
         norm_check.reset()
-        loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.accum)))
+        loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.run.accum)))
         checked = gather_objects(norm_check.records())
         # After clipping to 1e-3 the gradients' own norm must be 1e-3: clipping acted on true grads.
         # The trainer's norm (max_norm 0: measure only) covers every shard, TP and PP included.
-        post = clip_grad_norm_(t.params, 0.0, t.pp_group, device=t.device)
-        norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.scaler.get_scale(),
+        post = clip_grad_norm_(t.run.params, 0.0, t.run.groups.pp, device=t.run.device)
+        norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.run.scaler.get_scale(),
                        "post_clip_norm": float(post), "norm_check": checked}
     res["norms"] = norms
 
@@ -610,11 +611,11 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
         t = make_trainer(out, name, overrides, fp16 + [
             "--training.local_batch_size", lb, "--training.global_batch_size", gb,
             "--mixed_precision.init_scale", str(2.0 ** 12), "--training.max_norm", "0"])
-        loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.accum)))
-        accum_runs[name] = {"accum": t.accum, "loss": float(loss), "grad_norm": float(grad_norm),
+        loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.run.accum)))
+        accum_runs[name] = {"accum": t.run.accum, "loss": float(loss), "grad_norm": float(grad_norm),
                             "stepped": bool(stepped),
-                            "grads": {n: full(p.grad).clone() for n, p in t.model.named_parameters()},
-                            "params": full_state(t.model)}
+                            "grads": {n: full(p.grad).clone() for n, p in t.run.model.named_parameters()},
+                            "params": full_state(t.run.model)}
     a, b = accum_runs["fp16_accum4"], accum_runs["fp16_accum1"]
     rel_grad = max(float((a["grads"][n] - b["grads"][n]).norm() / b["grads"][n].norm().clamp_min(1e-30))
                    for n in a["grads"])

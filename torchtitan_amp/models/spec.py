@@ -86,6 +86,19 @@ class HFAdapter(ABC, Generic[ArgsT]):
         return None
 
 
+def no_step_metrics(model_parts: list[nn.Module], *groups: Any, **kwargs: Any) -> dict[str, Any]:
+    """ModelFamily.after_backward of a family with no per-step state: nothing learnt, no metrics."""
+    return {}
+
+
+def no_update(model_parts: list[nn.Module]) -> None:
+    """ModelFamily.after_step of a family with nothing to update after the optimizer."""
+
+
+def no_loss_factor(model_parts: list[nn.Module], factor: float) -> None:
+    """ModelFamily.set_loss_factor of a family whose model adds no loss of its own."""
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # the value of model.name that picks it
@@ -113,18 +126,22 @@ class ModelFamily:
     # The Hugging Face adapter (checkpoint/hf.py asks it for names, permutations, config fields);
     # None: the family has no Hugging Face form (import and export say so in one line).
     hf: HFAdapter[Any] | None = None
-    # Run on every rank after each step's backward, before the optimizer step, with (model parts,
-    # the group of ranks holding other tokens, the pipeline group): state that learns from the
-    # step outside the optimizer (MoE load balancing); returns metrics for the step's log line as
-    # scalar tensors (read by the host only on steps that log).
-    after_backward: Callable[..., dict[str, Any]] | None = None
-    # Run with the model parts after each optimizer step that is applied (not after one skipped
-    # for non-finite gradients): the family's own updates that must follow the weights' (the
-    # expert biases that after_backward computed).
-    after_step: Callable[[list[nn.Module]], None] | None = None
-    # (model parts, the factor the trainer multiplies the loss by before backward): for losses
-    # the model adds itself (MoE's auxiliary balance loss), which must be scaled alike.
-    set_loss_factor: Callable[[list[nn.Module], float], None] | None = None
+    # The family's per-step hooks, run by the trainer on every step (no-ops by default), with
+    # OLMo-core's post_batch / post_optim_step in mind:
+    # after_backward: on every rank after each step's backward, before the optimizer step, with
+    # (model parts, the group of ranks holding other tokens, the pipeline group, cross_group=the
+    # replica groups' in-place sum or None): state that learns from the step outside the optimizer
+    # (MoE load balancing); returns metrics for the step's log line as scalar tensors (read by the
+    # host only on steps that log).
+    after_backward: Callable[..., dict[str, Any]] = no_step_metrics
+    # after_step: with the model parts after each optimizer step that is applied (not after one
+    # skipped for non-finite gradients): the family's own updates that must follow the weights'
+    # (the expert biases that after_backward computed).
+    after_step: Callable[[list[nn.Module]], None] = no_update
+    # set_loss_factor: (model parts, the factor the trainer multiplies the loss by before
+    # backward), for losses the model adds itself (MoE's auxiliary balance loss), which must be
+    # scaled alike.
+    set_loss_factor: Callable[[list[nn.Module], float], None] = no_loss_factor
     # Whether torch.compile may require one graph per block (fullgraph). False for a family whose
     # blocks read sizes on the host (MoE's per-expert token counts): they compile with breaks.
     compile_fullgraph: bool = True

@@ -218,7 +218,7 @@ class StepSyncs:
             self._close()
             if self.only is not None and trainer.step not in self.only:
                 return train_step(*args, **kwargs)
-            syncs = HostSyncs(where=self.where, host_tensors=lambda: optimizer_step_counters(trainer.optimizer))
+            syncs = HostSyncs(where=self.where, host_tensors=lambda: optimizer_step_counters(trainer.run.optimizer))
             self._open = (trainer.step, syncs)
             syncs.__enter__()  # left at the next step's start (or the end of train): the loop's
             try:

@@ -43,7 +43,7 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,21 +336,35 @@ def check_cross_group(seen: dict[str, dict[str, list[str]]], plan: PrecisionPlan
 
 
 class Auditor:
-    """Records one train step of `trainer` and checks it against `trainer.plan`."""
+    """Records one train step and checks it against the precision plan.
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.plan: PrecisionPlan = trainer.plan
-        self.named = {_clean(n): m for part in trainer.model_parts for n, m in part.named_modules()}
+    Args:
+        plan: the precision plan the step promises to keep.
+        model_parts: this rank's model parts (pipeline stages), which the step trains.
+        dims: the job's parallel dims (the groups its collectives are categorised by).
+        optimizer: the step's optimizer, whose state holds `params`' moments.
+        params: the parameters the optimizer updates.
+        n_layers: the model's layer count (block-scaled edge layers are counted from it).
+        cross_group: the replica group's FaultTolerance (its cross-group all-reduces are
+            recorded through its `recording`), or None without fault tolerance.
+    """
 
-    def run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> AuditResult:
+    def __init__(self, plan: PrecisionPlan, model_parts: list[nn.Module], dims: Any, *,
+                 optimizer: torch.optim.Optimizer, params: list[nn.Parameter], n_layers: int,
+                 cross_group: Any = None) -> None:
+        self.plan, self.model_parts, self.dims = plan, model_parts, dims
+        self.optimizer, self.params, self.n_layers, self.cross_group = optimizer, params, n_layers, cross_group
+        self.named = {_clean(n): m for part in model_parts for n, m in part.named_modules()}
+
+    def run(self, step: Callable[[], None]) -> AuditResult:
+        """`step()` (one train step as the loop runs it) recorded, gathered over ranks and checked."""
         fp32 = {n for n, m in self.named.items() if getattr(m, "computes_in_fp32", False)}
         recorder = _Recorder(fp32)
         if not traffic.is_installed():
             traffic.install(_categorize, point_to_point=True, functional=True)
         _GROUP_DIMS.clear()
-        _GROUP_DIMS.update(_group_dims(self.trainer.dims))
-        _EP_RANKS[:] = [_mesh_ranks(self.trainer.dims.get_mesh("ep"))] if self.trainer.dims.ep > 1 else []
+        _GROUP_DIMS.update(_group_dims(self.dims))
+        _EP_RANKS[:] = [_mesh_ranks(self.dims.get_mesh("ep"))] if self.dims.ep > 1 else []
         gemms: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
 
         def on_gemm(record: GemmRecord) -> None:
@@ -359,10 +373,10 @@ class Auditor:
                 gemms[_clean(module)][what].append(operands)
 
         wires = CrossGroupWires()
-        ft = getattr(self.trainer, "ft", None)
-        with (_module_stack(self.trainer.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder,
+        ft = self.cross_group
+        with (_module_stack(self.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder,
               observe_gemms(on_gemm), ft.recording(wires) if ft is not None else contextlib.nullcontext()):
-            self.trainer.audited_step(batches)
+            step()
         collectives = traffic.snapshot()
         collectives.update({c: dict(d) for c, d in wires.bytes.items()})
         for category, by_dtype in recorder.all_to_all.items():
@@ -407,7 +421,7 @@ class Auditor:
             return [Breach(f"{m}: block-scaled GEMMs", ["none (mixed_precision.block_scaled = 'none')"], sorted(p))
                     for m, p in gemms.items()]
         skip = block_scaled.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers,
-                                               self.trainer.job.model_args.n_layers)
+                                               self.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
         promised = {n for n, m in linears.items() if block_scaled.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
         kept_out = set(linears) - promised
@@ -430,8 +444,8 @@ class Auditor:
         return [Breach(*b) for b in block_scaled.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
-        params = self.trainer.params
-        state = [v for p in params for k, v in self.trainer.optimizer.state[p].items()
+        params = self.params
+        state = [v for p in params for k, v in self.optimizer.state[p].items()
                  if k != "step" and isinstance(v, torch.Tensor)]
         mine = {"parameters": sorted({dtype_name(_local(p).dtype) for p in params}),
                 "gradients": sorted({dtype_name(_local(p.grad).dtype) for p in params if p.grad is not None}),
@@ -472,14 +486,14 @@ class Auditor:
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)
-        sends = any(p.requires_grad for p in self.trainer.params)
+        sends = any(p.requires_grad for p in self.params)
         breaches += check_cross_group(r.cross_group, plan, sends)
         for category, by_dtype in r.collectives.items():
             op, _, dim = category.partition(":")
             if op == "all_gather" and dim in _DP_DIMS:
                 fp8_gather = {"float8_e4m3fn", "uint8"} if plan.fp8_all_gather else set()
                 expect(f"parameter {category}", {low, storage, *fp8_gather}, sorted(by_dtype))
-        if self.trainer.dims.cp > 1:
+        if self.dims.cp > 1:
             breaches += check_context_parallel(r.collectives, dtype_name(plan.cp_reduce_dtype), self._kv_dtypes(low))
         ep = expert_parallel_summary(plan)
         if ep is not None or any(c.startswith("all_to_all:") for c in r.collectives):
@@ -509,7 +523,7 @@ class Auditor:
         reductions = {c: d for c, d in reductions.items() if d}
         # Without a compress hook DDP all-reduces in C++, out of sight: nothing to check there.
         visible = plan.path == "fsdp" or plan.comm_hook != "none"
-        dims = self.trainer.dims
+        dims = self.dims
         if plan.path == "full" or reduce == storage or not visible or dims.dp_replicate * dims.fsdp_shard == 1:
             return [Breach(f"gradient {c}", sorted({reduce, storage}), sorted(d)) for c, d in reductions.items()
                     if not set(d) <= {reduce, storage}]
@@ -558,11 +572,10 @@ def write(result: AuditResult, dump_folder: str) -> Path:
     return path
 
 
-def audit_step(trainer: Any, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], dump_folder: str,
-               is_logging_rank: bool) -> AuditResult:
-    """`mixed_precision.audit`: one train step of `trainer` recorded and checked (Auditor); the
+def audit_step(auditor: Auditor, step: Callable[[], None], dump_folder: str, is_logging_rank: bool) -> AuditResult:
+    """`mixed_precision.audit`: one train step, `step()`, recorded and checked by `auditor`; the
     logging rank writes precision_audit.json and logs the table."""
-    result = Auditor(trainer).run(batches)
+    result = auditor.run(step)
     if is_logging_rank:
         path = write(result, dump_folder)
         logger.info("%s\n  written to %s", table(result), path)

@@ -183,7 +183,7 @@ def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:
     """Seed every stochastically rounding BlockScaledLinear's and BlockScaledExperts' generator
     from (recipe seed, its stream, `step`, `rank`) before the step: the draws then depend on the
     step number and the rank alone, so a run resumed from a checkpoint on the same layout draws
-    what the uninterrupted run drew, with no generator state saved. `rank` (trainer.sr_rank) tells
+    what the uninterrupted run drew, with no generator state saved. `rank` (trainer.run.sr_rank) tells
     apart the ranks that round different values of one step: data-parallel ranks (fault-tolerant
     replica groups included), context-parallel and tensor-parallel ranks. With one key for all of
     them, every data-parallel rank drew the same numbers, so a gradient of consistent sign got

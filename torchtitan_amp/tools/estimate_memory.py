@@ -224,24 +224,24 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     train_build.build_model = build_and_mark  # the window opens right before the model exists
     trainer = Trainer(config)
     with torch.random.fork_rng(devices=[]):
-        batches = iter(trainer.dataloader)
+        batches = iter(trainer.run.dataloader)
     for _ in range(steps):
         trainer.train_step(batches)
     gc.collect()
     peak, end = peak_rss_bytes(), rss_bytes()
-    params = [p for part in trainer.model_parts for p in part.parameters()]
+    params = [p for part in trainer.run.model_parts for p in part.parameters()]
     result = {
-        "rank": trainer.info.rank,
+        "rank": trainer.run.info.rank,
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
-        "optimizer": _by_dtype(t for s in trainer.optimizer.state.values() for t in s.values()
+        "optimizer": _by_dtype(t for s in trainer.run.optimizer.state.values() for t in s.values()
                                if isinstance(t, torch.Tensor)),
         "rss_baseline": marks["baseline"],
         "rss_peak_delta": peak - marks["baseline"],
         "rss_end_delta": end - marks["baseline"],
         "steps": steps,
     }
-    trainer.metrics.close()
+    trainer.run.metrics.close()
     results = [result]
     if dist.is_initialized():
         results = [None] * dist.get_world_size()

@@ -50,17 +50,17 @@ def evaluate(config_argv: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="torchtitan_amp_eval_") as scratch:
         trainer = Trainer(load_config(_overrides(config_argv, scratch)))
         try:
-            loaded = trainer.checkpointer.loaded_path
+            loaded = trainer.run.checkpointer.loaded_path
             if loaded is None:
                 raise CheckpointError(
-                    f"no checkpoint to evaluate in {trainer.checkpointer.folder} (set checkpoint.folder and "
+                    f"no checkpoint to evaluate in {trainer.run.checkpointer.folder} (set checkpoint.folder and "
                     "checkpoint.load_step, or checkpoint.initial_load_path)")
             result = trainer.evaluate()
-            samples = {"samples": trainer.validator.samples} if trainer.validator.samples else {}
+            samples = {"samples": trainer.run.validator.samples} if trainer.run.validator.samples else {}
             return {**result, "step": trainer.step, "checkpoint": str(loaded),
-                    "world_size": trainer.info.world_size, "precision_path": trainer.plan.path, **samples}
+                    "world_size": trainer.run.info.world_size, "precision_path": trainer.run.plan.path, **samples}
         finally:
-            trainer.metrics.close()
+            trainer.run.metrics.close()
 
 
 def main(argv: list[str]) -> int:

@@ -28,12 +28,14 @@ from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import ParallelAwareDataLoader
 from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.distributed.context_parallel import BatchSharder
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.distributed.pipeline import Pipeline, build_pipeline
 from torchtitan_amp.eval import validation
 from torchtitan_amp.models.loss import loss_fn
 from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.observability.trackers import build_trackers
-from torchtitan_amp.precision import autocast, reducers
+from torchtitan_amp.precision import PrecisionPlan, autocast, reducers
+from torchtitan_amp.precision.lowbit import torchao_kernels
 from torchtitan_amp.precision import report as report_mod
 from torchtitan_amp.precision import scaler as scaler_mod
 from torchtitan_amp.train import diloco as diloco_mod
@@ -69,8 +71,10 @@ class Optimization:
 
 @dataclass
 class TrainingSetup:
-    """One rank's training run, built and (when a checkpoint exists) resumed."""
+    """One rank's training run, built and (when a checkpoint exists) resumed: what the Trainer
+    runs the loop over (`trainer.run`)."""
 
+    config: JobConfig  # the job's, or under fault tolerance its replica group's (group_config)
     info: process_groups.DistInfo
     job: Job
     groups: LoopGroups
@@ -88,6 +92,64 @@ class TrainingSetup:
     estimated_save_s: float  # a save's estimated time before any was measured (pre-emption only)
     ft: fault_tolerance.FaultTolerance | None  # this replica group's torchft Manager (fault_tolerance.enable)
     diloco: diloco_mod.DiLoCo | None  # semi_sync_method = "diloco": the outer state, restored with the rest
+    # What the loop asks of the other replica groups (fault tolerance); no-ops for a lone job.
+    replicas: fault_tolerance.ReplicaHooks
+    sr_rank: int  # the rank that keys block-scaled stochastic rounding, fixed for the run
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.info.rank == 0
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.job.dims
+
+    @property
+    def plan(self) -> PrecisionPlan:
+        return self.job.plan
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches (gradient accumulation steps) per optimizer step."""
+        return self.job.accum
+
+    @property
+    def model(self) -> nn.Module:
+        """The first model part: the whole model off pipeline parallel."""
+        return self.model_parts[0]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.optimization.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimization.optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.optimization.lr_scheduler
+
+
+def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
+    """The rank that keys block-scaled stochastic rounding (block_scaled.seed_step): one per
+    (data share, cp rank, tp rank), the ranks that round different values of one step; pipeline
+    stages hold different modules, whose streams differ already."""
+    data_rank, _ = fault_tolerance.data_position(config, dims, rank)
+    return (data_rank * dims.cp + dims.cp_rank(rank)) * dims.tp + rank % dims.tp
+
+
+def replica_hooks(ft: fault_tolerance.FaultTolerance | None, outer: diloco_mod.DiLoCo | None
+                  ) -> fault_tolerance.ReplicaHooks:
+    """The loop's dealings with the other replica groups: none without fault tolerance, a quorum
+    and a cross-group gradient average per step, or DiLoCo's syncs."""
+    if ft is None:
+        return fault_tolerance.ReplicaHooks()
+    return diloco_mod.DiLoCoReplicas(ft, outer) if outer is not None else fault_tolerance.PerStepReplicas(ft)
 
 
 def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo, Job]:
@@ -212,7 +274,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     process group, then the process groups, model parts, validator, optimizer, precision report,
     metrics and checkpoint manager, loading the checkpoint to resume from when there is one.
     `pipeline_loss` / `pipeline_eval_loss`: the loss the pipeline schedule computes on the last
-    stage (used only under PP)."""
+    stage (used only under PP). Under fault tolerance the config is the replica group's
+    (fault_tolerance.group_config: its own output folder)."""
+    config = fault_tolerance.group_config(config)
     info, job = resolve_process_and_job(config)
     dataloader, val_loader = build_loaders(config, job, info)
     process_groups.init(info, config.comm.init_timeout_seconds)
@@ -248,5 +312,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     if outer is not None:
         outer.after_load()
     deadline, estimated_save_s = start_deadline(config, checkpointer, is_logging_rank)
-    return TrainingSetup(info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
-                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft, outer)
+    # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
+    rounding_rank = sr_rank(config, job.dims, info.rank)
+    torchao_kernels.materialized(parts, rounding_rank)
+    return TrainingSetup(config, info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
+                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft, outer,
+                         replica_hooks(ft, outer), rounding_rank)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,6 +58,7 @@ from torchtitan_amp.config import JobConfig
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
+from torchtitan_amp.train.fault_tolerance import ReplicaGroups
 
 if TYPE_CHECKING:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
@@ -280,6 +282,33 @@ class DiLoCo:
 
     def metrics(self) -> dict[str, float]:
         return {"ft_syncs": float(self.syncs), "ft_inner_steps_lost": float(self.inner_steps_lost)}
+
+
+class DiLoCoReplicas(ReplicaGroups):
+    """The loop under DiLoCo: each group steps alone; a sync joins them before the first step
+    and after every due step (and the audited one)."""
+
+    def __init__(self, ft: "FaultTolerance", diloco: DiLoCo) -> None:
+        super().__init__(ft)
+        self.diloco = diloco
+
+    def start(self, counters: Any, batches: Iterator[Any]) -> Iterator[Any]:
+        """The join; healed by it, the data position is the live group's."""
+        return counters.new_batches() if self.diloco.sync(counters) else batches
+
+    def after_step(self, counters: Any, batches: Iterator[Any], last_step: int) -> Iterator[Any]:
+        """A due sync; healed by it, step, counters and data are the live group's."""
+        if self.diloco.due(counters.step, last_step) and self.diloco.sync(counters):
+            return counters.new_batches()
+        return batches
+
+    def audited_step(self, counters: Any, batches: Iterator[Any]) -> None:
+        """Followed by a sync (the pseudo-gradient all-reduce)."""
+        counters.train_step(batches)
+        self.diloco.sync(counters)
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.ft.metrics(), **self.diloco.metrics()}
 
 
 def _placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

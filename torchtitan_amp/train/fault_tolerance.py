@@ -38,6 +38,7 @@ from torchtitan_amp.config import ConfigError, FaultToleranceConfig, JobConfig
 from torchtitan_amp.config.validation import lighthouse_problem
 from torchtitan_amp.core.errors import ReplicaGroupGaveUp
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.models.loss import label_weight
 from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
 
@@ -372,6 +373,139 @@ class FaultTolerance:
             use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=lighthouse,
             init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries, **where)
+
+
+class ReplicaHooks:
+    """What the training loop asks of the other replica groups, at its step's phases and around its
+    steps. This base is a job without fault tolerance (one group): every hook is a no-op. A
+    trainer's `run.replicas` is one of these (train/build.py picks it); `counters` below is the
+    trainer (its `step`, `tokens_seen`, `run`, `train_step` and `new_batches`)."""
+
+    # The in-place sum of an integer tensor over the groups that average this step's gradients
+    # (the family's after_backward: MoE's token counts), or None.
+    sum_across_groups: Callable[[torch.Tensor], None] | None = None
+
+    def register(self, counters: Any) -> None:
+        """Before the first step: what a healing group would copy from this one."""
+
+    def label_weights(self, count: torch.Tensor, grad_mean_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(each valid label's weight, the factor that turns this group's losses into its own mean,
+        or None) for the step's `count` of valid labels on this group, whose gradient wrappers
+        average over `grad_mean_size` ranks."""
+        return label_weight(count, grad_mean_size), None
+
+    def syncs_once(self, part: nn.Module) -> bool:
+        """Whether `part` accumulates its micro-batches' gradients locally and reduces them once."""
+        return False
+
+    def after_backward(self, params: list[nn.Parameter]) -> None:
+        """After the step's last backward, before the family's after_backward."""
+
+    def committed(self) -> bool:
+        """After clipping: whether the step's gradients are whole (every group's all-reduce went
+        through), so that the optimizer may step."""
+        return True
+
+    def start(self, counters: Any, batches: Iterator[Any]) -> Iterator[Any]:
+        """Before the loop's first step: the batches to train on."""
+        return batches
+
+    def take_step(self, counters: Any, batches: Iterator[Any]
+                  ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
+        """The loop's step `counters.step`: (the batches to go on with, this rank's loss, the
+        gradient norm, the LR it trained with), or None when the run must stop without it."""
+        lr = counters.run.lr_scheduler.get_last_lr()[0]
+        loss, grad_norm, _ = counters.train_step(batches)
+        return batches, loss, grad_norm, lr
+
+    def after_step(self, counters: Any, batches: Iterator[Any], last_step: int) -> Iterator[Any]:
+        """After a step the loop counted (its tokens too): the batches to go on with."""
+        return batches
+
+    def audited_step(self, counters: Any, batches: Iterator[Any]) -> None:
+        """The step the precision audit records: a train step as the loop runs it."""
+        counters.train_step(batches)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        """At the end of the run."""
+
+
+class ReplicaGroups(ReplicaHooks):
+    """A replica group of a fault-tolerant job (`ft`: its torchft Manager and counters)."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        self.ft = ft
+
+    def register(self, counters: Any) -> None:
+        run = counters.run
+        init_optimizer_state(run.optimizer, run.params)
+        self.ft.register(TrainingState(run.model_parts, run.optimizer, run.lr_scheduler, run.dataloader, counters))
+
+    def metrics(self) -> dict[str, float]:
+        return self.ft.metrics()
+
+    def shutdown(self) -> None:
+        self.ft.shutdown()
+
+
+class PerStepReplicas(ReplicaGroups):
+    """Per-step fault tolerance: each step starts with the quorum and averages its gradients over
+    the quorum's groups; a step some group failed during is discarded and retried."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        super().__init__(ft)
+        self.sum_across_groups = ft.sum_across_groups
+
+    def label_weights(self, count: torch.Tensor, grad_mean_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """torchft averages the replica groups' gradients: the count is the quorum's (summed
+        across the groups) and the weight is multiplied by the groups, so that the average is the
+        mean over every valid label of the quorum, not a mean of the groups' means (which differ
+        whenever the groups hold different numbers of valid labels). Each group still logs its own
+        mean loss (the factor)."""
+        total = count.clone()
+        self.ft.sum_across_groups(total)
+        weight = label_weight(total, grad_mean_size * self.ft.participants)
+        return weight, label_weight(count, grad_mean_size) / weight
+
+    def syncs_once(self, part: nn.Module) -> bool:
+        """FSDP accumulates unsharded gradients and reduce-scatters once, in the last micro-batch's
+        backward, where torchft's all-reduce hook averages them across the groups."""
+        return isinstance(part, FSDPModule)
+
+    def after_backward(self, params: list[nn.Parameter]) -> None:
+        self.ft.backward_done()
+        self.ft.allreduce_grads(params)
+
+    def committed(self) -> bool:
+        return self.ft.should_commit()
+
+    def take_step(self, counters: Any, batches: Iterator[Any]
+                  ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
+        """The quorum first (healed: the data position is the live group's); a discarded step is
+        retried on the next batches by the groups still alive, until one commits or a stop signal
+        reaches any rank (every rank of the group discarded it, so every rank polls): then the
+        last committed step is saved, and the run stops. A group that keeps failing to commit
+        must still obey pre-emption."""
+        while True:
+            if self.ft.start_step():
+                batches = counters.new_batches()
+            taken = super().take_step(counters, batches)
+            if not self.ft.last_discarded:
+                return taken
+            checkpointer = counters.run.checkpointer
+            if checkpointer.should_stop():
+                counters.step -= 1
+                checkpointer.maybe_save(counters.step, counters.tokens_seen, force=True)
+                return None
+
+    def audited_step(self, counters: Any, batches: Iterator[Any]) -> None:
+        """With its quorum first (torchft's all-reduce needs one). Each replica group runs its
+        audit, and the quorum waits for fault_tolerance.min_replica_size of them, as training does."""
+        self.ft.start_step()
+        counters.train_step(batches)
 
 
 def process_group_backend(ft: FaultToleranceConfig, device_type: str) -> str:

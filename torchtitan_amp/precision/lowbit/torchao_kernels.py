@@ -14,7 +14,7 @@ which maps OUR recipe to torchao's modules (torchao 0.18, torchao.prototype.moe_
   nvfp4_weight_2d, nvfp4_rht or nvfp4_stochastic_rounding off is refused (torchao has no switch
   for them). The RHT sign vector is ours (the recipe's seed: every rank and every restart uses
   the same one, which torchao's per-module random default does not promise under FSDP) and each
-  module's SR key is seeded from (recipe seed, its stream, the rank's trainer.sr_rank: ranks
+  module's SR key is seeded from (recipe seed, its stream, the rank's trainer.run.sr_rank: ranks
   rounding different values draw differently); the per-step SR offsets come from the
   default CUDA generator, which training.seed seeds: a resumed run does not replay the draws the
   uninterrupted run made (the emulation does, see block_scaled.seed_step).
@@ -73,7 +73,7 @@ def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
 
 def sr_seed(recipe: BlockScaledRecipe, stream: int, rank: int = 0) -> int:
     """The module's SR key as an int64: the emulation's per-module seed rule, with the rank's
-    (trainer.sr_rank) share folded in as lowbit/linear.py's sr_key does, so that data-parallel
+    (trainer.run.sr_rank) share folded in as lowbit/linear.py's sr_key does, so that data-parallel
     ranks do not draw alike (rank 0 keeps the one-process key)."""
     s = (recipe.seed * 1_000_003 + stream + rank * RANK_KEY) % 2**64
     return s - 2**64 if s >= 2**63 else s
@@ -105,7 +105,7 @@ def fill_buffers(module: nn.Module) -> None:
 
 def materialized(parts: list[nn.Module], rank: int = 0) -> None:
     """Call after the model parts are materialized: fills every NVFP4Linear's buffers, the SR key
-    for `rank` (trainer.sr_rank; the trainer calls it again with this process's)."""
+    for `rank` (trainer.run.sr_rank; the trainer calls it again with this process's)."""
     for part in parts:
         for m in part.modules():
             if type(m).__name__ == "NVFP4Linear" and hasattr(m, "block_scaled_recipe"):
