@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support import launch_worker, run_python
+from tests.support.launch import launch_worker, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.train import trainer as trainer_module
 

@@ -39,7 +39,7 @@ from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models import get_family
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
-from tests.support import (
+from tests.support.launch import (
     ONE_THREAD,
     WORKERS,
     RunResult,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp import config as config_mod
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
 from torchtitan_amp.config import presentation

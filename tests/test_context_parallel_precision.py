@@ -36,7 +36,7 @@ import math
 
 import pytest
 
-from tests.support import launch_worker
+from tests.support.launch import launch_worker
 
 U = 2.0 ** -8  # bf16 unit roundoff
 OPTIONS = {"batch": 1, "heads": 4, "seq_len": 512, "head_dim": 64, "seeds": [0, 1], "scale": 1.0}

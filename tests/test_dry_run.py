@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, launch_worker, new_dump_folder, run_command
+from tests.support.launch import REPO, launch_worker, new_dump_folder, run_command
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output

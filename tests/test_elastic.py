@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.prepare import PrepareConfig, prepare
 from torchtitan_amp.data.tokenizer import ByteTokenizer

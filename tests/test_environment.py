@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp.core import environment
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.families import tiny_gelu
-from tests.support import run_python
+from tests.support.launch import run_python
 from torchtitan_amp import models
 from torchtitan_amp.config import ConfigError, help_text, load_config
 from torchtitan_amp.core import rules

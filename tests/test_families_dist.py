@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.families import tiny_gelu
-from tests.support import assert_loss_falls, by_step, run_python, run_train
+from tests.support.launch import assert_loss_falls, by_step, run_python, run_train
 from torchtitan_amp.models import FAMILIES
 
 SCRIPT = Path(__file__).resolve().parent / "families" / "train_tiny_gelu.py"

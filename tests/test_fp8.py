@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import by_step, cpu_scaled_mm_takes_rowwise_scales, launch_worker
+from tests.support.launch import by_step, launch_worker
+from tests.support.machine import cpu_scaled_mm_takes_rowwise_scales
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision import float8

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.train import job as job_mod

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO, run_command
+from tests.support.launch import REPO, run_command
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.tools import gpu_checks

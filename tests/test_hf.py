@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.support import launch_worker, run_python
+from tests.support.launch import launch_worker, run_python
 from torchtitan_amp.checkpoint.format import quiet_single_process
 from torchtitan_amp.checkpoint.hf import (
     CONFIG,

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.support import WORKERS, run_python, spawn_ranks, write_spec, ONE_THREAD
+from tests.support.launch import ONE_THREAD, WORKERS, run_python, spawn_ranks, write_spec
 from torchtitan_amp.checkpoint.format import quiet_single_process
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX, check_config, hf_config, load_hf, to_hf_tensors
 from torchtitan_amp.core.errors import CheckpointError

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import run_python
+from tests.support.launch import run_python
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import rules

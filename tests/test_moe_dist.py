@@ -27,13 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import (
+from tests.support.launch import launch_worker
+from tests.support.tolerances import (
     CURVE_MEAN_TOL,
     CURVE_TOL,
     SAME_FAMILY_STEP1_TOL,
     STEP1_TOL,
     assert_step_sync_budget,
-    launch_worker,
 )
 from tests.test_parallelisms import GLOBAL_BATCH, PP, SHARD, STEPS, TP, Layout, Run, max_rel
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import WORKERS, read_metrics, run_train
+from tests.support.launch import WORKERS, read_metrics, run_train
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import NonFiniteError, Trainer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import matmul_speed
 from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed

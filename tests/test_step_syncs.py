@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver as _sds
 
-from tests.support import read_metrics
+from tests.support.launch import read_metrics
 from torchtitan_amp.checkpoint import manager as manager_mod
 from torchtitan_amp.checkpoint import preemption, saving, staging
 from torchtitan_amp.checkpoint.format import scan_folder

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support import TINY
+from tests.support.inputs import TINY
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import environment
 from torchtitan_amp.main import check_config

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, TINY, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
+from tests.support.inputs import TINY
+from tests.support.launch import REPO, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
 from torchtitan_amp.config import load_config
 
 REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import STEP1_MIN, STEP1_TOL, by_step, launch_worker, run_python
+from tests.support.launch import by_step, launch_worker, run_python
+from tests.support.tolerances import STEP1_MIN, STEP1_TOL
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.tools.evaluate import evaluate

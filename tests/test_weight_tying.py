@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from tests.support import launch_worker, read_metrics
+from tests.support.launch import launch_worker, read_metrics
 from tests.test_llama_flavors import PUBLISHED
 from torchtitan_amp import memory
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX

@@ -1,7 +1,7 @@
 """Worker behind tests/test_context_parallel_precision.py: context parallel's cross-rank arithmetic
 at cp = 1, 2, 4 against an fp64 reference (issue 28).
 
-    tests/support.py: launch_worker("cp_precision", out, jobs, nproc=4)
+    tests/support/launch.py: launch_worker("cp_precision", out, jobs, nproc=4)
 
 SPEC "options": {"batch", "heads", "seq_len", "head_dim", "seeds": [...], "scale": q/k magnitude},
 "jobs": [{"name": NAME, "reduce_dtype": "float32" | "bfloat16"}, ...]. Every job runs the same
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from torchtitan_amp.distributed import context_parallel as cp_mod
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask, head_tail_positions
-from tests.support import exit_process, read_spec
+from tests.support.launch import exit_process, read_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WIRE: list[str] = []  # dtypes the K/V-gradient reduce-scatter carried
