@@ -54,6 +54,8 @@ from tests.support.launch import (
     write_spec,
 )
 
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
 

@@ -17,6 +17,8 @@ from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config
 from torchtitan_amp.config import presentation
 from torchtitan_amp.config.bounds import Range
 
+pytestmark = pytest.mark.unit
+
 
 def write(tmp_path: Path, text: str | bytes, name: str = "job.toml") -> str:
     path = tmp_path / name

@@ -46,6 +46,8 @@ from tests.test_parallelisms import (
     max_rel,
 )
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 CP = "--parallelism.context_parallel_degree"
 SEQ_LEN = 32
 # The bounds: fp32 CP reorders sums only (measured: see the printed values).

@@ -38,6 +38,8 @@ import pytest
 
 from tests.support.launch import launch_worker
 
+pytestmark = pytest.mark.dist
+
 U = 2.0 ** -8  # bf16 unit roundoff
 OPTIONS = {"batch": 1, "heads": 4, "seq_len": 512, "head_dim": 64, "seeds": [0, 1], "scale": 1.0}
 GRADS = ("dk", "dv")

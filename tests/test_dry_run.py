@@ -27,6 +27,8 @@ from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.distributed import context_parallel as cp_module
 from torchtitan_amp.train import dry_run
 
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
+
 # Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
 # against must not fall back to fp32 on a CPU that emulates bf16. The smallest flavour: the
 # predictions are exact whatever the size, and its steps cost ~14x less than debugmodel's where

@@ -20,6 +20,8 @@ from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.prepare import PrepareConfig, prepare
 from torchtitan_amp.data.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.dist
+
 STEPS, RESUME_FROM, GLOBAL = 4, 2, 8
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",

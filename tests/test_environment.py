@@ -11,6 +11,8 @@ import pytest
 from tests.support.launch import REPO, run_python
 from torchtitan_amp.core import environment
 
+pytestmark = pytest.mark.unit
+
 
 def test_this_environment_is_fine() -> None:
     assert environment.problem() is None

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.support.launch import by_step, launch_worker
 from tests.support.tolerances import assert_step_sync_budget
 
+pytestmark = pytest.mark.dist
+
 
 STEPS, RESUME_FROM = 5, 3
 GLOBAL_BATCH = 4

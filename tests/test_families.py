@@ -18,6 +18,8 @@ from torchtitan_amp.core import rules
 from torchtitan_amp.models import FAMILIES, get_family
 from torchtitan_amp.models.spec import count_params
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]

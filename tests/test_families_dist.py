@@ -16,6 +16,8 @@ from tests.families import tiny_gelu
 from tests.support.launch import assert_loss_falls, by_step, run_python, run_train
 from torchtitan_amp.models import FAMILIES
 
+pytestmark = pytest.mark.dist
+
 SCRIPT = Path(__file__).resolve().parent / "families" / "train_tiny_gelu.py"
 ARGS = ("--model.name", "tiny_gelu", "--model.flavor", "tiny", "--training.seq_len", "32",
         "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",

@@ -42,6 +42,8 @@ from tests.support.launch import (
     torchrun_cmd,
 )
 
+pytestmark = pytest.mark.dist
+
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchtitan-amp[ft])")
 
 STEPS, KILL_AT, SYNC_STEPS = 40, 5, 5

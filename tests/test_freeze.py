@@ -19,6 +19,8 @@ from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
+
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
         "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]

@@ -24,6 +24,8 @@ from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.tools import gpu_checks
 from torchtitan_amp.train import build as train_build
 
+pytestmark = pytest.mark.dist
+
 GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 
 

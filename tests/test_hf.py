@@ -34,6 +34,8 @@ from torchtitan_amp.data.tokenizer import build_tokenizer
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, ffn_hidden_dim
 
+pytestmark = pytest.mark.dist
+
 # Rope scaling from position 16 on, so that it changes a 32-token sequence's logits (Llama 3.1
 # scales from 8192, which a test-sized sequence would never reach); GQA: 4 query, 2 kv heads.
 FLAVOR = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "rope_theta": 500000.0,

@@ -31,6 +31,8 @@ from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.moe import FAMILY
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransformer
 
+pytestmark = pytest.mark.dist
+
 FLAVOR = "qwen3_moe_hf_test"
 ARGS = MoEModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, explicit_head_dim=32, vocab_size=258,
                     max_seq_len=32, norm_eps=1e-6, rope_theta=1_000_000.0, use_scaled_rope=False,

@@ -14,6 +14,8 @@ from torchtitan_amp.core import rules
 from torchtitan_amp.data import DataError
 from torchtitan_amp.train.job import build_model_parts, resolve
 
+pytestmark = pytest.mark.unit
+
 TINY = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "2")
 
 

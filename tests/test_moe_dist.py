@@ -37,6 +37,8 @@ from tests.support.tolerances import (
 )
 from tests.test_parallelisms import GLOBAL_BATCH, PP, SHARD, STEPS, TP, Layout, Run, max_rel
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 QWEN3 = ("--model.name", "moe", "--model.flavor", "debugmodel_qwen3")
 FP32_LOSS_RTOL = 1e-6

@@ -13,6 +13,8 @@ import pytest
 from tests.support.launch import by_step, launch_worker
 from tests.support.tolerances import CURVE_TOL
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 
 # The smallest flavour: the subjects are state dtypes and bitwise resume, not size, and these runs
 # are bf16, which costs tens of times fp32 where a CPU emulates it.

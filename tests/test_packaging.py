@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.launch import REPO, run_command, run_python
 
+pytestmark = pytest.mark.unit
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover

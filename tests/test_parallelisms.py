@@ -56,6 +56,8 @@ from tests.support.tolerances import (
 )
 from tests.support.tolerances import bf16_rounding_sigma as rounding_sigma
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS = 5
 N_LAYERS = 4  # debugmodel_tiny's blocks
 GLOBAL_BATCH = 4

@@ -52,6 +52,8 @@ from tests.support.tolerances import (
     bf16_rounding_sigma,
 )
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 # debugmodel_tiny's width (dim 64, 2 heads) at 2 blocks: no claim here depends on size, and a bf16
 # step costs ~15x less than at dim 256 where bf16 is emulated (AVX2-only CPUs).
 BF16_SHRINK = {"n_layers": 2, "dim": 64, "n_heads": 2}

@@ -23,6 +23,8 @@ from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.precision import report as precision_report
 
+pytestmark = pytest.mark.unit
+
 SINGLE = ParallelDims(1, 1, 1, 1, 1)
 FSDP = ParallelDims(1, 2, 1, 1, 2)
 TINY_RUN = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "1",

@@ -29,6 +29,8 @@ import pytest
 from tests.support.launch import ONE_THREAD, REPO, run_command, run_python
 from tests.support.machine import c_compiler
 
+pytestmark = pytest.mark.dist
+
 SCRIPTS = REPO / "scripts"
 BENCH = REPO / "benchmarks"
 HAVE_COMPILER = c_compiler() is not None

@@ -29,6 +29,8 @@ from torchtitan_amp.observability import trackers
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
+pytestmark = pytest.mark.dist
+
 _BLOCK, _HEADER = 32768, 7
 _FULL, _LAST = 1, 4
 

@@ -33,6 +33,8 @@ from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 
+pytestmark = pytest.mark.dist
+
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
         "--training.gc_freq", "0"]

@@ -37,6 +37,8 @@ from torchtitan_amp.precision import by_name, float8, freeze
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train.data_parallel import group_by_block
 
+pytestmark = pytest.mark.dist
+
 TIED = "debugmodel_tiny_tied"
 TIED_ARGS = dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], enable_weight_tying=True)
 FP32 = ("--mixed_precision.enabled", "false")
