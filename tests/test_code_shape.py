@@ -192,3 +192,15 @@ def test_the_layer_check_sees_an_upward_and_a_type_only_cycle(tmp_path, monkeypa
         test_packages_import_only_the_layers_below_them()
     with pytest.raises(AssertionError, match="torchtitan_amp.precision.fsdp"):
         test_no_import_cycle_within_a_package()
+
+
+# Phrases of a hook, alias or import kept so that tests can replace something: tests patch the
+# owner (monkeypatch) or build the objects themselves instead.
+SEAM = ("tests replace", "tests patch", "(and tests)", "for tests that patch")
+
+
+def test_the_checkpoint_package_keeps_no_seam_for_tests():
+    seams = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}"
+             for path in sorted((PACKAGE / "checkpoint").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if any(s in line for s in SEAM)]
+    assert seams == []

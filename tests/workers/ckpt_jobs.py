@@ -79,15 +79,15 @@ _HF_READS = [0]  # tensor elements this rank read through checkpoint/hf.py's rea
 
 
 def _count_hf_reads() -> None:
-    from torchtitan_amp.checkpoint.hf import HFLlamaReader
+    from torchtitan_amp.checkpoint.hf import HFReader
 
-    original = HFLlamaReader._process_read_request
+    original = HFReader._process_read_request
 
     def counting(self, f, req, planner):  # type: ignore[no-untyped-def]
         _HF_READS[0] += int(torch.Size(req.lengths).numel())
         return original(self, f, req, planner)
 
-    HFLlamaReader._process_read_request = counting
+    HFReader._process_read_request = counting
 
 
 def _install_test_hooks(options: dict) -> None:
