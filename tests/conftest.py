@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hf import save_hf_export
 from tests.support.tiers import TIERS, misplaced
 
 # Every process the suite starts inherits this: under AVX2 emulation (ATEN_CPU_CAPABILITY=avx2)
@@ -62,3 +63,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
     if found := [why for why in problems.values() if why]:
         raise pytest.UsageError("test tiers:\n" + "\n".join(found))
+
+
+@pytest.fixture(scope="module")
+def hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """(folder, model, reference logits) of the module's `HF_EXPORT` (tests/support/hf.py), saved once per module."""
+    return save_hf_export(request.module.HF_EXPORT, tmp_path_factory.mktemp("hf"))
