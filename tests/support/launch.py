@@ -305,3 +305,28 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
     return {"loss_before": before, "train_loss": float(loss), "grad_norm": float(grad_norm),
             "loss_after": loss_now(), "model_sums": model_sums, "optim_sums": optim_sums,
             "step": trainer.step}
+
+
+def run_distributed(fn: Any, nproc: int, *args: Any, timeout: float = 240, env: dict[str, str] | None = None) -> list:
+    """Run `fn(*args)`, a module-level function, on ranks 0..nproc-1 of one gloo group (spawn_ranks,
+    one thread each; tests/workers/function.py starts the group) and return each rank's return value
+    (pickled), in rank order. A rank that raises fails the test with its traceback (the first rank
+    to fail: the others then fail in their collectives)."""
+    import pickle
+    import tempfile
+
+    import pytest
+
+    if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError(f"run_distributed runs module-level functions that a rank can import, not {fn!r}")
+    with tempfile.TemporaryDirectory(prefix="run_distributed") as tmp:
+        folder = Path(tmp)
+        (folder / "args.pkl").write_bytes(pickle.dumps(args))
+        cmd = [sys.executable, str(WORKERS / "function.py"), f"{fn.__module__}:{fn.__qualname__}", tmp]
+        result = spawn_ranks(nproc, cmd, timeout=timeout, env={**ONE_THREAD, **(env or {})})
+        if result.returncode != 0:
+            failed = sorted(folder.glob("rank*.err"), key=lambda p: p.stat().st_mtime_ns)
+            if not failed:
+                pytest.fail(f"{fn.__qualname__} on {nproc} ranks: {result.describe()}")
+            pytest.fail(f"{fn.__qualname__} failed on {failed[0].stem}:\n{failed[0].read_text()}", pytrace=False)
+        return [pickle.loads((folder / f"rank{r}.out").read_bytes()) for r in range(nproc)]
