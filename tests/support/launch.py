@@ -50,7 +50,8 @@ class RunResult:
 
     def describe(self, tail: int = 3000) -> str:
         """The end of the output, for assertion messages."""
-        return f"exit code {self.returncode}\n--- stdout ---\n{self.stdout[-tail:]}\n--- stderr ---\n{self.stderr[-tail:]}"
+        return (f"exit code {self.returncode}\n--- stdout ---\n{self.stdout[-tail:]}\n"
+                f"--- stderr ---\n{self.stderr[-tail:]}")
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -199,7 +200,8 @@ def spawn_ranks(nproc: int, cmd: list[str], *, timeout: float, env: dict[str, st
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc))
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         files = [(open(Path(tmp) / f"out{r}", "w+"), open(Path(tmp) / f"err{r}", "w+")) for r in range(nproc)]
-        procs = [subprocess.Popen(cmd, cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
+        procs = [subprocess.Popen(cmd, cwd=REPO,
+                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
                                   stdout=files[r][0], stderr=files[r][1], text=True, start_new_session=True)
                  for r in range(nproc)]
         deadline, timed_out = time.monotonic() + timeout, False
