@@ -31,7 +31,7 @@ VARIANTS = {"bf16": [], "mxfp8": [*BS, "mxfp8"], "nvfp4 (2-D W, RHT, SR)": NV,
 
 
 def _curve(base: list[str], extra: list[str], folder: Path) -> list[float]:
-    from tests.support import by_step
+    from tests.support.launch import by_step
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train import trainer as trainer_module
 

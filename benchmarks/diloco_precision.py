@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks._common import header, md_table
 from torchtitan_amp.tools.common import torchrun
 
-# debugmodel_tiny as the tests train it (tests/support.py TINY): a fast, well-conditioned run.
+# debugmodel_tiny as the tests train it (tests/support/inputs.py TINY): a fast, well-conditioned run.
 MODEL = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "4",
          "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
 VARIANTS = {

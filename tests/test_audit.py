@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support import launch_worker, run_python
+from tests.support.launch import launch_worker, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.train import trainer as trainer_module
+
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 # The smallest flavour: the audit checks dtypes, not sizes, and CPUs without native bf16 emulate it
 # at tens of times fp32's cost. Its 4 blocks still give PP 2 a block per stage, its 2 heads split

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support import by_step
+from tests.support.launch import by_step
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS

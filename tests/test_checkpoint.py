@@ -39,7 +39,7 @@ from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.models import get_family
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
-from tests.support import (
+from tests.support.launch import (
     ONE_THREAD,
     WORKERS,
     RunResult,
@@ -53,6 +53,8 @@ from tests.support import (
     run_command,
     write_spec,
 )
+
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"

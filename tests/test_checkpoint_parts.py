@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import TINY
+from tests.support.inputs import TINY
 from torchtitan_amp.checkpoint import parts
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import ConfigError

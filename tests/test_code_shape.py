@@ -232,3 +232,15 @@ def test_the_plan_imports_no_applier():
     assert sorted(t for t in imported if not t.startswith(PLAN_MAY_IMPORT)) == []
     lowbit = {t for t in imported if t.startswith("torchtitan_amp.precision.lowbit.")}
     assert lowbit <= {f"torchtitan_amp.precision.lowbit.{m}" for m in ("capability", "formats", "linear")}
+
+
+# Phrases of a hook, alias or import kept so that tests can replace something: tests patch the
+# owner (monkeypatch) or build the objects themselves instead.
+SEAM = ("tests replace", "tests patch", "(and tests)", "for tests that patch")
+
+
+def test_the_checkpoint_package_keeps_no_seam_for_tests():
+    seams = [f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}"
+             for path in sorted((PACKAGE / "checkpoint").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if any(s in line for s in SEAM)]
+    assert seams == []

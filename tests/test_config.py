@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp import config as config_mod
 from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
 from torchtitan_amp.config import presentation, sections
 from torchtitan_amp.config.bounds import Range
+
+pytestmark = pytest.mark.unit
 
 
 def write(tmp_path: Path, text: str | bytes, name: str = "job.toml") -> str:

@@ -24,7 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import NO_COMPILER, c_compiler, launch_worker, write_short_documents
+from tests.support.inputs import write_short_documents
+from tests.support.launch import launch_worker
+from tests.support.machine import NO_COMPILER, c_compiler
+
+pytestmark = pytest.mark.dist
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.steps", "3", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",

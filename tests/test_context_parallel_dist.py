@@ -29,13 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import (
-    CURVE_MEAN_TOL,
-    CURVE_TOL,
-    SPLIT_MATMUL_STEP1_SIGMAS,
-    launch_worker,
-    write_short_documents,
-)
+from tests.support.inputs import write_short_documents
+from tests.support.launch import launch_worker
+from tests.support.tolerances import CURVE_MEAN_TOL, CURVE_TOL, SPLIT_MATMUL_STEP1_SIGMAS
 from tests.test_parallelisms import (
     GLOBAL_BATCH,
     PP,
@@ -49,6 +45,8 @@ from tests.test_parallelisms import (
     bf16_rounding_sigma,
     max_rel,
 )
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 CP = "--parallelism.context_parallel_degree"
 SEQ_LEN = 32

@@ -31,12 +31,14 @@ Swapping the fp32 sum for bf16 in context_parallel._GatherSequence fails the fp3
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from tests.support import launch_worker
+from tests.support.launch import run_distributed
+from tests.workers import cp_precision
+
+pytestmark = pytest.mark.dist
 
 U = 2.0 ** -8  # bf16 unit roundoff
 OPTIONS = {"batch": 1, "heads": 4, "seq_len": 512, "head_dim": 64, "seeds": [0, 1], "scale": 1.0}
@@ -44,11 +46,9 @@ GRADS = ("dk", "dv")
 
 
 @pytest.fixture(scope="module")
-def errors(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("cp_precision")
+def errors() -> dict:
     jobs = [{"name": name, "reduce_dtype": name} for name in ("float32", "bfloat16")]
-    launch_worker("cp_precision", out, jobs, 4, timeout=240, **OPTIONS)
-    return json.loads((out / "result.json").read_text())["jobs"]
+    return run_distributed(cp_precision.measure, 4, OPTIONS, jobs, timeout=240)[0]["jobs"]
 
 
 def _mean(errors: dict, job: str, cp: int, key: str) -> float:

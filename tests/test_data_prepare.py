@@ -29,6 +29,8 @@ from torchtitan_amp.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtitan_amp.data.tokens import WindowOrder
 from torchtitan_amp.train import trainer as trainer_module
 
+pytestmark = pytest.mark.unit
+
 TOK = ByteTokenizer()
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu naïve façade 日本 👋".split()
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tests.support import SameValuesManager
+from tests.support.standins import SameValuesManager
 
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims

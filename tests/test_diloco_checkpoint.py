@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests.support import use_stand_in_manager
+from tests.support.standins import use_stand_in_manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.train import trainer as trainer_module
 

@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, launch_worker, new_dump_folder, run_command
+from tests.support.launch import REPO, launch_worker, new_dump_folder, run_command
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.distributed import context_parallel as cp_module
 from torchtitan_amp.train import dry_run
+
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 # Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
 # against must not fall back to fp32 on a CPU that emulates bf16. The smallest flavour: the

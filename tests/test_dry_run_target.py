@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO
+from tests.support.launch import REPO
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision.lowbit import capability

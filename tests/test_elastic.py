@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
 from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.prepare import PrepareConfig, prepare
 from torchtitan_amp.data.tokenizer import ByteTokenizer
+
+pytestmark = pytest.mark.dist
 
 STEPS, RESUME_FROM, GLOBAL = 4, 2, 8
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

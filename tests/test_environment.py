@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp.core import environment
+
+pytestmark = pytest.mark.unit
 
 
 def test_this_environment_is_fine() -> None:

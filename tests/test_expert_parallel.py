@@ -33,7 +33,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.support import assert_step_sync_budget, by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
+from tests.support.tolerances import assert_step_sync_budget
+
+pytestmark = pytest.mark.dist
 
 
 STEPS, RESUME_FROM = 5, 3
@@ -127,7 +130,7 @@ class Launches:
             if name in RESUMED:
                 jobs.append(resume(f"resume_{name}", name, name))
         jobs += [resume(name, saved_by, layout) for name, (saved_by, layout) in CROSS.items()]
-        # Labels partly -100 (tests/support.mask_labels): step 1 leaves two of the 4 ranks no valid label.
+        # Labels partly -100 (tests/support/inputs.mask_labels): step 1 leaves two of the 4 ranks no valid label.
         jobs.append({"name": "masked_ep2_fsdp2", "args": args("ep2_fsdp2"), "grads": True, "mask_labels": True})
         self._launch("nproc4", "layouts", 4, jobs)
 

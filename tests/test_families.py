@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from tests.families import tiny_gelu
-from tests.support import run_python
+from tests.support.launch import run_python
 from torchtitan_amp import models
 from torchtitan_amp.config import ConfigError, help_text, load_config
 from torchtitan_amp.core import rules
 from torchtitan_amp.models import FAMILIES, get_family
 from torchtitan_amp.models.spec import count_params
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from tests.families import tiny_gelu
-from tests.support import assert_loss_falls, by_step, run_python, run_train
+from tests.support.launch import assert_loss_falls, by_step, run_python, run_train
 from torchtitan_amp.models import FAMILIES
+
+pytestmark = pytest.mark.dist
 
 SCRIPT = Path(__file__).resolve().parent / "families" / "train_tiny_gelu.py"
 ARGS = ("--model.name", "tiny_gelu", "--model.flavor", "tiny", "--training.seq_len", "32",

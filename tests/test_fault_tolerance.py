@@ -29,8 +29,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import (ONE_THREAD, REPO, TINY, WORKERS, _env, _free_port, assert_loss_falls, read_metrics,
-                           run_command, torchrun_cmd)
+from tests.support.inputs import TINY
+from tests.support.launch import (
+    ONE_THREAD,
+    REPO,
+    WORKERS,
+    _env,
+    _free_port,
+    assert_loss_falls,
+    read_metrics,
+    run_command,
+    torchrun_cmd,
+)
+
+pytestmark = pytest.mark.dist
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchtitan-amp[ft])")
 

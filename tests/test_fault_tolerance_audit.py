@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support import SameValuesManager, use_stand_in_manager
+from tests.support.standins import SameValuesManager, use_stand_in_manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan

@@ -1,5 +1,5 @@
 """The training loop under per-step fault tolerance, in one process: a replica group's Trainer with
-torchft's Manager replaced by stand-ins (tests/support.py's SameValuesManager) that fail to commit,
+torchft's Manager replaced by stand-ins (tests/support/standins.py's SameValuesManager) that fail to commit,
 or heal this group from a live one at its first quorum. What must hold: a group that keeps failing
 to commit still obeys a stop signal (saves the last committed step and exits), and a group that
 healed gets the steady-state collective timeouts after its first step, as a fresh one does. The
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import SameValuesManager
+from tests.support.standins import SameValuesManager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.train import build
 from torchtitan_amp.train import trainer as trainer_module
@@ -99,7 +99,7 @@ def test_one_process_without_torchrun_is_a_replica_group(monkeypatch, tmp_path: 
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
-    from tests.support import read_metrics
+    from tests.support.launch import read_metrics
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

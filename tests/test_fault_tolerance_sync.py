@@ -1,5 +1,5 @@
 """What the replica groups must agree on beyond the weights, in one process: two one-rank groups,
-one thread each, whose stand-in torchft Managers really average (tests/support.PairedGroups).
+one thread each, whose stand-in torchft Managers really average (tests/support/standins.PairedGroups).
 
 - MoE: the expert biases (buffers that learn outside the optimizer) are bit-equal across the
   groups after every step, per step (the token counts summed over the quorum) and under DiLoCo
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.support import PairedGroups, SameValuesManager, mask_labels, use_paired_managers, use_stand_in_manager
+from tests.support.inputs import mask_labels
+from tests.support.standins import PairedGroups, SameValuesManager, use_paired_managers, use_stand_in_manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models.moe.balance import moe_layers
@@ -81,7 +82,7 @@ def test_a_healing_group_copies_the_expert_biases(monkeypatch, tmp_path: Path) -
 
 
 def _masked_windows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Four windows of 32 tokens; labels masked by tests/support.mask_labels, chosen so that the
+    """Four windows of 32 tokens; labels masked by tests/support/inputs.mask_labels, chosen so that the
     first two windows hold fewer valid labels than the last two."""
     g = torch.Generator().manual_seed(0)
     for _ in range(100):

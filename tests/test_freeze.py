@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.distributed import grad_norm
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
+
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",

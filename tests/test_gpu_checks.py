@@ -23,10 +23,12 @@ import torch
 from tests.gpu import settings
 from tests.gpu import test_device_ops as device_ops
 from tests.gpu import test_training as training
-from tests.support import REPO, run_command
+from tests.support.launch import REPO, run_command
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.train import build as train_build
+
+pytestmark = pytest.mark.dist
 
 GPU_RUN = str(REPO / "scripts" / "gpu_run.sh")
 

@@ -13,7 +13,7 @@ from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed import activation_checkpoint
 from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.train import build, trainer
-from tests.support import TINY
+from tests.support.inputs import TINY
 
 
 class _StopBeforePlan(Exception):

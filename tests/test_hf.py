@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.support import launch_worker, run_python
+from tests.support.hf import HFExport
+from tests.support.launch import launch_worker, run_python
 from torchtitan_amp.checkpoint.format import quiet_single_process
 from torchtitan_amp.checkpoint.hf import (
     CONFIG,
@@ -33,6 +34,8 @@ from torchtitan_amp.core.errors import CheckpointError, DataError
 from torchtitan_amp.data.tokenizer import build_tokenizer
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, ffn_hidden_dim
+
+pytestmark = pytest.mark.dist
 
 # Rope scaling from position 16 on, so that it changes a 32-token sequence's logits (Llama 3.1
 # scales from 8192, which a test-sized sequence would never reach); GQA: 4 query, 2 kv heads.
@@ -57,18 +60,7 @@ def _hf_config(**changes):  # type: ignore[no-untyped-def]
     return LlamaConfig(**{**fields, **changes})
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(folder, model, reference logits): sharded into several safetensors files with an index."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(_hf_config()).eval()
-    folder = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(folder, max_shard_size="40KB")
-    assert (folder / INDEX).is_file() and len(list(folder.glob("*.safetensors"))) > 2
-    with torch.no_grad():
-        return folder, model, model(TOKENS).logits
+HF_EXPORT = HFExport("LlamaForCausalLM", _hf_config, TOKENS, max_shard_size="40KB")  # conftest.py's `hf`
 
 
 @pytest.fixture(scope="module")

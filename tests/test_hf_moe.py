@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -24,12 +23,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.support import WORKERS, run_python, spawn_ranks, write_spec, ONE_THREAD
+from tests.support.hf import HFExport
+from tests.support.launch import ONE_THREAD, WORKERS, run_python, spawn_ranks, write_spec
 from torchtitan_amp.checkpoint.format import quiet_single_process
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX, check_config, hf_config, load_hf, to_hf_tensors
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.moe import FAMILY
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransformer
+
+pytestmark = pytest.mark.dist
 
 FLAVOR = "qwen3_moe_hf_test"
 ARGS = MoEModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, explicit_head_dim=32, vocab_size=258,
@@ -54,38 +56,8 @@ def _hf_config(**changes):  # type: ignore[no-untyped-def]
     return Qwen3MoeConfig(**{**fields, **changes})
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(folder, model, reference logits), in several shards with an index."""
-    from transformers import Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(_hf_config()).eval()
-    with torch.no_grad():  # the norms start at ones, where a wrong permutation of them cannot show
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.5 * torch.randn_like(p))
-    folder = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(folder, max_shard_size="20KB")
-    _move_to_own_shard(folder, r"model\.layers\.1\.mlp\.experts\.[4-7]\.")
-    with torch.no_grad():
-        return folder, model, model(TOKENS).logits
-
-
-def _move_to_own_shard(folder: Path, pattern: str) -> None:
-    """Move the tensors matching `pattern` into a shard of their own (transformers keeps a layer's
-    experts together; other writers split them anywhere, and our reader must not care)."""
-    from safetensors.torch import load_file, save_file
-
-    index = json.loads((folder / INDEX).read_text())
-    moved = {}
-    for shard in {v for k, v in index["weight_map"].items() if re.match(pattern, k)}:
-        tensors = load_file(str(folder / shard))
-        moved.update({k: v for k, v in tensors.items() if re.match(pattern, k)})
-        save_file({k: v for k, v in tensors.items() if k not in moved}, str(folder / shard), metadata={"format": "pt"})
-    save_file(moved, str(folder / "model-extra.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(moved, "model-extra.safetensors"))
-    (folder / INDEX).write_text(json.dumps(index))
+HF_EXPORT = HFExport("Qwen3MoeForCausalLM", _hf_config, TOKENS, max_shard_size="20KB",  # conftest.py's `hf`
+                     perturb_norms=True, own_shard=r"model\.layers\.1\.mlp\.experts\.[4-7]\.")
 
 
 def _ours(folder: Path, args: MoEModelArgs = ARGS) -> MoETransformer:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import run_python
+from tests.support.launch import run_python
 from torchtitan_amp import memory
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import rules
 from torchtitan_amp.data import DataError
 from torchtitan_amp.train.job import build_model_parts, resolve
+
+pytestmark = pytest.mark.unit
 
 TINY = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "2")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.support import mask_labels
+from tests.support.inputs import mask_labels
 from torchtitan_amp.config import load_config
 from torchtitan_amp.models.loss import IGNORE_INDEX, count_valid_labels, label_weight, loss_fn
 from torchtitan_amp.train.trainer import Trainer
@@ -131,7 +131,7 @@ def test_accumulated_micro_batches_with_unequal_valid_labels_equal_one_batch(tmp
 
 
 def test_masking_helper_masks_by_window_content() -> None:
-    """tests/support.mask_labels, which the launched parity runs use: the same window is masked
+    """tests/support/inputs.mask_labels, which the launched parity runs use: the same window is masked
     the same way whichever rank or batch position it has."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 256, (16, 32), generator=g)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import TINY
+from tests.support.inputs import TINY
 from torchtitan_amp.core import matmul_speed
 from torchtitan_amp.observability import metrics, step_metrics
 from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_memory_gib

@@ -27,15 +27,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import (
+from tests.support.launch import launch_worker
+from tests.support.tolerances import (
     CURVE_MEAN_TOL,
     CURVE_TOL,
     SAME_FAMILY_STEP1_TOL,
     STEP1_TOL,
     assert_step_sync_budget,
-    launch_worker,
 )
 from tests.test_parallelisms import GLOBAL_BATCH, PP, SHARD, STEPS, TP, Layout, Run, max_rel
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 QWEN3 = ("--model.name", "moe", "--model.flavor", "debugmodel_qwen3")

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, TINY, _env, read_metrics, run_command
+from tests.support.inputs import TINY
+from tests.support.launch import REPO, _env, read_metrics, run_command
 from tests.test_config import DEBUG_CONFIG, WORLD_SIZE_ERRORS
+
+pytestmark = pytest.mark.dist
 
 
 def _free_port() -> int:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import WORKERS, read_metrics, run_train
+from tests.support.launch import WORKERS, read_metrics, run_train
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import NonFiniteError, Trainer
+
+pytestmark = pytest.mark.dist
 
 # The smallest flavour: these tests are about the run's control flow, not the model.
 TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import CURVE_TOL, by_step, launch_worker
+from tests.support.launch import by_step, launch_worker
+from tests.support.tolerances import CURVE_TOL
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 # The smallest flavour: the subjects are state dtypes and bitwise resume, not size, and these runs

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, run_command, run_python
+from tests.support.launch import REPO, run_command, run_python
+
+pytestmark = pytest.mark.unit
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -21,7 +21,7 @@ measured (pytest -s shows it):
 - bf16 mixed precision: within the precision tests' whole-curve tolerances of the fp32 curve
   (|delta| max 1.8e-3 < CURVE_TOL, |mean| 5.6e-4 < CURVE_MEAN_TOL over 5 steps); step 1 differs from
   fp32 by 2e-5..3.1e-4 (bf16 ran) and from the same path's single layout by <= 5e-7 (with TP
-  6e-6..9.3e-5: TP rounds in other places, bounded by SPLIT_MATMUL_STEP1_SIGMAS in tests/support.py).
+  6e-6..9.3e-5: TP rounds in other places, bounded by SPLIT_MATMUL_STEP1_SIGMAS in tests/support/tolerances.py).
   Native bf16 and AVX2 emulation measured the same step-1 values on this model.
 - AC (full, selective 2, op) and compile: bit-identical losses to the same run without AC;
   compiled blocks under bf16 autocast match eager bf16 to 2.1e-4 relative.
@@ -38,24 +38,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import (
+from tests.support.inputs import write_short_documents
+from tests.support.launch import launch_worker
+from tests.support.machine import NO_COMPILER, c_compiler
+from tests.support.tolerances import (
     CLIP_RTOL,
     CURVE_MEAN_TOL,
     CURVE_TOL,
     GATHERED_RTOL,
     GRAD_NORM_STEP1_RTOL,
-    NO_COMPILER,
     NORM_RTOL,
     SAME_FAMILY_STEP1_TOL,
     SPLIT_MATMUL_STEP1_SIGMAS,
     STEP1_MIN,
     STEP1_TOL,
     assert_step_sync_budget,
-    c_compiler,
-    launch_worker,
-    write_short_documents,
 )
-from tests.support import bf16_rounding_sigma as rounding_sigma
+from tests.support.tolerances import bf16_rounding_sigma as rounding_sigma
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 5
 N_LAYERS = 4  # debugmodel_tiny's blocks

@@ -15,7 +15,7 @@ import pytest
 from matplotlib import image as mpimg
 from matplotlib.colors import to_rgb
 
-from tests.support import REPO
+from tests.support.launch import REPO
 from torchtitan_amp.tools import loss_compare as lc
 from torchtitan_amp.tools import numerics_figures as nf
 from torchtitan_amp.tools import plot

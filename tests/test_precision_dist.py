@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support import (
+from tests.support.launch import launch_worker
+from tests.support.tolerances import (
     CLIP_RTOL,
     CURVE_MEAN_TOL,
     CURVE_TOL,
@@ -49,8 +50,9 @@ from tests.support import (
     STEP1_MIN,
     STEP1_TOL,
     bf16_rounding_sigma,
-    launch_worker,
 )
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # debugmodel_tiny's width (dim 64, 2 heads) at 2 blocks: no claim here depends on size, and a bf16
 # step costs ~15x less than at dim 256 where bf16 is emulated (AVX2-only CPUs).
@@ -386,7 +388,7 @@ def test_fp16_clipping_sees_unscaled_gradients(run_fp16, name):  # type: ignore[
 
 def _check_records(records: list[dict], max_norm: float) -> None:
     """tests/workers/norm_check.py's records of one rank: the reported norm is the fp64 norm of the
-    gradients the trainer clipped (NORM_RTOL, tests/support.py) and the clipped gradients are
+    gradients the trainer clipped (NORM_RTOL, tests/support/tolerances.py) and the clipped gradients are
     g * max_norm / true (CLIP_RTOL), wherever the gradients are finite; the first record's norm
     also from the full gradients gathered (GATHERED_RTOL)."""
     if math.isfinite(records[0]["true"]):

@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, run_python
+from tests.support.launch import REPO, run_python
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import matmul_speed
 from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_precision_speed
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
 from torchtitan_amp.precision import report as precision_report
+
+pytestmark = pytest.mark.unit
 
 SINGLE = ParallelDims(1, 1, 1, 1, 1)
 FSDP = ParallelDims(1, 2, 1, 1, 2)

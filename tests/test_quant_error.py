@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.support import cpu_scaled_mm_takes_rowwise_scales
+from tests.support.machine import cpu_scaled_mm_takes_rowwise_scales
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision.lowbit import quant_error as qe
 

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_saver as _sds
 
-from tests.support import read_metrics
-from torchtitan_amp.checkpoint import manager as manager_mod
+from tests.support.launch import read_metrics
 from torchtitan_amp.checkpoint import preemption, saving, staging
 from torchtitan_amp.checkpoint.format import scan_folder
 from torchtitan_amp.config import load_config
@@ -98,7 +97,7 @@ def test_control_group_is_a_new_gloo_group_on_nccl_and_the_default_group_on_gloo
 def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     made_with: list[float] = []
-    real_control_group = manager_mod.control_group
+    real_control_group = process_groups.control_group
 
     def control_group(timeout_s: float) -> Any:
         made_with.append(timeout_s)
@@ -106,7 +105,7 @@ def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
             _fake_world(m, backend)
             return real_control_group(timeout_s)
 
-    monkeypatch.setattr(manager_mod, "control_group", control_group)
+    monkeypatch.setattr(process_groups, "control_group", control_group)
     # Checkpointing off: the poll runs anyway, so the group is made before the manager returns.
     trainer = _trainer(tmp_path, "--training.steps", "1", "--comm.timeout_seconds", "45")
     checkpointer = trainer.run.checkpointer

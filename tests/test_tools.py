@@ -26,7 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ONE_THREAD, REPO, c_compiler, run_command, run_python
+from tests.support.launch import ONE_THREAD, REPO, run_command, run_python
+from tests.support.machine import c_compiler
+
+pytestmark = pytest.mark.dist
 
 SCRIPTS = REPO / "scripts"
 BENCH = REPO / "benchmarks"

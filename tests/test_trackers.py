@@ -21,13 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support import TINY
+from tests.support.inputs import TINY
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core import environment
 from torchtitan_amp.main import check_config
 from torchtitan_amp.observability import trackers
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
+
+pytestmark = pytest.mark.dist
 
 _BLOCK, _HEADER = 32768, 7
 _FULL, _LAST = 1, 4

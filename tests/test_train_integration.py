@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, TINY, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
+from tests.support.inputs import TINY
+from tests.support.launch import REPO, WORKERS, assert_loss_falls, new_dump_folder, run_command, run_python, run_train
 from torchtitan_amp.config import load_config
+
+pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 REQUIRED_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}
 DDP = ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1")

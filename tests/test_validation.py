@@ -25,12 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import STEP1_MIN, STEP1_TOL, by_step, launch_worker, run_python
+from tests.support.launch import by_step, launch_worker, run_python
+from tests.support.tolerances import STEP1_MIN, STEP1_TOL
 from torchtitan_amp.config import ConfigError, load_config
 from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
+
+pytestmark = pytest.mark.dist
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from tests.support import launch_worker, read_metrics
+from tests.support.launch import launch_worker, read_metrics
 from tests.test_llama_flavors import PUBLISHED
 from torchtitan_amp import memory
 from torchtitan_amp.checkpoint.hf import CONFIG, INDEX
@@ -37,6 +37,8 @@ from torchtitan_amp.precision import by_name, freeze
 from torchtitan_amp.precision.lowbit import float8
 from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train.data_parallel import group_by_block
+
+pytestmark = pytest.mark.dist
 
 TIED = "debugmodel_tiny_tied"
 TIED_ARGS = dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], enable_weight_tying=True)

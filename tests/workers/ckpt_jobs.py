@@ -1,7 +1,7 @@
 """Runs several training or evaluation jobs in one process (one torchrun launch) for
 tests/test_checkpoint.py and tests/test_validation.py.
 
-Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support.py's spec with
+Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch.py's spec with
   "options": {"step_delay": seconds slept after every train step (to give a signal time to arrive),
               "flavor": {field: value} replaces these LlamaModelArgs fields of the 'debugmodel'
                         flavour for every job (tests/test_hf.py's tiny GQA + rope-scaling model),
@@ -55,7 +55,7 @@ from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train.trainer import Trainer
-from tests.support import digest, exit_process, probe_trainer, read_spec
+from tests.support.launch import digest, exit_process, probe_trainer, read_spec
 
 
 def _rank() -> int:
@@ -79,15 +79,15 @@ _HF_READS = [0]  # tensor elements this rank read through checkpoint/hf.py's rea
 
 
 def _count_hf_reads() -> None:
-    from torchtitan_amp.checkpoint.hf import HFLlamaReader
+    from torchtitan_amp.checkpoint.hf import HFReader
 
-    original = HFLlamaReader._process_read_request
+    original = HFReader._process_read_request
 
     def counting(self, f, req, planner):  # type: ignore[no-untyped-def]
         _HF_READS[0] += int(torch.Size(req.lengths).numel())
         return original(self, f, req, planner)
 
-    HFLlamaReader._process_read_request = counting
+    HFReader._process_read_request = counting
 
 
 def _install_test_hooks(options: dict) -> None:

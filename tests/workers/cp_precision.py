@@ -1,10 +1,10 @@
 """Worker behind tests/test_context_parallel_precision.py: context parallel's cross-rank arithmetic
 at cp = 1, 2, 4 against an fp64 reference (issue 28).
 
-    tests/support.py: launch_worker("cp_precision", out, jobs, nproc=4)
+    tests/support/launch.py: run_distributed(cp_precision.measure, 4, options, jobs)
 
-SPEC "options": {"batch", "heads", "seq_len", "head_dim", "seeds": [...], "scale": q/k magnitude},
-"jobs": [{"name": NAME, "reduce_dtype": "float32" | "bfloat16"}, ...]. Every job runs the same
+`options`: {"batch", "heads", "seq_len", "head_dim", "seeds": [...], "scale": q/k magnitude},
+`jobs`: [{"name": NAME, "reduce_dtype": "float32" | "bfloat16"}, ...]. Every job runs the same
 attention problems at cp = 1, 2 and 4 (ranks 0..cp-1 form the cp group, `dist.new_group`):
 
 - q, k, v and the output gradient dout, drawn once per seed for the whole window and rounded to
@@ -18,13 +18,12 @@ attention problems at cp = 1, 2 and 4 (ranks 0..cp-1 form the cp group, `dist.ne
 
 Recorded per job, cp and seed: the relative Frobenius error ||x - ref|| / ||ref|| of the output,
 dq, dk and dv (each rank's chunks put back in window order), and the dtypes the reduce-scatter
-carried (the collective wrapped in this process). Rank 0 writes OUT/result.json.
+carried (the collective wrapped in this process). Rank 0 returns them (the other ranks None).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -34,7 +33,6 @@ import torch.nn.functional as F
 
 from torchtitan_amp.distributed import context_parallel as cp_mod
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask, head_tail_positions
-from tests.support import exit_process, read_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WIRE: list[str] = []  # dtypes the K/V-gradient reduce-scatter carried
@@ -137,10 +135,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).norm() / ref.norm())
 
 
-def main(spec_path: str) -> int:
-    spec = read_spec(spec_path)
-    o = spec.options
-    dist.init_process_group("gloo")
+def measure(o: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
     me, world = dist.get_rank(), dist.get_world_size()
     _record_wire()
     degrees = [c for c in (1, 2, 4, 8) if c <= world]
@@ -149,7 +144,7 @@ def main(spec_path: str) -> int:
     result: dict[str, Any] = {"options": o, "degrees": degrees, "jobs": {}}
     problems = [(_problem(seed, o)) for seed in o["seeds"]]
     references = [_reference(*p) for p in problems] if me == 0 else []
-    for job in spec.jobs:
+    for job in jobs:
         errors: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         WIRE.clear()
         for cp in degrees:
@@ -164,11 +159,5 @@ def main(spec_path: str) -> int:
                         errors[str(cp)][name].append(value)
         result["jobs"][job["name"]] = {"reduce_dtype": job["reduce_dtype"], "errors": errors,
                                        "wire_dtypes": sorted(set(WIRE))}
-    if me == 0:
-        (spec.out / "result.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    return 0
-
-
-if __name__ == "__main__":
-    exit_process(main(sys.argv[1]))
+    # Plain JSON data (the nested defaultdicts cannot be pickled), as the tests read it.
+    return json.loads(json.dumps(result)) if me == 0 else None

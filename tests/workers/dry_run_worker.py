@@ -1,6 +1,6 @@
 """Measures what the dry run predicts, in real runs: for tests/test_dry_run.py.
 
-Usage: torchrun --nproc_per_node N dry_run_worker.py SPEC.json (tests/support.py's spec: jobs of
+Usage: torchrun --nproc_per_node N dry_run_worker.py SPEC.json (tests/support/launch.py's spec: jobs of
 {"name": str, "args": [CLI overrides]}, no options). For each job every rank builds `Trainer(load_config(args))`,
 runs one train step (warm-up: lazy init, pipeline shape inference), then counts one more step:
 
@@ -34,7 +34,7 @@ from torchtitan_amp.observability import traffic as collectives
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.trainer import Trainer
-from tests.support import exit_process, read_spec
+from tests.support.launch import exit_process, read_spec
 from tests.workers.pp_held import PipelineHeld
 
 _state = threading.local()

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.train.trainer import Trainer
-from tests.support import exit_process
+from tests.support.launch import exit_process
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

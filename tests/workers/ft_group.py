@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torch.distributed.tensor import DTensor
 
-from tests.support import digest, exit_process
+from tests.support.launch import digest, exit_process
 from torchtitan_amp.config import load_config
 from torchtitan_amp.train.trainer import Trainer
 

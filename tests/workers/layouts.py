@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node N tests/workers/layouts.py SPEC.json
 
-SPEC.json is tests/support.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
+SPEC.json is tests/support/launch.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
 one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavours (FLAVOR's
 args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
 `train()`, exactly what train.py does (torchtitan_amp.train.trainer.train_in_turn, shared with
@@ -41,7 +41,8 @@ from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import optim as optim_mod
 from torchtitan_amp.train.trainer import Trainer, train_in_turn
-from tests.support import digest, exit_process, mask_labels, read_spec
+from tests.support.inputs import mask_labels
+from tests.support.launch import digest, exit_process, read_spec
 from tests.workers import norm_check
 
 

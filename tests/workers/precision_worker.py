@@ -4,7 +4,7 @@
         tests/workers/precision_worker.py SPEC.json
 
 (or plain `python tests/workers/precision_worker.py SPEC.json` for the single-process path), where
-SPEC is tests/support.py's spec: each job is a scenario, {"name": SCENARIO, "args": OVERRIDES},
+SPEC is tests/support/launch.py's spec: each job is a scenario, {"name": SCENARIO, "args": OVERRIDES},
 and "options": {"shrink": {field: value}}. A parallel layout is nothing but its CLI OVERRIDES (e.g. `--parallelism.data_parallel_shard_degree 2`), so a
 new layout (TP, PP) is one more parameter in the test. Every scenario builds real
 `Trainer(load_config(BASE + overrides + scenario overrides))` objects, runs real train steps and
@@ -62,7 +62,7 @@ from torchtitan_amp.precision import CompressHookState, PrecisionPlan, comm_hook
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
-from tests.support import exit_process, read_spec
+from tests.support.launch import exit_process, read_spec
 from tests.workers import norm_check
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks

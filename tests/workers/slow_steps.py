@@ -15,7 +15,7 @@ import time
 from torchtitan_amp import main as entry
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_module
-from tests.support import exit_process
+from tests.support.launch import exit_process
 
 
 def slow_down(seconds: float) -> None:

@@ -321,10 +321,6 @@ def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
     set_model_state_dict(model, sd)
 
 
-# The former name, kept for callers (and tests) that patch the reader.
-HFLlamaReader = HFReader
-
-
 # ---------------------------------------------------------------------------------------------
 # Export
 

@@ -30,8 +30,7 @@ from torchtitan_amp.checkpoint.saving import Saver, probe_writable
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import ConfigError
-# Looked up here when the manager is made (tests replace it through this module).
-from torchtitan_amp.distributed.process_groups import control_group
+from torchtitan_amp.distributed import process_groups
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -101,7 +100,7 @@ class CheckpointManager:
         self.loaded_path: Path | None = None  # what load() restored from
         # should_stop's group (gloo even on nccl runs, so the poll never syncs the GPU). Made first,
         # before the saver's, because every rank polls every step, checkpointing on or off.
-        self._control_pg = control_group(config.comm.timeout_seconds)
+        self._control_pg = process_groups.control_group(config.comm.timeout_seconds)
         # Under fault tolerance: this replica group, which saves its own files and maybe the shared ones.
         self.replica = replica
         self.saver = Saver(config, self.folder, self.ranks, self.state, enabled=self.enabled, replica=replica)

@@ -119,7 +119,6 @@ class Saver:
 
     @torch.no_grad()
     def save(self, step: int, tokens_seen: int, *, kind: str = "full") -> None:
-        # Commits go through self.commit, a method: tests replace it to crash mid-commit.
         self.finish_pending()
         if self.replica is not None and kind != "seed" and not self._writes_shared(step, tokens_seen, kind):
             return
