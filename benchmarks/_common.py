@@ -36,14 +36,14 @@ CPU_MODELS: dict[str, dict[str, Any]] = {
 
 # (seq_len, global batch) of each model in the step benchmarks (comm, overhead, precision_speed).
 SHAPES = {"debug": (256, 8), "debug_h64": (256, 8), "medium": (512, 4), "large": (512, 2), "tiny": (32, 2)}
-_FLAVORS: dict[str, Any] = {}  # the registered flavours before any use_model replaced one
+_FLAVORS: dict[str, Any] = {}  # the registered flavors before any use_model replaced one
 
 
 def use_model(name: str) -> list[str]:
     """Make model `name` buildable by the Trainer in this process; returns its config overrides.
 
-    The config accepts only the registered flavours, so "large" replaces the debug flavour's
-    shape in this process's flavour table (nothing on disk changes)."""
+    The config accepts only the registered flavors, so "large" replaces the debug flavor's
+    shape in this process's flavor table (nothing on disk changes)."""
     from torchtitan_amp.models.llama3 import model as llama
 
     spec = CPU_MODELS[name]
@@ -86,8 +86,10 @@ def run_jobs(module: str, nproc: int, jobs: list[dict[str, Any]], out: Path, nam
 
 
 def header(title: str) -> str:
-    return (f"## {title}\n\nmachine: {machine()}\nload average at start (1/5/15 min): {load_average()}\n"
-            f"date: {time.strftime('%Y-%m-%d %H:%M')}\n")
+    return (
+        f"## {title}\n\nmachine: {machine()}\nload average at start (1/5/15 min): {load_average()}\n"
+        f"date: {time.strftime('%Y-%m-%d %H:%M')}\n"
+    )
 
 
 def emit(text: str, output: str | None) -> None:

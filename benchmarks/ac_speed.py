@@ -24,10 +24,20 @@ from benchmarks._common import CPU_MODELS, emit, header, md_table, model_args, s
 
 MODES: dict[str, list[str]] = {
     "no AC": [],
-    "op SAC, alternate mm (default)": ["--activation_checkpoint.mode", "selective",
-                                       "--activation_checkpoint.selective_ac_option", "op"],
-    "op SAC, all mm": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                       "op", "--activation_checkpoint.per_op_sac_save_mm", "all"],
+    "op SAC, alternate mm (default)": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
+    "op SAC, all mm": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        "--activation_checkpoint.per_op_sac_save_mm",
+        "all",
+    ],
     "full AC": ["--activation_checkpoint.mode", "full"],
 }
 
@@ -44,8 +54,7 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
     from torchtitan_amp.precision import PrecisionPlan, memory_spec
 
     family = get_family("llama3")
-    config = load_config(["--model.flavor", CPU_MODELS[name]["flavor"], "--mixed_precision.enabled", "false",
-                          *ac_args])
+    config = load_config(["--model.flavor", CPU_MODELS[name]["flavor"], "--mixed_precision.enabled", "false", *ac_args])
     args = dataclasses.replace(model_args(name, seq_len=seq_len), n_layers=layers)
     torch.manual_seed(0)
     model = family.build_model(args)
@@ -53,10 +62,10 @@ def _build(name: str, ac_args: list[str], seq_len: int, layers: int):  # type: i
     ac = config.activation_checkpoint
     if ac.mode != "none":
         activation_checkpoint.apply_ac(model, ac, family.ac_regions)
-    layout = memory.Layout(seq_len=seq_len, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
-                           op_sac_save_mm=ac.per_op_sac_save_mm)
-    prec = memory_spec.from_plan(PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu"),
-                                 family.norm_cls)
+    layout = memory.Layout(
+        seq_len=seq_len, ac_mode=ac.mode, ac_option=ac.selective_ac_option, op_sac_save_mm=ac.per_op_sac_save_mm
+    )
+    prec = memory_spec.from_plan(PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu"), family.norm_cls)
     terms = family.memory_dims(args).activation_terms(prec, layout)
     kept = {"none": terms.layer, "full": terms.layer_checkpointed, "selective": terms.layer_op_sac}[ac.mode]
     return model, kept
@@ -73,12 +82,16 @@ def _step(model, tokens) -> None:  # type: ignore[no-untyped-def]
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="medium", choices=list(CPU_MODELS))
-    p.add_argument("--layers", type=int, default=2, help="blocks (the flavour's shape otherwise)")
+    p.add_argument("--layers", type=int, default=2, help="blocks (the flavor's shape otherwise)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6, help="timed rounds (one step of every mode each)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: steadier on a shared machine, where a second thread waits for a core)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: steadier on a shared machine, where a second thread waits for a core)",
+    )
     p.add_argument("--output", metavar="FILE", help="also write the markdown report here")
     a = p.parse_args(argv)
     import torch
@@ -95,12 +108,16 @@ def main(argv: list[str]) -> int:
             if r:
                 times[mode].append(time.process_time() - start)
     base = summarize(times["no AC"])
-    rows = [[mode, f"{summarize(times[mode]):.3f}", f"{summarize(times[mode]) / base:.2f}",
-             f"{kept / 1024:.1f}"] for mode, (_, kept) in built.items()]
+    rows = [
+        [mode, f"{summarize(times[mode]):.3f}", f"{summarize(times[mode]) / base:.2f}", f"{kept / 1024:.1f}"]
+        for mode, (_, kept) in built.items()
+    ]
     text = header("Step time by activation-checkpointing mode (CPU, one process, fp32)")
     shape = {**CPU_MODELS[a.model].get("replace", {}), "n_layers": a.layers}
-    text += (f"\nmodel {a.model} {shape}, seq {seq_len}, batch {batch}, median of {a.rounds} rounds\n"
-             f"command: python -m benchmarks.ac_speed {' '.join(argv)}\n\n")
+    text += (
+        f"\nmodel {a.model} {shape}, seq {seq_len}, batch {batch}, median of {a.rounds} rounds\n"
+        f"command: python -m benchmarks.ac_speed {' '.join(argv)}\n\n"
+    )
     text += md_table(["mode", "step CPU s", "vs no AC", "KiB kept per token per layer"], rows) + "\n"
     emit(text, a.output)
     return 0

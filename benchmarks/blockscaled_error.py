@@ -45,11 +45,34 @@ def capture(steps: int, flavor: str, seq_len: int, batch: int, seed: int, folder
     from torchtitan_amp.models.loss import loss_fn
     from torchtitan_amp.train import trainer as trainer_module
 
-    config = load_config(["--model.flavor", flavor, "--training.seq_len", str(seq_len), "--training.local_batch_size",
-                          str(batch), "--training.steps", str(steps), "--training.seed", str(seed),
-                          "--training.gc_freq", "0", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-                          "--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.enabled", "true",
-                          "--metrics.log_freq", str(max(steps, 1)), "--job.dump_folder", str(folder)])
+    config = load_config(
+        [
+            "--model.flavor",
+            flavor,
+            "--training.seq_len",
+            str(seq_len),
+            "--training.local_batch_size",
+            str(batch),
+            "--training.steps",
+            str(steps),
+            "--training.seed",
+            str(seed),
+            "--training.gc_freq",
+            "0",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--optimizer.lr",
+            "3e-3",
+            "--mixed_precision.param_dtype",
+            "bfloat16",
+            "--mixed_precision.enabled",
+            "true",
+            "--metrics.log_freq",
+            str(max(steps, 1)),
+            "--job.dump_folder",
+            str(folder),
+        ]
+    )
     trainer = trainer_module.Trainer(config)
     trainer.train()
     model = trainer.run.model
@@ -63,11 +86,16 @@ def capture(steps: int, flavor: str, seq_len: int, batch: int, seed: int, folder
             def grad(g: torch.Tensor) -> None:
                 dy = g.detach().reshape(-1, module.out_features).float()
                 captured[name].update({"dy (dgrad)": dy, "dy^T (wgrad)": dy.t()})
+
             out.register_hook(grad)
+
         return forward
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n.startswith("layers.")]
+    handles = [
+        m.register_forward_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.startswith("layers.")
+    ]
     inputs, labels = next(trainer.new_batches())
     inputs, labels, extra = trainer.run.model_inputs(inputs, labels)
     model.zero_grad(set_to_none=True)
@@ -91,9 +119,14 @@ def measure(captured, seed: int) -> dict[str, dict[str, dict[str, float]]]:  # t
                 pooled = pooled.merge(e)
                 if e.rel_l2 > worst:
                     worst, worst_name = e.rel_l2, name
-            out[role][fmt] = {"rel_l2": pooled.rel_l2, "worst_rel_l2": worst, "worst_module": worst_name,
-                              "max_err": pooled.max_err, "flushed": pooled.flushed_frac,
-                              "saturated": pooled.saturated_frac}
+            out[role][fmt] = {
+                "rel_l2": pooled.rel_l2,
+                "worst_rel_l2": worst,
+                "worst_module": worst_name,
+                "max_err": pooled.max_err,
+                "flushed": pooled.flushed_frac,
+                "saturated": pooled.saturated_frac,
+            }
     return out
 
 
@@ -104,17 +137,28 @@ def tables(result: dict[str, dict[str, dict[str, float]]]) -> str:
     def cells(fmt: str, cell) -> list[str]:  # type: ignore[no-untyped-def]
         return [cell(result[r][fmt]) if fmt in result[r] else "-" for r in roles]
 
-    err = md_table(["format", *roles], [[f, *cells(f, lambda m: f"{m['rel_l2']:.2e} ({m['worst_rel_l2']:.2e})")]
-                                        for f in formats])
-    pct = md_table(["format", *roles], [[f, *cells(f, lambda m: f"{100 * m['flushed']:.2f} / {100 * m['saturated']:.1f}")]
-                                        for f in formats])
-    return ("Relative L2 error, pooled over the Linears (worst Linear):\n\n" + err
-            + "\n\n% of nonzero elements flushed to zero / % of scaling groups with a clipped element:\n\n" + pct)
+    err = md_table(
+        ["format", *roles], [[f, *cells(f, lambda m: f"{m['rel_l2']:.2e} ({m['worst_rel_l2']:.2e})")] for f in formats]
+    )
+    pct = md_table(
+        ["format", *roles],
+        [[f, *cells(f, lambda m: f"{100 * m['flushed']:.2f} / {100 * m['saturated']:.1f}")] for f in formats],
+    )
+    return (
+        "Relative L2 error, pooled over the Linears (worst Linear):\n\n"
+        + err
+        + "\n\n% of nonzero elements flushed to zero / % of scaling groups with a clipped element:\n\n"
+        + pct
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100, help="bf16 training steps before the capture (default %(default)s)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--steps", type=int, default=100, help="bf16 training steps before the capture (default %(default)s)"
+    )
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
@@ -132,8 +176,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         captured = capture(args.steps, args.flavor, args.seq_len, args.batch, args.seed, Path(tmp))
     result = measure(captured, args.seed)
-    title = (f"Quantization error of the {args.flavor}'s GEMM operands after {args.steps} bf16 steps "
-             f"(seq_len {args.seq_len}, batch {args.batch}, seed {args.seed}; {len(captured)} Linears)")
+    title = (
+        f"Quantization error of the {args.flavor}'s GEMM operands after {args.steps} bf16 steps "
+        f"(seq_len {args.seq_len}, batch {args.batch}, seed {args.seed}; {len(captured)} Linears)"
+    )
     emit(header(title) + "\n" + tables(result), args.output)
     if args.json:
         Path(args.json).write_text(json.dumps({"title": title, "roles": result}, indent=1) + "\n")

@@ -28,7 +28,9 @@ NVFP4 = {"nvfp4 (2-D W, RHT, SR), Linears + experts": [*BS, "nvfp4", *EXPERTS]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training.seed values")
     p.add_argument("--nvfp4", action="store_true", help="also the full NVFP4 recipe with experts")
@@ -44,10 +46,28 @@ def main() -> None:
     build.peak_flops = lambda device, dtype: 1e12  # MFU is not reported here: skip measuring it
     variants = {**VARIANTS, **(NVFP4 if args.nvfp4 else {})}
     seeds = [int(s) for s in args.seeds.split(",")]
-    base = ["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--training.gc_freq", "0", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true",
-            "--training.steps", str(args.steps)]
+    base = [
+        "--model.name",
+        "moe",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.gc_freq",
+        "0",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--mixed_precision.enabled",
+        "true",
+        "--training.steps",
+        str(args.steps),
+    ]
     rows: dict[str, list[str]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
@@ -58,9 +78,14 @@ def main() -> None:
             for name, curve in curves.items():
                 gaps = [a - b for a, b in zip(curve, curves["bf16"])]
                 rows[name].append(f"{sum(map(abs, gaps)) / len(gaps):.4f} / {gaps[-1]:+.4f} ({curve[-1]:.4f})")
-    text = (header(f"Block-scaled experts (emulated) vs bf16: debugmodel_moe, {args.steps} steps, seeds {args.seeds}")
-            + "\n" + md_table(["variant", *(f"seed {s}: mean abs gap / last gap (last loss)" for s in seeds)],
-                              [[name, *cells] for name, cells in rows.items()]))
+    text = (
+        header(f"Block-scaled experts (emulated) vs bf16: debugmodel_moe, {args.steps} steps, seeds {args.seeds}")
+        + "\n"
+        + md_table(
+            ["variant", *(f"seed {s}: mean abs gap / last gap (last loss)" for s in seeds)],
+            [[name, *cells] for name, cells in rows.items()],
+        )
+    )
     emit(text, args.output)
 
 

@@ -22,7 +22,9 @@ from benchmarks._common import emit, header, md_table
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--size", type=int, default=1024, help="M = K = N of the Linear (tokens, in, out)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=1)
@@ -39,11 +41,17 @@ def main() -> None:
     torch.manual_seed(0)
     n = args.size
     gen = torch.Generator().manual_seed(0)
-    recipes = {"linear": None, "mxfp8": bs.BlockScaledRecipe("mxfp8"), "nvfp4": bs.BlockScaledRecipe("nvfp4"),
-               "nvfp4 full (2-D W, RHT, SR)": bs.BlockScaledRecipe.nvfp4_full()}
+    recipes = {
+        "linear": None,
+        "mxfp8": bs.BlockScaledRecipe("mxfp8"),
+        "nvfp4": bs.BlockScaledRecipe("nvfp4"),
+        "nvfp4 full (2-D W, RHT, SR)": bs.BlockScaledRecipe.nvfp4_full(),
+    }
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    inputs = {d: (torch.randn(n, n, dtype=t, requires_grad=True), (torch.randn(n, n, dtype=t) / n**0.5).requires_grad_(True))
-              for d, t in dtypes.items()}
+    inputs = {
+        d: (torch.randn(n, n, dtype=t, requires_grad=True), (torch.randn(n, n, dtype=t) / n**0.5).requires_grad_(True))
+        for d, t in dtypes.items()
+    }
     times: dict[tuple[str, str], list[float]] = {(r, d): [] for r in recipes for d in dtypes}
     for rnd in range(args.rounds + 1):
         for d in dtypes:
@@ -59,11 +67,23 @@ def main() -> None:
         for d in dtypes:
             own = [a / b for a, b in zip(times[(name, d)], times[("linear", d)])]
             vs_bf16 = [a / b for a, b in zip(times[(name, d)], times[("linear", "bf16")])]
-            rows.append([name, d, f"{statistics.median(times[(name, d)]) * 1e3:.0f}",
-                         f"{statistics.median(own):.1f}x", f"{statistics.median(vs_bf16):.1f}x"])
-    text = (header(f"Block-scaled emulation vs F.linear, {n}x{n}x{n} forward + backward, "
-                   f"{args.threads} thread(s), median of {args.rounds} rounds")
-            + "\n" + md_table(["variant", "inputs", "ms", "vs linear (same dtype)", "vs bf16 linear"], rows))
+            rows.append(
+                [
+                    name,
+                    d,
+                    f"{statistics.median(times[(name, d)]) * 1e3:.0f}",
+                    f"{statistics.median(own):.1f}x",
+                    f"{statistics.median(vs_bf16):.1f}x",
+                ]
+            )
+    text = (
+        header(
+            f"Block-scaled emulation vs F.linear, {n}x{n}x{n} forward + backward, "
+            f"{args.threads} thread(s), median of {args.rounds} rounds"
+        )
+        + "\n"
+        + md_table(["variant", "inputs", "ms", "vs linear (same dtype)", "vs bf16 linear"], rows)
+    )
     emit(text, args.output)
 
 

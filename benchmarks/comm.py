@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,
-                     use_model)
-
+from benchmarks._common import CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs, use_model
 from torchtitan_amp.observability import traffic as collectives
 
 DDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
@@ -106,9 +104,17 @@ def worker(spec_path: str, out_path: str) -> int:
             times.append(time.perf_counter() - start)
         res = resolve(config, trainer.run.info.world_size)
         predicted = memory.comm(res.model_dims, res.precision, res.layout)
-        results.append({**job, "counted": counted, "hook_bytes_sent": hook,
-                        "predicted": predicted, "path": trainer.run.plan.path, "comm_hook": trainer.run.plan.comm_hook,
-                        "step_s": statistics.median(times) if times else None})
+        results.append(
+            {
+                **job,
+                "counted": counted,
+                "hook_bytes_sent": hook,
+                "predicted": predicted,
+                "path": trainer.run.plan.path,
+                "comm_hook": trainer.run.plan.comm_hook,
+                "step_s": statistics.median(times) if times else None,
+            }
+        )
         trainer.run.metrics.close()
         del trainer, batches
         gc.collect()
@@ -138,8 +144,11 @@ def report(results: list[dict]) -> str:
     small = 1024
     for r in results:
         c = r["counted"]
-        grads = {k: v for k, v in c.get("all_reduce", {}).items() if v > small} if r["layout"].startswith("DDP") \
+        grads = (
+            {k: v for k, v in c.get("all_reduce", {}).items() if v > small}
+            if r["layout"].startswith("DDP")
             else c.get("reduce_scatter", {})
+        )
         gathers = c.get("all_gather", {})
         total = sum(grads.values()) + sum(gathers.values())
         if r["precision"] == "fp32":
@@ -149,12 +158,35 @@ def report(results: list[dict]) -> str:
         pred_gather = pred.get("fsdp_all_gather", {})
         agree = "yes" if (pred_grads == grads and pred_gather == gathers) else "NO"
         hook = by_dtype(r["hook_bytes_sent"]) if r["hook_bytes_sent"] else "-"
-        rows.append([r["model"], r["layout"], r["precision"], by_dtype(grads), by_dtype(gathers) if gathers else "-",
-                     mib(total), f"{total / base[r['model'], r['layout']]:.2f}", hook, agree,
-                     f"{r['step_s'] * 1e3:,.0f}" if r["step_s"] else "-"])
-    return md_table(["model", "layout", "precision", "gradient traffic MiB (DDP all-reduce / FSDP reduce-scatter)",
-                     "FSDP all-gather MiB", "total MiB", "vs fp32", "compress hook bytes_sent MiB",
-                     "= torchtitan_amp.memory prediction", "step ms"], rows)
+        rows.append(
+            [
+                r["model"],
+                r["layout"],
+                r["precision"],
+                by_dtype(grads),
+                by_dtype(gathers) if gathers else "-",
+                mib(total),
+                f"{total / base[r['model'], r['layout']]:.2f}",
+                hook,
+                agree,
+                f"{r['step_s'] * 1e3:,.0f}" if r["step_s"] else "-",
+            ]
+        )
+    return md_table(
+        [
+            "model",
+            "layout",
+            "precision",
+            "gradient traffic MiB (DDP all-reduce / FSDP reduce-scatter)",
+            "FSDP all-gather MiB",
+            "total MiB",
+            "vs fp32",
+            "compress hook bytes_sent MiB",
+            "= torchtitan_amp.memory prediction",
+            "step ms",
+        ],
+        rows,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -172,21 +204,46 @@ def main(argv: list[str]) -> int:
     for model in a.models.split(","):
         seq, batch = SHAPES[model]
         for layout, precision, args in CONFIGS:
-            jobs.append({"model": model, "layout": layout, "precision": precision, "timed_steps": a.timed_steps,
-                         "args": ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch // 2),
-                                  "--training.steps", "1000", "--job.dump_folder",
-                                  str(out / f"{model}_{layout}_{precision}".replace(" ", "").replace(",", "_")),
-                                  *args]})
+            jobs.append(
+                {
+                    "model": model,
+                    "layout": layout,
+                    "precision": precision,
+                    "timed_steps": a.timed_steps,
+                    "args": [
+                        "--training.seq_len",
+                        str(seq),
+                        "--training.local_batch_size",
+                        str(batch // 2),
+                        "--training.steps",
+                        "1000",
+                        "--job.dump_folder",
+                        str(out / f"{model}_{layout}_{precision}".replace(" ", "").replace(",", "_")),
+                        *args,
+                    ],
+                }
+            )
     start = time.perf_counter()
     results = run_jobs(__spec__.name, 2, jobs, out, "comm")
-    sizes = "; ".join(f"{m}: {num_params(m) / 1e6:.1f}M parameters ({num_params(m) * 4 / 2**20:,.1f} MiB in fp32), "
-                      f"seq {SHAPES[m][0]} x global batch {SHAPES[m][1]}" for m in a.models.split(","))
-    text = (header("Communication per step (2 CPU ranks, gloo)")
-            + f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; {sizes}\n"
-            + f"command: python -m benchmarks.comm {shlex.join(argv)}\n\n" + report(results) + "\n")
+    sizes = "; ".join(
+        f"{m}: {num_params(m) / 1e6:.1f}M parameters ({num_params(m) * 4 / 2**20:,.1f} MiB in fp32), "
+        f"seq {SHAPES[m][0]} x global batch {SHAPES[m][1]}"
+        for m in a.models.split(",")
+    )
+    text = (
+        header("Communication per step (2 CPU ranks, gloo)")
+        + f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; {sizes}\n"
+        + f"command: python -m benchmarks.comm {shlex.join(argv)}\n\n"
+        + report(results)
+        + "\n"
+    )
     emit(text, a.output)
-    bad = [r for r in results if r["hook_bytes_sent"] and r["hook_bytes_sent"] != {
-        k: v for k, v in r["counted"].get("all_reduce", {}).items() if v > 1024}]
+    bad = [
+        r
+        for r in results
+        if r["hook_bytes_sent"]
+        and r["hook_bytes_sent"] != {k: v for k, v in r["counted"].get("all_reduce", {}).items() if v > 1024}
+    ]
     return 1 if bad else 0
 
 

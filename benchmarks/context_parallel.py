@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 from benchmarks._common import emit, header, load_average, md_table, run_jobs
-
 from torchtitan_amp.tools import estimate_memory
 
 FLAVOR = "debugmodel_tiny"
@@ -88,15 +87,36 @@ def memory_rows(a: argparse.Namespace, out: Path) -> list[list[str]]:
     rows = []
     for mask in a.mask_types.split(","):
         for cp in (int(c) for c in a.cps.split(",")):
-            overrides = ["--model.flavor", FLAVOR, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
-                         "1", "--model.attn_mask_type", mask, "--parallelism.context_parallel_degree", str(cp), *FP32]
+            overrides = [
+                "--model.flavor",
+                FLAVOR,
+                "--training.seq_len",
+                str(a.seq_len),
+                "--training.local_batch_size",
+                "1",
+                "--model.attn_mask_type",
+                mask,
+                "--parallelism.context_parallel_degree",
+                str(cp),
+                *FP32,
+            ]
             config = load_config(overrides)
             est, gpu = estimate_memory.estimate(config, cp, "cpu"), estimate_memory.estimate(config, cp)
             measured = estimate_memory.measure(overrides, cp, 2, out / f"mem_{mask}_cp{cp}")
             peak = max(m["rss_peak_delta"] for m in measured)
             predicted = est["peak"]["configured"]
-            rows.append([mask, cp, f"{a.seq_len // cp:,}", fb(gpu["activations"]["configured"]),
-                         fb(est["activations"]["configured"]), fb(predicted), fb(peak), f"{peak / predicted:.2f}"])
+            rows.append(
+                [
+                    mask,
+                    cp,
+                    f"{a.seq_len // cp:,}",
+                    fb(gpu["activations"]["configured"]),
+                    fb(est["activations"]["configured"]),
+                    fb(predicted),
+                    fb(peak),
+                    f"{peak / predicted:.2f}",
+                ]
+            )
             print(f"memory {mask} cp {cp}: peak RSS +{fb(peak)} (estimate {fb(predicted)})", flush=True)
     return rows
 
@@ -104,15 +124,39 @@ def memory_rows(a: argparse.Namespace, out: Path) -> list[list[str]]:
 def time_rows(a: argparse.Namespace, out: Path) -> list[list[str]]:
     results = {}
     for nproc in (1, 2):
-        jobs = [{"name": name, "timed_steps": a.timed_steps,
-                 "args": ["--model.flavor", FLAVOR, "--training.seq_len", str(a.time_seq_len), "--training.steps",
-                          "1000", "--job.dump_folder", str(out / name.replace(" ", "")), *FP32, *args]}
-                for name, (n, args) in TIMED.items() if n == nproc]
+        jobs = [
+            {
+                "name": name,
+                "timed_steps": a.timed_steps,
+                "args": [
+                    "--model.flavor",
+                    FLAVOR,
+                    "--training.seq_len",
+                    str(a.time_seq_len),
+                    "--training.steps",
+                    "1000",
+                    "--job.dump_folder",
+                    str(out / name.replace(" ", "")),
+                    *FP32,
+                    *args,
+                ],
+            }
+            for name, (n, args) in TIMED.items()
+            if n == nproc
+        ]
         for r in run_jobs(__spec__.name, nproc, jobs, out, f"time{nproc}"):
             results[r["name"]] = r["step_s"]
     base = results["single"]
-    return [[name, TIMED[name][0], f"{results[name]:.3f}", f"{results[name] / base:.2f}",
-             f"{results[name] / results['FSDP 2']:.2f}"] for name in TIMED]
+    return [
+        [
+            name,
+            TIMED[name][0],
+            f"{results[name]:.3f}",
+            f"{results[name] / base:.2f}",
+            f"{results[name] / results['FSDP 2']:.2f}",
+        ]
+        for name in TIMED
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -120,7 +164,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--seq-len", type=int, default=8192, help="window of the memory runs (default %(default)s)")
     p.add_argument("--cps", default="1,2,4", help="cp degrees of the memory runs (default %(default)s)")
-    p.add_argument("--mask-types", default="causal,block_causal", help="model.attn_mask_type values (default %(default)s)")
+    p.add_argument(
+        "--mask-types", default="causal,block_causal", help="model.attn_mask_type values (default %(default)s)"
+    )
     p.add_argument("--time-seq-len", type=int, default=4096, help="window of the timed runs (default %(default)s)")
     p.add_argument("--timed-steps", type=int, default=3)
     p.add_argument("--skip", choices=("memory", "time"), help="run only the other half")
@@ -134,16 +180,34 @@ def main(argv: list[str]) -> int:
     text = header("Context parallel (CPU, gloo, fp32)")
     body = ""
     if a.skip != "memory":
-        body += (f"\n### Peak memory per rank, one window of {a.seq_len:,} tokens ({FLAVOR}, 2 steps)\n\n"
-                 + md_table(["mask", "cp", "tokens per rank", "activations (GPU estimate)",
-                             "activations (CPU estimate)", "peak (CPU estimate)", "peak RSS growth (measured)",
-                             "measured / estimate"], memory_rows(a, out)) + "\n")
+        body += (
+            f"\n### Peak memory per rank, one window of {a.seq_len:,} tokens ({FLAVOR}, 2 steps)\n\n"
+            + md_table(
+                [
+                    "mask",
+                    "cp",
+                    "tokens per rank",
+                    "activations (GPU estimate)",
+                    "activations (CPU estimate)",
+                    "peak (CPU estimate)",
+                    "peak RSS growth (measured)",
+                    "measured / estimate",
+                ],
+                memory_rows(a, out),
+            )
+            + "\n"
+        )
     if a.skip != "time":
-        body += (f"\n### Step time, 2 windows of {a.time_seq_len:,} tokens per step ({FLAVOR}, median of "
-                 f"{a.timed_steps})\n\n" + md_table(["layout", "processes", "step s", "/ single", "/ FSDP 2"],
-                                                   time_rows(a, out)) + "\n")
-    text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
-             f"command: python -m benchmarks.context_parallel {shlex.join(argv)}\n" + body)
+        body += (
+            f"\n### Step time, 2 windows of {a.time_seq_len:,} tokens per step ({FLAVOR}, median of "
+            f"{a.timed_steps})\n\n"
+            + md_table(["layout", "processes", "step s", "/ single", "/ FSDP 2"], time_rows(a, out))
+            + "\n"
+        )
+    text += (
+        f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
+        f"command: python -m benchmarks.context_parallel {shlex.join(argv)}\n" + body
+    )
     emit(text, a.output)
     return 0
 

@@ -73,8 +73,12 @@ def train_bpe(sample: Path, out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192,
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = [json.loads(line)["text"] for line in sample.read_text().splitlines()[:2000]]
     tok.train_from_iterator(texts, trainer)
     tok.save(str(out))
@@ -87,8 +91,9 @@ def time_prepare(files: list[Path], out: Path, tokenizer: str, workers: int) -> 
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     # 16 MB shards: several groups per worker on the smaller inputs too.
-    prepare(PrepareConfig([str(f) for f in files], out, tokenizer=tokenizer, workers=workers, shard_mb=16,
-                          progress=False))
+    prepare(
+        PrepareConfig([str(f) for f in files], out, tokenizer=tokenizer, workers=workers, shard_mb=16, progress=False)
+    )
     return time.perf_counter() - start
 
 
@@ -140,8 +145,9 @@ print(json.dumps({"startup_s": t1 - t0, "first_batch_s": t2 - t1, "rss_growth_mb
 
 def probe_loader(spec: str, workers: int = 0, seconds: float = 0.0) -> dict:
     """Runs the loader in a fresh process: start-up, first batch, RSS growth, windows/s."""
-    out = subprocess.run([sys.executable, "-c", _PROBE, spec, str(workers), str(seconds)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, spec, str(workers), str(seconds)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -151,9 +157,22 @@ def debug_step_time(dataset: str, dump: Path) -> float:
     from torchtitan_amp.train import trainer as trainer_module
 
     trainer_module.peak_flops = lambda device, dtype: 1e12  # skip MFU's matmul benchmark
-    args = ["--training.dataset", dataset, "--training.seq_len", "256", "--training.local_batch_size", "8",
-            "--training.steps", "6", "--metrics.log_freq", "1", "--mixed_precision.enabled", "false",
-            "--job.dump_folder", str(dump)]
+    args = [
+        "--training.dataset",
+        dataset,
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "8",
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "1",
+        "--mixed_precision.enabled",
+        "false",
+        "--job.dump_folder",
+        str(dump),
+    ]
     trainer_module.Trainer(load_config(args)).train()
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return float(np.median([r["step_time_s"] for r in records if r["step"] > 2]))
@@ -180,17 +199,37 @@ def main() -> None:
     rows = []
     for workers in (1, 2):
         s = time_prepare(files, work / "byte", "byte", workers)
-        rows.append([f"prepare, byte tokenizer, {workers} worker(s)", f"{text_mb:.0f}", f"{s:.1f}",
-                     f"{text_mb / s:.1f}", f"{text_mb / s / workers:.1f}"])
+        rows.append(
+            [
+                f"prepare, byte tokenizer, {workers} worker(s)",
+                f"{text_mb:.0f}",
+                f"{s:.1f}",
+                f"{text_mb / s:.1f}",
+                f"{text_mb / s / workers:.1f}",
+            ]
+        )
     byte_tokens = work / "byte"  # the 2-worker output (identical to the 1-worker one)
     for workers in (1, 2):
         s = time_prepare(bpe_files, work / "bpe", str(bpe), workers)
-        rows.append([f"prepare, BPE 8k tokenizer.json, {workers} worker(s)", f"{bpe_mb:.0f}", f"{s:.1f}",
-                     f"{bpe_mb / s:.1f}", f"{bpe_mb / s / workers:.1f}"])
+        rows.append(
+            [
+                f"prepare, BPE 8k tokenizer.json, {workers} worker(s)",
+                f"{bpe_mb:.0f}",
+                f"{s:.1f}",
+                f"{bpe_mb / s:.1f}",
+                f"{bpe_mb / s / workers:.1f}",
+            ]
+        )
         load_s, map_s = time_hf_datasets(bpe_files, str(bpe), workers, work / "hf_cache")
-        rows.append([f"HF datasets load_dataset + map, same BPE, num_proc {workers}", f"{bpe_mb:.0f}",
-                     f"{load_s:.1f} + {map_s:.1f}", f"{bpe_mb / (load_s + map_s):.1f}",
-                     f"{bpe_mb / (load_s + map_s) / workers:.1f} (map alone: {bpe_mb / map_s / workers:.1f})"])
+        rows.append(
+            [
+                f"HF datasets load_dataset + map, same BPE, num_proc {workers}",
+                f"{bpe_mb:.0f}",
+                f"{load_s:.1f} + {map_s:.1f}",
+                f"{bpe_mb / (load_s + map_s):.1f}",
+                f"{bpe_mb / (load_s + map_s) / workers:.1f} (map alone: {bpe_mb / map_s / workers:.1f})",
+            ]
+        )
     prepare_table = md_table(["run", "input MB", "seconds", "MB/s", "MB/s per worker"], rows)
 
     # Token corpora of ~0.1 GB and ~1 GB (byte tokens are 2 bytes per input byte).
@@ -206,8 +245,14 @@ def main() -> None:
     loader_rows = []
     for label, folder in corpora.items():
         r = probe_loader(f"tokens:{folder}")
-        loader_rows.append([f"tokens: {total_bytes(folder) / 2**30:.2f} GB", f"{r['startup_s'] * 1000:.0f} ms",
-                            f"{r['first_batch_s'] * 1000:.1f} ms", f"{r['rss_growth_mb']:.1f} MB"])
+        loader_rows.append(
+            [
+                f"tokens: {total_bytes(folder) / 2**30:.2f} GB",
+                f"{r['startup_s'] * 1000:.0f} ms",
+                f"{r['first_batch_s'] * 1000:.1f} ms",
+                f"{r['rss_growth_mb']:.1f} MB",
+            ]
+        )
     small = files[: max(1, round(0.05 * 1024 / _FILE_MB))]
     (work / "small_text").mkdir(exist_ok=True)
     for f in small:
@@ -215,9 +260,14 @@ def main() -> None:
         if not dst.exists():
             os.link(f, dst)
     r = probe_loader(f"path:{work / 'small_text'}")
-    loader_rows.append([f"path: (in memory) {sum(f.stat().st_size for f in small) / 2**30:.2f} GB text",
-                        f"{r['startup_s'] * 1000:.0f} ms", f"{r['first_batch_s'] * 1000:.1f} ms",
-                        f"{r['rss_growth_mb']:.1f} MB"])
+    loader_rows.append(
+        [
+            f"path: (in memory) {sum(f.stat().st_size for f in small) / 2**30:.2f} GB text",
+            f"{r['startup_s'] * 1000:.0f} ms",
+            f"{r['first_batch_s'] * 1000:.1f} ms",
+            f"{r['rss_growth_mb']:.1f} MB",
+        ]
+    )
     loader_table = md_table(["dataset", "start-up (build_dataloader)", "first batch", "RSS growth"], loader_rows)
 
     step_s = debug_step_time(f"tokens:{byte_tokens}", work / "train")
@@ -225,16 +275,28 @@ def main() -> None:
     rate_rows = [[f"trainer need: debug model, fp32, this CPU (step {step_s * 1000:.0f} ms)", f"{need:.0f}", "1.0x"]]
     for workers in (0, 2):
         r = probe_loader(f"tokens:{byte_tokens}", workers, seconds=5.0)
-        rate_rows.append([f"tokens: loader, {workers} loader workers", f"{r['windows_per_s']:.0f}",
-                          f"{r['windows_per_s'] / need:.0f}x"])
+        rate_rows.append(
+            [
+                f"tokens: loader, {workers} loader workers",
+                f"{r['windows_per_s']:.0f}",
+                f"{r['windows_per_s'] / need:.0f}x",
+            ]
+        )
     rate_table = md_table(["", "windows/s (seq_len 256)", "vs need"], rate_rows)
 
-    report = "\n\n".join([
-        header("Data: prepare, loader start-up, windows/s"),
-        f"corpus: {text_mb:.0f} MB of synthetic .jsonl text in {len(files)} files (written in {gen_s:.0f} s); "
-        f"BPE and datasets rows on the first {bpe_mb:.0f} MB",
-        prepare_table, loader_table, rate_table,
-    ]) + "\n"
+    report = (
+        "\n\n".join(
+            [
+                header("Data: prepare, loader start-up, windows/s"),
+                f"corpus: {text_mb:.0f} MB of synthetic .jsonl text in {len(files)} files (written in {gen_s:.0f} s); "
+                f"BPE and datasets rows on the first {bpe_mb:.0f} MB",
+                prepare_table,
+                loader_table,
+                rate_table,
+            ]
+        )
+        + "\n"
+    )
     emit(report, args.output)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

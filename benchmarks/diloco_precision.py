@@ -29,13 +29,29 @@ from benchmarks._common import header, md_table
 from torchtitan_amp.tools.common import torchrun
 
 # debugmodel_tiny as the tests train it (tests/support/inputs.py TINY): a fast, well-conditioned run.
-MODEL = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+MODEL = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+]
 VARIANTS = {
     "every step": [],
     "diloco fp32": ["--fault_tolerance.semi_sync_method", "diloco"],
-    "diloco bf16": ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.pseudo_gradient_dtype",
-                    "bfloat16"],
+    "diloco bf16": [
+        "--fault_tolerance.semi_sync_method",
+        "diloco",
+        "--fault_tolerance.pseudo_gradient_dtype",
+        "bfloat16",
+    ],
 }
 
 
@@ -51,13 +67,33 @@ def train_groups(name: str, extra: list[str], steps: int, sync_steps: int, root:
     folders[0].parent.mkdir(parents=True, exist_ok=True)
     try:
         with ThreadPoolExecutor(2) as pool:
-            codes = list(pool.map(lambda g: torchrun(
-                "torchtitan_amp", 1,
-                [*MODEL, "--training.steps", str(steps), "--fault_tolerance.enable", "true",
-                 "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(g), *extra, *sync,
-                 "--job.dump_folder", str(folders[g])],
-                folders[g].parent / f"group{g}.log", timeout=1800,
-                env={"TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1"}), (0, 1)))
+            codes = list(
+                pool.map(
+                    lambda g: torchrun(
+                        "torchtitan_amp",
+                        1,
+                        [
+                            *MODEL,
+                            "--training.steps",
+                            str(steps),
+                            "--fault_tolerance.enable",
+                            "true",
+                            "--fault_tolerance.group_size",
+                            "2",
+                            "--fault_tolerance.replica_id",
+                            str(g),
+                            *extra,
+                            *sync,
+                            "--job.dump_folder",
+                            str(folders[g]),
+                        ],
+                        folders[g].parent / f"group{g}.log",
+                        timeout=1800,
+                        env={"TORCHFT_LIGHTHOUSE": lighthouse.address(), "OMP_NUM_THREADS": "1"},
+                    ),
+                    (0, 1),
+                )
+            )
     finally:
         lighthouse.shutdown()
     for g, code in enumerate(codes):
@@ -80,21 +116,29 @@ def main(argv: list[str]) -> int:
     if a.steps < a.sync_steps or a.sync_steps < 1:
         p.error("need --steps >= --sync-steps >= 1")
     with tempfile.TemporaryDirectory(prefix="diloco_precision_") as tmp:
-        curves = {name: train_groups(name, extra, a.steps, a.sync_steps, Path(tmp))
-                  for name, extra in VARIANTS.items()}
+        curves = {name: train_groups(name, extra, a.steps, a.sync_steps, Path(tmp)) for name, extra in VARIANTS.items()}
     fp32, bf16, every = curves["diloco fp32"], curves["diloco bf16"], curves["every step"]
-    rows = [[s, f"{every[s]:.4f}", f"{fp32[s]:.4f}", f"{bf16[s]:.4f}", f"{bf16[s] - fp32[s]:+.2e}"]
-            for s in fp32 if s % a.sync_steps == 0 or s == 1]
-    print(header(f"DiLoCo pseudo-gradients fp32 vs bf16 (debugmodel_tiny, 2 one-rank groups, {a.steps} steps, "
-                 f"sync every {a.sync_steps}; loss = the groups' mean)"))
+    rows = [
+        [s, f"{every[s]:.4f}", f"{fp32[s]:.4f}", f"{bf16[s]:.4f}", f"{bf16[s] - fp32[s]:+.2e}"]
+        for s in fp32
+        if s % a.sync_steps == 0 or s == 1
+    ]
+    print(
+        header(
+            f"DiLoCo pseudo-gradients fp32 vs bf16 (debugmodel_tiny, 2 one-rank groups, {a.steps} steps, "
+            f"sync every {a.sync_steps}; loss = the groups' mean)"
+        )
+    )
     print(md_table(["step", "every step", "diloco fp32", "diloco bf16", "bf16 - fp32"], rows))
     last = [s for s in fp32 if s > a.steps - a.sync_steps]
     gap = statistics.mean(bf16[s] - fp32[s] for s in last)
     worst = max(abs(bf16[s] - fp32[s]) for s in fp32)
     mean_fp32 = statistics.mean(fp32[s] for s in last)
-    print(f"\nlast {len(last)} steps: diloco fp32 {mean_fp32:.4f}, bf16 {statistics.mean(bf16[s] for s in last):.4f}, "
-          f"every step {statistics.mean(every[s] for s in last):.4f}; bf16 - fp32 = {gap:+.2e} "
-          f"({gap / mean_fp32:+.2%}); largest |bf16 - fp32| at any step {worst:.2e}")
+    print(
+        f"\nlast {len(last)} steps: diloco fp32 {mean_fp32:.4f}, bf16 {statistics.mean(bf16[s] for s in last):.4f}, "
+        f"every step {statistics.mean(every[s] for s in last):.4f}; bf16 - fp32 = {gap:+.2e} "
+        f"({gap / mean_fp32:+.2%}); largest |bf16 - fp32| at any step {worst:.2e}"
+    )
     return 0
 
 

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_amp.core.environment import require, separate_inductor_cache  # noqa: E402
+from torchtitan_amp.core.environment import require, separate_inductor_cache
 
 require()
 separate_inductor_cache()
@@ -75,10 +75,19 @@ GIB = 2**30
 def model_args(a: argparse.Namespace, n_layers: int) -> LlamaModelArgs:
     if a.tiny:
         # The 8B block's features (GQA, FFN multiplier, scaled rope) at toy size.
-        return LlamaModelArgs(dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32,
-                              ffn_dim_multiplier=1.3, max_seq_len=a.seq_len)
-    return dataclasses.replace(LLAMA3_FLAVORS["llama3_8b"], n_layers=n_layers, vocab_size=LLAMA3_VOCAB,
-                               max_seq_len=a.seq_len)
+        return LlamaModelArgs(
+            dim=64,
+            n_layers=n_layers,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=256,
+            multiple_of=32,
+            ffn_dim_multiplier=1.3,
+            max_seq_len=a.seq_len,
+        )
+    return dataclasses.replace(
+        LLAMA3_FLAVORS["llama3_8b"], n_layers=n_layers, vocab_size=LLAMA3_VOCAB, max_seq_len=a.seq_len
+    )
 
 
 def estimated_peak(args: LlamaModelArgs, a: argparse.Namespace, specs: list[memory.PrecisionSpec]) -> int:
@@ -100,11 +109,15 @@ def choose_layers(a: argparse.Namespace, device: torch.device, specs: list[memor
         if estimated_peak(model_args(a, n), a, specs) <= budget:
             best = n
     if best == 0:
-        raise SystemExit(f"not even one 8B layer fits {a.mem_fraction:.0%} of {total / GIB:.0f} GiB at seq_len "
-                         f"{a.seq_len} x batch {a.batch}; lower --seq-len or use --ac full")
+        raise SystemExit(
+            f"not even one 8B layer fits {a.mem_fraction:.0%} of {total / GIB:.0f} GiB at seq_len "
+            f"{a.seq_len} x batch {a.batch}; lower --seq-len or use --ac full"
+        )
     est = estimated_peak(model_args(a, best), a, specs)
-    return best, (f"estimated peak {est / GIB:.1f} GiB <= {a.mem_fraction:.0%} of {total / GIB:.0f} GiB - 2 GiB "
-                  f"(torchtitan_amp.memory)")
+    return best, (
+        f"estimated peak {est / GIB:.1f} GiB <= {a.mem_fraction:.0%} of {total / GIB:.0f} GiB - 2 GiB "
+        f"(torchtitan_amp.memory)"
+    )
 
 
 def init_process_group(device: torch.device) -> None:
@@ -115,8 +128,13 @@ def init_process_group(device: torch.device) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 class WholeModelShard(ParallelDims):
@@ -131,9 +149,21 @@ class WholeModelShard(ParallelDims):
 
 
 def job_config(name: str, compiled: bool, a: argparse.Namespace, device: torch.device) -> JobConfig:
-    return load_config([*CONFIGS[name][1], "--training.device", device.type, "--training.seq_len", str(a.seq_len),
-                        "--training.local_batch_size", str(a.batch), "--activation_checkpoint.mode", a.ac,
-                        "--compile.enable", "true" if compiled else "false"])
+    return load_config(
+        [
+            *CONFIGS[name][1],
+            "--training.device",
+            device.type,
+            "--training.seq_len",
+            str(a.seq_len),
+            "--training.local_batch_size",
+            str(a.batch),
+            "--activation_checkpoint.mode",
+            a.ac,
+            "--compile.enable",
+            "true" if compiled else "false",
+        ]
+    )
 
 
 def parallel_dims(name: str, config: JobConfig, mesh: ParallelDims) -> ParallelDims:
@@ -141,12 +171,20 @@ def parallel_dims(name: str, config: JobConfig, mesh: ParallelDims) -> ParallelD
     configuration would create new process groups each time)."""
     d = ParallelDims.from_config(config.parallelism, 1)
     cls = WholeModelShard if name == "fsdp" else ParallelDims
-    return cls(d.dp_replicate, d.dp_shard, d.tp, d.pp, d.world_size, _mesh=mesh.mesh,
-               _meshes={name: mesh.get_mesh(name) for name in ("dp", "fsdp", "loss")})
+    return cls(
+        d.dp_replicate,
+        d.dp_shard,
+        d.tp,
+        d.pp,
+        d.world_size,
+        _mesh=mesh.mesh,
+        _meshes={name: mesh.get_mesh(name) for name in ("dp", "fsdp", "loss")},
+    )
 
 
-def build_plan(name: str, compiled: bool, a: argparse.Namespace, device: torch.device,
-               mesh: ParallelDims) -> tuple[JobConfig, ParallelDims, PrecisionPlan]:
+def build_plan(
+    name: str, compiled: bool, a: argparse.Namespace, device: torch.device, mesh: ParallelDims
+) -> tuple[JobConfig, ParallelDims, PrecisionPlan]:
     """A configuration's JobConfig, ParallelDims and the PrecisionPlan the planner makes of them."""
     config = job_config(name, compiled, a, device)
     dims = parallel_dims(name, config, mesh)
@@ -180,8 +218,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device,
-               mesh: ParallelDims) -> dict[str, Any]:
+def run_config(
+    name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device, mesh: ParallelDims
+) -> dict[str, Any]:
     config, dims, plan = build_plan(name, compiled, a, device, mesh)
     assert plan.path == EXPECTED_PATH[name], (name, plan.path)
     args = model_args(a, n_layers)
@@ -226,12 +265,26 @@ def run_config(name: str, compiled: bool, n_layers: int, a: argparse.Namespace, 
     peak = peak_flops(device, [torch.bfloat16])
     del model, optimizer, params, tokens, inputs, labels, loss
     reset_memory(device)
-    return {"config": name, "precision": CONFIGS[name][0], "path": plan.path, "compile": compiled,
-            "layers": n_layers, "params": n_params, "flops_per_token": fpt, "step_s": step_s,
-            "steps_timed": len(times), "tokens_per_s": tps, "tflops": tps * fpt / 1e12,
-            "mfu_pct": 100 * tps * fpt / peak, "peak_flops": peak, "mem_allocated_gib": allocated,
-            "mem_reserved_gib": reserved, "warmup_s": warmup_s, "final_loss": final_loss,
-            "loss_finite": math.isfinite(final_loss)}
+    return {
+        "config": name,
+        "precision": CONFIGS[name][0],
+        "path": plan.path,
+        "compile": compiled,
+        "layers": n_layers,
+        "params": n_params,
+        "flops_per_token": fpt,
+        "step_s": step_s,
+        "steps_timed": len(times),
+        "tokens_per_s": tps,
+        "tflops": tps * fpt / 1e12,
+        "mfu_pct": 100 * tps * fpt / peak,
+        "peak_flops": peak,
+        "mem_allocated_gib": allocated,
+        "mem_reserved_gib": reserved,
+        "warmup_s": warmup_s,
+        "final_loss": final_loss,
+        "loss_finite": math.isfinite(final_loss),
+    }
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:
@@ -251,29 +304,36 @@ def is_oom(e: BaseException) -> bool:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| precision | compile | layers | params | tokens/s/GPU | TFLOP/s | MFU | peak mem GiB (alloc / reserved) "
-             "| warm-up s | loss |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| precision | compile | layers | params | tokens/s/GPU | TFLOP/s | MFU | peak mem GiB (alloc / reserved) "
+        "| warm-up s | loss |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {CONFIGS[r['config']][0]} | {'yes' if r['compile'] else 'no'} | {r.get('layers', '')} "
-                         f"| | {r['error']} | | | | | |")
+            lines.append(
+                f"| {CONFIGS[r['config']][0]} | {'yes' if r['compile'] else 'no'} | {r.get('layers', '')} "
+                f"| | {r['error']} | | | | | |"
+            )
             continue
         lines.append(
             f"| {r['precision']} | {'yes' if r['compile'] else 'no'} | {r['layers']} | {r['params'] / 1e9:.2f}B "
             f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f}% "
-            f"| {r['mem_allocated_gib']:.1f} / {r['mem_reserved_gib']:.1f} | {r['warmup_s']:.0f} | {r['final_loss']:.3f} |")
+            f"| {r['mem_allocated_gib']:.1f} / {r['mem_reserved_gib']:.1f} | {r['warmup_s']:.0f} | {r['final_loss']:.3f} |"
+        )
     return "\n".join(lines)
 
 
-def run_with_retries(cfg: str, compiled: bool, layers: int, a: argparse.Namespace, device: torch.device,
-                     mesh: ParallelDims) -> tuple[dict[str, Any], int]:
+def run_with_retries(
+    cfg: str, compiled: bool, layers: int, a: argparse.Namespace, device: torch.device, mesh: ParallelDims
+) -> tuple[dict[str, Any], int]:
     """run_config, with the layer count cut by a quarter after an out-of-memory error (at most
     twice); (its result, an "error" entry if it failed, and the layer count it ended with)."""
     for attempt in range(3):
         error = None
         try:
             return run_config(cfg, compiled, layers, a, device, mesh), layers
-        except Exception as e:  # noqa: BLE001 - report and go on: one failure must not lose the rest
+        except Exception as e:
             error = (is_oom(e), f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
         # Outside the except block: the traceback, which holds the failed run's tensors, is gone.
         reset_memory(device)
@@ -289,19 +349,24 @@ def print_result(r: dict[str, Any]) -> None:
     if "error" in r:
         print(f"  {r['config']} compile={r['compile']}: FAILED {r['error']}", flush=True)
         return
-    print(f"  {r['precision']:17s} compile={'on ' if r['compile'] else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
-          f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
-          f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}", flush=True)
+    print(
+        f"  {r['precision']:17s} compile={'on ' if r['compile'] else 'off'}: {r['tokens_per_s']:,.0f} tokens/s, "
+        f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu_pct']:.1f}%, peak {r['mem_allocated_gib']:.1f} GiB "
+        f"allocated, warm-up {r['warmup_s']:.0f} s, loss {r['final_loss']:.3f}",
+        flush=True,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="toy shape (dim 64, 2 layers, seq 32): a smoke run, CPU or GPU")
     p.add_argument("--configs", default="fsdp,autocast,fp32", help="from fsdp, autocast, fp32 (in this order)")
     p.add_argument("--compile", default="off,on", help="off, on, or off,on (default: both, eager first)")
-    p.add_argument("--compile-configs", help="the configs that also run compiled when --compile has on "
-                   "(default: all of --configs)")
+    p.add_argument(
+        "--compile-configs", help="the configs that also run compiled when --compile has on (default: all of --configs)"
+    )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 8192; 32 with --tiny)")
     p.add_argument("--batch", type=int, help="sequences per step (default 1; 2 with --tiny)")
     p.add_argument("--layers", default="auto", help="transformer blocks, or 'auto': as many as fit")
@@ -309,8 +374,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed steps (default 10; 2 with --tiny)")
     p.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; 1 with --tiny)")
     p.add_argument("--max-measure-s", type=float, default=30.0, help="stop timing a config after this (>= 3 steps)")
-    p.add_argument("--time-budget", type=float, default=500.0, help="skip configs that would start after "
-                   "this many seconds minus their expected duration (default %(default)s)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=500.0,
+        help="skip configs that would start after "
+        "this many seconds minus their expected duration (default %(default)s)",
+    )
     p.add_argument("--mem-fraction", type=float, default=0.85, help="share of GPU memory --layers auto may plan for")
     p.add_argument("--tf32", action="store_true", help="let fp32 matmuls use TF32 tensor cores")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -355,13 +425,25 @@ def main(argv: list[str]) -> int:
     specs = [memory_spec.from_plan(build_plan(c, False, a, device, mesh)[2]) for c in configs]
     layers, why = choose_layers(a, device, specs)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    info = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "seq_len": a.seq_len,
-            "batch": a.batch, "ac": a.ac, "tf32": a.tf32, "layers_chosen": layers, "layers_reason": why,
-            "command": shlex.join(["python", "-m", "benchmarks.gpu_mfu", *argv])}
-    print(f"gpu_mfu: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
-          f"{'tiny shape' if a.tiny else 'Llama-3-8B shape'}, {layers} layers ({why}); seq {a.seq_len} x batch "
-          f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "
-          f"{peak_flops(device, [torch.bfloat16]) / 1e12:.1f} TFLOP/s", flush=True)
+    info = {
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "seq_len": a.seq_len,
+        "batch": a.batch,
+        "ac": a.ac,
+        "tf32": a.tf32,
+        "layers_chosen": layers,
+        "layers_reason": why,
+        "command": shlex.join(["python", "-m", "benchmarks.gpu_mfu", *argv]),
+    }
+    print(
+        f"gpu_mfu: {name}, torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"{'tiny shape' if a.tiny else 'Llama-3-8B shape'}, {layers} layers ({why}); seq {a.seq_len} x batch "
+        f"{a.batch}, AC {a.ac}, TF32 {'on' if a.tf32 else 'off'}; MFU vs bf16 peak "
+        f"{peak_flops(device, [torch.bfloat16]) / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
     results: list[dict[str, Any]] = []
     write_json(a.json, {**info, "results": results})
     durations: dict[tuple[str, bool], float] = {}
@@ -374,8 +456,14 @@ def main(argv: list[str]) -> int:
             # Expected duration: the eager run of the same config, plus a compile allowance.
             expected = durations.get((cfg, False), 30.0) + (90.0 if compiled else 0.0)
             if not a.tiny and elapsed + expected > a.time_budget:
-                results.append({"config": cfg, "compile": compiled, "error": f"skipped: time budget "
-                                f"({elapsed:.0f} s used, ~{expected:.0f} s needed, --time-budget {a.time_budget:.0f})"})
+                results.append(
+                    {
+                        "config": cfg,
+                        "compile": compiled,
+                        "error": f"skipped: time budget "
+                        f"({elapsed:.0f} s used, ~{expected:.0f} s needed, --time-budget {a.time_budget:.0f})",
+                    }
+                )
                 print(f"  {cfg} compile={compiled}: skipped (time budget)", flush=True)
                 continue
             t0 = time.perf_counter()

@@ -23,14 +23,19 @@ import time
 from pathlib import Path
 
 from benchmarks._common import CPU_MODELS, emit, header, load_average, md_table, num_params
-
 from torchtitan_amp.tools import estimate_memory
 
 LAYOUTS = {
     "single": (1, []),
-    "DDP 2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "DDP 2": (
+        2,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    ),
     "FSDP 2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "DDP 4": (4, ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"]),
+    "DDP 4": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1"],
+    ),
     "FSDP 4": (4, ["--parallelism.data_parallel_shard_degree", "4"]),
 }
 PRECISIONS = {"fp32": ["--mixed_precision.enabled", "false"], "bf16": ["--mixed_precision.param_dtype", "bfloat16"]}
@@ -62,8 +67,16 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in a.layouts.split(","):
         nproc, layout_args = LAYOUTS[name]
-        overrides = ["--model.flavor", flavor, "--training.seq_len", str(a.seq_len), "--training.local_batch_size",
-                     str(a.local_batch), *layout_args, *PRECISIONS[a.precision]]
+        overrides = [
+            "--model.flavor",
+            flavor,
+            "--training.seq_len",
+            str(a.seq_len),
+            "--training.local_batch_size",
+            str(a.local_batch),
+            *layout_args,
+            *PRECISIONS[a.precision],
+        ]
         config = load_config(overrides)
         estimate_memory.apply_shape(flavor, shape)
         est = estimate_memory.estimate(config, nproc)
@@ -72,17 +85,43 @@ def main(argv: list[str]) -> int:
         state = max(sum(memory.sum_bytes(m[k]) for k in ("params", "grads", "optimizer")) for m in measured)
         st = est["state"]
         state_est = sum(memory.sum_bytes(st[k]) for k in ("params", "grads", "optimizer"))
-        rows.append([name, nproc, fb(state), fb(state_est), fb(memory.sum_bytes(est["transient"])),
-                     fb(est["activations"]["configured"]), fb(peak), fb(est["peak"]["configured"]),
-                     f"{peak / est['peak']['configured']:.2f}"])
+        rows.append(
+            [
+                name,
+                nproc,
+                fb(state),
+                fb(state_est),
+                fb(memory.sum_bytes(est["transient"])),
+                fb(est["activations"]["configured"]),
+                fb(peak),
+                fb(est["peak"]["configured"]),
+                f"{peak / est['peak']['configured']:.2f}",
+            ]
+        )
         print(f"{name}: peak RSS +{fb(peak)} (estimate {fb(est['peak']['configured'])})", flush=True)
-    text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
-             f"model {a.model} ({num_params(a.model) / 1e6:.1f}M parameters), {a.precision}, seq {a.seq_len} x local "
-             f"batch {a.local_batch} per rank, 2 steps; the largest rank of each layout\n"
-             f"command: python -m benchmarks.memory_peak {shlex.join(argv)}\n\n")
-    text += md_table(["layout", "ranks", "params+grads+AdamW (tensors)", "(estimate)", "transient (estimate)",
-                      "activations (estimate)", "peak RSS growth (measured)", "peak (estimate)",
-                      "measured / estimate"], rows) + "\n"
+    text += (
+        f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
+        f"model {a.model} ({num_params(a.model) / 1e6:.1f}M parameters), {a.precision}, seq {a.seq_len} x local "
+        f"batch {a.local_batch} per rank, 2 steps; the largest rank of each layout\n"
+        f"command: python -m benchmarks.memory_peak {shlex.join(argv)}\n\n"
+    )
+    text += (
+        md_table(
+            [
+                "layout",
+                "ranks",
+                "params+grads+AdamW (tensors)",
+                "(estimate)",
+                "transient (estimate)",
+                "activations (estimate)",
+                "peak RSS growth (measured)",
+                "peak (estimate)",
+                "measured / estimate",
+            ],
+            rows,
+        )
+        + "\n"
+    )
     emit(text, a.output)
     return 0
 

@@ -72,33 +72,85 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="also write the report (markdown) to this file")
     parser.add_argument("--json", help="also write each choice's per-step losses (JSON) to this file")
     a = parser.parse_args(argv)
-    common = [*use_model(a.model), "--training.steps", str(a.steps), "--training.seq_len", str(a.seq_len),
-              "--training.local_batch_size", str(a.batch), "--optimizer.lr", str(a.lr),
-              "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.decay_type", "cosine",
-              "--lr_scheduler.min_lr_factor", "0.1", "--metrics.log_freq", "1", "--training.gc_freq", "0"]
+    common = [
+        *use_model(a.model),
+        "--training.steps",
+        str(a.steps),
+        "--training.seq_len",
+        str(a.seq_len),
+        "--training.local_batch_size",
+        str(a.batch),
+        "--optimizer.lr",
+        str(a.lr),
+        "--lr_scheduler.warmup_steps",
+        "20",
+        "--lr_scheduler.decay_type",
+        "cosine",
+        "--lr_scheduler.min_lr_factor",
+        "0.1",
+        "--metrics.log_freq",
+        "1",
+        "--training.gc_freq",
+        "0",
+    ]
     curves = {name: curve(name, [*common, *args], Path(a.out)) for name, args in CHOICES.items()}
     ref = curves["fp32"][0]
     marks = [s for s in (1, 10, 50, 100, 200, a.steps) if s <= a.steps]
     rows = []
     for name, (losses, bpp, seconds) in curves.items():
         dev = [abs(x - y) for x, y in zip(losses, ref)]
-        rows.append([name, *(f"{losses[s - 1]:.4f}" for s in marks), f"{statistics.mean(losses[-50:]):.4f}",
-                     f"{max(dev):.4f}", f"{statistics.mean(dev):.4f}", f"{bpp['trained_total']} B", f"{seconds:.0f} s"])
+        rows.append(
+            [
+                name,
+                *(f"{losses[s - 1]:.4f}" for s in marks),
+                f"{statistics.mean(losses[-50:]):.4f}",
+                f"{max(dev):.4f}",
+                f"{statistics.mean(dev):.4f}",
+                f"{bpp['trained_total']} B",
+                f"{seconds:.0f} s",
+            ]
+        )
     command = f"python -m benchmarks.optimizer_precision {shlex.join(sys.argv[1:] if argv is None else argv)}"
-    settings = (f"model {a.model}, seq {a.seq_len} x batch {a.batch}, AdamW lr {a.lr} (20 warm-up steps, cosine to "
-                f"0.1x), {a.steps} steps, one process")
+    settings = (
+        f"model {a.model}, seq {a.seq_len} x batch {a.batch}, AdamW lr {a.lr} (20 warm-up steps, cosine to "
+        f"0.1x), {a.steps} steps, one process"
+    )
     if a.json:
-        Path(a.json).write_text(json.dumps({
-            "command": command, "settings": settings, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "curves": {name: {"losses": losses, "bytes_per_param": bpp["trained_total"], "wall_s": round(seconds, 1)}
-                       for name, (losses, bpp, seconds) in curves.items()}}, indent=1) + "\n")
-    text = "\n".join([
-        header("Weight and optimizer-state precision: loss curves against fp32"),
-        f"command: {command}",
-        f"{settings}\n",
-        md_table(["choice", *(f"loss @{s}" for s in marks), "mean of last 50", "max |dev| vs fp32",
-                  "mean |dev| vs fp32", "bytes / trained param", "wall"], rows),
-    ])
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "settings": settings,
+                    "machine": machine(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "curves": {
+                        name: {"losses": losses, "bytes_per_param": bpp["trained_total"], "wall_s": round(seconds, 1)}
+                        for name, (losses, bpp, seconds) in curves.items()
+                    },
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    text = "\n".join(
+        [
+            header("Weight and optimizer-state precision: loss curves against fp32"),
+            f"command: {command}",
+            f"{settings}\n",
+            md_table(
+                [
+                    "choice",
+                    *(f"loss @{s}" for s in marks),
+                    "mean of last 50",
+                    "max |dev| vs fp32",
+                    "mean |dev| vs fp32",
+                    "bytes / trained param",
+                    "wall",
+                ],
+                rows,
+            ),
+        ]
+    )
     emit(text, a.output)
     return 0
 

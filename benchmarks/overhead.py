@@ -48,11 +48,16 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
 }
-HAND_LABEL = {"single": "plain module", "ddp2": "DistributedDataParallel (defaults)",
-              "fsdp2": "fully_shard per block + root",
-              "tp2": "parallelize_module, torch's TP tutorial plan (sequence + loss parallel)"}
-PRECISION_ARGS = {"fp32": ["--mixed_precision.enabled", "false"],
-                  "bf16": ["--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16"]}
+HAND_LABEL = {
+    "single": "plain module",
+    "ddp2": "DistributedDataParallel (defaults)",
+    "fsdp2": "fully_shard per block + root",
+    "tp2": "parallelize_module, torch's TP tutorial plan (sequence + loss parallel)",
+}
+PRECISION_ARGS = {
+    "fp32": ["--mixed_precision.enabled", "false"],
+    "bf16": ["--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16"],
+}
 
 
 def _wrap(model, layout: str, precision: str):  # type: ignore[no-untyped-def]
@@ -69,8 +74,11 @@ def _wrap(model, layout: str, precision: str):  # type: ignore[no-untyped-def]
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if precision == "bf16" else MixedPrecisionPolicy())
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
         for block in model.layers.children():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -86,27 +94,44 @@ def _tensor_parallel(model) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for block in model.layers.children():
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
 
 
 def hand_written(args, layout: str, precision: str, seq: int, batch: int, lr: float) -> Callable[[], float]:  # type: ignore[no-untyped-def]
@@ -173,8 +198,9 @@ def measure(job: dict) -> dict:
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.run.dataloader)
     t_step = trainer_step(trainer, batches)
-    hand = hand_written(trainer.run.job.model_args, job["layout"], job["precision"], job["seq"], job["batch"],
-                        config.optimizer.lr)
+    hand = hand_written(
+        trainer.run.job.model_args, job["layout"], job["precision"], job["seq"], job["batch"], config.optimizer.lr
+    )
     sync = dist.barrier if dist.is_initialized() else (lambda: None)
     for _ in range(job["warmup"]):
         t_step()
@@ -192,11 +218,12 @@ def measure(job: dict) -> dict:
     for i in range(job["steps"]):
         # Alternate which loop goes first, so that neither always inherits the other's freed memory.
         pair = [(t_step, t_times), (hand, h_times)]
-        for fn, times in (pair if i % 2 == 0 else pair[::-1]):
+        for fn, times in pair if i % 2 == 0 else pair[::-1]:
             timed(fn, times)
     result = {k: job[k] for k in ("model", "layout", "precision", "seq", "batch", "steps", "warmup")}
-    result.update(trainer=t_times, hand=h_times, threads=torch.get_num_threads(), path=trainer.run.plan.path,
-                  load=load_average())
+    result.update(
+        trainer=t_times, hand=h_times, threads=torch.get_num_threads(), path=trainer.run.plan.path, load=load_average()
+    )
     trainer.run.metrics.close()
     del trainer, hand, t_step
     gc.collect()
@@ -223,14 +250,34 @@ def jobs_for(layout: str, models: list[str], precisions: list[str], a: argparse.
     for model in models:
         seq, batch = a.seq_len or SHAPES[model][0], a.batch or SHAPES[model][1]
         for precision in precisions:
-            jobs.append({
-                "model": model, "layout": layout, "precision": precision, "seq": seq, "batch": batch,
-                "steps": a.steps, "warmup": a.warmup,
-                "args": ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch),
-                         "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-                         "--job.dump_folder", str(out / f"{model}_{layout}_{precision}"),
-                         *LAYOUTS[layout][1], *PRECISION_ARGS[precision], *a.trainer_args],
-            })
+            jobs.append(
+                {
+                    "model": model,
+                    "layout": layout,
+                    "precision": precision,
+                    "seq": seq,
+                    "batch": batch,
+                    "steps": a.steps,
+                    "warmup": a.warmup,
+                    "args": [
+                        "--training.seq_len",
+                        str(seq),
+                        "--training.local_batch_size",
+                        str(batch),
+                        "--training.steps",
+                        "1000",
+                        "--lr_scheduler.warmup_steps",
+                        "2",
+                        "--metrics.log_freq",
+                        "1",
+                        "--job.dump_folder",
+                        str(out / f"{model}_{layout}_{precision}"),
+                        *LAYOUTS[layout][1],
+                        *PRECISION_ARGS[precision],
+                        *a.trainer_args,
+                    ],
+                }
+            )
     return jobs
 
 
@@ -245,15 +292,27 @@ def run_layouts(layouts: list[str], jobs: dict[str, list[dict]], out: Path) -> I
         if nproc == 1:
             yield from (measure(job) for job in group)
         else:
-            yield from sorted(run_jobs(__spec__.name, nproc, group, out, f"{nproc}ranks"),
-                              key=lambda r: order[r["layout"]])
+            yield from sorted(
+                run_jobs(__spec__.name, nproc, group, out, f"{nproc}ranks"), key=lambda r: order[r["layout"]]
+            )
 
 
 def row(r: dict) -> list[str]:
     t, h = statistics.median(r["trainer"]), statistics.median(r["hand"])
     tmin, hmin = min(r["trainer"]), min(r["hand"])
-    return [r["model"], r["layout"], r["precision"], HAND_LABEL[r["layout"]], f"{h * 1e3:,.1f}", f"{t * 1e3:,.1f}",
-            f"{h / t:.3f}", f"{hmin * 1e3:,.1f}", f"{tmin * 1e3:,.1f}", f"{hmin / tmin:.3f}", r["load"]]
+    return [
+        r["model"],
+        r["layout"],
+        r["precision"],
+        HAND_LABEL[r["layout"]],
+        f"{h * 1e3:,.1f}",
+        f"{t * 1e3:,.1f}",
+        f"{h / t:.3f}",
+        f"{hmin * 1e3:,.1f}",
+        f"{tmin * 1e3:,.1f}",
+        f"{hmin / tmin:.3f}",
+        r["load"],
+    ]
 
 
 def main(argv: list[str]) -> int:
@@ -266,8 +325,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the model's default)")
     p.add_argument("--batch", type=int, default=0, help="sequences per rank (0: the model's default)")
-    p.add_argument("--trainer-args", default="", help="extra Trainer overrides, e.g. "
-                   "'--parallelism.ddp_bucket_cap_mb 100' (one string, split like a shell)")
+    p.add_argument(
+        "--trainer-args",
+        default="",
+        help="extra Trainer overrides, e.g. '--parallelism.ddp_bucket_cap_mb 100' (one string, split like a shell)",
+    )
     p.add_argument("--out", default="outputs/bench_overhead")
     p.add_argument("--output", metavar="FILE", help="also write the markdown report here")
     a = p.parse_args(argv)
@@ -290,17 +352,41 @@ def main(argv: list[str]) -> int:
     jobs = {layout: jobs_for(layout, models, a.precisions.split(","), a, out) for layout in layouts}
     for r in run_layouts(layouts, jobs, out):
         rows.append(row(r))
-        print(f"{r['model']} {r['layout']} {r['precision']}: hand {statistics.median(r['hand']) * 1e3:.1f} ms, "
-              f"trainer {statistics.median(r['trainer']) * 1e3:.1f} ms (load {r['load']})", flush=True)
-    shapes = "; ".join(f"{m}: {num_params(m) / 1e6:.1f}M params, seq {a.seq_len or SHAPES[m][0]} x "
-                       f"{a.batch or SHAPES[m][1]} sequences per rank" for m in models)
-    text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; "
-             f"{torch.get_num_threads()} threads in one process, 1 per rank on 2; median of {a.steps} "
-             f"alternating steps after {a.warmup} warm-up steps each; {shapes}\n"
-             f"command: python -m benchmarks.overhead {shlex.join(argv)}\n\n")
-    text += md_table(["model", "layout", "precision", "hand-written loop", "hand ms (median)", "Trainer ms (median)",
-                      "hand / Trainer (medians)", "hand ms (best)", "Trainer ms (best)", "hand / Trainer (bests)",
-                      "load (1/5/15 min) after"], rows) + "\n"
+        print(
+            f"{r['model']} {r['layout']} {r['precision']}: hand {statistics.median(r['hand']) * 1e3:.1f} ms, "
+            f"trainer {statistics.median(r['trainer']) * 1e3:.1f} ms (load {r['load']})",
+            flush=True,
+        )
+    shapes = "; ".join(
+        f"{m}: {num_params(m) / 1e6:.1f}M params, seq {a.seq_len or SHAPES[m][0]} x "
+        f"{a.batch or SHAPES[m][1]} sequences per rank"
+        for m in models
+    )
+    text += (
+        f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min; "
+        f"{torch.get_num_threads()} threads in one process, 1 per rank on 2; median of {a.steps} "
+        f"alternating steps after {a.warmup} warm-up steps each; {shapes}\n"
+        f"command: python -m benchmarks.overhead {shlex.join(argv)}\n\n"
+    )
+    text += (
+        md_table(
+            [
+                "model",
+                "layout",
+                "precision",
+                "hand-written loop",
+                "hand ms (median)",
+                "Trainer ms (median)",
+                "hand / Trainer (medians)",
+                "hand ms (best)",
+                "Trainer ms (best)",
+                "hand / Trainer (bests)",
+                "load (1/5/15 min) after",
+            ],
+            rows,
+        )
+        + "\n"
+    )
     emit(text, a.output)
     return 0
 

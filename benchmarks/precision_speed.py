@@ -27,15 +27,30 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import (CPU_MODELS, SHAPES, emit, header, load_average, md_table, num_params, run_jobs,
-                     summarize, use_model)
+from benchmarks._common import (
+    CPU_MODELS,
+    SHAPES,
+    emit,
+    header,
+    load_average,
+    md_table,
+    num_params,
+    run_jobs,
+    summarize,
+    use_model,
+)
 
 FP32 = ["--mixed_precision.enabled", "false"]
 BF16 = ["--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16"]
 LAYOUTS = {
     1: [("single", [])],
-    2: [("DDP 2", ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
-        ("FSDP 2", ["--parallelism.data_parallel_shard_degree", "2"])],
+    2: [
+        (
+            "DDP 2",
+            ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+        ),
+        ("FSDP 2", ["--parallelism.data_parallel_shard_degree", "2"]),
+    ],
 }
 
 
@@ -53,7 +68,9 @@ def worker(spec_path: str, out_path: str) -> int:
     logging.basicConfig(level=logging.WARNING)
     jobs = json.loads(Path(spec_path).read_text())
     cpu = torch.device("cpu")
-    peaks = {name: peak_flops(cpu, [dtype]) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    peaks = {
+        name: peak_flops(cpu, [dtype]) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    }
     results = []
     for job in jobs:
         # Both precisions of a (model, layout) live in this process and their steps alternate
@@ -77,10 +94,18 @@ def worker(spec_path: str, out_path: str) -> int:
                 trainer.train_step(batches)
                 times[i].append(time.perf_counter() - start)
         for prec, trainer, t in zip(job["precisions"], trainers, times):
-            results.append({**{k: v for k, v in job.items() if k not in ("precisions", "args")},
-                            "precision": prec["name"], "times": t, "path": trainer.run.plan.path,
-                            "flops_per_token": trainer.flops_per_token, "threads": torch.get_num_threads(),
-                            "world_size": trainer.run.info.world_size, "peaks": peaks})
+            results.append(
+                {
+                    **{k: v for k, v in job.items() if k not in ("precisions", "args")},
+                    "precision": prec["name"],
+                    "times": t,
+                    "path": trainer.run.plan.path,
+                    "flops_per_token": trainer.flops_per_token,
+                    "threads": torch.get_num_threads(),
+                    "world_size": trainer.run.info.world_size,
+                    "peaks": peaks,
+                }
+            )
             trainer.run.metrics.close()
         del trainers, iters, trainer, batches
         gc.collect()
@@ -97,14 +122,31 @@ def jobs_for(nproc: int, models: list[str], steps: int, warmup: int, out: Path) 
         big = model == "large"
         for layout, layout_args in LAYOUTS[nproc]:
             folder = out / f"{model}_{layout}".replace(" ", "")
-            jobs.append({
-                "model": model, "layout": layout, "nproc": nproc, "tokens_per_step": seq * batch,
-                "warmup": 1 if big else warmup, "steps": steps,
-                "args": ["--training.seq_len", str(seq), "--training.local_batch_size", str(batch // nproc),
-                         "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2", *layout_args],
-                "precisions": [{"name": name, "args": [*args, "--job.dump_folder", str(folder / name)]}
-                               for name, args in (("fp32", FP32), ("bf16", BF16))],
-            })
+            jobs.append(
+                {
+                    "model": model,
+                    "layout": layout,
+                    "nproc": nproc,
+                    "tokens_per_step": seq * batch,
+                    "warmup": 1 if big else warmup,
+                    "steps": steps,
+                    "args": [
+                        "--training.seq_len",
+                        str(seq),
+                        "--training.local_batch_size",
+                        str(batch // nproc),
+                        "--training.steps",
+                        "1000",
+                        "--lr_scheduler.warmup_steps",
+                        "2",
+                        *layout_args,
+                    ],
+                    "precisions": [
+                        {"name": name, "args": [*args, "--job.dump_folder", str(folder / name)]}
+                        for name, args in (("fp32", FP32), ("bf16", BF16))
+                    ],
+                }
+            )
     return jobs
 
 
@@ -123,20 +165,49 @@ def report(results: list[dict]) -> str:
         mfu = 100 * flops_per_proc / max(r["peaks"].values())
         speedup = base[r["model"], r["layout"]][0] / step
         speedup_best = base[r["model"], r["layout"]][1] / min(r["times"])
-        prec = {"full": "fp32", "autocast": "bf16 autocast", "fsdp": "bf16 FSDP policy"}[r["path"]] \
-            if r["precision"] == "bf16" else "fp32"
-        rows.append([r["model"], r["layout"], prec, f"{step * 1e3:,.0f}", f"{tps:,.0f}",
-                     f"{flops_per_proc / 1e9:.1f}", f"{mfu:.1f}%", f"{speedup:.2f}x / {speedup_best:.2f}x"])
+        prec = (
+            {"full": "fp32", "autocast": "bf16 autocast", "fsdp": "bf16 FSDP policy"}[r["path"]]
+            if r["precision"] == "bf16"
+            else "fp32"
+        )
+        rows.append(
+            [
+                r["model"],
+                r["layout"],
+                prec,
+                f"{step * 1e3:,.0f}",
+                f"{tps:,.0f}",
+                f"{flops_per_proc / 1e9:.1f}",
+                f"{mfu:.1f}%",
+                f"{speedup:.2f}x / {speedup_best:.2f}x",
+            ]
+        )
     peaks = {(r["world_size"], r["threads"]): r["peaks"] for r in results}
-    notes = [f"- peak matmul FLOP/s per process ({ws} process(es) x {th} thread(s)): fp32 "
-             f"{p['float32'] / 1e9:.0f} GFLOP/s, bf16 {p['bfloat16'] / 1e9:.0f} GFLOP/s "
-             f"(bf16/fp32 {p['bfloat16'] / p['float32']:.1f}x)" for (ws, th), p in sorted(peaks.items())]
+    notes = [
+        f"- peak matmul FLOP/s per process ({ws} process(es) x {th} thread(s)): fp32 "
+        f"{p['float32'] / 1e9:.0f} GFLOP/s, bf16 {p['bfloat16'] / 1e9:.0f} GFLOP/s "
+        f"(bf16/fp32 {p['bfloat16'] / p['float32']:.1f}x)"
+        for (ws, th), p in sorted(peaks.items())
+    ]
     sizes = sorted({r["model"] for r in results}, key=list(CPU_MODELS).index)
-    notes += [f"- {m}: {num_params(m) / 1e6:.1f}M parameters, seq_len {SHAPES[m][0]}, global batch "
-              f"{SHAPES[m][1]} sequences, median of {next(r['steps'] for r in results if r['model'] == m)} timed steps"
-              for m in sizes]
-    table = md_table(["model", "layout", "precision", "step ms", "tokens/s", "GFLOP/s per process",
-                      "MFU (best fp32/bf16 peak)", "speed-up vs fp32 (median / best step)"], rows)
+    notes += [
+        f"- {m}: {num_params(m) / 1e6:.1f}M parameters, seq_len {SHAPES[m][0]}, global batch "
+        f"{SHAPES[m][1]} sequences, median of {next(r['steps'] for r in results if r['model'] == m)} timed steps"
+        for m in sizes
+    ]
+    table = md_table(
+        [
+            "model",
+            "layout",
+            "precision",
+            "step ms",
+            "tokens/s",
+            "GFLOP/s per process",
+            "MFU (best fp32/bf16 peak)",
+            "speed-up vs fp32 (median / best step)",
+        ],
+        rows,
+    )
     return table + "\n\n" + "\n".join(notes)
 
 
@@ -158,10 +229,11 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     results = []
     for nproc in (int(n) for n in a.nprocs.split(",")):
-        results += run_jobs(__spec__.name, nproc, jobs_for(nproc, models, a.steps, a.warmup, out),
-                            out, f"{nproc}proc")
-    text += (f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
-             f"command: python -m benchmarks.precision_speed {shlex.join(argv)}\n\n" + report(results) + "\n")
+        results += run_jobs(__spec__.name, nproc, jobs_for(nproc, models, a.steps, a.warmup, out), out, f"{nproc}proc")
+    text += (
+        f"load average at end: {load_average()}; took {(time.perf_counter() - start) / 60:.1f} min\n"
+        f"command: python -m benchmarks.precision_speed {shlex.join(argv)}\n\n" + report(results) + "\n"
+    )
     emit(text, a.output)
     return 0
 

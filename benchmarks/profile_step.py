@@ -30,9 +30,24 @@ def build(model: str, seq: int, batch: int, overrides: list[str], out: str):  # 
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train.trainer import Trainer
 
-    trainer = Trainer(load_config([*use_model(model), "--training.seq_len", str(seq), "--training.local_batch_size",
-                                   str(batch), "--training.steps", "1000", "--lr_scheduler.warmup_steps", "2",
-                                   "--job.dump_folder", out, *overrides]))
+    trainer = Trainer(
+        load_config(
+            [
+                *use_model(model),
+                "--training.seq_len",
+                str(seq),
+                "--training.local_batch_size",
+                str(batch),
+                "--training.steps",
+                "1000",
+                "--lr_scheduler.warmup_steps",
+                "2",
+                "--job.dump_folder",
+                out,
+                *overrides,
+            ]
+        )
+    )
     with torch.random.fork_rng(devices=[]):
         batches = iter(trainer.run.dataloader)
     return lambda: trainer.train_step(batches)
@@ -78,22 +93,33 @@ def main(argv: list[str]) -> int:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(a.steps):
         order = list(steps.items())
-        for name, step in (order if i % 2 == 0 else order[::-1]):
+        for name, step in order if i % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
     ops = {name: self_times(step, a.profiled) for name, step in steps.items()}
     first = configs[0][0]
     medians = {name: statistics.median(t) for name, t in times.items()}
-    text += (f"load average at end: {load_average()}; model {model} ({num_params(model) / 1e6:.1f}M params), "
-             f"seq {seq} x batch {batch}; median of {a.steps} alternating steps after {a.warmup} warm-up\n"
-             f"command: python -m benchmarks.profile_step {shlex.join(argv)}\n\n")
-    text += md_table(["configuration", "overrides", "step ms (median)", f"vs {first}"],
-                     [[name, f"`{args}`", f"{medians[name] * 1e3:,.0f}", f"{medians[name] / medians[first]:.3f}"]
-                      for name, args in configs]) + "\n\n"
+    text += (
+        f"load average at end: {load_average()}; model {model} ({num_params(model) / 1e6:.1f}M params), "
+        f"seq {seq} x batch {batch}; median of {a.steps} alternating steps after {a.warmup} warm-up\n"
+        f"command: python -m benchmarks.profile_step {shlex.join(argv)}\n\n"
+    )
+    text += (
+        md_table(
+            ["configuration", "overrides", "step ms (median)", f"vs {first}"],
+            [
+                [name, f"`{args}`", f"{medians[name] * 1e3:,.0f}", f"{medians[name] / medians[first]:.3f}"]
+                for name, args in configs
+            ],
+        )
+        + "\n\n"
+    )
     # Ops ranked by the largest self time in any configuration: what bf16 removed shows too.
     names = sorted({k for o in ops.values() for k in o}, key=lambda k: -max(o.get(k, 0.0) for o in ops.values()))
-    rows = [[f"`{k}`", *(f"{ops[c][k] * 1e3:,.1f}" if k in ops[c] else "-" for c, _ in configs)] for k in names[:a.top]]
+    rows = [
+        [f"`{k}`", *(f"{ops[c][k] * 1e3:,.1f}" if k in ops[c] else "-" for c, _ in configs)] for k in names[: a.top]
+    ]
     rows.append(["(all ops, profiled)", *(f"{sum(ops[c].values()) * 1e3:,.1f}" for c, _ in configs)])
     text += md_table(["op (self CPU ms per step)", *(c for c, _ in configs)], rows) + "\n"
     emit(text, a.output)

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 
 from benchmarks._common import CPU_MODELS, header, md_table, use_model
-
-import torch  # noqa: E402
-
-from torchtitan_amp.config import load_config  # noqa: E402
-from torchtitan_amp.train import trainer as trainer_module  # noqa: E402
-from torchtitan_amp.train.trainer import Trainer, loss_fn  # noqa: E402
+from torchtitan_amp.config import load_config
+from torchtitan_amp.train import trainer as trainer_module
+from torchtitan_amp.train.trainer import Trainer, loss_fn
 
 WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,9 +36,21 @@ WIRE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def per_rank_gradients(model_name: str, n: int, seq_len: int, batch: int) -> list[torch.Tensor]:
     """n flat fp32 gradients of the same weights, each from its own batch of real data."""
     trainer_module.peak_flops = lambda device, dtype: 1e12  # MFU is not read here
-    trainer = Trainer(load_config([*use_model(model_name), "--mixed_precision.enabled", "false",
-                                   "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch),
-                                   "--job.dump_folder", "/tmp/reduce_precision"]))
+    trainer = Trainer(
+        load_config(
+            [
+                *use_model(model_name),
+                "--mixed_precision.enabled",
+                "false",
+                "--training.seq_len",
+                str(seq_len),
+                "--training.local_batch_size",
+                str(batch),
+                "--job.dump_folder",
+                "/tmp/reduce_precision",
+            ]
+        )
+    )
     grads, batches = [], iter(trainer.run.dataloader)
     params = [p for p in trainer.run.model.parameters() if p.requires_grad]
     for _ in range(n):
@@ -84,12 +94,21 @@ def main(argv: list[str]) -> int:
             row += [f"{rel_l2(exact.to(wire).float(), exact):.2e}", f"{rel_l2(ring_mean(grads[:n], wire), exact):.2e}"]
         rows.append(row)
         n *= 2
-    print(header(f"Gradient reduce error vs data-parallel degree ({a.model}, {grads[0].numel():,} gradients, "
-                 f"batch {a.batch} x seq {a.seq_len} per rank; emulated ring)"))
-    print(md_table(["ranks", "bf16: cast of the mean", "bf16 ring reduce", "fp16: cast of the mean",
-                    "fp16 ring reduce"], rows))
-    print("\nRelative L2 error against the exact fp32 mean. 'cast of the mean' is the floor any "
-          "low-precision wire costs; the ring's extra error is rounding of partial sums, once per hop.")
+    print(
+        header(
+            f"Gradient reduce error vs data-parallel degree ({a.model}, {grads[0].numel():,} gradients, "
+            f"batch {a.batch} x seq {a.seq_len} per rank; emulated ring)"
+        )
+    )
+    print(
+        md_table(
+            ["ranks", "bf16: cast of the mean", "bf16 ring reduce", "fp16: cast of the mean", "fp16 ring reduce"], rows
+        )
+    )
+    print(
+        "\nRelative L2 error against the exact fp32 mean. 'cast of the mean' is the floor any "
+        "low-precision wire costs; the ring's extra error is rounding of partial sums, once per hop."
+    )
     return 0
 
 

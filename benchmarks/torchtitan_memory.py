@@ -36,48 +36,115 @@ def _config(name: str) -> str:
     return str(REPO / "train_configs" / f"{name}.toml")
 
 
-def _layout(shard: int, *, tp: int = 1, pp: int = 1, cp: int = 1, lb: int, seq: int, ac: str,
-            schedule: str = "1F1B") -> tuple[str, ...]:
-    out = ["--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
-           "--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.context_parallel_degree", str(cp),
-           "--training.local_batch_size", str(lb), "--training.seq_len", str(seq),
-           "--activation_checkpoint.mode", "full" if ac == "full" else "selective",
-           "--activation_checkpoint.selective_ac_option", "op"]
+def _layout(
+    shard: int, *, tp: int = 1, pp: int = 1, cp: int = 1, lb: int, seq: int, ac: str, schedule: str = "1F1B"
+) -> tuple[str, ...]:
+    out = [
+        "--parallelism.data_parallel_shard_degree",
+        str(shard),
+        "--parallelism.tensor_parallel_degree",
+        str(tp),
+        "--parallelism.pipeline_parallel_degree",
+        str(pp),
+        "--parallelism.context_parallel_degree",
+        str(cp),
+        "--training.local_batch_size",
+        str(lb),
+        "--training.seq_len",
+        str(seq),
+        "--activation_checkpoint.mode",
+        "full" if ac == "full" else "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
     if pp > 1:
         # torchtitan's default then (pipeline_parallel_microbatches unset): one microbatch per
         # stage of the whole pipeline, pp x stages per rank.
         microbatches = pp * STAGES_PER_RANK[schedule]
-        out += ["--parallelism.pipeline_parallel_schedule", schedule,
-                "--parallelism.pipeline_parallel_microbatch_size", str(lb // microbatches)]
+        out += [
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            "--parallelism.pipeline_parallel_microbatch_size",
+            str(lb // microbatches),
+        ]
     return tuple(out)
 
 
 # Their Tables 1 and 3 (eager FSDP rows), 2 (compile + Float8), 4-6 (compile + Float8 with float8
 # all-gather, their 70B/405B configs' setting; Tables 5-6 add async TP).
 ROWS: tuple[Row, ...] = (
-    Row("8B, FSDP 8, local batch 2, seq 8192, selective op AC", 82.4, _config("llama3_8b"), 8,
-        _layout(8, lb=2, seq=8192, ac="op"), "eager; ours eager"),
-    Row("8B, FSDP 128, local batch 2, seq 8192, selective op AC", 67.0, _config("llama3_8b"), 128,
-        _layout(128, lb=2, seq=8192, ac="op"), "eager; ours eager"),
-    Row("8B, FSDP 8 / CP 1, seq 32768, local batch 1, full AC", 83.9, _config("llama3_8b"), 8,
-        _layout(8, lb=1, seq=32768, ac="full") + FP8, "compile + Float8; ours fp8"),
-    Row("8B, FSDP 1 / CP 8, seq 262144, local batch 1, full AC", 84.5, _config("llama3_8b"), 8,
-        _layout(1, cp=8, lb=1, seq=262144, ac="full") + FP8, "compile + Float8; ours fp8"),
-    Row("70B, FSDP 32 x TP 8, local batch 16, seq 8192, full AC", 71.9, _config("llama3_70b"), 256,
-        _layout(32, tp=8, lb=16, seq=8192, ac="full") + FP8_AG, "compile + Float8 (fp8 all-gather); ours the same"),
-    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, seq 8192, full AC", 82.5, _config("llama3_405b"), 512,
+    Row(
+        "8B, FSDP 8, local batch 2, seq 8192, selective op AC",
+        82.4,
+        _config("llama3_8b"),
+        8,
+        _layout(8, lb=2, seq=8192, ac="op"),
+        "eager; ours eager",
+    ),
+    Row(
+        "8B, FSDP 128, local batch 2, seq 8192, selective op AC",
+        67.0,
+        _config("llama3_8b"),
+        128,
+        _layout(128, lb=2, seq=8192, ac="op"),
+        "eager; ours eager",
+    ),
+    Row(
+        "8B, FSDP 8 / CP 1, seq 32768, local batch 1, full AC",
+        83.9,
+        _config("llama3_8b"),
+        8,
+        _layout(8, lb=1, seq=32768, ac="full") + FP8,
+        "compile + Float8; ours fp8",
+    ),
+    Row(
+        "8B, FSDP 1 / CP 8, seq 262144, local batch 1, full AC",
+        84.5,
+        _config("llama3_8b"),
+        8,
+        _layout(1, cp=8, lb=1, seq=262144, ac="full") + FP8,
+        "compile + Float8; ours fp8",
+    ),
+    Row(
+        "70B, FSDP 32 x TP 8, local batch 16, seq 8192, full AC",
+        71.9,
+        _config("llama3_70b"),
+        256,
+        _layout(32, tp=8, lb=16, seq=8192, ac="full") + FP8_AG,
+        "compile + Float8 (fp8 all-gather); ours the same",
+    ),
+    Row(
+        "405B, FSDP 8 x TP 8 x PP 8, 1F1B, local batch 32, seq 8192, full AC",
+        82.5,
+        _config("llama3_405b"),
+        512,
         _layout(8, tp=8, pp=8, lb=32, seq=8192, ac="full") + FP8_AG,
-        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, same, Interleaved 1F1B", 72.7, _config("llama3_405b"), 512,
+        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather",
+    ),
+    Row(
+        "405B, same, Interleaved 1F1B",
+        72.7,
+        _config("llama3_405b"),
+        512,
         _layout(8, tp=8, pp=8, lb=32, seq=8192, ac="full", schedule="Interleaved1F1B") + FP8_AG,
-        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, FSDP 8 x TP 8 x PP 8, 1F1B, seq 32768, local batch 8, full AC", 75.3, _config("llama3_405b"), 512,
+        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather",
+    ),
+    Row(
+        "405B, FSDP 8 x TP 8 x PP 8, 1F1B, seq 32768, local batch 8, full AC",
+        75.3,
+        _config("llama3_405b"),
+        512,
         _layout(8, tp=8, pp=8, lb=8, seq=32768, ac="full") + FP8_AG,
-        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
-    Row("405B, FSDP 1 x CP 8 x TP 8 x PP 8, 1F1B, seq 262144, local batch 8, full AC", 84.9,
-        _config("llama3_405b"), 512,
+        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather",
+    ),
+    Row(
+        "405B, FSDP 1 x CP 8 x TP 8 x PP 8, 1F1B, seq 262144, local batch 8, full AC",
+        84.9,
+        _config("llama3_405b"),
+        512,
         _layout(1, cp=8, tp=8, pp=8, lb=8, seq=262144, ac="full") + FP8_AG,
-        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather"),
+        "compile + Float8 (fp8 all-gather) + async TP; ours fp8 + fp8 all-gather",
+    ),
 )
 
 

@@ -30,7 +30,9 @@ def test_causal_needs_no_inputs_and_an_unknown_type_is_refused() -> None:
     tokens = torch.tensor([[BOS, 1, EOS]])
     assert MaskInputs("causal", BOS, EOS)(tokens) == {}
     assert MaskInputs("block_causal", BOS, EOS)(tokens)["doc_ids"].tolist() == [[1, 1, 1]]
-    with pytest.raises(ConfigError, match="'model.attn_mask_type' = 'sliding' is not allowed.*'causal', 'block_causal'"):
+    with pytest.raises(
+        ConfigError, match="'model.attn_mask_type' = 'sliding' is not allowed.*'causal', 'block_causal'"
+    ):
         load_config(["--model.attn_mask_type", "sliding"])
 
 
@@ -53,10 +55,13 @@ def test_packed_window_loss_is_the_token_weighted_loss_of_its_documents_run_alon
         (loss_sum / labels.numel()).backward()
         return float(loss_sum) / labels.numel(), [p.grad.clone() for p in model.parameters()]
 
-    packed, packed_grads = loss_and_grads(F.cross_entropy(model(inputs, **masks(inputs))[0], labels[0], reduction="sum"))
+    packed, packed_grads = loss_and_grads(
+        F.cross_entropy(model(inputs, **masks(inputs))[0], labels[0], reduction="sum")
+    )
     ids = document_ids(inputs, BOS, EOS)[0]
-    alone = sum(F.cross_entropy(model(inputs[:, ids == d])[0], labels[0, ids == d], reduction="sum")
-                for d in ids.unique())
+    alone = sum(
+        F.cross_entropy(model(inputs[:, ids == d])[0], labels[0, ids == d], reduction="sum") for d in ids.unique()
+    )
     alone, alone_grads = loss_and_grads(alone)
     causal = float(F.cross_entropy(model(inputs)[0], labels[0]))
     assert len(ids.unique()) == 4
@@ -85,5 +90,7 @@ def test_a_family_without_doc_ids_refuses_block_causal_in_one_line() -> None:
     check_mask_type("causal", other)
     with pytest.raises(ConfigError) as e:
         check_mask_type("block_causal", other)
-    assert str(e.value) == ("'model.attn_mask_type' = 'block_causal' is not supported by model.name = 'plain' "
-                            "(its model's forward takes no doc_ids); use 'causal'")
+    assert str(e.value) == (
+        "'model.attn_mask_type' = 'block_causal' is not supported by model.name = 'plain' "
+        "(its model's forward takes no doc_ids); use 'causal'"
+    )

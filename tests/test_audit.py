@@ -23,13 +23,21 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
-# The smallest flavour: the audit checks dtypes, not sizes, and CPUs without native bf16 emulate it
+# The smallest flavor: the audit checks dtypes, not sizes, and CPUs without native bf16 emulate it
 # at tens of times fp32's cost. Its 4 blocks still give PP 2 a block per stage, its 2 heads split
 # over TP 2.
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+]
 BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: the audit's subject
-MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]  # later flavour arguments win
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]  # later flavor arguments win
 PRECISIONS = {
     "bf16": BF16,
     "bf16_reduce": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16"],
@@ -38,10 +46,21 @@ PRECISIONS = {
     "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float16"],
     "fp8": [*BF16, "--mixed_precision.fp8", "tensorwise"],
     # Per-module override by name (issue 17): the head and the first block stay fp32.
-    "fp32_names": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--mixed_precision.fp32_module_names",
-                   "output,layers.0"],
+    "fp32_names": [
+        *BF16,
+        "--mixed_precision.reduce_dtype",
+        "bfloat16",
+        "--mixed_precision.fp32_module_names",
+        "output,layers.0",
+    ],
     # Frozen modules in bf16 (issue 17): no gradient, so nothing of theirs on the wire.
-    "frozen": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.0,layers.1.attention"],
+    "frozen": [
+        *BF16,
+        "--mixed_precision.reduce_dtype",
+        "bfloat16",
+        "--training.freeze",
+        "tok_embeddings,layers.0,layers.1.attention",
+    ],
     # Block-scaled, emulated: blocks 1-2 in nvfp4 (full recipe), the rest bf16.
     "nvfp4": [*BF16, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"],
     "mxfp8": [*BF16, "--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"],
@@ -50,10 +69,16 @@ SHARD, REPLICATE = "--parallelism.data_parallel_shard_degree", "--parallelism.da
 TP, PP = "--parallelism.tensor_parallel_degree", "--parallelism.pipeline_parallel_degree"
 CP = "--parallelism.context_parallel_degree"  # seq_len 32: divisible by 2 x cp
 LAYOUTS = {
-    "ddp": (2, [REPLICATE, "2", SHARD, "1"], ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "nvfp4",
-                                                "mxfp8")),
-    "fsdp": (2, [SHARD, "2"], ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "nvfp4",
-                               "mxfp8")),
+    "ddp": (
+        2,
+        [REPLICATE, "2", SHARD, "1"],
+        ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8"),
+    ),
+    "fsdp": (
+        2,
+        [SHARD, "2"],
+        ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8"),
+    ),
     "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8")),
     "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
@@ -85,8 +110,13 @@ def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
     assert result.ok, result.breaches
     saved = json.loads((tmp_path / "precision_audit.json").read_text())
     assert saved["ok"] and saved["breaches"] == []
-    low = {"bf16": "bfloat16", "fp32": "float32", "pure_bf16": "bfloat16", "fp8": "float8_e4m3fn",
-           "fp32_names": "float32"}[precision]
+    low = {
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "pure_bf16": "bfloat16",
+        "fp8": "float8_e4m3fn",
+        "fp32_names": "float32",
+    }[precision]
     storage = "bfloat16" if precision == "pure_bf16" else "float32"
     # What was recorded, not only that nothing was flagged: every Linear and norm of the model.
     assert saved["modules"]["layers.0.attention.wq"] == {"forward matmul": [low]}
@@ -97,8 +127,12 @@ def test_audit_passes_single_process(tmp_path: Path, precision: str) -> None:
         assert saved["modules"]["layers.1.attention.wq"] == {"forward matmul": ["bfloat16"]}
         assert saved["modules"]["output"] == {"forward matmul": ["float32"]}
         report = json.loads((tmp_path / "precision_report.json").read_text())
-        assert "layers.0.attention.wq" in report["fp32_by_name"] and "layers.1.attention.wq" not in report["fp32_by_name"]
-        linear_rows = {g["compute_dtype"] for g in report["param_groups"] if g["module_type"] == "torch.nn.modules.linear.Linear"}
+        assert (
+            "layers.0.attention.wq" in report["fp32_by_name"] and "layers.1.attention.wq" not in report["fp32_by_name"]
+        )
+        linear_rows = {
+            g["compute_dtype"] for g in report["param_groups"] if g["module_type"] == "torch.nn.modules.linear.Linear"
+        }
         assert linear_rows == {"float32", "bfloat16"}
 
 
@@ -130,15 +164,20 @@ def test_norm_run_in_bf16_is_named(tmp_path: Path) -> None:
     breaches = t.audit().breaches
     # torch's rms_norm upcasts part of its bf16 decomposition itself: fp32 ops are seen too.
     assert [(b.what, b.promised, "bfloat16" in b.seen) for b in breaches] == [
-        ("layers.0.ffn_norm: computes_in_fp32 module", ["float32"], True)]
+        ("layers.0.ffn_norm: computes_in_fp32 module", ["float32"], True)
+    ]
 
 
 def test_low_precision_logits_at_the_loss_are_named(tmp_path: Path, monkeypatch) -> None:
     # Pure bf16: no autocast, whose fp32 rule for log_softmax would rescue the loss by itself.
     t = _trainer(tmp_path, *PRECISIONS["pure_bf16"])
-    monkeypatch.setattr(trainer_module, "loss_fn",
-                        lambda logits, labels, reduction="mean": F.cross_entropy(
-                            logits.bfloat16().flatten(0, 1), labels.flatten(), reduction=reduction))
+    monkeypatch.setattr(
+        trainer_module,
+        "loss_fn",
+        lambda logits, labels, reduction="mean": F.cross_entropy(
+            logits.bfloat16().flatten(0, 1), labels.flatten(), reduction=reduction
+        ),
+    )
     breaches = [str(b) for b in t.audit().breaches]
     assert breaches == ["loss: log_softmax input: promised float32, saw bfloat16"]
 
@@ -164,24 +203,62 @@ def audits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("audit")
     results: dict[str, dict] = {}
     for nproc in (2, 4):
-        jobs = [{"audit": str(root / f"{layout}_{precision}.json"),
-                 "args": [*BASE, *PRECISIONS[precision], *args, "--job.dump_folder", str(root / f"{layout}_{precision}")]}
-                for layout, (n, args, precisions) in LAYOUTS.items() if n == nproc for precision in precisions]
+        jobs = [
+            {
+                "audit": str(root / f"{layout}_{precision}.json"),
+                "args": [
+                    *BASE,
+                    *PRECISIONS[precision],
+                    *args,
+                    "--job.dump_folder",
+                    str(root / f"{layout}_{precision}"),
+                ],
+            }
+            for layout, (n, args, precisions) in LAYOUTS.items()
+            if n == nproc
+            for precision in precisions
+        ]
         if nproc == 2:
-            jobs.append({"audit": str(root / "broken.json"), "break": "fsdp_reduce_in_fp32",
-                         "args": [*BASE, *PRECISIONS["bf16_reduce"], *LAYOUTS["fsdp"][1], "--job.dump_folder",
-                                  str(root / "broken")]})
-            jobs.append({"audit": str(root / "broken_cp.json"), "break": "cp_reduce_in_bf16",
-                         "args": [*BASE, *BF16, *LAYOUTS["cp"][1], "--job.dump_folder", str(root / "broken_cp")]})
+            jobs.append(
+                {
+                    "audit": str(root / "broken.json"),
+                    "break": "fsdp_reduce_in_fp32",
+                    "args": [
+                        *BASE,
+                        *PRECISIONS["bf16_reduce"],
+                        *LAYOUTS["fsdp"][1],
+                        "--job.dump_folder",
+                        str(root / "broken"),
+                    ],
+                }
+            )
+            jobs.append(
+                {
+                    "audit": str(root / "broken_cp.json"),
+                    "break": "cp_reduce_in_bf16",
+                    "args": [*BASE, *BF16, *LAYOUTS["cp"][1], "--job.dump_folder", str(root / "broken_cp")],
+                }
+            )
             # The broken MoE run on EP 2 (over FSDP 2's ranks): its router and its dispatch both named.
-            jobs += [{"audit": str(root / f"{name}.json"), "break": broken,
-                      "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], *extra, "--job.dump_folder", str(root / name)]}
-                     for name, broken, extra in (("moe_fsdp_bf16", None, []),
-                                                 ("broken_router", "router_in_bf16+ep_dispatch_in_fp32", [EP, "2"]))]
+            jobs += [
+                {
+                    "audit": str(root / f"{name}.json"),
+                    "break": broken,
+                    "args": [*BASE, *BF16, *MOE, *LAYOUTS["fsdp"][1], *extra, "--job.dump_folder", str(root / name)],
+                }
+                for name, broken, extra in (
+                    ("moe_fsdp_bf16", None, []),
+                    ("broken_router", "router_in_bf16+ep_dispatch_in_fp32", [EP, "2"]),
+                )
+            ]
         if nproc == 4:
-            jobs += [{"audit": str(root / f"{name}.json"),
-                      "args": [*BASE, *PRECISIONS["bf16_reduce"], *MOE, *layout, "--job.dump_folder", str(root / name)]}
-                     for name, layout in MOE_LAYOUTS.items()]
+            jobs += [
+                {
+                    "audit": str(root / f"{name}.json"),
+                    "args": [*BASE, *PRECISIONS["bf16_reduce"], *MOE, *layout, "--job.dump_folder", str(root / name)],
+                }
+                for name, layout in MOE_LAYOUTS.items()
+            ]
         launch_worker("ckpt_jobs", root / f"launch{nproc}", jobs, nproc, timeout=400)
     for path in root.glob("*.json"):
         results[path.stem] = json.loads(path.read_text())
@@ -197,18 +274,24 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
     assert result["modules"]["layers.3.feed_forward.w1"]["forward matmul"], result["modules"]
     if run.endswith(("nvfp4", "mxfp8")):  # every converted Linear's three GEMMs seen, merged over the ranks
         assert len(result["block_scaled_gemms"]) == 14 and all(
-            sorted(p) == ["dgrad", "forward", "wgrad"] for p in result["block_scaled_gemms"].values()), result
+            sorted(p) == ["dgrad", "forward", "wgrad"] for p in result["block_scaled_gemms"].values()
+        ), result
     if run.endswith("fp32_names"):
         assert result["modules"]["layers.0.feed_forward.w1"]["forward matmul"] == ["float32"], result["modules"]
         assert result["modules"]["layers.1.feed_forward.w1"]["forward matmul"] == ["bfloat16"], result["modules"]
     if run.endswith(("_reduce", "fp32_names", "frozen")) and not run.startswith(("tp", "pp")) or run == "ddp_fp16":
         # The reduction was seen, in the reduce dtype: the audit did not pass by seeing nothing.
         reduce = "float16" if run == "ddp_fp16" else "bfloat16"
-        assert any(reduce in by_dtype for c, by_dtype in result["collectives"].items()
-                   if c.startswith(("reduce_scatter:dp", "all_reduce:dp"))), result["collectives"]
+        assert any(
+            reduce in by_dtype
+            for c, by_dtype in result["collectives"].items()
+            if c.startswith(("reduce_scatter:dp", "all_reduce:dp"))
+        ), result["collectives"]
 
 
-@pytest.mark.parametrize("layout, collective", [("ddp", "all_reduce:dp_replicate"), ("fsdp", "reduce_scatter:dp_shard")])
+@pytest.mark.parametrize(
+    "layout, collective", [("ddp", "all_reduce:dp_replicate"), ("fsdp", "reduce_scatter:dp_shard")]
+)
 def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collective: str) -> None:
     """The frozen Linears' gradients would be 2 bytes per parameter in the bf16 reduction: they
     are missing from it, and the frozen parameters are in no optimizer state."""
@@ -216,8 +299,13 @@ def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collecti
 
     job = resolve(load_config([*BASE, *PRECISIONS["frozen"]]), 1, "cpu")
     model = build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
-    frozen_linear = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                        for p in m.parameters() if not p.requires_grad)
+    frozen_linear = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+        for p in m.parameters()
+        if not p.requires_grad
+    )
     full, frozen = (audits[f"{layout}_{p}"]["collectives"][collective]["bfloat16"] for p in ("bf16_reduce", "frozen"))
     # debugmodel_tiny (dim 64, FFN hidden 256): layers.0's attention and FFN, layers.1's attention.
     assert frozen_linear == 4 * 64 * 64 + 3 * 64 * 256 + 4 * 64 * 64, frozen_linear
@@ -283,9 +371,10 @@ def test_router_in_bf16_and_tokens_sent_in_fp32_are_named(audits: dict) -> None:
     """EP 2 on FSDP 2's ranks with two breaches: routers computing in bf16 under an fp32
     router_dtype, and the token rows crossing ep in fp32 under a bf16 dispatch dtype."""
     breaches = audits["broken_router"]["breaches"]
-    assert breaches == [{"what": f"layers.{i}.feed_forward.router: forward matmul", "promised": ["float32"],
-                         "seen": ["bfloat16"]} for i in (1, 2, 3)] + [
-        {"what": "expert-parallel token all_to_all:ep", "promised": ["bfloat16"], "seen": ["float32"]}], breaches
+    assert breaches == [
+        {"what": f"layers.{i}.feed_forward.router: forward matmul", "promised": ["float32"], "seen": ["bfloat16"]}
+        for i in (1, 2, 3)
+    ] + [{"what": "expert-parallel token all_to_all:ep", "promised": ["bfloat16"], "seen": ["float32"]}], breaches
 
 
 def test_cp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:
@@ -303,10 +392,12 @@ def test_cp_breaches_unit() -> None:
     bad = {"all_gather:cp": {"float32": 8, "int64": 4}, "reduce_scatter:cp": {"bfloat16": 8, "float32": 8}}
     assert [str(b) for b in check_context_parallel(bad, "float32", {"bfloat16"})] == [
         "K/V all_gather:cp: promised bfloat16, saw float32",
-        "K/V gradient reduce_scatter:cp: promised float32, saw bfloat16/float32"]
+        "K/V gradient reduce_scatter:cp: promised float32, saw bfloat16/float32",
+    ]
     assert [str(b) for b in check_context_parallel({}, "bfloat16", {"bfloat16"})] == [
         "K/V all_gather:cp: promised bfloat16, saw none seen",
-        "K/V gradient reduce_scatter:cp: promised bfloat16, saw none seen"]
+        "K/V gradient reduce_scatter:cp: promised bfloat16, saw none seen",
+    ]
 
 
 def test_ep_breaches_unit() -> None:
@@ -319,8 +410,10 @@ def test_ep_breaches_unit() -> None:
     assert check_expert_parallel(good, "bfloat16", True) == []
     assert check_expert_parallel({}, "bfloat16", False) == []
     assert [str(b) for b in check_expert_parallel({"all_to_all:ep": {"int64": 32}}, "bfloat16", True)] == [
-        "expert-parallel token all_to_all:ep: promised bfloat16, saw none seen"]
+        "expert-parallel token all_to_all:ep: promised bfloat16, saw none seen"
+    ]
     bad = {"all_to_all:ep": {"bfloat16": 8, "float32": 8}, "all_to_all:dp_shard": {"bfloat16": 8}}
     assert [str(b) for b in check_expert_parallel(bad, "bfloat16", True)] == [
         "expert-parallel token all_to_all:ep: promised bfloat16, saw bfloat16/float32",
-        "expert-parallel all_to_all:dp_shard: promised all_to_all:ep, saw bfloat16"]
+        "expert-parallel all_to_all:dp_shard: promised all_to_all:ep, saw bfloat16",
+    ]

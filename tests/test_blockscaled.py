@@ -84,8 +84,9 @@ def test_e2m1_round_to_nearest_even_equals_a_brute_force_nearest_on_a_dense_swee
     d = (y.abs().clamp(max=6).unsqueeze(1) - GRID).abs()
     best = d.min(1, keepdim=True).values
     cand = (d == best).to(torch.int64) * torch.arange(8)  # the tied codes; prefer the even one
-    even = torch.where(((d == best) & (torch.arange(8) % 2 == 0)).any(1), (cand * (cand % 2 == 0)).amax(1),
-                       cand.amax(1))
+    even = torch.where(
+        ((d == best) & (torch.arange(8) % 2 == 0)).any(1), (cand * (cand % 2 == 0)).amax(1), cand.amax(1)
+    )
     want = even.to(torch.uint8) | (torch.signbit(y).to(torch.uint8) << 3)
     assert torch.equal(bs.round_e2m1(y), want)
 
@@ -102,13 +103,14 @@ def test_e2m1_pack_puts_the_even_element_in_the_low_nibble() -> None:
 
 def test_mxfp8_worked_values_of_the_ocp_floor_rule() -> None:
     x = _row(
-        [448.0, -1.0, 2.0**-9],            # amax 448: e = 8 - 8 = 0, scale 0x7F, elements exact
+        [448.0, -1.0, 2.0**-9],  # amax 448: e = 8 - 8 = 0, scale 0x7F, elements exact
         [3.0, 0.1, 1e-4, 2.0**-17, 3 * 2.0**-18],  # amax 3: X = 2^(1-8) = 2^-7
-        [480.0, 500.0, 460.0, 256.0],      # amax 500: X = 2^0; 480, 500, 460 saturate to 448
-        [],                                # zero block
-        [2.0**-120, -(2.0**-121)],         # e = -128 clamped to -127 (E8M0's smallest, 0x00)
-        [2.0**-140],                       # fp32 subnormal: clamped X = 2^-127, element 2^-13 -> 0
-        block=32)
+        [480.0, 500.0, 460.0, 256.0],  # amax 500: X = 2^0; 480, 500, 460 saturate to 448
+        [],  # zero block
+        [2.0**-120, -(2.0**-121)],  # e = -128 clamped to -127 (E8M0's smallest, 0x00)
+        [2.0**-140],  # fp32 subnormal: clamped X = 2^-127, element 2^-13 -> 0
+        block=32,
+    )
     q = bs.quantize_mxfp8(x, scale_mode="floor")
     assert q.scale.tolist() == [127, 120, 127, 0, 0, 0]
     d = q.dequantize().reshape(6, 32)
@@ -176,12 +178,13 @@ def test_nvfp4_worked_values_with_an_exact_tensor_scale() -> None:
     # tensor_amax = 2688 makes s_t = 2688 / (448 * 6) = 1 exactly, so s_b = e4m3(amax / 6).
     x = _row(
         [6, 5, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -0.25, -5, 0.3, 4.4, 2.9, 0, -6],  # s_b = 1
-        [0.75, 0.1, -0.05],              # s_b = 0.125: elements x8 -> 6, 0.8 -> 1, -0.4 -> -0.5
-        [6.3, 3.0],                      # 6.3/6 = 1.05 -> e4m3 1.0: 6.3 saturates to 6
-        [6 * 2.0**-8, 2.0**-8],          # s_b = 2^-8, an e4m3 subnormal (kept)
-        [6 * 2.0**-11],                  # s_b = 2^-11 rounds to e4m3 0: the block flushes to 0
-        [],                              # zero block: s_b = 0, elements +0
-        block=16)
+        [0.75, 0.1, -0.05],  # s_b = 0.125: elements x8 -> 6, 0.8 -> 1, -0.4 -> -0.5
+        [6.3, 3.0],  # 6.3/6 = 1.05 -> e4m3 1.0: 6.3 saturates to 6
+        [6 * 2.0**-8, 2.0**-8],  # s_b = 2^-8, an e4m3 subnormal (kept)
+        [6 * 2.0**-11],  # s_b = 2^-11 rounds to e4m3 0: the block flushes to 0
+        [],  # zero block: s_b = 0, elements +0
+        block=16,
+    )
     q = bs.quantize_nvfp4(x, tensor_amax=torch.tensor(2688.0))
     assert q.tensor_scale.item() == 1.0
     assert q.scale.to(torch.float32).tolist() == [1.0, 0.125, 1.0, 2.0**-8, 0.0, 0.0]
@@ -335,6 +338,7 @@ def test_rht_is_orthogonal_exactly_and_equals_torchao_s() -> None:
     signs = bl.rht_signs(11)
     _torchao()
     from torchao.prototype.moe_training.nvfp4_training.hadamard_utils import get_rht_matrix
+
     assert torch.equal(get_rht_matrix(tuple(signs.int().tolist()), "cpu", torch.float32, 16), r)
 
 
@@ -420,7 +424,9 @@ def test_emulated_forward_is_within_the_format_bound_of_fp64(name, dtype) -> Non
     assert y.dtype == dtype
     exact = x.double() @ w.double().t()
     # the GEMM's bound, plus the output's rounding to bf16 (2^-8 of it; none in fp32)
-    bound = _gemm_bound(x, w, recipe, block_2d_b=recipe.weight_2d) + (dtype == torch.bfloat16) * 2.0**-8 * y.double().abs()
+    bound = (
+        _gemm_bound(x, w, recipe, block_2d_b=recipe.weight_2d) + (dtype == torch.bfloat16) * 2.0**-8 * y.double().abs()
+    )
     err = (y.double() - exact).abs()
     assert (err <= bound).all(), (err / bound).max()
     # it is quantized (far above fp32's own error), and the bound is well under sum |x||w| (which
@@ -448,8 +454,9 @@ def _dgrad_wgrad_by_hand(x, w, dy, recipe, gen):
         wq = bl.quantize_operand(w.t(), recipe)
     dx = bl.emulated_mm(bl.quantize_operand(dy, recipe, generator=sr), wq, dy.shape[0], w.shape[1])
     r = bl.rht_matrix(recipe.seed) if recipe.rht else None
-    dw = bl.emulated_mm(bl.quantize_operand(dy.t(), recipe, generator=sr, rht=r),
-                        bl.quantize_operand(x.t(), recipe, rht=r), *w.shape)
+    dw = bl.emulated_mm(
+        bl.quantize_operand(dy.t(), recipe, generator=sr, rht=r), bl.quantize_operand(x.t(), recipe, rht=r), *w.shape
+    )
     return dx, dw
 
 

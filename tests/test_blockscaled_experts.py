@@ -38,9 +38,12 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.unit
 
-RECIPES = {"mxfp8 floor": BlockScaledRecipe("mxfp8", mx_scale_mode="floor"), "mxfp8 rceil": BlockScaledRecipe("mxfp8"),
-           "nvfp4 2d rht": BlockScaledRecipe("nvfp4", weight_2d=True, rht=True, seed=3),
-           "nvfp4 1x16": BlockScaledRecipe("nvfp4")}
+RECIPES = {
+    "mxfp8 floor": BlockScaledRecipe("mxfp8", mx_scale_mode="floor"),
+    "mxfp8 rceil": BlockScaledRecipe("mxfp8"),
+    "nvfp4 2d rht": BlockScaledRecipe("nvfp4", weight_2d=True, rht=True, seed=3),
+    "nvfp4 1x16": BlockScaledRecipe("nvfp4"),
+}
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -61,7 +64,7 @@ def test_grouped_gemm_is_the_loop_of_per_expert_linears_bit_for_bit(name: str) -
         xl, wl = xe.clone().requires_grad_(), w[e].t().contiguous().requires_grad_()
         yl = block_scaled_linear(xl, wl, None, recipe)
         yl.backward(dye)
-        rows = slice(sum(sizes[:e]), sum(sizes[:e + 1]))
+        rows = slice(sum(sizes[:e]), sum(sizes[: e + 1]))
         assert torch.equal(y[rows], yl), (e, "forward")
         assert torch.equal(xg.grad[rows], xl.grad), (e, "dgrad")
         assert torch.equal(wg.grad[e], wl.grad.t()), (e, "wgrad")
@@ -76,7 +79,7 @@ def test_wgrad_blocks_do_not_straddle_token_groups() -> None:
     torch.manual_seed(1)
     x, w, dy = torch.randn(32, 32), torch.randn(2, 32, 32), torch.randn(32, 32)
     grads = []
-    for outlier in (1.0, 2.0 ** 12):
+    for outlier in (1.0, 2.0**12):
         xo = x.clone()
         xo[:16] *= outlier
         wg = w.clone().requires_grad_()
@@ -95,11 +98,34 @@ def test_stochastic_rounding_needs_a_generator_and_groups_must_fit() -> None:
 
 # ----------------------------------------------------------------------------- the trainer
 
-BASE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--training.gc_freq", "0", "--metrics.log_freq", "1",
-        "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
-MXFP8_EXPERTS = ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true",
-                 "--mixed_precision.block_scaled_experts", "true"]
+BASE = [
+    "--model.name",
+    "moe",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--mixed_precision.enabled",
+    "true",
+]
+MXFP8_EXPERTS = [
+    "--mixed_precision.block_scaled",
+    "mxfp8",
+    "--mixed_precision.block_scaled_emulate",
+    "true",
+    "--mixed_precision.block_scaled_experts",
+    "true",
+]
 STEPS = 10
 GAP = 0.02
 EXPERT_GEMMS = [f"layers.{i}.feed_forward.experts.{w}" for i in (1, 2) for w in ("w1", "w2", "w3")]
@@ -114,15 +140,27 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
 
 
-@pytest.mark.parametrize("extra, message, error", [
-    (["--mixed_precision.block_scaled_experts", "true"],
-     "'mixed_precision.block_scaled_experts' = true needs mixed_precision.block_scaled = 'mxfp8' or 'nvfp4'", ConfigError),
-    ([*MXFP8_EXPERTS, "--model.name", "llama3", "--model.flavor", "debugmodel_tiny"],
-     "'mixed_precision.block_scaled_experts' = true converts no grouped experts: the model has none", PrecisionError),
-    ([*MXFP8_EXPERTS, "--mixed_precision.block_scaled_skip_modules", "output,layers.*.feed_forward.experts"],
-     "'mixed_precision.block_scaled_experts' = true converts no grouped experts: block_scaled_edge_layers = 1 and "
-     "block_scaled_skip_modules keep them all", PrecisionError),
-])
+@pytest.mark.parametrize(
+    "extra, message, error",
+    [
+        (
+            ["--mixed_precision.block_scaled_experts", "true"],
+            "'mixed_precision.block_scaled_experts' = true needs mixed_precision.block_scaled = 'mxfp8' or 'nvfp4'",
+            ConfigError,
+        ),
+        (
+            [*MXFP8_EXPERTS, "--model.name", "llama3", "--model.flavor", "debugmodel_tiny"],
+            "'mixed_precision.block_scaled_experts' = true converts no grouped experts: the model has none",
+            PrecisionError,
+        ),
+        (
+            [*MXFP8_EXPERTS, "--mixed_precision.block_scaled_skip_modules", "output,layers.*.feed_forward.experts"],
+            "'mixed_precision.block_scaled_experts' = true converts no grouped experts: block_scaled_edge_layers = 1 and "
+            "block_scaled_skip_modules keep them all",
+            PrecisionError,
+        ),
+    ],
+)
 def test_block_scaled_experts_refusals_are_one_line(extra, message, error) -> None:
     with pytest.raises(error) as e:
         job_mod.resolve(load_config([*BASE, *extra]), 2, "cpu")
@@ -132,12 +170,18 @@ def test_block_scaled_experts_refusals_are_one_line(extra, message, error) -> No
 def test_report_and_audit_see_the_experts_gemms_and_name_one_run_plain(tmp_path: Path) -> None:
     t = _trainer(tmp_path, *MXFP8_EXPERTS)
     whole = json.loads((tmp_path / "precision_report.json").read_text())
-    rows = {g["compute_dtype"]: g["num_params"] for g in whole["param_groups"] if g["module_type"].endswith("GroupedExperts")}
+    rows = {
+        g["compute_dtype"]: g["num_params"]
+        for g in whole["param_groups"]
+        if g["module_type"].endswith("GroupedExperts")
+    }
     assert rows == {"mxfp8": 2 * 3 * 8 * 64 * 64, "bfloat16": 3 * 8 * 64 * 64}  # blocks 1-2 / block 3
     report = whole["block_scaled"]
     assert set(EXPERT_GEMMS) <= set(report["modules"])
-    assert report["modules"]["layers.1.feed_forward.experts.w2"]["wgrad"] == \
-        "dy^T mxfp8 e4m3 1x32 e8m0 (rceil); x^T mxfp8 e4m3 1x32 e8m0 (rceil)"
+    assert (
+        report["modules"]["layers.1.feed_forward.experts.w2"]["wgrad"]
+        == "dy^T mxfp8 e4m3 1x32 e8m0 (rceil); x^T mxfp8 e4m3 1x32 e8m0 (rceil)"
+    )
     assert "layers.3.feed_forward.experts.w1" in report["kept_out"]
     assert "layers.1.feed_forward.router" not in json.dumps(report)  # the router is not converted
     result = t.audit()
@@ -153,7 +197,9 @@ def test_report_and_audit_see_the_experts_gemms_and_name_one_run_plain(tmp_path:
     breaches = t.audit().breaches
     assert [(b.what, b.seen) for b in breaches] == [
         (f"layers.2.feed_forward.experts.{w}: {p} GEMM", ["no block-scaled GEMM (ran as a plain matmul)"])
-        for w in ("w1", "w2", "w3") for p in ("forward", "dgrad", "wgrad")]
+        for w in ("w1", "w2", "w3")
+        for p in ("forward", "dgrad", "wgrad")
+    ]
 
 
 def test_mxfp8_with_experts_trains_within_the_gap_of_bf16(tmp_path: Path) -> None:
@@ -179,9 +225,18 @@ def test_stochastic_rounding_of_experts_is_seeded_per_step(tmp_path: Path) -> No
     Linear's, so a resumed run draws what the uninterrupted one drew."""
     from torchtitan_amp.precision import block_scaled
 
-    t = _trainer(tmp_path, "--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true",
-                 "--mixed_precision.block_scaled_experts", "true")
-    holders = [m.experts.block_scaled_mm for m in (t.run.model.layers["1"].feed_forward, t.run.model.layers["2"].feed_forward)]
+    t = _trainer(
+        tmp_path,
+        "--mixed_precision.block_scaled",
+        "nvfp4",
+        "--mixed_precision.block_scaled_emulate",
+        "true",
+        "--mixed_precision.block_scaled_experts",
+        "true",
+    )
+    holders = [
+        m.experts.block_scaled_mm for m in (t.run.model.layers["1"].feed_forward, t.run.model.layers["2"].feed_forward)
+    ]
     assert holders[0].recipe.stochastic_rounding and holders[0].sr_stream != holders[1].sr_stream
     draws = []
     for step in (3, 4, 3):

@@ -33,8 +33,18 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.unit
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--metrics.log_freq", "1"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+]
 # fp32 end to end: torchao's emulated GEMM multiplies in the operands' dtype and needs both alike.
 FP32 = ["--mixed_precision.enabled", "false"]
 MXFP8 = ["--mixed_precision.block_scaled", "mxfp8"]
@@ -81,9 +91,11 @@ def test_torchao_mxfp8_matches_the_emulation_within_the_fp32_summation_bound(mod
         (y * g).sum().backward()
         results.append((y.detach(), xx.grad, model[0].weight.grad))
     w = ours[0].weight.detach()
-    bounds = (_abs_bound(_mx(x, mode), _mx(w, mode)),  # forward: reduce over in_features
-              _abs_bound(_mx(g, mode), _mx(w.T.contiguous(), mode)),  # dgrad: over out_features
-              _abs_bound(_mx(g.T.contiguous(), mode), _mx(x.T.contiguous(), mode)))  # wgrad: over tokens
+    bounds = (
+        _abs_bound(_mx(x, mode), _mx(w, mode)),  # forward: reduce over in_features
+        _abs_bound(_mx(g, mode), _mx(w.T.contiguous(), mode)),  # dgrad: over out_features
+        _abs_bound(_mx(g.T.contiguous(), mode), _mx(x.T.contiguous(), mode)),
+    )  # wgrad: over tokens
     plain = (x @ w.T, g @ w, g.T @ x)  # unquantized fp32: what a Linear left out would give
     for what, (a, b), bound, fp32 in zip(("forward", "dgrad", "wgrad"), zip(*results), bounds, plain):
         diff = (a.double() - b.double()).abs()
@@ -94,40 +106,59 @@ def test_torchao_mxfp8_matches_the_emulation_within_the_fp32_summation_bound(mod
 
 def test_plan_says_torchao_kernels_and_refuses_what_torchao_cannot_honour_in_one_line() -> None:
     plan = _resolve(*MXFP8).plan
-    assert not plan.block_scaled_emulated and "nn.Linear in mxfp8, torchao kernels (torchao MXFP8Linear)" in plan.decision
+    assert (
+        not plan.block_scaled_emulated and "nn.Linear in mxfp8, torchao kernels (torchao MXFP8Linear)" in plan.decision
+    )
     assert "torchao kernels" in _resolve(*NVFP4).plan.decision
     for field in ("nvfp4_rht", "nvfp4_stochastic_rounding", "nvfp4_weight_2d"):
         with pytest.raises(PrecisionError) as e:
             _resolve(*NVFP4, f"--mixed_precision.{field}", "false")
         assert f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use" in str(e.value)
         assert "block_scaled_emulate = true" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(PrecisionError, match=r"on torchao's kernels: training.local_batch_size x training.seq_len "
-                       r"/ context_parallel_degree gives 64 tokens a GEMM, and torchao's nvfp4 kernels take "
-                       r"multiples of 128; set mixed_precision.block_scaled_emulate = true"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"on torchao's kernels: training.local_batch_size x training.seq_len "
+        r"/ context_parallel_degree gives 64 tokens a GEMM, and torchao's nvfp4 kernels take "
+        r"multiples of 128; set mixed_precision.block_scaled_emulate = true",
+    ):
         _resolve(*NVFP4, "--training.local_batch_size", "2")
-    with pytest.raises(PrecisionError, match=r"validation.local_batch_size x validation.seq_len / "
-                                             r"context_parallel_degree gives 32 tokens a GEMM"):
+    with pytest.raises(
+        PrecisionError,
+        match=r"validation.local_batch_size x validation.seq_len / "
+        r"context_parallel_degree gives 32 tokens a GEMM",
+    ):
         _resolve(*NVFP4, "--validation.enable", "true", "--validation.local_batch_size", "1")
     # MXFP8 tiles the tokens only in the weight gradient: evaluation batches of any size run.
-    assert not _resolve(*MXFP8, "--validation.enable", "true", "--validation.local_batch_size", "1"
-                        ).plan.block_scaled_emulated
-    with pytest.raises(PrecisionError, match="on torchao's kernels: mixed_precision.block_scaled_experts = true: "
-                                             "the grouped experts' GEMMs are emulated only"):
+    assert not _resolve(
+        *MXFP8, "--validation.enable", "true", "--validation.local_batch_size", "1"
+    ).plan.block_scaled_emulated
+    with pytest.raises(
+        PrecisionError,
+        match="on torchao's kernels: mixed_precision.block_scaled_experts = true: "
+        "the grouped experts' GEMMs are emulated only",
+    ):
         _resolve(*MXFP8, "--mixed_precision.block_scaled_experts", "true")
     # The emulation honours every option.
-    assert _resolve(*NVFP4, "--mixed_precision.nvfp4_rht", "false", "--mixed_precision.block_scaled_emulate",
-                    "true").plan.block_scaled_emulated
+    assert _resolve(
+        *NVFP4, "--mixed_precision.nvfp4_rht", "false", "--mixed_precision.block_scaled_emulate", "true"
+    ).plan.block_scaled_emulated
     # block_scaled_emulate = false with kernels missing: refused, never emulated.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(capability, "block_scaled_kernels_missing",
-                   lambda fmt, d, run_kernel=True: "cpu has no MX / NVFP4 tensor cores")
+        mp.setattr(
+            capability,
+            "block_scaled_kernels_missing",
+            lambda fmt, d, run_kernel=True: "cpu has no MX / NVFP4 tensor cores",
+        )
         with pytest.raises(PrecisionError, match="needs block-scaled tensor cores: cpu has no MX"):
             _resolve(*MXFP8, "--mixed_precision.block_scaled_emulate", "false")
 
 
 def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds() -> None:
     # The installed torchao (the project's tested 0.18) has both modules the probe asks for.
-    assert capability.block_scaled_torchao_missing("mxfp8") is None and capability.block_scaled_torchao_missing("nvfp4") is None
+    assert (
+        capability.block_scaled_torchao_missing("mxfp8") is None
+        and capability.block_scaled_torchao_missing("nvfp4") is None
+    )
     recipe = BlockScaledRecipe.nvfp4_full(seed=5)
     model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.Linear(256, 128, bias=False))
     weights = [m.weight for m in model]
@@ -150,13 +181,18 @@ def test_nvfp4_conversion_keeps_parameters_and_takes_the_recipes_signs_and_seeds
     # Another data-parallel rank (trainer.run.sr_rank) gets another SR key for the same module.
     torchao_kernels.materialized([lazy], rank=1)
     assert int(lazy[0]._sr_seed) == torchao_kernels.sr_seed(recipe, 0, 1) != torchao_kernels.sr_seed(recipe, 0)
-    with pytest.raises(PrecisionError, match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
-                                             "multiples of 128; keep it out with block_scaled_skip_modules"):
+    with pytest.raises(
+        PrecisionError,
+        match="'nvfp4' on torchao's kernels: 0 is 64 -> 128, and the kernels take "
+        "multiples of 128; keep it out with block_scaled_skip_modules",
+    ):
         block_scaled.apply_torchao(nn.Sequential(nn.Linear(64, 128)), recipe, (), 0)
-    with pytest.raises(PrecisionError, match="'mxfp8' on torchao's kernels: 1 is 64 -> 48, and the kernels take "
-                                             "multiples of 32"):
-        block_scaled.apply_torchao(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48)),
-                                          BlockScaledRecipe("mxfp8"), (), 0)
+    with pytest.raises(
+        PrecisionError, match="'mxfp8' on torchao's kernels: 1 is 64 -> 48, and the kernels take multiples of 32"
+    ):
+        block_scaled.apply_torchao(
+            nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48)), BlockScaledRecipe("mxfp8"), (), 0
+        )
 
 
 def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None:
@@ -165,8 +201,12 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["kernels"] == "torchao" and not report["emulated"] and sorted(report["modules"]) == converted
-    assert report["modules"]["layers.1.attention.wq"] == {"module": "MXFP8Linear", "scale_mode": "rceil",
-                                                          "wgrad": "mxfp8", "kernels": "emulated"}
+    assert report["modules"]["layers.1.attention.wq"] == {
+        "module": "MXFP8Linear",
+        "scale_mode": "rceil",
+        "wgrad": "mxfp8",
+        "kernels": "emulated",
+    }
     assert "output" in report["kept_out"] and "layers.0.attention.wq" in report["kept_out"]
     result = t.audit()
     assert result.ok, result.breaches
@@ -175,8 +215,9 @@ def test_job_converts_reports_and_audits_torchao_modules(tmp_path: Path) -> None
     plain.weight = old.weight
     t.run.model.layers["1"].attention.wq = plain
     breaches = t.audit().breaches
-    assert [(b.what, b.seen) for b in breaches] == [("layers.1.attention.wq: torchao block-scaled module",
-                                                     ["{'module': 'Linear'}"])]
+    assert [(b.what, b.seen) for b in breaches] == [
+        ("layers.1.attention.wq: torchao block-scaled module", ["{'module': 'Linear'}"])
+    ]
 
 
 # The probe itself, before the autouse fixture replaces it.
@@ -204,8 +245,9 @@ def test_the_block_scaled_probe_runs_one_step_and_reports_its_error(monkeypatch:
     monkeypatch.setattr(capability, "tiny_step", broken)
     assert KERNELS_MISSING("mxfp8", "cuda", False) is None and steps == []
     why = KERNELS_MISSING("mxfp8", "cuda")
-    assert why == ("torchao's mxfp8 training step fails here (RuntimeError: torchao::mxfp8_quantize is not a "
-                   "registered op)"), why
+    assert why == (
+        "torchao's mxfp8 training step fails here (RuntimeError: torchao::mxfp8_quantize is not a registered op)"
+    ), why
     assert steps == [("mxfp8", "cuda")]
     KERNELS_MISSING.cache_clear()
 

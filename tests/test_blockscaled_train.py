@@ -38,16 +38,35 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.unit
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--mixed_precision.enabled",
+    "true",
+]
 NVFP4 = ["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"]
 MXFP8 = ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"]
 STEPS = 10
 GAP = 0.02
 SPREAD = 0.005  # the full recipe's gap varies by 0.0029 across seeds 0-2 (30 steps)
-VARIANTS = {"bf16": [], "nvfp4": NVFP4, "nvfp4 no RHT": [*NVFP4, "--mixed_precision.nvfp4_rht", "false"],
-            "nvfp4 no SR": [*NVFP4, "--mixed_precision.nvfp4_stochastic_rounding", "false"]}
+VARIANTS = {
+    "bf16": [],
+    "nvfp4": NVFP4,
+    "nvfp4 no RHT": [*NVFP4, "--mixed_precision.nvfp4_rht", "false"],
+    "nvfp4 no SR": [*NVFP4, "--mixed_precision.nvfp4_stochastic_rounding", "false"],
+}
 
 
 @pytest.fixture(autouse=True)
@@ -63,13 +82,23 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.fp8", "rowwise"],
-     "'mixed_precision.block_scaled' = 'nvfp4' and 'mixed_precision.fp8' = 'rowwise' both convert the Linears"),
-    (["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.nvfp4_rht", "false"],
-     "'mixed_precision.nvfp4_rht' = False belongs to the nvfp4 recipe"),
-    ([*NVFP4, "--mixed_precision.mxfp8_scale_mode", "floor"], "'mixed_precision.mxfp8_scale_mode' = 'floor' belongs to the mxfp8 recipe"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.fp8", "rowwise"],
+            "'mixed_precision.block_scaled' = 'nvfp4' and 'mixed_precision.fp8' = 'rowwise' both convert the Linears",
+        ),
+        (
+            ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.nvfp4_rht", "false"],
+            "'mixed_precision.nvfp4_rht' = False belongs to the nvfp4 recipe",
+        ),
+        (
+            [*NVFP4, "--mixed_precision.mxfp8_scale_mode", "floor"],
+            "'mixed_precision.mxfp8_scale_mode' = 'floor' belongs to the mxfp8 recipe",
+        ),
+    ],
+)
 def test_config_refuses_block_scaled_with_fp8_and_options_of_the_other_format(extra, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(extra)
@@ -95,23 +124,39 @@ def test_tensor_parallel_splits_whole_blocks() -> None:
         assert _resolve(*fmt, *TP2, world=2).plan.block_scaled.format == fmt[1]
 
 
-@pytest.mark.parametrize("extra, world, message", [
-    (["--mixed_precision.block_scaled", "nvfp4"], 1,
-     "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: cpu has no MX / NVFP4 "
-     "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 4-7x slower than bf16 on a 2-core AVX512 CPU)"),
-    # dim 96 over TP 2: the column-wise wq's 96 outputs split 48 per rank, not whole 32-blocks.
-    ([*MXFP8, "--model.flavor", "blockscaled_dim96", *TP2], 2,
-     "'mixed_precision.block_scaled' = 'mxfp8' under parallelism.tensor_parallel_degree = 2: layers.1.attention.wq "
-     "splits its out_features 96 into 48 per rank, not a multiple of the 32-element block"),
-    ([*NVFP4, "--mixed_precision.block_scaled_skip_modules", "outptu"], 1,
-     "'mixed_precision.block_scaled_skip_modules' entry 'outptu' matches no nn.Linear"),
-    ([*NVFP4, "--mixed_precision.block_scaled_edge_layers", "2"], 1,
-     "'mixed_precision.block_scaled' = 'nvfp4' converts no nn.Linear"),
-])
-def test_what_cannot_hold_is_one_line_never_a_fallback(monkeypatch: pytest.MonkeyPatch, extra, world,
-                                                       message) -> None:
-    # For this test only: other tests list the registry's flavours.
-    monkeypatch.setitem(LLAMA3_FLAVORS, "blockscaled_dim96", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=96))
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (
+            ["--mixed_precision.block_scaled", "nvfp4"],
+            1,
+            "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: cpu has no MX / NVFP4 "
+            "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 4-7x slower than bf16 on a 2-core AVX512 CPU)",
+        ),
+        # dim 96 over TP 2: the column-wise wq's 96 outputs split 48 per rank, not whole 32-blocks.
+        (
+            [*MXFP8, "--model.flavor", "blockscaled_dim96", *TP2],
+            2,
+            "'mixed_precision.block_scaled' = 'mxfp8' under parallelism.tensor_parallel_degree = 2: layers.1.attention.wq "
+            "splits its out_features 96 into 48 per rank, not a multiple of the 32-element block",
+        ),
+        (
+            [*NVFP4, "--mixed_precision.block_scaled_skip_modules", "outptu"],
+            1,
+            "'mixed_precision.block_scaled_skip_modules' entry 'outptu' matches no nn.Linear",
+        ),
+        (
+            [*NVFP4, "--mixed_precision.block_scaled_edge_layers", "2"],
+            1,
+            "'mixed_precision.block_scaled' = 'nvfp4' converts no nn.Linear",
+        ),
+    ],
+)
+def test_what_cannot_hold_is_one_line_never_a_fallback(monkeypatch: pytest.MonkeyPatch, extra, world, message) -> None:
+    # For this test only: other tests list the registry's flavors.
+    monkeypatch.setitem(
+        LLAMA3_FLAVORS, "blockscaled_dim96", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=96)
+    )
     with pytest.raises(PrecisionError) as e:
         _resolve(*extra, world=world)
     assert message.removeprefix("error-free: ") in str(e.value) and "\n" not in str(e.value)
@@ -124,8 +169,9 @@ def test_emulation_says_so_and_converts_blocks_1_2_keeping_parameter_names(tmp_p
     assert len(converted) == 14 and all(n.startswith(("layers.1.", "layers.2.")) for n in converted)
     plain = _trainer(tmp_path / "plain")
     # Checkpoints see the same state: same keys, shapes and dtypes (the swap keeps the Parameters).
-    assert {k: (v.shape, v.dtype) for k, v in t.run.model.state_dict().items()} == \
-        {k: (v.shape, v.dtype) for k, v in plain.run.model.state_dict().items()}
+    assert {k: (v.shape, v.dtype) for k, v in t.run.model.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in plain.run.model.state_dict().items()
+    }
     t.run.model.load_state_dict(plain.run.model.state_dict())
     report = json.loads((tmp_path / "precision_report.json").read_text())["block_scaled"]
     assert report["format"] == "nvfp4" and report["emulated"] and sorted(report["modules"]) == converted
@@ -151,7 +197,8 @@ def test_audit_passes_and_names_a_promised_module_run_as_a_plain_linear(tmp_path
     breaches = t.audit().breaches
     assert [(b.what, b.seen) for b in breaches] == [
         (f"layers.1.attention.wq: {p} GEMM", ["no block-scaled GEMM (ran as a plain matmul)"])
-        for p in ("forward", "dgrad", "wgrad")]
+        for p in ("forward", "dgrad", "wgrad")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +262,14 @@ def test_resume_with_stochastic_rounding_is_bitwise(tmp_path: Path) -> None:
 
 
 # fp16 whose first scaled loss overflows: 2^40 x a loss of ~6 overflows fp16's 65504 in backward.
-FP16_OVERFLOW = ["--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", str(2.0**40),
-                 "--training.steps", "2"]
+FP16_OVERFLOW = [
+    "--mixed_precision.param_dtype",
+    "float16",
+    "--mixed_precision.init_scale",
+    str(2.0**40),
+    "--training.steps",
+    "2",
+]
 
 
 def test_fp16_overflow_is_skipped_and_backed_off_as_in_plain_fp16(tmp_path: Path) -> None:
@@ -242,8 +295,15 @@ def test_a_non_finite_activation_reaches_the_step_skip(tmp_path: Path) -> None:
 
     def inf_at_first_call(module, args):  # type: ignore[no-untyped-def]
         calls.append(1)
-        return (args[0].masked_fill(torch.zeros_like(args[0], dtype=torch.bool).index_fill_(-1, torch.tensor([3]), True),
-                                    float("inf")),) if len(calls) == 1 else None
+        return (
+            (
+                args[0].masked_fill(
+                    torch.zeros_like(args[0], dtype=torch.bool).index_fill_(-1, torch.tensor([3]), True), float("inf")
+                ),
+            )
+            if len(calls) == 1
+            else None
+        )
 
     t.run.model.layers["1"].attention.wq.register_forward_pre_hook(inf_at_first_call)
     t.train()
@@ -273,18 +333,31 @@ def test_stochastic_rounding_draws_differ_between_ranks_and_replay_per_step() ->
     corr = torch.corrcoef(torch.stack([e0, e1]))[0, 1].item()
     assert abs(corr) < 4 / e0.numel() ** 0.5, corr
     lin.generator.manual_seed((0 * 1_000_003 + 3) * 1_000_033 + 5)  # the key of a single process
-    assert torch.equal((bs.nvfp4_dequantized(g, generator=lin.generator)[0] * bs.nvfp4_tensor_scale(g.amax())
-                        - g).flatten().double(), e0)
+    assert torch.equal(
+        (bs.nvfp4_dequantized(g, generator=lin.generator)[0] * bs.nvfp4_tensor_scale(g.amax()) - g).flatten().double(),
+        e0,
+    )
 
 
-@pytest.mark.parametrize("layout, world, ranks", [
-    (["--parallelism.data_parallel_shard_degree", "4"], 4, [0, 1, 2, 3]),
-    # TP ranks quantize different shards (or, row-wise, one replicated dy): their own draws too
-    (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 4, [0, 1, 2, 3]),
-    # pipeline stages hold different modules (own streams): stage 1 repeats stage 0's ranks
-    (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"], 4, [0, 1, 0, 1]),
-    (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 2, [0, 1]),
-])
+@pytest.mark.parametrize(
+    "layout, world, ranks",
+    [
+        (["--parallelism.data_parallel_shard_degree", "4"], 4, [0, 1, 2, 3]),
+        # TP ranks quantize different shards (or, row-wise, one replicated dy): their own draws too
+        (
+            ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+            4,
+            [0, 1, 2, 3],
+        ),
+        # pipeline stages hold different modules (own streams): stage 1 repeats stage 0's ranks
+        (
+            ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"],
+            4,
+            [0, 1, 0, 1],
+        ),
+        (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 2, [0, 1]),
+    ],
+)
 def test_each_rank_rounding_its_own_values_gets_its_own_stochastic_rounding_key(layout, world, ranks) -> None:
     config = load_config([*BASE, *NVFP4, *layout])
     dims = job_mod.resolve(config, world, "cpu").dims

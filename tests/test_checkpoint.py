@@ -25,20 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_amp.checkpoint import preemption
-from torchtitan_amp.train import dry_run
-from torchtitan_amp.train import trainer as trainer_module
-from torchtitan_amp.checkpoint import (
-    CheckpointError,
-    export_checkpoint,
-    inspect_checkpoint,
-    scan_folder,
-    validate_config,
-)
-from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.models import get_family
-from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
-
 from tests.support.launch import (
     ONE_THREAD,
     WORKERS,
@@ -53,6 +39,19 @@ from tests.support.launch import (
     run_command,
     write_spec,
 )
+from torchtitan_amp.checkpoint import (
+    CheckpointError,
+    export_checkpoint,
+    inspect_checkpoint,
+    preemption,
+    scan_folder,
+    validate_config,
+)
+from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.models import get_family
+from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+from torchtitan_amp.train import dry_run
+from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
@@ -61,17 +60,37 @@ TRAIN = ROOT / "train.py"
 
 STEPS, RESUME_FROM = 6, 3
 BASE = [
-    "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3", "--checkpoint.enable", "--checkpoint.interval", "3",
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "3",
 ]
 PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
     "bf16": ["--mixed_precision.param_dtype", "bfloat16"],
     # A large initial scale with fast growth: steps 1, 2 and 5 overflow and are skipped, the scale
     # grows in between, so a resume that lost the scale or growth tracker diverges at once.
-    "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", "1048576",
-             "--mixed_precision.growth_interval", "2"],
+    "fp16": [
+        "--mixed_precision.param_dtype",
+        "float16",
+        "--mixed_precision.init_scale",
+        "1048576",
+        "--mixed_precision.growth_interval",
+        "2",
+    ],
 }
 LAYOUTS = {
     "single": (1, []),
@@ -80,8 +99,17 @@ LAYOUTS = {
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
     # Two stages per rank (stages 0 and 2 on rank 0): the manager merges them into one module.
-    "pp_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                           "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp_interleaved": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+        ],
+    ),
     "fsdp_tp": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     # Context parallel 2 x FSDP 2: data-parallel degree 2 (cp ranks read the same windows), FSDP
     # shards over dp_shard x cp (4 ranks).
@@ -154,13 +182,25 @@ def matrix(tmp_path_factory):
             jobs = []
             for precision in PRECISIONS:
                 a, b = root / precision / "a", root / precision / "b"
-                jobs.append({"args": job_args(layout, precision, a, *_async(layout, precision)),
-                             "perturb_rng": True, "rng_out": str(root / precision / "rng_a.json")})
-                jobs.append({"args": job_args(layout, precision, b, *_async(layout, precision),
-                                              *_export(layout, precision)),
-                             "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"),
-                                       str(b / "checkpoint" / f"step-{RESUME_FROM}")]],
-                             "rng_out": str(root / precision / "rng_b.json")})
+                jobs.append(
+                    {
+                        "args": job_args(layout, precision, a, *_async(layout, precision)),
+                        "perturb_rng": True,
+                        "rng_out": str(root / precision / "rng_a.json"),
+                    }
+                )
+                jobs.append(
+                    {
+                        "args": job_args(layout, precision, b, *_async(layout, precision), *_export(layout, precision)),
+                        "copy": [
+                            [
+                                str(a / "checkpoint" / f"step-{RESUME_FROM}"),
+                                str(b / "checkpoint" / f"step-{RESUME_FROM}"),
+                            ]
+                        ],
+                        "rng_out": str(root / precision / "rng_b.json"),
+                    }
+                )
             launch_worker("ckpt_jobs", root, jobs, LAYOUTS[layout][0])
             _MATRIX[layout] = root
         return _MATRIX[layout]
@@ -207,9 +247,15 @@ def test_resume_is_bitwise_tensor_and_pipeline_parallel(tmp_path):
     for layout in layouts:
         a, b = tmp_path / layout / "a", tmp_path / layout / "b"
         export = PP_EXPORT if layout == "pp_interleaved" else ()
-        jobs += [{"args": job_args(layout, "bf16", a)},
-                 {"args": job_args(layout, "bf16", b, *export),
-                  "copy": [[str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]]}]
+        jobs += [
+            {"args": job_args(layout, "bf16", a)},
+            {
+                "args": job_args(layout, "bf16", b, *export),
+                "copy": [
+                    [str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]
+                ],
+            },
+        ]
     launch_worker("ckpt_jobs", tmp_path, jobs, 2)
     for layout in layouts:
         a, b = by_step(tmp_path / layout / "a"), by_step(tmp_path / layout / "b")
@@ -217,8 +263,9 @@ def test_resume_is_bitwise_tensor_and_pipeline_parallel(tmp_path):
         assert_same_steps(b, a, range(RESUME_FROM + 1, STEPS + 1))
     # Every rank's stages of A's full checkpoint hold the same weights as B's export (resume is bitwise).
     root = tmp_path / "pp_interleaved"
-    assert_export_equals_checkpoint(root / "b" / "checkpoint" / f"step-{STEPS}",
-                                    root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt")
+    assert_export_equals_checkpoint(
+        root / "b" / "checkpoint" / f"step-{STEPS}", root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt"
+    )
 
 
 def assert_export_equals_checkpoint(export_dir: Path, full_dir: Path, scratch: Path) -> None:
@@ -237,8 +284,9 @@ def assert_export_equals_checkpoint(export_dir: Path, full_dir: Path, scratch: P
 
 def test_model_only_export_loads_into_plain_transformer(matrix, tmp_path):
     root = matrix("fsdp") / "fp32"
-    assert_export_equals_checkpoint(root / "b" / "checkpoint" / f"step-{STEPS}",
-                                    root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt")
+    assert_export_equals_checkpoint(
+        root / "b" / "checkpoint" / f"step-{STEPS}", root / "a" / "checkpoint" / f"step-{STEPS}", tmp_path / "a.pt"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,12 +311,24 @@ def four_ranks(matrix, tmp_path_factory):
     jobs = [{"args": reshard_args("fsdp_tp", root), "probe": str(root / "probe_fsdp_tp.json")}]
     for precision in CP_PRECISIONS:
         a, b = root / "cp" / precision / "a", root / "cp" / precision / "b"
-        jobs += [{"args": job_args("cp_fsdp", precision, a), "perturb_rng": True,
-                  "rng_out": str(root / "cp" / precision / "rng_a.json")},
-                 {"args": job_args("cp_fsdp", precision, b), "copy": _from(a, b),
-                  "rng_out": str(root / "cp" / precision / "rng_b.json")}]
-    jobs.append({"args": job_args("cp_fsdp", "fp32", root / "cp" / "from_fsdp"),
-                 "copy": _from(fsdp_a, root / "cp" / "from_fsdp")})
+        jobs += [
+            {
+                "args": job_args("cp_fsdp", precision, a),
+                "perturb_rng": True,
+                "rng_out": str(root / "cp" / precision / "rng_a.json"),
+            },
+            {
+                "args": job_args("cp_fsdp", precision, b),
+                "copy": _from(a, b),
+                "rng_out": str(root / "cp" / precision / "rng_b.json"),
+            },
+        ]
+    jobs.append(
+        {
+            "args": job_args("cp_fsdp", "fp32", root / "cp" / "from_fsdp"),
+            "copy": _from(fsdp_a, root / "cp" / "from_fsdp"),
+        }
+    )
     launch_worker("ckpt_jobs", root, jobs, 4)
     return root
 
@@ -276,8 +336,16 @@ def four_ranks(matrix, tmp_path_factory):
 def reshard_args(layout: str, out: Path, *extra: str) -> list[str]:
     """Load the FSDP 2 fp32 job A's step-3 checkpoint (in place, read only) into `layout`."""
     folder = _MATRIX["fsdp"] / "fp32" / "a" / "checkpoint"
-    return job_args(layout, "fp32", out / layout, "--checkpoint.folder", str(folder),
-                    "--checkpoint.load_step", str(RESUME_FROM), *extra)
+    return job_args(
+        layout,
+        "fp32",
+        out / layout,
+        "--checkpoint.folder",
+        str(folder),
+        "--checkpoint.load_step",
+        str(RESUME_FROM),
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -289,15 +357,24 @@ def resharded(matrix, four_ranks, tmp_path_factory):
     before = snapshot(folder)
     two_rank = {"fsdp": (), "ddp": (), "tp": ("--checkpoint.exclude_from_loading", "dataloader")}
     cp_a = four_ranks / "cp" / "fp32" / "a"
-    launch_worker("ckpt_jobs", root, [
-        *({"args": reshard_args(layout, root, *extra), "probe": str(root / f"probe_{layout}.json")}
-          for layout, extra in two_rank.items()),
-        {"args": job_args("fsdp", "fp32", root / "cp_to_fsdp"), "copy": _from(cp_a, root / "cp_to_fsdp")}], 2)
+    launch_worker(
+        "ckpt_jobs",
+        root,
+        [
+            *(
+                {"args": reshard_args(layout, root, *extra), "probe": str(root / f"probe_{layout}.json")}
+                for layout, extra in two_rank.items()
+            ),
+            {"args": job_args("fsdp", "fp32", root / "cp_to_fsdp"), "copy": _from(cp_a, root / "cp_to_fsdp")},
+        ],
+        2,
+    )
     results = {k: json.loads((root / f"probe_{k}.json").read_text()) for k in two_rank}
     results["fsdp_tp"] = json.loads((four_ranks / "probe_fsdp_tp.json").read_text())
     # One process cannot take over two ranks' data positions: it restarts the data stream.
-    single = trainer_module.Trainer(load_config(reshard_args("single", root, "--checkpoint.exclude_from_loading",
-                                                             "dataloader")))
+    single = trainer_module.Trainer(
+        load_config(reshard_args("single", root, "--checkpoint.exclude_from_loading", "dataloader"))
+    )
     results["single"] = probe_trainer(single)
     single.run.metrics.close()
     assert snapshot(folder) == before
@@ -308,11 +385,13 @@ def test_reshard_fsdp_checkpoint_into_other_layouts(matrix, resharded, tmp_path)
     folder = matrix("fsdp") / "fp32" / "a" / "checkpoint"
     results = resharded[1]
     # The checkpoint's own tensors, read on one process without any model.
-    saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"),
-                       weights_only=False)
+    saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
     want_model = {k: digest(v) for k, v in saved["model"].items()}
-    want_optim = {k: digest(v) for k, v in _flatten(saved["optimizer"]).items()
-                  if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
+    want_optim = {
+        k: digest(v)
+        for k, v in _flatten(saved["optimizer"]).items()
+        if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0
+    }
     assert len(want_optim) == 2 * len(want_model)  # exp_avg and exp_avg_sq of every parameter
     ref = results["fsdp"]
     for layout, r in results.items():
@@ -361,24 +440,41 @@ def test_context_parallel_checkpoint_resumes_at_another_cp_degree(matrix, four_r
     _close_steps(by_step(four_ranks / "cp" / "from_fsdp"), by_step(matrix("fsdp") / "fp32" / "a"))
 
 
-def test_context_parallel_checkpoint_on_another_data_parallel_degree_keeps_its_data_position(four_ranks, tmp_path,
-                                                                                          caplog):
+def test_context_parallel_checkpoint_on_another_data_parallel_degree_keeps_its_data_position(
+    four_ranks, tmp_path, caplog
+):
     """CP 2 x FSDP 2 has data-parallel degree 2 (not 4): one process takes over its global data
     position (samples consumed), says so in one line, and holds exactly the saved weights and AdamW moments."""
     folder = four_ranks / "cp" / "fp32" / "a" / "checkpoint"
     with caplog.at_level("INFO", logger="torchtitan_amp"):
-        single = trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "single", "--checkpoint.folder",
-                                                             str(folder), "--checkpoint.load_step", str(RESUME_FROM))))
+        single = trainer_module.Trainer(
+            load_config(
+                job_args(
+                    "single",
+                    "fp32",
+                    tmp_path / "single",
+                    "--checkpoint.folder",
+                    str(folder),
+                    "--checkpoint.load_step",
+                    str(RESUME_FROM),
+                )
+            )
+        )
     assert single.run.dataloader.samples == RESUME_FROM * 2 * 2  # 2 dp ranks x local batch 2 per step
-    assert ("data resumes at sample 12 (epoch 0); saved on 2 data-parallel ranks, now 1; global batch was 4 "
-            "sequences, now 2") in caplog.text
+    assert (
+        "data resumes at sample 12 (epoch 0); saved on 2 data-parallel ranks, now 1; global batch was 4 "
+        "sequences, now 2"
+    ) in caplog.text
     got = probe_trainer(single)
     single.run.metrics.close()
     saved = torch.load(dcp_to_torch_save_file(folder / f"step-{RESUME_FROM}", tmp_path / "full.pt"), weights_only=False)
     assert got["step"] == RESUME_FROM
     assert got["model_sums"] == {k: digest(v) for k, v in saved["model"].items()}
-    assert got["optim_sums"] == {k: digest(v) for k, v in _flatten(saved["optimizer"]).items()
-                                 if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
+    assert got["optim_sums"] == {
+        k: digest(v)
+        for k, v in _flatten(saved["optimizer"]).items()
+        if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0
+    }
 
 
 def dcp_to_torch_save_file(step_dir: Path, out: Path) -> Path:
@@ -405,8 +501,11 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def test_fault_injection_restart_resumes_bitwise(matrix, tmp_path):
     reference = by_step(matrix("fsdp") / "bf16" / "a")
     dump = tmp_path / "job"
-    proc = launch_train(job_args("fsdp", "bf16", dump, "--debug.fault_inject_at_step", "5",
-                                  "--debug.fault_inject_rank", "1"), 2, max_restarts=1)
+    proc = launch_train(
+        job_args("fsdp", "bf16", dump, "--debug.fault_inject_at_step", "5", "--debug.fault_inject_rank", "1"),
+        2,
+        max_restarts=1,
+    )
     assert (dump / ".fault_injected_at_step_5").exists()
     assert f"checkpoint/step-{RESUME_FROM} (" in proc.stdout  # the restarted job loaded step-3
     steps = [r["step"] for r in read_metrics(dump)]
@@ -463,8 +562,14 @@ def test_preemption_signal_on_one_rank_stops_all_and_resumes(matrix, tmp_path):
     spec = write_spec(tmp_path / "spec", [{"args": args}], step_delay=0.5)
     log = tmp_path / "log.txt"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(launch_cmd(nproc, WORKERS / "ckpt_jobs.py", spec), cwd=ROOT, env=_env(ONE_THREAD),
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            launch_cmd(nproc, WORKERS / "ckpt_jobs.py", spec),
+            cwd=ROOT,
+            env=_env(ONE_THREAD),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         ranks: dict[int, int] = {}
         try:
             _wait_for_step(dump, 2, proc)
@@ -522,14 +627,23 @@ def _kill_tree(root: int) -> None:
             pass
 
 
-def _signal_and_wait(cmd: list[str], dump: Path, log: Path, sig: signal.Signals, *, env: dict[str, str],
-                     after_step: int = 2, group: bool = False) -> tuple[int, str]:
+def _signal_and_wait(
+    cmd: list[str],
+    dump: Path,
+    log: Path,
+    sig: signal.Signals,
+    *,
+    env: dict[str, str],
+    after_step: int = 2,
+    group: bool = False,
+) -> tuple[int, str]:
     """Start cmd in its own session, send `sig` to it (to its whole process group with `group`, as
     a terminal's Ctrl-C does) once step `after_step` is logged, return its exit code and output;
     kill everything it started if it hangs."""
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=_env(env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             _wait_for_step(dump, after_step, proc)
             (os.killpg if group else os.kill)(proc.pid, sig)
@@ -551,8 +665,10 @@ def _torchrun_has_shutdown_timeout() -> bool:
     return "--shutdown-timeout" in get_args_parser()._option_string_actions
 
 
-@pytest.mark.skipif(not _torchrun_has_shutdown_timeout(),
-                    reason="this torch's torchrun has no --shutdown-timeout (2.11: a fixed 30 s grace) to shorten")
+@pytest.mark.skipif(
+    not _torchrun_has_shutdown_timeout(),
+    reason="this torch's torchrun has no --shutdown-timeout (2.11: a fixed 30 s grace) to shorten",
+)
 def test_sigterm_to_launcher_saves_after_a_step_longer_than_torchruns_grace_and_resumes_bitwise(matrix, tmp_path):
     dump = tmp_path / "job"
     # No interval saves: the only checkpoint is the pre-emption's. Each step sleeps STEP_DELAY_S
@@ -574,8 +690,9 @@ def test_ctrl_c_to_the_launchers_process_group_saves_and_exits_0(tmp_path):
     # A terminal sends SIGINT to its whole foreground process group; were the ranks in it, they
     # would die of KeyboardInterrupt instead of saving.
     dump = tmp_path / "job"
-    cmd = launcher_cmd(TRAIN, *job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000",
-                                        "--training.steps", "1000"))
+    cmd = launcher_cmd(
+        TRAIN, *job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000", "--training.steps", "1000")
+    )
     code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGINT, env=ONE_THREAD, group=True)
     assert code == 0, out[-4000:]
     assert "launch: SIGINT: asking 2 rank(s) to finish the step" in out
@@ -602,18 +719,35 @@ def test_slurm_script_passes_the_warning_signal_to_the_ranks_which_save_and_exit
     _stub(bin_dir, "hostname", "echo 127.0.0.1\n")
     # srun on one node: drop its options and become the task, as slurmstepd would run it. srun's
     # own forwarding of SIGTERM to its tasks is SLURM's and cannot be run here.
-    _stub(bin_dir, "srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\n'
-                           'exec "$@"\n')
+    _stub(bin_dir, "srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\nexec "$@"\n')
     dump = tmp_path / "job"
-    env = {**ONE_THREAD, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
-           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
-           "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "2", "RDZV_PORT": str(_free_port()),
-           "CONFIG_FILE": "train_configs/debug_model.toml", "PREEMPT_WARNING_S": "90"}
+    env = {
+        **ONE_THREAD,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_ID": "4242",
+        "GPUS_PER_NODE": "2",
+        "RDZV_PORT": str(_free_port()),
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+        "PREEMPT_WARNING_S": "90",
+    }
     # debugmodel_h64, not BASE's debugmodel_tiny: the size check below holds within 5% only where
     # the tensors outweigh the checkpoint's fixed pickled entries (10% of a tiny rank's share).
     # fp32 is not emulated on CPUs without bf16, so the larger model costs little here.
-    args = job_args("fsdp", "fp32", dump, "--checkpoint.interval", "1000", "--training.steps", "1000",
-                    "--model.flavor", "debugmodel_h64")
+    args = job_args(
+        "fsdp",
+        "fp32",
+        dump,
+        "--checkpoint.interval",
+        "1000",
+        "--training.steps",
+        "1000",
+        "--model.flavor",
+        "debugmodel_h64",
+    )
     cmd = ["bash", str(ROOT / "scripts" / "multinode_trainer.slurm"), *args]
     # What `#SBATCH --signal=B:USR1@N` does N seconds before the time limit: SIGUSR1 to the batch shell.
     code, out = _signal_and_wait(cmd, dump, tmp_path / "log.txt", signal.SIGUSR1, env=env)
@@ -667,7 +801,9 @@ def test_interrupted_and_corrupt_checkpoints_are_skipped(matrix, tmp_path):
     assert (folder / "step-3").is_dir() and (folder / "step-5").is_dir()
     assert not list(folder.glob("*.tmp"))
     # Asking for the corrupt step by name is an error that says why, not a silent fallback.
-    with pytest.raises(CheckpointError, match=r"load_step = 3: no complete checkpoint step-3 .*1000 bytes.*available steps: 6"):
+    with pytest.raises(
+        CheckpointError, match=r"load_step = 3: no complete checkpoint step-3 .*1000 bytes.*available steps: 6"
+    ):
         trainer_module.Trainer(load_config(args + ["--checkpoint.load_step", "3"]))
 
 
@@ -686,13 +822,19 @@ def test_bit_flip_is_caught_by_checksums(matrix, tmp_path):
     cli = run_command([*verify, str(bad.parent)], timeout=120)
     assert cli.returncode == 2 and "__0_0.distcp has CRC-32" in cli.stderr
     # Asking for it by name is an error that says why, never a fallback.
-    with pytest.raises(CheckpointError, match=rf"load_step = {STEPS}: no complete checkpoint step-{STEPS} .*"
-                                              r"__0_0.distcp has CRC-32 \w+, the manifest says \w+ \(corrupt\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"load_step = {STEPS}: no complete checkpoint step-{STEPS} .*"
+        r"__0_0.distcp has CRC-32 \w+, the manifest says \w+ \(corrupt\)",
+    ):
         trainer_module.Trainer(load_config(job_args("single", "fp32", dump, "--checkpoint.load_step", str(STEPS))))
     # So is starting a new job from its weights.
     with pytest.raises(CheckpointError, match=r"initial_load_path: .*__0_0.distcp has CRC-32"):
-        trainer_module.Trainer(load_config(job_args("single", "fp32", tmp_path / "other", "--checkpoint.initial_load_path",
-                                                    str(bad.parent))))
+        trainer_module.Trainer(
+            load_config(
+                job_args("single", "fp32", tmp_path / "other", "--checkpoint.initial_load_path", str(bad.parent))
+            )
+        )
 
     proc = launch_worker("ckpt_jobs", tmp_path, [{"args": job_args("ddp", "fp32", dump)}], 2)
     assert f"skipping {bad.parent}: file __0_0.distcp has CRC-32" in proc.stdout + proc.stderr
@@ -712,8 +854,21 @@ def test_keep_latest_k_never_counts_checkpoints_of_later_steps(matrix, tmp_path)
     data = bytearray(later.read_bytes())
     data[len(data) // 3] ^= 0x01
     later.write_bytes(bytes(data))
-    trainer_module.Trainer(load_config(job_args("single", "fp32", dump, "--training.steps", "5", "--checkpoint.interval",
-                                                "2", "--checkpoint.keep_latest_k", "1"))).train()
+    trainer_module.Trainer(
+        load_config(
+            job_args(
+                "single",
+                "fp32",
+                dump,
+                "--training.steps",
+                "5",
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.keep_latest_k",
+                "1",
+            )
+        )
+    ).train()
     assert complete_steps(dump / "checkpoint") == {5: "full", STEPS: "full"}
     assert later.read_bytes() == bytes(data)
     assert sorted(by_step(dump)) == [RESUME_FROM + 1, 5]  # resumed from step-3, past the corrupt step-6
@@ -725,8 +880,11 @@ def test_keep_latest_k_never_counts_checkpoints_of_later_steps(matrix, tmp_path)
 
 def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
     seed_dump = tmp_path / "seed"
-    trainer_module.Trainer(load_config(job_args("single", "fp32", seed_dump, "--checkpoint.create_seed_checkpoint",
-                                                "--training.seed", "7"))).train()
+    trainer_module.Trainer(
+        load_config(
+            job_args("single", "fp32", seed_dump, "--checkpoint.create_seed_checkpoint", "--training.seed", "7")
+        )
+    ).train()
     seed = seed_dump / "checkpoint" / "step-0"
     assert complete_steps(seed_dump / "checkpoint") == {0: "seed"}
     assert not read_metrics(seed_dump)  # nothing trained
@@ -737,10 +895,15 @@ def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
 
     short = ["--training.steps", "2"]
     x, y = tmp_path / "x", tmp_path / "y"
-    launch_worker("ckpt_jobs", tmp_path, [
-        {"args": job_args("fsdp", "fp32", x, *short), "copy": [[str(seed), str(x / "checkpoint" / "step-0")]]},
-        {"args": job_args("fsdp", "fp32", y, *short, "--checkpoint.initial_load_path", str(seed))},
-    ], 2)
+    launch_worker(
+        "ckpt_jobs",
+        tmp_path,
+        [
+            {"args": job_args("fsdp", "fp32", x, *short), "copy": [[str(seed), str(x / "checkpoint" / "step-0")]]},
+            {"args": job_args("fsdp", "fp32", y, *short, "--checkpoint.initial_load_path", str(seed))},
+        ],
+        2,
+    )
     rx, ry = by_step(x), by_step(y)
     assert sorted(rx) == [1, 2]
     assert_same_steps(ry, rx, [1, 2])
@@ -756,8 +919,19 @@ def test_seed_checkpoint_starts_any_layout(matrix, tmp_path):
 def test_missing_load_step_is_a_one_line_error(matrix):
     folder = matrix("single") / "bf16" / "a" / "checkpoint"
     before = snapshot(folder)
-    proc = launch_train(job_args("single", "bf16", folder.parent / "other", "--checkpoint.folder", str(folder),
-                                  "--checkpoint.load_step", "99"), 1, check=False)
+    proc = launch_train(
+        job_args(
+            "single",
+            "bf16",
+            folder.parent / "other",
+            "--checkpoint.folder",
+            str(folder),
+            "--checkpoint.load_step",
+            "99",
+        ),
+        1,
+        check=False,
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
@@ -767,12 +941,13 @@ def test_missing_load_step_is_a_one_line_error(matrix):
 
 def test_checkpoint_of_another_model_shape_names_the_key(matrix, monkeypatch):
     folder = matrix("single") / "bf16" / "a" / "checkpoint"
-    flavors = get_family("llama3").flavors  # BASE's flavour, narrowed for this run only
+    flavors = get_family("llama3").flavors  # BASE's flavor, narrowed for this run only
     monkeypatch.setitem(flavors, "debugmodel_tiny", dataclasses.replace(flavors["debugmodel_tiny"], dim=32))
     before = snapshot(folder)
     with pytest.raises(CheckpointError) as e:
-        trainer_module.Trainer(load_config(job_args("single", "bf16", folder.parent / "other",
-                                                    "--checkpoint.folder", str(folder))))
+        trainer_module.Trainer(
+            load_config(job_args("single", "bf16", folder.parent / "other", "--checkpoint.folder", str(folder)))
+        )
     assert "'tok_embeddings.weight' has shape (258, 64) in the checkpoint but (258, 32) in the model" in str(e.value)
     assert "\n" not in str(e.value)
     assert snapshot(folder) == before
@@ -789,8 +964,10 @@ def test_unwritable_checkpoint_folder(tmp_path):
 
 def test_read_only_checkpoint_folder(tmp_path):
     if os.geteuid() == 0:
-        pytest.skip("runs as root, which ignores permission bits: a read-only checkpoint folder "
-                    "cannot be made; run the suite as a non-root user to check this")
+        pytest.skip(
+            "runs as root, which ignores permission bits: a read-only checkpoint folder "
+            "cannot be made; run the suite as a non-root user to check this"
+        )
     locked = tmp_path / "locked"
     (locked / "checkpoint").mkdir(parents=True)
     (locked / "checkpoint" / "keep.txt").write_text("saved")
@@ -803,11 +980,14 @@ def test_read_only_checkpoint_folder(tmp_path):
     assert (locked / "checkpoint" / "keep.txt").read_text() == "saved"
 
 
-@pytest.mark.parametrize("extra,world,message", [
-    (["--checkpoint.async_mode", "async_with_pinned_mem"], 1, "needs CUDA"),
-    (["--checkpoint.create_seed_checkpoint"], 2, "must run on one process"),
-    (["--checkpoint.exclude_from_loading", "model,optimiser"], 1, "unknown state 'optimiser'"),
-])
+@pytest.mark.parametrize(
+    "extra,world,message",
+    [
+        (["--checkpoint.async_mode", "async_with_pinned_mem"], 1, "needs CUDA"),
+        (["--checkpoint.create_seed_checkpoint"], 2, "must run on one process"),
+        (["--checkpoint.exclude_from_loading", "model,optimiser"], 1, "unknown state 'optimiser'"),
+    ],
+)
 def test_checkpoint_config_errors(tmp_path, extra, world, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(load_config(job_args("single", "fp32", tmp_path, *extra)), world, "cpu")

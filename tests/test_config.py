@@ -14,8 +14,16 @@ import pytest
 
 from tests.support.launch import REPO, run_python
 from torchtitan_amp import config as config_mod
-from torchtitan_amp.config import ConfigError, JobConfig, help_text, load_config, section_names, to_toml
-from torchtitan_amp.config import presentation, sections
+from torchtitan_amp.config import (
+    ConfigError,
+    JobConfig,
+    help_text,
+    load_config,
+    presentation,
+    section_names,
+    sections,
+    to_toml,
+)
 from torchtitan_amp.config.bounds import Range
 
 pytestmark = pytest.mark.unit
@@ -58,7 +66,9 @@ def test_defaults_without_any_input() -> None:
 
 
 def test_toml_sections_map_to_dataclasses(tmp_path: Path) -> None:
-    config = load(tmp_path, """
+    config = load(
+        tmp_path,
+        """
         [job]
         description = "a test"
         [optimizer]
@@ -71,7 +81,8 @@ def test_toml_sections_map_to_dataclasses(tmp_path: Path) -> None:
         pipeline_parallel_split_points = ["layers.1", "layers.3"]
         [mixed_precision]
         lower_precision_safe_modules = "torch.nn.Linear, torch.nn.Embedding"
-    """)
+    """,
+    )
     assert config.job.description == "a test"
     assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
     assert (config.training.steps, config.training.seq_len, config.training.deterministic) == (7, 32, True)
@@ -94,25 +105,31 @@ def test_every_shipped_config_loads() -> None:
 # CLI overrides
 
 
-@pytest.mark.parametrize("argv", [
-    ["--training.steps", "7"],
-    ["--training.steps=7"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.steps", "7"],
+        ["--training.steps=7"],
+    ],
+)
 def test_cli_value_forms(argv: list[str]) -> None:
     assert load_config(argv).training.steps == 7
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--compile.enable"], True),                                   # bare flag
-    (["--compile.enable", "--training.steps", "3"], True),          # bare flag before another option
-    (["--compile.enable", "true"], True),
-    (["--compile.enable", "True"], True),
-    (["--compile.enable", "false"], False),
-    (["--compile.enable=false"], False),
-    (["--compile.enable=true"], True),
-    (["--compile.enable", "--no-compile.enable"], False),
-    (["--no-compile.enable"], False),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--compile.enable"], True),  # bare flag
+        (["--compile.enable", "--training.steps", "3"], True),  # bare flag before another option
+        (["--compile.enable", "true"], True),
+        (["--compile.enable", "True"], True),
+        (["--compile.enable", "false"], False),
+        (["--compile.enable=false"], False),
+        (["--compile.enable=true"], True),
+        (["--compile.enable", "--no-compile.enable"], False),
+        (["--no-compile.enable"], False),
+    ],
+)
 def test_cli_booleans(argv: list[str], expected: bool) -> None:
     assert load_config(argv).compile.enable is expected
 
@@ -122,16 +139,19 @@ def test_no_flag_turns_off_a_default_true() -> None:
     assert load_config(["--no-parallelism.enable_sequence_parallel"]).parallelism.enable_sequence_parallel is False
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    ([], "auto"),
-    (["--no-mixed_precision.enabled"], False),
-    (["--mixed_precision.enabled"], True),
-    (["--mixed_precision.enabled", "auto"], "auto"),
-    (["--mixed_precision.enabled=AUTO"], "auto"),
-    (["--mixed_precision.enabled", "false"], False),
-    (["--mixed_precision.enabled", "--training.steps", "3"], True),
-    (["--mixed_precision.enabled", "auto", "--no-mixed_precision.enabled"], False),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "auto"),
+        (["--no-mixed_precision.enabled"], False),
+        (["--mixed_precision.enabled"], True),
+        (["--mixed_precision.enabled", "auto"], "auto"),
+        (["--mixed_precision.enabled=AUTO"], "auto"),
+        (["--mixed_precision.enabled", "false"], False),
+        (["--mixed_precision.enabled", "--training.steps", "3"], True),
+        (["--mixed_precision.enabled", "auto", "--no-mixed_precision.enabled"], False),
+    ],
+)
 def test_mixed_precision_enabled_is_a_boolean_or_auto(argv: list[str], expected: object) -> None:
     assert load_config(argv).mixed_precision.enabled == expected
     assert type(load_config(argv).mixed_precision.enabled) is type(expected)
@@ -160,15 +180,28 @@ def test_mixed_precision_enabled_rejects_other_values(tmp_path: Path, toml: str 
 
 
 def test_cli_lists_are_comma_separated() -> None:
-    config = load_config(["--mixed_precision.lower_precision_safe_modules",
-                          "torch.nn.Linear, torch.nn.Embedding,", "--parallelism.pipeline_parallel_split_points=layers.2"])
+    config = load_config(
+        [
+            "--mixed_precision.lower_precision_safe_modules",
+            "torch.nn.Linear, torch.nn.Embedding,",
+            "--parallelism.pipeline_parallel_split_points=layers.2",
+        ]
+    )
     assert config.mixed_precision.lower_precision_safe_modules == ["torch.nn.Linear", "torch.nn.Embedding"]
     assert config.parallelism.pipeline_parallel_split_points == ["layers.2"]
 
 
 def test_cli_negative_numbers_are_values() -> None:
-    config = load_config(["--training.global_batch_size", "-1", "--parallelism.data_parallel_shard_degree", "-1",
-                          "--lr_scheduler.decay_ratio", "-1"])
+    config = load_config(
+        [
+            "--training.global_batch_size",
+            "-1",
+            "--parallelism.data_parallel_shard_degree",
+            "-1",
+            "--lr_scheduler.decay_ratio",
+            "-1",
+        ]
+    )
     assert config.training.global_batch_size == -1 and config.lr_scheduler.decay_ratio == -1.0
 
 
@@ -185,8 +218,8 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path: Path) -> None:
     defaults = JobConfig().training
     for argv in (["--training.steps", "9"], []):
         config = load(tmp_path, toml, *argv)
-        assert config.training.seq_len == 32                                  # TOML over default
-        assert config.training.steps == (9 if argv else 5)                    # CLI over TOML
+        assert config.training.seq_len == 32  # TOML over default
+        assert config.training.steps == (9 if argv else 5)  # CLI over TOML
         assert config.training.local_batch_size == defaults.local_batch_size  # default
     # The CLI wins even when it comes before --job.config_file on the command line.
     path = write(tmp_path, toml)
@@ -206,16 +239,20 @@ def test_repeated_overrides_last_wins(tmp_path: Path) -> None:
 
 
 def test_alias_sets_the_canonical_field() -> None:
-    config = load_config(["--training.mixed_precision_param", "float16",
-                          "--training.mixed_precision_reduce", "bfloat16"])
+    config = load_config(
+        ["--training.mixed_precision_param", "float16", "--training.mixed_precision_reduce", "bfloat16"]
+    )
     assert config.mixed_precision.param_dtype == "float16"
     assert config.mixed_precision.reduce_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("alias, canonical", [
-    ("training.mixed_precision_param", "mixed_precision.param_dtype"),
-    ("training.mixed_precision_reduce", "mixed_precision.reduce_dtype"),
-])
+@pytest.mark.parametrize(
+    "alias, canonical",
+    [
+        ("training.mixed_precision_param", "mixed_precision.param_dtype"),
+        ("training.mixed_precision_reduce", "mixed_precision.reduce_dtype"),
+    ],
+)
 def test_alias_and_canonical_set_differently_is_an_error(tmp_path: Path, alias: str, canonical: str) -> None:
     message = error_of(tmp_path, None, f"--{alias}", "float16", f"--{canonical}", "float32")
     assert alias in message and canonical in message and "set only one" in message
@@ -232,9 +269,13 @@ def test_alias_and_canonical_set_differently_is_an_error(tmp_path: Path, alias: 
 def test_alias_follows_precedence_across_sources(tmp_path: Path) -> None:
     # The shipped debug config sets mixed_precision.param_dtype; the torchtitan spelling on the
     # command line must override it like any other CLI value.
-    config = load(tmp_path, '[mixed_precision]\nparam_dtype = "bfloat16"\n', "--training.mixed_precision_param", "float16")
+    config = load(
+        tmp_path, '[mixed_precision]\nparam_dtype = "bfloat16"\n', "--training.mixed_precision_param", "float16"
+    )
     assert config.mixed_precision.param_dtype == "float16"
-    config = load(tmp_path, '[training]\nmixed_precision_param = "float16"\n', "--mixed_precision.param_dtype", "float32")
+    config = load(
+        tmp_path, '[training]\nmixed_precision_param = "float16"\n', "--mixed_precision.param_dtype", "float32"
+    )
     assert config.mixed_precision.param_dtype == "float32"
     assert config.training.mixed_precision_param == "float32"  # the resolved config agrees with itself
 
@@ -255,9 +296,11 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
             assert presentation._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
     flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
-    assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
-            "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-            "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}") in flavor
+    assert (
+        "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
+        "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}"
+    ) in flavor
 
 
 def test_help_says_what_a_field_does_not_what_was_measured() -> None:
@@ -292,8 +335,12 @@ def test_fault_injection_under_training_says_where_it_moved(tmp_path: Path, key:
 
 def _outside(bounds: Range) -> list[float]:
     """Values just outside a Range, at each end, that none of its special values covers."""
-    near = [x for end in (bounds.low, bounds.high) if end is not None for x in (end - 1, end - 0.5, end,
-                                                                               end + 0.5, end + 1, end - 2)]
+    near = [
+        x
+        for end in (bounds.low, bounds.high)
+        if end is not None
+        for x in (end - 1, end - 0.5, end, end + 0.5, end + 1, end - 2)
+    ]
     return [x for x in near if not bounds.contains(x)]
 
 
@@ -325,19 +372,22 @@ def test_a_value_outside_its_bounds_is_one_line_naming_the_field_and_the_range(t
             assert error_of(tmp_path, f"[{section}]\n{key} = {text}\n") == expected
 
 
-@pytest.mark.parametrize("section, key, described", [
-    ("training", "steps", ">= 1"),
-    ("training", "global_batch_size", "-1 or >= 1"),
-    ("optimizer", "beta2", "in [0, 1)"),
-    ("optimizer", "lr", "> 0"),
-    ("lr_scheduler", "decay_ratio", "-1 or in [0, 1]"),
-    ("mixed_precision", "backoff_factor", "in (0, 1)"),
-    ("validation", "steps", "-1 (the whole split) or >= 1"),
-    ("validation", "seq_len", "0 (training's) or >= 2"),
-    ("validation", "sample_temperature", ">= 0 (0: greedy)"),
-    ("metrics", "wandb_project", "at most 128 characters, none of / \\ # ? % :"),
-    ("metrics", "wandb_tags", "each tag 1-64 characters"),
-])
+@pytest.mark.parametrize(
+    "section, key, described",
+    [
+        ("training", "steps", ">= 1"),
+        ("training", "global_batch_size", "-1 or >= 1"),
+        ("optimizer", "beta2", "in [0, 1)"),
+        ("optimizer", "lr", "> 0"),
+        ("lr_scheduler", "decay_ratio", "-1 or in [0, 1]"),
+        ("mixed_precision", "backoff_factor", "in (0, 1)"),
+        ("validation", "steps", "-1 (the whole split) or >= 1"),
+        ("validation", "seq_len", "0 (training's) or >= 2"),
+        ("validation", "sample_temperature", ">= 0 (0: greedy)"),
+        ("metrics", "wandb_project", "at most 128 characters, none of / \\ # ? % :"),
+        ("metrics", "wandb_tags", "each tag 1-64 characters"),
+    ],
+)
 def test_help_shows_what_a_field_allows(section: str, key: str, described: str) -> None:
     line = next(l for l in help_text().splitlines() if l.strip().startswith(f"--{section}.{key} "))
     assert line.endswith(f"  ({described})"), line
@@ -357,9 +407,19 @@ def test_train_py_help_exits_0() -> None:
 
 
 def test_printed_config_round_trips(tmp_path: Path) -> None:
-    config = load_config(["--training.steps", "3", "--job.description", 'say "hi" \\ bye',
-                          "--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear,torch.nn.Embedding",
-                          "--optimizer.eps", "1e-12", "--no-mixed_precision.enabled"])
+    config = load_config(
+        [
+            "--training.steps",
+            "3",
+            "--job.description",
+            'say "hi" \\ bye',
+            "--mixed_precision.lower_precision_safe_modules",
+            "torch.nn.Linear,torch.nn.Embedding",
+            "--optimizer.eps",
+            "1e-12",
+            "--no-mixed_precision.enabled",
+        ]
+    )
     again = load_config(["--job.config_file", write(tmp_path, to_toml(config))])
     again.job.config_file = config.job.config_file
     assert again == config
@@ -369,98 +429,122 @@ def test_printed_config_round_trips(tmp_path: Path) -> None:
 # model.flavor: the names of models/llama.py's registry, which a tool may extend at run time
 
 
-def test_a_flavour_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flavor_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torchtitan_amp.models.llama3 import model as llama
 
     # As the GPU check fp8_speed registers its 8B-shaped 2-block stack; undone after the test.
-    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel_2l",
-                        dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], n_layers=2))
+    monkeypatch.setitem(
+        llama.LLAMA3_FLAVORS, "debugmodel_2l", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], n_layers=2)
+    )
     assert load_config(["--model.flavor", "debugmodel_2l"]).model.flavor == "debugmodel_2l"
     assert load(tmp_path, '[model]\nflavor = "debugmodel_2l"\n').model.flavor == "debugmodel_2l"
     assert "debugmodel_2l," in next(l for l in help_text().splitlines() if "--model.flavor " in l)
     assert llama.build_model_args("debugmodel_2l", 258, 64).n_layers == 2
 
 
-# Llama's flavours after 3.1's sizes, and the MoE family's, listed after Llama's when a flavour is
+# Llama's flavors after 3.1's sizes, and the MoE family's, listed after Llama's when a flavor is
 # unknown to every family.
 LLAMA_SIZES = ", 'llama3_2_1b', 'llama3_2_3b', 'llama3_0_8b', 'llama3_0_70b'"
 MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux', 'debugmodel_qwen3', 'qwen3_30b_a3b', 'deepseek_v3_16b'"
 
 
-def test_an_unknown_flavour_is_refused_in_one_line_listing_the_registry(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_flavor_is_refused_in_one_line_listing_the_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torchtitan_amp.models.llama3 import model as llama
 
     message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
-    assert message == ("'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
-                       "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS)
+    assert message == (
+        "'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
+        "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS
+    )
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "llama3_8b_2l", llama.LLAMA3_FLAVORS["llama3_8b"])
     assert "'llama3_0_70b', 'llama3_8b_2l'" in error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n')
 
 
-def test_flavours_are_checked_without_importing_torch() -> None:
+def test_flavors_are_checked_without_importing_torch() -> None:
     """Config parsing stays torch-free (a mistyped override fails in a fraction of a second): before
     models/llama.py is imported nothing can be registered, so rules.FLAVORS answers."""
-    code = ("import sys; from torchtitan_amp.config import load_config, ConfigError\n"
-            "assert load_config(['--model.flavor', 'llama3_70b']).model.flavor == 'llama3_70b'\n"
-            "try: load_config(['--model.flavor', 'huge'])\nexcept ConfigError as e: print(e)\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from torchtitan_amp.config import load_config, ConfigError\n"
+        "assert load_config(['--model.flavor', 'llama3_70b']).model.flavor == 'llama3_70b'\n"
+        "try: load_config(['--model.flavor', 'huge'])\nexcept ConfigError as e: print(e)\n"
+        "print('torch' in sys.modules)"
+    )
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
     assert result.stdout.splitlines() == [
         "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', "
-        "'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS, "False"]
+        "'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS,
+        "False",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Errors: one line, naming the field and what is allowed
 
 
-@pytest.mark.parametrize("toml, argv, expected", [
-    # unknown section / key, with the closest valid name
-    (None, ["--trainig.steps", "3"], ["unknown config section 'trainig'", "did you mean 'training'"]),
-    (None, ["--training.step", "3"], ["unknown config key 'training.step'", "did you mean 'training.steps'"]),
-    (None, ["--mixed_precision.param_dtyp=float16"], ["did you mean 'mixed_precision.param_dtype'"]),
-    ("[optimiser]\nlr = 1.0\n", [], ["unknown config section 'optimiser'", "did you mean 'optimizer'"]),
-    ("[training]\nlocal_batch = 2\n", [], ["unknown config key 'training.local_batch'",
-                                           "did you mean 'training.local_batch_size'"]),
-    ("training = 3\n", [], ["'training' must be a TOML table"]),
-    # wrong type
-    (None, ["--training.steps", "ten"], ["'--training.steps' must be an integer, got 'ten'"]),
-    (None, ["--training.steps", "2.5"], ["'--training.steps' must be an integer"]),
-    (None, ["--optimizer.lr", "fast"], ["'--optimizer.lr' must be a", "number, got 'fast'"]),
-    (None, ["--compile.enable=maybe"], ["'--compile.enable' must be true or false"]),
-    ('[training]\nsteps = "10"\n', [], ["'training.steps' must be an integer, got '10'"]),
-    ("[training]\nsteps = 10.0\n", [], ["'training.steps' must be an integer"]),
-    ("[optimizer]\nlr = true\n", [], ["'optimizer.lr' must be a", "number, got True"]),
-    ('[compile]\nenable = "yes"\n', [], ["'compile.enable' must be true or false"]),
-    ("[mixed_precision]\nlower_precision_safe_modules = [1]\n", [], ["must be a list of strings"]),
-    # outside the allowed set, listing it
-    (None, ["--model.flavor", "tiny"], ["'model.flavor' = 'tiny' is not allowed",
-                                       "'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b'"]),
-    (None, ["--mixed_precision.param_dtype", "fp16"], ["'float32', 'bfloat16', 'float16'"]),
-    (None, ["--training.mixed_precision_reduce", "fp8"], ["'training.mixed_precision_reduce' = 'fp8'"]),
-    ('[lr_scheduler]\ndecay_type = "step"\n', [], ["'lr_scheduler.decay_type' = 'step'", "'linear', 'cosine', 'sqrt'"]),
-    # inconsistent or out-of-range values that need no world size
-    (None, ["--training.seq_len", "1"], ["'training.seq_len' must be >= 2, got 1"]),
-    (None, ["--training.local_batch_size", "0"], ["'training.local_batch_size' must be >= 1"]),
-    (None, ["--training.global_batch_size", "0"], ["'training.global_batch_size' must be -1 or >= 1"]),
-    (None, ["--training.steps", "0"], ["'training.steps' must be >= 1"]),
-    (None, ["--optimizer.lr", "0"], ["'optimizer.lr' must be > 0"]),
-    (None, ["--lr_scheduler.warmup_steps", "-1"], ["'lr_scheduler.warmup_steps' must be >= 0"]),
-    (None, ["--lr_scheduler.min_lr_factor", "1.5"], ["'lr_scheduler.min_lr_factor' must be in [0, 1]"]),
-    (None, ["--lr_scheduler.decay_ratio", "2"], ["'lr_scheduler.decay_ratio' must be -1 or in [0, 1]"]),
-    (None, ["--parallelism.data_parallel_shard_degree", "0"], ["'parallelism.data_parallel_shard_degree'"]),
-    (None, ["--metrics.log_freq", "0"], ["'metrics.log_freq' must be >= 1"]),
-    (None, ["--parallelism.ddp_bucket_cap_mb", "0"], ["'parallelism.ddp_bucket_cap_mb' must be > 0, got 0.0"]),
-    (None, ["--parallelism.ddp_bucket_cap_mb", "big"], ["'--parallelism.ddp_bucket_cap_mb' must be a"]),
-    (None, ["--mixed_precision.backoff_factor", "1"], ["'mixed_precision.backoff_factor' must be in (0, 1)"]),
-    # malformed command lines
-    (None, ["steps=3"], ["unexpected argument 'steps=3'"]),
-    (None, ["--training.steps"], ["'--training.steps' needs a value"]),
-    (None, ["--no-training.steps"], ["'--no-training.steps' only applies to boolean fields"]),
-    (None, ["--no-compile.enable=true"], ["only applies to boolean fields without a value"]),
-])
+@pytest.mark.parametrize(
+    "toml, argv, expected",
+    [
+        # unknown section / key, with the closest valid name
+        (None, ["--trainig.steps", "3"], ["unknown config section 'trainig'", "did you mean 'training'"]),
+        (None, ["--training.step", "3"], ["unknown config key 'training.step'", "did you mean 'training.steps'"]),
+        (None, ["--mixed_precision.param_dtyp=float16"], ["did you mean 'mixed_precision.param_dtype'"]),
+        ("[optimiser]\nlr = 1.0\n", [], ["unknown config section 'optimiser'", "did you mean 'optimizer'"]),
+        (
+            "[training]\nlocal_batch = 2\n",
+            [],
+            ["unknown config key 'training.local_batch'", "did you mean 'training.local_batch_size'"],
+        ),
+        ("training = 3\n", [], ["'training' must be a TOML table"]),
+        # wrong type
+        (None, ["--training.steps", "ten"], ["'--training.steps' must be an integer, got 'ten'"]),
+        (None, ["--training.steps", "2.5"], ["'--training.steps' must be an integer"]),
+        (None, ["--optimizer.lr", "fast"], ["'--optimizer.lr' must be a", "number, got 'fast'"]),
+        (None, ["--compile.enable=maybe"], ["'--compile.enable' must be true or false"]),
+        ('[training]\nsteps = "10"\n', [], ["'training.steps' must be an integer, got '10'"]),
+        ("[training]\nsteps = 10.0\n", [], ["'training.steps' must be an integer"]),
+        ("[optimizer]\nlr = true\n", [], ["'optimizer.lr' must be a", "number, got True"]),
+        ('[compile]\nenable = "yes"\n', [], ["'compile.enable' must be true or false"]),
+        ("[mixed_precision]\nlower_precision_safe_modules = [1]\n", [], ["must be a list of strings"]),
+        # outside the allowed set, listing it
+        (
+            None,
+            ["--model.flavor", "tiny"],
+            [
+                "'model.flavor' = 'tiny' is not allowed",
+                "'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b'",
+            ],
+        ),
+        (None, ["--mixed_precision.param_dtype", "fp16"], ["'float32', 'bfloat16', 'float16'"]),
+        (None, ["--training.mixed_precision_reduce", "fp8"], ["'training.mixed_precision_reduce' = 'fp8'"]),
+        (
+            '[lr_scheduler]\ndecay_type = "step"\n',
+            [],
+            ["'lr_scheduler.decay_type' = 'step'", "'linear', 'cosine', 'sqrt'"],
+        ),
+        # inconsistent or out-of-range values that need no world size
+        (None, ["--training.seq_len", "1"], ["'training.seq_len' must be >= 2, got 1"]),
+        (None, ["--training.local_batch_size", "0"], ["'training.local_batch_size' must be >= 1"]),
+        (None, ["--training.global_batch_size", "0"], ["'training.global_batch_size' must be -1 or >= 1"]),
+        (None, ["--training.steps", "0"], ["'training.steps' must be >= 1"]),
+        (None, ["--optimizer.lr", "0"], ["'optimizer.lr' must be > 0"]),
+        (None, ["--lr_scheduler.warmup_steps", "-1"], ["'lr_scheduler.warmup_steps' must be >= 0"]),
+        (None, ["--lr_scheduler.min_lr_factor", "1.5"], ["'lr_scheduler.min_lr_factor' must be in [0, 1]"]),
+        (None, ["--lr_scheduler.decay_ratio", "2"], ["'lr_scheduler.decay_ratio' must be -1 or in [0, 1]"]),
+        (None, ["--parallelism.data_parallel_shard_degree", "0"], ["'parallelism.data_parallel_shard_degree'"]),
+        (None, ["--metrics.log_freq", "0"], ["'metrics.log_freq' must be >= 1"]),
+        (None, ["--parallelism.ddp_bucket_cap_mb", "0"], ["'parallelism.ddp_bucket_cap_mb' must be > 0, got 0.0"]),
+        (None, ["--parallelism.ddp_bucket_cap_mb", "big"], ["'--parallelism.ddp_bucket_cap_mb' must be a"]),
+        (None, ["--mixed_precision.backoff_factor", "1"], ["'mixed_precision.backoff_factor' must be in (0, 1)"]),
+        # malformed command lines
+        (None, ["steps=3"], ["unexpected argument 'steps=3'"]),
+        (None, ["--training.steps"], ["'--training.steps' needs a value"]),
+        (None, ["--no-training.steps"], ["'--no-training.steps' only applies to boolean fields"]),
+        (None, ["--no-compile.enable=true"], ["only applies to boolean fields without a value"]),
+    ],
+)
 def test_config_errors(tmp_path: Path, toml: str | None, argv: list[str], expected: list[str]) -> None:
     message = error_of(tmp_path, toml, *argv)
     for part in expected:
@@ -508,17 +592,27 @@ def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
 
 
-@pytest.mark.parametrize("world_size, argv, expected", [
-    (2, ["--training.local_batch_size", "4", "--training.global_batch_size", "12"],
-     ["'training.global_batch_size' = 12 is not a multiple of", "4 x 2 = 8"]),
-    (1, ["--training.local_batch_size", "4", "--training.global_batch_size", "6"], ["is not a multiple of"]),
-    (2, ["--parallelism.data_parallel_replicate_degree", "3"], ["does not divide the world size 2"]),
-    (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-     ["differs from the world size 4"]),
-    (1, ["--parallelism.data_parallel_shard_degree", "2"], ["differs from the world size 1"]),
-])
-def test_world_size_checks_run_before_any_process_group(no_process_group: None, monkeypatch: pytest.MonkeyPatch,
-                                                        world_size: int, argv: list[str], expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    "world_size, argv, expected",
+    [
+        (
+            2,
+            ["--training.local_batch_size", "4", "--training.global_batch_size", "12"],
+            ["'training.global_batch_size' = 12 is not a multiple of", "4 x 2 = 8"],
+        ),
+        (1, ["--training.local_batch_size", "4", "--training.global_batch_size", "6"], ["is not a multiple of"]),
+        (2, ["--parallelism.data_parallel_replicate_degree", "3"], ["does not divide the world size 2"]),
+        (
+            4,
+            ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+            ["differs from the world size 4"],
+        ),
+        (1, ["--parallelism.data_parallel_shard_degree", "2"], ["differs from the world size 1"]),
+    ],
+)
+def test_world_size_checks_run_before_any_process_group(
+    no_process_group: None, monkeypatch: pytest.MonkeyPatch, world_size: int, argv: list[str], expected: list[str]
+) -> None:
     from torchtitan_amp.train.trainer import Trainer
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -538,27 +632,40 @@ _TINY = ("--model.flavor", "debugmodel_tiny")
 _MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 WORLD_SIZE_ERRORS = [
     (2, ["--parallelism.expert_parallel_degree", "2"], "needs a model with routed experts"),
-    (2, ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
-     "'training.seq_len' = 66 must be divisible by 2 x context_parallel_degree = 4"),
+    (
+        2,
+        ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
+        "'training.seq_len' = 66 must be divisible by 2 x context_parallel_degree = 4",
+    ),
     (2, ["--parallelism.data_parallel_shard_degree", "4"], "= 4 differs from the world size 2"),
     (3, ["--parallelism.tensor_parallel_degree", "2"], "= 2 does not divide the world size 3"),
     (2, ["--parallelism.data_parallel_replicate_degree", "3"], "= 3 does not divide the world size 2"),
     (2, ["--training.global_batch_size", "24"], "is not a multiple of local_batch_size x dp degree = 8 x 2"),
-    (2, [*_MOE, "--parallelism.expert_parallel_degree", "4"],
-     "'parallelism.expert_parallel_degree' = 4 must divide data_parallel_shard_degree x context_parallel_degree"),
+    (
+        2,
+        [*_MOE, "--parallelism.expert_parallel_degree", "4"],
+        "'parallelism.expert_parallel_degree' = 4 must divide data_parallel_shard_degree x context_parallel_degree",
+    ),
     (6, [*_MOE, "--parallelism.expert_parallel_degree", "3"], "= 3 must divide the model's n_routed_experts = 8"),
     (4, [*_TINY, "--parallelism.tensor_parallel_degree", "4"], "= 4 must divide the model's n_heads = 2"),
     (8, [*_TINY, "--parallelism.pipeline_parallel_degree", "8"], "8 pipeline stages need at least as many layers"),
-    (2, [*_TINY, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
-     "must be a multiple of 'parallelism.pipeline_parallel_microbatch_size' = 3"),
-    (2, [*_TINY, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"],
-     "'training.seq_len' = 63 must be divisible by tensor_parallel_degree = 2 with sequence parallel on"),
+    (
+        2,
+        [*_TINY, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
+        "must be a multiple of 'parallelism.pipeline_parallel_microbatch_size' = 3",
+    ),
+    (
+        2,
+        [*_TINY, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"],
+        "'training.seq_len' = 63 must be divisible by tensor_parallel_degree = 2 with sequence parallel on",
+    ),
 ]
 
 
 @pytest.mark.parametrize("world_size, argv, expected", WORLD_SIZE_ERRORS)
-def test_preflight_finds_world_size_errors_in_one_line(capsys: pytest.CaptureFixture, no_process_group: None,
-                                                       world_size: int, argv: list[str], expected: str) -> None:
+def test_preflight_finds_world_size_errors_in_one_line(
+    capsys: pytest.CaptureFixture, no_process_group: None, world_size: int, argv: list[str], expected: str
+) -> None:
     from torchtitan_amp.train import preflight
 
     assert preflight.check(world_size, [*DEBUG_CONFIG, *argv]) == 2
@@ -600,11 +707,14 @@ def assert_one_line_error(result, *expected: str) -> None:
         assert part in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--training.stepz", "3"], ["did you mean 'training.steps'"]),
-    (["--model.flavor", "huge"], ["is not allowed; choose one of:"]),
-    (["--job.config_file", "does/not/exist.toml"], ["config file 'does/not/exist.toml' does not exist"]),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--training.stepz", "3"], ["did you mean 'training.steps'"]),
+        (["--model.flavor", "huge"], ["is not allowed; choose one of:"]),
+        (["--job.config_file", "does/not/exist.toml"], ["config file 'does/not/exist.toml' does not exist"]),
+    ],
+)
 def test_train_py_rejects_bad_config(args: list[str], expected: list[str]) -> None:
     assert_one_line_error(run_python("train.py", *args, timeout=60), *expected)
 
@@ -616,6 +726,7 @@ def test_train_py_rejects_invalid_toml(tmp_path: Path) -> None:
 
 def test_train_py_rejects_world_size_mismatch() -> None:
     # Found by Trainer (needs torch and the world size), still before any process group.
-    result = run_python("train.py", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "16",
-                        timeout=120)
+    result = run_python(
+        "train.py", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "16", timeout=120
+    )
     assert_one_line_error(result, "differs from the world size 1")

@@ -25,7 +25,7 @@ names = st.one_of(
 )
 values = st.one_of(
     st.text(max_size=12),
-    st.integers(-10**6, 10**6).map(str),
+    st.integers(-(10**6), 10**6).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
     st.sampled_from(["true", "false", "bfloat16", "float16", "float32", "-1", "0", "", "a,b", "nan"]),
 )
@@ -56,8 +56,11 @@ def test_cli_never_crashes(argv: list[str]) -> None:
 
 
 toml_scalars = st.one_of(
-    st.integers(-10**9, 10**9), st.floats(allow_nan=False, allow_infinity=False), st.booleans(),
-    st.text(string.printable, max_size=10), st.lists(st.text(string.ascii_letters, max_size=5), max_size=3),
+    st.integers(-(10**9), 10**9),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.text(string.printable, max_size=10),
+    st.lists(st.text(string.ascii_letters, max_size=5), max_size=3),
 )
 
 
@@ -73,9 +76,14 @@ def _toml_value(v: object) -> str:
 
 tables = st.dictionaries(
     st.one_of(st.sampled_from(SECTIONS), st.text(string.ascii_lowercase + "_", min_size=1, max_size=8)),
-    st.dictionaries(st.one_of(st.sampled_from(sorted({k.split(".")[1] for k in KEYS})),
-                              st.text(string.ascii_lowercase + "_", min_size=1, max_size=8)),
-                    toml_scalars, max_size=4),
+    st.dictionaries(
+        st.one_of(
+            st.sampled_from(sorted({k.split(".")[1] for k in KEYS})),
+            st.text(string.ascii_lowercase + "_", min_size=1, max_size=8),
+        ),
+        toml_scalars,
+        max_size=4,
+    ),
     max_size=3,
 )
 
@@ -83,8 +91,7 @@ tables = st.dictionaries(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tables, st.binary(max_size=40))
 def test_toml_never_crashes(tmp_path: Path, data: dict, junk: bytes) -> None:
-    text = "\n".join(f"[{s}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items())
-                     for s, kv in data.items())
+    text = "\n".join(f"[{s}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items()) for s, kv in data.items())
     for content in (text.encode(), junk):
         path = tmp_path / "job.toml"
         path.write_bytes(content)
@@ -94,13 +101,16 @@ def test_toml_never_crashes(tmp_path: Path, data: dict, junk: bytes) -> None:
             _check_one_line(e)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--training.stepz", "3"],
-    ["--training.steps", "many"],
-    ["--mixed_precision.param_dtype", "fp8"],
-    ["--job.config_file", "/nonexistent.toml"],
-    ["stray"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.stepz", "3"],
+        ["--training.steps", "many"],
+        ["--mixed_precision.param_dtype", "fp8"],
+        ["--job.config_file", "/nonexistent.toml"],
+        ["stray"],
+    ],
+)
 def test_train_py_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert train.main(argv) == 2
     err = capsys.readouterr().err

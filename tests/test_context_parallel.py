@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from torchtitan_amp.config import ConfigError, load_config
+from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.distributed.context_parallel import (
     BatchSharder,
     attention_mask,
     check_seq_len,
     head_tail_positions,
 )
-from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import get_family
 from torchtitan_amp.models.attention import MaskInputs, block_causal_mask, document_ids
@@ -84,8 +84,7 @@ def test_model_given_positions_computes_each_token_as_in_its_window(mask_type: s
     extra = MaskInputs(mask_type, BOS, EOS)(inputs)
     reference = model(inputs, **extra)
     order = torch.cat([head_tail_positions(16, 2, 1), head_tail_positions(16, 2, 0)])
-    shuffled = model(inputs[:, order], positions=order.expand(3, -1),
-                     **{k: v[:, order] for k, v in extra.items()})
+    shuffled = model(inputs[:, order], positions=order.expand(3, -1), **{k: v[:, order] for k, v in extra.items()})
     torch.testing.assert_close(shuffled, reference[:, order], rtol=0, atol=1e-5)
 
 
@@ -98,8 +97,10 @@ def test_seq_len_must_split_into_two_chunks_per_cp_rank() -> None:
     check_seq_len(33, 1)
     with pytest.raises(ConfigError) as e:
         check_seq_len(36, 4)
-    assert str(e.value) == ("'training.seq_len' = 36 must be divisible by 2 x context_parallel_degree = 8 "
-                            "(each cp rank holds two of 2 x cp equal chunks of a sequence)")
+    assert str(e.value) == (
+        "'training.seq_len' = 36 must be divisible by 2 x context_parallel_degree = 8 "
+        "(each cp rank holds two of 2 x cp equal chunks of a sequence)"
+    )
 
 
 def test_layout_checks_seq_len_per_cp_and_tp_rank() -> None:
@@ -114,18 +115,38 @@ def test_layout_checks_seq_len_per_cp_and_tp_rank() -> None:
         validate("--parallelism.context_parallel_degree", "2", "--training.seq_len", "30", world=2)
     # Sequence parallel splits a cp rank's S / cp tokens over tp: 36 / 2 = 18 is not a multiple of 4.
     with pytest.raises(ConfigError) as e:
-        validate("--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",
-                 "--training.seq_len", "36", world=8)
-    assert "'training.seq_len' = 36 / context_parallel_degree 2 must be divisible by tensor_parallel_degree = 4" \
-        in str(e.value) and "\n" not in str(e.value)
+        validate(
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "4",
+            "--training.seq_len",
+            "36",
+            world=8,
+        )
+    assert "'training.seq_len' = 36 / context_parallel_degree 2 must be divisible by tensor_parallel_degree = 4" in str(
+        e.value
+    ) and "\n" not in str(e.value)
 
 
 def test_validation_windows_split_like_training_windows() -> None:
     from torchtitan_amp.eval.validation import resolve_spec
 
-    config = load_config(["--parallelism.context_parallel_degree", "2", "--validation.enable", "true",
-                          "--validation.seq_len", "18", "--training.seq_len", "32"])
-    with pytest.raises(ConfigError, match="'validation.seq_len' = 18 must be divisible by 2 x context_parallel_degree = 4"):
+    config = load_config(
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--validation.enable",
+            "true",
+            "--validation.seq_len",
+            "18",
+            "--training.seq_len",
+            "32",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match="'validation.seq_len' = 18 must be divisible by 2 x context_parallel_degree = 4"
+    ):
         resolve_spec(config, 32, None)
 
 
@@ -143,8 +164,10 @@ def test_family_without_positions_is_refused_for_cp() -> None:
     check_mask_type("block_causal", other, cp=1)
     with pytest.raises(ConfigError) as e:
         check_mask_type("causal", other, cp=2)
-    assert str(e.value) == ("'parallelism.context_parallel_degree' = 2 is not supported by model.name = 'plain' "
-                            "(its model's forward takes no positions); use 1")
+    assert str(e.value) == (
+        "'parallelism.context_parallel_degree' = 2 is not supported by model.name = 'plain' "
+        "(its model's forward takes no positions); use 1"
+    )
 
 
 def test_degree_below_one_is_refused_at_parse_time() -> None:
@@ -167,11 +190,16 @@ def test_cp_takes_the_fsdp_path_and_reduces_kv_gradients_in_fp32_by_default() ->
     plan = _plan("--mixed_precision.enabled", "true")
     assert plan.path == "fsdp" and plan.cp_reduce_dtype == torch.float32
     assert context_parallel_summary(plan) == {
-        "degree": 2, "kv_all_gather_dtype": "bfloat16", "kv_grad_reduce_scatter_dtype": "float32",
+        "degree": 2,
+        "kv_all_gather_dtype": "bfloat16",
+        "kv_grad_reduce_scatter_dtype": "float32",
         "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values in one SDPA "
-                         "call (no partial outputs or log-sum-exps to merge)"}
-    assert _plan("--mixed_precision.enabled", "true", "--mixed_precision.cp_reduce_dtype",
-                 "bfloat16").cp_reduce_dtype == torch.bfloat16
+        "call (no partial outputs or log-sum-exps to merge)",
+    }
+    assert (
+        _plan("--mixed_precision.enabled", "true", "--mixed_precision.cp_reduce_dtype", "bfloat16").cp_reduce_dtype
+        == torch.bfloat16
+    )
     # fp32 training: everything, the cp reduction included, in fp32.
     off = _plan("--mixed_precision.enabled", "false", "--mixed_precision.cp_reduce_dtype", "bfloat16")
     assert off.cp_reduce_dtype == torch.float32 and context_parallel_summary(off)["kv_all_gather_dtype"] == "float32"
@@ -199,10 +227,13 @@ def test_causal_chunks_attend_as_the_position_mask(cp: int, rank: int) -> None:
     k, v = torch.randn(2, 3, seq, 8, dtype=torch.float64), torch.randn(2, 3, seq, 8, dtype=torch.float64)
     pos = head_tail_positions(seq, cp, rank).expand(2, -1)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=attention_mask(pos, torch.arange(seq).expand(2, -1)))
+        q, k, v, attn_mask=attention_mask(pos, torch.arange(seq).expand(2, -1))
+    )
     got = Rank(group=None).causal_attention(q, k, v)  # type: ignore[arg-type]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     # The gathered keys arrive rank by rank; to_window_order puts them back at their positions.
     gathered = gathered_positions(seq, cp)
-    assert torch.equal(Rank(group=None).to_window_order(gathered.view(1, -1, 1, 1)).flatten(),  # type: ignore[arg-type]
-                       torch.arange(seq))
+    assert torch.equal(
+        Rank(group=None).to_window_order(gathered.view(1, -1, 1, 1)).flatten(),  # type: ignore[arg-type]
+        torch.arange(seq),
+    )

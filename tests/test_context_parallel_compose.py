@@ -30,16 +30,37 @@ from tests.support.machine import NO_COMPILER, c_compiler
 
 pytestmark = pytest.mark.dist
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", "3", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--training.gc_freq", "0"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "3",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.gc_freq",
+    "0",
+]
 PRECISIONS = {"fp32": ["--mixed_precision.enabled", "false"], "bf16": ["--mixed_precision.param_dtype", "bfloat16"]}
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-AC = {"none": [], "full": ["--activation_checkpoint.mode", "full"],
-      "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]}
+AC = {
+    "none": [],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+}
 N_LAYERS = 4  # debugmodel_tiny
-AC_WRAPPED = {"none": [], "full": [f"layers.{i}" for i in range(N_LAYERS)],
-              "op": [f"layers.{i}" for i in range(N_LAYERS)]}  # a dense block is one op-SAC region
+AC_WRAPPED = {
+    "none": [],
+    "full": [f"layers.{i}" for i in range(N_LAYERS)],
+    "op": [f"layers.{i}" for i in range(N_LAYERS)],
+}  # a dense block is one op-SAC region
 COMPILED = [f"layers.{i}" for i in range(N_LAYERS)]
 # fp32 compiled vs eager on CP 2: losses measured equal, grad norms 1e-7 apart on torch 2.13
 # (inductor's fused reductions sum in another order), bit-identical on 2.11.
@@ -47,8 +68,11 @@ COMPILE_FP32_RTOL = 1e-6
 
 
 def _runs(layout: list[str], prefix: str) -> list[dict]:
-    return [{"name": f"{prefix}_{p}_ac_{mode}", "args": [*BASE, *layout, *PRECISIONS[p], *AC[mode]]}
-            for p in PRECISIONS for mode in AC]
+    return [
+        {"name": f"{prefix}_{p}_ac_{mode}", "args": [*BASE, *layout, *PRECISIONS[p], *AC[mode]]}
+        for p in PRECISIONS
+        for mode in AC
+    ]
 
 
 class Launches:
@@ -59,14 +83,21 @@ class Launches:
         self.docs = write_short_documents(root / "docs.jsonl")
 
     def runs(self, key: str) -> list[dict]:
-        masked = ["--training.dataset", f"path:{self.docs}", "--model.attn_mask_type", "block_causal",
-                  *PRECISIONS["fp32"]]
+        masked = [
+            "--training.dataset",
+            f"path:{self.docs}",
+            "--model.attn_mask_type",
+            "block_causal",
+            *PRECISIONS["fp32"],
+        ]
         # The compiled run first: its blocks then find context_parallel's caches empty, as in a
         # fresh training process (the bias they need must be made outside the compiled region).
-        return [{"name": "cp2_fp32_compile", "args": [*BASE, *CP2, *PRECISIONS["fp32"], "--compile.enable", "true"]},
-                *_runs(CP2, key),
-                {"name": "cp2_docmask_ac_none", "args": [*BASE, *CP2, *masked]},
-                {"name": "cp2_docmask_ac_op", "args": [*BASE, *CP2, *masked, *AC["op"]]}]
+        return [
+            {"name": "cp2_fp32_compile", "args": [*BASE, *CP2, *PRECISIONS["fp32"], "--compile.enable", "true"]},
+            *_runs(CP2, key),
+            {"name": "cp2_docmask_ac_none", "args": [*BASE, *CP2, *masked]},
+            {"name": "cp2_docmask_ac_op", "args": [*BASE, *CP2, *masked, *AC["op"]]},
+        ]
 
     def folder(self, key: str, name: str) -> Path:
         if key not in self.outputs:
@@ -101,8 +132,9 @@ def _ranks(folder: Path) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["full", "op"])
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_activation_checkpointing_keeps_the_loss_bitwise_under_cp(launches: Launches, precision: str,
-                                                                  mode: str) -> None:
+def test_activation_checkpointing_keeps_the_loss_bitwise_under_cp(
+    launches: Launches, precision: str, mode: str
+) -> None:
     key = "cp2"
     plain = launches.folder(key, f"{key}_{precision}_ac_none")
     ac = launches.folder(key, f"{key}_{precision}_ac_{mode}")

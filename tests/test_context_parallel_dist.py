@@ -72,8 +72,9 @@ ACCUM = ("--training.local_batch_size", "2", "--training.global_batch_size", str
 # rank 0 and none on rank 1; PP's microbatches of one window hold 16, 0, 16 and 0.
 MASKED_LAYOUTS = {
     "fsdp2": FSDP2,
-    "fsdp2_accum": Layout(2, (SHARD, "2", "--training.local_batch_size", "1", "--training.global_batch_size",
-                              str(GLOBAL_BATCH))),
+    "fsdp2_accum": Layout(
+        2, (SHARD, "2", "--training.local_batch_size", "1", "--training.global_batch_size", str(GLOBAL_BATCH))
+    ),
     "cp2": LAYOUTS["cp2"],
     "tp2": Layout(2, (TP, "2"), tp=True),  # loss parallel: the sum of a vocab-sharded cross-entropy
     "pp2": Layout(2, (PP, "2", SCHEDULE, "1F1B")),
@@ -83,18 +84,29 @@ MASKED_LAYOUTS = {
 def _runs_for(nproc: int, docs: Path) -> list[dict]:
     masked = ("--training.dataset", f"path:{docs}", "--model.attn_mask_type", "block_causal")
     named = {"single": SINGLE, **LAYOUTS}
-    runs = [{"name": f"{name}_fp32", "args": layout.args("fp32"), "grads": True}
-            for name, layout in named.items() if layout.nproc == nproc]
-    runs += [{"name": f"docmask_{name}_fp32", "args": layout.args("fp32", *masked), "grads": True}
-             for name, layout in named.items() if layout.nproc == nproc and name in ("single", *DOC_MASK_LAYOUTS)]
+    runs = [
+        {"name": f"{name}_fp32", "args": layout.args("fp32"), "grads": True}
+        for name, layout in named.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"docmask_{name}_fp32", "args": layout.args("fp32", *masked), "grads": True}
+        for name, layout in named.items()
+        if layout.nproc == nproc and name in ("single", *DOC_MASK_LAYOUTS)
+    ]
     if nproc == 2:
-        runs += [{"name": "cp2_bf16", "args": LAYOUTS["cp2"].args("bf16")},
-                 {"name": "fsdp2_bf16", "args": FSDP2.args("bf16")},
-                 # The step's 4 sequences as 2 accumulated micro-batches of 2.
-                 {"name": "cp2_accum_fp32", "args": LAYOUTS["cp2"].args("fp32", *ACCUM), "grads": True}]
+        runs += [
+            {"name": "cp2_bf16", "args": LAYOUTS["cp2"].args("bf16")},
+            {"name": "fsdp2_bf16", "args": FSDP2.args("bf16")},
+            # The step's 4 sequences as 2 accumulated micro-batches of 2.
+            {"name": "cp2_accum_fp32", "args": LAYOUTS["cp2"].args("fp32", *ACCUM), "grads": True},
+        ]
     # Last in their launches: before the normalisation by the global count these raised (NaN).
-    runs += [{"name": f"masked_{name}_fp32", "args": layout.args("fp32"), "grads": True, "mask_labels": True}
-             for name, layout in {"single": SINGLE, **MASKED_LAYOUTS}.items() if layout.nproc == nproc]
+    runs += [
+        {"name": f"masked_{name}_fp32", "args": layout.args("fp32"), "grads": True, "mask_labels": True}
+        for name, layout in {"single": SINGLE, **MASKED_LAYOUTS}.items()
+        if layout.nproc == nproc
+    ]
     return runs
 
 
@@ -107,8 +119,9 @@ class Launches:
         key = f"nproc{nproc}"
         if key not in self.outputs:
             self.outputs[key] = f"the {key} launch did not finish"
-            result = launch_worker("layouts", self.root / key, _runs_for(nproc, self.docs), nproc,
-                                   timeout=600, check=False)
+            result = launch_worker(
+                "layouts", self.root / key, _runs_for(nproc, self.docs), nproc, timeout=600, check=False
+            )
             self.outputs[key] = result.describe(6000)
         return Run(name, self.root / key / name, self.outputs[key])
 
@@ -133,8 +146,10 @@ def _compare(run: Run, ref: Run, label: str) -> None:
     assert sorted(got) == sorted(want) and len(want) > 10
     grad_rel = {n: float((got[n] - want[n]).norm() / want[n].norm()) for n in want}
     worst = max(grad_rel, key=grad_rel.get)
-    print(f"\n[cp fp32] {label}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}, worst parameter "
-          f"step-1 gradient {grad_rel[worst]:.2e} ({worst}), losses over {STEPS} steps")
+    print(
+        f"\n[cp fp32] {label}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}, worst parameter "
+        f"step-1 gradient {grad_rel[worst]:.2e} ({worst}), losses over {STEPS} steps"
+    )
     assert loss_rel < FP32_LOSS_RTOL, (run.losses, ref.losses)
     assert grad_rel[worst] < FP32_GRAD_RTOL, sorted(grad_rel.items(), key=lambda kv: -kv[1])[:5]
     assert ref.losses[-1] < ref.losses[0] - 1  # a real training curve, not a constant
@@ -158,8 +173,11 @@ def test_fp32_cp_matches_one_process(trained: Launches, name: str) -> None:
 def test_document_masking_under_cp_matches_one_process(trained: Launches, name: str) -> None:
     """block_causal: the document ids of the whole window follow each rank's chunks (the keys'
     are gathered with the keys), so CP masks at the same boundaries as one process."""
-    _compare(trained.run(f"docmask_{name}_fp32", LAYOUTS[name].nproc), trained.run("docmask_single_fp32", 1),
-             f"block_causal {name}")
+    _compare(
+        trained.run(f"docmask_{name}_fp32", LAYOUTS[name].nproc),
+        trained.run("docmask_single_fp32", 1),
+        f"block_causal {name}",
+    )
 
 
 def test_gradient_accumulation_under_cp_matches_one_process(trained: Launches) -> None:
@@ -193,8 +211,10 @@ def test_bf16_cp_within_precision_tolerance(trained: Launches) -> None:
     deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
     step1 = abs(run.losses[0] - same_path.losses[0])
     sigma = bf16_rounding_sigma()
-    print(f"\n[cp bf16] cp2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean d {sum(deltas) / len(deltas):+.2e}; "
-          f"step 1 vs FSDP 2 bf16 {step1:.1e} ({step1 / sigma:.2f} sigma)")
+    print(
+        f"\n[cp bf16] cp2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean d {sum(deltas) / len(deltas):+.2e}; "
+        f"step 1 vs FSDP 2 bf16 {step1:.1e} ({step1 / sigma:.2f} sigma)"
+    )
     assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
     assert step1 < SPLIT_MATMUL_STEP1_SIGMAS * sigma, (run.losses, same_path.losses)
     report = run.report

@@ -13,45 +13,53 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchtitan_amp.core.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
 from torchtitan_amp.distributed.context_parallel import (
     ContextParallel,
     gathered_positions,
     head_tail_positions,
 )
-from torchtitan_amp.core.rules import attention_kernel, materialises_causal_mask, takes_grouped_kv
 from torchtitan_amp.models.llama3 import model as llama
 from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer, repeat_kv
 
 
-@pytest.mark.parametrize("device, dtype, head_dim, mask, kernel", [
-    ("cuda", "bfloat16", 128, "causal", "flash"),
-    ("cuda", "float16", 256, "causal", "flash"),
-    ("cuda", "bfloat16", 264, "causal", "efficient"),  # past flash's 256, a multiple of 8
-    ("cuda", "bfloat16", 260, "causal", "math"),  # neither
-    ("cuda", "float32", 128, "causal", "efficient"),
-    ("cuda", "float32", 6, "causal", "math"),  # efficient needs a multiple of 4 in fp32
-    ("cuda", "bfloat16", 128, "mask", "efficient"),  # flash takes no mask tensor
-    ("cuda", "float32", 10, "mask", "math"),
-    ("cpu", "bfloat16", 6, "causal", "cpu_flash"),
-    ("cpu", "float32", 16, "mask", "cpu_flash"),
-    ("xpu", "bfloat16", 128, "causal", "unknown"),
-])
-def test_attention_kernel_by_device_dtype_head_dim_and_mask(device: str, dtype: str, head_dim: int, mask: str,
-                                                            kernel: str) -> None:
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, mask, kernel",
+    [
+        ("cuda", "bfloat16", 128, "causal", "flash"),
+        ("cuda", "float16", 256, "causal", "flash"),
+        ("cuda", "bfloat16", 264, "causal", "efficient"),  # past flash's 256, a multiple of 8
+        ("cuda", "bfloat16", 260, "causal", "math"),  # neither
+        ("cuda", "float32", 128, "causal", "efficient"),
+        ("cuda", "float32", 6, "causal", "math"),  # efficient needs a multiple of 4 in fp32
+        ("cuda", "bfloat16", 128, "mask", "efficient"),  # flash takes no mask tensor
+        ("cuda", "float32", 10, "mask", "math"),
+        ("cpu", "bfloat16", 6, "causal", "cpu_flash"),
+        ("cpu", "float32", 16, "mask", "cpu_flash"),
+        ("xpu", "bfloat16", 128, "causal", "unknown"),
+    ],
+)
+def test_attention_kernel_by_device_dtype_head_dim_and_mask(
+    device: str, dtype: str, head_dim: int, mask: str, kernel: str
+) -> None:
     assert attention_kernel(device, dtype, head_dim, mask) == kernel
 
 
-@pytest.mark.parametrize("capability, head_dim, training, kernel", [
-    ((9, 0), 200, True, "flash"),
-    ((10, 0), 128, True, "flash"),
-    ((8, 9), 200, True, "efficient"),  # consumer parts: flash refuses training at head_dim (192, 224]
-    ((12, 0), 224, True, "efficient"),
-    ((8, 6), 200, False, "flash"),  # inference is taken
-    ((8, 9), 232, True, "flash"),  # past 224 without dropout: taken
-    ((7, 5), 128, True, "efficient"),  # below sm80: no flash
-])
-def test_attention_kernel_by_compute_capability(capability: tuple[int, int], head_dim: int, training: bool,
-                                                kernel: str) -> None:
+@pytest.mark.parametrize(
+    "capability, head_dim, training, kernel",
+    [
+        ((9, 0), 200, True, "flash"),
+        ((10, 0), 128, True, "flash"),
+        ((8, 9), 200, True, "efficient"),  # consumer parts: flash refuses training at head_dim (192, 224]
+        ((12, 0), 224, True, "efficient"),
+        ((8, 6), 200, False, "flash"),  # inference is taken
+        ((8, 9), 232, True, "flash"),  # past 224 without dropout: taken
+        ((7, 5), 128, True, "efficient"),  # below sm80: no flash
+    ],
+)
+def test_attention_kernel_by_compute_capability(
+    capability: tuple[int, int], head_dim: int, training: bool, kernel: str
+) -> None:
     assert attention_kernel("cuda", "bfloat16", head_dim, "causal", capability, training) == kernel
     assert takes_grouped_kv("cuda", "bfloat16", head_dim, "causal", capability, training) == (kernel == "flash")
 
@@ -92,22 +100,23 @@ def test_grouped_kv_only_where_the_kernel_takes_it_exactly() -> None:
 def _cp_rank(cp: int, rank: int) -> ContextParallel:
     """A cp rank without a process group: the gather is the local keys repeated cp times (the
     other ranks' values do not matter here, only the shapes and the maths after the gather)."""
-    methods = {"degree": cp, "rank": rank,
-               "gather_kv": lambda self, x: torch.cat([x] * cp, dim=1)}
+    methods = {"degree": cp, "rank": rank, "gather_kv": lambda self, x: torch.cat([x] * cp, dim=1)}
     return type("Rank", (ContextParallel,), methods)(group=None)  # type: ignore[arg-type]
 
 
 def _gqa_model(layers: int = 2, seq: int = 32) -> Transformer:
-    args = LlamaModelArgs(dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
-                          max_seq_len=seq)
+    args = LlamaModelArgs(
+        dim=64, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, max_seq_len=seq
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     return model
 
 
-def _loss_and_grads(model: Transformer, tokens: torch.Tensor, **extra: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    model: Transformer, tokens: torch.Tensor, **extra: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
     loss = model(tokens, **extra).float().square().mean()
     loss.backward()
@@ -116,8 +125,9 @@ def _loss_and_grads(model: Transformer, tokens: torch.Tensor, **extra: torch.Ten
 
 @pytest.mark.parametrize("mask_type", ["causal", "block_causal"])
 @pytest.mark.parametrize("cp", [1, 2])
-def test_grouped_kv_is_bitwise_the_repeated_one_in_fp32(monkeypatch: pytest.MonkeyPatch, cp: int,
-                                                        mask_type: str) -> None:
+def test_grouped_kv_is_bitwise_the_repeated_one_in_fp32(
+    monkeypatch: pytest.MonkeyPatch, cp: int, mask_type: str
+) -> None:
     """GQA in fp32 on CPU, with and without CP (rank 1), causal and block_causal: the loss and every
     gradient are bitwise those of repeating K/V; under causal CP the gradients within fp32
     rounding (each chunk's dK/dV, summed over a group's heads in the kernel, then over the chunks;
@@ -167,8 +177,9 @@ def test_causal_cp_block_saves_the_window_kv_at_kv_heads(dtype: torch.dtype, kv_
     for module in model.modules():
         if hasattr(type(module), "context_parallel"):
             module.context_parallel = _cp_rank(cp, 1)
-    shapes = _saved_shapes(model, torch.randint(0, 64, (2, seq // cp)),
-                           positions=head_tail_positions(seq, cp, 1).expand(2, -1))
+    shapes = _saved_shapes(
+        model, torch.randint(0, 64, (2, seq // cp)), positions=head_tail_positions(seq, cp, 1).expand(2, -1)
+    )
     # SDPA's keys and values: [B, heads, end, head_dim], each chunk's prefix of the window
     kv = {s for s in shapes if len(s) == 4 and s[2] > seq // (2 * cp) and s[3] == 16}
     assert len(kv) == 2 and {s[1] for s in kv} == {kv_saved_heads}, shapes
@@ -286,10 +297,12 @@ def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
             k, v = torch.randn(2, kv_heads, end, 16, dtype=dtype), torch.randn(2, kv_heads, end, 16, dtype=dtype)
             gqa = kv_heads != 4
             mask = torch.ones(n, end, dtype=torch.bool).tril(end - n)
-            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True,
-                                                                          enable_gqa=gqa))
-            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(n, end),
-                                                                          enable_gqa=gqa))
+            seen |= _attention_ops(
+                lambda: F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, enable_gqa=gqa)
+            )
+            seen |= _attention_ops(
+                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(n, end), enable_gqa=gqa)
+            )
             seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
     assert seen and seen <= SAC_SAVE_LIST, seen - SAC_SAVE_LIST
     named = set(re.findall(r"torch\.ops\.aten\.(\w+)\(", inspect.getsource(CausalBias._dispatch)))
@@ -308,25 +321,38 @@ def test_cp_causal_that_would_build_a_mask_on_cuda_is_refused_in_one_line() -> N
     with pytest.raises(ConfigError) as err:
         check_causal_kernel("cuda", "bfloat16", 260, 2, "mixed_precision.param_dtype, model.flavor 'f'")
     assert "\n" not in str(err.value)
-    assert str(err.value).startswith("'parallelism.context_parallel_degree' = 2 with causal attention on cuda in "
-                                      "bfloat16 at head_dim 260 (mixed_precision.param_dtype, model.flavor 'f')")
+    assert str(err.value).startswith(
+        "'parallelism.context_parallel_degree' = 2 with causal attention on cuda in "
+        "bfloat16 at head_dim 260 (mixed_precision.param_dtype, model.flavor 'f')"
+    )
 
 
-def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Through the trainer's checks (job.resolve): a dry run sizes GPUs, so it asks CUDA's kernels;
-    a flavour with head_dim 6 in fp32 has neither (efficient needs a multiple of 4); block_causal
+    a flavor with head_dim 6 in fp32 has neither (efficient needs a multiple of 4); block_causal
     and CP 1 are not refused."""
     from torchtitan_amp.config import ConfigError, load_config
     from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
     from torchtitan_amp.train import dry_run
 
-    monkeypatch.setitem(LLAMA3_FLAVORS, "head_dim_6", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"],
-                                                                          dim=24, n_heads=4))
-    base = ["--model.flavor", "head_dim_6", "--mixed_precision.enabled", "false", "--training.seq_len", "64",
-            "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "258"]
+    monkeypatch.setitem(
+        LLAMA3_FLAVORS, "head_dim_6", dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], dim=24, n_heads=4)
+    )
+    base = [
+        "--model.flavor",
+        "head_dim_6",
+        "--mixed_precision.enabled",
+        "false",
+        "--training.seq_len",
+        "64",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--dry_run.vocab_size",
+        "258",
+    ]
     with pytest.raises(ConfigError, match=r"in float32 at head_dim 6 \(training.dtype, model.flavor 'head_dim_6'\)"):
         dry_run.resolve(load_config([*base, "--parallelism.context_parallel_degree", "2"]), 2)
-    dry_run.resolve(load_config([*base, "--parallelism.context_parallel_degree", "2",
-                                 "--model.attn_mask_type", "block_causal"]), 2)
+    dry_run.resolve(
+        load_config([*base, "--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"]), 2
+    )
     dry_run.resolve(load_config(base), 1)

@@ -40,7 +40,7 @@ from tests.workers import cp_precision
 
 pytestmark = pytest.mark.dist
 
-U = 2.0 ** -8  # bf16 unit roundoff
+U = 2.0**-8  # bf16 unit roundoff
 OPTIONS = {"batch": 1, "heads": 4, "seq_len": 512, "head_dim": 64, "seeds": [0, 1], "scale": 1.0}
 GRADS = ("dk", "dv")
 
@@ -63,7 +63,7 @@ def test_the_gradients_travel_in_cp_reduce_dtype(errors: dict, job: str) -> None
 
 @pytest.mark.parametrize("job", ["float32", "bfloat16"])
 def test_forward_and_dq_do_not_depend_on_cp(errors: dict, job: str) -> None:
-    bound = 2 * U * math.sqrt(OPTIONS["seq_len"] * 2.0 ** -24 / U)
+    bound = 2 * U * math.sqrt(OPTIONS["seq_len"] * 2.0**-24 / U)
     for key in ("out", "dq"):
         base = errors[job]["errors"]["1"][key]
         assert 0 < min(base) and max(base) < 2 * U, base  # bf16 really ran, a few roundings' error

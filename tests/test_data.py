@@ -31,8 +31,9 @@ def _assert_batches_equal(a: list[Batch], b: list[Batch]) -> None:
 
 
 def _pydoc_loader(seed: int = 0, dp_rank: int = 0, dp_world_size: int = 1, batch: int = 4) -> ParallelAwareDataLoader:
-    return build_dataloader("pydoc", TOK, seq_len=64, local_batch_size=batch, dp_rank=dp_rank,
-                            dp_world_size=dp_world_size, seed=seed)
+    return build_dataloader(
+        "pydoc", TOK, seq_len=64, local_batch_size=batch, dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed
+    )
 
 
 @pytest.fixture
@@ -128,8 +129,12 @@ def test_non_utf8_file_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("line", "reason"),
-    [("{oops", "not valid JSON"), ('{"content": "x"}', "string 'text' field"),
-     ('{"text": 3}', "string 'text' field"), ('["text"]', "string 'text' field")],
+    [
+        ("{oops", "not valid JSON"),
+        ('{"content": "x"}', "string 'text' field"),
+        ('{"text": 3}', "string 'text' field"),
+        ('["text"]', "string 'text' field"),
+    ],
 )
 def test_bad_jsonl_line_names_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
     path = tmp_path / "docs.jsonl"
@@ -150,9 +155,14 @@ def test_too_few_tokens(tmp_path: Path) -> None:
         build_dataloader(f"path:{path}", TOK, seq_len=8, local_batch_size=1, dp_rank=0, dp_world_size=2, seed=0)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"seq_len": 0}, "seq_len"), ({"dp_rank": 2}, "dp_rank"), ({"local_batch_size": 0}, "local_batch_size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"seq_len": 0}, "seq_len"),
+        ({"dp_rank": 2}, "dp_rank"),
+        ({"local_batch_size": 0}, "local_batch_size"),
+    ],
+)
 def test_bad_loader_arguments(tiny_corpus: str, kwargs: dict[str, int], field: str) -> None:
     args = {"seq_len": 4, "local_batch_size": 1, "dp_rank": 0, "dp_world_size": 2, "seed": 0} | kwargs
     with pytest.raises(DataError, match=field):
@@ -267,8 +277,9 @@ def _global_batches(loaders: list[ParallelAwareDataLoader], n: int) -> list[set[
 
 
 @pytest.mark.parametrize(("ranks", "batch", "to_ranks", "to_batch"), [(4, 2, 2, 4), (2, 4, 1, 8), (3, 1, 1, 3)])
-def test_resume_on_another_dp_degree_continues_the_global_batches(tiny_corpus: str, ranks: int, batch: int,
-                                                                  to_ranks: int, to_batch: int) -> None:
+def test_resume_on_another_dp_degree_continues_the_global_batches(
+    tiny_corpus: str, ranks: int, batch: int, to_ranks: int, to_batch: int
+) -> None:
     # 12 windows: global batches of 8 (or 3) straddle epochs, and 12 mod 8 windows are not dropped.
     make = lambda r, n, b: build_dataloader(tiny_corpus, TOK, 4, b, r, n, seed=3)  # noqa: E731
     straight = _global_batches([make(r, ranks, batch) for r in range(ranks)], 7)
@@ -298,8 +309,11 @@ def test_another_global_batch_continues_from_the_same_sample(tiny_corpus: str) -
 
 
 def test_a_state_without_the_global_position_is_refused_in_one_line() -> None:
-    with pytest.raises(DataError, match=r"^dataloader state needs a 'position' \(the global data position\), "
-                                        r"got keys \['dp_rank_0', 'world_size'\]$"):
+    with pytest.raises(
+        DataError,
+        match=r"^dataloader state needs a 'position' \(the global data position\), "
+        r"got keys \['dp_rank_0', 'world_size'\]$",
+    ):
         _pydoc_loader(dp_rank=0, dp_world_size=1).load_state_dict({"dp_rank_0": {}, "world_size": 2})
 
 

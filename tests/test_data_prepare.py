@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import torchtitan_amp.data.prepare as prepare_module
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.data import DataError, build_dataloader, load_texts, tokenize_corpus
@@ -24,7 +25,6 @@ from torchtitan_amp.data.cli import main as cli_main
 from torchtitan_amp.data.index import read_index, verify
 from torchtitan_amp.data.packed import PackedTextDataset
 from torchtitan_amp.data.prepare import PrepareConfig, merge, prepare
-import torchtitan_amp.data.prepare as prepare_module
 from torchtitan_amp.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtitan_amp.data.tokens import WindowOrder
 from torchtitan_amp.train import trainer as trainer_module
@@ -128,12 +128,19 @@ def test_saved_and_by_name_hugging_face_datasets(tmp_path: Path, monkeypatch: py
     # By name: load_dataset's own cache files (a local JSON builder stands in for the hub).
     (tmp_path / "hub.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     real_load = datasets.load_dataset
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: real_load(
-        "json", data_files=str(tmp_path / "hub.jsonl"), split=split, cache_dir=str(tmp_path / "cache")))
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda name, config, split: real_load(
+            "json", data_files=str(tmp_path / "hub.jsonl"), split=split, cache_dir=str(tmp_path / "cache")
+        ),
+    )
     by_name = _prepare(["hf:someone/corpus"], tmp_path / "tok_hub")
     assert np.array_equal(_stream(by_name), _stream(out))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dict"))
-    with pytest.raises(DataError, match=r"dict is a Hugging Face DatasetDict; pass one split's folder, e\.g\. .*dict/train"):
+    with pytest.raises(
+        DataError, match=r"dict is a Hugging Face DatasetDict; pass one split's folder, e\.g\. .*dict/train"
+    ):
         _prepare([tmp_path / "dict"], tmp_path / "tok2")
 
 
@@ -143,8 +150,12 @@ def _hf_tokenizer(path: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([_text(i, 50) for i in range(20)], trainer)
     tok.save(str(path))
     return path
@@ -160,8 +171,11 @@ def _tiktoken_file(path: Path, pairs: bool = False) -> Path:
 
 @pytest.mark.parametrize("kind", ["hf", "tiktoken", "tiktoken_large"])
 def test_real_tokenizers_bos_eos_and_dtype(corpus: Path, tmp_path: Path, kind: str) -> None:
-    spec = str(_hf_tokenizer(tmp_path / "tokenizer.json") if kind == "hf"
-               else _tiktoken_file(tmp_path / "tokenizer.model", pairs=kind == "tiktoken_large"))
+    spec = str(
+        _hf_tokenizer(tmp_path / "tokenizer.json")
+        if kind == "hf"
+        else _tiktoken_file(tmp_path / "tokenizer.model", pairs=kind == "tiktoken_large")
+    )
     tok = build_tokenizer(spec)
     out = _prepare([corpus / "sub" / "c.jsonl"], tmp_path / "tok", tokenizer=spec, workers=2, shard_mb=2 / 1024)
     index = read_index(out)
@@ -170,7 +184,12 @@ def test_real_tokenizers_bos_eos_and_dtype(corpus: Path, tmp_path: Path, kind: s
     texts = [text for _, text in load_texts(f"path:{corpus / 'sub' / 'c.jsonl'}")]
     stream = _stream(out)
     assert np.array_equal(stream, [i for t in texts for i in tok.encode(t, bos=True, eos=True)])
-    assert (stream == tok.bos_id).sum() == (stream == tok.eos_id).sum() == len(texts) == index["splits"]["train"]["num_docs"]
+    assert (
+        (stream == tok.bos_id).sum()
+        == (stream == tok.eos_id).sum()
+        == len(texts)
+        == index["splits"]["train"]["num_docs"]
+    )
     batch = next(iter(build_dataloader(f"tokens:{out}", tok, 16, 2, 0, 1, seed=0)))
     assert batch[0].shape == (2, 16) and batch[0].dtype == torch.int64
 
@@ -188,7 +207,10 @@ def test_same_bytes_for_1_and_4_workers(corpus: Path, tmp_path: Path) -> None:
 def test_split_across_machines_then_merge(corpus: Path, tmp_path: Path) -> None:
     single = _files(_prepare([corpus], tmp_path / "single", shard_mb=3 / 1024))
     out = tmp_path / "multi"
-    assert prepare(PrepareConfig([str(corpus)], out, shard_mb=3 / 1024, num_shards=2, shard_index=1, progress=False)) is None
+    assert (
+        prepare(PrepareConfig([str(corpus)], out, shard_mb=3 / 1024, num_shards=2, shard_index=1, progress=False))
+        is None
+    )
     with pytest.raises(DataError, match=r"partial index of --shard-index 0 of 2 is missing"):
         merge(out)
     with pytest.raises(DataError, match=r"multi: prepare did not finish"):
@@ -206,7 +228,8 @@ def test_validation_split_is_held_out_by_document(corpus: Path, tmp_path: Path) 
     docs = lambda stream: {tuple(d) for d in np.split(stream, np.flatnonzero(stream == TOK.bos_id)[1:])}  # noqa: E731
     assert not docs(_stream(out)) & docs(_stream(out, "validation"))
     assert sorted(_stream(out).tolist() + _stream(out, "validation").tolist()) == sorted(
-        tokenize_corpus(load_texts(f"path:{corpus}"), TOK).tolist())
+        tokenize_corpus(load_texts(f"path:{corpus}"), TOK).tolist()
+    )
     val = build_dataloader(f"tokens:{out}:validation", TOK, 8, 2, 0, 1, seed=0)
     assert set(next(iter(val))[0].flatten().tolist()) <= set(_stream(out, "validation").tolist())
     assert val.num_windows_per_epoch == held["num_tokens"] // 9
@@ -255,13 +278,20 @@ def test_prepare_refuses_to_mix_or_clobber(corpus: Path, tmp_path: Path, monkeyp
     assert (tmp_path / "mine" / "notes.txt").exists()
 
 
-@pytest.mark.parametrize(("name", "content", "message"), [
-    ("data.csv", "a,b", r"data\.csv: unsupported input \(allowed: .txt, .md, .jsonl"),
-    ("bad.jsonl", '{"text": "ok"}\n{"text": "ok"}\n{oops\n', r"bad\.jsonl:3: not valid JSON"),
-    ("field.jsonl", '{"text": "ok"}\n{"body": "x"}\n', r"field\.jsonl:2: expected a JSON object with a string 'text'"),
-    ("latin.txt", b"caf\xe9", r"latin\.txt is not valid UTF-8"),
-    ("t.parquet", None, r"t\.parquet: no column 'text' \(has: body\); set --text-column"),
-])
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("data.csv", "a,b", r"data\.csv: unsupported input \(allowed: .txt, .md, .jsonl"),
+        ("bad.jsonl", '{"text": "ok"}\n{"text": "ok"}\n{oops\n', r"bad\.jsonl:3: not valid JSON"),
+        (
+            "field.jsonl",
+            '{"text": "ok"}\n{"body": "x"}\n',
+            r"field\.jsonl:2: expected a JSON object with a string 'text'",
+        ),
+        ("latin.txt", b"caf\xe9", r"latin\.txt is not valid UTF-8"),
+        ("t.parquet", None, r"t\.parquet: no column 'text' \(has: body\); set --text-column"),
+    ],
+)
 def test_bad_inputs_give_one_line_naming_the_file(tmp_path: Path, name: str, content, message: str) -> None:
     path = tmp_path / name
     if content is None:
@@ -290,9 +320,11 @@ def test_cli_prepare_verify_and_errors(corpus: Path, tmp_path: Path, capsys: pyt
 
 def test_prepare_command_does_not_import_torch(corpus: Path, tmp_path: Path) -> None:
     # Its worker processes start faster and smaller without torch.
-    code = ("import sys; from torchtitan_amp.data.cli import main; "
-            f"rc = main(['prepare', {str(corpus)!r}, '-o', {str(tmp_path / 'tok')!r}, '--no-progress', '--workers', '2']); "
-            "sys.exit(rc or ('torch' in sys.modules and 3))")
+    code = (
+        "import sys; from torchtitan_amp.data.cli import main; "
+        f"rc = main(['prepare', {str(corpus)!r}, '-o', {str(tmp_path / 'tok')!r}, '--no-progress', '--workers', '2']); "
+        "sys.exit(rc or ('torch' in sys.modules and 3))"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
@@ -368,8 +400,16 @@ def _global_rows(loaders: list, n: int) -> list[set]:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_on_another_dp_degree_is_exact(numbered: Path, num_workers: int) -> None:
     # 211 windows; global batches of 24 straddle the epoch at batch 8; 4 ranks x 6 -> 2 ranks x 12.
-    make = lambda r, n, b, w=0: build_dataloader(f"tokens:{numbered}", TOK, 16, b, r, n, seed=4,  # noqa: E731
-                                                 num_workers=w)
+    make = lambda r, n, b, w=0: build_dataloader(
+        f"tokens:{numbered}",
+        TOK,
+        16,
+        b,
+        r,
+        n,
+        seed=4,
+        num_workers=w,
+    )
     straight = _global_rows([make(r, 4, 6) for r in range(4)], 12)
     first = [make(r, 4, 6, num_workers) for r in range(4)]
     got = _global_rows(first, 7)
@@ -388,8 +428,10 @@ def test_state_from_another_batch_size_continues_from_its_sample(numbered: Path)
     next(iter(loader))
     other = build_dataloader(f"tokens:{numbered}", TOK, 16, 4, 0, 1, seed=0)
     other.load_state_dict(loader.state_dict())
-    assert other.resume_note == ("data resumes at sample 5 (epoch 0); global batch was 5 sequences, now 4: "
-                                 "steps from here cut the sample stream differently from the straight run")
+    assert other.resume_note == (
+        "data resumes at sample 5 (epoch 0); global batch was 5 sequences, now 4: "
+        "steps from here cut the sample stream differently from the straight run"
+    )
     straight = next(iter(build_dataloader(f"tokens:{numbered}", TOK, 16, 9, 0, 1, seed=0)))[0]
     assert torch.equal(next(iter(other))[0], straight[5:])
 
@@ -427,15 +469,18 @@ def _break(case: str, folder: Path, tmp_path: Path):
     return TOK
 
 
-@pytest.mark.parametrize(("case", "message"), [
-    ("vocab", r"tok/index\.json: tokens were made with vocab size 258 \(byte\), but this job's tokenizer has 516"),
-    ("tokenizer", r"tok/index\.json: tokens were made with another tokenizer \(byte, byte:utf8-258"),
-    ("missing", r"tok/train/shard_000000\.bin: shard listed in .*index\.json is missing"),
-    ("truncated", r"tok/train/shard_000000\.bin: \d+ bytes, but .* says \d+ uint16 tokens \(truncated or replaced"),
-    ("id_in_index", r"tok/train/shard_000000\.bin: token id 300 >= vocab size 258"),
-    ("not_prepared", r"tok has no index\.json: not a folder written by"),
-    ("foreign_format", r"tok/index\.json: format 'megatron' is not 'torchtitan_amp\.tokens/1'"),
-])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("vocab", r"tok/index\.json: tokens were made with vocab size 258 \(byte\), but this job's tokenizer has 516"),
+        ("tokenizer", r"tok/index\.json: tokens were made with another tokenizer \(byte, byte:utf8-258"),
+        ("missing", r"tok/train/shard_000000\.bin: shard listed in .*index\.json is missing"),
+        ("truncated", r"tok/train/shard_000000\.bin: \d+ bytes, but .* says \d+ uint16 tokens \(truncated or replaced"),
+        ("id_in_index", r"tok/train/shard_000000\.bin: token id 300 >= vocab size 258"),
+        ("not_prepared", r"tok has no index\.json: not a folder written by"),
+        ("foreign_format", r"tok/index\.json: format 'megatron' is not 'torchtitan_amp\.tokens/1'"),
+    ],
+)
 def test_startup_checks_give_one_line_naming_the_file(numbered: Path, tmp_path: Path, case: str, message: str) -> None:
     tokenizer = _break(case, numbered, tmp_path)
     with pytest.raises(DataError, match=message) as info:
@@ -465,13 +510,33 @@ def test_verify_reads_what_startup_only_stats(numbered: Path, capsys: pytest.Cap
 # --- the trainer ------------------------------------------------------------------------------
 
 
-def test_trainer_resumes_bitwise_on_tokens_with_loader_workers(numbered: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_resumes_bitwise_on_tokens_with_loader_workers(
+    numbered: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    args = ["--model.flavor", "debugmodel_h64", "--training.dataset", f"tokens:{numbered}", "--training.seq_len", "16",
-            "--training.local_batch_size", "2", "--training.steps", "4", "--training.dataloader_num_workers", "2",
-            "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--mixed_precision.enabled", "false",
-            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    args = [
+        "--model.flavor",
+        "debugmodel_h64",
+        "--training.dataset",
+        f"tokens:{numbered}",
+        "--training.seq_len",
+        "16",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        "4",
+        "--training.dataloader_num_workers",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--mixed_precision.enabled",
+        "false",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     trainer_module.Trainer(load_config(args + ["--job.dump_folder", str(a)])).train()
     shutil.copytree(a / "checkpoint" / "step-2", b / "checkpoint" / "step-2")

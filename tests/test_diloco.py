@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.support.standins import SameValuesManager
-
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.precision import PrecisionPlan
@@ -24,9 +23,17 @@ from torchtitan_amp.precision.report import fault_tolerance_summary
 from torchtitan_amp.train.diloco import DiLoCo, outer_step, pseudo_gradient
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
-ON = ("--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-      "--fault_tolerance.semi_sync_method", "diloco", "--mixed_precision.enabled", "false")
-FP32_EPS = 2.0 ** -23
+ON = (
+    "--fault_tolerance.enable",
+    "true",
+    "--fault_tolerance.group_size",
+    "2",
+    "--fault_tolerance.semi_sync_method",
+    "diloco",
+    "--mixed_precision.enabled",
+    "false",
+)
+FP32_EPS = 2.0**-23
 
 
 def _plan(*extra: str) -> PrecisionPlan:
@@ -78,7 +85,7 @@ def test_pseudo_gradient_is_computed_in_fp32_and_rounded_once() -> None:
     bf16 = pseudo_gradient(g, w, torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
     # bf16 keeps 8 significant bits (7 stored): half an ulp is at most 2^-8 of the value.
-    assert torch.all((bf16.double() - exact).abs() <= exact.abs() * (2.0 ** -8 + FP32_EPS))
+    assert torch.all((bf16.double() - exact).abs() <= exact.abs() * (2.0**-8 + FP32_EPS))
     assert not torch.equal(bf16.float(), fp32)
 
 
@@ -94,7 +101,7 @@ def test_outer_step_is_torch_nesterov_sgd() -> None:
         outer_step(ours, momentum, mean, 0.7, 0.9)
         offset = 0
         for p in ref:
-            p.grad = mean[offset:offset + p.numel()].view_as(p).double()
+            p.grad = mean[offset : offset + p.numel()].view_as(p).double()
             offset += p.numel()
         sgd.step()
     # A few fp32 roundings per step on weights of size ~1: a small multiple of fp32's eps.
@@ -122,7 +129,7 @@ def test_a_committed_sync_steps_the_global_weights_with_the_groups_mean() -> Non
     mean = (torch.full_like(peer_delta, 0.05) + peer_delta) / 2
     offset = 0
     for p, s, g, m in zip(params, start, diloco.global_weights, diloco.momentum):
-        d = mean[offset:offset + p.numel()].view_as(p)
+        d = mean[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
         # d is within an ulp of 0.05 (fp32 subtraction and mean); weights of size ~1.
         assert torch.allclose(m, d, rtol=4 * FP32_EPS, atol=0), "the first momentum is the mean pseudo-gradient"
@@ -155,7 +162,7 @@ def test_global_weights_and_momentum_stay_fp32_under_bf16_parameters() -> None:
     before = [g.clone() for g in diloco.global_weights]
     with torch.no_grad():  # a local change of one bf16 ulp at most on weights below 1
         for p in params:
-            p.copy_(p.float().mul(1 - 2.0 ** -8).to(torch.bfloat16))
+            p.copy_(p.float().mul(1 - 2.0**-8).to(torch.bfloat16))
     diloco.sync(SimpleNamespace(step=5))
     # The peer's pseudo-gradient is 0: the mean is half this group's; the fp32 global keeps the
     # step exactly where a bf16 copy would round part of it away.
@@ -215,7 +222,7 @@ def test_bf16_diloco_follows_exact_diloco_on_the_same_moves() -> None:
         ref -= 0.7 * (moved + 0.9 * ref_m)
         diloco.sync(SimpleNamespace(step=5 * sync))
     ulp = torch.exp2(torch.floor(torch.log2(ref.abs())) - 7)
-    drift = ((diloco.global_weights[0].double() - ref).abs() / ulp)
+    drift = (diloco.global_weights[0].double() - ref).abs() / ulp
     assert drift.mean() < 1e-3 and drift.max() < 1e-2, f"{drift.mean():.3g} ulp on average, {drift.max():.3g} at most"
 
 
@@ -224,7 +231,7 @@ def _old_outer_step(global_weights, momentum, mean, lr, mu):
     mean = mean.to(global_weights[0].dtype)
     deltas, offset = [], 0
     for g in global_weights:
-        deltas.append(mean[offset:offset + g.numel()].view_as(g))
+        deltas.append(mean[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     torch._foreach_mul_(momentum, mu)
     torch._foreach_add_(momentum, deltas)
@@ -266,7 +273,9 @@ class _LiveBytes(TorchDispatchMode):
             del self.refs[ptr]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
@@ -296,8 +305,9 @@ def test_a_sync_holds_the_wire_buffer_and_a_few_chunks(monkeypatch) -> None:
     torch.manual_seed(5)
     params = list(nn.Linear(200, 100).to(torch.bfloat16).parameters())
     n = sum(p.numel() for p in params)
-    diloco = _same_values_diloco(params, "--training.dtype", "bfloat16", "--fault_tolerance.pseudo_gradient_dtype",
-                                 "bfloat16")
+    diloco = _same_values_diloco(
+        params, "--training.dtype", "bfloat16", "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"
+    )
     with torch.no_grad():
         for p in params:
             p.sub_(0.01)

@@ -21,10 +21,30 @@ from tests.support.standins import use_stand_in_manager
 from torchtitan_amp.config import load_config
 from torchtitan_amp.train import trainer as trainer_module
 
-COMMON = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-          "--training.gc_freq", "0", "--training.steps", "4", "--training.dtype", "bfloat16",
-          "--mixed_precision.enabled", "false", "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
-          "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+COMMON = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--training.steps",
+    "4",
+    "--training.dtype",
+    "bfloat16",
+    "--mixed_precision.enabled",
+    "false",
+    "--fault_tolerance.enable",
+    "true",
+    "--fault_tolerance.group_size",
+    "2",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+]
 ARGS = [*COMMON, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
 
 
@@ -46,8 +66,12 @@ def _state(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
     out = {f"model.{n}": local(p) for n, p in t.run.model.named_parameters()}
     out |= {f"global.{i}": g.clone() for i, g in enumerate(t.run.diloco.global_weights)}
     out |= {f"momentum.{i}": m.clone() for i, m in enumerate(t.run.diloco.momentum)}
-    out |= {f"adam.{i}.{k}": local(v) for i, p in enumerate(t.run.params)
-            for k, v in t.run.optimizer.state[p].items() if isinstance(v, torch.Tensor)}
+    out |= {
+        f"adam.{i}.{k}": local(v)
+        for i, p in enumerate(t.run.params)
+        for k, v in t.run.optimizer.state[p].items()
+        if isinstance(v, torch.Tensor)
+    }
     out["syncs"] = torch.tensor(t.run.diloco.syncs)
     return out
 
@@ -79,7 +103,10 @@ def test_a_checkpoint_without_diloco_state_is_refused_in_one_line(tmp_path: Path
 
     every_step = [*COMMON, "--training.steps", "2", "--job.dump_folder", str(tmp_path)]  # gradients every step
     trainer_module.Trainer(load_config(every_step)).train()
-    with pytest.raises(CheckpointError, match=r"step-2 has no DiLoCo state \(saved without fault_tolerance."
-                                              r"semi_sync_method = 'diloco'\); add 'diloco' to checkpoint.exclude") as e:
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-2 has no DiLoCo state \(saved without fault_tolerance."
+        r"semi_sync_method = 'diloco'\); add 'diloco' to checkpoint.exclude",
+    ) as e:
         trainer_module.Trainer(load_config([*ARGS, "--job.dump_folder", str(tmp_path)]))
     assert "\n" not in str(e.value)

@@ -22,7 +22,7 @@ HISTORY = {
     "replaces the ...": r"\breplaces? the (table|one|rows?|numbers?|run)\b",
     "changed in ...": r"\bchanged in\b",
     "then and now": r"\b(previously|no longer|used to|until recently|as before|before the fix|the old design"
-                    r"|earlier run|previous (run|sitting)|first session|(was|were) (added|removed|fixed|changed))\b",
+    r"|earlier run|previous (run|sitting)|first session|(was|were) (added|removed|fixed|changed))\b",
     "new:": r"\(new\b[^)]*\)|(^|[-*|]\s*)\**new\**:",
 }
 
@@ -49,36 +49,58 @@ def test_the_docs_carry_no_development_history():
     assert _hits([p for p in DOCS if p.exists()]) == []
 
 
-@pytest.mark.parametrize("text, kind", [
-    ("the suite (issue 41) takes", "issue/round/session number"),
-    ("measured in round 3", "issue/round/session number"),
-    ("session 12's numbers", "issue/round/session number"),
-    ("since commit 37f38da", "commit hash"),
-    ("at 0d4c9e1 the step took", "commit hash"),
-    ("measured on 2026-11-30", "date of a past run"),
-    ("This table replaces the one of", "replaces the ..."),
-    ("(changed in this issue)", "changed in ..."),
-    ("they used to get one group", "then and now"),
-    ("the cache no longer bites", "then and now"),
-    ("- **New:** async saves", "new:"),
-])
+@pytest.mark.parametrize(
+    "text, kind",
+    [
+        ("the suite (issue 41) takes", "issue/round/session number"),
+        ("measured in round 3", "issue/round/session number"),
+        ("session 12's numbers", "issue/round/session number"),
+        ("since commit 37f38da", "commit hash"),
+        ("at 0d4c9e1 the step took", "commit hash"),
+        ("measured on 2026-11-30", "date of a past run"),
+        ("This table replaces the one of", "replaces the ..."),
+        ("(changed in this issue)", "changed in ..."),
+        ("they used to get one group", "then and now"),
+        ("the cache no longer bites", "then and now"),
+        ("- **New:** async saves", "new:"),
+    ],
+)
 def test_the_history_check_sees_each_kind(tmp_path, text, kind):
     doc = tmp_path / "a.md"
     doc.write_text(f"# A\n\n{text}\n")
     assert kind in {h.split(": ")[1] for h in _hits([doc], tmp_path)}
 
 
-@pytest.mark.parametrize("text", ["python -m benchmarks.ac_speed --rounds 8", "vocab 128256, 1769984 params",
-                                  "`tokenizer.json` 3f", "a 4-byte `step`, seq 8192",
-                                  "needs nothing new: routing"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "python -m benchmarks.ac_speed --rounds 8",
+        "vocab 128256, 1769984 params",
+        "`tokenizer.json` 3f",
+        "a 4-byte `step`, seq 8192",
+        "needs nothing new: routing",
+    ],
+)
 def test_the_history_check_leaves_technical_text(tmp_path, text):
     doc = tmp_path / "a.md"
     doc.write_text(text + "\n")
     assert _hits([doc], tmp_path) == []
 
 
-PACKAGES = ("core", "config", "observability", "memory", "distributed", "models", "precision", "data",
-            "checkpoint", "eval", "train", "tools")
+PACKAGES = (
+    "core",
+    "config",
+    "observability",
+    "memory",
+    "distributed",
+    "models",
+    "precision",
+    "data",
+    "checkpoint",
+    "eval",
+    "train",
+    "tools",
+)
 
 
 def test_module_paths_in_the_docs_exist():

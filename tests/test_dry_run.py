@@ -30,11 +30,19 @@ from torchtitan_amp.train import dry_run
 pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
 # Mixed precision asked for: a dry run sizes GPUs ("auto" means on), the real runs it is checked
-# against must not fall back to fp32 on a CPU that emulates bf16. The smallest flavour: the
+# against must not fall back to fp32 on a CPU that emulates bf16. The smallest flavor: the
 # predictions are exact whatever the size, and its steps cost ~14x less than debugmodel's where
 # bf16 is emulated; 4 blocks give Interleaved1F1B on PP 2 a block per stage, 2 heads split on TP 2.
-BASE = ("--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--mixed_precision.enabled", "true")
+BASE = (
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--mixed_precision.enabled",
+    "true",
+)
 PP = ("--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2")
 MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 
@@ -44,27 +52,75 @@ JOBS = {
     1: {
         "single_autocast": [],
         "single_pure_bf16": ["--training.dtype", "bfloat16", "--mixed_precision.enabled", "false"],
-        "single_pure_bf16_fp32_moments": ["--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
-                                          "--optimizer.state_dtype", "float32"],
+        "single_pure_bf16_fp32_moments": [
+            "--training.dtype",
+            "bfloat16",
+            "--mixed_precision.enabled",
+            "false",
+            "--optimizer.state_dtype",
+            "float32",
+        ],
         "single_bf16_moments_frozen": ["--optimizer.state_dtype", "bfloat16", "--training.freeze", "layers.0,norm"],
     },
     2: {
         "fsdp2": [],
-        "fsdp2_ac_accum_bf16_reduce": ["--activation_checkpoint.mode", "full", "--training.global_batch_size", "8",
-                                       "--mixed_precision.reduce_dtype", "bfloat16"],
-        "ddp2_bf16_hook": ["--parallelism.data_parallel_replicate_degree", "2",
-                           "--parallelism.data_parallel_shard_degree", "1", "--mixed_precision.reduce_dtype", "bfloat16"],
-        "ddp2_fp32": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-        "ddp2_frozen": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                        "--mixed_precision.reduce_dtype", "bfloat16", "--training.freeze", "tok_embeddings,layers.1"],
-        "tp2_safe_norms_bf16_reduce": ["--parallelism.tensor_parallel_degree", "2", "--mixed_precision.reduce_dtype", "bfloat16",
-                                       "--mixed_precision.lower_precision_safe_modules",
-                                       "torch.nn.Linear,torchtitan_amp.models.llama3.model.RMSNorm"],
-        "tp2_frozen_bf16_moments": ["--parallelism.tensor_parallel_degree", "2", "--training.freeze", "layers.0,output",
-                                    "--optimizer.state_dtype", "bfloat16"],
+        "fsdp2_ac_accum_bf16_reduce": [
+            "--activation_checkpoint.mode",
+            "full",
+            "--training.global_batch_size",
+            "8",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+        ],
+        "ddp2_bf16_hook": [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+        ],
+        "ddp2_fp32": [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+        "ddp2_frozen": [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+            "--training.freeze",
+            "tok_embeddings,layers.1",
+        ],
+        "tp2_safe_norms_bf16_reduce": [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+            "--mixed_precision.lower_precision_safe_modules",
+            "torch.nn.Linear,torchtitan_amp.models.llama3.model.RMSNorm",
+        ],
+        "tp2_frozen_bf16_moments": [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.freeze",
+            "layers.0,output",
+            "--optimizer.state_dtype",
+            "bfloat16",
+        ],
         "tp2": ["--parallelism.tensor_parallel_degree", "2"],
-        "tp2_no_sp_ac": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "false",
-                         "--activation_checkpoint.mode", "full"],
+        "tp2_no_sp_ac": [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.enable_sequence_parallel",
+            "false",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
         # MoE: routers in the blocks' fp32 groups; under EP 2 each rank holds 4 of the 8 experts
         # (efsdp 1: no expert FSDP collective) and exchanges rows by all-to-all, again when recomputed
         # (the counts once: a recompute reuses the forward's).
@@ -85,10 +141,25 @@ JOBS = {
         # across microbatches, one reduce-scatter per microbatch, a re-gather after each backward.
         "pp2_fsdp2_1f1b_reduce_per_microbatch": [*PP, "--parallelism.pipeline_fsdp_reduce", "per_microbatch"],
         "pp2_fsdp2_interleaved_reduce_per_microbatch_ac": [
-            *PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "8",
-            "--parallelism.pipeline_fsdp_reduce", "per_microbatch", "--activation_checkpoint.mode", "full"],
-        "pp2_ddp2_gpipe": [*PP, "--parallelism.data_parallel_replicate_degree", "2",
-                           "--parallelism.pipeline_parallel_schedule", "GPipe", "--mixed_precision.reduce_dtype", "bfloat16"],
+            *PP,
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_fsdp_reduce",
+            "per_microbatch",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+        "pp2_ddp2_gpipe": [
+            *PP,
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+        ],
         "pp2_tp2": [*PP, "--parallelism.tensor_parallel_degree", "2"],
         # FSDP over dp_shard x cp = 4; K/V all-gathered over cp, their gradients reduce-scattered.
         "cp2_fsdp2": ["--parallelism.context_parallel_degree", "2"],
@@ -97,20 +168,36 @@ JOBS = {
         "moe_ep2_efsdp2": [*MOE, "--parallelism.expert_parallel_degree", "2"],
         # EP 2 x TP 2: the experts EP-split and replicated over tp; full AC recomputes every TP
         # collective of an MoE block but its shared expert's output all-reduce.
-        "moe_ep2_tp2_ac": [*MOE, "--parallelism.tensor_parallel_degree", "2",
-                           "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+        "moe_ep2_tp2_ac": [
+            *MOE,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
         # PP 2 x EP 2: each stage's MoE layers exchange rows over its own ep pair, per microbatch.
         "moe_pp2_ep2": [*MOE, *PP, "--parallelism.expert_parallel_degree", "2"],
         "cp2_fsdp2_ac_block_causal_bf16_cp_reduce": [
-            "--parallelism.context_parallel_degree", "2", "--activation_checkpoint.mode", "full",
-            "--model.attn_mask_type", "block_causal", "--mixed_precision.cp_reduce_dtype", "bfloat16"],
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+            "--model.attn_mask_type",
+            "block_causal",
+            "--mixed_precision.cp_reduce_dtype",
+            "bfloat16",
+        ],
     },
 }
 
 
 def _real_runs(tmp_path: Path, nproc: int) -> tuple[dict, dict[str, list[str]]]:
-    jobs = {name: ["--job.dump_folder", str(new_dump_folder(tmp_path)), *BASE, *extra]
-            for name, extra in JOBS[nproc].items()}
+    jobs = {
+        name: ["--job.dump_folder", str(new_dump_folder(tmp_path)), *BASE, *extra]
+        for name, extra in JOBS[nproc].items()
+    }
     out = tmp_path / "out"
     launch_worker("dry_run_worker", out, [{"name": n, "args": a} for n, a in jobs.items()], nproc, timeout=300)
     return json.loads((out / "result.json").read_text()), jobs
@@ -155,9 +242,12 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             assert report["communication"] == modelled, f"{where}: dry run {report['communication']} != real {modelled}"
             # One call per FSDP group per gather / reduction: a block's fp32 norms share a group.
             predicted = report["fsdp_collective_calls"]
-            assert predicted == {k: measured["comm_calls"].get(k, 0) for k in predicted}, \
+            assert predicted == {k: measured["comm_calls"].get(k, 0) for k in predicted}, (
                 f"{where}: dry run calls {predicted} != real {measured['comm_calls']}"
-            in_blocks = [g["name"] for g in report["fsdp_groups"] if g["kind"] == "fp32" and g["name"].startswith("layers.")]
+            )
+            in_blocks = [
+                g["name"] for g in report["fsdp_groups"] if g["kind"] == "fp32" and g["name"].startswith("layers.")
+            ]
             if grouped_fsdp_casts_every_output():
                 assert all("attention_norm" in n and "ffn_norm" in n for n in in_blocks), f"{where}: {in_blocks}"
             else:  # older torch: one fp32 group per norm (torch_compat), and per MoE router
@@ -172,14 +262,27 @@ def test_dry_run_predicts_real_runs_exactly(tmp_path: Path, nproc: int) -> None:
             kw = dict(pp_rank=c["pp"], tp_rank=c["tp"])
             fsdp_rank = res.layout.fsdp_rank(c["dp_shard"], c["cp"])
             state = memory.state_bytes(res.model_dims, res.precision, res.layout, dp_shard_rank=fsdp_rank, **kw)
-            assert (state.params, state.grads, state.optimizer) == (mem["params"], mem["grads"], mem["optimizer"]), where
+            assert (state.params, state.grads, state.optimizer) == (mem["params"], mem["grads"], mem["optimizer"]), (
+                where
+            )
             assert mem["analytic_state_matches"], where
             assert memory.comm(res.model_dims, res.precision, res.layout, **kw) == report["communication"], where
-            groups = [(s.index, g.name, g.kind, g.unsharded_numel(res.layout.fsdp_shard), g.gather_dtype, g.reduce_dtype,
-                       g.reshard_after_forward) for s in memory.rank_stages(res.model_dims, res.layout, c["pp"])
-                      for g in memory.fsdp_groups(res.model_dims, res.precision, res.layout, s, c["tp"])]
-            assert sorted(tuple(g.values()) for g in report["fsdp_groups"]) == (sorted(groups) if res.dims.fsdp_enabled
-                                                                                else []), where
+            groups = [
+                (
+                    s.index,
+                    g.name,
+                    g.kind,
+                    g.unsharded_numel(res.layout.fsdp_shard),
+                    g.gather_dtype,
+                    g.reduce_dtype,
+                    g.reshard_after_forward,
+                )
+                for s in memory.rank_stages(res.model_dims, res.layout, c["pp"])
+                for g in memory.fsdp_groups(res.model_dims, res.precision, res.layout, s, c["tp"])
+            ]
+            assert sorted(tuple(g.values()) for g in report["fsdp_groups"]) == (
+                sorted(groups) if res.dims.fsdp_enabled else []
+            ), where
         if nproc == 1:
             assert real[name][0]["comm"] == {} and report["communication"] == {}
 
@@ -202,8 +305,11 @@ def _check_pp_held(report: dict, measured: dict, res, where: str) -> None:  # ty
         return
     # An MoE block's own gradients computed before its routed experts' group takes theirs (the
     # shared expert's) are alive then too and not modelled: short by less than one block.
-    block = max(g["unsharded_numel"] * memory.DTYPE_BYTES[g["gather_dtype"]] for g in report["fsdp_groups"]
-                if g["kind"] == "block")
+    block = max(
+        g["unsharded_numel"] * memory.DTYPE_BYTES[g["gather_dtype"]]
+        for g in report["fsdp_groups"]
+        if g["kind"] == "block"
+    )
     assert 0 <= memory.sum_bytes(real) - memory.sum_bytes(dry) < block, f"{where}: FSDP held dry run {dry}, real {real}"
 
 
@@ -211,16 +317,29 @@ def _stage_numel(model: memory.ModelDims, stage: memory.Stage) -> int:
     return sum(math.prod(p.shape) for p in memory.param_specs(model, stage))
 
 
-@pytest.mark.parametrize("config_file, world, rank, degrees", [
-    ("llama3_70b.toml", 64, 13, {"pp": 1, "dp_shard": 8, "tp": 8}),
-    ("llama3_405b.toml", 512, 300, {"pp": 8, "dp_shard": 8, "tp": 8}),
-])
-def test_large_configs_dry_run_fast_and_shard_params(tmp_path: Path, config_file: str, world: int, rank: int,
-                                                     degrees: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    "config_file, world, rank, degrees",
+    [
+        ("llama3_70b.toml", 64, 13, {"pp": 1, "dp_shard": 8, "tp": 8}),
+        ("llama3_405b.toml", 512, 300, {"pp": 8, "dp_shard": 8, "tp": 8}),
+    ],
+)
+def test_large_configs_dry_run_fast_and_shard_params(
+    tmp_path: Path, config_file: str, world: int, rank: int, degrees: dict[str, int]
+) -> None:
     # 8 sequences per pipeline rank: 1F1B needs at least pp microbatches.
-    config = load_config(["--job.config_file", str(REPO / "train_configs" / config_file),
-                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256",
-                          "--training.local_batch_size", "8" if degrees["pp"] > 1 else "1"])
+    config = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / config_file),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry_run.vocab_size",
+            "128256",
+            "--training.local_batch_size",
+            "8" if degrees["pp"] > 1 else "1",
+        ]
+    )
     report = dry_run.run(config, world_size=world, rank=rank)
     assert report["elapsed_s"] < 60, report["elapsed_s"]
     assert {k: report["degrees"][k] for k in degrees} == degrees
@@ -228,14 +347,28 @@ def test_large_configs_dry_run_fast_and_shard_params(tmp_path: Path, config_file
     _check_param_shards(report, degrees)
 
 
-@pytest.mark.parametrize("degrees", [{"pp": 1, "dp_shard": 8, "cp": 8, "tp": 1},
-                                     {"pp": 1, "dp_shard": 4, "cp": 8, "tp": 2}])
+@pytest.mark.parametrize(
+    "degrees", [{"pp": 1, "dp_shard": 8, "cp": 8, "tp": 1}, {"pp": 1, "dp_shard": 4, "cp": 8, "tp": 2}]
+)
 def test_llama3_8b_131072_tokens_on_64_with_context_parallel(tmp_path: Path, degrees: dict[str, int]) -> None:
-    config = load_config(["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"),
-                          "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256",
-                          "--training.seq_len", "131072", "--activation_checkpoint.mode", "full",
-                          "--parallelism.context_parallel_degree", str(degrees["cp"]),
-                          "--parallelism.tensor_parallel_degree", str(degrees["tp"])])
+    config = load_config(
+        [
+            "--job.config_file",
+            str(REPO / "train_configs" / "llama3_8b.toml"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry_run.vocab_size",
+            "128256",
+            "--training.seq_len",
+            "131072",
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.context_parallel_degree",
+            str(degrees["cp"]),
+            "--parallelism.tensor_parallel_degree",
+            str(degrees["tp"]),
+        ]
+    )
     report = dry_run.run(config, world_size=64, rank=0, write=False)
     assert report["elapsed_s"] < 60, report["elapsed_s"]
     assert {k: report["degrees"][k] for k in degrees} == degrees
@@ -270,9 +403,22 @@ def _check_param_shards(report: dict, degrees: dict[str, int]) -> None:
 def test_fake_backend_launcher_8b_on_8(tmp_path: Path) -> None:
     """COMM_MODE=fake_backend ./run_llama_train.sh: one process, NGPU simulated ranks, no torchrun."""
     result = run_command(
-        ["bash", str(REPO / "run_llama_train.sh"), "--job.dump_folder", str(tmp_path), "--dry_run.vocab_size", "128256"],
-        timeout=240, env={"COMM_MODE": "fake_backend", "NGPU": "8", "DRY_RUN_RANK": "5",
-                          "CONFIG_FILE": str(REPO / "train_configs" / "llama3_8b.toml")})
+        [
+            "bash",
+            str(REPO / "run_llama_train.sh"),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry_run.vocab_size",
+            "128256",
+        ],
+        timeout=240,
+        env={
+            "COMM_MODE": "fake_backend",
+            "NGPU": "8",
+            "DRY_RUN_RANK": "5",
+            "CONFIG_FILE": str(REPO / "train_configs" / "llama3_8b.toml"),
+        },
+    )
     assert result.returncode == 0, result.describe()
     assert "torch.distributed.run" not in result.output and "rank 5 of 8" in result.stdout
     assert "fsdp_all_gather" in result.stdout and "parameters" in result.stdout
@@ -291,8 +437,9 @@ def test_fake_backend_launcher_8b_on_8(tmp_path: Path) -> None:
 def test_bf16_reduce_halves_reduce_scatter(tmp_path: Path) -> None:
     args = ["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"), "--job.dump_folder", str(tmp_path)]
     fp32 = dry_run.run(load_config(args), world_size=8, write=False)["communication"]["fsdp_reduce_scatter"]
-    bf16 = dry_run.run(load_config(args + ["--mixed_precision.reduce_dtype", "bfloat16"]), world_size=8,
-                       write=False)["communication"]["fsdp_reduce_scatter"]
+    bf16 = dry_run.run(load_config(args + ["--mixed_precision.reduce_dtype", "bfloat16"]), world_size=8, write=False)[
+        "communication"
+    ]["fsdp_reduce_scatter"]
     # Linear weights' gradients travel in bf16; norms and embeddings stay fp32.
     assert bf16["bfloat16"] == fp32["float32"] // 2 - bf16["float32"] // 2
     assert bf16["float32"] < 0.05 * fp32["float32"]
@@ -331,14 +478,22 @@ def _saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kv_heads, precision, mask_type, cp", [
-    *((kv, p, "causal", 1) for kv in (4, 1) for p in ("autocast_bf16", "fp32")),
-    (4, "fp32", "block_causal", 1), (1, "autocast_bf16", "block_causal", 1),
-    (4, "autocast_bf16", "block_causal", 2), (1, "fp32", "causal", 2), (4, "autocast_bf16", "causal", 4),
-    # GQA, 2 query heads per kv head: this CPU's kernel takes the window's K/V grouped in fp32 (no
-    # repeated copy; a GPU's flash kernel in 16 bits), repeats them in bf16 (CUDA's layer_cpu delta)
-    (2, "fp32", "causal", 2), (2, "autocast_bf16", "causal", 2), (2, "fp32", "block_causal", 2),
-])
+@pytest.mark.parametrize(
+    "kv_heads, precision, mask_type, cp",
+    [
+        *((kv, p, "causal", 1) for kv in (4, 1) for p in ("autocast_bf16", "fp32")),
+        (4, "fp32", "block_causal", 1),
+        (1, "autocast_bf16", "block_causal", 1),
+        (4, "autocast_bf16", "block_causal", 2),
+        (1, "fp32", "causal", 2),
+        (4, "autocast_bf16", "causal", 4),
+        # GQA, 2 query heads per kv head: this CPU's kernel takes the window's K/V grouped in fp32 (no
+        # repeated copy; a GPU's flash kernel in 16 bits), repeats them in bf16 (CUDA's layer_cpu delta)
+        (2, "fp32", "causal", 2),
+        (2, "autocast_bf16", "causal", 2),
+        (2, "fp32", "block_causal", 2),
+    ],
+)
 def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str, mask_type: str, cp: int) -> None:
     """Also with an explicit mask (SDPA saves an additive copy per layer) and under context
     parallel: cp rank 1 (a fake process group: the gathered keys' values do not matter, only
@@ -364,8 +519,9 @@ def test_activation_formula_matches_saved_tensors(kv_heads: int, precision: str,
                 extra["kv_doc_ids"] = torch.cat([extra["doc_ids"]] * cp, dim=1)
         measured = {}
         for layers in (1, 3):
-            margs = LlamaModelArgs(dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258,
-                                   multiple_of=256, max_seq_len=s)
+            margs = LlamaModelArgs(
+                dim=256, n_layers=layers, n_heads=4, n_kv_heads=kv_heads, vocab_size=258, multiple_of=256, max_seq_len=s
+            )
             torch.manual_seed(0)
             model = Transformer(margs)
             model.init_weights()
@@ -394,7 +550,7 @@ def test_stage_split_and_chunks_mirror_torch_and_pipeline() -> None:
     from torchtitan_amp.distributed.pipeline import stage_boundaries
     from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 
-    assert tuple(LLAMA3_FLAVORS) == FLAVORS  # the torch-free flavour list names every model
+    assert tuple(LLAMA3_FLAVORS) == FLAVORS  # the torch-free flavor list names every model
     for n_layers in (6, 32, 80, 126):
         for stages in (1, 2, 3, 8, 16):
             if stages <= n_layers:
@@ -435,20 +591,41 @@ def test_interleaved_order_mirrors_torch() -> None:
         schedule.number_of_rounds = max(1, m // pp)
         schedule.microbatches_per_round = m // schedule.number_of_rounds
         for rank in range(pp):
-            ops = [(a.stage_index, "F" if a.computation_type == _ComputationType.FORWARD else "B")
-                   for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+            ops = [
+                (a.stage_index, "F" if a.computation_type == _ComputationType.FORWARD else "B")
+                for a in schedule._calculate_single_rank_operations(rank)
+                if a is not None
+            ]
             assert memory.interleaved_order(pp, m, 2, rank) == ops, (pp, m, rank)
 
 
-@pytest.mark.parametrize("flavor, vocab, world, ep", [("qwen3_30b_a3b", 151936, 64, 8), ("deepseek_v3_16b", 102400, 32, 8)])
-def test_moe_dry_run_total_vs_active_and_expert_parallel(tmp_path: Path, flavor: str, vocab: int, world: int,
-                                                          ep: int) -> None:
+@pytest.mark.parametrize(
+    "flavor, vocab, world, ep", [("qwen3_30b_a3b", 151936, 64, 8), ("deepseek_v3_16b", 102400, 32, 8)]
+)
+def test_moe_dry_run_total_vs_active_and_expert_parallel(
+    tmp_path: Path, flavor: str, vocab: int, world: int, ep: int
+) -> None:
     """An MoE model at size: every expert is held (sharded EP x efsdp like the rest over FSDP),
     a token uses top_k of them (active), and each MoE layer exchanges its T x top_k rows by
     all-to-all four times (dispatch and combine, forward and backward)."""
-    config = load_config(["--model.name", "moe", "--model.flavor", flavor, "--job.dump_folder", str(tmp_path),
-                          "--dry_run.vocab_size", str(vocab), "--training.seq_len", "4096",
-                          "--training.local_batch_size", "1", "--parallelism.expert_parallel_degree", str(ep)])
+    config = load_config(
+        [
+            "--model.name",
+            "moe",
+            "--model.flavor",
+            flavor,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry_run.vocab_size",
+            str(vocab),
+            "--training.seq_len",
+            "4096",
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+        ]
+    )
     report = dry_run.run(config, world_size=world, rank=0, write=False)
     assert report["elapsed_s"] < 60, report["elapsed_s"]
     res = dry_run.resolve(config, world)
@@ -462,8 +639,10 @@ def test_moe_dry_run_total_vs_active_and_expert_parallel(tmp_path: Path, flavor:
     assert report["communication"] == memory.comm(dims, res.precision, res.layout)
     moe_layers = dims.moe_layers()
     rows = 4096 * dims.top_k * dims.dim * 2  # bf16
-    assert report["communication"]["ep_all_to_all"] == {"bfloat16": 4 * moe_layers * rows,
-                                                        "int64": moe_layers * dims.n_routed_experts * 8}
+    assert report["communication"]["ep_all_to_all"] == {
+        "bfloat16": 4 * moe_layers * rows,
+        "int64": moe_layers * dims.n_routed_experts * 8,
+    }
     assert "expert_fsdp_all_gather" in report["communication"]
     assert "active per token" in dry_run.format_table(report) and f"ep {ep}" in dry_run.format_table(report)
 
@@ -473,5 +652,15 @@ def test_pipeline_fsdp_reduce_needs_fsdp(tmp_path: Path) -> None:
     args = ["--job.dump_folder", str(tmp_path), *BASE, *PP, "--parallelism.pipeline_fsdp_reduce", "per_microbatch"]
     assert dry_run.resolve(load_config(args), 4).layout.pp_fsdp_reduce == "per_microbatch"
     with pytest.raises(ConfigError, match="pipeline_fsdp_reduce"):
-        dry_run.resolve(load_config([*args, "--parallelism.data_parallel_replicate_degree", "2",
-                                     "--parallelism.data_parallel_shard_degree", "1"]), 4)
+        dry_run.resolve(
+            load_config(
+                [
+                    *args,
+                    "--parallelism.data_parallel_replicate_degree",
+                    "2",
+                    "--parallelism.data_parallel_shard_degree",
+                    "1",
+                ]
+            ),
+            4,
+        )

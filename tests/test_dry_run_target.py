@@ -18,9 +18,20 @@ from torchtitan_amp.tools import memory_table
 from torchtitan_amp.train import dry_run
 from torchtitan_amp.train import job as job_mod
 
-FSDP2 = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--mixed_precision.enabled", "true", "--parallelism.data_parallel_shard_degree", "2",
-         "--dry_run.vocab_size", "256"]
+FSDP2 = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--mixed_precision.enabled",
+    "true",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--dry_run.vocab_size",
+    "256",
+]
 FP8_AG = ["--mixed_precision.fp8", "tensorwise", "--mixed_precision.fp8_all_gather", "true"]
 REFUSAL = "'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo (cpu) cannot all-gather float8 tensors"
 
@@ -30,8 +41,9 @@ def _dry(tmp_path: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("torchao", ["converts on meta", "absent: sized by rule"])
-def test_dry_run_for_cuda_sizes_fp8_all_gather_at_one_byte_per_parameter(tmp_path: Path, torchao: str,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dry_run_for_cuda_sizes_fp8_all_gather_at_one_byte_per_parameter(
+    tmp_path: Path, torchao: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if torchao.startswith("absent"):
         monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: "no torchao")
     elif capability.fp8_torchao_missing("tensorwise", True) is not None:
@@ -78,9 +90,24 @@ def test_fp8_all_gather_is_refused_in_one_line_on_a_cpu_run_and_a_cpu_target(tmp
 
 
 def test_torchtitan_table_on_one_small_row(tmp_path: Path) -> None:
-    row = memory_table.Row("tiny, FSDP 2", 1.0, str(REPO / "train_configs" / "debug_model.toml"), 2,
-                                ("--model.flavor", "debugmodel_tiny", "--parallelism.data_parallel_shard_degree", "2",
-                                 "--training.seq_len", "64", "--training.local_batch_size", "2", *FP8_AG), "fp8")
+    row = memory_table.Row(
+        "tiny, FSDP 2",
+        1.0,
+        str(REPO / "train_configs" / "debug_model.toml"),
+        2,
+        (
+            "--model.flavor",
+            "debugmodel_tiny",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            *FP8_AG,
+        ),
+        "fp8",
+    )
     ours = memory_table.dry_run_peak(row, str(tmp_path))
     report = dry_run.run(load_config(row.args(str(tmp_path))), world_size=2, write=False)
     assert ours == report["memory"]["peak_estimate"]["configured"] / memory_table.GIB > 0

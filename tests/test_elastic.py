@@ -23,10 +23,27 @@ from torchtitan_amp.data.tokenizer import ByteTokenizer
 pytestmark = pytest.mark.dist
 
 STEPS, RESUME_FROM, GLOBAL = 4, 2, 8
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.steps", str(STEPS), "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--checkpoint.enable", "--checkpoint.interval", str(RESUME_FROM),
-        "--mixed_precision.enabled", "false"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    str(STEPS),
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    str(RESUME_FROM),
+    "--mixed_precision.enabled",
+    "false",
+]
 FSDP = "--parallelism.data_parallel_shard_degree"
 LAYOUTS = {  # name: (processes, data-parallel degree, arguments)
     "fsdp4": (4, 4, [FSDP, "4"]),
@@ -57,15 +74,40 @@ def _validated(name: str) -> list[str]:
     """Validation every 2 steps, each evaluation continuing through the split (steps = 1) with a
     global batch of 4 sequences whatever the data-parallel degree: its position must carry over."""
     dp = LAYOUTS[name.split(":")[0]][1]
-    return ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
-            "--validation.local_batch_size", str(4 // dp)]
+    return [
+        "--validation.enable",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "1",
+        "--validation.local_batch_size",
+        str(4 // dp),
+    ]
 
 
-def _job(name: str, root: Path, dataset: str, *, workers: int = 0, resume_from: str | None = None,
-         global_batch: int = GLOBAL, validate: bool = False) -> dict:
-    args = [*BASE, *LAYOUTS[name.split(":")[0]][2], *(_validated(name) if validate else []), "--training.dataset", dataset,
-            "--training.global_batch_size", str(global_batch), "--training.dataloader_num_workers", str(workers),
-            "--job.dump_folder", str(root / name)]
+def _job(
+    name: str,
+    root: Path,
+    dataset: str,
+    *,
+    workers: int = 0,
+    resume_from: str | None = None,
+    global_batch: int = GLOBAL,
+    validate: bool = False,
+) -> dict:
+    args = [
+        *BASE,
+        *LAYOUTS[name.split(":")[0]][2],
+        *(_validated(name) if validate else []),
+        "--training.dataset",
+        dataset,
+        "--training.global_batch_size",
+        str(global_batch),
+        "--training.dataloader_num_workers",
+        str(workers),
+        "--job.dump_folder",
+        str(root / name),
+    ]
     job = {"args": args, "record_batches": str(root / f"{name}.rows.json")}
     if resume_from is not None:
         src = root / resume_from / "checkpoint" / f"step-{RESUME_FROM}"
@@ -89,24 +131,56 @@ def _steps(root: Path, name: str, first_step: int, global_batch: int = GLOBAL) -
 def elastic(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
     tokens = _tokens_dataset(root)
-    launch_worker("ckpt_jobs", root, [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc", validate=True),
-                                      _job("pp2", root, tokens)], 2)
-    launch_worker("ckpt_jobs", root, [_job("fsdp4", root, tokens, workers=2),
-                                      _job("fsdp2_tp2:from_ddp2", root, tokens, workers=2, resume_from="ddp2")], 4)
-    out = launch_worker("ckpt_jobs", root, [_job("fsdp2:from_fsdp4", root, tokens, resume_from="fsdp4"),
-                                            _job("fsdp2:from_pp2", root, tokens, resume_from="pp2")], 2)
+    launch_worker(
+        "ckpt_jobs",
+        root,
+        [_job("ddp2", root, tokens), _job("fsdp2", root, "pydoc", validate=True), _job("pp2", root, tokens)],
+        2,
+    )
+    launch_worker(
+        "ckpt_jobs",
+        root,
+        [
+            _job("fsdp4", root, tokens, workers=2),
+            _job("fsdp2_tp2:from_ddp2", root, tokens, workers=2, resume_from="ddp2"),
+        ],
+        4,
+    )
+    out = launch_worker(
+        "ckpt_jobs",
+        root,
+        [
+            _job("fsdp2:from_fsdp4", root, tokens, resume_from="fsdp4"),
+            _job("fsdp2:from_pp2", root, tokens, resume_from="pp2"),
+        ],
+        2,
+    )
     (root / "from_fsdp4.log").write_text(out.output)
     launch_worker("ckpt_jobs", root, [_job("single:from_fsdp2", root, "pydoc", resume_from="fsdp2", validate=True)], 1)
-    launch_worker("ckpt_jobs", root, [_job("fsdp3", root, "pydoc", global_batch=6),
-                                      _job("fsdp3:again", root, "pydoc", global_batch=6, resume_from="fsdp3")], 3)
+    launch_worker(
+        "ckpt_jobs",
+        root,
+        [
+            _job("fsdp3", root, "pydoc", global_batch=6),
+            _job("fsdp3:again", root, "pydoc", global_batch=6, resume_from="fsdp3"),
+        ],
+        3,
+    )
     return root
 
 
-@pytest.mark.parametrize(("resumed", "straight"), [
-    ("fsdp2:from_fsdp4", "fsdp4"), ("single:from_fsdp2", "fsdp2"), ("fsdp2_tp2:from_ddp2", "ddp2"),
-    ("fsdp2:from_pp2", "pp2")])
-def test_resume_on_another_layout_continues_the_straight_runs_windows(elastic: Path, resumed: str,
-                                                                      straight: str) -> None:
+@pytest.mark.parametrize(
+    ("resumed", "straight"),
+    [
+        ("fsdp2:from_fsdp4", "fsdp4"),
+        ("single:from_fsdp2", "fsdp2"),
+        ("fsdp2_tp2:from_ddp2", "ddp2"),
+        ("fsdp2:from_pp2", "pp2"),
+    ],
+)
+def test_resume_on_another_layout_continues_the_straight_runs_windows(
+    elastic: Path, resumed: str, straight: str
+) -> None:
     want, got = _steps(elastic, straight, 1), _steps(elastic, resumed, RESUME_FROM + 1)
     assert sorted(want) == list(range(1, STEPS + 1)) and all(len(w) == GLOBAL for w in want.values())
     assert got == {s: want[s] for s in range(RESUME_FROM + 1, STEPS + 1)}

@@ -41,13 +41,34 @@ pytestmark = pytest.mark.dist
 
 STEPS, RESUME_FROM = 5, 3
 GLOBAL_BATCH = 4
-BASE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
-        "--training.steps", str(STEPS), "--optimizer.lr", "2e-2", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--training.seed", "0", "--mixed_precision.enabled", "false")
+BASE = (
+    "--model.name",
+    "moe",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    str(STEPS),
+    "--optimizer.lr",
+    "2e-2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--training.seed",
+    "0",
+    "--mixed_precision.enabled",
+    "false",
+)
 # Reduction order only: measured <= 2.5e-7 (see the module docstring).
 REL_TOL = 1e-6
-SHARD, CP, EP, PP = ("--parallelism.data_parallel_shard_degree", "--parallelism.context_parallel_degree",
-                     "--parallelism.expert_parallel_degree", "--parallelism.pipeline_parallel_degree")
+SHARD, CP, EP, PP = (
+    "--parallelism.data_parallel_shard_degree",
+    "--parallelism.context_parallel_degree",
+    "--parallelism.expert_parallel_degree",
+    "--parallelism.pipeline_parallel_degree",
+)
 REPLICATE, AC = "--parallelism.data_parallel_replicate_degree", "--activation_checkpoint.mode"
 TP = "--parallelism.tensor_parallel_degree"
 # name: (ranks, data-parallel degree, overrides)
@@ -100,29 +121,47 @@ class Launches:
         self.outputs[key] = result.describe(6000)
 
     def _launch_nproc1(self) -> None:
-        self._launch("nproc1", "layouts", 1, [{"name": "single", "args": args("single"), "grads": True},
-                                              {"name": "masked_single", "args": args("single"), "grads": True,
-                                               "mask_labels": True}])
+        self._launch(
+            "nproc1",
+            "layouts",
+            1,
+            [
+                {"name": "single", "args": args("single"), "grads": True},
+                {"name": "masked_single", "args": args("single"), "grads": True, "mask_labels": True},
+            ],
+        )
 
     def _launch_nproc2(self) -> None:
         out = self.root / "nproc2"
         step = f"checkpoint/step-{RESUME_FROM}"
         copy = lambda dst: [[str(out / "ep2" / step), str(out / dst / step)]]  # noqa: E731
-        self._launch("nproc2", "ckpt_jobs", 2, [
-            {"args": args("ep2", *CKPT, "--job.dump_folder", str(out / "ep2"))},
-            {"args": args("ep2", *CKPT, "--job.dump_folder", str(out / "resume_ep2")), "copy": copy("resume_ep2")},
-            # The same ranks and data-parallel degree (the loader's position carries over), no EP.
-            {"args": args("ep2", *CKPT, EP, "1", "--job.dump_folder", str(out / "resume_ep1")),
-             "copy": copy("resume_ep1")},
-        ])
+        self._launch(
+            "nproc2",
+            "ckpt_jobs",
+            2,
+            [
+                {"args": args("ep2", *CKPT, "--job.dump_folder", str(out / "ep2"))},
+                {"args": args("ep2", *CKPT, "--job.dump_folder", str(out / "resume_ep2")), "copy": copy("resume_ep2")},
+                # The same ranks and data-parallel degree (the loader's position carries over), no EP.
+                {
+                    "args": args("ep2", *CKPT, EP, "1", "--job.dump_folder", str(out / "resume_ep1")),
+                    "copy": copy("resume_ep1"),
+                },
+            ],
+        )
 
     def _launch_nproc4(self) -> None:
         # RESUMED layouts also checkpoint at step 3; their resumes read that checkpoint folder in
         # place (the layouts worker has no copy step) and rewrite only its step-5 save.
         def resume(name: str, saved_by: str, layout: str) -> dict:
             saved = self.root / "nproc4" / saved_by / "checkpoint"
-            return {"name": name, "args": args(layout, *CKPT, "--checkpoint.folder", str(saved),
-                                               "--checkpoint.load_step", str(RESUME_FROM))}
+            return {
+                "name": name,
+                "args": args(
+                    layout, *CKPT, "--checkpoint.folder", str(saved), "--checkpoint.load_step", str(RESUME_FROM)
+                ),
+            }
+
         jobs = []
         for name, (n, _, _) in LAYOUTS.items():
             if n == 4:
@@ -170,8 +209,11 @@ def test_expert_gradients_are_the_mean_over_all_ranks(launches: Launches, name: 
     alone (EP 4 has efsdp 1, EP 2 efsdp 2). A factor of ep would leave the loss almost unchanged
     (AdamW normalises) but shows here."""
     want = torch.load(launches.folder("nproc1", "single") / "grads_rank0.pt", weights_only=True)
-    got = {k: v for r in GRAD_RANKS.get(name, (0,))
-           for k, v in torch.load(launches.folder("nproc4", name) / f"grads_rank{r}.pt", weights_only=True).items()}
+    got = {
+        k: v
+        for r in GRAD_RANKS.get(name, (0,))
+        for k, v in torch.load(launches.folder("nproc4", name) / f"grads_rank{r}.pt", weights_only=True).items()
+    }
     assert got.keys() == want.keys() and any("experts.w1" in k for k in got)
     worst = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
     print(f"{name}: step-1 gradients, max relative difference {worst:.2e}")
@@ -208,9 +250,14 @@ def test_expert_parallel_resume_is_bitwise(launches: Launches, name: str) -> Non
 
 def test_expert_parallel_checkpoint_holds_whole_experts(launches: Launches) -> None:
     """EP shards are DTensors of the full [E, ...] weights: the checkpoint has no EP degree in it."""
-    meta = FileSystemReader(str(launches.folder("nproc2", "ep2") / "checkpoint" / f"step-{RESUME_FROM}")).read_metadata()
-    shapes = {k: list(v.size) for k, v in meta.state_dict_metadata.items()
-              if k.endswith(("experts.w1", "experts.w2", "experts.w3")) and hasattr(v, "size")}
+    meta = FileSystemReader(
+        str(launches.folder("nproc2", "ep2") / "checkpoint" / f"step-{RESUME_FROM}")
+    ).read_metadata()
+    shapes = {
+        k: list(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.endswith(("experts.w1", "experts.w2", "experts.w3")) and hasattr(v, "size")
+    }
     assert shapes and all(shape == [8, 64, 64] for shape in shapes.values()), shapes
 
 
@@ -258,7 +305,6 @@ def test_expert_parallel_checkpoint_moves_across_tensor_parallel(launches: Launc
     assert worst <= REL_TOL
     for s in resumed:
         assert [resumed[s][k] for k in LOAD] == [straight[s][k] for k in LOAD], s
-
 
 
 @pytest.mark.parametrize("name", [name for name, (n, _, _) in LAYOUTS.items() if n == 4])

@@ -1,5 +1,5 @@
 """Model families (issue 27): model.name picks a registered family, model.flavor is checked
-against that family's flavours, --help lists both, and a test-only family (tests/families/
+against that family's flavors, --help lists both, and a test-only family (tests/families/
 tiny_gelu: Llama blocks with a GELU MLP) plugs in with one registration. In-process checks; the
 launched ones (train, resume, dry run, Hugging Face round trip) are in test_families_dist.py."""
 
@@ -43,32 +43,40 @@ def test_model_name_is_checked_against_the_registry(registered) -> None:  # type
     assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
 
 
-def test_flavour_must_belong_to_the_chosen_family(registered) -> None:  # type: ignore[no-untyped-def]
+def test_flavor_must_belong_to_the_chosen_family(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "tiny_gelu", "--model.flavor", "debugmodel"])
-    assert str(e.value) == ("'model.flavor' = 'debugmodel' is not a flavour of model.name = 'tiny_gelu'; "
-                            "choose one of: 'tiny', 'tiny_3l'")
-    with pytest.raises(ConfigError, match="is not a flavour of model.name = 'llama3'"):
+    assert str(e.value) == (
+        "'model.flavor' = 'debugmodel' is not a flavor of model.name = 'tiny_gelu'; choose one of: 'tiny', 'tiny_3l'"
+    )
+    with pytest.raises(ConfigError, match="is not a flavor of model.name = 'llama3'"):
         load_config(["--model.flavor", "tiny"])
 
 
-def test_help_lists_families_and_flavours(registered) -> None:  # type: ignore[no-untyped-def]
+def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no-untyped-def]
     lines = help_text().splitlines()
     name = next(line for line in lines if line.strip().startswith("--model.name "))
     flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
     assert "{llama3, moe, tiny_gelu}" in name
-    assert ("{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
-            "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-            "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, tiny, tiny_3l}") in flavor
+    assert (
+        "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
+        "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, tiny, tiny_3l}"
+    ) in flavor
 
 
 def test_family_names_are_torch_free_before_models_is_imported() -> None:
-    code = ("import sys; from torchtitan_amp.config import load_config, ConfigError\n"
-            "try: load_config(['--model.name', 'gpt'])\nexcept ConfigError as e: print(e)\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from torchtitan_amp.config import load_config, ConfigError\n"
+        "try: load_config(['--model.name', 'gpt'])\nexcept ConfigError as e: print(e)\n"
+        "print('torch' in sys.modules)"
+    )
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
-    assert result.stdout.splitlines() == ["'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe'", "False"]
+    assert result.stdout.splitlines() == [
+        "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe'",
+        "False",
+    ]
 
 
 def test_tiny_gelu_builds_through_the_spec(registered) -> None:  # type: ignore[no-untyped-def]
@@ -105,8 +113,12 @@ def test_hf_names_round_trip(registered) -> None:  # type: ignore[no-untyped-def
     assert all(hf.from_hf_name(hf.to_hf_name(n)) == n for n in names)
     assert hf.to_hf_name("layers.1.feed_forward.w_in.weight") == "model.layers.1.mlp.up_proj.weight"
     assert hf.hf_config(args, "float32", None, None)["hidden_act"] == "gelu"
-    assert models.get_family("llama3").hf.hf_config(get_family("llama3").build_args("debugmodel", 258, 32),
-                                                    "float32", None, None)["hidden_act"] == "silu"
+    assert (
+        models.get_family("llama3").hf.hf_config(
+            get_family("llama3").build_args("debugmodel", 258, 32), "float32", None, None
+        )["hidden_act"]
+        == "silu"
+    )
 
 
 def test_hf_adapters_implement_the_named_interface(registered) -> None:  # type: ignore[no-untyped-def]
@@ -120,8 +132,16 @@ def test_hf_adapters_implement_the_named_interface(registered) -> None:  # type:
     from torchtitan_amp.models.spec import HFAdapter
 
     assert inspect.isabstract(HFAdapter)
-    methods = ("to_hf_name", "from_hf_name", "rotary_heads", "config_fields", "args_fields", "hf_config",
-               "describe", "stacked")
+    methods = (
+        "to_hf_name",
+        "from_hf_name",
+        "rotary_heads",
+        "config_fields",
+        "args_fields",
+        "hf_config",
+        "describe",
+        "stacked",
+    )
     for name in methods:
         assert "return" in typing.get_type_hints(getattr(HFAdapter, name)), name
     for family in ("llama3", "moe", "tiny_gelu"):
@@ -143,8 +163,7 @@ def test_adding_a_family_touches_its_folder_and_one_line() -> None:
     """tiny_gelu lives in its folder; the framework names no family but in models/__init__.py's
     registry (and Llama's own folder)."""
     root = Path(__file__).resolve().parents[1] / "torchtitan_amp"
-    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if "tiny_gelu" in p.read_text()]
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if "tiny_gelu" in p.read_text()]
     assert offenders == []
 
 
@@ -165,6 +184,7 @@ def test_tp_traffic_counts_the_familys_tp_regions() -> None:
         class Dims(memory.ModelDims):
             def tp_regions(self, layer: int) -> tuple[str, ...]:
                 return regions
+
         return Dims
 
     prec = memory.PrecisionSpec.simple("fsdp")
@@ -174,13 +194,16 @@ def test_tp_traffic_counts_the_familys_tp_regions() -> None:
             dims = cls(64, n_layers, 4, 2, 128, 256)
             norm_grads = sum(memory.tp_partial_grad_comm(dims, prec, layout).values())
             return sum(sum(v.values()) for v in memory.tp_comm(dims, prec, layout).values()) - norm_grads
+
         return (total(4) - total(2)) / 2
 
     # regions: {sequence parallel: (collectives per block, again when recomputed)}
-    cases = {("split", "split"): {True: (8, 3), False: (4, 1)},  # Llama's
-             ("split",) * 3: {True: (12, 5), False: (6, 2)},
-             ("split", "replicated"): {True: (6, 3), False: (2, 1)},
-             ("split", "replicated_split"): {True: (8, 3), False: (4, 1)}}
+    cases = {
+        ("split", "split"): {True: (8, 3), False: (4, 1)},  # Llama's
+        ("split",) * 3: {True: (12, 5), False: (6, 2)},
+        ("split", "replicated"): {True: (6, 3), False: (2, 1)},
+        ("split", "replicated_split"): {True: (8, 3), False: (4, 1)},
+    }
     assert memory.ModelDims(64, 4, 4, 2, 128, 256).tp_regions(0) == ("split", "split")
     for regions, counts in cases.items():
         for sp, (once, again) in counts.items():

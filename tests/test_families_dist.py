@@ -19,9 +19,24 @@ from torchtitan_amp.models import FAMILIES
 pytestmark = pytest.mark.dist
 
 SCRIPT = Path(__file__).resolve().parent / "families" / "train_tiny_gelu.py"
-ARGS = ("--model.name", "tiny_gelu", "--model.flavor", "tiny", "--training.seq_len", "32",
-        "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--mixed_precision.enabled", "false")
+ARGS = (
+    "--model.name",
+    "tiny_gelu",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--mixed_precision.enabled",
+    "false",
+)
 STEPS, RESUME_FROM = 6, 3
 CKPT = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", str(RESUME_FROM))
 
@@ -40,10 +55,14 @@ def test_tiny_gelu_trains_on_one_process(trained: Path) -> None:
     assert_loss_falls(rows)
 
 
-@pytest.mark.parametrize("layout", [
-    ("--parallelism.data_parallel_shard_degree", "2"),
-    ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
-], ids=["fsdp", "tp"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--parallelism.data_parallel_shard_degree", "2"),
+        ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+    ],
+    ids=["fsdp", "tp"],
+)
 def test_tiny_gelu_trains(tmp_path: Path, layout: tuple[str, ...]) -> None:
     result = run_train(tmp_path, 2, *ARGS, "--training.steps", "10", *layout, script=SCRIPT)
     assert result.returncode == 0, result.describe()
@@ -62,8 +81,18 @@ def test_tiny_gelu_resumes_bitwise(trained: Path, tmp_path: Path) -> None:
 
 
 def test_tiny_gelu_dry_run(tmp_path: Path) -> None:
-    result = run_python(str(SCRIPT), "--job.dump_folder", str(tmp_path), *ARGS, "--job.dry_run",
-                        "--dry_run.world_size", "4", "--parallelism.tensor_parallel_degree", "2", timeout=120)
+    result = run_python(
+        str(SCRIPT),
+        "--job.dump_folder",
+        str(tmp_path),
+        *ARGS,
+        "--job.dry_run",
+        "--dry_run.world_size",
+        "4",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        timeout=120,
+    )
     assert result.returncode == 0, result.describe()
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert report["model"]["total_params"] == 123456

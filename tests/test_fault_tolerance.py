@@ -52,20 +52,36 @@ assert STEPS % SYNC_STEPS == 0 and KILL_AT % SYNC_STEPS == 0
 # timeout, which test_the_survivor_loses_only_the_interrupted_step measures.
 CHECKPOINTED, CKPT_EVERY, RESTART_STEPS = "fsdp2_between_steps", 4, 2
 RESUME_AT = (KILL_AT // CKPT_EVERY + 1) * CKPT_EVERY  # the first checkpoint after the kill
-assert (RESUME_AT + RESTART_STEPS) % CKPT_EVERY, "the restart's last save must not replace a checkpoint of the first run"
+assert (RESUME_AT + RESTART_STEPS) % CKPT_EVERY, (
+    "the restart's last save must not replace a checkpoint of the first run"
+)
 # Long enough for a restarted group to start on two busy cores (10-30 s) while the survivor paces.
 TIMEOUT_S = 300
 
 
-def _launch(out: Path, nproc: int, replica_id: int, lighthouse: str, *extra: str,
-            env: dict[str, str] | None = None) -> subprocess.Popen:
-    args = ["--job.dump_folder", out, *TINY, "--training.steps", str(STEPS), "--fault_tolerance.enable", "true",
-            "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", str(replica_id), *extra]
+def _launch(
+    out: Path, nproc: int, replica_id: int, lighthouse: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    args = [
+        "--job.dump_folder",
+        out,
+        *TINY,
+        "--training.steps",
+        str(STEPS),
+        "--fault_tolerance.enable",
+        "true",
+        "--fault_tolerance.group_size",
+        "2",
+        "--fault_tolerance.replica_id",
+        str(replica_id),
+        *extra,
+    ]
     cmd = torchrun_cmd(nproc, WORKERS / "ft_group.py", out, *args)
     env = _env({"TORCHFT_LIGHTHOUSE": lighthouse, "OMP_NUM_THREADS": "1", "FT_PACE_ALONE_S": "1", **(env or {})})
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd, env=env, stdout=open(out.parent / f"{out.name}.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=open(out.parent / f"{out.name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _wait(proc: subprocess.Popen, deadline: float) -> int:
@@ -84,11 +100,21 @@ def _wait(proc: subprocess.Popen, deadline: float) -> int:
 # all-reduces the plain gradients (replicate only).
 _BETWEEN = (("--debug.fault_inject_at_step", str(KILL_AT)), {}, 0)
 _DURING = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT)}, 1)
-DILOCO = ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", str(SYNC_STEPS),
-          "--fault_tolerance.pseudo_gradient_dtype", "bfloat16")
+DILOCO = (
+    "--fault_tolerance.semi_sync_method",
+    "diloco",
+    "--fault_tolerance.sync_steps",
+    str(SYNC_STEPS),
+    "--fault_tolerance.pseudo_gradient_dtype",
+    "bfloat16",
+)
 _DURING_SYNC = ((), {"FT_KILL_DURING_ALLREDUCE": str(KILL_AT), "FT_KILL_AT_CALL": "1"}, 1)
-KILLS = {"fsdp2_between_steps": (2, (), *_BETWEEN), "fsdp2_during_allreduce": (2, (), *_DURING),
-         "one_rank_between_steps": (1, (), *_BETWEEN), "diloco_fsdp2_during_sync": (2, DILOCO, *_DURING_SYNC)}
+KILLS = {
+    "fsdp2_between_steps": (2, (), *_BETWEEN),
+    "fsdp2_during_allreduce": (2, (), *_DURING),
+    "one_rank_between_steps": (1, (), *_BETWEEN),
+    "diloco_fsdp2_during_sync": (2, DILOCO, *_DURING_SYNC),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(KILLS))
@@ -120,8 +146,14 @@ def killed(request, tmp_path_factory) -> tuple[Path, int, int, bool]:
 
 def _checkpoint_args(root: Path) -> tuple[str, ...]:
     # An absolute checkpoint folder: the groups' dump folders differ here, their checkpoints are shared.
-    return ("--checkpoint.enable", "true", "--checkpoint.interval", str(CKPT_EVERY),
-            "--checkpoint.folder", str(root / "ckpt"))
+    return (
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(CKPT_EVERY),
+        "--checkpoint.folder",
+        str(root / "ckpt"),
+    )
 
 
 def _restart_every_group(root: Path, nproc: int, ckpt: tuple[str, ...]) -> None:
@@ -271,18 +303,32 @@ def test_slurm_script_starts_the_lighthouse_and_a_group_per_node(tmp_path: Path)
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in (("scontrol", "echo node1\n"), ("hostname", "echo 127.0.0.1\n"),
-                       ("srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\n'
-                                'exec "$@"\n')):
+    for name, body in (
+        ("scontrol", "echo node1\n"),
+        ("hostname", "echo 127.0.0.1\n"),
+        ("srun", 'while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done\nexec "$@"\n'),
+    ):
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod(0o755)
     dump = tmp_path / "ft"
-    env = {**ONE_THREAD, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
-           "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
-           "SLURM_JOB_ID": "4243", "GPUS_PER_NODE": "2", "LIGHTHOUSE_PORT": str(_free_port()),
-           "FT_PROCESS_GROUP": "gloo", "DUMP_FOLDER": str(dump), "CONFIG_FILE": "train_configs/debug_model.toml"}
-    result = run_command(["bash", str(REPO / "scripts" / "fault_tolerance.slurm"), *TINY, "--training.steps", "3"],
-                         timeout=180, env=env)
+    env = {
+        **ONE_THREAD,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_ID": "4243",
+        "GPUS_PER_NODE": "2",
+        "LIGHTHOUSE_PORT": str(_free_port()),
+        "FT_PROCESS_GROUP": "gloo",
+        "DUMP_FOLDER": str(dump),
+        "CONFIG_FILE": "train_configs/debug_model.toml",
+    }
+    result = run_command(
+        ["bash", str(REPO / "scripts" / "fault_tolerance.slurm"), *TINY, "--training.steps", "3"], timeout=180, env=env
+    )
     assert result.returncode == 0, result.describe()
     assert "lighthouse listening on" in result.output
     rows = read_metrics(dump / "replica_0")

@@ -24,9 +24,22 @@ from torchtitan_amp.precision.audit import CrossGroupWires, check_cross_group
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--mixed_precision.enabled", "true",
-        "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--mixed_precision.enabled",
+    "true",
+    "--fault_tolerance.enable",
+    "true",
+    "--fault_tolerance.group_size",
+    "2",
+]
 DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
 
 
@@ -39,19 +52,33 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
     return trainer_module.Trainer(load_config([*BASE, *extra, "--job.dump_folder", str(tmp_path)]))
 
 
-@pytest.mark.parametrize("extra, kind, wire", [
-    ((), "gradients", {"float32": ["float32"]}),
-    (("--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"), "gradients", {"bfloat16": ["bfloat16"]}),
-    ((*DILOCO, "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"), "pseudo_gradient", {"float32": ["bfloat16"]}),
-])
-def test_audit_records_and_passes_the_cross_group_allreduce(tmp_path: Path, extra: tuple[str, ...], kind: str,
-                                                            wire: dict[str, list[str]]) -> None:
+@pytest.mark.parametrize(
+    "extra, kind, wire",
+    [
+        ((), "gradients", {"float32": ["float32"]}),
+        (
+            ("--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"),
+            "gradients",
+            {"bfloat16": ["bfloat16"]},
+        ),
+        (
+            (*DILOCO, "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"),
+            "pseudo_gradient",
+            {"float32": ["bfloat16"]},
+        ),
+    ],
+)
+def test_audit_records_and_passes_the_cross_group_allreduce(
+    tmp_path: Path, extra: tuple[str, ...], kind: str, wire: dict[str, list[str]]
+) -> None:
     result = _trainer(tmp_path, *extra).audit()
     assert result.ok, result.breaches
     saved = json.loads((tmp_path / "replica_0" / "precision_audit.json").read_text())
     assert saved["cross_group_allreduce"] == {kind: wire}
-    name = {"gradients": "gradient all_reduce:replica_groups",
-            "pseudo_gradient": "pseudo-gradient all_reduce:replica_groups"}[kind]
+    name = {
+        "gradients": "gradient all_reduce:replica_groups",
+        "pseudo_gradient": "pseudo-gradient all_reduce:replica_groups",
+    }[kind]
     assert set(saved["collectives"][name]) == {w for ws in wire.values() for w in ws}
     assert saved["collectives"][name][wire[next(iter(wire))][0]] > 0
 
@@ -98,11 +125,14 @@ def test_fsdp_hook_path_is_recorded_per_reduce_scatter_output() -> None:
 def test_missing_and_unexpected_cross_group_allreduces_are_named() -> None:
     every_step, diloco = _plan(), _plan(*DILOCO)
     assert [str(b) for b in check_cross_group({}, every_step, sends=True)] == [
-        "gradient all_reduce:replica_groups: promised float32, saw none seen"]
+        "gradient all_reduce:replica_groups: promised float32, saw none seen"
+    ]
     assert check_cross_group({}, every_step, sends=False) == []
     assert [str(b) for b in check_cross_group({"gradients": {"float32": ["float32"]}}, diloco, sends=True)] == [
         "gradient all_reduce:replica_groups: promised none (semi_sync_method = 'diloco'), saw float32",
-        "pseudo-gradient all_reduce:replica_groups: promised float32, saw none seen"]
+        "pseudo-gradient all_reduce:replica_groups: promised float32, saw none seen",
+    ]
     off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
     assert [str(b) for b in check_cross_group({"pseudo_gradient": {"float32": ["float32"]}}, off, sends=True)] == [
-        "pseudo-gradient all_reduce:replica_groups: promised none (fault_tolerance.enable = false), saw float32"]
+        "pseudo-gradient all_reduce:replica_groups: promised none (fault_tolerance.enable = false), saw float32"
+    ]

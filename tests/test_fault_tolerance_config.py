@@ -37,49 +37,91 @@ def test_the_default_collective_timeout_outlasts_a_heal() -> None:
     assert load_config([]).fault_tolerance.process_group_timeout_ms >= 3 * heal_s * 1000
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--fault_tolerance.enable", "true"), "'fault_tolerance.group_size' must be the number of replica groups"),
-    ((*ON, "--fault_tolerance.replica_id", "2"), "'fault_tolerance.replica_id' = 2 must be below"),
-    ((*ON, "--fault_tolerance.min_replica_size", "3"), "'fault_tolerance.min_replica_size' = 3 is more than"),
-    ((*ON, "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"),
-     "'fault_tolerance.pseudo_gradient_dtype' = 'bfloat16' applies to semi_sync_method = 'diloco'"),
-    ((*ON, "--fault_tolerance.sync_steps", "10"), "'fault_tolerance.sync_steps' = 10 applies to semi_sync_method"),
-    ((*ON, "--fault_tolerance.outer_lr", "0.5"), "'fault_tolerance.outer_lr' = 0.5 applies to semi_sync_method"),
-    ((*ON, "--fault_tolerance.semi_sync_method", "diloco", "--parallelism.tensor_parallel_degree", "2"),
-     "'parallelism.tensor_parallel_degree' = 2"),
-    (("--fault_tolerance.pseudo_gradient_dtype", "float16"), "fault_tolerance.pseudo_gradient_dtype"),
-    (("--fault_tolerance.outer_momentum", "1.0"), "fault_tolerance.outer_momentum"),
-    (("--fault_tolerance.outer_lr", "0"), "fault_tolerance.outer_lr"),
-    ((*ON, "--parallelism.data_parallel_replicate_degree", "2"), "torchft owns the replicate dimension"),
-    ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
-    ((*ON, "--checkpoint.enable", "true", "--checkpoint.async_mode", "async"), "'checkpoint.async_mode' = 'async'"),
-    ((*ON, "--checkpoint.create_seed_checkpoint", "true"), "'checkpoint.create_seed_checkpoint' runs without"),
-    ((*ON, "--checkpoint.enable", "true", "--fault_tolerance.semi_sync_method", "diloco", "--checkpoint.interval", "7"),
-     "'checkpoint.interval' = 7 must be a multiple of fault_tolerance.sync_steps = 5"),
-    (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
-    (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
-    (("--fault_tolerance.semi_sync_method", "diloco"),
-     "'fault_tolerance.semi_sync_method' = 'diloco' needs fault_tolerance.enable = true"),
-    ((*ON, "--fault_tolerance.lighthouse", "127.0.0.1"),
-     "'fault_tolerance.lighthouse' = '127.0.0.1' must be a URL http://HOST:PORT"),
-    ((*ON, "--fault_tolerance.lighthouse", "http://127.0.0.1"),
-     "'fault_tolerance.lighthouse' = 'http://127.0.0.1' must be a URL http://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--fault_tolerance.enable", "true"), "'fault_tolerance.group_size' must be the number of replica groups"),
+        ((*ON, "--fault_tolerance.replica_id", "2"), "'fault_tolerance.replica_id' = 2 must be below"),
+        ((*ON, "--fault_tolerance.min_replica_size", "3"), "'fault_tolerance.min_replica_size' = 3 is more than"),
+        (
+            (*ON, "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"),
+            "'fault_tolerance.pseudo_gradient_dtype' = 'bfloat16' applies to semi_sync_method = 'diloco'",
+        ),
+        ((*ON, "--fault_tolerance.sync_steps", "10"), "'fault_tolerance.sync_steps' = 10 applies to semi_sync_method"),
+        ((*ON, "--fault_tolerance.outer_lr", "0.5"), "'fault_tolerance.outer_lr' = 0.5 applies to semi_sync_method"),
+        (
+            (*ON, "--fault_tolerance.semi_sync_method", "diloco", "--parallelism.tensor_parallel_degree", "2"),
+            "'parallelism.tensor_parallel_degree' = 2",
+        ),
+        (("--fault_tolerance.pseudo_gradient_dtype", "float16"), "fault_tolerance.pseudo_gradient_dtype"),
+        (("--fault_tolerance.outer_momentum", "1.0"), "fault_tolerance.outer_momentum"),
+        (("--fault_tolerance.outer_lr", "0"), "fault_tolerance.outer_lr"),
+        ((*ON, "--parallelism.data_parallel_replicate_degree", "2"), "torchft owns the replicate dimension"),
+        ((*ON, "--parallelism.tensor_parallel_degree", "2"), "'parallelism.tensor_parallel_degree' = 2"),
+        ((*ON, "--checkpoint.enable", "true", "--checkpoint.async_mode", "async"), "'checkpoint.async_mode' = 'async'"),
+        ((*ON, "--checkpoint.create_seed_checkpoint", "true"), "'checkpoint.create_seed_checkpoint' runs without"),
+        (
+            (
+                *ON,
+                "--checkpoint.enable",
+                "true",
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--checkpoint.interval",
+                "7",
+            ),
+            "'checkpoint.interval' = 7 must be a multiple of fault_tolerance.sync_steps = 5",
+        ),
+        (("--fault_tolerance.replica_id", "-1"), "fault_tolerance.replica_id"),
+        (("--fault_tolerance.process_group", "mpi"), "fault_tolerance.process_group"),
+        (
+            ("--fault_tolerance.semi_sync_method", "diloco"),
+            "'fault_tolerance.semi_sync_method' = 'diloco' needs fault_tolerance.enable = true",
+        ),
+        (
+            (*ON, "--fault_tolerance.lighthouse", "127.0.0.1"),
+            "'fault_tolerance.lighthouse' = '127.0.0.1' must be a URL http://HOST:PORT",
+        ),
+        (
+            (*ON, "--fault_tolerance.lighthouse", "http://127.0.0.1"),
+            "'fault_tolerance.lighthouse' = 'http://127.0.0.1' must be a URL http://HOST:PORT",
+        ),
+    ],
+)
 def test_rules_name_the_field(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(list(args))
 
 
 def test_diloco_is_accepted_with_its_settings() -> None:
-    ft = load_config([*ON, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "10",
-                      "--fault_tolerance.pseudo_gradient_dtype", "bfloat16", "--fault_tolerance.outer_lr", "0.5",
-                      "--fault_tolerance.outer_momentum", "0.8"]).fault_tolerance
-    assert (ft.semi_sync_method, ft.sync_steps, ft.pseudo_gradient_dtype, ft.outer_lr, ft.outer_momentum) == \
-        ("diloco", 10, "bfloat16", 0.5, 0.8)
+    ft = load_config(
+        [
+            *ON,
+            "--fault_tolerance.semi_sync_method",
+            "diloco",
+            "--fault_tolerance.sync_steps",
+            "10",
+            "--fault_tolerance.pseudo_gradient_dtype",
+            "bfloat16",
+            "--fault_tolerance.outer_lr",
+            "0.5",
+            "--fault_tolerance.outer_momentum",
+            "0.8",
+        ]
+    ).fault_tolerance
+    assert (ft.semi_sync_method, ft.sync_steps, ft.pseudo_gradient_dtype, ft.outer_lr, ft.outer_momentum) == (
+        "diloco",
+        10,
+        "bfloat16",
+        0.5,
+        0.8,
+    )
 
 
-@pytest.mark.parametrize("address", ["http://127.0.0.1:29510", "http://node-1.cluster:29510/", "http://[::1]:29510",
-                                     "https://lighthouse.example:443"])
+@pytest.mark.parametrize(
+    "address",
+    ["http://127.0.0.1:29510", "http://node-1.cluster:29510/", "http://[::1]:29510", "https://lighthouse.example:443"],
+)
 def test_lighthouse_urls_are_accepted(address: str) -> None:
     assert load_config([*ON, "--fault_tolerance.lighthouse", address]).fault_tolerance.lighthouse == address
 
@@ -97,8 +139,12 @@ def test_nccl_without_cuda_is_one_line() -> None:
     from torchtitan_amp.train.fault_tolerance import process_group_backend
 
     nccl = load_config([*ON, "--fault_tolerance.process_group", "nccl"]).fault_tolerance
-    with pytest.raises(ConfigError, match=re.escape("'fault_tolerance.process_group' = 'nccl' needs CUDA; this "
-                                                    "job trains on cpu: use 'gloo' or 'auto'")) as e:
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "'fault_tolerance.process_group' = 'nccl' needs CUDA; this job trains on cpu: use 'gloo' or 'auto'"
+        ),
+    ) as e:
         process_group_backend(nccl, "cpu")
     assert "\n" not in str(e.value)
 
@@ -108,17 +154,24 @@ def test_a_missing_or_bad_lighthouse_address_is_one_line(monkeypatch) -> None:
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     ft = load_config(list(ON)).fault_tolerance
-    with pytest.raises(ConfigError, match=re.escape("fault_tolerance.enable needs torchft's lighthouse: set "
-                                                    "fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "fault_tolerance.enable needs torchft's lighthouse: set fault_tolerance.lighthouse or TORCHFT_LIGHTHOUSE"
+        ),
+    ):
         lighthouse_address(ft)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "localhost:29510")
-    with pytest.raises(ConfigError, match=re.escape("TORCHFT_LIGHTHOUSE = 'localhost:29510' must be a URL "
-                                                    "http://HOST:PORT")):
+    with pytest.raises(
+        ConfigError, match=re.escape("TORCHFT_LIGHTHOUSE = 'localhost:29510' must be a URL http://HOST:PORT")
+    ):
         lighthouse_address(ft)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     assert lighthouse_address(ft) == "http://localhost:29510"
-    assert lighthouse_address(load_config([*ON, "--fault_tolerance.lighthouse", "http://h:1"]).fault_tolerance) == \
-        "http://h:1"
+    assert (
+        lighthouse_address(load_config([*ON, "--fault_tolerance.lighthouse", "http://h:1"]).fault_tolerance)
+        == "http://h:1"
+    )
 
 
 def test_rules_apply_only_when_on() -> None:
@@ -148,8 +201,11 @@ def test_the_extra_pins_what_the_error_says_to_install() -> None:
 
 def test_each_group_reads_its_own_share_of_the_global_order() -> None:
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, world_size=2)
-    positions = {data_position(load_config([*ON, "--fault_tolerance.replica_id", str(g)]), dims, r)
-                 for g in (0, 1) for r in (0, 1)}
+    positions = {
+        data_position(load_config([*ON, "--fault_tolerance.replica_id", str(g)]), dims, r)
+        for g in (0, 1)
+        for r in (0, 1)
+    }
     assert positions == {(0, 4), (1, 4), (2, 4), (3, 4)}
     assert data_position(load_config([]), dims, 1) == (1, 2)
 
@@ -164,8 +220,12 @@ def test_plan_reports_the_cross_group_allreduce() -> None:
     assert plan.cross_group_dtype(torch.bfloat16) == torch.bfloat16
     assert plan.cross_group_dtype(torch.float32) == torch.float32
     with pytest.raises(ConfigError, match="float16 loss scaling is not supported with fault_tolerance"):
-        PrecisionPlan.from_config(load_config([*ON, "--mixed_precision.enabled", "true", "--mixed_precision.param_dtype",
-                                               "float16"]), dims, "cpu", probe=None)
+        PrecisionPlan.from_config(
+            load_config([*ON, "--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "float16"]),
+            dims,
+            "cpu",
+            probe=None,
+        )
     off = PrecisionPlan.from_config(load_config([]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
     assert fault_tolerance_summary(off) is None
 
@@ -179,8 +239,19 @@ def test_memory_model_prices_the_cross_group_allreduce_as_the_replicate_one(shar
     from torchtitan_amp import memory
     from torchtitan_amp.train.job import resolve
 
-    config = load_config([*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
-                          "--dry_run.vocab_size", "258", "--mixed_precision.enabled", "false"])
+    config = load_config(
+        [
+            *ON,
+            "--model.flavor",
+            "debugmodel_tiny",
+            "--training.seq_len",
+            "64",
+            "--dry_run.vocab_size",
+            "258",
+            "--mixed_precision.enabled",
+            "false",
+        ]
+    )
     job = resolve(config, shard, "cpu", dry_run=True)
     ft = memory.grad_comm(job.model_dims, job.precision, job.layout)["ft_cross_group_all_reduce"]
     replicated = dataclasses.replace(job.layout, dp_replicate=2, replica_groups=1)
@@ -194,19 +265,44 @@ def test_dry_run_prices_diloco_per_sync_not_per_step(tmp_path: Path) -> None:
     momentum (2 x 4 bytes per local parameter) join the peak."""
     from torchtitan_amp.train import dry_run
 
-    base = [*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--dry_run.vocab_size", "258",
-            "--job.dump_folder", str(tmp_path)]
+    base = [
+        *ON,
+        "--model.flavor",
+        "debugmodel_tiny",
+        "--training.seq_len",
+        "64",
+        "--dry_run.vocab_size",
+        "258",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     every_step = dry_run.run(load_config(base), world_size=2, rank=0, write=False)
-    diloco = dry_run.run(load_config([*base, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps",
-                                      "10", "--fault_tolerance.pseudo_gradient_dtype", "bfloat16"]),
-                         world_size=2, rank=0, write=False)
+    diloco = dry_run.run(
+        load_config(
+            [
+                *base,
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--fault_tolerance.sync_steps",
+                "10",
+                "--fault_tolerance.pseudo_gradient_dtype",
+                "bfloat16",
+            ]
+        ),
+        world_size=2,
+        rank=0,
+        write=False,
+    )
     assert "ft_cross_group_all_reduce" in every_step["communication"] and every_step["diloco"] is None
     assert "ft_cross_group_all_reduce" not in diloco["communication"]
     params = diloco["memory"]["params"]["float32"]  # every parameter trained, fp32 storage
     assert diloco["diloco"]["bytes_per_sync"] == {"bfloat16": params // 2}
     assert diloco["diloco"]["bytes_per_step"] == round(params / 2 / 10)
     assert diloco["diloco"]["outer_state"] == {"float32": 2 * params}
-    assert diloco["memory"]["peak_estimate"]["configured"] == every_step["memory"]["peak_estimate"]["configured"] + 2 * params
+    assert (
+        diloco["memory"]["peak_estimate"]["configured"]
+        == every_step["memory"]["peak_estimate"]["configured"] + 2 * params
+    )
 
 
 def test_memory_model_bounds_a_diloco_sync_by_its_chunks() -> None:
@@ -225,12 +321,15 @@ def test_memory_model_bounds_a_diloco_sync_by_its_chunks() -> None:
     # The peak is the larger of training's and the sync's (state + outer state + the sync's buffers).
     assert memory.peak_with_diloco({"a": 100, "b": 10}, outer, sync, state_total=0) == {
         "a": 100 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 100),
-        "b": 10 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 10)}
+        "b": 10 + 8 * 10**9 + max(0, 2 * 10**9 + 12 * CHUNK_ELEMENTS - 10),
+    }
 
 
 def test_groups_launched_with_one_dump_folder_write_apart_and_share_checkpoints(tmp_path: Path) -> None:
-    configs = [group_config(load_config([*ON, "--fault_tolerance.replica_id", str(g), "--job.dump_folder",
-                                         str(tmp_path)])) for g in (0, 1)]
+    configs = [
+        group_config(load_config([*ON, "--fault_tolerance.replica_id", str(g), "--job.dump_folder", str(tmp_path)]))
+        for g in (0, 1)
+    ]
     assert [c.job.dump_folder for c in configs] == [str(tmp_path / "replica_0"), str(tmp_path / "replica_1")]
     assert {c.checkpoint.folder for c in configs} == {str(tmp_path / "checkpoint")}
     plain = load_config(["--job.dump_folder", str(tmp_path)])
@@ -278,8 +377,11 @@ def test_one_rank_groups_allreduce_buckets_bit_identical_to_per_tensor(monkeypat
     for g in grads:
         w = g.to(wire_dtype(g.dtype))
         expected.append(w.add_(w * 3 + 1).div_(2).to(g.dtype))
-    ft = ftmod.FaultTolerance(load_config(list(ON)).fault_tolerance, types.SimpleNamespace(cross_group_dtype=wire_dtype),
-                              manager=_PeerManager())
+    ft = ftmod.FaultTolerance(
+        load_config(list(ON)).fault_tolerance,
+        types.SimpleNamespace(cross_group_dtype=wire_dtype),
+        manager=_PeerManager(),
+    )
     monkeypatch.setattr(ftmod, "BUCKET_BYTES", 1024)
     ft.allreduce_grads(params)
     for p, e in zip(params, expected):
@@ -312,8 +414,11 @@ def test_max_retries_reaches_torchft_and_giving_up_is_one_line(monkeypatch, retr
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     ft = FaultTolerance(load_config([*ON, "--fault_tolerance.max_retries", retries]).fault_tolerance, plan=None)
     assert seen["max_retries"] == passed
-    with pytest.raises(ReplicaGroupGaveUp, match=r"^replica group 0 failed to commit .* in a row "
-                                                 r"\(fault_tolerance.max_retries = " + retries) as e:
+    with pytest.raises(
+        ReplicaGroupGaveUp,
+        match=r"^replica group 0 failed to commit .* in a row "
+        r"\(fault_tolerance.max_retries = " + retries,
+    ) as e:
         ft.should_commit()
     assert e.value.exit_code == 1 and "\n" not in str(e.value)
 
@@ -325,10 +430,23 @@ def test_dry_run_reduces_once_per_step_under_accumulation(tmp_path: Path) -> Non
     reduce-scatter's input) is held across the micro-batches."""
     from torchtitan_amp.train import dry_run
 
-    base = [*ON, "--model.flavor", "debugmodel_tiny", "--training.seq_len", "64", "--dry_run.vocab_size", "258",
-            "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)]
-    one, two = (dry_run.run(load_config([*base, *extra]), world_size=2, rank=0, write=False)
-                for extra in ([], ["--training.global_batch_size", "8"]))
+    base = [
+        *ON,
+        "--model.flavor",
+        "debugmodel_tiny",
+        "--training.seq_len",
+        "64",
+        "--dry_run.vocab_size",
+        "258",
+        "--training.local_batch_size",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    one, two = (
+        dry_run.run(load_config([*base, *extra]), world_size=2, rank=0, write=False)
+        for extra in ([], ["--training.global_batch_size", "8"])
+    )
     for key in ("fsdp_reduce_scatter", "ft_cross_group_all_reduce"):
         assert two["communication"][key] == one["communication"][key], key
     gathers = one["communication"]["fsdp_all_gather"]
@@ -346,9 +464,25 @@ def test_a_diloco_sync_of_a_moe_model_also_carries_its_expert_biases(tmp_path: P
     from torchtitan_amp.models.spec import synced_buffer_elements
     from torchtitan_amp.train import dry_run
 
-    config = load_config([*ON, "--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
-                          "--dry_run.vocab_size", "258", "--job.dump_folder", str(tmp_path),
-                          "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "10"])
+    config = load_config(
+        [
+            *ON,
+            "--model.name",
+            "moe",
+            "--model.flavor",
+            "debugmodel_moe",
+            "--training.seq_len",
+            "32",
+            "--dry_run.vocab_size",
+            "258",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--fault_tolerance.semi_sync_method",
+            "diloco",
+            "--fault_tolerance.sync_steps",
+            "10",
+        ]
+    )
     result = dry_run.run(config, world_size=1, rank=0, write=False)
     family = get_family("moe")
     with torch.device("meta"):

@@ -17,15 +17,31 @@ from torchtitan_amp.train import build
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
-ARGS = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--mixed_precision.enabled", "false", "--fault_tolerance.enable", "true",
-        "--fault_tolerance.group_size", "2"]
+ARGS = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--mixed_precision.enabled",
+    "false",
+    "--fault_tolerance.enable",
+    "true",
+    "--fault_tolerance.group_size",
+    "2",
+]
 
 
 def _trainer(monkeypatch, manager: SameValuesManager, folder: Path, *extra: str) -> trainer_module.Trainer:
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
-        config.fault_tolerance, plan, manager=manager))
+    monkeypatch.setattr(
+        build.fault_tolerance,
+        "build",
+        lambda config, plan, *device: FaultTolerance(config.fault_tolerance, plan, manager=manager),
+    )
     return trainer_module.Trainer(load_config([*ARGS, *extra, "--job.dump_folder", str(folder)]))
 
 
@@ -53,8 +69,17 @@ def test_a_group_that_keeps_failing_to_commit_obeys_a_stop_signal(monkeypatch, t
 
     monkeypatch.setattr(preemption, "_stop_signal", None)
     manager = _FailsFromStep2()
-    trainer = _trainer(monkeypatch, manager, tmp_path, "--training.steps", "10", "--checkpoint.enable", "true",
-                       "--checkpoint.interval", "100")
+    trainer = _trainer(
+        monkeypatch,
+        manager,
+        tmp_path,
+        "--training.steps",
+        "10",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100",
+    )
     trainer.train()
     assert manager.tries == 3, "the stop was not seen at the discarded step it arrived in"
     assert trainer.step == 1 and trainer.run.ft.discarded == 2
@@ -86,8 +111,9 @@ class _HealsAtFirstQuorum(SameValuesManager):
 def test_a_healed_group_switches_to_the_steady_state_timeouts(monkeypatch, tmp_path: Path) -> None:
     calls: list[float] = []
     monkeypatch.setattr(trainer_module.process_groups, "set_timeouts", lambda timeout_s, dims: calls.append(timeout_s))
-    trainer = _trainer(monkeypatch, _HealsAtFirstQuorum(), tmp_path, "--training.steps", "10",
-                       "--comm.timeout_seconds", "123")
+    trainer = _trainer(
+        monkeypatch, _HealsAtFirstQuorum(), tmp_path, "--training.steps", "10", "--comm.timeout_seconds", "123"
+    )
     trainer.train()
     assert trainer.run.ft.heals == 1 and trainer.step == 10
     assert calls == [123], "the healed group kept the start-up timeouts"
@@ -106,8 +132,17 @@ def test_one_process_without_torchrun_is_a_replica_group(monkeypatch, tmp_path: 
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     try:
-        args = [*ARGS, "--fault_tolerance.group_size", "1", "--fault_tolerance.lighthouse", lighthouse.address(),
-                "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        args = [
+            *ARGS,
+            "--fault_tolerance.group_size",
+            "1",
+            "--fault_tolerance.lighthouse",
+            lighthouse.address(),
+            "--training.steps",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
         trainer = trainer_module.Trainer(load_config(args))
         trainer.train()
     finally:

@@ -33,11 +33,34 @@ from torchtitan_amp.train.fault_tolerance import FaultTolerance
 from torchtitan_amp.train.trainer import Trainer
 
 FT = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
-MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "32",
-       "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
-       "--training.gc_freq", "0"]
-TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.gc_freq", "0",
-        "--mixed_precision.enabled", "false", "--training.max_norm", "0"]
+MOE = [
+    "--model.name",
+    "moe",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.log_freq",
+    "1",
+    "--training.gc_freq",
+    "0",
+]
+TINY = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.gc_freq",
+    "0",
+    "--mixed_precision.enabled",
+    "false",
+    "--training.max_norm",
+    "0",
+]
 DILOCO = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2"]
 STEPS = 4
 
@@ -45,8 +68,14 @@ STEPS = 4
 def _groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple[PairedGroups, list[Trainer]]:
     groups = PairedGroups()
     use_paired_managers(monkeypatch, groups)
-    trainers = [Trainer(load_config([*args, *FT, "--fault_tolerance.replica_id", str(g),
-                                     "--job.dump_folder", str(tmp_path / f"g{g}")])) for g in (0, 1)]
+    trainers = [
+        Trainer(
+            load_config(
+                [*args, *FT, "--fault_tolerance.replica_id", str(g), "--job.dump_folder", str(tmp_path / f"g{g}")]
+            )
+        )
+        for g in (0, 1)
+    ]
     return groups, trainers
 
 
@@ -58,15 +87,17 @@ def _biases(trainer: Trainer) -> list[torch.Tensor]:
 def test_moe_expert_biases_are_bit_equal_across_groups(monkeypatch, tmp_path: Path, mode: str) -> None:
     """Each group reads its own data, so its experts' loads differ from the other's: a bias update
     from one group's counts (or biases left out of DiLoCo's sync) drifts the groups apart."""
-    groups, trainers = _groups(monkeypatch, tmp_path, *MOE, "--training.steps", str(STEPS),
-                               *(DILOCO if mode == "diloco" else ()))
+    groups, trainers = _groups(
+        monkeypatch, tmp_path, *MOE, "--training.steps", str(STEPS), *(DILOCO if mode == "diloco" else ())
+    )
     groups.run([t.train for t in trainers])
     weights = [dict(t.run.model.named_parameters()) for t in trainers]
     assert all(torch.equal(p, weights[1][n]) for n, p in weights[0].items())
     first, second = _biases(trainers[0]), _biases(trainers[1])
     assert any(b.abs().max() > 0 for b in first), "the biases never moved: the test would prove nothing"
-    assert [torch.equal(a, b) for a, b in zip(first, second)] == [True] * len(first), \
+    assert [torch.equal(a, b) for a, b in zip(first, second)] == [True] * len(first), (
         f"biases up to {max(float((a - b).abs().max()) for a, b in zip(first, second)):.2e} apart"
+    )
 
 
 def test_a_healing_group_copies_the_expert_biases(monkeypatch, tmp_path: Path) -> None:
@@ -74,8 +105,20 @@ def test_a_healing_group_copies_the_expert_biases(monkeypatch, tmp_path: Path) -
     loads the weights and the biases, as torchtitan's heal loads the model's state dict."""
     groups, trainers = _groups(monkeypatch, tmp_path, *MOE, "--training.steps", "2")
     groups.run([t.train for t in trainers])
-    restarted = Trainer(load_config([*MOE, *FT, "--fault_tolerance.replica_id", "1", "--training.steps", "2",
-                                     "--job.dump_folder", str(tmp_path / "g1b")]))
+    restarted = Trainer(
+        load_config(
+            [
+                *MOE,
+                *FT,
+                "--fault_tolerance.replica_id",
+                "1",
+                "--training.steps",
+                "2",
+                "--job.dump_folder",
+                str(tmp_path / "g1b"),
+            ]
+        )
+    )
     assert not any(b.abs().max() > 0 for b in _biases(restarted))
     groups.managers[1].heal_from(groups.managers[0])
     assert all(torch.equal(a, b) for a, b in zip(_biases(trainers[0]), _biases(restarted)))
@@ -135,8 +178,7 @@ def _plan(*extra: str) -> PrecisionPlan:
     return PrecisionPlan.from_config(load_config([*FT, *extra]), ParallelDims(1, 1, 1, 1, 1), "cpu", probe=None)
 
 
-def test_fsdp_accumulation_all_reduces_across_groups_once_per_step(monkeypatch, tmp_path: Path,
-                                                                    one_rank_world) -> None:
+def test_fsdp_accumulation_all_reduces_across_groups_once_per_step(monkeypatch, tmp_path: Path, one_rank_world) -> None:
     """Two micro-batches under FSDP (the group's model sharded over a 1-rank mesh, its root one
     FSDP unit): the hook's cross-group all-reduce runs after the last micro-batch only, as DDP's
     all-reduce does, not once per micro-batch."""
@@ -144,8 +186,20 @@ def test_fsdp_accumulation_all_reduces_across_groups_once_per_step(monkeypatch, 
     from torch.distributed.fsdp import fully_shard
 
     use_stand_in_manager(monkeypatch)
-    t = Trainer(load_config([*TINY, *FT, "--training.local_batch_size", "1", "--training.global_batch_size", "2",
-                             "--job.dump_folder", str(tmp_path)]))
+    t = Trainer(
+        load_config(
+            [
+                *TINY,
+                *FT,
+                "--training.local_batch_size",
+                "1",
+                "--training.global_batch_size",
+                "2",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        )
+    )
     assert t.run.accum == 2
     fully_shard(t.run.model, mesh=init_device_mesh("cpu", (1,)))
     t.run.ft.attach(t.run.model_parts)
@@ -190,8 +244,9 @@ def test_fsdp_hook_keeps_the_reduce_buffer_until_backward_has_ended(one_rank_wor
     ft.attach([model])
     model(torch.randn(4, 8)).sum().backward()
     gc.collect()
-    assert len(manager.refs) == 2 and all(r() is not None and r().dtype == torch.bfloat16 for r in manager.refs), \
+    assert len(manager.refs) == 2 and all(r() is not None and r().dtype == torch.bfloat16 for r in manager.refs), (
         "a reduce-scatter output was freed while torchft's all-reduce could still be queued on it"
+    )
     ft.backward_done()
     gc.collect()
     assert all(r() is None for r in manager.refs), "the buffers outlived the backward"

@@ -22,9 +22,24 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--mixed_precision.enabled",
+    "true",
+]
 FP8 = ["--mixed_precision.fp8", "tensorwise"]
 SHARD = "--parallelism.data_parallel_shard_degree"
 
@@ -38,15 +53,31 @@ def _resolve(*extra: str, world: int = 1, dry_run: bool = False) -> job_mod.Job:
     return job_mod.resolve(load_config([*BASE, *extra]), world, "cpu", dry_run=dry_run)
 
 
-@pytest.mark.parametrize("extra, world, message", [
-    ([*FP8, "--mixed_precision.fp8_all_gather", "true", SHARD, "2"], 2,
-     "'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo (cpu) cannot all-gather float8 tensors"),
-    (["--mixed_precision.fp8", "rowwise", "--mixed_precision.fp8_all_gather", "true", SHARD, "2"], 2,
-     "'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path"),
-    (["--mixed_precision.fp8_all_gather", "true"], 1, "'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'"),
-    ([*FP8, "--mixed_precision.fp8_skip_modules", "outptu"], 1,
-     "'mixed_precision.fp8_skip_modules' entry 'outptu' matches no nn.Linear of the model"),
-])
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        (
+            [*FP8, "--mixed_precision.fp8_all_gather", "true", SHARD, "2"],
+            2,
+            "'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo (cpu) cannot all-gather float8 tensors",
+        ),
+        (
+            ["--mixed_precision.fp8", "rowwise", "--mixed_precision.fp8_all_gather", "true", SHARD, "2"],
+            2,
+            "'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path",
+        ),
+        (
+            ["--mixed_precision.fp8_all_gather", "true"],
+            1,
+            "'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'",
+        ),
+        (
+            [*FP8, "--mixed_precision.fp8_skip_modules", "outptu"],
+            1,
+            "'mixed_precision.fp8_skip_modules' entry 'outptu' matches no nn.Linear of the model",
+        ),
+    ],
+)
 def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], world: int, message: str) -> None:
     with pytest.raises(PrecisionError) as e:
         _resolve(*extra, world=world)
@@ -54,10 +85,18 @@ def test_fp8_settings_that_cannot_hold_are_one_line_errors(extra: list[str], wor
 
 
 def test_fp8_without_torchao_or_device_support_is_an_error_never_a_fallback(monkeypatch) -> None:
-    monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: "fp8 training needs torchao (No module named 'torchao'); "
-                        + capability.INSTALL)
-    with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
-                                             r"pip install 'torchao>=0.18'"):
+    monkeypatch.setattr(
+        capability,
+        "fp8_torchao_missing",
+        lambda recipe=None, all_gather=None: (
+            "fp8 training needs torchao (No module named 'torchao'); " + capability.INSTALL
+        ),
+    )
+    with pytest.raises(
+        PrecisionError,
+        match=r"'mixed_precision.fp8' = 'tensorwise': fp8 training needs torchao .*"
+        r"pip install 'torchao>=0.18'",
+    ):
         _resolve(*FP8)
     monkeypatch.setattr(capability, "fp8_torchao_missing", lambda recipe=None, all_gather=None: None)
     monkeypatch.setattr(capability, "fp8_matmul_unsupported", lambda *args: "torch._scaled_mm fails on cpu: no kernel")
@@ -143,14 +182,36 @@ def test_fsdp_fp8_resume_is_bitwise_and_tp_fp8_trains_alike(tmp_path: Path) -> N
     within fp8's tolerance of FSDP 2 on the same data."""
     a, b, tp = tmp_path / "a", tmp_path / "b", tmp_path / "tp"
     args = [*BASE, *FP8, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    launch_worker("ckpt_jobs", tmp_path / "launch", [
-        {"args": [*args, SHARD, "2", "--job.dump_folder", str(a)]},
-        {"args": [*args, SHARD, "2", "--job.dump_folder", str(b)],
-         "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]},
-        # Global batch 4 as FSDP's 2 x 2: the same sequences per step.
-        {"args": [*BASE, *FP8, "--training.steps", "4", "--training.local_batch_size", "4",
-                  "--parallelism.tensor_parallel_degree", "2", SHARD, "1", "--job.dump_folder", str(tp)]},
-    ], 2, timeout=300)
+    launch_worker(
+        "ckpt_jobs",
+        tmp_path / "launch",
+        [
+            {"args": [*args, SHARD, "2", "--job.dump_folder", str(a)]},
+            {
+                "args": [*args, SHARD, "2", "--job.dump_folder", str(b)],
+                "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]],
+            },
+            # Global batch 4 as FSDP's 2 x 2: the same sequences per step.
+            {
+                "args": [
+                    *BASE,
+                    *FP8,
+                    "--training.steps",
+                    "4",
+                    "--training.local_batch_size",
+                    "4",
+                    "--parallelism.tensor_parallel_degree",
+                    "2",
+                    SHARD,
+                    "1",
+                    "--job.dump_folder",
+                    str(tp),
+                ]
+            },
+        ],
+        2,
+        timeout=300,
+    )
     ra, rb, rtp = by_step(a), by_step(b), by_step(tp)
     assert sorted(rb) == [3, 4]
     for step in (3, 4):

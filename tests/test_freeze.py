@@ -22,9 +22,24 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = [pytest.mark.dist, pytest.mark.oldest_torch]
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "3e-3", "--mixed_precision.enabled", "true"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--mixed_precision.enabled",
+    "true",
+]
 FREEZE = ["--training.freeze", "tok_embeddings,layers.0,layers.1.attention"]
 
 
@@ -33,12 +48,16 @@ def _no_peak_flops_measurement(monkeypatch):
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
-def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # lr 1e-2, not BASE's 3e-3: debugmodel_tiny's trained blocks learn too little in 3 steps at
     # 3e-3 for the margins below (measured 0.033 and 0.078 under the twin at steps 2 and 3).
-    t = trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-2",
-                                            "--job.dump_folder", str(tmp_path)]))
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-2", "--job.dump_folder", str(tmp_path)]
+        )
+    )
     named = dict(t.run.model.named_parameters())
     frozen = {n for n, p in named.items() if not p.requires_grad}
     assert frozen == {n for n in named if n.startswith(("tok_embeddings.", "layers.0.", "layers.1.attention."))}
@@ -50,8 +69,9 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     before = {n: named[n].detach().clone() for n in frozen}
     clip_devices = []  # the trainer names its device: a rank with nothing trained has no parameter to ask
     clip = trainer_module.clip_grad_norm_
-    monkeypatch.setattr(trainer_module, "clip_grad_norm_",
-                        lambda *a, **k: clip_devices.append(k.get("device")) or clip(*a, **k))
+    monkeypatch.setattr(
+        trainer_module, "clip_grad_norm_", lambda *a, **k: clip_devices.append(k.get("device")) or clip(*a, **k)
+    )
     t.train()
     assert clip_devices == [t.run.device] * 3, clip_devices
     assert all(torch.equal(named[n], before[n]) for n in frozen)
@@ -69,8 +89,11 @@ def test_frozen_parameters_take_no_gradient_no_state_and_their_compute_dtype(tmp
     # nothing); torch 2.11 (other initial weights) 6.030, 6.001, 5.667 against 6.030, 6.109, 5.962.
     losses = [r["loss"] for r in by_step(tmp_path).values()]
     still = tmp_path / "no_learning"
-    trainer_module.Trainer(load_config([*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-12",
-                                        "--job.dump_folder", str(still)])).train()
+    trainer_module.Trainer(
+        load_config(
+            [*BASE, *FREEZE, "--training.steps", "3", "--optimizer.lr", "1e-12", "--job.dump_folder", str(still)]
+        )
+    ).train()
     baseline = [r["loss"] for r in by_step(still).values()]
     assert len(losses) == len(baseline) == 3 and losses[0] == baseline[0], (losses, baseline)
     assert losses[1] < baseline[1] - 0.03 and losses[2] < baseline[2] - 0.1, (losses, baseline)
@@ -103,13 +126,30 @@ def test_freeze_pattern_matching_nothing_is_an_error() -> None:
 def test_fsdp_frozen_resume_is_bitwise(tmp_path: Path) -> None:
     """bf16 frozen parameters and fp32 trained ones in one checkpoint; the resume restores both."""
     a, b = tmp_path / "a", tmp_path / "b"
-    args = [*BASE, *FREEZE, "--parallelism.data_parallel_shard_degree", "2", "--training.steps", "4",
-            "--checkpoint.enable", "--checkpoint.interval", "2"]
-    launch_worker("ckpt_jobs", tmp_path / "launch", [
-        {"args": [*args, "--job.dump_folder", str(a)]},
-        {"args": [*args, "--job.dump_folder", str(b)],
-         "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]},
-    ], 2, timeout=300)
+    args = [
+        *BASE,
+        *FREEZE,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
+    launch_worker(
+        "ckpt_jobs",
+        tmp_path / "launch",
+        [
+            {"args": [*args, "--job.dump_folder", str(a)]},
+            {
+                "args": [*args, "--job.dump_folder", str(b)],
+                "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]],
+            },
+        ],
+        2,
+        timeout=300,
+    )
     ra, rb = by_step(a), by_step(b)
     assert sorted(rb) == [3, 4]
     for step in (3, 4):
@@ -117,19 +157,46 @@ def test_fsdp_frozen_resume_is_bitwise(tmp_path: Path) -> None:
 
 
 # The first block's parameters: its norms are the ones TP's sequence parallel re-registers.
-LAYER_0 = {f"layers.0.{n}.weight" for n in ("attention_norm", "ffn_norm", "attention.wq", "attention.wk",
-                                            "attention.wv", "attention.wo", "feed_forward.w1",
-                                            "feed_forward.w2", "feed_forward.w3")}
+LAYER_0 = {
+    f"layers.0.{n}.weight"
+    for n in (
+        "attention_norm",
+        "ffn_norm",
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    )
+}
 
 
 def test_tp_keeps_frozen_norms_frozen(tmp_path: Path) -> None:
     """Sequence parallel re-registers the norm weights as DTensors, which require grad again:
     frozen norms must stay frozen (no gradient, no state, unchanged) under TP, with and without SP."""
-    args = [*BASE, "--training.freeze", "layers.0", "--training.steps", "2", "--parallelism.tensor_parallel_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "1"]
-    launch_worker("layouts", tmp_path, [{"name": "sp", "args": args},
-                                        {"name": "no_sp", "args": [*args, "--parallelism.enable_sequence_parallel", "false"]}],
-                  2, timeout=300)
+    args = [
+        *BASE,
+        "--training.freeze",
+        "layers.0",
+        "--training.steps",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ]
+    launch_worker(
+        "layouts",
+        tmp_path,
+        [
+            {"name": "sp", "args": args},
+            {"name": "no_sp", "args": [*args, "--parallelism.enable_sequence_parallel", "false"]},
+        ],
+        2,
+        timeout=300,
+    )
     for name in ("sp", "no_sp"):
         frozen = json.loads((tmp_path / name / "rank0.json").read_text())["frozen_params"]
         for rank in (0, 1):
@@ -139,7 +206,14 @@ def test_tp_keeps_frozen_norms_frozen(tmp_path: Path) -> None:
             info = json.loads((tmp_path / name / f"rank{rank}.json").read_text())["frozen"]
             assert set(info) == LAYER_0, (name, sorted(info))
             for param, facts in info.items():
-                assert facts == {"requires_grad": False, "grad_is_none": True, "in_optimizer": False,
-                                 "has_optimizer_state": False, "digest_unchanged": True}, (name, rank, param, facts)
-        assert {"layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "layers.0.attention.wq.weight"} <= set(frozen), name
+                assert facts == {
+                    "requires_grad": False,
+                    "grad_is_none": True,
+                    "in_optimizer": False,
+                    "has_optimizer_state": False,
+                    "digest_unchanged": True,
+                }, (name, rank, param, facts)
+        assert {"layers.0.attention_norm.weight", "layers.0.ffn_norm.weight", "layers.0.attention.wq.weight"} <= set(
+            frozen
+        ), name
         assert not any(n.startswith("layers.1") for n in frozen), name

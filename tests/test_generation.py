@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from torchtitan_amp.config import ConfigError, load_config
-from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.eval.generation import (
     ModelRunner,
     Sampling,
@@ -30,6 +29,7 @@ from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Attention, Transf
 from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoETransformer
 from torchtitan_amp.observability.metrics import MetricsLogger
 from torchtitan_amp.tools.generate import main as generate_main
+from torchtitan_amp.train import job as job_mod
 
 PROMPT = [256, *b"Hello"]  # BOS + bytes
 
@@ -74,7 +74,7 @@ def _cached_step_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     position from len(PROMPT) - 1 on, [len(tokens) - len(PROMPT), V]."""
     with torch.no_grad(), kv_caches(runner.model, len(tokens) + runner.multiple) as caches:
         steps = [step_logits(runner, torch.tensor([PROMPT]), caches)]
-        steps += [step_logits(runner, torch.tensor([[t]]), caches) for t in tokens[len(PROMPT):-1]]
+        steps += [step_logits(runner, torch.tensor([[t]]), caches) for t in tokens[len(PROMPT) : -1]]
     return torch.cat(steps)
 
 
@@ -90,7 +90,7 @@ def test_kv_cache_decode_equals_full_recompute(flavor: str, multiple: int) -> No
     assert completion.stop == "length" and len(completion.tokens) == NEW
     tokens = PROMPT + completion.tokens
     with torch.no_grad():
-        full = model(torch.tensor([tokens]))[0, len(PROMPT) - 1:-1]
+        full = model(torch.tensor([tokens]))[0, len(PROMPT) - 1 : -1]
     cached = _cached_step_logits(runner, tokens)
     err = (cached - full).abs().max().item()
     print(f"\n[kv cache] {flavor} multiple {multiple}: max |logit diff| {err:.2e}, max |logit| {full.abs().max():.2f}")
@@ -106,8 +106,9 @@ def test_generation_runs_in_the_plans_precision() -> None:
     bf16 keys and values), the logits come out in fp32, and they differ from fp32's by bf16
     rounding (measured 0.0099 on logits up to 3.0: 0.3%, about 2^-8, bf16's 8-bit mantissa; the bound is
     5% of the largest logit)."""
-    plan = job_mod.resolve(load_config(["--model.flavor", "debugmodel_tiny", "--mixed_precision.enabled", "true"]),
-                           1, "cpu").plan
+    plan = job_mod.resolve(
+        load_config(["--model.flavor", "debugmodel_tiny", "--mixed_precision.enabled", "true"]), 1, "cpu"
+    ).plan
     assert plan.autocast_dtype == torch.bfloat16
     model = _model("debugmodel_tiny")
     runner = ModelRunner.for_plan(model, plan, tp=1, sequence_parallel=False)
@@ -128,7 +129,7 @@ def test_a_cache_without_the_rotary_offset_fails_the_comparison(monkeypatch: pyt
     model = _model("debugmodel_tiny")
     tokens = PROMPT + generate(ModelRunner(model), PROMPT, 8).tokens
     with torch.no_grad():
-        full = model(torch.tensor([tokens]))[0, len(PROMPT) - 1:-1]
+        full = model(torch.tensor([tokens]))[0, len(PROMPT) - 1 : -1]
     monkeypatch.setattr(KVCache, "rotary_rows", lambda self, cos, sin: (cos, sin))
     assert (_cached_step_logits(ModelRunner(model), tokens) - full).abs().max() > 100 * CACHE_ATOL
 
@@ -147,8 +148,9 @@ def test_sampling_is_seeded_and_its_limits_are_greedy() -> None:
     assert sampled(top_p=1e-6, seed=5) == greedy
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 0.9), (1.3, 0, 0.5), (1.0, 40, 1.0),
-                                                       (0.5, 3, 0.999), (1.0, 1, 1.0)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(0.7, 5, 0.9), (1.3, 0, 0.5), (1.0, 40, 1.0), (0.5, 3, 0.999), (1.0, 1, 1.0)]
+)
 def test_filter_equals_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
     """Temperature, then top-k, then top-p: the order and the rules of transformers' sampling."""
     from transformers.generation.logits_process import (
@@ -172,12 +174,15 @@ def test_filter_equals_transformers_warpers(temperature: float, top_k: int, top_
     assert not ours.gather(-1, drawn[:, None]).isinf().any()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.5}, "--temperature must be >= 0 (0: greedy), got -0.5"),
-    ({"top_k": -1}, "--top-k must be >= 0 (0: no top-k), got -1"),
-    ({"top_p": 0.0}, "--top-p must be in (0, 1] (1: no top-p), got 0.0"),
-    ({"top_p": 1.5}, "--top-p must be in (0, 1] (1: no top-p), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "--temperature must be >= 0 (0: greedy), got -0.5"),
+        ({"top_k": -1}, "--top-k must be >= 0 (0: no top-k), got -1"),
+        ({"top_p": 0.0}, "--top-p must be in (0, 1] (1: no top-p), got 0.0"),
+        ({"top_p": 1.5}, "--top-p must be in (0, 1] (1: no top-p), got 1.5"),
+    ],
+)
 def test_bad_sampling_is_a_config_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         Sampling(**kwargs)
@@ -187,10 +192,19 @@ def test_bad_sampling_is_a_config_error(kwargs: dict, message: str) -> None:
 def test_samples_go_to_the_log_samples_jsonl_and_tensorboard(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics = MetricsLogger(tmp_path, log_freq=1, enable_tensorboard=True, is_logging_rank=True, flops_per_token=1,
-                            peak_flops=1, device=torch.device("cpu"))
-    samples = [{"prompt": "The ", "text": "cat\nsat", "tokens": [99, 97, 116, 10, 115, 97, 116], "stop": "length"},
-               {"prompt": "A", "text": "", "tokens": [257], "stop": "eos"}]
+    metrics = MetricsLogger(
+        tmp_path,
+        log_freq=1,
+        enable_tensorboard=True,
+        is_logging_rank=True,
+        flops_per_token=1,
+        peak_flops=1,
+        device=torch.device("cpu"),
+    )
+    samples = [
+        {"prompt": "The ", "text": "cat\nsat", "tokens": [99, 97, 116, 10, 115, 97, 116], "stop": "length"},
+        {"prompt": "A", "text": "", "tokens": [257], "stop": "eos"},
+    ]
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
         metrics.log_samples(4, samples)
         metrics.log_samples(8, samples[:1])
@@ -198,15 +212,25 @@ def test_samples_go_to_the_log_samples_jsonl_and_tensorboard(tmp_path: Path, cap
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert rows == [{"step": 4, **samples[0]}, {"step": 4, **samples[1]}, {"step": 8, **samples[0]}]
     lines = [r.message for r in caplog.records]
-    assert lines == ["step 4 sample 0: 'The ' -> 'cat\\nsat'", "step 4 sample 1: 'A' -> ''",
-                     "step 8 sample 0: 'The ' -> 'cat\\nsat'"]
+    assert lines == [
+        "step 4 sample 0: 'The ' -> 'cat\\nsat'",
+        "step 4 sample 1: 'A' -> ''",
+        "step 8 sample 0: 'The ' -> 'cat\\nsat'",
+    ]
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
     events.Reload()
     texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors("samples/0/text_summary")]
     assert texts == [(4, "The cat\nsat"), (8, "The cat\nsat")]
     # Other ranks write nothing.
-    quiet = MetricsLogger(tmp_path / "r1", log_freq=1, enable_tensorboard=False, is_logging_rank=False,
-                          flops_per_token=1, peak_flops=1, device=torch.device("cpu"))
+    quiet = MetricsLogger(
+        tmp_path / "r1",
+        log_freq=1,
+        enable_tensorboard=False,
+        is_logging_rank=False,
+        flops_per_token=1,
+        peak_flops=1,
+        device=torch.device("cpu"),
+    )
     quiet.log_samples(4, samples)
     assert not (tmp_path / "r1" / "samples.jsonl").exists()
 
@@ -232,28 +256,58 @@ def test_tool_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture)
         ("--hf", str(nope), "--prompt", "x"): f"--hf {nope}: no such folder",
         ("--hf", str(bare), "--prompt", "x"): f"--hf {bare} has no config.json: not a Hugging Face model folder",
         ("--export", str(nope), "--prompt", "x"): f"--export {nope}: no such folder",
-        ("--checkpoint.step", "1", "--prompt", "x", "--top-p", "1.5"): "--top-p must be in (0, 1] (1: no top-p), got 1.5",
-        ("--checkpoint.step", "1", "--prompt", "x", "--temperature", "-1"): "--temperature must be >= 0 (0: greedy), got -1.0",
+        (
+            "--checkpoint.step",
+            "1",
+            "--prompt",
+            "x",
+            "--top-p",
+            "1.5",
+        ): "--top-p must be in (0, 1] (1: no top-p), got 1.5",
+        (
+            "--checkpoint.step",
+            "1",
+            "--prompt",
+            "x",
+            "--temperature",
+            "-1",
+        ): "--temperature must be >= 0 (0: greedy), got -1.0",
         ("--checkpoint.step", "1", "--prompts-file", str(nope)): f"--prompts-file {nope}: cannot read it",
     }
     for argv, message in cases.items():
         assert _tool_error(capsys, *argv, *TINY).startswith(message), argv
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    assert _tool_error(capsys, "--checkpoint.step", "1", "--prompts-file", str(empty), *TINY) == \
-        f"--prompts-file {empty} holds no prompt"
+    assert (
+        _tool_error(capsys, "--checkpoint.step", "1", "--prompts-file", str(empty), *TINY)
+        == f"--prompts-file {empty} holds no prompt"
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n["no"]\n')
-    assert _tool_error(capsys, "--checkpoint.step", "1", "--prompts-file", str(bad), *TINY) == \
-        f"--prompts-file {bad} line 2: expected a JSON object with a \"prompt\" string"
+    assert (
+        _tool_error(capsys, "--checkpoint.step", "1", "--prompts-file", str(bad), *TINY)
+        == f'--prompts-file {bad} line 2: expected a JSON object with a "prompt" string'
+    )
 
 
 def test_tool_ignores_the_runs_validation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A run config with sample prompts (validation on) loads: only the missing step is an error."""
     config = tmp_path / "run.toml"
     config.write_text('[validation]\nenable = true\nsample_prompts = ["The "]\n')
-    assert _tool_error(capsys, "--config", str(config), "--checkpoint.step", "3", "--prompt", "x", "--max-new-tokens",
-                       "8", "--job.dump_folder", str(tmp_path), *TINY).startswith("checkpoint.load_step = 3: no complete")
+    assert _tool_error(
+        capsys,
+        "--config",
+        str(config),
+        "--checkpoint.step",
+        "3",
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "8",
+        "--job.dump_folder",
+        str(tmp_path),
+        *TINY,
+    ).startswith("checkpoint.load_step = 3: no complete")
 
 
 def test_tool_checks_lengths_and_steps_before_generating(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -261,42 +315,77 @@ def test_tool_checks_lengths_and_steps_before_generating(tmp_path: Path, capsys:
     # BOS + 40 bytes + 24 new tokens > 64 positions.
     assert _tool_error(capsys, "--checkpoint.step", "1", "--prompt", "x" * 40, "--max-new-tokens", "24", *run) == (
         "prompt 0 has 41 tokens: with --max-new-tokens 24 it does not fit training.seq_len = 64 (the rotary "
-        "tables' length); shorten it, generate fewer tokens or raise --training.seq_len")
-    assert _tool_error(capsys, "--checkpoint.step", "1", "--prompt", "x", "--max-new-tokens", "0", *run) == \
-        "--max-new-tokens must be >= 1, got 0"
+        "tables' length); shorten it, generate fewer tokens or raise --training.seq_len"
+    )
+    assert (
+        _tool_error(capsys, "--checkpoint.step", "1", "--prompt", "x", "--max-new-tokens", "0", *run)
+        == "--max-new-tokens must be >= 1, got 0"
+    )
     assert _tool_error(capsys, "--checkpoint.step", "7", "--prompt", "x", "--max-new-tokens", "8", *run).startswith(
-        f"checkpoint.load_step = 7: no complete checkpoint step-7 in {tmp_path / 'checkpoint'}")
+        f"checkpoint.load_step = 7: no complete checkpoint step-7 in {tmp_path / 'checkpoint'}"
+    )
 
 
 BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--validation.enable", "true"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--validation.enable", "false", "--validation.sample_prompts", "a"],
-     "'validation.sample_prompts' are generated at every evaluation: set validation.enable = true"),
-    (["--validation.sample_max_new_tokens", "0"], "'validation.sample_max_new_tokens' must be >= 1, got 0"),
-    (["--validation.sample_temperature", "-1"], "'validation.sample_temperature' must be >= 0 (0: greedy), got -1.0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--validation.enable", "false", "--validation.sample_prompts", "a"],
+            "'validation.sample_prompts' are generated at every evaluation: set validation.enable = true",
+        ),
+        (["--validation.sample_max_new_tokens", "0"], "'validation.sample_max_new_tokens' must be >= 1, got 0"),
+        (
+            ["--validation.sample_temperature", "-1"],
+            "'validation.sample_temperature' must be >= 0 (0: greedy), got -1.0",
+        ),
+    ],
+)
 def test_bad_sample_fields_are_config_errors(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config([*BASE, *overrides])
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "'validation.sample_prompts' is not supported with parallelism.pipeline_parallel_degree = 2 (generation runs "
-     "whole sequences through the whole model on every rank); leave sample_prompts empty"),
-    (["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "'validation.sample_prompts' is not supported with parallelism.context_parallel_degree = 2"),
-    (["--validation.sample_prompts", "The ," + "x" * 8, "--validation.sample_max_new_tokens", "24"], 1,
-     "'validation.sample_prompts' entry 1 has 9 tokens: with validation.sample_max_new_tokens = 24 it needs 33 "
-     "positions, more than training.seq_len = 32; shorten it or generate fewer tokens"),
-    (["--validation.sample_prompts", "The ," + "x" * 7, "--validation.sample_max_new_tokens", "24",
-      "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2,
-     "'validation.sample_prompts' entry 1 has 8 tokens: with validation.sample_max_new_tokens = 24 + 1 of "
-     "sequence-parallel padding it needs 33 positions"),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+            2,
+            "'validation.sample_prompts' is not supported with parallelism.pipeline_parallel_degree = 2 (generation runs "
+            "whole sequences through the whole model on every rank); leave sample_prompts empty",
+        ),
+        (
+            ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+            2,
+            "'validation.sample_prompts' is not supported with parallelism.context_parallel_degree = 2",
+        ),
+        (
+            ["--validation.sample_prompts", "The ," + "x" * 8, "--validation.sample_max_new_tokens", "24"],
+            1,
+            "'validation.sample_prompts' entry 1 has 9 tokens: with validation.sample_max_new_tokens = 24 it needs 33 "
+            "positions, more than training.seq_len = 32; shorten it or generate fewer tokens",
+        ),
+        (
+            [
+                "--validation.sample_prompts",
+                "The ," + "x" * 7,
+                "--validation.sample_max_new_tokens",
+                "24",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+            2,
+            "'validation.sample_prompts' entry 1 has 8 tokens: with validation.sample_max_new_tokens = 24 + 1 of "
+            "sequence-parallel padding it needs 33 positions",
+        ),
+    ],
+)
 def test_sample_prompts_refused_where_generation_cannot_run(overrides: list[str], world: int, message: str) -> None:
     config = load_config([*BASE, "--validation.sample_prompts", "The ", *overrides])
     with pytest.raises(ConfigError) as e:
@@ -306,7 +395,9 @@ def test_sample_prompts_refused_where_generation_cannot_run(overrides: list[str]
 
 def test_sample_prompts_resolve_to_token_ids() -> None:
     # On the command line a list is comma-separated (items stripped); a TOML list keeps its strings as they are.
-    config = load_config([*BASE, "--validation.sample_prompts", "The cat, def", "--validation.sample_max_new_tokens", "8"])
+    config = load_config(
+        [*BASE, "--validation.sample_prompts", "The cat, def", "--validation.sample_max_new_tokens", "8"]
+    )
     samples = job_mod.resolve(config, 1, "cpu").validation.samples
     assert samples.prompts == ("The cat", "def") and samples.ids == ((256, *b"The cat"), (256, *b"def"))
     assert samples.max_new_tokens == 8 and samples.sampling.greedy

@@ -40,27 +40,47 @@ def statuses(path: Path) -> dict[str, str]:
 def run_gpu_checks(tmp_path: Path, env: dict[str, str], *paths: str) -> tuple[Any, dict[str, Any]]:
     """`pytest -m gpu` in its own process with the GPU_CHECKS_* settings `env`; its results JSON."""
     out = tmp_path / "gpu_checks.json"
-    result = run_command([sys.executable, "-m", "pytest", "-m", "gpu", *(paths or ("tests/gpu",)), "-q", "-rs",
-                          "-p", "no:cacheprovider", "--junitxml", str(tmp_path / "gpu_checks.xml")],
-                         timeout=900, env={"OMP_NUM_THREADS": "2", "GPU_CHECKS_JSON": str(out), **env})
+    result = run_command(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            *(paths or ("tests/gpu",)),
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--junitxml",
+            str(tmp_path / "gpu_checks.xml"),
+        ],
+        timeout=900,
+        env={"OMP_NUM_THREADS": "2", "GPU_CHECKS_JSON": str(out), **env},
+    )
     return result, json.loads(out.read_text())
 
 
 def test_gpu_checks_trial_run_on_cpu(tmp_path: Path) -> None:
-    # 2 steps per curve: the trial proves the checks run; GPU_CHECKS_TINY's shape is the smallest flavour.
-    result, results = run_gpu_checks(tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_TINY": "1",
-                                                "GPU_CHECKS_STEPS": "2", "GPU_CHECKS_SPEED": "1"})
+    # 2 steps per curve: the trial proves the checks run; GPU_CHECKS_TINY's shape is the smallest flavor.
+    result, results = run_gpu_checks(
+        tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_TINY": "1", "GPU_CHECKS_STEPS": "2", "GPU_CHECKS_SPEED": "1"}
+    )
     assert result.returncode == 0, result.describe()
     # Every check passed, in CHECKS' order (cheap first) whatever order the files hold them in.
     assert results["finished"] and list(results["checks"]) == settings.CHECKS
     assert {n: r["status"] for n, r in results["checks"].items()} == dict.fromkeys(settings.CHECKS, "passed")
     assert all(r["compile_s"] >= 0 for r in results["checks"].values())
     # The junit XML carries each check's recorded numbers too.
-    recorded = {case.get("name"): json.loads(prop.get("value"))
-                for case in ET.parse(tmp_path / "gpu_checks.xml").iter("testcase")
-                for prop in case.iter("property") if prop.get("name") == "recorded"}
-    assert recorded["test_generate"] == {k: v for k, v in results["checks"]["generate"].items()
-                                         if k not in ("status", "seconds", "limit_s", "compile_s")}
+    recorded = {
+        case.get("name"): json.loads(prop.get("value"))
+        for case in ET.parse(tmp_path / "gpu_checks.xml").iter("testcase")
+        for prop in case.iter("property")
+        if prop.get("name") == "recorded"
+    }
+    assert recorded["test_generate"] == {
+        k: v for k, v in results["checks"]["generate"].items() if k not in ("status", "seconds", "limit_s", "compile_s")
+    }
     kernels = results["checks"]["kernels"]
     assert kernels["sdpa"]["pinned_runs_predicted_op"] and kernels["fp8_rowwise_scaled_mm"] == "ran", kernels
     assert results["checks"]["fsdp_hook"]["bitwise_equal"] is True
@@ -116,21 +136,28 @@ def test_minus_m_gpu_collects_the_checks_in_order_and_skips_them_without_cuda(tm
 
 
 def test_a_spent_time_budget_leaves_checks_not_run(tmp_path: Path) -> None:
-    result, results = run_gpu_checks(tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_BUDGET": "1"},
-                                     "tests/gpu/test_training.py")
+    result, results = run_gpu_checks(
+        tmp_path, {"GPU_CHECKS_DEVICE": "cpu", "GPU_CHECKS_BUDGET": "1"}, "tests/gpu/test_training.py"
+    )
     assert result.returncode == 0, result.describe()
     checks = results["checks"]
     assert checks.pop("fp8_speed")["status"] == "skipped"  # without GPU_CHECKS_SPEED=1
     assert {n: (r["status"], r["error"]) for n, r in checks.items()} == dict.fromkeys(
-        checks, ("not run", "1 s left of the time budget"))
+        checks, ("not run", "1 s left of the time budget")
+    )
 
 
 def test_a_missing_optional_package_skips_only_the_checks_that_import_it(monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = settings.importlib.util.find_spec
-    monkeypatch.setattr(settings.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("torchao", "torchft") else find_spec(name, *a))
-    why = {n: settings.Settings(device="cpu", speed=True).why_skipped(n)
-           for n in ("probe", "block_scaled_kernels", "fault_tolerance", "fp8")}
+    monkeypatch.setattr(
+        settings.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("torchao", "torchft") else find_spec(name, *a),
+    )
+    why = {
+        n: settings.Settings(device="cpu", speed=True).why_skipped(n)
+        for n in ("probe", "block_scaled_kernels", "fault_tolerance", "fp8")
+    }
     assert why["probe"] is None
     assert "torchao is not importable" in why["fp8"] and "torchao is not importable" in why["block_scaled_kernels"]
     assert "torchft is not importable" in why["fault_tolerance"]
@@ -207,8 +234,7 @@ def test_fp16_curve_is_compared_step_aligned_past_skipped_steps() -> None:
     assert training.aligned_diff(fp32, {**fp16, 3: float("inf")}, behind) == float("inf")
 
 
-def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                 ) -> None:
+def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The generate check's comparison can fail: decode steps rotated as if at position 0."""
     from torchtitan_amp.models.kv_cache import KVCache
 
@@ -221,7 +247,8 @@ def test_the_generate_check_fails_a_cache_that_loses_positions(tmp_path: Path, m
 
 
 def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_prediction(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Told that CPU's lower-right attention makes no mask (as CUDA's kernels do not), the check
     sees the masks this CPU builds and fails."""
     from torchtitan_amp.core import rules
@@ -234,14 +261,15 @@ def test_the_cp_attention_check_fails_where_a_mask_is_made_against_the_predictio
     assert out["float32_hd32"]["chunk_shaped_tensors"] and out["float32_hd32"]["expected_op_ran"], out
 
 
-def test_the_ep_syncs_check_fails_a_dispatch_that_reads_once_more(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ep_syncs_check_fails_a_dispatch_that_reads_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ep_syncs runs the EP dispatch (a 1-rank gloo group here) and holds it to its budget: one
     more host read per layer forward fails it."""
     import torch
 
-    from torchtitan_amp.distributed.expert_parallel import ExpertParallel
     from tests.gpu import test_syncs as gpu_check_syncs
+    from torchtitan_amp.distributed.expert_parallel import ExpertParallel
 
     monkeypatch.setattr(train_build, "peak_flops", lambda device, dtype: 1e12)
     exchange = ExpertParallel.exchange_counts
@@ -277,14 +305,17 @@ def test_fault_tolerance_waits_are_bounded() -> None:
 
 
 def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_speed's non-tiny runs: the flavour it registers is accepted, compiled in bf16 and fp8."""
+    """fp8_speed's non-tiny runs: the flavor it registers is accepted, compiled in bf16 and fp8."""
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, training.SPEED_FLAVOR, llama.LLAMA3_FLAVORS["llama3_8b"])
     a = argparse.Namespace(tiny=False, device="cuda", steps=30)
     configs = {name: load_config(args) for name, args in training.speed_configs(a, tmp_path).items()}
     assert set(configs) == {"bf16", "fp8"}
     for name, config in configs.items():
         assert (config.model.flavor, config.training.seq_len, config.training.local_batch_size) == (
-            "llama3_8b_2l", 2048, 2)
+            "llama3_8b_2l",
+            2048,
+            2,
+        )
         assert config.compile.enable and config.training.device == "cuda"
         assert config.mixed_precision.param_dtype == "bfloat16"
         assert config.mixed_precision.fp8 == ("tensorwise" if name == "fp8" else "none")
@@ -298,12 +329,16 @@ def test_the_8b_speed_step_configures_without_running(tmp_path: Path, monkeypatc
 
 def fake_wheel(folder: Path, name: str) -> Path:
     """A minimal valid wheel of an importable package `name`."""
-    files = {f"{name}/__init__.py": b"VALUE = 42\n",
-             f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
-             f"{name}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                            b"Tag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-                     f"{len(data)}\n" for path, data in files.items())
+    files = {
+        f"{name}/__init__.py": b"VALUE = 42\n",
+        f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
+        f"{name}-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = "".join(
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+        for path, data in files.items()
+    )
     files[f"{name}-0.1.dist-info/RECORD"] = (record + f"{name}-0.1.dist-info/RECORD,,\n").encode()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-0.1-py3-none-any.whl"
@@ -314,9 +349,15 @@ def fake_wheel(folder: Path, name: str) -> Path:
 
 
 def gpu_run_env(tmp_path: Path, needs: str) -> dict[str, str]:
-    return {"GPU_RUN_CPU_SMOKE": "1", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
-            "GPU_RUN_WHEELS": str(tmp_path / "whl"), "GPU_RUN_SITE": str(tmp_path / "site"),
-            "GPU_RUN_NEEDS": needs, "OMP_NUM_THREADS": "2"}
+    return {
+        "GPU_RUN_CPU_SMOKE": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / "out"),
+        "GPU_RUN_WHEELS": str(tmp_path / "whl"),
+        "GPU_RUN_SITE": str(tmp_path / "site"),
+        "GPU_RUN_NEEDS": needs,
+        "OMP_NUM_THREADS": "2",
+    }
 
 
 def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
@@ -324,8 +365,11 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
     checks' JSON kept across a check stopped by its limit, the MFU benchmark's tiny run."""
     fake_wheel(tmp_path / "whl", "tta_smoke_pkg")
     (tmp_path / "whl" / "torchdata-0.11.0-py3-none-any.whl").write_bytes(b"installed already: not opened")
-    result = run_command(["bash", GPU_RUN, "-k", "probe or curves"], timeout=240,
-                         env={**gpu_run_env(tmp_path, "torchdata tta_smoke_pkg"), "GPU_CHECKS_LIMITS": "curves=1"})
+    result = run_command(
+        ["bash", GPU_RUN, "-k", "probe or curves"],
+        timeout=240,
+        env={**gpu_run_env(tmp_path, "torchdata tta_smoke_pkg"), "GPU_CHECKS_LIMITS": "curves=1"},
+    )
     out = tmp_path / "out"
     assert result.returncode == 1, result.describe()
     assert (tmp_path / "site" / "tta_smoke_pkg" / "__init__.py").is_file()
@@ -344,8 +388,11 @@ def test_gpu_run_cpu_smoke(tmp_path: Path) -> None:
 
 def test_gpu_run_can_skip_the_mfu_benchmark(tmp_path: Path) -> None:
     """A rerun of the checks alone: GPU_RUN_MFU=0 (0 cannot be a timeout, which means none)."""
-    result = run_command(["bash", GPU_RUN, "-k", "kernels and not block"], timeout=240,
-                         env={**gpu_run_env(tmp_path, "torchdata"), "GPU_RUN_MFU": "0"})
+    result = run_command(
+        ["bash", GPU_RUN, "-k", "kernels and not block"],
+        timeout=240,
+        env={**gpu_run_env(tmp_path, "torchdata"), "GPU_RUN_MFU": "0"},
+    )
     assert result.returncode == 0, result.describe()
     log = (tmp_path / "out" / "gpu_run.log").read_text()
     assert "gpu_mfu skipped (GPU_RUN_MFU=0)" in log and "gpu_checks exit 0, gpu_mfu exit 0" in log
@@ -358,5 +405,6 @@ def test_gpu_run_refuses_a_missing_package_without_a_wheel(tmp_path: Path) -> No
     assert result.returncode == 2, result.describe()
     assert result.output.strip().splitlines() == [
         f"error: tta_absent_pkg missing and no wheel for it carried in {tmp_path / 'whl'}/ "
-        "(docs/performance.md, \"GPU checks\", says how)"]
+        '(docs/performance.md, "GPU checks", says how)'
+    ]
     assert not (tmp_path / "out" / "gpu_checks.json").exists()

@@ -9,11 +9,10 @@ import os
 import pytest
 import torch
 
-from torchtitan_amp.config import load_config
-from torchtitan_amp.distributed import activation_checkpoint
-from torchtitan_amp.distributed import process_groups
-from torchtitan_amp.train import build, trainer
 from tests.support.inputs import TINY
+from torchtitan_amp.config import load_config
+from torchtitan_amp.distributed import activation_checkpoint, process_groups
+from torchtitan_amp.train import build, trainer
 
 
 class _StopBeforePlan(Exception):
@@ -43,8 +42,12 @@ def test_trainer_sets_the_gpu_and_determinism_before_the_plan(monkeypatch: pytes
 
 @pytest.fixture
 def restore_determinism():  # type: ignore[no-untyped-def]
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     yield
     torch.use_deterministic_algorithms(saved[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
@@ -74,12 +77,15 @@ def test_determinism_keeps_the_users_workspace_and_off_changes_nothing(monkeypat
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
-@pytest.mark.parametrize("op", [
-    "_scaled_dot_product_cudnn_attention",  # first in torch's priority on sm90 with recent cuDNN
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "_scaled_dot_product_cudnn_attention",  # first in torch's priority on sm90 with recent cuDNN
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ],
+)
 def test_selective_ac_saves_every_sdpa_kernel(op: str) -> None:
     assert getattr(torch.ops.aten, op).default in activation_checkpoint.SAC_SAVE_LIST
 

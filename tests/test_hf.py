@@ -39,9 +39,19 @@ pytestmark = pytest.mark.dist
 
 # Rope scaling from position 16 on, so that it changes a 32-token sequence's logits (Llama 3.1
 # scales from 8192, which a test-sized sequence would never reach); GQA: 4 query, 2 kv heads.
-FLAVOR = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32, "rope_theta": 500000.0,
-          "use_scaled_rope": True, "rope_scaling_factor": 8.0, "rope_low_freq_factor": 1.0,
-          "rope_high_freq_factor": 4.0, "rope_original_max_position": 16}
+FLAVOR = {
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "multiple_of": 32,
+    "rope_theta": 500000.0,
+    "use_scaled_rope": True,
+    "rope_scaling_factor": 8.0,
+    "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0,
+    "rope_original_max_position": 16,
+}
 ARGS = LlamaModelArgs(**FLAVOR, vocab_size=258, max_seq_len=32)
 TOKENS = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(7))
 LOGITS_ATOL = 1e-5  # fp32; measured max 1.5e-7 on one process
@@ -52,11 +62,25 @@ SPECIALS = ("<|start|>", "<|stop|>")  # in no default list: only tokenizer_confi
 def _hf_config(**changes):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=258, hidden_size=64, intermediate_size=ffn_hidden_dim(64, 32, None),
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                  rope_theta=500000.0, max_position_embeddings=128, tie_word_embeddings=False,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    fields = dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=ffn_hidden_dim(64, 32, None),
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     return LlamaConfig(**{**fields, **changes})
 
 
@@ -76,8 +100,9 @@ def tokenizer_folder(tmp_path_factory) -> Path:
     tok.add_special_tokens(list(SPECIALS))
     folder = tmp_path_factory.mktemp("tokenizer")
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": SPECIALS[0]}, "eos_token": SPECIALS[1], "model_max_length": 32}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": SPECIALS[0]}, "eos_token": SPECIALS[1], "model_max_length": 32})
+    )
     return folder
 
 
@@ -107,7 +132,7 @@ def test_rotary_rows_of_any_shard():
     for start in range(24):
         for length in range(1, 25 - start):
             got = rotary_rows(lambda rows: hf_weight[rows], 8, start, length)
-            assert torch.equal(got, want[start:start + length]), (start, length)
+            assert torch.equal(got, want[start : start + length]), (start, length)
 
 
 def test_import_matches_transformers_on_one_process(hf):
@@ -127,7 +152,9 @@ def test_import_through_the_trainer_on_one_process(hf, tokenizer_folder, tmp_pat
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train import trainer as trainer_module
 
-    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+    monkeypatch.setitem(
+        llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR)
+    )
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
     trainer = trainer_module.Trainer(load_config(_job(tmp_path, hf[0], tokenizer_folder)))
     try:
@@ -149,10 +176,30 @@ def test_import_tied_embeddings(tmp_path):
 
 
 def _job(dump: Path, hf_folder: Path, tokenizer: Path, *extra: str) -> list[str]:
-    return ["--model.flavor", "debugmodel", "--model.tokenizer", str(tokenizer), "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--mixed_precision.enabled", "false", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--checkpoint.enable",
-            "--checkpoint.initial_load_path", str(hf_folder), "--job.dump_folder", str(dump), *extra]
+    return [
+        "--model.flavor",
+        "debugmodel",
+        "--model.tokenizer",
+        str(tokenizer),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--mixed_precision.enabled",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(hf_folder),
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 LAYOUTS = {
@@ -168,13 +215,34 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     FSDP 2 and train STEPS steps with a full checkpoint at the end."""
     root = tmp_path_factory.mktemp("dist")
     folder = hf[0]
-    jobs = [{"args": _job(root / layout, folder, tokenizer_folder, *extra), "logits": str(root / f"{layout}.pt"),
-             "tokens": TOKENS.tolist()} for layout, extra in LAYOUTS.items()]
-    jobs.append({"args": _job(root / "train", folder, tokenizer_folder, *LAYOUTS["fsdp"], "--training.steps",
-                              str(STEPS), "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_hf")})
+    jobs = [
+        {
+            "args": _job(root / layout, folder, tokenizer_folder, *extra),
+            "logits": str(root / f"{layout}.pt"),
+            "tokens": TOKENS.tolist(),
+        }
+        for layout, extra in LAYOUTS.items()
+    ]
+    jobs.append(
+        {
+            "args": _job(
+                root / "train",
+                folder,
+                tokenizer_folder,
+                *LAYOUTS["fsdp"],
+                "--training.steps",
+                str(STEPS),
+                "--checkpoint.interval",
+                str(STEPS),
+                "--checkpoint.last_save_hf",
+            )
+        }
+    )
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
-    jobs += [{"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
-             for name, extra in (("greedy", []), ("sampled", SAMPLED))]
+    jobs += [
+        {"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
+        for name, extra in (("greedy", []), ("sampled", SAMPLED))
+    ]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
 
@@ -190,10 +258,20 @@ def test_import_matches_transformers_on_fsdp_x_tp(hf, tokenizer_folder, tmp_path
     """FSDP 2 x TP 2 (4 ranks): 2-D DTensors, FSDP sharding TP's column shards of q and k again
     (one head per rank)."""
     extra = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
-    launch_worker("ckpt_jobs", tmp_path, [{"args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
-                                           "logits": str(tmp_path / "logits.pt"), "tokens": TOKENS.tolist(),
-                                           "hf_reads": str(tmp_path / "reads.json")}],
-                  4, flavor=FLAVOR)
+    launch_worker(
+        "ckpt_jobs",
+        tmp_path,
+        [
+            {
+                "args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
+                "logits": str(tmp_path / "logits.pt"),
+                "tokens": TOKENS.tolist(),
+                "hf_reads": str(tmp_path / "reads.json"),
+            }
+        ],
+        4,
+        flavor=FLAVOR,
+    )
     assert (torch.load(tmp_path / "logits.pt", weights_only=True) - hf[2]).abs().max() <= LOGITS_ATOL
     # No rank read the whole model: each read about its quarter (norms are sharded by FSDP only,
     # so a little more), and together the ranks read each element about once.
@@ -212,9 +290,19 @@ def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
 def exported(dist_run, tmp_path_factory) -> Path:
     """The trained run's last checkpoint exported by the CLI, in fp32, in shards of <= 50 kB."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    result = run_python("-m", "torchtitan_amp.checkpoint", "export", "--format", "hf",
-                        str(dist_run / "train" / "checkpoint" / f"step-{STEPS}"), str(out), "--dtype", "float32",
-                        "--max-shard-size", "50kB")
+    result = run_python(
+        "-m",
+        "torchtitan_amp.checkpoint",
+        "export",
+        "--format",
+        "hf",
+        str(dist_run / "train" / "checkpoint" / f"step-{STEPS}"),
+        str(out),
+        "--dtype",
+        "float32",
+        "--max-shard-size",
+        "50kB",
+    )
     assert result.returncode == 0, result.describe()
     return out
 
@@ -232,8 +320,11 @@ def test_export_loads_in_transformers_with_our_logits(dist_run, exported, tokeni
     index = json.loads((exported / INDEX).read_text())
     assert set(index["weight_map"].values()) == {p.name for p in exported.glob("*.safetensors")}
     assert len(index["weight_map"]) == len(trained.state_dict())
-    assert all(p.stat().st_size <= 50_000 + 8192 for p in exported.glob("*.safetensors")
-               if len([k for k, v in index["weight_map"].items() if v == p.name]) > 1)
+    assert all(
+        p.stat().st_size <= 50_000 + 8192
+        for p in exported.glob("*.safetensors")
+        if len([k for k, v in index["weight_map"].items() if v == p.name]) > 1
+    )
     assert (exported / "tokenizer.json").read_bytes() == (tokenizer_folder / "tokenizer.json").read_bytes()
     cfg = json.loads((exported / CONFIG).read_text())
     tok = build_tokenizer(str(tokenizer_folder))
@@ -250,7 +341,9 @@ def test_import_train_export_reimport_is_bitwise(hf, dist_run, exported):
     at_end = _ours(dist_run / "train" / "checkpoint" / f"hf-step-{STEPS}").state_dict()
     assert all(torch.equal(saved[key], at_end[key]) for key in saved)
     # Training moved the weights: the round trip is not the imported weights compared to themselves.
-    assert not torch.equal(saved["layers.0.attention.wq.weight"], _ours(hf[0]).state_dict()["layers.0.attention.wq.weight"])
+    assert not torch.equal(
+        saved["layers.0.attention.wq.weight"], _ours(hf[0]).state_dict()["layers.0.attention.wq.weight"]
+    )
     # The run logged STEPS steps from the imported weights.
     rows = [json.loads(line) for line in (dist_run / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
@@ -259,8 +352,9 @@ def test_import_train_export_reimport_is_bitwise(hf, dist_run, exported):
 def test_export_in_bf16_single_file(dist_run, tmp_path):
     from safetensors import safe_open
 
-    out = export_hf(dist_run / "train" / "checkpoint" / f"step-{STEPS}", tmp_path / "bf16", "bfloat16",
-                    tokenizer="byte")
+    out = export_hf(
+        dist_run / "train" / "checkpoint" / f"step-{STEPS}", tmp_path / "bf16", "bfloat16", tokenizer="byte"
+    )
     assert not (out / INDEX).exists() and [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
@@ -278,8 +372,9 @@ def _model_only_export(full: Path, step: Path) -> Path:
 
     export_checkpoint(full, step / EXPORT_FILE)
     meta = {k: v for k, v in json.loads((full / MARKER).read_text()).items() if k != "crc32"}
-    (step / MARKER).write_text(json.dumps({**meta, "kind": "model_only",
-                                           "files": {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}}))
+    (step / MARKER).write_text(
+        json.dumps({**meta, "kind": "model_only", "files": {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}})
+    )
     return step
 
 
@@ -293,7 +388,7 @@ def test_export_of_a_model_only_checkpoint(dist_run, tmp_path):
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "llama3_8b", "llama3_70b"])
-def test_exported_config_describes_its_flavour(flavor, tmp_path):
+def test_exported_config_describes_its_flavor(flavor, tmp_path):
     args = llama.build_model_args(flavor, 128256, 8192)
     (tmp_path / CONFIG).write_text(json.dumps(hf_config(args, "bfloat16", 128000, 128001)))
     check_config(tmp_path, args, flavor)
@@ -301,16 +396,41 @@ def test_exported_config_describes_its_flavour(flavor, tmp_path):
 
 def test_published_llama_3_1_8b_config_fits_llama3_8b(tmp_path):
     """config.json of meta-llama/Llama-3.1-8B as published (transformers 4.43 spelling)."""
-    (tmp_path / CONFIG).write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-        "vocab_size": 128256}))
+    (tmp_path / CONFIG).write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "bos_token_id": 128000,
+                "eos_token_id": 128001,
+                "hidden_act": "silu",
+                "hidden_size": 4096,
+                "initializer_range": 0.02,
+                "intermediate_size": 14336,
+                "max_position_embeddings": 131072,
+                "mlp_bias": False,
+                "model_type": "llama",
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "pretraining_tp": 1,
+                "rms_norm_eps": 1e-05,
+                "rope_scaling": {
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_type": "llama3",
+                },
+                "rope_theta": 500000.0,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "use_cache": True,
+                "vocab_size": 128256,
+            }
+        )
+    )
     check_config(tmp_path, llama.build_model_args("llama3_8b", 128256, 8192), "llama3_8b")
     with pytest.raises(CheckpointError, match="'hidden_size' = 4096 but model.flavor 'llama3_70b' has dim = 8192"):
         check_config(tmp_path, llama.build_model_args("llama3_70b", 128256, 8192), "llama3_70b")
@@ -341,8 +461,20 @@ def test_data_prepare_with_a_tokenizer_folder(tokenizer_folder, tmp_path, capsys
 
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     out = tmp_path / "tokens"
-    assert data_main(["prepare", str(tmp_path / "a.txt"), "--output", str(out), "--tokenizer",
-                      str(tokenizer_folder), "--no-progress"]) == 0
+    assert (
+        data_main(
+            [
+                "prepare",
+                str(tmp_path / "a.txt"),
+                "--output",
+                str(out),
+                "--tokenizer",
+                str(tokenizer_folder),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert data_main(["verify", str(out), "--tokenizer", str(tokenizer_folder), "--no-progress"]) == 0
     assert build_tokenizer(str(tokenizer_folder)).fingerprint.endswith(":bos256:eos257")
     assert data_main(["verify", str(out), "--tokenizer", "byte", "--no-progress"]) == 2
@@ -361,20 +493,33 @@ def _edit_config(folder: Path, **changes) -> None:  # type: ignore[no-untyped-de
     (folder / CONFIG).write_text(json.dumps({**cfg, **changes}))
 
 
-@pytest.mark.parametrize("break_it, message", [
-    (lambda f: _edit_config(f, num_hidden_layers=3), r"'num_hidden_layers' = 3 but model.flavor 'x' has n_layers = 2"),
-    (lambda f: _edit_config(f, vocab_size=300), r"'vocab_size' = 300 but the tokenizer \(model.tokenizer\)"),
-    (lambda f: _edit_config(f, num_key_value_heads=4), r"'num_key_value_heads' = 4"),
-    (lambda f: _edit_config(f, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-     r"'rope_scaling' = none but model.flavor 'x' has use_scaled_rope = True"),
-    (lambda f: _edit_config(f, rope_parameters={**json.loads((f / CONFIG).read_text())["rope_parameters"],
-                                                "factor": 32.0}),
-     r"'rope_scaling.factor' = 32.0 but model.flavor 'x' has rope_scaling_factor = 8.0"),
-    (lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
-     r"rope scaling type 'yarn' is not supported"),
-    (lambda f: _edit_config(f, model_type="mistral"), r"'model_type' = 'mistral'; only 'llama'"),
-    (lambda f: (f / CONFIG).write_text("{not json"), r"config.json is unreadable"),
-])
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (
+            lambda f: _edit_config(f, num_hidden_layers=3),
+            r"'num_hidden_layers' = 3 but model.flavor 'x' has n_layers = 2",
+        ),
+        (lambda f: _edit_config(f, vocab_size=300), r"'vocab_size' = 300 but the tokenizer \(model.tokenizer\)"),
+        (lambda f: _edit_config(f, num_key_value_heads=4), r"'num_key_value_heads' = 4"),
+        (
+            lambda f: _edit_config(f, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+            r"'rope_scaling' = none but model.flavor 'x' has use_scaled_rope = True",
+        ),
+        (
+            lambda f: _edit_config(
+                f, rope_parameters={**json.loads((f / CONFIG).read_text())["rope_parameters"], "factor": 32.0}
+            ),
+            r"'rope_scaling.factor' = 32.0 but model.flavor 'x' has rope_scaling_factor = 8.0",
+        ),
+        (
+            lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+            r"rope scaling type 'yarn' is not supported",
+        ),
+        (lambda f: _edit_config(f, model_type="mistral"), r"'model_type' = 'mistral'; only 'llama'"),
+        (lambda f: (f / CONFIG).write_text("{not json"), r"config.json is unreadable"),
+    ],
+)
 def test_mismatched_config_is_one_line(hf, tmp_path, break_it, message):
     folder = _copy(hf[0], tmp_path / "hf")
     break_it(folder)
@@ -415,13 +560,19 @@ def _shrink_a_tensor(folder: Path) -> None:
     save_file(tensors, str(shard))
 
 
-@pytest.mark.parametrize("break_it, message", [
-    (_truncate_a_shard, r"is not a readable safetensors file"),
-    (_drop_a_shard, r"model.safetensors.index.json names model-00001-of-\d+.safetensors, which is missing"),
-    (_drop_every_shard, r"has a config.json but no \*.safetensors weights"),
-    (_rename_a_tensor, r"tensor 'model.decoder.\S+' is not part of a Llama model"),
-    (_shrink_a_tensor, r"'layers.1.feed_forward.w3.weight' has shape \(191, 64\) in the checkpoint but \(192, 64\)"),
-])
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (_truncate_a_shard, r"is not a readable safetensors file"),
+        (_drop_a_shard, r"model.safetensors.index.json names model-00001-of-\d+.safetensors, which is missing"),
+        (_drop_every_shard, r"has a config.json but no \*.safetensors weights"),
+        (_rename_a_tensor, r"tensor 'model.decoder.\S+' is not part of a Llama model"),
+        (
+            _shrink_a_tensor,
+            r"'layers.1.feed_forward.w3.weight' has shape \(191, 64\) in the checkpoint but \(192, 64\)",
+        ),
+    ],
+)
 def test_corrupt_folder_is_one_line(hf, tmp_path, break_it, message):
     folder = _copy(hf[0], tmp_path / "hf")
     break_it(folder)
@@ -431,14 +582,26 @@ def test_corrupt_folder_is_one_line(hf, tmp_path, break_it, message):
 
 
 def test_train_py_names_the_mismatched_field(hf, tmp_path):
-    """End to end: the real debug flavour (dim 256) against the tiny folder, before any step."""
-    result = run_python("train.py", "--model.flavor", "debugmodel", "--checkpoint.enable",
-                        "--checkpoint.initial_load_path", str(hf[0]), "--job.dump_folder", str(tmp_path),
-                        "--training.steps", "1", "--mixed_precision.enabled", "false")
+    """End to end: the real debug flavor (dim 256) against the tiny folder, before any step."""
+    result = run_python(
+        "train.py",
+        "--model.flavor",
+        "debugmodel",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(hf[0]),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+        "--mixed_precision.enabled",
+        "false",
+    )
     assert result.returncode == 2, result.describe()
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "'hidden_size' = 64 but model.flavor 'debugmodel' has dim = 256" in errors[0], \
+    assert len(errors) == 1 and "'hidden_size' = 64 but model.flavor 'debugmodel' has dim = 256" in errors[0], (
         result.describe()
+    )
 
 
 def test_parse_size():
@@ -459,9 +622,25 @@ SAMPLED = ("--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--seed",
 def _generate_args(run: Path, tokenizer: Path, *extra: str) -> list[str]:
     """The trained run's step STEPS, continued GEN_NEW tokens in fp32 (rotary tables of 64: the
     run trained at 32)."""
-    return ["--checkpoint.step", str(STEPS), "--job.dump_folder", str(run / "train"), "--model.flavor", "debugmodel",
-            "--model.tokenizer", str(tokenizer), "--prompt", GEN_PROMPT, "--max-new-tokens", str(GEN_NEW),
-            "--training.seq_len", "64", "--mixed_precision.enabled", "false", *extra]
+    return [
+        "--checkpoint.step",
+        str(STEPS),
+        "--job.dump_folder",
+        str(run / "train"),
+        "--model.flavor",
+        "debugmodel",
+        "--model.tokenizer",
+        str(tokenizer),
+        "--prompt",
+        GEN_PROMPT,
+        "--max-new-tokens",
+        str(GEN_NEW),
+        "--training.seq_len",
+        "64",
+        "--mixed_precision.enabled",
+        "false",
+        *extra,
+    ]
 
 
 def _generate(out: Path, *argv: str) -> list[int]:
@@ -481,19 +660,37 @@ def _generate(out: Path, *argv: str) -> list[int]:
 def _transformers_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     # EOS named explicitly: the tiny folder's config.json keeps LlamaConfig's default ids.
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=GEN_NEW, do_sample=False, eos_token_id=257,
-                             pad_token_id=257)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=GEN_NEW, do_sample=False, eos_token_id=257, pad_token_id=257
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture
 def debug_flavor_is_the_tiny_one(monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
+    monkeypatch.setitem(
+        llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR)
+    )
 
 
-def test_generate_from_a_hugging_face_folder_gives_transformers_greedy_tokens(hf, tmp_path, debug_flavor_is_the_tiny_one):
-    ours = _generate(tmp_path / "out.jsonl", "--hf", str(hf[0]), "--model.flavor", "debugmodel", "--prompt", GEN_PROMPT,
-                     "--max-new-tokens", str(GEN_NEW), "--training.seq_len", "64", "--mixed_precision.enabled", "false")
+def test_generate_from_a_hugging_face_folder_gives_transformers_greedy_tokens(
+    hf, tmp_path, debug_flavor_is_the_tiny_one
+):
+    ours = _generate(
+        tmp_path / "out.jsonl",
+        "--hf",
+        str(hf[0]),
+        "--model.flavor",
+        "debugmodel",
+        "--prompt",
+        GEN_PROMPT,
+        "--max-new-tokens",
+        str(GEN_NEW),
+        "--training.seq_len",
+        "64",
+        "--mixed_precision.enabled",
+        "false",
+    )
     theirs = _transformers_greedy(hf[1], build_tokenizer("byte").encode(GEN_PROMPT, bos=True, eos=False))
     assert len(theirs) == GEN_NEW and ours == theirs
 
@@ -507,14 +704,19 @@ def one_process_generations(dist_run, tokenizer_folder, tmp_path_factory) -> dic
     step_args = _generate_args(dist_run, tokenizer_folder)
     export_args = [*step_args[2:], "--export", str(export)]  # the same without --checkpoint.step
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR))
-        return {"greedy": _generate(root / "greedy.jsonl", *step_args),
-                "export": _generate(root / "export.jsonl", *export_args),
-                "sampled": _generate(root / "sampled.jsonl", *step_args, *SAMPLED)}
+        mp.setitem(
+            llama.LLAMA3_FLAVORS, "debugmodel", dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"], **FLAVOR)
+        )
+        return {
+            "greedy": _generate(root / "greedy.jsonl", *step_args),
+            "export": _generate(root / "export.jsonl", *export_args),
+            "sampled": _generate(root / "sampled.jsonl", *step_args, *SAMPLED),
+        }
 
 
-def test_generate_from_a_checkpoint_and_an_export_gives_transformers_greedy_tokens(dist_run, tokenizer_folder,
-                                                                                    one_process_generations):
+def test_generate_from_a_checkpoint_and_an_export_gives_transformers_greedy_tokens(
+    dist_run, tokenizer_folder, one_process_generations
+):
     """Against transformers loading the run's own Hugging Face export of the same step."""
     from transformers import LlamaForCausalLM
 

@@ -8,8 +8,8 @@ one process, through the trainer, and on FSDP 2 / TP 2 / PP 2; an export of a ru
 loads in transformers with no missing or unexpected keys and gives our logits; export -> reimport
 is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line.
 
-Run as a script, this file is tests/workers/ckpt_jobs.py with this file's flavour registered (the
-worker knows only Llama flavours).
+Run as a script, this file is tests/workers/ckpt_jobs.py with this file's flavor registered (the
+worker knows only Llama flavors).
 """
 
 from __future__ import annotations
@@ -34,10 +34,26 @@ from torchtitan_amp.models.moe.model import MOE_FLAVORS, MoEModelArgs, MoETransf
 pytestmark = pytest.mark.dist
 
 FLAVOR = "qwen3_moe_hf_test"
-ARGS = MoEModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, explicit_head_dim=32, vocab_size=258,
-                    max_seq_len=32, norm_eps=1e-6, rope_theta=1_000_000.0, use_scaled_rope=False,
-                    n_routed_experts=8, top_k=2, moe_inter_dim=32, route_norm=True, qk_norm=True,
-                    n_dense_layers=1, dense_inter_dim=96, load_balance="aux_loss")
+ARGS = MoEModelArgs(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    explicit_head_dim=32,
+    vocab_size=258,
+    max_seq_len=32,
+    norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    use_scaled_rope=False,
+    n_routed_experts=8,
+    top_k=2,
+    moe_inter_dim=32,
+    route_norm=True,
+    qk_norm=True,
+    n_dense_layers=1,
+    dense_inter_dim=96,
+    load_balance="aux_loss",
+)
 TOKENS = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(7))
 # fp32, max |ours - transformers| over all logits; the logits' own scale is ~1 (printed by
 # test_import_matches_transformers_on_one_process), so this is also ~1e-5 relative.
@@ -48,16 +64,36 @@ STEPS = 3
 def _hf_config(**changes):  # type: ignore[no-untyped-def]
     from transformers import Qwen3MoeConfig
 
-    fields = dict(vocab_size=258, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-                  num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6,
-                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=128,
-                  tie_word_embeddings=False, initializer_range=0.05)
+    fields = dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+    )
     return Qwen3MoeConfig(**{**fields, **changes})
 
 
-HF_EXPORT = HFExport("Qwen3MoeForCausalLM", _hf_config, TOKENS, max_shard_size="20KB",  # conftest.py's `hf`
-                     perturb_norms=True, own_shard=r"model\.layers\.1\.mlp\.experts\.[4-7]\.")
+HF_EXPORT = HFExport(
+    "Qwen3MoeForCausalLM",
+    _hf_config,
+    TOKENS,
+    max_shard_size="20KB",  # conftest.py's `hf`
+    perturb_norms=True,
+    own_shard=r"model\.layers\.1\.mlp\.experts\.[4-7]\.",
+)
 
 
 def _ours(folder: Path, args: MoEModelArgs = ARGS) -> MoETransformer:
@@ -102,14 +138,36 @@ def test_import_matches_transformers_on_one_process(hf):
 
 
 def _job(dump: Path, hf_folder: Path, *extra: str) -> list[str]:
-    return ["--model.name", "moe", "--model.flavor", FLAVOR, "--model.tokenizer", "byte", "--training.seq_len", "32",
-            "--training.local_batch_size", "2", "--mixed_precision.enabled", "false", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--checkpoint.enable",
-            "--checkpoint.initial_load_path", str(hf_folder), "--job.dump_folder", str(dump), *extra]
+    return [
+        "--model.name",
+        "moe",
+        "--model.flavor",
+        FLAVOR,
+        "--model.tokenizer",
+        "byte",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--mixed_precision.enabled",
+        "false",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(hf_folder),
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 def test_import_through_the_trainer_on_one_process(hf, tmp_path, monkeypatch):
-    """checkpoint.initial_load_path = the folder, with config.json checked against the flavour."""
+    """checkpoint.initial_load_path = the folder, with config.json checked against the flavor."""
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train import trainer as trainer_module
 
@@ -134,10 +192,24 @@ def dist_run(hf, tmp_path_factory) -> Path:
     """One 2-rank launch: import on each layout (logits of TOKENS), then import on FSDP 2 and
     train STEPS steps with a checkpoint and its Hugging Face export (last_save_hf) at the end."""
     root = tmp_path_factory.mktemp("dist")
-    jobs = [{"args": _job(root / layout, hf[0], *extra), "logits": str(root / f"{layout}.pt"),
-             "tokens": TOKENS.tolist()} for layout, extra in LAYOUTS.items()]
-    jobs.append({"args": _job(root / "train", hf[0], *LAYOUTS["fsdp"], "--training.steps", str(STEPS),
-                              "--checkpoint.interval", str(STEPS), "--checkpoint.last_save_hf")})
+    jobs = [
+        {"args": _job(root / layout, hf[0], *extra), "logits": str(root / f"{layout}.pt"), "tokens": TOKENS.tolist()}
+        for layout, extra in LAYOUTS.items()
+    ]
+    jobs.append(
+        {
+            "args": _job(
+                root / "train",
+                hf[0],
+                *LAYOUTS["fsdp"],
+                "--training.steps",
+                str(STEPS),
+                "--checkpoint.interval",
+                str(STEPS),
+                "--checkpoint.last_save_hf",
+            )
+        }
+    )
     spec = write_spec(root, jobs)
     result = spawn_ranks(2, [sys.executable, __file__, str(spec)], timeout=300, env=ONE_THREAD)
     assert result.returncode == 0, result.describe()
@@ -163,9 +235,19 @@ def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
 def exported(dist_run, tmp_path_factory) -> Path:
     """The trained run's last checkpoint exported by the CLI, in fp32, in shards of <= 30 kB."""
     out = tmp_path_factory.mktemp("export") / "hf"
-    result = run_python("-m", "torchtitan_amp.checkpoint", "export", "--format", "hf",
-                        str(dist_run / "train" / "checkpoint" / f"step-{STEPS}"), str(out), "--dtype", "float32",
-                        "--max-shard-size", "30kB")
+    result = run_python(
+        "-m",
+        "torchtitan_amp.checkpoint",
+        "export",
+        "--format",
+        "hf",
+        str(dist_run / "train" / "checkpoint" / f"step-{STEPS}"),
+        str(out),
+        "--dtype",
+        "float32",
+        "--max-shard-size",
+        "30kB",
+    )
     assert result.returncode == 0, result.describe()
     return out
 
@@ -185,8 +267,9 @@ def test_export_loads_in_transformers_with_our_logits(hf, dist_run, exported):
     # Training moved the weights, so this is not the imported model compared to its source.
     assert (ours - hf[2]).abs().max() > 100 * LOGITS_ATOL
     # The published names, exactly those transformers saves.
-    assert set(json.loads((exported / INDEX).read_text())["weight_map"]) == \
-        set(json.loads((hf[0] / INDEX).read_text())["weight_map"])
+    assert set(json.loads((exported / INDEX).read_text())["weight_map"]) == set(
+        json.loads((hf[0] / INDEX).read_text())["weight_map"]
+    )
 
 
 def test_export_reimport_is_bitwise(dist_run, exported):
@@ -203,30 +286,69 @@ def test_config_round_trips(tmp_path):
     (tmp_path / CONFIG).write_text(json.dumps(hf_config(ARGS, "bfloat16", 256, 257, family=FAMILY)))
     check_config(tmp_path, ARGS, FLAVOR, FAMILY)
     theirs = Qwen3MoeConfig.from_pretrained(tmp_path)
-    assert (theirs.num_experts, theirs.num_experts_per_tok, theirs.norm_topk_prob, theirs.mlp_only_layers,
-            theirs.head_dim, theirs.moe_intermediate_size, theirs.intermediate_size) == (8, 2, True, [0], 32, 32, 96)
+    assert (
+        theirs.num_experts,
+        theirs.num_experts_per_tok,
+        theirs.norm_topk_prob,
+        theirs.mlp_only_layers,
+        theirs.head_dim,
+        theirs.moe_intermediate_size,
+        theirs.intermediate_size,
+    ) == (8, 2, True, [0], 32, 32, 96)
     assert theirs.rope_parameters["rope_theta"] == 1_000_000.0 and theirs.sliding_window is None
 
 
-def test_published_qwen3_30b_a3b_config_fits_its_flavour(tmp_path):
+def test_published_qwen3_30b_a3b_config_fits_its_flavor(tmp_path):
     """config.json of Qwen/Qwen3-30B-A3B as published (transformers 4.51 spelling)."""
-    (tmp_path / CONFIG).write_text(json.dumps({
-        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-        "use_sliding_window": False, "vocab_size": 151936}))
+    (tmp_path / CONFIG).write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "bos_token_id": 151643,
+                "decoder_sparse_step": 1,
+                "eos_token_id": 151645,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "hidden_size": 2048,
+                "initializer_range": 0.02,
+                "intermediate_size": 6144,
+                "max_position_embeddings": 40960,
+                "max_window_layers": 48,
+                "mlp_only_layers": [],
+                "model_type": "qwen3_moe",
+                "moe_intermediate_size": 768,
+                "norm_topk_prob": True,
+                "num_attention_heads": 32,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 4,
+                "output_router_logits": False,
+                "rms_norm_eps": 1e-06,
+                "rope_scaling": None,
+                "rope_theta": 1000000.0,
+                "router_aux_loss_coef": 0.001,
+                "sliding_window": None,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "use_cache": True,
+                "use_sliding_window": False,
+                "vocab_size": 151936,
+            }
+        )
+    )
     check_config(tmp_path, FAMILY.build_args("qwen3_30b_a3b", 151936, 4096), "qwen3_30b_a3b", FAMILY)
     with pytest.raises(CheckpointError, match=r"'num_hidden_layers' = 48 but model.flavor 'qwen3_x' has n_layers = 27"):
         check_config(tmp_path, FAMILY.build_args("deepseek_v3_16b", 151936, 4096), "qwen3_x", FAMILY)
-    # A flavour of the right shapes with a shared expert is named by that field.
+    # A flavor of the right shapes with a shared expert is named by that field.
     shared = dataclasses.replace(FAMILY.build_args("qwen3_30b_a3b", 151936, 4096), n_shared_experts=1)
-    with pytest.raises(CheckpointError, match=r"'shared experts \(none in Qwen3-MoE\)' = 0 but model.flavor "
-                                              r"'qwen3_x' has n_shared_experts = 1"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'shared experts \(none in Qwen3-MoE\)' = 0 but model.flavor "
+        r"'qwen3_x' has n_shared_experts = 1",
+    ):
         check_config(tmp_path, shared, "qwen3_x", FAMILY)
 
 
@@ -235,17 +357,23 @@ def _edit_config(folder: Path, **changes) -> None:  # type: ignore[no-untyped-de
     (folder / CONFIG).write_text(json.dumps({**cfg, **changes}))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"mlp_only_layers": [1]}, r"'mlp_only_layers' = \[1\]; only the first layers can be dense"),
-    ({"mlp_only_layers": [], "decoder_sparse_step": 2}, r"'decoder_sparse_step' = 2; only 1"),
-    ({"use_sliding_window": True, "sliding_window": 16}, r"'use_sliding_window' = True; this model supports only False"),
-    ({"model_type": "qwen2_moe"}, r"'model_type' = 'qwen2_moe'; only 'qwen3_moe'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope scaling type 'yarn'"),
-    ({"num_experts": 16}, r"'num_experts' = 16 but model.flavor 'x' has n_routed_experts = 8"),
-    ({"norm_topk_prob": False}, r"'norm_topk_prob' = False but model.flavor 'x' has route_norm = True"),
-    ({"mlp_only_layers": []}, r"'mlp_only_layers' = \[\] but model.flavor 'x' has n_dense_layers = 1"),
-    ({"hidden_act": "gelu"}, r"'hidden_act' = 'gelu'; this model supports only 'silu'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"mlp_only_layers": [1]}, r"'mlp_only_layers' = \[1\]; only the first layers can be dense"),
+        ({"mlp_only_layers": [], "decoder_sparse_step": 2}, r"'decoder_sparse_step' = 2; only 1"),
+        (
+            {"use_sliding_window": True, "sliding_window": 16},
+            r"'use_sliding_window' = True; this model supports only False",
+        ),
+        ({"model_type": "qwen2_moe"}, r"'model_type' = 'qwen2_moe'; only 'qwen3_moe'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, r"rope scaling type 'yarn'"),
+        ({"num_experts": 16}, r"'num_experts' = 16 but model.flavor 'x' has n_routed_experts = 8"),
+        ({"norm_topk_prob": False}, r"'norm_topk_prob' = False but model.flavor 'x' has route_norm = True"),
+        ({"mlp_only_layers": []}, r"'mlp_only_layers' = \[\] but model.flavor 'x' has n_dense_layers = 1"),
+        ({"hidden_act": "gelu"}, r"'hidden_act' = 'gelu'; this model supports only 'silu'"),
+    ],
+)
 def test_unrepresentable_config_is_one_line(tmp_path, changes, message):
     (tmp_path / CONFIG).write_text(json.dumps(hf_config(ARGS, "float32", None, None, family=FAMILY)))
     _edit_config(tmp_path, **changes)
@@ -254,12 +382,15 @@ def test_unrepresentable_config_is_one_line(tmp_path, changes, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"n_shared_experts": 1}, r"n_shared_experts = 1, but Qwen3-MoE has no shared expert"),
-    ({"score_func": "sigmoid"}, r"score_func = 'sigmoid', but Qwen3-MoE routes on softmax scores"),
-    ({"route_scale": 2.5}, r"route_scale = 2.5, but Qwen3-MoE does not scale"),
-    ({"qk_norm": False}, r"qk_norm = False, but Qwen3-MoE always normalises"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_shared_experts": 1}, r"n_shared_experts = 1, but Qwen3-MoE has no shared expert"),
+        ({"score_func": "sigmoid"}, r"score_func = 'sigmoid', but Qwen3-MoE routes on softmax scores"),
+        ({"route_scale": 2.5}, r"route_scale = 2.5, but Qwen3-MoE does not scale"),
+        ({"qk_norm": False}, r"qk_norm = False, but Qwen3-MoE always normalises"),
+    ],
+)
 def test_unexportable_args_are_one_line(changes, message):
     with pytest.raises(CheckpointError, match=message) as e:
         hf_config(dataclasses.replace(ARGS, **changes), "float32", None, None, family=FAMILY)
@@ -309,13 +440,22 @@ def _shrink_expert(folder: Path) -> None:
     save_file({**tensors, name: tensors[name][:-1]}, str(shard))
 
 
-@pytest.mark.parametrize("break_it, message", [
-    (_drop_expert, r"has no tensor 'model.layers.2.mlp.experts.7.up_proj.weight' \(a part of "
-                   r"'layers.2.feed_forward.experts.w3'\)"),
-    (_add_expert, r"tensor 'model.layers.1.mlp.experts.8.up_proj.weight' has no place in this model "
-                  r"\('layers.1.feed_forward.experts.w3' stacks 8 tensors\)"),
-    (_shrink_expert, r"the parts of 'layers.1.feed_forward.experts.w1' differ in shape or dtype"),
-])
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (
+            _drop_expert,
+            r"has no tensor 'model.layers.2.mlp.experts.7.up_proj.weight' \(a part of "
+            r"'layers.2.feed_forward.experts.w3'\)",
+        ),
+        (
+            _add_expert,
+            r"tensor 'model.layers.1.mlp.experts.8.up_proj.weight' has no place in this model "
+            r"\('layers.1.feed_forward.experts.w3' stacks 8 tensors\)",
+        ),
+        (_shrink_expert, r"the parts of 'layers.1.feed_forward.experts.w1' differ in shape or dtype"),
+    ],
+)
 def test_broken_experts_are_one_line(hf, tmp_path, break_it, message):
     folder = _copy(hf[0], tmp_path / "hf")
     break_it(folder)

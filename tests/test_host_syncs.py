@@ -25,8 +25,18 @@ from torchtitan_amp.models.moe.moe import MoE
 from torchtitan_amp.observability.host_syncs import HostSyncs, StepSyncs, uncounted
 from torchtitan_amp.train.trainer import Trainer
 
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
-        "--training.steps", "4", "--metrics.log_freq", "2"]
+TINY = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.steps",
+    "4",
+    "--metrics.log_freq",
+    "2",
+]
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel_moe"]
 # The one read of a training step: trainer.train_step's torch.isfinite(grad_norm) (fp32 / bf16),
 # the loss scale after GradScaler.update (fp16 with a fused optimizer, which takes found_inf on
@@ -69,10 +79,17 @@ def test_counter_sees_every_kind_of_sync_and_nothing_else() -> None:
     for name, calls in syncing.items():
         for call in calls:
             assert _count(call) == {name: 1}, name
-    free = [lambda: i.repeat_interleave(i, output_size=3), lambda: t.argsort(stable=True), lambda: t.topk(2),
-            lambda: torch.zeros(3).scatter_add_(0, i, torch.ones(2)), lambda: t[i], lambda: t.cumsum(0),
-            lambda: t.masked_fill(mask, 0.0), lambda: t.to(torch.float64),
-            lambda: t.clone().__setitem__(mask, 0.0)]  # ATen runs it as masked_fill_
+    free = [
+        lambda: i.repeat_interleave(i, output_size=3),
+        lambda: t.argsort(stable=True),
+        lambda: t.topk(2),
+        lambda: torch.zeros(3).scatter_add_(0, i, torch.ones(2)),
+        lambda: t[i],
+        lambda: t.cumsum(0),
+        lambda: t.masked_fill(mask, 0.0),
+        lambda: t.to(torch.float64),
+        lambda: t.clone().__setitem__(mask, 0.0),
+    ]  # ATen runs it as masked_fill_
     for call in free:
         assert _count(call) == {}
     with HostSyncs() as syncs:
@@ -108,16 +125,19 @@ def _counted_run(tmp_path: Path, *extra: str) -> dict[int, dict]:
     return recorder.steps
 
 
-@pytest.mark.parametrize("family,precision", [
-    ("dense", ("--mixed_precision.enabled", "false")),
-    ("dense", ()),
-    ("dense", ("--mixed_precision.param_dtype", "float16")),
-    ("moe", ()),
-    # Block-scaled (emulated): no finiteness read per quantized operand; a non-finite one reaches
-    # the gradient norm's check (the full nvfp4 recipe: SR reseeded per step, RHT, 2-D weights).
-    ("dense", ("--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true")),
-    ("dense", ("--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true")),
-])
+@pytest.mark.parametrize(
+    "family,precision",
+    [
+        ("dense", ("--mixed_precision.enabled", "false")),
+        ("dense", ()),
+        ("dense", ("--mixed_precision.param_dtype", "float16")),
+        ("moe", ()),
+        # Block-scaled (emulated): no finiteness read per quantized operand; a non-finite one reaches
+        # the gradient norm's check (the full nvfp4 recipe: SR reseeded per step, RHT, 2-D weights).
+        ("dense", ("--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true")),
+        ("dense", ("--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true")),
+    ],
+)
 def test_a_training_step_reads_the_device_once(tmp_path: Path, family: str, precision: tuple[str, ...]) -> None:
     model = ["--model.flavor", "debugmodel_tiny"] if family == "dense" else MOE
     steps = _counted_run(tmp_path, *model, *precision)
@@ -202,8 +222,9 @@ def test_expert_parallel_recompute_reuses_the_forwards_counts(one_rank_group, mo
     calls: list[str] = []
     counts_a2a, rows_a2a = dist.all_to_all_single, expert_parallel.all_to_all_single_autograd
     monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: calls.append("counts") or counts_a2a(*a, **k))
-    monkeypatch.setattr(expert_parallel, "all_to_all_single_autograd",
-                        lambda *a, **k: calls.append("rows") or rows_a2a(*a, **k))
+    monkeypatch.setattr(
+        expert_parallel, "all_to_all_single_autograd", lambda *a, **k: calls.append("rows") or rows_a2a(*a, **k)
+    )
     for _ in range(2):  # two micro-batches forward, then both backward (first in, first out)
         y = checkpoint(layer, x, use_reentrant=False)
         torch.testing.assert_close(y, want)

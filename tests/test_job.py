@@ -3,7 +3,6 @@ model parts that the trainer and the dry run both build from it; the torch-free 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -20,33 +19,59 @@ TINY = ("--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.
 
 
 def test_resolve_returns_everything_decided_before_a_process_group() -> None:
-    config = load_config([*TINY, "--mixed_precision.enabled", "true", "--training.global_batch_size", "8",
-                          "--parallelism.pipeline_parallel_degree", "2",
-                          "--parallelism.pipeline_parallel_schedule", "GPipe"])
+    config = load_config(
+        [
+            *TINY,
+            "--mixed_precision.enabled",
+            "true",
+            "--training.global_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+        ]
+    )
     job = resolve(config, 4, "cpu")  # pp 2 x dp_shard -1 -> 2
     assert (job.dims.pp, job.dims.dp_shard, job.accum, job.n_microbatches) == (2, 2, 2, 2)
     assert job.plan.path == "fsdp" and job.model_args.vocab_size == job.tokenizer.vocab_size
     assert job.layout.grad_accum == 2 and job.layout.split_points == (3,)
 
 
-@pytest.mark.parametrize(("argv", "world", "message"), [
-    (("--training.global_batch_size", "6"), 2, "'training.global_batch_size' = 6 is not a multiple"),
-    (("--parallelism.tensor_parallel_degree", "3"), 3, "must divide the model's n_heads = 16"),
-    (("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.9"), 2,
-     "'parallelism.pipeline_parallel_split_points' needs 1 increasing layer indices"),
-    (("--mixed_precision.lower_precision_safe_modules", "torch.nn.Nope"), 1, "torch.nn.Nope"),
-    (("--model.tokenizer", "/no/such/tokenizer.json"), 1, "/no/such/tokenizer.json"),
-    (("--debug.fault_inject_at_step", "1", "--debug.fault_inject_rank", "2"), 2,
-     "'debug.fault_inject_rank' = 2 is not a rank of this job"),
-])
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (("--training.global_batch_size", "6"), 2, "'training.global_batch_size' = 6 is not a multiple"),
+        (("--parallelism.tensor_parallel_degree", "3"), 3, "must divide the model's n_heads = 16"),
+        (
+            ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.9"),
+            2,
+            "'parallelism.pipeline_parallel_split_points' needs 1 increasing layer indices",
+        ),
+        (("--mixed_precision.lower_precision_safe_modules", "torch.nn.Nope"), 1, "torch.nn.Nope"),
+        (("--model.tokenizer", "/no/such/tokenizer.json"), 1, "/no/such/tokenizer.json"),
+        (
+            ("--debug.fault_inject_at_step", "1", "--debug.fault_inject_rank", "2"),
+            2,
+            "'debug.fault_inject_rank' = 2 is not a rank of this job",
+        ),
+    ],
+)
 def test_resolve_refuses_bad_configs_naming_the_field(argv: tuple[str, ...], world: int, message: str) -> None:
     with pytest.raises((ConfigError, DataError), match=message.replace("(", r"\(").replace(".", r"\.")):
         resolve(load_config([*TINY, *argv]), world, "cpu")
 
 
 def test_pipeline_split_and_stage_placement_come_from_the_job() -> None:
-    config = load_config([*TINY, "--parallelism.pipeline_parallel_degree", "2",
-                          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"])
+    config = load_config(
+        [
+            *TINY,
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+        ]
+    )
     job = resolve(config, 2, "cpu")
     assert job.boundaries == (0, 2, 4, 5) and job.num_stages == 4 and job.n_microbatches == 2
     assert job.stage_ids(0) == [0, 2] and job.stage_ids(1) == [1, 3]
@@ -94,8 +119,10 @@ def test_reshard_after_forward_follows_torchtitan_under_pp() -> None:
 
 
 def test_rules_memory_and_config_import_no_torch() -> None:
-    code = ("import sys; import torchtitan_amp.core.rules, torchtitan_amp.memory, torchtitan_amp.config, "
-            "torchtitan_amp.core.environment; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = (
+        "import sys; import torchtitan_amp.core.rules, torchtitan_amp.memory, torchtitan_amp.config, "
+        "torchtitan_amp.core.environment; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.describe()
 

@@ -22,8 +22,18 @@ from torchtitan_amp.train.trainer import Trainer
 
 # fp32 sums of a few hundred terms in another order, and one more division: a few unit roundoffs.
 FP32_RTOL = 1e-6
-TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--mixed_precision.enabled", "false",
-        "--lr_scheduler.warmup_steps", "2", "--training.seed", "0"]
+TINY = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--mixed_precision.enabled",
+    "false",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.seed",
+    "0",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +52,9 @@ def _masked_batch(batch: int = 8, seq: int = 16, vocab: int = 11) -> tuple[torch
     return logits, labels
 
 
-def _split_loss(logits: torch.Tensor, labels: torch.Tensor, parts: int, grad_mean_size: int,
-                per_part_mean: bool = False) -> torch.Tensor:
+def _split_loss(
+    logits: torch.Tensor, labels: torch.Tensor, parts: int, grad_mean_size: int, per_part_mean: bool = False
+) -> torch.Tensor:
     """What the wrappers' gradient mean makes of `parts` pieces of the batch spread over
     `grad_mean_size` ranks: the sum of each piece's loss, over grad_mean_size. per_part_mean: each
     piece's own mean over its parts' count (a rank's mean, divided by the pieces per rank)."""
@@ -98,8 +109,9 @@ class _SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(tmp_path: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], *extra: str
-          ) -> tuple[float, float, dict[str, torch.Tensor], int]:
+def _step(
+    tmp_path: Path, batches: list[tuple[torch.Tensor, torch.Tensor]], *extra: str
+) -> tuple[float, float, dict[str, torch.Tensor], int]:
     """One train step of a fresh single-process Trainer on `batches`: loss, grad norm, gradients
     and the host reads the step made."""
     trainer = Trainer(load_config(["--job.dump_folder", str(tmp_path), *TINY, *extra]))
@@ -120,12 +132,20 @@ def test_accumulated_micro_batches_with_unequal_valid_labels_equal_one_batch(tmp
     labels[3, :20] = IGNORE_INDEX
     assert (labels[:2] != IGNORE_INDEX).sum() != (labels[2:] != IGNORE_INDEX).sum()
     one = _step(tmp_path / "one", [(inputs, labels)], "--training.local_batch_size", "4")
-    two = _step(tmp_path / "two", [(inputs[:2], labels[:2]), (inputs[2:], labels[2:])],
-                "--training.local_batch_size", "2", "--training.global_batch_size", "4")
+    two = _step(
+        tmp_path / "two",
+        [(inputs[:2], labels[:2]), (inputs[2:], labels[2:])],
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+    )
     assert two[0] == pytest.approx(one[0], rel=FP32_RTOL) and two[1] == pytest.approx(one[1], rel=FP32_RTOL)
     worst = max(float((two[2][n] - g1).norm() / g1.norm()) for n, g1 in one[2].items())
-    print(f"\n[loss norm] accumulation 2 vs one batch: loss {abs(two[0] / one[0] - 1):.1e}, grad norm "
-          f"{abs(two[1] / one[1] - 1):.1e}, worst gradient {worst:.1e} (relative)")
+    print(
+        f"\n[loss norm] accumulation 2 vs one batch: loss {abs(two[0] / one[0] - 1):.1e}, grad norm "
+        f"{abs(two[1] / one[1] - 1):.1e}, worst gradient {worst:.1e} (relative)"
+    )
     assert worst < 1e-5
     assert one[3] == two[3] == 1, (one[3], two[3])
 
@@ -144,8 +164,21 @@ def test_masking_helper_masks_by_window_content() -> None:
 def test_validation_loss_is_the_mean_over_valid_labels(tmp_path: Path) -> None:
     """Validation sums each batch's per-label losses and counts its valid labels: two batches with
     unequal counts give the mean over all their valid labels, not the mean of the batches' means."""
-    trainer = Trainer(load_config(["--job.dump_folder", str(tmp_path), *TINY, "--training.local_batch_size", "2",
-                                   "--validation.enable", "true", "--validation.steps", "2"]))
+    trainer = Trainer(
+        load_config(
+            [
+                "--job.dump_folder",
+                str(tmp_path),
+                *TINY,
+                "--training.local_batch_size",
+                "2",
+                "--validation.enable",
+                "true",
+                "--validation.steps",
+                "2",
+            ]
+        )
+    )
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (4, 33), generator=g)
     labels = tokens[:, 1:].clone()

@@ -14,7 +14,10 @@ def _write(out: Path, run: str, rows: list[dict]) -> None:
     (out / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-ROWS = [{"step": 1, "loss": 5.5, "grad_norm": 2.0, "tps": 100.0}, {"step": 2, "loss": 5.25, "grad_norm": 1.5, "tps": 90.0}]
+ROWS = [
+    {"step": 1, "loss": 5.5, "grad_norm": 2.0, "tps": 100.0},
+    {"step": 2, "loss": 5.25, "grad_norm": 1.5, "tps": 90.0},
+]
 
 
 def test_identical_runs_pass_whatever_their_speed(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -58,8 +58,14 @@ def _saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, context) -> int: 
 
 CASES = {
     "debugmodel_moe": {},  # a shared expert, sigmoid-free softmax routing, bias balancing
-    "qwen3_like": {"n_heads": 4, "n_kv_heads": 2, "explicit_head_dim": 24, "qk_norm": True,
-                   "n_shared_experts": 0, "load_balance": "aux_loss"},
+    "qwen3_like": {
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "explicit_head_dim": 24,
+        "qk_norm": True,
+        "n_shared_experts": 0,
+        "load_balance": "aux_loss",
+    },
 }
 
 
@@ -68,8 +74,16 @@ CASES = {
 def test_moe_activation_formula_matches_saved_tensors(case: str, precision: str) -> None:
     """A MoE block's bytes (3 layers minus 1, all MoE) and a dense block's (the first of 3 made
     dense) equal the formula's for this CPU, per token of the microbatch."""
-    config = load_config(["--model.name", "moe", "--model.flavor", "debugmodel_moe",
-                          "--mixed_precision.enabled", "false" if precision == "fp32" else "true"])
+    config = load_config(
+        [
+            "--model.name",
+            "moe",
+            "--model.flavor",
+            "debugmodel_moe",
+            "--mixed_precision.enabled",
+            "false" if precision == "fp32" else "true",
+        ]
+    )
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
     base = dataclasses.replace(FAMILY.flavors["debugmodel_moe"], moe_inter_dim=48, dense_inter_dim=96, **CASES[case])
@@ -98,8 +112,18 @@ def test_mfu_counts_the_active_experts_only(tmp_path) -> None:  # type: ignore[n
     from torchtitan_amp.train import dry_run
     from torchtitan_amp.train.job import build_model_parts
 
-    config = load_config(["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--job.dump_folder", str(tmp_path),
-                          "--training.seq_len", "64"])
+    config = load_config(
+        [
+            "--model.name",
+            "moe",
+            "--model.flavor",
+            "debugmodel_moe",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.seq_len",
+            "64",
+        ]
+    )
     job = dry_run.resolve(config, 1)
     built = build_model_parts(job, torch.device("meta"), [0], materialize=False)
     args, dims = job.model_args, job.model_dims
@@ -127,8 +151,11 @@ def _alive_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
     class Made(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
-            made.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
-                        if isinstance(t, torch.Tensor))
+            made.update(
+                t.untyped_storage().data_ptr()
+                for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            )
             return out
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -184,10 +211,22 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
 
     name, flavor, overrides = OP_SAC_CASES[case]
     family = get_family(name)
-    config = load_config(["--model.name", name, "--model.flavor", flavor, "--activation_checkpoint.mode", "selective",
-                          "--activation_checkpoint.selective_ac_option", "op",
-                          "--activation_checkpoint.per_op_sac_save_mm", save_mm,
-                          "--mixed_precision.enabled", "false" if precision == "fp32" else "true"])
+    config = load_config(
+        [
+            "--model.name",
+            name,
+            "--model.flavor",
+            flavor,
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--activation_checkpoint.per_op_sac_save_mm",
+            save_mm,
+            "--mixed_precision.enabled",
+            "false" if precision == "fp32" else "true",
+        ]
+    )
     plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
     b, s = 2, 64
     layouts = ((1, 0), (3, 0), (3, 1)) if name == "moe" else ((1, 0), (3, 0))
@@ -203,8 +242,7 @@ def test_op_level_sac_formula_matches_what_stays_alive(case: str, precision: str
         activation_checkpoint.apply_ac(model, config.activation_checkpoint, family.ac_regions)
         context = functools.partial(autocast.forward_context, plan)
         measured[layers, dense] = _alive_activation_bytes(model, torch.randint(0, 258, (b, s)), context)
-    layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op",
-                           op_sac_save_mm=save_mm)
+    layout = memory.Layout(seq_len=s, local_batch_size=b, ac_mode="selective", ac_option="op", op_sac_save_mm=save_mm)
     terms = family.memory_dims(args).activation_terms(memory_spec.from_plan(plan, family.norm_cls), layout)
     tokens = layout.microbatch_tokens
     counts = 8 * getattr(args, "n_routed_experts", 0)

@@ -68,7 +68,8 @@ def test_cpu_peak_is_the_fastest_dtype_the_step_computes_in(monkeypatch: pytest.
     assert peak_flops(CPU, [torch.bfloat16]) == 1.3e9
     # The MFU peak runs on every thread of the process (the start-up precision line: one thread).
     assert metrics.peak_label(CPU, [torch.float32, torch.bfloat16]) == (
-        f"best measured bfloat16/float32 matmul on this CPU, {torch.get_num_threads()} threads")
+        f"best measured bfloat16/float32 matmul on this CPU, {torch.get_num_threads()} threads"
+    )
 
 
 def test_mfu_never_exceeds_100_percent_with_a_low_first_peak(
@@ -111,12 +112,26 @@ def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low
 
     monkeypatch.setattr(metrics, "cpu_matmul_flops", lambda dtype, threads: 1e3)
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
-        trainer = Trainer(load_config([*TINY, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
-                                       "--training.seq_len", "16", "--no-mixed_precision.enabled"]))
+        trainer = Trainer(
+            load_config(
+                [
+                    *TINY,
+                    "--training.steps",
+                    "3",
+                    "--job.dump_folder",
+                    str(tmp_path),
+                    "--training.seq_len",
+                    "16",
+                    "--no-mixed_precision.enabled",
+                ]
+            )
+        )
         trainer.train()
     threads = torch.get_num_threads()
-    assert f"mfu is relative to 1e-09 TFLOP/s (best measured float32 matmul on this CPU, {threads} threads)" \
+    assert (
+        f"mfu is relative to 1e-09 TFLOP/s (best measured float32 matmul on this CPU, {threads} threads)"
         in caplog.messages
+    )
     mfus = [r["mfu"] for r in read_jsonl(tmp_path)]
     assert len(mfus) == 3 and all(0 < m <= 100.0 for m in mfus), mfus
     # The fresh measurement replaced the bad one (1e3): at least what a step achieved, which is
@@ -139,9 +154,7 @@ def test_trainer_mfu_stays_at_most_100_percent_when_the_first_measurement_is_low
         ("AMD Instinct MI300X", 1307e12),
     ],
 )
-def test_peak_flops_cuda_table(
-    monkeypatch: pytest.MonkeyPatch, device_name: str, expected: float
-) -> None:
+def test_peak_flops_cuda_table(monkeypatch: pytest.MonkeyPatch, device_name: str, expected: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
     assert peak_flops(torch.device("cuda"), torch.bfloat16) == expected
     # fp32 runs are still measured against the bf16 peak.
@@ -220,11 +233,15 @@ def test_run_step_times_progress_and_summary(
     assert logged[0].elapsed_s == pytest.approx(42.0)  # elapsed_s still counts from construction
     lines = [r.getMessage() for r in caplog.records if r.name == "torchtitan_amp"]
     assert [x for x in lines if x.startswith("progress")] == [
-        "progress: 4/6 steps, elapsed 0m12s, eta: 0m12s", "progress: 6/6 steps, elapsed 0m18s, eta: 0m00s"]
+        "progress: 4/6 steps, elapsed 0m12s, eta: 0m12s",
+        "progress: 6/6 steps, elapsed 0m18s, eta: 0m00s",
+    ]
     # Both logged steps are past the resumed run's first step: both count in the means.
-    assert lines[-1] == ("summary: 6 steps, 4,000 tokens, mean tps 250, mean mfu 2.50%, peak memory "
-                         f"{max(m.memory_gib for m in logged):.2f}GiB, wall time 0m18s, checkpoints written 1, "
-                         "mfu peak 60 TFLOP/s")
+    assert lines[-1] == (
+        "summary: 6 steps, 4,000 tokens, mean tps 250, mean mfu 2.50%, peak memory "
+        f"{max(m.memory_gib for m in logged):.2f}GiB, wall time 0m18s, checkpoints written 1, "
+        "mfu peak 60 TFLOP/s"
+    )
     logger.close()
 
 
@@ -245,9 +262,7 @@ def test_summary_without_start_run_or_off_the_logging_rank_logs_nothing(
     other.close()
 
 
-def test_log_line_format(
-    tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_log_line_format(tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     logger = make_logger(tmp_path, peak_flops=100e12)
     logger.record_tokens(24690)
     clock.now += 2.0
@@ -315,9 +330,7 @@ def test_non_logging_rank_writes_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("is_logging_rank", [True, False])
-def test_extra_clashing_with_builtin_key_is_rejected_on_every_rank(
-    tmp_path: Path, is_logging_rank: bool
-) -> None:
+def test_extra_clashing_with_builtin_key_is_rejected_on_every_rank(tmp_path: Path, is_logging_rank: bool) -> None:
     logger = make_logger(tmp_path, is_logging_rank=is_logging_rank)
     with pytest.raises(ValueError, match="loss"):
         logger.log(1, 3.0, 1.0, 1e-3, extra={"loss": 1.0})
@@ -364,12 +377,15 @@ def test_run_summary_leaves_out_the_first_step_and_keeps_the_peak_memory() -> No
     assert step_metrics.RunSummary.of(logged[:1], first_step=0).mean_tps == 10.0
     assert summary.line(4, 12345, 3725.0, 2, "1 TFLOP/s") == (
         "summary: 4 steps, 12,345 tokens, mean tps 200, mean mfu 20.00%, peak memory 9.00GiB, "
-        "wall time 1h02m, checkpoints written 2, mfu peak 1 TFLOP/s")
+        "wall time 1h02m, checkpoints written 2, mfu peak 1 TFLOP/s"
+    )
 
 
 def test_progress_line_estimates_the_rest_from_the_mean_step_time() -> None:
-    assert step_metrics.format_progress(4, 10, first_step=2, run_s=20.0) == \
-        "progress: 4/10 steps, elapsed 0m20s, eta: 1m00s"
+    assert (
+        step_metrics.format_progress(4, 10, first_step=2, run_s=20.0)
+        == "progress: 4/10 steps, elapsed 0m20s, eta: 1m00s"
+    )
     assert step_metrics.format_progress(2, 10, first_step=2, run_s=5.0) is None
 
 

@@ -220,7 +220,7 @@ def test_flops_per_token_8b() -> None:
     assert flops_per_token(args, n, 8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
 
 
-def test_unknown_flavour_lists_allowed() -> None:
+def test_unknown_flavor_lists_allowed() -> None:
     with pytest.raises(ValueError) as err:
         build_model_args("llama3_1b", vocab_size=258, max_seq_len=64)
     for name in ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b"):

@@ -106,7 +106,9 @@ def test_bias_update_is_centred_in_int64_and_applied_only_after_an_applied_step(
     for layer in layers:
         assert not layer.router.expert_bias.any()  # not before the optimizer step
         assert float(layer.tokens_per_expert.sum()) == 0
-    assert float(stats["moe_load_max"]) == pytest.approx(10 / 3) and float(stats["moe_load_min"]) == pytest.approx(2 / 3)
+    assert float(stats["moe_load_max"]) == pytest.approx(10 / 3) and float(stats["moe_load_min"]) == pytest.approx(
+        2 / 3
+    )
     for layer in layers:  # a skipped step: the next backward computes a fresh update
         layer.tokens_per_expert.copy_(loads)
     after_backward([model], group=None)
@@ -156,7 +158,8 @@ def test_active_parameters_and_flops() -> None:
     active = active_params(args, no_emb) + embeddings
     assert 3.2e9 < active < 3.5e9, active
     assert family.flops_per_token(args, no_emb, 4096) == (
-        6 * active_params(args, no_emb) + 12 * args.n_layers * args.n_heads * args.head_dim * 4096)
+        6 * active_params(args, no_emb) + 12 * args.n_layers * args.n_heads * args.head_dim * 4096
+    )
 
 
 def test_moe_family_is_llamas_with_what_differs_replaced() -> None:
@@ -166,8 +169,20 @@ def test_moe_family_is_llamas_with_what_differs_replaced() -> None:
     from torchtitan_amp.models.llama3.model import Transformer
 
     moe, llama = get_family("moe"), get_family("llama3")
-    replaced = {"name", "model_cls", "args_cls", "flavors", "flops_per_token", "tp_block_plan", "memory_dims", "hf",
-                "after_backward", "after_step", "set_loss_factor", "compile_fullgraph"}
+    replaced = {
+        "name",
+        "model_cls",
+        "args_cls",
+        "flavors",
+        "flops_per_token",
+        "tp_block_plan",
+        "memory_dims",
+        "hf",
+        "after_backward",
+        "after_step",
+        "set_loss_factor",
+        "compile_fullgraph",
+    }
     for field in dataclasses.fields(moe):
         if field.name not in replaced:
             assert getattr(moe, field.name) is getattr(llama, field.name), field.name
@@ -193,8 +208,9 @@ def test_plan_routes_in_fp32_by_default_and_keeps_routers_out_of_low_precision()
     assert summary["router_dtype"] == "float32" and summary["routers"] == 3
     assert _plan("--mixed_precision.router_dtype", "float64").router_dtype == torch.float64
     # Experts are Linears in another form: with Linear out of the safe list they stay fp32.
-    fp32_linears = _plan("--mixed_precision.enabled", "true", "--mixed_precision.lower_precision_safe_modules",
-                         "torch.nn.Embedding")
+    fp32_linears = _plan(
+        "--mixed_precision.enabled", "true", "--mixed_precision.lower_precision_safe_modules", "torch.nn.Embedding"
+    )
     assert fp32_linears.compute_dtype(experts) == torch.float32
 
 
@@ -213,10 +229,30 @@ def test_bf16_router_flips_routing_and_fp32_does_not(tmp_path) -> None:  # type:
     2-9% per layer on this model)."""
     from torchtitan_amp.train.trainer import Trainer
 
-    trainer = Trainer(load_config([
-        "--model.name", "moe", "--model.flavor", "debugmodel_moe", "--training.seq_len", "64", "--training.steps", "20",
-        "--optimizer.lr", "1e-2", "--training.local_batch_size", "8", "--mixed_precision.enabled", "false",
-        "--metrics.log_freq", "100", "--job.dump_folder", str(tmp_path)]))
+    trainer = Trainer(
+        load_config(
+            [
+                "--model.name",
+                "moe",
+                "--model.flavor",
+                "debugmodel_moe",
+                "--training.seq_len",
+                "64",
+                "--training.steps",
+                "20",
+                "--optimizer.lr",
+                "1e-2",
+                "--training.local_batch_size",
+                "8",
+                "--mixed_precision.enabled",
+                "false",
+                "--metrics.log_freq",
+                "100",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        )
+    )
     trainer.train()
     model = trainer.run.model.eval()
     seen: dict[str, torch.Tensor] = {}
@@ -311,8 +347,7 @@ def test_combine_rounds_once_and_adds_without_atomics() -> None:
         for slot in range(3):
             want += rows.view(-1, 3, 64)[:, slot] * weights[:, slot, None].float()
         want = (want + layer.shared_expert(tokens).float()).to(torch.bfloat16)
-        twice = ((want.float() - layer.shared_expert(tokens).float()).to(torch.bfloat16)
-                 + layer.shared_expert(tokens))
+        twice = (want.float() - layer.shared_expert(tokens).float()).to(torch.bfloat16) + layer.shared_expert(tokens)
     assert torch.equal(out.detach().view(-1, 64), want)
     assert not torch.equal(twice, want)  # the double rounding this avoids is visible at this size
 

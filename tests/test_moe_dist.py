@@ -62,39 +62,63 @@ AUX_LAYOUTS = {"aux_cp2": Layout(2, (CP, "2")), "aux_cp2_tp2": Layout(4, (CP, "2
 SINGLE = Layout(1, ())
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "3")
 OP_SAC = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
-MXFP8_EXPERTS = ("--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true",
-                 "--mixed_precision.block_scaled_experts", "true")
+MXFP8_EXPERTS = (
+    "--mixed_precision.block_scaled",
+    "mxfp8",
+    "--mixed_precision.block_scaled_emulate",
+    "true",
+    "--mixed_precision.block_scaled_experts",
+    "true",
+)
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
 def _runs_for(nproc: int, root: Path) -> list[dict]:
     runs = []
     if nproc == 1:
-        runs += [{"name": "single_fp32", "args": SINGLE.args("fp32", *MOE), "grads": True},
-                 {"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3), "grads": True},
-                 {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True},
-                 {"name": "single_mxfp8_experts", "args": SINGLE.args("bf16", *MOE, *MXFP8_EXPERTS)}]
-    runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *MOE), "grads": True}
-             for name, layout in LAYOUTS.items() if layout.nproc == nproc]
-    runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *QWEN3), "grads": True}
-             for name, layout in QWEN3_LAYOUTS.items() if layout.nproc == nproc]
-    runs += [{"name": f"{name}_fp32", "args": layout.args("fp32", *MOE_AUX), "grads": True}
-             for name, layout in AUX_LAYOUTS.items() if layout.nproc == nproc]
+        runs += [
+            {"name": "single_fp32", "args": SINGLE.args("fp32", *MOE), "grads": True},
+            {"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3), "grads": True},
+            {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True},
+            {"name": "single_mxfp8_experts", "args": SINGLE.args("bf16", *MOE, *MXFP8_EXPERTS)},
+        ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *MOE), "grads": True}
+        for name, layout in LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *QWEN3), "grads": True}
+        for name, layout in QWEN3_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *MOE_AUX), "grads": True}
+        for name, layout in AUX_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
     if nproc == 2:
         fsdp = LAYOUTS["fsdp2"]
         runs.append({"name": "fsdp2_bf16", "args": fsdp.args("bf16", *MOE)})
         # Under op-level SAC: the routers' fp32 groups and the EP experts' efsdp groups are FSDP
         # units inside the recomputed feed-forward (parallelize.recomputed_whole); it crashed before.
-        runs.append({"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2",
-                                                           *OP_SAC)})
+        runs.append(
+            {"name": "ep2_bf16", "args": fsdp.args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2", *OP_SAC)}
+        )
         runs.append({"name": "ep2_mxfp8_experts", "args": fsdp.args("bf16", *MOE, *EP2, *MXFP8_EXPERTS)})
         # Checkpoints at steps 3 and 5; then the same folder again, resuming from step 3.
-        runs += [{"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
-                 for again in ((), ("--checkpoint.load_step", "3"))]
+        runs += [
+            {"name": "resumed", "args": fsdp.args("fp32", *MOE, *CKPT, *again)}
+            for again in ((), ("--checkpoint.load_step", "3"))
+        ]
     if nproc == 4:
         # EP 2 x TP 2 in bf16 (sequence parallel, the MoE layer replicated over tp, experts split by EP).
-        runs.append({"name": "ep2_tp2_bf16", "args": LAYOUTS["fsdp2_tp2"].args(
-            "bf16", *MOE, "--parallelism.expert_parallel_degree", "2")})
+        runs.append(
+            {
+                "name": "ep2_tp2_bf16",
+                "args": LAYOUTS["fsdp2_tp2"].args("bf16", *MOE, "--parallelism.expert_parallel_degree", "2"),
+            }
+        )
     return runs
 
 
@@ -106,8 +130,9 @@ class Launches:
         key = f"nproc{nproc}"
         if key not in self.outputs:
             self.outputs[key] = f"the {key} launch did not finish"
-            result = launch_worker("layouts", self.root / key, _runs_for(nproc, self.root), nproc,
-                                   timeout=600, check=False)
+            result = launch_worker(
+                "layouts", self.root / key, _runs_for(nproc, self.root), nproc, timeout=600, check=False
+            )
             self.outputs[key] = result.describe(6000)
         return Run(name, self.root / key / name, self.outputs[key])
 
@@ -135,8 +160,10 @@ def _compare(run: Run, ref: Run, label: str) -> None:
     assert sorted(got) == sorted(want)
     grad_rel = {n: float((got[n] - want[n]).norm() / want[n].norm()) for n in want if want[n].norm() > 0}
     worst = max(grad_rel, key=grad_rel.get)
-    print(f"\n[moe fp32] {label}: max rel loss diff {loss_rel:.2e}, worst step-1 gradient {grad_rel[worst]:.2e} "
-          f"({worst}), loads {_loads(run)[-1]}")
+    print(
+        f"\n[moe fp32] {label}: max rel loss diff {loss_rel:.2e}, worst step-1 gradient {grad_rel[worst]:.2e} "
+        f"({worst}), loads {_loads(run)[-1]}"
+    )
     assert loss_rel < FP32_LOSS_RTOL, (run.losses, ref.losses)
     assert grad_rel[worst] < FP32_GRAD_RTOL, sorted(grad_rel.items(), key=lambda kv: -kv[1])[:5]
     # Identical routing: the loads come from integer counts, so they agree exactly or not at all.
@@ -194,12 +221,17 @@ def test_block_scaled_experts_under_expert_parallel_train_as_one_process(trained
     the two layouts differ by 6.3e-4 and 1.1e-3: FSDP's bf16-gathered weights); the recipe ran (step
     1 is not EP 2 bf16's: measured 1.6e-4 apart) and the report names every local experts module's
     GEMMs (each rank holds 4 of the 8 experts of blocks 1-2)."""
-    run, ref, bf16 = trained.run("ep2_mxfp8_experts", 2), trained.run("single_mxfp8_experts", 1), \
-        trained.run("ep2_bf16", 2)
+    run, ref, bf16 = (
+        trained.run("ep2_mxfp8_experts", 2),
+        trained.run("single_mxfp8_experts", 1),
+        trained.run("ep2_bf16", 2),
+    )
     step1 = abs(run.losses[0] - ref.losses[0])
     curve = max(abs(a - b) for a, b in zip(run.losses, ref.losses))
-    print(f"\n[block-scaled experts] ep2 mxfp8: step 1 vs one process {step1:.1e}, curve max |d| {curve:.1e}; "
-          f"vs ep2 bf16 at step 1 {run.losses[0] - bf16.losses[0]:+.1e}")
+    print(
+        f"\n[block-scaled experts] ep2 mxfp8: step 1 vs one process {step1:.1e}, curve max |d| {curve:.1e}; "
+        f"vs ep2 bf16 at step 1 {run.losses[0] - bf16.losses[0]:+.1e}"
+    )
     assert len(run.losses) == STEPS and step1 < STEP1_TOL and curve < CURVE_TOL, (run.losses, ref.losses)
     assert abs(run.losses[0] - bf16.losses[0]) > SAME_FAMILY_STEP1_TOL, (run.losses, bf16.losses)
     experts = {m for m in run.report["block_scaled"]["modules"] if ".experts." in m}
@@ -232,8 +264,17 @@ def test_resume_is_bitwise(trained: Launches) -> None:
 
 
 # Every run trained from step 0 (the resumed run counts no step 2), by process count.
-SYNC_RUNS = [("single_fp32", 1), ("ac_full_fp32", 1), ("fsdp2_fp32", 2), ("tp2_fp32", 2), ("pp2_fp32", 2),
-             ("cp2_fp32", 2), ("fsdp2_bf16", 2), ("ep2_bf16", 2), ("ep2_tp2_bf16", 4)]
+SYNC_RUNS = [
+    ("single_fp32", 1),
+    ("ac_full_fp32", 1),
+    ("fsdp2_fp32", 2),
+    ("tp2_fp32", 2),
+    ("pp2_fp32", 2),
+    ("cp2_fp32", 2),
+    ("fsdp2_bf16", 2),
+    ("ep2_bf16", 2),
+    ("ep2_tp2_bf16", 4),
+]
 
 
 @pytest.mark.parametrize("name,nproc", SYNC_RUNS)

@@ -16,14 +16,30 @@ from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.models.moe import moe as moe_mod
 from torchtitan_amp.models.moe.balance import moe_layers
 from torchtitan_amp.precision import autocast
-from torchtitan_amp.train.trainer import Trainer, loss_fn
+from torchtitan_amp.train.trainer import Trainer
 
 # fp16 autocast with dynamic loss scaling that grows every step (the scale a resumed run starts
 # from differs from the first run's), accumulation 4 (global batch 8 of local batches 2).
-FP16_ACCUM4 = ["--model.name", "moe", "--model.flavor", "debugmodel_moe_aux", "--training.seq_len", "32",
-               "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-               "--lr_scheduler.warmup_steps", "2", "--mixed_precision.enabled", "true",
-               "--mixed_precision.param_dtype", "float16", "--mixed_precision.growth_interval", "1"]
+FP16_ACCUM4 = [
+    "--model.name",
+    "moe",
+    "--model.flavor",
+    "debugmodel_moe_aux",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--mixed_precision.enabled",
+    "true",
+    "--mixed_precision.param_dtype",
+    "float16",
+    "--mixed_precision.growth_interval",
+    "1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -103,8 +119,9 @@ def _trainer(folder: Path, *extra: str) -> Trainer:
     return trainer
 
 
-def test_aux_loss_gradient_uses_the_loss_factor_at_start_and_after_resume(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aux_loss_gradient_uses_the_loss_factor_at_start_and_after_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--training.steps", "1"]
     first = _trainer(tmp_path, *ckpt)
     assert first.run.accum == 4 and first.run.scaler.enabled
@@ -120,8 +137,15 @@ def test_aux_loss_gradient_uses_the_loss_factor_at_start_and_after_resume(tmp_pa
 def test_expert_biases_stay_on_a_skipped_fp16_step(tmp_path: Path) -> None:
     """An initial scale that overflows fp16 skips the first step: the biases the step's loads
     asked for are not applied; the next (applied) step moves them."""
-    trainer = _trainer(tmp_path, "--model.flavor", "debugmodel_moe", "--mixed_precision.init_scale", "1e30",
-                       "--mixed_precision.backoff_factor", "1e-26")
+    trainer = _trainer(
+        tmp_path,
+        "--model.flavor",
+        "debugmodel_moe",
+        "--mixed_precision.init_scale",
+        "1e30",
+        "--mixed_precision.backoff_factor",
+        "1e-26",
+    )
     batches = iter(trainer.run.dataloader)
     _, _, stepped = trainer.train_step(batches)
     assert not stepped

@@ -33,17 +33,44 @@ def test_two_node_rendezvous_trains_with_fsdp(tmp_path: Path) -> None:
     port = _free_port()
     dump = tmp_path / "out"
     cmd = lambda node_rank: [  # noqa: E731
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node_rank),
-        "--rdzv_id", "test-job", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-        "train.py", "--job.config_file", "train_configs/debug_model.toml",
-        "--job.dump_folder", str(dump), "--training.steps", "3", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--parallelism.data_parallel_shard_degree", "2", "--mixed_precision.enabled", "true",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--node_rank",
+        str(node_rank),
+        "--rdzv_id",
+        "test-job",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "train.py",
+        "--job.config_file",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(dump),
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--mixed_precision.enabled",
+        "true",
     ]
     env = _env(None)  # the repo on PYTHONPATH, no RANK / MASTER_* inherited from an outer launch
-    agents = [subprocess.Popen(cmd(i), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    agents = [
+        subprocess.Popen(cmd(i), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in (0, 1)
+    ]
     outputs = []
     for agent in agents:
         try:
@@ -60,8 +87,17 @@ def test_two_node_rendezvous_trains_with_fsdp(tmp_path: Path) -> None:
 
 
 def _launcher(nproc: int, *args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "torchtitan_amp.launch", "--standalone", f"--nproc_per_node={nproc}",
-            "--local-ranks-filter", "0", "train.py", *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torchtitan_amp.launch",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--local-ranks-filter",
+        "0",
+        "train.py",
+        *map(str, args),
+    ]
 
 
 def _script(nproc: int, *args: str | Path) -> tuple[list[str], dict[str, str]]:
@@ -81,13 +117,15 @@ def _one_error_line(result) -> str:
 # Every world-size error through the launcher; the script only execs it, so two of them (the
 # commands users type first) go through run_llama_train.sh as well. Each launch costs ~3 s of
 # importing torch; tests/test_config.py checks every message in process.
-_LAUNCHES = [("launch", *case) for case in WORLD_SIZE_ERRORS] + \
-    [("run_llama_train.sh", *case) for case in WORLD_SIZE_ERRORS[:2]]
+_LAUNCHES = [("launch", *case) for case in WORLD_SIZE_ERRORS] + [
+    ("run_llama_train.sh", *case) for case in WORLD_SIZE_ERRORS[:2]
+]
 
 
 @pytest.mark.parametrize("how, world_size, argv, expected", _LAUNCHES)
-def test_world_size_errors_are_one_line_before_torchrun_starts(how: str, world_size: int, argv: list[str],
-                                                               expected: str) -> None:
+def test_world_size_errors_are_one_line_before_torchrun_starts(
+    how: str, world_size: int, argv: list[str], expected: str
+) -> None:
     if how == "launch":
         result = run_command(_launcher(world_size, *DEBUG_CONFIG, *argv), timeout=120)
     else:
@@ -107,8 +145,18 @@ def _log_named_by(line: str) -> Path:
 def test_a_rank_that_fails_inside_the_job_is_one_line_naming_the_log(tmp_path: Path) -> None:
     # Rank 1 exits hard after step 1; only rank 0 is shown (LOG_RANK=0). The config passes the
     # pre-flight silently, and rank 0's start-up lines show the job ran.
-    cmd, env = _script(2, "--job.dump_folder", tmp_path / "out", *TINY, "--training.steps", "3",
-                       "--debug.fault_inject_at_step", "1", "--debug.fault_inject_rank", "1")
+    cmd, env = _script(
+        2,
+        "--job.dump_folder",
+        tmp_path / "out",
+        *TINY,
+        "--training.steps",
+        "3",
+        "--debug.fault_inject_at_step",
+        "1",
+        "--debug.fault_inject_rank",
+        "1",
+    )
     result = run_command(cmd, env={**env, "CONFIG_FILE": DEBUG_CONFIG[1]}, timeout=240)
     assert result.returncode == 1, result.describe()
     line = _one_error_line(result)
@@ -121,8 +169,10 @@ def test_a_rank_that_fails_inside_the_job_is_one_line_naming_the_log(tmp_path: P
 
 def test_a_data_error_found_by_every_rank_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_tokens"
-    result = run_command(_launcher(2, *DEBUG_CONFIG, "--training.dataset", f"tokens:{missing}",
-                                   "--job.dump_folder", tmp_path / "out"), timeout=240)
+    result = run_command(
+        _launcher(2, *DEBUG_CONFIG, "--training.dataset", f"tokens:{missing}", "--job.dump_folder", tmp_path / "out"),
+        timeout=240,
+    )
     assert result.returncode == 2, result.describe()
     line = _one_error_line(result)
     assert re.match(rf"error: rank [01]: token folder {re.escape(str(missing))} does not exist", line), line

@@ -25,15 +25,22 @@ FAMILIES = {"llama3": ("debugmodel", {}), "moe": ("debugmodel_moe", {"n_dense_la
 def _ac_args(save_mm: str | None) -> list[str]:
     if save_mm is None:
         return []
-    return ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
-            "--activation_checkpoint.per_op_sac_save_mm", save_mm]
+    return [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        "--activation_checkpoint.per_op_sac_save_mm",
+        save_mm,
+    ]
 
 
 def _build(name: str, save_mm: str | None) -> torch.nn.Module:
     flavor, overrides = FAMILIES[name]
     family = get_family(name)
-    config = load_config(["--model.name", name, "--model.flavor", flavor, "--mixed_precision.enabled", "false",
-                          *_ac_args(save_mm)])
+    config = load_config(
+        ["--model.name", name, "--model.flavor", flavor, "--mixed_precision.enabled", "false", *_ac_args(save_mm)]
+    )
     args = dataclasses.replace(family.flavors[flavor], n_layers=3, **overrides)
     torch.manual_seed(0)
     model = family.build_model(args)

@@ -17,9 +17,21 @@ from torchtitan_amp.train.trainer import NonFiniteError, Trainer
 
 pytestmark = pytest.mark.dist
 
-# The smallest flavour: these tests are about the run's control flow, not the model.
-TINY = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--mixed_precision.enabled", "false"]
+# The smallest flavor: these tests are about the run's control flow, not the model.
+TINY = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--mixed_precision.enabled",
+    "false",
+]
 
 
 def _trainer(tmp_path: Path, *extra: str) -> Trainer:
@@ -83,8 +95,7 @@ def test_progress_eta_summary_and_timing_metrics(tmp_path: Path, caplog: pytest.
 
 
 def test_profiler_writes_traces_on_schedule(tmp_path: Path) -> None:
-    _trainer(tmp_path, "--training.steps", "6", "--profiling.enable_profiling",
-             "--profiling.profile_freq", "3").train()
+    _trainer(tmp_path, "--training.steps", "6", "--profiling.enable_profiling", "--profiling.profile_freq", "3").train()
     traces = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "profile_traces").rglob("*.json"))
     assert traces == ["profile_traces/iteration_3/rank0_trace.json", "profile_traces/iteration_6/rank0_trace.json"]
     assert json.loads((tmp_path / traces[0]).read_text())["traceEvents"]
@@ -103,8 +114,17 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 stops at step 3; rank 0's next collective fails after comm.timeout_seconds and the
     job exits non-zero instead of hanging (the worker would otherwise sleep 600 s)."""
     begin = time.monotonic()
-    res = run_train(tmp_path, 2, *TINY, "--training.steps", "6", "--comm.timeout_seconds", "5",
-                    script=WORKERS / "hang_worker.py", timeout=180)
+    res = run_train(
+        tmp_path,
+        2,
+        *TINY,
+        "--training.steps",
+        "6",
+        "--comm.timeout_seconds",
+        "5",
+        script=WORKERS / "hang_worker.py",
+        timeout=180,
+    )
     elapsed = time.monotonic() - begin
     assert res.returncode != 0, res.describe()
     assert elapsed < 150, f"took {elapsed:.0f} s"

@@ -50,11 +50,14 @@ def test_stable_phase_then_decay_over_the_last_fraction() -> None:
     assert all(a > b for a, b in zip(decay, decay[1:])), "decay is strictly decreasing"
 
 
-@pytest.mark.parametrize("decay_type, at_quarter, at_half", [
-    ("linear", 0.75, 0.5),
-    ("cosine", 0.5 * (1 + math.cos(math.pi / 4)), 0.5),
-    ("sqrt", 0.5, 1 - math.sqrt(0.5)),
-])
+@pytest.mark.parametrize(
+    "decay_type, at_quarter, at_half",
+    [
+        ("linear", 0.75, 0.5),
+        ("cosine", 0.5 * (1 + math.cos(math.pi / 4)), 0.5),
+        ("sqrt", 0.5, 1 - math.sqrt(0.5)),
+    ],
+)
 @pytest.mark.parametrize("min_lr", [0.0, 0.2])
 def test_decay_shapes_reach_min_lr_factor(decay_type: str, at_quarter: float, at_half: float, min_lr: float) -> None:
     # warmup 0, decay over all 40 steps.
@@ -98,8 +101,18 @@ def test_scheduler_drives_the_optimizer_lr() -> None:
 
 
 def test_scheduler_from_job_config() -> None:
-    config = load_config(["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_type", "sqrt",
-                          "--lr_scheduler.min_lr_factor", "0.5", "--optimizer.lr", "0.1"])
+    config = load_config(
+        [
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--lr_scheduler.decay_type",
+            "sqrt",
+            "--lr_scheduler.min_lr_factor",
+            "0.5",
+            "--optimizer.lr",
+            "0.1",
+        ]
+    )
     opt = build_optimizer(list(nn.Linear(2, 2).parameters()), config.optimizer, CPU)
     sched = build_lr_scheduler(opt, config.lr_scheduler, total_steps=6)
     lrs = []
@@ -108,8 +121,7 @@ def test_scheduler_from_job_config() -> None:
         opt.step()
         sched.step()
     # warm-up 1/3, 2/3, then sqrt decay over 4 steps from 1 to 0.5.
-    expected = [1 / 3, 2 / 3, 1.0, 1 - 0.5 * math.sqrt(0.25), 1 - 0.5 * math.sqrt(0.5),
-                1 - 0.5 * math.sqrt(0.75), 0.5]
+    expected = [1 / 3, 2 / 3, 1.0, 1 - 0.5 * math.sqrt(0.25), 1 - 0.5 * math.sqrt(0.5), 1 - 0.5 * math.sqrt(0.75), 0.5]
     assert lrs == pytest.approx([0.1 * e for e in expected])
 
 
@@ -117,17 +129,21 @@ def test_scheduler_from_job_config() -> None:
 # AdamW
 
 
-@pytest.mark.parametrize("implementation, device, fused_ok, fused, foreach", [
-    ("fused", CPU, True, True, False),
-    ("foreach", CPU, True, False, True),
-    ("for-loop", CPU, True, False, False),
-    ("auto", CPU, True, True, False),
-    ("auto", torch.device("cuda"), True, True, False),
-    ("auto", torch.device("meta"), True, False, True),  # no fused kernel there
-    ("auto", CPU, False, False, True),                  # the plan's loss scaler cannot drive it
-])
-def test_adamw_kernel_is_the_configured_one(implementation: str, device: torch.device, fused_ok: bool, fused: bool,
-                                            foreach: bool) -> None:
+@pytest.mark.parametrize(
+    "implementation, device, fused_ok, fused, foreach",
+    [
+        ("fused", CPU, True, True, False),
+        ("foreach", CPU, True, False, True),
+        ("for-loop", CPU, True, False, False),
+        ("auto", CPU, True, True, False),
+        ("auto", torch.device("cuda"), True, True, False),
+        ("auto", torch.device("meta"), True, False, True),  # no fused kernel there
+        ("auto", CPU, False, False, True),  # the plan's loss scaler cannot drive it
+    ],
+)
+def test_adamw_kernel_is_the_configured_one(
+    implementation: str, device: torch.device, fused_ok: bool, fused: bool, foreach: bool
+) -> None:
     cfg = OptimizerConfig(implementation=implementation)
     opt = build_optimizer(list(nn.Linear(4, 4).parameters()), cfg, device, fused_ok=fused_ok)
     assert isinstance(opt, torch.optim.AdamW)

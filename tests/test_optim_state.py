@@ -21,15 +21,21 @@ from torchtitan_amp.train import job as job_mod
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.optim import AdamWMixedState, build_optimizer, stochastic_round_bf16
 
-
 CPU = torch.device("cpu")
 ULP_AT_1 = 2.0**-7  # bf16 spacing in [1, 2)
 
 
 def _adamw(params: list[nn.Parameter], **kw) -> AdamWMixedState:
     kw.setdefault("stochastic_rounding", False)
-    return AdamWMixedState(params, seed=kw.pop("seed", 0), lr=kw.pop("lr", 1e-2), betas=(0.9, 0.95),
-                           eps=1e-8, weight_decay=kw.pop("weight_decay", 0.1), **kw)
+    return AdamWMixedState(
+        params,
+        seed=kw.pop("seed", 0),
+        lr=kw.pop("lr", 1e-2),
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=kw.pop("weight_decay", 0.1),
+        **kw,
+    )
 
 
 def _steps(opt: torch.optim.Optimizer, params: list[nn.Parameter], n: int, seed: int = 0) -> None:
@@ -116,6 +122,7 @@ def test_stochastic_rounding_moves_weights_that_nearest_rounding_freezes() -> No
 
 def test_stochastic_rounding_is_a_function_of_seed_step_and_parameter() -> None:
     """Replicas (same seed, same parameter order) round alike; another seed rounds differently."""
+
     def run(seed: int) -> torch.Tensor:
         torch.manual_seed(123)  # the global RNG must not matter: draw it differently each time
         torch.rand(seed + 1)
@@ -161,25 +168,45 @@ def test_build_optimizer_uses_torch_adamw_unless_the_plan_asks() -> None:
     assert plan(*PURE_BF16, "--optimizer.state_dtype", "float32").mixed_state_optimizer
 
 
-BASE = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--training.gc_freq", "0", "--metrics.log_freq", "1"]
+BASE = [
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+]
 PURE_BF16 = ["--training.dtype", "bfloat16", "--mixed_precision.enabled", "false"]
 
 
-@pytest.mark.parametrize("args, state", [
-    ([], "float32"), (["--optimizer.state_dtype", "bfloat16"], "bfloat16"),
-    (PURE_BF16, "bfloat16"), ([*PURE_BF16, "--optimizer.state_dtype", "float32"], "float32"),
-])
+@pytest.mark.parametrize(
+    "args, state",
+    [
+        ([], "float32"),
+        (["--optimizer.state_dtype", "bfloat16"], "bfloat16"),
+        (PURE_BF16, "bfloat16"),
+        ([*PURE_BF16, "--optimizer.state_dtype", "float32"], "float32"),
+    ],
+)
 def test_plan_decides_the_state_dtype(args: list[str], state: str) -> None:
     plan = job_mod.resolve(load_config([*BASE, *args]), 1, "cpu").plan
     assert optimizer_summary(plan)["state_dtype"] == state
 
 
-@pytest.mark.parametrize("args, match", [
-    (["--optimizer.stochastic_rounding"], "'optimizer.stochastic_rounding' rounds bf16 weights"),
-    (["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "fused"],
-     "'optimizer.implementation' = 'fused' picks a kernel of torch's AdamW"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--optimizer.stochastic_rounding"], "'optimizer.stochastic_rounding' rounds bf16 weights"),
+        (
+            ["--optimizer.state_dtype", "bfloat16", "--optimizer.implementation", "fused"],
+            "'optimizer.implementation' = 'fused' picks a kernel of torch's AdamW",
+        ),
+    ],
+)
 def test_settings_that_cannot_hold_are_refused(args: list[str], match: str) -> None:
     with pytest.raises(PrecisionError, match=match):
         job_mod.resolve(load_config([*BASE, *args]), 1, "cpu")
@@ -187,13 +214,25 @@ def test_settings_that_cannot_hold_are_refused(args: list[str], match: str) -> N
 
 def test_report_shows_state_dtype_rounding_and_bytes_per_param(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
-    args = [*BASE, *PURE_BF16, "--optimizer.state_dtype", "float32", "--optimizer.stochastic_rounding",
-            "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+    args = [
+        *BASE,
+        *PURE_BF16,
+        "--optimizer.state_dtype",
+        "float32",
+        "--optimizer.stochastic_rounding",
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     t = trainer_module.Trainer(load_config(args))
     t.train()
     report = json.loads((tmp_path / "precision_report.json").read_text())
-    assert report["optimizer"] == {"state_dtype": "float32", "update": "fp32 math per parameter (AdamWMixedState)",
-                                   "weight_rounding": "stochastic"}
+    assert report["optimizer"] == {
+        "state_dtype": "float32",
+        "update": "fp32 math per parameter (AdamWMixedState)",
+        "weight_rounding": "stochastic",
+    }
     # bf16 weights and gradients, fp32 moments: 2 + 2 + 8.
     assert report["bytes_per_param"]["trained_total"] == 12
     states = [s["exp_avg"] for s in t.run.optimizer.state.values()]

@@ -53,8 +53,22 @@ def test_wheel_builds_with_the_package_and_its_commands(tmp_path: Path) -> None:
     shutil.copytree(REPO / "torchtitan_amp", src / "torchtitan_amp", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "requirements.txt", "README.md"):
         shutil.copy(REPO / name, src / name)
-    result = run_command([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                          "--disable-pip-version-check", "-q", "-w", str(tmp_path), str(src)], timeout=180)
+    result = run_command(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.describe()
     (wheel,) = tmp_path.glob("torchtitan_amp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

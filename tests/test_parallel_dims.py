@@ -22,12 +22,20 @@ DEBUG_HEADS = (16, 16)  # debugmodel: n_heads, n_kv_heads
 DEBUG_LAYERS = 6
 
 
-def dims_of(world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1,
-            ep: int = 1) -> ParallelDims:
+def dims_of(
+    world: int, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+) -> ParallelDims:
     return ParallelDims.from_config(
-        ParallelismConfig(data_parallel_replicate_degree=rep, data_parallel_shard_degree=shard,
-                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
-                    expert_parallel_degree=ep), world)
+        ParallelismConfig(
+            data_parallel_replicate_degree=rep,
+            data_parallel_shard_degree=shard,
+            tensor_parallel_degree=tp,
+            pipeline_parallel_degree=pp,
+            context_parallel_degree=cp,
+            expert_parallel_degree=ep,
+        ),
+        world,
+    )
 
 
 def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
@@ -40,12 +48,15 @@ def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
 # Degrees against the world size
 
 
-@pytest.mark.parametrize("world, degrees, product", [
-    (4, dict(rep=2, shard=2, tp=2), "replicate x shard x tp x pp x cp = 2 x 2 x 2 x 1 x 1 = 8"),
-    (8, dict(shard=2, tp=2), "replicate x shard x tp x pp x cp = 1 x 2 x 2 x 1 x 1 = 4"),
-    (2, dict(rep=1, shard=1, pp=4), "replicate x shard x tp x pp x cp = 1 x 1 x 1 x 4 x 1 = 4"),
-    (4, dict(shard=2, cp=4), "replicate x shard x tp x pp x cp = 1 x 2 x 1 x 1 x 4 = 8"),
-])
+@pytest.mark.parametrize(
+    "world, degrees, product",
+    [
+        (4, dict(rep=2, shard=2, tp=2), "replicate x shard x tp x pp x cp = 2 x 2 x 2 x 1 x 1 = 8"),
+        (8, dict(shard=2, tp=2), "replicate x shard x tp x pp x cp = 1 x 2 x 2 x 1 x 1 = 4"),
+        (2, dict(rep=1, shard=1, pp=4), "replicate x shard x tp x pp x cp = 1 x 1 x 1 x 4 x 1 = 4"),
+        (4, dict(shard=2, cp=4), "replicate x shard x tp x pp x cp = 1 x 2 x 1 x 1 x 4 = 8"),
+    ],
+)
 def test_degrees_that_do_not_multiply_to_the_world_size(world, degrees, product) -> None:
     with pytest.raises(ConfigError) as e:
         dims_of(world, **degrees)
@@ -58,36 +69,41 @@ def test_fill_degree_that_cannot_divide_the_world_size() -> None:
     assert one_line_error(e) == "replicate x tp x pp x cp = 1 x 3 x 1 x 1 = 3 does not divide the world size 4"
 
 
-@pytest.mark.parametrize("world, degrees, shard", [
-    (1, dict(), 1),
-    (8, dict(), 8),
-    (8, dict(tp=2), 4),
-    (8, dict(rep=2, tp=2), 2),
-    (8, dict(pp=2, tp=2), 2),
-    (8, dict(pp=2, rep=2, tp=2), 1),
-    (4, dict(tp=4), 1),
-])
+@pytest.mark.parametrize(
+    "world, degrees, shard",
+    [
+        (1, dict(), 1),
+        (8, dict(), 8),
+        (8, dict(tp=2), 4),
+        (8, dict(rep=2, tp=2), 2),
+        (8, dict(pp=2, tp=2), 2),
+        (8, dict(pp=2, rep=2, tp=2), 1),
+        (4, dict(tp=4), 1),
+    ],
+)
 def test_shard_degree_minus_one_fills_the_remaining_ranks(world, degrees, shard) -> None:
     dims = dims_of(world, **degrees)
     assert dims.dp_shard == shard
     assert dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp == world == dims.world_size
 
 
-@pytest.mark.parametrize("rep, shard, tp, pp, expected", [
-    # (fsdp, ddp, hsdp, tp, pp, dp degree)
-    (1, 1, 1, 1, (False, False, False, False, False, 1)),
-    (1, 2, 1, 1, (True, False, False, False, False, 2)),
-    (2, 1, 1, 1, (False, True, False, False, False, 2)),
-    (2, 2, 1, 1, (True, False, True, False, False, 4)),
-    (1, 1, 2, 1, (False, False, False, True, False, 1)),
-    (1, 1, 1, 2, (False, False, False, False, True, 1)),
-    (1, 2, 2, 2, (True, False, False, True, True, 2)),
-    (2, 1, 1, 2, (False, True, False, False, True, 2)),
-])
+@pytest.mark.parametrize(
+    "rep, shard, tp, pp, expected",
+    [
+        # (fsdp, ddp, hsdp, tp, pp, dp degree)
+        (1, 1, 1, 1, (False, False, False, False, False, 1)),
+        (1, 2, 1, 1, (True, False, False, False, False, 2)),
+        (2, 1, 1, 1, (False, True, False, False, False, 2)),
+        (2, 2, 1, 1, (True, False, True, False, False, 4)),
+        (1, 1, 2, 1, (False, False, False, True, False, 1)),
+        (1, 1, 1, 2, (False, False, False, False, True, 1)),
+        (1, 2, 2, 2, (True, False, False, True, True, 2)),
+        (2, 1, 1, 2, (False, True, False, False, True, 2)),
+    ],
+)
 def test_enabled_properties(rep, shard, tp, pp, expected) -> None:
     dims = dims_of(rep * shard * tp * pp, rep, shard, tp, pp)
-    got = (dims.fsdp_enabled, dims.ddp_enabled, dims.hsdp_enabled, dims.tp_enabled, dims.pp_enabled,
-           dims.dp_degree)
+    got = (dims.fsdp_enabled, dims.ddp_enabled, dims.hsdp_enabled, dims.tp_enabled, dims.pp_enabled, dims.dp_degree)
     assert got == expected
     assert dims.dp_enabled == (expected[-1] > 1)
 
@@ -102,12 +118,16 @@ def test_mesh_before_build_is_an_error() -> None:
 def test_unknown_mesh_name_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError) as e:
         dims_of(1).get_mesh("dp_shard")
-    assert one_line_error(e) == ("unknown mesh 'dp_shard'; allowed meshes: dp, fsdp, loss, ep, expert, expert_fsdp "
-                                 "(the root mesh's dims: ParallelDims.mesh[name])")
+    assert one_line_error(e) == (
+        "unknown mesh 'dp_shard'; allowed meshes: dp, fsdp, loss, ep, expert, expert_fsdp "
+        "(the root mesh's dims: ParallelDims.mesh[name])"
+    )
 
 
-@pytest.mark.parametrize("flag, value", [("tensor_parallel_degree", "0"), ("data_parallel_shard_degree", "-2"),
-                                         ("pipeline_parallel_degree", "0")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("tensor_parallel_degree", "0"), ("data_parallel_shard_degree", "-2"), ("pipeline_parallel_degree", "0")],
+)
 def test_degree_values_are_checked_at_parse_time(flag, value) -> None:
     with pytest.raises(ConfigError) as e:
         load_config([f"--parallelism.{flag}", value])
@@ -118,8 +138,15 @@ def test_degree_values_are_checked_at_parse_time(flag, value) -> None:
 # Layouts refused at config time (before any process group), each naming what to do instead
 
 
-def layout(world: int, *overrides: str, rep: int = 1, shard: int = -1, tp: int = 1, pp: int = 1,
-           heads: tuple[int, int] = DEBUG_HEADS) -> None:
+def layout(
+    world: int,
+    *overrides: str,
+    rep: int = 1,
+    shard: int = -1,
+    tp: int = 1,
+    pp: int = 1,
+    heads: tuple[int, int] = DEBUG_HEADS,
+) -> None:
     config = load_config(list(overrides))
     validate_layout(dims_of(world, rep, shard, tp, pp), config, *heads, DEBUG_LAYERS, "cpu")
 
@@ -135,8 +162,9 @@ def test_ddp_with_tp_is_refused_naming_fsdp_or_hsdp() -> None:
     layout(8, rep=2, shard=2, tp=2)
 
 
-@pytest.mark.parametrize("heads, tp, name", [((16, 16), 3, "n_heads = 16"), ((8, 2), 4, "n_kv_heads = 2"),
-                                            ((6, 6), 4, "n_heads = 6")])
+@pytest.mark.parametrize(
+    "heads, tp, name", [((16, 16), 3, "n_heads = 16"), ((8, 2), 4, "n_kv_heads = 2"), ((6, 6), 4, "n_heads = 6")]
+)
 def test_tp_degree_must_divide_query_and_kv_heads(heads, tp, name) -> None:
     with pytest.raises(ConfigError) as e:
         layout(tp, "--training.seq_len", "48", tp=tp, heads=heads)
@@ -158,20 +186,32 @@ def test_seq_len_must_divide_by_tp_under_sequence_parallel() -> None:
 
 def test_local_batch_must_be_a_multiple_of_the_pipeline_microbatch() -> None:
     with pytest.raises(ConfigError) as e:
-        layout(2, "--training.local_batch_size", "5", "--parallelism.pipeline_parallel_microbatch_size", "2",
-               "--parallelism.pipeline_parallel_schedule", "GPipe", pp=2)
-    assert "'training.local_batch_size' = 5 must be a multiple of " \
-           "'parallelism.pipeline_parallel_microbatch_size' = 2" in one_line_error(e)
+        layout(
+            2,
+            "--training.local_batch_size",
+            "5",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+            pp=2,
+        )
+    assert (
+        "'training.local_batch_size' = 5 must be a multiple of "
+        "'parallelism.pipeline_parallel_microbatch_size' = 2" in one_line_error(e)
+    )
 
 
 def test_interleaved_1f1b_needs_a_multiple_of_pp_microbatches() -> None:
     with pytest.raises(ConfigError) as e:
-        layout(2, "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_schedule",
-               "Interleaved1F1B", pp=2)
-    assert "Interleaved1F1B needs the number of microbatches (local_batch_size / microbatch_size = 3) " \
-           "to be a multiple of pipeline_parallel_degree = 2" in one_line_error(e)
-    layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule",
-           "Interleaved1F1B", pp=2)
+        layout(
+            2, "--training.local_batch_size", "3", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", pp=2
+        )
+    assert (
+        "Interleaved1F1B needs the number of microbatches (local_batch_size / microbatch_size = 3) "
+        "to be a multiple of pipeline_parallel_degree = 2" in one_line_error(e)
+    )
+    layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", pp=2)
 
 
 def test_1f1b_needs_at_least_pp_microbatches() -> None:
@@ -184,19 +224,36 @@ def test_1f1b_needs_at_least_pp_microbatches() -> None:
 def test_split_points_are_checked_before_any_process_group() -> None:
     # debugmodel has 6 layers; PP 2 x Interleaved = 4 stages need 3 split points.
     with pytest.raises(ConfigError) as e:
-        layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_schedule",
-               "Interleaved1F1B", "--parallelism.pipeline_parallel_split_points", "layers.3", pp=2)
+        layout(
+            2,
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_split_points",
+            "layers.3",
+            pp=2,
+        )
     assert "needs 3 increasing layer indices in 1..5" in one_line_error(e)
     layout(2, "--training.local_batch_size", "4", "--parallelism.pipeline_parallel_split_points", "layers.1", pp=2)
 
 
-@pytest.mark.parametrize("points", [["layers.3", "layers.2"], ["layers.2", "layers.2"], ["layers.0", "layers.3"],
-                                    ["layers.2", "layers.6"], ["layers.2"]])
+@pytest.mark.parametrize(
+    "points",
+    [
+        ["layers.3", "layers.2"],
+        ["layers.2", "layers.2"],
+        ["layers.0", "layers.3"],
+        ["layers.2", "layers.6"],
+        ["layers.2"],
+    ],
+)
 def test_bad_split_points(points) -> None:
     with pytest.raises(ConfigError) as e:
         stage_boundaries(6, 3, points)
-    assert one_line_error(e) == ("'parallelism.pipeline_parallel_split_points' needs 2 increasing layer "
-                                 f"indices in 1..5, got {points}")
+    assert one_line_error(e) == (
+        f"'parallelism.pipeline_parallel_split_points' needs 2 increasing layer indices in 1..5, got {points}"
+    )
 
 
 def test_split_points_must_name_layers() -> None:
@@ -205,12 +262,15 @@ def test_split_points_must_name_layers() -> None:
     assert "must look like 'layers.N'" in one_line_error(e)
 
 
-@pytest.mark.parametrize("n_layers, stages, points, expected", [
-    (6, 2, [], [0, 3]),
-    (6, 4, [], [0, 2, 4, 5]),  # the remainder goes to early stages: the last one holds the head
-    (5, 5, [], [0, 1, 2, 3, 4]),
-    (6, 3, ["layers.1", "layers.5"], [0, 1, 5]),
-])
+@pytest.mark.parametrize(
+    "n_layers, stages, points, expected",
+    [
+        (6, 2, [], [0, 3]),
+        (6, 4, [], [0, 2, 4, 5]),  # the remainder goes to early stages: the last one holds the head
+        (5, 5, [], [0, 1, 2, 3, 4]),
+        (6, 3, ["layers.1", "layers.5"], [0, 1, 5]),
+    ],
+)
 def test_stage_boundaries(n_layers, stages, points, expected) -> None:
     assert stage_boundaries(n_layers, stages, points) == expected
 
@@ -222,8 +282,9 @@ def test_more_stages_than_layers() -> None:
 
 
 def test_validate_pipeline_returns_boundaries_and_microbatches() -> None:
-    p = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B",
-                    pipeline_parallel_microbatch_size=2)
+    p = ParallelismConfig(
+        pipeline_parallel_degree=2, pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=2
+    )
     assert validate_pipeline(dims_of(2, pp=2), p, 6, 8) == ([0, 2, 4, 5], 4)
 
 
@@ -231,11 +292,14 @@ def test_validate_pipeline_returns_boundaries_and_microbatches() -> None:
 # Async TP
 
 
-@pytest.mark.parametrize("overrides, world, tp, missing", [
-    ((), 2, 2, ["a CUDA device (this run is on cpu)", "compile.enable = true"]),
-    (("--compile.enable",), 2, 2, ["a CUDA device (this run is on cpu)"]),
-    (("--compile.enable",), 1, 1, ["a CUDA device (this run is on cpu)", "tensor_parallel_degree > 1"]),
-])
+@pytest.mark.parametrize(
+    "overrides, world, tp, missing",
+    [
+        ((), 2, 2, ["a CUDA device (this run is on cpu)", "compile.enable = true"]),
+        (("--compile.enable",), 2, 2, ["a CUDA device (this run is on cpu)"]),
+        (("--compile.enable",), 1, 1, ["a CUDA device (this run is on cpu)", "tensor_parallel_degree > 1"]),
+    ],
+)
 def test_async_tp_outside_cuda_compile_and_tp_is_refused(overrides, world, tp, missing) -> None:
     with pytest.raises(ConfigError) as e:
         layout(world, "--parallelism.enable_async_tensor_parallel", "--training.device", "cpu", *overrides, tp=tp)
@@ -282,10 +346,20 @@ def fake_world():
 
 
 @pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
-@pytest.mark.parametrize("degrees", [dict(), dict(tp=2), dict(rep=2, tp=2), dict(pp=2, tp=2),
-                                     dict(pp=2, rep=2, shard=1, tp=2), dict(rep=2, shard=4),
-                                     dict(shard=2, cp=2, tp=2), dict(rep=2, shard=1, cp=2, tp=2),
-                                     dict(pp=2, cp=4)])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        dict(),
+        dict(tp=2),
+        dict(rep=2, tp=2),
+        dict(pp=2, tp=2),
+        dict(pp=2, rep=2, shard=1, tp=2),
+        dict(rep=2, shard=4),
+        dict(shard=2, cp=2, tp=2),
+        dict(rep=2, shard=1, cp=2, tp=2),
+        dict(pp=2, cp=4),
+    ],
+)
 def test_mesh_names_shape_and_flattened_dp(fake_world, degrees) -> None:
     dims = dims_of(WORLD, **degrees)
     mesh = dims.build_mesh("cpu")
@@ -334,8 +408,14 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
     monkeypatch.setattr(data_parallel, "replicate", lambda model, **kw: seen.update(kw))
     monkeypatch.setattr(comm_hooks, "install_comm_hook", lambda model, state: None)
     mesh = SimpleNamespace(get_group=lambda: None, mesh_dim_names=("dp_replicate",))
-    dims = SimpleNamespace(tp_enabled=False, cp_enabled=False, ep_enabled=False, fsdp_enabled=False, ddp_enabled=True,
-                           mesh={"dp_replicate": mesh})
+    dims = SimpleNamespace(
+        tp_enabled=False,
+        cp_enabled=False,
+        ep_enabled=False,
+        fsdp_enabled=False,
+        ddp_enabled=True,
+        mesh={"dp_replicate": mesh},
+    )
     # What the appliers read of a plan: no autocast (no fp32 islands), no compress hook.
     plan = SimpleNamespace(autocast_dtype=None, comm_hook="none")
     parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))
@@ -346,30 +426,60 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
 # Expert parallel: EP borrows the innermost ranks of dp_shard x cp
 
 
-@pytest.mark.parametrize("world, degrees, message", [
-    (4, dict(shard=4, ep=3), "'parallelism.expert_parallel_degree' = 3 must divide data_parallel_shard_degree "
-                             "x context_parallel_degree = 4 x 1 = 4 (EP borrows its ranks from FSDP's)"),
-    (4, dict(rep=2, shard=2, ep=4), "'parallelism.expert_parallel_degree' = 4 must divide "
-                                    "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
-                                    "(EP borrows its ranks from FSDP's)"),
-    # Under TP too: EP takes no TP ranks (every TP rank holds the experts its EP rank holds).
-    (4, dict(shard=2, tp=2, ep=4), "'parallelism.expert_parallel_degree' = 4 must divide "
-                                   "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
-                                   "(EP borrows its ranks from FSDP's)"),
-])
+@pytest.mark.parametrize(
+    "world, degrees, message",
+    [
+        (
+            4,
+            dict(shard=4, ep=3),
+            "'parallelism.expert_parallel_degree' = 3 must divide data_parallel_shard_degree "
+            "x context_parallel_degree = 4 x 1 = 4 (EP borrows its ranks from FSDP's)",
+        ),
+        (
+            4,
+            dict(rep=2, shard=2, ep=4),
+            "'parallelism.expert_parallel_degree' = 4 must divide "
+            "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
+            "(EP borrows its ranks from FSDP's)",
+        ),
+        # Under TP too: EP takes no TP ranks (every TP rank holds the experts its EP rank holds).
+        (
+            4,
+            dict(shard=2, tp=2, ep=4),
+            "'parallelism.expert_parallel_degree' = 4 must divide "
+            "data_parallel_shard_degree x context_parallel_degree = 2 x 1 = 2 "
+            "(EP borrows its ranks from FSDP's)",
+        ),
+    ],
+)
 def test_ep_must_divide_shard_times_cp(world, degrees, message) -> None:
     with pytest.raises(ConfigError) as e:
         dims_of(world, **degrees)
     assert one_line_error(e) == message
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--parallelism.expert_parallel_degree", "2"],
-     "'parallelism.expert_parallel_degree' = 2 needs a model with routed experts; model.name = 'llama3' has none: use 1"),
-    (["--model.name", "moe", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3",
-      "--parallelism.data_parallel_shard_degree", "3"],
-     "'parallelism.expert_parallel_degree' = 3 must divide the model's n_routed_experts = 8"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--parallelism.expert_parallel_degree", "2"],
+            "'parallelism.expert_parallel_degree' = 2 needs a model with routed experts; model.name = 'llama3' has none: use 1",
+        ),
+        (
+            [
+                "--model.name",
+                "moe",
+                "--model.flavor",
+                "debugmodel_moe",
+                "--parallelism.expert_parallel_degree",
+                "3",
+                "--parallelism.data_parallel_shard_degree",
+                "3",
+            ],
+            "'parallelism.expert_parallel_degree' = 3 must divide the model's n_routed_experts = 8",
+        ),
+    ],
+)
 def test_ep_layout_refusals(argv, message) -> None:
     config = load_config(["--training.seq_len", "32", *argv])
     dims = ParallelDims.from_config(config.parallelism, 3 if "3" in argv else 4)
@@ -381,17 +491,38 @@ def test_ep_layout_refusals(argv, message) -> None:
 def test_ep_composes_with_tp() -> None:
     """EP x TP (ETP = 1) passes the layout checks: it used to be refused in one line ("the experts
     have no tensor-parallel plan")."""
-    config = load_config(["--training.seq_len", "32", "--model.name", "moe", "--model.flavor", "debugmodel_moe",
-                          "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"])
+    config = load_config(
+        [
+            "--training.seq_len",
+            "32",
+            "--model.name",
+            "moe",
+            "--model.flavor",
+            "debugmodel_moe",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ]
+    )
     dims = ParallelDims.from_config(config.parallelism, 4)
     assert (dims.dp_shard, dims.tp, dims.ep) == (2, 2, 2)
     assert validate_layout(dims, config, 2, 2, 4, "cpu") == ([0], 1)
 
 
 @pytest.mark.filterwarnings("ignore:Slicing a flattened dim")
-@pytest.mark.parametrize("degrees", [dict(shard=8, ep=2), dict(shard=8, ep=8), dict(shard=4, cp=2, ep=4),
-                                     dict(rep=2, shard=4, ep=2), dict(pp=2, shard=4, ep=2),
-                                     dict(shard=4, tp=2, ep=2), dict(shard=2, cp=2, tp=2, ep=2)])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        dict(shard=8, ep=2),
+        dict(shard=8, ep=8),
+        dict(shard=4, cp=2, ep=4),
+        dict(rep=2, shard=4, ep=2),
+        dict(pp=2, shard=4, ep=2),
+        dict(shard=4, tp=2, ep=2),
+        dict(shard=2, cp=2, tp=2, ep=2),
+    ],
+)
 def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
     """ep takes consecutive ranks of FSDP's dp_shard x cp, efsdp strides over the rest; the dense
     meshes are those without EP."""
@@ -400,13 +531,16 @@ def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
     mesh = dims.build_mesh("cpu")
     assert mesh.mesh_dim_names == MESH_DIMS
     fsdp = dims.get_mesh("fsdp").mesh.flatten().tolist()  # this rank's dp_replicate x dp_shard x cp ranks
-    shard_cp = fsdp[-dims.fsdp_shard:] if not dims.hsdp_enabled else [
-        r for row in dims.get_mesh("fsdp").mesh.tolist() for r in row if RANK in row]
+    shard_cp = (
+        fsdp[-dims.fsdp_shard :]
+        if not dims.hsdp_enabled
+        else [r for row in dims.get_mesh("fsdp").mesh.tolist() for r in row if RANK in row]
+    )
     i = shard_cp.index(RANK)
     assert dims.get_mesh("ep").mesh_dim_names == ("ep",)
-    assert dims.get_mesh("ep").mesh.tolist() == shard_cp[i - i % dims.ep: i - i % dims.ep + dims.ep]
+    assert dims.get_mesh("ep").mesh.tolist() == shard_cp[i - i % dims.ep : i - i % dims.ep + dims.ep]
     expert = dims.get_mesh("expert_fsdp")
-    efsdp = shard_cp[i % dims.ep::dims.ep]
+    efsdp = shard_cp[i % dims.ep :: dims.ep]
     assert dims.efsdp == len(efsdp) == dims.fsdp_shard // dims.ep
     if dims.hsdp_enabled:
         assert expert.mesh_dim_names == ("dp_replicate", "efsdp")
@@ -418,8 +552,9 @@ def test_ep_meshes_split_the_fsdp_ranks(fake_world, degrees) -> None:
     ep_ranks = dims.get_mesh("ep").mesh.tolist()
     if dims.tp_enabled:
         assert dims.get_mesh("expert").mesh_dim_names == ("ep", "tp")
-        assert dims.get_mesh("expert").mesh.tolist() == [[r - r % dims.tp + t for t in range(dims.tp)]
-                                                         for r in ep_ranks]
+        assert dims.get_mesh("expert").mesh.tolist() == [
+            [r - r % dims.tp + t for t in range(dims.tp)] for r in ep_ranks
+        ]
         assert all(r % dims.tp == RANK % dims.tp for r in ep_ranks)
     else:
         assert dims.get_mesh("expert") is dims.get_mesh("ep")

@@ -61,18 +61,43 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS = 5
 N_LAYERS = 4  # debugmodel_tiny's blocks
 GLOBAL_BATCH = 4
-BASE = ("--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.steps", str(STEPS),
-        "--optimizer.lr", "2e-2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--training.seed", "0")
+BASE = (
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    str(STEPS),
+    "--optimizer.lr",
+    "2e-2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--training.seed",
+    "0",
+)
 PRECISIONS = {
     "fp32": ("--mixed_precision.enabled", "false"),
-    "bf16": ("--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "bfloat16",
-             "--mixed_precision.reduce_dtype", "float32"),
+    "bf16": (
+        "--mixed_precision.enabled",
+        "true",
+        "--mixed_precision.param_dtype",
+        "bfloat16",
+        "--mixed_precision.reduce_dtype",
+        "float32",
+    ),
     # Loss-scaled fp16 for the gradient norm check only (FP16_NORM_LAYOUTS). At a scale of 1024 no
     # step of this model overflows (test_fp16_runs_were_loss_scaled), so every step's clip is
     # checked on unscaled gradients; a norm taken before unscale_ would be 1024x off.
-    "fp16": ("--mixed_precision.enabled", "true", "--mixed_precision.param_dtype", "float16",
-             "--mixed_precision.init_scale", "1024"),
+    "fp16": (
+        "--mixed_precision.enabled",
+        "true",
+        "--mixed_precision.param_dtype",
+        "float16",
+        "--mixed_precision.init_scale",
+        "1024",
+    ),
 }
 # The layouts whose fp16 norm and clipping test_precision_dist's fp16 scenario does not cover
 # (it runs single, DDP, FSDP and TP with sequence parallel).
@@ -107,16 +132,25 @@ class Layout:
         return SHARD in self.overrides and self.overrides[self.overrides.index(SHARD) + 1] != "1"
 
     def args(self, precision: str, *extra: str) -> list[str]:
-        return [*BASE, *PRECISIONS[precision], "--training.local_batch_size", str(GLOBAL_BATCH // self.dp),
-                *self.overrides, *extra]
+        return [
+            *BASE,
+            *PRECISIONS[precision],
+            "--training.local_batch_size",
+            str(GLOBAL_BATCH // self.dp),
+            *self.overrides,
+            *extra,
+        ]
 
 
 LAYOUTS = {
     "fsdp2": Layout(2, (SHARD, "2"), dp=2),
     "ddp2": Layout(2, (REPLICATE, "2", SHARD, "1"), dp=2),
     "tp2": Layout(2, (TP, "2"), tp=True),
-    "tp2_no_sp_no_loss_parallel": Layout(2, (TP, "2", "--parallelism.enable_sequence_parallel", "false",
-                                             "--parallelism.disable_loss_parallel", "true"), tp=True),
+    "tp2_no_sp_no_loss_parallel": Layout(
+        2,
+        (TP, "2", "--parallelism.enable_sequence_parallel", "false", "--parallelism.disable_loss_parallel", "true"),
+        tp=True,
+    ),
     "pp2_gpipe": Layout(2, (PP, "2", SCHEDULE, "GPipe")),
     "pp2_1f1b": Layout(2, (PP, "2", SCHEDULE, "1F1B")),
     "pp2_interleaved1f1b": Layout(2, (PP, "2", SCHEDULE, "Interleaved1F1B")),
@@ -139,8 +173,13 @@ AC_MODES = {
     "op": ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
 }
 # (AC mode, layout, precision): fp32 on FSDP for all modes; bf16 on both precision paths.
-AC_RUNS = [("full", "fsdp2", "fp32"), ("selective2", "fsdp2", "fp32"), ("op", "fsdp2", "fp32"),
-           ("op", "fsdp2", "bf16"), ("full", "ddp2", "bf16")]
+AC_RUNS = [
+    ("full", "fsdp2", "fp32"),
+    ("selective2", "fsdp2", "fp32"),
+    ("op", "fsdp2", "fp32"),
+    ("op", "fsdp2", "bf16"),
+    ("full", "ddp2", "bf16"),
+]
 # What each AC mode must have wrapped in debugmodel's 6 blocks.
 AC_WRAPPED = {
     "full": [f"layers.{i}" for i in range(N_LAYERS)],
@@ -155,18 +194,32 @@ AC_WRAPPED = {
 BLOCK_SCALED = {
     "mxfp8": ("--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"),
     "nvfp4": ("--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"),
-    "nvfp4_rne": ("--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true",
-                  "--mixed_precision.nvfp4_stochastic_rounding", "false"),
+    "nvfp4_rne": (
+        "--mixed_precision.block_scaled",
+        "nvfp4",
+        "--mixed_precision.block_scaled_emulate",
+        "true",
+        "--mixed_precision.nvfp4_stochastic_rounding",
+        "false",
+    ),
 }
-BLOCK_SCALED_RUNS = {"ddp2": ("mxfp8",), "fsdp2": ("mxfp8", "nvfp4"), "tp2": ("mxfp8", "nvfp4_rne"),
-                     "pp2_1f1b": ("mxfp8",)}
+BLOCK_SCALED_RUNS = {
+    "ddp2": ("mxfp8",),
+    "fsdp2": ("mxfp8", "nvfp4"),
+    "tp2": ("mxfp8", "nvfp4_rne"),
+    "pp2_1f1b": ("mxfp8",),
+}
 
 
 def _block_scaled_runs(nproc: int) -> list[dict]:
     if nproc == 1:
         return [{"name": f"single_{r}", "args": SINGLE.args("bf16", *BLOCK_SCALED[r])} for r in BLOCK_SCALED]
-    return [{"name": f"{name}_{r}", "args": LAYOUTS[name].args("bf16", *BLOCK_SCALED[r])}
-            for name, recipes in BLOCK_SCALED_RUNS.items() if LAYOUTS[name].nproc == nproc for r in recipes]
+    return [
+        {"name": f"{name}_{r}", "args": LAYOUTS[name].args("bf16", *BLOCK_SCALED[r])}
+        for name, recipes in BLOCK_SCALED_RUNS.items()
+        if LAYOUTS[name].nproc == nproc
+        for r in recipes
+    ]
 
 
 def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
@@ -180,20 +233,31 @@ def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
             if name in FP16_NORM_LAYOUTS:
                 runs.append({"name": f"{name}_fp16", "args": layout.args("fp16")})
     if nproc == 2:
-        runs += [{"name": f"ac_{mode}_{name}_{p}", "args": LAYOUTS[name].args(p, *AC_MODES[mode])}
-                 for mode, name, p in AC_RUNS]
+        runs += [
+            {"name": f"ac_{mode}_{name}_{p}", "args": LAYOUTS[name].args(p, *AC_MODES[mode])}
+            for mode, name, p in AC_RUNS
+        ]
     if nproc == 4:  # the other choice of when PP + FSDP reduces (parallelism.pipeline_fsdp_reduce)
-        runs.append({"name": "pp2_fsdp2_reduce_per_microbatch_fp32",
-                     "args": LAYOUTS["pp2_fsdp2"].args("fp32", "--parallelism.pipeline_fsdp_reduce", "per_microbatch")})
+        runs.append(
+            {
+                "name": "pp2_fsdp2_reduce_per_microbatch_fp32",
+                "args": LAYOUTS["pp2_fsdp2"].args("fp32", "--parallelism.pipeline_fsdp_reduce", "per_microbatch"),
+            }
+        )
     if nproc == 8:
         runs += [{"name": f"{name}_fp32", "args": layout.args("fp32")} for name, layout in LAYOUTS_8.items()]
     masked = ("--training.dataset", f"path:{docs}", "--model.attn_mask_type", "block_causal")
-    runs += [{"name": f"docmask_{name}_fp32", "args": layout.args("fp32", *masked)}
-             for name, layout in {"single": SINGLE, **LAYOUTS}.items() if name in DOC_MASK_LAYOUTS and layout.nproc == nproc]
+    runs += [
+        {"name": f"docmask_{name}_fp32", "args": layout.args("fp32", *masked)}
+        for name, layout in {"single": SINGLE, **LAYOUTS}.items()
+        if name in DOC_MASK_LAYOUTS and layout.nproc == nproc
+    ]
     if nproc == 1:  # the same data without the mask: the mask must change the curve
         runs.append({"name": "docs_causal_single_fp32", "args": SINGLE.args("fp32", *masked[:2])})
     if nproc == 2:  # the mask through activation checkpointing's recompute (op-level SAC)
-        runs.append({"name": "docmask_ac_op_fsdp2_fp32", "args": LAYOUTS["fsdp2"].args("fp32", *masked, *AC_MODES["op"])})
+        runs.append(
+            {"name": "docmask_ac_op_fsdp2_fp32", "args": LAYOUTS["fsdp2"].args("fp32", *masked, *AC_MODES["op"])}
+        )
     return runs
 
 
@@ -214,8 +278,9 @@ class Run:
         if errors:
             pytest.fail(f"{self.name} raised:\n{errors[0].read_text()[-4000:]}")
         if not (self.folder / "wall_s.txt").is_file():
-            pytest.fail(f"{self.name} did not finish (an earlier run in its launch failed?):\n"
-                        f"{self.launch_output[-4000:]}")
+            pytest.fail(
+                f"{self.name} did not finish (an earlier run in its launch failed?):\n{self.launch_output[-4000:]}"
+            )
 
     @property
     def rows(self) -> list[dict]:
@@ -328,9 +393,11 @@ def test_fp32_loss_parity(trained: Launches, name: str) -> None:
     assert ref.losses[-1] < ref.losses[0] - 2
 
 
-@pytest.mark.skipif(os.environ.get("TORCHTITAN_AMP_TEST_8_RANKS") != "1",
-                    reason="8-process layouts (3-D FSDP x TP x PP, HSDP x TP) are opt-in on a 2-core CPU: "
-                           "set TORCHTITAN_AMP_TEST_8_RANKS=1")
+@pytest.mark.skipif(
+    os.environ.get("TORCHTITAN_AMP_TEST_8_RANKS") != "1",
+    reason="8-process layouts (3-D FSDP x TP x PP, HSDP x TP) are opt-in on a 2-core CPU: "
+    "set TORCHTITAN_AMP_TEST_8_RANKS=1",
+)
 @pytest.mark.parametrize("name", list(LAYOUTS_8))
 def test_fp32_loss_parity_8_ranks(trained: Launches, name: str) -> None:
     test_fp32_loss_parity(trained, name)
@@ -347,9 +414,11 @@ def test_bf16_loss_within_precision_tolerance(trained: Launches, name: str) -> N
     deltas = [a - b for a, b in zip(run.losses, fp32)]
     family = run_of(trained, "fsdp2" if layout.shards else "single", "bf16").losses
     same_path = abs(run.losses[0] - family[0])
-    print(f"\n[parity bf16] {name}: vs fp32 max |d| {max(map(abs, deltas)):.2e} (max rel "
-          f"{max_rel(run.losses, fp32):.2e}), mean d {sum(deltas) / len(deltas):+.2e}, step 1 d {deltas[0]:+.2e}; "
-          f"step 1 vs same-path reference {same_path:.1e} ({same_path / bf16_rounding_sigma():.2f} sigma)")
+    print(
+        f"\n[parity bf16] {name}: vs fp32 max |d| {max(map(abs, deltas)):.2e} (max rel "
+        f"{max_rel(run.losses, fp32):.2e}), mean d {sum(deltas) / len(deltas):+.2e}, step 1 d {deltas[0]:+.2e}; "
+        f"step 1 vs same-path reference {same_path:.1e} ({same_path / bf16_rounding_sigma():.2f} sigma)"
+    )
     assert len(deltas) == STEPS
     assert max(map(abs, deltas)) < CURVE_TOL, deltas
     assert abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
@@ -408,8 +477,10 @@ def test_block_scaled_trains_as_one_process(trained: Launches, name: str, recipe
     bf16 = run_of(trained, "single", "bf16").losses
     step1 = abs(run.losses[0] - ref.losses[0])
     curve = max(abs(a - b) for a, b in zip(run.losses, ref.losses))
-    print(f"\n[block-scaled] {name} {recipe}: step 1 vs one process {step1:.1e}, curve max |d| {curve:.1e}; "
-          f"one process's {recipe} vs bf16 at step 1 {ref.losses[0] - bf16[0]:+.1e}")
+    print(
+        f"\n[block-scaled] {name} {recipe}: step 1 vs one process {step1:.1e}, curve max |d| {curve:.1e}; "
+        f"one process's {recipe} vs bf16 at step 1 {ref.losses[0] - bf16[0]:+.1e}"
+    )
     if recipe == "nvfp4" and layout.dp > 1:
         assert curve < NVFP4_CURVE_TOL, (run.losses, ref.losses)
     elif layout.shards:
@@ -442,8 +513,9 @@ def test_four_rank_mesh_coordinates_and_data_ranks(trained: Launches, name: str)
     for r in ranks:
         assert r["mesh_dim_names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"] and r["mesh_shape"] == shape
         # Row-major: rank = (((pp * R + rep) * S + shard) * C + cp) * T + tp.
-        assert torch.tensor(r["coordinate"]).tolist() == [int(i) for i in torch.nonzero(
-            torch.arange(4).reshape(shape) == r["rank"])[0]]
+        assert torch.tensor(r["coordinate"]).tolist() == [
+            int(i) for i in torch.nonzero(torch.arange(4).reshape(shape) == r["rank"])[0]
+        ]
         pp_i, rep_i, shard_i, cp_i, tp_i = r["coordinate"]
         assert r["dp_rank"] == rep_i * degrees["dp_shard"] + shard_i
         assert r["dp_world_size"] == r["dp_mesh_size"] == dp
@@ -463,8 +535,10 @@ def test_document_masking_matches_one_process(trained: Launches, name: str) -> N
     ref, run = trained.run("docmask_single_fp32", 1), trained.run(f"docmask_{name}_fp32", nproc)
     unmasked = trained.run("docs_causal_single_fp32", 1)
     loss_rel, norm_rel = max_rel(run.losses, ref.losses), max_rel(run.grad_norms, ref.grad_norms)
-    print(f"\n[docmask fp32] {name}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}; "
-          f"the mask moves the single-process curve by {max_rel(unmasked.losses, ref.losses):.1e}")
+    print(
+        f"\n[docmask fp32] {name}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}; "
+        f"the mask moves the single-process curve by {max_rel(unmasked.losses, ref.losses):.1e}"
+    )
     assert loss_rel < FP32_REL_TOL and norm_rel < FP32_REL_TOL, (run.losses, ref.losses)
     # The runs really masked: without the mask the same data trains another curve.
     assert max_rel(unmasked.losses, ref.losses) > 10 * FP32_REL_TOL, (unmasked.losses, ref.losses)
@@ -499,8 +573,10 @@ def test_pipeline_fsdp_reduce_per_microbatch_keeps_the_loss(trained: Launches) -
     per_microbatch = trained.run("pp2_fsdp2_reduce_per_microbatch_fp32", 4)
     loss_rel = max_rel(per_microbatch.losses, per_step.losses)
     norm_rel = max_rel(per_microbatch.grad_norms, per_step.grad_norms)
-    print(f"\n[PP + FSDP] per-microbatch vs per-step reduce, fp32: max rel loss diff {loss_rel:.1e}, "
-          f"grad norm {norm_rel:.1e}")
+    print(
+        f"\n[PP + FSDP] per-microbatch vs per-step reduce, fp32: max rel loss diff {loss_rel:.1e}, "
+        f"grad norm {norm_rel:.1e}"
+    )
     assert loss_rel <= AC_REL_TOL and norm_rel <= AC_REL_TOL, (per_microbatch.losses, per_step.losses)
 
 
@@ -509,14 +585,24 @@ def test_compile_keeps_the_loss_under_bf16_autocast(trained: Launches) -> None:
     """Per-block compile with the autocast forward context inside the compiled region (~50 s: a
     cold inductor compile on 2 cores; 3 steps, compared with the eager run's first 3)."""
     steps = 3
-    trained.launch(1, [{"name": "compile_bf16", "args": SINGLE.args("bf16", "--compile.enable", "true",
-                                                                     "--training.steps", str(steps))}],
-                   "compile", timeout=600)
+    trained.launch(
+        1,
+        [
+            {
+                "name": "compile_bf16",
+                "args": SINGLE.args("bf16", "--compile.enable", "true", "--training.steps", str(steps)),
+            }
+        ],
+        "compile",
+        timeout=600,
+    )
     compiled = Run("compile_bf16", trained.root / "compile" / "compile_bf16", trained.outputs["compile"])
     eager, fp32 = run_of(trained, "single", "bf16").losses[:steps], run_of(trained, "single", "fp32").losses[:steps]
     rel = max(abs(a - b) / b for a, b in zip(compiled.losses, eager))
-    print(f"\n[compile] bf16 compiled vs eager: max rel loss diff {rel:.1e} over {steps} steps; "
-          f"step 1 vs fp32 {compiled.losses[0] - fp32[0]:+.1e}")
+    print(
+        f"\n[compile] bf16 compiled vs eager: max rel loss diff {rel:.1e} over {steps} steps; "
+        f"step 1 vs fp32 {compiled.losses[0] - fp32[0]:+.1e}"
+    )
     assert len(compiled.losses) == steps and rel < COMPILE_REL_TOL, (compiled.losses, eager)
     assert STEP1_MIN < abs(compiled.losses[0] - fp32[0]) < STEP1_TOL  # autocast ran inside the compiled blocks
     rank = compiled.ranks()[0]
@@ -595,8 +681,10 @@ def test_fp16_runs_were_loss_scaled(trained: Launches, name: str) -> None:
     assert abs(run.grad_norms[0] / fp32.grad_norms[0] - 1) < GRAD_NORM_STEP1_RTOL, (run.grad_norms, fp32.grad_norms)
 
 
-@pytest.mark.skipif(os.environ.get("TORCHTITAN_AMP_TEST_8_RANKS") != "1",
-                    reason="8-process layouts are opt-in on a 2-core CPU: set TORCHTITAN_AMP_TEST_8_RANKS=1")
+@pytest.mark.skipif(
+    os.environ.get("TORCHTITAN_AMP_TEST_8_RANKS") != "1",
+    reason="8-process layouts are opt-in on a 2-core CPU: set TORCHTITAN_AMP_TEST_8_RANKS=1",
+)
 @pytest.mark.parametrize("name", list(LAYOUTS_8))
 def test_grad_norm_and_clipping_match_fp64_reference_8_ranks(trained: Launches, name: str) -> None:
     check_norms(run_of(trained, name, "fp32"))

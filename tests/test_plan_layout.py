@@ -13,9 +13,6 @@ from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 from torchtitan_amp.tools import plan_layout as pl
 from torchtitan_amp.train import dry_run
 
-
-
-
 EIGHT_B = ("--flavor", "llama3_8b", "--gpus", "8", "--seq-len", "8192")
 
 
@@ -26,7 +23,7 @@ def _evaluated() -> tuple[list, int]:
 
 
 def _plan(*argv: str) -> dict:
-    assert argv[:len(EIGHT_B)] == EIGHT_B
+    assert argv[: len(EIGHT_B)] == EIGHT_B
     return pl.plan(pl.parse_args(list(argv)), _evaluated())
 
 
@@ -114,8 +111,11 @@ def test_more_memory_allows_less_activation_checkpointing() -> None:
     assert best_fsdp8("141") == "none"
     # And AC costs time: the same layout is faster without it.
     result = _plan(*EIGHT_B, "--gpu-mem-gib", "141")
-    by_ac = {c.layout.ac_mode: c for c in result["fitting"]
-             if c.degrees == (1, 8, 1, 1, 1) and c.precision == "bf16/fp32-reduce"}
+    by_ac = {
+        c.layout.ac_mode: c
+        for c in result["fitting"]
+        if c.degrees == (1, 8, 1, 1, 1) and c.precision == "bf16/fp32-reduce"
+    }
     assert by_ac["full"].compute_s > by_ac["none"].compute_s
 
 
@@ -155,8 +155,22 @@ def test_context_parallel_only_when_the_sequence_needs_it() -> None:
     assert any(c.layout.cp == 2 for c in result["not_fitting"] + _evaluated()[0])
     # 524288 tokens: one sequence's activations fit no FSDP / TP / PP split of 64 80 GiB GPUs (at
     # 131072, TP 4 with full AC still does); context parallel is what makes it fit.
-    args = pl.parse_args(["--flavor", "llama3_8b", "--gpus", "64", "--seq-len", "524288", "--gpu-mem-gib", "80",
-                          "--top", "3", "--min-cp-tokens", "16384"])
+    args = pl.parse_args(
+        [
+            "--flavor",
+            "llama3_8b",
+            "--gpus",
+            "64",
+            "--seq-len",
+            "524288",
+            "--gpu-mem-gib",
+            "80",
+            "--top",
+            "3",
+            "--min-cp-tokens",
+            "16384",
+        ]
+    )
     long = pl.plan(args)
     assert long["needs_cp"] and long["fitting"] and all(c.layout.cp > 1 for c in long["fitting"])
     best = long["fitting"][0]
@@ -173,16 +187,33 @@ def test_expert_parallel_proposed_for_qwen3_moe() -> None:
     assert pl.expert_splits((1, 8, 1, 1, 2), 128) == [1, 2, 4, 8, 16]
     assert pl.expert_splits((1, 8, 1, 1, 1), 6) == [1, 2]
     assert pl.expert_splits((1, 4, 2, 1, 1), 128) == [1, 2, 4] and pl.expert_splits((1, 8, 1, 1, 1), 0) == [1]
-    args = pl.parse_args(["--model", "moe", "--flavor", "qwen3_30b_a3b", "--gpus", "16", "--seq-len", "4096",
-                          "--vocab-size", "151936", "--gpu-mem-gib", "80", "--top", "3"])
+    args = pl.parse_args(
+        [
+            "--model",
+            "moe",
+            "--flavor",
+            "qwen3_30b_a3b",
+            "--gpus",
+            "16",
+            "--seq-len",
+            "4096",
+            "--vocab-size",
+            "151936",
+            "--gpu-mem-gib",
+            "80",
+            "--top",
+            "3",
+        ]
+    )
     result = pl.plan(args)
     cands = result["fitting"] + result["not_fitting"]
     assert {c.layout.ep for c in cands} == {1, 2, 4, 8, 16}
     # EP x TP proposed: at most dp_shard = 8 with TP 2
     assert {c.layout.ep for c in cands if c.layout.tp > 1} == {1, 2, 4, 8}
     best = result["fitting"][0]
-    assert best.layout.ep > 1 and best.ep_comm_s > 0 and f"EP {best.layout.ep}" in best.describe(), \
-        pl.format_plan(result, 5)
+    assert best.layout.ep > 1 and best.ep_comm_s > 0 and f"EP {best.layout.ep}" in best.describe(), pl.format_plan(
+        result, 5
+    )
     assert f"--parallelism.expert_parallel_degree {best.layout.ep}" in " ".join(best.overrides)
     res = dry_run.resolve(load_config(best.overrides + ["--dry_run.vocab_size", "151936"]), 16)
     assert res.dims.ep == best.layout.ep and res.layout.ep == best.layout.ep

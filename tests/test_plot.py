@@ -28,12 +28,18 @@ def _write_run(path: Path, steps: int, *, loss0: float, val_every: int = 0, mfu:
     path.mkdir(parents=True, exist_ok=True)
     rows = []
     for s in range(1, steps + 1):
-        row = {"step": s, "loss": loss0 / s ** 0.5, "grad_norm": 2.0 / s, "lr": 1e-3 * min(s, 3) / 3,
-               "tps": 1000.0 + s, "tokens_seen": 256.0 * s}
+        row = {
+            "step": s,
+            "loss": loss0 / s**0.5,
+            "grad_norm": 2.0 / s,
+            "lr": 1e-3 * min(s, 3) / 3,
+            "tps": 1000.0 + s,
+            "tokens_seen": 256.0 * s,
+        }
         if mfu:
             row["mfu"] = 1.5
         if val_every and s % val_every == 0:
-            row["val_loss"] = loss0 / s ** 0.5 + 0.1
+            row["val_loss"] = loss0 / s**0.5 + 0.1
         rows.append(row)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -52,7 +58,7 @@ def _count(img: np.ndarray, rgb: tuple[float, float, float]) -> int:
 
 def _cells(img: np.ndarray, rows: int, cols: int) -> list[list[np.ndarray]]:
     h, w = img.shape[0] // rows, img.shape[1] // cols
-    return [[img[r * h:(r + 1) * h, c * w:(c + 1) * w] for c in range(cols)] for r in range(rows)]
+    return [[img[r * h : (r + 1) * h, c * w : (c + 1) * w] for c in range(cols)] for r in range(rows)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,11 +73,16 @@ def test_series_takes_the_last_entry_per_step_and_gaps_for_null(tmp_path: Path) 
     r = plot.read_run(run)
     assert r.name == "a" and [row["step"] for row in r.rows] == [1, 2, 3, 4]
     xs, ys = plot.series(r, "loss")
-    assert xs == [1.0, 2.0, 3.0, 4.0] and ys[:2] == [4.0, 4.0 / 2 ** 0.5] and math.isnan(ys[2]) and ys[3] == 9.0
-    assert plot.series(r, "val_loss") == ([2.0], [4.0 / 2 ** 0.5 + 0.1])  # step 4's val was replaced
+    assert xs == [1.0, 2.0, 3.0, 4.0] and ys[:2] == [4.0, 4.0 / 2**0.5] and math.isnan(ys[2]) and ys[3] == 9.0
+    assert plot.series(r, "val_loss") == ([2.0], [4.0 / 2**0.5 + 0.1])  # step 4's val was replaced
     assert plot.series(r, "loss", x="tokens")[0] == [256.0, 512.0, 768.0, 1024.0]
-    assert [p.title for p in plot.panels_for([r])] == ["loss", "grad norm", "learning rate",
-                                                      "throughput (tokens/s per rank)", "MFU (%)"]
+    assert [p.title for p in plot.panels_for([r])] == [
+        "loss",
+        "grad norm",
+        "learning rate",
+        "throughput (tokens/s per rank)",
+        "MFU (%)",
+    ]
 
 
 def test_plot_two_runs_draws_every_panel_with_both_runs(tmp_path: Path) -> None:
@@ -86,7 +97,9 @@ def test_plot_two_runs_draws_every_panel_with_both_runs(tmp_path: Path) -> None:
     assert titles == ["loss", "grad norm", "learning rate", "throughput (tokens/s per rank)", "MFU (%)"]
     # loss: both runs plus run_a's validation loss; every other panel one line per run.
     assert [[ln.get_label() for ln in ax.lines] for ax in fig.axes][:2] == [
-        ["run_a", "run_a (val_loss)", "run_b"], ["run_a", "run_b"]]
+        ["run_a", "run_a (val_loss)", "run_b"],
+        ["run_a", "run_b"],
+    ]
 
     img = _pixels(out)
     assert img.shape[:2] == (900, 1100)  # 3 rows x 3 in, 2 columns x 5.5 in, at 100 dpi
@@ -102,7 +115,12 @@ def test_plot_two_runs_draws_every_panel_with_both_runs(tmp_path: Path) -> None:
 def test_plot_draws_only_the_panels_logged_against_tokens_as_svg(tmp_path: Path) -> None:
     a = _write_run(tmp_path / "a", 5, loss0=5.0, mfu=False)
     fig = plot.build_figure([plot.read_run(a)], x="tokens")
-    assert [ax.get_title() for ax in fig.axes] == ["loss", "grad norm", "learning rate", "throughput (tokens/s per rank)"]
+    assert [ax.get_title() for ax in fig.axes] == [
+        "loss",
+        "grad norm",
+        "learning rate",
+        "throughput (tokens/s per rank)",
+    ]
     assert fig.axes[0].lines[0].get_xdata().tolist() == [256.0, 512.0, 768.0, 1024.0, 1280.0]
     out = tmp_path / "a.svg"
     assert plot.main([str(a), "--x", "tokens", "-o", str(out)]) == 0
@@ -135,11 +153,12 @@ def test_plot_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_loss_compare_plot_draws_both_curves_and_their_difference(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = _write_run(tmp_path / "a", 30, loss0=5.0)
     b = tmp_path / "b.jsonl"
     # B is A plus 0.01 * step / 30: the difference panel ends 0.01 above its start.
-    b.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s ** 0.5 + 0.01 * s / 30}) + "\n" for s in range(1, 31)))
+    b.write_text("".join(json.dumps({"step": s, "loss": 5.0 / s**0.5 + 0.01 * s / 30}) + "\n" for s in range(1, 31)))
     out = tmp_path / "cmp.png"
     assert lc.main([str(a), str(b), "--plot", str(out)]) == 0
     assert "max abs diff 1.000e-02" in capsys.readouterr().out
@@ -163,40 +182,75 @@ def test_loss_compare_plot_draws_both_curves_and_their_difference(
 
 def _matrix_json() -> dict:
     def run(layout: str, precision: str, offset: float, error: str = "") -> dict:
-        return {"label": f"{layout} / {precision}", "layout": layout, "precision": precision,
-                "reference": "single / fp32", "path": "full", "router_dtype": "", "error": error,
-                "skipped_steps": 0, "val_loss": None,
-                "losses": {} if error else {str(s): 4.0 - 0.1 * s + offset * s for s in range(1, 6)}}
-    return {"command": "c", "settings": "s", "steps": 5, "notes": [],
-            "runs": [run("single", "fp32", 0.0), run("single", "bf16", 1e-3), run("DDP 2", "fp32", 2e-7),
-                     run("DDP 2", "bf16", -4e-4), run("TP 2", "fp32", 0.0, error="boom")]}
+        return {
+            "label": f"{layout} / {precision}",
+            "layout": layout,
+            "precision": precision,
+            "reference": "single / fp32",
+            "path": "full",
+            "router_dtype": "",
+            "error": error,
+            "skipped_steps": 0,
+            "val_loss": None,
+            "losses": {} if error else {str(s): 4.0 - 0.1 * s + offset * s for s in range(1, 6)},
+        }
+
+    return {
+        "command": "c",
+        "settings": "s",
+        "steps": 5,
+        "notes": [],
+        "runs": [
+            run("single", "fp32", 0.0),
+            run("single", "bf16", 1e-3),
+            run("DDP 2", "fp32", 2e-7),
+            run("DDP 2", "bf16", -4e-4),
+            run("TP 2", "fp32", 0.0, error="boom"),
+        ],
+    }
 
 
 def test_matrix_cells_are_max_deviation_from_the_reference() -> None:
     layouts, precisions, cells = nf.matrix_cells(_matrix_json())
     assert layouts == ["single", "DDP 2", "TP 2"] and precisions == ["fp32", "bf16"]
     # Offsets grow by `offset` per step: the largest deviation is at step 5.
-    expected = {("single", "fp32"): 0.0, ("single", "bf16"): 5e-3, ("DDP 2", "fp32"): 1e-6,
-                ("DDP 2", "bf16"): 2e-3, ("TP 2", "fp32"): None}
+    expected = {
+        ("single", "fp32"): 0.0,
+        ("single", "bf16"): 5e-3,
+        ("DDP 2", "fp32"): 1e-6,
+        ("DDP 2", "bf16"): 2e-3,
+        ("TP 2", "fp32"): None,
+    }
     assert cells.keys() == expected.keys()
     for key, value in expected.items():
-        assert cells[key] == value if value is None else math.isclose(cells[key], value, rel_tol=1e-9, abs_tol=1e-15), key
+        assert cells[key] == value if value is None else math.isclose(cells[key], value, rel_tol=1e-9, abs_tol=1e-15), (
+            key
+        )
     assert nf.running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
 
 
 def test_numerics_figures_from_json_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / nf.MATRIX_JSON).write_text(json.dumps(_matrix_json()))
     curve = [5.0 - 0.01 * s for s in range(60)]
-    (tmp_path / nf.OPTIMIZER_JSON).write_text(json.dumps({"curves": {
-        "fp32": {"losses": curve, "bytes_per_param": 16},
-        "pure bf16": {"losses": [x + 0.02 for x in curve], "bytes_per_param": 8}}}))
+    (tmp_path / nf.OPTIMIZER_JSON).write_text(
+        json.dumps(
+            {
+                "curves": {
+                    "fp32": {"losses": curve, "bytes_per_param": 16},
+                    "pure bf16": {"losses": [x + 0.02 for x in curve], "bytes_per_param": 8},
+                }
+            }
+        )
+    )
     assert nf.main([str(tmp_path)]) == 0
     for name in ("numerics_matrix.png", "numerics_matrix_curves.png", "optimizer_precision.png"):
         img = _pixels(tmp_path / name)
         assert (img < 0.9).any(axis=-1).mean() > 0.01, name
     curves = nf.curves_figure(_matrix_json())
-    assert [ax.get_title() for ax in curves.axes] == ["fp32: max |loss - fp32 single| so far",
-                                                      "bf16: max |loss - fp32 single| so far"]
+    assert [ax.get_title() for ax in curves.axes] == [
+        "fp32: max |loss - fp32 single| so far",
+        "bf16: max |loss - fp32 single| so far",
+    ]
     # The reference itself and the failed run draw no line; DDP 2 / bf16 ends 4e-4 x 5 steps away.
     assert [ln.get_label() for ln in curves.axes[0].lines] == ["DDP 2"]
     assert np.allclose(curves.axes[1].lines[1].get_ydata(), [4e-4 * s for s in range(1, 6)], rtol=1e-9)

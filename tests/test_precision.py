@@ -79,10 +79,18 @@ def one_line_error(*argv: str, layout: str = "single") -> str:
 # Which path a layout takes
 
 
-@pytest.mark.parametrize("layout,path", [
-    ("single", "autocast"), ("ddp", "autocast"), ("tp", "autocast"), ("pp", "autocast"),
-    ("fsdp", "fsdp"), ("hsdp", "fsdp"), ("fsdp_tp", "fsdp"),
-])
+@pytest.mark.parametrize(
+    "layout,path",
+    [
+        ("single", "autocast"),
+        ("ddp", "autocast"),
+        ("tp", "autocast"),
+        ("pp", "autocast"),
+        ("fsdp", "fsdp"),
+        ("hsdp", "fsdp"),
+        ("fsdp_tp", "fsdp"),
+    ],
+)
 def test_default_bf16_path_per_layout(layout: str, path: str) -> None:
     p = plan(layout)
     assert p.path == path
@@ -177,20 +185,26 @@ def test_conflict_fp16_reduce_under_bf16_params(layout: str) -> None:
     assert "reduce_dtype" in msg and "overflow" in msg
 
 
-@pytest.mark.parametrize("name", [
-    "torch.nn.Linearr",            # typo
-    "nosuchpackage.Module",        # unimportable module
-    "Linear",                      # not fully qualified
-    "collections.OrderedDict",     # a class, but not an nn.Module
-    "torch.nn.functional.linear",  # a function
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch.nn.Linearr",  # typo
+        "nosuchpackage.Module",  # unimportable module
+        "Linear",  # not fully qualified
+        "collections.OrderedDict",  # a class, but not an nn.Module
+        "torch.nn.functional.linear",  # a function
+    ],
+)
 def test_conflict_unknown_safe_module(name: str) -> None:
     msg = one_line_error("--mixed_precision.lower_precision_safe_modules", f"torch.nn.Linear,{name}")
     assert f"'{name}'" in msg and "lower_precision_safe_modules" in msg
 
 
 def test_safe_modules_resolve_to_classes() -> None:
-    assert resolve_module_classes(["torch.nn.Linear", "torchtitan_amp.models.llama3.model.RMSNorm"]) == (nn.Linear, RMSNorm)
+    assert resolve_module_classes(["torch.nn.Linear", "torchtitan_amp.models.llama3.model.RMSNorm"]) == (
+        nn.Linear,
+        RMSNorm,
+    )
 
 
 def test_conflict_device_without_mixed_precision() -> None:
@@ -206,19 +220,34 @@ def test_precision_error_is_a_config_error() -> None:
     assert issubclass(PrecisionError, ConfigError)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--training.dtype", "bfloat16", "--mixed_precision.param_dtype", "float16"],
-    ["--mixed_precision.reduce_dtype", "float16"],
-    ["--mixed_precision.lower_precision_safe_modules", "torch.nn.Nope"],
-])
-def test_conflicts_exit_2_with_one_line_through_train_main(argv: list[str], capsys: pytest.CaptureFixture,
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--training.dtype", "bfloat16", "--mixed_precision.param_dtype", "float16"],
+        ["--mixed_precision.reduce_dtype", "float16"],
+        ["--mixed_precision.lower_precision_safe_modules", "torch.nn.Nope"],
+    ],
+)
+def test_conflicts_exit_2_with_one_line_through_train_main(
+    argv: list[str], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
         # A tiny run, so that a conflict that is no longer caught fails fast instead of training.
-        code = train_script.main([*argv, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
-                                  "--training.seq_len", "16", "--training.local_batch_size", "1"])
+        code = train_script.main(
+            [
+                *argv,
+                "--job.dump_folder",
+                str(tmp_path),
+                "--training.steps",
+                "1",
+                "--training.seq_len",
+                "16",
+                "--training.local_batch_size",
+                "1",
+            ]
+        )
     finally:  # train.main configures logging for a real run; give pytest its handlers back
         root.handlers[:] = handlers
         root.setLevel(level)
@@ -247,9 +276,22 @@ def test_check_no_user_autocast() -> None:
 def test_train_step_inside_user_autocast_is_refused(tmp_path: Path) -> None:
     from torchtitan_amp.train.trainer import Trainer
 
-    trainer = Trainer(load_config([
-        "--model.flavor", "debugmodel", "--training.seq_len", "16", "--training.local_batch_size", "1",
-        "--training.steps", "1", "--job.dump_folder", str(tmp_path)]))
+    trainer = Trainer(
+        load_config(
+            [
+                "--model.flavor",
+                "debugmodel",
+                "--training.seq_len",
+                "16",
+                "--training.local_batch_size",
+                "1",
+                "--training.steps",
+                "1",
+                "--job.dump_folder",
+                str(tmp_path),
+            ]
+        )
+    )
     before = [p.detach().clone() for p in trainer.run.model.parameters()]
     batches = iter(trainer.run.dataloader)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -275,15 +317,28 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="torchtitan_amp"):
         report = precision_report.log_and_write_report(p, model, str(tmp_path), is_writer=True)
     assert json.loads((tmp_path / "precision_report.json").read_text()) == report
-    assert {k: report[k] for k in ("path", "param_dtype", "reduce_dtype", "output_dtype", "comm_hook",
-                                   "grad_scaler", "autocast_dtype")} == {
-        "path": "fsdp", "param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "output_dtype": "float32",
-        "comm_hook": "none", "grad_scaler": "none", "autocast_dtype": None}
+    assert {
+        k: report[k]
+        for k in ("path", "param_dtype", "reduce_dtype", "output_dtype", "comm_hook", "grad_scaler", "autocast_dtype")
+    } == {
+        "path": "fsdp",
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "bfloat16",
+        "output_dtype": "float32",
+        "comm_hook": "none",
+        "grad_scaler": "none",
+        "autocast_dtype": None,
+    }
     assert report["fp32_modules"] == ["torch.nn.modules.sparse.Embedding", "torchtitan_amp.models.llama3.model.RMSNorm"]
     groups = _groups(report)
     assert groups["Linear"] | {"num_params": 0} == {
-        "module_type": "torch.nn.modules.linear.Linear", "num_params": 0,
-        "storage_dtype": "float32", "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "trained": True}
+        "module_type": "torch.nn.modules.linear.Linear",
+        "num_params": 0,
+        "storage_dtype": "float32",
+        "compute_dtype": "bfloat16",
+        "reduce_dtype": "bfloat16",
+        "trained": True,
+    }
     for name in ("Embedding", "RMSNorm"):
         assert (groups[name]["compute_dtype"], groups[name]["reduce_dtype"]) == ("float32", "float32")
     assert sum(g["num_params"] for g in groups.values()) == sum(q.numel() for q in model.parameters())
@@ -297,7 +352,9 @@ def test_report_fsdp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
 def test_report_autocast_reduce_follows_hook() -> None:
     model = tiny_model()
     single = precision_report.report(plan("single", "--mixed_precision.reduce_dtype", "bfloat16"), model)
-    assert _groups(single)["Linear"]["reduce_dtype"] == "float32"  # nothing is reduced by DDP, so no low-precision reduce
+    assert (
+        _groups(single)["Linear"]["reduce_dtype"] == "float32"
+    )  # nothing is reduced by DDP, so no low-precision reduce
     ddp = precision_report.report(plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16"), model)
     assert ddp["comm_hook"] == "bf16_compress" and ddp["autocast_dtype"] == "bfloat16"
     assert _groups(ddp)["Linear"]["reduce_dtype"] == "bfloat16"
@@ -305,9 +362,16 @@ def test_report_autocast_reduce_follows_hook() -> None:
 
 
 def test_report_honours_safe_module_list() -> None:
-    report = precision_report.report(plan("ddp", "--mixed_precision.reduce_dtype", "bfloat16",
-                  "--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear,torch.nn.Embedding"
-                  ), tiny_model())
+    report = precision_report.report(
+        plan(
+            "ddp",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+            "--mixed_precision.lower_precision_safe_modules",
+            "torch.nn.Linear,torch.nn.Embedding",
+        ),
+        tiny_model(),
+    )
     assert report["fp32_modules"] == ["torchtitan_amp.models.llama3.model.RMSNorm"]
     assert _groups(report)["Embedding"]["reduce_dtype"] == "bfloat16"
 
@@ -316,14 +380,17 @@ def test_report_disabled_says_fp32_everywhere() -> None:
     report = precision_report.report(plan("fsdp", "--mixed_precision.enabled", "false"), tiny_model())
     assert report["path"] == "full" and report["autocast_dtype"] is None
     assert report["param_dtype"] == report["reduce_dtype"] == report["output_dtype"] == "float32"
-    assert all(g[k] == "float32" for g in report["param_groups"]
-               for k in ("storage_dtype", "compute_dtype", "reduce_dtype"))
+    assert all(
+        g[k] == "float32" for g in report["param_groups"] for k in ("storage_dtype", "compute_dtype", "reduce_dtype")
+    )
     assert any("enabled = false" in n for n in report["notes"])
 
 
 def test_report_fp16_names_the_scaler() -> None:
-    assert precision_report.report(plan("fsdp", "--mixed_precision.param_dtype", "float16"), tiny_model())[
-        "grad_scaler"] == "ShardedGradScaler"
+    assert (
+        precision_report.report(plan("fsdp", "--mixed_precision.param_dtype", "float16"), tiny_model())["grad_scaler"]
+        == "ShardedGradScaler"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,8 +581,7 @@ def test_compress_hook_waits_for_every_collective(monkeypatch: pytest.MonkeyPatc
             return self.fut
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_reduce",
-                        lambda t, group=None, async_op=False: Work(t))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: Work(t))
     torch.manual_seed(0)
     shapes = [(8, 4), (4,), (3, 4)]  # both a low-precision and an fp32 collective per bucket
     params = [nn.Parameter(torch.empty(s)) for s in shapes]
@@ -564,27 +630,27 @@ def test_loss_scaler_disabled_is_a_no_op() -> None:
 
 
 def test_loss_scaler_skips_backs_off_grows_and_round_trips() -> None:
-    scaler = LossScaler(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2))
-    assert scaler.scale(torch.tensor(1.0)).item() == 2.0 ** 10
+    scaler = LossScaler(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+    assert scaler.scale(torch.tensor(1.0)).item() == 2.0**10
     # An inf gradient: skipped, counted, scale backs off, the parameter is untouched.
     p, opt = _param_with_grad(float("inf"))
     scaler.unscale_(opt)
     assert not scaler.step(opt)
-    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0 ** 9
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**9
     assert torch.equal(p.detach(), torch.ones(3))
     # Finite (scaled) gradients: unscaled once, stepped; after growth_interval clean steps the
     # scale grows, and a growing step still counts as a real step.
     for i in range(2):
-        p.grad = torch.full((3,), 2.0 ** 9)
+        p.grad = torch.full((3,), 2.0**9)
         scaler.unscale_(opt)
         assert torch.equal(p.grad, torch.ones(3))  # the true gradient, as clipping must see it
         assert scaler.step(opt)
-    assert scaler.get_scale() == 2.0 ** 10 and scaler.skipped_steps == 1
+    assert scaler.get_scale() == 2.0**10 and scaler.skipped_steps == 1
     assert torch.allclose(p.detach(), torch.full((3,), 0.8))
     # state_dict round trip
     fresh = LossScaler(torch.amp.GradScaler("cpu"))
     fresh.load_state_dict(scaler.state_dict())
-    assert fresh.get_scale() == 2.0 ** 10 and fresh.skipped_steps == 1
+    assert fresh.get_scale() == 2.0**10 and fresh.skipped_steps == 1
 
 
 def test_loss_scaler_unscale_twice_in_one_step_raises() -> None:
@@ -598,21 +664,28 @@ def test_loss_scaler_unscale_twice_in_one_step_raises() -> None:
 
 def test_build_scaler_matches_plan() -> None:
     assert not scaler.build_scaler(plan("single")).enabled
-    s = scaler.build_scaler(plan("single", "--mixed_precision.param_dtype", "float16",
-                                 "--mixed_precision.init_scale", "256"))
+    s = scaler.build_scaler(
+        plan("single", "--mixed_precision.param_dtype", "float16", "--mixed_precision.init_scale", "256")
+    )
     assert type(s.scaler) is torch.amp.GradScaler and s.get_scale() == 256.0
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    assert isinstance(scaler.build_scaler(plan("fsdp", "--mixed_precision.param_dtype", "float16")).scaler,
-                      ShardedGradScaler)
+    assert isinstance(
+        scaler.build_scaler(plan("fsdp", "--mixed_precision.param_dtype", "float16")).scaler, ShardedGradScaler
+    )
 
 
 def test_no_process_group_was_started() -> None:
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("setting", [["--mixed_precision.reduce_dtype", "float32"],
-                                     ["--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear"]])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ["--mixed_precision.reduce_dtype", "float32"],
+        ["--mixed_precision.lower_precision_safe_modules", "torch.nn.Linear"],
+    ],
+)
 def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     """Pure bf16 has no fp32 master copy: an explicit fp32 reduce or safe-module list would be
     silently ignored, so it is an error naming the field (issue 17)."""
@@ -621,8 +694,18 @@ def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     # mixed_precision.enabled = false switches the whole section off, these settings included.
     assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false", *setting).path == "full"
     # The same dtype as the storage is what happens anyway: accepted.
-    assert plan("ddp", "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false",
-                "--mixed_precision.reduce_dtype", "bfloat16").reduce_dtype == torch.bfloat16
+    assert (
+        plan(
+            "ddp",
+            "--training.dtype",
+            "bfloat16",
+            "--mixed_precision.enabled",
+            "false",
+            "--mixed_precision.reduce_dtype",
+            "bfloat16",
+        ).reduce_dtype
+        == torch.bfloat16
+    )
 
 
 def test_the_precision_package_keeps_no_seam_for_tests() -> None:

@@ -4,7 +4,7 @@ One launch per layout runs tests/workers/precision_worker.py, which builds real 
 overrides, runs real steps with recorders on and writes result.json; the tests below only read
 it. A layout is its CLI overrides, so TP / PP are one more entry in LAYOUTS.
 
-Model: the debugmodel flavour cut to debugmodel_tiny's width at 2 layers (dim 64, 2 heads, vocab 258)
+Model: the debugmodel flavor cut to debugmodel_tiny's width at 2 layers (dim 64, 2 heads, vocab 258)
 for bf16, and to 1 layer of dim 64 for fp16 (fp16 matmuls are far slower than bf16 on this CPU);
 seq_len 32 (16 for fp16), local batch 2, global batch 8: 1, 2 and 4 data-parallel ranks accumulate
 4, 2 and 1 micro-batches and see the same 8 sequences per step (test_data_union_matches_single_process).
@@ -71,16 +71,32 @@ class Layout:
 LAYOUTS = {
     "single": Layout(1, (), "autocast", "probe,curve,fp32curve,fp16"),
     # DDP trains its curve through our bf16 compress hook; its fp32 curve must equal single's.
-    "ddp": Layout(2, ("--parallelism.data_parallel_replicate_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve_rbf16,fp32curve,fp16"),
+    "ddp": Layout(
+        2,
+        ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+        "autocast",
+        "probe,curve_rbf16,fp32curve,fp16",
+    ),
     "fsdp": Layout(2, ("--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve,fp16"),
-    "hsdp": Layout(4, ("--parallelism.data_parallel_replicate_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "2"), "fsdp", "probe,curve_rbf16"),
+    "hsdp": Layout(
+        4,
+        ("--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"),
+        "fsdp",
+        "probe,curve_rbf16",
+    ),
     # TP-only and PP-only take the autocast path too (torchtitan fell back to fp32 here).
-    "tp": Layout(2, ("--parallelism.tensor_parallel_degree", "2",
-                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve,fp16"),
-    "pp": Layout(2, ("--parallelism.pipeline_parallel_degree", "2",
-                     "--parallelism.data_parallel_shard_degree", "1"), "autocast", "probe,curve"),
+    "tp": Layout(
+        2,
+        ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+        "autocast",
+        "probe,curve,fp16",
+    ),
+    "pp": Layout(
+        2,
+        ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+        "autocast",
+        "probe,curve",
+    ),
 }
 FP16_LAYOUTS = [name for name, layout in LAYOUTS.items() if "fp16" in layout.scenarios]
 # Layouts with data-parallel gradient reduction (TP-only and PP-only have none to compress).
@@ -141,8 +157,9 @@ def test_path_and_report(run, name):  # type: ignore[no-untyped-def]
     assert off["path"] == "full" and off["param_dtype"] == off["reduce_dtype"] == "float32"
     assert off["comm_hook"] == "none" and off["autocast_dtype"] is None and off["grad_scaler"] == "none"
     assert any("enabled = false" in note for note in off["notes"])
-    assert all(g[k] == "float32" for g in off["param_groups"]
-               for k in ("storage_dtype", "compute_dtype", "reduce_dtype"))
+    assert all(
+        g[k] == "float32" for g in off["param_groups"] for k in ("storage_dtype", "compute_dtype", "reduce_dtype")
+    )
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -221,8 +238,10 @@ def test_gradient_bytes_halve_for_safe_modules_only(run, name):  # type: ignore[
             # HSDP: the shard's all-reduce over the replicate group travels in the same dtypes.
             shard = bf16["dims"]["dp_shard"]
             assert fp32["fsdp_wire"]["all_reduce"] == {"float32": accum * 4 * (safe + unsafe) // shard}
-            assert bf16["fsdp_wire"]["all_reduce"] == {"bfloat16": accum * 2 * safe // shard,
-                                                       "float32": accum * 4 * unsafe // shard}
+            assert bf16["fsdp_wire"]["all_reduce"] == {
+                "bfloat16": accum * 2 * safe // shard,
+                "float32": accum * 4 * unsafe // shard,
+            }
 
 
 @pytest.mark.parametrize("name", [n for n in DP if LAYOUTS[n].family == "fsdp"])
@@ -242,9 +261,15 @@ def test_fsdp_all_gathers_safe_modules_in_param_dtype(run, name):  # type: ignor
 
 # TP and PP have no hand-written reference (sharded matmuls and stage splits would have to be
 # re-implemented); their proof is the dtype probes above plus loss parity with fp32 below.
-@pytest.mark.parametrize("name,probe_name", [(name, probe) for name in ("single", *DP) for probe in
-                                              ("default", "reduce_bf16", "disabled")
-                                              if probe != "reduce_bf16" or name in DP])
+@pytest.mark.parametrize(
+    "name,probe_name",
+    [
+        (name, probe)
+        for name in ("single", *DP)
+        for probe in ("default", "reduce_bf16", "disabled")
+        if probe != "reduce_bf16" or name in DP
+    ],
+)
 def test_step_matches_hand_written_reference_exactly(run, name, probe_name):  # type: ignore[no-untyped-def]
     """Bit-for-bit: the gradients and the updated fp32 master weights of one optimizer step equal
     a reference written out by hand (see reference_step in the worker)."""
@@ -285,8 +310,10 @@ def test_loss_curves_match_fp32_reference(run):  # type: ignore[no-untyped-def]
         curve = _curve(run(name))
         assert len(curve) == CURVE_STEPS and all(math.isfinite(x) for x in curve)
         deltas = [a - b for a, b in zip(curve, ref)]
-        print(f"\n[curve] {name}: max |d| {max(map(abs, deltas)):.2e}, mean d {sum(deltas) / len(deltas):+.2e}, "
-              f"step 1 d {deltas[0]:+.2e}")
+        print(
+            f"\n[curve] {name}: max |d| {max(map(abs, deltas)):.2e}, mean d {sum(deltas) / len(deltas):+.2e}, "
+            f"step 1 d {deltas[0]:+.2e}"
+        )
         assert max(map(abs, deltas)) < CURVE_TOL, (name, deltas)
         assert abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, (name, deltas)
         assert STEP1_MIN < abs(deltas[0]) < STEP1_TOL, (name, deltas[0])
@@ -302,8 +329,9 @@ def test_mixed_precision_paths_agree_tighter_within_a_family(run):  # type: igno
     for names in (("single", "ddp"), ("fsdp", "hsdp")):
         assert abs(step1[names[1]] - step1[names[0]]) < SAME_FAMILY_STEP1_TOL, step1
     # The worker's model: debugmodel cut to BF16_SHRINK, its 8 sequences of step 1.
-    sigma = bf16_rounding_sigma(("--training.seq_len", "32", "--training.seed", "0"), batch=8,
-                                shrink=tuple(BF16_SHRINK.items()))
+    sigma = bf16_rounding_sigma(
+        ("--training.seq_len", "32", "--training.seed", "0"), batch=8, shrink=tuple(BF16_SHRINK.items())
+    )
     for name in ("tp", "pp"):
         assert abs(step1[name] - step1["single"]) < SPLIT_MATMUL_STEP1_SIGMAS * sigma, (step1, sigma)
     # Across families the numerics differ (bf16 residual stream under FSDP), but by less than
@@ -336,7 +364,7 @@ def test_fp16_planted_overflow_skips_backs_off_and_recovers(run_fp16, name):  # 
     # 2**40, 2**36, 2**32 overflow for sure; measured: 6 skips on the autocast path, 7 under FSDP
     # (its fp16 residual stream overflows once more at 65536 later on: dynamic scaling at work).
     assert stepped[:3] == [False] * 3 and res["skipped_steps"] == stepped.count(False) >= 3, stepped
-    assert steps[0]["scale_before"] == 2.0 ** 40
+    assert steps[0]["scale_before"] == 2.0**40
     for s in steps:
         if s["stepped"]:
             assert s["grads_finite"] and math.isfinite(s["grad_norm"]) and s["scale_after"] >= s["scale_before"]
@@ -371,15 +399,16 @@ def test_fp16_loss_scale_and_skipped_steps_in_metrics_jsonl(run_fp16, name):  # 
     assert [r["step"] for r in rows] == list(range(1, len(steps) + 1))
     for row, s in zip(rows, steps):
         assert row["loss_scale"] == s["scale_after"]
-    assert [r["skipped_steps"] for r in rows] == [float(sum(not s["stepped"] for s in steps[:i + 1]))
-                                                   for i in range(len(steps))]
+    assert [r["skipped_steps"] for r in rows] == [
+        float(sum(not s["stepped"] for s in steps[: i + 1])) for i in range(len(steps))
+    ]
 
 
 @pytest.mark.parametrize("name", FP16_LAYOUTS)
 def test_fp16_clipping_sees_unscaled_gradients(run_fp16, name):  # type: ignore[no-untyped-def]
     norms = run_fp16(name)["norms"]
     fp16, fp32 = norms["fp16_norm"], norms["fp32_norm"]
-    assert fp16["stepped"] and fp16["scale"] == 2.0 ** 12
+    assert fp16["stepped"] and fp16["scale"] == 2.0**12
     # Measured: 0.951007 vs 0.951023 (1.6e-5 relative); a scaled norm would be 4096x.
     assert fp16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=1e-3)
     # Clipping to 1e-3 left gradients of norm 1e-3: it acted on the true, unscaled gradients.
@@ -416,11 +445,13 @@ def test_fp16_norm_and_clipping_match_fp64_norm_of_unscaled_gradients(run_fp16, 
     for ranks in (fp16, fp32):  # one global norm on every rank
         assert len({(records[0]["reported"], records[0]["true"]) for records in ranks}) == 1, ranks
     assert fp16[0][0]["true"] == pytest.approx(fp32[0][0]["true"], rel=1e-3)
-    print(f"\n[fp16 norm check] {name}: reported vs fp64 {abs(fp16[0][0]['reported'] / fp16[0][0]['true'] - 1):.1e}, "
-          f"clipped grads {max(r[0]['clip_rel_err'] for r in fp16):.1e}, fp16 vs fp32 fp64 norm "
-          f"{abs(fp16[0][0]['true'] / fp32[0][0]['true'] - 1):.1e}; overflow run clipped at "
-          f"{sum(r['clipped'] for r in res['overflow']['norm_check'][0] if math.isfinite(r['true']))} of "
-          f"{sum(math.isfinite(r['true']) for r in res['overflow']['norm_check'][0])} finite steps")
+    print(
+        f"\n[fp16 norm check] {name}: reported vs fp64 {abs(fp16[0][0]['reported'] / fp16[0][0]['true'] - 1):.1e}, "
+        f"clipped grads {max(r[0]['clip_rel_err'] for r in fp16):.1e}, fp16 vs fp32 fp64 norm "
+        f"{abs(fp16[0][0]['true'] / fp32[0][0]['true'] - 1):.1e}; overflow run clipped at "
+        f"{sum(r['clipped'] for r in res['overflow']['norm_check'][0] if math.isfinite(r['true']))} of "
+        f"{sum(math.isfinite(r['true']) for r in res['overflow']['norm_check'][0])} finite steps"
+    )
     # The planted-overflow run (max_norm 1.0, 18 steps): every finite step, on every rank.
     overflow = res["overflow"]
     for records in overflow["norm_check"]:

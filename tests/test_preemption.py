@@ -99,8 +99,11 @@ def test_a_failed_job_is_one_error_line_from_the_first_failing_rank():
     assert out == "[rank0]:21:13:34 [rank0] INFO training 3 steps on cpu (gloo), world size 2\n"
     assert err == "[rank0]:received SIGTERM: will save a checkpoint after this step and exit\n"
     assert log.splitlines() == [line for _, line in AGENT_OUTPUT]  # everything, in order
-    assert output.summary(1) == ("error: rank 1: token folder /data/x does not exist (every rank's output and "
-                                 "torchrun's report: /logs/launch.log)", 2)
+    assert output.summary(1) == (
+        "error: rank 1: token folder /data/x does not exist (every rank's output and "
+        "torchrun's report: /logs/launch.log)",
+        2,
+    )
     assert output.summary(0) is None
 
 
@@ -108,12 +111,19 @@ def test_a_crash_without_an_error_line_names_the_root_cause_rank_and_its_last_li
     lines = [(is_err, line) for is_err, line in AGENT_OUTPUT if "error: token" not in line]
     lines.insert(4, (True, "[rank1]:fault injection: rank 1 exits hard after step 1"))
     output, *_ = _routed(lines, ranks={0})
-    assert output.summary(1) == ("error: rank 1 exited with code 2: fault injection: rank 1 exits hard after step 1 "
-                                 "(every rank's output and torchrun's report: /logs/launch.log)", 2)
+    assert output.summary(1) == (
+        "error: rank 1 exited with code 2: fault injection: rank 1 exits hard after step 1 "
+        "(every rank's output and torchrun's report: /logs/launch.log)",
+        2,
+    )
     # No table either (torchrun rejected its options): its own last line.
-    output, out, err, _ = _routed([(True, "usage: torchrun [-h] ..."), (True, "torchrun: error: unrecognized arguments: -x")])
+    output, out, err, _ = _routed(
+        [(True, "usage: torchrun [-h] ..."), (True, "torchrun: error: unrecognized arguments: -x")]
+    )
     assert (out, err) == ("", "")
-    assert output.summary(2)[0].startswith("error: torchrun exited with code 2: torchrun: error: unrecognized arguments")
+    assert output.summary(2)[0].startswith(
+        "error: torchrun exited with code 2: torchrun: error: unrecognized arguments"
+    )
 
 
 def test_verbose_shows_torchruns_own_output_and_the_tracebacks_of_the_shown_ranks():

@@ -147,13 +147,28 @@ def test_matrix_low_precision_rows_resolve_to_their_configs() -> None:
     assert a.tail == 30
     runs, notes = nm.select_runs(a.max_procs, a.only)
     labels = [r.label for r in runs]
-    assert labels == ["single / fp32", "single / bf16", "single / fp8 rowwise", "single / mxfp8", "single / nvfp4",
-                      "single / nvfp4, RHT off", "single / nvfp4, SR off"] and not notes
+    assert (
+        labels
+        == [
+            "single / fp32",
+            "single / bf16",
+            "single / fp8 rowwise",
+            "single / mxfp8",
+            "single / nvfp4",
+            "single / nvfp4, RHT off",
+            "single / nvfp4, SR off",
+        ]
+        and not notes
+    )
     runs.append(nm.select_runs(a.max_procs, "^single / nvfp4, 1x16 W$")[0][-1])  # by --only
-    want = {"fp8 rowwise": ("rowwise", "none", None), "mxfp8": ("none", "mxfp8", None),
-            "nvfp4": ("none", "nvfp4", (True, True, True)), "nvfp4, RHT off": ("none", "nvfp4", (True, False, True)),
-            "nvfp4, SR off": ("none", "nvfp4", (True, True, False)),
-            "nvfp4, 1x16 W": ("none", "nvfp4", (False, True, True))}
+    want = {
+        "fp8 rowwise": ("rowwise", "none", None),
+        "mxfp8": ("none", "mxfp8", None),
+        "nvfp4": ("none", "nvfp4", (True, True, True)),
+        "nvfp4, RHT off": ("none", "nvfp4", (True, False, True)),
+        "nvfp4, SR off": ("none", "nvfp4", (True, True, False)),
+        "nvfp4, 1x16 W": ("none", "nvfp4", (False, True, True)),
+    }
     for run in runs[2:]:
         config = load_config(nm.train_args(run, a))
         mp = config.mixed_precision

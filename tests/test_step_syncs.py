@@ -28,8 +28,16 @@ from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
 
-TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
-        "--mixed_precision.enabled", "false"]
+TINY = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--mixed_precision.enabled",
+    "false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +87,8 @@ def _fake_world(monkeypatch: pytest.MonkeyPatch, backend: str) -> list[dict[str,
 
 
 def test_control_group_is_a_new_gloo_group_on_nccl_and_the_default_group_on_gloo(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     made = _fake_world(monkeypatch, "nccl")
     group = process_groups.control_group(60.0)
     # The poll must not run on nccl's default group (a device sync per step): a gloo group of its own.
@@ -95,7 +104,8 @@ def test_control_group_is_a_new_gloo_group_on_nccl_and_the_default_group_on_gloo
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
     made_with: list[float] = []
     real_control_group = process_groups.control_group
 
@@ -132,7 +142,8 @@ def test_should_stop_all_reduces_a_cpu_tensor_on_the_control_group(
 
 
 def test_trainer_polls_the_stop_flag_every_step_and_copies_batches_through_to_device(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trainer = _trainer(tmp_path, "--training.steps", "7", "--metrics.log_freq", "5")
     polled = _record_polls(monkeypatch, trainer)
     copies: list[tuple[torch.device, torch.device]] = []
@@ -149,9 +160,18 @@ def test_trainer_polls_the_stop_flag_every_step_and_copies_batches_through_to_de
 
 
 def test_a_stop_signal_during_a_step_saves_and_exits_after_that_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    trainer = _trainer(tmp_path, "--training.steps", "12", "--metrics.log_freq", "5", "--checkpoint.enable",
-                       "--checkpoint.interval", "100")
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = _trainer(
+        tmp_path,
+        "--training.steps",
+        "12",
+        "--metrics.log_freq",
+        "5",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "100",
+    )
     polled = _record_polls(monkeypatch, trainer)
     monkeypatch.setattr(preemption, "_stop_signal", None)
     step_fn = trainer.train_step
@@ -183,7 +203,7 @@ class _FakeBatch:
     def is_pinned(self) -> bool:
         return self.pinned
 
-    def pin_memory(self) -> "_FakeBatch":
+    def pin_memory(self) -> _FakeBatch:
         self.calls.append(("pin_memory",))
         return self
 
@@ -273,15 +293,26 @@ def _storages(obj: Any) -> list[torch.UntypedStorage]:
 
 
 def test_pinned_stager_waits_for_the_step_reuses_its_buffers_and_a_finished_save_commits_at_the_next_poll(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One stager per run, closed at the end; every save refills the first save's host buffers
     (torch 2.11's DefaultStager drops them after each save: there 171 of this run's 171 storages
     are new at the second save). On a stream-order fake: the staging stream waits for the compute stream (the
     optimizer step queued there) before the copies, which run on the staging stream; it is
     synchronized before the save returns, so the next optimizer step comes after."""
     # The mode is refused on CPU at config time: configure "async", switch after the checks.
-    trainer = _trainer(tmp_path, "--training.steps", "5", "--metrics.log_freq", "100", "--checkpoint.enable",
-                       "--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    trainer = _trainer(
+        tmp_path,
+        "--training.steps",
+        "5",
+        "--metrics.log_freq",
+        "100",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+    )
     trainer.config.checkpoint.async_mode = "async_with_pinned_mem"
     monkeypatch.setattr(saving, "PinnedStager", _CountingStager)
     monkeypatch.setattr(_CountingStager, "made", 0)

@@ -15,8 +15,15 @@ RUNS_A_SCRIPT = "from tests.support.launch import run_python\n"
 TORCHRUN = 'CMD = ["python", "-m", "torch.distributed.run", "train.py"]\n'
 
 
-@pytest.mark.parametrize("source", [LAUNCHES_RANKS, TORCHRUN, "import torch.multiprocessing as mp\n",
-                                    "from tests.support.launch import run_distributed\n"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        LAUNCHES_RANKS,
+        TORCHRUN,
+        "import torch.multiprocessing as mp\n",
+        "from tests.support.launch import run_distributed\n",
+    ],
+)
 def test_a_module_that_starts_ranks_must_be_dist(source: str) -> None:
     assert "not marked dist" in misplaced("test_x", source, set())
     assert "not marked dist" in misplaced("test_x", source, {"unit"})

@@ -152,10 +152,19 @@ def _llama3_split(s: str, max_run: int = 25_000) -> list[str]:
     return pieces + [s[start:]]
 
 
-@pytest.mark.parametrize("text", [
-    "", "short text", "a" * 25_000, "a" * 25_001, "a" * 60_001 + " " * 30_000 + "b", " " * 50_001 + "x" * 24_999,
-    "word " * 100_000, "\n" * 25_001 + "é" * 75_000,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "short text",
+        "a" * 25_000,
+        "a" * 25_001,
+        "a" * 60_001 + " " * 30_000 + "b",
+        " " * 50_001 + "x" * 24_999,
+        "word " * 100_000,
+        "\n" * 25_001 + "é" * 75_000,
+    ],
+)
 def test_tiktoken_long_runs_are_cut_like_llama3(tmp_path: Path, text: str) -> None:
     from torchtitan_amp.data.tokenizer import _tiktoken_pieces
 

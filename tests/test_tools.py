@@ -81,7 +81,11 @@ def test_loss_compare_checks_and_exit_codes(tmp_path: Path) -> None:
     r = _compare(str(a), str(fewer), "--assert-equal")
     assert r.returncode == 1 and "steps only in one run: [3]" in r.stderr, r.describe()
 
-    for bad in ([str(a), str(tmp_path / "missing")], [str(a)], [str(a), str(_write_metrics(tmp_path / "x.jsonl", {9: 1.0}))]):
+    for bad in (
+        [str(a), str(tmp_path / "missing")],
+        [str(a)],
+        [str(a), str(_write_metrics(tmp_path / "x.jsonl", {9: 1.0}))],
+    ):
         r = _compare(*bad)
         assert r.returncode == 2, (bad, r.describe())
 
@@ -92,6 +96,7 @@ def test_loss_compare_checks_and_exit_codes(tmp_path: Path) -> None:
 
 def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     from torchtitan_amp.tools import numerics_matrix as nm
+
     runs, notes = nm.select_runs(8, None)
     got = {(r.layout.name, r.precision.name) for r in runs}
     three_d = {"FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2"}  # 8 processes: fp32 and bf16 only
@@ -116,7 +121,14 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     dp = {"DDP 2", "FSDP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp}  # FSDP shards over the cp ranks too
     assert {lay for lay, p in got if p == "bf16 + bf16 reduce"} == dp
     assert {lay for lay, p in got if p == "bf16 + bf16 cp reduce"} == cp
-    assert {lay for lay, p in got if p == "fp16 + loss scaling"} == {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "CP 2"}
+    assert {lay for lay, p in got if p == "fp16 + loss scaling"} == {
+        "single",
+        "DDP 2",
+        "FSDP 2",
+        "TP 2",
+        "PP 2",
+        "CP 2",
+    }
     assert {lay for lay, p in got if p == "pure bf16"} == {"single", "DDP 2", "FSDP 2"}
     # Every combination left out says why; --max-procs drops the larger layouts (the default 4:
     # the 3-D ones).
@@ -128,15 +140,20 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     assert max(r.layout.nproc for r in runs2) == 2 and any("--max-procs 2" in n for n in notes2)
     # Data-parallel layouts split the same global batch.
     a = nm.parse_args(["--global-batch", "4"])
-    for name, local in (("HSDP 2x2", "1"), ("HSDP 2x2 x TP 2", "1"), ("FSDP 2 x TP 2 x PP 2", "2"),
-                        ("CP 2", "4"), ("FSDP 2 x CP 2", "2")):
+    for name, local in (
+        ("HSDP 2x2", "1"),
+        ("HSDP 2x2 x TP 2", "1"),
+        ("FSDP 2 x TP 2 x PP 2", "2"),
+        ("CP 2", "4"),
+        ("FSDP 2 x CP 2", "2"),
+    ):
         args = nm.train_args(next(r for r in runs if r.layout.name == name), a)
         assert args[args.index("--training.local_batch_size") + 1] == local, name
 
 
 # + PP 2 fp16: the first pipeline stage never scales a loss; it must still unscale and step.
 MATRIX_ONLY = "^(single / bf16|DDP 2 / fp32|DDP 2 / bf16|PP 2 / fp16 \\+ loss scaling)$"
-# The smallest flavour: the emulated bf16 / fp16 steps of a CPU without native bf16 cost ~14x
+# The smallest flavor: the emulated bf16 / fp16 steps of a CPU without native bf16 cost ~14x
 # less than the debug model's. At its size lr 1e-2 is what makes 3 steps lower the loss (3e-3
 # raised it: 5.936 -> 5.945); measured with it: bf16 within 3.1e-4 of fp32, DDP 2 bf16 within
 # 1.6e-4 of single bf16, val loss 1.6e-4..3.8e-4 off, all inside the bounds below.
@@ -146,8 +163,20 @@ MATRIX_ARGS = ("--steps", "3", "--flavor", "debugmodel_tiny", "--lr", "1e-2")
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("matrix")
-    r = run_python("-m", "torchtitan_amp.tools.numerics_matrix", *MATRIX_ARGS, "--max-procs", "2",
-                   "--only", MATRIX_ONLY, "--out", str(out), "--output", str(out / "table.md"), timeout=900)
+    r = run_python(
+        "-m",
+        "torchtitan_amp.tools.numerics_matrix",
+        *MATRIX_ARGS,
+        "--max-procs",
+        "2",
+        "--only",
+        MATRIX_ONLY,
+        "--out",
+        str(out),
+        "--output",
+        str(out / "table.md"),
+        timeout=900,
+    )
     assert r.returncode == 0, r.describe()
     return out, (out / "table.md").read_text()
 
@@ -163,14 +192,24 @@ def _rows(md: str) -> dict[tuple[str, str], list[str]]:
 
 def test_numerics_matrix_table(matrix: tuple[Path, str]) -> None:
     _, md = matrix
-    assert md.startswith(f"Command: `python -m torchtitan_amp.tools.numerics_matrix {' '.join(MATRIX_ARGS)} "
-                         "--max-procs 2 --only")
+    assert md.startswith(
+        f"Command: `python -m torchtitan_amp.tools.numerics_matrix {' '.join(MATRIX_ARGS)} --max-procs 2 --only"
+    )
     rows = _rows(md)
-    assert set(rows) == {("single", "fp32"), ("single", "bf16"), ("DDP 2", "fp32"), ("DDP 2", "bf16"),
-                         ("PP 2", "fp16 + loss scaling")}, md
-    assert {k: v[2] for k, v in rows.items()} == {("single", "fp32"): "full", ("single", "bf16"): "autocast",
-                                                  ("DDP 2", "fp32"): "full", ("DDP 2", "bf16"): "autocast",
-                                                  ("PP 2", "fp16 + loss scaling"): "autocast"}
+    assert set(rows) == {
+        ("single", "fp32"),
+        ("single", "bf16"),
+        ("DDP 2", "fp32"),
+        ("DDP 2", "bf16"),
+        ("PP 2", "fp16 + loss scaling"),
+    }, md
+    assert {k: v[2] for k, v in rows.items()} == {
+        ("single", "fp32"): "full",
+        ("single", "bf16"): "autocast",
+        ("DDP 2", "fp32"): "full",
+        ("DDP 2", "bf16"): "autocast",
+        ("PP 2", "fp16 + loss scaling"): "autocast",
+    }
     pp16 = rows["PP 2", "fp16 + loss scaling"]
     assert pp16[7] == "0" and float(pp16[5].split()[0]) < 5e-2, pp16  # trained, no overflow in 3 steps
 
@@ -194,10 +233,21 @@ def test_loss_compare_runs_train(matrix: tuple[Path, str], tmp_path: Path) -> No
     seed, data and process count), and differs from the bf16 run."""
     out, _ = matrix
     from torchtitan_amp.tools import numerics_matrix as nm
+
     ref = next(r for r in nm.select_runs(1, None)[0] if r.label == "single / fp32")
     args = nm.train_args(ref, nm.parse_args(list(MATRIX_ARGS)))
-    r = _compare("--run-a", shlex.join(args), "--nproc-a", "1", str(out / ref.key), "--assert-equal",
-                 "--out", str(tmp_path), "--json", str(tmp_path / "cmp.json"))
+    r = _compare(
+        "--run-a",
+        shlex.join(args),
+        "--nproc-a",
+        "1",
+        str(out / ref.key),
+        "--assert-equal",
+        "--out",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "cmp.json"),
+    )
     assert r.returncode == 0, r.describe()
     cmp = json.loads((tmp_path / "cmp.json").read_text())
     assert cmp["steps"] == [1, 2, 3] and cmp["bit_identical"] and cmp["a"][-1] < cmp["a"][0]
@@ -241,8 +291,9 @@ def test_estimate_memory_llama3_8b(tmp_path: Path) -> None:
     assert est["peak"]["ac_none"] - est["peak"]["ac_full"] == acts["none"] - acts["full"]
     assert _total(est["transient"]) > 0 and est["precision"]["path"] == "fsdp"
     # Pure bf16 halves the state; TP 2 halves it per rank again and shrinks the activations.
-    bf16, _ = _estimate(tmp_path, "bf16", "--ngpu", "8", *base, "--training.dtype", "bfloat16",
-                        "--mixed_precision.enabled", "false")
+    bf16, _ = _estimate(
+        tmp_path, "bf16", "--ngpu", "8", *base, "--training.dtype", "bfloat16", "--mixed_precision.enabled", "false"
+    )
     assert bf16["state"]["params"] == {"bfloat16": _total(st["params"]) // 2}
     tp, _ = _estimate(tmp_path, "tp", "--ngpu", "8", *base, "--parallelism.tensor_parallel_degree", "2")
     assert _total(tp["state"]["params"]) == pytest.approx(_total(st["params"]), rel=1e-3)  # 4 x 2 vs 8 shards
@@ -251,8 +302,17 @@ def test_estimate_memory_llama3_8b(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: unknown config key 'training.stepz'"), r.describe()
 
 
-MEASURE = ("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "8",
-           "--mixed_precision.enabled", "false", "--measure")
+MEASURE = (
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "8",
+    "--mixed_precision.enabled",
+    "false",
+    "--measure",
+)
 
 
 def test_estimate_memory_matches_measured_cpu_run(tmp_path: Path) -> None:
@@ -292,8 +352,11 @@ def gpu_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # the benchmark's own case; autocast blocks compile as in the Trainer, which the GPU check
     # `curves` (tests/gpu/test_training.py) compiles in bf16 already.
     compiles = ["--compile", "off,on", "--compile-configs", "fsdp"] if HAVE_COMPILER else ["--compile", "off"]
-    r = run_command(["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", *compiles],
-                    timeout=900, env={"OUT": str(out), "PYTHON": sys.executable})
+    r = run_command(
+        ["bash", str(BENCH / "gpu_mfu.sh"), "--tiny", "--device", "cpu", *compiles],
+        timeout=900,
+        env={"OUT": str(out), "PYTHON": sys.executable},
+    )
     assert (out / "gpu_mfu.json").is_file(), r.describe()
     data = json.loads((out / "gpu_mfu.json").read_text())
     data["returncode"], data["output"] = r.returncode, r.output
@@ -333,8 +396,9 @@ def test_reduce_precision_emulation() -> None:
     """The ring's per-hop rounding adds error to the one-time cast, and more with more ranks."""
     # The tiny model: the statistics of a bf16 cast do not depend on the model's size (measured: cast
     # 1.7e-3, ring 1.7e-3 / 2.3e-3 / 2.7e-3 for 1 / 2 / 4 ranks, as with debug_h64), its start-up does.
-    r = run_python("-m", "benchmarks.reduce_precision", "--max-ranks", "4", "--seq-len", "32", "--model", "tiny",
-                   timeout=300)
+    r = run_python(
+        "-m", "benchmarks.reduce_precision", "--max-ranks", "4", "--seq-len", "32", "--model", "tiny", timeout=300
+    )
     assert r.returncode == 0, r.describe()
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     table = {int(cells[0]): [float(c) for c in cells[1:]] for cells in rows}
@@ -349,19 +413,52 @@ def test_reduce_precision_emulation() -> None:
 def test_overhead_runs_every_layout(tmp_path: Path) -> None:
     """The overhead benchmark's own code on the tiny model (one process, then one 2-rank launch for
     DDP, FSDP and TP in turn); a smoke test: its times are not checked."""
-    r = run_python("-m", "benchmarks.overhead", "--models", "tiny", "--layouts", "single,ddp2,fsdp2,tp2",
-                   "--precisions", "fp32,bf16", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
-                   "--output", str(tmp_path / "report.md"), timeout=300, env=ONE_THREAD)
+    r = run_python(
+        "-m",
+        "benchmarks.overhead",
+        "--models",
+        "tiny",
+        "--layouts",
+        "single,ddp2,fsdp2,tp2",
+        "--precisions",
+        "fp32,bf16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--output",
+        str(tmp_path / "report.md"),
+        timeout=300,
+        env=ONE_THREAD,
+    )
     assert r.returncode == 0, r.describe()
-    rows = [line.split(" | ") for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| tiny")]
-    assert [(c[1], c[2]) for c in rows] == [(layout, prec) for layout in ("single", "ddp2", "fsdp2", "tp2")
-                                            for prec in ("fp32", "bf16")]
+    rows = [
+        line.split(" | ") for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| tiny")
+    ]
+    assert [(c[1], c[2]) for c in rows] == [
+        (layout, prec) for layout in ("single", "ddp2", "fsdp2", "tp2") for prec in ("fp32", "bf16")
+    ]
     assert all(float(c[6]) > 0 and float(c[9]) > 0 for c in rows), rows
 
 
-BENCHMARKS = ["precision_speed", "overhead", "profile_step", "comm", "memory_peak", "gpu_mfu", "reduce_precision",
-              "context_parallel", "torchtitan_memory", "blockscaled_speed", "blockscaled_loss", "diloco_precision",
-              "blockscaled_error", "blockscaled_experts"]
+BENCHMARKS = [
+    "precision_speed",
+    "overhead",
+    "profile_step",
+    "comm",
+    "memory_peak",
+    "gpu_mfu",
+    "reduce_precision",
+    "context_parallel",
+    "torchtitan_memory",
+    "blockscaled_speed",
+    "blockscaled_loss",
+    "diloco_precision",
+    "blockscaled_error",
+    "blockscaled_experts",
+]
 TOOLS = ["plan_layout", "estimate_memory", "numerics_matrix", "plot", "numerics_figures", "generate", "loss_compare"]
 # Runs each module as `python -m MODULE --help` does (runpy as __main__, sys.argv set), one after
 # another in one process, so that torch is imported once rather than once per script (~3 s each on

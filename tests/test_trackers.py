@@ -46,11 +46,11 @@ def wandb_records(path: Path) -> Iterator[object]:
         if left < _HEADER:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
         if length == 0 and kind == 0:  # zero padding to the end of the block
             pos += left
             continue
-        parts += data[pos + _HEADER:pos + _HEADER + length]
+        parts += data[pos + _HEADER : pos + _HEADER + length]
         pos += _HEADER + length
         if kind in (_FULL, _LAST):
             record = wandb_internal_pb2.Record()
@@ -85,12 +85,24 @@ def wandb_run(dump: Path) -> dict:
 @pytest.fixture
 def no_wandb_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No credentials, an empty netrc, W&B's own folders in tmp: offline by our rule alone."""
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_PROJECT",
-                "WANDB_ENTITY", "WANDB_DIR", "WANDB_RUN_ID"):
+    for var in (
+        "WANDB_MODE",
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_BASE_URL",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_DIR",
+        "WANDB_RUN_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
     (tmp_path / "netrc").write_text("")
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    for var, name in (("WANDB_CONFIG_DIR", "wb_config"), ("WANDB_CACHE_DIR", "wb_cache"), ("WANDB_DATA_DIR", "wb_data")):
+    for var, name in (
+        ("WANDB_CONFIG_DIR", "wb_config"),
+        ("WANDB_CACHE_DIR", "wb_cache"),
+        ("WANDB_DATA_DIR", "wb_data"),
+    ):
         monkeypatch.setenv(var, str(tmp_path / name))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtypes: 1e12)  # no matmul measurement
@@ -101,10 +113,28 @@ def test_wandb_and_tensorboard_hold_every_logged_step(tmp_path: Path, no_wandb_l
 
     assert trackers.wandb_mode() == "offline"
     dump = tmp_path / "tiny_run"
-    trainer = trainer_module.Trainer(load_config([
-        *TINY, "--training.steps", "3", "--training.seq_len", "16", "--training.local_batch_size", "2",
-        "--no-mixed_precision.enabled", "--metrics.enable_tensorboard", "--metrics.enable_wandb",
-        "--metrics.wandb_tags", "tiny,ci", "--job.description", "trackers test", "--job.dump_folder", str(dump)]))
+    trainer = trainer_module.Trainer(
+        load_config(
+            [
+                *TINY,
+                "--training.steps",
+                "3",
+                "--training.seq_len",
+                "16",
+                "--training.local_batch_size",
+                "2",
+                "--no-mixed_precision.enabled",
+                "--metrics.enable_tensorboard",
+                "--metrics.enable_wandb",
+                "--metrics.wandb_tags",
+                "tiny,ci",
+                "--job.description",
+                "trackers test",
+                "--job.dump_folder",
+                str(dump),
+            ]
+        )
+    )
     trainer.train()
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -127,7 +157,9 @@ def test_wandb_and_tensorboard_hold_every_logged_step(tmp_path: Path, no_wandb_l
     events = EventAccumulator(str(dump / "tb"), size_guidance={"tensors": 0}).Reload()
     tb_loss = {e.step: e.value for e in events.Scalars("train/loss")}
     assert tb_loss == {r["step"]: float(np.float32(r["loss"])) for r in rows}
-    assert {"config", "files/precision_report.json"} <= {t.rsplit("/text_summary", 1)[0] for t in events.Tags()["tensors"]}
+    assert {"config", "files/precision_report.json"} <= {
+        t.rsplit("/text_summary", 1)[0] for t in events.Tags()["tensors"]
+    }
 
 
 def test_a_second_run_in_the_same_folder_appends_to_the_same_wandb_run(tmp_path: Path, no_wandb_login: None) -> None:
@@ -150,17 +182,21 @@ def test_a_second_run_in_the_same_folder_appends_to_the_same_wandb_run(tmp_path:
     assert "a &lt;b&gt; &amp; c" in html
 
 
-@pytest.mark.parametrize(("env", "netrc", "mode"), [
-    ({}, "", "offline"),
-    ({"WANDB_API_KEY": "x" * 40}, "", "online"),
-    ({}, "machine api.wandb.ai login user password " + "k" * 40, "online"),
-    ({}, "machine other.host login user password k", "offline"),
-    ({"WANDB_BASE_URL": "https://wandb.example.org"}, "machine wandb.example.org login u password k", "online"),
-    ({"WANDB_MODE": "disabled", "WANDB_API_KEY": "x" * 40}, "", "disabled"),  # W&B's own switch wins
-    ({}, "machine api.wandb.ai login", "offline"),  # a netrc without a password is no login
-])
-def test_wandb_mode_is_offline_without_a_login(env: dict[str, str], netrc: str, mode: str, tmp_path: Path,
-                                               no_wandb_login: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("env", "netrc", "mode"),
+    [
+        ({}, "", "offline"),
+        ({"WANDB_API_KEY": "x" * 40}, "", "online"),
+        ({}, "machine api.wandb.ai login user password " + "k" * 40, "online"),
+        ({}, "machine other.host login user password k", "offline"),
+        ({"WANDB_BASE_URL": "https://wandb.example.org"}, "machine wandb.example.org login u password k", "online"),
+        ({"WANDB_MODE": "disabled", "WANDB_API_KEY": "x" * 40}, "", "disabled"),  # W&B's own switch wins
+        ({}, "machine api.wandb.ai login", "offline"),  # a netrc without a password is no login
+    ],
+)
+def test_wandb_mode_is_offline_without_a_login(
+    env: dict[str, str], netrc: str, mode: str, tmp_path: Path, no_wandb_login: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "netrc").write_text(netrc + "\n")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -169,7 +205,10 @@ def test_wandb_mode_is_offline_without_a_login(env: dict[str, str], netrc: str, 
 
 def test_bad_metrics_config_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
-        ("--metrics.wandb_project", "team/run"): "'metrics.wandb_project' = 'team/run': at most 128 characters, none of",
+        (
+            "--metrics.wandb_project",
+            "team/run",
+        ): "'metrics.wandb_project' = 'team/run': at most 128 characters, none of",
         ("--metrics.wandb_tags", "ok," + "t" * 65): "'metrics.wandb_tags': each tag must be 1-64 characters",
     }
     for args, message in cases.items():

@@ -43,8 +43,9 @@ def launcher(tmp_path: Path, *args: str, ngpu: int | None = None, timeout: float
     if ngpu is not None:
         env["NGPU"] = str(ngpu)
     dump = new_dump_folder(tmp_path)
-    return run_command(["./run_llama_train.sh", "--job.dump_folder", str(dump), *args], timeout=timeout,
-                       env=env, dump_folder=dump)
+    return run_command(
+        ["./run_llama_train.sh", "--job.dump_folder", str(dump), *args], timeout=timeout, env=env, dump_folder=dump
+    )
 
 
 def rows_of(x: torch.Tensor) -> set[tuple[int, ...]]:
@@ -82,20 +83,43 @@ def first_step_in_process(dump: Path, *overrides: str) -> dict:
         grads = {n: p.grad.detach().clone() for n, p in trainer.run.model.named_parameters()}
     finally:
         trainer.run.metrics.close()
-    return {"accum": trainer.run.accum, "loss": float(loss), "grad_norm": float(grad_norm), "grads": grads,
-            "inputs": torch.cat(seen)}
+    return {
+        "accum": trainer.run.accum,
+        "loss": float(loss),
+        "grad_norm": float(grad_norm),
+        "grads": grads,
+        "inputs": torch.cat(seen),
+    }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """fp32, one process, one batch of 8 sequences, no clipping: the first step's loss and grads."""
-    return first_step_in_process(tmp_path_factory.mktemp("reference"), *FP32, "--training.max_norm", "0",
-                                 "--training.local_batch_size", "8", "--training.steps", "1")
+    return first_step_in_process(
+        tmp_path_factory.mktemp("reference"),
+        *FP32,
+        "--training.max_norm",
+        "0",
+        "--training.local_batch_size",
+        "8",
+        "--training.steps",
+        "1",
+    )
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path, reference: dict) -> None:
-    accum = first_step_in_process(tmp_path, *FP32, "--training.max_norm", "0", "--training.local_batch_size", "4",
-                                  "--training.global_batch_size", "8", "--training.steps", "1")
+    accum = first_step_in_process(
+        tmp_path,
+        *FP32,
+        "--training.max_norm",
+        "0",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "8",
+        "--training.steps",
+        "1",
+    )
     assert (accum["accum"], reference["accum"]) == (2, 1)
     assert torch.equal(accum["inputs"], reference["inputs"]), "two micro-batches of 4 = the batch of 8"
     assert accum["loss"] == pytest.approx(reference["loss"], rel=1e-5)
@@ -139,8 +163,18 @@ def test_two_process_fsdp_with_launcher(tmp_path: Path) -> None:
 def test_two_process_ddp(tmp_path: Path) -> None:
     """DDP: ranks see different data, gradients after the all-reduce are identical on both ranks
     and equal the mean of the per-rank gradients; the loss falls over a short run."""
-    result = run_train(tmp_path, 2, *TINY, *DDP, "--training.steps", str(STEPS), "--training.max_norm", "0",
-                       script=WORKERS / "first_step.py", env={"WORKER_TRAIN": "1"})
+    result = run_train(
+        tmp_path,
+        2,
+        *TINY,
+        *DDP,
+        "--training.steps",
+        str(STEPS),
+        "--training.max_norm",
+        "0",
+        script=WORKERS / "first_step.py",
+        env={"WORKER_TRAIN": "1"},
+    )
     assert result.returncode == 0, result.describe()
     r0, r1 = load_ranks(result.dump_folder)
     assert r0["ddp"] and not r0["fsdp"] and r0["world_size"] == 2
@@ -167,8 +201,9 @@ def test_two_process_fsdp_matches_single_process(tmp_path: Path, reference: dict
     """fp32 FSDP on 2 ranks x 4 sequences = one process on the same 8 sequences: same data,
     same loss; each rank's own gradient shard is its half (FSDP2 shards dim 0 as torch.chunk
     does) of the single process's gradient, and the gathered gradients equal it."""
-    result = run_train(tmp_path, 2, *TINY, *FP32, "--training.steps", "1", "--training.max_norm", "0",
-                       script=WORKERS / "first_step.py")
+    result = run_train(
+        tmp_path, 2, *TINY, *FP32, "--training.steps", "1", "--training.max_norm", "0", script=WORKERS / "first_step.py"
+    )
     assert result.returncode == 0, result.describe()
     r0, r1 = load_ranks(result.dump_folder)
     assert r0["fsdp"] and r0["world_size"] == 2
@@ -205,7 +240,8 @@ def test_launcher_rejects_bad_override_in_one_line(tmp_path: Path) -> None:
     result = launcher(tmp_path, "--training.stepz", "5", ngpu=2)
     assert result.returncode == 2, result.describe()
     assert result.stderr.strip().splitlines() == [
-        "error: unknown config key 'training.stepz'; did you mean 'training.steps'?"]
+        "error: unknown config key 'training.stepz'; did you mean 'training.steps'?"
+    ]
     assert "Traceback" not in result.output
 
 
@@ -214,8 +250,15 @@ def test_launcher_rejects_bad_override_in_one_line(tmp_path: Path) -> None:
 
 
 def test_train_py_rejects_missing_dataset(tmp_path: Path) -> None:
-    result = run_python("train.py", "--training.dataset", f"path:{tmp_path / 'missing'}", "--training.seq_len", "16",
-                        "--job.dump_folder", str(tmp_path / "dump"))
+    result = run_python(
+        "train.py",
+        "--training.dataset",
+        f"path:{tmp_path / 'missing'}",
+        "--training.seq_len",
+        "16",
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+    )
     assert result.returncode == 2, result.describe()
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "does not exist" in lines[0], result.describe()
@@ -231,8 +274,16 @@ def test_trainer_rejects_non_utf8_dataset(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             mp.delenv(key, raising=False)
-        config = load_config(["--training.dataset", f"path:{bad}", "--training.seq_len", "16",
-                              "--job.dump_folder", str(tmp_path / "dump")])
+        config = load_config(
+            [
+                "--training.dataset",
+                f"path:{bad}",
+                "--training.seq_len",
+                "16",
+                "--job.dump_folder",
+                str(tmp_path / "dump"),
+            ]
+        )
         with pytest.raises(DataError, match="is not valid UTF-8") as info:
             Trainer(config)
     assert "\n" not in str(info.value)
@@ -242,8 +293,10 @@ def test_trainer_rejects_non_utf8_dataset(tmp_path: Path) -> None:
 # The fresh-machine story of scripts/ensure_env.sh (opt-in: it installs torch, minutes)
 
 
-@pytest.mark.skipif(os.environ.get("TORCHTITAN_AMP_TEST_FRESH_ENV") != "1",
-                    reason="set TORCHTITAN_AMP_TEST_FRESH_ENV=1 to install torch into a fresh venv")
+@pytest.mark.skipif(
+    os.environ.get("TORCHTITAN_AMP_TEST_FRESH_ENV") != "1",
+    reason="set TORCHTITAN_AMP_TEST_FRESH_ENV=1 to install torch into a fresh venv",
+)
 def test_ensure_env_sets_up_a_bare_python(tmp_path: Path) -> None:
     """A Python without any dependency: ./.venv is created with torch==2.13.0 and requirements.txt,
     isolated from the system site-packages, and reused by the next call."""
@@ -255,8 +308,12 @@ def test_ensure_env_sets_up_a_bare_python(tmp_path: Path) -> None:
     assert run_python("-m", "venv", str(bare), timeout=120).returncode == 0
     bare_python = str(bare / "bin" / "python")
     assert run_command([bare_python, "-c", "import torch"], timeout=60).returncode != 0
-    show = ["bash", "-c", 'source scripts/ensure_env.sh && echo "PYTHON=$PYTHON" && "$PYTHON" -c '
-            '"import torch, sys; print(torch.__version__, sys.prefix)"']
+    show = [
+        "bash",
+        "-c",
+        'source scripts/ensure_env.sh && echo "PYTHON=$PYTHON" && "$PYTHON" -c '
+        '"import torch, sys; print(torch.__version__, sys.prefix)"',
+    ]
     first = run_command(show, timeout=1800, env={"PYTHON": bare_python}, cwd=repo)
     assert first.returncode == 0, first.describe()
     assert f"PYTHON={repo}/.venv/bin/python" in first.stdout and "2.13.0" in first.stdout

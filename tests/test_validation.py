@@ -35,9 +35,22 @@ from torchtitan_amp.train import trainer as trainer_module
 
 pytestmark = pytest.mark.dist
 
-BASE = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3",
-        "--training.gc_freq", "0"]
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.gc_freq",
+    "0",
+]
 FP32 = ["--mixed_precision.enabled", "false"]
 BF16 = ["--mixed_precision.enabled", "true"]  # bf16 on every CPU kind: these are bf16's proofs
 # Every layout evaluates VAL_BATCH windows per batch over all data-parallel ranks, VAL_STEPS times.
@@ -77,32 +90,64 @@ def _no_peak_flops_measurement(monkeypatch):
 
 def val_args(layout: str) -> list[str]:
     dp = LAYOUTS[layout][1]
-    return ["--validation.enable", "true", "--validation.steps", str(VAL_STEPS),
-            "--validation.local_batch_size", str(VAL_BATCH // dp), *LAYOUTS[layout][2]]
+    return [
+        "--validation.enable",
+        "true",
+        "--validation.steps",
+        str(VAL_STEPS),
+        "--validation.local_batch_size",
+        str(VAL_BATCH // dp),
+        *LAYOUTS[layout][2],
+    ]
 
 
 def eval_args(layout: str, precision: list[str], weights: Path, dump: Path) -> list[str]:
     samples = SAMPLES if layout in ("single", *SAMPLED_LAYOUTS) and precision == FP32 else []
-    return [*BASE, *precision, *val_args(layout), *samples, "--checkpoint.initial_load_path", str(weights),
-            "--job.dump_folder", str(dump)]
+    return [
+        *BASE,
+        *precision,
+        *val_args(layout),
+        *samples,
+        "--checkpoint.initial_load_path",
+        str(weights),
+        "--job.dump_folder",
+        str(dump),
+    ]
 
 
 def train_args(dump: Path, *extra: str, validation: bool = True) -> list[str]:
     val = [*val_args("fsdp"), "--validation.freq", str(VAL_FREQ), *SAMPLES] if validation else LAYOUTS["fsdp"][2]
-    return [*BASE, *FP32, *val, "--training.steps", str(TRAIN_STEPS), "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--job.dump_folder", str(dump), *extra]
+    return [
+        *BASE,
+        *FP32,
+        *val,
+        "--training.steps",
+        str(TRAIN_STEPS),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # In-process: config and data errors, the autocast-cache trap, bitwise training
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--validation.freq", "0"], "'validation.freq' must be >= 1, got 0"),
-    (["--validation.steps", "0"], "'validation.steps' must be -1 (the whole split) or >= 1, got 0"),
-    (["--validation.local_batch_size", "-1"], "'validation.local_batch_size' must be 0 (training's) or >= 1, got -1"),
-    (["--validation.seq_len", "1"], "'validation.seq_len' must be 0 (training's) or >= 2, got 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--validation.freq", "0"], "'validation.freq' must be >= 1, got 0"),
+        (["--validation.steps", "0"], "'validation.steps' must be -1 (the whole split) or >= 1, got 0"),
+        (
+            ["--validation.local_batch_size", "-1"],
+            "'validation.local_batch_size' must be 0 (training's) or >= 1, got -1",
+        ),
+        (["--validation.seq_len", "1"], "'validation.seq_len' must be 0 (training's) or >= 2, got 1"),
+    ],
+)
 def test_bad_validation_field_is_a_config_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_config([*BASE, "--validation.enable", "true", *overrides])
@@ -120,11 +165,20 @@ def test_layout_checks_of_validation() -> None:
     assert job_mod.resolve(load_config(BASE), 1, "cpu").validation is None
     # CP: an evaluation window is cut into 2 x cp chunks like a training one (30 is not 4 x 7.5).
     cp = load_config([*BASE, "--validation.enable", "true", "--validation.seq_len", "30", CP, "2", SHARD, "1"])
-    with pytest.raises(ConfigError, match=r"^'validation.seq_len' = 30 must be divisible by 2 x "
-                                          r"context_parallel_degree = 4 \(each cp rank holds two"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^'validation.seq_len' = 30 must be divisible by 2 x "
+        r"context_parallel_degree = 4 \(each cp rank holds two",
+    ):
         job_mod.resolve(cp, 2, "cpu")
-    assert job_mod.resolve(load_config([*BASE, "--validation.enable", "true", "--validation.seq_len", "28",
-                                        CP, "2", SHARD, "1"]), 2, "cpu").validation.seq_len == 28
+    assert (
+        job_mod.resolve(
+            load_config([*BASE, "--validation.enable", "true", "--validation.seq_len", "28", CP, "2", SHARD, "1"]),
+            2,
+            "cpu",
+        ).validation.seq_len
+        == 28
+    )
 
 
 def _write(path: Path, text: str) -> Path:
@@ -140,11 +194,22 @@ def test_bad_validation_dataset_is_a_data_error_before_any_process_group(case: s
         "empty_dir": ((tmp_path / "empty").mkdir() or tmp_path / "empty", "has no .txt, .md or .jsonl files"),
         "shorter_than_a_window": (_write(tmp_path / "short.txt", "tiny"), "needs at least"),
         # 5 windows of 33 tokens (bytes), fewer than a batch of 8.
-        "shorter_than_a_batch": (_write(tmp_path / "five.txt", "x" * 170),
-                                 "has 5 windows of seq_len 32 + 1 tokens per data-parallel rank"),
+        "shorter_than_a_batch": (
+            _write(tmp_path / "five.txt", "x" * 170),
+            "has 5 windows of seq_len 32 + 1 tokens per data-parallel rank",
+        ),
     }[case]
-    args = [*BASE, "--validation.enable", "true", "--validation.dataset", f"path:{dataset}",
-            "--validation.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "run")]
+    args = [
+        *BASE,
+        "--validation.enable",
+        "true",
+        "--validation.dataset",
+        f"path:{dataset}",
+        "--validation.local_batch_size",
+        "8",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     with pytest.raises(DataError) as e:
         trainer_module.Trainer(load_config(args))
     assert str(e.value).startswith(f"'validation.dataset' = 'path:{dataset}'") and message in str(e.value)
@@ -178,16 +243,23 @@ def test_gradients_after_an_evaluation_equal_those_without_one(tmp_path: Path) -
 
 def test_training_is_bitwise_equal_with_and_without_validation_single(tmp_path: Path) -> None:
     steps = ["--training.steps", "4"]
-    for name, extra in (("with", ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]),
-                        ("without", [])):
-        t = trainer_module.Trainer(load_config([*BASE, *BF16, *steps, *extra, "--job.dump_folder", str(tmp_path / name)]))
+    for name, extra in (
+        ("with", ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]),
+        ("without", []),
+    ):
+        t = trainer_module.Trainer(
+            load_config([*BASE, *BF16, *steps, *extra, "--job.dump_folder", str(tmp_path / name)])
+        )
         t.train()
     with_val, without = by_step(tmp_path / "with"), by_step(tmp_path / "without")
     assert sorted(with_val) == sorted(without) == [1, 2, 3, 4]
     assert [k for k in with_val[2] if k.startswith("val_")] == ["val_loss", "val_ppl", "val_tokens", "val_time_s"]
     assert "val_loss" not in with_val[1] and "val_loss" in with_val[4]
     for step in with_val:
-        assert (with_val[step]["loss"], with_val[step]["grad_norm"]) == (without[step]["loss"], without[step]["grad_norm"])
+        assert (with_val[step]["loss"], with_val[step]["grad_norm"]) == (
+            without[step]["loss"],
+            without[step]["grad_norm"],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,34 +276,71 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("validation")
     train_build.peak_flops = lambda device, dtype: 1e12  # module scope: the autouse patch is per test
     seed_dump = root / "seed"
-    tm.Trainer(load_config([*BASE, *FP32, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                            "--job.dump_folder", str(seed_dump)])).train()
+    tm.Trainer(
+        load_config(
+            [
+                *BASE,
+                *FP32,
+                "--checkpoint.enable",
+                "--checkpoint.create_seed_checkpoint",
+                "--job.dump_folder",
+                str(seed_dump),
+            ]
+        )
+    ).train()
     seed = seed_dump / "checkpoint" / "step-0"
     out: dict[str, dict] = {"dumps": {k: str(root / k) for k in "abc"}}
     a, b, c = (root / k for k in "abc")
-    two = [{"evaluate": str(root / f"{layout}_fp32.json"),
-            "args": eval_args(layout, FP32, seed, root / f"e_{layout}_fp32")} for layout in ("ddp", "fsdp", "tp", "pp", "cp")]
+    two = [
+        {
+            "evaluate": str(root / f"{layout}_fp32.json"),
+            "args": eval_args(layout, FP32, seed, root / f"e_{layout}_fp32"),
+        }
+        for layout in ("ddp", "fsdp", "tp", "pp", "cp")
+    ]
     two.append({"evaluate": str(root / "fsdp_bf16.json"), "args": eval_args("fsdp", BF16, seed, root / "e_fsdp_bf16")})
-    two += [{"args": train_args(a)}, {"args": train_args(c, validation=False)},
-            {"args": train_args(b), "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]}]
+    two += [
+        {"args": train_args(a)},
+        {"args": train_args(c, validation=False)},
+        {"args": train_args(b), "copy": [[str(a / "checkpoint" / "step-2"), str(b / "checkpoint" / "step-2")]]},
+    ]
     launch_worker("ckpt_jobs", root / "launch2", two, 2, timeout=400)
-    launch_worker("ckpt_jobs", root / "launch4", [{"evaluate": str(root / f"{layout}_fp32.json"),
-                                                   "args": eval_args(layout, FP32, seed, root / f"e_{layout}")}
-                                                  for layout in ("fsdp_tp", "cp_fsdp")], 4)
+    launch_worker(
+        "ckpt_jobs",
+        root / "launch4",
+        [
+            {"evaluate": str(root / f"{layout}_fp32.json"), "args": eval_args(layout, FP32, seed, root / f"e_{layout}")}
+            for layout in ("fsdp_tp", "cp_fsdp")
+        ],
+        4,
+    )
     for name in ("ddp_fp32", "fsdp_fp32", "tp_fp32", "pp_fp32", "cp_fp32", "fsdp_bf16", "fsdp_tp_fp32", "cp_fsdp_fp32"):
         out[name] = json.loads((root / f"{name}.json").read_text())
     for name, precision in (("single_fp32", FP32), ("single_bf16", BF16)):
         out[name] = evaluate(eval_args("single", precision, seed, root / f"e_{name}"))
-    out["ckpt_on_1"] = evaluate([*BASE, *FP32, *val_args("single"), "--checkpoint.folder", str(a / "checkpoint"),
-                                 "--checkpoint.load_step", "2", "--job.dump_folder", str(root / "e_ckpt")])
+    out["ckpt_on_1"] = evaluate(
+        [
+            *BASE,
+            *FP32,
+            *val_args("single"),
+            "--checkpoint.folder",
+            str(a / "checkpoint"),
+            "--checkpoint.load_step",
+            "2",
+            "--job.dump_folder",
+            str(root / "e_ckpt"),
+        ]
+    )
     return out
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "pp", "fsdp_tp", "cp", "cp_fsdp"])
 def test_same_weights_same_val_loss_on_every_layout(evaluated: dict, layout: str) -> None:
     ref, got = evaluated["single_fp32"], evaluated[f"{layout}_fp32"]
-    print(f"\n[val_loss] {layout}: {got['val_loss']!r} vs single {ref['val_loss']!r}, "
-          f"rel {abs(got['val_loss'] - ref['val_loss']) / ref['val_loss']:.1e}")
+    print(
+        f"\n[val_loss] {layout}: {got['val_loss']!r} vs single {ref['val_loss']!r}, "
+        f"rel {abs(got['val_loss'] - ref['val_loss']) / ref['val_loss']:.1e}"
+    )
     assert got["val_tokens"] == ref["val_tokens"] == VAL_BATCH * VAL_STEPS * 32
     assert got["step"] == 0 and got["world_size"] == LAYOUTS[layout][0]
     assert abs(got["val_loss"] - ref["val_loss"]) <= LAYOUT_RTOL * ref["val_loss"], (got, ref)
@@ -294,8 +403,17 @@ def test_evaluating_an_fsdp_checkpoint_on_one_process_equals_the_in_run_value(ev
 
 
 def test_evaluate_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
-    r = run_python("-m", "torchtitan_amp.tools.evaluate", "--output", str(tmp_path / "e.json"), *BASE,
-                   "--checkpoint.folder", str(tmp_path / "none"), "--job.dump_folder", str(tmp_path / "run"))
+    r = run_python(
+        "-m",
+        "torchtitan_amp.tools.evaluate",
+        "--output",
+        str(tmp_path / "e.json"),
+        *BASE,
+        "--checkpoint.folder",
+        str(tmp_path / "none"),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    )
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1, r.describe()
     assert f"no checkpoint to evaluate in {tmp_path / 'none'}" in errors[0]
@@ -308,13 +426,32 @@ def test_held_out_split_from_the_prepare_step(tmp_path: Path, caplog: pytest.Log
     from torchtitan_amp.data.prepare import PrepareConfig, prepare
 
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (5 + i % 7)})
-                              + "\n" for i in range(120)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (5 + i % 7)}) + "\n"
+            for i in range(120)
+        )
+    )
     out = tmp_path / "tokens"
     prepare(PrepareConfig(inputs=[str(corpus)], output=out, progress=False, validation_fraction=0.25, split_seed=3))
-    args = [*BASE, *FP32, "--training.dataset", f"tokens:{out}", "--training.steps", "2",
-            "--validation.enable", "true", "--validation.dataset", f"tokens:{out}:validation", "--validation.freq", "2",
-            "--validation.steps", "-1", "--job.dump_folder", str(tmp_path / "run")]
+    args = [
+        *BASE,
+        *FP32,
+        "--training.dataset",
+        f"tokens:{out}",
+        "--training.steps",
+        "2",
+        "--validation.enable",
+        "true",
+        "--validation.dataset",
+        f"tokens:{out}:validation",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "-1",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     with caplog.at_level("WARNING", logger="torchtitan_amp"):
         t = trainer_module.Trainer(load_config(args))
         t.train()

@@ -76,7 +76,7 @@ def test_one_parameter_counted_saved_and_initialised_once(tied_flavor: str) -> N
     # Initialised once, as the output projection: truncated normal of std dim**-0.5 (the
     # embedding's std-1 normal run after it would leave std 1). Truncation at 3 sigma shrinks the
     # std by 1.3%; 16512 samples measure it to ~0.6%.
-    expected = TIED_ARGS.dim ** -0.5 * 0.9866
+    expected = TIED_ARGS.dim**-0.5 * 0.9866
     assert abs(float(model.tok_embeddings.weight.detach().std()) / expected - 1) < 0.05
     # load_state_dict fills output.weight from the table, into the same tensor.
     sd = {k: v + 1 for k, v in model.state_dict().items()}
@@ -135,7 +135,9 @@ def test_the_table_takes_the_output_projections_precision(tied_flavor: str) -> N
     model = _meta_model(job)
     assert job.plan.path == "fsdp" and job.plan.is_safe(model.tok_embeddings) and job.plan.is_safe(model.output)
     assert model.tok_embeddings not in job.plan.fp32_modules(model)
-    groups = memory.fsdp_groups(job.model_dims, job.precision, job.layout, memory.rank_stages(job.model_dims, job.layout, 0)[0])
+    groups = memory.fsdp_groups(
+        job.model_dims, job.precision, job.layout, memory.rank_stages(job.model_dims, job.layout, 0)[0]
+    )
     root = next(g for g in groups if g.kind == "root")
     assert root.gather_dtype == "bfloat16" and not any("tok_embeddings" in g.name for g in groups if g.kind == "fp32")
     assert job.model_dims.total_params() == count_params(model)
@@ -147,14 +149,22 @@ def test_the_table_takes_the_output_projections_precision(tied_flavor: str) -> N
         assert [model.tok_embeddings, model.output] in group_by_block(model, fp32, grouped=False)
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("--parallelism.pipeline_parallel_degree", "2"), ConfigError,
-     r"'parallelism.pipeline_parallel_degree' = 2 cannot split model.flavor 'debugmodel_tiny_tied', whose output"),
-    (("--training.freeze", "tok_embeddings"), PrecisionError,
-     r"'training.freeze' freezes 'tok_embeddings' but not 'output', which shares its weight"),
-])
-def test_what_cannot_hold_a_tied_weight_is_one_line(tied_flavor: str, args: tuple, error: type,
-                                                    message: str) -> None:
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (
+            ("--parallelism.pipeline_parallel_degree", "2"),
+            ConfigError,
+            r"'parallelism.pipeline_parallel_degree' = 2 cannot split model.flavor 'debugmodel_tiny_tied', whose output",
+        ),
+        (
+            ("--training.freeze", "tok_embeddings"),
+            PrecisionError,
+            r"'training.freeze' freezes 'tok_embeddings' but not 'output', which shares its weight",
+        ),
+    ],
+)
+def test_what_cannot_hold_a_tied_weight_is_one_line(tied_flavor: str, args: tuple, error: type, message: str) -> None:
     with pytest.raises(error, match=message) as e:
         _job(*FP32, *args, world_size=2)
     assert "\n" not in str(e.value)
@@ -165,8 +175,11 @@ def test_fp8_must_skip_a_tied_output(tied_flavor: str) -> None:
     plan = dataclasses.replace(_job(*FP32).plan, fp8="tensorwise", fp8_skip=())
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(TIED_ARGS, dim=64, vocab_size=256))  # fp8 needs multiples of 16
-    with pytest.raises(PrecisionError, match=r"'mixed_precision.fp8_skip_modules' must cover 'output': its weight "
-                                             r"is shared with 'tok_embeddings'") as e:
+    with pytest.raises(
+        PrecisionError,
+        match=r"'mixed_precision.fp8_skip_modules' must cover 'output': its weight "
+        r"is shared with 'tok_embeddings'",
+    ) as e:
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
     assert "\n" not in str(e.value)
     float8.check_fp8_modules(model, plan.fp8, ("output",))
@@ -177,17 +190,35 @@ def test_fp8_must_skip_a_tied_output(tied_flavor: str) -> None:
 
 
 def _shrunk(flavor: str) -> tuple[llama.LlamaModelArgs, dict]:
-    """The flavour and its published config.json at tiny dims with their structure kept: tying,
+    """The flavor and its published config.json at tiny dims with their structure kept: tying,
     rope scaling (factor 32 from position 16 on, so that it changes a 32-token window) or none,
     the GQA ratio (one kv head), head dim 16, 2 layers, the byte tokenizer's 258 tokens."""
     published = PUBLISHED[flavor]
     ratio = published["num_attention_heads"] // published["num_key_value_heads"]
-    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], dim=16 * ratio, n_layers=2, n_heads=ratio, n_kv_heads=1,
-                               ffn_dim_multiplier=None, multiple_of=16, vocab_size=258, max_seq_len=32,
-                               rope_original_max_position=16)
-    cfg = {**published, "hidden_size": args.dim, "num_hidden_layers": 2, "num_attention_heads": ratio,
-           "num_key_value_heads": 1, "intermediate_size": ffn_hidden_dim(args.dim, 16, None), "vocab_size": 258,
-           "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": "float32"}
+    args = dataclasses.replace(
+        LLAMA3_FLAVORS[flavor],
+        dim=16 * ratio,
+        n_layers=2,
+        n_heads=ratio,
+        n_kv_heads=1,
+        ffn_dim_multiplier=None,
+        multiple_of=16,
+        vocab_size=258,
+        max_seq_len=32,
+        rope_original_max_position=16,
+    )
+    cfg = {
+        **published,
+        "hidden_size": args.dim,
+        "num_hidden_layers": 2,
+        "num_attention_heads": ratio,
+        "num_key_value_heads": 1,
+        "intermediate_size": ffn_hidden_dim(args.dim, 16, None),
+        "vocab_size": 258,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "torch_dtype": "float32",
+    }
     if "head_dim" in published:
         cfg["head_dim"] = 16
     if published["rope_scaling"]:
@@ -196,8 +227,9 @@ def _shrunk(flavor: str) -> tuple[llama.LlamaModelArgs, dict]:
 
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
-def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shrunk_published_config_round_trips_with_transformers(
+    flavor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -211,10 +243,31 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
     with torch.no_grad():
         reference = theirs(TOKENS).logits
-    trainer = trainer_module.Trainer(load_config([
-        "--model.flavor", "shrunk", "--training.seq_len", "32", "--training.local_batch_size", "2", *FP32,
-        "--training.steps", "1", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-        "--checkpoint.last_save_hf", "--job.dump_folder", str(tmp_path / "run")]))
+    trainer = trainer_module.Trainer(
+        load_config(
+            [
+                "--model.flavor",
+                "shrunk",
+                "--training.seq_len",
+                "32",
+                "--training.local_batch_size",
+                "2",
+                *FP32,
+                "--training.steps",
+                "1",
+                "--optimizer.lr",
+                "1e-2",
+                "--lr_scheduler.warmup_steps",
+                "1",
+                "--checkpoint.enable",
+                "--checkpoint.initial_load_path",
+                str(tmp_path / "hf"),
+                "--checkpoint.last_save_hf",
+                "--job.dump_folder",
+                str(tmp_path / "run"),
+            ]
+        )
+    )
     try:
         model = trainer.run.model
         assert _tied(model) == cfg["tie_word_embeddings"]
@@ -252,12 +305,31 @@ def test_shrunk_published_config_round_trips_with_transformers(flavor: str, tmp_
 # FSDP 2, DDP 2 and TP 2 against one process; FSDP resume
 
 STEPS = 3
-BASE = ["--model.flavor", TIED, "--training.seq_len", "32", "--optimizer.lr", "2e-2",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--training.seed", "0", *FP32]
+BASE = [
+    "--model.flavor",
+    TIED,
+    "--training.seq_len",
+    "32",
+    "--optimizer.lr",
+    "2e-2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--training.seed",
+    "0",
+    *FP32,
+]
 LAYOUTS = {
     "fsdp": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
-    "ddp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--training.local_batch_size", "2"],
+    "ddp": [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.local_batch_size",
+        "2",
+    ],
     "tp": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
 }
 # fp32, one process vs two: the same sums in other orders. test_parallelisms measured <= 1.7e-7
@@ -272,9 +344,19 @@ def _single_process(root: Path) -> Path:
     from torchtitan_amp.train import trainer as trainer_module
 
     folder = root / "single"
-    trainer = trainer_module.Trainer(load_config([*BASE, "--training.steps", str(STEPS),
-                                                  "--training.local_batch_size", "4",
-                                                  "--job.dump_folder", str(folder)]))
+    trainer = trainer_module.Trainer(
+        load_config(
+            [
+                *BASE,
+                "--training.steps",
+                str(STEPS),
+                "--training.local_batch_size",
+                "4",
+                "--job.dump_folder",
+                str(folder),
+            ]
+        )
+    )
     try:
         layouts._save_grads_after_first_step(trainer)
         trainer.train()
@@ -287,11 +369,15 @@ def _single_process(root: Path) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tied")
     ckpt = [*BASE, *LAYOUTS["fsdp"], "--checkpoint.enable", "--checkpoint.interval", "2"]
-    jobs = [{"name": name, "args": [*BASE, *extra, "--training.steps", str(STEPS)], "grads": True}
-            for name, extra in LAYOUTS.items()]
+    jobs = [
+        {"name": name, "args": [*BASE, *extra, "--training.steps", str(STEPS)], "grads": True}
+        for name, extra in LAYOUTS.items()
+    ]
     # The same folder twice: 2 steps with a checkpoint at step 2, then a resume that runs step 3.
-    jobs += [{"name": "resumed", "args": [*ckpt, "--training.steps", "2"]},
-             {"name": "resumed", "args": [*ckpt, "--training.steps", str(STEPS)]}]
+    jobs += [
+        {"name": "resumed", "args": [*ckpt, "--training.steps", "2"]},
+        {"name": "resumed", "args": [*ckpt, "--training.steps", str(STEPS)]},
+    ]
     flavors = {TIED: {"base": "debugmodel_tiny", "enable_weight_tying": True}}
     launch_worker("layouts", root, jobs, 2, flavors=flavors)
     with pytest.MonkeyPatch.context() as mp:
@@ -314,8 +400,10 @@ def test_fsdp_ddp_and_tp_train_as_one_process(runs: Path, layout: str) -> None:
     grads = [torch.load(runs / layout / f"grads_rank{r}.pt", weights_only=True) for r in range(2)]
     g = want["tok_embeddings.weight"]
     worst = max(float((rank["tok_embeddings.weight"] - g).abs().max()) for rank in grads)
-    print(f"{layout}: loss max rel diff {rel:.2e}, tied gradient max abs diff {worst:.2e} "
-          f"(largest element {float(g.abs().max()):.2e})")
+    print(
+        f"{layout}: loss max rel diff {rel:.2e}, tied gradient max abs diff {worst:.2e} "
+        f"(largest element {float(g.abs().max()):.2e})"
+    )
     assert rel <= LOSS_RTOL
     # The table's gradient holds both uses (one key: no output.weight parameter) on every rank.
     assert all("output.weight" not in rank for rank in [want, *grads])

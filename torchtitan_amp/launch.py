@@ -91,9 +91,11 @@ class Forwarder:
             _say(f"launch: {name} before any rank runs: stopping torchrun")
             _kill(self.agent.pid, signal.SIGTERM)
             return
-        what = ("finish the step, save and exit" if self.received == 1 else "stop now (second signal)")
-        _say(f"launch: {name}: asking {len(ranks)} rank(s) to {what} (SIGTERM to pids "
-             f"{' '.join(map(str, ranks))}); torchrun's agent is left to wait for them")
+        what = "finish the step, save and exit" if self.received == 1 else "stop now (second signal)"
+        _say(
+            f"launch: {name}: asking {len(ranks)} rank(s) to {what} (SIGTERM to pids "
+            f"{' '.join(map(str, ranks))}); torchrun's agent is left to wait for them"
+        )
         for pid in ranks:
             _kill(pid, signal.SIGTERM)
 
@@ -128,9 +130,9 @@ def option_value(argv: list[str], names: tuple[str, ...]) -> tuple[str | None, l
         if name not in names:
             continue
         if eq:
-            return value, argv[:i] + argv[i + 1:]
+            return value, argv[:i] + argv[i + 1 :]
         if i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
+            return argv[i + 1], argv[:i] + argv[i + 2 :]
     return None, argv
 
 
@@ -165,8 +167,7 @@ def output_options(argv: list[str]) -> tuple[list[str], set[int] | None, bool]:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("error: no arguments: give torchrun's options and the script to run; --help for more",
-              file=sys.stderr)
+        print("error: no arguments: give torchrun's options and the script to run; --help for more", file=sys.stderr)
         return 2
     if argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -186,8 +187,10 @@ def main(argv: list[str]) -> int:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "w", buffering=1, errors="replace")
     except OSError as e:
-        print(f"error: cannot write the launch log {log_path} ({e}); give torchrun's --log-dir a writable folder",
-              file=sys.stderr)
+        print(
+            f"error: cannot write the launch log {log_path} ({e}); give torchrun's --log-dir a writable folder",
+            file=sys.stderr,
+        )
         return 2
     with log:
         return run_agent(argv, RankOutput(log, log_path, ranks, verbose or pass_through))
@@ -196,10 +199,18 @@ def main(argv: list[str]) -> int:
 def run_agent(argv: list[str], output: RankOutput) -> int:
     """Run torchrun with `argv`, its output through `output`; the job's exit code, after its one
     error line when it failed."""
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
-    readers = [threading.Thread(target=pump, args=(stream, output, err), daemon=True)
-               for stream, err in ((agent.stdout, False), (agent.stderr, True))]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *argv],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+    readers = [
+        threading.Thread(target=pump, args=(stream, output, err), daemon=True)
+        for stream, err in ((agent.stdout, False), (agent.stderr, True))
+    ]
     for reader in readers:
         reader.start()
     forward = Forwarder(agent)

@@ -22,8 +22,13 @@ def setup_logging(stream: TextIO | None = None) -> None:
     """Log lines to `stream` (default stdout; tools/generate.py keeps stdout for the text)."""
     rank = os.environ.get("RANK")
     tag = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {tag}%(levelname)s %(message)s",
-                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {tag}%(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=stream or sys.stdout,
+        force=True,
+    )
 
 
 def fail(error: Exception, code: int = 2) -> int:
@@ -32,7 +37,7 @@ def fail(error: Exception, code: int = 2) -> int:
     return code
 
 
-def _parse(argv: list[str]) -> "JobConfig | int":
+def _parse(argv: list[str]) -> JobConfig | int:
     """The resolved config, or an exit code: 0 after --help, 2 after a one-line error (a bad
     config, or a package a feature it turns on needs is missing). Imports no torch, so a mistyped
     override fails in a fraction of a second."""

@@ -175,8 +175,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     result: dict[str, Any] = {"status": status}
     if item.stash.get(_START, None) is not None:
         begin, compiled, limit_s = item.stash[_START]
-        result.update(seconds=round(time.perf_counter() - begin, 1), limit_s=limit_s,
-                      compile_s=round(compile_seconds() - compiled, 1))
+        result.update(
+            seconds=round(time.perf_counter() - begin, 1),
+            limit_s=limit_s,
+            compile_s=round(compile_seconds() - compiled, 1),
+        )
     if status != "passed":
         result["error"] = _error(call)
     results.set(name, {**result, **item.stash.get(_OUT, {})})

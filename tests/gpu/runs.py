@@ -45,13 +45,26 @@ class OpDtypes(TorchDispatchMode):
 
 
 def base_args(a: argparse.Namespace, dump: Path) -> list[str]:
-    # --tiny proves the plumbing, not the numbers: the smallest flavour keeps a CPU without native
+    # --tiny proves the plumbing, not the numbers: the smallest flavor keeps a CPU without native
     # bf16 (AVX2, where bf16 matmuls are emulated) at ~0.05 s a step.
-    shape = (["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2"]
-             if a.tiny else ["--model.flavor", "debugmodel", "--training.seq_len", "256",
-                             "--training.local_batch_size", "8"])
-    return [*shape, "--training.device", a.device, "--training.steps", str(a.steps), "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--job.dump_folder", str(dump)]
+    shape = (
+        ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+        if a.tiny
+        else ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "8"]
+    )
+    return [
+        *shape,
+        "--training.device",
+        a.device,
+        "--training.steps",
+        str(a.steps),
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+    ]
 
 
 def records(dump: Path) -> dict[int, dict[str, Any]]:
@@ -105,8 +118,11 @@ def moe_combine_repeats(device: str) -> dict[str, bool]:
 
 
 # Ops by the kernel rules.attention_kernel predicts for a lower-right causal call.
-_LOWER_RIGHT_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_efficient_attention_forward",
-                    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu"}
+_LOWER_RIGHT_OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_efficient_attention_forward",
+    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 class MadeShapes(TorchDispatchMode):
@@ -156,11 +172,17 @@ def cp_chunk_attention(device: str, dtype: torch.dtype, head_dim: int, tiny: boo
         out = rank_cp.causal_attention(q, kk.transpose(1, 2), vv.transpose(1, 2), enable_gqa=grouped)
         out.float().square().sum().backward()
     kernel = attention_kernel(device, name, head_dim, "causal")
-    return {"dtype": name, "head_dim": head_dim, "kernel_predicted": kernel, "grouped_kv": grouped,
-            "ops": dict(seen.ops), "chunk_shaped_tensors": dict(seen.made),
-            "mask_predicted": materialises_causal_mask(device, name, head_dim),
-            "expected_op_ran": any(op.startswith(_LOWER_RIGHT_OPS.get(kernel, "?") + ":") for op in seen.ops),
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
+    return {
+        "dtype": name,
+        "head_dim": head_dim,
+        "kernel_predicted": kernel,
+        "grouped_kv": grouped,
+        "ops": dict(seen.ops),
+        "chunk_shaped_tensors": dict(seen.made),
+        "mask_predicted": materialises_causal_mask(device, name, head_dim),
+        "expected_op_ran": any(op.startswith(_LOWER_RIGHT_OPS.get(kernel, "?") + ":") for op in seen.ops),
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,
+    }
 
 
 # trainer.train_step's one device read (the finiteness flag), on one device without EP, dense or MoE.
@@ -186,8 +208,9 @@ class _CudaSyncWarnings:
                     return step_fn(*args, **kwargs)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    self.per_step[trainer.step] = [str(w.message).splitlines()[0] for w in caught
-                                                   if "synchroniz" in str(w.message)]
+                    self.per_step[trainer.step] = [
+                        str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)
+                    ]
 
         trainer.train_step = warned
 
@@ -211,15 +234,22 @@ class StepTimes:
                 sync()
                 record = {"train_step_s": time.perf_counter() - begin}
                 if trainer.run.ft is not None:
-                    record.update(quorum_s=trainer.run.ft.quorum_s, participants=trainer.run.ft.participants,
-                                  discarded=trainer.run.ft.discarded)
+                    record.update(
+                        quorum_s=trainer.run.ft.quorum_s,
+                        participants=trainer.run.ft.participants,
+                        discarded=trainer.run.ft.discarded,
+                    )
                 self.per_step[trainer.step] = record
 
         trainer.train_step = timed
 
 
-def step_syncs(args: list[str], budget: int = STEP_SYNC_BUDGET, setup: Callable[[Trainer], Any] | None = None,
-               counted: set[int] | None = None) -> dict[str, Any]:
+def step_syncs(
+    args: list[str],
+    budget: int = STEP_SYNC_BUDGET,
+    setup: Callable[[Trainer], Any] | None = None,
+    counted: set[int] | None = None,
+) -> dict[str, Any]:
     """Train; for each step of `counted` (default: every step after the first, which builds
     lazily): the host syncs counted at the dispatcher (host_syncs.StepSyncs, with the line of
     each) and, on CUDA, the synchronizing calls CUDA's sync debug mode reported inside
@@ -244,8 +274,9 @@ def step_syncs(args: list[str], budget: int = STEP_SYNC_BUDGET, setup: Callable[
 def sync_budget_kept(result: dict[str, Any]) -> bool:
     """Every counted step's train_step within its budget, at the dispatcher and (CUDA) by CUDA."""
     steps = result["steps"].values()
-    return bool(steps) and all(max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= result["budget"]
-                               for r in steps)
+    return bool(steps) and all(
+        max(r["train_step"], len(r["cuda_sync_warnings"] or ())) <= result["budget"] for r in steps
+    )
 
 
 def mm_out_dtype(device: str) -> dict[str, Any]:
@@ -259,5 +290,8 @@ def mm_out_dtype(device: str) -> dict[str, Any]:
     except (RuntimeError, TypeError, NotImplementedError) as e:
         return {"ran": False, "error": " ".join(str(e).splitlines())[:200]}
     ref = x.double() @ w.double().t()
-    return {"ran": True, "dtype": str(got.dtype).removeprefix("torch."),
-            "max_rel_diff_vs_fp64": float(((got.double() - ref).abs().max() / ref.abs().max()).item())}
+    return {
+        "ran": True,
+        "dtype": str(got.dtype).removeprefix("torch."),
+        "max_rel_diff_vs_fp64": float(((got.double() - ref).abs().max() / ref.abs().max()).item()),
+    }

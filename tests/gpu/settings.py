@@ -37,10 +37,23 @@ import torch
 # processes (a Python, torch and CUDA start-up each, side by side, then 2 x 12 steps) 15 s.
 # The order the checks run in (tests/gpu/conftest.py sorts them): the cheap probes first, so
 # that a short call still reaches them.
-CUDA_LIMITS_S = {"kernels": 10.0, "fsdp_hook": 10.0, "probe": 10.0, "cp_attention": 5.0,
-                 "block_scaled_kernels": 5.0, "syncs": 6.0, "block_scaled_syncs": 6.0, "ep_syncs": 8.0,
-                 "generate": 10.0, "resume": 20.0, "moe": 15.0, "fault_tolerance": 15.0, "fp8": 30.0,
-                 "curves": 50.0, "fp8_speed": 150.0}
+CUDA_LIMITS_S = {
+    "kernels": 10.0,
+    "fsdp_hook": 10.0,
+    "probe": 10.0,
+    "cp_attention": 5.0,
+    "block_scaled_kernels": 5.0,
+    "syncs": 6.0,
+    "block_scaled_syncs": 6.0,
+    "ep_syncs": 8.0,
+    "generate": 10.0,
+    "resume": 20.0,
+    "moe": 15.0,
+    "fault_tolerance": 15.0,
+    "fp8": 30.0,
+    "curves": 50.0,
+    "fp8_speed": 150.0,
+}
 CHECKS = list(CUDA_LIMITS_S)
 # What runs without GPU_CHECKS_SPEED=1: every check but fp8_speed. Its caps sum to
 # DEFAULT_BUDGET_S or less (tests/test_gpu_checks.py), scripts/gpu_run.sh's default budget.
@@ -53,7 +66,7 @@ NEEDS = {"fp8": "torchao", "fp8_speed": "torchao", "block_scaled_kernels": "torc
 
 
 def parse_limits(text: str) -> dict[str, float]:
-    """"curves=60,fp8=30" -> {"curves": 60.0, "fp8": 30.0}; a bad item is a ValueError naming it."""
+    """ "curves=60,fp8=30" -> {"curves": 60.0, "fp8": 30.0}; a bad item is a ValueError naming it."""
     limits = {}
     for item in filter(None, (i.strip() for i in text.split(","))):
         name, _, seconds = item.partition("=")
@@ -84,10 +97,15 @@ class Settings:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"GPU_CHECKS_DEVICE: {device!r}; choose from cuda, cpu")
         budget = env.get("GPU_CHECKS_BUDGET")
-        return cls(device=device, tiny=env.get("GPU_CHECKS_TINY", "0") == "1",
-                   steps=int(env.get("GPU_CHECKS_STEPS", "30")), budget_s=float(budget) if budget else None,
-                   limits=parse_limits(env.get("GPU_CHECKS_LIMITS", "")), speed=env.get("GPU_CHECKS_SPEED") == "1",
-                   json=Path(env["GPU_CHECKS_JSON"]) if env.get("GPU_CHECKS_JSON") else None)
+        return cls(
+            device=device,
+            tiny=env.get("GPU_CHECKS_TINY", "0") == "1",
+            steps=int(env.get("GPU_CHECKS_STEPS", "30")),
+            budget_s=float(budget) if budget else None,
+            limits=parse_limits(env.get("GPU_CHECKS_LIMITS", "")),
+            speed=env.get("GPU_CHECKS_SPEED") == "1",
+            json=Path(env["GPU_CHECKS_JSON"]) if env.get("GPU_CHECKS_JSON") else None,
+        )
 
     def args(self) -> argparse.Namespace:
         """What each check reads: a.device, a.tiny, a.steps."""
@@ -110,7 +128,7 @@ def unavailable(name: str) -> str | None:
     """Why check `name` cannot run in this Python (a package it imports is missing), or None."""
     package = NEEDS.get(name)
     if package is not None and importlib.util.find_spec(package) is None:
-        return f"{package} is not importable: carry its wheels in .whl/ (docs/performance.md, \"GPU checks\")"
+        return f'{package} is not importable: carry its wheels in .whl/ (docs/performance.md, "GPU checks")'
     return None
 
 
@@ -120,8 +138,7 @@ class Report:
 
     def __init__(self, path: Path | None, env: dict[str, Any], names: list[str]) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"env": env, "finished": False,
-                                     "checks": {n: {"status": "not run"} for n in names}}
+        self.data: dict[str, Any] = {"env": env, "finished": False, "checks": {n: {"status": "not run"} for n in names}}
 
     def set(self, name: str, result: dict[str, Any]) -> None:
         self.data["checks"][name] = result
@@ -153,8 +170,15 @@ def environment(s: Settings) -> dict[str, Any]:
         torchao = importlib.metadata.version("torchao")
     except importlib.metadata.PackageNotFoundError:
         torchao = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "torchao": torchao,
-            "python": platform.python_version(), "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
-            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "tiny": s.tiny, "steps": s.steps,
-            "time_budget_s": s.budget_s}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torchao": torchao,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "tiny": s.tiny,
+        "steps": s.steps,
+        "time_budget_s": s.budget_s,
+    }

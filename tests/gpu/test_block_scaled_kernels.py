@@ -31,8 +31,9 @@ def _bf16_bound(ours: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
 Results = list[torch.Tensor]
 
 
-def _block_scaled_pair(recipe: BlockScaledRecipe, device: str, n: int
-                       ) -> tuple[Results, Results, tuple[torch.Tensor, ...]]:
+def _block_scaled_pair(
+    recipe: BlockScaledRecipe, device: str, n: int
+) -> tuple[Results, Results, tuple[torch.Tensor, ...]]:
     """(ours, torchao's) forward output, input and weight gradients of one n x n bf16 Linear on n
     tokens, and the operands (x, the output gradient g, W)."""
     torch.manual_seed(0)

@@ -28,9 +28,12 @@ from torchtitan_amp.models.attention import cuda_capability, pinned_kernels
 pytestmark = pytest.mark.gpu
 
 # The forward op each kernel rules.attention_kernel names runs as, for a plain causal call.
-KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention",
-              "efficient": "_scaled_dot_product_efficient_attention",
-              "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu", "math": "_softmax"}
+KERNEL_OPS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cpu_flash": "_scaled_dot_product_flash_attention_for_cpu",
+    "math": "_softmax",
+}
 
 
 class _AttentionOps(TorchDispatchMode):
@@ -49,8 +52,9 @@ def _sdpa_ops(device: str, kv_heads: int, pinned: bool, head_dim: int = 128) -> 
     """The attention ops of one bf16 causal forward + backward (4 query heads, `kv_heads` kv heads
     handed grouped), under the model's pinned order or torch's own."""
     q = torch.randn(1, 4, 256, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, kv_heads, 256, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-            for _ in "kv")
+    k, v = (
+        torch.randn(1, kv_heads, 256, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
+    )
     ops = _AttentionOps()
     context = pinned_kernels() if pinned else torch.enable_grad()
     with ops, context:
@@ -63,13 +67,21 @@ def sdpa_probe(device: str) -> dict[str, Any]:
     runs) and left to torch, against rules.attention_kernel; and the cuDNN version."""
     capability = cuda_capability() if device == "cuda" else None
     predicted = attention_kernel(device, "bfloat16", 128, "causal", capability)
-    runs = {f"{what}_{'pinned' if pinned else 'torch_order'}": _sdpa_ops(device, kv, pinned)
-            for what, kv in (("non_grouped", 4), ("grouped", 2)) for pinned in (True, False)}
+    runs = {
+        f"{what}_{'pinned' if pinned else 'torch_order'}": _sdpa_ops(device, kv, pinned)
+        for what, kv in (("non_grouped", 4), ("grouped", 2))
+        for pinned in (True, False)
+    }
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     expected = KERNEL_OPS[predicted]
     pinned_ok = all(expected in ops for name, ops in runs.items() if name.endswith("_pinned"))
-    return {"predicted": predicted, "expected_op": expected, "runs": runs, "cudnn_version": cudnn,
-            "pinned_runs_predicted_op": pinned_ok}
+    return {
+        "predicted": predicted,
+        "expected_op": expected,
+        "runs": runs,
+        "cudnn_version": cudnn,
+        "pinned_runs_predicted_op": pinned_ok,
+    }
 
 
 def torchao_probe() -> dict[str, Any]:
@@ -83,8 +95,13 @@ def torchao_probe() -> dict[str, Any]:
     folder = Path(spec.origin).parent
     shipped = sorted(p.name for p in folder.glob("_C*.so"))
     loaded = sorted(Path(p).name for p in torch.ops.loaded_libraries if str(folder) in str(p))
-    return {"importable": True, "version": getattr(torchao, "__version__", None), "shipped": shipped,
-            "loaded": loaded, "mxfp8_quantize_op": hasattr(torch.ops.torchao, "mxfp8_quantize")}
+    return {
+        "importable": True,
+        "version": getattr(torchao, "__version__", None),
+        "shipped": shipped,
+        "loaded": loaded,
+        "mxfp8_quantize_op": hasattr(torch.ops.torchao, "mxfp8_quantize"),
+    }
 
 
 def check_kernels(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
@@ -109,8 +126,13 @@ def one_rank_group(device: str) -> None:
     if dist.is_initialized():
         return
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="gpu_checks_pg_"), "store"), 1)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0) if device == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        store=store,
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0) if device == "cuda" else None,
+    )
 
 
 def _hooked_grads(device: str, delay: bool) -> list[torch.Tensor]:

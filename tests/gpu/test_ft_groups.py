@@ -50,8 +50,17 @@ GROUP_TIMEOUT_S = 180.0
 GROUPS = 2
 LOOPBACK = "127.0.0.1"
 # torchrun's variables: a group started without them is a one-process group with its own store.
-_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                  "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+_TORCHRUN_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _runs(a: argparse.Namespace, work: Path, replica_id: int, lighthouse: str) -> dict[str, list[str]]:
@@ -59,12 +68,26 @@ def _runs(a: argparse.Namespace, work: Path, replica_id: int, lighthouse: str) -
     steps = TINY_FT_STEPS if a.tiny else FT_STEPS
     # Logged at the first and the last step only: the times are the steps', not the log's.
     common = BF16 + ["--training.steps", str(steps), "--metrics.log_freq", "1000"]
-    ft = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", str(GROUPS),
-          "--fault_tolerance.replica_id", str(replica_id), "--fault_tolerance.lighthouse", lighthouse,
-          "--fault_tolerance.process_group", "gloo", "--fault_tolerance.quorum_timeout_seconds", str(QUORUM_TIMEOUT_S),
-          "--fault_tolerance.process_group_timeout_ms", str(QUORUM_TIMEOUT_S * 1000)]
-    return {"fault_tolerance": base_args(a, work / "ft") + common + ft,
-            "without": base_args(a, work / f"without_{replica_id}") + common}
+    ft = [
+        "--fault_tolerance.enable",
+        "true",
+        "--fault_tolerance.group_size",
+        str(GROUPS),
+        "--fault_tolerance.replica_id",
+        str(replica_id),
+        "--fault_tolerance.lighthouse",
+        lighthouse,
+        "--fault_tolerance.process_group",
+        "gloo",
+        "--fault_tolerance.quorum_timeout_seconds",
+        str(QUORUM_TIMEOUT_S),
+        "--fault_tolerance.process_group_timeout_ms",
+        str(QUORUM_TIMEOUT_S * 1000),
+    ]
+    return {
+        "fault_tolerance": base_args(a, work / "ft") + common + ft,
+        "without": base_args(a, work / f"without_{replica_id}") + common,
+    }
 
 
 def _group_env(device: str) -> dict[str, str]:
@@ -110,15 +133,21 @@ def _summary(groups: list[dict[str, Any]]) -> dict[str, Any]:
         "timed_steps_per_group": len(ft) // len(groups),
         "step_s_median": {"fault_tolerance": round(ft_step, 5), "without": round(plain_step, 5)},
         "fault_tolerance_over_without": round(ft_step / plain_step, 3),
-        "quorum_s": {"first_step": [round(g["fault_tolerance"]["step_times"]["1"]["quorum_s"], 3) for g in groups],
-                     "median": round(statistics.median(r["quorum_s"] for r in ft), 5),
-                     "max": round(max(r["quorum_s"] for r in ft), 5)},
-        **{f"{what}_syncs": {name: sorted({r[what] for r in rs}) for name, rs in counted.items()}
-           for what in ("train_step", "loop")},
-        "cuda_sync_warnings_per_step": {name: sorted({len(r["cuda_sync_warnings"] or ()) for r in rs})
-                                        for name, rs in counted.items()},
+        "quorum_s": {
+            "first_step": [round(g["fault_tolerance"]["step_times"]["1"]["quorum_s"], 3) for g in groups],
+            "median": round(statistics.median(r["quorum_s"] for r in ft), 5),
+            "max": round(max(r["quorum_s"] for r in ft), 5),
+        },
+        **{
+            f"{what}_syncs": {name: sorted({r[what] for r in rs}) for name, rs in counted.items()}
+            for what in ("train_step", "loop")
+        },
+        "cuda_sync_warnings_per_step": {
+            name: sorted({len(r["cuda_sync_warnings"] or ()) for r in rs}) for name, rs in counted.items()
+        },
         "participants": sorted({r["participants"] for r in every_ft_step}),
-        "discarded": max(r["discarded"] for r in every_ft_step)}
+        "discarded": max(r["discarded"] for r in every_ft_step),
+    }
 
 
 def check_fault_tolerance(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
@@ -133,19 +162,32 @@ def check_fault_tolerance(a: argparse.Namespace, work: Path, out: dict[str, Any]
 
     lighthouse = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=GROUPS, join_timeout_ms=1000)
     url = f"http://{LOOPBACK}:{lighthouse.address().rsplit(':', 1)[1]}"
-    out.update(groups=GROUPS, ranks_per_group=1, cross_group_backend="gloo", lighthouse=url,
-               steps=TINY_FT_STEPS if a.tiny else FT_STEPS, syncs_counted_in_steps=sorted(COUNTED_STEPS))
+    out.update(
+        groups=GROUPS,
+        ranks_per_group=1,
+        cross_group_backend="gloo",
+        lighthouse=url,
+        steps=TINY_FT_STEPS if a.tiny else FT_STEPS,
+        syncs_counted_in_steps=sorted(COUNTED_STEPS),
+    )
     work.mkdir(parents=True, exist_ok=True)
     procs, logs = [], [work / f"group{g}.log" for g in range(GROUPS)]
     try:
         for g in range(GROUPS):
             spec = work / f"group{g}.json"
-            spec.write_text(json.dumps({"out": str(work / f"result{g}.json"), "device": a.device,
-                                        "runs": _runs(a, work, g, url)}))
+            spec.write_text(
+                json.dumps({"out": str(work / f"result{g}.json"), "device": a.device, "runs": _runs(a, work, g, url)})
+            )
             with open(logs[g], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "tests.gpu.test_ft_groups", str(spec)],
-                                              env=_group_env(a.device), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.gpu.test_ft_groups", str(spec)],
+                        env=_group_env(a.device),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         _wait_all(procs, GROUP_TIMEOUT_S)
     finally:
         _wait_all(procs, 0)  # interrupted (the check's limit): no group outlives the check
@@ -158,9 +200,13 @@ def check_fault_tolerance(a: argparse.Namespace, work: Path, out: dict[str, Any]
     out["summary"] = summary = _summary(groups)
     out["per_group"] = groups
     kept = all(sync_budget_kept(g["without"]) for g in groups)
-    return (kept and summary["participants"] == [GROUPS] and summary["discarded"] == 0
-            and max(summary["train_step_syncs"]["fault_tolerance"]) <= STEP_SYNC_BUDGET
-            and summary["timed_steps_per_group"] == out["steps"] - max(COUNTED_STEPS))
+    return (
+        kept
+        and summary["participants"] == [GROUPS]
+        and summary["discarded"] == 0
+        and max(summary["train_step_syncs"]["fault_tolerance"]) <= STEP_SYNC_BUDGET
+        and summary["timed_steps_per_group"] == out["steps"] - max(COUNTED_STEPS)
+    )
 
 
 def group_main(spec_path: str) -> None:
@@ -177,7 +223,7 @@ def group_main(spec_path: str) -> None:
         result = {name: step_syncs(args, counted=COUNTED_STEPS) for name, args in spec["runs"].items()}
         Path(spec["out"]).write_text(json.dumps(result, default=str))
         code = 0
-    except BaseException:  # noqa: BLE001 - into the group's log; the exit code tells the check
+    except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.gpu
 # Steps each counted run trains: step 1 builds lazily and is not counted; the count is the same
 # every step after it, so 3 counted steps show it (and that it holds).
 COUNTED_RUN_STEPS = 4
-EMULATED = {"mxfp8": ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"],
-            "nvfp4": ["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"]}
+EMULATED = {
+    "mxfp8": ["--mixed_precision.block_scaled", "mxfp8", "--mixed_precision.block_scaled_emulate", "true"],
+    "nvfp4": ["--mixed_precision.block_scaled", "nvfp4", "--mixed_precision.block_scaled_emulate", "true"],
+}
 
 
 def _short(a: argparse.Namespace, work: Path) -> list[str]:
@@ -32,8 +34,10 @@ def _short(a: argparse.Namespace, work: Path) -> list[str]:
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
     """The counted steps' train_step syncs (the distinct totals, and by op), in a line of the JSON."""
     steps = result["steps"].values()
-    return {"train_step_syncs": sorted({r["train_step"] for r in steps}),
-            "by_op": sorted({json.dumps(r["syncs"], sort_keys=True) for r in steps})}
+    return {
+        "train_step_syncs": sorted({r["train_step"] for r in steps}),
+        "by_op": sorted({json.dumps(r["syncs"], sort_keys=True) for r in steps}),
+    }
 
 
 def check_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
@@ -89,8 +93,13 @@ def check_ep_syncs(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bo
         if dist.is_initialized():
             dist.destroy_process_group()
     result["budget"] = STEP_SYNC_BUDGET + layers[0]
-    out.update(backend="nccl" if a.device == "cuda" else "gloo", ep_degree=1, ep_layers=layers[0], ep=result,
-               summary=_summary(result))
+    out.update(
+        backend="nccl" if a.device == "cuda" else "gloo",
+        ep_degree=1,
+        ep_layers=layers[0],
+        ep=result,
+        summary=_summary(result),
+    )
     free_memory()
     return layers[0] > 0 and sync_budget_kept(result)
 

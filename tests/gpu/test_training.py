@@ -48,8 +48,18 @@ import pytest
 import torch
 from torch import nn
 
-from tests.gpu.runs import (BF16, MOE, OpDtypes, base_args, free_memory, losses, mm_out_dtype, moe_combine_repeats,
-                            records, train)
+from tests.gpu.runs import (
+    BF16,
+    MOE,
+    OpDtypes,
+    base_args,
+    free_memory,
+    losses,
+    mm_out_dtype,
+    moe_combine_repeats,
+    records,
+    train,
+)
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.tensor_parallel import parallel_context
 from torchtitan_amp.models.llama3 import model as llama
@@ -100,11 +110,15 @@ def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     hooks = []
     for module in trainer.run.model.modules():
         if isinstance(module, nn.Linear):
-            hooks.append(module.register_forward_hook(
-                lambda m, i, o: linear_out.update([str(o.dtype).removeprefix("torch.")])))
+            hooks.append(
+                module.register_forward_hook(lambda m, i, o: linear_out.update([str(o.dtype).removeprefix("torch.")]))
+            )
         elif isinstance(module, RMSNorm):
-            hooks.append(module.register_forward_hook(
-                lambda m, i, o: norm_io.update([f"in {i[0].dtype} out {o.dtype}".replace("torch.", "")])))
+            hooks.append(
+                module.register_forward_hook(
+                    lambda m, i, o: norm_io.update([f"in {i[0].dtype} out {o.dtype}".replace("torch.", "")])
+                )
+            )
     inputs, labels = next(iter(trainer.run.dataloader))
     inputs, labels = inputs.to(trainer.run.device), labels.to(trainer.run.device)
     forward, backward = OpDtypes(), OpDtypes()
@@ -120,13 +134,23 @@ def check_probe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     trainer.run.metrics.close()
     # RMSNorm's input may be bf16 (a Linear's output) but it computes and returns fp32 or the input
     # dtype per the fp32-island rule; recorded rather than guessed.
-    out.update(linear_out=dict(linear_out), rms_norm=dict(norm_io), forward_ops=dict(forward.seen),
-               backward_ops=dict(backward.seen), logits=str(logits.dtype), params=sorted(param_dtypes),
-               grads=sorted(grad_dtypes))
+    out.update(
+        linear_out=dict(linear_out),
+        rms_norm=dict(norm_io),
+        forward_ops=dict(forward.seen),
+        backward_ops=dict(backward.seen),
+        logits=str(logits.dtype),
+        params=sorted(param_dtypes),
+        grads=sorted(grad_dtypes),
+    )
     low = "bfloat16"
     ops_low = all(bool(ops.seen) and all(k.endswith(low) for k in ops.seen) for ops in (forward, backward))
-    return (set(linear_out) == {low} and ops_low and str(logits.dtype) == "torch.float32"
-            and param_dtypes == grad_dtypes == {"torch.float32"})
+    return (
+        set(linear_out) == {low}
+        and ops_low
+        and str(logits.dtype) == "torch.float32"
+        and param_dtypes == grad_dtypes == {"torch.float32"}
+    )
 
 
 def skipped_before(recs: dict[int, dict[str, Any]]) -> dict[int, int]:
@@ -151,9 +175,15 @@ def aligned_diff(ref: dict[int, float], curve: dict[int, float], behind: dict[in
 
 
 def check_curves(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
-    out.update(tolerance=TOLERANCE, wall_s={}, final_loss={}, max_abs_diff_vs_fp32={}, skipped_steps={},
-               compared="step-aligned: a run k updates behind (skipped fp16 steps) is held to the fp32 "
-                        "losses of the k steps before")
+    out.update(
+        tolerance=TOLERANCE,
+        wall_s={},
+        final_loss={},
+        max_abs_diff_vs_fp32={},
+        skipped_steps={},
+        compared="step-aligned: a run k updates behind (skipped fp16 steps) is held to the fp32 "
+        "losses of the k steps before",
+    )
     curves: dict[str, dict[int, float]] = {}
     for name, extra in PRECISIONS.items():
         begin = time.perf_counter()
@@ -166,15 +196,20 @@ def check_curves(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
         out["skipped_steps"][name] = int(recs[max(recs)].get("skipped_steps") or 0)
         if name != "fp32":
             out["max_abs_diff_vs_fp32"][name] = aligned_diff(curves["fp32"], curves[name], behind)
-    return (all(d <= TOLERANCE[n] for n, d in out["max_abs_diff_vs_fp32"].items())
-            and all(len(c) == a.steps for c in curves.values()))
+    return all(d <= TOLERANCE[n] for n, d in out["max_abs_diff_vs_fp32"].items()) and all(
+        len(c) == a.steps for c in curves.values()
+    )
 
 
 @contextmanager
 def determinism_restored() -> Iterator[None]:
     """training.deterministic switches torch process-wide; later checks (speed) must not inherit it."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     try:
         yield
     finally:
@@ -185,14 +220,27 @@ def determinism_restored() -> Iterator[None]:
 def resume_pair(a: argparse.Namespace, work: Path, mode: str, deterministic: bool) -> tuple[dict, dict]:
     """(uninterrupted losses, losses of a run resumed from the first one's step-3 checkpoint)."""
     # Logged every 2 steps: the step-3 save happens on a step that logs nothing (no loss read).
-    extra = [*BF16, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3",
-             "--checkpoint.async_mode", mode, "--training.deterministic", str(deterministic).lower(),
-             "--metrics.log_freq", str(RESUME_LOG_FREQ)]
+    extra = [
+        *BF16,
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.async_mode",
+        mode,
+        "--training.deterministic",
+        str(deterministic).lower(),
+        "--metrics.log_freq",
+        str(RESUME_LOG_FREQ),
+    ]
     first, second = work / f"a_{deterministic}", work / f"b_{deterministic}"
     with determinism_restored():
         trainer = train(base_args(a, first) + extra)
-        SAVE_FACTS.update(save_s=trainer.run.checkpointer.last_save_s, bytes=sum(
-            f.stat().st_size for f in (first / "checkpoint" / "step-3").rglob("*") if f.is_file()))
+        SAVE_FACTS.update(
+            save_s=trainer.run.checkpointer.last_save_s,
+            bytes=sum(f.stat().st_size for f in (first / "checkpoint" / "step-3").rglob("*") if f.is_file()),
+        )
         del trainer
         shutil.copytree(first / "checkpoint" / "step-3", second / "checkpoint" / "step-3")
         train(base_args(a, second) + extra)
@@ -213,8 +261,11 @@ def check_resume(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
     except RuntimeError as e:
         if "determinis" not in str(e):
             raise
-        out.update(deterministic=False, deterministic_error=" ".join(str(e).splitlines())[:300],
-                   compared=f"step 4 bitwise, step 6 within {RESUME_NONDETERMINISTIC_TOL}")
+        out.update(
+            deterministic=False,
+            deterministic_error=" ".join(str(e).splitlines())[:300],
+            compared=f"step 4 bitwise, step 6 within {RESUME_NONDETERMINISTIC_TOL}",
+        )
         la, lb = resume_pair(a, work, mode, deterministic=False)
     out.update(uninterrupted=la, resumed=lb)
     if sorted(lb) != [4, 6]:
@@ -242,10 +293,13 @@ def check_moe(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     out["mm_bf16_in_fp32_out"] = mm_out_dtype(a.device)
     out["combine_bitwise_across_runs"] = moe_combine_repeats(a.device)
     grouped_ran = any(k == "_grouped_mm:bfloat16" for k in out["expert_ops"]["bf16"])
-    return (out["max_abs_diff_vs_fp32"] <= TOLERANCE["bf16"] and all(len(c) == a.steps for c in curves.values())
-            and (out["router"] or {}).get("router_dtype") == "float32"
-            and all(out["combine_bitwise_across_runs"].values())
-            and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"])))
+    return (
+        out["max_abs_diff_vs_fp32"] <= TOLERANCE["bf16"]
+        and all(len(c) == a.steps for c in curves.values())
+        and (out["router"] or {}).get("router_dtype") == "float32"
+        and all(out["combine_bitwise_across_runs"].values())
+        and (grouped_ran or not (a.device == "cuda" and grouped["bfloat16"]))
+    )
 
 
 def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) -> torch.Tensor:
@@ -258,7 +312,7 @@ def _cached_step_logits(runner: Any, tokens: list[int], device: torch.device) ->
 
     with torch.no_grad(), kv_caches(runner.model, len(tokens) + runner.multiple) as caches:
         steps = [step_logits(runner, ids(PROMPT), caches)]
-        steps += [step_logits(runner, ids([t]), caches) for t in tokens[len(PROMPT):-1]]
+        steps += [step_logits(runner, ids([t]), caches) for t in tokens[len(PROMPT) : -1]]
     return torch.cat(steps)
 
 
@@ -289,13 +343,17 @@ def check_generate(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bo
         seconds = time.perf_counter() - begin
         tokens = PROMPT + completion.tokens
         with torch.no_grad(), runner.forward_context():
-            full = runner.cast_output(model(torch.tensor([tokens], device=trainer.run.device)))[0, len(PROMPT) - 1:-1]
+            full = runner.cast_output(model(torch.tensor([tokens], device=trainer.run.device)))[0, len(PROMPT) - 1 : -1]
         full = full.float()
         err = float((_cached_step_logits(runner, tokens, trainer.run.device) - full).abs().max())
         largest = float(full.abs().max())
         greedy = full.argmax(dim=-1).tolist() == completion.tokens
-        out[name] = {"max_abs_logit_diff": err, "max_abs_logit": largest, "greedy_matches_full_forward": greedy,
-                     "tokens_per_s": round(new / seconds, 1)}
+        out[name] = {
+            "max_abs_logit_diff": err,
+            "max_abs_logit": largest,
+            "greedy_matches_full_forward": greedy,
+            "tokens_per_s": round(new / seconds, 1),
+        }
         bound = GENERATE_ATOL if name == "fp32" else GENERATE_BF16_REL * largest
         ok = ok and err <= bound and (greedy or name != "fp32") and math.isfinite(largest)
         del trainer, model, runner
@@ -327,8 +385,18 @@ def speed_configs(a: argparse.Namespace, work: Path) -> dict[str, list[str]]:
         shape = base_args(a, work)
     else:
         llama.register_flavor(SPEED_FLAVOR, dataclasses.replace(llama.LLAMA3_FLAVORS["llama3_8b"], n_layers=2))
-        shape = ["--model.flavor", SPEED_FLAVOR, "--training.seq_len", "2048", "--training.local_batch_size", "2",
-                 "--training.device", a.device, "--job.dump_folder", str(work)]
+        shape = [
+            "--model.flavor",
+            SPEED_FLAVOR,
+            "--training.seq_len",
+            "2048",
+            "--training.local_batch_size",
+            "2",
+            "--training.device",
+            a.device,
+            "--job.dump_folder",
+            str(work),
+        ]
     # CPU: inductor's C++ compilation would take minutes, and CPU fp8 is no fast path anyway.
     compiled = ["--compile.enable"] if a.device == "cuda" else []
     return {name: [*shape, *extra, *compiled] for name, extra in (("bf16", BF16), ("fp8", FP8))}
@@ -355,8 +423,11 @@ def step_seconds(args: list[str], steps: int, warmup: int) -> float:
 def check_fp8_speed(a: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool:
     configs = speed_configs(a, work)
     compiled = a.device == "cuda"
-    out.update(shape="tiny" if a.tiny else f"llama3_8b x 2 blocks ({SPEED_FLAVOR}), seq 2048 x batch 2",
-               compile=compiled, step_s={})
+    out.update(
+        shape="tiny" if a.tiny else f"llama3_8b x 2 blocks ({SPEED_FLAVOR}), seq 2048 x batch 2",
+        compile=compiled,
+        step_s={},
+    )
     steps, warmup = (3, 1) if a.tiny else (10, 3)
     for name, args in configs.items():
         out["step_s"][name] = step_seconds([*args], steps, warmup)

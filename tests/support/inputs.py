@@ -9,12 +9,18 @@ from typing import Any
 # debugmodel_tiny: a bf16 step costs ~14x less than debugmodel's on a CPU that emulates bf16; the
 # loss still falls visibly within a dozen steps at this learning rate (10 steps: 6.02 -> 4.56).
 TINY = (
-    "--model.flavor", "debugmodel_tiny",
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "4",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
 )
 
 
@@ -42,6 +48,10 @@ def write_short_documents(path: Path) -> Path:
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     rng = random.Random(0)
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
-                            for _ in range(400)))
+    path.write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))}) + "\n"
+            for _ in range(400)
+        )
+    )
     return path

@@ -50,8 +50,9 @@ class RunResult:
 
     def describe(self, tail: int = 3000) -> str:
         """The end of the output, for assertion messages."""
-        return (f"exit code {self.returncode}\n--- stdout ---\n{self.stdout[-tail:]}\n"
-                f"--- stderr ---\n{self.stderr[-tail:]}")
+        return (
+            f"exit code {self.returncode}\n--- stdout ---\n{self.stdout[-tail:]}\n--- stderr ---\n{self.stderr[-tail:]}"
+        )
 
 
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -60,18 +61,34 @@ def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # A launch inside a launch (pytest itself under torchrun) must not inherit the outer group.
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+    for key in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "GROUP_RANK",
+        "ROLE_RANK",
+    ):
         env.pop(key, None)
     env.update(extra or {})
     return env
 
 
-def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
-                cwd: Path = REPO, dump_folder: Path | None = None) -> RunResult:
+def run_command(
+    cmd: list[str],
+    *,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    dump_folder: Path | None = None,
+) -> RunResult:
     """Run `cmd` in its own process group; on timeout kill the whole group (torchrun's workers too)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -100,8 +117,15 @@ def by_step(folder: Path) -> dict[int, dict]:
 def torchrun_cmd(nproc: int, *args: str | Path, max_restarts: int | None = None) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc_per_node=N [--max-restarts=R] ARGS...`"""
     restarts = [] if max_restarts is None else [f"--max-restarts={max_restarts}"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *restarts,
-            *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *restarts,
+        *map(str, args),
+    ]
 
 
 def new_dump_folder(tmp_path: Path) -> Path:
@@ -110,8 +134,14 @@ def new_dump_folder(tmp_path: Path) -> Path:
     return folder
 
 
-def run_train(tmp_path: Path, nproc: int, *overrides: str, timeout: float = 240,
-              script: str | Path = "train.py", env: dict[str, str] | None = None) -> RunResult:
+def run_train(
+    tmp_path: Path,
+    nproc: int,
+    *overrides: str,
+    timeout: float = 240,
+    script: str | Path = "train.py",
+    env: dict[str, str] | None = None,
+) -> RunResult:
     """torchrun `script` (default train.py) on `nproc` CPU processes (gloo) with a fresh dump folder
     under tmp_path, passed as --job.dump_folder before `overrides` (so an override can replace it)."""
     dump = new_dump_folder(tmp_path)
@@ -119,8 +149,7 @@ def run_train(tmp_path: Path, nproc: int, *overrides: str, timeout: float = 240,
     return run_command(cmd, timeout=timeout, env=env, dump_folder=dump)
 
 
-def run_python(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
-               cwd: Path = REPO) -> RunResult:
+def run_python(*args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO) -> RunResult:
     """`python <args>` from the repo root, without torchrun (e.g. `run_python("train.py", "--help")`)."""
     return run_command([sys.executable, *args], timeout=timeout, env=env, cwd=cwd)
 
@@ -196,14 +225,29 @@ def spawn_ranks(nproc: int, cmd: list[str], *, timeout: float, env: dict[str, st
     import time
 
     base = _env(env)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc))
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE=str(nproc),
+    )
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         files = [(open(Path(tmp) / f"out{r}", "w+"), open(Path(tmp) / f"err{r}", "w+")) for r in range(nproc)]
-        procs = [subprocess.Popen(cmd, cwd=REPO,
-                                  env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                                  stdout=files[r][0], stderr=files[r][1], text=True, start_new_session=True)
-                 for r in range(nproc)]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
+                stdout=files[r][0],
+                stderr=files[r][1],
+                text=True,
+                start_new_session=True,
+            )
+            for r in range(nproc)
+        ]
         deadline, timed_out = time.monotonic() + timeout, False
         while any(p.poll() is None for p in procs):
             failed = any(p.returncode not in (None, 0) for p in procs)
@@ -240,16 +284,26 @@ def _end(procs: list[subprocess.Popen]) -> None:
             time.sleep(0.05)
 
 
-def launch_worker(worker: str, out: Path, jobs: list[dict[str, Any]], nproc: int, *, timeout: float = 240,
-                  check: bool = True, env: dict[str, str] | None = None, **options: Any) -> RunResult:
+def launch_worker(
+    worker: str,
+    out: Path,
+    jobs: list[dict[str, Any]],
+    nproc: int,
+    *,
+    timeout: float = 240,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    **options: Any,
+) -> RunResult:
     """Run tests/workers/WORKER.py on `jobs` with nproc ranks (spawn_ranks; one process: plain
     python), one thread each; fails the test on a non-zero exit unless check is False."""
     spec = write_spec(out, jobs, **options)
     cmd = [sys.executable, str(WORKERS / f"{worker}.py"), str(spec)]
     env = {**ONE_THREAD, **(env or {})}
     # One process runs without a process group, as train.py does without torchrun.
-    result = (run_command(cmd, timeout=timeout, env=env) if nproc == 1
-              else spawn_ranks(nproc, cmd, timeout=timeout, env=env))
+    result = (
+        run_command(cmd, timeout=timeout, env=env) if nproc == 1 else spawn_ranks(nproc, cmd, timeout=timeout, env=env)
+    )
     if check and result.returncode != 0:
         import pytest
 
@@ -273,6 +327,7 @@ def digest(t: Any) -> str:
 
     return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
+
 def probe_trainer(trainer: Any) -> dict[str, Any]:
     """What a loaded Trainer holds, comparable across layouts: the loss on one fixed batch (the
     same on every rank), one train step on it, the loss again, and digests of the full
@@ -290,23 +345,39 @@ def probe_trainer(trainer: Any) -> dict[str, Any]:
         return t.full_tensor() if isinstance(t, DTensor) else t
 
     g = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, trainer.run.job.model_args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g)
+    tokens = torch.randint(
+        0, trainer.run.job.model_args.vocab_size, (2, trainer.config.training.seq_len + 1), generator=g
+    )
     inputs, labels = tokens[:, :-1].to(trainer.run.device), tokens[:, 1:].to(trainer.run.device)
 
     def loss_now() -> float:
-        with torch.no_grad(), parallel_context(trainer.run.dims, trainer.config), autocast.forward_context(trainer.run.plan):
+        with (
+            torch.no_grad(),
+            parallel_context(trainer.run.dims, trainer.config),
+            autocast.forward_context(trainer.run.plan),
+        ):
             return float(full(loss_fn(autocast.cast_output(trainer.run.plan, trainer.run.model(inputs)), labels)))
 
     model_sums = {k: digest(full(v)) for k, v in trainer.run.model.state_dict().items()}
-    optim = get_optimizer_state_dict(trainer.run.model, trainer.run.optimizer,
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
-    optim_sums = {k: digest(full(v)) for k, v in optim.items()
-                  if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0}
+    optim = get_optimizer_state_dict(
+        trainer.run.model, trainer.run.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    optim_sums = {
+        k: digest(full(v))
+        for k, v in optim.items()
+        if k.startswith("state.") and isinstance(v, torch.Tensor) and v.dim() > 0
+    }
     before = loss_now()
     loss, grad_norm, _ = trainer.train_step(iter([(inputs, labels)]))
-    return {"loss_before": before, "train_loss": float(loss), "grad_norm": float(grad_norm),
-            "loss_after": loss_now(), "model_sums": model_sums, "optim_sums": optim_sums,
-            "step": trainer.step}
+    return {
+        "loss_before": before,
+        "train_loss": float(loss),
+        "grad_norm": float(grad_norm),
+        "loss_after": loss_now(),
+        "model_sums": model_sums,
+        "optim_sums": optim_sums,
+        "step": trainer.step,
+    }
 
 
 def run_distributed(fn: Any, nproc: int, *args: Any, timeout: float = 240, env: dict[str, str] | None = None) -> list:

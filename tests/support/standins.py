@@ -55,20 +55,29 @@ def use_stand_in_manager(monkeypatch: Any) -> None:
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
-        config.fault_tolerance, plan, manager=SameValuesManager()))
+    monkeypatch.setattr(
+        build.fault_tolerance,
+        "build",
+        lambda config, plan, *device: FaultTolerance(config.fault_tolerance, plan, manager=SameValuesManager()),
+    )
 
 
-def use_paired_managers(monkeypatch: Any, groups: "PairedGroups") -> None:
+def use_paired_managers(monkeypatch: Any, groups: PairedGroups) -> None:
     """As use_stand_in_manager, each trainer built with fault tolerance taking its replica
     group's PairedManager (one built without it has none)."""
     from torchtitan_amp.train import build
     from torchtitan_amp.train.fault_tolerance import FaultTolerance
 
     monkeypatch.setattr(build, "peak_flops", lambda device, dtype: 1e12)
-    monkeypatch.setattr(build.fault_tolerance, "build", lambda config, plan, *device: FaultTolerance(
-        config.fault_tolerance, plan, manager=groups.managers[config.fault_tolerance.replica_id])
-        if config.fault_tolerance.enable else None)
+    monkeypatch.setattr(
+        build.fault_tolerance,
+        "build",
+        lambda config, plan, *device: (
+            FaultTolerance(config.fault_tolerance, plan, manager=groups.managers[config.fault_tolerance.replica_id])
+            if config.fault_tolerance.enable
+            else None
+        ),
+    )
 
 
 class PairedGroups:
@@ -132,7 +141,7 @@ class PairedManager(SameValuesManager):
         self.groups.reduce(self.g, t, average=reduce_op in (None, dist.ReduceOp.AVG))
         return _Done()
 
-    def heal_from(self, live: "PairedManager") -> None:
+    def heal_from(self, live: PairedManager) -> None:
         """Load every state the live group serves, as a healing group's quorum does."""
         for name, (load, _) in self.state_fns.items():
             load(live.state_fns[name][1]())

@@ -19,8 +19,9 @@ import ast
 # A module is in exactly one of these (`slow` with `dist`); `oldest_torch` is an extra selection.
 TIERS = frozenset({"unit", "dist", "slow", "gpu"})
 LAUNCHING_TIERS = frozenset({"dist", "gpu"})
-RANK_LAUNCHERS = frozenset({"run_train", "launch_worker", "spawn_ranks", "torchrun_cmd", "launch_cmd",
-                            "run_distributed"})
+RANK_LAUNCHERS = frozenset(
+    {"run_train", "launch_worker", "spawn_ranks", "torchrun_cmd", "launch_cmd", "run_distributed"}
+)
 PROCESS_LAUNCHERS = frozenset({"run_python", "run_command"})
 RANK_MODULES = frozenset({"multiprocessing", "torch.multiprocessing", "torch.distributed.run"})
 PROCESS_MODULES = frozenset({"subprocess"})
@@ -54,9 +55,13 @@ def misplaced(name: str, source: str, declared: set[str]) -> str | None:
     if "slow" in declared and "dist" not in declared:
         return f"{name} is marked slow but not dist: pytestmark = [pytest.mark.dist, pytest.mark.slow]"
     if ranks and not declared & LAUNCHING_TIERS:
-        return (f"{name} starts ranks ({', '.join(sorted(ranks))}) but is not marked dist: "
-                "add pytestmark = pytest.mark.dist")
+        return (
+            f"{name} starts ranks ({', '.join(sorted(ranks))}) but is not marked dist: "
+            "add pytestmark = pytest.mark.dist"
+        )
     if processes and not declared & TIERS:
-        return (f"{name} starts processes ({', '.join(sorted(processes))}) but declares no tier: add "
-                "pytestmark = pytest.mark.unit (one short command at a time) or pytest.mark.dist")
+        return (
+            f"{name} starts processes ({', '.join(sorted(processes))}) but declares no tier: add "
+            "pytestmark = pytest.mark.unit (one short command at a time) or pytest.mark.dist"
+        )
     return None

@@ -50,7 +50,7 @@ GRAD_NORM_STEP1_RTOL = 5e-3
 NORM_RTOL = 1e-4
 # Clipped vs g * max_norm / (true + 1e-6): the trainer's coefficient comes from its own norm (off by
 # at most NORM_RTOL) and is rounded to fp32, and so is the product: two more unit roundoffs.
-CLIP_RTOL = NORM_RTOL + 2 * 2.0 ** -24
+CLIP_RTOL = NORM_RTOL + 2 * 2.0**-24
 # norm_check's two fp64 norms (each rank's parts weighted by their copies, one all-reduce; the
 # full gradients gathered): the same ~5e6 squares summed in two orders, n x 2**-53 = 6e-10 at worst.
 GATHERED_RTOL = 1e-9
@@ -74,8 +74,9 @@ def bf16_rounding_sigma(overrides: tuple[str, ...], batch: int, shrink: tuple[tu
     from torchtitan_amp.train import job as job_mod
     from torchtitan_amp.train.trainer import loss_fn
 
-    job = job_mod.resolve(load_config(["--model.flavor", "debugmodel", *overrides,
-                                       "--mixed_precision.enabled", "false"]), 1, "cpu")
+    job = job_mod.resolve(
+        load_config(["--model.flavor", "debugmodel", *overrides, "--mixed_precision.enabled", "false"]), 1, "cpu"
+    )
     if shrink:
         job = dataclasses.replace(job, model_args=dataclasses.replace(job.model_args, **dict(shrink)))
     t = job.config.training

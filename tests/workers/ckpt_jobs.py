@@ -4,7 +4,7 @@ tests/test_checkpoint.py and tests/test_validation.py.
 Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch.py's spec with
   "options": {"step_delay": seconds slept after every train step (to give a signal time to arrive),
               "flavor": {field: value} replaces these LlamaModelArgs fields of the 'debugmodel'
-                        flavour for every job (tests/test_hf.py's tiny GQA + rope-scaling model),
+                        flavor for every job (tests/test_hf.py's tiny GQA + rope-scaling model),
               "crash_in_save_step": N (die with os._exit(1) after every rank wrote step-N.tmp,
                                        before the completion marker: a save interrupted half way)},
   "jobs": [{"name": NAME, "args": [CLI overrides],
@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.support.launch import digest, exit_process, probe_trainer, read_spec
 from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.checkpoint.saving import Saver
 from torchtitan_amp.config import load_config
@@ -55,7 +56,6 @@ from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train.trainer import Trainer
-from tests.support.launch import digest, exit_process, probe_trainer, read_spec
 
 
 def _rank() -> int:
@@ -254,8 +254,9 @@ def main(spec_path: str) -> int:
     if spec.options.get("flavor"):
         from torchtitan_amp.models.llama3 import model as llama
 
-        llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(llama.LLAMA3_FLAVORS["debugmodel"],
-                                                                 **spec.options["flavor"])
+        llama.LLAMA3_FLAVORS["debugmodel"] = dataclasses.replace(
+            llama.LLAMA3_FLAVORS["debugmodel"], **spec.options["flavor"]
+        )
     _install_test_hooks(spec.options)
     if any(job.get("hf_reads") for job in spec.jobs):
         _count_hf_reads()

@@ -59,8 +59,9 @@ def _problem(seed: int, o: dict[str, Any]) -> list[torch.Tensor]:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """[B, S, H, D] in, [B, S, H, D] out (the model's layout around SDPA)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None
+    )
     return out.transpose(1, 2)
 
 
@@ -120,12 +121,12 @@ def _sum_errors(partials: dict[str, torch.Tensor], got: list[torch.Tensor], rank
         s = mine.shape[1]
         parts = [torch.empty_like(partials[name], dtype=torch.float64) for _ in range(cp)]
         dist.all_gather(parts, partials[name].double(), group=group)
-        stacked = torch.stack(parts)[:, :, rank * s:(rank + 1) * s]
+        stacked = torch.stack(parts)[:, :, rank * s : (rank + 1) * s]
         exact, magnitude = stacked.sum(0), stacked.abs().sum(0)
         err = mine.double() - exact
         stats = torch.stack([err.square().sum(), exact.square().sum()])
         dist.all_reduce(stats, group=group)
-        ratio = (err.abs() / (2.0 ** -8 * exact.abs() + cp * 2.0 ** -24 * magnitude).clamp_min(1e-300)).max().reshape(1)
+        ratio = (err.abs() / (2.0**-8 * exact.abs() + cp * 2.0**-24 * magnitude).clamp_min(1e-300)).max().reshape(1)
         dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=group)
         out[f"{name}_sum"], out[f"{name}_sum_bound_ratio"] = float((stats[0] / stats[1]).sqrt()), float(ratio)
     return out
@@ -157,7 +158,10 @@ def measure(o: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, Any] | N
                         errors[str(cp)][name].append(_rel(x, ref))
                     for name, value in sums.items():
                         errors[str(cp)][name].append(value)
-        result["jobs"][job["name"]] = {"reduce_dtype": job["reduce_dtype"], "errors": errors,
-                                       "wire_dtypes": sorted(set(WIRE))}
+        result["jobs"][job["name"]] = {
+            "reduce_dtype": job["reduce_dtype"],
+            "errors": errors,
+            "wire_dtypes": sorted(set(WIRE)),
+        }
     # Plain JSON data (the nested defaultdicts cannot be pickled), as the tests read it.
     return json.loads(json.dumps(result)) if me == 0 else None

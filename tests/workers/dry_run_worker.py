@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.support.launch import exit_process, read_spec
+from tests.workers.pp_held import PipelineHeld
 from torchtitan_amp.config import load_config
 from torchtitan_amp.observability import traffic as collectives
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_module
 from torchtitan_amp.train.trainer import Trainer
-from tests.support.launch import exit_process, read_spec
-from tests.workers.pp_held import PipelineHeld
 
 _state = threading.local()
 GROUP_DIMS: dict[tuple[int, ...], str] = {}  # ranks of a process group -> mesh dim
@@ -97,8 +97,9 @@ def install_phase_tags() -> None:
     trainer_module.count_valid_labels = _in_phase(trainer_module.count_valid_labels, "label_count")
     for name, family in FAMILIES.items():
         if family.after_backward is not None:
-            FAMILIES[name] = dataclasses.replace(family, after_backward=_in_phase(family.after_backward,
-                                                                                   "after_backward"))
+            FAMILIES[name] = dataclasses.replace(
+                family, after_backward=_in_phase(family.after_backward, "after_backward")
+            )
 
 
 class _CountBackward(torch.autograd.Function):
@@ -187,13 +188,22 @@ def run_job(args: list[str]) -> dict:
         "comm": collectives.snapshot(),
         "comm_calls": collectives.call_counts(),
         "pp_rank": trainer.run.dims.mesh["pp"].get_local_rank() if trainer.run.dims.pp_enabled else 0,
-        "pp_held": None if held is None else {"in_flight": {str(k): v for k, v in held.in_flight.items()},
-                                              "fsdp": held.fsdp},
+        "pp_held": None
+        if held is None
+        else {"in_flight": {str(k): v for k, v in held.in_flight.items()}, "fsdp": held.fsdp},
     }
     if os.environ.get("DRY_RUN_WORKER_LOG"):
         result["calls"] = list(collectives.CALLS)
-        result["grad_shapes"] = {n: [list(p.shape), list((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).shape), str(getattr(p.grad, "placements", ""))]
-                                 for part in trainer.run.model_parts for n, p in part.named_parameters() if p.grad is not None and "layers.1" not in n and "layers.2" not in n}
+        result["grad_shapes"] = {
+            n: [
+                list(p.shape),
+                list((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).shape),
+                str(getattr(p.grad, "placements", "")),
+            ]
+            for part in trainer.run.model_parts
+            for n, p in part.named_parameters()
+            if p.grad is not None and "layers.1" not in n and "layers.2" not in n
+        }
     trainer.run.metrics.close()
     return result
 
@@ -207,8 +217,9 @@ def fast_init() -> None:
 def main(spec_path: str) -> int:
     fast_init()
     train_build.peak_flops = lambda device, dtype: 1e12  # MFU's timed matmuls: never read here
-    collectives.install(_category, point_to_point=True, functional=True,
-                        record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG")))
+    collectives.install(
+        _category, point_to_point=True, functional=True, record_calls=bool(os.environ.get("DRY_RUN_WORKER_LOG"))
+    )
     collectives.install_default_ddp_hook()
     install_phase_tags()
     install_all_to_all_counters()

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from tests.support.launch import exit_process
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.train.trainer import Trainer
-from tests.support.launch import exit_process
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -40,8 +40,9 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"[rank{os.environ.get('RANK', '0')}] %(message)s",
-                        stream=sys.stdout)
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank{os.environ.get('RANK', '0')}] %(message)s", stream=sys.stdout
+    )
     trainer = Trainer(load_config(argv))
     inputs, labels = next(iter(trainer.run.dataloader))
     out: dict = {
@@ -61,11 +62,13 @@ def main(argv: list[str]) -> None:
         trainer.run.optimizer.zero_grad(set_to_none=True)
     # The real step (sync back on for its last micro-batch) on the same batch.
     loss, grad_norm, stepped = trainer.train_step(iter([(inputs, labels)] * trainer.run.accum))
-    out.update(loss=float(loss), grad_norm=float(grad_norm), stepped=bool(stepped),
-               grads=_grads(trainer.run.model))
+    out.update(loss=float(loss), grad_norm=float(grad_norm), stepped=bool(stepped), grads=_grads(trainer.run.model))
     if trainer.run.dims.fsdp_enabled:
-        out["shard_grads"] = {n: p.grad.detach().to_local().float().clone()
-                              for n, p in trainer.run.model.named_parameters() if isinstance(p.grad, DTensor)}
+        out["shard_grads"] = {
+            n: p.grad.detach().to_local().float().clone()
+            for n, p in trainer.run.model.named_parameters()
+            if isinstance(p.grad, DTensor)
+        }
     folder = Path(trainer.config.job.dump_folder)
     torch.save(out, folder / f"first_step_rank{trainer.run.info.rank}.pt")
     if os.environ.get("WORKER_TRAIN") == "1":

@@ -65,8 +65,15 @@ def main() -> None:
     shards = {n: digest(p.to_local() if isinstance(p, DTensor) else p) for n, p in trainer.run.model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(
-        json.dumps({"step": trainer.step, "shards": shards, "tokens_seen": trainer.tokens_seen,
-                    "data_position": trainer.run.dataloader.state_dict()["position"]}))
+        json.dumps(
+            {
+                "step": trainer.step,
+                "shards": shards,
+                "tokens_seen": trainer.tokens_seen,
+                "data_position": trainer.run.dataloader.state_dict()["position"],
+            }
+        )
+    )
     exit_process(0)
 
 

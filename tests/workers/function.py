@@ -32,7 +32,7 @@ def main(ref: str, folder: Path) -> int:
         out = pickle.dumps(fn(*pickle.loads((folder / "args.pkl").read_bytes())))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the launcher reports it, with the rank
+    except BaseException:
         (folder / f"rank{rank}.err").write_text(traceback.format_exc())
         return 1
     (folder / f"rank{rank}.out").write_bytes(out)

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node N tests/workers/layouts.py SPEC.json
 
 SPEC.json is tests/support/launch.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
-one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavours (FLAVOR's
+one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavors (FLAVOR's
 args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
 `train()`, exactly what train.py does (torchtitan_amp.train.trainer.train_in_turn, shared with
 torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
@@ -30,9 +30,12 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
-from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.tensor import DTensor
 
+from tests.support.inputs import mask_labels
+from tests.support.launch import digest, exit_process, read_spec
+from tests.workers import norm_check
 from torchtitan_amp.distributed import process_groups
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, register_flavor
 from torchtitan_amp.models.moe.moe import MoE
@@ -41,9 +44,6 @@ from torchtitan_amp.precision.tags import FROZEN
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import optim as optim_mod
 from torchtitan_amp.train.trainer import Trainer, train_in_turn
-from tests.support.inputs import mask_labels
-from tests.support.launch import digest, exit_process, read_spec
-from tests.workers import norm_check
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -64,9 +64,13 @@ def _tp_replicated(p: torch.Tensor) -> bool:
 def _frozen_params(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
     """The parameters of the modules training.freeze tagged (the tag, not requires_grad: a frozen
     module whose parameters came to require grad again is still listed)."""
-    return {f"{mname}.{pname}" if mname else pname: p for part in trainer.run.model_parts
-            for mname, m in part.named_modules() if getattr(m, FROZEN, False)
-            for pname, p in m.named_parameters(recurse=False)}
+    return {
+        f"{mname}.{pname}" if mname else pname: p
+        for part in trainer.run.model_parts
+        for mname, m in part.named_modules()
+        if getattr(m, FROZEN, False)
+        for pname, p in m.named_parameters(recurse=False)
+    }
 
 
 class RoundingRecorder:
@@ -115,8 +119,11 @@ class RoundingRecorder:
             self.moved += int(moved.sum())
             if self.example is None and bool(moved.any()):
                 i = int(moved.flatten().nonzero()[0])
-                self.example = {"old": float(old.flatten()[i]), "target": float(target.flatten()[i]),
-                                "new": float(new.flatten()[i])}
+                self.example = {
+                    "old": float(old.flatten()[i]),
+                    "target": float(target.flatten()[i]),
+                    "new": float(new.flatten()[i]),
+                }
 
     def as_dict(self) -> dict:
         return {"sub_half_ulp": self.sub_half_ulp, "moved": self.moved, "example": self.example}
@@ -125,6 +132,7 @@ class RoundingRecorder:
 @dataclass
 class RunEvidence:
     """What a run records before and during train(); reset at the start of each run."""
+
     frozen_digests: dict[str, str] = field(default_factory=dict)
     rounding: RoundingRecorder | None = None
     # The host syncs of the run's second step (the first may build lazily), with their lines.
@@ -143,6 +151,7 @@ def _mask_train_labels(trainer: Trainer) -> None:
                     labels = mask_labels(labels)
                     _run.valid_labels.append(int((labels != -100).sum()))
                 yield inputs, labels
+
         return step(masked())
 
     trainer.train_step = masked_step  # type: ignore[method-assign]
@@ -165,7 +174,8 @@ def _train_with_evidence(trainer: Trainer) -> None:
     # Whatever the optimizer's own flag says: the evidence must not take the rounding mode's word.
     rounding = None
     if isinstance(trainer.run.optimizer, optim_mod.AdamWMixedState) and any(
-            _local(p).dtype == torch.bfloat16 for p in trainer.run.params):
+        _local(p).dtype == torch.bfloat16 for p in trainer.run.params
+    ):
         rounding = RoundingRecorder(trainer.run.optimizer)
     # Not under compile: a compiled region's host reads are graph breaks (tests/test_host_syncs.py
     # explains a compiled MoE block), and a dispatch mode would make dynamo retrace the blocks.
@@ -187,10 +197,16 @@ def _train_with_evidence(trainer: Trainer) -> None:
 def _frozen_info(trainer: Trainer) -> dict[str, dict]:
     """Per frozen parameter: what a frozen parameter must (not) have after training."""
     in_groups = {id(p) for g in trainer.run.optimizer.param_groups for p in g["params"]}
-    return {n: {"requires_grad": p.requires_grad, "grad_is_none": p.grad is None,
-                "in_optimizer": id(p) in in_groups, "has_optimizer_state": p in trainer.run.optimizer.state,
-                "digest_unchanged": digest(_local(p)) == _run.frozen_digests.get(n)}
-            for n, p in _frozen_params(trainer).items()}
+    return {
+        n: {
+            "requires_grad": p.requires_grad,
+            "grad_is_none": p.grad is None,
+            "in_optimizer": id(p) in in_groups,
+            "has_optimizer_state": p in trainer.run.optimizer.state,
+            "digest_unchanged": digest(_local(p)) == _run.frozen_digests.get(n),
+        }
+        for n, p in _frozen_params(trainer).items()
+    }
 
 
 # Runs whose spec job says "grads": true also write DIR/NAME/grads_rank{R}.pt: every parameter this
@@ -228,51 +244,91 @@ def _save_grads_after_first_step(trainer: Trainer) -> None:
 def _rank_info(trainer: Trainer) -> dict:
     dims = trainer.run.dims
     modules = [(name, m) for part in trainer.run.model_parts for name, m in part.named_modules()]
-    info = {"rank": trainer.run.info.rank, "world_size": trainer.run.info.world_size,
-            "degrees": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                        "cp": dims.cp, "tp": dims.tp},
-            "dp_rank": trainer.run.dataloader.dp_rank, "dp_world_size": trainer.run.dataloader.dp_world_size,
-            "tokens_seen": trainer.tokens_seen,
-            "path": trainer.run.plan.path,
-            # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
-            "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
-            "compiled": [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None],
-            "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
-            # AdamW's moments as this rank holds them, and a digest of its replicated parameters
-            # (plain tensors, or DTensors replicated on every mesh dim): equal across replicas.
-            "frozen_params": sorted(n for part in trainer.run.model_parts for n, p in part.named_parameters()
-                                    if not p.requires_grad),
-            "optimizer_state_dtypes": sorted({str(_local(s[k]).dtype).removeprefix("torch.")
-                                              for s in trainer.run.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")}),
-            "replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
-                                                          for part in trainer.run.model_parts for p in part.parameters()
-                                                          if _replicated(p)] or [torch.zeros(0)])),
-            # The same for parameters replicated over tp only: equal across the TP ranks.
-            "tp_replicated_params": sorted(n for part in trainer.run.model_parts for n, p in part.named_parameters()
-                                           if _tp_replicated(p)),
-            "tp_replicated_params_digest": digest(torch.cat([_local(p).detach().float().flatten()
-                                                             for part in trainer.run.model_parts for p in part.parameters()
-                                                             if _tp_replicated(p)] or [torch.zeros(0)])),
-            "norm_check": norm_check.records(),
-            # enable_weight_tying: the output layer's weight is still the embedding table's object
-            "output_tied": [getattr(p, "output", None) is not None and getattr(p, "tok_embeddings", None) is not None
-                            and p.output.weight is p.tok_embeddings.weight for p in trainer.run.model_parts],
-            "frozen": _frozen_info(trainer),
-            "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
-            "valid_labels": _run.valid_labels,
-            "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {},
-            # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
-            # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
-            "ep_layers": sum(isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
-                             for part in trainer.run.model_parts for m in part.modules()),
-            "forwards_per_step": trainer.run.accum * (trainer.run.pipeline.n_microbatches if trainer.run.pipeline else 1),
-            # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
-            "scaler_reads_found_inf": trainer.run.scaler.enabled and not any(
-                g.get("fused") for g in trainer.run.optimizer.param_groups),
-            # ShardedGradScaler.update with its scale on the CPU runs a Python path that reads
-            # found_inf and the growth tracker (2); on CUDA it runs torch._amp_update_scale_ (none).
-            "cpu_only_scaler_reads": 2 if type(trainer.run.scaler.scaler).__name__ == "ShardedGradScaler"
-            and trainer.run.device.type == "cpu" else 0}
+    info = {
+        "rank": trainer.run.info.rank,
+        "world_size": trainer.run.info.world_size,
+        "degrees": {
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+        },
+        "dp_rank": trainer.run.dataloader.dp_rank,
+        "dp_world_size": trainer.run.dataloader.dp_world_size,
+        "tokens_seen": trainer.tokens_seen,
+        "path": trainer.run.plan.path,
+        # What AC and compile did to the model, so their tests cannot pass on an unwrapped model.
+        "checkpoint_wrapped": [n for n, m in modules if isinstance(m, CheckpointWrapper)],
+        "compiled": [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None],
+        "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
+        # AdamW's moments as this rank holds them, and a digest of its replicated parameters
+        # (plain tensors, or DTensors replicated on every mesh dim): equal across replicas.
+        "frozen_params": sorted(
+            n for part in trainer.run.model_parts for n, p in part.named_parameters() if not p.requires_grad
+        ),
+        "optimizer_state_dtypes": sorted(
+            {
+                str(_local(s[k]).dtype).removeprefix("torch.")
+                for s in trainer.run.optimizer.state.values()
+                for k in ("exp_avg", "exp_avg_sq")
+            }
+        ),
+        "replicated_params_digest": digest(
+            torch.cat(
+                [
+                    _local(p).detach().float().flatten()
+                    for part in trainer.run.model_parts
+                    for p in part.parameters()
+                    if _replicated(p)
+                ]
+                or [torch.zeros(0)]
+            )
+        ),
+        # The same for parameters replicated over tp only: equal across the TP ranks.
+        "tp_replicated_params": sorted(
+            n for part in trainer.run.model_parts for n, p in part.named_parameters() if _tp_replicated(p)
+        ),
+        "tp_replicated_params_digest": digest(
+            torch.cat(
+                [
+                    _local(p).detach().float().flatten()
+                    for part in trainer.run.model_parts
+                    for p in part.parameters()
+                    if _tp_replicated(p)
+                ]
+                or [torch.zeros(0)]
+            )
+        ),
+        "norm_check": norm_check.records(),
+        # enable_weight_tying: the output layer's weight is still the embedding table's object
+        "output_tied": [
+            getattr(p, "output", None) is not None
+            and getattr(p, "tok_embeddings", None) is not None
+            and p.output.weight is p.tok_embeddings.weight
+            for p in trainer.run.model_parts
+        ],
+        "frozen": _frozen_info(trainer),
+        "rounding": _run.rounding.as_dict() if _run.rounding is not None else None,
+        "valid_labels": _run.valid_labels,
+        "host_syncs": {str(s): r for s, r in _run.syncs.steps.items()} if _run.syncs is not None else {},
+        # What the host-sync budget scales with: MoE layers dispatching by expert parallel on
+        # this rank, and forwards per layer and step (accumulation x pipeline microbatches).
+        "ep_layers": sum(
+            isinstance(m, MoE) and m.expert_parallel is not None  # not its AC wrapper
+            for part in trainer.run.model_parts
+            for m in part.modules()
+        ),
+        "forwards_per_step": trainer.run.accum * (trainer.run.pipeline.n_microbatches if trainer.run.pipeline else 1),
+        # fp16 with a non-fused AdamW: GradScaler.step reads found_inf itself (one more read).
+        "scaler_reads_found_inf": trainer.run.scaler.enabled
+        and not any(g.get("fused") for g in trainer.run.optimizer.param_groups),
+        # ShardedGradScaler.update with its scale on the CPU runs a Python path that reads
+        # found_inf and the growth tracker (2); on CUDA it runs torch._amp_update_scale_ (none).
+        "cpu_only_scaler_reads": 2
+        if type(trainer.run.scaler.scaler).__name__ == "ShardedGradScaler" and trainer.run.device.type == "cpu"
+        else 0,
+    }
     if trainer.run.info.world_size > 1:
         mesh = dims.mesh
         info["mesh_dim_names"] = list(mesh.mesh_dim_names)
@@ -289,8 +345,12 @@ def main(spec_path: str) -> None:
     Trainer.train = _train_with_evidence  # type: ignore[method-assign]
     optim_mod.adam_step = _recording_adam_step  # type: ignore[assignment]
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
-                        format=f"[rank{rank}] %(message)s", stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format=f"[rank{rank}] %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
     spec = read_spec(spec_path)
     for name, fields in spec.options.get("flavors", {}).items():
         fields = dict(fields)

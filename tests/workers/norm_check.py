@@ -129,8 +129,9 @@ def _clip_rel_err(before: list[torch.Tensor], after: list[torch.Tensor], coef: f
     return worst
 
 
-def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                            pp_group: dist.ProcessGroup | None = None, *, device: torch.device) -> torch.Tensor:
+def checked_clip_grad_norm_(
+    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None, *, device: torch.device
+) -> torch.Tensor:
     with uncounted():  # the evidence's reads are not the step's host syncs (StepSyncs)
         true = true_norm(params, pp_group, device)
         gathered = gathered_norm(params, pp_group, device) if not _records else None
@@ -140,9 +141,16 @@ def checked_clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
         after = [_local(p.grad.detach()) for p in params if p.grad is not None]
         check = max_norm > 0 and math.isfinite(true)
         coef = min(1.0, max_norm / (true + CLIP_EPS)) if check else 1.0
-        _records.append(NormRecord(max_norm=float(max_norm), reported=float(reported), true=true,
-                                   gathered=gathered, clipped=bool(max_norm > 0 and true > max_norm),
-                                   clip_rel_err=_clip_rel_err(before, after, coef) if check else None))
+        _records.append(
+            NormRecord(
+                max_norm=float(max_norm),
+                reported=float(reported),
+                true=true,
+                gathered=gathered,
+                clipped=bool(max_norm > 0 and true > max_norm),
+                clip_rel_err=_clip_rel_err(before, after, coef) if check else None,
+            )
+        )
     return reported
 
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.tensor import DTensor
 
 from torchtitan_amp.core.torch_compat import fsdp_param_groups
 

@@ -30,7 +30,7 @@ Scenarios (all in one launch to pay process start-up once):
             4 micro-batches vs one batch of 4. Every clip of these runs is checked against the
             fp64 norm of the unscaled gradients (tests/workers/norm_check.py).
 
-`shrink` replaces fields of the debugmodel flavour in this process only (e.g. n_layers=2):
+`shrink` replaces fields of the debugmodel flavor in this process only (e.g. n_layers=2):
 the layer count is the main cost of a CPU step and no claim here depends on depth. The fp16
 scenario shrinks further (FP16_SHRINK, seq_len 16): fp16 matmuls are slow on CPU.
 """
@@ -55,6 +55,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.launch import exit_process, read_spec
+from tests.workers import norm_check
 from torchtitan_amp.config import load_config
 from torchtitan_amp.distributed.grad_norm import clip_grad_norm_
 from torchtitan_amp.models.llama3 import model as llama
@@ -62,25 +64,34 @@ from torchtitan_amp.precision import CompressHookState, PrecisionPlan, comm_hook
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
-from tests.support.launch import exit_process, read_spec
-from tests.workers import norm_check
 
 # Shared by every scenario: global batch 8 whatever the layout, so 1, 2 and 4 data-parallel ranks
 # (local batch 2, with 4 / 2 / 1 accumulation micro-batches) see exactly the same 8 sequences per
 # step: rank r of R takes permutation positions r, r+R, ..., so the union over ranks of micro-batch
 # k ... equals the single process's positions 8s .. 8s+7 (checked by `data_union` below).
 BASE = [
-    "--mixed_precision.enabled", "true",  # bf16 on every CPU kind: these are bf16's proofs
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    "--training.steps", "15",
-    "--training.seed", "0",
-    "--training.gc_freq", "0",
-    "--optimizer.lr", "1e-2",  # the dim-64 model of the tests falls 6.0 -> 3.2 in 15 steps (3e-3: to 4.1)
-    "--lr_scheduler.warmup_steps", "5",
-    "--metrics.log_freq", "1",
+    "--mixed_precision.enabled",
+    "true",  # bf16 on every CPU kind: these are bf16's proofs
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "15",
+    "--training.seed",
+    "0",
+    "--training.gc_freq",
+    "0",
+    "--optimizer.lr",
+    "1e-2",  # the dim-64 model of the tests falls 6.0 -> 3.2 in 15 steps (3e-3: to 4.1)
+    "--lr_scheduler.warmup_steps",
+    "5",
+    "--metrics.log_freq",
+    "1",
 ]
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -223,8 +234,11 @@ class Recorder:
                 h.remove()
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in vars(self).items()
-                if not k.startswith("_") and k != "handles"}
+        return {
+            k: sorted(v) if isinstance(v, set) else v
+            for k, v in vars(self).items()
+            if not k.startswith("_") and k != "handles"
+        }
 
 
 class WireCounter:
@@ -301,8 +315,9 @@ def tensor_dtypes(trainer: Trainer) -> dict[str, list[str]]:
         "param": sorted({dname(p.dtype) for p in params} | {dname(local(p).dtype) for p in params}),
         "grad": sorted({dname(local(p.grad).dtype) for p in params if p.grad is not None}),
         "grads_missing": sum(p.grad is None for p in params),
-        "optim_state": sorted({dname(local(v).dtype) for s in state for k, v in s.items()
-                               if k != "step" and isinstance(v, torch.Tensor)}),
+        "optim_state": sorted(
+            {dname(local(v).dtype) for s in state for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor)}
+        ),
         "optim_state_tensors": sum(1 for s in state for k in s if k != "step"),
     }
 
@@ -364,8 +379,9 @@ def _groups(trainer: Trainer) -> tuple[dist.ProcessGroup | None, ...]:
     return (mesh["dp_replicate"].get_group(),)
 
 
-def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
-                   batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> tuple[dict, dict]:
+def reference_step(
+    trainer: Trainer, init: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float
+) -> tuple[dict, dict]:
     """One optimizer step written out by hand from the plan's dtypes; returns (grads, params).
 
     autocast path (single process, DDP): an fp32 copy run under torch.autocast(param_dtype) for
@@ -384,8 +400,12 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
     master_model = llama.Transformer(trainer.run.job.model_args)
     master_model.load_state_dict(init)
     master = dict(master_model.named_parameters())
-    safe_names = {f"{mn}.{pn}" if mn else pn for mn, m in master_model.named_modules() if plan.is_safe(m)
-                  for pn, _ in m.named_parameters(recurse=False)}
+    safe_names = {
+        f"{mn}.{pn}" if mn else pn
+        for mn, m in master_model.named_modules()
+        if plan.is_safe(m)
+        for pn, _ in m.named_parameters(recurse=False)
+    }
     groups = _groups(trainer)
     per_micro_reduce = trainer.run.dims.fsdp_enabled
     accum = len(batches)
@@ -407,8 +427,7 @@ def reference_step(trainer: Trainer, init: dict[str, torch.Tensor],
                 for p in m.parameters(recurse=False):
                     p.data = p.data.to(plan.param_dtype)
         for block in model.layers.values():
-            block.register_forward_pre_hook(
-                lambda mod, args: (args[0].to(plan.param_dtype),) + tuple(args[1:]))
+            block.register_forward_pre_hook(lambda mod, args: (args[0].to(plan.param_dtype),) + tuple(args[1:]))
         out_dtype = plan.output_dtype
     elif plan.path == "autocast":
         ctx = lambda: torch.autocast("cpu", dtype=plan.param_dtype)  # noqa: E731
@@ -474,8 +493,12 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
         loss, grad_norm, stepped = trainer.train_step(iter(batches))
     result: dict[str, Any] = {
         "dims": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "world_size")},
-        "path": plan.path, "accum": trainer.run.accum, "loss": float(loss), "loss_dtype": dname(loss.dtype),
-        "grad_norm": float(grad_norm), "stepped": bool(stepped),
+        "path": plan.path,
+        "accum": trainer.run.accum,
+        "loss": float(loss),
+        "loss_dtype": dname(loss.dtype),
+        "grad_norm": float(grad_norm),
+        "stepped": bool(stepped),
         # Union over ranks: under PP the loss and the last blocks run on another rank than rank 0.
         "dtypes": merge_ranks(gather_objects(recorder.as_dict())),
         "ops": merge_ranks(gather_objects({k: sorted(v) for k, v in ops.seen.items()})),
@@ -490,8 +513,11 @@ def probe_one(out: Path, name: str, overrides: list[str], extra: list[str]) -> d
     trained_params = full_state(trainer.run.model)
     if not (dims.tp_enabled or dims.pp_enabled):
         grads, params = reference_step(trainer, init, batches, lr)
-        result["reference"] = {"grads": compare(trained_grads, grads),
-                               "params": compare(trained_params, params), "lr": lr}
+        result["reference"] = {
+            "grads": compare(trained_grads, grads),
+            "params": compare(trained_params, params),
+            "lr": lr,
+        }
     # The union of the ranks' first micro-batches, for the data-alignment check.
     result["first_tokens"] = gather_objects([b[0][:, :4].tolist() for b in batches])
     return result
@@ -503,11 +529,13 @@ def scenario_probe(out: Path, overrides: list[str]) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     results = {"default": probe_one(out, "probe_default", overrides, [])}
     if world > 1:
-        results["reduce_bf16"] = probe_one(out, "probe_reduce_bf16", overrides,
-                                           ["--mixed_precision.reduce_dtype", "bfloat16"])
+        results["reduce_bf16"] = probe_one(
+            out, "probe_reduce_bf16", overrides, ["--mixed_precision.reduce_dtype", "bfloat16"]
+        )
     if results["default"]["path"] == "fsdp":
-        results["param_fp32"] = probe_one(out, "probe_param_fp32", overrides,
-                                          ["--mixed_precision.param_dtype", "float32"])
+        results["param_fp32"] = probe_one(
+            out, "probe_param_fp32", overrides, ["--mixed_precision.param_dtype", "float32"]
+        )
     results["disabled"] = probe_one(out, "probe_disabled", overrides, ["--mixed_precision.enabled", "false"])
     return results
 
@@ -521,8 +549,12 @@ def scenario_curve(out: Path, name: str, overrides: list[str], extra: list[str])
     trainer = make_trainer(out, name, overrides, extra)
     trainer.train()
     rows = read_metrics(out / name) if RANK == 0 else []
-    return {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
-            "path": trainer.run.plan.path, "comm_hook": trainer.run.plan.comm_hook}
+    return {
+        "loss": [r["loss"] for r in rows],
+        "grad_norm": [r["grad_norm"] for r in rows],
+        "path": trainer.run.plan.path,
+        "comm_hook": trainer.run.plan.comm_hook,
+    }
 
 
 # fp16 matmuls are ~100x slower than bf16 on this CPU: the fp16 scenario uses a smaller model.
@@ -553,10 +585,24 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
     # 1. Planted overflow: init_scale 2**40 overflows fp16 activation gradients until the scale
     #    has backed off far enough. Record every step.
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the process group starts with the trainer
-    trainer = make_trainer(out, "fp16_overflow", overrides, fp16 + [
-        "--mixed_precision.init_scale", str(2.0 ** 40), "--mixed_precision.backoff_factor", "0.0625",
-        "--training.steps", "18", "--lr_scheduler.warmup_steps", "2",
-        "--training.global_batch_size", str(2 * world)])
+    trainer = make_trainer(
+        out,
+        "fp16_overflow",
+        overrides,
+        fp16
+        + [
+            "--mixed_precision.init_scale",
+            str(2.0**40),
+            "--mixed_precision.backoff_factor",
+            "0.0625",
+            "--training.steps",
+            "18",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--training.global_batch_size",
+            str(2 * world),
+        ],
+    )
     per_step: list[dict[str, Any]] = []
     orig_step = trainer.train_step
     params = params_of(trainer)
@@ -568,31 +614,45 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
         epoch_before = trainer.run.lr_scheduler.last_epoch
         loss, grad_norm, stepped = orig_step(batches)
         after = torch.cat([local(p.detach()).flatten().float() for p in params])
-        adam_steps = sorted({float(trainer.run.optimizer.state[p]["step"]) for p in params
-                             if "step" in trainer.run.optimizer.state[p]})
-        per_step.append({
-            "stepped": bool(stepped), "scale_before": scale_before, "scale_after": trainer.run.scaler.get_scale(),
-            "lr_used": lr_before, "sched_epoch_before": epoch_before,
-            "sched_epoch_after": trainer.run.lr_scheduler.last_epoch,
-            "params_changed": bool(not torch.equal(before, after)), "adam_steps": adam_steps,
-            "grad_norm": float(grad_norm), "loss": float(loss),
-            "grads_finite": bool(all(torch.isfinite(local(p.grad)).all() for p in params if p.grad is not None)),
-        })
+        adam_steps = sorted(
+            {float(trainer.run.optimizer.state[p]["step"]) for p in params if "step" in trainer.run.optimizer.state[p]}
+        )
+        per_step.append(
+            {
+                "stepped": bool(stepped),
+                "scale_before": scale_before,
+                "scale_after": trainer.run.scaler.get_scale(),
+                "lr_used": lr_before,
+                "sched_epoch_before": epoch_before,
+                "sched_epoch_after": trainer.run.lr_scheduler.last_epoch,
+                "params_changed": bool(not torch.equal(before, after)),
+                "adam_steps": adam_steps,
+                "grad_norm": float(grad_norm),
+                "loss": float(loss),
+                "grads_finite": bool(all(torch.isfinite(local(p.grad)).all() for p in params if p.grad is not None)),
+            }
+        )
         return loss, grad_norm, stepped
 
     trainer.train_step = recorded  # type: ignore[method-assign]
     norm_check.reset()
     trainer.train()
-    res["overflow"] = {"steps": gather_objects(per_step), "skipped_steps": trainer.run.scaler.skipped_steps,
-                       "norm_check": gather_objects(norm_check.records()),
-                       "grad_scaler": trainer.run.plan.grad_scaler, "scaler_type": type(trainer.run.scaler.scaler).__name__,
-                       "metrics": read_metrics(out / "fp16_overflow") if RANK == 0 else []}
+    res["overflow"] = {
+        "steps": gather_objects(per_step),
+        "skipped_steps": trainer.run.scaler.skipped_steps,
+        "norm_check": gather_objects(norm_check.records()),
+        "grad_scaler": trainer.run.plan.grad_scaler,
+        "scaler_type": type(trainer.run.scaler.scaler).__name__,
+        "metrics": read_metrics(out / "fp16_overflow") if RANK == 0 else [],
+    }
 
     # 2. Clipping sees unscaled gradients: step-1 grad norm under fp16 (scale 2**12, no overflow)
     #    against the fp32 trainer's on the same weights and data.
     norms = {}
-    for name, extra in (("fp16_norm", fp16 + ["--mixed_precision.init_scale", str(2.0 ** 12)]),
-                        ("fp32_norm", ["--mixed_precision.enabled", "false"])):
+    for name, extra in (
+        ("fp16_norm", fp16 + ["--mixed_precision.init_scale", str(2.0**12)]),
+        ("fp32_norm", ["--mixed_precision.enabled", "false"]),
+    ):
         t = make_trainer(out, name, overrides, extra + ["--training.max_norm", "1e-3"])
         norm_check.reset()
         loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.run.accum)))
@@ -600,30 +660,51 @@ def _scenario_fp16(out: Path, overrides: list[str]) -> dict[str, Any]:
         # After clipping to 1e-3 the gradients' own norm must be 1e-3: clipping acted on true grads.
         # The trainer's norm (max_norm 0: measure only) covers every shard, TP and PP included.
         post = clip_grad_norm_(t.run.params, 0.0, t.run.groups.pp, device=t.run.device)
-        norms[name] = {"grad_norm": float(grad_norm), "stepped": bool(stepped), "scale": t.run.scaler.get_scale(),
-                       "post_clip_norm": float(post), "norm_check": checked}
+        norms[name] = {
+            "grad_norm": float(grad_norm),
+            "stepped": bool(stepped),
+            "scale": t.run.scaler.get_scale(),
+            "post_clip_norm": float(post),
+            "norm_check": checked,
+        }
     res["norms"] = norms
 
     # 3. Accumulation: global batch 4 x world as 4 micro-batches of 1 vs micro-batches of 4.
     gb = str(4 * world)
     accum_runs = {}
     for name, lb in (("fp16_accum4", "1"), ("fp16_accum1", "4")):
-        t = make_trainer(out, name, overrides, fp16 + [
-            "--training.local_batch_size", lb, "--training.global_batch_size", gb,
-            "--mixed_precision.init_scale", str(2.0 ** 12), "--training.max_norm", "0"])
+        t = make_trainer(
+            out,
+            name,
+            overrides,
+            fp16
+            + [
+                "--training.local_batch_size",
+                lb,
+                "--training.global_batch_size",
+                gb,
+                "--mixed_precision.init_scale",
+                str(2.0**12),
+                "--training.max_norm",
+                "0",
+            ],
+        )
         loss, grad_norm, stepped = t.train_step(iter(take_batches(t, t.run.accum)))
-        accum_runs[name] = {"accum": t.run.accum, "loss": float(loss), "grad_norm": float(grad_norm),
-                            "stepped": bool(stepped),
-                            "grads": {n: full(p.grad).clone() for n, p in t.run.model.named_parameters()},
-                            "params": full_state(t.run.model)}
+        accum_runs[name] = {
+            "accum": t.run.accum,
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "stepped": bool(stepped),
+            "grads": {n: full(p.grad).clone() for n, p in t.run.model.named_parameters()},
+            "params": full_state(t.run.model),
+        }
     a, b = accum_runs["fp16_accum4"], accum_runs["fp16_accum1"]
-    rel_grad = max(float((a["grads"][n] - b["grads"][n]).norm() / b["grads"][n].norm().clamp_min(1e-30))
-                   for n in a["grads"])
-    res["accum"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("grads", "params")}
-                    for k, v in accum_runs.items()}
+    rel_grad = max(
+        float((a["grads"][n] - b["grads"][n]).norm() / b["grads"][n].norm().clamp_min(1e-30)) for n in a["grads"]
+    )
+    res["accum"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("grads", "params")} for k, v in accum_runs.items()}
     res["accum"]["max_rel_grad_diff"] = rel_grad
-    res["accum"]["max_abs_param_diff"] = max(float((a["params"][n] - b["params"][n]).abs().max())
-                                             for n in a["params"])
+    res["accum"]["max_abs_param_diff"] = max(float((a["params"][n] - b["params"][n]).abs().max()) for n in a["params"])
     return res
 
 
@@ -643,8 +724,9 @@ def main(spec_path: str) -> int:
             result["curve"] = scenario_curve(out, "curve", overrides, [])
         elif scenario == "curve_rbf16":
             # bf16 gradient reduction (DDP: our compress hook; FSDP: reduce-scatter in bf16).
-            result["curve_rbf16"] = scenario_curve(out, "curve_rbf16", overrides,
-                                                   ["--mixed_precision.reduce_dtype", "bfloat16"])
+            result["curve_rbf16"] = scenario_curve(
+                out, "curve_rbf16", overrides, ["--mixed_precision.reduce_dtype", "bfloat16"]
+            )
         elif scenario == "fp32curve":
             result["fp32curve"] = scenario_curve(out, "fp32curve", overrides, ["--mixed_precision.enabled", "false"])
         elif scenario == "fp16":

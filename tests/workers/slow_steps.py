@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 import time
 
+from tests.support.launch import exit_process
 from torchtitan_amp import main as entry
 from torchtitan_amp.train import build as train_build
 from torchtitan_amp.train import trainer as trainer_module
-from tests.support.launch import exit_process
 
 
 def slow_down(seconds: float) -> None:

@@ -26,8 +26,16 @@ from typing import Any
 # Resolved on first use (PEP 562), so that `python -m torchtitan_amp.checkpoint` can check the
 # environment (an old torch, no torchdata) before anything imports torch.
 _EXPORTS = {
-    "format": ("EXPORT_FILE", "FORMAT_VERSION", "KINDS", "MARKER", "CheckpointInfo", "export_checkpoint",
-               "inspect_checkpoint", "scan_folder"),
+    "format": (
+        "EXPORT_FILE",
+        "FORMAT_VERSION",
+        "KINDS",
+        "MARKER",
+        "CheckpointInfo",
+        "export_checkpoint",
+        "inspect_checkpoint",
+        "scan_folder",
+    ),
     "integrity": ("file_crc32", "verify_checksums"),
     "manager": ("CheckpointManager", "validate_config"),
     "parts": ("PARTS", "StatePart"),

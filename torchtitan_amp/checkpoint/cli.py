@@ -13,11 +13,13 @@ import sys
 from torchtitan_amp.core.errors import CheckpointError, DataError
 from torchtitan_amp.core.rules import DTYPES
 
-USAGE = ("usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
-         "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
-         "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]\n"
-         "       python -m torchtitan_amp.checkpoint export --format hf STEP_DIR OUTPUT_DIR [--dtype bfloat16] "
-         "[--max-shard-size 5GB] [--tokenizer byte|PATH]")
+USAGE = (
+    "usage: python -m torchtitan_amp.checkpoint list FOLDER\n"
+    "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
+    "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]\n"
+    "       python -m torchtitan_amp.checkpoint export --format hf STEP_DIR OUTPUT_DIR [--dtype bfloat16] "
+    "[--max-shard-size 5GB] [--tokenizer byte|PATH]"
+)
 
 
 def _export_hf(argv: list[str]) -> int:
@@ -29,8 +31,9 @@ def _export_hf(argv: list[str]) -> int:
     parser.add_argument("output")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer files to include (default: the run's model.tokenizer)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer files to include (default: the run's model.tokenizer)"
+    )
     args = parser.parse_args(argv)
     try:
         out = export_hf(args.step_dir, args.output, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
@@ -64,8 +67,10 @@ def main(argv: list[str]) -> int:
             print(f"error: {bad}", file=sys.stderr)
             return 2
         n = len(info.meta.get("crc32") or {})
-        print(f"{info.path}: complete, {len(info.meta['files'])} files"
-              + (f", {n} CRC-32s match" if n else " (saved without checksums: sizes checked)"))
+        print(
+            f"{info.path}: complete, {len(info.meta['files'])} files"
+            + (f", {n} CRC-32s match" if n else " (saved without checksums: sizes checked)")
+        )
         return 0
     if argv[:1] == ["export"] and any(a == "--format" or a.startswith("--format=") for a in argv):
         return _export_hf(argv[1:])

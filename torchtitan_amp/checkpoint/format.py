@@ -86,7 +86,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     if kind not in ("model_only", "replica"):
         try:
             dcp.FileSystemReader(str(path)).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any failure means the DCP metadata is unusable
+        except Exception as e:
             raise CheckpointError(f"{path}: DCP .metadata is unreadable ({one_line(e)})") from None
     return CheckpointInfo(path, step, kind, meta)
 
@@ -120,11 +120,12 @@ def describe_steps(complete: dict[int, CheckpointInfo]) -> str:
     return ", ".join(f"{s}" + ("" if i.kind == "full" else f" ({i.kind})") for s, i in sorted(complete.items()))
 
 
-def check_model_fits(path: Path, saved_metadata: dict[str, Any], model_sd: dict[str, Any], prefix: str,
-                      complete_model: bool) -> None:
+def check_model_fits(
+    path: Path, saved_metadata: dict[str, Any], model_sd: dict[str, Any], prefix: str, complete_model: bool
+) -> None:
     """Name the first key whose presence or global shape differs between checkpoint (its DCP
     state_dict_metadata) and model."""
-    saved = {k[len(prefix):]: v for k, v in saved_metadata.items() if k.startswith(prefix)}
+    saved = {k[len(prefix) :]: v for k, v in saved_metadata.items() if k.startswith(prefix)}
     for key, value in model_sd.items():
         if key not in saved:
             raise CheckpointError(f"{path} does not fit this model: it has no '{key}'")
@@ -202,8 +203,10 @@ def merge_export_parts(tmp: Path, pp_degree: int, model_args: Any, family: Any) 
         order = list(family.build_model(model_args).state_dict())
     missing = [k for k in order if k not in merged]
     if missing or len(merged) != len(order):
-        raise CheckpointError(f"pipeline stages exported {len(merged)} tensors, the model has {len(order)}"
-                              + (f" (missing '{missing[0]}')" if missing else ""))
+        raise CheckpointError(
+            f"pipeline stages exported {len(merged)} tensors, the model has {len(order)}"
+            + (f" (missing '{missing[0]}')" if missing else "")
+        )
     torch.save({k: merged[k] for k in order}, tmp / EXPORT_FILE)
     for part in parts:
         part.unlink()

@@ -66,6 +66,7 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default for save_pretrained
 
+
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Interleaved pairs -> halves: row 2i + c of each head goes to row c * head_dim/2 + i."""
     rows = w.shape[0]
@@ -104,8 +105,9 @@ def check_config(folder: Path, args: Any, flavor: str = "", family: ModelFamily 
         if not same:
             source = "the tokenizer (model.tokenizer)" if key == "vocab_size" else f"model.flavor {flavor!r}"
             shown = hf.describe(key, got)
-            raise CheckpointError(f"{folder / CONFIG}: '{hf.field_names[key]}' = {shown} but {source} has "
-                                  f"{key} = {value}")
+            raise CheckpointError(
+                f"{folder / CONFIG}: '{hf.field_names[key]}' = {shown} but {source} has {key} = {value}"
+            )
     return cfg
 
 
@@ -126,8 +128,9 @@ def _adapter(family: ModelFamily) -> HFAdapter:
     return family.hf
 
 
-def hf_config(args: Any, dtype: str, bos_id: int | None, eos_id: int | None,
-              family: ModelFamily | None = None) -> dict[str, Any]:
+def hf_config(
+    args: Any, dtype: str, bos_id: int | None, eos_id: int | None, family: ModelFamily | None = None
+) -> dict[str, Any]:
     """config.json for `args`, as its family writes it."""
     return _adapter(family_of(args, family)).hf_config(args, dtype, bos_id, eos_id)
 
@@ -184,22 +187,28 @@ class HFReader(HuggingFaceStorageReader):
                         if ours is None and self.adapter.ignored.search(name):
                             continue
                         if ours is None:
-                            raise CheckpointError(f"{path}: tensor '{name}' is not part of a {self.adapter.display_name} model")
+                            raise CheckpointError(
+                                f"{path}: tensor '{name}' is not part of a {self.adapter.display_name} model"
+                            )
                         piece = f.get_slice(name)
                         shape, dtype = torch.Size(piece.get_shape()), _dtype(piece.get_dtype(), path, name)
                         if self.adapter.stacked(ours, self.args) is not None:
                             found.setdefault(ours, {})[name] = (path, shape, dtype)
                             continue
                         self.hf_name[ours] = name
-                        tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=dtype), shape,
-                                                              [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+                        tensors[ours] = TensorStorageMetadata(
+                            TensorProperties(dtype=dtype),
+                            shape,
+                            [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)],
+                        )
                         storage[MetadataIndex(ours, [0] * len(shape))] = _HFStorageInfo(str(path), shape, dtype)
             except SafetensorError as e:
                 raise CheckpointError(f"{path} is not a readable safetensors file ({one_line(e)})") from None
         for ours, parts in found.items():
             shape, dtype, first = self._stack(ours, parts)
-            tensors[ours] = TensorStorageMetadata(TensorProperties(dtype=dtype), shape,
-                                                  [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)])
+            tensors[ours] = TensorStorageMetadata(
+                TensorProperties(dtype=dtype), shape, [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)]
+            )
             storage[MetadataIndex(ours, [0] * len(shape))] = _HFStorageInfo(first, shape, dtype)
         if self.tied and "output.weight" not in tensors and "tok_embeddings.weight" in tensors:
             tensors["output.weight"] = tensors["tok_embeddings.weight"]
@@ -211,21 +220,27 @@ class HFReader(HuggingFaceStorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _stack(self, ours: str, seen: dict[str, tuple[Path, torch.Size, torch.dtype]]) -> tuple[torch.Size, torch.dtype, str]:
+    def _stack(
+        self, ours: str, seen: dict[str, tuple[Path, torch.Size, torch.dtype]]
+    ) -> tuple[torch.Size, torch.dtype, str]:
         """The global shape and dtype of a stacked tensor from its parts (which must be exactly the
         adapter's, all alike), and the file of its first part (DCP groups reads by that file)."""
         names, transposed = self.adapter.stacked(ours, self.args)  # type: ignore[misc]
         extra = [n for n in seen if n not in names]
         if extra:
-            raise CheckpointError(f"{seen[extra[0]][0]}: tensor '{extra[0]}' has no place in this model "
-                                  f"('{ours}' stacks {len(names)} tensors)")
+            raise CheckpointError(
+                f"{seen[extra[0]][0]}: tensor '{extra[0]}' has no place in this model "
+                f"('{ours}' stacks {len(names)} tensors)"
+            )
         missing = [n for n in names if n not in seen]
         if missing:
             raise CheckpointError(f"{self.folder} has no tensor '{missing[0]}' (a part of '{ours}')")
         kinds = {seen[n][1:] for n in names}
         if len(kinds) > 1:
-            raise CheckpointError(f"{self.folder}: the parts of '{ours}' differ in shape or dtype "
-                                  f"({', '.join(sorted(f'{tuple(s)} {d}' for s, d in kinds))})")
+            raise CheckpointError(
+                f"{self.folder}: the parts of '{ours}' differ in shape or dtype "
+                f"({', '.join(sorted(f'{tuple(s)} {d}' for s, d in kinds))})"
+            )
         part, dtype = kinds.pop()
         self.parts[ours] = ([(str(seen[n][0]), n) for n in names], transposed)
         shape = torch.Size([len(names), *(reversed(part) if transposed else part)])
@@ -240,7 +255,7 @@ class HFReader(HuggingFaceStorageReader):
         inner = [slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:])]
         out, files = [], {}
         with contextlib.ExitStack() as stack:
-            for path, name in parts[offsets[0]:offsets[0] + lengths[0]]:
+            for path, name in parts[offsets[0] : offsets[0] + lengths[0]]:
                 if path not in files:
                     files[path] = stack.enter_context(safe_open(path, framework="pt"))
                 piece = files[path].get_slice(name)
@@ -263,8 +278,9 @@ class HFReader(HuggingFaceStorageReader):
             tensor = rotary_rows(lambda rows: piece[(rows, *rest)], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CheckpointError(f"{self.folder}: '{fqn}' slice has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(target.shape)}")
+            raise CheckpointError(
+                f"{self.folder}: '{fqn}' slice has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
@@ -274,7 +290,7 @@ def rotary_rows(read: Callable[[slice], torch.Tensor], head_dim: int, start: int
     one: the whole heads the range touches are read and permuted (a row's partner is in its head)."""
     lo, hi = start // head_dim * head_dim, -(-(start + length) // head_dim) * head_dim
     block = permute_from_hf(read(slice(lo, hi)), (hi - lo) // head_dim)
-    return block[start - lo:start - lo + length]
+    return block[start - lo : start - lo + length]
 
 
 def _dtype(name: str, path: Path, tensor: str) -> torch.dtype:
@@ -291,8 +307,15 @@ def _raise(error: str | None) -> None:
         raise CheckpointError(error)
 
 
-def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
-            agree: Callable[[str | None], Any] = _raise, family: ModelFamily | None = None) -> None:
+def load_hf(
+    model: nn.Module,
+    folder: Path,
+    args: Any,
+    *,
+    complete_model: bool,
+    agree: Callable[[str | None], Any] = _raise,
+    family: ModelFamily | None = None,
+) -> None:
     """Load a Hugging Face folder into `model` (this rank's part, any layout) in place.
     Collective under a process group. `agree(error)` gathers every rank's error and raises the
     first on all of them, so that a bad folder fails everywhere with the same line."""
@@ -314,7 +337,7 @@ def load_hf(model: nn.Module, folder: Path, args: Any, *, complete_model: bool,
             dcp.load(read, storage_reader=reader, no_dist=not dist.is_initialized())
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps a rank's failure in a CheckpointException
+    except Exception as e:
         raise CheckpointError(f"could not load {folder}: {one_line(e)}") from None
     for key in absent:
         sd[key].zero_()
@@ -349,7 +372,9 @@ def plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _checkpoint_tensors(info: Any, order: list[str]) -> tuple[dict[str, torch.Size], Callable[[list[str]], dict[str, torch.Tensor]]]:
+def _checkpoint_tensors(
+    info: Any, order: list[str]
+) -> tuple[dict[str, torch.Size], Callable[[list[str]], dict[str, torch.Tensor]]]:
     """The model tensors' shapes and a loader of a few of them at a time, from a DCP checkpoint or
     a model-only export (memory-mapped, so nothing is read before it is asked for)."""
     if info.kind == "model_only":
@@ -387,8 +412,10 @@ def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where
     would compute something else)."""
     if hf.zero_in_hf is not None and hf.zero_in_hf.search(key):
         if value.count_nonzero():
-            raise CheckpointError(f"{where}: '{key}' is nonzero, and a {hf.display_name} model has no place for it "
-                                  "(the export would compute differently)")
+            raise CheckpointError(
+                f"{where}: '{key}' is nonzero, and a {hf.display_name} model has no place for it "
+                "(the export would compute differently)"
+            )
         return {}
     stacked = hf.stacked(key, args)
     if stacked is not None:
@@ -398,8 +425,13 @@ def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where
     return {hf.to_hf_name(key): permute_to_hf(value, heads) if heads else value}
 
 
-def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None) -> Path:
+def export_hf(
+    step_dir: str | Path,
+    output: str | Path,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | None = None,
+) -> Path:
     """Write a checkpoint as a Hugging Face folder of its family (single process). Converts one output
     shard at a time: peak memory is about one shard in the checkpoint's dtype plus the same
     shard in `dtype`, never the whole model."""
@@ -434,8 +466,11 @@ def export_hf(step_dir: str | Path, output: str | Path, dtype: str = "bfloat16",
     if any(output.glob("*.safetensors")):  # stale shards of another export would mix with ours
         raise CheckpointError(f"{output} already holds safetensors files; export into a new or empty folder")
     output.mkdir(parents=True, exist_ok=True)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for name, keys in zip(names, shards):

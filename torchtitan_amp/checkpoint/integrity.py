@@ -24,7 +24,7 @@ def verify_checksums(path: str | Path, meta: dict[str, Any], part: tuple[int, in
     work); the first mismatch as one line, or None. Checkpoints saved without checksums pass."""
     path = Path(path)
     crcs = meta.get("crc32") or {}
-    for name in sorted(crcs)[part[0]::part[1]]:
+    for name in sorted(crcs)[part[0] :: part[1]]:
         try:
             got = file_crc32(path / name)
         except OSError as e:

@@ -43,6 +43,7 @@ logger = logging.getLogger("torchtitan_amp")
 
 class Choice(NamedTuple):
     """The checkpoint rank 0 picked to load (broadcast to every rank)."""
+
     path: str
     kind: str
     meta: dict[str, Any]
@@ -52,13 +53,15 @@ class Choice(NamedTuple):
 
 class Restored(NamedTuple):
     """What load() restored: the step and tokens to resume at, and the folder they came from."""
+
     train_state: TrainState
     path: Path
 
 
 @torch.no_grad()
-def load(config: JobConfig, folder: Path, state: RunState,
-         replica: replicas.ReplicaGroup | None = None) -> Restored | None:
+def load(
+    config: JobConfig, folder: Path, state: RunState, replica: replicas.ReplicaGroup | None = None
+) -> Restored | None:
     """Resume from the newest complete checkpoint in `folder` (or load_step), else
     initial_load_path, into `state`. None when starting fresh. Collective. A fault-tolerant
     replica group reads its per-rank parts from its own folder (replicas.py)."""
@@ -70,14 +73,19 @@ def load(config: JobConfig, folder: Path, state: RunState,
     path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
     begin = time.monotonic()
     every = tuple(p.name for p in state.parts)
-    names = tuple(n for n in (("model",) if initial or kind != "full" else every)
-                  if n not in c.exclude_from_loading)
+    names = tuple(n for n in (("model",) if initial or kind != "full" else every) if n not in c.exclude_from_loading)
     train_state = TrainState()
     if kind == "hf":
         from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
 
-        load_hf(state.model, path, state.model_args, complete_model=ranks.pp_degree == 1,
-                agree=lambda error: all_ok(ranks, error), family=get_family(config.model.name))
+        load_hf(
+            state.model,
+            path,
+            state.model_args,
+            complete_model=ranks.pp_degree == 1,
+            agree=lambda error: all_ok(ranks, error),
+            family=get_family(config.model.name),
+        )
     elif kind == "model_only":
         load_export(state, path)
     else:
@@ -91,9 +99,14 @@ def load(config: JobConfig, folder: Path, state: RunState,
             load_dcp(state, rank_path, own_parts)
     if ranks.rank == 0:
         skipped = [n for n in every if n not in names]
-        logger.info("loaded %s (%s) in %.2f s: resuming at step %d%s", path, ", ".join(names),
-                    time.monotonic() - begin, train_state.step,
-                    f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "")
+        logger.info(
+            "loaded %s (%s) in %.2f s: resuming at step %d%s",
+            path,
+            ", ".join(names),
+            time.monotonic() - begin,
+            train_state.step,
+            f"; not loaded: {', '.join(skipped)}" if skipped and kind == "full" else "",
+        )
     return Restored(train_state, path)
 
 
@@ -152,8 +165,7 @@ def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, 
             logger.warning("checkpoint: resuming from the newest complete checkpoint, %s", info.path)
         return Choice(str(info.path), info.kind, info.meta, False, info.step)
     if c.initial_load_path:
-        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor,
-                              get_family(config.model.name))
+        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor, get_family(config.model.name))
     if problems:
         logger.warning("checkpoint: no complete checkpoint in %s; starting from scratch", folder)
     return None
@@ -198,7 +210,7 @@ def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
     try:
         with quiet_single_process():
             dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001 - DCP raises a CheckpointException on every rank
+    except Exception as e:
         raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
     state.train_state = TrainState()
     for part in state.dcp_parts:
@@ -216,8 +228,10 @@ def load_export(state: RunState, path: Path) -> None:
         for key, value in own.items():
             if key not in sd or tuple(sd[key].shape) != tuple(value.shape):
                 got = tuple(sd[key].shape) if key in sd else "nothing"
-                raise CheckpointError(f"{path} does not fit this model: '{key}' has shape {got} in the "
-                                      f"export but {tuple(value.shape)} in the model")
+                raise CheckpointError(
+                    f"{path} does not fit this model: '{key}' has shape {got} in the "
+                    f"export but {tuple(value.shape)} in the model"
+                )
         # A whole model takes every tensor (an untied export's output.weight has no place in a tied one).
         extra = sorted(set(sd) - set(own)) if state.ranks.pp_degree == 1 else []
         if extra:
@@ -229,8 +243,9 @@ def load_export(state: RunState, path: Path) -> None:
     set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True))
 
 
-def _rank_files(folder: Path, replica: replicas.ReplicaGroup | None, ranks: RankLayout, choice: Choice,
-                names: tuple[str, ...]) -> tuple[Path, dict[str, Any], tuple[str, ...]]:
+def _rank_files(
+    folder: Path, replica: replicas.ReplicaGroup | None, ranks: RankLayout, choice: Choice, names: tuple[str, ...]
+) -> tuple[Path, dict[str, Any], tuple[str, ...]]:
     """Where the per-rank parts come from: the chosen checkpoint, or a replica group's own files of
     its step. A group without them takes the (global) positions from the shared checkpoint and
     keeps its seeded RNG states: the saving group's would be another group's."""
@@ -244,6 +259,7 @@ def _rank_files(folder: Path, replica: replicas.ReplicaGroup | None, ranks: Rank
 
 def load_rank_state(state: RunState, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
     """The per-rank parts among `names`, each from the file its `source_rank` names."""
+
     @functools.cache
     def rank_file(rank: int) -> dict[str, Any]:  # the parts usually share one file
         return torch.load(path / f"rank_{rank}.pt", weights_only=True)
@@ -255,5 +271,7 @@ def load_rank_state(state: RunState, path: Path, meta: dict[str, Any], names: tu
             if source is not None and (part.name in rank_file(source) or not part.optional):
                 part.put(state, rank_file(source)[part.name])
     except (CheckpointError, OSError, KeyError, RuntimeError, ValueError) as e:
-        error = str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"
+        error = (
+            str(e) if isinstance(e, CheckpointError) else f"could not load per-rank state from {path}: {one_line(e)}"
+        )
     all_ok(state.ranks, error)

@@ -42,8 +42,7 @@ def validate_config(config: JobConfig, world_size: int, device_type: str) -> Non
     unknown = [n for n in c.exclude_from_loading if n not in names]
     if unknown:
         raise ConfigError(
-            f"'checkpoint.exclude_from_loading' has unknown state {unknown[0]!r}; "
-            f"choose from: {', '.join(names)}"
+            f"'checkpoint.exclude_from_loading' has unknown state {unknown[0]!r}; choose from: {', '.join(names)}"
         )
     if c.async_mode == "async_with_pinned_mem" and device_type != "cuda":
         raise ConfigError(
@@ -58,8 +57,7 @@ def validate_config(config: JobConfig, world_size: int, device_type: str) -> Non
     d = config.debug
     if d.fault_inject_at_step and not 0 <= d.fault_inject_rank < world_size:
         raise ConfigError(
-            f"'debug.fault_inject_rank' = {d.fault_inject_rank} is not a rank of this job "
-            f"(world size {world_size})"
+            f"'debug.fault_inject_rank' = {d.fault_inject_rank} is not a rank of this job (world size {world_size})"
         )
 
 
@@ -94,9 +92,18 @@ class CheckpointManager:
         self.enabled = c.enable or c.create_seed_checkpoint
         self.folder = Path(config.job.dump_folder) / c.folder
         self.ranks = RankLayout.current(dataloader, pp_degree)
-        self.state = RunState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler,
-                              dataloader=dataloader, validator=validator, model_args=model_args,
-                              device=device, ranks=self.ranks, outer_state=outer_state)
+        self.state = RunState(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            scaler=scaler,
+            dataloader=dataloader,
+            validator=validator,
+            model_args=model_args,
+            device=device,
+            ranks=self.ranks,
+            outer_state=outer_state,
+        )
         self.loaded_path: Path | None = None  # what load() restored from
         # should_stop's group (gloo even on nccl runs, so the poll never syncs the GPU). Made first,
         # before the saver's, because every rank polls every step, checkpointing on or off.
@@ -108,8 +115,13 @@ class CheckpointManager:
             return
         agree(self.ranks, lambda: probe_writable(self.folder))
         if self.ranks.rank == 0:
-            logger.info("checkpointing to %s (every %d steps%s, async %s)", self.folder, c.interval,
-                        f", keeping the latest {c.keep_latest_k}" if c.keep_latest_k else "", c.async_mode)
+            logger.info(
+                "checkpointing to %s (every %d steps%s, async %s)",
+                self.folder,
+                c.interval,
+                f", keeping the latest {c.keep_latest_k}" if c.keep_latest_k else "",
+                c.async_mode,
+            )
 
     @property
     def last_saved_step(self) -> int:

@@ -89,8 +89,9 @@ def _model_fits(m: RunState, path: Path, saved: dict[str, Any], template: Any) -
 
 def _has_optimizer(m: RunState, path: Path, saved: dict[str, Any], template: Any) -> bool:
     if not any(k.startswith("optimizer.") for k in saved):
-        raise CheckpointError(f"{path} has no optimizer state; add 'optimizer' to "
-                              "checkpoint.exclude_from_loading to load it anyway")
+        raise CheckpointError(
+            f"{path} has no optimizer state; add 'optimizer' to checkpoint.exclude_from_loading to load it anyway"
+        )
     _log_state_dtype_change(m, path, saved, template)
     return True
 
@@ -106,8 +107,13 @@ def _log_state_dtype_change(m: RunState, path: Path, saved: dict[str, Any], temp
                 changes.add((str(was.properties.dtype).removeprefix("torch."), str(now.dtype).removeprefix("torch.")))
     if changes and m.ranks.rank == 0:
         for was_name, now_name in sorted(changes):
-            logger.warning("optimizer state in %s was saved in %s; this run keeps it in %s "
-                        "(optimizer.state_dtype): converted on load", path, was_name, now_name)
+            logger.warning(
+                "optimizer state in %s was saved in %s; this run keeps it in %s "
+                "(optimizer.state_dtype): converted on load",
+                path,
+                was_name,
+                now_name,
+            )
 
 
 def _has_scaler(m: RunState, path: Path, saved: dict[str, Any], template: Any) -> bool:
@@ -115,8 +121,10 @@ def _has_scaler(m: RunState, path: Path, saved: dict[str, Any], template: Any) -
         return False  # an fp16 checkpoint resumed without fp16: nothing to restore
     if not any(k.startswith("scaler.scaler.") for k in saved):
         if m.ranks.rank == 0:
-            logger.warning("checkpoint %s has no loss-scaler state (saved without fp16): "
-                           "starting from the configured init_scale", path)
+            logger.warning(
+                "checkpoint %s has no loss-scaler state (saved without fp16): starting from the configured init_scale",
+                path,
+            )
         return False
     return True
 
@@ -143,9 +151,14 @@ def _rng_source(m: RunState, path: Path, meta: dict[str, Any]) -> int | None:
     if meta["world_size"] == m.ranks.world_size:
         return m.ranks.rank
     if m.ranks.rank == 0:
-        logger.warning("RNG states not restored: %s was saved by %d ranks, this run has %d; every rank keeps "
-                       "its seeded start state, so random draws (dropout, init of new parts) differ from the "
-                       "straight run's", path, meta["world_size"], m.ranks.world_size)
+        logger.warning(
+            "RNG states not restored: %s was saved by %d ranks, this run has %d; every rank keeps "
+            "its seeded start state, so random draws (dropout, init of new parts) differ from the "
+            "straight run's",
+            path,
+            meta["world_size"],
+            m.ranks.world_size,
+        )
     return None
 
 
@@ -160,9 +173,11 @@ def _has_outer_state(m: RunState, path: Path, saved: dict[str, Any], template: A
     if m.outer_state is None:
         return False  # not DiLoCo: a DiLoCo checkpoint's model and optimizer resume a per-step run
     if not any(k.startswith("diloco.") for k in saved):
-        raise CheckpointError(f"{path} has no DiLoCo state (saved without fault_tolerance.semi_sync_method = "
-                              "'diloco'); add 'diloco' to checkpoint.exclude_from_loading to start the global "
-                              "weights from the loaded model, with zero momentum")
+        raise CheckpointError(
+            f"{path} has no DiLoCo state (saved without fault_tolerance.semi_sync_method = "
+            "'diloco'); add 'diloco' to checkpoint.exclude_from_loading to start the global "
+            "weights from the loaded model, with zero momentum"
+        )
     return True
 
 
@@ -172,25 +187,42 @@ def _put_train_state(m: RunState, state: dict[str, Any]) -> None:
 
 # In load order. exclude_from_loading names entries of this table.
 PARTS: tuple[StatePart, ...] = (
-    StatePart("model", True, lambda m: m.model_state_dict(),
-              lambda m, sd: set_model_state_dict(m.model, sd), _model_fits),
-    StatePart("optimizer", True,
-              lambda m: get_optimizer_state_dict(m.model, m.optimizers, options=_OPTIM_OPTIONS),
-              lambda m, sd: set_optimizer_state_dict(m.model, m.optimizers, sd, options=_OPTIM_OPTIONS),
-              _has_optimizer),
-    StatePart("lr_scheduler", True, lambda m: m.lr_scheduler.state_dict(),
-              lambda m, sd: m.lr_scheduler.load_state_dict(sd)),
-    StatePart("scaler", True, lambda m: m.scaler.state_dict(), lambda m, sd: m.scaler.load_state_dict(sd),
-              _has_scaler),
-    StatePart("diloco", True, lambda m: m.outer_state.checkpoint_state() if m.outer_state is not None else {},
-              lambda m, sd: m.outer_state.load_checkpoint_state(sd), _has_outer_state),
+    StatePart(
+        "model", True, lambda m: m.model_state_dict(), lambda m, sd: set_model_state_dict(m.model, sd), _model_fits
+    ),
+    StatePart(
+        "optimizer",
+        True,
+        lambda m: get_optimizer_state_dict(m.model, m.optimizers, options=_OPTIM_OPTIONS),
+        lambda m, sd: set_optimizer_state_dict(m.model, m.optimizers, sd, options=_OPTIM_OPTIONS),
+        _has_optimizer,
+    ),
+    StatePart(
+        "lr_scheduler", True, lambda m: m.lr_scheduler.state_dict(), lambda m, sd: m.lr_scheduler.load_state_dict(sd)
+    ),
+    StatePart("scaler", True, lambda m: m.scaler.state_dict(), lambda m, sd: m.scaler.load_state_dict(sd), _has_scaler),
+    StatePart(
+        "diloco",
+        True,
+        lambda m: m.outer_state.checkpoint_state() if m.outer_state is not None else {},
+        lambda m, sd: m.outer_state.load_checkpoint_state(sd),
+        _has_outer_state,
+    ),
     StatePart("train_state", True, lambda m: dataclasses.asdict(m.train_state), _put_train_state),
-    StatePart("dataloader", False, lambda m: m.dataloader.state_dict(),
-              _put_dataloader, source_rank=_dataloader_source),
-    StatePart("rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device),
-              source_rank=_rng_source),
-    StatePart("validation", False, lambda m: m.validator.state_dict() if m.validator is not None else {},
-              lambda m, sd: m.validator.load_state_dict(sd), source_rank=_validation_source, optional=True),
+    StatePart(
+        "dataloader", False, lambda m: m.dataloader.state_dict(), _put_dataloader, source_rank=_dataloader_source
+    ),
+    StatePart(
+        "rng", False, lambda m: _rng_state(m.device), lambda m, s: _set_rng_state(s, m.device), source_rank=_rng_source
+    ),
+    StatePart(
+        "validation",
+        False,
+        lambda m: m.validator.state_dict() if m.validator is not None else {},
+        lambda m, sd: m.validator.load_state_dict(sd),
+        source_rank=_validation_source,
+        optional=True,
+    ),
 )
 
 
@@ -253,5 +285,10 @@ class RunState:
     def rank_state(self) -> dict[str, Any]:
         """This rank's file: where the rank sat in the job, then its per-rank parts."""
         r = self.ranks
-        return {"rank": r.rank, "dp_rank": r.dp_rank, "dp_degree": r.dp_degree,
-                "world_size": r.world_size, **{p.name: p.get(self) for p in self.rank_parts}}
+        return {
+            "rank": r.rank,
+            "dp_rank": r.dp_rank,
+            "dp_degree": r.dp_degree,
+            "world_size": r.world_size,
+            **{p.name: p.get(self) for p in self.rank_parts},
+        }

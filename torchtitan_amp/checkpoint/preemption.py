@@ -15,7 +15,6 @@ from typing import Any
 
 from torchtitan_amp.config import JobConfig
 
-
 _stop_signal: str | None = None
 
 
@@ -61,11 +60,13 @@ class DeadlineCheck:
         if self.warning_s <= 0 or step_s + save_s <= self.warning_s or basis in self._said:
             return None
         self._said.add(basis)
-        return (f"pre-emption: {basis} step {step_s:.1f} s + save {save_s:.1f} s exceed "
-                f"checkpoint.preemption_warning_s = {self.warning_s} s, so a pre-emption would kill the "
-                f"save half way; ask the scheduler for a longer warning (SLURM: #SBATCH "
-                f"--signal=B:USR1@N) or write less per rank (more ranks); checkpoint.async_mode "
-                f"does not shorten it (docs/checkpointing.md, Pre-emption)")
+        return (
+            f"pre-emption: {basis} step {step_s:.1f} s + save {save_s:.1f} s exceed "
+            f"checkpoint.preemption_warning_s = {self.warning_s} s, so a pre-emption would kill the "
+            f"save half way; ask the scheduler for a longer warning (SLURM: #SBATCH "
+            f"--signal=B:USR1@N) or write less per rank (more ranks); checkpoint.async_mode "
+            f"does not shorten it (docs/checkpointing.md, Pre-emption)"
+        )
 
 
 # Fault injection (testing only)

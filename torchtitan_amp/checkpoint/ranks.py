@@ -32,10 +32,13 @@ class RankLayout:
     def current(cls, dataloader: Any, pp_degree: int = 1) -> RankLayout:
         """The running job's layout; one process without a process group is rank 0 of 1."""
         initialized = dist.is_initialized()
-        return cls(rank=dist.get_rank() if initialized else 0,
-                   world_size=dist.get_world_size() if initialized else 1,
-                   dp_rank=getattr(dataloader, "dp_rank", 0), dp_degree=getattr(dataloader, "dp_world_size", 1),
-                   pp_degree=pp_degree)
+        return cls(
+            rank=dist.get_rank() if initialized else 0,
+            world_size=dist.get_world_size() if initialized else 1,
+            dp_rank=getattr(dataloader, "dp_rank", 0),
+            dp_degree=getattr(dataloader, "dp_world_size", 1),
+            pp_degree=pp_degree,
+        )
 
     @property
     def stage_ranks(self) -> int:

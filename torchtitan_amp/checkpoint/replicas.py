@@ -56,14 +56,19 @@ def folder(checkpoint_folder: Path, replica_id: int) -> Path:
     return checkpoint_folder / f"ft-replica-{replica_id}"
 
 
-def own_files(checkpoint_folder: Path, replica: ReplicaGroup, step: int,
-              world_size: int) -> tuple[Path, dict[str, Any]] | None:
+def own_files(
+    checkpoint_folder: Path, replica: ReplicaGroup, step: int, world_size: int
+) -> tuple[Path, dict[str, Any]] | None:
     """The group's own complete `step-N` (path, marker) when it was saved by a group of this
     layout, else None (the shared checkpoint's files are read instead). Rank 0 only."""
     path = folder(checkpoint_folder, replica.replica_id) / f"step-{step}"
     if not path.is_dir():
-        logger.info("replica group %d has no files of its own for step %d (it was not training then): "
-                    "data position from the shared checkpoint, RNG states as seeded", replica.replica_id, step)
+        logger.info(
+            "replica group %d has no files of its own for step %d (it was not training then): "
+            "data position from the shared checkpoint, RNG states as seeded",
+            replica.replica_id,
+            step,
+        )
         return None
     try:
         info = inspect_checkpoint(path)
@@ -71,7 +76,12 @@ def own_files(checkpoint_folder: Path, replica: ReplicaGroup, step: int,
         logger.warning("checkpoint: ignoring %s; data position from the shared checkpoint", e)
         return None
     if info.kind != KIND or info.meta["world_size"] != world_size:
-        logger.warning("checkpoint: %s was saved by a group of %s ranks (this one has %d): data position "
-                       "from the shared checkpoint", path, info.meta.get("world_size"), world_size)
+        logger.warning(
+            "checkpoint: %s was saved by a group of %s ranks (this one has %d): data position "
+            "from the shared checkpoint",
+            path,
+            info.meta.get("world_size"),
+            world_size,
+        )
         return None
     return path, info.meta

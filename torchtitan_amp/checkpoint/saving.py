@@ -55,6 +55,7 @@ logger = logging.getLogger("torchtitan_amp")
 @dataclass
 class PendingSave:
     """A background save: its upload future and what committing it needs."""
+
     future: Future
     state: TrainState
     tmp: Path
@@ -67,8 +68,16 @@ class Saver:
     """Writes and commits this run's checkpoints into `folder`. Every method that writes is
     collective: every rank calls it at the same point."""
 
-    def __init__(self, config: JobConfig, folder: Path, ranks: RankLayout, state: RunState, *,
-                 enabled: bool, replica: replicas.ReplicaGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        folder: Path,
+        ranks: RankLayout,
+        state: RunState,
+        *,
+        enabled: bool,
+        replica: replicas.ReplicaGroup | None = None,
+    ) -> None:
         self.config = config
         self.replica = replica  # this run's replica group under fault tolerance (checkpoint/replicas.py)
         self.folder = folder
@@ -149,8 +158,9 @@ class Saver:
             self.pending = PendingSave(self._async_save(sd, tmp), state, tmp, final, kind, begin)
             self.last_saved_step = step
             if rank == 0:
-                logger.info("step %d: checkpoint staged in %.2f s, writing in the background", step,
-                            time.monotonic() - begin)
+                logger.info(
+                    "step %d: checkpoint staged in %.2f s, writing in the background", step, time.monotonic() - begin
+                )
 
     def _writes_shared(self, step: int, tokens_seen: int, kind: str) -> bool:
         """Under fault tolerance: this group's own files first (full saves), then whether this
@@ -162,8 +172,11 @@ class Saver:
             return True
         self.last_saved_step = step
         if self.ranks.rank == 0:
-            logger.info("step %d: replica group %d saved its own files; another group saves the shared "
-                        "checkpoint", step, self.replica.replica_id)
+            logger.info(
+                "step %d: replica group %d saved its own files; another group saves the shared checkpoint",
+                step,
+                self.replica.replica_id,
+            )
         return False
 
     def _save_own_files(self, step: int, tokens_seen: int) -> None:
@@ -183,13 +196,19 @@ class Saver:
         own_parts = replicas.own_dcp_parts(self.state.outer_state is not None)
         if own_parts:
             with quiet_single_process():
-                dcp.save(self.state.dcp_state(own_parts, TrainState(step, tokens_seen)), checkpoint_id=str(tmp),
-                         no_dist=not dist.is_initialized())
+                dcp.save(
+                    self.state.dcp_state(own_parts, TrainState(step, tokens_seen)),
+                    checkpoint_id=str(tmp),
+                    no_dist=not dist.is_initialized(),
+                )
         self.commit(TrainState(step, tokens_seen), tmp, final, replicas.KIND, begin)
 
     def _async_save(self, sd: dict[str, Any], tmp: Path) -> Future:
-        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self.async_group,
-                                  "no_dist": not dist.is_initialized()}
+        kwargs: dict[str, Any] = {
+            "checkpoint_id": str(tmp),
+            "process_group": self.async_group,
+            "no_dist": not dist.is_initialized(),
+        }
         if self.config.checkpoint.async_mode == "async_with_pinned_mem":
             kwargs["async_stager"] = self.pinned_stager()
         with quiet_single_process():
@@ -228,7 +247,7 @@ class Saver:
         error = None
         try:
             pending.future.result()
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
+        except Exception as e:
             error = f"background save of {pending.tmp} failed: {one_line(e)}"
         all_ok(self.ranks, error)
         self.commit(pending.state, pending.tmp, pending.final, pending.kind, pending.started)
@@ -262,8 +281,10 @@ class Saver:
                 error = f"could not write {tmp / name}: {one_line(e)}"
         all_ok(r, error)
         if r.pp_degree > 1:
-            agree(r, lambda: merge_export_parts(tmp, r.pp_degree, self.state.model_args,
-                                                get_family(self.config.model.name)))
+            agree(
+                r,
+                lambda: merge_export_parts(tmp, r.pp_degree, self.state.model_args, get_family(self.config.model.name)),
+            )
 
     def commit(self, state: TrainState, tmp: Path, final: Path, kind: str, begin: float) -> None:
         """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final."""
@@ -273,14 +294,19 @@ class Saver:
         gathered = all_ok(r, error, (r.rank, r.dp_rank, crcs))
         rank_dp = [(rank, d) for rank, d, _ in gathered]
         meta = {
-            "format": FORMAT_VERSION, "step": state.step, "tokens_seen": state.tokens_seen, "kind": kind,
+            "format": FORMAT_VERSION,
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "kind": kind,
             "world_size": r.world_size,
-            "dp_degree": r.dp_degree, "rank_dp": sorted(rank_dp),
+            "dp_degree": r.dp_degree,
+            "rank_dp": sorted(rank_dp),
             # The data position is samples consumed by the run (data/loader.py): any dp degree loads it.
             "data_order": "global",
             "model_args": dataclasses.asdict(self.state.model_args),
             "export_dtype": c.export_dtype if kind == "model_only" else None,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch": torch.__version__,
             "job_config": self.config.to_dict(),
         }
         if self.replica is not None:
@@ -305,7 +331,7 @@ class Saver:
         r = self.ranks
         names = agree(r, lambda: sorted(dir_sizes(tmp)))
         try:
-            return {n: file_crc32(tmp / n) for n in names[r.rank::r.world_size]}, None
+            return {n: file_crc32(tmp / n) for n in names[r.rank :: r.world_size]}, None
         except OSError as e:
             return {}, f"rank {r.rank} could not checksum {tmp}: {one_line(e)}"
 
@@ -315,8 +341,9 @@ class Saver:
         it is counted from the parameters) at the rate of a timed, fsynced write of up to
         `probe_bytes` into the checkpoint folder. Random bytes, so a compressing filesystem
         cannot flatter it. Collective."""
-        size = 3 * sum(_local(p).numel() * _local(p).element_size()
-                       for part in self.state.model_parts for p in part.parameters())
+        size = 3 * sum(
+            _local(p).numel() * _local(p).element_size() for part in self.state.model_parts for p in part.parameters()
+        )
         n = max(min(size, probe_bytes), 1)
         path = self.folder / f".rate_probe_{self.ranks.rank}_{os.getpid()}"
         data = os.urandom(n)
@@ -347,9 +374,7 @@ def probe_writable(folder: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(
-            f"checkpoint folder {folder} is not writable: {e.strerror or one_line(e)}"
-        ) from None
+        raise CheckpointError(f"checkpoint folder {folder} is not writable: {e.strerror or one_line(e)}") from None
 
 
 def prepare_tmp(folder: Path, tmp: Path) -> None:

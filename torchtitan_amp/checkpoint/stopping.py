@@ -34,7 +34,11 @@ def should_stop(ranks: RankLayout, group: dist.ProcessGroup | None, saver: Saver
     if saver.pending is not None and not still_writing:
         saver.finish_pending()
     if signum and ranks.rank == 0:
-        logger.warning("stop requested (%s on some rank): %s", signal.Signals(signum).name,
-                       "saving a checkpoint and exiting" if saver.enabled else
-                       "exiting after this step (checkpoint.enable is false: nothing is saved)")
+        logger.warning(
+            "stop requested (%s on some rank): %s",
+            signal.Signals(signum).name,
+            "saving a checkpoint and exiting"
+            if saver.enabled
+            else "exiting after this step (checkpoint.enable is false: nothing is saved)",
+        )
     return bool(signum)

@@ -48,8 +48,10 @@ class Range:
 
     def describe(self) -> str:
         if self.low is not None and self.high is not None:
-            span = (f"in {'(' if self.low_open else '['}{_number(self.low)}, "
-                    f"{_number(self.high)}{')' if self.high_open else ']'}")
+            span = (
+                f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+                f"{_number(self.high)}{')' if self.high_open else ']'}"
+            )
         elif self.low is not None:
             span = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         else:
@@ -73,8 +75,9 @@ def above(low: float) -> Range:
     return Range(low=low, low_open=True)
 
 
-def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False,
-            also: dict[float, str] | None = None) -> Range:
+def between(
+    low: float, high: float, *, low_open: bool = False, high_open: bool = False, also: dict[float, str] | None = None
+) -> Range:
     """low <= value <= high (strict at an open end), or one of `also` (value -> what it means)."""
     return Range(low, high, low_open, high_open, tuple((also or {}).items()))
 

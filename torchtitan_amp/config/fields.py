@@ -34,8 +34,7 @@ def _check_known(section: str, key: str | None) -> None:
     sections = section_names()
     if section not in sections:
         raise ConfigError(
-            f"unknown config section '{section}'{_suggest(section, sections)} "
-            f"(sections: {', '.join(sections)})"
+            f"unknown config section '{section}'{_suggest(section, sections)} (sections: {', '.join(sections)})"
         )
     if key is not None:
         keys = list(_field_types(section))
@@ -46,9 +45,7 @@ def _check_known(section: str, key: str | None) -> None:
                     f"unknown config key '{section}.{key}': it moved to '{moved}' ([{moved.partition('.')[0]}])"
                 )
             dotted = [f"{section}.{k}" for k in keys]
-            raise ConfigError(
-                f"unknown config key '{section}.{key}'{_suggest(f'{section}.{key}', dotted)}"
-            )
+            raise ConfigError(f"unknown config key '{section}.{key}'{_suggest(f'{section}.{key}', dotted)}")
 
 
 def choices_of(tp: Any) -> tuple[Any, ...] | None:

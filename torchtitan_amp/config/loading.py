@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_amp.config.fields import (
-    _AUTO, _FALSE, _TRUE, _check_known, _field_types, _from_cli, _from_toml, _is_flag, _set,
+    _AUTO,
+    _FALSE,
+    _TRUE,
+    _check_known,
+    _field_types,
+    _from_cli,
+    _from_toml,
+    _is_flag,
+    _set,
 )
 from torchtitan_amp.config.sections import JobConfig
 from torchtitan_amp.config.validation import validate

@@ -17,7 +17,8 @@ MIN_TORCH = (2, 11)
 INSTALL = "pip install torch==2.13.0 -r requirements.txt"
 # (module to import, what to install): beyond torch, what a run imports unconditionally.
 _REQUIRED = (("torchdata.stateful_dataloader", "torchdata==0.11.0"),) + (
-    (("tomli", "tomli"),) if sys.version_info < (3, 11) else ())
+    (("tomli", "tomli"),) if sys.version_info < (3, 11) else ()
+)
 
 
 WANDB_INSTALL = "pip install wandb"
@@ -50,8 +51,10 @@ def problem() -> str | None:
     if version is None:
         return f"torch is not installed in {sys.executable}; install what torchtitan_amp needs with: {INSTALL}"
     if _version_tuple(version) < MIN_TORCH:
-        return (f"torch {version} is older than the supported {'.'.join(map(str, MIN_TORCH))} "
-                f"(in {sys.executable}); install it with: {INSTALL}")
+        return (
+            f"torch {version} is older than the supported {'.'.join(map(str, MIN_TORCH))} "
+            f"(in {sys.executable}); install it with: {INSTALL}"
+        )
     for module, package in _REQUIRED:
         try:
             importlib.import_module(module)
@@ -72,8 +75,10 @@ def torchft_missing() -> str | None:
     """Why fault_tolerance.enable cannot work in this Python, or None; asked only when it is on,
     before any process group exists."""
     if importlib.util.find_spec("torchft") is None:
-        return (f"'fault_tolerance.enable' needs torchft, which is not installed: {TORCHFT_INSTALL} "
-                f"(or pip install torchtitan-amp[ft])")
+        return (
+            f"'fault_tolerance.enable' needs torchft, which is not installed: {TORCHFT_INSTALL} "
+            f"(or pip install torchtitan-amp[ft])"
+        )
     return None
 
 
@@ -89,7 +94,8 @@ def separate_inductor_cache() -> None:
     if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         user = "".join(c if c.isalnum() else "_" for c in _user())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{user}_{capability}")
+            tempfile.gettempdir(), f"torchinductor_{user}_{capability}"
+        )
 
 
 def _user() -> str:

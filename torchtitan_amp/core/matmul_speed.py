@@ -202,9 +202,15 @@ class LowPrecisionSpeed:
         return f"{what} is emulated: measured {speed}, {self.slowdown:.0f}x slower"
 
     def to_dict(self) -> dict[str, object]:
-        return {"device_type": self.device_type, "capability": self.capability,
-                "dtype": dtype_name(self.dtype), "native": self.native,
-                "source": self.source, "gflops": self.gflops, "fp32_gflops": self.fp32_gflops}
+        return {
+            "device_type": self.device_type,
+            "capability": self.capability,
+            "dtype": dtype_name(self.dtype),
+            "native": self.native,
+            "source": self.source,
+            "gflops": self.gflops,
+            "fp32_gflops": self.fp32_gflops,
+        }
 
 
 def cuda_bf16_speed() -> LowPrecisionSpeed | None:
@@ -216,8 +222,9 @@ def cuda_bf16_speed() -> LowPrecisionSpeed | None:
     name = torch.cuda.get_device_name()
     major, minor = torch.cuda.get_device_capability()
     native = torch.cuda.is_bf16_supported(including_emulation=False)
-    return LowPrecisionSpeed("cuda", f"{name}, compute capability {major}.{minor}", torch.bfloat16, native,
-                             "capability")
+    return LowPrecisionSpeed(
+        "cuda", f"{name}, compute capability {major}.{minor}", torch.bfloat16, native, "capability"
+    )
 
 
 def low_precision_speed(device_type: str, dtype: torch.dtype) -> LowPrecisionSpeed:
@@ -234,8 +241,10 @@ def low_precision_speed(device_type: str, dtype: torch.dtype) -> LowPrecisionSpe
         if pinned not in ("native", "emulated"):
             raise ConfigError(
                 f"environment variable {LOWP_ENV}={pinned!r} is not allowed; use 'native' or "
-                f"'emulated', or unset it to measure")
+                f"'emulated', or unset it to measure"
+            )
         return LowPrecisionSpeed("cpu", capability, dtype, pinned == "native", "env")
     low, fp32 = single_thread_rates(dtype)
-    return LowPrecisionSpeed("cpu", capability, dtype, low >= NATIVE_MIN_RATIO * fp32, "measured",
-                             low / 1e9, fp32 / 1e9)
+    return LowPrecisionSpeed(
+        "cpu", capability, dtype, low >= NATIVE_MIN_RATIO * fp32, "measured", low / 1e9, fp32 / 1e9
+    )

@@ -1,12 +1,11 @@
 """Rules that the runtime and the analytic model (memory/, plan_layout) must agree on, written
 once and importing no torch: dtype names and sizes, pipeline stage split and placement, the FSDP
-reshard-after-forward policy, model flavour names.
+reshard-after-forward policy, model flavor names.
 """
 
 from __future__ import annotations
 
 import math
-
 import sys
 import typing
 from collections.abc import Iterable
@@ -23,33 +22,50 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3f
 
 
 def dtype_name(dtype: object) -> str:
-    """"bfloat16" for torch.bfloat16 (any object whose str() is "torch.<name>"; no torch import)."""
+    """ "bfloat16" for torch.bfloat16 (any object whose str() is "torch.<name>"; no torch import)."""
     return str(dtype).removeprefix("torch.")
 
 
 def short_name(dtype: object) -> str:
-    """"bf16" for torch.bfloat16 or "bfloat16"."""
+    """ "bf16" for torch.bfloat16 or "bfloat16"."""
     name = dtype_name(dtype)
     return SHORT.get(name, name)
 
-# ---------------------------------------------------------------------------------------------
-# Model families and their flavours (their shapes live in models/<family>/, which needs torch)
 
-# The built-in families and flavours of models.FAMILIES. model.name / model.flavor are checked
+# ---------------------------------------------------------------------------------------------
+# Model families and their flavors (their shapes live in models/<family>/, which needs torch)
+
+# The built-in families and flavors of models.FAMILIES. model.name / model.flavor are checked
 # against the registry itself once it is imported (a tool or test may register a family or a
-# flavour at run time), against this table before (nothing can have been registered then).
+# flavor at run time), against this table before (nothing can have been registered then).
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "llama3": ("debugmodel", "debugmodel_h64", "debugmodel_tiny", "llama3_8b", "llama3_70b", "llama3_405b",
-               "llama3_2_1b", "llama3_2_3b", "llama3_0_8b", "llama3_0_70b"),
-    "moe": ("debugmodel_moe", "debugmodel_moe_sigmoid", "debugmodel_moe_aux", "debugmodel_qwen3", "qwen3_30b_a3b",
-            "deepseek_v3_16b"),
+    "llama3": (
+        "debugmodel",
+        "debugmodel_h64",
+        "debugmodel_tiny",
+        "llama3_8b",
+        "llama3_70b",
+        "llama3_405b",
+        "llama3_2_1b",
+        "llama3_2_3b",
+        "llama3_0_8b",
+        "llama3_0_70b",
+    ),
+    "moe": (
+        "debugmodel_moe",
+        "debugmodel_moe_sigmoid",
+        "debugmodel_moe_aux",
+        "debugmodel_qwen3",
+        "qwen3_30b_a3b",
+        "deepseek_v3_16b",
+    ),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"
 
 
 def _family_flavors() -> dict[str, tuple[str, ...]]:
-    """family -> flavour names: models.FAMILIES' if that package is imported, else the built-in
+    """family -> flavor names: models.FAMILIES' if that package is imported, else the built-in
     table, without importing torch (config parsing and --help stay torch-free)."""
     registry = getattr(sys.modules.get(_MODELS_PACKAGE), "FAMILIES", None)
     if registry is None:
@@ -63,7 +79,7 @@ def family_names() -> tuple[str, ...]:
 
 
 def flavor_names(family: str | None = None) -> tuple[str, ...]:
-    """The flavours of `family` (e.g. a GPU check registers llama3_8b_2l into llama3's); None: every
+    """The flavors of `family` (e.g. a GPU check registers llama3_8b_2l into llama3's); None: every
     family's, in registry order without repeats (what model.flavor may hold before model.name is
     known; config.validate then checks it against the chosen family's)."""
     table = _family_flavors()
@@ -165,8 +181,9 @@ def _flash_runs(dtype: str, head_dim: int, mask: str, capability: tuple[int, int
     return not (training and consumer and lo_dim < head_dim <= hi_dim)
 
 
-def attention_kernel(device: str, dtype: str, head_dim: int, mask: str,
-                     capability: tuple[int, int] | None = None, training: bool = True) -> str:
+def attention_kernel(
+    device: str, dtype: str, head_dim: int, mask: str, capability: tuple[int, int] | None = None, training: bool = True
+) -> str:
     """The SDPA kernel a call runs under SDPA_PRIORITY, keys and values handed as
     `takes_grouped_kv` says:
 
@@ -197,8 +214,9 @@ def attention_kernel(device: str, dtype: str, head_dim: int, mask: str,
     return "math"
 
 
-def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str,
-                     capability: tuple[int, int] | None = None, training: bool = True) -> bool:
+def takes_grouped_kv(
+    device: str, dtype: str, head_dim: int, mask: str, capability: tuple[int, int] | None = None, training: bool = True
+) -> bool:
     """Whether attention is handed the kv_heads keys and values themselves (SDPA's enable_gqa)
     rather than each repeated to the query heads (repeat_kv, a copy autograd saves).
 
@@ -211,8 +229,9 @@ def takes_grouped_kv(device: str, dtype: str, head_dim: int, mask: str,
     return kernel == "flash" or (kernel == "cpu_flash" and dtype in ("float32", "float64"))
 
 
-def materialises_causal_mask(device: str, dtype: str, head_dim: int,
-                             capability: tuple[int, int] | None = None, training: bool = True) -> bool:
+def materialises_causal_mask(
+    device: str, dtype: str, head_dim: int, capability: tuple[int, int] | None = None, training: bool = True
+) -> bool:
     """Whether a lower-right causal bias becomes a mask tensor: always on CPU (by design, one
     [n, end] mask per chunk shared by the batch and heads), on CUDA only where neither flash nor
     efficient takes the call (the math fallback: a mask and the whole score matrix)."""

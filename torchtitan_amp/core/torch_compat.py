@@ -38,8 +38,10 @@ def sequence_collectives() -> tuple[Any, Any]:
     2.11 has. Same signatures: (tensor, dim, group) and (tensor, op, dim, group)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return (getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
-            getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor)
+    return (
+        getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
+        getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor,
+    )
 
 
 @functools.cache

@@ -75,7 +75,9 @@ def parse_spec(spec: str) -> tuple[Path, str]:
     if not folder or split not in SPLITS:
         folder, split = body, "train"
     if not folder:
-        raise DataError(f"dataset {spec!r} names no folder (allowed: 'tokens:<folder>' or 'tokens:<folder>:validation')")
+        raise DataError(
+            f"dataset {spec!r} names no folder (allowed: 'tokens:<folder>' or 'tokens:<folder>:validation')"
+        )
     return Path(folder), split
 
 
@@ -83,11 +85,15 @@ def read_index(folder: Path) -> dict[str, Any]:
     path = folder / INDEX_NAME
     if not path.is_file():
         if (folder / WORK_DIR).is_dir():
-            raise DataError(f"{folder}: prepare did not finish (no {INDEX_NAME}); rerun the same prepare command "
-                            "to resume, or run `merge` once every --shard-index job is done")
+            raise DataError(
+                f"{folder}: prepare did not finish (no {INDEX_NAME}); rerun the same prepare command "
+                "to resume, or run `merge` once every --shard-index job is done"
+            )
         if not folder.is_dir():
             raise DataError(f"token folder {folder} does not exist")
-        raise DataError(f"{folder} has no {INDEX_NAME}: not a folder written by `python -m torchtitan_amp.data prepare`")
+        raise DataError(
+            f"{folder} has no {INDEX_NAME}: not a folder written by `python -m torchtitan_amp.data prepare`"
+        )
     try:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -100,21 +106,27 @@ def read_index(folder: Path) -> dict[str, Any]:
 
 def _check_tokenizer(index_path: Path, recorded: dict[str, Any], tokenizer: Any) -> None:
     if recorded["vocab_size"] != tokenizer.vocab_size:
-        raise DataError(f"{index_path}: tokens were made with vocab size {recorded['vocab_size']} "
-                        f"({recorded['spec']}), but this job's tokenizer has {tokenizer.vocab_size}")
+        raise DataError(
+            f"{index_path}: tokens were made with vocab size {recorded['vocab_size']} "
+            f"({recorded['spec']}), but this job's tokenizer has {tokenizer.vocab_size}"
+        )
     # A test double without a fingerprint can only be checked by vocabulary size.
     fingerprint = getattr(tokenizer, "fingerprint", None)
     if fingerprint is not None and recorded["fingerprint"] != fingerprint:
-        raise DataError(f"{index_path}: tokens were made with another tokenizer ({recorded['spec']}, "
-                        f"{recorded['fingerprint'][:24]}...) than this job's ({fingerprint[:24]}...)")
+        raise DataError(
+            f"{index_path}: tokens were made with another tokenizer ({recorded['spec']}, "
+            f"{recorded['fingerprint'][:24]}...) than this job's ({fingerprint[:24]}...)"
+        )
 
 
 def _split_shards(index: dict[str, Any], index_path: Path, split: str) -> list[Shard]:
     splits = index.get("splits", {})
     if split not in splits:
         raise DataError(f"{index_path} has no {split!r} split (has: {', '.join(sorted(splits)) or 'none'})")
-    return [Shard(index_path.parent / s["file"], s["num_tokens"], s["num_docs"], s["max_token_id"], s["sha256"])
-            for s in splits[split]["shards"]]
+    return [
+        Shard(index_path.parent / s["file"], s["num_tokens"], s["num_docs"], s["max_token_id"], s["sha256"])
+        for s in splits[split]["shards"]
+    ]
 
 
 def open_split(spec: str, tokenizer: Any) -> TokenSplit:
@@ -130,8 +142,10 @@ def open_split(spec: str, tokenizer: Any) -> TokenSplit:
             raise DataError(f"{shard.path}: shard listed in {index_path} is missing")
         size = shard.path.stat().st_size
         if size != shard.num_tokens * dtype.itemsize:
-            raise DataError(f"{shard.path}: {size} bytes, but {index_path} says {shard.num_tokens} {index['dtype']} "
-                            "tokens (truncated or replaced; run `python -m torchtitan_amp.data verify`)")
+            raise DataError(
+                f"{shard.path}: {size} bytes, but {index_path} says {shard.num_tokens} {index['dtype']} "
+                "tokens (truncated or replaced; run `python -m torchtitan_amp.data verify`)"
+            )
         if shard.max_token_id >= tokenizer.vocab_size:
             raise DataError(f"{shard.path}: token id {shard.max_token_id} >= vocab size {tokenizer.vocab_size}")
     return TokenSplit(index_path, split, dtype, tuple(shards))
@@ -168,8 +182,10 @@ def verify(folder: Path, tokenizer: Any | None = None, progress: Callable[[int],
                 raise DataError(f"{shard.path}: shard listed in {index_path} is missing")
             digest, largest = hash_and_max(shard.path, dtype, progress)
             if digest != shard.sha256:
-                raise DataError(f"{shard.path}: sha256 {digest[:16]}... does not match {index_path} "
-                                f"({shard.sha256[:16]}...): the shard is corrupt; prepare it again")
+                raise DataError(
+                    f"{shard.path}: sha256 {digest[:16]}... does not match {index_path} "
+                    f"({shard.sha256[:16]}...): the shard is corrupt; prepare it again"
+                )
             if largest >= vocab_size:
                 raise DataError(f"{shard.path}: token id {largest} >= vocab size {vocab_size}")
         tokens[split] = sum(s.num_tokens for s in shards)

@@ -52,23 +52,34 @@ class ParallelAwareDataLoader(StatefulDataLoader):
     the worker count (prefetched batches are not counted), and any R can resume from it.
     """
 
-    def __init__(self, dataset: PackedTextDataset | TokenWindowDataset, dp_rank: int, dp_world_size: int,
-                 batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0,
-                 samples_per_step: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: PackedTextDataset | TokenWindowDataset,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 0,
+        samples_per_step: int = 0,
+    ) -> None:
         if batch_size < 1:
             raise DataError(f"local_batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise DataError(f"num_workers must be >= 0, got {num_workers}")
         if num_workers and not isinstance(dataset, TokenWindowDataset):
-            raise DataError("num_workers > 0 needs a 'tokens:' dataset (pydoc and path: are tokenised in memory "
-                            "and every worker would repeat the same samples)")
+            raise DataError(
+                "num_workers > 0 needs a 'tokens:' dataset (pydoc and path: are tokenised in memory "
+                "and every worker would repeat the same samples)"
+            )
         with _no_set_vital_warning():
             if isinstance(dataset, TokenWindowDataset):
                 # The dataset builds whole batches (one vectorised gather), so no collation here.
                 super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
             else:
-                super().__init__(dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples,
-                                 pin_memory=pin_memory)
+                super().__init__(
+                    dataset, batch_size=batch_size, num_workers=0, collate_fn=_stack_samples, pin_memory=pin_memory
+                )
         self._packed = dataset
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
@@ -118,9 +129,16 @@ class ParallelAwareDataLoader(StatefulDataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"world_size": self.dp_world_size,
-                "position": {"samples": self.samples, "epoch": self.epoch, "windows": self._packed.num_windows,
-                             "seed": self.seed, "samples_per_step": self.samples_per_step}}
+        return {
+            "world_size": self.dp_world_size,
+            "position": {
+                "samples": self.samples,
+                "epoch": self.epoch,
+                "windows": self._packed.num_windows,
+                "seed": self.seed,
+                "samples_per_step": self.samples_per_step,
+            },
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # An empty state means "start from the beginning" (e.g. a checkpoint without data state).
@@ -128,8 +146,9 @@ class ParallelAwareDataLoader(StatefulDataLoader):
             return
         position = state_dict.get("position")
         if not isinstance(position, dict):
-            raise DataError(f"dataloader state needs a 'position' (the global data position), got keys "
-                            f"{sorted(state_dict)}")
+            raise DataError(
+                f"dataloader state needs a 'position' (the global data position), got keys {sorted(state_dict)}"
+            )
         self._packed.restart(self._check_position(position, state_dict.get("world_size")))
         self._yielded = 0
 
@@ -138,19 +157,24 @@ class ParallelAwareDataLoader(StatefulDataLoader):
         if not isinstance(samples, int) or samples < 0:
             raise DataError(f"dataloader state needs int 'samples' >= 0, got {position!r}")
         if windows != self._packed.num_windows:
-            raise DataError(f"dataloader state was saved over {windows} windows but this run's dataset has "
-                            f"{self._packed.num_windows} (another dataset or seq_len?)")
+            raise DataError(
+                f"dataloader state was saved over {windows} windows but this run's dataset has "
+                f"{self._packed.num_windows} (another dataset or seq_len?)"
+            )
         notes = []
         if saved_world != self.dp_world_size:
             notes.append(f"saved on {saved_world} data-parallel ranks, now {self.dp_world_size}")
         if position.get("samples_per_step") != self.samples_per_step:
-            notes.append(f"global batch was {position.get('samples_per_step')} sequences, now "
-                         f"{self.samples_per_step}: steps from here cut the sample stream differently "
-                         "from the straight run")
+            notes.append(
+                f"global batch was {position.get('samples_per_step')} sequences, now "
+                f"{self.samples_per_step}: steps from here cut the sample stream differently "
+                "from the straight run"
+            )
         if position.get("seed") != self.seed:
             notes.append(f"seed was {position.get('seed')}, now {self.seed}: the order from here differs")
-        self.resume_note = (f"data resumes at sample {samples} (epoch {position.get('epoch')}); "
-                            + "; ".join(notes)) if notes else ""
+        self.resume_note = (
+            (f"data resumes at sample {samples} (epoch {position.get('epoch')}); " + "; ".join(notes)) if notes else ""
+        )
         return samples
 
 
@@ -184,9 +208,11 @@ def build_dataloader(
             raise DataError(f"local_batch_size must be >= 1, got {local_batch_size}")
         split = open_split(dataset, tokenizer)
         windows = TokenWindowDataset(split, seq_len, local_batch_size, dp_rank, dp_world_size, seed)
-        return ParallelAwareDataLoader(windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory,
-                                       seed, samples_per_step)
+        return ParallelAwareDataLoader(
+            windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed, samples_per_step
+        )
     tokens = text.corpus_tokens(dataset, tokenizer)
     packed = PackedTextDataset(tokens, seq_len, dp_rank, dp_world_size, seed)
-    return ParallelAwareDataLoader(packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed,
-                                   samples_per_step)
+    return ParallelAwareDataLoader(
+        packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed, samples_per_step
+    )

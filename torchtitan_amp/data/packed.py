@@ -1,6 +1,7 @@
 """Packed windows over an in-memory token tensor (the `pydoc` / `path:` datasets)."""
 
 from collections.abc import Iterator
+
 import torch
 from torch.utils.data import IterableDataset
 

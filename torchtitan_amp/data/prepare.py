@@ -82,12 +82,20 @@ def build_plan(cfg: PrepareConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     if not groups:
         raise DataError(f"inputs {', '.join(cfg.inputs)} hold no documents")
     return {
-        "tokenizer": {"spec": cfg.tokenizer, "fingerprint": tokenizer.fingerprint,
-                      "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+        "tokenizer": {
+            "spec": cfg.tokenizer,
+            "fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
         "dtype": fmt.dtype_for_vocab(tokenizer.vocab_size),
         "text_column": cfg.text_column,
-        "validation": {"fraction": cfg.validation_fraction, "seed": cfg.split_seed,
-                       "rule": "blake2b-64(utf8 text, key=seed) < fraction * 2^64"},
+        "validation": {
+            "fraction": cfg.validation_fraction,
+            "seed": cfg.split_seed,
+            "rule": "blake2b-64(utf8 text, key=seed) < fraction * 2^64",
+        },
         "inputs": cfg.inputs,
         "groups": [[u.to_json() for u in g] for g in groups],
     }
@@ -129,8 +137,13 @@ class _ShardWriter:
             self.tmp.unlink()
             return None
         os.replace(self.tmp, self.final)
-        return {"file": self.final.relative_to(root).as_posix(), "num_tokens": self.num_tokens,
-                "num_docs": self.num_docs, "max_token_id": self.max_token_id, "sha256": self.digest.hexdigest()}
+        return {
+            "file": self.final.relative_to(root).as_posix(),
+            "num_tokens": self.num_tokens,
+            "num_docs": self.num_docs,
+            "max_token_id": self.max_token_id,
+            "sha256": self.digest.hexdigest(),
+        }
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -246,8 +259,10 @@ def _claim_plan(out: Path, plan: dict[str, Any]) -> str:
         os.link(tmp, path)  # atomic, and never replaces another machine's plan
     except FileExistsError:
         if plan_fingerprint(json.loads(path.read_text())) != fingerprint:
-            raise DataError(f"{out} holds an unfinished prepare of other inputs or options; rerun it with those, "
-                            "or pass --overwrite to start again") from None
+            raise DataError(
+                f"{out} holds an unfinished prepare of other inputs or options; rerun it with those, "
+                "or pass --overwrite to start again"
+            ) from None
     finally:
         tmp.unlink()
     return fingerprint
@@ -319,14 +334,18 @@ def merge(out: Path) -> Path:
     parts = sorted(work.glob("part-*-of-*.json"))
     counts = {p.name.rsplit("-of-", 1)[1].removesuffix(".json") for p in parts}
     if len(counts) != 1:
-        raise DataError(f"{work}: partial indexes {', '.join(p.name for p in parts) or 'none'} "
-                        "do not come from one --num-shards run")
+        raise DataError(
+            f"{work}: partial indexes {', '.join(p.name for p in parts) or 'none'} "
+            "do not come from one --num-shards run"
+        )
     num_shards = int(counts.pop())
     have = {int(p.name.split("-")[1]) for p in parts}
     missing = sorted(set(range(num_shards)) - have)
     if missing:
-        raise DataError(f"{out}: partial index of --shard-index {', '.join(map(str, missing))} of {num_shards} "
-                        "is missing; run those first")
+        raise DataError(
+            f"{out}: partial index of --shard-index {', '.join(map(str, missing))} of {num_shards} "
+            "is missing; run those first"
+        )
     groups: dict[int, dict[str, Any]] = {}
     for p in parts:
         part = json.loads(p.read_text())
@@ -340,11 +359,21 @@ def merge(out: Path) -> Path:
     for split in fmt.SPLITS:
         shards = [groups[g][split] for g in sorted(groups) if groups[g].get(split)]
         if split == "train" or plan["validation"]["fraction"]:
-            splits[split] = {"num_tokens": sum(s["num_tokens"] for s in shards),
-                             "num_docs": sum(s["num_docs"] for s in shards), "shards": shards}
-    index = {"format": fmt.FORMAT, "tokenizer": plan["tokenizer"], "dtype": plan["dtype"],
-             "text_column": plan["text_column"], "validation": plan["validation"], "inputs": plan["inputs"],
-             "plan": fingerprint, "splits": splits}
+            splits[split] = {
+                "num_tokens": sum(s["num_tokens"] for s in shards),
+                "num_docs": sum(s["num_docs"] for s in shards),
+                "shards": shards,
+            }
+    index = {
+        "format": fmt.FORMAT,
+        "tokenizer": plan["tokenizer"],
+        "dtype": plan["dtype"],
+        "text_column": plan["text_column"],
+        "validation": plan["validation"],
+        "inputs": plan["inputs"],
+        "plan": fingerprint,
+        "splits": splits,
+    }
     _write_json_atomic(out / fmt.INDEX_NAME, index)
     shutil.rmtree(work)
     if (out / "validation").is_dir() and not any((out / "validation").iterdir()):

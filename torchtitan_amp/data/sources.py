@@ -87,8 +87,10 @@ def _file_units(path: Path, kind: str, unit_bytes: int) -> list[Unit]:
         import pyarrow.parquet as pq
 
         meta = pq.ParquetFile(path).metadata
-        return [Unit(**base, start=g, stop=g + 1, size=meta.row_group(g).total_byte_size)
-                for g in range(meta.num_row_groups)]
+        return [
+            Unit(**base, start=g, stop=g + 1, size=meta.row_group(g).total_byte_size)
+            for g in range(meta.num_row_groups)
+        ]
     return [Unit(**base, size=stat.st_size)]
 
 
@@ -179,7 +181,9 @@ def _jsonl_docs(unit: Unit) -> Iterator[str]:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{path}:{_line_number(path, line_start)}: not valid JSON ({e})") from e
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{path}:{_line_number(path, line_start)}: expected a JSON object with a string 'text' field")
+                raise DataError(
+                    f"{path}:{_line_number(path, line_start)}: expected a JSON object with a string 'text' field"
+                )
             yield record["text"]
 
 

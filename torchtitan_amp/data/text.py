@@ -104,4 +104,3 @@ def corpus_tokens(dataset: str, tokenizer: Tokenizer) -> torch.Tensor:
     if key not in _CORPUS_CACHE:
         _CORPUS_CACHE[key] = tokenize_corpus(load_texts(dataset), tokenizer)
     return _CORPUS_CACHE[key]
-

@@ -108,8 +108,10 @@ class HFTokenizer:
             raise DataError(f"{self.path}: cannot load tokenizer: {' '.join(str(e).split())}") from e
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
             if token is not None and self._tokenizer.token_to_id(token) is None:
-                raise DataError(f"{self.path.parent / 'tokenizer_config.json'}: '{field}' {token!r} is not in "
-                                f"the vocabulary of {self.path}")
+                raise DataError(
+                    f"{self.path.parent / 'tokenizer_config.json'}: '{field}' {token!r} is not in "
+                    f"the vocabulary of {self.path}"
+                )
         bos_id = _find_special(self._tokenizer, (bos_token,) if bos_token else _BOS_NAMES)
         eos_id = _find_special(self._tokenizer, (eos_token,) if eos_token else _EOS_NAMES)
         if bos_id is None or eos_id is None:
@@ -142,9 +144,7 @@ class HFTokenizer:
 
 # Llama 3's pre-tokenizer pattern and special tokens (meta-llama/llama3 tokenizer.py): the 256
 # specials follow the file's ranks, so Llama 3's 128,000 ranks give vocab 128,256, BOS 128,000.
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPECIALS = (
     ["<|begin_of_text|>", "<|end_of_text|>"]
     + [f"<|reserved_special_token_{i}|>" for i in range(4)]
@@ -189,8 +189,9 @@ class TiktokenTokenizer:
             raise DataError(f"{self.path}: tiktoken ranks must be 0..n-1 without gaps")
         self._num_base = len(ranks)
         specials = {name: self._num_base + i for i, name in enumerate(_LLAMA3_SPECIALS)}
-        self._encoding = tiktoken.Encoding(name=self.path.name, pat_str=_LLAMA3_PATTERN,
-                                           mergeable_ranks=ranks, special_tokens=specials)
+        self._encoding = tiktoken.Encoding(
+            name=self.path.name, pat_str=_LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        )
         self.bos_id: int = specials["<|begin_of_text|>"]
         self.eos_id: int = specials["<|end_of_text|>"]
         self.vocab_size: int = self._num_base + len(specials)
@@ -224,7 +225,9 @@ def build_tokenizer(spec: str) -> Tokenizer:
     path = Path(spec)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise DataError(f"tokenizer folder {spec} has no tokenizer.json (a Hugging Face tokenizer folder needs one)")
+            raise DataError(
+                f"tokenizer folder {spec} has no tokenizer.json (a Hugging Face tokenizer folder needs one)"
+            )
         config = path / "tokenizer_config.json"
         bos, eos = _special_names(config) if config.is_file() else (None, None)
         return HFTokenizer(path / "tokenizer.json", bos, eos)

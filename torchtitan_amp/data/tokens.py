@@ -76,13 +76,16 @@ class TokenWindowDataset(IterableDataset):
     Shards are opened (np.memmap) on first use in each process, so building the dataset reads
     nothing and loader workers open their own maps instead of inheriting pickled ones."""
 
-    def __init__(self, split: TokenSplit, seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, split: TokenSplit, seq_len: int, batch_size: int, dp_rank: int, dp_world_size: int, seed: int
+    ) -> None:
         window = seq_len + 1
         needed = dp_world_size * window
         if split.num_tokens < needed:
-            raise DataError(f"{split.index_path} ({split.split}) has {split.num_tokens} tokens but needs at least "
-                            f"{needed} (dp_world_size {dp_world_size} x (seq_len {seq_len} + 1))")
+            raise DataError(
+                f"{split.index_path} ({split.split}) has {split.num_tokens} tokens but needs at least "
+                f"{needed} (dp_world_size {dp_world_size} x (seq_len {seq_len} + 1))"
+            )
         self._split = split
         self._paths = [str(s.path) for s in split.shards]
         self._offsets = np.cumsum([0] + [s.num_tokens for s in split.shards])

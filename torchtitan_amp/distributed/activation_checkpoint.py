@@ -42,7 +42,6 @@ SAC_SAVE_LIST = {
 }
 
 
-
 def _op_sac_policy(save_mm: str) -> Callable[..., CheckpointPolicy]:
     """Keep the outputs of SAC_SAVE_LIST's ops, but with save_mm="alternate" only the 1st, 3rd,
     5th... aten.mm of the region (torchtitan's rule: about half the matmul outputs, each
@@ -57,13 +56,12 @@ def _op_sac_policy(save_mm: str) -> Callable[..., CheckpointPolicy]:
             if save_mm == "alternate" and counts[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
 
+    return policy
 
 
 def _op_sac_contexts(save_mm: str) -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_op_sac_policy(save_mm))
-
 
 
 def recomputed_whole(region: nn.Module) -> bool:
@@ -74,7 +72,6 @@ def recomputed_whole(region: nn.Module) -> bool:
     storage"). Its op-level savings there were small anyway: the grouped matmuls and all-to-alls
     are not in SAC_SAVE_LIST, only the router's and shared expert's mm outputs."""
     return any(is_expert_layer(m) for m in region.modules())
-
 
 
 def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> nn.Module:
@@ -96,7 +93,6 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple
     return block
 
 
-
 def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> None:
     """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
@@ -105,8 +101,12 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[st
         if i % every == 0:
             model.layers.register_module(name, _wrap_block(block, ac, regions))
     whole = op and any(recomputed_whole(block) for block in model.layers.children())
-    logger.info("activation checkpointing: %s%s", ac.mode if ac.mode == "full" else
-                f"selective ({ac.selective_ac_option}" + (f", {ac.per_op_sac_save_mm} mm outputs kept)" if op else ")"),
-                "; MoE blocks by region, their feed-forwards recomputed whole (router and experts "
-                "are FSDP units of their own)" if whole else "")
-
+    logger.info(
+        "activation checkpointing: %s%s",
+        ac.mode
+        if ac.mode == "full"
+        else f"selective ({ac.selective_ac_option}" + (f", {ac.per_op_sac_save_mm} mm outputs kept)" if op else ")"),
+        "; MoE blocks by region, their feed-forwards recomputed whole (router and experts are FSDP units of their own)"
+        if whole
+        else "",
+    )

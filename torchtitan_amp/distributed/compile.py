@@ -14,4 +14,3 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     for block in model.layers.children():
         block.compile(fullgraph=fullgraph)
     logger.info("compiled each transformer block with torch.compile")
-

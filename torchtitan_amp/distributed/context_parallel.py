@@ -78,8 +78,10 @@ def check_seq_len(seq_len: int, cp: int, field: str = "training.seq_len") -> Non
     from torchtitan_amp.config import ConfigError
 
     if cp > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"'{field}' = {seq_len} must be divisible by 2 x context_parallel_degree = "
-                          f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks of a sequence)")
+        raise ConfigError(
+            f"'{field}' = {seq_len} must be divisible by 2 x context_parallel_degree = "
+            f"{2 * cp} (each cp rank holds two of 2 x cp equal chunks of a sequence)"
+        )
 
 
 def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, where: str) -> None:
@@ -95,7 +97,8 @@ def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, 
             f"'parallelism.context_parallel_degree' = {cp} with causal attention on cuda in {compute} at head_dim "
             f"{head_dim} ({where}): no SDPA kernel takes the lower-right causal bias there (flash: bfloat16/float16, "
             "head_dim <= 256; efficient: head_dim a multiple of 8 in 16 bits, of 4 in float32), so torch would "
-            "build each chunk's mask and all its scores; use such a dtype or head_dim, or context_parallel_degree 1")
+            "build each chunk's mask and all its scores; use such a dtype or head_dim, or context_parallel_degree 1"
+        )
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ class BatchSharder:
     cp: int = 1
     cp_rank: int = 0
 
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         whole = self.mask_inputs(inputs)
         if self.cp == 1:
             return inputs, labels, whole
@@ -210,8 +214,9 @@ class ContextParallel:
         """Gathered keys or values [B, S, H, D] -> the same in window order (positions 0..S-1)."""
         return x.index_select(1, self._window_order(x.shape[1], x.device))
 
-    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False
-                         ) -> torch.Tensor:
+    def causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False
+    ) -> torch.Tensor:
         """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
         (or [B, H_kv, S, D] with `enable_gqa`: views of one window-ordered tensor either way)
         -> [B, H, S/cp, D]. Chunk c of the window (positions [c n, (c+1) n)) attends to keys
@@ -220,8 +225,11 @@ class ContextParallel:
         outs = []
         for part, chunk in zip((q[:, :, :n], q[:, :, n:]), self._chunks()):
             end = (chunk + 1) * n
-            outs.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=lower_right_causal(n, end), enable_gqa=enable_gqa))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    part, k[:, :, :end], v[:, :, :end], attn_mask=lower_right_causal(n, end), enable_gqa=enable_gqa
+                )
+            )
         return torch.cat(outs, dim=2)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,8 +251,9 @@ class ContextParallel:
         return _all_gather(x, self.group)
 
 
-def attention_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: torch.Tensor | None = None,
-                   doc_k: torch.Tensor | None = None) -> torch.Tensor:
+def attention_mask(
+    pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: torch.Tensor | None = None, doc_k: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, Sq] query and [B, Sk] key positions (and documents) -> [B, 1, Sq, Sk] bool: a query may
     attend to keys at or before its position (in its own document). Every query sees itself."""
     mask = pos_k[:, None, :] <= pos_q[:, :, None]
@@ -259,5 +268,8 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
     for module in model.modules():
         if hasattr(type(module), "context_parallel"):
             module.context_parallel = cp
-    logger.info("applied context parallel (degree %d): K/V all-gathered per layer, gradients "
-                "reduce-scattered in %s", cp.group.size(), str(cp.reduce_dtype).removeprefix("torch."))
+    logger.info(
+        "applied context parallel (degree %d): K/V all-gathered per layer, gradients reduce-scattered in %s",
+        cp.group.size(),
+        str(cp.reduce_dtype).removeprefix("torch."),
+    )

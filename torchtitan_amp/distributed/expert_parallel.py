@@ -84,7 +84,8 @@ class ExpertParallel:
         n_local = recv.shape[1]
         # output_size from the host read: without it the kernel would sum the repeats on the host.
         segment = torch.arange(recv.numel(), device=recv.device).repeat_interleave(
-            recv.flatten(), output_size=sum(recv_split))
+            recv.flatten(), output_size=sum(recv_split)
+        )
         order = ((segment % n_local) * ep + segment // n_local).argsort(stable=True)
         out = experts(arrived[order], recv.sum(0))
         back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -117,7 +118,6 @@ def expert_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_expert_layer(m)]
 
 
-
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> None:
     """Split each MoE layer's routed experts over `ep_mesh` and let the layer dispatch to them.
 
@@ -130,5 +130,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> 
     for layer in layers:
         shard_experts(layer.experts, expert_mesh)
         layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
-    logger.info("applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
-                "all-to-all in the activations' dtype", ep_mesh.size(), len(layers))
+    logger.info(
+        "applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
+        "all-to-all in the activations' dtype",
+        ep_mesh.size(),
+        len(layers),
+    )

@@ -20,8 +20,9 @@ def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
-                    *, device: torch.device) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None, *, device: torch.device
+) -> torch.Tensor:
     """Global grad norm (over every shard and pipeline stage), clipping when max_norm > 0. `device`
     is the rank's (the trainer's): a stage with nothing trained has no parameter to take it from."""
     groups = _grad_groups(params)

@@ -35,7 +35,7 @@ class ParallelDims:
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_config(cls, p: ParallelismConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, p: ParallelismConfig, world_size: int) -> ParallelDims:
         """Resolve dp_shard = -1 and check that the degrees multiply to the world size."""
         cp = p.context_parallel_degree
         rep, tp, pp = p.data_parallel_replicate_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree
@@ -43,19 +43,32 @@ class ParallelDims:
         dp_shard = p.data_parallel_shard_degree
         if dp_shard == -1:
             if world_size % others:
-                raise ConfigError(f"replicate x tp x pp x cp = {rep} x {tp} x {pp} x {cp} = {others} does not "
-                                  f"divide the world size {world_size}")
+                raise ConfigError(
+                    f"replicate x tp x pp x cp = {rep} x {tp} x {pp} x {cp} = {others} does not "
+                    f"divide the world size {world_size}"
+                )
             dp_shard = world_size // others
         if others * dp_shard != world_size:
-            raise ConfigError(f"replicate x shard x tp x pp x cp = {rep} x {dp_shard} x {tp} x {pp} x {cp} = "
-                              f"{others * dp_shard} differs from the world size {world_size}")
+            raise ConfigError(
+                f"replicate x shard x tp x pp x cp = {rep} x {dp_shard} x {tp} x {pp} x {cp} = "
+                f"{others * dp_shard} differs from the world size {world_size}"
+            )
         ep = p.expert_parallel_degree
         if (dp_shard * cp) % ep:
-            raise ConfigError(f"'parallelism.expert_parallel_degree' = {ep} must divide data_parallel_shard_degree "
-                              f"x context_parallel_degree = {dp_shard} x {cp} = {dp_shard * cp} (EP borrows "
-                              f"its ranks from FSDP's)")
-        return cls(p.data_parallel_replicate_degree, dp_shard, p.tensor_parallel_degree,
-                   p.pipeline_parallel_degree, world_size, cp, ep)
+            raise ConfigError(
+                f"'parallelism.expert_parallel_degree' = {ep} must divide data_parallel_shard_degree "
+                f"x context_parallel_degree = {dp_shard} x {cp} = {dp_shard * cp} (EP borrows "
+                f"its ranks from FSDP's)"
+            )
+        return cls(
+            p.data_parallel_replicate_degree,
+            dp_shard,
+            p.tensor_parallel_degree,
+            p.pipeline_parallel_degree,
+            world_size,
+            cp,
+            ep,
+        )
 
     @property
     def dp_enabled(self) -> bool:
@@ -161,8 +174,10 @@ class ParallelDims:
         """A mesh build_mesh derived from the root one, by its name in MESHES (the root mesh's own
         dims are `mesh[dim]`)."""
         if name not in MESHES:
-            raise ValueError(f"unknown mesh {name!r}; allowed meshes: {', '.join(MESHES)} "
-                             "(the root mesh's dims: ParallelDims.mesh[name])")
+            raise ValueError(
+                f"unknown mesh {name!r}; allowed meshes: {', '.join(MESHES)} "
+                "(the root mesh's dims: ParallelDims.mesh[name])"
+            )
         if name not in self._meshes:
             needs = " with expert_parallel_degree > 1" if name in EXPERT_MESHES else ""
             raise RuntimeError(f"ParallelDims.build_mesh() has not been called{needs}")

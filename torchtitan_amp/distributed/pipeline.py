@@ -62,8 +62,9 @@ class Pipeline:
         finally:
             self.loss.evaluating = False
 
-    def _run(self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor,
-             extra: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _run(
+        self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         targets = labels if self.has_last_stage else None
         # Keyword inputs reach every stage (torch splits them per microbatch), positional ones the first.
@@ -112,8 +113,9 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     return part
 
 
-def validate_pipeline(dims: ParallelDims, p: ParallelismConfig, n_layers: int,
-                      local_batch_size: int) -> tuple[list[int], int]:
+def validate_pipeline(
+    dims: ParallelDims, p: ParallelismConfig, n_layers: int, local_batch_size: int
+) -> tuple[list[int], int]:
     """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count)."""
     stages_per_rank = STAGES_PER_RANK[p.pipeline_parallel_schedule]
     boundaries = stage_boundaries(n_layers, dims.pp * stages_per_rank, p.pipeline_parallel_split_points)
@@ -168,8 +170,16 @@ def build_pipeline(
     stages = []
     for sid, part in zip(stage_ids, parts):
         apply_forward_context(part)
-        stages.append(Stage(part, sid, num_stages, device, group=pp_mesh.get_group(),
-                            reduce_per_microbatch=fsdp_reduce == "per_microbatch"))
+        stages.append(
+            Stage(
+                part,
+                sid,
+                num_stages,
+                device,
+                group=pp_mesh.get_group(),
+                reduce_per_microbatch=fsdp_reduce == "per_microbatch",
+            )
+        )
     schedule_cls = get_schedule_class(schedule_name)
     # scale_grads=False: the schedule's own 1/n_microbatches rescales every gradient the stage
     # holds, including those accumulated by earlier gradient-accumulation steps, and would weigh
@@ -178,6 +188,12 @@ def build_pipeline(
     stage_arg = stages if issubclass(schedule_cls, PipelineScheduleMulti) else stages[0]
     loss = _ModalLoss(loss_fn, eval_loss_fn)
     schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=loss, scale_grads=False)
-    logger.info("pipeline: %s, %d stages, %d microbatches; this rank holds stages %s; FSDP reduces %s",
-                schedule_name, num_stages, n_microbatches, stage_ids, fsdp_reduce.replace("_", " "))
+    logger.info(
+        "pipeline: %s, %d stages, %d microbatches; this rank holds stages %s; FSDP reduces %s",
+        schedule_name,
+        num_stages,
+        n_microbatches,
+        stage_ids,
+        fsdp_reduce.replace("_", " "),
+    )
     return Pipeline(schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids, n_microbatches, loss)

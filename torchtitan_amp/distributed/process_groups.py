@@ -88,12 +88,19 @@ def init(info: DistInfo, timeout_s: float = 300.0) -> None:
         # a restarted rank can read a dead peer's address and fail to connect.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"torchtitan_amp/attempt_{attempt}", store)
-        dist.init_process_group(info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=info.device if info.device.type == "cuda" else None)
+        dist.init_process_group(
+            info.backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=info.device if info.device.type == "cuda" else None,
+        )
 
 
-def values_by_rank(name: str, value: str, store: dist.Store | None = None, rank: int | None = None,
-                   world_size: int | None = None) -> list[str]:
+def values_by_rank(
+    name: str, value: str, store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None
+) -> list[str]:
     """Every rank's `value` for `name`, in rank order, through the default group's store (the
     torchrun rendezvous): a start-up fact the ranks must agree on, exchanged without a collective,
     so no traffic counter or predicted collective count sees it. `store`/`rank`/`world_size`
@@ -109,7 +116,7 @@ def values_by_rank(name: str, value: str, store: dist.Store | None = None, rank:
     return [store.get(k).decode() for k in keys]
 
 
-def set_timeouts(timeout_s: float, dims: "ParallelDims") -> None:
+def set_timeouts(timeout_s: float, dims: ParallelDims) -> None:
     """Give every process group the steady-state timeout: a collective that a dead or hung rank
     never joins then fails after `timeout_s` instead of blocking the job forever."""
     if not dist.is_initialized():

@@ -29,23 +29,30 @@ def loss_parallel_enabled(dims: ParallelDims, config: JobConfig) -> bool:
     return dims.tp_enabled and not config.parallelism.disable_loss_parallel
 
 
-
 def parallel_context(dims: ParallelDims, config: JobConfig) -> contextlib.AbstractContextManager:
     """The context both forward+loss and backward need for parallelism (not precision)."""
     return loss_parallel() if loss_parallel_enabled(dims, config) else contextlib.nullcontext()
 
 
-
-def apply_tp(model: nn.Module, block_plan: Callable[[object, nn.Module], dict], block_norms: tuple[str, ...],
-             mesh: DeviceMesh, loss_parallel_on: bool, sequence_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module,
+    block_plan: Callable[[object, nn.Module], dict],
+    block_norms: tuple[str, ...],
+    mesh: DeviceMesh,
+    loss_parallel_on: bool,
+    sequence_parallel: bool,
+) -> None:
     """Megatron-style TP: each block by its family's `block_plan(sequence layout, block)` (Llama: q/k/v and w1/w3 column-wise, wo
     and w2 row-wise), its `block_norms` sequence-parallel; the embedding row-wise, the output column-wise.
 
     Absent stage ends (pipeline parallel sets them to None) are skipped.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
-    tied = model.tok_embeddings is not None and model.output is not None and \
-        model.output.weight is model.tok_embeddings.weight
+    tied = (
+        model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
@@ -72,9 +79,12 @@ def apply_tp(model: nn.Module, block_plan: Callable[[object, nn.Module], dict], 
         parallelize_module(block, mesh, styles)
     if model.norm is not None and not sequence_parallel:
         _replicate_params(model.norm, mesh)
-    logger.info("applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
-                mesh.size(), sequence_parallel, loss_parallel_on)
-
+    logger.info(
+        "applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
+        mesh.size(),
+        sequence_parallel,
+        loss_parallel_on,
+    )
 
 
 def linear_shard_dims(model: nn.Module, block_plan: Callable[[object, nn.Module], dict]) -> dict[str, int]:
@@ -103,14 +113,14 @@ def apply_async_tp(tp_mesh: DeviceMesh) -> None:
     logger.info("async tensor parallel enabled (inductor micro-pipeline TP)")
 
 
-
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     """Make a module's params replicated DTensors while its inputs/outputs stay plain tensors,
     so that foreach optimizer and norm kernels never see plain and DTensor params mixed."""
     distribute_module(
-        module, mesh,
+        module,
+        mesh,
         input_fn=lambda _m, args, mesh: tuple(
-            DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args
+        ),
         output_fn=lambda _m, out, _mesh: out.to_local(),
     )
-

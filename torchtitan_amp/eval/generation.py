@@ -110,8 +110,12 @@ class ModelRunner:
 
     @classmethod
     def for_plan(cls, model: nn.Module, plan: PrecisionPlan, tp: int, sequence_parallel: bool) -> ModelRunner:
-        return cls(model, functools.partial(autocast.forward_context, plan),
-                   functools.partial(autocast.cast_output, plan), sequence_multiple(tp, sequence_parallel))
+        return cls(
+            model,
+            functools.partial(autocast.forward_context, plan),
+            functools.partial(autocast.cast_output, plan),
+            sequence_multiple(tp, sequence_parallel),
+        )
 
     @property
     def max_seq_len(self) -> int:
@@ -164,8 +168,9 @@ def positions_needed(prompt_len: int, max_new_tokens: int, multiple: int = 1) ->
     return prompt_len + max_new_tokens + multiple - 1
 
 
-def first_too_long(prompts: Iterable[Sequence[int]], max_new_tokens: int, max_seq_len: int,
-                   multiple: int = 1) -> tuple[int, int, int] | None:
+def first_too_long(
+    prompts: Iterable[Sequence[int]], max_new_tokens: int, max_seq_len: int, multiple: int = 1
+) -> tuple[int, int, int] | None:
     """(index, length, positions needed) of the first prompt that cannot be continued by
     max_new_tokens within max_seq_len positions, or None: the callers name their own fields."""
     for i, prompt in enumerate(prompts):
@@ -190,14 +195,21 @@ class Completion:
 
 
 @torch.no_grad()
-def generate(runner: ModelRunner, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-             eos_id: int | None = None) -> Completion:
+def generate(
+    runner: ModelRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_id: int | None = None,
+) -> Completion:
     """Continue `prompt` (token ids) by up to max_new_tokens tokens. Every rank holding part of
     the model must call it with the same arguments. The model should be in eval mode."""
     needed = positions_needed(len(prompt), max_new_tokens, runner.multiple)
     if not prompt or max_new_tokens < 1 or needed > runner.max_seq_len:
-        raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {needed} "
-                         f"positions; the model has 1..{runner.max_seq_len}")
+        raise ValueError(
+            f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones need {needed} "
+            f"positions; the model has 1..{runner.max_seq_len}"
+        )
     device = next(runner.model.parameters()).device
     generator = None if sampling.greedy else torch.Generator(device).manual_seed(sampling.seed)
     tokens: list[int] = []
@@ -215,8 +227,7 @@ def record(prompt: str, completion: Completion, tokenizer: Tokenizer) -> dict[st
     """What a generation reports (the tool's --output lines, samples.jsonl): the prompt, the
     continuation's text (without EOS), its token ids and why it stopped."""
     text_ids = completion.tokens[:-1] if completion.stop == "eos" else completion.tokens
-    return {"prompt": prompt, "text": tokenizer.decode(text_ids), "tokens": completion.tokens,
-            "stop": completion.stop}
+    return {"prompt": prompt, "text": tokenizer.decode(text_ids), "tokens": completion.tokens, "stop": completion.stop}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,9 +247,14 @@ class SamplePrompts:
 
     def generate(self, runner: ModelRunner) -> list[dict[str, Any]]:
         """Every prompt's record (`record`); a collective call, as `generate`."""
-        return [record(text, generate(runner, list(ids), self.max_new_tokens, self.sampling, self.tokenizer.eos_id),
-                       self.tokenizer)
-                for text, ids in zip(self.prompts, self.ids)]
+        return [
+            record(
+                text,
+                generate(runner, list(ids), self.max_new_tokens, self.sampling, self.tokenizer.eos_id),
+                self.tokenizer,
+            )
+            for text, ids in zip(self.prompts, self.ids)
+        ]
 
 
 def resolve_samples(config: JobConfig, tokenizer: Tokenizer | None, max_seq_len: int) -> SamplePrompts | None:
@@ -249,9 +265,11 @@ def resolve_samples(config: JobConfig, tokenizer: Tokenizer | None, max_seq_len:
         return None
     for name in ("pipeline_parallel_degree", "context_parallel_degree"):
         if getattr(p, name) > 1:
-            raise ConfigError(f"'validation.sample_prompts' is not supported with parallelism.{name} = "
-                              f"{getattr(p, name)} (generation runs whole sequences through the whole model "
-                              "on every rank); leave sample_prompts empty")
+            raise ConfigError(
+                f"'validation.sample_prompts' is not supported with parallelism.{name} = "
+                f"{getattr(p, name)} (generation runs whole sequences through the whole model "
+                "on every rank); leave sample_prompts empty"
+            )
     if tokenizer is None:
         return None
     multiple = sequence_multiple(p.tensor_parallel_degree, p.enable_sequence_parallel)
@@ -263,6 +281,7 @@ def resolve_samples(config: JobConfig, tokenizer: Tokenizer | None, max_seq_len:
         raise ConfigError(
             f"'validation.sample_prompts' entry {i} has {length} tokens: with validation."
             f"sample_max_new_tokens = {v.sample_max_new_tokens}{padding} it needs {needed} positions, "
-            f"more than training.seq_len = {max_seq_len}; shorten it or generate fewer tokens")
+            f"more than training.seq_len = {max_seq_len}; shorten it or generate fewer tokens"
+        )
     sampling = Sampling(temperature=v.sample_temperature, seed=config.training.seed)
     return SamplePrompts(tuple(v.sample_prompts), ids, v.sample_max_new_tokens, sampling, tokenizer)

@@ -62,8 +62,9 @@ class ValidationSpec:
         return step % self.freq == 0 or step == last_step
 
 
-def resolve_spec(config: JobConfig, max_seq_len: int, pp_microbatches: int | None,
-                 tokenizer: Tokenizer | None = None) -> ValidationSpec | None:
+def resolve_spec(
+    config: JobConfig, max_seq_len: int, pp_microbatches: int | None, tokenizer: Tokenizer | None = None
+) -> ValidationSpec | None:
     """None when validation is off. Checks what needs training's settings or the layout:
     `max_seq_len` is the rotary tables' length, `pp_microbatches` the schedule's fixed
     micro-batch count (None without pipeline parallelism); `tokenizer` encodes the sample
@@ -71,47 +72,71 @@ def resolve_spec(config: JobConfig, max_seq_len: int, pp_microbatches: int | Non
     v, t = config.validation, config.training
     if not v.enable:
         return None
-    spec = ValidationSpec(dataset=v.dataset or t.dataset, held_out=bool(v.dataset),
-                          seq_len=v.seq_len or t.seq_len, local_batch_size=v.local_batch_size or t.local_batch_size,
-                          steps=v.steps, freq=v.freq, samples=resolve_samples(config, tokenizer, max_seq_len))
+    spec = ValidationSpec(
+        dataset=v.dataset or t.dataset,
+        held_out=bool(v.dataset),
+        seq_len=v.seq_len or t.seq_len,
+        local_batch_size=v.local_batch_size or t.local_batch_size,
+        steps=v.steps,
+        freq=v.freq,
+        samples=resolve_samples(config, tokenizer, max_seq_len),
+    )
     if spec.seq_len > max_seq_len:
-        raise ConfigError(f"'validation.seq_len' = {spec.seq_len} exceeds training.seq_len = {max_seq_len}, "
-                          "the longest sequence the model's rotary tables cover")
+        raise ConfigError(
+            f"'validation.seq_len' = {spec.seq_len} exceeds training.seq_len = {max_seq_len}, "
+            "the longest sequence the model's rotary tables cover"
+        )
     # Evaluation windows are split over the cp ranks like training's.
     check_seq_len(spec.seq_len, config.parallelism.context_parallel_degree, "validation.seq_len")
     if pp_microbatches is not None and spec.local_batch_size % pp_microbatches:
         raise ConfigError(
             f"'validation.local_batch_size' = {spec.local_batch_size} must be a multiple of the pipeline's "
             f"{pp_microbatches} microbatches (training.local_batch_size / "
-            "parallelism.pipeline_parallel_microbatch_size): the schedule evaluates in the same number")
+            "parallelism.pipeline_parallel_microbatch_size): the schedule evaluates in the same number"
+        )
     return spec
 
 
-def build_loader(spec: ValidationSpec, tokenizer: Tokenizer, dp_rank: int, dp_degree: int,
-                 seed: int) -> ParallelAwareDataLoader:
+def build_loader(
+    spec: ValidationSpec, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, seed: int
+) -> ParallelAwareDataLoader:
     """The validation loader; a split that cannot fill one batch per rank is a DataError naming
     validation.dataset (raised before any process group exists)."""
     try:
-        loader = build_dataloader(spec.dataset, tokenizer, spec.seq_len, spec.local_batch_size, dp_rank,
-                                  dp_degree, seed)
+        loader = build_dataloader(
+            spec.dataset, tokenizer, spec.seq_len, spec.local_batch_size, dp_rank, dp_degree, seed
+        )
     except DataError as e:
         raise DataError(f"'validation.dataset' = {spec.dataset!r}: {e}") from e
     if loader.num_windows_per_epoch < spec.local_batch_size:
         raise DataError(
             f"'validation.dataset' = {spec.dataset!r} has {loader.num_windows_per_epoch} windows of "
             f"seq_len {spec.seq_len} + 1 tokens per data-parallel rank ({dp_degree} ranks), fewer than "
-            f"one batch of validation.local_batch_size = {spec.local_batch_size}")
+            f"one batch of validation.local_batch_size = {spec.local_batch_size}"
+        )
     return loader
 
 
 class Validator:
     """Evaluates this rank's model parts on the validation loader; every rank must call `run`."""
 
-    def __init__(self, spec: ValidationSpec, loader: ParallelAwareDataLoader, *, config: JobConfig,
-                 plan: PrecisionPlan, dims: Any, model_parts: list[nn.Module], pipeline: Pipeline | None,
-                 loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                 loss_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
-                 is_logging_rank: bool, model_inputs: ModelInputs = lambda x, y: (x, y, {})) -> None:
+    def __init__(
+        self,
+        spec: ValidationSpec,
+        loader: ParallelAwareDataLoader,
+        *,
+        config: JobConfig,
+        plan: PrecisionPlan,
+        dims: Any,
+        model_parts: list[nn.Module],
+        pipeline: Pipeline | None,
+        loss_fn: Callable[..., torch.Tensor],
+        device: torch.device,
+        loss_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup | None,
+        is_logging_rank: bool,
+        model_inputs: ModelInputs = lambda x, y: (x, y, {}),
+    ) -> None:
         """loss_group: every rank holding a share of a step's tokens (data- and context-parallel);
         model_inputs: a batch -> what this rank's model sees (context_parallel.BatchSharder)."""
         self.spec, self.loader, self.loss_fn, self.model_inputs = spec, loader, loss_fn, model_inputs
@@ -123,8 +148,11 @@ class Validator:
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.samples: list[dict[str, Any]] = []  # the last evaluation's sample continuations
         if not spec.held_out and is_logging_rank:
-            logger.warning("validation.dataset is empty: evaluating on the training data (%s), which "
-                           "measures fit, not generalisation", spec.dataset)
+            logger.warning(
+                "validation.dataset is empty: evaluating on the training data (%s), which "
+                "measures fit, not generalisation",
+                spec.dataset,
+            )
 
     @property
     def batches_per_run(self) -> int:
@@ -160,8 +188,12 @@ class Validator:
                 dist.all_reduce(total, group=group)
         # No valid label at all: loss 0 (a sum of nothing), not 0 / 0.
         loss, tokens = float(total[0] / total[1].clamp(min=1)), float(total[1])
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": tokens,
-                "val_time_s": time.perf_counter() - start}
+        return {
+            "val_loss": loss,
+            "val_ppl": math.exp(min(loss, 700.0)),
+            "val_tokens": tokens,
+            "val_time_s": time.perf_counter() - start,
+        }
 
     def _iterator(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.spec.steps == -1:
@@ -187,8 +219,9 @@ class Validator:
         else:
             # Its own outermost autocast region per forward (see the module docstring).
             with parallel_context(self.dims, self.config), autocast.forward_context(self.plan):
-                loss = self.loss_fn(autocast.cast_output(self.plan, self.model_parts[0](inputs, **extra)), labels,
-                                    reduction="sum")
+                loss = self.loss_fn(
+                    autocast.cast_output(self.plan, self.model_parts[0](inputs, **extra)), labels, reduction="sum"
+                )
             if isinstance(loss, DTensor):  # loss parallel: a replicated DTensor
                 loss = loss.full_tensor()
         return torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])

@@ -36,30 +36,98 @@ Conventions
 """
 
 # DTYPE_BYTES, SHORT, STAGES_PER_RANK and stage_layer_ranges are also used as memory.X by callers.
+from torchtitan_amp.core.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
 from torchtitan_amp.memory.activations import ActivationEstimate, activation_bytes
-from torchtitan_amp.memory.collectives import (comm, cp_comm, ddp_comm, dp_comm, grad_comm, pp_comm,
-                                               recomputed_blocks, tp_comm, tp_partial_grad_comm)
-from torchtitan_amp.memory.fsdp import (FsdpGroup, fsdp_calls, fsdp_comm, fsdp_gathers_per_step, fsdp_groups,
-                                        fsdp_transient)
+from torchtitan_amp.memory.collectives import (
+    comm,
+    cp_comm,
+    ddp_comm,
+    dp_comm,
+    grad_comm,
+    pp_comm,
+    recomputed_blocks,
+    tp_comm,
+    tp_partial_grad_comm,
+)
+from torchtitan_amp.memory.fsdp import (
+    FsdpGroup,
+    fsdp_calls,
+    fsdp_comm,
+    fsdp_gathers_per_step,
+    fsdp_groups,
+    fsdp_transient,
+)
 from torchtitan_amp.memory.llama import ModelDims, activation_terms, param_specs
 from torchtitan_amp.memory.moe import MoEDims
 from torchtitan_amp.memory.shards import chunk_size, fsdp_local_numel, fsdp_padded_numel, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes, fmt_by_dtype, fmt_bytes, merge, sum_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
-from torchtitan_amp.memory.stages import (in_flight_at_peak, in_flight_microbatches, interleaved_order, rank_order,
-                                          rank_stages, schedule_ops, stage_ops)
-from torchtitan_amp.core.rules import DTYPE_BYTES, SHORT, STAGES_PER_RANK, stage_layer_ranges
+from torchtitan_amp.memory.stages import (
+    in_flight_at_peak,
+    in_flight_microbatches,
+    interleaved_order,
+    rank_order,
+    rank_stages,
+    schedule_ops,
+    stage_ops,
+)
 from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, StateBytes, diloco_bytes, peak_with_diloco, state_bytes
 from torchtitan_amp.memory.totals import MemoryEstimate, estimate, transient_bytes
 
 __all__ = [
-    "ADAMW_STEP_BYTES", "DTYPE_BYTES", "SHORT", "STAGES_PER_RANK", "ActivationEstimate", "ActivationTerms",
-    "ByDtype", "FsdpGroup", "Layout", "MemoryEstimate", "ModelDims", "MoEDims", "ParamSpec", "PrecisionSpec", "Stage",
-    "StateBytes", "activation_bytes", "activation_terms", "add_bytes", "chunk_size", "diloco_bytes", "peak_with_diloco", "comm", "cp_comm", "ddp_comm",
-    "dp_comm", "estimate", "fmt_by_dtype", "fmt_bytes", "fsdp_calls", "fsdp_comm", "fsdp_gathers_per_step",
-    "fsdp_groups", "fsdp_local_numel", "fsdp_padded_numel", "fsdp_transient", "grad_comm",
-    "in_flight_at_peak", "in_flight_microbatches", "interleaved_order", "merge", "param_specs", "pp_comm",
-    "rank_order", "rank_stages", "recomputed_blocks", "schedule_ops",
-    "stage_layer_ranges", "stage_ops", "state_bytes", "sum_bytes", "tp_comm", "tp_local_shape",
-    "tp_partial_grad_comm", "transient_bytes",
+    "ADAMW_STEP_BYTES",
+    "DTYPE_BYTES",
+    "SHORT",
+    "STAGES_PER_RANK",
+    "ActivationEstimate",
+    "ActivationTerms",
+    "ByDtype",
+    "FsdpGroup",
+    "Layout",
+    "MemoryEstimate",
+    "ModelDims",
+    "MoEDims",
+    "ParamSpec",
+    "PrecisionSpec",
+    "Stage",
+    "StateBytes",
+    "activation_bytes",
+    "activation_terms",
+    "add_bytes",
+    "chunk_size",
+    "diloco_bytes",
+    "peak_with_diloco",
+    "comm",
+    "cp_comm",
+    "ddp_comm",
+    "dp_comm",
+    "estimate",
+    "fmt_by_dtype",
+    "fmt_bytes",
+    "fsdp_calls",
+    "fsdp_comm",
+    "fsdp_gathers_per_step",
+    "fsdp_groups",
+    "fsdp_local_numel",
+    "fsdp_padded_numel",
+    "fsdp_transient",
+    "grad_comm",
+    "in_flight_at_peak",
+    "in_flight_microbatches",
+    "interleaved_order",
+    "merge",
+    "param_specs",
+    "pp_comm",
+    "rank_order",
+    "rank_stages",
+    "recomputed_blocks",
+    "schedule_ops",
+    "stage_layer_ranges",
+    "stage_ops",
+    "state_bytes",
+    "sum_bytes",
+    "tp_comm",
+    "tp_local_shape",
+    "tp_partial_grad_comm",
+    "transient_bytes",
 ]

@@ -27,23 +27,32 @@ class ActivationEstimate:
     tokens: int  # per microbatch
 
     def to_dict(self) -> dict[str, Any]:
-        return {"none": self.none, "full": self.full, "configured": self.configured,
-                "configured_mode": self.mode, "per_layer_none": self.per_layer_none,
-                "per_layer_full_ac": self.per_layer_full,
-                "in_flight_microbatches": {str(k): v for k, v in self.in_flight.items()},
-                "tokens_per_microbatch": self.tokens}
+        return {
+            "none": self.none,
+            "full": self.full,
+            "configured": self.configured,
+            "configured_mode": self.mode,
+            "per_layer_none": self.per_layer_none,
+            "per_layer_full_ac": self.per_layer_full,
+            "in_flight_microbatches": {str(k): v for k, v in self.in_flight.items()},
+            "tokens_per_microbatch": self.tokens,
+        }
 
 
-def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
-                     pp_rank: int = 0, device: str = "cuda") -> ActivationEstimate:
+def activation_bytes(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, device: str = "cuda"
+) -> ActivationEstimate:
     """peak = tokens x (sum over stages of in-flight microbatches x (layers x per-layer + ends)
     + one recomputed block's full activations under a recomputing mode). `device`
     "cpu" adds what only CPU's attention saves (ActivationTerms.layer_cpu), to compare with a
     measurement on this machine; GPUs are sized without it."""
     terms = model.activation_terms(prec, layout)
     if device == "cpu":
-        terms = dataclasses.replace(terms, layer=terms.layer + terms.layer_cpu, layer_by_index=tuple(
-            (i, v + terms.layer_cpu) for i, v in terms.layer_by_index))
+        terms = dataclasses.replace(
+            terms,
+            layer=terms.layer + terms.layer_cpu,
+            layer_by_index=tuple((i, v + terms.layer_cpu) for i, v in terms.layer_by_index),
+        )
     tokens = layout.microbatch_tokens
     stages = rank_stages(model, layout, pp_rank)
 
@@ -61,8 +70,7 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
             return sum(terms.op_sac_at(i) for i in stage.layers) + ends, max(full, default=0.0)
         ac = set(range(0, n, int(layout.ac_option)))
         kept = [f for j, f in enumerate(full) if j not in ac]
-        return (len(ac) * terms.layer_checkpointed + sum(kept) + ends,
-                max((full[j] for j in ac), default=0.0))
+        return (len(ac) * terms.layer_checkpointed + sum(kept) + ends, max((full[j] for j in ac), default=0.0))
 
     def peak(mode: str) -> tuple[int, dict[int, int]]:
         """Saved bytes at the step's peak: the microbatches in flight on each stage at the moment
@@ -75,6 +83,13 @@ def activation_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *,
 
     biggest = max((terms.layer_at(i) for s in stages for i in s.layers), default=terms.layer)
     configured, in_flight = peak(layout.ac_mode)
-    return ActivationEstimate(peak("none")[0], peak("full")[0], configured, layout.ac_mode,
-                              int(tokens * biggest), int(tokens * terms.layer_checkpointed),
-                              in_flight, tokens)
+    return ActivationEstimate(
+        peak("none")[0],
+        peak("full")[0],
+        configured,
+        layout.ac_mode,
+        int(tokens * biggest),
+        int(tokens * terms.layer_checkpointed),
+        in_flight,
+        tokens,
+    )

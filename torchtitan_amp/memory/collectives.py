@@ -29,20 +29,32 @@ def ddp_comm(params: list[tuple[int, bool]], prec: PrecisionSpec) -> dict[str, B
     return {"ddp_all_reduce": ar}
 
 
-def dp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-            tp_rank: int = 0) -> dict[str, ByDtype]:
+def dp_comm(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
+) -> dict[str, ByDtype]:
     """Data-parallel traffic of one rank per step (fsdp_comm, or ddp_comm for replicate-only)."""
     stages = rank_stages(model, layout, pp_rank)
     if layout.fsdp_shard > 1:
         return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
     if layout.dp_replicate > 1:
-        return ddp_comm([(math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
-                         for s in stages for p in model.param_specs(s) if not prec.is_frozen(p.name)], prec)
+        return ddp_comm(
+            [
+                (math.prod(tp_local_shape(p, layout.tp, tp_rank)), prec.low(p.kind))
+                for s in stages
+                for p in model.param_specs(s)
+                if not prec.is_frozen(p.name)
+            ],
+            prec,
+        )
     if layout.cross_group_every_step:
         # One-rank replica groups: torchft all-reduces every trained gradient once per step, in
         # the dtype backward left it (storage: no compress hook on this path).
-        numel = sum(math.prod(tp_local_shape(p, layout.tp, tp_rank)) for s in stages for p in model.param_specs(s)
-                    if not prec.is_frozen(p.name))
+        numel = sum(
+            math.prod(tp_local_shape(p, layout.tp, tp_rank))
+            for s in stages
+            for p in model.param_specs(s)
+            if not prec.is_frozen(p.name)
+        )
         return {"ft_cross_group_all_reduce": {prec.storage: numel * DTYPE_BYTES[prec.storage]}} if numel else {}
     return {}
 
@@ -54,18 +66,22 @@ def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, 
     if layout.tp == 1 or not layout.sp or layout.fsdp_shard > 1:
         return {}
     wire = prec.reduce if prec.low("norm") else prec.storage
-    norms = sum(1 for s in rank_stages(model, layout, pp_rank) for p in model.param_specs(s)
-                if p.kind == "norm" and not prec.is_frozen(p.name))
+    norms = sum(
+        1
+        for s in rank_stages(model, layout, pp_rank)
+        for p in model.param_specs(s)
+        if p.kind == "norm" and not prec.is_frozen(p.name)
+    )
     return {wire: norms * model.dim * DTYPE_BYTES[wire]} if norms else {}
 
 
-def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-              tp_rank: int = 0) -> dict[str, ByDtype]:
+def grad_comm(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
+) -> dict[str, ByDtype]:
     """Every gradient collective of one rank per optimizer step, by dtype: FSDP's reduce-scatters
     (and HSDP's all-reduce), DDP's all-reduce, TP's partial-gradient all-reduce (under FSDP x TP
     FSDP sums those itself: in tp_comm's tp_all_reduce). Pipeline stages exchange no gradients."""
-    out = {k: v for k, v in dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank).items()
-           if "reduce" in k}
+    out = {k: v for k, v in dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank).items() if "reduce" in k}
     tp = tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank)
     if tp:
         out["tp_partial_grad_all_reduce"] = tp
@@ -78,16 +94,19 @@ def grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank:
 _Collective = tuple[str, str]
 _REGIONS: dict[str, dict[bool, tuple[list[_Collective], _Collective | None, list[_Collective]]]] = {
     # Colwise entry, rowwise exit (Llama's attention and MLP).
-    "split": {True: ([("all_gather", "r")], ("reduce_scatter", "c"), [("reduce_scatter", "r"), ("all_gather", "c")]),
-              False: ([], ("all_reduce", "c"), [("all_reduce", "r")])},
+    "split": {
+        True: ([("all_gather", "r")], ("reduce_scatter", "c"), [("reduce_scatter", "r"), ("all_gather", "c")]),
+        False: ([], ("all_reduce", "c"), [("all_reduce", "r")]),
+    },
     # The whole sequence in, computed alike on every TP rank, this rank's slice out (MoE layers):
     # the input all-gathered, the output's gradient all-gathered back; nothing without SP.
-    "replicated": {True: ([("all_gather", "r")], None, [("all_gather", "r")]),
-                   False: ([], None, [])},
+    "replicated": {True: ([("all_gather", "r")], None, [("all_gather", "r")]), False: ([], None, [])},
     # The same with a split dense MLP inside (MoE's shared expert): its output all-reduced in
     # forward, its input's gradient (w1's and w3's partial sums added first) in backward.
-    "replicated_split": {True: ([("all_gather", "r")], ("all_reduce", "c"), [("all_gather", "r"), ("all_reduce", "r")]),
-                         False: ([], ("all_reduce", "c"), [("all_reduce", "r")])},
+    "replicated_split": {
+        True: ([("all_gather", "r")], ("all_reduce", "c"), [("all_gather", "r"), ("all_reduce", "r")]),
+        False: ([], ("all_reduce", "c"), [("all_reduce", "r")]),
+    },
 }
 
 
@@ -243,12 +262,15 @@ def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     return {"cp_all_gather": ag, "cp_reduce_scatter": rs}
 
 
-def comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-         tp_rank: int = 0) -> dict[str, ByDtype]:
+def comm(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
+) -> dict[str, ByDtype]:
     """All traffic categories of one rank per step (see dp_comm, tp_comm, cp_comm, pp_comm, and
     the family's expert-parallel exchange, ModelDims.ep_comm)."""
-    return {**dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
-            **tp_comm(model, prec, layout, pp_rank=pp_rank),
-            **cp_comm(model, prec, layout, pp_rank=pp_rank),
-            **pp_comm(model, prec, layout, pp_rank=pp_rank),
-            **model.ep_comm(prec, layout, rank_stages(model, layout, pp_rank))}
+    return {
+        **dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
+        **tp_comm(model, prec, layout, pp_rank=pp_rank),
+        **cp_comm(model, prec, layout, pp_rank=pp_rank),
+        **pp_comm(model, prec, layout, pp_rank=pp_rank),
+        **model.ep_comm(prec, layout, rank_stages(model, layout, pp_rank)),
+    }

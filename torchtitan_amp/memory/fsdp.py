@@ -54,8 +54,9 @@ class FsdpGroup:
         return "expert_fsdp" if self.kind == "experts" else "fsdp"
 
 
-def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage,
-                tp_rank: int = 0) -> list[FsdpGroup]:
+def fsdp_groups(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: Stage, tp_rank: int = 0
+) -> list[FsdpGroup]:
     """The groups parallelize.apply_fsdp creates on a stage: on the "fsdp" path the modules outside
     the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
     block is a group; the root holds the rest. Which reshard after forward:
@@ -77,8 +78,17 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
             experts.setdefault(s.block, []).append(s)
     for unit in experts.values():
         gather, red = (low_gather, low_reduce) if prec.low(unit[0].kind) else (prec.storage, prec.storage)
-        groups.append(FsdpGroup(unit[0].name.rsplit(".", 1)[0], numel(unit), gather, red,
-                                reshard_after_forward(policy, False, pp), "experts", layout.efsdp))
+        groups.append(
+            FsdpGroup(
+                unit[0].name.rsplit(".", 1)[0],
+                numel(unit),
+                gather,
+                red,
+                reshard_after_forward(policy, False, pp),
+                "experts",
+                layout.efsdp,
+            )
+        )
     specs = [s for s in specs if not (s.expert and layout.ep > 1)]
     own = [s for s in specs if mp and not prec.low(s.kind)]
     units: dict[object, list[ParamSpec]] = {}  # by block; None: outside blocks
@@ -86,23 +96,41 @@ def fsdp_groups(model: ModelDims, prec: PrecisionSpec, layout: Layout, stage: St
     for s in own:  # every module here owns a single weight
         units.setdefault(s.block if grouped else s.name, []).append(s)
     for unit in units.values():
-        groups.append(FsdpGroup("+".join(s.name.rsplit(".", 1)[0] for s in unit), numel(unit), "float32",
-                                "float32", reshard_after_forward(policy, False, pp), "fp32"))
+        groups.append(
+            FsdpGroup(
+                "+".join(s.name.rsplit(".", 1)[0] for s in unit),
+                numel(unit),
+                "float32",
+                "float32",
+                reshard_after_forward(policy, False, pp),
+                "fp32",
+            )
+        )
     rest = [s for s in specs if s not in own]
     layers = list(stage.layers)
     for j, i in enumerate(layers):
         block = [s for s in rest if s.block == i]
-        groups.append(FsdpGroup(f"layers.{i}", numel(block), low_gather, low_reduce,
-                                reshard_after_forward(policy, j == len(layers) - 1, pp), "block"))
+        groups.append(
+            FsdpGroup(
+                f"layers.{i}",
+                numel(block),
+                low_gather,
+                low_reduce,
+                reshard_after_forward(policy, j == len(layers) - 1, pp),
+                "block",
+            )
+        )
     root = [s for s in rest if s.block is None]
     if root:
-        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce,
-                                reshard_after_forward(policy, True, pp), "root"))
+        groups.append(
+            FsdpGroup("root", numel(root), low_gather, low_reduce, reshard_after_forward(policy, True, pp), "root")
+        )
     return groups
 
 
-def fsdp_gathers_per_step(group: FsdpGroup, ops: list[str], pp: bool, per_microbatch: bool = False,
-                          mistargeted: bool = False) -> int:
+def fsdp_gathers_per_step(
+    group: FsdpGroup, ops: list[str], pp: bool, per_microbatch: bool = False, mistargeted: bool = False
+) -> int:
     """All-gathers of one group in a step of forward (F) / backward (B) passes.
 
     Without PP every pass starts sharded (backward reshards): F gathers, and B gathers again if
@@ -162,8 +190,9 @@ def _reductions_per_step(layout: Layout, ops: list[str]) -> int:
 
 def _gathers(g: FsdpGroup, groups: list[FsdpGroup], stage: Stage, ops: list[str], layout: Layout) -> int:
     per_microbatch = layout.pp_fsdp_reduce == "per_microbatch"
-    return fsdp_gathers_per_step(g, ops, layout.pp > 1, per_microbatch,
-                                 per_microbatch and g is fsdp_prefetch_target(groups, stage))
+    return fsdp_gathers_per_step(
+        g, ops, layout.pp > 1, per_microbatch, per_microbatch and g is fsdp_prefetch_target(groups, stage)
+    )
 
 
 def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, ByDtype]:
@@ -193,10 +222,14 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
             if g.degree(layout.fsdp_shard) > 1:
                 gathers = _gathers(g, groups, stage, ops, layout)
                 for dtype, nbytes in g.gathered(layout.fsdp_shard).items():
-                    add_bytes(out.setdefault(f"{g.category}_all_gather", {}), dtype,
-                              layout.grad_accum * gathers * nbytes)
-                add_bytes(out.setdefault(f"{g.category}_reduce_scatter", {}), g.reduce_dtype,
-                          reduces * full * DTYPE_BYTES[g.reduce_dtype])
+                    add_bytes(
+                        out.setdefault(f"{g.category}_all_gather", {}), dtype, layout.grad_accum * gathers * nbytes
+                    )
+                add_bytes(
+                    out.setdefault(f"{g.category}_reduce_scatter", {}),
+                    g.reduce_dtype,
+                    reduces * full * DTYPE_BYTES[g.reduce_dtype],
+                )
             if layout.dp_replicate > 1 or layout.cross_group_every_step:
                 add_bytes(ar, g.reduce_dtype, reduces * g.padded_shard_numel * DTYPE_BYTES[g.reduce_dtype])
     if ar:
@@ -222,8 +255,10 @@ def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout
                 out[key] = out.get(key, 0) + reduces
             if g.degree(layout.fsdp_shard) == 1:
                 continue
-            for op, n in (("all_gather", layout.grad_accum * _gathers(g, groups, stage, ops, layout)),
-                          ("reduce_scatter", reduces)):
+            for op, n in (
+                ("all_gather", layout.grad_accum * _gathers(g, groups, stage, ops, layout)),
+                ("reduce_scatter", reduces),
+            ):
                 key = f"{g.category}_{op}"
                 out[key] = out.get(key, 0) + n
     return out
@@ -239,7 +274,7 @@ def _pp_transient(groups: list[FsdpGroup], n: int, per_microbatch: bool, out: By
     per_microbatch: the params of the groups kept after forward (all, under the default policy)
     and two of the largest block otherwise (in use, prefetched)."""
     kept = [g for g in groups if not g.reshard_after_forward]
-    for g in (kept if per_microbatch else groups):
+    for g in kept if per_microbatch else groups:
         for dtype, nbytes in g.gathered(n).items():  # fp8 weights gathered in float8
             add_bytes(out, dtype, nbytes)
         if not per_microbatch:

@@ -40,11 +40,17 @@ class ModelDims:
         return self.kv_heads * self.head_dim
 
     @classmethod
-    def from_args(cls, args: Any) -> "ModelDims":
+    def from_args(cls, args: Any) -> ModelDims:
         """From a `LlamaModelArgs` (or any args with its fields)."""
-        return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads,
-                   ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier), args.vocab_size,
-                   tied=getattr(args, "enable_weight_tying", False))
+        return cls(
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            args.kv_heads,
+            ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+            args.vocab_size,
+            tied=getattr(args, "enable_weight_tying", False),
+        )
 
     def param_specs(self, stage: Stage) -> list[ParamSpec]:
         """This family's parameters of one pipeline stage (a family overrides this)."""
@@ -173,13 +179,18 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     layer = (
         2 * norm
         + (k_attn + k_ffn) * c * d
-        + c * (2 * hq / t + 2 * kv_saved * cp) + 4 * h / t + mask
+        + c * (2 * hq / t + 2 * kv_saved * cp)
+        + 4 * h / t
+        + mask
         + 4 * c * f / t
         + chunked
     )
     checkpointed = r * d / sp
-    op_sac = checkpointed + saved_mm(attention_mm(model, layout) + mlp_mm(model, layout), layout) * c \
+    op_sac = (
+        checkpointed
+        + saved_mm(attention_mm(model, layout) + mlp_mm(model, layout), layout) * c
         + attention_sdpa_op_sac(model, prec, layout)
+    )
     lp = t if (t > 1 and layout.loss_parallel) else 1
     out_b = DTYPE_BYTES[prec.output]
     # Final norm, the head's input, then logits in matmul dtype, cast to output dtype, and

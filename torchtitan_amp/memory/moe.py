@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.llama import (
     ModelDims,
     activation_terms,
@@ -31,7 +32,6 @@ from torchtitan_amp.memory.llama import (
     param_specs,
     saved_mm,
 )
-from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
 
@@ -52,14 +52,26 @@ class MoEDims(ModelDims):
     aux_loss: bool = False  # the sequence-wise balance loss is computed in forward
 
     @classmethod
-    def from_args(cls, args: Any) -> "MoEDims":
+    def from_args(cls, args: Any) -> MoEDims:
         """From MoEModelArgs (the caller has imported the model already)."""
         base = ModelDims.from_args(args)
         hidden = args.dense_inter_dim or base.ffn_hidden
-        return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads, hidden, args.vocab_size,
-                   args.n_routed_experts, args.top_k, args.n_shared_experts, args.moe_inter_dim,
-                   args.n_dense_layers, args.qk_norm, args.explicit_head_dim or 0,
-                   args.load_balance in ("aux_loss", "bias_and_aux_loss") and args.aux_loss_alpha > 0)
+        return cls(
+            args.dim,
+            args.n_layers,
+            args.n_heads,
+            args.kv_heads,
+            hidden,
+            args.vocab_size,
+            args.n_routed_experts,
+            args.top_k,
+            args.n_shared_experts,
+            args.moe_inter_dim,
+            args.n_dense_layers,
+            args.qk_norm,
+            args.explicit_head_dim or 0,
+            args.load_balance in ("aux_loss", "bias_and_aux_loss") and args.aux_loss_alpha > 0,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -88,11 +100,15 @@ class MoEDims(ModelDims):
                 f = p + "feed_forward."
                 out.append(ParamSpec(f + "router.weight", (e, d), "router", None, i))
                 shapes = {"w1": (e, d, h), "w2": (e, h, d), "w3": (e, d, h)}
-                out += [ParamSpec(f + "experts." + w, shapes[w], "linear", None, i, expert=True) for w in EXPERT_WEIGHTS]
+                out += [
+                    ParamSpec(f + "experts." + w, shapes[w], "linear", None, i, expert=True) for w in EXPERT_WEIGHTS
+                ]
                 if hs:
-                    out += [ParamSpec(f + "shared_expert.w1.weight", (hs, d), "linear", 0, i),
-                            ParamSpec(f + "shared_expert.w2.weight", (d, hs), "linear", 1, i),
-                            ParamSpec(f + "shared_expert.w3.weight", (hs, d), "linear", 0, i)]
+                    out += [
+                        ParamSpec(f + "shared_expert.w1.weight", (hs, d), "linear", 0, i),
+                        ParamSpec(f + "shared_expert.w2.weight", (d, hs), "linear", 1, i),
+                        ParamSpec(f + "shared_expert.w3.weight", (hs, d), "linear", 0, i),
+                    ]
         return out
 
     def total_params(self) -> int:
@@ -161,16 +177,29 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
     hq, kv = model.n_heads * model.head_dim, model.kv_dim
     qk = ((8 * hq + 4 * model.n_heads) + (8 * kv + 4 * model.kv_heads)) / t if model.qk_norm else 0.0
     dense_mlp = k_ffn * c * d + 4 * c * model.ffn_hidden / t
-    routed = (q * (d + e) + 24 * k + 4 * e / layout.microbatch_tokens + c * k * d + 4 * c * k * h
-              + 4 * k + 4 * k * d + (4 + 4 * e / layout.local_seq_len if model.aux_loss else 0))
+    routed = (
+        q * (d + e)
+        + 24 * k
+        + 4 * e / layout.microbatch_tokens
+        + c * k * d
+        + 4 * c * k * h
+        + 4 * k
+        + 4 * k * d
+        + (4 + 4 * e / layout.local_seq_len if model.aux_loss else 0)
+    )
     shared = k_ffn * c * d + 4 * c * model.n_shared_experts * h / t if model.n_shared_experts else 0.0
     if shared and k_ffn == 1 and prec.residual == prec.router:
         shared -= q * d  # the router's input cast was a no-op: one tensor saved for both
     moe_layer = base.layer + qk - dense_mlp + routed + shared
     dense = tuple((i, base.layer + qk) for i in range(model.n_dense_layers))
     dense_op_sac = tuple((i, base.layer_op_sac) for i in range(model.n_dense_layers))
-    return dataclasses.replace(base, layer=moe_layer, layer_by_index=dense,
-                               layer_op_sac=moe_op_sac(model, prec, layout), op_sac_by_index=dense_op_sac)
+    return dataclasses.replace(
+        base,
+        layer=moe_layer,
+        layer_by_index=dense,
+        layer_op_sac=moe_op_sac(model, prec, layout),
+        op_sac_by_index=dense_op_sac,
+    )
 
 
 def moe_op_sac(model: MoEDims, prec: PrecisionSpec, layout: Layout) -> float:
@@ -181,8 +210,12 @@ def moe_op_sac(model: MoEDims, prec: PrecisionSpec, layout: Layout) -> float:
     sp = layout.tp if layout.sp else 1
     c, r = DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual]
     norm = (8 * model.dim + 4) / sp
-    return (2 * norm + 2 * r * model.dim / sp + c * saved_mm(attention_mm(model, layout), layout)
-            + attention_sdpa_op_sac(model, prec, layout))
+    return (
+        2 * norm
+        + 2 * r * model.dim / sp
+        + c * saved_mm(attention_mm(model, layout), layout)
+        + attention_sdpa_op_sac(model, prec, layout)
+    )
 
 
 def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, ByDtype]:
@@ -225,5 +258,5 @@ def _recomputed(layout: Layout, stage: Stage) -> list[int]:
     if layout.ac_mode == "full" or (layout.ac_mode == "selective" and layout.ac_option == "op"):
         return layers
     if layout.ac_mode == "selective":
-        return layers[::int(layout.ac_option)]
+        return layers[:: int(layout.ac_option)]
     return []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from torchtitan_amp.core.rules import SHORT
 
-
 ByDtype = dict[str, int]
 
 

@@ -32,11 +32,23 @@ class PrecisionSpec:
     router: str = "float32"  # MoE routing arithmetic (mixed_precision.router_dtype)
 
     @classmethod
-    def simple(cls, path: str, param: str = "bfloat16", reduce: str = "float32",
-               storage: str = "float32", comm_hook: bool = False) -> "PrecisionSpec":
-        return cls(path, storage, param if path != "full" else storage,
-                   reduce if path != "full" else storage, "float32" if path != "full" else storage,
-                   comm_hook, cp_reduce="float32" if path != "full" else storage)
+    def simple(
+        cls,
+        path: str,
+        param: str = "bfloat16",
+        reduce: str = "float32",
+        storage: str = "float32",
+        comm_hook: bool = False,
+    ) -> PrecisionSpec:
+        return cls(
+            path,
+            storage,
+            param if path != "full" else storage,
+            reduce if path != "full" else storage,
+            "float32" if path != "full" else storage,
+            comm_hook,
+            cp_reduce="float32" if path != "full" else storage,
+        )
 
     def low(self, kind: str) -> bool:
         """Whether modules of this kind run (and communicate) in param/reduce dtype."""
@@ -52,7 +64,7 @@ class PrecisionSpec:
         modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
         return any(fnmatch.fnmatchcase(m, pat) for m in modules for pat in self.frozen)
 
-    def stored(self, spec: "ParamSpec") -> str:
+    def stored(self, spec: ParamSpec) -> str:
         """A parameter's storage dtype: frozen ones keep their compute dtype (PrecisionPlan.frozen_dtype)."""
         if self.is_frozen(spec.name) and self.low(spec.kind):
             return self.param
@@ -62,8 +74,13 @@ class PrecisionSpec:
         """Bytes per trained parameter held in parameters, gradients and AdamW moments (summed
         over data-parallel shards: divide by dp_shard for one FSDP rank), and per frozen one."""
         s, m = DTYPE_BYTES[self.storage], DTYPE_BYTES[self.state]
-        return {"param": s, "grad": s, "optimizer": 2 * m, "trained_total": 2 * s + 2 * m,
-                "frozen_linear": DTYPE_BYTES[self.param if self.low("linear") else self.storage]}
+        return {
+            "param": s,
+            "grad": s,
+            "optimizer": 2 * m,
+            "trained_total": 2 * s + 2 * m,
+            "frozen_linear": DTYPE_BYTES[self.param if self.low("linear") else self.storage],
+        }
 
     @property
     def residual(self) -> str:

@@ -14,7 +14,6 @@ from torchtitan_amp.memory.sizes import ByDtype, add_bytes
 from torchtitan_amp.memory.specs import Layout, PrecisionSpec
 from torchtitan_amp.memory.stages import rank_stages
 
-
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
 ADAMW_STEP_BYTES = 4
 
@@ -30,13 +29,19 @@ class StateBytes:
     num_tensors: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "params_padded": self.params_padded, "num_params": self.num_params,
-                "num_tensors": self.num_tensors}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "params_padded": self.params_padded,
+            "num_params": self.num_params,
+            "num_tensors": self.num_tensors,
+        }
 
 
-def state_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-                tp_rank: int = 0, dp_shard_rank: int = 0) -> StateBytes:
+def state_bytes(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0, dp_shard_rank: int = 0
+) -> StateBytes:
     """Parameters, gradients and AdamW state held by one rank; `dp_shard_rank` is its index among
     FSDP's shards (dp_shard x cp: Layout.fsdp_rank).
 

@@ -15,8 +15,9 @@ from torchtitan_amp.memory.stages import rank_stages
 from torchtitan_amp.memory.state import StateBytes, state_bytes
 
 
-def transient_bytes(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-                    tp_rank: int = 0) -> ByDtype:
+def transient_bytes(
+    model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
+) -> ByDtype:
     """Short-lived buffers at the peak, by dtype: fsdp_transient under FSDP; under DDP the
     gradient buckets, a copy of the grads in storage dtype."""
     if layout.fsdp_shard > 1:
@@ -40,19 +41,30 @@ class MemoryEstimate:
     def peak(self, ac_mode: str | None = None) -> int:
         """params (padded) + grads + optimizer + transient buffers + activations of `ac_mode`
         (default: the layout's)."""
-        act = {"none": self.activations.none, "full": self.activations.full,
-               None: self.activations.configured}.get(ac_mode, self.activations.configured)
+        act = {"none": self.activations.none, "full": self.activations.full, None: self.activations.configured}.get(
+            ac_mode, self.activations.configured
+        )
         return self.state_total + sum_bytes(self.transient) + act
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state": self.state.to_dict(), "transient": self.transient,
-                "activations": self.activations.to_dict(),
-                "peak": {"ac_none": self.peak("none"), "ac_full": self.peak("full"),
-                         "configured": self.peak()}}
+        return {
+            "state": self.state.to_dict(),
+            "transient": self.transient,
+            "activations": self.activations.to_dict(),
+            "peak": {"ac_none": self.peak("none"), "ac_full": self.peak("full"), "configured": self.peak()},
+        }
 
 
-def estimate(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0,
-             tp_rank: int = 0, dp_shard_rank: int = 0, device: str = "cuda") -> MemoryEstimate:
+def estimate(
+    model: ModelDims,
+    prec: PrecisionSpec,
+    layout: Layout,
+    *,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+    dp_shard_rank: int = 0,
+    device: str = "cuda",
+) -> MemoryEstimate:
     """Everything for one rank. Rank 0 of each dimension is the largest (uneven shards put the
     short chunks last), and pipeline rank 0 holds the most in-flight microbatches."""
     return MemoryEstimate(

@@ -31,7 +31,7 @@ class KVCache:
 
     def rotary_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables [max_seq_len, head_dim // 2] from this step's first position on."""
-        return cos[self.end:], sin[self.end:]
+        return cos[self.end :], sin[self.end :]
 
     def update(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys and values [B, S, H, D] after the cached ones; return all of

@@ -24,8 +24,9 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
     """Cross-entropy on fp32 logits, whatever dtype the model produced them in, over the labels
     that are not IGNORE_INDEX. Training takes the sum and divides by the step's global count
     (`label_weight`); "mean" divides by this batch's own count (NaN when it has none)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction=reduction)
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
 
 
 def count_valid_labels(labels: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
-
 
 ArgsT = TypeVar("ArgsT")  # a family's model-args dataclass
 
@@ -104,7 +104,7 @@ class ModelFamily:
     name: str  # the value of model.name that picks it
     model_cls: Callable[[Any], nn.Module]
     args_cls: type  # the dataclass of its shapes (a checkpoint's meta records its fields)
-    # Flavour name -> args. The family's own dict, so a flavour registered at run time (into that
+    # Flavor name -> args. The family's own dict, so a flavor registered at run time (into that
     # dict) is accepted by model.flavor from then on.
     flavors: dict[str, Any]
     # (args, parameters without embeddings, seq_len) -> training FLOPs per token (MFU's numerator).
@@ -147,10 +147,10 @@ class ModelFamily:
     compile_fullgraph: bool = True
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
-        """A copy of the flavour with the tokenizer's vocab and the training seq len."""
+        """A copy of the flavor with the tokenizer's vocab and the training seq len."""
         if flavor not in self.flavors:
             allowed = ", ".join(self.flavors)
-            raise ValueError(f"unknown model flavour {flavor!r}; allowed flavours: {allowed}")
+            raise ValueError(f"unknown model flavor {flavor!r}; allowed flavors: {allowed}")
         return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len)
 
     def build_model(self, args: Any) -> nn.Module:
@@ -168,10 +168,16 @@ def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     (torchtitan's count drops it, 6 x vocab x dim FLOPs per token short)."""
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding:
-        in_matmuls = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
-                      for p in m.parameters(recurse=False)}
-        total -= sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding)
-                     for p in m.parameters() if id(p) not in in_matmuls)
+        in_matmuls = {
+            id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+        }
+        total -= sum(
+            p.numel()
+            for m in model.modules()
+            if isinstance(m, nn.Embedding)
+            for p in m.parameters()
+            if id(p) not in in_matmuls
+        )
     return total
 
 

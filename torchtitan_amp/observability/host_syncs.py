@@ -31,10 +31,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose output size is read from the data: a CUDA kernel has to return it to the host first.
-SIZE_READING_OPS = frozenset({
-    "_local_scalar_dense", "nonzero", "bincount", "_unique", "_unique2", "unique_dim",
-    "unique_consecutive", "masked_select", "equal",
-})
+SIZE_READING_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "nonzero",
+        "bincount",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "masked_select",
+        "equal",
+    }
+)
 
 
 _host = threading.local()
@@ -86,8 +95,14 @@ def _masked_fill(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     self, indices, values = args[0], args[1], args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     masks = [i for i in indices if i is not None]
-    return (not accumulate and len(masks) == 1 and masks[0].device == self.device
-            and isinstance(values, torch.Tensor) and values.numel() == 1 and values.device.type == "cpu")
+    return (
+        not accumulate
+        and len(masks) == 1
+        and masks[0].device == self.device
+        and isinstance(values, torch.Tensor)
+        and values.numel() == 1
+        and values.device.type == "cpu"
+    )
 
 
 def _blocking_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -105,8 +120,9 @@ def _blocking_host_copy(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 class _OpSyncs(TorchDispatchMode):
     """The dispatcher half: counts each syncing op into `counts`."""
 
-    def __init__(self, counts: Counter[str], where: list[str] | None,
-                 host_tensors: Callable[[], Collection[int]] | None = None) -> None:
+    def __init__(
+        self, counts: Counter[str], where: list[str] | None, host_tensors: Callable[[], Collection[int]] | None = None
+    ) -> None:
         super().__init__()
         self.counts, self.where, self.host_tensors = counts, where, host_tensors
         self.paused = 0  # inside a .tolist() counted already: its copy to the host is part of it
@@ -169,7 +185,7 @@ class HostSyncs:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def __enter__(self) -> "HostSyncs":
+    def __enter__(self) -> HostSyncs:
         self._tolist = torch.Tensor.tolist
         torch.Tensor.tolist = _counting_tolist(self._ops, self._tolist)  # type: ignore[method-assign]
         self._ops.__enter__()
@@ -192,8 +208,11 @@ def optimizer_step_counters(optimizer: Any) -> set[int]:
     """The ids of the optimizer's host-side step counters: torch keeps AdamW's `step` on the host
     for its foreach and for-loop kernels (not capturable) and reads it per parameter, which on
     CUDA waits for nothing (the fused kernel keeps it on the device and reads nothing)."""
-    return {id(state["step"]) for state in optimizer.state.values()
-            if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu"}
+    return {
+        id(state["step"])
+        for state in optimizer.state.values()
+        if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu"
+    }
 
 
 class StepSyncs:

@@ -11,16 +11,22 @@ import logging
 import resource
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from torchtitan_amp.core.matmul_speed import cpu_matmul_flops, gpu_peak_flops, measure_cpu_matmul_flops
 from torchtitan_amp.core.rules import dtype_name
 from torchtitan_amp.observability.step_metrics import (
-    RunSummary, StepMetrics, checked_extra, format_line, format_progress, scalars, throughput,
+    RunSummary,
+    StepMetrics,
+    checked_extra,
+    format_line,
+    format_progress,
+    scalars,
+    throughput,
 )
 from torchtitan_amp.observability.trackers import JsonlTracker, TensorBoardTracker, Tracker
 
@@ -191,9 +197,16 @@ class MetricsLogger:
         if rate.device_flops > self._peak_flops:
             self._raise_peak(rate.device_flops)
         metrics = StepMetrics(
-            step=step, loss=float(loss), grad_norm=float(grad_norm), lr=float(lr), tps=rate.tps,
-            tflops=rate.device_flops / 1e12, mfu=rate.mfu(self._peak_flops),
-            memory_gib=peak_memory_gib(self._device), elapsed_s=now - self._start_time, extra=extra,
+            step=step,
+            loss=float(loss),
+            grad_norm=float(grad_norm),
+            lr=float(lr),
+            tps=rate.tps,
+            tflops=rate.device_flops / 1e12,
+            mfu=rate.mfu(self._peak_flops),
+            memory_gib=peak_memory_gib(self._device),
+            elapsed_s=now - self._start_time,
+            extra=extra,
         )
         # Each line reports the peak of its own interval rather than of the whole run.
         reset_peak_memory(self._device)
@@ -221,9 +234,13 @@ class MetricsLogger:
             self._peak_flops = max(self._peak_flops, self._remeasure_peak())
             self._remeasure_peak = None
         self._peak_flops = max(self._peak_flops, achieved)
-        logger.warning("a step reached %.1f GFLOP/s, above the peak measured at start-up (%.1f "
-                       "GFLOP/s): measured again, MFU now relative to %.1f GFLOP/s",
-                       achieved / 1e9, old / 1e9, self._peak_flops / 1e9)
+        logger.warning(
+            "a step reached %.1f GFLOP/s, above the peak measured at start-up (%.1f "
+            "GFLOP/s): measured again, MFU now relative to %.1f GFLOP/s",
+            achieved / 1e9,
+            old / 1e9,
+            self._peak_flops / 1e9,
+        )
 
     def log_summary(self, steps: int, tokens: int, checkpoints: int) -> None:
         """The end-of-run line (logging rank): step_metrics.RunSummary of this run's logged steps."""

@@ -53,8 +53,13 @@ def maybe_profile(config: JobConfig, rank: int, start_step: int) -> Iterator[tor
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     wait = p.profile_freq - _WARMUP - _ACTIVE
     schedule = torch.profiler.schedule(wait=wait, warmup=_WARMUP, active=_ACTIVE)
-    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True,
-                                profile_memory=True, on_trace_ready=_trace_handler(folder, rank)) as prof:
+    with torch.profiler.profile(
+        activities=activities,
+        schedule=schedule,
+        record_shapes=True,
+        profile_memory=True,
+        on_trace_ready=_trace_handler(folder, rank),
+    ) as prof:
         # Align the schedule with global step numbers on a resumed run.
         prof.step_num = start_step
         yield prof

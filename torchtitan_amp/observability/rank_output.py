@@ -80,7 +80,7 @@ class RankOutput:
                 self.last_line[rank] = _OWN_PREFIX.sub("", text.strip())
             if text.startswith("error: "):
                 if self.first_error is None:
-                    self.first_error = (rank, text[len("error: "):])
+                    self.first_error = (rank, text[len("error: ") :])
                 return  # one error line for the job: summary() prints it
             if _TRACEBACK.match(text):
                 self.in_traceback.add(rank)

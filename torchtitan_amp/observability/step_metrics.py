@@ -113,11 +113,16 @@ class RunSummary:
     def of(cls, logged: Sequence[StepMetrics], first_step: int) -> RunSummary:
         steady = [m for m in logged if m.step > first_step + 1] or list(logged)
         count = max(len(steady), 1)
-        return cls(mean_tps=sum(m.tps for m in steady) / count, mean_mfu=sum(m.mfu for m in steady) / count,
-                   peak_memory_gib=max((m.memory_gib for m in logged), default=0.0))
+        return cls(
+            mean_tps=sum(m.tps for m in steady) / count,
+            mean_mfu=sum(m.mfu for m in steady) / count,
+            peak_memory_gib=max((m.memory_gib for m in logged), default=0.0),
+        )
 
     def line(self, steps: int, tokens: int, wall_s: float, checkpoints: int, peak: str) -> str:
         """The end-of-run line; `peak` says what MFU is relative to."""
-        return (f"summary: {steps} steps, {tokens:,} tokens, mean tps {self.mean_tps:,.0f}, "
-                f"mean mfu {self.mean_mfu:.2f}%, peak memory {self.peak_memory_gib:.2f}GiB, "
-                f"wall time {hms(wall_s)}, checkpoints written {checkpoints}, mfu peak {peak}")
+        return (
+            f"summary: {steps} steps, {tokens:,} tokens, mean tps {self.mean_tps:,.0f}, "
+            f"mean mfu {self.mean_mfu:.2f}%, peak memory {self.peak_memory_gib:.2f}GiB, "
+            f"wall time {hms(wall_s)}, checkpoints written {checkpoints}, mfu peak {peak}"
+        )

@@ -112,17 +112,23 @@ class WandbTracker:
     """One W&B run per dump folder: its files under <dump_folder>/wandb/, its id kept there so a
     resumed run appends to it (resume="allow"); offline unless a login is found (`wandb_mode`)."""
 
-    def __init__(self, dump_folder: Path, *, project: str, entity: str, name: str, tags: Sequence[str],
-                 notes: str) -> None:
+    def __init__(
+        self, dump_folder: Path, *, project: str, entity: str, name: str, tags: Sequence[str], notes: str
+    ) -> None:
         import wandb
 
         id_file = dump_folder / WANDB_ID_FILE
         self._run = wandb.init(
             project=project or os.environ.get("WANDB_PROJECT") or _WANDB_DEFAULT_PROJECT,
-            entity=entity or None, name=name or dump_folder.resolve().name, tags=list(tags) or None,
-            notes=notes or None, dir=str(dump_folder), mode=wandb_mode(),
+            entity=entity or None,
+            name=name or dump_folder.resolve().name,
+            tags=list(tags) or None,
+            notes=notes or None,
+            dir=str(dump_folder),
+            mode=wandb_mode(),
             # The folder's run when it has one (resume="allow": created if W&B does not know it yet).
-            id=id_file.read_text().strip() if id_file.is_file() else None, resume="allow",
+            id=id_file.read_text().strip() if id_file.is_file() else None,
+            resume="allow",
             # Our log lines stay ours: W&B must not wrap stdout/stderr of the training process.
             settings=wandb.Settings(console="off"),
         )
@@ -172,8 +178,16 @@ def build_trackers(config: JobConfig) -> list[Tracker]:
     if m.enable_tensorboard:
         trackers.append(TensorBoardTracker(folder / m.save_tb_folder))
     if m.enable_wandb:
-        trackers.append(WandbTracker(folder, project=m.wandb_project, entity=m.wandb_entity,
-                                     name=m.wandb_run_name, tags=m.wandb_tags, notes=config.job.description))
+        trackers.append(
+            WandbTracker(
+                folder,
+                project=m.wandb_project,
+                entity=m.wandb_entity,
+                name=m.wandb_run_name,
+                tags=m.wandb_tags,
+                notes=config.job.description,
+            )
+        )
     return trackers
 
 

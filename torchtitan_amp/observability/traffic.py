@@ -120,8 +120,13 @@ def _wrap_batch_p2p() -> None:
     schedules._batch_p2p = counted
 
 
-def install(categorize: Categorize | None = None, *, point_to_point: bool = False, functional: bool = False,
-            record_calls: bool = False) -> None:
+def install(
+    categorize: Categorize | None = None,
+    *,
+    point_to_point: bool = False,
+    functional: bool = False,
+    record_calls: bool = False,
+) -> None:
     """Wrap the collectives (once per process; counting starts with `counting()`)."""
     if _settings["installed"]:
         raise RuntimeError("collective counters are already installed in this process")

@@ -38,5 +38,15 @@ from torchtitan_amp.precision.reducers import PartialGradReducer
 from torchtitan_amp.precision.report import FP32_ISLANDS
 from torchtitan_amp.precision.scaler import LossScaler
 
-__all__ = ["FP32_ISLANDS", "CompressHookState", "LossScaler", "PartialGradReducer", "PrecisionError",
-           "PrecisionPlan", "compress_hook", "dtype_name", "install_comm_hook", "resolve_module_classes"]
+__all__ = [
+    "FP32_ISLANDS",
+    "CompressHookState",
+    "LossScaler",
+    "PartialGradReducer",
+    "PrecisionError",
+    "PrecisionPlan",
+    "compress_hook",
+    "dtype_name",
+    "install_comm_hook",
+    "resolve_module_classes",
+]

@@ -108,10 +108,16 @@ class AuditResult:
         return not self.breaches
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "breaches": [asdict(b) for b in self.breaches], "modules": self.modules,
-                "backward_matmuls": self.backward_matmuls, "tensors": self.tensors,
-                "collectives": self.collectives, "block_scaled_gemms": self.gemms,
-                "cross_group_allreduce": self.cross_group}
+        return {
+            "ok": self.ok,
+            "breaches": [asdict(b) for b in self.breaches],
+            "modules": self.modules,
+            "backward_matmuls": self.backward_matmuls,
+            "tensors": self.tensors,
+            "collectives": self.collectives,
+            "block_scaled_gemms": self.gemms,
+            "cross_group_allreduce": self.cross_group,
+        }
 
 
 def _clean(name: str) -> str:
@@ -253,8 +259,7 @@ def _cp_collectives() -> contextlib.AbstractContextManager:
     return context_parallel.wrapped_collectives(on_cp)
 
 
-def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: str, kv_dtypes: set[str]
-                           ) -> list["Breach"]:
+def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: str, kv_dtypes: set[str]) -> list[Breach]:
     """The cp collectives of one step against the plan: K/V (floats) gathered in `kv_dtypes`, the
     attention's activation dtypes (integers: positions, document ids), their gradients summed in
     `cp_reduce` only; neither missing (call it with cp > 1)."""
@@ -266,28 +271,37 @@ def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: st
     summed = sorted(collectives.get("reduce_scatter:cp", {}))
     if summed != [cp_reduce]:
         breaches.append(Breach(_CP_KV, [cp_reduce], summed or ["none seen"]))
-    breaches += [Breach(f"context-parallel {c}", ["all_gather:cp", "reduce_scatter:cp"], sorted(d))
-                 for c, d in collectives.items() if c.endswith(":cp") and c not in ("all_gather:cp", "reduce_scatter:cp")]
+    breaches += [
+        Breach(f"context-parallel {c}", ["all_gather:cp", "reduce_scatter:cp"], sorted(d))
+        for c, d in collectives.items()
+        if c.endswith(":cp") and c not in ("all_gather:cp", "reduce_scatter:cp")
+    ]
     return breaches
 
 
-def check_expert_parallel(collectives: dict[str, dict[str, int]], dispatch: str, holds_experts: bool
-                          ) -> list["Breach"]:
+def check_expert_parallel(collectives: dict[str, dict[str, int]], dispatch: str, holds_experts: bool) -> list[Breach]:
     """EP's all-to-alls of one step against the plan: token rows (floats) only in `dispatch`, the
     counts as integers, nothing on another group, and something seen where this rank holds an
     expert-parallel layer (`holds_experts`)."""
-    floats = sorted(d for d in collectives.get(_EP_A2A, {}) if torch.empty(0, dtype=getattr(torch, d)).is_floating_point())
+    floats = sorted(
+        d for d in collectives.get(_EP_A2A, {}) if torch.empty(0, dtype=getattr(torch, d)).is_floating_point()
+    )
     breaches = []
     if floats and floats != [dispatch] or holds_experts and not floats:
         breaches.append(Breach(f"expert-parallel token {_EP_A2A}", [dispatch], floats or ["none seen"]))
-    breaches += [Breach(f"expert-parallel {c}", [_EP_A2A], sorted(d))
-                 for c, d in collectives.items() if c.startswith("all_to_all:") and c != _EP_A2A]
+    breaches += [
+        Breach(f"expert-parallel {c}", [_EP_A2A], sorted(d))
+        for c, d in collectives.items()
+        if c.startswith("all_to_all:") and c != _EP_A2A
+    ]
     return breaches
 
 
 # torchft's cross-group all-reduces, by the kind train/fault_tolerance.py tells its recorders.
-CROSS_GROUP = {"gradients": "gradient all_reduce:replica_groups",
-               "pseudo_gradient": "pseudo-gradient all_reduce:replica_groups"}
+CROSS_GROUP = {
+    "gradients": "gradient all_reduce:replica_groups",
+    "pseudo_gradient": "pseudo-gradient all_reduce:replica_groups",
+}
 
 
 class CrossGroupWires:
@@ -307,18 +321,31 @@ class CrossGroupWires:
         return {k: {s: sorted(w) for s, w in by.items()} for k, by in self.seen.items()}
 
 
-def check_cross_group(seen: dict[str, dict[str, list[str]]], plan: PrecisionPlan, sends: bool) -> list["Breach"]:
+def check_cross_group(seen: dict[str, dict[str, list[str]]], plan: PrecisionPlan, sends: bool) -> list[Breach]:
     """torchft's cross-group all-reduces of one audited step against the plan: under DiLoCo
     (plan.sync_steps) the pseudo-gradient in pseudo_gradient_dtype, else each gradient dtype in
     cross_group_dtype of it; the other kind never, and the promised one seen where this rank
     `sends` (holds trained parameters). Without fault tolerance, none."""
     if not plan.replica_groups:
-        return [Breach(CROSS_GROUP.get(k, k), ["none (fault_tolerance.enable = false)"],
-                       sorted({w for ws in by.values() for w in ws})) for k, by in seen.items()]
+        return [
+            Breach(
+                CROSS_GROUP.get(k, k),
+                ["none (fault_tolerance.enable = false)"],
+                sorted({w for ws in by.values() for w in ws}),
+            )
+            for k, by in seen.items()
+        ]
     kind = "pseudo_gradient" if plan.sync_steps else "gradients"
     method = "diloco" if plan.sync_steps else "none"
-    breaches = [Breach(CROSS_GROUP.get(k, k), [f"none (semi_sync_method = '{method}')"],
-                       sorted({w for ws in by.values() for w in ws})) for k, by in seen.items() if k != kind]
+    breaches = [
+        Breach(
+            CROSS_GROUP.get(k, k),
+            [f"none (semi_sync_method = '{method}')"],
+            sorted({w for ws in by.values() for w in ws}),
+        )
+        for k, by in seen.items()
+        if k != kind
+    ]
 
     def promised(source: str) -> set[str]:
         if plan.sync_steps:
@@ -349,9 +376,17 @@ class Auditor:
             recorded through its `recording`), or None without fault tolerance.
     """
 
-    def __init__(self, plan: PrecisionPlan, model_parts: list[nn.Module], dims: Any, *,
-                 optimizer: torch.optim.Optimizer, params: list[nn.Parameter], n_layers: int,
-                 cross_group: Any = None) -> None:
+    def __init__(
+        self,
+        plan: PrecisionPlan,
+        model_parts: list[nn.Module],
+        dims: Any,
+        *,
+        optimizer: torch.optim.Optimizer,
+        params: list[nn.Parameter],
+        n_layers: int,
+        cross_group: Any = None,
+    ) -> None:
         self.plan, self.model_parts, self.dims = plan, model_parts, dims
         self.optimizer, self.params, self.n_layers, self.cross_group = optimizer, params, n_layers, cross_group
         self.named = {_clean(n): m for part in model_parts for n, m in part.named_modules()}
@@ -374,8 +409,14 @@ class Auditor:
 
         wires = CrossGroupWires()
         ft = self.cross_group
-        with (_module_stack(self.model_parts, recorder), _cp_collectives(), traffic.counting(), recorder,
-              observe_gemms(on_gemm), ft.recording(wires) if ft is not None else contextlib.nullcontext()):
+        with (
+            _module_stack(self.model_parts, recorder),
+            _cp_collectives(),
+            traffic.counting(),
+            recorder,
+            observe_gemms(on_gemm),
+            ft.recording(wires) if ft is not None else contextlib.nullcontext(),
+        ):
             step()
         collectives = traffic.snapshot()
         collectives.update({c: dict(d) for c, d in wires.bytes.items()})
@@ -418,10 +459,11 @@ class Auditor:
         """The plan's block-scaled Linears on this job's ranks against the GEMMs they ran."""
         plan = self.plan
         if plan.block_scaled is None:
-            return [Breach(f"{m}: block-scaled GEMMs", ["none (mixed_precision.block_scaled = 'none')"], sorted(p))
-                    for m, p in gemms.items()]
-        skip = block_scaled.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers,
-                                               self.n_layers)
+            return [
+                Breach(f"{m}: block-scaled GEMMs", ["none (mixed_precision.block_scaled = 'none')"], sorted(p))
+                for m, p in gemms.items()
+            ]
+        skip = block_scaled.skip_patterns(plan.block_scaled_skip, plan.block_scaled_edge_layers, self.n_layers)
         linears = {n: m for n, m in self.named.items() if isinstance(m, nn.Linear)}
         promised = {n for n, m in linears.items() if block_scaled.is_block_scaled_linear(n, m, plan.block_scaled, skip)}
         kept_out = set(linears) - promised
@@ -430,26 +472,30 @@ class Auditor:
         for n, m in self.named.items():
             if isinstance(m, GroupedExperts):
                 labels = set(block_scaled.expert_gemm_labels(n))
-                chosen = block_scaled.is_block_scaled_experts(n, m, plan.block_scaled, skip,
-                                                                   plan.block_scaled_experts)
+                chosen = block_scaled.is_block_scaled_experts(n, m, plan.block_scaled, skip, plan.block_scaled_experts)
                 (promised if chosen else kept_out).update(labels)
         if not plan.block_scaled_emulated:
             # torchao's kernels quantize inside their own autograd functions, out of the recorder's
             # sight: the audit checks the module each promised Linear became (type and settings),
             # and that no emulated GEMM ran (grouped experts are not converted on this path).
             mine = promised & set(linears)
-            return [Breach(*b) for b in torchao_kernels.check_modules(linears, mine, set(linears) - mine,
-                                                                         plan.block_scaled)
-                    + [(f"{m}: block-scaled GEMMs", ["none (torchao kernels)"], sorted(p)) for m, p in gemms.items()]]
+            return [
+                Breach(*b)
+                for b in torchao_kernels.check_modules(linears, mine, set(linears) - mine, plan.block_scaled)
+                + [(f"{m}: block-scaled GEMMs", ["none (torchao kernels)"], sorted(p)) for m, p in gemms.items()]
+            ]
         return [Breach(*b) for b in block_scaled.check_gemms(gemms, promised, kept_out, plan.block_scaled)]
 
     def _gather_tensors(self) -> dict[str, list[str]]:
         params = self.params
-        state = [v for p in params for k, v in self.optimizer.state[p].items()
-                 if k != "step" and isinstance(v, torch.Tensor)]
-        mine = {"parameters": sorted({dtype_name(_local(p).dtype) for p in params}),
-                "gradients": sorted({dtype_name(_local(p.grad).dtype) for p in params if p.grad is not None}),
-                "optimizer_state": sorted({dtype_name(_local(v).dtype) for v in state})}
+        state = [
+            v for p in params for k, v in self.optimizer.state[p].items() if k != "step" and isinstance(v, torch.Tensor)
+        ]
+        mine = {
+            "parameters": sorted({dtype_name(_local(p).dtype) for p in params}),
+            "gradients": sorted({dtype_name(_local(p.grad).dtype) for p in params if p.grad is not None}),
+            "optimizer_state": sorted({dtype_name(_local(v).dtype) for v in state}),
+        }
         merged: dict[str, set[str]] = defaultdict(set)
         for rank in self._gather_list(mine):
             for k, v in rank.items():
@@ -471,8 +517,9 @@ class Auditor:
             module = self.named.get(name)
             # Linears, MoE routers (router_dtype) and grouped experts (Linears in another form).
             if isinstance(module, nn.Linear) or plan.routes(module) or getattr(module, "safe_as", None):
-                expect(f"{name}: forward matmul", {dtype_name(plan.compute_dtype(module))},
-                       ops.get("forward matmul", []))
+                expect(
+                    f"{name}: forward matmul", {dtype_name(plan.compute_dtype(module))}, ops.get("forward matmul", [])
+                )
             if "attention" in ops:
                 expect(f"{name}: attention", {low}, ops["attention"])
             if "compute" in ops:
@@ -480,8 +527,11 @@ class Auditor:
         expect("loss: log_softmax input", {"float32"}, r.modules.get("<loss>", {}).get("log_softmax", []))
         routed = {dtype_name(plan.router_dtype)} if any(plan.routes(m) for m in self.named.values()) else set()
         emulated = {"float32"} if plan.block_scaled is not None else set()  # the emulation's fp32 GEMMs
-        expect("backward matmuls", {low, storage, *routed, *emulated, *(_FP8 if plan.fp8 != "none" else ())},
-               r.backward_matmuls)
+        expect(
+            "backward matmuls",
+            {low, storage, *routed, *emulated, *(_FP8 if plan.fp8 != "none" else ())},
+            r.backward_matmuls,
+        )
         breaches += self._check_block_scaled(r.gemms)
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
@@ -507,7 +557,9 @@ class Auditor:
         innermost modules the cp group was handed to (parallelize.apply_cp)."""
         holders = [m for m in self.named.values() if getattr(m, "context_parallel", None) is not None]
         inner = [m for m in holders if not any(o is not m and o in holders for o in m.modules())]
-        out = {dtype_name(self.plan.compute_dtype(lin)) for m in inner for lin in m.modules() if isinstance(lin, nn.Linear)}
+        out = {
+            dtype_name(self.plan.compute_dtype(lin)) for m in inner for lin in m.modules() if isinstance(lin, nn.Linear)
+        }
         return {low if d in _FP8 else d for d in out} or {low}
 
     def _check_gradient_reductions(self, collectives: dict[str, dict[str, int]]) -> list[Breach]:
@@ -517,16 +569,21 @@ class Auditor:
         reduce = dtype_name(plan.reduce_dtype)
         # Integer reductions over the data-parallel ranks are counts, never gradients: the step's
         # valid labels (loss normalisation) and MoE's tokens per expert.
-        reductions = {c: {dt: n for dt, n in d.items() if not dt.startswith(("int", "uint"))}
-                      for c, d in collectives.items()
-                      if c.partition(":")[0] in ("reduce_scatter", "all_reduce") and c.partition(":")[2] in _DP_DIMS}
+        reductions = {
+            c: {dt: n for dt, n in d.items() if not dt.startswith(("int", "uint"))}
+            for c, d in collectives.items()
+            if c.partition(":")[0] in ("reduce_scatter", "all_reduce") and c.partition(":")[2] in _DP_DIMS
+        }
         reductions = {c: d for c, d in reductions.items() if d}
         # Without a compress hook DDP all-reduces in C++, out of sight: nothing to check there.
         visible = plan.path == "fsdp" or plan.comm_hook != "none"
         dims = self.dims
         if plan.path == "full" or reduce == storage or not visible or dims.dp_replicate * dims.fsdp_shard == 1:
-            return [Breach(f"gradient {c}", sorted({reduce, storage}), sorted(d)) for c, d in reductions.items()
-                    if not set(d) <= {reduce, storage}]
+            return [
+                Breach(f"gradient {c}", sorted({reduce, storage}), sorted(d))
+                for c, d in reductions.items()
+                if not set(d) <= {reduce, storage}
+            ]
         safe_numel, other_numel = self._numel_by_safety()
         bound = int(other_numel * self.plan.storage_dtype.itemsize * 1.05) + 4096
         breaches = []
@@ -534,8 +591,9 @@ class Auditor:
             if not set(d) <= {reduce, storage}:
                 breaches.append(Breach(f"gradient {c}", sorted({reduce, storage}), sorted(d)))
             if d.get(storage, 0) > bound:
-                breaches.append(Breach(f"gradient {c}: {storage} bytes", [f"<= {bound:,} (fp32 modules only)"],
-                                       [f"{d[storage]:,}"]))
+                breaches.append(
+                    Breach(f"gradient {c}: {storage} bytes", [f"<= {bound:,} (fp32 modules only)"], [f"{d[storage]:,}"])
+                )
         if safe_numel and not any(d.get(reduce) for d in reductions.values()):
             seen = sorted({dt for d in reductions.values() for dt in d}) or ["no gradient reduction"]
             breaches.append(Breach("gradient reduction of lower-precision-safe modules", [reduce], seen))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -67,8 +68,9 @@ def check_no_user_autocast(plan: PrecisionPlan) -> None:
             )
 
 
-def _wrap_forward(module: nn.Module, context: Callable[[], contextlib.AbstractContextManager],
-                  cast_inputs: torch.dtype | None = None) -> None:
+def _wrap_forward(
+    module: nn.Module, context: Callable[[], contextlib.AbstractContextManager], cast_inputs: torch.dtype | None = None
+) -> None:
     """Make `module(...)` run its forward inside `context()`, optionally upcasting float inputs.
 
     An instance attribute, not a wrapper module, so parameter names (and checkpoints) are unchanged.

@@ -48,24 +48,35 @@ def skip_patterns(skip: Iterable[str], edge: int, n_layers: int) -> tuple[str, .
     return (*skip, *edge_patterns(n_layers, edge))
 
 
-def is_block_scaled_linear(name: str, module: nn.Module, recipe: BlockScaledRecipe | None,
-                           skip: tuple[str, ...]) -> bool:
+def is_block_scaled_linear(
+    name: str, module: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...]
+) -> bool:
     """Whether `module` (named `name` in the whole model) runs block-scaled: an nn.Linear (a
     BlockScaledLinear is one) not kept fp32 by name, not frozen, and matching no skip pattern
     (`skip_patterns`: the configured ones and the edge blocks)."""
-    return (recipe is not None and isinstance(module, nn.Linear)
-            and not getattr(module, FP32_BY_NAME, False) and not getattr(module, FROZEN, False)
-            and not any(fnmatch.fnmatchcase(name, p) for p in skip))
+    return (
+        recipe is not None
+        and isinstance(module, nn.Linear)
+        and not getattr(module, FP32_BY_NAME, False)
+        and not getattr(module, FROZEN, False)
+        and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+    )
 
 
-def is_block_scaled_experts(name: str, module: nn.Module, recipe: BlockScaledRecipe | None,
-                            skip: tuple[str, ...], experts: bool) -> bool:
+def is_block_scaled_experts(
+    name: str, module: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], experts: bool
+) -> bool:
     """Whether the grouped experts `module` (named `name`) run block-scaled: the recipe is on,
     mixed_precision.block_scaled_experts asks for the experts, and the same exclusions as a Linear
     (fp32 by name, frozen, a skip pattern or an edge block)."""
-    return (experts and recipe is not None and isinstance(module, GroupedExperts)
-            and not getattr(module, FP32_BY_NAME, False) and not getattr(module, FROZEN, False)
-            and not any(fnmatch.fnmatchcase(name, p) for p in skip))
+    return (
+        experts
+        and recipe is not None
+        and isinstance(module, GroupedExperts)
+        and not getattr(module, FP32_BY_NAME, False)
+        and not getattr(module, FROZEN, False)
+        and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+    )
 
 
 def expert_gemm_labels(name: str) -> list[str]:
@@ -78,8 +89,9 @@ def n_layers_of(model: nn.Module) -> int:
     return len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0
 
 
-def check_modules(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
-                  experts: bool = False) -> None:
+def check_modules(
+    model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int, experts: bool = False
+) -> None:
     """Every configured skip pattern names a Linear (or, with `experts`, grouped experts) of the
     model (a typo would convert it), the recipe converts at least one Linear (edge blocks and
     skips can cover them all), and `experts` (mixed_precision.block_scaled_experts) has grouped
@@ -90,22 +102,38 @@ def check_modules(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tupl
     grouped = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)] if experts else []
     for p in skip:
         if not any(fnmatch.fnmatchcase(n, p) for n, _ in [*linears, *grouped]):
-            raise PrecisionError(f"'mixed_precision.block_scaled_skip_modules' entry {p!r} matches no nn.Linear "
-                                 f"{'or grouped experts ' if experts else ''}of the model (names such as 'output', "
-                                 "'layers.0.*')")
-    if experts and not any(is_block_scaled_experts(n, m, recipe, skip_patterns(skip, edge, n_layers_of(model)), True)
-                           for n, m in grouped):
-        raise PrecisionError("'mixed_precision.block_scaled_experts' = true converts no grouped experts: "
-                             + ("the model has none (a mixture-of-experts model has them)" if not grouped else
-                                f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all"))
+            raise PrecisionError(
+                f"'mixed_precision.block_scaled_skip_modules' entry {p!r} matches no nn.Linear "
+                f"{'or grouped experts ' if experts else ''}of the model (names such as 'output', "
+                "'layers.0.*')"
+            )
+    if experts and not any(
+        is_block_scaled_experts(n, m, recipe, skip_patterns(skip, edge, n_layers_of(model)), True) for n, m in grouped
+    ):
+        raise PrecisionError(
+            "'mixed_precision.block_scaled_experts' = true converts no grouped experts: "
+            + (
+                "the model has none (a mixture-of-experts model has them)"
+                if not grouped
+                else f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all"
+            )
+        )
     every = skip_patterns(skip, edge, n_layers_of(model))
     if not any(is_block_scaled_linear(n, m, recipe, every) for n, m in linears):
-        raise PrecisionError(f"'mixed_precision.block_scaled' = '{recipe.format}' converts no nn.Linear: "
-                             f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all")
+        raise PrecisionError(
+            f"'mixed_precision.block_scaled' = '{recipe.format}' converts no nn.Linear: "
+            f"block_scaled_edge_layers = {edge} and block_scaled_skip_modules keep them all"
+        )
 
 
-def check_tensor_parallel(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
-                          tp: int, sharded_dim: dict[str, int]) -> None:
+def check_tensor_parallel(
+    model: nn.Module,
+    recipe: BlockScaledRecipe | None,
+    skip: tuple[str, ...],
+    edge: int,
+    tp: int,
+    sharded_dim: dict[str, int],
+) -> None:
     """Under tensor parallel every converted Linear's sharded dim splits into whole blocks: its
     local length a multiple of the recipe's block (32 MXFP8, 16 NVFP4, 2-D tiles 16), so no block
     straddles two ranks and each rank quantizes its shard's blocks as one device would.
@@ -125,11 +153,13 @@ def check_tensor_parallel(model: nn.Module, recipe: BlockScaledRecipe | None, sk
                 f"'mixed_precision.block_scaled' = '{recipe.format}' under parallelism.tensor_parallel_degree = {tp}: "
                 f"{name} splits its {field} {full} into {full / tp:g} per rank, not a multiple of the "
                 f"{recipe.block_size}-element block (a block would straddle ranks); keep it out with "
-                f"block_scaled_skip_modules or use a tensor_parallel_degree that divides it into whole blocks")
+                f"block_scaled_skip_modules or use a tensor_parallel_degree that divides it into whole blocks"
+            )
 
 
-def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int,
-                       experts: bool = False) -> list[str]:
+def apply_block_scaled(
+    model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int, experts: bool = False
+) -> list[str]:
     """Swap the model's block-scaled Linears for BlockScaledLinear and, with `experts`, give each
     block-scaled GroupedExperts a BlockScaledExperts (the whole model, before splitting and
     parallelizing: the edge blocks are counted on it); returns the converted modules' names. Each
@@ -137,8 +167,11 @@ def apply_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None, skip:
     if recipe is None:
         return []
     every = skip_patterns(skip, edge, n_layers_of(model))
-    chosen = [(n, m) for n, m in model.named_modules() if is_block_scaled_linear(n, m, recipe, every)
-              and not isinstance(m, BlockScaledLinear)]
+    chosen = [
+        (n, m)
+        for n, m in model.named_modules()
+        if is_block_scaled_linear(n, m, recipe, every) and not isinstance(m, BlockScaledLinear)
+    ]
     grouped = [(n, m) for n, m in model.named_modules() if is_block_scaled_experts(n, m, recipe, every, experts)]
     for stream, (name, module) in enumerate(grouped, start=len(chosen)):
         module.block_scaled_mm = BlockScaledExperts(recipe, name, stream)
@@ -160,8 +193,11 @@ def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tupl
     if recipe is None:
         return []
     every = skip_patterns(skip, edge, n_layers_of(model))
-    chosen = [(n, m) for n, m in model.named_modules() if is_block_scaled_linear(n, m, recipe, every)
-              and not torchao_kernels.is_torchao_module(m)]
+    chosen = [
+        (n, m)
+        for n, m in model.named_modules()
+        if is_block_scaled_linear(n, m, recipe, every) and not torchao_kernels.is_torchao_module(m)
+    ]
     for name, linear in chosen:
         torchao_kernels.check_shape(name, linear, recipe.format)
     for stream, (name, linear) in enumerate(chosen):
@@ -200,11 +236,17 @@ def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:
 
 def experts_gemms(named: Iterable[tuple[str, nn.Module]], converted: bool) -> list[str]:
     """The GEMM names of the grouped experts that run block-scaled (`converted`) or do not."""
-    return [g for n, m in named if isinstance(m, GroupedExperts)
-            and (getattr(m, "block_scaled_mm", None) is not None) == converted for g in expert_gemm_labels(n)]
+    return [
+        g
+        for n, m in named
+        if isinstance(m, GroupedExperts) and (getattr(m, "block_scaled_mm", None) is not None) == converted
+        for g in expert_gemm_labels(n)
+    ]
 
 
-def summary(recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[str, nn.Module]]) -> dict[str, Any] | None:
+def summary(
+    recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[str, nn.Module]]
+) -> dict[str, Any] | None:
     """The report's block_scaled section: each converted module's format per pass (a grouped
     experts module per weight: its three GEMMs per expert), the Linears and experts kept out
     (they compute in the plan's dtype)."""
@@ -213,8 +255,13 @@ def summary(recipe: BlockScaledRecipe | None, emulated: bool, named: list[tuple[
     modules = {n: recipe.describe() for n, m in named if isinstance(m, BlockScaledLinear)}
     modules |= {g: recipe.describe() for g in experts_gemms(named, True)}
     kept = [n for n, m in named if isinstance(m, nn.Linear) and not isinstance(m, BlockScaledLinear)]
-    return {"format": recipe.format, "emulated": emulated, "recipe": recipe.describe(), "modules": modules,
-            "kept_out": sorted([*kept, *experts_gemms(named, False)])}
+    return {
+        "format": recipe.format,
+        "emulated": emulated,
+        "recipe": recipe.describe(),
+        "modules": modules,
+        "kept_out": sorted([*kept, *experts_gemms(named, False)]),
+    }
 
 
 # ----------------------------------------------------------------------------- the audit's check
@@ -228,8 +275,11 @@ def promised_operands(recipe: BlockScaledRecipe) -> dict[str, tuple[tuple[Any, .
     row = ("float4_e2m1fn", "float8_e4m3fn", (1, 16))
     w = (*row[:2], (16, 16) if recipe.weight_2d else (1, 16), "rne", False)
     grad = "stochastic" if recipe.stochastic_rounding else "rne"
-    return {"forward": ((*row, "rne", False), w), "dgrad": ((*row, grad, False), w),
-            "wgrad": ((*row, grad, recipe.rht), (*row, "rne", recipe.rht))}
+    return {
+        "forward": ((*row, "rne", False), w),
+        "dgrad": ((*row, grad, False), w),
+        "wgrad": ((*row, grad, recipe.rht), (*row, "rne", recipe.rht)),
+    }
 
 
 def operand_seen(record: GemmRecord) -> tuple[str, str, list[Any]]:
@@ -242,8 +292,12 @@ def _words(operands: Any) -> str:
     return "; ".join(f"{e} {s} {b[0]}x{b[1]} {r}{' RHT' if h else ''}" for e, s, b, r, h in operands)
 
 
-def check_gemms(seen: dict[str, dict[str, list[list[Any]]]], promised: Iterable[str], kept_out: Iterable[str],
-                recipe: BlockScaledRecipe) -> list[tuple[str, list[str], list[str]]]:
+def check_gemms(
+    seen: dict[str, dict[str, list[list[Any]]]],
+    promised: Iterable[str],
+    kept_out: Iterable[str],
+    recipe: BlockScaledRecipe,
+) -> list[tuple[str, list[str], list[str]]]:
     """(what, promised, seen) for each breach: a promised module whose forward, dgrad or wgrad GEMM
     was not seen in the recipe's format (or not seen block-scaled at all), a kept-out module
     that ran a block-scaled GEMM. `seen`: module -> pass -> distinct operand lists."""
@@ -253,8 +307,13 @@ def check_gemms(seen: dict[str, dict[str, list[list[Any]]]], promised: Iterable[
         for what, words in want.items():
             got = sorted({_words(ops) for ops in seen.get(name, {}).get(what, [])})
             if got != [words]:
-                breaches.append((f"{name}: {what} GEMM", [f"{recipe.format} {words}"],
-                                 got or ["no block-scaled GEMM (ran as a plain matmul)"]))
+                breaches.append(
+                    (
+                        f"{name}: {what} GEMM",
+                        [f"{recipe.format} {words}"],
+                        got or ["no block-scaled GEMM (ran as a plain matmul)"],
+                    )
+                )
     for name in sorted(kept_out):
         if seen.get(name):
             breaches.append((f"{name}: block-scaled GEMMs", ["none (kept out of block_scaled)"], sorted(seen[name])))

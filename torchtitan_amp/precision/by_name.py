@@ -24,8 +24,10 @@ def mark_fp32_by_name(plan: PrecisionPlan, model: nn.Module) -> list[str]:
     named = dict(model.named_modules())
     unmatched = [p for p in plan.fp32_names if not any(fnmatch.fnmatchcase(n, p) for n in named if n)]
     if unmatched:
-        raise PrecisionError(f"'mixed_precision.fp32_module_names' entry {unmatched[0]!r} matches no module "
-                             "of the model (names such as 'output', 'layers.0', 'layers.*.attention.wo')")
+        raise PrecisionError(
+            f"'mixed_precision.fp32_module_names' entry {unmatched[0]!r} matches no module "
+            "of the model (names such as 'output', 'layers.0', 'layers.*.attention.wo')"
+        )
     tagged = []
     for name, module in named.items():
         if name and any(fnmatch.fnmatchcase(name, p) for p in plan.fp32_names):

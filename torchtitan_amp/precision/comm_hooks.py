@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def _gather(buffer: torch.Tensor, ranges: list[tuple[int, int]], dtype: torch.dt
 def _scatter(buffer: torch.Tensor, ranges: list[tuple[int, int]], flat: torch.Tensor) -> None:
     offset = 0
     for start, end in ranges:
-        buffer[start:end].copy_(flat[offset:offset + end - start])
+        buffer[start:end].copy_(flat[offset : offset + end - start])
         offset += end - start
 
 

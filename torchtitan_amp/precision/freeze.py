@@ -34,11 +34,16 @@ def freeze(plan: PrecisionPlan, model: nn.Module) -> dict[str, str]:
     named = dict(model.named_modules())
     unmatched = [p for p in plan.frozen_names if not any(fnmatch.fnmatchcase(n, p) for n in named if n)]
     if unmatched:
-        raise PrecisionError(f"'training.freeze' entry {unmatched[0]!r} matches no module of the model "
-                             "(names such as 'tok_embeddings', 'layers.0', 'layers.*.attention')")
-    matched = {sub_name: sub for name, module in named.items()
-               if name and any(fnmatch.fnmatchcase(name, p) for p in plan.frozen_names)
-               for sub_name, sub in module.named_modules(prefix=name)}
+        raise PrecisionError(
+            f"'training.freeze' entry {unmatched[0]!r} matches no module of the model "
+            "(names such as 'tok_embeddings', 'layers.0', 'layers.*.attention')"
+        )
+    matched = {
+        sub_name: sub
+        for name, module in named.items()
+        if name and any(fnmatch.fnmatchcase(name, p) for p in plan.frozen_names)
+        for sub_name, sub in module.named_modules(prefix=name)
+    }
     _check_tied(model, matched)
     frozen: dict[str, str] = {}
     made: dict[int, nn.Parameter] = {}  # a shared (tied) parameter stays one
@@ -59,8 +64,10 @@ def _check_tied(model: nn.Module, matched: dict[str, nn.Module]) -> None:
         frozen = [n for n, _ in group if n in matched]
         if frozen and len(frozen) < len(group):
             other = next(n for n, _ in group if n not in matched)
-            raise PrecisionError(f"'training.freeze' freezes '{frozen[0]}' but not '{other}', which shares its "
-                                 f"weight (model enable_weight_tying); freeze both or neither")
+            raise PrecisionError(
+                f"'training.freeze' freezes '{frozen[0]}' but not '{other}', which shares its "
+                f"weight (model enable_weight_tying); freeze both or neither"
+            )
 
 
 def refreeze(model: nn.Module) -> None:
@@ -75,5 +82,10 @@ def refreeze(model: nn.Module) -> None:
 def frozen_low_precision_modules(plan: PrecisionPlan, model: nn.Module) -> list[nn.Module]:
     """Frozen modules stored in param_dtype: their own FSDP groups, so that no group mixes them
     with fp32 trained parameters."""
-    return [m for m in model.modules() if getattr(m, FROZEN, False) and plan.frozen_dtype(m) != plan.storage_dtype
-            and any(True for _ in m.parameters(recurse=False))]
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, FROZEN, False)
+        and plan.frozen_dtype(m) != plan.storage_dtype
+        and any(True for _ in m.parameters(recurse=False))
+    ]

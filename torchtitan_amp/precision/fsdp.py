@@ -13,8 +13,13 @@ if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan
 
 
-def fsdp_policy(plan: PrecisionPlan, *, low_precision: bool, output_dtype: torch.dtype | None = None,
-                cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
+def fsdp_policy(
+    plan: PrecisionPlan,
+    *,
+    low_precision: bool,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+) -> MixedPrecisionPolicy:
     """Policy for one `fully_shard` group: safe modules in param/reduce dtype, others fp32.
 
     Transformer blocks pass `cast_forward_inputs=False` and get `cast_block_inputs` instead:

@@ -24,7 +24,15 @@ def from_plan(plan: PrecisionPlan, norm_cls: type | None = None) -> PrecisionSpe
     if norm_cls is None and any(getattr(safe, "computes_in_fp32", False) for safe in plan.safe_modules):
         kinds.add("norm")
     return PrecisionSpec(
-        path=plan.path, storage=name(plan.storage_dtype), param=name(plan.param_dtype),
-        reduce=name(plan.reduce_dtype), output=name(plan.output_dtype), comm_hook=plan.comm_hook != "none",
-        safe_kinds=frozenset(kinds), optimizer_state=name(plan.optimizer_state_dtype),
-        frozen=tuple(plan.frozen_names), cp_reduce=name(plan.cp_reduce_dtype), router=name(plan.router_dtype))
+        path=plan.path,
+        storage=name(plan.storage_dtype),
+        param=name(plan.param_dtype),
+        reduce=name(plan.reduce_dtype),
+        output=name(plan.output_dtype),
+        comm_hook=plan.comm_hook != "none",
+        safe_kinds=frozenset(kinds),
+        optimizer_state=name(plan.optimizer_state_dtype),
+        frozen=tuple(plan.frozen_names),
+        cp_reduce=name(plan.cp_reduce_dtype),
+        router=name(plan.router_dtype),
+    )

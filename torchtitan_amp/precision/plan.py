@@ -21,8 +21,9 @@ report.py's.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -96,7 +97,8 @@ def _check_settings(config: JobConfig, storage: torch.dtype, asked: bool) -> Non
                 raise PrecisionError(
                     f"'mixed_precision.{key}' has no effect with 'training.dtype' = '{config.training.dtype}': "
                     f"every parameter, gradient and reduction is {config.training.dtype}; drop it, or keep "
-                    f"fp32 master weights (training.dtype = 'float32') and train in mixed precision")
+                    f"fp32 master weights (training.dtype = 'float32') and train in mixed precision"
+                )
     if not asked:
         return
     for key in ("reduce_dtype", "cp_reduce_dtype"):
@@ -121,14 +123,16 @@ def _setting_name(config: JobConfig) -> str:
 
 def _emulated_warning(speed: LowPrecisionSpeed, config: JobConfig) -> str:
     pure = config.training.dtype != "float32"
-    avoid = ("--training.dtype float32" if pure
-             else '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto")')
-    return (f"{speed.describe()}; training in {dtype_name(speed.dtype)} as configured anyway. "
-            f"{avoid} trains in fp32 instead")
+    avoid = "--training.dtype float32" if pure else '--no-mixed_precision.enabled (or mixed_precision.enabled = "auto")'
+    return (
+        f"{speed.describe()}; training in {dtype_name(speed.dtype)} as configured anyway. "
+        f"{avoid} trains in fp32 instead"
+    )
 
 
-def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch.dtype,
-                   speed: LowPrecisionSpeed | None) -> str:
+def _decision_line(
+    setting: str, path: Path_, param: torch.dtype, storage: torch.dtype, speed: LowPrecisionSpeed | None
+) -> str:
     """What the job trains in and why, in one line."""
     if path == "full":
         what = "fp32" if storage == torch.float32 else f"pure {short_name(storage)}"
@@ -138,67 +142,98 @@ def _decision_line(setting: str, path: Path_, param: torch.dtype, storage: torch
     return f"mixed_precision.enabled = {setting} -> {what}{why}"
 
 
-def _check_fp8(config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool,
-               run_kernels: bool = True) -> None:
+def _check_fp8(
+    config: JobConfig, dims: ParallelDims, path: Path_, device_type: str, *, on_hardware: bool, run_kernels: bool = True
+) -> None:
     """What fp8 cannot do here, refused in one line (never a silent bf16/fp32 fallback).
     `on_hardware` False (a dry run): the device and torchao are not this machine's to check."""
     mp = config.mixed_precision
     if mp.fp8_all_gather and (mp.fp8 != "tensorwise" or path != "fsdp"):
         raise PrecisionError(
             f"'mixed_precision.fp8_all_gather' needs fp8 = 'tensorwise' on the FSDP path (data-parallel "
-            f"sharding with mixed precision); this job has fp8 = '{mp.fp8}' on the {path} path")
+            f"sharding with mixed precision); this job has fp8 = '{mp.fp8}' on the {path} path"
+        )
     if mp.fp8_all_gather and device_type != "cuda":
         # A dry run checks its target (dry_run.device), a real run its own device.
-        raise PrecisionError(f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
-                             "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)"))
+        raise PrecisionError(
+            f"'mixed_precision.fp8_all_gather' needs CUDA/nccl: gloo ({device_type}) cannot "
+            "all-gather float8 tensors" + ("" if on_hardware else " (dry_run.device = 'cuda' sizes it)")
+        )
     if not on_hardware:
         return
-    why = (capability.fp8_torchao_missing(mp.fp8, mp.fp8_all_gather)
-           or capability.fp8_matmul_unsupported(device_type, mp.fp8, run_kernels))
+    why = capability.fp8_torchao_missing(mp.fp8, mp.fp8_all_gather) or capability.fp8_matmul_unsupported(
+        device_type, mp.fp8, run_kernels
+    )
     if why is not None:
         raise PrecisionError(f"'mixed_precision.fp8' = '{mp.fp8}': {why}")
 
 
-def _block_scaled(config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool,
-                  run_kernels: bool = True) -> tuple[BlockScaledRecipe | None, bool, str]:
+def _block_scaled(
+    config: JobConfig, dims: ParallelDims, device_type: str, *, on_hardware: bool, run_kernels: bool = True
+) -> tuple[BlockScaledRecipe | None, bool, str]:
     """The block-scaled recipe (None: off), whether it is emulated, and the decision line's words.
     `emulate = true` runs the bit-exact emulation anywhere; otherwise torchao's kernels where the
     device and torchao have them and torchao can honour the recipe, else refused in one line:
     never a silent bf16 fallback, never a silently different recipe."""
     mp = config.mixed_precision
-    recipe = recipe_of(mp.block_scaled, mp.mxfp8_scale_mode, mp.nvfp4_weight_2d, mp.nvfp4_rht,
-                       mp.nvfp4_stochastic_rounding, config.training.seed)
+    recipe = recipe_of(
+        mp.block_scaled,
+        mp.mxfp8_scale_mode,
+        mp.nvfp4_weight_2d,
+        mp.nvfp4_rht,
+        mp.nvfp4_stochastic_rounding,
+        config.training.seed,
+    )
     if recipe is None:
         return None, False, ""
     where = f"'mixed_precision.block_scaled' = '{mp.block_scaled}'"
     if mp.block_scaled_emulate is True:
-        return recipe, True, (f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
-                              f"{capability.EMULATION_COST})")
-    fix = ("set mixed_precision.block_scaled_emulate = true to emulate "
-           f"({capability.EMULATION_COST})")
+        return (
+            recipe,
+            True,
+            (
+                f"; nn.Linear in {recipe.format}, emulated (bit-exact quantization, fp32 GEMMs: "
+                f"{capability.EMULATION_COST})"
+            ),
+        )
+    fix = f"set mixed_precision.block_scaled_emulate = true to emulate ({capability.EMULATION_COST})"
     # A dry run sizes its target: neither this machine's device nor its torchao is asked.
     why = capability.block_scaled_kernels_missing(recipe.format, device_type, run_kernels) if on_hardware else None
     if why is not None:
         raise PrecisionError(f"{where} needs block-scaled tensor cores: {why}; {fix}")
     refused = capability.block_scaled_recipe_refused(recipe, dims.tp, _gemm_rows(config, dims))
     if refused is None and mp.block_scaled_experts:
-        refused = ("mixed_precision.block_scaled_experts = true: the grouped experts' GEMMs are emulated only "
-                   "(torchao's grouped MXFP8 kernels are not wired here)")
+        refused = (
+            "mixed_precision.block_scaled_experts = true: the grouped experts' GEMMs are emulated only "
+            "(torchao's grouped MXFP8 kernels are not wired here)"
+        )
     if refused is not None:
         raise PrecisionError(f"{where} on torchao's kernels: {refused}; {fix}")
-    return recipe, False, f"; nn.Linear in {recipe.format}, torchao kernels ({capability.TORCHAO_MODULES[recipe.format]})"
+    return (
+        recipe,
+        False,
+        f"; nn.Linear in {recipe.format}, torchao kernels ({capability.TORCHAO_MODULES[recipe.format]})",
+    )
 
 
 def _gemm_rows(config: JobConfig, dims: ParallelDims) -> list[tuple[int, str, bool]]:
     """(tokens, the fields that set them, with backward) of each kind of Linear GEMM the job runs:
     training's micro-batches, evaluation batches, one token at a time when sampling."""
     t, v = config.training, config.validation
-    per, field = ((config.parallelism.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size")
-                  if dims.pp_enabled else (t.local_batch_size, "training.local_batch_size"))
+    per, field = (
+        (config.parallelism.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size")
+        if dims.pp_enabled
+        else (t.local_batch_size, "training.local_batch_size")
+    )
     rows = [(per * t.seq_len // dims.cp, f"{field} x training.seq_len / context_parallel_degree", True)]
     if v.enable:
-        rows.append(((v.local_batch_size or t.local_batch_size) * (v.seq_len or t.seq_len) // dims.cp,
-                     "validation.local_batch_size x validation.seq_len / context_parallel_degree", False))
+        rows.append(
+            (
+                (v.local_batch_size or t.local_batch_size) * (v.seq_len or t.seq_len) // dims.cp,
+                "validation.local_batch_size x validation.seq_len / context_parallel_degree",
+                False,
+            )
+        )
     if v.enable and v.sample_prompts:
         rows.append((1, "validation.sample_prompts (decoding one token a step)", False))
     return rows
@@ -213,8 +248,11 @@ def _diloco(config: JobConfig) -> dict[str, Any]:
     ft = config.fault_tolerance
     if not ft.enable or ft.semi_sync_method != "diloco":
         return {}
-    return {"sync_steps": ft.sync_steps, "pseudo_gradient_dtype": _DTYPES[ft.pseudo_gradient_dtype],
-            "outer_state_dtype": torch.float32}
+    return {
+        "sync_steps": ft.sync_steps,
+        "pseudo_gradient_dtype": _DTYPES[ft.pseudo_gradient_dtype],
+        "outer_state_dtype": torch.float32,
+    }
 
 
 def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
@@ -226,13 +264,15 @@ def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dty
         raise PrecisionError(
             f"'optimizer.stochastic_rounding' rounds bf16 weights; with 'training.dtype' = "
             f"'{config.training.dtype}' the weights take every update exactly (fp32 master weights): "
-            f"drop it, or set training.dtype = 'bfloat16' for pure bf16 training")
+            f"drop it, or set training.dtype = 'bfloat16' for pure bf16 training"
+        )
     if (state != storage or o.stochastic_rounding) and "optimizer.implementation" in config.explicit:
         raise PrecisionError(
             f"'optimizer.implementation' = '{o.implementation}' picks a kernel of torch's AdamW, which "
             f"keeps its state in the parameters' dtype and rounds to nearest; with optimizer.state_dtype = "
             f"'{o.state_dtype}' / stochastic_rounding the step is torchtitan_amp's per-parameter AdamW: "
-            f"drop optimizer.implementation")
+            f"drop optimizer.implementation"
+        )
     return state
 
 
@@ -243,7 +283,8 @@ def _router_dtype(config: JobConfig, enabled: bool, storage: torch.dtype) -> tor
     if asked == torch.bfloat16 and not enabled and storage != torch.bfloat16:
         raise PrecisionError(
             "'mixed_precision.router_dtype' = 'bfloat16' routes in bf16 while this job trains in "
-            f"{dtype_name(storage)} (mixed precision off or not native here); use 'float32' or 'float64'")
+            f"{dtype_name(storage)} (mixed precision off or not native here); use 'float32' or 'float64'"
+        )
     return asked
 
 
@@ -323,9 +364,15 @@ class PrecisionPlan:
     # Construction
 
     @classmethod
-    def from_config(cls, config: JobConfig, dims: ParallelDims, device_type: str, *,
-                    probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
-                    run_kernels: bool = True) -> "PrecisionPlan":
+    def from_config(
+        cls,
+        config: JobConfig,
+        dims: ParallelDims,
+        device_type: str,
+        *,
+        probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
+        run_kernels: bool = True,
+    ) -> PrecisionPlan:
         """`probe` answers whether a low-precision matmul is native on `device_type` (measured
         on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
         `mixed_precision.enabled = "auto"` means on. `run_kernels` False (the launcher's
@@ -364,38 +411,63 @@ class PrecisionPlan:
             decision += f"; nn.Linear in fp8 ({mp.fp8}{', fp8 all-gather' if mp.fp8_all_gather else ''})"
         elif mp.fp8_all_gather:
             raise PrecisionError("'mixed_precision.fp8_all_gather' needs mixed_precision.fp8 = 'tensorwise'")
-        block_scaled, emulated, words = _block_scaled(config, dims, device_type, on_hardware=probe is not None,
-                                                      run_kernels=run_kernels)
+        block_scaled, emulated, words = _block_scaled(
+            config, dims, device_type, on_hardware=probe is not None, run_kernels=run_kernels
+        )
         decision += words
         plan = cls(
-            path=path, device_type=device_type, storage_dtype=storage, param_dtype=param, reduce_dtype=reduce,
+            path=path,
+            device_type=device_type,
+            storage_dtype=storage,
+            param_dtype=param,
+            reduce_dtype=reduce,
             output_dtype=_DTYPES[mp.output_dtype] if enabled else storage,
             safe_modules=resolve_module_classes(mp.lower_precision_safe_modules) if enabled else (),
-            comm_hook=_comm_hook(path, reduce, dims), grad_scaler=grad_scaler,
-            scaler_kwargs={"init_scale": mp.init_scale, "growth_factor": mp.growth_factor,
-                           "backoff_factor": mp.backoff_factor, "growth_interval": mp.growth_interval},
-            notes=tuple(notes), enabled_setting=setting, speed=speed, decision=decision, warnings=tuple(warnings),
-            fp8=mp.fp8, fp8_skip=tuple(mp.fp8_skip_modules), fp8_all_gather=mp.fp8_all_gather,
-            block_scaled=block_scaled, block_scaled_emulated=emulated,
-            block_scaled_skip=tuple(mp.block_scaled_skip_modules), block_scaled_edge_layers=mp.block_scaled_edge_layers,
+            comm_hook=_comm_hook(path, reduce, dims),
+            grad_scaler=grad_scaler,
+            scaler_kwargs={
+                "init_scale": mp.init_scale,
+                "growth_factor": mp.growth_factor,
+                "backoff_factor": mp.backoff_factor,
+                "growth_interval": mp.growth_interval,
+            },
+            notes=tuple(notes),
+            enabled_setting=setting,
+            speed=speed,
+            decision=decision,
+            warnings=tuple(warnings),
+            fp8=mp.fp8,
+            fp8_skip=tuple(mp.fp8_skip_modules),
+            fp8_all_gather=mp.fp8_all_gather,
+            block_scaled=block_scaled,
+            block_scaled_emulated=emulated,
+            block_scaled_skip=tuple(mp.block_scaled_skip_modules),
+            block_scaled_edge_layers=mp.block_scaled_edge_layers,
             block_scaled_experts=block_scaled is not None and mp.block_scaled_experts,
-            fp32_names=tuple(mp.fp32_module_names), frozen_names=tuple(config.training.freeze),
+            fp32_names=tuple(mp.fp32_module_names),
+            frozen_names=tuple(config.training.freeze),
             optimizer_state_dtype=_optimizer_state_dtype(config, storage),
             stochastic_rounding=config.optimizer.stochastic_rounding,
-            cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage, context_parallel_degree=dims.cp,
-            router_dtype=router, expert_parallel_degree=dims.ep,
+            cp_reduce_dtype=_DTYPES[mp.cp_reduce_dtype] if enabled else storage,
+            context_parallel_degree=dims.cp,
+            router_dtype=router,
+            expert_parallel_degree=dims.ep,
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
-            **_diloco(config))
+            **_diloco(config),
+        )
         if plan.replica_groups and plan.grad_scaler != "none":
             # Each group's gradients would cross groups scaled by its own loss scale, and a healed
             # group would start from init_scale: the average would mix scales.
-            raise PrecisionError("float16 loss scaling is not supported with fault_tolerance.enable: train in "
-                                 "bfloat16 (mixed_precision.param_dtype = 'bfloat16')")
+            raise PrecisionError(
+                "float16 loss scaling is not supported with fault_tolerance.enable: train in "
+                "bfloat16 (mixed_precision.param_dtype = 'bfloat16')"
+            )
         if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
             raise PrecisionError(
                 "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
                 "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
-                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'")
+                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'"
+            )
         return plan
 
     # -----------------------------------------------------------------------------------------
@@ -416,8 +488,10 @@ class PrecisionPlan:
     @property
     def what_trains(self) -> str:
         """The decision in a few words, the same on every rank that decided alike."""
-        return (f"{self.path} path, {short_name(self.param_dtype)} compute, {short_name(self.storage_dtype)} "
-                f"storage, {short_name(self.reduce_dtype)} reduce")
+        return (
+            f"{self.path} path, {short_name(self.param_dtype)} compute, {short_name(self.storage_dtype)} "
+            f"storage, {short_name(self.reduce_dtype)} reduce"
+        )
 
     def disagreement(self, by_rank: list[str]) -> str | None:
         """One error line when the ranks' `what_trains` differ (None when they agree): one rank
@@ -426,9 +500,11 @@ class PrecisionPlan:
         if len(set(by_rank)) <= 1:
             return None
         other = next(r for r, w in enumerate(by_rank) if w != by_rank[0])
-        return (f"mixed_precision.enabled = {self.enabled_setting}: the ranks decided differently (rank 0: "
-                f"{by_rank[0]}; rank {other}: {by_rank[other]}) because each timed this CPU's low-precision "
-                f"matmul on its own; set mixed_precision.enabled = true or false, or {LOWP_ENV}=native|emulated")
+        return (
+            f"mixed_precision.enabled = {self.enabled_setting}: the ranks decided differently (rank 0: "
+            f"{by_rank[0]}; rank {other}: {by_rank[other]}) because each timed this CPU's low-precision "
+            f"matmul on its own; set mixed_precision.enabled = true or false, or {LOWP_ENV}=native|emulated"
+        )
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -439,7 +515,8 @@ class PrecisionPlan:
         Linears in another form (MoE's grouped experts declare safe_as = nn.Linear)."""
         safe_as = getattr(module, "safe_as", None)
         listed = isinstance(module, self.safe_modules) or (
-            safe_as is not None and issubclass(safe_as, self.safe_modules))
+            safe_as is not None and issubclass(safe_as, self.safe_modules)
+        )
         return listed and not getattr(module, FP32_BY_NAME, False)
 
     def routes(self, module: nn.Module) -> bool:
@@ -476,8 +553,7 @@ class PrecisionPlan:
     def fp32_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules owning parameters outside the safe list, in `model.modules()` order: they run in
         fp32 (autocast off on the autocast path, an fp32 FSDP group on the FSDP path)."""
-        return [m for m in model.modules()
-                if not self.is_safe(m) and any(True for _ in m.parameters(recurse=False))]
+        return [m for m in model.modules() if not self.is_safe(m) and any(True for _ in m.parameters(recurse=False))]
 
     @property
     def fused_optimizer_ok(self) -> bool:

@@ -35,7 +35,9 @@ class PartialGradReducer:
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 if any(pl.is_partial() and pl.reduce_op != "sum" for pl in g.placements):
-                    p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+                    p.grad = g.redistribute(
+                        g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements]
+                    )
                     continue
                 wire = self.dtype if id(p) in self.low_precision_params else g.dtype
                 dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
@@ -50,16 +52,22 @@ class PartialGradReducer:
             dist.all_reduce(flat, group=mesh.get_group(dim))
         offset = 0
         for p, g in zip(params, grads):
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
             placements = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
-            p.grad = DTensor.from_local(g, mesh, placements, run_check=False, shape=p.grad.shape,
-                                        stride=p.grad.stride())
+            p.grad = DTensor.from_local(
+                g, mesh, placements, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+            )
 
 
 def partial_grad_reducer(plan: PrecisionPlan, model_parts: list[nn.Module]) -> PartialGradReducer:
     """Who reduces the gradients DTensor leaves partial (TP's replicated norm weights under
     sequence parallel, outside FSDP): safe modules' in reduce_dtype, the rest in their own."""
-    low = {id(p) for part in model_parts for m in part.modules() if plan.is_safe(m) and plan.path != "full"
-           for p in m.parameters(recurse=False)}
+    low = {
+        id(p)
+        for part in model_parts
+        for m in part.modules()
+        if plan.is_safe(m) and plan.path != "full"
+        for p in m.parameters(recurse=False)
+    }
     return PartialGradReducer(plan.reduce_dtype, frozenset(low))

@@ -28,8 +28,12 @@ logger = logging.getLogger("torchtitan_amp")
 
 # Ops we keep in fp32 whatever the path. The norm and rotary upcasts live in the model (CPU
 # autocast would otherwise run them in bf16); the loss upcast lives in `loss_fn`.
-FP32_ISLANDS = ("RMSNorm (computes in fp32, returns input dtype)", "rotary tables and rotation",
-                "cross-entropy on fp32 logits", "loss and metric accumulators")
+FP32_ISLANDS = (
+    "RMSNorm (computes in fp32, returns input dtype)",
+    "rotary tables and rotation",
+    "cross-entropy on fp32 logits",
+    "loss and metric accumulators",
+)
 
 
 def _class_name(cls: type) -> str:
@@ -42,7 +46,9 @@ def _user_class(module: nn.Module) -> type:
 
 
 def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(f"{n}.{pn}" if n else pn, p) for n, m in _named_modules(model) for pn, p in m.named_parameters(recurse=False)]
+    return [
+        (f"{n}.{pn}" if n else pn, p) for n, m in _named_modules(model) for pn, p in m.named_parameters(recurse=False)
+    ]
 
 
 def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -65,18 +71,26 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
         # Off the "full" path storage is fp32: modules outside the safe list compute in it.
         compute = plan.compute_dtype(module)
         # The emulation multiplies in fp32; what the row promises is the recipe's format.
-        compute_name = (module.recipe.format if isinstance(module, BlockScaledLinear)
-                        else module.block_scaled_mm.recipe.format if getattr(module, "block_scaled_mm", None) is not None
-                        else dtype_name(compute))
+        compute_name = (
+            module.recipe.format
+            if isinstance(module, BlockScaledLinear)
+            else module.block_scaled_mm.recipe.format
+            if getattr(module, "block_scaled_mm", None) is not None
+            else dtype_name(compute)
+        )
         name = _class_name(_user_class(module))
         reduce = plan.reduce_dtype if low else plan.storage_dtype
         if plan.path == "autocast" and plan.comm_hook == "none":
             reduce = plan.storage_dtype
         frozen = not own[0].requires_grad
         g = groups[f"{name} {compute_name} {frozen}"]
-        g.update(module_type=name, storage_dtype=dtype_name(own[0].dtype),
-                 compute_dtype=compute_name, reduce_dtype="-" if frozen else dtype_name(reduce),
-                 trained=not frozen)
+        g.update(
+            module_type=name,
+            storage_dtype=dtype_name(own[0].dtype),
+            compute_dtype=compute_name,
+            reduce_dtype="-" if frozen else dtype_name(reduce),
+            trained=not frozen,
+        )
         g["num_params"] += sum(p.numel() for p in own)
     return list(groups.values())
 
@@ -89,12 +103,15 @@ def router_summary(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any] | No
     routers = [name for name, m in model.named_modules() if plan.routes(m)]
     if not routers:
         return None
-    return {"router_dtype": dtype_name(plan.router_dtype), "routers": len(routers),
-            "gate_matmul": f"{short_name(plan.router_dtype)} inputs and weights (activations upcast), "
-                           f"{short_name(plan.router_dtype)} output",
-            "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
-                          "gradients reduced in fp32), never fp8",
-            "expert_bias_and_counts": "float32"}
+    return {
+        "router_dtype": dtype_name(plan.router_dtype),
+        "routers": len(routers),
+        "gate_matmul": f"{short_name(plan.router_dtype)} inputs and weights (activations upcast), "
+        f"{short_name(plan.router_dtype)} output",
+        "parameters": "fp32 (outside lower_precision_safe_modules: an fp32 FSDP group, no autocast, "
+        "gradients reduced in fp32), never fp8",
+        "expert_bias_and_counts": "float32",
+    }
 
 
 def expert_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
@@ -103,8 +120,12 @@ def expert_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
     if plan.expert_parallel_degree == 1:
         return None
     activations = dtype_name(plan.param_dtype if plan.path != "full" else plan.storage_dtype)
-    return {"degree": plan.expert_parallel_degree, "dispatch_dtype": activations, "combine_dtype": activations,
-            "weighted_sum": "float32 (on the rank that routed the token)"}
+    return {
+        "degree": plan.expert_parallel_degree,
+        "dispatch_dtype": activations,
+        "combine_dtype": activations,
+        "weighted_sum": "float32 (on the rank that routed the token)",
+    }
 
 
 def context_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
@@ -112,11 +133,13 @@ def context_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
     if plan.context_parallel_degree == 1:
         return None
     activations = plan.param_dtype if plan.path != "full" else plan.storage_dtype
-    return {"degree": plan.context_parallel_degree,
-            "kv_all_gather_dtype": dtype_name(activations),
-            "kv_grad_reduce_scatter_dtype": dtype_name(plan.cp_reduce_dtype),
-            "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
-                             "in one SDPA call (no partial outputs or log-sum-exps to merge)"}
+    return {
+        "degree": plan.context_parallel_degree,
+        "kv_all_gather_dtype": dtype_name(activations),
+        "kv_grad_reduce_scatter_dtype": dtype_name(plan.cp_reduce_dtype),
+        "softmax_merge": "none: each rank's queries attend to the all-gathered keys and values "
+        "in one SDPA call (no partial outputs or log-sum-exps to merge)",
+    }
 
 
 def fault_tolerance_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
@@ -126,25 +149,34 @@ def fault_tolerance_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
         return None
     if plan.sync_steps:
         outer = short_name(plan.outer_state_dtype)
-        return {"replica_groups": plan.replica_groups, "semi_sync_method": "diloco", "sync_steps": plan.sync_steps,
-                "cross_group_allreduce": f"torchft Manager.allreduce every {plan.sync_steps} steps: average of "
-                                         f"the pseudo-gradients (global - local weights, computed in fp32) in "
-                                         f"{short_name(plan.pseudo_gradient_dtype)}; no per-step all-reduce",
-                "pseudo_gradient_dtype": dtype_name(plan.pseudo_gradient_dtype),
-                "global_weights_dtype": dtype_name(plan.outer_state_dtype),
-                "outer_optimizer": f"Nesterov SGD in {outer} on the {outer} global weights, {outer} momentum"}
-    return {"replica_groups": plan.replica_groups,
-            "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
-                                     "quorum, in each param group's reduce_dtype (cross_group_dtype)"}
+        return {
+            "replica_groups": plan.replica_groups,
+            "semi_sync_method": "diloco",
+            "sync_steps": plan.sync_steps,
+            "cross_group_allreduce": f"torchft Manager.allreduce every {plan.sync_steps} steps: average of "
+            f"the pseudo-gradients (global - local weights, computed in fp32) in "
+            f"{short_name(plan.pseudo_gradient_dtype)}; no per-step all-reduce",
+            "pseudo_gradient_dtype": dtype_name(plan.pseudo_gradient_dtype),
+            "global_weights_dtype": dtype_name(plan.outer_state_dtype),
+            "outer_optimizer": f"Nesterov SGD in {outer} on the {outer} global weights, {outer} momentum",
+        }
+    return {
+        "replica_groups": plan.replica_groups,
+        "cross_group_allreduce": "torchft Manager.allreduce: average over the groups in the step's "
+        "quorum, in each param group's reduce_dtype (cross_group_dtype)",
+    }
 
 
 def optimizer_summary(plan: PrecisionPlan) -> dict[str, Any]:
     """The report's optimizer section: the moments' dtype, the update's math, the weights' rounding."""
     mixed = plan.mixed_state_optimizer
-    return {"state_dtype": dtype_name(plan.optimizer_state_dtype),
-            "update": ("fp32 math per parameter (AdamWMixedState)" if mixed
-                       else f"torch AdamW in {short_name(plan.storage_dtype)}"),
-            "weight_rounding": "stochastic" if plan.stochastic_rounding else "nearest"}
+    return {
+        "state_dtype": dtype_name(plan.optimizer_state_dtype),
+        "update": (
+            "fp32 math per parameter (AdamWMixedState)" if mixed else f"torch AdamW in {short_name(plan.storage_dtype)}"
+        ),
+        "weight_rounding": "stochastic" if plan.stochastic_rounding else "nearest",
+    }
 
 
 def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: nn.Module) -> dict[str, Any] | None:
@@ -159,8 +191,10 @@ def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: n
         # The floating-point persistent buffers (MoE's expert biases) ride along, whole on every rank.
         buffers = synced_buffer_elements([model])
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trained) + buffers
-        summary["bytes_per_sync"] = {"this_rank": local * DTYPE_BYTES[wire],
-                                     "group": (sum(p.numel() for p in trained) + buffers) * DTYPE_BYTES[wire]}
+        summary["bytes_per_sync"] = {
+            "this_rank": local * DTYPE_BYTES[wire],
+            "group": (sum(p.numel() for p in trained) + buffers) * DTYPE_BYTES[wire],
+        }
     elif summary is not None:
         dtypes = {g["reduce_dtype"] for g in groups if g["reduce_dtype"] != "-"}
         summary["cross_group_allreduce_dtypes"] = sorted(dtypes)
@@ -199,13 +233,17 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "expert_parallel": expert_parallel_summary(plan),
         "fault_tolerance": _fault_tolerance(plan, groups, model),
         "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
-        "fp32_by_name": sorted(n for n, m in _named_modules(model) if getattr(m, FP32_BY_NAME, False)
-                               and any(True for _ in m.parameters(recurse=False))),
+        "fp32_by_name": sorted(
+            n
+            for n, m in _named_modules(model)
+            if getattr(m, FP32_BY_NAME, False) and any(True for _ in m.parameters(recurse=False))
+        ),
     }
 
 
-def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str, is_writer: bool,
-                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def log_and_write_report(
+    plan: PrecisionPlan, model: nn.Module, dump_folder: str, is_writer: bool, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`extra`: sections the job adds (gradient collectives and bytes per parameter, which
     the memory model computes from this plan)."""
     written = {**report(plan, model), **(extra or {})}
@@ -215,40 +253,76 @@ def log_and_write_report(plan: PrecisionPlan, model: nn.Module, dump_folder: str
         logger.info("precision: %s", plan.decision)
         for warning in plan.warnings:
             logger.warning("precision: %s", warning)
-        logger.info("precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
-                    plan.path, short_name(plan.param_dtype), short_name(plan.reduce_dtype),
-                    short_name(plan.output_dtype), plan.comm_hook, plan.grad_scaler)
+        logger.info(
+            "precision: path=%s param=%s reduce=%s output=%s comm_hook=%s scaler=%s",
+            plan.path,
+            short_name(plan.param_dtype),
+            short_name(plan.reduce_dtype),
+            short_name(plan.output_dtype),
+            plan.comm_hook,
+            plan.grad_scaler,
+        )
         if (ft := written.get("fault_tolerance")) is not None and ft.get("semi_sync_method") == "diloco":
-            logger.info("precision: DiLoCo (torchft, up to %d groups): pseudo-gradients averaged every %d steps in "
-                        "%s (%s B per sync on this rank); %s", ft["replica_groups"], ft["sync_steps"],
-                        ft["pseudo_gradient_dtype"], f"{ft['bytes_per_sync']['this_rank']:,}", ft["outer_optimizer"])
+            logger.info(
+                "precision: DiLoCo (torchft, up to %d groups): pseudo-gradients averaged every %d steps in "
+                "%s (%s B per sync on this rank); %s",
+                ft["replica_groups"],
+                ft["sync_steps"],
+                ft["pseudo_gradient_dtype"],
+                f"{ft['bytes_per_sync']['this_rank']:,}",
+                ft["outer_optimizer"],
+            )
         elif ft is not None:
-            logger.info("precision: cross-group all-reduce (torchft, up to %d groups) in %s",
-                        ft["replica_groups"], ", ".join(ft["cross_group_allreduce_dtypes"]))
+            logger.info(
+                "precision: cross-group all-reduce (torchft, up to %d groups) in %s",
+                ft["replica_groups"],
+                ", ".join(ft["cross_group_allreduce_dtypes"]),
+            )
         logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
         for g in written["param_groups"]:
-            logger.info("  %-40s %12s %8s %8s %8s", g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
-                        f"{g['num_params']:,}", *(short_name(g[k]) for k in
-                                                  ("storage_dtype", "compute_dtype", "reduce_dtype")))
+            logger.info(
+                "  %-40s %12s %8s %8s %8s",
+                g["module_type"].rsplit(".", 1)[-1] + ("" if g["trained"] else " (frozen)"),
+                f"{g['num_params']:,}",
+                *(short_name(g[k]) for k in ("storage_dtype", "compute_dtype", "reduce_dtype")),
+            )
         opt = written["optimizer"]
-        logger.info("  optimizer: AdamW moments %s, update %s, weights rounded to %s", short_name(plan.optimizer_state_dtype),
-                    opt["update"], opt["weight_rounding"])
+        logger.info(
+            "  optimizer: AdamW moments %s, update %s, weights rounded to %s",
+            short_name(plan.optimizer_state_dtype),
+            opt["update"],
+            opt["weight_rounding"],
+        )
         router = written["router"]
         if router is not None:
-            logger.info("  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
-                        router["routers"], router["router_dtype"], router["parameters"])
+            logger.info(
+                "  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
+                router["routers"],
+                router["router_dtype"],
+                router["parameters"],
+            )
         ep = written["expert_parallel"]
         if ep is not None:
-            logger.info("  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums "
-                        "in float32", ep["degree"], ep["dispatch_dtype"])
+            logger.info(
+                "  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums in float32",
+                ep["degree"],
+                ep["dispatch_dtype"],
+            )
         cp = written["context_parallel"]
         if cp is not None:
-            logger.info("  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
-                        "no softmax merge (one attention call per rank)", cp["degree"],
-                        cp["kv_all_gather_dtype"], cp["kv_grad_reduce_scatter_dtype"])
+            logger.info(
+                "  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
+                "no softmax merge (one attention call per rank)",
+                cp["degree"],
+                cp["kv_all_gather_dtype"],
+                cp["kv_grad_reduce_scatter_dtype"],
+            )
         for name, by_dtype in written.get("gradient_collectives", {}).items():
-            logger.info("  gradient collective %s: %s per step", name,
-                        ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())))
+            logger.info(
+                "  gradient collective %s: %s per step",
+                name,
+                ", ".join(f"{n:,} B {short_name(d)}" for d, n in sorted(by_dtype.items())),
+            )
         _log_block_scaled(written["block_scaled"])
         for note in plan.notes:
             logger.info("  note: %s", note)
@@ -259,8 +333,12 @@ def _log_block_scaled(section: dict[str, Any] | None) -> None:
     """The start-up table's block-scaled lines: the format of each pass, the Linears kept out."""
     if section is None:
         return
-    logger.info("  block-scaled %s%s: %d Linears / expert weights", section["format"],
-                " (emulated)" if section["emulated"] else " (torchao kernels)", len(section["modules"]))
+    logger.info(
+        "  block-scaled %s%s: %d Linears / expert weights",
+        section["format"],
+        " (emulated)" if section["emulated"] else " (torchao kernels)",
+        len(section["modules"]),
+    )
     for what, operands in section["recipe"].items():
         logger.info("    %-7s %s", what, operands)
     logger.info("    kept out (plan's compute dtype): %s", ", ".join(section["kept_out"]) or "none")

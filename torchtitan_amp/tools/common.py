@@ -16,8 +16,17 @@ import torchtitan_amp
 # installed): children import the package from the same place as their parent.
 SOURCE_ROOT = Path(torchtitan_amp.__file__).resolve().parents[1]
 
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+    "ROLE_RANK",
+)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -33,16 +42,33 @@ def module_cmd(module: str, nproc: int, args: list[str]) -> list[str]:
     """`python -m MODULE ARGS`, under torchrun with nproc CPU ranks when nproc > 1."""
     if nproc == 1:
         return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
 
 
-def torchrun(module: str, nproc: int, args: list[str], log: Path, timeout: float = 3600,
-             env: dict[str, str] | None = None) -> int:
+def torchrun(
+    module: str, nproc: int, args: list[str], log: Path, timeout: float = 3600, env: dict[str, str] | None = None
+) -> int:
     """Run `python -m MODULE ARGS` under torchrun with nproc CPU ranks; output to `log`. Past
     `timeout` seconds torchrun and its workers are killed (the log says so) and the exit code is -9."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", module, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
     with open(log, "w") as fh:
         # This process's folder: `python -m benchmarks.X` finds `benchmarks` there, as its parent did.
         proc = subprocess.Popen(cmd, env=child_env(env), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -74,9 +100,21 @@ def weights_only_overrides(config_argv: list[str], scratch: str) -> list[str]:
     if user.checkpoint.initial_load_path:  # weights named directly: no run folder to look in
         folder = Path(scratch) / "checkpoint"
     skip = [p.name for p in PARTS if p.name not in WEIGHTS_ONLY]
-    return [*config_argv, "--checkpoint.enable", "true", "--checkpoint.folder", str(folder.resolve()),
-            "--checkpoint.exclude_from_loading", ",".join(skip), "--job.dump_folder", scratch,
-            "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "false"]
+    return [
+        *config_argv,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        str(folder.resolve()),
+        "--checkpoint.exclude_from_loading",
+        ",".join(skip),
+        "--job.dump_folder",
+        scratch,
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.enable_wandb",
+        "false",
+    ]
 
 
 def load_average() -> str:
@@ -101,5 +139,7 @@ def machine() -> str:
         pass
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
-    return (f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {_torch_version()}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu} ({os.cpu_count()} cores; {', '.join(isa) or 'no avx512'}), torch {_torch_version()}, "
+        f"Python {platform.python_version()}"
+    )

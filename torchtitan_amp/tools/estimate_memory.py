@@ -15,7 +15,7 @@ buffers and activations (with and without activation checkpointing), from shapes
         --training.local_batch_size 8 --measure
 
 Every option other than the ones listed by --help is a train.py config override (`--section.key
-value`, `--job.config_file FILE`): flavour, layout (parallel degrees, `--ngpu` ranks) and precision
+value`, `--job.config_file FILE`): flavor, layout (parallel degrees, `--ngpu` ranks) and precision
 are read from the job config and decided by the same code as training (ParallelDims,
 PrecisionPlan). The arithmetic is `torchtitan_amp.memory` (formulas in its docstrings); this
 script is its command line. `train.py --job.dry_run` gives the same numbers by building the model
@@ -60,8 +60,8 @@ MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap an
 
 
 def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
-    """--shape dim=512,n_layers=8: change the flavour's shape in this process (a what-if, or a
-    model size between the registered flavours). Nothing on disk changes."""
+    """--shape dim=512,n_layers=8: change the flavor's shape in this process (a what-if, or a
+    model size between the registered flavors). Nothing on disk changes."""
     if not shape:
         return
     import dataclasses
@@ -91,22 +91,41 @@ def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[
     res = resolve(config, ngpu)
     est = memory.estimate(res.model_dims, res.precision, res.layout, device=device)
     d = est.to_dict()
-    d.update(world_size=res.world_size, device=device, flavor=config.model.flavor, total_params=res.model_dims.total_params(),
-             active_params=res.model_dims.active_params(),
-             layout={"dp_replicate": res.dims.dp_replicate, "dp_shard": res.dims.dp_shard, "cp": res.dims.cp,
-                     "ep": res.dims.ep,
-                     "tp": res.dims.tp, "pp": res.dims.pp, "seq_len": res.layout.seq_len,
-                     "local_seq_len": res.layout.local_seq_len, "attn_mask_type": res.layout.attn_mask_type,
-                     "local_batch_size": res.layout.local_batch_size, "grad_accum": res.layout.grad_accum,
-                     "ac": res.layout.ac_label},
-             precision={"path": res.plan.path, "storage": res.precision.storage, "param": res.precision.param,
-                        "reduce": res.precision.reduce, "comm_hook": res.plan.comm_hook,
-                        "cp_reduce": res.precision.cp_reduce},
-             # The activation collectives context and expert parallel add (the dry run reports every
-             # category).
-             cp_communication={**memory.cp_comm(res.model_dims, res.precision, res.layout),
-                               **res.model_dims.ep_comm(res.precision, res.layout,
-                                                        memory.rank_stages(res.model_dims, res.layout))})
+    d.update(
+        world_size=res.world_size,
+        device=device,
+        flavor=config.model.flavor,
+        total_params=res.model_dims.total_params(),
+        active_params=res.model_dims.active_params(),
+        layout={
+            "dp_replicate": res.dims.dp_replicate,
+            "dp_shard": res.dims.dp_shard,
+            "cp": res.dims.cp,
+            "ep": res.dims.ep,
+            "tp": res.dims.tp,
+            "pp": res.dims.pp,
+            "seq_len": res.layout.seq_len,
+            "local_seq_len": res.layout.local_seq_len,
+            "attn_mask_type": res.layout.attn_mask_type,
+            "local_batch_size": res.layout.local_batch_size,
+            "grad_accum": res.layout.grad_accum,
+            "ac": res.layout.ac_label,
+        },
+        precision={
+            "path": res.plan.path,
+            "storage": res.precision.storage,
+            "param": res.precision.param,
+            "reduce": res.precision.reduce,
+            "comm_hook": res.plan.comm_hook,
+            "cp_reduce": res.precision.cp_reduce,
+        },
+        # The activation collectives context and expert parallel add (the dry run reports every
+        # category).
+        cp_communication={
+            **memory.cp_comm(res.model_dims, res.precision, res.layout),
+            **res.model_dims.ep_comm(res.precision, res.layout, memory.rank_stages(res.model_dims, res.layout)),
+        },
+    )
     return d
 
 
@@ -126,8 +145,12 @@ def format_estimate(d: dict[str, Any]) -> str:
         "",
         f"  {'per rank':38s} {'bytes':>12s}  by dtype",
     ]
-    rows = [("parameters (as allocated)", st["params_padded"]), ("gradients", st["grads"]),
-            ("optimizer state (AdamW)", st["optimizer"]), ("transient (FSDP gathers, DDP buckets)", d["transient"])]
+    rows = [
+        ("parameters (as allocated)", st["params_padded"]),
+        ("gradients", st["grads"]),
+        ("optimizer state (AdamW)", st["optimizer"]),
+        ("transient (FSDP gathers, DDP buckets)", d["transient"]),
+    ]
     for name, by in rows:
         lines.append(f"  {name:38s} {fb(memory.sum_bytes(by)):>12s}  {fd(by)}")
     lines.append(f"  {'activations, AC none':38s} {fb(acts['none']):>12s}")
@@ -135,8 +158,10 @@ def format_estimate(d: dict[str, Any]) -> str:
     if acts["configured_mode"] not in ("none", "full"):
         lines.append(f"  {'activations, AC ' + lay['ac']:38s} {fb(acts['configured']):>12s}")
     pk = d["peak"]
-    lines.append(f"  {'peak, AC none / AC full':38s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
-                 f"   (configured {lay['ac']}: {fb(pk['configured'])})")
+    lines.append(
+        f"  {'peak, AC none / AC full':38s} {fb(pk['ac_none']):>12s}  / {fb(pk['ac_full'])}"
+        f"   (configured {lay['ac']}: {fb(pk['configured'])})"
+    )
     for name, by in d.get("cp_communication", {}).items():
         lines.append(f"  {name + ' per step':38s} {fb(memory.sum_bytes(by)):>12s}  {fd(by)}")
     return "\n".join(lines)
@@ -183,9 +208,9 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
     cached CPU peak-FLOPs measurement) so that it is not counted as the model's memory."""
     import torch
 
-    from torchtitan_amp.observability.metrics import peak_flops
     # Any small model loads the same kernels and threads; Llama's stands in for every family.
     from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+    from torchtitan_amp.observability.metrics import peak_flops
 
     peak_flops(torch.device("cpu"), {torch.float32, param_dtype})
     model = Transformer(LlamaModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16))
@@ -234,8 +259,9 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
         "rank": trainer.run.info.rank,
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
-        "optimizer": _by_dtype(t for s in trainer.run.optimizer.state.values() for t in s.values()
-                               if isinstance(t, torch.Tensor)),
+        "optimizer": _by_dtype(
+            t for s in trainer.run.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        ),
         "rss_baseline": marks["baseline"],
         "rss_peak_delta": peak - marks["baseline"],
         "rss_end_delta": end - marks["baseline"],
@@ -252,17 +278,29 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     return 0
 
 
-def measure(overrides: list[str], ngpu: int, steps: int, out_dir: Path,
-            shape: str | None = None) -> list[dict[str, Any]]:
+def measure(
+    overrides: list[str], ngpu: int, steps: int, out_dir: Path, shape: str | None = None
+) -> list[dict[str, Any]]:
     """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "measured.json"
     out.unlink(missing_ok=True)
-    child = ["--measure-child", str(out), "--steps", str(steps),
-             *(["--shape", shape] if shape else []), *overrides, "--job.dump_folder", str(out_dir)]
-    proc = subprocess.run(module_cmd(MODULE, ngpu, child),
-                          env=child_env({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}),
-                          capture_output=True, text=True)
+    child = [
+        "--measure-child",
+        str(out),
+        "--steps",
+        str(steps),
+        *(["--shape", shape] if shape else []),
+        *overrides,
+        "--job.dump_folder",
+        str(out_dir),
+    ]
+    proc = subprocess.run(
+        module_cmd(MODULE, ngpu, child),
+        env=child_env({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"measurement failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads(out.read_text())
@@ -275,8 +313,11 @@ def format_measured(est: dict[str, Any], measured: list[dict[str, Any]]) -> tupl
     state_est = sum(memory.sum_bytes(v) for v in expected.values())
     peak_est = est["peak"]["configured"]
     ok = True
-    lines = ["", f"  measured after {measured[0]['steps']} step(s) "
-             f"(tensors: exact bytes; RSS: growth from just before the model is built)"]
+    lines = [
+        "",
+        f"  measured after {measured[0]['steps']} step(s) "
+        f"(tensors: exact bytes; RSS: growth from just before the model is built)",
+    ]
     for m in measured:
         exact = all(m[k] == v for k, v in expected.items())
         if m["rank"] == 0:
@@ -287,7 +328,8 @@ def format_measured(est: dict[str, Any], measured: list[dict[str, Any]]) -> tupl
             f"({'= estimate' if exact else 'estimate ' + fb(state_est) + ' (rank 0): MISMATCH'}); "
             f"RSS peak +{fb(m['rss_peak_delta'])} (estimate {fb(peak_est)}, ratio "
             f"{m['rss_peak_delta'] / peak_est:.2f}), RSS at end +{fb(m['rss_end_delta'])} "
-            f"(state estimate {fb(state_est)})")
+            f"(state estimate {fb(state_est)})"
+        )
         if not exact and m["rank"] == 0:
             for k, v in expected.items():
                 if m[k] != v:
@@ -296,19 +338,36 @@ def format_measured(est: dict[str, Any], measured: list[dict[str, Any]]) -> tupl
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other options are train.py "
-                                "config overrides (--section.key value).",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ngpu", type=int, help="ranks (default: the product of the configured degrees, "
-                   "data_parallel_shard_degree -1 counting as 1)")
-    p.add_argument("--measure", action="store_true", help="also build the model and train on this CPU "
-                   "(torchrun with --ngpu processes) and compare")
-    p.add_argument("--steps", type=int, default=2, help="steps of the --measure run (default %(default)s: the "
-                   "second runs with the optimizer state alive, the steady state)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other options are train.py config overrides (--section.key value).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--ngpu",
+        type=int,
+        help="ranks (default: the product of the configured degrees, data_parallel_shard_degree -1 counting as 1)",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also build the model and train on this CPU (torchrun with --ngpu processes) and compare",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="steps of the --measure run (default %(default)s: the "
+        "second runs with the optimizer state alive, the steady state)",
+    )
     p.add_argument("--out", default="outputs/estimate_memory", help="dump folder of the --measure run")
     p.add_argument("--json", metavar="FILE", help="write the estimate (and measurement) as JSON")
-    p.add_argument("--shape", metavar="K=V,...", help="change the flavour's shape, e.g. dim=512,n_layers=8,n_heads=8 "
-                   "(fields of the family's args: LlamaModelArgs for llama3)")
+    p.add_argument(
+        "--shape",
+        metavar="K=V,...",
+        help="change the flavor's shape, e.g. dim=512,n_layers=8,n_heads=8 "
+        "(fields of the family's args: LlamaModelArgs for llama3)",
+    )
     p.add_argument("--measure-child", metavar="OUT", help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args(argv)
     if args.measure_child:

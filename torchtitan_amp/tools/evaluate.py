@@ -54,11 +54,18 @@ def evaluate(config_argv: list[str]) -> dict[str, Any]:
             if loaded is None:
                 raise CheckpointError(
                     f"no checkpoint to evaluate in {trainer.run.checkpointer.folder} (set checkpoint.folder and "
-                    "checkpoint.load_step, or checkpoint.initial_load_path)")
+                    "checkpoint.load_step, or checkpoint.initial_load_path)"
+                )
             result = trainer.evaluate()
             samples = {"samples": trainer.run.validator.samples} if trainer.run.validator.samples else {}
-            return {**result, "step": trainer.step, "checkpoint": str(loaded),
-                    "world_size": trainer.run.info.world_size, "precision_path": trainer.run.plan.path, **samples}
+            return {
+                **result,
+                "step": trainer.step,
+                "checkpoint": str(loaded),
+                "world_size": trainer.run.info.world_size,
+                "precision_path": trainer.run.plan.path,
+                **samples,
+            }
         finally:
             trainer.run.metrics.close()
 

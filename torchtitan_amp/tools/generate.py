@@ -47,19 +47,29 @@ logger = logging.getLogger("torchtitan_amp")
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     # No abbreviations: an unknown argument is train.py's override, passed on whole.
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Other arguments: train.py's.",
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Other arguments: train.py's.", allow_abbrev=False
+    )
     p.add_argument("--config", metavar="TOML", help="the run's job config (job.config_file)")
     weights = p.add_mutually_exclusive_group(required=True)
-    weights.add_argument("--checkpoint.step", dest="step", type=int, metavar="N",
-                         help="step-N of the run's checkpoint folder (job.dump_folder / checkpoint.folder)")
-    weights.add_argument("--export", metavar="DIR", help="a model-only export (a step folder with model.pt), "
-                         "or any checkpoint step folder: its weights")
+    weights.add_argument(
+        "--checkpoint.step",
+        dest="step",
+        type=int,
+        metavar="N",
+        help="step-N of the run's checkpoint folder (job.dump_folder / checkpoint.folder)",
+    )
+    weights.add_argument(
+        "--export",
+        metavar="DIR",
+        help="a model-only export (a step folder with model.pt), or any checkpoint step folder: its weights",
+    )
     weights.add_argument("--hf", metavar="DIR", help="a Hugging Face model folder (config.json + *.safetensors)")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
-    prompts.add_argument("--prompts-file", metavar="FILE",
-                         help="one prompt per line; a .jsonl file: {\"prompt\": ...} per line")
+    prompts.add_argument(
+        "--prompts-file", metavar="FILE", help='one prompt per line; a .jsonl file: {"prompt": ...} per line'
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (fewer at EOS)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
@@ -92,7 +102,7 @@ def _jsonl_prompt(path: Path, n: int, line: str) -> str:
     except (json.JSONDecodeError, AttributeError):
         prompt = None
     if not isinstance(prompt, str):
-        raise DataError(f"--prompts-file {path} line {n}: expected a JSON object with a \"prompt\" string")
+        raise DataError(f'--prompts-file {path} line {n}: expected a JSON object with a "prompt" string')
     return prompt
 
 
@@ -115,13 +125,31 @@ def _config_argv(args: argparse.Namespace, config_argv: list[str], world_size: i
     user = load_config([*own, *config_argv])
     if args.hf and "model.tokenizer" not in user.explicit and (Path(args.hf) / "tokenizer.json").is_file():
         own += ["--model.tokenizer", args.hf]
-    layout = {"tensor_parallel_degree": world_size, "data_parallel_shard_degree": 1,
-              "data_parallel_replicate_degree": 1, "pipeline_parallel_degree": 1, "context_parallel_degree": 1,
-              "expert_parallel_degree": 1, "enable_sequence_parallel": "false", "disable_loss_parallel": "true"}
+    layout = {
+        "tensor_parallel_degree": world_size,
+        "data_parallel_shard_degree": 1,
+        "data_parallel_replicate_degree": 1,
+        "pipeline_parallel_degree": 1,
+        "context_parallel_degree": 1,
+        "expert_parallel_degree": 1,
+        "enable_sequence_parallel": "false",
+        "disable_loss_parallel": "true",
+    }
     forced = [arg for name, value in layout.items() for arg in (f"--parallelism.{name}", str(value))]
     # The run's evaluations (and their sample prompts) are not the tool's business.
-    return [*own, *config_argv, *forced, "--activation_checkpoint.mode", "none", "--compile.enable", "false",
-            "--validation.enable", "false", "--validation.sample_prompts", ""]
+    return [
+        *own,
+        *config_argv,
+        *forced,
+        "--activation_checkpoint.mode",
+        "none",
+        "--compile.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--validation.sample_prompts",
+        "",
+    ]
 
 
 @dataclass(frozen=True)
@@ -142,9 +170,11 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
     too_long = first_too_long(prompts, max_new_tokens, max_seq_len)
     if too_long is not None:
         i, length, _ = too_long
-        raise ConfigError(f"prompt {i} has {length} tokens: with --max-new-tokens {max_new_tokens} it does "
-                          f"not fit training.seq_len = {max_seq_len} (the rotary tables' length); shorten it, "
-                          "generate fewer tokens or raise --training.seq_len")
+        raise ConfigError(
+            f"prompt {i} has {length} tokens: with --max-new-tokens {max_new_tokens} it does "
+            f"not fit training.seq_len = {max_seq_len} (the rotary tables' length); shorten it, "
+            "generate fewer tokens or raise --training.seq_len"
+        )
 
 
 def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
@@ -165,8 +195,16 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
     if info.world_size > 1:
         job.dims.build_mesh(info.device.type)
     model = build_model_parts(job, info.device, [0]).parts[0]
-    manager = CheckpointManager(config, model=model, optimizer=[], lr_scheduler=None, scaler=None, dataloader=None,
-                                model_args=job.model_args, device=info.device)
+    manager = CheckpointManager(
+        config,
+        model=model,
+        optimizer=[],
+        lr_scheduler=None,
+        scaler=None,
+        dataloader=None,
+        model_args=job.model_args,
+        device=info.device,
+    )
     manager.load()
     runner = ModelRunner.for_plan(model.eval(), job.plan, job.dims.tp, sequence_parallel=False)
     return Loaded(runner, job.tokenizer, str(manager.loaded_path), job.plan.decision), ids
@@ -184,16 +222,34 @@ def generate_texts(args: argparse.Namespace, config_argv: list[str]) -> list[dic
         config = load_config(weights_only_overrides(_config_argv(args, config_argv, world_size), scratch))
         loaded, ids = load(config, prompts, args.max_new_tokens)
     _log_start(loaded, world_size, sampling)
-    return [record(text, generate(loaded.runner, prompt, args.max_new_tokens, sampling, loaded.tokenizer.eos_id),
-                   loaded.tokenizer) for text, prompt in zip(prompts, ids)]
+    return [
+        record(
+            text,
+            generate(loaded.runner, prompt, args.max_new_tokens, sampling, loaded.tokenizer.eos_id),
+            loaded.tokenizer,
+        )
+        for text, prompt in zip(prompts, ids)
+    ]
 
 
 def _log_start(loaded: Loaded, world_size: int, sampling: Sampling) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        how = "greedy" if sampling.greedy else (f"sampling (temperature {sampling.temperature}, top-k "
-                                                f"{sampling.top_k or 'off'}, top-p {sampling.top_p}, seed {sampling.seed})")
-        logger.info("generating from %s on %d rank%s (tensor parallel), %s; precision: %s", loaded.checkpoint,
-                    world_size, "s" if world_size > 1 else "", how, loaded.precision)
+        how = (
+            "greedy"
+            if sampling.greedy
+            else (
+                f"sampling (temperature {sampling.temperature}, top-k "
+                f"{sampling.top_k or 'off'}, top-p {sampling.top_p}, seed {sampling.seed})"
+            )
+        )
+        logger.info(
+            "generating from %s on %d rank%s (tensor parallel), %s; precision: %s",
+            loaded.checkpoint,
+            world_size,
+            "s" if world_size > 1 else "",
+            how,
+            loaded.precision,
+        )
 
 
 def main(argv: list[str]) -> int:

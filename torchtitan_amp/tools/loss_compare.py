@@ -120,25 +120,35 @@ class Comparison:
         return not self.only_a and not self.only_b and all(r.a == r.b for r in self.rows)
 
     def to_dict(self) -> dict:
-        return {"steps": [r.step for r in self.rows], "a": [r.a for r in self.rows],
-                "b": [r.b for r in self.rows], "max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel,
-                "bit_identical": self.bit_identical, "only_a": self.only_a, "only_b": self.only_b}
+        return {
+            "steps": [r.step for r in self.rows],
+            "a": [r.a for r in self.rows],
+            "b": [r.b for r in self.rows],
+            "max_abs_diff": self.max_abs,
+            "max_rel_diff": self.max_rel,
+            "bit_identical": self.bit_identical,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+        }
 
 
 def compare(a: dict[int, float], b: dict[int, float]) -> Comparison:
     common = sorted(a.keys() & b.keys())
     if not common:
         raise CompareError(f"the runs share no logged step (A: {sorted(a)[:5]}..., B: {sorted(b)[:5]}...)")
-    return Comparison([Row(s, a[s], b[s]) for s in common], sorted(a.keys() - b.keys()),
-                      sorted(b.keys() - a.keys()))
+    return Comparison([Row(s, a[s], b[s]) for s in common], sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys()))
 
 
 def format_table(c: Comparison, label_a: str = "A", label_b: str = "B", metric: str = "loss") -> str:
-    lines = [f"{'step':>6}  {metric + ' ' + label_a:>14}  {metric + ' ' + label_b:>14}  {'abs diff':>10}  {'rel diff':>10}"]
+    lines = [
+        f"{'step':>6}  {metric + ' ' + label_a:>14}  {metric + ' ' + label_b:>14}  {'abs diff':>10}  {'rel diff':>10}"
+    ]
     for r in c.rows:
         lines.append(f"{r.step:>6}  {r.a:>14.7f}  {r.b:>14.7f}  {r.abs_diff:>10.3e}  {r.rel_diff:>10.3e}")
-    lines.append(f"max abs diff {c.max_abs:.3e}, max rel diff {c.max_rel:.3e} over {len(c.rows)} common "
-                 f"steps; bit-identical: {'yes' if c.bit_identical else 'no'}")
+    lines.append(
+        f"max abs diff {c.max_abs:.3e}, max rel diff {c.max_rel:.3e} over {len(c.rows)} common "
+        f"steps; bit-identical: {'yes' if c.bit_identical else 'no'}"
+    )
     if c.only_a or c.only_b:
         lines.append(f"steps logged by one run only: A {c.only_a or '-'}, B {c.only_b or '-'}")
     return "\n".join(lines)
@@ -149,9 +159,11 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
     failures = []
     if assert_equal and not c.bit_identical:
         worst = max(c.rows, key=lambda r: (math.isnan(r.a) or math.isnan(r.b), r.abs_diff))
-        failures.append(f"--assert-equal: losses differ (max abs diff {c.max_abs:.3e} at step {worst.step}"
-                        + (f"; steps only in one run: {c.only_a + c.only_b}" if c.only_a or c.only_b else "")
-                        + ")")
+        failures.append(
+            f"--assert-equal: losses differ (max abs diff {c.max_abs:.3e} at step {worst.step}"
+            + (f"; steps only in one run: {c.only_a + c.only_b}" if c.only_a or c.only_b else "")
+            + ")"
+        )
     nan_steps = [r.step for r in c.rows if math.isnan(r.a) or math.isnan(r.b)]
     if (rtol is not None or atol is not None) and nan_steps:
         failures.append(f"non-finite loss at steps {nan_steps}")
@@ -192,13 +204,23 @@ def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "
 
 
 def train_command(nproc: int, dump_folder: Path, common: list[str], overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / "train.py"), *common, "--metrics.log_freq", "1", "--job.dump_folder", str(dump_folder),
-            *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "train.py"),
+        *common,
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(dump_folder),
+        *overrides,
+    ]
 
 
-def run_side(name: str, nproc: int, common: list[str], overrides: list[str], out: Path,
-             timeout: float) -> Path:
+def run_side(name: str, nproc: int, common: list[str], overrides: list[str], out: Path, timeout: float) -> Path:
     dump = out / name
     if (dump / METRICS).exists():
         (dump / METRICS).unlink()  # metrics.jsonl appends: a stale file would mix two runs
@@ -219,11 +241,16 @@ def run_side(name: str, nproc: int, common: list[str], overrides: list[str], out
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit codes: 0 agree, 1 a check failed, 2 usage or run error.")
-    p.add_argument("paths", nargs="*", help="metrics.jsonl files or dump folders: A then B (a side given "
-                   "by --run-a / --run-b takes no path)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 agree, 1 a check failed, 2 usage or run error.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        help="metrics.jsonl files or dump folders: A then B (a side given by --run-a / --run-b takes no path)",
+    )
     p.add_argument("--run-a", metavar="ARGS", help="run side A: train.py overrides, one quoted string")
     p.add_argument("--run-b", metavar="ARGS", help="run side B: train.py overrides, one quoted string")
     p.add_argument("--nproc-a", type=int, default=1, help="processes for --run-a (default 1)")
@@ -236,15 +263,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rtol", type=float, help="exit 1 if any step's relative difference exceeds this")
     p.add_argument("--atol", type=float, help="exit 1 if any step's absolute difference exceeds this")
     p.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
-    p.add_argument("--plot", metavar="FILE", help="also draw both curves and their difference "
-                   f"({', '.join(PLOT_FORMATS)}, by extension)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        help=f"also draw both curves and their difference ({', '.join(PLOT_FORMATS)}, by extension)",
+    )
     args = p.parse_args(argv)
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
         p.error(f"--plot {args.plot}: the file must end in {', '.join(PLOT_FORMATS)}")
     needed = (args.run_a is None) + (args.run_b is None)
     if len(args.paths) != needed:
-        p.error(f"expected {needed} metrics path(s) for the side(s) not given by --run-a/--run-b, "
-                f"got {len(args.paths)}")
+        p.error(
+            f"expected {needed} metrics path(s) for the side(s) not given by --run-a/--run-b, got {len(args.paths)}"
+        )
     return args
 
 

@@ -24,8 +24,17 @@ class Row:
     features: str  # what their run had beyond the layout (compile, Float8), and ours
 
     def args(self, tmp: str) -> list[str]:
-        return ["--job.config_file", self.config_file, "--job.dump_folder", tmp, "--dry_run.vocab_size", str(VOCAB),
-                "--dry_run.device", "cuda", *self.overrides]
+        return [
+            "--job.config_file",
+            self.config_file,
+            "--job.dump_folder",
+            tmp,
+            "--dry_run.vocab_size",
+            str(VOCAB),
+            "--dry_run.device",
+            "cuda",
+            *self.overrides,
+        ]
 
 
 def pp_ranks(world: int, pp: int) -> list[int]:
@@ -50,8 +59,10 @@ def dry_run_peak(row: Row, tmp: str) -> float:
 
 def build_table(measured: list[tuple[Row, float]]) -> str:
     """The markdown comparison table: one line per row, ratio = ours / theirs (bold above 1)."""
-    lines = ["| torchtitan row | their run / ours | theirs GiB (max reserved) | ours GiB (allocated) | ratio |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| torchtitan row | their run / ours | theirs GiB (max reserved) | ours GiB (allocated) | ratio |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
     for row, ours in measured:
         ratio = ours / row.theirs_gib
         shown = f"**{ratio:.2f}**" if ratio > 1 else f"{ratio:.2f}"

@@ -79,8 +79,15 @@ def matrix_figure(data: dict[str, Any]) -> Figure:
     image = ax.imshow(np.ma.masked_invalid(grid), norm=LogNorm(vmin=1e-7, vmax=3e-2), cmap="viridis", aspect="auto")
     for (lay, prec), v in cells.items():
         text = "failed" if v is None else "ref" if v == 0 else f"{v:.0e}"
-        ax.text(precisions.index(prec), layouts.index(lay), text, ha="center", va="center", fontsize=7,
-                color="white" if v is not None and 0 < v < 3e-4 else "black")
+        ax.text(
+            precisions.index(prec),
+            layouts.index(lay),
+            text,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if v is not None and 0 < v < 3e-4 else "black",
+        )
     ax.set_xticks(range(len(precisions)), [p.replace(" + ", "\n+ ") for p in precisions], fontsize=8)
     ax.set_yticks(range(len(layouts)), layouts, fontsize=8)
     ax.set_title("max |loss - fp32 single process| over the steps (blank: not run)", fontsize=10)
@@ -108,8 +115,13 @@ def curves_figure(data: dict[str, Any]) -> Figure:
             if r["error"] or ref is None or ref["error"] or r["label"] == r["reference"]:
                 continue
             steps, ds = deltas(r, ref)
-            ax.plot(steps, list(accumulate((abs(d) for d in ds), max)), label=r["layout"], color=f"C{i % 10}",
-                    linestyle="-" if i < 10 else "--")
+            ax.plot(
+                steps,
+                list(accumulate((abs(d) for d in ds), max)),
+                label=r["layout"],
+                color=f"C{i % 10}",
+                linestyle="-" if i < 10 else "--",
+            )
             drawn += 1
         ax.set_yscale("log")
         ax.set_ylim(1e-8, 5e-2)
@@ -117,9 +129,9 @@ def curves_figure(data: dict[str, Any]) -> Figure:
         ax.grid(True, alpha=0.3)
         if drawn:
             ax.legend(fontsize=6, ncol=2)
-    for ax in axes[len(precisions):]:
+    for ax in axes[len(precisions) :]:
         ax.remove()
-    for ax in axes[:len(precisions)][-cols:]:
+    for ax in axes[: len(precisions)][-cols:]:
         ax.set_xlabel("step")
     return fig
 
@@ -147,7 +159,7 @@ def optimizer_figure(data: dict[str, Any]) -> Figure:
         label = f"{name} ({c['bytes_per_param']} B/param)"
         top.plot(steps, c["losses"], color=f"C{i}", linewidth=0.8, label=label)
         diff = [x - y for x, y in zip(c["losses"], ref)]
-        bottom.plot(steps[:len(diff)], running_mean(diff, SMOOTH), color=f"C{i}", label=name)
+        bottom.plot(steps[: len(diff)], running_mean(diff, SMOOTH), color=f"C{i}", label=name)
     top.set_title("loss")
     top.set_ylim(top=min(6.5, max(max(c["losses"][:1]) for c in curves.values()) + 0.2))
     top.legend(fontsize=8)
@@ -173,8 +185,9 @@ def blockscaled_figure(data: dict[str, Any]) -> Figure:
     for i, r in enumerate(runs):
         losses = losses_by_step(r)
         steps = sorted(losses)
-        top.plot(steps, running_mean([losses[s] for s in steps], SMOOTH), color=f"C{i}", linewidth=0.9,
-                 label=r["precision"])
+        top.plot(
+            steps, running_mean([losses[s] for s in steps], SMOOTH), color=f"C{i}", linewidth=0.9, label=r["precision"]
+        )
         d_steps, ds = deltas(r, ref)
         bottom.plot(d_steps, running_mean(ds, SMOOTH), color=f"C{i}", label=r["precision"])
     top.set_title(f"loss, running mean over {SMOOTH} steps")
@@ -192,9 +205,11 @@ def write_figures(folder: Path) -> list[Path]:
     written = []
     matrix, optimizer, blockscaled = folder / MATRIX_JSON, folder / OPTIMIZER_JSON, folder / BLOCKSCALED_JSON
     if not any(p.is_file() for p in (matrix, optimizer, blockscaled)):
-        raise FigureError(f"'{folder}' holds none of {MATRIX_JSON}, {OPTIMIZER_JSON}, {BLOCKSCALED_JSON} (write "
-                          "them with numerics_matrix --json FILE, benchmarks.optimizer_precision --json FILE, "
-                          "numerics_matrix --preset blockscaled --json FILE)")
+        raise FigureError(
+            f"'{folder}' holds none of {MATRIX_JSON}, {OPTIMIZER_JSON}, {BLOCKSCALED_JSON} (write "
+            "them with numerics_matrix --json FILE, benchmarks.optimizer_precision --json FILE, "
+            "numerics_matrix --preset blockscaled --json FILE)"
+        )
     jobs = []
     if matrix.is_file():
         data = _read(matrix)
@@ -218,7 +233,9 @@ def _read(path: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folder", nargs="?", default="docs/img", help="where the JSON is and the PNGs go (default %(default)s)")
+    p.add_argument(
+        "folder", nargs="?", default="docs/img", help="where the JSON is and the PNGs go (default %(default)s)"
+    )
     a = p.parse_args(argv)
     try:
         for path in write_figures(Path(a.folder)):

@@ -102,24 +102,47 @@ LAYOUTS = (
     LayoutSpec("FSDP 2 x CP 2", 4, 2, (SHARD, "2", CP, "2"), cp=2),
     LayoutSpec("FSDP 2 x TP 2 x PP 2", 8, 2, (SHARD, "2", TP, "2", PP, "2")),
     LayoutSpec("HSDP 2x2 x TP 2", 8, 4, (REPLICATE, "2", SHARD, "2", TP, "2")),
-    *(LayoutSpec(f"MoE {name}", nproc, dp, args, model=MOE, reference="MoE single", precisions=MOE_PRECISIONS)
-      for name, nproc, dp, args in (("single", 1, 1, ()), ("FSDP 2", 2, 2, (SHARD, "2")),
-                                    ("EP 2", 2, 2, (SHARD, "2", EP, "2")), ("TP 2", 2, 1, (SHARD, "1", TP, "2")))),
+    *(
+        LayoutSpec(f"MoE {name}", nproc, dp, args, model=MOE, reference="MoE single", precisions=MOE_PRECISIONS)
+        for name, nproc, dp, args in (
+            ("single", 1, 1, ()),
+            ("FSDP 2", 2, 2, (SHARD, "2")),
+            ("EP 2", 2, 2, (SHARD, "2", EP, "2")),
+            ("TP 2", 2, 1, (SHARD, "1", TP, "2")),
+        )
+    ),
 )
 
 NATIVE_PRECISIONS = (
     PrecisionSpec("fp32", ("--mixed_precision.enabled", "false")),
     PrecisionSpec("bf16", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")),
-    PrecisionSpec("bf16 + bf16 reduce", ("--mixed_precision.param_dtype", "bfloat16",
-                                         "--mixed_precision.reduce_dtype", "bfloat16"), needs_dp=True),
-    PrecisionSpec("fp16 + loss scaling", ("--mixed_precision.param_dtype", "float16",
-                                          "--mixed_precision.reduce_dtype", "float32")),
+    PrecisionSpec(
+        "bf16 + bf16 reduce",
+        ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "bfloat16"),
+        needs_dp=True,
+    ),
+    PrecisionSpec(
+        "fp16 + loss scaling", ("--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float32")
+    ),
     PrecisionSpec("pure bf16", ("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false")),
-    PrecisionSpec("bf16 + bf16 cp reduce", ("--mixed_precision.param_dtype", "bfloat16",
-                                            "--mixed_precision.cp_reduce_dtype", "bfloat16"), needs_cp=True),
+    PrecisionSpec(
+        "bf16 + bf16 cp reduce",
+        ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.cp_reduce_dtype", "bfloat16"),
+        needs_cp=True,
+    ),
     # Routers score, choose and weight in bf16 (the default routes in fp32 under any precision).
-    PrecisionSpec("bf16 + bf16 router", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype",
-                                         "float32", "--mixed_precision.router_dtype", "bfloat16"), needs_moe=True),
+    PrecisionSpec(
+        "bf16 + bf16 router",
+        (
+            "--mixed_precision.param_dtype",
+            "bfloat16",
+            "--mixed_precision.reduce_dtype",
+            "float32",
+            "--mixed_precision.router_dtype",
+            "bfloat16",
+        ),
+        needs_moe=True,
+    ),
 )
 
 BF16 = ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")
@@ -139,9 +162,11 @@ LOW_PRECISION_GEMMS = (
 PRECISIONS = (*NATIVE_PRECISIONS, *LOW_PRECISION_GEMMS)
 # Named selections (--preset): an --only regex and the settings their docs table was measured with.
 PRESETS = {
-    "blockscaled": {"only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4|nvfp4, RHT off|nvfp4, SR off)$",
-                    "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off; "
-                            "'nvfp4, 1x16 W' by --only)"},
+    "blockscaled": {
+        "only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4|nvfp4, RHT off|nvfp4, SR off)$",
+        "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off; "
+        "'nvfp4, 1x16 W' by --only)",
+    },
 }
 
 # Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
@@ -156,9 +181,11 @@ SKIPPED = {
     ("CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("FSDP 2 x CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
     ("FSDP 2 x CP 2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by CP 2",
-    **{(layout, prec): "8 processes on a few cores: the 3-D layouts run fp32 and bf16 only"
-       for layout in ("FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2")
-       for prec in ("bf16 + bf16 reduce", "fp16 + loss scaling", "pure bf16")},
+    **{
+        (layout, prec): "8 processes on a few cores: the 3-D layouts run fp32 and bf16 only"
+        for layout in ("FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2")
+        for prec in ("bf16 + bf16 reduce", "fp16 + loss scaling", "pure bf16")
+    },
 }
 
 
@@ -209,7 +236,11 @@ def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]
             candidates.append(run)
     matched = {r.label for r in candidates if not only or re.search(only, r.label)}
     # Without --only (or when it matches nothing) the Llama reference runs, as it always has.
-    wanted = matched | {r.reference for r in candidates if r.label in matched} | ({"single / fp32"} if not matched else set())
+    wanted = (
+        matched
+        | {r.reference for r in candidates if r.label in matched}
+        | ({"single / fp32"} if not matched else set())
+    )
     runs, notes = [], []
     for run in candidates:
         layout, prec = run.layout, run.precision
@@ -231,14 +262,41 @@ def train_args(run: Run, a: argparse.Namespace) -> list[str]:
     local_batch = str(a.global_batch // run.layout.dp)
     # One evaluation after the last step, of the same val_batches x global batch windows on every
     # layout (the bundled data has no held-out split: this is the loss on training windows).
-    validation = ["--validation.enable", "true", "--validation.freq", str(a.steps), "--validation.steps",
-                  str(a.val_batches), "--validation.local_batch_size", local_batch] if a.val_batches else []
+    validation = (
+        [
+            "--validation.enable",
+            "true",
+            "--validation.freq",
+            str(a.steps),
+            "--validation.steps",
+            str(a.val_batches),
+            "--validation.local_batch_size",
+            local_batch,
+        ]
+        if a.val_batches
+        else []
+    )
     model = list(run.layout.model) or ["--model.flavor", a.flavor]
-    return [*model, "--training.seq_len", str(a.seq_len),
-            "--training.local_batch_size", local_batch,
-            "--training.steps", str(a.steps), "--training.seed", str(a.seed),
-            "--optimizer.lr", str(a.lr), "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-            *validation, *run.layout.args, *run.precision.args]
+    return [
+        *model,
+        "--training.seq_len",
+        str(a.seq_len),
+        "--training.local_batch_size",
+        local_batch,
+        "--training.steps",
+        str(a.steps),
+        "--training.seed",
+        str(a.seed),
+        "--optimizer.lr",
+        str(a.lr),
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        *validation,
+        *run.layout.args,
+        *run.precision.args,
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +315,9 @@ def worker(spec_path: str) -> int:
     runs = json.loads(Path(spec_path).read_text())["runs"]
     for i, wall_s in train_in_turn([(Path(run["dump_folder"]), run["args"]) for run in runs]):
         if rank == 0:
-            (Path(runs[i]["dump_folder"]) / "done.json").write_text(json.dumps({"wall_s": wall_s, "args": runs[i]["args"]}))
+            (Path(runs[i]["dump_folder"]) / "done.json").write_text(
+                json.dumps({"wall_s": wall_s, "args": runs[i]["args"]})
+            )
             print(f"[numerics_matrix] {runs[i]['name']} done in {wall_s:.1f} s", flush=True)
     process_groups.shutdown()
     return 0
@@ -308,17 +368,23 @@ def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dic
             print(f"  {r.label}: reused from {out / r.key}", flush=True)
     attempt = 0
     while pending:
-        spec = {"runs": [{"name": r.label, "dump_folder": str(out / r.key), "args": train_args(r, a)}
-                         for r in pending]}
+        spec = {"runs": [{"name": r.label, "dump_folder": str(out / r.key), "args": train_args(r, a)} for r in pending]}
         for r in pending:  # metrics.jsonl appends: start each run from an empty folder
-            for f in ("metrics.jsonl", "done.json", "precision_report.json", *[p.name for p in (out / r.key).glob("error_rank*.txt")]):
+            for f in (
+                "metrics.jsonl",
+                "done.json",
+                "precision_report.json",
+                *[p.name for p in (out / r.key).glob("error_rank*.txt")],
+            ):
                 (out / r.key / f).unlink(missing_ok=True)
         spec_path = out / f"spec_{nproc}proc_{attempt}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
-        print(f"launching {len(pending)} run(s) on {nproc} process(es): {', '.join(r.label for r in pending)}",
-              flush=True)
-        returncode = torchrun(MODULE, nproc, ["--worker", str(spec_path)],
-                              out / f"launch_{nproc}proc_{attempt}.log", timeout=a.timeout)
+        print(
+            f"launching {len(pending)} run(s) on {nproc} process(es): {', '.join(r.label for r in pending)}", flush=True
+        )
+        returncode = torchrun(
+            MODULE, nproc, ["--worker", str(spec_path)], out / f"launch_{nproc}proc_{attempt}.log", timeout=a.timeout
+        )
         still = []
         failed_one = False
         for r in pending:
@@ -367,7 +433,9 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
         if res is None:
             continue
         if res.error:
-            lines.append(f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | | | |")
+            lines.append(
+                f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | | | |"
+            )
             continue
         final = res.losses[max(res.losses)]
         path = f"{res.path}, router {res.router_dtype}" if res.router_dtype else res.path
@@ -387,7 +455,9 @@ def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
             cells.append(fmt(max_diff(res.losses, same.losses)[0]))
         elif run.precision.needs_dp or run.precision.needs_cp:
             bf16 = results.get(f"{single} / bf16")
-            cells.append(f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-")
+            cells.append(
+                f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-"
+            )
         else:
             cells.append("-")
         cells.append(str(res.skipped_steps) if "fp16" in run.precision.name else "")
@@ -410,6 +480,7 @@ def run_names(out: Path) -> set[str]:
 def diff_outputs(before: Path, after: Path) -> list[str]:
     """Runs of two --out folders (e.g. the matrix before and after a refactor) whose metrics.jsonl
     rows differ in any DIFF_KEYS value, or that only one folder holds; [] when all are identical."""
+
     def rows(folder: Path) -> list[dict]:
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         return [{k: v for k, v in json.loads(line).items() if k in DIFF_KEYS} for line in lines if line.strip()]
@@ -423,8 +494,10 @@ def diff_outputs(before: Path, after: Path) -> list[str]:
         a, b = rows(before / name), rows(after / name)
         if a != b:
             i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            problems.append(f"{name}: differs from row {i + 1} ({len(a)} vs {len(b)} rows): "
-                            f"{a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}")
+            problems.append(
+                f"{name}: differs from row {i + 1} ({len(a)} vs {len(b)} rows): "
+                f"{a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}"
+            )
     return problems
 
 
@@ -451,15 +524,17 @@ def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline:
     base = results.get(baseline)
     ok = base is not None and not base.error
     base_mean = tail_mean(base.losses, tail) if ok else math.nan
-    lines = [f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
-             "| --- | ---: | ---: | ---: |"]
+    lines = [
+        f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for run in runs:
         res = results.get(run.label)
         if res is None or res.error:
             continue
         mean = tail_mean(res.losses, tail)
         se = tail_gap_se(res.losses, base.losses, tail) if ok and run.label != baseline else math.nan
-        gap = fmt(mean - base_mean, '+.4f') + (f" (± {se:.4f})" if math.isfinite(se) else "")
+        gap = fmt(mean - base_mean, "+.4f") + (f" (± {se:.4f})" if math.isfinite(se) else "")
         lines.append(f"| {run.label} | {mean:.4f} | {gap} | {res.wall_s:.0f} s |")
     return "\n".join(lines)
 
@@ -472,11 +547,20 @@ def results_json(results: dict[str, Result], runs: list[Run], header: dict[str, 
         res = results.get(run.label)
         if res is None:
             continue
-        rows.append({"label": run.label, "layout": run.layout.name, "precision": run.precision.name,
-                     "reference": run.reference, "path": res.path, "router_dtype": res.router_dtype,
-                     "error": res.error, "skipped_steps": res.skipped_steps,
-                     "val_loss": res.val_loss if math.isfinite(res.val_loss) else None,
-                     "losses": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(res.losses.items())}})
+        rows.append(
+            {
+                "label": run.label,
+                "layout": run.layout.name,
+                "precision": run.precision.name,
+                "reference": run.reference,
+                "path": res.path,
+                "router_dtype": res.router_dtype,
+                "error": res.error,
+                "skipped_steps": res.skipped_steps,
+                "val_loss": res.val_loss if math.isfinite(res.val_loss) else None,
+                "losses": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(res.losses.items())},
+            }
+        )
     return {**header, "runs": rows}
 
 
@@ -488,40 +572,76 @@ def diff_main(before: str, after: str) -> int:
             return 2
     problems = diff_outputs(*folders)
     count = len(run_names(folders[0]) | run_names(folders[1]))
-    print("\n".join(problems) if problems else
-          f"all {count} runs identical (every step's {', '.join(DIFF_KEYS[1:])}, bit for bit)")
+    print(
+        "\n".join(problems)
+        if problems
+        else f"all {count} runs identical (every step's {', '.join(DIFF_KEYS[1:])}, bit for bit)"
+    )
     return 1 if problems else 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default %(default)s)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks (default %(default)s)")
-    p.add_argument("--flavor", default="debugmodel", help="model flavour (default %(default)s)")
+    p.add_argument(
+        "--global-batch", type=int, default=4, help="sequences per step over all ranks (default %(default)s)"
+    )
+    p.add_argument("--flavor", default="debugmodel", help="model flavor (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, 2 warm-up steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-batches", type=int, default=8,
-                   help="global batches of the validation loss after the last step (0: none; default %(default)s)")
+    p.add_argument(
+        "--val-batches",
+        type=int,
+        default=8,
+        help="global batches of the validation loss after the last step (0: none; default %(default)s)",
+    )
     p.add_argument("--max-procs", type=int, default=4, help="skip layouts needing more processes (default %(default)s)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named selection instead of --only: "
-                   + "; ".join(f"{k}: {v['help']}" for k, v in PRESETS.items()))
-    p.add_argument("--tail", type=int, default=0, help="also tabulate each run's mean loss over its last N steps "
-                   "against single bf16 (--preset: a tenth of --steps unless given)")
-    p.add_argument("--only", metavar="REGEX", help="only runs whose 'layout / precision' label matches "
-                   "(the fp32 single-process reference of each model it selects always runs)")
-    p.add_argument("--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a named selection instead of --only: " + "; ".join(f"{k}: {v['help']}" for k, v in PRESETS.items()),
+    )
+    p.add_argument(
+        "--tail",
+        type=int,
+        default=0,
+        help="also tabulate each run's mean loss over its last N steps "
+        "against single bf16 (--preset: a tenth of --steps unless given)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="REGEX",
+        help="only runs whose 'layout / precision' label matches "
+        "(the fp32 single-process reference of each model it selects always runs)",
+    )
+    p.add_argument(
+        "--out", default="outputs/numerics_matrix", help="dump folders and launch logs (default %(default)s)"
+    )
     p.add_argument("--output", metavar="FILE", help="also write the markdown (table + command) to FILE")
-    p.add_argument("--json", metavar="FILE", help="also write every run's per-step losses as JSON (the data "
-                   "of docs/numerics.md's figures: python -m torchtitan_amp.tools.numerics_figures)")
-    p.add_argument("--reuse", action="store_true", help="keep the runs --out already holds finished with the "
-                   "same training arguments (an interrupted matrix resumes; wall times are the original runs')")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write every run's per-step losses as JSON (the data "
+        "of docs/numerics.md's figures: python -m torchtitan_amp.tools.numerics_figures)",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the runs --out already holds finished with the "
+        "same training arguments (an interrupted matrix resumes; wall times are the original runs')",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per torchrun launch")
-    p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
-                   help="train nothing: compare two --out folders run by run, step by step, bit for bit "
-                   "(exit 1 if any run differs)")
+    p.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="train nothing: compare two --out folders run by run, step by step, bit for bit "
+        "(exit 1 if any run differs)",
+    )
     a = p.parse_args(argv)
     if a.preset:
         if a.only:
@@ -547,9 +667,11 @@ def main(argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     command = shlex.join(["python", "-m", MODULE, *argv])
     models = dict.fromkeys(train_args(r, a)[train_args(r, a).index("--model.flavor") + 1] for r in runs)
-    settings = (f"{' and '.join(models) or a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, "
-                f"{a.steps} steps, lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
-                f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min.")
+    settings = (
+        f"{' and '.join(models) or a.flavor}, seq_len {a.seq_len}, global batch {a.global_batch} sequences, "
+        f"{a.steps} steps, lr {a.lr:g} (2 warm-up steps), seed {a.seed}; {machine()}; "
+        f"{datetime.date.today().isoformat()}, {elapsed / 60:.1f} min."
+    )
     md = [
         f"Command: `{command}`",
         "",

@@ -63,8 +63,15 @@ PRECISIONS = {
     "fp32": ["--mixed_precision.enabled", "false"],
 }
 AC_MODES = ("none", "full")
-DP_CATEGORIES = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce",
-                 "expert_fsdp_all_gather", "expert_fsdp_reduce_scatter", "ft_cross_group_all_reduce")
+DP_CATEGORIES = (
+    "fsdp_all_gather",
+    "fsdp_reduce_scatter",
+    "hsdp_all_reduce",
+    "ddp_all_reduce",
+    "expert_fsdp_all_gather",
+    "expert_fsdp_reduce_scatter",
+    "ft_cross_group_all_reduce",
+)
 
 
 @dataclass
@@ -137,8 +144,7 @@ def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
     splits sequences of at least --min-cp-tokens tokens per rank (shorter chunks leave attention
     too little work to hide the K/V all-gathers behind)."""
     _r, _s, tp, pp, cp = degrees
-    return (args.gpus_per_node % tp == 0 and pp <= n_layers
-            and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens))
+    return args.gpus_per_node % tp == 0 and pp <= n_layers and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens)
 
 
 def _group_bandwidth(dim: str, degrees: Degrees, args: Any, ep: int = 1) -> float:
@@ -150,8 +156,15 @@ def _group_bandwidth(dim: str, degrees: Degrees, args: Any, ep: int = 1) -> floa
     dp_shard x cp: its group spans both. EP takes the innermost ranks of dp_shard x cp ("ep"), the
     experts' FSDP the rest ("efsdp")."""
     r, s, t, p, c = degrees
-    stride = {"tp": 1, "cp": t, "dp_shard": t, "dp_replicate": t * s * c, "pp": t * c * s * r, "ep": t,
-              "efsdp": t * ep}[dim]
+    stride = {
+        "tp": 1,
+        "cp": t,
+        "dp_shard": t,
+        "dp_replicate": t * s * c,
+        "pp": t * c * s * r,
+        "ep": t,
+        "efsdp": t * ep,
+    }[dim]
     size = {"tp": t, "cp": c, "dp_shard": s * c, "dp_replicate": r, "pp": p, "ep": ep, "efsdp": s * c // ep}[dim]
     gbps = args.intra_node_gbps if stride * size <= args.gpus_per_node else args.inter_node_gbps
     return gbps * 1e9
@@ -160,13 +173,31 @@ def _group_bandwidth(dim: str, degrees: Degrees, args: Any, ep: int = 1) -> floa
 def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: Any, ep: int = 1) -> float:
     """An all-to-all's volume is what a rank sends; (n - 1) / n of it leaves the rank under
     uniform routing (memory.moe.ep_comm), like a ring collective's."""
-    dim = {"fsdp_all_gather": "dp_shard", "fsdp_reduce_scatter": "dp_shard", "hsdp_all_reduce": "dp_replicate",
-           "ddp_all_reduce": "dp_replicate", "pp_send": "pp", "pp_recv": "pp", "cp_all_gather": "cp",
-           "cp_reduce_scatter": "cp", "ep_all_to_all": "ep", "expert_fsdp_all_gather": "efsdp",
-           "expert_fsdp_reduce_scatter": "efsdp", "ft_cross_group_all_reduce": "replica_groups"}.get(category, "tp")
+    dim = {
+        "fsdp_all_gather": "dp_shard",
+        "fsdp_reduce_scatter": "dp_shard",
+        "hsdp_all_reduce": "dp_replicate",
+        "ddp_all_reduce": "dp_replicate",
+        "pp_send": "pp",
+        "pp_recv": "pp",
+        "cp_all_gather": "cp",
+        "cp_reduce_scatter": "cp",
+        "ep_all_to_all": "ep",
+        "expert_fsdp_all_gather": "efsdp",
+        "expert_fsdp_reduce_scatter": "efsdp",
+        "ft_cross_group_all_reduce": "replica_groups",
+    }.get(category, "tp")
     r, s, t, p, c = degrees
-    n = {"dp_shard": s * c, "dp_replicate": r, "tp": t, "pp": p, "cp": c, "ep": ep, "efsdp": s * c // ep,
-         "replica_groups": args.replica_groups}[dim]
+    n = {
+        "dp_shard": s * c,
+        "dp_replicate": r,
+        "tp": t,
+        "pp": p,
+        "cp": c,
+        "ep": ep,
+        "efsdp": s * c // ep,
+        "replica_groups": args.replica_groups,
+    }[dim]
     if n == 1 or category == "pp_recv":  # a receive is the other end of a send
         return 0.0
     bw = _group_bandwidth(dim, degrees, args, ep)
@@ -208,8 +239,15 @@ def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     cand.cp_comm_s = sum(v for k, v in comm.items() if k.startswith("cp_"))
     cand.ep_comm_s = comm.get("ep_all_to_all", 0.0)  # the experts wait for their rows
     cand.dp_exposed_s = max(args.dp_exposed * cand.dp_comm_s, cand.dp_comm_s - cand.compute_s)
-    cand.step_s = (cand.compute_s + cand.bubble_s + cand.dp_exposed_s + cand.tp_comm_s + cand.pp_comm_s
-                   + cand.cp_comm_s + cand.ep_comm_s)
+    cand.step_s = (
+        cand.compute_s
+        + cand.bubble_s
+        + cand.dp_exposed_s
+        + cand.tp_comm_s
+        + cand.pp_comm_s
+        + cand.cp_comm_s
+        + cand.ep_comm_s
+    )
     cand.tokens_per_s_per_gpu = tokens / cand.step_s / args.gpus
     cand.mfu = tokens * model_flops / cand.step_s / args.gpus / (args.peak_tflops * 1e12)
     return cand
@@ -230,11 +268,18 @@ def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
     groups = args.replica_groups
     per_dp = args.global_batch_size // (groups * r * s)  # sequences per data-parallel rank per step
     out = [
-        "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
-        "--parallelism.data_parallel_replicate_degree", str(r),
-        "--parallelism.data_parallel_shard_degree", str(s),
-        "--parallelism.tensor_parallel_degree", str(t),
-        "--parallelism.pipeline_parallel_degree", str(p),
+        "--model.flavor",
+        args.flavor,
+        "--training.seq_len",
+        str(args.seq_len),
+        "--parallelism.data_parallel_replicate_degree",
+        str(r),
+        "--parallelism.data_parallel_shard_degree",
+        str(s),
+        "--parallelism.tensor_parallel_degree",
+        str(t),
+        "--parallelism.pipeline_parallel_degree",
+        str(p),
     ] + (["--parallelism.context_parallel_degree", str(c)] if c > 1 else [])
     out += ["--parallelism.expert_parallel_degree", str(ep)] if ep > 1 else []
     if args.model != "llama3":  # the default family goes unsaid in the printed overrides
@@ -243,12 +288,20 @@ def _layout_args(degrees: Degrees, ep: int, args: Any) -> list[str]:
         out += ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", str(groups)]
     if p > 1:
         # One schedule step per optimizer step; microbatches of --local-batch-size sequences.
-        return out + ["--training.local_batch_size", str(per_dp),
-                      "--parallelism.pipeline_parallel_microbatch_size", str(args.local_batch_size)]
+        return out + [
+            "--training.local_batch_size",
+            str(per_dp),
+            "--parallelism.pipeline_parallel_microbatch_size",
+            str(args.local_batch_size),
+        ]
     # Gradient accumulation over --local-batch-size sequences.
     # A group's training.global_batch_size is its own share (its data-parallel ranks').
-    return out + ["--training.local_batch_size", str(args.local_batch_size),
-                  "--training.global_batch_size", str(args.global_batch_size // groups)]
+    return out + [
+        "--training.local_batch_size",
+        str(args.local_batch_size),
+        "--training.global_batch_size",
+        str(args.global_batch_size // groups),
+    ]
 
 
 def candidates(args: Any) -> tuple[list[Candidate], int]:
@@ -263,8 +316,9 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
     group_gpus = args.gpus // args.replica_groups  # the world of one torchrun
     for degrees in factorizations(group_gpus):
         r, s, t, p, c = degrees
-        if (not structurally_valid(degrees, args, n_layers)
-                or args.global_batch_size % (args.replica_groups * r * s * args.local_batch_size)):
+        if not structurally_valid(degrees, args, n_layers) or args.global_batch_size % (
+            args.replica_groups * r * s * args.local_batch_size
+        ):
             rejected += 1
             continue
         for ep in expert_splits(degrees, n_experts):
@@ -272,8 +326,9 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
                 for ac in AC_MODES:
                     overrides = _layout_args(degrees, ep, args) + prec_args + ["--activation_checkpoint.mode", ac]
                     try:
-                        res = dry_run.resolve(load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]),
-                                              group_gpus)
+                        res = dry_run.resolve(
+                            load_config(overrides + ["--dry_run.vocab_size", str(args.vocab_size)]), group_gpus
+                        )
                     except ConfigError:
                         rejected += 1
                         continue
@@ -298,8 +353,14 @@ def plan(args: Any, evaluated: tuple[list[Candidate], int] | None = None) -> dic
     # attention over an explicit mask that computes every query-key block).
     needs_cp = not any(c.fits and c.layout.cp == 1 for c in cands)
     fitting = sorted((c for c in cands if c.fits and (needs_cp or c.layout.cp == 1)), key=rank_key)
-    return {"args": vars(args), "evaluated": len(cands), "rejected_invalid": rejected, "needs_cp": needs_cp,
-            "fitting": fitting, "not_fitting": sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib)}
+    return {
+        "args": vars(args),
+        "evaluated": len(cands),
+        "rejected_invalid": rejected,
+        "needs_cp": needs_cp,
+        "fitting": fitting,
+        "not_fitting": sorted((c for c in cands if not c.fits), key=lambda c: c.memory_gib),
+    }
 
 
 def format_plan(result: dict[str, Any], top: int) -> str:
@@ -309,11 +370,16 @@ def format_plan(result: dict[str, Any], top: int) -> str:
         f"seq {a['seq_len']}, global batch {a['global_batch_size']} x {a['seq_len']} tokens, "
         f"microbatch {a['local_batch_size']} sequence(s); MFU {a['mfu']:.0%} of {a['peak_tflops']:g} TFLOP/s; "
         f"{a['intra_node_gbps']:g} GB/s in a node of {a['gpus_per_node']}, {a['inter_node_gbps']:g} GB/s between"
-        + (f"; {a['replica_groups']} torchft replica groups of {a['gpus'] // a['replica_groups']} GPUs"
-           if a["replica_groups"] > 1 else ""),
+        + (
+            f"; {a['replica_groups']} torchft replica groups of {a['gpus'] // a['replica_groups']} GPUs"
+            if a["replica_groups"] > 1
+            else ""
+        ),
         f"{result['evaluated']} valid candidates ({result['rejected_invalid']} invalid combinations skipped), "
-        f"{len(result['fitting'])} fit in memory" + ("; context parallel needed: nothing fits without it"
-                                                    if result.get("needs_cp") and result["fitting"] else ""),
+        f"{len(result['fitting'])} fit in memory"
+        + (
+            "; context parallel needed: nothing fits without it" if result.get("needs_cp") and result["fitting"] else ""
+        ),
         "",
         f"{'#':>3} {'layout':22s} {'precision':17s} {'AC':4s} {'mb':>4s} {'mem GiB':>8s} {'step s':>8s} "
         f"{'compute':>8s} {'bubble':>7s} {'dp exp':>7s} {'tp':>7s} {'pp':>6s} {'tok/s/GPU':>10s} {'MFU':>6s}",
@@ -324,17 +390,25 @@ def format_plan(result: dict[str, Any], top: int) -> str:
             f"{i:3d} {c.describe():22s} {c.precision:17s} {c.layout.ac_mode:4s} {mb:4d} {c.memory_gib:8.1f} "
             f"{c.step_s:8.2f} {c.compute_s:8.2f} {c.bubble_s:7.2f} {c.dp_exposed_s:7.2f} "
             f"{c.tp_comm_s + c.cp_comm_s + c.ep_comm_s:7.2f} {c.pp_comm_s:6.2f} "
-            f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}")
+            f"{c.tokens_per_s_per_gpu:10,.0f} {c.mfu:6.1%}"
+        )
     if not result["fitting"]:
         lines.append("  (nothing fits; smallest footprints:)")
         for c in result["not_fitting"][:5]:
             lines.append(f"      {c.describe():22s} {c.precision:17s} AC {c.layout.ac_mode:4s} {c.memory_gib:8.1f} GiB")
-    lines += ["", "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
-              "FSDP/DDP traffic; tp/pp: TP (+ CP, + EP all-to-all) and PP traffic time", ""]
+    lines += [
+        "",
+        "mb: pipeline microbatches (PP) or gradient-accumulation steps; dp exp: exposed "
+        "FSDP/DDP traffic; tp/pp: TP (+ CP, + EP all-to-all) and PP traffic time",
+        "",
+    ]
     if a["replica_groups"] > 1:
-        lines.append("cross-group all-reduce (torchft), per rank per step: "
-                     + "; ".join(f"#{i} {memory.fmt_by_dtype(c.ft_allreduce_bytes)}"
-                                 for i, c in enumerate(result["fitting"][:top], 1)))
+        lines.append(
+            "cross-group all-reduce (torchft), per rank per step: "
+            + "; ".join(
+                f"#{i} {memory.fmt_by_dtype(c.ft_allreduce_bytes)}" for i, c in enumerate(result["fitting"][:top], 1)
+            )
+        )
     for i, c in enumerate(result["fitting"][:top], 1):
         lines.append(f"#{i}: " + " ".join(c.overrides))
     return "\n".join(lines)
@@ -343,35 +417,75 @@ def format_plan(result: dict[str, Any], top: int) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3", help="Model family (model.name).")
-    ap.add_argument("--flavor", required=True, help="Model flavour (llama3_8b, llama3_70b, llama3_405b, ...).")
+    ap.add_argument("--flavor", required=True, help="Model flavor (llama3_8b, llama3_70b, llama3_405b, ...).")
     ap.add_argument("--gpus", type=int, required=True, help="Number of GPUs (the world size).")
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="Memory per GPU, GiB (default 80).")
-    ap.add_argument("--mem-fraction", type=float, default=0.9,
-                    help="Usable fraction of it (allocator fragmentation, CUDA context, NCCL buffers; default 0.9).")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.9,
+        help="Usable fraction of it (allocator fragmentation, CUDA context, NCCL buffers; default 0.9).",
+    )
     ap.add_argument("--seq-len", type=int, default=8192, help="Tokens per sequence (default 8192).")
-    ap.add_argument("--local-batch-size", type=int, default=1,
-                    help="Sequences per forward pass: the microbatch (PP) or accumulation step (default 1).")
-    ap.add_argument("--global-batch-size", type=int, default=0,
-                    help="Sequences per optimizer step (default: gpus x local batch size).")
+    ap.add_argument(
+        "--local-batch-size",
+        type=int,
+        default=1,
+        help="Sequences per forward pass: the microbatch (PP) or accumulation step (default 1).",
+    )
+    ap.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=0,
+        help="Sequences per optimizer step (default: gpus x local batch size).",
+    )
     ap.add_argument("--vocab-size", type=int, default=128256, help="Vocabulary (default Llama 3's 128256).")
     ap.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation of the compute (default 0.4).")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989: H100 SXM).")
-    ap.add_argument("--fp32-speed", type=float, default=0.5,
-                    help="fp32 compute rate relative to bf16 (default 0.5: TF32 tensor cores; ~0.07 without TF32).")
-    ap.add_argument("--intra-node-gbps", type=float, default=450.0,
-                    help="Per-GPU bandwidth inside a node, GB/s (bytes; default 450: NVLink 4 one way).")
-    ap.add_argument("--inter-node-gbps", type=float, default=50.0,
-                    help="Per-GPU bandwidth between nodes, GB/s (bytes; default 50: 400 Gb/s InfiniBand).")
+    ap.add_argument(
+        "--fp32-speed",
+        type=float,
+        default=0.5,
+        help="fp32 compute rate relative to bf16 (default 0.5: TF32 tensor cores; ~0.07 without TF32).",
+    )
+    ap.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=450.0,
+        help="Per-GPU bandwidth inside a node, GB/s (bytes; default 450: NVLink 4 one way).",
+    )
+    ap.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=50.0,
+        help="Per-GPU bandwidth between nodes, GB/s (bytes; default 50: 400 Gb/s InfiniBand).",
+    )
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8); TP stays inside a node.")
-    ap.add_argument("--dp-exposed", type=float, default=0.2,
-                    help="Fraction of FSDP/DDP traffic never hidden behind compute (default 0.2).")
-    ap.add_argument("--tp-exposed", type=float, default=1.0,
-                    help="Fraction of TP traffic on the critical path (default 1.0: no async TP).")
-    ap.add_argument("--min-cp-tokens", type=int, default=4096,
-                    help="Context parallel only down to this many tokens of a sequence per rank (default 4096).")
-    ap.add_argument("--replica-groups", type=int, default=1,
-                    help="torchft replica groups (fault_tolerance.group_size; default 1: no fault tolerance); "
-                         "--gpus is the whole job, each group --gpus / N of them.")
+    ap.add_argument(
+        "--dp-exposed",
+        type=float,
+        default=0.2,
+        help="Fraction of FSDP/DDP traffic never hidden behind compute (default 0.2).",
+    )
+    ap.add_argument(
+        "--tp-exposed",
+        type=float,
+        default=1.0,
+        help="Fraction of TP traffic on the critical path (default 1.0: no async TP).",
+    )
+    ap.add_argument(
+        "--min-cp-tokens",
+        type=int,
+        default=4096,
+        help="Context parallel only down to this many tokens of a sequence per rank (default 4096).",
+    )
+    ap.add_argument(
+        "--replica-groups",
+        type=int,
+        default=1,
+        help="torchft replica groups (fault_tolerance.group_size; default 1: no fault tolerance); "
+        "--gpus is the whole job, each group --gpus / N of them.",
+    )
     ap.add_argument("--top", type=int, default=10, help="Layouts to print (default 10).")
     ap.add_argument("--json", default="", help="Also write every evaluated candidate to this JSON file.")
     args = ap.parse_args(argv)
@@ -391,15 +505,22 @@ def main(argv: list[str]) -> int:
         return 2
     flavors = FAMILIES[args.model].flavors
     if args.flavor not in flavors:
-        print(f"error: unknown flavour {args.flavor!r}; choose one of {', '.join(flavors)}", file=sys.stderr)
+        print(f"error: unknown flavor {args.flavor!r}; choose one of {', '.join(flavors)}", file=sys.stderr)
         return 2
     result = plan(args)
     print(format_plan(result, args.top))
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {**{k: v for k, v in result.items() if k not in ("fitting", "not_fitting")},
-             "fitting": [asdict(c) for c in result["fitting"]],
-             "not_fitting": [asdict(c) for c in result["not_fitting"]]}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    **{k: v for k, v in result.items() if k not in ("fitting", "not_fitting")},
+                    "fitting": [asdict(c) for c in result["fitting"]],
+                    "not_fitting": [asdict(c) for c in result["not_fitting"]],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if result["fitting"] else 1
 
 

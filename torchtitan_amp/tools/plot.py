@@ -93,8 +93,10 @@ def series(run: Run, key: str, x: str = "step") -> tuple[list[float], list[float
         if key not in row:
             continue
         if row.get(x_key) is None:
-            raise PlotError(f"run '{run.name}' step {row['step']} has no '{x_key}' (written by runs since "
-                            f"tokens were logged); draw it with --x step")
+            raise PlotError(
+                f"run '{run.name}' step {row['step']} has no '{x_key}' (written by runs since "
+                f"tokens were logged); draw it with --x step"
+            )
         xs.append(float(row[x_key]))
         ys.append(math.nan if row[key] is None else float(row[key]))
     return xs, ys
@@ -129,15 +131,21 @@ def build_figure(runs: list[Run], x: str = "step") -> Figure:
                 xs, ys = series(run, key, x)
                 if xs:
                     label = run.name if i == 0 else f"{run.name} ({key})"
-                    ax.plot(xs, ys, color=color, linestyle="-" if i == 0 else "--",
-                            marker="o" if len(xs) == 1 else None, label=label)
+                    ax.plot(
+                        xs,
+                        ys,
+                        color=color,
+                        linestyle="-" if i == 0 else "--",
+                        marker="o" if len(xs) == 1 else None,
+                        label=label,
+                    )
         ax.set_title(panel.title)
         ax.set_xlabel(x)
         if panel.log_y:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.remove()
     return fig
 

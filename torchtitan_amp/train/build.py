@@ -35,9 +35,9 @@ from torchtitan_amp.models.loss import loss_fn
 from torchtitan_amp.observability.metrics import MetricsLogger, peak_flops, peak_label, remeasure_cpu_peak
 from torchtitan_amp.observability.trackers import build_trackers
 from torchtitan_amp.precision import PrecisionPlan, autocast, reducers
-from torchtitan_amp.precision.lowbit import torchao_kernels
 from torchtitan_amp.precision import report as report_mod
 from torchtitan_amp.precision import scaler as scaler_mod
+from torchtitan_amp.precision.lowbit import torchao_kernels
 from torchtitan_amp.train import diloco as diloco_mod
 from torchtitan_amp.train import fault_tolerance
 from torchtitan_amp.train.job import Job, ModelParts, build_model_parts
@@ -143,8 +143,9 @@ def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
     return (data_rank * dims.cp + dims.cp_rank(rank)) * dims.tp + rank % dims.tp
 
 
-def replica_hooks(ft: fault_tolerance.FaultTolerance | None, outer: diloco_mod.DiLoCo | None
-                  ) -> fault_tolerance.ReplicaHooks:
+def replica_hooks(
+    ft: fault_tolerance.FaultTolerance | None, outer: diloco_mod.DiLoCo | None
+) -> fault_tolerance.ReplicaHooks:
     """The loop's dealings with the other replica groups: none without fault tolerance, a quorum
     and a cross-group gradient average per step, or DiLoCo's syncs."""
     if ft is None:
@@ -163,19 +164,28 @@ def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo,
     return info, resolve_job(config, info.world_size, info.device.type)
 
 
-def build_loaders(config: JobConfig, job: Job, info: process_groups.DistInfo
-                  ) -> tuple[ParallelAwareDataLoader, ParallelAwareDataLoader | None]:
+def build_loaders(
+    config: JobConfig, job: Job, info: process_groups.DistInfo
+) -> tuple[ParallelAwareDataLoader, ParallelAwareDataLoader | None]:
     """The training loader and the validation one (None: validation off). Bad data is a
     config-time error too, so they are built before any process group."""
     t, dims = config.training, job.dims
     # Under fault tolerance every replica group reads its own share of the global order.
     dp_rank, dp_degree = fault_tolerance.data_position(config, dims, info.rank)
-    loader = build_dataloader(t.dataset, job.tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_degree,
-                              t.seed, num_workers=t.dataloader_num_workers, pin_memory=info.device.type == "cuda",
-                              samples_per_step=t.local_batch_size * dp_degree * job.accum)
+    loader = build_dataloader(
+        t.dataset,
+        job.tokenizer,
+        t.seq_len,
+        t.local_batch_size,
+        dp_rank,
+        dp_degree,
+        t.seed,
+        num_workers=t.dataloader_num_workers,
+        pin_memory=info.device.type == "cuda",
+        samples_per_step=t.local_batch_size * dp_degree * job.accum,
+    )
     spec = job.validation
-    val_loader = (validation.build_loader(spec, job.tokenizer, dp_rank, dp_degree, t.seed)
-                  if spec is not None else None)
+    val_loader = validation.build_loader(spec, job.tokenizer, dp_rank, dp_degree, t.seed) if spec is not None else None
     return loader, val_loader
 
 
@@ -188,12 +198,21 @@ def build_groups(info: process_groups.DistInfo, job: Job) -> LoopGroups:
     assert dims.get_mesh("dp").get_local_rank() == dims.dp_rank(info.rank)
     assert mesh["cp"].get_local_rank() == dims.cp_rank(info.rank)
     # Every rank holding a share of the step's tokens: cp ranks hold parts of one window.
-    return LoopGroups(dp=dims.get_mesh("dp").get_group(), pp=mesh["pp"].get_group() if dims.pp_enabled else None,
-                      loss=dims.get_mesh("loss").get_group())
+    return LoopGroups(
+        dp=dims.get_mesh("dp").get_group(),
+        pp=mesh["pp"].get_group() if dims.pp_enabled else None,
+        loss=dims.get_mesh("loss").get_group(),
+    )
 
 
-def build_model(config: JobConfig, job: Job, device: torch.device, is_logging_rank: bool,
-                pipeline_loss: StageLoss, pipeline_eval_loss: StageLoss) -> tuple[ModelParts, Pipeline | None]:
+def build_model(
+    config: JobConfig,
+    job: Job,
+    device: torch.device,
+    is_logging_rank: bool,
+    pipeline_loss: StageLoss,
+    pipeline_eval_loss: StageLoss,
+) -> tuple[ModelParts, Pipeline | None]:
     """This rank's model parts (job.build_model_parts); under PP also the schedule over them, which
     calls `pipeline_loss` (training) or `pipeline_eval_loss` (validation) on the last stage."""
     dims, plan = job.dims, job.plan
@@ -202,26 +221,43 @@ def build_model(config: JobConfig, job: Job, device: torch.device, is_logging_ra
     pipeline = None
     if dims.pp_enabled:
         pipeline = build_pipeline(
-            built.parts, built.stage_ids, job.num_stages, job.n_microbatches, dims,
-            config.parallelism.pipeline_parallel_schedule, device, pipeline_loss,
-            pipeline_eval_loss, partial(autocast.apply_forward_context, plan),
-            config.parallelism.pipeline_fsdp_reduce)
+            built.parts,
+            built.stage_ids,
+            job.num_stages,
+            job.n_microbatches,
+            dims,
+            config.parallelism.pipeline_parallel_schedule,
+            device,
+            pipeline_loss,
+            pipeline_eval_loss,
+            partial(autocast.apply_forward_context, plan),
+            config.parallelism.pipeline_fsdp_reduce,
+        )
     if is_logging_rank:
-        logger.info("model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
-                    config.model.flavor, f"{built.num_params:,}", built.flops_per_token, job.accum)
+        logger.info(
+            "model %s: %s parameters, %.3g FLOPs/token, %d-step grad accumulation",
+            config.model.flavor,
+            f"{built.num_params:,}",
+            built.flops_per_token,
+            job.accum,
+        )
     return built, pipeline
 
 
-def build_optimization(config: JobConfig, job: Job, device: torch.device,
-                       model_parts: list[nn.Module]) -> Optimization:
+def build_optimization(config: JobConfig, job: Job, device: torch.device, model_parts: list[nn.Module]) -> Optimization:
     """The optimizer (its state dtype and rounding from the plan), the LR schedule and the plan's
     reducer of the gradients DTensor leaves partial, over the parts' trainable parameters."""
     plan = job.plan
     params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config.optimizer, device,
-                                state_dtype=plan.optimizer_state_dtype if plan.mixed_state_optimizer else None,
-                                stochastic_rounding=plan.stochastic_rounding, seed=config.training.seed,
-                                fused_ok=plan.fused_optimizer_ok)
+    optimizer = build_optimizer(
+        params,
+        config.optimizer,
+        device,
+        state_dtype=plan.optimizer_state_dtype if plan.mixed_state_optimizer else None,
+        stochastic_rounding=plan.stochastic_rounding,
+        seed=config.training.seed,
+        fused_ok=plan.fused_optimizer_ok,
+    )
     reduce_partial_grads = reducers.partial_grad_reducer(plan, model_parts)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     return Optimization(params, optimizer, lr_scheduler, reduce_partial_grads)
@@ -232,31 +268,49 @@ def memory_facts(job: Job, world_size: int) -> dict[str, object]:
     model (the dry run's numbers, which tests check against real traffic)."""
     coords = job.dims.coordinates(world_size)
     prec = job.precision
-    return {"gradient_collectives": memory.grad_comm(job.model_dims, prec, job.layout,
-                                                     pp_rank=coords["pp"], tp_rank=coords["tp"]),
-            "bytes_per_param": prec.bytes_per_param()}
+    return {
+        "gradient_collectives": memory.grad_comm(
+            job.model_dims, prec, job.layout, pp_rank=coords["pp"], tp_rank=coords["tp"]
+        ),
+        "bytes_per_param": prec.bytes_per_param(),
+    }
 
 
-def build_metrics(config: JobConfig, job: Job, device: torch.device, is_logging_rank: bool,
-                  flops_per_token: float, precision_report: dict[str, object]) -> MetricsLogger:
+def build_metrics(
+    config: JobConfig,
+    job: Job,
+    device: torch.device,
+    is_logging_rank: bool,
+    flops_per_token: float,
+    precision_report: dict[str, object],
+) -> MetricsLogger:
     """The metrics logger and its trackers, which get the job config and the precision report."""
     dims, dtypes = job.dims, job.plan.compute_dtypes
     metrics = MetricsLogger(
-        config.job.dump_folder, log_freq=config.metrics.log_freq, enable_tensorboard=False,
-        trackers=build_trackers(config) if is_logging_rank else (), is_logging_rank=is_logging_rank,
-        flops_per_token=flops_per_token, peak_flops=peak_flops(device, dtypes), device=device,
-        num_ranks_for_mfu=dims.tp * dims.pp * dims.cp, peak_label=peak_label(device, dtypes),
+        config.job.dump_folder,
+        log_freq=config.metrics.log_freq,
+        enable_tensorboard=False,
+        trackers=build_trackers(config) if is_logging_rank else (),
+        is_logging_rank=is_logging_rank,
+        flops_per_token=flops_per_token,
+        peak_flops=peak_flops(device, dtypes),
+        device=device,
+        num_ranks_for_mfu=dims.tp * dims.pp * dims.cp,
+        peak_label=peak_label(device, dtypes),
         remeasure_peak=partial(remeasure_cpu_peak, dtypes) if device.type == "cpu" else None,
     )
-    metrics.describe_run({**config.to_dict(), "precision_report": precision_report},
-                         [Path(config.job.dump_folder) / "precision_report.json"])
+    metrics.describe_run(
+        {**config.to_dict(), "precision_report": precision_report},
+        [Path(config.job.dump_folder) / "precision_report.json"],
+    )
     if is_logging_rank:
         logger.info("mfu is relative to %s", metrics.describe_peak())
     return metrics
 
 
-def start_deadline(config: JobConfig, checkpointer: CheckpointManager, is_logging_rank: bool
-                   ) -> tuple[DeadlineCheck, float]:
+def start_deadline(
+    config: JobConfig, checkpointer: CheckpointManager, is_logging_rank: bool
+) -> tuple[DeadlineCheck, float]:
     """The pre-emption deadline check and, when a warning is configured, a save's estimated time
     (a probe write), so that a job that cannot save in time is told before its first step."""
     deadline = DeadlineCheck(config.checkpoint.preemption_warning_s if checkpointer.enabled else 0)
@@ -264,8 +318,12 @@ def start_deadline(config: JobConfig, checkpointer: CheckpointManager, is_loggin
         return deadline, 0.0
     size, save_s = checkpointer.estimate_save_s()
     if is_logging_rank:
-        logger.info("pre-emption: %d s warning; a save writes %.2f GiB on this rank, estimated "
-                    "%.1f s on the slowest rank", deadline.warning_s, size / 2**30, save_s)
+        logger.info(
+            "pre-emption: %d s warning; a save writes %.2f GiB on this rank, estimated %.1f s on the slowest rank",
+            deadline.warning_s,
+            size / 2**30,
+            save_s,
+        )
     return deadline, save_s
 
 
@@ -280,8 +338,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     info, job = resolve_process_and_job(config)
     dataloader, val_loader = build_loaders(config, job, info)
     process_groups.init(info, config.comm.init_timeout_seconds)
-    if job.plan.measured_here and (problem := job.plan.disagreement(
-            process_groups.values_by_rank("precision", job.plan.what_trains))):
+    if job.plan.measured_here and (
+        problem := job.plan.disagreement(process_groups.values_by_rank("precision", job.plan.what_trains))
+    ):
         raise PrecisionError(problem)
     device, is_logging_rank = info.device, info.rank == 0
     if is_logging_rank and config.job.print_config:
@@ -294,20 +353,46 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     if ft is not None and not job.plan.sync_steps:  # DiLoCo: no per-step cross-group all-reduce
         ft.attach(built.parts)
     spec, parts = job.validation, built.parts
-    validator = None if spec is None else validation.Validator(
-        spec, val_loader, config=config, plan=job.plan, dims=job.dims, model_parts=parts, pipeline=pipeline,
-        loss_fn=loss_fn, model_inputs=model_inputs, device=device, loss_group=groups.loss, pp_group=groups.pp,
-        is_logging_rank=is_logging_rank)
+    validator = (
+        None
+        if spec is None
+        else validation.Validator(
+            spec,
+            val_loader,
+            config=config,
+            plan=job.plan,
+            dims=job.dims,
+            model_parts=parts,
+            pipeline=pipeline,
+            loss_fn=loss_fn,
+            model_inputs=model_inputs,
+            device=device,
+            loss_group=groups.loss,
+            pp_group=groups.pp,
+            is_logging_rank=is_logging_rank,
+        )
+    )
     optimization = build_optimization(config, job, device, parts)
     # Before the checkpoint manager: a checkpoint holds DiLoCo's state (its "diloco" part).
     outer = diloco_mod.build(config, ft, parts, optimization.params, job.plan)
-    report = report_mod.log_and_write_report(job.plan, nn.ModuleList(parts), config.job.dump_folder,
-                                             is_logging_rank, memory_facts(job, info.world_size))
+    report = report_mod.log_and_write_report(
+        job.plan, nn.ModuleList(parts), config.job.dump_folder, is_logging_rank, memory_facts(job, info.world_size)
+    )
     metrics = build_metrics(config, job, device, is_logging_rank, built.flops_per_token, report)
     checkpointer = CheckpointManager(
-        config, model=parts, optimizer=optimization.optimizer, lr_scheduler=optimization.lr_scheduler,
-        scaler=scaler, dataloader=dataloader, model_args=job.model_args, device=device, pp_degree=job.dims.pp,
-        validator=validator, replica=ft.replica_group() if ft is not None else None, outer_state=outer)
+        config,
+        model=parts,
+        optimizer=optimization.optimizer,
+        lr_scheduler=optimization.lr_scheduler,
+        scaler=scaler,
+        dataloader=dataloader,
+        model_args=job.model_args,
+        device=device,
+        pp_degree=job.dims.pp,
+        validator=validator,
+        replica=ft.replica_group() if ft is not None else None,
+        outer_state=outer,
+    )
     resumed = checkpointer.load()
     if outer is not None:
         outer.after_load()
@@ -315,6 +400,25 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     # torchao's NVFP4Linear: its stochastic-rounding keys per rank (the emulation's: train_step)
     rounding_rank = sr_rank(config, job.dims, info.rank)
     torchao_kernels.materialized(parts, rounding_rank)
-    return TrainingSetup(config, info, job, groups, model_inputs, scaler, parts, pipeline, optimization, dataloader,
-                         validator, metrics, checkpointer, resumed, deadline, estimated_save_s, ft, outer,
-                         replica_hooks(ft, outer), rounding_rank)
+    return TrainingSetup(
+        config,
+        info,
+        job,
+        groups,
+        model_inputs,
+        scaler,
+        parts,
+        pipeline,
+        optimization,
+        dataloader,
+        validator,
+        metrics,
+        checkpointer,
+        resumed,
+        deadline,
+        estimated_save_s,
+        ft,
+        outer,
+        replica_hooks(ft, outer),
+        rounding_rank,
+    )

@@ -25,8 +25,14 @@ from torchtitan_amp.precision.tags import tied_modules
 logger = logging.getLogger("torchtitan_amp")
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_policy: str,
-               pp_enabled: bool = False, expert_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: PrecisionPlan,
+    reshard_policy: str,
+    pp_enabled: bool = False,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """Shard bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules outside
     the safe list, then blocks, then root."""
     shard = partial(fully_shard, mesh=mesh)
@@ -44,22 +50,26 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, reshard_
     blocks = list(model.layers.children())
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
-        shard(block, mp_policy=fsdp.fsdp_policy(plan, low_precision=True, cast_forward_inputs=False),
-              reshard_after_forward=reshard(i == len(blocks) - 1))
+        shard(
+            block,
+            mp_policy=fsdp.fsdp_policy(plan, low_precision=True, cast_forward_inputs=False),
+            reshard_after_forward=reshard(i == len(blocks) - 1),
+        )
         fsdp.cast_block_inputs(plan, block)
     # The root's forward ends the step, so keeping its params gathered saves one all-gather
     # (rules.reshard_after_forward's is_last).
     # Only the stage that produces logits casts to output_dtype: earlier pipeline stages send
     # hidden states to the next stage in param dtype, not at twice the bytes in fp32.
     output_dtype = plan.output_dtype if model.output is not None else None
-    shard(model, mp_policy=fsdp.fsdp_policy(plan, low_precision=True, output_dtype=output_dtype),
-          reshard_after_forward=reshard(True))
+    shard(
+        model,
+        mp_policy=fsdp.fsdp_policy(plan, low_precision=True, output_dtype=output_dtype),
+        reshard_after_forward=reshard(True),
+    )
     logger.info("applied FSDP2 fully_shard over mesh %s", mesh.mesh_dim_names)
 
 
-
-def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: PrecisionPlan,
-                     reshard: partial) -> None:
+def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: PrecisionPlan, reshard: partial) -> None:
     """FSDP for EP-sharded experts, first, so that no later group takes their parameters.
 
     Their gradients are sums over every EP rank's tokens (the all-to-all's backward brings them),
@@ -69,8 +79,13 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
     """
     for layer in expert_layers(model):
         experts = layer.experts
-        fully_shard(experts, mesh=mesh, mp_policy=fsdp.fsdp_policy(plan, low_precision=plan.is_safe(experts)),
-                    reshard_after_forward=reshard(False), shard_placement_fn=lambda _: Shard(1))
+        fully_shard(
+            experts,
+            mesh=mesh,
+            mp_policy=fsdp.fsdp_policy(plan, low_precision=plan.is_safe(experts)),
+            reshard_after_forward=reshard(False),
+            shard_placement_fn=lambda _: Shard(1),
+        )
         experts.set_gradient_divide_factor(float(dp_size))
         # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself. Not on one
         # efsdp rank, where torch divides its copy already and forcing would divide twice.
@@ -78,9 +93,9 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
         experts.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
 
 
-
-def group_by_block(model: nn.Module, modules: list[nn.Module],
-                   grouped: bool = True) -> list[nn.Module | list[nn.Module]]:
+def group_by_block(
+    model: nn.Module, modules: list[nn.Module], grouped: bool = True
+) -> list[nn.Module | list[nn.Module]]:
     """FSDP units for modules that must not share their blocks' groups (fp32 norms, frozen
     modules): one per transformer block for those inside it, one for all those outside blocks
     (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
@@ -101,9 +116,13 @@ def group_by_block(model: nn.Module, modules: list[nn.Module],
     return [unit[0] if len(unit) == 1 else unit for unit in units.values()]
 
 
-
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, plan: PrecisionPlan, bucket_cap_mb: float = 25.0,
-              default_hook: Callable[..., Any] | None = None) -> None:
+def apply_ddp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: PrecisionPlan,
+    bucket_cap_mb: float = 25.0,
+    default_hook: Callable[..., Any] | None = None,
+) -> None:
     """DDP (`replicate`) with the plan's compress hook; without one, `default_hook` if given (the
     traffic recorder's visible all-reduce: observability.traffic.default_ddp_hook)."""
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)

@@ -103,8 +103,9 @@ def _flat(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return t.view(-1)[lo:hi] if t.is_contiguous() else t.reshape(-1)[lo:hi]
 
 
-def pseudo_gradient(global_weights: list[torch.Tensor], weights: list[torch.Tensor],
-                    wire_dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+def pseudo_gradient(
+    global_weights: list[torch.Tensor], weights: list[torch.Tensor], wire_dtype: torch.dtype, chunk: int | None = None
+) -> torch.Tensor:
     """start - local for every tensor, in one flat buffer of `wire_dtype`, where start is where the
     model began the interval: the global weights as the model holds them (rounded once to the
     parameters' dtype, as the sync copied them in; the global weights themselves when that dtype
@@ -121,7 +122,7 @@ def pseudo_gradient(global_weights: list[torch.Tensor], weights: list[torch.Tens
         for i, lo, hi in pieces:
             g, w = _flat(global_weights[i], lo, hi), _flat(weights[i], lo, hi)
             began = g if w.dtype == g.dtype else g.to(w.dtype).to(g.dtype)
-            torch.sub(began, w, out=out[offset:offset + hi - lo])
+            torch.sub(began, w, out=out[offset : offset + hi - lo])
             offset += hi - lo
         if not direct:
             wire[start:end].copy_(out)
@@ -135,13 +136,19 @@ def mean_step(global_buffers: list[torch.Tensor], mean: torch.Tensor) -> None:
     mean buffers."""
     offset = 0
     for g in global_buffers:
-        g.sub_(mean[offset:offset + g.numel()].view_as(g).to(g.dtype))
+        g.sub_(mean[offset : offset + g.numel()].view_as(g).to(g.dtype))
         offset += g.numel()
 
 
 @torch.no_grad()
-def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor], mean: torch.Tensor,
-               lr: float, mu: float, chunk: int | None = None) -> None:
+def outer_step(
+    global_weights: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    mean: torch.Tensor,
+    lr: float,
+    mu: float,
+    chunk: int | None = None,
+) -> None:
     """Nesterov SGD on the global weights with the groups' mean pseudo-gradient `mean` (flat, any
     dtype; upcast to the state's `chunk` elements at a time): m = mu m + d; g -= lr (d + mu m),
     torch.optim.SGD's nesterov rule with zero dampening, in the state's dtype. Elementwise, so the
@@ -153,7 +160,7 @@ def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor],
         d = mean[start:end].to(dtype)
         deltas, gw, mom, offset = [], [], [], 0
         for i, lo, hi in pieces:
-            deltas.append(d[offset:offset + hi - lo])
+            deltas.append(d[offset : offset + hi - lo])
             gw.append(_flat(global_weights[i], lo, hi))
             mom.append(_flat(momentum[i], lo, hi))
             offset += hi - lo
@@ -167,9 +174,16 @@ def outer_step(global_weights: list[torch.Tensor], momentum: list[torch.Tensor],
 class DiLoCo:
     """This rank's global weights and outer momentum, and the sync the loop calls."""
 
-    def __init__(self, ft: "FaultTolerance", params: list[nn.Parameter], plan: PrecisionPlan,
-                 outer_lr: float, outer_momentum: float, names: list[str] | None = None,
-                 buffers: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        ft: FaultTolerance,
+        params: list[nn.Parameter],
+        plan: PrecisionPlan,
+        outer_lr: float,
+        outer_momentum: float,
+        names: list[str] | None = None,
+        buffers: list[torch.Tensor] | None = None,
+    ) -> None:
         """`names`: the parameters' names in the model (checkpoint keys; default their index);
         `buffers`: the model's floating-point persistent buffers, synced by their mean."""
         self.ft, self.plan, self.lr, self.mu = ft, plan, outer_lr, outer_momentum
@@ -178,8 +192,9 @@ class DiLoCo:
         self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
         # References to the shards (views), updated in place: a healing group copies into them.
         self.weights = [_local(p.detach()) for p in self.params]
-        self.global_weights = [w.to(plan.outer_state_dtype, copy=True, memory_format=torch.contiguous_format)
-                               for w in self.weights]
+        self.global_weights = [
+            w.to(plan.outer_state_dtype, copy=True, memory_format=torch.contiguous_format) for w in self.weights
+        ]
         self.momentum = [torch.zeros_like(g) for g in self.global_weights]
         self.buffers = list(buffers or [])
         self.global_buffers = [b.to(plan.outer_state_dtype, copy=True) for b in self.buffers]
@@ -223,13 +238,20 @@ class DiLoCo:
             torch._foreach_zero_(self.momentum)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global": self.global_weights, "momentum": self.momentum, "global_buffers": self.global_buffers,
-                "syncs": self.syncs}
+        return {
+            "global": self.global_weights,
+            "momentum": self.momentum,
+            "global_buffers": self.global_buffers,
+            "syncs": self.syncs,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, mine in (("global", self.global_weights), ("momentum", self.momentum),
-                          ("global_buffers", self.global_buffers)):
+        for key, mine in (
+            ("global", self.global_weights),
+            ("momentum", self.momentum),
+            ("global_buffers", self.global_buffers),
+        ):
             if len(state[key]) != len(mine):
                 raise RuntimeError(f"the live group's DiLoCo {key} differ from this group's: another model or layout?")
             for t, theirs in zip(mine, state[key]):
@@ -252,11 +274,14 @@ class DiLoCo:
         resumed, self.restored = self.restored and not healed, False
         if healed:
             self._last_sync_step = counters.step
-        wire = pseudo_gradient(self.global_weights + self.global_buffers, self.weights + self.buffers,
-                               self.plan.pseudo_gradient_dtype)
+        wire = pseudo_gradient(
+            self.global_weights + self.global_buffers, self.weights + self.buffers, self.plan.pseudo_gradient_dtype
+        )
         # One all-reduce per chunk of the wire buffer, all issued before the first is waited on.
-        works = [self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire[start:end])
-                 for start, end, _ in chunks([wire.numel()], CHUNK_ELEMENTS) or [(0, 0, [])]]
+        works = [
+            self.ft.allreduce("pseudo_gradient", (self.plan.outer_state_dtype,), wire[start:end])
+            for start, end, _ in chunks([wire.numel()], CHUNK_ELEMENTS) or [(0, 0, [])]
+        ]
         for work in works:
             work.wait()
         # A discarded sync loses the time since the last committed one (ft_lost_s), not only its own.
@@ -272,9 +297,13 @@ class DiLoCo:
         else:
             lost = counters.step - self._last_sync_step
             self.inner_steps_lost += lost
-            logger.warning("DiLoCo: the sync after step %d was discarded (a replica group failed during it): "
-                           "back to the global weights of step %d, %d inner steps lost", counters.step,
-                           self._last_sync_step, lost)
+            logger.warning(
+                "DiLoCo: the sync after step %d was discarded (a replica group failed during it): "
+                "back to the global weights of step %d, %d inner steps lost",
+                counters.step,
+                self._last_sync_step,
+                lost,
+            )
         # Committed: the new global weights; discarded: the last ones.
         torch._foreach_copy_(self.weights + self.buffers, self.global_weights + self.global_buffers)
         self._last_sync_step, self._last_sync_time = counters.step, time.perf_counter()
@@ -288,7 +317,7 @@ class DiLoCoReplicas(ReplicaGroups):
     """The loop under DiLoCo: each group steps alone; a sync joins them before the first step
     and after every due step (and the audited one)."""
 
-    def __init__(self, ft: "FaultTolerance", diloco: DiLoCo) -> None:
+    def __init__(self, ft: FaultTolerance, diloco: DiLoCo) -> None:
         super().__init__(ft)
         self.diloco = diloco
 
@@ -316,12 +345,18 @@ def _placed_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     DTensor of its mesh and placements (a view of `local`), or `local` itself."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
-def build(config: JobConfig, ft: "FaultTolerance | None", model_parts: list[nn.Module],
-          params: list[nn.Parameter], plan: PrecisionPlan) -> DiLoCo | None:
+def build(
+    config: JobConfig,
+    ft: FaultTolerance | None,
+    model_parts: list[nn.Module],
+    params: list[nn.Parameter],
+    plan: PrecisionPlan,
+) -> DiLoCo | None:
     """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None;
     `params` named as in `model_parts` (the checkpoint's keys)."""
     if ft is None or not plan.sync_steps:

@@ -115,8 +115,9 @@ WireRecorder = Callable[[str, tuple[torch.dtype, ...], torch.Tensor], None]
 BUCKET_BYTES = 25 << 20
 
 
-def grad_buckets(grads: list[torch.Tensor], wire_dtype: Callable[[torch.dtype], torch.dtype],
-                 cap_bytes: int) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
+def grad_buckets(
+    grads: list[torch.Tensor], wire_dtype: Callable[[torch.dtype], torch.dtype], cap_bytes: int
+) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
     """`grads` in order, grouped by (device, wire dtype) into buckets of at most `cap_bytes` on
     the wire (a larger gradient is a bucket of its own)."""
     open_buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -150,7 +151,7 @@ def _unflatten(wire: torch.Tensor, bucket: list[torch.Tensor]) -> None:
         return
     offset = 0
     for g in bucket:
-        g.copy_(wire[offset:offset + g.numel()].view_as(g))
+        g.copy_(wire[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -163,20 +164,41 @@ class TrainingState:
     per request: torchft serves them from its own thread, and FSDP2's state_dict() there, during
     the live group's forward, breaks it."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                 lr_scheduler: Any, dataloader: "ParallelAwareDataLoader", counters: Any) -> None:
-        self.optimizer, self.lr_scheduler, self.dataloader, self.counters = optimizer, lr_scheduler, dataloader, counters
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        dataloader: ParallelAwareDataLoader,
+        counters: Any,
+    ) -> None:
+        self.optimizer, self.lr_scheduler, self.dataloader, self.counters = (
+            optimizer,
+            lr_scheduler,
+            dataloader,
+            counters,
+        )
         named = [(f"{i}.{n}", p) for i, part in enumerate(model_parts) for n, p in part.named_parameters()]
         self.weights = {n: _local(p.detach()) for n, p in named}
-        self.moments = {f"{n}/{k}": _local(v) for n, p in named for k, v in optimizer.state.get(p, {}).items()
-                        if isinstance(v, torch.Tensor)}
+        self.moments = {
+            f"{n}/{k}": _local(v)
+            for n, p in named
+            for k, v in optimizer.state.get(p, {}).items()
+            if isinstance(v, torch.Tensor)
+        }
         self.buffers = dict(persistent_buffers(model_parts))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.weights, "moments": self.moments, "buffers": self.buffers,
-                "lr": [g["lr"] for g in self.optimizer.param_groups],
-                "lr_scheduler": self.lr_scheduler.state_dict(), "data": self.dataloader.state_dict(),
-                "step": self.counters.step, "tokens_seen": self.counters.tokens_seen}
+        return {
+            "weights": self.weights,
+            "moments": self.moments,
+            "buffers": self.buffers,
+            "lr": [g["lr"] for g in self.optimizer.param_groups],
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "data": self.dataloader.state_dict(),
+            "step": self.counters.step,
+            "tokens_seen": self.counters.tokens_seen,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -196,8 +218,9 @@ class TrainingState:
 class FaultTolerance:
     """This group's torchft Manager and what the loop asks of it, with the counters it logs."""
 
-    def __init__(self, ft: FaultToleranceConfig, plan: PrecisionPlan, manager: Any = None,
-                 device_type: str = "cpu") -> None:
+    def __init__(
+        self, ft: FaultToleranceConfig, plan: PrecisionPlan, manager: Any = None, device_type: str = "cpu"
+    ) -> None:
         """`manager`: torchft's Manager for this group (None: built from `ft` for a job training on
         `device_type`; tests pass a stand-in)."""
         self._store = None  # the group's own TCPStore when it runs as one process without torchrun
@@ -249,6 +272,7 @@ class FaultTolerance:
         def load(sd: dict[str, Any]) -> None:
             state.load_state_dict(sd)
             self._healed = True
+
         return load
 
     def attach(self, model_parts: list[nn.Module]) -> None:
@@ -313,8 +337,12 @@ class FaultTolerance:
         if self._healed:
             self.heals += 1
             self.heal_s = self.quorum_s
-            logger.info("fault tolerance: replica group %d healed from a live group in %.2f s (%d groups)",
-                        self.replica_id, self.heal_s, self.participants)
+            logger.info(
+                "fault tolerance: replica group %d healed from a live group in %.2f s (%d groups)",
+                self.replica_id,
+                self.heal_s,
+                self.participants,
+            )
         return self._healed
 
     def should_commit(self, since: float | None = None) -> bool:
@@ -334,18 +362,23 @@ class FaultTolerance:
         if not commit:
             self.discarded += 1
             self.lost_s += time.perf_counter() - (self._step_start if since is None else since)
-            logger.warning("fault tolerance: step discarded (%d so far): a replica group failed during it",
-                           self.discarded)
+            logger.warning(
+                "fault tolerance: step discarded (%d so far): a replica group failed during it", self.discarded
+            )
         return commit
 
     def metrics(self) -> dict[str, float]:
-        return {"ft_participants": float(self.participants), "ft_discarded": float(self.discarded),
-                "ft_heals": float(self.heals), "ft_heal_s": self.heal_s, "ft_quorum_s": self.quorum_s,
-                "ft_lost_s": self.lost_s}
+        return {
+            "ft_participants": float(self.participants),
+            "ft_discarded": float(self.discarded),
+            "ft_heals": float(self.heals),
+            "ft_heal_s": self.heal_s,
+            "ft_quorum_s": self.quorum_s,
+            "ft_lost_s": self.lost_s,
+        }
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
 
     def _build_manager(self, ft: FaultToleranceConfig, device_type: str) -> Any:
         """This group's torchft Manager. It meets the group's ranks through torchrun's store
@@ -355,12 +388,18 @@ class FaultTolerance:
 
         backend, lighthouse = process_group_backend(ft, device_type), lighthouse_address(ft)
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-        pg = torchft.ProcessGroupGloo(timeout=timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(timeout=timeout)
+        pg = (
+            torchft.ProcessGroupGloo(timeout=timeout)
+            if backend == "gloo"
+            else torchft.ProcessGroupNCCL(timeout=timeout)
+        )
         where: dict[str, Any] = {}
         if "MASTER_ADDR" not in os.environ:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-                raise ConfigError("fault_tolerance.enable: WORLD_SIZE is set without MASTER_ADDR; launch each "
-                                  "replica group with torchrun (docs/fault_tolerance.md)")
+                raise ConfigError(
+                    "fault_tolerance.enable: WORLD_SIZE is set without MASTER_ADDR; launch each "
+                    "replica group with torchrun (docs/fault_tolerance.md)"
+                )
             from torch.distributed import TCPStore
 
             self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -369,10 +408,19 @@ class FaultTolerance:
         # group serves it while its own weights stand still (between its optimizer steps).
         # init_sync off: every group initialises the same weights from training.seed.
         return torchft.Manager(
-            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
-            use_async_quorum=False, replica_id=f"torchtitan_amp_{ft.replica_id}", timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), lighthouse_addr=lighthouse,
-            init_sync=False, max_retries=None if ft.max_retries < 0 else ft.max_retries, **where)
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=ft.min_replica_size,
+            use_async_quorum=False,
+            replica_id=f"torchtitan_amp_{ft.replica_id}",
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+            lighthouse_addr=lighthouse,
+            init_sync=False,
+            max_retries=None if ft.max_retries < 0 else ft.max_retries,
+            **where,
+        )
 
 
 class ReplicaHooks:
@@ -410,8 +458,9 @@ class ReplicaHooks:
         """Before the loop's first step: the batches to train on."""
         return batches
 
-    def take_step(self, counters: Any, batches: Iterator[Any]
-                  ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
+    def take_step(
+        self, counters: Any, batches: Iterator[Any]
+    ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
         """The loop's step `counters.step`: (the batches to go on with, this rank's loss, the
         gradient norm, the LR it trained with), or None when the run must stop without it."""
         lr = counters.run.lr_scheduler.get_last_lr()[0]
@@ -482,8 +531,9 @@ class PerStepReplicas(ReplicaGroups):
     def committed(self) -> bool:
         return self.ft.should_commit()
 
-    def take_step(self, counters: Any, batches: Iterator[Any]
-                  ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
+    def take_step(
+        self, counters: Any, batches: Iterator[Any]
+    ) -> tuple[Iterator[Any], torch.Tensor, torch.Tensor, float] | None:
         """The quorum first (healed: the data position is the live group's); a discarded step is
         retried on the next batches by the groups still alive, until one commits or a stop signal
         reaches any rank (every rank of the group discarded it, so every rank polls): then the
@@ -514,8 +564,10 @@ def process_group_backend(ft: FaultToleranceConfig, device_type: str) -> str:
     if ft.process_group == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
     if ft.process_group == "nccl" and device_type != "cuda":
-        raise ConfigError(f"'fault_tolerance.process_group' = 'nccl' needs CUDA; this job trains on {device_type}: "
-                          "use 'gloo' or 'auto'")
+        raise ConfigError(
+            f"'fault_tolerance.process_group' = 'nccl' needs CUDA; this job trains on {device_type}: "
+            "use 'gloo' or 'auto'"
+        )
     return ft.process_group
 
 
@@ -527,8 +579,10 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
         return ft.lighthouse
     address = os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not address:
-        raise ConfigError("fault_tolerance.enable needs torchft's lighthouse: set fault_tolerance.lighthouse or "
-                          "TORCHFT_LIGHTHOUSE to its URL http://HOST:PORT (docs/fault_tolerance.md)")
+        raise ConfigError(
+            "fault_tolerance.enable needs torchft's lighthouse: set fault_tolerance.lighthouse or "
+            "TORCHFT_LIGHTHOUSE to its URL http://HOST:PORT (docs/fault_tolerance.md)"
+        )
     problem = lighthouse_problem(address, "TORCHFT_LIGHTHOUSE")
     if problem:
         raise ConfigError(problem)

@@ -76,13 +76,25 @@ class Job:
         p, t, ac = self.config.parallelism, self.config.training, self.config.activation_checkpoint
         dims = self.dims
         return memory.Layout(
-            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp,
-            seq_len=t.seq_len, local_batch_size=t.local_batch_size, grad_accum=self.accum,
-            pp_schedule=p.pipeline_parallel_schedule, pp_microbatch_size=p.pipeline_parallel_microbatch_size,
-            sequence_parallel=p.enable_sequence_parallel, loss_parallel=not p.disable_loss_parallel,
-            ac_mode=ac.mode, ac_option=ac.selective_ac_option, op_sac_save_mm=ac.per_op_sac_save_mm,
-            reshard_after_forward=p.fsdp_reshard_after_forward, split_points=self.boundaries[1:],
-            cp=dims.cp, attn_mask_type=self.config.model.attn_mask_type, ep=dims.ep,
+            dp_replicate=dims.dp_replicate,
+            dp_shard=dims.dp_shard,
+            tp=dims.tp,
+            pp=dims.pp,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            grad_accum=self.accum,
+            pp_schedule=p.pipeline_parallel_schedule,
+            pp_microbatch_size=p.pipeline_parallel_microbatch_size,
+            sequence_parallel=p.enable_sequence_parallel,
+            loss_parallel=not p.disable_loss_parallel,
+            ac_mode=ac.mode,
+            ac_option=ac.selective_ac_option,
+            op_sac_save_mm=ac.per_op_sac_save_mm,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            split_points=self.boundaries[1:],
+            cp=dims.cp,
+            attn_mask_type=self.config.model.attn_mask_type,
+            ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,
             replica_groups=self.config.fault_tolerance.group_size if self.config.fault_tolerance.enable else 1,
             sync_steps=self.plan.sync_steps,
@@ -118,11 +130,15 @@ def check_mask_type(mask_type: str, family: ModelFamily, cp: int = 1) -> None:
     forward = getattr(family.model_cls, "forward", family.model_cls)
     takes = inspect.signature(forward).parameters
     if mask_type != "causal" and "doc_ids" not in takes:
-        raise ConfigError(f"'model.attn_mask_type' = '{mask_type}' is not supported by model.name = "
-                          f"'{family.name}' (its model's forward takes no doc_ids); use 'causal'")
+        raise ConfigError(
+            f"'model.attn_mask_type' = '{mask_type}' is not supported by model.name = "
+            f"'{family.name}' (its model's forward takes no doc_ids); use 'causal'"
+        )
     if cp > 1 and "positions" not in takes:
-        raise ConfigError(f"'parallelism.context_parallel_degree' = {cp} is not supported by model.name = "
-                          f"'{family.name}' (its model's forward takes no positions); use 1")
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' = {cp} is not supported by model.name = "
+            f"'{family.name}' (its model's forward takes no positions); use 1"
+        )
 
 
 def check_cp_attention(job: Job, device_type: str) -> None:
@@ -136,8 +152,9 @@ def check_cp_attention(job: Job, device_type: str) -> None:
     check_causal_kernel(device_type, prec.compute, job.model_args.head_dim, job.dims.cp, where)
 
 
-def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False,
-            preflight: bool = False) -> Job:
+def resolve(
+    config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False, preflight: bool = False
+) -> Job:
     """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
     the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
     is not asked whether bf16 is native ("auto" means on), `dry_run.vocab_size` may replace the
@@ -146,8 +163,9 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     t, p = config.training, config.parallelism
     dims = ParallelDims.from_config(p, world_size)
     accum = grad_accum_steps(t, dims.dp_degree)
-    plan = PrecisionPlan.from_config(config, dims, device_type, probe=None if dry_run else low_precision_speed,
-                                     run_kernels=not preflight)
+    plan = PrecisionPlan.from_config(
+        config, dims, device_type, probe=None if dry_run else low_precision_speed, run_kernels=not preflight
+    )
     if not dry_run:
         validate_checkpoint_config(config, world_size, device_type)
         profiling.validate(config, device_type)
@@ -162,8 +180,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
     family = get_family(config.model.name)
     check_mask_type(config.model.attn_mask_type, family, dims.cp)
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
-    boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers,
-                                                 device_type)
+    boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers, device_type)
     check_weight_tying(args, dims, config.model.flavor)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None, tokenizer)
     if plan.fp8 != "none" or plan.block_scaled is not None or plan.fp32_names or plan.frozen_names:
@@ -172,14 +189,31 @@ def resolve(config: JobConfig, world_size: int, device_type: str, *, dry_run: bo
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
-        block_scaled.check_modules(model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers,
-                                        plan.block_scaled_experts)
+        block_scaled.check_modules(
+            model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers, plan.block_scaled_experts
+        )
         if dims.tp_enabled:
-            block_scaled.check_tensor_parallel(model, plan.block_scaled, plan.block_scaled_skip,
-                                                    plan.block_scaled_edge_layers, dims.tp,
-                                                    linear_shard_dims(model, family.tp_block_plan))
-    job = Job(config, world_size, device_type, dims, accum, plan, tokenizer, args, tuple(boundaries),
-              n_microbatches, validation)
+            block_scaled.check_tensor_parallel(
+                model,
+                plan.block_scaled,
+                plan.block_scaled_skip,
+                plan.block_scaled_edge_layers,
+                dims.tp,
+                linear_shard_dims(model, family.tp_block_plan),
+            )
+    job = Job(
+        config,
+        world_size,
+        device_type,
+        dims,
+        accum,
+        plan,
+        tokenizer,
+        args,
+        tuple(boundaries),
+        n_microbatches,
+        validation,
+    )
     # A dry run asks what its target device (dry_run.device) would run, whatever machine it runs on.
     check_cp_attention(job, device_type)
     return job
@@ -193,8 +227,7 @@ class ModelParts:
     flops_per_token: float  # of the whole model, training (forward + backward)
 
 
-def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
-                      materialize: bool = True) -> ModelParts:
+def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, materialize: bool = True) -> ModelParts:
     """Build on meta in the plan's storage dtype, split into `stage_ids`, parallelize each part
     (TP, AC, compile, FSDP/DDP). Models up to FULL_INIT_MAX_PARAMS are initialised from the seed
     on every rank before sharding, so every layout starts from identical weights; larger ones are
@@ -206,19 +239,28 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *,
     job.plan.apply_router_dtype(model)
     by_name.mark_fp32_by_name(job.plan, model)
     freeze.freeze(job.plan, model)
-    if (materialize or job.plan.fp8 == "none"
-            or capability.fp8_torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None):
+    if (
+        materialize
+        or job.plan.fp8 == "none"
+        or capability.fp8_torchao_missing(job.plan.fp8, job.plan.fp8_all_gather) is None
+    ):
         # torchao is an optional extra: a dry run without it keeps the nn.Linears, whose params and
         # shards are the same, and sizes their fp8 all-gather by the plan's rule (dry_run.py).
         float8.apply_fp8(model, job.plan.fp8, job.plan.fp8_skip, job.plan.fp8_all_gather)
     # The whole model, before the pipeline split: the edge blocks are counted on it.
     if job.plan.block_scaled_emulated or job.plan.block_scaled is None:
-        block_scaled.apply_block_scaled(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                        job.plan.block_scaled_edge_layers, job.plan.block_scaled_experts)
+        block_scaled.apply_block_scaled(
+            model,
+            job.plan.block_scaled,
+            job.plan.block_scaled_skip,
+            job.plan.block_scaled_edge_layers,
+            job.plan.block_scaled_experts,
+        )
     elif materialize or capability.block_scaled_torchao_missing(job.plan.block_scaled.format) is None:
         # As fp8 above: a dry run without torchao keeps the nn.Linears (same params and shards).
-        block_scaled.apply_torchao(model, job.plan.block_scaled, job.plan.block_scaled_skip,
-                                   job.plan.block_scaled_edge_layers)
+        block_scaled.apply_torchao(
+            model, job.plan.block_scaled, job.plan.block_scaled_skip, job.plan.block_scaled_edge_layers
+        )
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)

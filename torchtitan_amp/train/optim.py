@@ -8,9 +8,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.optim.adam import adam as adam_step
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam as adam_step
 
 from torchtitan_amp.config import LRSchedulerConfig, OptimizerConfig
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
@@ -18,17 +18,31 @@ from torchtitan_amp.distributed.process_groups import local_tensor as _local
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, device: torch.device, *,
-                    state_dtype: torch.dtype | None = None, stochastic_rounding: bool = False,
-                    seed: int = 0, fused_ok: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[nn.Parameter],
+    cfg: OptimizerConfig,
+    device: torch.device,
+    *,
+    state_dtype: torch.dtype | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    fused_ok: bool = True,
+) -> torch.optim.Optimizer:
     """torch's AdamW, or with `state_dtype` (the precision plan's `mixed_state_optimizer`
     decides when) `AdamWMixedState`, which keeps its moments in that dtype and computes the update
     in fp32. `fused_ok`: the plan's `fused_optimizer_ok` (whether its loss scaler can drive the
     fused kernel)."""
     if state_dtype is not None:
-        return AdamWMixedState(params, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
-                               seed=seed, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                               weight_decay=cfg.weight_decay)
+        return AdamWMixedState(
+            params,
+            state_dtype=state_dtype,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
     impl = cfg.implementation
     if impl == "auto":
         # torch's fused kernel exists for CUDA and CPU, DTensor parameters included (FSDP and TP
@@ -37,8 +51,12 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, device: to
         impl = "fused" if device.type in ("cuda", "cpu") and fused_ok else "foreach"
     return torch.optim.AdamW(
         params,
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=impl == "fused", foreach=impl == "foreach",
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
     )
 
 
@@ -75,8 +93,9 @@ class AdamWMixedState(torch.optim.AdamW):
     The state dict is AdamW's (step, exp_avg, exp_avg_sq), so checkpoints move between the two.
     """
 
-    def __init__(self, params: Any, *, state_dtype: torch.dtype, stochastic_rounding: bool, seed: int,
-                 **adamw: Any) -> None:
+    def __init__(
+        self, params: Any, *, state_dtype: torch.dtype, stochastic_rounding: bool, seed: int, **adamw: Any
+    ) -> None:
         super().__init__(params, foreach=False, **adamw)
         self.state_dtype = state_dtype
         self.stochastic_rounding = stochastic_rounding
@@ -116,9 +135,22 @@ class AdamWMixedState(torch.optim.AdamW):
         m32 = [m if m.dtype == torch.float32 else m.float() for m in moments]
         beta1, beta2 = group["betas"]
         adam_step(
-            [p32], [_local_grad(p).float()], [m32[0]], [m32[1]], [], [state["step"]], foreach=False,
-            decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            [p32],
+            [_local_grad(p).float()],
+            [m32[0]],
+            [m32[1]],
+            [],
+            [state["step"]],
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
         for stored, computed in zip(moments, m32):
             if computed is not stored:
                 stored.copy_(computed)
@@ -140,8 +172,9 @@ class AdamWMixedState(torch.optim.AdamW):
                     self.state[p][name] = incoming[name].to(device=p.device, dtype=self.state_dtype, copy=True)
 
 
-def lr_factor(step: int, *, warmup: int, total: int, decay_ratio: float, decay_type: str,
-              min_lr_factor: float) -> float:
+def lr_factor(
+    step: int, *, warmup: int, total: int, decay_ratio: float, decay_type: str, min_lr_factor: float
+) -> float:
     """Multiplier of the peak LR after `step` optimizer steps (step 0 = before the first step).
 
     Warm-up runs from 1/(warmup+1) to 1 so the first step never uses LR 0; then a stable phase,
@@ -166,8 +199,15 @@ def lr_factor(step: int, *, warmup: int, total: int, decay_ratio: float, decay_t
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    fn = partial(lr_factor, warmup=cfg.warmup_steps, total=total_steps, decay_ratio=cfg.decay_ratio,
-                 decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    fn = partial(
+        lr_factor,
+        warmup=cfg.warmup_steps,
+        total=total_steps,
+        decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -31,8 +31,9 @@ from torchtitan_amp.train.data_parallel import apply_ddp, apply_fsdp
 logger = logging.getLogger("torchtitan_amp")
 
 
-def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int,
-                    device_type: str) -> tuple[list[int], int]:
+def validate_layout(
+    dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int, device_type: str
+) -> tuple[list[int], int]:
     """Refuse combinations torch cannot run, naming the working alternative. Returns the pipeline
     split (first layer of each stage, microbatches per local batch): ([0], 1) without PP."""
     if dims.ddp_enabled and dims.tp_enabled:
@@ -45,8 +46,7 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads % dims.tp:
                 raise ConfigError(
-                    f"'parallelism.tensor_parallel_degree' = {dims.tp} must divide the model's "
-                    f"{name} = {heads}"
+                    f"'parallelism.tensor_parallel_degree' = {dims.tp} must divide the model's {name} = {heads}"
                 )
     t, p = config.training, config.parallelism
     if dims.ep_enabled:
@@ -59,13 +59,16 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
             f"{dims.tp} with sequence parallel on (or set parallelism.enable_sequence_parallel = false)"
         )
     if p.enable_async_tensor_parallel:
-        unmet = {f"a CUDA device (this run is on {device_type})": device_type != "cuda",
-                 "compile.enable = true": not config.compile.enable,
-                 "tensor_parallel_degree > 1": not dims.tp_enabled}
+        unmet = {
+            f"a CUDA device (this run is on {device_type})": device_type != "cuda",
+            "compile.enable = true": not config.compile.enable,
+            "tensor_parallel_degree > 1": not dims.tp_enabled,
+        }
         missing = [need for need, bad in unmet.items() if bad]
         if missing:
             raise ConfigError(
-                "'parallelism.enable_async_tensor_parallel' needs " + ", ".join(missing)
+                "'parallelism.enable_async_tensor_parallel' needs "
+                + ", ".join(missing)
                 + " (inductor overlaps TP collectives with the matmuls of compiled blocks, on CUDA only); "
                 "set it to false otherwise"
             )
@@ -75,18 +78,19 @@ def validate_layout(dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_he
     return [0], 1
 
 
-
 def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
     """EP needs routed experts that split evenly (over ranks of dp_shard x cp: ParallelDims checks)."""
     args = get_family(config.model.name).flavors[config.model.flavor]
     n_experts = getattr(args, "n_routed_experts", 0)
     if not n_experts:
-        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} needs a model with routed experts; "
-                          f"model.name = {config.model.name!r} has none: use 1")
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' = {dims.ep} needs a model with routed experts; "
+            f"model.name = {config.model.name!r} has none: use 1"
+        )
     if n_experts % dims.ep:
-        raise ConfigError(f"'parallelism.expert_parallel_degree' = {dims.ep} must divide the model's "
-                          f"n_routed_experts = {n_experts}")
-
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' = {dims.ep} must divide the model's n_routed_experts = {n_experts}"
+        )
 
 
 def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
@@ -100,13 +104,19 @@ def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
         )
 
 
-
-def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan,
-                      config: JobConfig) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig
+) -> nn.Module:
     autocast.apply_fp32_islands(plan, model)
     if dims.tp_enabled:
-        apply_tp(model, family.tp_block_plan, family.block_norms, dims.mesh["tp"], loss_parallel_enabled(dims, config),
-                 config.parallelism.enable_sequence_parallel)
+        apply_tp(
+            model,
+            family.tp_block_plan,
+            family.block_norms,
+            dims.mesh["tp"],
+            loss_parallel_enabled(dims, config),
+            config.parallelism.enable_sequence_parallel,
+        )
         freeze.refreeze(model)
         if config.parallelism.enable_async_tensor_parallel:
             apply_async_tp(dims.mesh["tp"])
@@ -122,13 +132,23 @@ def parallelize_model(model: nn.Module, family: ModelFamily, dims: ParallelDims,
         # trace, and a family may read sizes on the host (MoE): allow graph breaks there.
         apply_compile(model, fullgraph=plan.path != "fsdp" and family.compile_fullgraph)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.get_mesh("fsdp"), plan, config.parallelism.fsdp_reshard_after_forward,
-                   dims.pp_enabled, dims.get_mesh("expert_fsdp") if dims.ep_enabled else None)
+        apply_fsdp(
+            model,
+            dims.get_mesh("fsdp"),
+            plan,
+            config.parallelism.fsdp_reshard_after_forward,
+            dims.pp_enabled,
+            dims.get_mesh("expert_fsdp") if dims.ep_enabled else None,
+        )
     elif dims.ddp_enabled:
-        apply_ddp(model, dims.mesh["dp_replicate"], plan, config.parallelism.ddp_bucket_cap_mb,
-                  default_hook=traffic.default_ddp_hook())
+        apply_ddp(
+            model,
+            dims.mesh["dp_replicate"],
+            plan,
+            config.parallelism.ddp_bucket_cap_mb,
+            default_hook=traffic.default_ddp_hook(),
+        )
     return model
-
 
 
 def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) -> None:
@@ -141,4 +161,3 @@ def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) 
     for layer in layers:
         experts = layer.experts
         experts.grouped_mm = grouped_mm_kernel(device, plan.compute_dtype(experts), compiled)
-

@@ -120,8 +120,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(USAGE)
         return 0
-    print("error: give --world-size N (a positive integer) or --torchrun, then the arguments; --help for more",
-          file=sys.stderr)
+    print(
+        "error: give --world-size N (a positive integer) or --torchrun, then the arguments; --help for more",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -45,8 +45,9 @@ class Trainer:
     save and stop. What fault tolerance adds goes through `run.replicas` (train/fault_tolerance.py)."""
 
     def __init__(self, config: JobConfig) -> None:
-        self.run = build_training(config, pipeline_loss=self._pipeline_loss,
-                                  pipeline_eval_loss=self._pipeline_eval_loss)
+        self.run = build_training(
+            config, pipeline_loss=self._pipeline_loss, pipeline_eval_loss=self._pipeline_eval_loss
+        )
         self.config = self.run.config  # a fault-tolerant replica group's has its own output folder
         self._label_weight = torch.ones((), device=self.run.device)  # set per step (forward_backward)
         resumed = self.run.resumed
@@ -81,8 +82,9 @@ class Trainer:
         (validation divides by their count)."""
         return loss_fn(autocast.cast_output(self.run.plan, output), labels, reduction="sum")
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                         weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One micro-batch (a loader batch: the whole windows). `weight`: each valid label's weight,
         `label_weight` of the step's count (None: of this micro-batch's over the data-parallel
         ranks, as a one-micro-batch step). Returns this rank's loss (0 on pipeline stages without
@@ -132,7 +134,9 @@ class Trainer:
         """Losses the model adds itself (MoE's auxiliary loss) get the trainer's loss factor."""
         self.run.job.family.set_loss_factor(self.run.model_parts, self.run.scaler.get_scale() / divisor)
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def train_step(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step over `accum` micro-batches from `batches`, phase by phase. Returns
         this rank's loss (its share of the step's mean), the global gradient norm, and whether the
         optimizer stepped (not on a skipped non-finite or fp16-overflow step, nor on a step another
@@ -176,8 +180,9 @@ class Trainer:
         run = self.run
         run.optimization.reduce_partial_grads(run.params)
         run.replicas.after_backward(run.params)
-        self.family_metrics = run.job.family.after_backward(run.model_parts, run.groups.loss, run.groups.pp,
-                                                            cross_group=run.replicas.sum_across_groups)
+        self.family_metrics = run.job.family.after_backward(
+            run.model_parts, run.groups.loss, run.groups.pp, cross_group=run.replicas.sum_across_groups
+        )
 
     def unscale_and_clip(self) -> torch.Tensor:
         """Phase 3: gradients unscaled (fp16's loss scale) and clipped; returns the global norm."""
@@ -205,10 +210,15 @@ class Trainer:
                 f"step {self.step}: gradient norm is {float(grad_norm)} (loss on this rank "
                 f"{float(loss_sum)}); try a lower optimizer.lr or more lr_scheduler.warmup_steps, "
                 f"training.max_norm > 0, bfloat16 instead of float16, or "
-                f"training.skip_nonfinite_steps = true to skip such steps")
+                f"training.skip_nonfinite_steps = true to skip such steps"
+            )
         self.nonfinite_skipped += 1
-        logger.warning("step %d: non-finite gradient norm %s, step skipped (%d so far)",
-                       self.step, float(grad_norm), self.nonfinite_skipped)
+        logger.warning(
+            "step %d: non-finite gradient norm %s, step skipped (%d so far)",
+            self.step,
+            float(grad_norm),
+            self.nonfinite_skipped,
+        )
         return False
 
     def after_optimizer_step(self) -> None:
@@ -229,8 +239,9 @@ class Trainer:
             if self.run.dims.ddp_enabled or self.run.replicas.syncs_once(part):
                 part.set_requires_gradient_sync(sync)
 
-    def _next_micro_batches(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _next_micro_batches(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's `accum` loader batches, on the device (waiting for them is data time)."""
         out = []
         for _ in range(self.run.accum):
@@ -251,12 +262,19 @@ class Trainer:
         batches = run.replicas.start(self, self.new_batches())
         tokens_per_step = t.local_batch_size * t.seq_len * run.accum * run.dims.dp_degree
         if run.is_logging_rank:
-            logger.info("training %d steps on %s (%s), world size %d", t.steps, run.device,
-                        run.info.backend, run.info.world_size)
+            logger.info(
+                "training %d steps on %s (%s), world size %d",
+                t.steps,
+                run.device,
+                run.info.backend,
+                run.info.world_size,
+            )
         first_step, checkpoints, ran = self.step, 0, 0
         run.metrics.start_run(first_step, t.steps)
-        with profiling.maybe_profile(self.config, run.info.rank, self.step) as prof, \
-                profiling.maybe_memory_snapshot(self.config, run.info.rank):
+        with (
+            profiling.maybe_profile(self.config, run.info.rank, self.step) as prof,
+            profiling.maybe_memory_snapshot(self.config, run.info.rank),
+        ):
             while self.step < t.steps:
                 self.step += 1
                 if t.gc_freq and self.step % t.gc_freq == 0:
@@ -283,8 +301,9 @@ class Trainer:
                 run.checkpointer.maybe_save(self.step, self.tokens_seen, last=self.step == t.steps, force=stop)
                 checkpoints += run.checkpointer.last_saved_step != saved_before
                 if run.deadline.warning_s and self.step > first_step + 1:  # the first step warms up
-                    self._check_deadline(step_s, "measured" if run.checkpointer.last_save_s else
-                                         "measured step, estimated save:")
+                    self._check_deadline(
+                        step_s, "measured" if run.checkpointer.last_save_s else "measured step, estimated save:"
+                    )
                 if prof is not None:
                     prof.step()
                 if stop:
@@ -301,17 +320,25 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             return iter(self.run.dataloader)
 
-    def audit(self) -> "AuditResult":
+    def audit(self) -> AuditResult:
         """One train step checked against the precision plan (`mixed_precision.audit`, by
         precision/audit.py), instead of training: the step as the loop runs it (run.replicas)."""
         from torchtitan_amp.precision import audit
 
         run = self.run
-        auditor = audit.Auditor(run.plan, run.model_parts, run.dims, optimizer=run.optimizer, params=run.params,
-                                n_layers=run.job.model_args.n_layers, cross_group=run.ft)
+        auditor = audit.Auditor(
+            run.plan,
+            run.model_parts,
+            run.dims,
+            optimizer=run.optimizer,
+            params=run.params,
+            n_layers=run.job.model_args.n_layers,
+            cross_group=run.ft,
+        )
         batches = self.new_batches()
-        result = audit.audit_step(auditor, lambda: run.replicas.audited_step(self, batches),
-                                  self.config.job.dump_folder, run.is_logging_rank)
+        result = audit.audit_step(
+            auditor, lambda: run.replicas.audited_step(self, batches), self.config.job.dump_folder, run.is_logging_rank
+        )
         run.metrics.close()
         run.replicas.shutdown()
         return result
@@ -333,15 +360,18 @@ class Trainer:
             raise ConfigError("evaluation needs validation.enable = true")
         return self.run.validator.run()
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-             val: dict[str, float] | None = None) -> None:
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, val: dict[str, float] | None = None) -> None:
         """One metrics row: the step's mean loss over the loss ranks (NonFiniteError when it is not
         finite and nothing may skip it), the gradient norm, LR and the run's counters."""
         run = self.run
-        extra = {"tokens_seen": float(self.tokens_seen), "epoch": float(run.dataloader.epoch),
-                 "step_time_s": run.metrics.step_time_s(self.step),
-                 "data_time_s": self.data_time_s, **{k: float(v) for k, v in self.family_metrics.items()},
-                 **(val or {})}
+        extra = {
+            "tokens_seen": float(self.tokens_seen),
+            "epoch": float(run.dataloader.epoch),
+            "step_time_s": run.metrics.step_time_s(self.step),
+            "data_time_s": self.data_time_s,
+            **{k: float(v) for k, v in self.family_metrics.items()},
+            **(val or {}),
+        }
         self.data_time_s = 0.0
         if self.nonfinite_skipped:
             extra["nonfinite_skipped"] = float(self.nonfinite_skipped)
@@ -356,13 +386,16 @@ class Trainer:
         # (label_weight): their mean over the data- and context-parallel ranks is the step's mean.
         mean_loss = process_groups.mean_across(loss, run.groups.loss)
         if not math.isfinite(mean_loss) and not run.scaler.enabled and not self.config.training.skip_nonfinite_steps:
-            raise NonFiniteError(f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
-                                 f"training.max_norm > 0, or training.skip_nonfinite_steps = true")
+            raise NonFiniteError(
+                f"step {self.step}: loss is {mean_loss}; try a lower optimizer.lr, "
+                f"training.max_norm > 0, or training.skip_nonfinite_steps = true"
+            )
         run.metrics.log(self.step, mean_loss, float(grad_norm), lr, extra)
 
 
-def train_in_turn(runs: list[tuple[Path, list[str]]],
-                  inspect: Callable[[Trainer], dict] | None = None) -> Iterator[tuple[int, float]]:
+def train_in_turn(
+    runs: list[tuple[Path, list[str]]], inspect: Callable[[Trainer], dict] | None = None
+) -> Iterator[tuple[int, float]]:
     """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each
     (dump folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
     runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)

@@ -12,9 +12,17 @@ from torchtitan_amp.models.llama3.model import RMSNorm
 from torchtitan_amp.models.spec import ModelFamily
 
 FAMILY = ModelFamily(
-    name="tiny_gelu", model_cls=GeluTransformer, args_cls=GeluArgs, flavors=FLAVORS,
-    flops_per_token=flops_per_token, tp_block_plan=tp_block_plan, block_norms=("attention_norm", "ffn_norm"),
-    ac_regions=("attention", "feed_forward"), norm_cls=RMSNorm, hf=ADAPTER, memory_dims=GeluDims.from_args,
+    name="tiny_gelu",
+    model_cls=GeluTransformer,
+    args_cls=GeluArgs,
+    flavors=FLAVORS,
+    flops_per_token=flops_per_token,
+    tp_block_plan=tp_block_plan,
+    block_norms=("attention_norm", "ffn_norm"),
+    ac_regions=("attention", "feed_forward"),
+    norm_cls=RMSNorm,
+    hf=ADAPTER,
+    memory_dims=GeluDims.from_args,
 )
 
 

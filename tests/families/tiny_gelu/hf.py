@@ -21,8 +21,9 @@ class GeluHFAdapter(LlamaHFAdapter[GeluArgs]):
 
     def config_fields(self, cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
         if cfg.get("hidden_act") != "gelu":
-            raise CheckpointError(f"{folder / 'config.json'}: 'hidden_act' = {cfg.get('hidden_act')!r}; "
-                                  "tiny_gelu supports only 'gelu'")
+            raise CheckpointError(
+                f"{folder / 'config.json'}: 'hidden_act' = {cfg.get('hidden_act')!r}; tiny_gelu supports only 'gelu'"
+            )
         return super().config_fields({**cfg, "hidden_act": "silu"}, folder)
 
     def args_fields(self, args: GeluArgs) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from torchtitan_amp.memory import ActivationTerms, Layout, ModelDims, ParamSpec,
 @dataclasses.dataclass(frozen=True)
 class GeluDims(ModelDims):
     @classmethod
-    def from_args(cls, args: Any) -> "GeluDims":
+    def from_args(cls, args: Any) -> GeluDims:
         return cls(args.dim, args.n_layers, args.n_heads, args.kv_heads, args.ffn_hidden, args.vocab_size)
 
     def layer_params(self) -> int:
@@ -25,8 +25,10 @@ class GeluDims(ModelDims):
         for spec in super().param_specs(stage):
             if ".feed_forward.w1." in spec.name:
                 p = spec.name.split("feed_forward.")[0]
-                out += [ParamSpec(p + "feed_forward.w_in.weight", (f, d), "linear", 0, spec.block),
-                        ParamSpec(p + "feed_forward.w_out.weight", (d, f), "linear", 1, spec.block)]
+                out += [
+                    ParamSpec(p + "feed_forward.w_in.weight", (f, d), "linear", 0, spec.block),
+                    ParamSpec(p + "feed_forward.w_out.weight", (d, f), "linear", 1, spec.block),
+                ]
             elif ".feed_forward." not in spec.name:
                 out.append(spec)
         return out

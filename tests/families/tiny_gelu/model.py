@@ -49,8 +49,9 @@ class GeluTransformer(Transformer):
 
 # Head dim 16 x 4 heads, 2 kv heads: tiny, but GQA and TP-divisible by 2.
 FLAVORS: dict[str, GeluArgs] = {
-    "tiny": GeluArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, max_seq_len=64,
-                     use_scaled_rope=False),
+    "tiny": GeluArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, max_seq_len=64, use_scaled_rope=False
+    ),
 }
 FLAVORS["tiny_3l"] = dataclasses.replace(FLAVORS["tiny"], n_layers=3)
 

@@ -1,4 +1,4 @@
-"""The Llama 3 family: its model and flavours (model.py), TP plan (parallelize.py), Hugging Face
+"""The Llama 3 family: its model and flavors (model.py), TP plan (parallelize.py), Hugging Face
 adapter (hf.py), memory terms (torchtitan_amp.memory.llama: memory/ stays torch-free, and anything
 under models/ imports torch), and the one `FAMILY` object the framework asks for all of them
 (models.FAMILIES["llama3"])."""

@@ -32,8 +32,11 @@ LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _OUR_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Older exports carry the rotary tables as a buffer; we compute ours from config.json.
@@ -59,13 +62,22 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 # config.json's name for each model-args field, for the error message.
-_HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-             "kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden": "intermediate_size",
-             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "use_scaled_rope": "rope_scaling",
-             "rope_scaling_factor": "rope_scaling.factor", "rope_low_freq_factor": "rope_scaling.low_freq_factor",
-             "rope_high_freq_factor": "rope_scaling.high_freq_factor",
-             "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
-             "enable_weight_tying": "tie_word_embeddings"}
+_HF_FIELD = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "ffn_hidden": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "use_scaled_rope": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
+    "enable_weight_tying": "tie_word_embeddings",
+}
 
 
 class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
@@ -114,41 +126,61 @@ class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
                 raise CheckpointError(f"{where}: '{field}' = {cfg[field]!r}; this model supports only {allowed!r}")
         dim, n_heads = int(need("hidden_size")), int(need("num_attention_heads"))
         if cfg.get("head_dim") not in (None, dim // n_heads):
-            raise CheckpointError(f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
-                                  f"= {dim // n_heads}; this model supports only the latter")
+            raise CheckpointError(
+                f"{where}: 'head_dim' = {cfg['head_dim']} but hidden_size / num_attention_heads "
+                f"= {dim // n_heads}; this model supports only the latter"
+            )
         theta, scaling = rope_settings(cfg)
         fields = {
-            "dim": dim, "n_layers": int(need("num_hidden_layers")), "n_heads": n_heads,
-            "kv_heads": int(cfg.get("num_key_value_heads") or n_heads), "vocab_size": int(need("vocab_size")),
-            "ffn_hidden": int(need("intermediate_size")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "rope_theta": theta, "use_scaled_rope": scaling is not None,
+            "dim": dim,
+            "n_layers": int(need("num_hidden_layers")),
+            "n_heads": n_heads,
+            "kv_heads": int(cfg.get("num_key_value_heads") or n_heads),
+            "vocab_size": int(need("vocab_size")),
+            "ffn_hidden": int(need("intermediate_size")),
+            "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_theta": theta,
+            "use_scaled_rope": scaling is not None,
             # transformers' default when the field is absent
             "enable_weight_tying": bool(cfg.get("tie_word_embeddings", False)),
         }
         if scaling is not None:
             if scaling["rope_type"] != "llama3":
-                raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported "
-                                      "(allowed: 'llama3', or none)")
-            fields.update(rope_scaling_factor=float(scaling["factor"]),
-                          rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                          rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                          rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+                raise CheckpointError(
+                    f"{where}: rope scaling type {scaling['rope_type']!r} is not supported (allowed: 'llama3', or none)"
+                )
+            fields.update(
+                rope_scaling_factor=float(scaling["factor"]),
+                rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                rope_original_max_position=int(scaling["original_max_position_embeddings"]),
+            )
         return fields
 
     def args_fields(self, args: LlamaArgsT) -> dict[str, Any]:
         """The same fields as config_fields, from our model args. Tying is compared one way only: a
         tied model cannot hold a folder's two different matrices, but an untied one can start from a
         tied folder (its output layer begins as a copy of the embeddings: checkpoint/hf.HFReader)."""
-        fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
-                  "vocab_size": args.vocab_size,
-                  "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-                  "norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope}
+        fields = {
+            "dim": args.dim,
+            "n_layers": args.n_layers,
+            "n_heads": args.n_heads,
+            "kv_heads": args.kv_heads,
+            "vocab_size": args.vocab_size,
+            "ffn_hidden": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+            "norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "use_scaled_rope": args.use_scaled_rope,
+        }
         if args.enable_weight_tying:
             fields["enable_weight_tying"] = True
         if args.use_scaled_rope:
-            fields.update(rope_scaling_factor=args.rope_scaling_factor, rope_low_freq_factor=args.rope_low_freq_factor,
-                          rope_high_freq_factor=args.rope_high_freq_factor,
-                          rope_original_max_position=args.rope_original_max_position)
+            fields.update(
+                rope_scaling_factor=args.rope_scaling_factor,
+                rope_low_freq_factor=args.rope_low_freq_factor,
+                rope_high_freq_factor=args.rope_high_freq_factor,
+                rope_original_max_position=args.rope_original_max_position,
+            )
         return fields
 
     def hf_config(self, args: LlamaArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
@@ -156,22 +188,37 @@ class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
         transformers version and inference server reads. A tied model says so (tie_word_embeddings)
         and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
         cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": args.dim,
             "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
-            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
-            "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": args.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": args.enable_weight_tying,
+            "torch_dtype": dtype,
         }
         if args.use_scaled_rope:
-            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
-                                   "low_freq_factor": args.rope_low_freq_factor,
-                                   "high_freq_factor": args.rope_high_freq_factor,
-                                   "original_max_position_embeddings": args.rope_original_max_position}
+            cfg["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": args.rope_scaling_factor,
+                "low_freq_factor": args.rope_low_freq_factor,
+                "high_freq_factor": args.rope_high_freq_factor,
+                "original_max_position_embeddings": args.rope_original_max_position,
+            }
             # The context the scaling was made for, if longer than what this run trained on.
-            cfg["max_position_embeddings"] = max(args.max_seq_len,
-                                                 int(args.rope_original_max_position * args.rope_scaling_factor))
+            cfg["max_position_embeddings"] = max(
+                args.max_seq_len, int(args.rope_original_max_position * args.rope_scaling_factor)
+            )
         if bos_id is not None:
             cfg["bos_token_id"] = bos_id
         if eos_id is not None:

@@ -1,4 +1,4 @@
-"""Llama 3 family's model: args, flavours, modules, init, parameter and FLOP counts.
+"""Llama 3 family's model: args, flavors, modules, init, parameter and FLOP counts.
 
 Precision contract: every module returns activations in the dtype it was given,
 so the same code serves FSDP mixed precision (bf16 params and residual stream),
@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import block_causal_mask, cuda_capability, pinned_kernels
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
-from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv  # noqa: F401  (ffn_hidden_dim: the model's width rule, re-exported)
 
 # Llama 3.1 rope frequency scaling (torchtitan's RoPEScalingArgs defaults); the model args
 # carry their own copy because Llama 3.2 checkpoints use factor 32 (checkpoint/hf.py maps them).
@@ -84,12 +84,14 @@ _DEBUG_MODEL = LlamaModelArgs(
     use_scaled_rope=False,
 )
 
-_LLAMA3_8B = LlamaModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                            multiple_of=1024, rope_theta=500000.0)
-_LLAMA3_70B = LlamaModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                             multiple_of=4096, rope_theta=500000.0)
+_LLAMA3_8B = LlamaModelArgs(
+    dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024, rope_theta=500000.0
+)
+_LLAMA3_70B = LlamaModelArgs(
+    dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096, rope_theta=500000.0
+)
 
-# The flavour registry: with model.name = "llama3", model.flavor accepts its names (rules.FAMILIES
+# The flavor registry: with model.name = "llama3", model.flavor accepts its names (rules.FAMILIES
 # lists the built-in ones without importing torch; register_flavor adds more at run time).
 LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
     "debugmodel": _DEBUG_MODEL,
@@ -116,12 +118,28 @@ LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
     # names (tests/test_llama_flavors.py holds them). Llama 3.2 1B / 3B: 3.1's rope scaling with
     # factor 32 and the output tied to the embeddings; torchtitan's FFN settings give the
     # published intermediate_size 8192 for both.
-    "llama3_2_1b": LlamaModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                                  multiple_of=256, rope_theta=500000.0, rope_scaling_factor=32.0,
-                                  enable_weight_tying=True),
-    "llama3_2_3b": LlamaModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                                  multiple_of=256, rope_theta=500000.0, rope_scaling_factor=32.0,
-                                  enable_weight_tying=True),
+    "llama3_2_1b": LlamaModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        enable_weight_tying=True,
+    ),
+    "llama3_2_3b": LlamaModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        enable_weight_tying=True,
+    ),
     # Llama 3 (3.0) 8B / 70B: 3.1's shapes without rope scaling (an 8192-token context).
     "llama3_0_8b": dataclasses.replace(_LLAMA3_8B, use_scaled_rope=False),
     "llama3_0_70b": dataclasses.replace(_LLAMA3_70B, use_scaled_rope=False),
@@ -129,20 +147,18 @@ LLAMA3_FLAVORS: dict[str, LlamaModelArgs] = {
 
 
 def register_flavor(name: str, args: LlamaModelArgs) -> None:
-    """Add (or replace) a flavour for this process. LLAMA3_FLAVORS is the registry model.flavor is
+    """Add (or replace) a flavor for this process. LLAMA3_FLAVORS is the registry model.flavor is
     checked against (rules.flavor_names, through the family), so a config naming `name` is
     accepted from now on."""
     LLAMA3_FLAVORS[name] = args
 
 
 def build_model_args(flavor: str, vocab_size: int, max_seq_len: int) -> LlamaModelArgs:
-    """A copy of the flavour with the tokenizer's vocab and the training seq len."""
+    """A copy of the flavor with the tokenizer's vocab and the training seq len."""
     if flavor not in LLAMA3_FLAVORS:
         allowed = ", ".join(LLAMA3_FLAVORS)
-        raise ValueError(f"unknown model flavour {flavor!r}; allowed flavours: {allowed}")
-    return dataclasses.replace(
-        LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len
-    )
+        raise ValueError(f"unknown model flavor {flavor!r}; allowed flavors: {allowed}")
+    return dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, max_seq_len=max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -154,8 +170,12 @@ class RopeScaling:
 
     @classmethod
     def from_args(cls, args: LlamaModelArgs) -> "RopeScaling":
-        return cls(args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
-                   args.rope_original_max_position)
+        return cls(
+            args.rope_scaling_factor,
+            args.rope_low_freq_factor,
+            args.rope_high_freq_factor,
+            args.rope_original_max_position,
+        )
 
 
 def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling = RopeScaling()) -> torch.Tensor:
@@ -164,9 +184,7 @@ def _scale_rope_freqs(freqs: torch.Tensor, s: RopeScaling = RopeScaling()) -> to
     low_freq_wavelen = s.original_max_position / s.low_freq_factor
     high_freq_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * math.pi / freqs
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
     interpolated = (1 - smooth) * freqs / s.factor + smooth * freqs
     scaled = torch.where(wavelen > low_freq_wavelen, freqs / s.factor, freqs)
     in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
@@ -240,26 +258,35 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         return x
     bs, seqlen, n_kv_heads, head_dim = x.shape
     return (
-        x.unsqueeze(3)
-        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
-        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+        x.unsqueeze(3).expand(bs, seqlen, n_kv_heads, n_rep, head_dim).reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
     )
 
 
 # torch dtypes by name, looked up rather than printed: a compiled block reads a dict of constants.
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
-                torch.float16: "float16"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
 
 
-def grouped_kv(xq: torch.Tensor, head_dim: int, mask: torch.Tensor | None,
-               capability: tuple[int, int] | None = None) -> bool:
+def grouped_kv(
+    xq: torch.Tensor, head_dim: int, mask: torch.Tensor | None, capability: tuple[int, int] | None = None
+) -> bool:
     """Whether this call's kernel takes the kv_heads keys and values as they are (SDPA's
     enable_gqa; rules.takes_grouped_kv says where: CUDA's flash kernel, CPU's in float32): the
     queries' device and dtype are the call's, whatever path (FSDP, autocast) made them, and
     whether they require gradients says training (flash refuses some head sizes' backward)."""
     dtype = _DTYPE_NAMES.get(xq.dtype, "other")
-    return takes_grouped_kv(xq.device.type, dtype, head_dim, "causal" if mask is None else "mask",
-                            capability if xq.device.type == "cuda" else None, xq.requires_grad)
+    return takes_grouped_kv(
+        xq.device.type,
+        dtype,
+        head_dim,
+        "causal" if mask is None else "mask",
+        capability if xq.device.type == "cuda" else None,
+        xq.requires_grad,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -273,7 +300,6 @@ class RMSNorm(nn.Module):
 
     # Tells the precision plan that no autocast guard is needed around this module.
     computes_in_fp32 = True
-
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -316,8 +342,9 @@ class Attention(nn.Module):
         """Per-head query/key normalisation before rotary: none in Llama (Qwen3 overrides it)."""
         return xq, xk
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """mask: None (causal) or [B, 1, S, Sk] bool (True = may attend; Sk = cp x S under context
         parallel, whose keys and values are the whole window's). With a KV cache: causal over
         the cached positions and these (generation hands no mask)."""
@@ -350,8 +377,9 @@ class Attention(nn.Module):
             elif cp is not None and mask is None:
                 out = cp.causal_attention(q, k, v, enable_gqa=grouped)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                     enable_gqa=grouped)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped
+                )
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -399,8 +427,9 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # The mask as a keyword: TP's PrepareModuleInput lays out the positional inputs only.
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -422,9 +451,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed by layer index, not a list, so that a pipeline stage
         # holding layers 8..15 still has the FQNs "layers.8...." for checkpoints.
-        self.layers = nn.ModuleDict(
-            {str(i): self.block_cls(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.enable_weight_tying:
@@ -441,8 +468,9 @@ class Transformer(nn.Module):
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.model_args
-        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device,
-                               RopeScaling.from_args(a))
+        return precompute_rope(
+            a.head_dim, a.max_seq_len, a.rope_theta, a.use_scaled_rope, device, RopeScaling.from_args(a)
+        )
 
     def tie_weights(self) -> None:
         """Make the output projection's weight the embedding table itself (enable_weight_tying).
@@ -459,9 +487,7 @@ class Transformer(nn.Module):
         tied = self.model_args.enable_weight_tying
         if tied:
             self.tie_weights()
-        self.rope_cos, self.rope_sin = self._precompute_rope(
-            buffer_device or self.rope_cos.device
-        )
+        self.rope_cos, self.rope_sin = self._precompute_rope(buffer_device or self.rope_cos.device)
         if self.tok_embeddings is not None and not tied:
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
@@ -473,8 +499,13 @@ class Transformer(nn.Module):
             std = self.model_args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, kv_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        kv_doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
         without embeddings/output, hidden states [B, S, dim] in and/or out. doc_ids [B, S]
         (models/attention.py) restricts attention to each token's document. positions [B, S]:
@@ -488,9 +519,9 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
-    def _attention_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None,
-                          kv_doc_ids: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _attention_inputs(
+        self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rotary tables (picked per token when positions are given) and the mask, built once per
         forward for every block: None is plain causal attention."""
         if positions is None:
@@ -529,4 +560,3 @@ def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_le
     """
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * num_params_excl_embedding + attention
-

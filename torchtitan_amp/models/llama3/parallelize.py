@@ -18,8 +18,9 @@ def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
     residual stream (`seq`: Shard(1) with sequence parallel, else Replicate()) on entry and
     reduce(-scatter) it back on exit."""
     return {
-        "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

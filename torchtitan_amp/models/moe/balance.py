@@ -35,9 +35,12 @@ def set_aux_grad_scale(model_parts: list[nn.Module], scale: float) -> None:
 
 
 @torch.no_grad()
-def after_backward(model_parts: list[nn.Module], group: dist.ProcessGroup | None,
-                   pp_group: dist.ProcessGroup | None = None,
-                   cross_group: Callable[[torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
+def after_backward(
+    model_parts: list[nn.Module],
+    group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
+    cross_group: Callable[[torch.Tensor], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Sum the step's per-expert token counts over `group` (and with `cross_group`, which sums
     them in place over the replica groups that average this step's gradients: every group then
     takes the same bias update), compute the expert-bias updates of

@@ -41,12 +41,14 @@ def _dense_layers(cfg: dict[str, Any], n_layers: int, where: Path) -> int:
     leading run of dense blocks is representable."""
     only = sorted(int(i) for i in cfg.get("mlp_only_layers") or [])
     if only != list(range(len(only))):
-        raise CheckpointError(f"{where}: 'mlp_only_layers' = {only}; only the first layers can be dense "
-                              "(model.n_dense_layers)")
+        raise CheckpointError(
+            f"{where}: 'mlp_only_layers' = {only}; only the first layers can be dense (model.n_dense_layers)"
+        )
     step = int(cfg.get("decoder_sparse_step", 1))
     if step != 1 and len(only) < n_layers:
-        raise CheckpointError(f"{where}: 'decoder_sparse_step' = {step}; only 1 (every block after the dense "
-                              "ones is MoE) is supported")
+        raise CheckpointError(
+            f"{where}: 'decoder_sparse_step' = {step}; only 1 (every block after the dense ones is MoE) is supported"
+        )
     return len(only)
 
 
@@ -61,26 +63,43 @@ def _check_supported(cfg: dict[str, Any], where: Path) -> None:
 
 
 # config.json's name for each model-args field, for the error message.
-_HF_FIELD = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-             "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
-             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "use_scaled_rope": "rope_scaling",
-             "qk_norm": "q_norm/k_norm (always in Qwen3-MoE)", "n_routed_experts": "num_experts",
-             "top_k": "num_experts_per_tok", "moe_inter_dim": "moe_intermediate_size",
-             "route_norm": "norm_topk_prob", "score_func": "router scores (softmax in Qwen3-MoE)",
-             "route_scale": "routed scaling (1.0 in Qwen3-MoE)", "n_shared_experts": "shared experts (none in Qwen3-MoE)",
-             "n_dense_layers": "mlp_only_layers", "dense_hidden": "intermediate_size"}
+_HF_FIELD = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "use_scaled_rope": "rope_scaling",
+    "qk_norm": "q_norm/k_norm (always in Qwen3-MoE)",
+    "n_routed_experts": "num_experts",
+    "top_k": "num_experts_per_tok",
+    "moe_inter_dim": "moe_intermediate_size",
+    "route_norm": "norm_topk_prob",
+    "score_func": "router scores (softmax in Qwen3-MoE)",
+    "route_scale": "routed scaling (1.0 in Qwen3-MoE)",
+    "n_shared_experts": "shared experts (none in Qwen3-MoE)",
+    "n_dense_layers": "mlp_only_layers",
+    "dense_hidden": "intermediate_size",
+}
 
 
 def _check_exportable(args: MoEModelArgs) -> None:
     """What a Qwen3-MoE config cannot say, refused by field before anything is written."""
-    for field, allowed, why in (("n_shared_experts", 0, "has no shared expert"),
-                                ("score_func", "softmax", "routes on softmax scores"),
-                                ("route_scale", 1.0, "does not scale its combine weights"),
-                                ("qk_norm", True, "always normalises q and k per head"),
-                                ("use_scaled_rope", False, "has no llama3 rope scaling")):
+    for field, allowed, why in (
+        ("n_shared_experts", 0, "has no shared expert"),
+        ("score_func", "softmax", "routes on softmax scores"),
+        ("route_scale", 1.0, "does not scale its combine weights"),
+        ("qk_norm", True, "always normalises q and k per head"),
+        ("use_scaled_rope", False, "has no llama3 rope scaling"),
+    ):
         if getattr(args, field) != allowed:
-            raise CheckpointError(f"model args {field} = {getattr(args, field)!r}, but Qwen3-MoE {why}; "
-                                  "this model cannot be exported as Qwen3MoeForCausalLM")
+            raise CheckpointError(
+                f"model args {field} = {getattr(args, field)!r}, but Qwen3-MoE {why}; "
+                "this model cannot be exported as Qwen3MoeForCausalLM"
+            )
 
 
 class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
@@ -120,7 +139,7 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
         """The config.json fields this model reads, in model-args terms; CheckpointError for a config
         this model cannot represent (another architecture, biases, sliding window, dense blocks that
         are not a prefix, rope scaling). Qwen3-MoE always has QK-norm, softmax routing without a
-        scale, and no shared expert: those are fields too, so a flavour without them is named."""
+        scale, and no shared expert: those are fields too, so a flavor without them is named."""
         where = folder / CONFIG
 
         def need(field: str) -> Any:
@@ -133,19 +152,29 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
         n_layers = int(need("num_hidden_layers"))
         theta, scaling = rope_settings(cfg)
         if scaling is not None:
-            raise CheckpointError(f"{where}: rope scaling type {scaling['rope_type']!r} is not supported for "
-                                  "Qwen3-MoE (allowed: none)")
+            raise CheckpointError(
+                f"{where}: rope scaling type {scaling['rope_type']!r} is not supported for Qwen3-MoE (allowed: none)"
+            )
         n_dense = _dense_layers(cfg, n_layers, where)
         fields = {
-            "dim": dim, "n_layers": n_layers, "n_heads": n_heads,
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
             "kv_heads": int(cfg.get("num_key_value_heads") or n_heads),
-            "head_dim": int(cfg.get("head_dim") or dim // n_heads), "vocab_size": int(need("vocab_size")),
-            "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
-            "use_scaled_rope": False, "qk_norm": True,
+            "head_dim": int(cfg.get("head_dim") or dim // n_heads),
+            "vocab_size": int(need("vocab_size")),
+            "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_theta": theta,
+            "use_scaled_rope": False,
+            "qk_norm": True,
             "n_routed_experts": int(cfg.get("num_experts", cfg.get("num_local_experts"))),
-            "top_k": int(need("num_experts_per_tok")), "moe_inter_dim": int(need("moe_intermediate_size")),
-            "route_norm": bool(cfg.get("norm_topk_prob", False)), "score_func": "softmax", "route_scale": 1.0,
-            "n_shared_experts": 0, "n_dense_layers": n_dense,
+            "top_k": int(need("num_experts_per_tok")),
+            "moe_inter_dim": int(need("moe_intermediate_size")),
+            "route_norm": bool(cfg.get("norm_topk_prob", False)),
+            "score_func": "softmax",
+            "route_scale": 1.0,
+            "n_shared_experts": 0,
+            "n_dense_layers": n_dense,
         }
         if n_dense:
             fields["dense_hidden"] = int(need("intermediate_size"))
@@ -154,33 +183,61 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
     def args_fields(self, args: MoEModelArgs) -> dict[str, Any]:
         """The same fields as config_fields, from our model args (the dense width only where there are
         dense blocks: Qwen3-MoE configs carry an unused intermediate_size otherwise)."""
-        fields = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "kv_heads": args.kv_heads,
-                  "head_dim": args.head_dim, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
-                  "rope_theta": args.rope_theta, "use_scaled_rope": args.use_scaled_rope, "qk_norm": args.qk_norm,
-                  "n_routed_experts": args.n_routed_experts, "top_k": args.top_k,
-                  "moe_inter_dim": args.moe_inter_dim, "route_norm": args.route_norm, "score_func": args.score_func,
-                  "route_scale": args.route_scale, "n_shared_experts": args.n_shared_experts,
-                  "n_dense_layers": args.n_dense_layers}
+        fields = {
+            "dim": args.dim,
+            "n_layers": args.n_layers,
+            "n_heads": args.n_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "use_scaled_rope": args.use_scaled_rope,
+            "qk_norm": args.qk_norm,
+            "n_routed_experts": args.n_routed_experts,
+            "top_k": args.top_k,
+            "moe_inter_dim": args.moe_inter_dim,
+            "route_norm": args.route_norm,
+            "score_func": args.score_func,
+            "route_scale": args.route_scale,
+            "n_shared_experts": args.n_shared_experts,
+            "n_dense_layers": args.n_dense_layers,
+        }
         if args.n_dense_layers:
             fields["dense_hidden"] = args.dense_hidden
         return fields
 
-    def hf_config(self, args: MoEModelArgs, dtype: str, bos_id: int | None,
-                  eos_id: int | None) -> dict[str, Any]:
+    def hf_config(self, args: MoEModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for `args`, in the published Qwen3-MoE spelling (num_experts, rope_theta), which
         transformers 4.51+ and inference servers read; tie_word_embeddings as the args say."""
         _check_exportable(args)
         cfg: dict[str, Any] = {
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": args.dim,
-            "intermediate_size": args.dense_hidden, "moe_intermediate_size": args.moe_inter_dim,
-            "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "num_experts": args.n_routed_experts,
-            "num_experts_per_tok": args.top_k, "norm_topk_prob": args.route_norm, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(args.n_dense_layers)), "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": None,
-            "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers,
-            "tie_word_embeddings": args.enable_weight_tying, "torch_dtype": dtype,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_size": args.dim,
+            "intermediate_size": args.dense_hidden,
+            "moe_intermediate_size": args.moe_inter_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "num_experts": args.n_routed_experts,
+            "num_experts_per_tok": args.top_k,
+            "norm_topk_prob": args.route_norm,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(args.n_dense_layers)),
+            "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": args.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": args.n_layers,
+            "tie_word_embeddings": args.enable_weight_tying,
+            "torch_dtype": dtype,
         }
         if bos_id is not None:
             cfg["bos_token_id"] = bos_id

@@ -98,9 +98,19 @@ class MoEBlock(TransformerBlock):
         if args.qk_norm:
             self.attention = QKNormAttention(args)
         if args.is_moe_layer(layer_id):
-            self.feed_forward = MoE(args.dim, args.moe_inter_dim, args.n_routed_experts, args.top_k,
-                                    args.n_shared_experts, args.score_func, args.route_norm, args.route_scale,
-                                    args.load_balance, args.aux_loss_alpha, args.bias_update_speed)
+            self.feed_forward = MoE(
+                args.dim,
+                args.moe_inter_dim,
+                args.n_routed_experts,
+                args.top_k,
+                args.n_shared_experts,
+                args.score_func,
+                args.route_norm,
+                args.route_scale,
+                args.load_balance,
+                args.aux_loss_alpha,
+                args.bias_update_speed,
+            )
 
     @staticmethod
     def build_feed_forward(args: MoEModelArgs) -> nn.Module:  # type: ignore[override]
@@ -111,8 +121,19 @@ class MoETransformer(Transformer):
     block_cls = MoEBlock
 
 
-_DEBUG = MoEModelArgs(dim=64, n_layers=4, n_heads=2, vocab_size=258, max_seq_len=2048, use_scaled_rope=False,
-                      n_routed_experts=8, top_k=2, n_shared_experts=1, moe_inter_dim=64, n_dense_layers=1)
+_DEBUG = MoEModelArgs(
+    dim=64,
+    n_layers=4,
+    n_heads=2,
+    vocab_size=258,
+    max_seq_len=2048,
+    use_scaled_rope=False,
+    n_routed_experts=8,
+    top_k=2,
+    n_shared_experts=1,
+    moe_inter_dim=64,
+    n_dense_layers=1,
+)
 
 MOE_FLAVORS: dict[str, MoEModelArgs] = {
     # ~0.6M parameters, ~0.3M active: 8 experts of width 64, top 2, one shared expert, the first
@@ -125,21 +146,57 @@ MOE_FLAVORS: dict[str, MoEModelArgs] = {
     "debugmodel_moe_aux": dataclasses.replace(_DEBUG, load_balance="aux_loss", aux_loss_alpha=1e-2),
     # Qwen3's shape in small: QK-norm, GQA (4 heads, 2 kv heads), an explicit head_dim (4 x 24 on a
     # 64-wide stream), no shared expert, renormalised top-k, every block MoE.
-    "debugmodel_qwen3": dataclasses.replace(_DEBUG, n_heads=4, n_kv_heads=2, explicit_head_dim=24, qk_norm=True,
-                                            n_shared_experts=0, n_dense_layers=0, route_norm=True),
+    "debugmodel_qwen3": dataclasses.replace(
+        _DEBUG,
+        n_heads=4,
+        n_kv_heads=2,
+        explicit_head_dim=24,
+        qk_norm=True,
+        n_shared_experts=0,
+        n_dense_layers=0,
+        route_norm=True,
+    ),
     # Qwen3-30B-A3B (transformers' Qwen3MoeConfig of the published model): 48 layers, 128 experts
     # top 8, no shared expert, QK-norm, head_dim 128; trained with an aux loss (coef 1e-3).
     "qwen3_30b_a3b": MoEModelArgs(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, explicit_head_dim=128, vocab_size=151936,
-        max_seq_len=40960, norm_eps=1e-6, rope_theta=1_000_000.0, use_scaled_rope=False,
-        n_routed_experts=128, top_k=8, moe_inter_dim=768, route_norm=True, qk_norm=True,
-        load_balance="aux_loss", aux_loss_alpha=1e-3),
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        explicit_head_dim=128,
+        vocab_size=151936,
+        max_seq_len=40960,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        use_scaled_rope=False,
+        n_routed_experts=128,
+        top_k=8,
+        moe_inter_dim=768,
+        route_norm=True,
+        qk_norm=True,
+        load_balance="aux_loss",
+        aux_loss_alpha=1e-3,
+    ),
     # A DeepSeek-V3-16B-like size on the Llama backbone (GQA instead of MLA): 27 layers, the first
     # dense (10944 wide), 64 routed experts top 6 plus 2 shared, sigmoid scores with bias balancing.
     "deepseek_v3_16b": MoEModelArgs(
-        dim=2048, n_layers=27, n_heads=16, vocab_size=102400, max_seq_len=4096, rope_theta=10000.0,
-        use_scaled_rope=False, n_routed_experts=64, top_k=6, n_shared_experts=2, moe_inter_dim=1408,
-        n_dense_layers=1, dense_inter_dim=10944, score_func="sigmoid", route_norm=True, route_scale=1.0),
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=102400,
+        max_seq_len=4096,
+        rope_theta=10000.0,
+        use_scaled_rope=False,
+        n_routed_experts=64,
+        top_k=6,
+        n_shared_experts=2,
+        moe_inter_dim=1408,
+        n_dense_layers=1,
+        dense_inter_dim=10944,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=1.0,
+    ),
 }
 
 

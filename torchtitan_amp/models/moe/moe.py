@@ -44,8 +44,9 @@ class Router(nn.Module):
     # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
     router_dtype: torch.dtype = torch.float32
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
-                 route_scale: float) -> None:
+    def __init__(
+        self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, route_scale: float
+    ) -> None:
         super().__init__()
         self.top_k, self.score_func, self.route_norm, self.route_scale = top_k, score_func, route_norm, route_scale
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
@@ -182,8 +183,9 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
-def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, alpha: float,
-                      cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def sequence_aux_loss(
+    scores: torch.Tensor, experts: torch.Tensor, batch: int, alpha: float, cp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, in fp32: per sequence, alpha * sum_i f_i * P_i with
     f_i = E / (k S) x tokens routed to expert i and P_i its mean normalised score over the S tokens.
 
@@ -195,7 +197,8 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, a
     scores = scores.float().view(batch, -1, n_experts)
     prob_sums = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [B, E], this rank's tokens
     routed = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
-        1, experts.view(batch, -1), torch.ones(batch, experts.numel() // batch, device=scores.device))
+        1, experts.view(batch, -1), torch.ones(batch, experts.numel() // batch, device=scores.device)
+    )
     seq, cp = scores.shape[1], 1
     if cp_group is not None:
         cp = dist.get_world_size(cp_group)
@@ -219,9 +222,20 @@ class MoE(nn.Module):
     # sequence-wise aux loss then sums its per-sequence statistics over the cp ranks.
     context_parallel: Any = None
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, n_shared: int, score_func: str,
-                 route_norm: bool, route_scale: float, load_balance: str, aux_loss_alpha: float,
-                 bias_update_speed: float) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        n_shared: int,
+        score_func: str,
+        route_norm: bool,
+        route_scale: float,
+        load_balance: str,
+        aux_loss_alpha: float,
+        bias_update_speed: float,
+    ) -> None:
         super().__init__()
         from torchtitan_amp.models.llama3.model import FeedForward
 
@@ -264,7 +278,8 @@ class MoE(nn.Module):
         flat = experts.flatten()
         # scatter_add, not bincount: bincount reads its output size on the host (a GPU sync).
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+            0, flat, torch.ones_like(flat)
+        )
         order = flat.argsort(stable=True)
         rows = self._dispatch_rows(tokens, experts.shape[1], order)
         if self.expert_parallel is None:
@@ -290,8 +305,9 @@ class MoE(nn.Module):
         permutation's backward writes each row once."""
         return tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])[order]
 
-    def _combine(self, routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-                 tokens: torch.Tensor) -> torch.Tensor:
+    def _combine(
+        self, routed: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
         """The expert rows (sorted by expert) -> [T, dim] fp32: each token's k weighted outputs
         summed in slot order, then the shared expert added, all in fp32, so that the caller
         rounds once. A gather back to (token, slot) order and a sum over k: no atomics (fp32

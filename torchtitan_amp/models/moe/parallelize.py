@@ -17,8 +17,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               RowwiseParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan_amp.models.llama3.parallelize import tp_block_plan as llama_plan
@@ -31,8 +35,13 @@ class ReplicatedMoE(ParallelStyle):
     def __init__(self, seq: Any) -> None:
         super().__init__()
         self.io = PrepareModuleInputOutput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+            input_layouts=(seq,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # The shared expert is a dense MLP: split like Llama's (tp_block_plan), not replicated.
@@ -50,10 +59,13 @@ class HeadShardedNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
-            module, device_mesh,
-            input_fn=lambda _m, args, mesh: tuple(DTensor.from_local(a, mesh, [Shard(2)], run_check=False)
-                                                 for a in args),
-            output_fn=lambda _m, out, _mesh: out.to_local())
+            module,
+            device_mesh,
+            input_fn=lambda _m, args, mesh: tuple(
+                DTensor.from_local(a, mesh, [Shard(2)], run_check=False) for a in args
+            ),
+            output_fn=lambda _m, out, _mesh: out.to_local(),
+        )
 
 
 def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
@@ -67,9 +79,14 @@ def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
             # Its input is the MoE layer's whole (local) sequence, handed to w1 and w3 as one
             # replicated DTensor so that their partial input gradients are added before one
             # all-reduce (two otherwise); its output is summed back whole.
-            plan.update({"feed_forward.shared_expert": PrepareModuleInput(input_layouts=(Replicate(),),
-                                                                          desired_input_layouts=(Replicate(),)),
-                         "feed_forward.shared_expert.w1": ColwiseParallel(),
-                         "feed_forward.shared_expert.w3": ColwiseParallel(),
-                         "feed_forward.shared_expert.w2": RowwiseParallel(output_layouts=Replicate())})
+            plan.update(
+                {
+                    "feed_forward.shared_expert": PrepareModuleInput(
+                        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                    ),
+                    "feed_forward.shared_expert.w1": ColwiseParallel(),
+                    "feed_forward.shared_expert.w3": ColwiseParallel(),
+                    "feed_forward.shared_expert.w2": RowwiseParallel(output_layouts=Replicate()),
+                }
+            )
     return plan

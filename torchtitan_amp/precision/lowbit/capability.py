@@ -61,8 +61,10 @@ def fp8_torchao_missing(recipe: str | None = None, all_gather: bool | None = Non
         return f"fp8 training needs torchao ({e}); {INSTALL}"
     lacking = _lacking(float8, _RECIPES if recipe is None else (recipe,), all_gather is not False)
     if lacking is not None:
-        return (f"fp8 training needs {lacking}, which torchao {_version()} lacks; "
-                f"pip install 'torchao=={TESTED_TORCHAO}' (the version tested)")
+        return (
+            f"fp8 training needs {lacking}, which torchao {_version()} lacks; "
+            f"pip install 'torchao=={TESTED_TORCHAO}' (the version tested)"
+        )
     return None
 
 
@@ -137,8 +139,10 @@ KERNEL_CAPABILITY = (10, 0)
 EMULATION_COST = "about 4-7x slower than bf16 on a 2-core AVX512 CPU"
 # What each format converts to, for the decision line.
 TORCHAO_MODULES = {"mxfp8": "torchao MXFP8Linear", "nvfp4": "torchao NVFP4Linear: 2-D weights, RHT, SR"}
-_NEEDED = {"mxfp8": ("torchao.prototype.moe_training.mxfp8_linear", "MXFP8Linear"),
-           "nvfp4": ("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4Linear")}
+_NEEDED = {
+    "mxfp8": ("torchao.prototype.moe_training.mxfp8_linear", "MXFP8Linear"),
+    "nvfp4": ("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "NVFP4Linear"),
+}
 
 
 def block_scaled_torchao_missing(fmt: str) -> str | None:
@@ -165,14 +169,16 @@ def block_scaled_kernels_missing(fmt: str, device_type: str, run_kernel: bool = 
         return "no CUDA device is visible"
     cap, need = torch.cuda.get_device_capability(), KERNEL_CAPABILITY
     if cap < need:
-        return (f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
-                f"tensor cores; {need[0]}.{need[1]}+ (Blackwell) needed")
+        return (
+            f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) has no block-scaled "
+            f"tensor cores; {need[0]}.{need[1]}+ (Blackwell) needed"
+        )
     missing = block_scaled_torchao_missing(fmt)
     if missing is not None or not run_kernel:
         return missing
     try:
         tiny_step(fmt, device_type)
-    except Exception as e:  # noqa: BLE001 - whatever torchao raises, in the one line
+    except Exception as e:
         return f"torchao's {fmt} training step fails here ({type(e).__name__}: {' '.join(str(e).splitlines())[:200]})"
     return None
 
@@ -187,23 +193,32 @@ def tiny_step(fmt: str, device: str) -> None:
     module(x).float().square().sum().backward()
 
 
-def block_scaled_recipe_refused(recipe: BlockScaledRecipe, tensor_parallel: int,
-                                gemm_rows: list[tuple[int, str, bool]]) -> str | None:
+def block_scaled_recipe_refused(
+    recipe: BlockScaledRecipe, tensor_parallel: int, gemm_rows: list[tuple[int, str, bool]]
+) -> str | None:
     """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'.
     `gemm_rows`: (tokens, the fields that set them, backward too) of each kind of GEMM the job runs."""
     if tensor_parallel > 1:
-        return ("parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
-                "parallel here (the emulation is)")
+        return (
+            "parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "
+            "parallel here (the emulation is)"
+        )
     if recipe.format == "nvfp4":
-        for field, on in (("nvfp4_weight_2d", recipe.weight_2d), ("nvfp4_rht", recipe.rht),
-                          ("nvfp4_stochastic_rounding", recipe.stochastic_rounding)):
+        for field, on in (
+            ("nvfp4_weight_2d", recipe.weight_2d),
+            ("nvfp4_rht", recipe.rht),
+            ("nvfp4_stochastic_rounding", recipe.stochastic_rounding),
+        ):
             if not on:
-                return (f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use 2-D "
-                        "weight scales, RHT and stochastic rounding")
+                return (
+                    f"mixed_precision.{field} = false: torchao's NVFP4 training kernels always use 2-D "
+                    "weight scales, RHT and stochastic rounding"
+                )
     tile = torchao_kernels.token_tile(recipe.format)
     for tokens, fields, backward in gemm_rows:
         # MXFP8 quantizes along the tokens only for the weight gradient; NVFP4 tiles them always.
         if (backward or recipe.format == "nvfp4") and tokens % tile:
-            return (f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take "
-                    f"multiples of {tile}")
+            return (
+                f"{fields} gives {tokens} tokens a GEMM, and torchao's {recipe.format} kernels take multiples of {tile}"
+            )
     return None

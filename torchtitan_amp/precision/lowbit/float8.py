@@ -23,8 +23,13 @@ _ALIGNMENT = 16
 
 
 def convertible(name: str, module: nn.Module, skip: tuple[str, ...], keep_fp32: Callable[[nn.Module], bool]) -> bool:
-    return (isinstance(module, nn.Linear) and not keep_fp32(module) and not any(fnmatch.fnmatchcase(name, p) for p in skip)
-            and module.in_features % _ALIGNMENT == 0 and module.out_features % _ALIGNMENT == 0)
+    return (
+        isinstance(module, nn.Linear)
+        and not keep_fp32(module)
+        and not any(fnmatch.fnmatchcase(name, p) for p in skip)
+        and module.in_features % _ALIGNMENT == 0
+        and module.out_features % _ALIGNMENT == 0
+    )
 
 
 def unmatched_patterns(model: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -33,8 +38,9 @@ def unmatched_patterns(model: nn.Module, skip: tuple[str, ...]) -> list[str]:
     return [p for p in skip if not any(fnmatch.fnmatchcase(n, p) for n in names)]
 
 
-def convert(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool,
-            keep_fp32: Callable[[nn.Module], bool]) -> list[str]:
+def convert(
+    model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool, keep_fp32: Callable[[nn.Module], bool]
+) -> list[str]:
     """Swap the convertible Linears of `model` for torchao Float8Linear (not those `keep_fp32`
     says the plan keeps in fp32); returns their names."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -74,14 +80,18 @@ def check_fp8_modules(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> N
     if recipe != "none":
         unmatched = unmatched_patterns(model, skip)
         if unmatched:
-            raise PrecisionError(f"'mixed_precision.fp8_skip_modules' entry {unmatched[0]!r} matches no "
-                                 "nn.Linear of the model (names such as 'output', 'layers.0.*')")
+            raise PrecisionError(
+                f"'mixed_precision.fp8_skip_modules' entry {unmatched[0]!r} matches no "
+                "nn.Linear of the model (names such as 'output', 'layers.0.*')"
+            )
         for group in tied_modules(model):
             for name, module in group:
                 if convertible(name, module, skip, _keep_fp32):
                     shared = next(n for n, _ in group if n != name)
-                    raise PrecisionError(f"'mixed_precision.fp8_skip_modules' must cover '{name}': its weight is "
-                                         f"shared with '{shared}' (model enable_weight_tying), which fp8 cannot keep")
+                    raise PrecisionError(
+                        f"'mixed_precision.fp8_skip_modules' must cover '{name}': its weight is "
+                        f"shared with '{shared}' (model enable_weight_tying), which fp8 cannot keep"
+                    )
 
 
 def is_fp8_linear(name: str, module: nn.Module, recipe: str, skip: tuple[str, ...]) -> bool:

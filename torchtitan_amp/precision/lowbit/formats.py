@@ -157,8 +157,10 @@ def e8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
 
 def _blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     if x.dim() == 0 or x.shape[-1] % block:
-        raise ValueError(f"{what} quantizes along the last dimension in blocks of {block}; "
-                         f"shape {tuple(x.shape)} is not a multiple (pad the reduction dim with zeros)")
+        raise ValueError(
+            f"{what} quantizes along the last dimension in blocks of {block}; "
+            f"shape {tuple(x.shape)} is not a multiple (pad the reduction dim with zeros)"
+        )
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
@@ -172,7 +174,8 @@ def _block_amax(blocks: torch.Tensor, check_finite: bool, what: str) -> tuple[to
         raise NonFiniteBlockError(
             f"{what}: the tensor of shape {tuple(blocks.shape[:-2]) + (blocks.shape[-2] * blocks.shape[-1],)} "
             f"holds {n_nan} NaN and {n_bad - n_nan} inf value(s); a block scale cannot be derived "
-            "from them (pass check_finite=False to encode NaN scales instead)")
+            "from them (pass check_finite=False to encode NaN scales instead)"
+        )
     if not check_finite:
         amax = torch.where(finite, amax, torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=-1))
     return amax, finite
@@ -196,8 +199,9 @@ def e2m1_to_fp32(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((c & 8) != 0, -mag, mag)
 
 
-def _round_e2m1_parts(y: torch.Tensor, generator: torch.Generator | None,
-                      codes: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _round_e2m1_parts(
+    y: torch.Tensor, generator: torch.Generator | None, codes: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(4-bit codes, uint8, or None unless `codes`; the rounded values, fp32, signed) of y. On
     [0, 2), [2, 4), [4, 6] the grid has steps 0.5, 1, 2 (powers of two, so |y| / step is exact):
     the value is r * step and the code r + 0, 2, 4 for the integer r that |y| / step rounds to."""
@@ -247,8 +251,9 @@ def mx_scale_exponent(amax: torch.Tensor, scale_mode: str = "rceil") -> torch.Te
     return e.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
-def quantize_mxfp8(x: torch.Tensor, *, block_size: int = MX_BLOCK, scale_mode: str = "rceil",
-                   check_finite: bool = True) -> MXFP8Quantized:
+def quantize_mxfp8(
+    x: torch.Tensor, *, block_size: int = MX_BLOCK, scale_mode: str = "rceil", check_finite: bool = True
+) -> MXFP8Quantized:
     """MXFP8 (e4m3 elements, E8M0 scales) along the last dim; see the module docstring."""
     blocks = _blocks(x, block_size, "MXFP8")
     amax, finite = _block_amax(blocks, check_finite, "MXFP8 quantization")
@@ -280,14 +285,19 @@ def _tile_amax(block_amax: torch.Tensor, shape: torch.Size, tile: int) -> torch.
     """From the amaxes of the 1 x tile blocks of a 2-D tensor, (r, c // tile): the amax of each
     tile x tile square, repeated on its rows (the 1 x tile layout the GEMM reads)."""
     if len(shape) != 2 or shape[0] % tile or shape[1] % tile:
-        raise ValueError(f"2-D NVFP4 scaling needs a 2-D tensor with both dims multiples of {tile}, "
-                         f"not {tuple(shape)}")
+        raise ValueError(f"2-D NVFP4 scaling needs a 2-D tensor with both dims multiples of {tile}, not {tuple(shape)}")
     t = block_amax.reshape(shape[0] // tile, tile, -1).amax(dim=1)
     return t.repeat_interleave(tile, dim=0)
 
 
-def _nvfp4_parts(x: torch.Tensor, generator: torch.Generator | None, block_2d: bool,
-                 tensor_amax: torch.Tensor | None, check_finite: bool, want_codes: bool = True):
+def _nvfp4_parts(
+    x: torch.Tensor,
+    generator: torch.Generator | None,
+    block_2d: bool,
+    tensor_amax: torch.Tensor | None,
+    check_finite: bool,
+    want_codes: bool = True,
+):
     """(codes, signed e2m1 values in blocks, block scales e4m3, tensor scale fp32) of x."""
     blocks = _blocks(x, NVFP4_BLOCK, "NVFP4")
     block_amax, finite = _block_amax(blocks, check_finite, "NVFP4 quantization")
@@ -307,9 +317,14 @@ def _nvfp4_parts(x: torch.Tensor, generator: torch.Generator | None, block_2d: b
     return None if codes is None else codes.reshape(x.shape), values, s_b, s_t
 
 
-def quantize_nvfp4(x: torch.Tensor, *, generator: torch.Generator | None = None,
-                   block_2d: bool = False, tensor_amax: torch.Tensor | None = None,
-                   check_finite: bool = True) -> NVFP4Quantized:
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    block_2d: bool = False,
+    tensor_amax: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> NVFP4Quantized:
     """NVFP4 along the last dim; see the module docstring. `generator` turns on stochastic
     rounding of the elements (the scales are always RNE); `tensor_amax` overrides the amax the
     tensor scale is derived from (a delayed or all-reduced amax)."""
@@ -317,9 +332,14 @@ def quantize_nvfp4(x: torch.Tensor, *, generator: torch.Generator | None = None,
     return NVFP4Quantized(pack_e2m1(codes), s_b, s_t, block_2d)
 
 
-def nvfp4_dequantized(x: torch.Tensor, *, generator: torch.Generator | None = None,
-                      block_2d: bool = False, tensor_amax: torch.Tensor | None = None,
-                      check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_dequantized(
+    x: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    block_2d: bool = False,
+    tensor_amax: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_nvfp4(x, ...).dequantize(with_tensor_scale=False) and the tensor scale, without
     packing and decoding the codes (the emulated GEMM's path; the same bits)."""
     _, values, s_b, s_t = _nvfp4_parts(x, generator, block_2d, tensor_amax, check_finite, want_codes=False)
@@ -357,8 +377,10 @@ class BlockScaledRecipe:
             raise ValueError(f"mx_scale_mode must be one of {SCALE_MODES}, not {self.mx_scale_mode!r}")
         extras = [n for n in ("weight_2d", "rht", "stochastic_rounding") if getattr(self, n)]
         if self.format == "mxfp8" and extras:
-            raise ValueError(f"{', '.join(extras)} belong to the nvfp4 recipe; mxfp8 (torchao's MXLinear) "
-                             "has 1x32 scaling, no RHT and no stochastic rounding")
+            raise ValueError(
+                f"{', '.join(extras)} belong to the nvfp4 recipe; mxfp8 (torchao's MXLinear) "
+                "has 1x32 scaling, no RHT and no stochastic rounding"
+            )
 
     @classmethod
     def nvfp4_full(cls, seed: int = 0) -> BlockScaledRecipe:
@@ -377,8 +399,11 @@ class BlockScaledRecipe:
         w = "nvfp4 16x16" if self.weight_2d else "nvfp4 1x16"
         sr = " SR" if self.stochastic_rounding else ""
         rht = " RHT16" if self.rht else ""
-        return {"forward": f"x nvfp4 1x16; W {w}", "dgrad": f"dy nvfp4 1x16{sr}; W^T {w}",
-                "wgrad": f"dy^T nvfp4 1x16{sr}{rht}; x^T nvfp4 1x16{rht}"}
+        return {
+            "forward": f"x nvfp4 1x16; W {w}",
+            "dgrad": f"dy nvfp4 1x16{sr}; W^T {w}",
+            "wgrad": f"dy^T nvfp4 1x16{sr}{rht}; x^T nvfp4 1x16{rht}",
+        }
 
 
 def recipe_of(fmt: str, scale_mode: str, weight_2d: bool, rht: bool, sr: bool, seed: int) -> BlockScaledRecipe | None:

@@ -45,8 +45,16 @@ class _GroupedFn(torch.autograd.Function):
         outs = []
         for e, part in enumerate(x.split(sizes)):
             if part.shape[0]:
-                outs.append(emulated_mm(quantize_operand(part, recipe), _quantized_weight(w[e].t(), recipe, False, None),
-                                        part.shape[0], n, "forward", label).to(x.dtype))
+                outs.append(
+                    emulated_mm(
+                        quantize_operand(part, recipe),
+                        _quantized_weight(w[e].t(), recipe, False, None),
+                        part.shape[0],
+                        n,
+                        "forward",
+                        label,
+                    ).to(x.dtype)
+                )
             else:
                 outs.append(x.new_zeros(0, n))
         ctx.save_for_backward(x, w)
@@ -67,17 +75,37 @@ class _GroupedFn(torch.autograd.Function):
                 grad_x.append(grad_out.new_zeros(0, k, dtype=x.dtype))
                 continue
             we = w[e].t()  # W_e (N, K), the Linear's weight
-            grad_x.append(emulated_mm(quantize_operand(g, recipe, generator=gen), _quantized_weight(we, recipe, True, None),
-                                      m, k, "dgrad", label).to(x.dtype))
-            dw = emulated_mm(quantize_operand(g.t(), recipe, generator=gen, rht=r),
-                             quantize_operand(xe.t(), recipe, rht=r), n, k, "wgrad", label)
+            grad_x.append(
+                emulated_mm(
+                    quantize_operand(g, recipe, generator=gen),
+                    _quantized_weight(we, recipe, True, None),
+                    m,
+                    k,
+                    "dgrad",
+                    label,
+                ).to(x.dtype)
+            )
+            dw = emulated_mm(
+                quantize_operand(g.t(), recipe, generator=gen, rht=r),
+                quantize_operand(xe.t(), recipe, rht=r),
+                n,
+                k,
+                "wgrad",
+                label,
+            )
             # Through w's dtype as the Linear's gradient is, then into the [E, K, N] layout.
             grad_w[e] = dw.to(w.dtype).t()
         return torch.cat(grad_x), grad_w.to(w.dtype), None, None, None, None
 
 
-def block_scaled_grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: list[int], recipe: BlockScaledRecipe,
-                           generator: torch.Generator | None = None, label: str = "") -> torch.Tensor:
+def block_scaled_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    sizes: list[int],
+    recipe: BlockScaledRecipe,
+    generator: torch.Generator | None = None,
+    label: str = "",
+) -> torch.Tensor:
     """x [M, K] (rows sorted by expert, `sizes[e]` of them for expert e) times w [E, K, N] per
     expert -> [M, N] in x's dtype, all three GEMMs block-scaled (emulated) per expert.
     `generator` feeds stochastic rounding (required when the recipe asks for it); `label` names
@@ -104,9 +132,11 @@ class BlockScaledExperts:
             return None
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(
-                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63)
+                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63
+            )
         return self.generator
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, sizes: list[int], weight_name: str) -> torch.Tensor:
-        return block_scaled_grouped_mm(x, w, sizes, self.recipe, self.sr_generator(w.device),
-                                      f"{self.label}.{weight_name}")
+        return block_scaled_grouped_mm(
+            x, w, sizes, self.recipe, self.sr_generator(w.device), f"{self.label}.{weight_name}"
+        )

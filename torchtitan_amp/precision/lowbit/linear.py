@@ -63,7 +63,7 @@ def hadamard(n: int = RHT_DIM) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / (n ** 0.5)
+    return h / (n**0.5)
 
 
 def rht_signs(seed: int, n: int = RHT_DIM) -> torch.Tensor:
@@ -142,9 +142,15 @@ def observe_gemms(callback: Callable[[GemmRecord], None]) -> Iterator[None]:
         _OBSERVERS.remove(callback)
 
 
-def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: torch.Generator | None = None,
-                     block_2d: bool = False, rht: torch.Tensor | None = None,
-                     amax_group: dist.ProcessGroup | None = None) -> Operand:
+def quantize_operand(
+    t: torch.Tensor,
+    recipe: BlockScaledRecipe,
+    *,
+    generator: torch.Generator | None = None,
+    block_2d: bool = False,
+    rht: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
+) -> Operand:
     """A 2-D GEMM operand quantized along its last dim: zero-padded to the block (both dims with
     block_2d), rotated by `rht` in blocks along that dim if given, then quantized; stochastic
     rounding if `generator`. The padding is kept: the other operand's reduction dim is padded the
@@ -161,15 +167,27 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, *, generator: t
     rounding = "rne" if generator is None else "stochastic"
     if recipe.format == "mxfp8":
         q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode, check_finite=recipe.check_finite)
-        info = OperandInfo("float8_e4m3fn", "float8_e8m0fnu", (1, bs.MX_BLOCK), tuple(q.scale.shape), rounding,
-                           rht is not None)
+        info = OperandInfo(
+            "float8_e4m3fn", "float8_e8m0fnu", (1, bs.MX_BLOCK), tuple(q.scale.shape), rounding, rht is not None
+        )
         return Operand(q.dequantize(), torch.ones((), device=t.device), info)
     if block_2d:
         t = _pad_last(t.t(), bs.NVFP4_BLOCK).t()
-    values, s_t = bs.nvfp4_dequantized(t.contiguous(), generator=generator, block_2d=block_2d,
-                                       tensor_amax=tensor_amax, check_finite=recipe.check_finite)
-    info = OperandInfo("float4_e2m1fn", "float8_e4m3fn", (16, 16) if block_2d else (1, 16),
-                       (t.shape[0], t.shape[1] // bs.NVFP4_BLOCK), rounding, rht is not None)
+    values, s_t = bs.nvfp4_dequantized(
+        t.contiguous(),
+        generator=generator,
+        block_2d=block_2d,
+        tensor_amax=tensor_amax,
+        check_finite=recipe.check_finite,
+    )
+    info = OperandInfo(
+        "float4_e2m1fn",
+        "float8_e4m3fn",
+        (16, 16) if block_2d else (1, 16),
+        (t.shape[0], t.shape[1] // bs.NVFP4_BLOCK),
+        rounding,
+        rht is not None,
+    )
     return Operand(values, s_t, info)
 
 
@@ -179,13 +197,22 @@ def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm"
     with torch.autocast(a.values.device.type, enabled=False):
         out = a.values @ b.values.t()
     for observe in list(_OBSERVERS):
-        observe(GemmRecord(what, "mxfp8" if a.info.elements == "float8_e4m3fn" else "nvfp4",
-                           (rows, cols, a.values.shape[-1]), a.info, b.info, module))
+        observe(
+            GemmRecord(
+                what,
+                "mxfp8" if a.info.elements == "float8_e4m3fn" else "nvfp4",
+                (rows, cols, a.values.shape[-1]),
+                a.info,
+                b.info,
+                module,
+            )
+        )
     return (out * (a.tensor_scale * b.tensor_scale))[:rows, :cols]
 
 
-def _quantized_weight(w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool,
-                      group: dist.ProcessGroup | None) -> Operand:
+def _quantized_weight(
+    w: torch.Tensor, recipe: BlockScaledRecipe, along_n: bool, group: dist.ProcessGroup | None
+) -> Operand:
     """W for forward (along K) or dgrad (along N); with 2-D scaling both are one tile-quantized W."""
     if recipe.weight_2d:
         op = quantize_operand(w, recipe, block_2d=True, amax_group=group)
@@ -197,13 +224,25 @@ class _BlockScaledLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, generator, label, group):
         x2 = x.reshape(-1, x.shape[-1])
-        out = emulated_mm(quantize_operand(x2, recipe, amax_group=group), _quantized_weight(weight, recipe, False, group),
-                          x2.shape[0], weight.shape[0], "forward", label)
+        out = emulated_mm(
+            quantize_operand(x2, recipe, amax_group=group),
+            _quantized_weight(weight, recipe, False, group),
+            x2.shape[0],
+            weight.shape[0],
+            "forward",
+            label,
+        )
         out = out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.generator, ctx.has_bias, ctx.label, ctx.group = recipe, generator, bias is not None, label, group
+        ctx.recipe, ctx.generator, ctx.has_bias, ctx.label, ctx.group = (
+            recipe,
+            generator,
+            bias is not None,
+            label,
+            group,
+        )
         return out
 
     @staticmethod
@@ -214,18 +253,36 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         m, (n, k) = g2.shape[0], weight.shape
-        grad_x = emulated_mm(quantize_operand(g2, recipe, generator=gen, amax_group=group),
-                             _quantized_weight(weight, recipe, True, group), m, k, "dgrad", ctx.label)
+        grad_x = emulated_mm(
+            quantize_operand(g2, recipe, generator=gen, amax_group=group),
+            _quantized_weight(weight, recipe, True, group),
+            m,
+            k,
+            "dgrad",
+            ctx.label,
+        )
         r = rht_matrix(recipe.seed, device=g2.device) if recipe.rht else None
-        grad_w = emulated_mm(quantize_operand(g2.t(), recipe, generator=gen, rht=r, amax_group=group),
-                             quantize_operand(x2.t(), recipe, rht=r, amax_group=group), n, k, "wgrad", ctx.label)
+        grad_w = emulated_mm(
+            quantize_operand(g2.t(), recipe, generator=gen, rht=r, amax_group=group),
+            quantize_operand(x2.t(), recipe, rht=r, amax_group=group),
+            n,
+            k,
+            "wgrad",
+            ctx.label,
+        )
         grad_b = g2.sum(0).to(grad_out.dtype) if ctx.has_bias else None
         return (grad_x.to(x.dtype).reshape(x.shape), grad_w.to(weight.dtype), grad_b, None, None, None, None)
 
 
-def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       recipe: BlockScaledRecipe, generator: torch.Generator | None = None, label: str = "",
-                       amax_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def block_scaled_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: BlockScaledRecipe,
+    generator: torch.Generator | None = None,
+    label: str = "",
+    amax_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
     rounding; required when the recipe asks for it. `label` names the GEMMs' module for observers.
     `amax_group`: x, weight and the output gradient are shards of tensors split over that group
@@ -241,8 +298,17 @@ class BlockScaledLinear(nn.Linear):
     it is made on the weight's device at the first forward (a module built on meta and materialized
     later gets it then) and made again, from the seed, if the weight moves to another device."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 recipe: BlockScaledRecipe, sr_stream: int = 0, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: BlockScaledRecipe,
+        sr_stream: int = 0,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
         self.sr_stream = sr_stream
@@ -257,13 +323,20 @@ class BlockScaledLinear(nn.Linear):
         device = self.weight.device
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(
-                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63)
+                (self.recipe.seed * 1_000_003 + self.sr_stream) % 2**63
+            )
         return self.generator
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, sr_stream: int = 0) -> BlockScaledLinear:
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
-                  sr_stream=sr_stream, device="meta")
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            recipe=recipe,
+            sr_stream=sr_stream,
+            device="meta",
+        )
         new.weight, new.bias = linear.weight, linear.bias
         return new
 
@@ -281,8 +354,10 @@ class BlockScaledLinear(nn.Linear):
         dx are split into one partial per rank, rounded to the output dtype and then added."""
         w, mesh = self.weight, self.weight.device_mesh
         if mesh.ndim != 1 or len(w.placements) != 1:
-            raise NotImplementedError(f"{self.label}: block-scaled Linear on a {mesh.ndim}-D mesh {w.placements}; "
-                                      "one tensor-parallel dim is supported")
+            raise NotImplementedError(
+                f"{self.label}: block-scaled Linear on a {mesh.ndim}-D mesh {w.placements}; "
+                "one tensor-parallel dim is supported"
+            )
         (place,) = w.placements
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Replicate() if place.is_shard(0) else Shard(x.dim() - 1)], run_check=False)
@@ -295,8 +370,9 @@ class BlockScaledLinear(nn.Linear):
         else:
             raise NotImplementedError(f"{self.label}: block-scaled Linear with weight placement {place}")
         local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-        out = block_scaled_linear(x_local, w.to_local(), local_bias, self.recipe, self.sr_generator(), self.label,
-                                 amax_group=mesh.get_group())
+        out = block_scaled_linear(
+            x_local, w.to_local(), local_bias, self.recipe, self.sr_generator(), self.label, amax_group=mesh.get_group()
+        )
         out = DTensor.from_local(out, mesh, [out_place], run_check=False)
         return out + self.bias if place.is_shard(1) and self.bias is not None else out
 

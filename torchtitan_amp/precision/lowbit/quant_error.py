@@ -45,8 +45,18 @@ TORCHAO_EPS = 1e-12  # torchao.float8's floor on amax before max / amax
 # A scaled magnitude above these is changed by the clamp to the max, not only by rounding: the max
 # plus half the grid step below it (e4m3 416 -> 448, e5m2 49152 -> 57344, e2m1 4 -> 6).
 CLIPS = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0, "e2m1": 7.0}
-FORMATS = ("bf16", "fp8 tensorwise", "fp8 rowwise", "mxfp8 floor", "mxfp8 rceil", "nvfp4 1x16", "nvfp4 16x16",
-           "nvfp4 1x16 + SR", "nvfp4 1x16 + RHT", "nvfp4 1x16 + RHT + SR")
+FORMATS = (
+    "bf16",
+    "fp8 tensorwise",
+    "fp8 rowwise",
+    "mxfp8 floor",
+    "mxfp8 rceil",
+    "nvfp4 1x16",
+    "nvfp4 16x16",
+    "nvfp4 1x16 + SR",
+    "nvfp4 1x16 + RHT",
+    "nvfp4 1x16 + RHT + SR",
+)
 
 
 @dataclasses.dataclass
@@ -74,9 +84,15 @@ class QuantError:
         return self.saturated / self.groups if self.groups else 0.0
 
     def merge(self, other: QuantError) -> QuantError:
-        return QuantError(self.err_sq + other.err_sq, self.ref_sq + other.ref_sq, max(self.max_err, other.max_err),
-                          self.nonzero + other.nonzero, self.flushed + other.flushed, self.groups + other.groups,
-                          self.saturated + other.saturated)
+        return QuantError(
+            self.err_sq + other.err_sq,
+            self.ref_sq + other.ref_sq,
+            max(self.max_err, other.max_err),
+            self.nonzero + other.nonzero,
+            self.flushed + other.flushed,
+            self.groups + other.groups,
+            self.saturated + other.saturated,
+        )
 
 
 class _Quantized(NamedTuple):
@@ -175,10 +191,15 @@ def quant_error(x: torch.Tensor, fmt: str, *, grad: bool = False, seed: int = 0)
     amax = float(x.abs().amax())
     err = q - x
     live = quant.group_amax > 0
-    return QuantError(err_sq=float(err.double().square().sum()), ref_sq=float(x.double().square().sum()),
-                      max_err=float(err.abs().amax()) / amax if amax else 0.0,
-                      nonzero=int(nonzero_seen.sum()), flushed=int((nonzero_seen & (seen == 0)).sum()),
-                      groups=int(live.sum()), saturated=int((quant.clipped & live).sum()))
+    return QuantError(
+        err_sq=float(err.double().square().sum()),
+        ref_sq=float(x.double().square().sum()),
+        max_err=float(err.abs().amax()) / amax if amax else 0.0,
+        nonzero=int(nonzero_seen.sum()),
+        flushed=int((nonzero_seen & (seen == 0)).sum()),
+        groups=int(live.sum()),
+        saturated=int((quant.clipped & live).sum()),
+    )
 
 
 def _seen_input(x: torch.Tensor, fmt: str, seed: int) -> torch.Tensor:

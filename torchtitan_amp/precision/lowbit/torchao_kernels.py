@@ -66,9 +66,15 @@ def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
     kernel = KernelPreference.EMULATED if EMULATED_KERNELS else KernelPreference.AUTO
-    return MXFP8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-                       kernel_preference=kernel, wgrad_with_hp=False,
-                       scale_calculation_mode=ScaleCalculationMode(recipe.mx_scale_mode))
+    return MXFP8Linear(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        device="meta",
+        kernel_preference=kernel,
+        wgrad_with_hp=False,
+        scale_calculation_mode=ScaleCalculationMode(recipe.mx_scale_mode),
+    )
 
 
 def sr_seed(recipe: BlockScaledRecipe, stream: int, rank: int = 0) -> int:
@@ -82,8 +88,13 @@ def sr_seed(recipe: BlockScaledRecipe, stream: int, rank: int = 0) -> int:
 def _nvfp4_module(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
     from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
-    new = NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                      device=linear.weight.device, rht_sign_vector=tuple(int(v) for v in rht_signs(recipe.seed)))
+    new = NVFP4Linear(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        device=linear.weight.device,
+        rht_sign_vector=tuple(int(v) for v in rht_signs(recipe.seed)),
+    )
     new.block_scaled_recipe, new.sr_stream = recipe, stream
     # Both are derived from the recipe (fill_buffers): out of the state dict, checkpoints stay
     # those of the plain model, loadable by the emulated path and back.
@@ -120,7 +131,8 @@ def check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
         raise PrecisionError(
             f"'mixed_precision.block_scaled' = '{fmt}' on torchao's kernels: {name} is {linear.in_features} -> "
             f"{linear.out_features}, and the kernels take multiples of {tile}; keep it out with "
-            "block_scaled_skip_modules or set block_scaled_emulate = true")
+            "block_scaled_skip_modules or set block_scaled_emulate = true"
+        )
 
 
 def torchao_linear(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
@@ -142,8 +154,12 @@ def settings_of(module: nn.Module) -> dict[str, Any]:
     """What a converted module will run, in the recipe's words (for the report and the audit)."""
     name = type(module).__name__
     if name == "MXFP8Linear":
-        return {"module": name, "scale_mode": module.scale_calculation_mode.value,
-                "wgrad": "hp" if module.wgrad_with_hp else "mxfp8", "kernels": module.kernel_preference.value}
+        return {
+            "module": name,
+            "scale_mode": module.scale_calculation_mode.value,
+            "wgrad": "hp" if module.wgrad_with_hp else "mxfp8",
+            "kernels": module.kernel_preference.value,
+        }
     if name == "NVFP4Linear":
         return {"module": name, "rht_signs": list(module.rht_sign_vector), "kernels": module.kernel_preference.value}
     return {"module": name}
@@ -151,8 +167,12 @@ def settings_of(module: nn.Module) -> dict[str, Any]:
 
 def promised_settings(recipe: BlockScaledRecipe) -> dict[str, Any]:
     if recipe.format == "mxfp8":
-        return {"module": "MXFP8Linear", "scale_mode": recipe.mx_scale_mode, "wgrad": "mxfp8",
-                "kernels": "emulated" if EMULATED_KERNELS else "auto"}
+        return {
+            "module": "MXFP8Linear",
+            "scale_mode": recipe.mx_scale_mode,
+            "wgrad": "mxfp8",
+            "kernels": "emulated" if EMULATED_KERNELS else "auto",
+        }
     return {"module": "NVFP4Linear", "rht_signs": [int(v) for v in rht_signs(recipe.seed)], "kernels": "triton"}
 
 
@@ -160,14 +180,20 @@ def summary(recipe: BlockScaledRecipe | None, named: list[tuple[str, nn.Module]]
     """The report's block_scaled section on torchao's kernels (block_scaled.summary's keys)."""
     if recipe is None:
         return None
-    return {"format": recipe.format, "emulated": False, "kernels": "torchao", "recipe": recipe.describe(),
-            "modules": {n: settings_of(m) for n, m in named if is_torchao_module(m)},
-            "kept_out": sorted(n for n, m in named if isinstance(m, nn.Linear) and not is_torchao_module(m)),
-            "fsdp_all_gather": "param dtype (torchao has no MXFP8 / NVFP4 all-gather for training)"}
+    return {
+        "format": recipe.format,
+        "emulated": False,
+        "kernels": "torchao",
+        "recipe": recipe.describe(),
+        "modules": {n: settings_of(m) for n, m in named if is_torchao_module(m)},
+        "kept_out": sorted(n for n, m in named if isinstance(m, nn.Linear) and not is_torchao_module(m)),
+        "fsdp_all_gather": "param dtype (torchao has no MXFP8 / NVFP4 all-gather for training)",
+    }
 
 
-def check_modules(named: dict[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str],
-                  recipe: BlockScaledRecipe) -> list[tuple[str, list[str], list[str]]]:
+def check_modules(
+    named: dict[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str], recipe: BlockScaledRecipe
+) -> list[tuple[str, list[str], list[str]]]:
     """(what, promised, seen) for each promised module that is not torchao's module with the
     recipe's settings, and each kept-out module that is one."""
     want = promised_settings(recipe)
@@ -178,6 +204,11 @@ def check_modules(named: dict[str, nn.Module], promised: Iterable[str], kept_out
             breaches.append((f"{name}: torchao block-scaled module", [str(want)], [str(got)]))
     for name in sorted(kept_out):
         if is_torchao_module(named[name]):
-            breaches.append((f"{name}: torchao block-scaled module", ["none (kept out of block_scaled)"],
-                             [str(settings_of(named[name]))]))
+            breaches.append(
+                (
+                    f"{name}: torchao block-scaled module",
+                    ["none (kept out of block_scaled)"],
+                    [str(settings_of(named[name]))],
+                )
+            )
     return breaches
