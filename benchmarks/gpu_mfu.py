@@ -218,19 +218,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_config(
-    name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device, mesh: ParallelDims
+def train_and_time(
+    config: JobConfig,
+    dims: ParallelDims,
+    plan: PrecisionPlan,
+    args: LlamaModelArgs,
+    a: argparse.Namespace,
+    device: torch.device,
 ) -> dict[str, Any]:
-    config, dims, plan = build_plan(name, compiled, a, device, mesh)
-    assert plan.path == EXPECTED_PATH[name], (name, plan.path)
-    args = model_args(a, n_layers)
-    torch._dynamo.reset()
-    baseline = reset_memory(device)
+    """Builds the Trainer's model and optimizer, runs the untimed warm-up steps, then times up to
+    --steps training steps; returns the step times (s), the warm-up time (s), the final loss, the
+    parameter count and the FLOPs per token. Everything it builds (model, optimizer, batch, and the
+    step closure over them) is freed when it returns, so that the caller's reset_memory releases it.
+
+    Args:
+        config: the configuration's JobConfig (optimizer, max_norm, compile and AC settings).
+        dims: the configuration's ParallelDims on the shared 1-rank mesh.
+        plan: the PrecisionPlan made of config and dims; it picks the forward/backward contexts.
+        args: the model shape (layers, dim, vocabulary, sequence length).
+        a: the parsed command line (batch, seq_len, warmup, steps, max_measure_s).
+        device: where the model trains.
+    """
     # The Trainer's model: built on meta, initialised (on CPU then moved, or on the device after
     # sharding), parallelize_model (fp32 islands, AC, compile, FSDP), in training mode.
     job = Job(config, dims.world_size, device.type, dims, 1, plan, None, args, (0,), 1, None)
     built = build_model_parts(job, device, [0])
-    model, fpt, n_params = built.parts[0], built.flops_per_token, built.num_params
+    model = built.parts[0]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config.optimizer, device)
     tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq_len + 1), device=device)
@@ -248,30 +261,59 @@ def run_config(
 
     start = time.perf_counter()
     for _ in range(a.warmup):
-        loss = step()
+        step()
     sync(device)
     warmup_s = time.perf_counter() - start
-    times = []
+    times: list[float] = []
+    losses: list[torch.Tensor] = []
     measure_start = time.perf_counter()
     while len(times) < a.steps and (len(times) < 3 or time.perf_counter() - measure_start < a.max_measure_s):
         t0 = time.perf_counter()
-        loss = step()
+        losses.append(step())
         sync(device)
         times.append(time.perf_counter() - t0)
-    final_loss = float(loss)
+    return {
+        "times": times,
+        "warmup_s": warmup_s,
+        "final_loss": float(losses[-1]),
+        "params": built.num_params,
+        "flops_per_token": built.flops_per_token,
+    }
+
+
+def run_config(
+    name: str, compiled: bool, n_layers: int, a: argparse.Namespace, device: torch.device, mesh: ParallelDims
+) -> dict[str, Any]:
+    """One configuration's measurement (a row of the table): its plan, checked to take the path the
+    configuration exists to measure, then train_and_time and the peak memory of it.
+
+    Args:
+        name: the configuration, a key of CONFIGS (fsdp, autocast or fp32).
+        compiled: whether each block runs under torch.compile.
+        n_layers: transformer blocks in the model.
+        a: the parsed command line.
+        device: where the model trains.
+        mesh: the 1-rank ParallelDims main built once; its meshes are reused.
+    """
+    config, dims, plan = build_plan(name, compiled, a, device, mesh)
+    assert plan.path == EXPECTED_PATH[name], (name, plan.path)
+    torch._dynamo.reset()
+    baseline = reset_memory(device)
+    run = train_and_time(config, dims, plan, model_args(a, n_layers), a, device)
+    # Peaks, so the same after train_and_time freed what it built.
     allocated, reserved = peak_memory(device, baseline)
+    reset_memory(device)
+    times, fpt, final_loss = run["times"], run["flops_per_token"], run["final_loss"]
     step_s = sorted(times)[len(times) // 2]
     tps = a.batch * a.seq_len / step_s
     peak = peak_flops(device, [torch.bfloat16])
-    del model, optimizer, params, tokens, inputs, labels, loss
-    reset_memory(device)
     return {
         "config": name,
         "precision": CONFIGS[name][0],
         "path": plan.path,
         "compile": compiled,
         "layers": n_layers,
-        "params": n_params,
+        "params": run["params"],
         "flops_per_token": fpt,
         "step_s": step_s,
         "steps_timed": len(times),
@@ -281,7 +323,7 @@ def run_config(
         "peak_flops": peak,
         "mem_allocated_gib": allocated,
         "mem_reserved_gib": reserved,
-        "warmup_s": warmup_s,
+        "warmup_s": run["warmup_s"],
         "final_loss": final_loss,
         "loss_finite": math.isfinite(final_loss),
     }
@@ -319,7 +361,8 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['precision']} | {'yes' if r['compile'] else 'no'} | {r['layers']} | {r['params'] / 1e9:.2f}B "
             f"| {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {r['mfu_pct']:.1f}% "
-            f"| {r['mem_allocated_gib']:.1f} / {r['mem_reserved_gib']:.1f} | {r['warmup_s']:.0f} | {r['final_loss']:.3f} |"
+            f"| {r['mem_allocated_gib']:.1f} / {r['mem_reserved_gib']:.1f} "
+            f"| {r['warmup_s']:.0f} | {r['final_loss']:.3f} |"
         )
     return "\n".join(lines)
 
