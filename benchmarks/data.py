@@ -243,7 +243,7 @@ def main() -> None:
     from torchtitan_amp.data.index import total_bytes
 
     loader_rows = []
-    for label, folder in corpora.items():
+    for folder in corpora.values():
         r = probe_loader(f"tokens:{folder}")
         loader_rows.append(
             [

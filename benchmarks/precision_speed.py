@@ -13,8 +13,8 @@ batch is the same in every layout (2 ranks run half the local batch), so the tok
 equal and step times compare directly. MFU = achieved FLOP/s per process /
 the best of the fp32 and bf16 matmul rates this CPU reached with the same thread count, measured at
 start-up the way torchtitan_amp.observability.metrics does (where bf16 is native, the bf16 peak: fp32 runs show
-what they leave on the table, like torchtitan's GPU MFU). FSDP needs at least 2 data-parallel ranks in torchtitan_amp, so the FSDP policy appears
-in the 2-rank rows only.
+what they leave on the table, like torchtitan's GPU MFU). FSDP needs at least 2 data-parallel ranks
+in torchtitan_amp, so the FSDP policy appears in the 2-rank rows only.
 """
 
 from __future__ import annotations

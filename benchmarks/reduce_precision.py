@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     while n <= a.max_ranks:
         exact = torch.stack(grads[:n]).double().mean(0).float()
         row: list[object] = [n]
-        for name, wire in WIRE.items():
+        for wire in WIRE.values():
             row += [f"{rel_l2(exact.to(wire).float(), exact):.2e}", f"{rel_l2(ring_mean(grads[:n], wire), exact):.2e}"]
         rows.append(row)
         n *= 2

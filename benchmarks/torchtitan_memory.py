@@ -10,10 +10,11 @@ the maximum over all GPUs of the job). Ours is the dry run's (torchtitan_amp/tra
 peak of the configured AC mode (tensors alive at the peak; no allocator cache or fragmentation):
 reserved >= allocated, so a ratio above 1 means this framework would hold more than torchtitan
 did. Under PP the row takes the largest of the pp ranks (one dry run per pp coordinate), as
-torchtitan's footnote does, with torchtitan's microbatch count for those runs (pp x stages per rank). Every dry run sizes a CUDA target (dry_run.device = "cuda"), with the
-bf16 FSDP policy (fp32 master weights, fp32 gradient reduction) and Llama 3's vocabulary (128256).
-Where torchtitan ran Float8 we run fp8 (tensorwise; with fp8 all-gather where their config had
-it); torch.compile and async TP are not modelled (our estimate is the eager peak).
+torchtitan's footnote does, with torchtitan's microbatch count for those runs (pp x stages per
+rank). Every dry run sizes a CUDA target (dry_run.device = "cuda"), with the bf16 FSDP policy (fp32
+master weights, fp32 gradient reduction) and Llama 3's vocabulary (128256). Where torchtitan ran
+Float8 we run fp8 (tensorwise; with fp8 all-gather where their config had it); torch.compile and
+async TP are not modelled (our estimate is the eager peak).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
 (single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2, CP 2, FSDP 2 x CP 2; bf16, bf16
 reduce, fp32, pure bf16, fp16 on DDP, fp8 on single, DDP, FSDP, TP and PP, emulated nvfp4 on DDP,
-FSDP, TP and PP, emulated mxfp8 on DDP, FSDP and TP; single-process block-scaled audits are in test_blockscaled_train.py), and each deliberate
-breach is caught by name: a Linear run in fp32, an RMSNorm run in bf16, logits reaching the loss
-in bf16, FSDP reducing every gradient in fp32, context parallel summing K/V gradients in bf16.
+FSDP, TP and PP, emulated mxfp8 on DDP, FSDP and TP; single-process block-scaled audits are in
+test_blockscaled_train.py), and each deliberate breach is caught by name: a Linear run in fp32, an
+RMSNorm run in bf16, logits reaching the loss in bf16, FSDP reducing every gradient in fp32, context
+parallel summing K/V gradients in bf16.
 """
 
 from __future__ import annotations

@@ -232,7 +232,10 @@ def test_the_gemm_path_dequantizes_the_same_bits_without_packing() -> None:
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(20))
     for kw in ({}, {"block_2d": True}):
         for seed in (None, 21):
-            gen = lambda: None if seed is None else torch.Generator().manual_seed(seed)  # noqa: E731
+
+            def gen(seed: int | None = seed) -> torch.Generator | None:
+                return None if seed is None else torch.Generator().manual_seed(seed)
+
             q = bs.quantize_nvfp4(w, generator=gen(), **kw)
             deq, s_t = bs.nvfp4_dequantized(w, generator=gen(), **kw)
             assert torch.equal(deq, q.dequantize(with_tensor_scale=False)) and torch.equal(s_t, q.tensor_scale)

@@ -155,8 +155,8 @@ def _trainer(tmp_path: Path, *extra: str) -> trainer_module.Trainer:
         ),
         (
             [*MXFP8_EXPERTS, "--mixed_precision.block_scaled_skip_modules", "output,layers.*.feed_forward.experts"],
-            "'mixed_precision.block_scaled_experts' = true converts no grouped experts: block_scaled_edge_layers = 1 and "
-            "block_scaled_skip_modules keep them all",
+            "'mixed_precision.block_scaled_experts' = true converts no grouped experts: "
+            "block_scaled_edge_layers = 1 and block_scaled_skip_modules keep them all",
             PrecisionError,
         ),
     ],

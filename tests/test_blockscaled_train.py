@@ -12,8 +12,8 @@ the next (different batches), two bf16 paths of one model already differ by 1e-3
 steps (docs/mixed_precision.md), and NVFP4's e2m1 elements round each operand by up to 1/4 of its
 value (RNE; 1/2 with SR) where bf16 rounds by 2^-9: a hundred times coarser per element, averaged
 over the 64-256 long reductions. 0.02 is 0.6% of the loss at the end of the run and 3x what was
-measured (0.0055 at 10 steps; 0.0054-0.0083 over 30 steps and three seeds); a quantizer off by a scale factor or a transposed operand moves the loss
-by 0.1 and more within a few steps.
+measured (0.0055 at 10 steps; 0.0054-0.0083 over 30 steps and three seeds); a quantizer off by a
+scale factor or a transposed operand moves the loss by 0.1 and more within a few steps.
 """
 
 from __future__ import annotations
@@ -130,15 +130,16 @@ def test_tensor_parallel_splits_whole_blocks() -> None:
         (
             ["--mixed_precision.block_scaled", "nvfp4"],
             1,
-            "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: cpu has no MX / NVFP4 "
-            "tensor cores; set mixed_precision.block_scaled_emulate = true to emulate (about 4-7x slower than bf16 on a 2-core AVX512 CPU)",
+            "error-free: 'mixed_precision.block_scaled' = 'nvfp4' needs block-scaled tensor cores: "
+            "cpu has no MX / NVFP4 tensor cores; set mixed_precision.block_scaled_emulate = true to emulate "
+            "(about 4-7x slower than bf16 on a 2-core AVX512 CPU)",
         ),
         # dim 96 over TP 2: the column-wise wq's 96 outputs split 48 per rank, not whole 32-blocks.
         (
             [*MXFP8, "--model.flavor", "blockscaled_dim96", *TP2],
             2,
-            "'mixed_precision.block_scaled' = 'mxfp8' under parallelism.tensor_parallel_degree = 2: layers.1.attention.wq "
-            "splits its out_features 96 into 48 per rank, not a multiple of the 32-element block",
+            "'mixed_precision.block_scaled' = 'mxfp8' under parallelism.tensor_parallel_degree = 2: "
+            "layers.1.attention.wq splits its out_features 96 into 48 per rank, not a multiple of the 32-element block",
         ),
         (
             [*NVFP4, "--mixed_precision.block_scaled_skip_modules", "outptu"],

@@ -288,14 +288,14 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
     text = help_text()
     for section, f in all_fields():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        line = next((l for l in text.splitlines() if l.strip().startswith(f"--{section}.{f.name} ")), None)
+        line = next((ln for ln in text.splitlines() if ln.strip().startswith(f"--{section}.{f.name} ")), None)
         assert line is not None, f"--{section}.{f.name} missing from --help"
         assert f"(default {presentation._format_value(default)})" in line
         assert f.metadata["help"] in text
         for choice in config_mod.field_choices(section, f.name) or ():
             assert presentation._format_choice(choice) in line
     assert "Precedence: CLI > TOML" in text
-    flavor = next(l for l in text.splitlines() if l.strip().startswith("--model.flavor "))
+    flavor = next(ln for ln in text.splitlines() if ln.strip().startswith("--model.flavor "))
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
@@ -352,7 +352,7 @@ def test_every_bound_is_in_help_and_holds_for_its_default() -> None:
     lines = help_text().splitlines()
     assert len(bounded_fields()) >= 40
     for section, key, bounds in bounded_fields():
-        line = next(l for l in lines if l.strip().startswith(f"--{section}.{key} "))
+        line = next(ln for ln in lines if ln.strip().startswith(f"--{section}.{key} "))
         assert line.endswith(f"  ({bounds.describe()})"), line
         assert bounds.problem(f"{section}.{key}", getattr(getattr(JobConfig(), section), key)) is None
 
@@ -389,7 +389,7 @@ def test_a_value_outside_its_bounds_is_one_line_naming_the_field_and_the_range(t
     ],
 )
 def test_help_shows_what_a_field_allows(section: str, key: str, described: str) -> None:
-    line = next(l for l in help_text().splitlines() if l.strip().startswith(f"--{section}.{key} "))
+    line = next(ln for ln in help_text().splitlines() if ln.strip().startswith(f"--{section}.{key} "))
     assert line.endswith(f"  ({described})"), line
 
 
@@ -438,14 +438,17 @@ def test_a_flavor_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch
     )
     assert load_config(["--model.flavor", "debugmodel_2l"]).model.flavor == "debugmodel_2l"
     assert load(tmp_path, '[model]\nflavor = "debugmodel_2l"\n').model.flavor == "debugmodel_2l"
-    assert "debugmodel_2l," in next(l for l in help_text().splitlines() if "--model.flavor " in l)
+    assert "debugmodel_2l," in next(ln for ln in help_text().splitlines() if "--model.flavor " in ln)
     assert llama.build_model_args("debugmodel_2l", 258, 64).n_layers == 2
 
 
 # Llama's flavors after 3.1's sizes, and the MoE family's, listed after Llama's when a flavor is
 # unknown to every family.
 LLAMA_SIZES = ", 'llama3_2_1b', 'llama3_2_3b', 'llama3_0_8b', 'llama3_0_70b'"
-MOE_FLAVORS = ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux', 'debugmodel_qwen3', 'qwen3_30b_a3b', 'deepseek_v3_16b'"
+MOE_FLAVORS = (
+    ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux', 'debugmodel_qwen3', 'qwen3_30b_a3b', "
+    "'deepseek_v3_16b'"
+)
 
 
 def test_an_unknown_flavor_is_refused_in_one_line_listing_the_registry(
@@ -474,8 +477,8 @@ def test_flavors_are_checked_without_importing_torch() -> None:
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
     assert result.stdout.splitlines() == [
-        "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', "
-        "'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS,
+        "'model.flavor' = 'huge' is not allowed; choose one of: 'debugmodel', 'debugmodel_h64', 'debugmodel_tiny', "
+        "'llama3_8b', 'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + MOE_FLAVORS,
         "False",
     ]
 

@@ -6,8 +6,8 @@ step, 5 steps, lr 2e-2); each CP rank holds two of 2 x cp chunks of every sequen
 a CP layout computes exactly one process's step with another summation order:
 
 - fp32: loss within FP32_LOSS_RTOL of one process at every step, and every parameter's step-1
-  gradient (same weights, same batch) within FP32_GRAD_RTOL (norm of the difference over the norm), causal and block_causal,
-  on CP 2, CP 4, CP 2 x FSDP 2, CP 2 x HSDP 2, CP 2 x TP 2 and PP 2 x CP 2.
+  gradient (same weights, same batch) within FP32_GRAD_RTOL (norm of the difference over the norm),
+  causal and block_causal, on CP 2, CP 4, CP 2 x FSDP 2, CP 2 x HSDP 2, CP 2 x TP 2 and PP 2 x CP 2.
 - bf16 (the FSDP path, as CP always is): the whole curve within the precision tests' tolerances of
   fp32, and step 1 within SPLIT_MATMUL_STEP1_SIGMAS of the same path's FSDP 2 run (CP cuts the same
   matmuls along the sequence instead of the batch, so they round in other places).

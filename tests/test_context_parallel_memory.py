@@ -8,6 +8,7 @@ The bytes a CP block saves against the memory model: tests/test_dry_run.py
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -258,8 +259,9 @@ def test_cp_forward_gathers_keys_and_values_only(monkeypatch: pytest.MonkeyPatch
     assert gathered == [torch.float32] * 2 * layers
 
 
-def _attention_ops(run) -> set:  # type: ignore[no-untyped-def]
-    """The aten attention ops a call dispatches (forward), as OpOverloads."""
+def _attention_ops(*args: Any, **kwargs: Any) -> set:
+    """The aten attention ops `F.scaled_dot_product_attention(*args, **kwargs)` dispatches
+    (forward), as OpOverloads."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = set()
@@ -271,7 +273,7 @@ def _attention_ops(run) -> set:  # type: ignore[no-untyped-def]
             return func(*args, **(kwargs or {}))
 
     with Ops():
-        run()
+        F.scaled_dot_product_attention(*args, **kwargs)
     return seen
 
 
@@ -297,13 +299,9 @@ def test_every_attention_kernel_cp_can_run_is_saved_by_op_level_sac() -> None:
             k, v = torch.randn(2, kv_heads, end, 16, dtype=dtype), torch.randn(2, kv_heads, end, 16, dtype=dtype)
             gqa = kv_heads != 4
             mask = torch.ones(n, end, dtype=torch.bool).tril(end - n)
-            seen |= _attention_ops(
-                lambda: F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, enable_gqa=gqa)
-            )
-            seen |= _attention_ops(
-                lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right_causal(n, end), enable_gqa=gqa)
-            )
-            seen |= _attention_ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
+            seen |= _attention_ops(q, k[:, :, :n], v[:, :, :n], is_causal=True, enable_gqa=gqa)
+            seen |= _attention_ops(q, k, v, attn_mask=lower_right_causal(n, end), enable_gqa=gqa)
+            seen |= _attention_ops(q, k, v, attn_mask=mask, enable_gqa=gqa)
     assert seen and seen <= SAC_SAVE_LIST, seen - SAC_SAVE_LIST
     named = set(re.findall(r"torch\.ops\.aten\.(\w+)\(", inspect.getsource(CausalBias._dispatch)))
     assert named == {"_scaled_dot_product_flash_attention", "_efficient_attention_forward"}, named

@@ -290,7 +290,7 @@ def test_resume_on_another_dp_degree_continues_the_global_batches(
     resumed = [make(r, to_ranks, to_batch) for r in range(to_ranks)]
     for dl in resumed:
         dl.load_state_dict(states[0])
-    assert "saved on %d data-parallel ranks, now %d" % (ranks, to_ranks) in resumed[0].resume_note
+    assert f"saved on {ranks} data-parallel ranks, now {to_ranks}" in resumed[0].resume_note
     assert "global batch" not in resumed[0].resume_note
     got += _global_batches(resumed, 4)
     assert got == straight

@@ -20,7 +20,7 @@ import torch
 import torchtitan_amp.data.prepare as prepare_module
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import ConfigError
-from torchtitan_amp.data import DataError, build_dataloader, load_texts, tokenize_corpus
+from torchtitan_amp.data import DataError, ParallelAwareDataLoader, build_dataloader, load_texts, tokenize_corpus
 from torchtitan_amp.data.cli import main as cli_main
 from torchtitan_amp.data.index import read_index, verify
 from torchtitan_amp.data.packed import PackedTextDataset
@@ -400,16 +400,10 @@ def _global_rows(loaders: list, n: int) -> list[set]:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_on_another_dp_degree_is_exact(numbered: Path, num_workers: int) -> None:
     # 211 windows; global batches of 24 straddle the epoch at batch 8; 4 ranks x 6 -> 2 ranks x 12.
-    make = lambda r, n, b, w=0: build_dataloader(
-        f"tokens:{numbered}",
-        TOK,
-        16,
-        b,
-        r,
-        n,
-        seed=4,
-        num_workers=w,
-    )
+
+    def make(r: int, n: int, b: int, w: int = 0) -> ParallelAwareDataLoader:
+        return build_dataloader(f"tokens:{numbered}", TOK, 16, b, r, n, seed=4, num_workers=w)
+
     straight = _global_rows([make(r, 4, 6) for r in range(4)], 12)
     first = [make(r, 4, 6, num_workers) for r in range(4)]
     got = _global_rows(first, 7)

@@ -105,7 +105,7 @@ PACKAGES = (
 
 def test_module_paths_in_the_docs_exist():
     """`torchtitan_amp/<...>.py` and `<package>/<module>.py` name files of today's layout."""
-    pattern = re.compile(r"(?<![\w/.])(?:torchtitan_amp/)?((?:%s)/[\w/]*\w\.py)\b" % "|".join(PACKAGES))
+    pattern = re.compile(r"(?<![\w/.])(?:torchtitan_amp/)?((?:" + "|".join(PACKAGES) + r")/[\w/]*\w\.py)\b")
     top = re.compile(r"(?<![\w/.])torchtitan_amp/(\w+\.py)\b")
     missing = []
     for path in DOCS:

@@ -16,12 +16,12 @@ step 3, its resume, and EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2).
 
 Measured on this 2-core CPU, torch 2.13: max relative loss difference to one process over 5 steps
 <= 1.9e-7 on every EP layout (bound 1e-6; PP 2 x EP 2: 1.6e-7), grad norm <= 2.1e-7, step-1 full
-gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7; HSDP 2 x 2 x EP 2: 2.2e-7; EP 2 x FSDP 2 with full AC: 2.1e-7); moe_load_max / moe_load_min equal at every step; resume
-at EP 2 and at EP 2 x FSDP 2 bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 2) <= 6.8e-8
-(step 4 bitwise); EP 2 x TP 2 (sequence parallel, shared expert split by TP): loss 1.4e-7, grad
-norm 1.1e-7, step-1 gradients 2.8e-7, routers and experts bitwise equal on the TP ranks, resume
-bitwise, EP 2 x FSDP 2's checkpoint continued at EP 2 x TP 2 within 6.8e-8 (its 3 jobs add ~25 s).
-~90-150 s for the module.
+gradients <= 2.7e-7 (PP 2 x EP 2: 2.2e-7; HSDP 2 x 2 x EP 2: 2.2e-7; EP 2 x FSDP 2 with full AC:
+2.1e-7); moe_load_max / moe_load_min equal at every step; resume at EP 2 and at EP 2 x FSDP 2
+bitwise; the EP 2 checkpoint resumed at EP 1 (FSDP 2) <= 6.8e-8 (step 4 bitwise); EP 2 x TP 2
+(sequence parallel, shared expert split by TP): loss 1.4e-7, grad norm 1.1e-7, step-1 gradients
+2.8e-7, routers and experts bitwise equal on the TP ranks, resume bitwise, EP 2 x FSDP 2's
+checkpoint continued at EP 2 x TP 2 within 6.8e-8 (its 3 jobs add ~25 s). ~90-150 s for the module.
 """
 
 from __future__ import annotations

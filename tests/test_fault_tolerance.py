@@ -1,8 +1,8 @@
 """Fault tolerance with torchft on gloo: two replica groups of FSDP 2 (four ranks, two torchruns)
-on debugmodel_tiny, a lighthouse in this process (and two one-rank groups: torchft alone replicates). Group 1 dies hard at step 5, either between steps
-(its rank 0 exits after the step) or during the step's cross-group all-reduce (its rank 0 is
-SIGKILLed inside it); torchrun ends the rest of the group, and the test starts it again. Group 0 is
-never restarted.
+on debugmodel_tiny, a lighthouse in this process (and two one-rank groups: torchft alone
+replicates). Group 1 dies hard at step 5, either between steps (its rank 0 exits after the step) or
+during the step's cross-group all-reduce (its rank 0 is SIGKILLed inside it); torchrun ends the rest
+of the group, and the test starts it again. Group 0 is never restarted.
 
 What must hold: the survivor logs every step once and finishes, having discarded only the step the
 kill interrupted (none between steps, one during the all-reduce); the restarted group heals from it

@@ -355,8 +355,8 @@ def test_bad_sample_fields_are_config_errors(overrides: list[str], message: str)
         (
             ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
             2,
-            "'validation.sample_prompts' is not supported with parallelism.pipeline_parallel_degree = 2 (generation runs "
-            "whole sequences through the whole model on every rank); leave sample_prompts empty",
+            "'validation.sample_prompts' is not supported with parallelism.pipeline_parallel_degree = 2 "
+            "(generation runs whole sequences through the whole model on every rank); leave sample_prompts empty",
         ),
         (
             ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],

@@ -3,8 +3,9 @@ process on CPU: the counter itself; a dense training step reads the device once 
 flag), a logging step adds its log line's reads; an MoE layer without expert parallel reads
 nothing, forward, backward and balancing included; with expert parallel (a 1-rank gloo group, the
 same code path as EP 2) one read per layer forward, none in an activation-checkpoint recompute
-or in backward, and one count all-to-all per forward (a recompute exchanges only the rows); a compiled bf16 MoE block has no graph break. The launched layouts' counts are
-checked where they train (test_parallelisms, test_moe_dist, test_expert_parallel)."""
+or in backward, and one count all-to-all per forward (a recompute exchanges only the rows); a
+compiled bf16 MoE block has no graph break. The launched layouts' counts are checked where they
+train (test_parallelisms, test_moe_dist, test_expert_parallel)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def test_console_entry_points_name_callables(name: str) -> None:
 
 def test_dependencies_are_the_requirements_file() -> None:
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
-    lines = [l.split("#")[0].strip() for l in (REPO / "requirements.txt").read_text().splitlines()]
+    lines = [ln.split("#")[0].strip() for ln in (REPO / "requirements.txt").read_text().splitlines()]
     assert "torch>=2.11" in lines and "torchdata==0.11.0" in lines
 
 

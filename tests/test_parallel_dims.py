@@ -463,7 +463,8 @@ def test_ep_must_divide_shard_times_cp(world, degrees, message) -> None:
     [
         (
             ["--parallelism.expert_parallel_degree", "2"],
-            "'parallelism.expert_parallel_degree' = 2 needs a model with routed experts; model.name = 'llama3' has none: use 1",
+            "'parallelism.expert_parallel_degree' = 2 needs a model with routed experts; "
+            "model.name = 'llama3' has none: use 1",
         ),
         (
             [

@@ -640,7 +640,7 @@ def test_loss_scaler_skips_backs_off_grows_and_round_trips() -> None:
     assert torch.equal(p.detach(), torch.ones(3))
     # Finite (scaled) gradients: unscaled once, stepped; after growth_interval clean steps the
     # scale grows, and a growing step still counts as a real step.
-    for i in range(2):
+    for _ in range(2):
         p.grad = torch.full((3,), 2.0**9)
         scaler.unscale_(opt)
         assert torch.equal(p.grad, torch.ones(3))  # the true gradient, as clipping must see it

@@ -380,7 +380,7 @@ def test_fp16_planted_overflow_skips_backs_off_and_recovers(run_fp16, name):  # 
 @pytest.mark.parametrize("name", FP16_LAYOUTS)
 def test_fp16_skipped_step_freezes_lr_schedule_and_optimizer(run_fp16, name):  # type: ignore[no-untyped-def]
     steps = run_fp16(name)["overflow"]["steps"][0]
-    for i, s in enumerate(steps):
+    for s in steps:
         if s["stepped"]:
             assert s["sched_epoch_after"] == s["sched_epoch_before"] + 1 and s["params_changed"]
         else:

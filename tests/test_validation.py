@@ -2,8 +2,9 @@
 
 - The same weights (a seed checkpoint) give the same val_loss on every layout (fp32, 1e-6
   relative): single, DDP 2, FSDP 2, TP 2 (loss parallel), PP 2 (the schedule's eval mode),
-  FSDP 2 x TP 2, CP 2 and CP 2 x FSDP 2 (windows split over the cp ranks). Each layout evaluates the same windows: validation.local_batch_size is the global
-  evaluation batch over the data-parallel degree, for validation.steps batches.
+  FSDP 2 x TP 2, CP 2 and CP 2 x FSDP 2 (windows split over the cp ranks). Each layout evaluates the
+  same windows: validation.local_batch_size is the global evaluation batch over the data-parallel
+  degree, for validation.steps batches.
 - bf16 val_loss is within the precision tolerance of fp32 (and not equal: bf16 ran).
 - Evaluating changes nothing in training: gradients right after an evaluation equal those without
   one (the autocast-cache trap of pytorch#65766), losses with and without validation are equal

@@ -155,7 +155,8 @@ def test_the_table_takes_the_output_projections_precision(tied_flavor: str) -> N
         (
             ("--parallelism.pipeline_parallel_degree", "2"),
             ConfigError,
-            r"'parallelism.pipeline_parallel_degree' = 2 cannot split model.flavor 'debugmodel_tiny_tied', whose output",
+            r"'parallelism.pipeline_parallel_degree' = 2 cannot split model.flavor 'debugmodel_tiny_tied', "
+            r"whose output",
         ),
         (
             ("--training.freeze", "tok_embeddings"),

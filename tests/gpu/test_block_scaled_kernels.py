@@ -70,7 +70,10 @@ def block_scaled_kernels(device: str, out: dict[str, Any]) -> bool:
         ok = True
         for mode in ("floor", "rceil"):
             ours, theirs, (x, g, w) = _block_scaled_pair(BlockScaledRecipe("mxfp8", mx_scale_mode=mode), device, 256)
-            q = lambda t: bs.quantize_mxfp8(t.float().contiguous(), scale_mode=mode).dequantize()  # noqa: E731
+
+            def q(t: torch.Tensor, mode: str = mode) -> torch.Tensor:
+                return bs.quantize_mxfp8(t.float().contiguous(), scale_mode=mode).dequantize()
+
             operands = ((q(x), q(w)), (q(g), q(w.T)), (q(g.T), q(x.T)))
             worst = {}
             for what, o, t, (p, r) in zip(("forward", "dgrad", "wgrad"), ours, theirs, operands):

@@ -4,18 +4,19 @@
 
 SPEC.json is tests/support/launch.py's spec: {"out": DIR, "jobs": [{"name": NAME, "args": [...]}, ...]};
 one option, "flavors": {NAME: {"base": FLAVOR, field: value, ...}} registers llama3 flavors (FLAVOR's
-args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its args (plus --job.dump_folder DIR/NAME) and calls
-`train()`, exactly what train.py does (torchtitan_amp.train.trainer.train_in_turn, shared with
-torchtitan_amp/tools/numerics_matrix.py); process start-up (~5 s per launch on a 2-core CPU) is paid once for
-all of them. Per run, after training, every rank writes DIR/NAME/rank{R}.json with its
-mesh coordinates, data-parallel rank and what AC / compile wrapped, and evidence taken during the
-run: every step's gradient norm against an independent fp64 one (tests/workers/norm_check.py),
-the frozen parameters' gradients, optimizer state and digests before vs after training,
-the last step's full gradients for jobs marked "grads": true (grads_rank{R}.pt), the valid-label
-counts of jobs marked "mask_labels": true (whose loader labels are partly set to -100, `mask_labels`), and
-for stochastically rounded bf16 weights the updates below half a bf16 ulp that moved a weight;
-rank 0's metrics.jsonl and precision_report.json land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and
-stops the launch (later runs do not start).
+args with those fields replaced) before the first run. Each run builds a fresh `Trainer` from its
+args (plus --job.dump_folder DIR/NAME) and calls `train()`, exactly what train.py does
+(torchtitan_amp.train.trainer.train_in_turn, shared with torchtitan_amp/tools/numerics_matrix.py);
+process start-up (~5 s per launch on a 2-core CPU) is paid once for all of them. Per run, after
+training, every rank writes DIR/NAME/rank{R}.json with its mesh coordinates, data-parallel rank and
+what AC / compile wrapped, and evidence taken during the run: every step's gradient norm against an
+independent fp64 one (tests/workers/norm_check.py), the frozen parameters' gradients, optimizer
+state and digests before vs after training, the last step's full gradients for jobs marked "grads":
+true (grads_rank{R}.pt), the valid-label counts of jobs marked "mask_labels": true (whose loader
+labels are partly set to -100, `mask_labels`), and for stochastically rounded bf16 weights the
+updates below half a bf16 ulp that moved a weight; rank 0's metrics.jsonl and precision_report.json
+land there as usual. A run that raises writes DIR/NAME/error_rank{R}.txt and stops the launch (later
+runs do not start).
 """
 
 from __future__ import annotations

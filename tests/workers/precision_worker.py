@@ -5,10 +5,11 @@
 
 (or plain `python tests/workers/precision_worker.py SPEC.json` for the single-process path), where
 SPEC is tests/support/launch.py's spec: each job is a scenario, {"name": SCENARIO, "args": OVERRIDES},
-and "options": {"shrink": {field: value}}. A parallel layout is nothing but its CLI OVERRIDES (e.g. `--parallelism.data_parallel_shard_degree 2`), so a
-new layout (TP, PP) is one more parameter in the test. Every scenario builds real
-`Trainer(load_config(BASE + overrides + scenario overrides))` objects, runs real train steps and
-records evidence; rank 0 writes OUT_DIR/result.json, which the pytest side asserts on.
+and "options": {"shrink": {field: value}}. A parallel layout is nothing but its CLI OVERRIDES (e.g.
+`--parallelism.data_parallel_shard_degree 2`), so a new layout (TP, PP) is one more parameter in the
+test. Every scenario builds real `Trainer(load_config(BASE + overrides + scenario overrides))`
+objects, runs real train steps and records evidence; rank 0 writes OUT_DIR/result.json, which the
+pytest side asserts on.
 
 Scenarios (all in one launch to pay process start-up once):
 
