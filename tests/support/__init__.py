@@ -6,5 +6,7 @@ these modules):
 - `tolerances`: the tolerances of the numerical proofs and the checks built on them;
 - `standins`: stand-ins for torchft's Manager, in-process;
 - `inputs`: the standard small run (TINY) and test data;
-- `machine`: what this machine can run (a C++ compiler, rowwise fp8 scales).
+- `machine`: what this machine can run (a C++ compiler, rowwise fp8 scales);
+- `hf`: the tiny Hugging Face models the hf tests export (conftest.py's `hf` fixture);
+- `tiers`: the test tiers each module declares, checked against what it launches.
 """
