@@ -415,11 +415,20 @@ class PrecisionPlan:
         probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
         run_kernels: bool = True,
     ) -> PrecisionPlan:
-        """`probe` answers whether a low-precision matmul is native on `device_type` (measured
-        on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
-        `mixed_precision.enabled = "auto"` means on. `run_kernels` False (the launcher's
-        pre-flight): the fp8 and block-scaled probes read the GPU's capability and run no kernel
-        (no CUDA context before torchrun starts); the ranks run them."""
+        """The plan for a job: its path, dtypes, low-bit formats and the start-up line saying why.
+        Raises PrecisionError for a setting this job cannot honour.
+
+        Args:
+            config: the job's configuration (mixed_precision, training.dtype, optimizer, ...).
+            dims: the job's parallel layout, which picks the path, the hook and the scaler.
+            device_type: the torch device type the job trains on ("cuda", "cpu", ...).
+            probe: answers whether a low-precision matmul is native on `device_type` (measured
+                on CPU); None when there is no hardware to ask (a dry run sizing a GPU job):
+                then `mixed_precision.enabled = "auto"` means on.
+            run_kernels: False in the launcher's pre-flight: the fp8 and block-scaled probes read
+                the GPU's capability and run no kernel (no CUDA context before torchrun starts);
+                the ranks run them.
+        """
         mp = config.mixed_precision
         storage = _DTYPES[config.training.dtype]
         # Mixed precision asked for, or left to "auto" (pure low precision is the "full" path).

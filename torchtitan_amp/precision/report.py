@@ -71,11 +71,12 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
         # Off the "full" path storage is fp32: modules outside the safe list compute in it.
         compute = plan.compute_dtype(module)
         # The emulation multiplies in fp32; what the row promises is the recipe's format.
+        experts_mm = getattr(module, "block_scaled_mm", None)  # grouped experts' BlockScaledExperts
         compute_name = (
             module.recipe.format
             if isinstance(module, BlockScaledLinear)
-            else module.block_scaled_mm.recipe.format
-            if getattr(module, "block_scaled_mm", None) is not None
+            else experts_mm.recipe.format
+            if experts_mm is not None
             else dtype_name(compute)
         )
         name = _class_name(_user_class(module))

@@ -36,7 +36,7 @@ which runs on CPU. Only MXFP8Linear has it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -213,7 +213,7 @@ def summary(recipe: BlockScaledRecipe | None, named: list[tuple[str, nn.Module]]
 
 
 def check_modules(
-    named: dict[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str], recipe: BlockScaledRecipe
+    named: Mapping[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str], recipe: BlockScaledRecipe
 ) -> list[tuple[str, list[str], list[str]]]:
     """(what, promised, seen) for each promised module that is not torchao's module with the
     recipe's settings, and each kept-out module that is one.
