@@ -309,7 +309,7 @@ def _nvfp4_parts(
     tensor_amax: torch.Tensor | None,
     check_finite: bool,
     want_codes: bool = True,
-):
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, signed e2m1 values in blocks, block scales e4m3, tensor scale fp32) of x."""
     blocks = _blocks(x, NVFP4_BLOCK, "NVFP4")
     block_amax, finite = _block_amax(blocks, check_finite, "NVFP4 quantization")
@@ -350,6 +350,7 @@ def quantize_nvfp4(
             gives a block holding one a NaN scale instead.
     """
     codes, _, s_b, s_t = _nvfp4_parts(x, generator, block_2d, tensor_amax, check_finite)
+    assert codes is not None  # asked for (want_codes=True)
     return NVFP4Quantized(pack_e2m1(codes), s_b, s_t, block_2d)
 
 

@@ -27,6 +27,8 @@ one host read of the counts per call (the loop path's), E small fp32 GEMMs per p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
@@ -40,7 +42,15 @@ from torchtitan_amp.precision.lowbit.linear import (
 
 class _GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, sizes, recipe, generator, label):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        sizes: list[int],
+        recipe: BlockScaledRecipe,
+        generator: torch.Generator | None,
+        label: str,
+    ) -> torch.Tensor:
         """The experts' forward GEMMs, x_e times W_e^T quantized, expert by expert.
 
         Args:
@@ -73,7 +83,7 @@ class _GroupedFn(torch.autograd.Function):
         return torch.cat(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         recipe, label = ctx.recipe, ctx.label
         gen = ctx.generator if recipe.stochastic_rounding else None

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -250,7 +250,16 @@ def _quantized_weight(
 
 class _BlockScaledLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, generator, label, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: BlockScaledRecipe,
+        generator: torch.Generator | None,
+        label: str,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         """The forward GEMM, Q(x) Q(W)^T, plus the bias.
 
         Args:
@@ -287,7 +296,7 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         recipe, group = ctx.recipe, ctx.group
         gen = ctx.generator if recipe.stochastic_rounding else None
@@ -356,8 +365,8 @@ class BlockScaledLinear(nn.Linear):
         *,
         recipe: BlockScaledRecipe,
         sr_stream: int = 0,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
