@@ -46,7 +46,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,9 @@ from torchtitan_amp.precision.lowbit import torchao_kernels
 from torchtitan_amp.precision.lowbit.linear import GemmRecord, observe_gemms
 from torchtitan_amp.precision.plan import PrecisionPlan
 from torchtitan_amp.precision.report import expert_parallel_summary
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -150,7 +153,9 @@ class _Recorder(TorchDispatchMode):
         group = args[3] if name == "all_to_all_single" else dist.ProcessGroup.unbox(args[2])
         self.all_to_all[_categorize("all_to_all", group)][dtype_name(sent.dtype)] += sent.numel() * sent.element_size()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         name = func.overloadpacket.__name__
         if name in _ALL_TO_ALLS:
             self._record_all_to_all(name, args)
@@ -180,6 +185,13 @@ def _module_stack(parts: list[nn.Module], recorder: _Recorder) -> Iterator[None]
         return hook
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns None: output unchanged
+        """The forward hook closing a module: its name leaves the stack.
+
+        Args:
+            module: the module whose forward ended (unused: the stack knows its name).
+            args: its positional inputs (unused).
+            output: its output (unused; returning None keeps it).
+        """
         recorder.stack.pop()
 
     handles = []
@@ -233,7 +245,7 @@ def _categorize(op: str, group: Any) -> str:
     if _ON_CP[0]:
         return f"{op}:cp"
     try:
-        pg = dist.distributed_c10d._resolve_process_group(traffic.group_name(group))
+        pg = dist.distributed_c10d._resolve_process_group(cast("GroupName", traffic.group_name(group)))
         ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
     except (RuntimeError, ValueError, KeyError):
         ranks = ()
@@ -260,9 +272,17 @@ def _cp_collectives() -> contextlib.AbstractContextManager:
 
 
 def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: str, kv_dtypes: set[str]) -> list[Breach]:
-    """The cp collectives of one step against the plan: K/V (floats) gathered in `kv_dtypes`, the
-    attention's activation dtypes (integers: positions, document ids), their gradients summed in
-    `cp_reduce` only; neither missing (call it with cp > 1)."""
+    """The cp collectives of one step against the plan: K/V (floats) gathered in the promised
+    dtypes (integers too: positions, document ids), their gradients summed in `cp_reduce` only;
+    neither missing (call it with cp > 1). Returns the breaches, none when all hold.
+
+    Args:
+        collectives: the step's bytes by collective category ("all_gather:cp", ...) and dtype name.
+        cp_reduce: the dtype name the K/V gradients must be reduce-scattered in (the plan's
+            cp_reduce_dtype).
+        kv_dtypes: the dtype names keys and values may be all-gathered in (their attention's
+            activation dtypes).
+    """
     breaches = []
     gathered = collectives.get("all_gather:cp", {})
     floats = sorted(d for d in gathered if torch.is_floating_point(torch.empty(0, dtype=getattr(torch, d))))
@@ -282,7 +302,14 @@ def check_context_parallel(collectives: dict[str, dict[str, int]], cp_reduce: st
 def check_expert_parallel(collectives: dict[str, dict[str, int]], dispatch: str, holds_experts: bool) -> list[Breach]:
     """EP's all-to-alls of one step against the plan: token rows (floats) only in `dispatch`, the
     counts as integers, nothing on another group, and something seen where this rank holds an
-    expert-parallel layer (`holds_experts`)."""
+    expert-parallel layer. Returns the breaches, none when all hold.
+
+    Args:
+        collectives: the step's bytes by collective category ("all_to_all:ep", ...) and dtype name.
+        dispatch: the dtype name tokens must be dispatched and combined in; "none" when the plan
+            has no expert parallel (then any float all-to-all is a breach).
+        holds_experts: whether this rank holds an expert-parallel layer (it must see the tokens).
+    """
     floats = sorted(
         d for d in collectives.get(_EP_A2A, {}) if torch.empty(0, dtype=getattr(torch, d)).is_floating_point()
     )
@@ -325,7 +352,14 @@ def check_cross_group(seen: dict[str, dict[str, list[str]]], plan: PrecisionPlan
     """torchft's cross-group all-reduces of one audited step against the plan: under DiLoCo
     (plan.sync_steps) the pseudo-gradient in pseudo_gradient_dtype, else each gradient dtype in
     cross_group_dtype of it; the other kind never, and the promised one seen where this rank
-    `sends` (holds trained parameters). Without fault tolerance, none."""
+    sends. Without fault tolerance, none. Returns the breaches.
+
+    Args:
+        seen: per kind ("gradients", "pseudo_gradient"), the dtype of the values sent -> the wire
+            dtypes seen (CrossGroupWires.result).
+        plan: the precision plan the step ran under.
+        sends: whether this rank holds trained parameters (and so must send something).
+    """
     if not plan.replica_groups:
         return [
             Breach(
@@ -510,13 +544,22 @@ class Auditor:
         breaches: list[Breach] = []
 
         def expect(what: str, promised: set[str], seen: list[str]) -> None:
+            """A breach when something was seen outside what was promised.
+
+            Args:
+                what: the breach's subject, as the table names it.
+                promised: the dtype names the plan allows.
+                seen: the dtype names recorded (none seen is no breach here).
+            """
             if seen and not set(seen) <= promised:
                 breaches.append(Breach(what, sorted(promised), seen))
 
         for name, ops in r.modules.items():
             module = self.named.get(name)
             # Linears, MoE routers (router_dtype) and grouped experts (Linears in another form).
-            if isinstance(module, nn.Linear) or plan.routes(module) or getattr(module, "safe_as", None):
+            if module is not None and (
+                isinstance(module, nn.Linear) or plan.routes(module) or getattr(module, "safe_as", None)
+            ):
                 expect(
                     f"{name}: forward matmul", {dtype_name(plan.compute_dtype(module))}, ops.get("forward matmul", [])
                 )
@@ -631,8 +674,15 @@ def write(result: AuditResult, dump_folder: str) -> Path:
 
 
 def audit_step(auditor: Auditor, step: Callable[[], None], dump_folder: str, is_logging_rank: bool) -> AuditResult:
-    """`mixed_precision.audit`: one train step, `step()`, recorded and checked by `auditor`; the
-    logging rank writes precision_audit.json and logs the table."""
+    """`mixed_precision.audit`: one train step recorded and checked; the logging rank writes
+    precision_audit.json and logs the table. Returns the audit's result.
+
+    Args:
+        auditor: records the step and checks it against the plan.
+        step: runs one train step.
+        dump_folder: the job's output folder, where precision_audit.json goes.
+        is_logging_rank: whether this rank writes the file and logs the table.
+    """
     result = auditor.run(step)
     if is_logging_rank:
         path = write(result, dump_folder)

@@ -45,15 +45,28 @@ def edge_patterns(n_layers: int, edge: int) -> tuple[str, ...]:
 
 
 def skip_patterns(skip: Iterable[str], edge: int, n_layers: int) -> tuple[str, ...]:
+    """Every fnmatch pattern a recipe keeps out: the configured ones, then the edge blocks'.
+
+    Args:
+        skip: the configured patterns (mixed_precision.block_scaled_skip_modules).
+        edge: how many blocks at each end are kept out (block_scaled_edge_layers); 0 for none.
+        n_layers: the model's number of transformer blocks.
+    """
     return (*skip, *edge_patterns(n_layers, edge))
 
 
 def is_block_scaled_linear(
     name: str, module: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...]
 ) -> bool:
-    """Whether `module` (named `name` in the whole model) runs block-scaled: an nn.Linear (a
-    BlockScaledLinear is one) not kept fp32 by name, not frozen, and matching no skip pattern
-    (`skip_patterns`: the configured ones and the edge blocks)."""
+    """Whether `module` runs block-scaled: an nn.Linear (a BlockScaledLinear is one) not kept fp32
+    by name, not frozen, and matching no skip pattern.
+
+    Args:
+        name: the module's name in the whole model.
+        module: the module asked about.
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none") answers False.
+        skip: every pattern kept out (`skip_patterns`: the configured ones and the edge blocks).
+    """
     return (
         recipe is not None
         and isinstance(module, nn.Linear)
@@ -66,9 +79,17 @@ def is_block_scaled_linear(
 def is_block_scaled_experts(
     name: str, module: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], experts: bool
 ) -> bool:
-    """Whether the grouped experts `module` (named `name`) run block-scaled: the recipe is on,
-    mixed_precision.block_scaled_experts asks for the experts, and the same exclusions as a Linear
-    (fp32 by name, frozen, a skip pattern or an edge block)."""
+    """Whether the grouped experts `module` run block-scaled: the recipe is on, the experts are
+    asked for, and the same exclusions as a Linear (fp32 by name, frozen, a skip pattern or an
+    edge block) keep them in.
+
+    Args:
+        name: the module's name in the whole model.
+        module: the module asked about (a GroupedExperts, else the answer is False).
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none") answers False.
+        skip: every pattern kept out (`skip_patterns`: the configured ones and the edge blocks).
+        experts: mixed_precision.block_scaled_experts: the routed experts are in the recipe too.
+    """
     return (
         experts
         and recipe is not None
@@ -94,8 +115,16 @@ def check_modules(
 ) -> None:
     """Every configured skip pattern names a Linear (or, with `experts`, grouped experts) of the
     model (a typo would convert it), the recipe converts at least one Linear (edge blocks and
-    skips can cover them all), and `experts` (mixed_precision.block_scaled_experts) has grouped
-    experts to convert."""
+    skips can cover them all), and `experts` has grouped experts to convert. Raises
+    PrecisionError naming the first that fails.
+
+    Args:
+        model: the whole model, before conversion.
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none"): nothing to check.
+        skip: fnmatch patterns of module names kept out (mixed_precision.block_scaled_skip_modules).
+        edge: the first and last `edge` transformer blocks kept out (block_scaled_edge_layers).
+        experts: mixed_precision.block_scaled_experts: the routed experts are in the recipe too.
+    """
     if recipe is None:
         return
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -136,9 +165,19 @@ def check_tensor_parallel(
 ) -> None:
     """Under tensor parallel every converted Linear's sharded dim splits into whole blocks: its
     local length a multiple of the recipe's block (32 MXFP8, 16 NVFP4, 2-D tiles 16), so no block
-    straddles two ranks and each rank quantizes its shard's blocks as one device would.
-    `sharded_dim[name]`: 0 for a column-wise Linear (out_features split: dgrad's reduction dim),
-    1 for a row-wise one (in_features split: the forward's and the 2-D tiles' dim)."""
+    straddles two ranks and each rank quantizes its shard's blocks as one device would. Raises
+    PrecisionError naming the first Linear that does not.
+
+    Args:
+        model: the whole model, before parallelizing.
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none"): nothing to check.
+        skip: fnmatch patterns of module names kept out (mixed_precision.block_scaled_skip_modules).
+        edge: the first and last `edge` transformer blocks kept out (block_scaled_edge_layers).
+        tp: the tensor-parallel degree; 1 checks nothing.
+        sharded_dim: by Linear name, the weight dim tensor parallel splits: 0 for a column-wise
+            Linear (out_features split: dgrad's reduction dim), 1 for a row-wise one (in_features
+            split: the forward's and the 2-D tiles' dim); Linears absent are not split.
+    """
     if recipe is None or tp == 1:
         return
     every = skip_patterns(skip, edge, n_layers_of(model))
@@ -161,9 +200,17 @@ def apply_block_scaled(
     model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int, experts: bool = False
 ) -> list[str]:
     """Swap the model's block-scaled Linears for BlockScaledLinear and, with `experts`, give each
-    block-scaled GroupedExperts a BlockScaledExperts (the whole model, before splitting and
-    parallelizing: the edge blocks are counted on it); returns the converted modules' names. Each
-    gets its own stochastic-rounding stream, numbered in model order."""
+    block-scaled GroupedExperts a BlockScaledExperts; returns the converted modules' names. Each
+    gets its own stochastic-rounding stream, numbered in model order.
+
+    Args:
+        model: the whole model, converted in place before splitting and parallelizing (the edge
+            blocks are counted on it).
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none"): converts nothing.
+        skip: fnmatch patterns of module names kept out (mixed_precision.block_scaled_skip_modules).
+        edge: the first and last `edge` transformer blocks kept out (block_scaled_edge_layers).
+        experts: mixed_precision.block_scaled_experts: the routed experts are in the recipe too.
+    """
     if recipe is None:
         return []
     every = skip_patterns(skip, edge, n_layers_of(model))
@@ -189,7 +236,14 @@ def apply_block_scaled(
 def apply_torchao(model: nn.Module, recipe: BlockScaledRecipe | None, skip: tuple[str, ...], edge: int) -> list[str]:
     """Swap the model's block-scaled Linears (`is_block_scaled_linear`) for torchao's training
     modules (lowbit/torchao_kernels.py), keeping their Parameters; returns their names. Every
-    shape is checked before any module is swapped."""
+    shape is checked before any module is swapped.
+
+    Args:
+        model: the whole model, converted in place before splitting and parallelizing.
+        recipe: the plan's block-scaled recipe; None (block_scaled = "none"): converts nothing.
+        skip: fnmatch patterns of module names kept out (mixed_precision.block_scaled_skip_modules).
+        edge: the first and last `edge` transformer blocks kept out (block_scaled_edge_layers).
+    """
     if recipe is None:
         return []
     every = skip_patterns(skip, edge, n_layers_of(model))
@@ -219,12 +273,18 @@ def seed_step(parts: list[nn.Module], step: int, rank: int) -> None:
     """Seed every stochastically rounding BlockScaledLinear's and BlockScaledExperts' generator
     from (recipe seed, its stream, `step`, `rank`) before the step: the draws then depend on the
     step number and the rank alone, so a run resumed from a checkpoint on the same layout draws
-    what the uninterrupted run drew, with no generator state saved. `rank` (trainer.run.sr_rank) tells
-    apart the ranks that round different values of one step: data-parallel ranks (fault-tolerant
-    replica groups included), context-parallel and tensor-parallel ranks. With one key for all of
-    them, every data-parallel rank drew the same numbers, so a gradient of consistent sign got
-    correlated rounding errors across ranks, which the gradient mean does not average out;
-    independent draws do (tests/test_blockscaled_train.py)."""
+    what the uninterrupted run drew, with no generator state saved.
+
+    Args:
+        parts: the model parts this rank holds.
+        step: the step about to run.
+        rank: trainer.run.sr_rank, telling apart the ranks that round different values of one
+            step: data-parallel ranks (fault-tolerant replica groups included), context-parallel
+            and tensor-parallel ranks. With one key for all of them every data-parallel rank
+            would draw the same numbers, and a gradient of consistent sign would get rounding
+            errors correlated across ranks, which the gradient mean does not average out;
+            independent draws do (tests/test_blockscaled_train.py).
+    """
     for part in parts:
         for holder, device in _sr_holders(part):
             if holder.recipe.stochastic_rounding:
@@ -249,7 +309,13 @@ def summary(
 ) -> dict[str, Any] | None:
     """The report's block_scaled section: each converted module's format per pass (a grouped
     experts module per weight: its three GEMMs per expert), the Linears and experts kept out
-    (they compute in the plan's dtype)."""
+    (they compute in the plan's dtype); None when the recipe is None.
+
+    Args:
+        recipe: the plan's block-scaled recipe, or None (block_scaled = "none").
+        emulated: whether the GEMMs are emulated (True) or run on torchao's kernels (False).
+        named: the model's modules with their names, after conversion.
+    """
     if recipe is None:
         return None
     modules = {n: recipe.describe() for n, m in named if isinstance(m, BlockScaledLinear)}
@@ -300,7 +366,14 @@ def check_gemms(
 ) -> list[tuple[str, list[str], list[str]]]:
     """(what, promised, seen) for each breach: a promised module whose forward, dgrad or wgrad GEMM
     was not seen in the recipe's format (or not seen block-scaled at all), a kept-out module
-    that ran a block-scaled GEMM. `seen`: module -> pass -> distinct operand lists."""
+    that ran a block-scaled GEMM.
+
+    Args:
+        seen: the GEMMs one step ran: module -> pass -> distinct operand lists.
+        promised: names of the modules (Linears, experts' weights) the plan runs block-scaled.
+        kept_out: names of the modules the plan keeps in its compute dtype.
+        recipe: the block-scaled recipe the promised GEMMs must be in.
+    """
     want = {p: _words(ops) for p, ops in promised_operands(recipe).items()}
     breaches = []
     for name in sorted(promised):

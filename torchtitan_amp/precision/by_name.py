@@ -56,5 +56,5 @@ def align_tied_modules(plan: PrecisionPlan, model: nn.Module) -> list[str]:
         elif matmuls:
             for _, m in group:
                 if not plan.is_safe(m):
-                    m.safe_as = type(matmuls[0])  # read by PrecisionPlan.is_safe
+                    m.safe_as = type(matmuls[0])  # type: ignore[assignment]  # stubs: Tensor or Module; read by PrecisionPlan.is_safe
     return tagged

@@ -27,7 +27,14 @@ class CompressHookState:
 
 
 def comm_hook_state(plan: PrecisionPlan, model: nn.Module, group: dist.ProcessGroup | None) -> CompressHookState | None:
-    """State for `compress_hook` on the DDP path, or None when gradients travel in fp32."""
+    """State for `compress_hook` on the DDP path, or None when gradients travel in fp32.
+
+    Args:
+        plan: the precision plan: its comm_hook, reduce_dtype and lower-precision-safe modules.
+        model: the model DDP replicates, whose safe modules' gradients travel in reduce_dtype.
+        group: the data-parallel process group the gradients are averaged over; None: the
+            default group.
+    """
     if plan.comm_hook == "none":
         return None
     low = {id(p) for m in model.modules() if plan.is_safe(m) for p in m.parameters(recurse=False)}
@@ -66,7 +73,7 @@ def _scatter(buffer: torch.Tensor, ranges: list[tuple[int, int]], flat: torch.Te
 
 # No annotations on purpose: DDP compares them to the real classes, and this module's postponed
 # annotations are strings.
-def compress_hook(state, bucket):  # type: ignore[no-untyped-def]
+def compress_hook(state, bucket):  # type: ignore[no-untyped-def, unused-ignore]  # untyped: see above
     """All-reduce safe modules' gradients in `state.dtype`, the rest in fp32; return fp32.
 
     torch's bf16_compress_hook refuses non-NCCL backends by name and casts whole buckets, so it
@@ -101,4 +108,5 @@ def compress_hook(state, bucket):  # type: ignore[no-untyped-def]
 
 def install_comm_hook(model: nn.Module, state: CompressHookState | None) -> None:
     if state is not None:
-        model.register_comm_hook(state, compress_hook)
+        # replicate() gives the module register_comm_hook by swapping its class, out of the stubs' sight
+        model.register_comm_hook(state, compress_hook)  # type: ignore[operator]

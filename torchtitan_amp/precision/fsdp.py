@@ -22,8 +22,15 @@ def fsdp_policy(
 ) -> MixedPrecisionPolicy:
     """Policy for one `fully_shard` group: safe modules in param/reduce dtype, others fp32.
 
-    Transformer blocks pass `cast_forward_inputs=False` and get `cast_block_inputs` instead:
-    FSDP's own input cast converts every floating argument, the rotary cos/sin tables too.
+    Args:
+        plan: the precision plan; off the "fsdp" path the policy casts nothing.
+        low_precision: whether the group's modules are lower-precision safe (param / reduce
+            dtype) or kept in fp32 (fp32 in and compute, param dtype out).
+        output_dtype: the dtype the group's outputs are cast to; None leaves them (an fp32
+            group then returns param dtype, so the low-precision ops around it continue).
+        cast_forward_inputs: whether FSDP casts the group's floating inputs to param dtype.
+            Transformer blocks pass False and get `cast_block_inputs` instead: FSDP's own input
+            cast converts every floating argument, the rotary cos/sin tables too.
     """
     if plan.path != "fsdp":
         return MixedPrecisionPolicy(output_dtype=output_dtype)

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 Path_ = Literal["fsdp", "autocast", "full"]
+CommHook = Literal["bf16_compress", "fp16_compress", "none"]
+ScalerName = Literal["none", "GradScaler", "ShardedGradScaler"]
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
@@ -299,19 +301,59 @@ def _choose_path(enabled: bool, param: torch.dtype, reduce: torch.dtype, dims: P
     return "autocast"
 
 
-def _comm_hook(path: Path_, reduce: torch.dtype, dims: ParallelDims) -> str:
+def _comm_hook(path: Path_, reduce: torch.dtype, dims: ParallelDims) -> CommHook:
     """DDP's gradient compress hook: only on the autocast path, when gradients travel below fp32."""
     if path == "autocast" and dims.ddp_enabled and reduce != torch.float32:
         return "bf16_compress" if reduce == torch.bfloat16 else "fp16_compress"
     return "none"
 
 
-def _grad_scaler(param: torch.dtype, path: Path_, dims: ParallelDims) -> str:
+def _grad_scaler(param: torch.dtype, path: Path_, dims: ParallelDims) -> ScalerName:
     """fp16 needs a loss scale. Ranks holding different gradient shards (FSDP, TP, PP) must agree
     on inf/nan, or some would step while others skip; ShardedGradScaler all-reduces found_inf."""
     if param != torch.float16 or path == "full":
         return "none"
     return "ShardedGradScaler" if path == "fsdp" or dims.tp_enabled or dims.pp_enabled else "GradScaler"
+
+
+def _notes(config: JobConfig, dims: ParallelDims, grad_scaler: ScalerName, enabled: bool) -> tuple[str, ...]:
+    """The start-up notes: settings that were given but have no effect in this job."""
+    notes = []
+    if grad_scaler == "none" and enabled and "mixed_precision.init_scale" in config.explicit:
+        notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
+    if config.mixed_precision.enabled is False:
+        notes.append("mixed_precision.enabled = false: every path trains in one dtype")
+    if "mixed_precision.cp_reduce_dtype" in config.explicit and not dims.cp_enabled:
+        notes.append("mixed_precision.cp_reduce_dtype has no effect: context_parallel_degree is 1")
+    return tuple(notes)
+
+
+def _scaler_kwargs(config: JobConfig) -> dict[str, float]:
+    """The loss scaler's settings, as torch's GradScaler takes them."""
+    mp = config.mixed_precision
+    return {
+        "init_scale": mp.init_scale,
+        "growth_factor": mp.growth_factor,
+        "backoff_factor": mp.backoff_factor,
+        "growth_interval": mp.growth_interval,
+    }
+
+
+def _check_plan_composes(plan: PrecisionPlan, config: JobConfig) -> None:
+    """Decisions that cannot run together with the rest of the job: each a config error."""
+    if plan.replica_groups and plan.grad_scaler != "none":
+        # Each group's gradients would cross groups scaled by its own loss scale, and a healed
+        # group would start from init_scale: the average would mix scales.
+        raise PrecisionError(
+            "float16 loss scaling is not supported with fault_tolerance.enable: train in "
+            "bfloat16 (mixed_precision.param_dtype = 'bfloat16')"
+        )
+    if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
+        raise PrecisionError(
+            "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
+            "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
+            "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'"
+        )
 
 
 @dataclass(frozen=True)
@@ -323,8 +365,8 @@ class PrecisionPlan:
     reduce_dtype: torch.dtype
     output_dtype: torch.dtype
     safe_modules: tuple[type[nn.Module], ...]
-    comm_hook: Literal["bf16_compress", "fp16_compress", "none"]
-    grad_scaler: Literal["none", "GradScaler", "ShardedGradScaler"]
+    comm_hook: CommHook
+    grad_scaler: ScalerName
     scaler_kwargs: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     # mixed_precision.enabled as configured: "true", "false", "auto" (or "auto, param_dtype = X
@@ -373,11 +415,20 @@ class PrecisionPlan:
         probe: Callable[[str, torch.dtype], LowPrecisionSpeed] | None = low_precision_speed,
         run_kernels: bool = True,
     ) -> PrecisionPlan:
-        """`probe` answers whether a low-precision matmul is native on `device_type` (measured
-        on CPU); None when there is no hardware to ask (a dry run sizing a GPU job): then
-        `mixed_precision.enabled = "auto"` means on. `run_kernels` False (the launcher's
-        pre-flight): the fp8 and block-scaled probes read the GPU's capability and run no kernel
-        (no CUDA context before torchrun starts); the ranks run them."""
+        """The plan for a job: its path, dtypes, low-bit formats and the start-up line saying why.
+        Raises PrecisionError for a setting this job cannot honour.
+
+        Args:
+            config: the job's configuration (mixed_precision, training.dtype, optimizer, ...).
+            dims: the job's parallel layout, which picks the path, the hook and the scaler.
+            device_type: the torch device type the job trains on ("cuda", "cpu", ...).
+            probe: answers whether a low-precision matmul is native on `device_type` (measured
+                on CPU); None when there is no hardware to ask (a dry run sizing a GPU job):
+                then `mixed_precision.enabled = "auto"` means on.
+            run_kernels: False in the launcher's pre-flight: the fp8 and block-scaled probes read
+                the GPU's capability and run no kernel (no CUDA context before torchrun starts);
+                the ranks run them.
+        """
         mp = config.mixed_precision
         storage = _DTYPES[config.training.dtype]
         # Mixed precision asked for, or left to "auto" (pure low precision is the "full" path).
@@ -386,7 +437,7 @@ class PrecisionPlan:
         setting = _setting_name(config)
         low = _DTYPES[mp.param_dtype] if asked else storage  # what the matmuls would run in
         speed = probe(device_type, low) if probe is not None and low != torch.float32 else None
-        enabled, notes, warnings = asked, [], []
+        enabled, warnings = asked, []
         if speed is not None and not speed.native:
             if setting == "auto" and asked:
                 enabled = False
@@ -398,12 +449,6 @@ class PrecisionPlan:
             _check_device_support(device_type, param)
         path = _choose_path(enabled, param, reduce, dims)
         grad_scaler = _grad_scaler(param, path, dims)
-        if grad_scaler == "none" and enabled and "mixed_precision.init_scale" in config.explicit:
-            notes.append("loss-scaling settings are ignored: only float16 needs a loss scale")
-        if mp.enabled is False:
-            notes.append("mixed_precision.enabled = false: every path trains in one dtype")
-        if "mixed_precision.cp_reduce_dtype" in config.explicit and not dims.cp_enabled:
-            notes.append("mixed_precision.cp_reduce_dtype has no effect: context_parallel_degree is 1")
         router = _router_dtype(config, enabled, storage)
         decision = _decision_line(setting, path, param, storage, speed)
         if mp.fp8 != "none":
@@ -425,13 +470,8 @@ class PrecisionPlan:
             safe_modules=resolve_module_classes(mp.lower_precision_safe_modules) if enabled else (),
             comm_hook=_comm_hook(path, reduce, dims),
             grad_scaler=grad_scaler,
-            scaler_kwargs={
-                "init_scale": mp.init_scale,
-                "growth_factor": mp.growth_factor,
-                "backoff_factor": mp.backoff_factor,
-                "growth_interval": mp.growth_interval,
-            },
-            notes=tuple(notes),
+            scaler_kwargs=_scaler_kwargs(config),
+            notes=_notes(config, dims, grad_scaler, enabled),
             enabled_setting=setting,
             speed=speed,
             decision=decision,
@@ -455,19 +495,7 @@ class PrecisionPlan:
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
             **_diloco(config),
         )
-        if plan.replica_groups and plan.grad_scaler != "none":
-            # Each group's gradients would cross groups scaled by its own loss scale, and a healed
-            # group would start from init_scale: the average would mix scales.
-            raise PrecisionError(
-                "float16 loss scaling is not supported with fault_tolerance.enable: train in "
-                "bfloat16 (mixed_precision.param_dtype = 'bfloat16')"
-            )
-        if config.optimizer.implementation == "fused" and not plan.fused_optimizer_ok:
-            raise PrecisionError(
-                "'optimizer.implementation' = 'fused' cannot run float16 with sharded gradients (FSDP, TP "
-                "or PP): torch's ShardedGradScaler hands the fused AdamW an inf flag of shape [1] that its "
-                "0-d step counters cannot take (torch 2.13 fails at the first step); use 'auto' or 'foreach'"
-            )
+        _check_plan_composes(plan, config)
         return plan
 
     # -----------------------------------------------------------------------------------------

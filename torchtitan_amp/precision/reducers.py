@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan
@@ -34,7 +34,7 @@ class PartialGradReducer:
         for p in params:
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-                if any(pl.is_partial() and pl.reduce_op != "sum" for pl in g.placements):
+                if any(pl.is_partial() and cast(Partial, pl).reduce_op != "sum" for pl in g.placements):
                     p.grad = g.redistribute(
                         g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements]
                     )
@@ -46,17 +46,18 @@ class PartialGradReducer:
             self._reduce(group, mesh, dims, wire)
 
     def _reduce(self, params: list[nn.Parameter], mesh: Any, dims: tuple[int, ...], wire: torch.dtype) -> None:
-        grads = [p.grad.to_local() for p in params]
+        partial = [cast(DTensor, p.grad) for p in params]  # __call__ buckets DTensor gradients only
+        grads = [g.to_local() for g in partial]
         flat = torch.cat([g.reshape(-1) for g in grads]).to(wire)
         for dim in dims:
             dist.all_reduce(flat, group=mesh.get_group(dim))
         offset = 0
-        for p, g in zip(params, grads):
+        for p, g, before in zip(params, grads, partial):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-            placements = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            placements = [Replicate() if pl.is_partial() else pl for pl in before.placements]
             p.grad = DTensor.from_local(
-                g, mesh, placements, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+                g, mesh, placements, run_check=False, shape=before.shape, stride=before.stride()
             )
 
 

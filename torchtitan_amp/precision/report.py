@@ -71,11 +71,12 @@ def param_groups(plan: PrecisionPlan, model: nn.Module) -> list[dict[str, Any]]:
         # Off the "full" path storage is fp32: modules outside the safe list compute in it.
         compute = plan.compute_dtype(module)
         # The emulation multiplies in fp32; what the row promises is the recipe's format.
+        experts_mm = getattr(module, "block_scaled_mm", None)  # grouped experts' BlockScaledExperts
         compute_name = (
             module.recipe.format
             if isinstance(module, BlockScaledLinear)
-            else module.block_scaled_mm.recipe.format
-            if getattr(module, "block_scaled_mm", None) is not None
+            else experts_mm.recipe.format
+            if experts_mm is not None
             else dtype_name(compute)
         )
         name = _class_name(_user_class(module))
@@ -244,8 +245,18 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
 def log_and_write_report(
     plan: PrecisionPlan, model: nn.Module, dump_folder: str, is_writer: bool, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """`extra`: sections the job adds (gradient collectives and bytes per parameter, which
-    the memory model computes from this plan)."""
+    """Write the precision report to `dump_folder`/precision_report.json and log its start-up
+    table; returns the report written (the plan's sections and `extra`'s).
+
+    Args:
+        plan: the precision plan the job trains under.
+        model: the model after parallelize, whose modules and parameters the report lists.
+        dump_folder: the job's output folder; created when missing.
+        is_writer: whether this rank writes the file and logs the table (one rank does);
+            every rank computes the report.
+        extra: sections the job adds (gradient collectives and bytes per parameter, which the
+            memory model computes from this plan); None adds none.
+    """
     written = {**report(plan, model), **(extra or {})}
     if is_writer:
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
@@ -262,22 +273,7 @@ def log_and_write_report(
             plan.comm_hook,
             plan.grad_scaler,
         )
-        if (ft := written.get("fault_tolerance")) is not None and ft.get("semi_sync_method") == "diloco":
-            logger.info(
-                "precision: DiLoCo (torchft, up to %d groups): pseudo-gradients averaged every %d steps in "
-                "%s (%s B per sync on this rank); %s",
-                ft["replica_groups"],
-                ft["sync_steps"],
-                ft["pseudo_gradient_dtype"],
-                f"{ft['bytes_per_sync']['this_rank']:,}",
-                ft["outer_optimizer"],
-            )
-        elif ft is not None:
-            logger.info(
-                "precision: cross-group all-reduce (torchft, up to %d groups) in %s",
-                ft["replica_groups"],
-                ", ".join(ft["cross_group_allreduce_dtypes"]),
-            )
+        _log_fault_tolerance(written.get("fault_tolerance"))
         logger.info("  %-40s %12s %8s %8s %8s", "module type", "params", "storage", "compute", "reduce")
         for g in written["param_groups"]:
             logger.info(
@@ -293,30 +289,7 @@ def log_and_write_report(
             opt["update"],
             opt["weight_rounding"],
         )
-        router = written["router"]
-        if router is not None:
-            logger.info(
-                "  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
-                router["routers"],
-                router["router_dtype"],
-                router["parameters"],
-            )
-        ep = written["expert_parallel"]
-        if ep is not None:
-            logger.info(
-                "  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums in float32",
-                ep["degree"],
-                ep["dispatch_dtype"],
-            )
-        cp = written["context_parallel"]
-        if cp is not None:
-            logger.info(
-                "  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
-                "no softmax merge (one attention call per rank)",
-                cp["degree"],
-                cp["kv_all_gather_dtype"],
-                cp["kv_grad_reduce_scatter_dtype"],
-            )
+        _log_experts_and_context_parallel(written)
         for name, by_dtype in written.get("gradient_collectives", {}).items():
             logger.info(
                 "  gradient collective %s: %s per step",
@@ -327,6 +300,56 @@ def log_and_write_report(
         for note in plan.notes:
             logger.info("  note: %s", note)
     return written
+
+
+def _log_fault_tolerance(ft: dict[str, Any] | None) -> None:
+    """The start-up table's torchft line: DiLoCo's pseudo-gradient syncs, or the per-step
+    cross-group all-reduce; nothing without fault tolerance."""
+    if ft is not None and ft.get("semi_sync_method") == "diloco":
+        logger.info(
+            "precision: DiLoCo (torchft, up to %d groups): pseudo-gradients averaged every %d steps in "
+            "%s (%s B per sync on this rank); %s",
+            ft["replica_groups"],
+            ft["sync_steps"],
+            ft["pseudo_gradient_dtype"],
+            f"{ft['bytes_per_sync']['this_rank']:,}",
+            ft["outer_optimizer"],
+        )
+    elif ft is not None:
+        logger.info(
+            "precision: cross-group all-reduce (torchft, up to %d groups) in %s",
+            ft["replica_groups"],
+            ", ".join(ft["cross_group_allreduce_dtypes"]),
+        )
+
+
+def _log_experts_and_context_parallel(written: dict[str, Any]) -> None:
+    """The start-up table's lines for MoE routers, expert parallel and context parallel, each
+    where the job has it."""
+    router = written["router"]
+    if router is not None:
+        logger.info(
+            "  %d MoE routers: logits, scores, top-k and combine weights in %s; parameters %s",
+            router["routers"],
+            router["router_dtype"],
+            router["parameters"],
+        )
+    ep = written["expert_parallel"]
+    if ep is not None:
+        logger.info(
+            "  expert parallel %d: tokens dispatched and combined by all-to-all in %s, weighted sums in float32",
+            ep["degree"],
+            ep["dispatch_dtype"],
+        )
+    cp = written["context_parallel"]
+    if cp is not None:
+        logger.info(
+            "  context parallel %d: K/V all-gathered in %s, their gradients reduce-scattered in %s; "
+            "no softmax merge (one attention call per rank)",
+            cp["degree"],
+            cp["kv_all_gather_dtype"],
+            cp["kv_grad_reduce_scatter_dtype"],
+        )
 
 
 def _log_block_scaled(section: dict[str, Any] | None) -> None:

@@ -68,10 +68,13 @@ class LossScaler:
 
 
 def build_scaler(plan: PrecisionPlan) -> LossScaler:
+    # Keyword arguments by name (init_scale, growth_factor, backoff_factor, growth_interval): typed
+    # dict[str, float], they would be checked against every parameter of the scalers, group included.
+    kwargs: dict[str, Any] = plan.scaler_kwargs
     if plan.grad_scaler == "ShardedGradScaler":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return LossScaler(ShardedGradScaler(plan.device_type, **plan.scaler_kwargs))
+        return LossScaler(ShardedGradScaler(plan.device_type, **kwargs))
     if plan.grad_scaler == "GradScaler":
-        return LossScaler(torch.amp.GradScaler(plan.device_type, **plan.scaler_kwargs))
+        return LossScaler(torch.amp.GradScaler(plan.device_type, **kwargs))
     return LossScaler(None)

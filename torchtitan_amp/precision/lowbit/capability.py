@@ -98,7 +98,15 @@ def _version() -> str:
 def probe_scales(recipe: str, m: int, n: int, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The scales torchao hands torch._scaled_mm under `recipe` for an [m, k] x [k, n] product:
     one fp32 scalar per operand (tensorwise), or one fp32 per row of the left operand ([m, 1])
-    and per column of the right one ([1, n]) (rowwise)."""
+    and per column of the right one ([1, n]) (rowwise); all ones.
+
+    Args:
+        recipe: the float8 recipe, "tensorwise" or "rowwise" (any name starting "rowwise" takes
+            row / column scales).
+        m: rows of the left operand (the product's rows).
+        n: columns of the right operand (the product's columns).
+        device: where the scales are made.
+    """
     if recipe.startswith("rowwise"):
         return torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
     return torch.ones((), device=device), torch.ones((), device=device)
@@ -108,9 +116,14 @@ def probe_scales(recipe: str, m: int, n: int, device: str | torch.device) -> tup
 def fp8_matmul_unsupported(device_type: str, recipe: str = "tensorwise", run_kernel: bool = True) -> str | None:
     """Why `device_type` cannot run `recipe`'s float8 matmuls, or None: a GPU below compute
     capability 8.9 (H100, L40, RTX 4090 and newer have fp8), or a device where a tiny
-    torch._scaled_mm with the recipe's own scale shapes fails. `run_kernel` False (the launcher's
-    pre-flight, which must open no CUDA context before torchrun starts): the capability only; the
-    ranks run the kernel."""
+    torch._scaled_mm with the recipe's own scale shapes fails.
+
+    Args:
+        device_type: the torch device type the job trains on ("cuda", "cpu", ...).
+        recipe: the float8 recipe whose scale shapes the probe uses, "tensorwise" or "rowwise".
+        run_kernel: False in the launcher's pre-flight, which must open no CUDA context before
+            torchrun starts: the capability only is checked; the ranks run the kernel.
+    """
     if device_type == "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device is visible"
@@ -161,8 +174,14 @@ def block_scaled_torchao_missing(fmt: str) -> str | None:
 def block_scaled_kernels_missing(fmt: str, device_type: str, run_kernel: bool = True) -> str | None:
     """Why `device_type` cannot run `fmt`'s block-scaled training kernels through torchao, or None.
     Past the capability and the import, one tiny forward + backward on the device (torchao only
-    warns when its MXFP8 CUDA extension did not load; the step is what fails). `run_kernel` False
-    (the launcher's pre-flight: no CUDA context before torchrun starts): no step; the ranks run it."""
+    warns when its MXFP8 CUDA extension did not load; the step is what fails).
+
+    Args:
+        fmt: the block-scaled format, "mxfp8" or "nvfp4".
+        device_type: the torch device type the job trains on; only "cuda" has the kernels.
+        run_kernel: False in the launcher's pre-flight (no CUDA context before torchrun starts):
+            no step is run; the ranks run it.
+    """
     if device_type != "cuda":
         return f"{device_type} has no MX / NVFP4 tensor cores"
     if not torch.cuda.is_available():
@@ -196,8 +215,15 @@ def tiny_step(fmt: str, device: str) -> None:
 def block_scaled_recipe_refused(
     recipe: BlockScaledRecipe, tensor_parallel: int, gemm_rows: list[tuple[int, str, bool]]
 ) -> str | None:
-    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why'.
-    `gemm_rows`: (tokens, the fields that set them, backward too) of each kind of GEMM the job runs."""
+    """The first setting of `recipe` (or the job) torchao's kernels cannot honour, as 'field: why';
+    None when they honour them all.
+
+    Args:
+        recipe: the block-scaled recipe the plan chose.
+        tensor_parallel: the job's tensor-parallel degree (1: none); the kernel path takes only 1.
+        gemm_rows: one (tokens, the config fields that set them, whether the backward runs it
+            too) for each kind of GEMM the job runs; the tokens must fill the kernels' tiles.
+    """
     if tensor_parallel > 1:
         return (
             "parallelism.tensor_parallel_degree > 1: the torchao kernel path is not wired for tensor "

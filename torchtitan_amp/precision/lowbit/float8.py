@@ -23,6 +23,16 @@ _ALIGNMENT = 16
 
 
 def convertible(name: str, module: nn.Module, skip: tuple[str, ...], keep_fp32: Callable[[nn.Module], bool]) -> bool:
+    """Whether torchao may swap `module` for a Float8Linear: an nn.Linear not kept in fp32, not
+    skipped by name, with both dims multiples of 16 (torch._scaled_mm's alignment).
+
+    Args:
+        name: the module's name in the whole model.
+        module: the module asked about.
+        skip: fnmatch patterns of module names (in the whole model) kept out of fp8
+            (mixed_precision.fp8_skip_modules).
+        keep_fp32: says whether the plan keeps a module in fp32 (tagged by name, or frozen).
+    """
     return (
         isinstance(module, nn.Linear)
         and not keep_fp32(module)
@@ -42,7 +52,16 @@ def convert(
     model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool, keep_fp32: Callable[[nn.Module], bool]
 ) -> list[str]:
     """Swap the convertible Linears of `model` for torchao Float8Linear (not those `keep_fp32`
-    says the plan keeps in fp32); returns their names."""
+    says the plan keeps in fp32); returns their names.
+
+    Args:
+        model: the model, converted in place (before parallelizing).
+        recipe: torchao's float8 recipe name, "tensorwise" or "rowwise".
+        skip: fnmatch patterns of module names (in the whole model) kept out of fp8
+            (mixed_precision.fp8_skip_modules).
+        all_gather: whether FSDP all-gathers the weights in fp8 (tensorwise scaling only).
+        keep_fp32: says whether the plan keeps a module in fp32 (not converted).
+    """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -76,7 +95,15 @@ def _keep_fp32(module: nn.Module) -> bool:
 def check_fp8_modules(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> None:
     """Every fp8 skip pattern names a Linear of the model (a typo would convert it), and no Linear
     whose weight another module shares (a tied output projection) is converted: the embedding
-    would read a weight that fp8 all-gather and torchao's module swap do not keep one tensor."""
+    would read a weight that fp8 all-gather and torchao's module swap do not keep one tensor.
+    Raises PrecisionError naming the first that fails; nothing is checked when fp8 is off.
+
+    Args:
+        model: the model before conversion.
+        recipe: the plan's float8 recipe, "none" (off), "tensorwise" or "rowwise".
+        skip: fnmatch patterns of module names (in the whole model) kept out of fp8
+            (mixed_precision.fp8_skip_modules).
+    """
     if recipe != "none":
         unmatched = unmatched_patterns(model, skip)
         if unmatched:
@@ -95,14 +122,30 @@ def check_fp8_modules(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> N
 
 
 def is_fp8_linear(name: str, module: nn.Module, recipe: str, skip: tuple[str, ...]) -> bool:
-    """Whether `module` (named `name` in the whole model) runs in fp8 under `recipe` with `skip`:
-    the rule apply_fp8 converts by, also true of a Float8Linear it converted (still an nn.Linear)."""
+    """Whether `module` runs in fp8: the rule apply_fp8 converts by, also true of a Float8Linear it
+    converted (still an nn.Linear).
+
+    Args:
+        name: the module's name in the whole model.
+        module: the module asked about.
+        recipe: the plan's float8 recipe, "none" (off), "tensorwise" or "rowwise".
+        skip: fnmatch patterns of module names (in the whole model) kept out of fp8
+            (mixed_precision.fp8_skip_modules).
+    """
     return recipe != "none" and convertible(name, module, skip, _keep_fp32)
 
 
 def apply_fp8(model: nn.Module, recipe: str, skip: tuple[str, ...], all_gather: bool) -> list[str]:
     """Convert the model's fp8 Linears (before parallelizing; not those tagged fp32 by name or
-    frozen); returns their names."""
+    frozen); returns their names (none when `recipe` is "none").
+
+    Args:
+        model: the model, converted in place.
+        recipe: the plan's float8 recipe, "none" (off), "tensorwise" or "rowwise".
+        skip: fnmatch patterns of module names (in the whole model) kept out of fp8
+            (mixed_precision.fp8_skip_modules).
+        all_gather: whether FSDP all-gathers the weights in fp8 (tensorwise scaling only).
+    """
     if recipe == "none":
         return []
     return convert(model, recipe, skip, all_gather, keep_fp32=_keep_fp32)

@@ -44,8 +44,9 @@ nvfp4_quantize) the results are bit-identical on finite random data whose blocks
     k once fp32's spacing at k is coarser than log2 of the excess (|k| >= 5 for 1 + 2^-23): one
     scale lower than the rule, the block's top clamped to 448.
   - torchao's Triton MXFP8 casts with FLOOR (triton_to_mxfp8_dim0 / dim1, which MXFP8Linear's
-    kernels use for column-wise operands) take the exponent of bf16(amax): on an fp32 operand an amax within 2^-9 below a power of two rounds up to it, one
-    scale higher than the rule; on bf16 operands (the plan's) the two agree.
+    kernels use for column-wise operands) take the exponent of bf16(amax): on an fp32 operand an
+    amax within 2^-9 below a power of two rounds up to it, one scale higher than the rule; on bf16
+    operands (the plan's) the two agree.
   - nvfp4_quantize and NVFP4Linear's kernels clamp block scales up to e4m3's smallest normal
     2^-6 (blocks with amax < 2^-6 * 6 * s_t: this rule keeps e4m3 subnormal scales, which round on
     a fixed 2^-9 grid, so such a block's top can land past 6 and clip; torchao's clamp flushes
@@ -73,6 +74,7 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 E2M1_MAX = 6.0
 NVFP4_TENSOR_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688
+ScaleMode = Literal["floor", "rceil"]
 F32_MIN_NORMAL = 2.0**-126
 # Magnitudes of the e2m1 codes 0..7 (bit 3 is the sign).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -230,7 +232,9 @@ def round_e2m1(y: torch.Tensor, generator: torch.Generator | None = None) -> tor
     stochastic rounding, up with probability (|y| - lo) / (hi - lo) from torch.rand(generator),
     so E[result] = y for |y| <= 6 (to the 2^-24 resolution of torch.rand). The sign of y is kept,
     -0 included, as torchao keeps it."""
-    return _round_e2m1_parts(y, generator)[0]
+    codes, _ = _round_e2m1_parts(y, generator)
+    assert codes is not None  # asked for (codes=True)
+    return codes
 
 
 # ----------------------------------------------------------------------------- MXFP8
@@ -254,7 +258,15 @@ def mx_scale_exponent(amax: torch.Tensor, scale_mode: str = "rceil") -> torch.Te
 def quantize_mxfp8(
     x: torch.Tensor, *, block_size: int = MX_BLOCK, scale_mode: str = "rceil", check_finite: bool = True
 ) -> MXFP8Quantized:
-    """MXFP8 (e4m3 elements, E8M0 scales) along the last dim; see the module docstring."""
+    """MXFP8 (e4m3 elements, E8M0 scales) along the last dim; see the module docstring.
+
+    Args:
+        x: the tensor to quantize; its last dim a multiple of `block_size` (pad it with zeros).
+        block_size: elements sharing one scale (32 in the MX spec).
+        scale_mode: the scale rule, "rceil" (the training recipes') or "floor" (the spec's).
+        check_finite: True refuses NaN / inf in `x` (NonFiniteBlockError; one host sync); False
+            gives a block holding one a NaN scale instead.
+    """
     blocks = _blocks(x, block_size, "MXFP8")
     amax, finite = _block_amax(blocks, check_finite, "MXFP8 quantization")
     e = mx_scale_exponent(amax, scale_mode)
@@ -297,7 +309,7 @@ def _nvfp4_parts(
     tensor_amax: torch.Tensor | None,
     check_finite: bool,
     want_codes: bool = True,
-):
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, signed e2m1 values in blocks, block scales e4m3, tensor scale fp32) of x."""
     blocks = _blocks(x, NVFP4_BLOCK, "NVFP4")
     block_amax, finite = _block_amax(blocks, check_finite, "NVFP4 quantization")
@@ -325,10 +337,20 @@ def quantize_nvfp4(
     tensor_amax: torch.Tensor | None = None,
     check_finite: bool = True,
 ) -> NVFP4Quantized:
-    """NVFP4 along the last dim; see the module docstring. `generator` turns on stochastic
-    rounding of the elements (the scales are always RNE); `tensor_amax` overrides the amax the
-    tensor scale is derived from (a delayed or all-reduced amax)."""
+    """NVFP4 along the last dim; see the module docstring.
+
+    Args:
+        x: the tensor to quantize; its last dim a multiple of 16 (both dims with `block_2d`).
+        generator: turns on stochastic rounding of the elements (the scales are always RNE);
+            None rounds to nearest even.
+        block_2d: one scale per 16x16 tile instead of per 1x16 block.
+        tensor_amax: overrides the amax the tensor scale is derived from (a delayed or
+            all-reduced amax); None takes x's own.
+        check_finite: True refuses NaN / inf in `x` (NonFiniteBlockError; one host sync); False
+            gives a block holding one a NaN scale instead.
+    """
     codes, _, s_b, s_t = _nvfp4_parts(x, generator, block_2d, tensor_amax, check_finite)
+    assert codes is not None  # asked for (want_codes=True)
     return NVFP4Quantized(pack_e2m1(codes), s_b, s_t, block_2d)
 
 
@@ -341,7 +363,16 @@ def nvfp4_dequantized(
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_nvfp4(x, ...).dequantize(with_tensor_scale=False) and the tensor scale, without
-    packing and decoding the codes (the emulated GEMM's path; the same bits)."""
+    packing and decoding the codes (the emulated GEMM's path; the same bits).
+
+    Args:
+        x: the tensor to quantize, as quantize_nvfp4 takes it.
+        generator: stochastic rounding of the elements; None rounds to nearest even.
+        block_2d: one scale per 16x16 tile instead of per 1x16 block.
+        tensor_amax: the amax the tensor scale is derived from; None takes x's own.
+        check_finite: True refuses NaN / inf in `x` (NonFiniteBlockError; one host sync); False
+            gives a block holding one a NaN scale instead.
+    """
     _, values, s_b, s_t = _nvfp4_parts(x, generator, block_2d, tensor_amax, check_finite, want_codes=False)
     return (values * s_b.to(torch.float32).unsqueeze(-1)).reshape(x.shape), s_t
 
@@ -363,7 +394,7 @@ class BlockScaledRecipe:
     skips it, otherwise the run stops with its non-finite error. No read of the device either way."""
 
     format: Literal["mxfp8", "nvfp4"]
-    mx_scale_mode: Literal["floor", "rceil"] = "rceil"
+    mx_scale_mode: ScaleMode = "rceil"
     weight_2d: bool = False
     rht: bool = False
     stochastic_rounding: bool = False
@@ -406,8 +437,19 @@ class BlockScaledRecipe:
         }
 
 
-def recipe_of(fmt: str, scale_mode: str, weight_2d: bool, rht: bool, sr: bool, seed: int) -> BlockScaledRecipe | None:
-    """The config's recipe (None: block_scaled = "none"); the nvfp4 options apply to nvfp4 only."""
+def recipe_of(
+    fmt: str, scale_mode: ScaleMode, weight_2d: bool, rht: bool, sr: bool, seed: int
+) -> BlockScaledRecipe | None:
+    """The config's recipe (None: block_scaled = "none"); the nvfp4 options apply to nvfp4 only.
+
+    Args:
+        fmt: mixed_precision.block_scaled: "none", "mxfp8" or "nvfp4".
+        scale_mode: MXFP8's scale rule, "rceil" or "floor" (see the module docstring).
+        weight_2d: NVFP4 weights scaled in 16x16 tiles instead of 1x16 blocks.
+        rht: NVFP4's weight-gradient operands rotated by a 16-point random Hadamard transform.
+        sr: NVFP4's gradient operands rounded stochastically.
+        seed: seeds the RHT signs and each module's stochastic-rounding generator.
+    """
     if fmt == "none":
         return None
     if fmt == "mxfp8":

@@ -27,6 +27,8 @@ one host read of the counts per call (the loop path's), E small fp32 GEMMs per p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
@@ -40,7 +42,26 @@ from torchtitan_amp.precision.lowbit.linear import (
 
 class _GroupedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, sizes, recipe, generator, label):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        sizes: list[int],
+        recipe: BlockScaledRecipe,
+        generator: torch.Generator | None,
+        label: str,
+    ) -> torch.Tensor:
+        """The experts' forward GEMMs, x_e times W_e^T quantized, expert by expert.
+
+        Args:
+            ctx: autograd's context; keeps x, w and the other arguments for backward.
+            x: the tokens [M, K], rows sorted by expert.
+            w: the experts' weights [E, K, N].
+            sizes: rows of x per expert (E counts summing to M).
+            recipe: the block-scaled recipe of the three GEMMs.
+            generator: the stochastic-rounding generator of the gradients (None: no SR).
+            label: names the GEMMs for observers.
+        """
         n = w.shape[-1]
         outs = []
         for e, part in enumerate(x.split(sizes)):
@@ -62,7 +83,7 @@ class _GroupedFn(torch.autograd.Function):
         return torch.cat(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         recipe, label = ctx.recipe, ctx.label
         gen = ctx.generator if recipe.stochastic_rounding else None
@@ -106,10 +127,17 @@ def block_scaled_grouped_mm(
     generator: torch.Generator | None = None,
     label: str = "",
 ) -> torch.Tensor:
-    """x [M, K] (rows sorted by expert, `sizes[e]` of them for expert e) times w [E, K, N] per
-    expert -> [M, N] in x's dtype, all three GEMMs block-scaled (emulated) per expert.
-    `generator` feeds stochastic rounding (required when the recipe asks for it); `label` names
-    the GEMMs for observers (the audit)."""
+    """x [M, K] times w [E, K, N] per expert -> [M, N] in x's dtype, all three GEMMs block-scaled
+    (emulated) per expert.
+
+    Args:
+        x: the tokens [M, K], rows sorted by expert.
+        w: the experts' weights [E, K, N].
+        sizes: rows of x per expert: `sizes[e]` rows for expert e, E counts summing to M.
+        recipe: the block-scaled recipe of the three GEMMs.
+        generator: feeds stochastic rounding; required when the recipe asks for it, else None.
+        label: names the GEMMs for observers (the audit); "" for none.
+    """
     if recipe.stochastic_rounding and generator is None:
         raise ValueError("the recipe rounds gradients stochastically: pass a seeded torch.Generator")
     if len(sizes) != w.shape[0] or sum(sizes) != x.shape[0]:

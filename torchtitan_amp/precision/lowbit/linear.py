@@ -39,13 +39,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torchtitan_amp.precision.lowbit import formats as bs
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe
@@ -73,9 +73,14 @@ def rht_signs(seed: int, n: int = RHT_DIM) -> torch.Tensor:
 
 def rht_matrix(seed: int, n: int = RHT_DIM, device: torch.device | str | None = None) -> torch.Tensor:
     """R = diag(signs) H / sqrt(n), as torchao's get_rht_matrix builds it; R R^T = I exactly.
-    fp32 on `device` (default the CPU), built once per (seed, n, device) and cached: every
-    rotated GEMM of a run takes the same tensor (do not modify it), with no CPU build and copy
-    per GEMM."""
+    fp32, built once per (seed, n, device) and cached: every rotated GEMM of a run takes the same
+    tensor (do not modify it), with no CPU build and copy per GEMM.
+
+    Args:
+        seed: seeds the random signs (the recipe's seed: one sign vector per run).
+        n: the transform's size, a power of two (16, NVIDIA's recipe).
+        device: where the matrix lives; None means the CPU.
+    """
     return _rht_matrix_on(seed, n, torch.device("cpu" if device is None else device))
 
 
@@ -152,11 +157,20 @@ def quantize_operand(
     amax_group: dist.ProcessGroup | None = None,
 ) -> Operand:
     """A 2-D GEMM operand quantized along its last dim: zero-padded to the block (both dims with
-    block_2d), rotated by `rht` in blocks along that dim if given, then quantized; stochastic
-    rounding if `generator`. The padding is kept: the other operand's reduction dim is padded the
-    same way. `amax_group` (a tensor-parallel group holding shards of one logical operand): NVFP4's
-    tensor scale is taken from the amax all-reduced (MAX) over it, the whole operand's, so each
-    shard's blocks quantize as on one device (MXFP8 has no tensor scale)."""
+    block_2d), rotated in blocks along that dim if asked, then quantized. The padding is kept: the
+    other operand's reduction dim is padded the same way.
+
+    Args:
+        t: the 2-D operand; its last dim is the GEMM's reduction dim.
+        recipe: the block-scaled recipe (format, scale rule, finiteness check).
+        generator: rounds the elements stochastically; None rounds to nearest even.
+        block_2d: NVFP4 scales per 16x16 tile (the recipe's 2-D weights) instead of per 1x16 block.
+        rht: the random Hadamard matrix to rotate by (rht_matrix), or None for no rotation.
+        amax_group: a tensor-parallel group holding shards of one logical operand: NVFP4's tensor
+            scale is taken from the amax all-reduced (MAX) over it, the whole operand's, so each
+            shard's blocks quantize as on one device (MXFP8 has no tensor scale); None: this
+            operand's own amax.
+    """
     t = _pad_last(t, recipe.block_size)
     if rht is not None:
         t = apply_rht(t, rht)
@@ -168,7 +182,12 @@ def quantize_operand(
     if recipe.format == "mxfp8":
         q = bs.quantize_mxfp8(t, scale_mode=recipe.mx_scale_mode, check_finite=recipe.check_finite)
         info = OperandInfo(
-            "float8_e4m3fn", "float8_e8m0fnu", (1, bs.MX_BLOCK), tuple(q.scale.shape), rounding, rht is not None
+            "float8_e4m3fn",
+            "float8_e8m0fnu",
+            (1, bs.MX_BLOCK),
+            cast("tuple[int, int]", tuple(q.scale.shape)),  # a 2-D operand's scales; torch.Size has no length type
+            rounding,
+            rht is not None,
         )
         return Operand(q.dequantize(), torch.ones((), device=t.device), info)
     if block_2d:
@@ -193,7 +212,16 @@ def quantize_operand(
 
 def emulated_mm(a: Operand, b: Operand, rows: int, cols: int, what: str = "gemm", module: str = "") -> torch.Tensor:
     """A x B^T -> fp32 (rows, cols): one fp32 GEMM of the dequantized operands (autocast off: the
-    emulation decides the dtypes), then alpha = s_a * s_b. Observers get a GemmRecord."""
+    emulation decides the dtypes), then alpha = s_a * s_b. Observers get a GemmRecord.
+
+    Args:
+        a: the left operand, quantized along the reduction dim (quantize_operand).
+        b: the right operand, transposed, quantized along the same dim.
+        rows: the product's rows before padding (the padded rows are cut off).
+        cols: the product's columns before padding.
+        what: the GEMM's pass for observers: "forward", "dgrad", "wgrad" (or "gemm").
+        module: the name of the module the GEMM belongs to, for observers; "" when unnamed.
+    """
     with torch.autocast(a.values.device.type, enabled=False):
         out = a.values @ b.values.t()
     for observe in list(_OBSERVERS):
@@ -222,7 +250,29 @@ def _quantized_weight(
 
 class _BlockScaledLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, generator, label, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: BlockScaledRecipe,
+        generator: torch.Generator | None,
+        label: str,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        """The forward GEMM, Q(x) Q(W)^T, plus the bias.
+
+        Args:
+            ctx: autograd's context; keeps x, weight and the other arguments for backward.
+            x: the input [..., K].
+            weight: the Linear's weight [N, K].
+            bias: the Linear's bias [N], or None.
+            recipe: the block-scaled recipe of the three GEMMs.
+            generator: the stochastic-rounding generator of the gradients (None: no SR).
+            label: names the GEMMs for observers.
+            group: the tensor-parallel group whose all-reduced amaxes give NVFP4's tensor scales,
+                or None.
+        """
         x2 = x.reshape(-1, x.shape[-1])
         out = emulated_mm(
             quantize_operand(x2, recipe, amax_group=group),
@@ -246,7 +296,7 @@ class _BlockScaledLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         recipe, group = ctx.recipe, ctx.group
         gen = ctx.generator if recipe.stochastic_rounding else None
@@ -283,10 +333,19 @@ def block_scaled_linear(
     label: str = "",
     amax_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """F.linear with all three GEMMs block-scaled (emulated). `generator` feeds stochastic
-    rounding; required when the recipe asks for it. `label` names the GEMMs' module for observers.
-    `amax_group`: x, weight and the output gradient are shards of tensors split over that group
-    (tensor parallel): NVFP4's tensor scales come from all-reduced amaxes (quantize_operand)."""
+    """F.linear with all three GEMMs block-scaled (emulated).
+
+    Args:
+        x: the input [..., K].
+        weight: the Linear's weight [N, K].
+        bias: the Linear's bias [N], or None.
+        recipe: the block-scaled recipe of the three GEMMs.
+        generator: feeds stochastic rounding; required when the recipe asks for it, else None.
+        label: names the GEMMs' module for observers; "" when unnamed.
+        amax_group: x, weight and the output gradient are shards of tensors split over that group
+            (tensor parallel): NVFP4's tensor scales come from all-reduced amaxes
+            (quantize_operand); None on one device.
+    """
     if recipe.stochastic_rounding and generator is None:
         raise ValueError("the recipe rounds gradients stochastically: pass a seeded torch.Generator")
     return _BlockScaledLinearFn.apply(x, weight, bias, recipe, generator, label, amax_group)
@@ -306,8 +365,8 @@ class BlockScaledLinear(nn.Linear):
         *,
         recipe: BlockScaledRecipe,
         sr_stream: int = 0,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
@@ -329,6 +388,13 @@ class BlockScaledLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, sr_stream: int = 0) -> BlockScaledLinear:
+        """A BlockScaledLinear holding `linear`'s own weight and bias Parameters (not copies).
+
+        Args:
+            linear: the Linear converted.
+            recipe: the block-scaled recipe of its GEMMs.
+            sr_stream: numbers the module's stochastic-rounding generator (one per module).
+        """
         new = cls(
             linear.in_features,
             linear.out_features,
@@ -342,17 +408,17 @@ class BlockScaledLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
-            return self._forward_tensor_parallel(x)
+            return self._forward_tensor_parallel(x, self.weight)
         return block_scaled_linear(x, self.weight, self.bias, self.recipe, self.sr_generator(), self.label)
 
-    def _forward_tensor_parallel(self, x: torch.Tensor | DTensor) -> DTensor:
+    def _forward_tensor_parallel(self, x: torch.Tensor | DTensor, w: DTensor) -> torch.Tensor:
         """The emulation on this rank's shards, with DTensor placements on the way out: column-wise
         (W Shard(0): x replicated, the output's columns sharded, dx a partial sum) or row-wise
         (W Shard(1): x sharded along K, the output a partial sum reduced by the style). Each
         block lies inside one shard (block_scaled.check_tensor_parallel), so the operands
         quantize as on one device; only the fp32 sums of a row-wise output and of a column-wise
         dx are split into one partial per rank, rounded to the output dtype and then added."""
-        w, mesh = self.weight, self.weight.device_mesh
+        mesh = w.device_mesh
         if mesh.ndim != 1 or len(w.placements) != 1:
             raise NotImplementedError(
                 f"{self.label}: block-scaled Linear on a {mesh.ndim}-D mesh {w.placements}; "
@@ -361,6 +427,7 @@ class BlockScaledLinear(nn.Linear):
         (place,) = w.placements
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Replicate() if place.is_shard(0) else Shard(x.dim() - 1)], run_check=False)
+        out_place: Placement
         if place.is_shard(0):
             x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             out_place, bias = Shard(x.dim() - 1), self.bias
@@ -387,5 +454,12 @@ RANK_KEY = 0x1E3779B97F4A7C15
 
 def sr_key(seed: int, stream: int, step: int, rank: int) -> int:
     """A stochastic-rounding generator's seed: (recipe seed, module stream, step) as one process
-    has it, plus `rank` times an odd constant (rank 0's key is the one-process key)."""
+    has it, plus `rank` times an odd constant (rank 0's key is the one-process key).
+
+    Args:
+        seed: the recipe's seed.
+        stream: the module's stochastic-rounding stream number.
+        step: the training step.
+        rank: the rank's share of the key (trainer.run.sr_rank); 0 in one process.
+    """
     return ((seed * 1_000_003 + stream) * 1_000_033 + step + rank * RANK_KEY) % 2**63

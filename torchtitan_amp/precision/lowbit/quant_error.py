@@ -144,9 +144,14 @@ def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, *, grad: bool = False, seed: int = 0) -> tuple[torch.Tensor, _Quantized]:
-    """(q(x) in x's basis and shape, fp32; the quantizer's view) for `fmt` of FORMATS. `grad`: the
-    operand is a gradient (fp8 tensorwise then uses e5m2, as torchao does); `seed` seeds SR and the
-    RHT signs."""
+    """(q(x) in x's basis and shape, fp32; the quantizer's view) for `fmt` of FORMATS.
+
+    Args:
+        x: the 2-D floating operand, quantized along its last dim.
+        fmt: one of FORMATS ("bf16", "fp8 tensorwise", "mxfp8 rceil", "nvfp4 16x16 RHT SR", ...).
+        grad: the operand is a gradient (fp8 tensorwise then uses e5m2, as torchao does).
+        seed: seeds stochastic rounding and the RHT signs, where the format has them.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, not {fmt!r}")
     if x.dim() != 2 or not x.is_floating_point():
@@ -183,7 +188,14 @@ def _rotate(t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def quant_error(x: torch.Tensor, fmt: str, *, grad: bool = False, seed: int = 0) -> QuantError:
-    """The error of `fmt` on the 2-D operand `x` (see the module docstring)."""
+    """The error of `fmt` on the 2-D operand `x` (see the module docstring).
+
+    Args:
+        x: the 2-D floating operand, quantized along its last dim.
+        fmt: one of FORMATS.
+        grad: the operand is a gradient (fp8 tensorwise then uses e5m2, as torchao does).
+        seed: seeds stochastic rounding and the RHT signs, where the format has them.
+    """
     x = x.detach().to(torch.float32)
     q, quant = fake_quantize(x, fmt, grad=grad, seed=seed)
     seen = quant.values  # flushing is what the quantizer produced: zeros in its own basis

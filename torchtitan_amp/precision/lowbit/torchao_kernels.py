@@ -36,7 +36,7 @@ which runs on CPU. Only MXFP8Linear has it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -79,8 +79,14 @@ def _mxfp8_module(linear: nn.Linear, recipe: BlockScaledRecipe) -> nn.Linear:
 
 def sr_seed(recipe: BlockScaledRecipe, stream: int, rank: int = 0) -> int:
     """The module's SR key as an int64: the emulation's per-module seed rule, with the rank's
-    (trainer.run.sr_rank) share folded in as lowbit/linear.py's sr_key does, so that data-parallel
-    ranks do not draw alike (rank 0 keeps the one-process key)."""
+    share folded in as lowbit/linear.py's sr_key does, so that data-parallel ranks do not draw
+    alike (rank 0 keeps the one-process key).
+
+    Args:
+        recipe: the block-scaled recipe, whose seed the key starts from.
+        stream: the module's stochastic-rounding stream number.
+        rank: the rank's share (trainer.run.sr_rank); 0 in one process.
+    """
     s = (recipe.seed * 1_000_003 + stream + rank * RANK_KEY) % 2**64
     return s - 2**64 if s >= 2**63 else s
 
@@ -107,11 +113,12 @@ def _nvfp4_module(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> 
 def fill_buffers(module: nn.Module) -> None:
     """An NVFP4Linear's RHT signs and SR key from the recipe: after the model is materialized
     (to_empty leaves its buffers uninitialised, and init_weights knows nothing of them)."""
-    recipe = module.block_scaled_recipe
+    m: Any = module  # torchao's NVFP4Linear (imported lazily), with the attributes _nvfp4_module set
+    recipe = m.block_scaled_recipe
     with torch.no_grad():
-        module._rht_sign_vector.copy_(rht_signs(recipe.seed).to(torch.int8))
-        module._sr_seed.fill_(sr_seed(recipe, module.sr_stream, getattr(module, "sr_rank", 0)))
-    module._refresh_rht_sign_vector_tuple()
+        m._rht_sign_vector.copy_(rht_signs(recipe.seed).to(torch.int8))
+        m._sr_seed.fill_(sr_seed(recipe, m.sr_stream, getattr(m, "sr_rank", 0)))
+    m._refresh_rht_sign_vector_tuple()
 
 
 def materialized(parts: list[nn.Module], rank: int = 0) -> None:
@@ -120,12 +127,19 @@ def materialized(parts: list[nn.Module], rank: int = 0) -> None:
     for part in parts:
         for m in part.modules():
             if type(m).__name__ == "NVFP4Linear" and hasattr(m, "block_scaled_recipe"):
-                m.sr_rank = rank
+                m.sr_rank = rank  # type: ignore[assignment]  # a plain attribute; nn.Module's stubs type them Tensor | Module
                 fill_buffers(m)
 
 
 def check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
-    """Both dims of a converted Linear in whole tiles of torchao's kernels (they do not pad)."""
+    """Both dims of a converted Linear in whole tiles of torchao's kernels (they do not pad);
+    raises PrecisionError naming the Linear otherwise.
+
+    Args:
+        name: the Linear's name in the model, for the error.
+        linear: the Linear about to be converted.
+        fmt: the block-scaled format, "mxfp8" (32-wide tiles) or "nvfp4" (128-wide).
+    """
     tile = bs.MX_BLOCK if fmt == "mxfp8" else NVFP4_TILE
     if linear.in_features % tile or linear.out_features % tile:
         raise PrecisionError(
@@ -137,7 +151,13 @@ def check_shape(name: str, linear: nn.Linear, fmt: str) -> None:
 
 def torchao_linear(linear: nn.Linear, recipe: BlockScaledRecipe, stream: int) -> nn.Linear:
     """torchao's training module for `linear` under `recipe` (its shape checked by `check_shape`),
-    keeping its Parameters and its tags; `stream` numbers its stochastic-rounding key."""
+    keeping its Parameters and its tags.
+
+    Args:
+        linear: the Linear converted.
+        recipe: the block-scaled recipe; its format picks MXFP8Linear or NVFP4Linear.
+        stream: numbers the module's stochastic-rounding key (NVFP4).
+    """
     new = _mxfp8_module(linear, recipe) if recipe.format == "mxfp8" else _nvfp4_module(linear, recipe, stream)
     new.weight, new.bias = linear.weight, linear.bias
     for tag in (FP32_BY_NAME, FROZEN):
@@ -153,15 +173,16 @@ def is_torchao_module(module: nn.Module) -> bool:
 def settings_of(module: nn.Module) -> dict[str, Any]:
     """What a converted module will run, in the recipe's words (for the report and the audit)."""
     name = type(module).__name__
+    m: Any = module  # torchao's module (imported lazily): its attributes are untyped here
     if name == "MXFP8Linear":
         return {
             "module": name,
-            "scale_mode": module.scale_calculation_mode.value,
-            "wgrad": "hp" if module.wgrad_with_hp else "mxfp8",
-            "kernels": module.kernel_preference.value,
+            "scale_mode": m.scale_calculation_mode.value,
+            "wgrad": "hp" if m.wgrad_with_hp else "mxfp8",
+            "kernels": m.kernel_preference.value,
         }
     if name == "NVFP4Linear":
-        return {"module": name, "rht_signs": list(module.rht_sign_vector), "kernels": module.kernel_preference.value}
+        return {"module": name, "rht_signs": list(m.rht_sign_vector), "kernels": m.kernel_preference.value}
     return {"module": name}
 
 
@@ -192,10 +213,17 @@ def summary(recipe: BlockScaledRecipe | None, named: list[tuple[str, nn.Module]]
 
 
 def check_modules(
-    named: dict[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str], recipe: BlockScaledRecipe
+    named: Mapping[str, nn.Module], promised: Iterable[str], kept_out: Iterable[str], recipe: BlockScaledRecipe
 ) -> list[tuple[str, list[str], list[str]]]:
     """(what, promised, seen) for each promised module that is not torchao's module with the
-    recipe's settings, and each kept-out module that is one."""
+    recipe's settings, and each kept-out module that is one.
+
+    Args:
+        named: the model's modules by name (the whole model's).
+        promised: names of the Linears the plan converts.
+        kept_out: names of the Linears the plan keeps out (in its compute dtype).
+        recipe: the block-scaled recipe the converted modules must run.
+    """
     want = promised_settings(recipe)
     breaches = []
     for name in sorted(promised):
