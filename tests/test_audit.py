@@ -1,4 +1,4 @@
-"""The precision audit (issue 18): one real step with recorders on, checked against the plan.
+"""The precision audit: one real step with recorders on, checked against the plan.
 
 It passes on every layout x precision of the numerics matrix that a 2-core CPU runs in seconds
 (single, DDP 2, FSDP 2, TP 2, PP 2, HSDP 2x2, FSDP 2 x TP 2, CP 2, FSDP 2 x CP 2; bf16, bf16
@@ -46,7 +46,7 @@ PRECISIONS = {
     "pure_bf16": ["--mixed_precision.enabled", "false", "--training.dtype", "bfloat16"],
     "fp16": ["--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float16"],
     "fp8": [*BF16, "--mixed_precision.fp8", "tensorwise"],
-    # Per-module override by name (issue 17): the head and the first block stay fp32.
+    # Per-module override by name: the head and the first block stay fp32.
     "fp32_names": [
         *BF16,
         "--mixed_precision.reduce_dtype",
@@ -54,7 +54,7 @@ PRECISIONS = {
         "--mixed_precision.fp32_module_names",
         "output,layers.0",
     ],
-    # Frozen modules in bf16 (issue 17): no gradient, so nothing of theirs on the wire.
+    # Frozen modules in bf16: no gradient, so nothing of theirs on the wire.
     "frozen": [
         *BF16,
         "--mixed_precision.reduce_dtype",

@@ -1,4 +1,4 @@
-"""Block-scaled formats in emulation (issue 45): MXFP8 and NVFP4 quantization against the specs'
+"""Block-scaled formats in emulation: MXFP8 and NVFP4 quantization against the specs'
 rules on hand-made blocks, bit-equality with torchao's quantizers on random data, stochastic
 rounding (unbiased, reproducible), the random Hadamard transform (cancels), and the emulated
 Linear's three GEMMs against an fp64 reference within the format's error bound.

@@ -1,4 +1,4 @@
-"""Context parallel composed with activation checkpointing and torch.compile (issue 28).
+"""Context parallel composed with activation checkpointing and torch.compile.
 
 - Activation checkpointing (full, and op-level selective) on CP 2, fp32 and bf16, and op-level
   SAC with document masking (block_causal): the same losses and gradient norms as the run

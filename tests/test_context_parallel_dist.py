@@ -1,4 +1,4 @@
-"""Issue 28's proofs for context parallel: every CP layout trains one process's curve, loss by loss
+"""Context parallel's proofs: every CP layout trains one process's curve, loss by loss
 and gradient by gradient.
 
 Same model, data and steps as tests/test_parallelisms.py (debugmodel_tiny, seq 32, 4 sequences per

@@ -1,4 +1,4 @@
-"""Context parallel's cross-rank arithmetic against fp64 (issue 28): the bf16 error must not grow
+"""Context parallel's cross-rank arithmetic against fp64: the bf16 error must not grow
 with the number of cp ranks.
 
 Our CP has no softmax merge (context_parallel.py: one SDPA call per rank over the all-gathered

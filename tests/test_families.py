@@ -1,4 +1,4 @@
-"""Model families (issue 27): model.name picks a registered family, model.flavor is checked
+"""Model families: model.name picks a registered family, model.flavor is checked
 against that family's flavors, --help lists both, and a test-only family (tests/families/
 tiny_gelu: Llama blocks with a GELU MLP) plugs in with one registration. In-process checks; the
 launched ones (train, resume, dry run, Hugging Face round trip) are in test_families_dist.py."""

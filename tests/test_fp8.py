@@ -1,4 +1,4 @@
-"""fp8 training through torchao (issue 18): decided by the precision plan, refused in one line
+"""fp8 training through torchao: decided by the precision plan, refused in one line
 where it cannot hold, trained and resumed for real. torch 2.13 runs torch._scaled_mm on CPU, so
 the fp8 path itself runs here (slowly); what only a GPU shows (speed, nccl fp8 all-gather) is in
 tests/gpu/test_training.py's `fp8` check. The audit of fp8 steps is in test_audit.py.

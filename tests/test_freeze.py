@@ -1,4 +1,4 @@
-"""Frozen parameters in low precision (issue 17): `training.freeze` module-name patterns get no
+"""Frozen parameters in low precision: `training.freeze` module-name patterns get no
 gradient, no optimizer state and no gradient reduction, and are stored in their compute dtype
 (bf16 for the lower-precision-safe Linears in mixed precision, fp32 for the fp32 islands), while
 trained parameters stay fp32. The precision audit of frozen runs on DDP 2, FSDP 2, TP 2 and PP 2

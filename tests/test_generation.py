@@ -1,4 +1,4 @@
-"""Generation (issue 31), in-process: the KV cache against full recompute (Llama and the MoE
+"""Generation, in-process: the KV cache against full recompute (Llama and the MoE
 family, with and without sequence-parallel padding), sampling (seeded, top-k / top-p filtered as
 transformers' warpers filter), the samples' sinks, and one-line errors of the tool and the config.
 Parity with transformers' generate, TP 2 and generation from checkpoints: tests/test_hf.py;

@@ -1,4 +1,4 @@
-"""Defects that only CUDA would show, proven on CPU with monkeypatched device queries (issue 26):
+"""Defects that only CUDA would show, proven on CPU with monkeypatched device queries:
 the device is set before anything can allocate on cuda:0, determinism configures cuBLAS and cuDNN,
 and selective AC saves every attention kernel and TP collective that CUDA can dispatch."""
 

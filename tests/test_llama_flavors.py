@@ -1,4 +1,4 @@
-"""The Llama sizes people download (issue 31): Llama 3.2 1B / 3B (rope scaling factor 32, tied
+"""The Llama sizes people download: Llama 3.2 1B / 3B (rope scaling factor 32, tied
 embeddings) and Llama 3 (3.0) 8B / 70B (no rope scaling) as flavors whose published config.json
 files import under their names, checked on the published configs themselves (written here from
 their published values: no download) and, where the real sizes are too big, on the meta device

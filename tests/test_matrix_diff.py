@@ -1,4 +1,4 @@
-"""numerics_matrix --diff: the programmatic before/after check of a refactor (issue 27), in process."""
+"""numerics_matrix --diff: the programmatic before/after check of a refactor, in process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 29's proofs for the MoE family on gloo layouts: every layout trains one process's curve
+"""The MoE family's proofs on gloo layouts: every layout trains one process's curve
 with the same routing, and a checkpoint resumes bit for bit.
 
 debugmodel_moe (dim 64, 4 blocks of which 3 MoE: 8 experts top 2 plus a shared expert; bias

@@ -1,4 +1,4 @@
-"""Optimizer-state precision and stochastic rounding (issue 17): `optimizer.state_dtype` keeps
+"""Optimizer-state precision and stochastic rounding: `optimizer.state_dtype` keeps
 AdamW's moments in bf16 (or fp32 under pure bf16 weights), `optimizer.stochastic_rounding` rounds
 pure-bf16 weight updates without bias. Unit tests here; the layouts, resume and cross-dtype
 resume in test_optim_state_dist.py.

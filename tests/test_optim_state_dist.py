@@ -1,4 +1,4 @@
-"""Optimizer-state precision on every layout (issue 17): bf16 AdamW moments on single, DDP 2,
+"""Optimizer-state precision on every layout: bf16 AdamW moments on single, DDP 2,
 FSDP 2, TP 2 and PP 2; pure bf16 with stochastic rounding keeping replicas identical; bitwise
 resume of both; a checkpoint saved with fp32 moments resumed with bf16 ones.
 """

@@ -1,4 +1,4 @@
-"""Issue 4's proofs: every parallel layout trains the same loss curve as one process.
+"""The layouts' proofs: every parallel layout trains the same loss curve as one process.
 
 Every layout below sees the same 4 sequences per step: a data-parallel degree D runs
 local_batch_size 4 / D (the loader deals one per-epoch permutation round-robin, so the ranks' union
@@ -608,11 +608,11 @@ def test_compile_keeps_the_loss_under_bf16_autocast(trained: Launches) -> None:
     rank = compiled.ranks()[0]
     assert rank["compiled"] == [f"layers.{i}" for i in range(N_LAYERS)] and rank["dynamo_unique_graphs"] >= 1
     assert compiled.report["path"] == "autocast"
-    check_norms(compiled)  # the compiled blocks' gradients: the norm and clipping (issue 32)
+    check_norms(compiled)  # the compiled blocks' gradients: the norm and clipping
 
 
 # ---------------------------------------------------------------------------------------------
-# The gradient norm and clipping against an independent fp64 value (issue 32)
+# The gradient norm and clipping against an independent fp64 value
 #
 # tests/workers/norm_check.py wraps the trainer's clip_grad_norm_ in every run above: per rank and
 # step it records the reported norm, an fp64 norm of every gradient element counted once over all

@@ -1,4 +1,4 @@
-"""Pictures of runs (issue 31): tools/plot.py, tools/loss_compare.py --plot and the figures of
+"""Pictures of runs: tools/plot.py, tools/loss_compare.py --plot and the figures of
 docs/numerics.md (tools/numerics_figures.py). In-process, from small synthetic metrics; each PNG
 is decoded and checked by its pixels (size, non-blank, which panel holds which run's colour), the
 figure's panels by their titles."""

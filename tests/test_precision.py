@@ -688,7 +688,7 @@ def test_no_process_group_was_started() -> None:
 )
 def test_pure_bf16_refuses_settings_it_would_ignore(setting: list[str]) -> None:
     """Pure bf16 has no fp32 master copy: an explicit fp32 reduce or safe-module list would be
-    silently ignored, so it is an error naming the field (issue 17)."""
+    silently ignored, so it is an error naming the field."""
     msg = one_line_error("--training.dtype", "bfloat16", *setting)
     assert f"'{setting[0][2:]}' has no effect with 'training.dtype' = 'bfloat16'" in msg
     # mixed_precision.enabled = false switches the whole section off, these settings included.

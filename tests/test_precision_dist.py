@@ -1,4 +1,4 @@
-"""Issue 3's proofs on every data-parallel path, with real processes (gloo on CPU).
+"""The precision proofs on every data-parallel path, with real processes (gloo on CPU).
 
 One launch per layout runs tests/workers/precision_worker.py, which builds real Trainers from CLI
 overrides, runs real steps with recorders on and writes result.json; the tests below only read

@@ -1,4 +1,4 @@
-"""Host syncs per step (issue 26, items 7 and 8): the stop flag is agreed every step on a gloo
+"""Host syncs per step: the stop flag is agreed every step on a gloo
 group with a CPU tensor, so the poll never syncs the GPU; input batches go to CUDA from pinned
 memory without blocking; the pinned-memory checkpoint stager is made once per run, refills its
 host buffers at every save, copies after the step's kernels (a stream-order fake) and is closed. In

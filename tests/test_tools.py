@@ -1,4 +1,4 @@
-"""The numerics and benchmark tools of issue 6: torchtitan_amp.tools' loss_compare (through
+"""The numerics and benchmark tools: torchtitan_amp.tools' loss_compare (through
 scripts/loss_compare.py), numerics_matrix and estimate_memory, and the CPU tiny-shape mode of
 benchmarks/gpu_mfu.py.
 

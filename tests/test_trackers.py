@@ -1,4 +1,4 @@
-"""Trackers (issue 31): Weights & Biases beside TensorBoard. One in-process training run of
+"""Trackers: Weights & Biases beside TensorBoard. One in-process training run of
 debugmodel_tiny (3 steps, fp32) with both enabled, offline because no login exists here (the
 environment is emptied of W&B credentials and points at an empty netrc: nothing can reach the
 network); every number is read back from the files the libraries wrote and compared with

@@ -1,4 +1,4 @@
-"""Validation (issue 15): the loss on a validation split under the run's precision plan and layout.
+"""Validation: the loss on a validation split under the run's precision plan and layout.
 
 - The same weights (a seed checkpoint) give the same val_loss on every layout (fp32, 1e-6
   relative): single, DDP 2, FSDP 2, TP 2 (loss parallel), PP 2 (the schedule's eval mode),
@@ -10,7 +10,7 @@
   one (the autocast-cache trap of pytorch#65766), losses with and without validation are equal
   bit for bit, and a resume restores the validation position (steps != -1) bit for bit.
 - tools/evaluate.py on an FSDP 2 checkpoint, run on one process, equals the in-run value.
-- validation.sample_prompts (issue 31): the same greedy continuations on one process, DDP 2, FSDP 2,
+- validation.sample_prompts: the same greedy continuations on one process, DDP 2, FSDP 2,
   TP 2 (sequence parallel: padded decode steps; loss parallel: vocab-sharded logits) and FSDP 2 x
   TP 2; during FSDP training every evaluation writes them to the log and samples.jsonl, and
   training stays bit for bit that of a run without validation.
@@ -422,7 +422,7 @@ def test_evaluate_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
 
 
 def test_held_out_split_from_the_prepare_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 14 meets issue 15: `prepare --validation-fraction` writes a held-out split that
+    """The prepare step meets validation: `prepare --validation-fraction` writes a held-out split that
     `validation.dataset = "tokens:<folder>:validation"` evaluates, next to `tokens:<folder>` training."""
     from torchtitan_amp.data.prepare import PrepareConfig, prepare
 

@@ -1,5 +1,5 @@
 """Worker behind tests/test_context_parallel_precision.py: context parallel's cross-rank arithmetic
-at cp = 1, 2, 4 against an fp64 reference (issue 28).
+at cp = 1, 2, 4 against an fp64 reference.
 
     tests/support/launch.py: run_distributed(cp_precision.measure, 4, options, jobs)
 

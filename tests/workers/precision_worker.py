@@ -1,4 +1,4 @@
-"""Multi-process worker behind tests/test_precision_dist.py: the proofs of issue 3.
+"""Multi-process worker behind tests/test_precision_dist.py: the precision proofs.
 
     python -m torch.distributed.run --standalone --nproc_per_node N \\
         tests/workers/precision_worker.py SPEC.json

@@ -1,4 +1,4 @@
-"""Block-scaled formats, bit-exact in emulation on any device: MXFP8 and NVFP4 (issue 45).
+"""Block-scaled formats, bit-exact in emulation on any device: MXFP8 and NVFP4.
 
 Each function quantizes along the last dimension (the reduction dimension of the matmul that will
 consume the operand), in blocks, and returns the stored form: element codes and per-block scales,

@@ -1,5 +1,5 @@
 """Emulated block-scaled Linear (MXFP8, NVFP4): the three GEMMs of a Linear as the hardware does
-them, with operands quantized bit-exactly (formats.py) and products summed in fp32 (issue 45).
+them, with operands quantized bit-exactly (formats.py) and products summed in fp32.
 
     forward  y  = Q(x) Q(W)^T          x (M, K) and W (N, K) quantized along K
     dgrad    dx = Q(dy) Q(W^T)^T       dy (M, N) and W^T (K, N) along N
