@@ -42,8 +42,9 @@ def apply_tp(
     loss_parallel_on: bool,
     sequence_parallel: bool,
 ) -> None:
-    """Megatron-style TP: each block by its family's `block_plan(sequence layout, block)` (Llama: q/k/v and w1/w3 column-wise, wo
-    and w2 row-wise), its `block_norms` sequence-parallel; the embedding row-wise, the output column-wise.
+    """Megatron-style TP: each block by its family's `block_plan(sequence layout, block)` (Llama:
+    q/k/v and w1/w3 column-wise, wo and w2 row-wise), its `block_norms` sequence-parallel; the
+    embedding row-wise, the output column-wise.
 
     Absent stage ends (pipeline parallel sets them to None) are skipped.
     """

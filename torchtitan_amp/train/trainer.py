@@ -396,10 +396,11 @@ class Trainer:
 def train_in_turn(
     runs: list[tuple[Path, list[str]]], inspect: Callable[[Trainer], dict] | None = None
 ) -> Iterator[tuple[int, float]]:
-    """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each
-    (dump folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
-    runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)
-    after training. Yields (index of the run, seconds it took) once every rank has finished it."""
+    """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each (dump
+    folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run
+    that raises writes FOLDER/error_rank{R}.txt and re-raises, so later runs do not start. With
+    `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer) after training. Yields
+    (index of the run, seconds it took) once every rank has finished it."""
     rank = os.environ.get("RANK", "0")
     for index, (folder, args) in enumerate(runs):
         folder.mkdir(parents=True, exist_ok=True)
