@@ -7,7 +7,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple
     # An MoE block: its regions (attention, feed-forward), not the block; the feed-forward whole.
     for name in regions:
         region = getattr(block, name)
-        kw = {} if recomputed_whole(region) else {"context_fn": sac}
+        kw: dict[str, Any] = {} if recomputed_whole(region) else {"context_fn": sac}
         block.register_module(name, checkpoint_wrapper(region, preserve_rng_state=False, **kw))
     return block
 
@@ -97,10 +97,11 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[st
     """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     every = int(ac.selective_ac_option) if ac.mode == "selective" and not op else 1
-    for i, (name, block) in enumerate(list(model.layers.named_children())):
+    layers = cast(nn.ModuleDict, model.layers)  # the decoder shape of models/spec.py
+    for i, (name, block) in enumerate(list(layers.named_children())):
         if i % every == 0:
-            model.layers.register_module(name, _wrap_block(block, ac, regions))
-    whole = op and any(recomputed_whole(block) for block in model.layers.children())
+            layers.register_module(name, _wrap_block(block, ac, regions))
+    whole = op and any(recomputed_whole(block) for block in layers.children())
     logger.info(
         "activation checkpointing: %s%s",
         ac.mode

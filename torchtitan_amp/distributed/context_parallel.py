@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,8 @@ class BatchSharder:
     with document ids, `kv_doc_ids` (the whole window's, in the keys' gathered order).
     With cp = 1 only the mask inputs are added."""
 
-    mask_inputs: object  # models.attention.MaskInputs: tokens -> {"doc_ids": ...} or {}
+    # models.attention.MaskInputs: tokens -> {"doc_ids": ...} or {}
+    mask_inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]]
     cp: int = 1
     cp_rank: int = 0
 
@@ -258,6 +259,8 @@ def attention_mask(
     attend to keys at or before its position (in its own document). Every query sees itself."""
     mask = pos_k[:, None, :] <= pos_q[:, :, None]
     if doc_q is not None:
+        if doc_k is None:
+            raise ValueError("attention_mask: the queries' documents (doc_q) need the keys' (doc_k)")
         mask &= doc_k[:, None, :] == doc_q[:, :, None]
     return mask[:, None]
 
@@ -267,7 +270,7 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
     declaring a `context_parallel` attribute: the model, for its mask, and each attention)."""
     for module in model.modules():
         if hasattr(type(module), "context_parallel"):
-            module.context_parallel = cp
+            cast(Any, module).context_parallel = cp  # the declared slot, not a parameter or submodule
     logger.info(
         "applied context parallel (degree %d): K/V all-gathered per layer, gradients reduce-scattered in %s",
         cp.group.size(),

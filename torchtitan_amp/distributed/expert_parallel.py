@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,7 @@ def shard_experts(experts: nn.Module, mesh) -> None:
     placements = [Shard(0), *[Replicate()] * (mesh.ndim - 1)]
     for name in EXPERT_WEIGHTS:
         p = experts._parameters[name]
+        assert p is not None  # every expert module registers each of EXPERT_WEIGHTS as a parameter
         whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E
         sharded = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
@@ -128,8 +130,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> 
     """
     layers = expert_layers(model)
     for layer in layers:
-        shard_experts(layer.experts, expert_mesh)
-        layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
+        # An expert layer (models/moe's MoE) has `experts` and an `expert_parallel` slot; nn.Module's
+        # stubs type unknown attributes as Tensor | Module.
+        shard_experts(cast(nn.Module, layer.experts), expert_mesh)
+        cast(Any, layer).expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     logger.info(
         "applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
         "all-to-all in the activations' dtype",

@@ -6,7 +6,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ class Pipeline:
         else:
             run(target=targets, losses=losses, return_outputs=False, **extra)
         # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
-        return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
+        return [cast(DTensor, x.detach()).full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 
 
 def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:
@@ -98,10 +98,12 @@ def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) ->
 
 def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Module:
     """A copy of the model holding only this stage's layers (FQNs unchanged) and ends."""
-    n_layers = len(model.layers)
+    n_layers = len(cast(nn.ModuleDict, model.layers))
     start = boundaries[stage]
     end = boundaries[stage + 1] if stage + 1 < len(boundaries) else n_layers
-    part = copy.deepcopy(model)
+    # Any: the decoder shape of models/spec.py, whose ends a stage sets to None (nn.Module's stubs
+    # allow only a Tensor or Module there).
+    part: Any = copy.deepcopy(model)
     for i in range(n_layers):
         if not start <= i < end:
             del part.layers[str(i)]

@@ -125,6 +125,7 @@ def set_timeouts(timeout_s: float, dims: ParallelDims) -> None:
     groups: list[dist.ProcessGroup | None] = [None]
     if dims.world_size > 1:
         mesh = dims.mesh
+        assert mesh.mesh_dim_names is not None  # build_mesh names every dim
         groups += [mesh.get_group(name) for name in mesh.mesh_dim_names]
         groups += [dims.get_mesh("dp").get_group(), dims.get_mesh("loss").get_group()]
         fsdp = dims.get_mesh("fsdp")
