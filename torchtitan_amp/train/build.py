@@ -170,11 +170,14 @@ def build_loaders(
     """The training loader and the validation one (None: validation off). Bad data is a
     config-time error too, so they are built before any process group."""
     t, dims = config.training, job.dims
+    tokenizer = job.tokenizer
+    if tokenizer is None:  # only a dry run's job lacks one (dry_run.vocab_size), and it builds no loader
+        raise RuntimeError("the data loaders need the job's tokenizer; this job was resolved for a dry run")
     # Under fault tolerance every replica group reads its own share of the global order.
     dp_rank, dp_degree = fault_tolerance.data_position(config, dims, info.rank)
     loader = build_dataloader(
         t.dataset,
-        job.tokenizer,
+        tokenizer,
         t.seq_len,
         t.local_batch_size,
         dp_rank,
@@ -185,7 +188,7 @@ def build_loaders(
         samples_per_step=t.local_batch_size * dp_degree * job.accum,
     )
     spec = job.validation
-    val_loader = validation.build_loader(spec, job.tokenizer, dp_rank, dp_degree, t.seed) if spec is not None else None
+    val_loader = validation.build_loader(spec, tokenizer, dp_rank, dp_degree, t.seed) if spec is not None else None
     return loader, val_loader
 
 

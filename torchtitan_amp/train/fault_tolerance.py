@@ -43,6 +43,8 @@ from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from torchtitan_amp.data.loader import ParallelAwareDataLoader
 
 logger = logging.getLogger("torchtitan_amp")
@@ -223,7 +225,7 @@ class FaultTolerance:
     ) -> None:
         """`manager`: torchft's Manager for this group (None: built from `ft` for a job training on
         `device_type`; tests pass a stand-in)."""
-        self._store = None  # the group's own TCPStore when it runs as one process without torchrun
+        self._store: TCPStore | None = None  # the group's own TCPStore when it runs as one process without torchrun
         self.manager = manager if manager is not None else self._build_manager(ft, device_type)
         self.max_retries = ft.max_retries
         self.plan, self.replica_id = plan, ft.replica_id
@@ -402,8 +404,8 @@ class FaultTolerance:
                 )
             from torch.distributed import TCPStore
 
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            where = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
+            store = self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            where = {"store_addr": "127.0.0.1", "store_port": store.port, "rank": 0, "world_size": 1}
         # Synchronous quorum: a healing group loads the live state before its forward, and the live
         # group serves it while its own weights stand still (between its optimizer steps).
         # init_sync off: every group initialises the same weights from training.seed.

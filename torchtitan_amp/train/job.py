@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -268,7 +268,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     if initialised:
         model.to_empty(device="cpu")
         with torch.no_grad():
-            model.init_weights()
+            cast(Any, model).init_weights()  # every family's model defines it (models/spec.py)
         model.to(device)
     parts = []
     for sid in stage_ids:
@@ -278,7 +278,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
             if not initialised:
                 part.to_empty(device=device)
                 with torch.no_grad():
-                    part.init_weights(buffer_device=device)
+                    cast(Any, part).init_weights(buffer_device=device)
             part.train()
         parts.append(part)
     if materialize:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -65,8 +65,11 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor:
     trainer sums those once per step) or replicated where the parameter is sharded (a TP
     embedding's gradient, torch 2.13)."""
     g = p.grad
-    if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-        g = g.redistribute(p.device_mesh, p.placements)
+    assert g is not None  # called on parameters the step found a gradient for
+    if isinstance(g, DTensor):
+        d = cast(DTensor, p)  # a DTensor parameter's gradient is a DTensor, and only its
+        if tuple(g.placements) != tuple(d.placements):
+            g = g.redistribute(d.device_mesh, d.placements)
     return _local(g)
 
 
@@ -110,7 +113,7 @@ class AdamWMixedState(torch.optim.AdamW):
         return gen
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

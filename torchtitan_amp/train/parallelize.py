@@ -9,6 +9,7 @@ Precision is not decided here: every dtype choice comes from the `PrecisionPlan`
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -159,5 +160,5 @@ def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) 
         return  # nothing to decide, or a dry run sizing GPUs on a machine without one (nothing runs)
     device = f"cuda:{torch.cuda.current_device()}" if plan.device_type == "cuda" else plan.device_type
     for layer in layers:
-        experts = layer.experts
+        experts: Any = layer.experts  # an expert layer's (models/moe's MoE) routed experts and their kernel slot
         experts.grouped_mm = grouped_mm_kernel(device, plan.compute_dtype(experts), compiled)

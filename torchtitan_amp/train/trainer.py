@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from torchtitan_amp.precision.lowbit import float8
 from torchtitan_amp.train.build import build_training
 
 if TYPE_CHECKING:
+    from torch.distributed._composable.replicate import DDP as ReplicateModule
+    from torch.distributed.fsdp import FSDPModule
+
     from torchtitan_amp.precision.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
@@ -237,7 +240,8 @@ class Trainer:
         dtype). Plain FSDP reduce-scatters every micro-batch (sharded gradients accumulate)."""
         for part in self.run.model_parts:
             if self.run.dims.ddp_enabled or self.run.replicas.syncs_once(part):
-                part.set_requires_gradient_sync(sync)
+                # DDP's replicate() or FSDP2 made every part one of these.
+                cast("ReplicateModule | FSDPModule", part).set_requires_gradient_sync(sync)
 
     def _next_micro_batches(
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
