@@ -355,25 +355,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     ft = fault_tolerance.build(config, job.plan, device.type)
     if ft is not None and not job.plan.sync_steps:  # DiLoCo: no per-step cross-group all-reduce
         ft.attach(built.parts)
-    spec, parts = job.validation, built.parts
-    validator = (
-        None
-        if spec is None
-        else validation.Validator(
-            spec,
-            val_loader,
-            config=config,
-            plan=job.plan,
-            dims=job.dims,
-            model_parts=parts,
-            pipeline=pipeline,
-            loss_fn=loss_fn,
-            model_inputs=model_inputs,
-            device=device,
-            loss_group=groups.loss,
-            pp_group=groups.pp,
-            is_logging_rank=is_logging_rank,
-        )
+    parts = built.parts
+    validator = _build_validator(
+        config, job, val_loader, parts, pipeline, model_inputs, groups, device, is_logging_rank
     )
     optimization = build_optimization(config, job, device, parts)
     # Before the checkpoint manager: a checkpoint holds DiLoCo's state (its "diloco" part).
@@ -424,4 +408,36 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
         outer,
         replica_hooks(ft, outer),
         rounding_rank,
+    )
+
+
+def _build_validator(
+    config: JobConfig,
+    job: Job,
+    val_loader: ParallelAwareDataLoader | None,
+    parts: list[nn.Module],
+    pipeline: Pipeline | None,
+    model_inputs: BatchSharder,
+    groups: LoopGroups,
+    device: torch.device,
+    is_logging_rank: bool,
+) -> validation.Validator | None:
+    """The validator over this rank's model parts (None: validation off)."""
+    spec = job.validation
+    if spec is None:
+        return None
+    return validation.Validator(
+        spec,
+        val_loader,
+        config=config,
+        plan=job.plan,
+        dims=job.dims,
+        model_parts=parts,
+        pipeline=pipeline,
+        loss_fn=loss_fn,
+        model_inputs=model_inputs,
+        device=device,
+        loss_group=groups.loss,
+        pp_group=groups.pp,
+        is_logging_rank=is_logging_rank,
     )
