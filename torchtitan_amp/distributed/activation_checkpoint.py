@@ -94,7 +94,16 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple
 
 
 def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> None:
-    """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
+    """Wrap the model's blocks for recomputation in backward, in place: whole blocks (full), every
+    N-th block (selective N), or all but the saved ops (selective op).
+
+    Args:
+        model: the decoder (models/spec.py's shape) whose `layers` are wrapped.
+        ac: the activation_checkpoint config section: mode, selective option and, for op-level
+            SAC, which matmuls to save.
+        regions: the family's block submodules op-level SAC wraps one by one in an MoE block
+            (attention, feed-forward) instead of the whole block.
+    """
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     every = int(ac.selective_ac_option) if ac.mode == "selective" and not op else 1
     layers = cast(nn.ModuleDict, model.layers)  # the decoder shape of models/spec.py

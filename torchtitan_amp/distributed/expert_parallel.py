@@ -127,6 +127,11 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> 
     is replicated over tp (models/moe/parallelize.py), so every TP rank routes the whole sequence
     and exchanges the same tokens with its EP peers of the same tp coordinate (redundantly:
     torchtitan's ETP = 1 instead takes the tp ranks into the ep group and splits the tokens).
+
+    Args:
+        model: the model whose expert layers (a class declaring `expert_parallel`) are split.
+        ep_mesh: the one-dim ep mesh; its group carries the all-to-alls.
+        expert_mesh: the mesh the experts' weights are distributed on: (ep) or, under TP, (ep, tp).
     """
     layers = expert_layers(model)
     for layer in layers:

@@ -44,11 +44,19 @@ def apply_tp(
     loss_parallel_on: bool,
     sequence_parallel: bool,
 ) -> None:
-    """Megatron-style TP: each block by its family's `block_plan(sequence layout, block)` (Llama:
-    q/k/v and w1/w3 column-wise, wo and w2 row-wise), its `block_norms` sequence-parallel; the
-    embedding row-wise, the output column-wise.
+    """Megatron-style TP: each block by its family's plan (Llama: q/k/v and w1/w3 column-wise, wo
+    and w2 row-wise), its norms sequence-parallel; the embedding row-wise, the output column-wise.
 
     Absent stage ends (pipeline parallel sets them to None) are skipped.
+
+    Args:
+        model: the decoder (models/spec.py's shape), parallelized in place.
+        block_plan: the family's `block_plan(sequence layout, block)`: submodule name -> torch
+            ParallelStyle for one block.
+        block_norms: the block's norm submodules: sequence-parallel with SP, else replicated.
+        mesh: the one-dim tp mesh.
+        loss_parallel_on: True when the output stays vocab-sharded for loss parallel.
+        sequence_parallel: True to shard activations along the sequence between blocks (SP).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     # Any: the decoder shape of models/spec.py, whose ends a pipeline stage may set to None.

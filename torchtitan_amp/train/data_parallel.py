@@ -34,8 +34,17 @@ def apply_fsdp(
     pp_enabled: bool = False,
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules outside
-    the safe list, then blocks, then root."""
+    """FSDP2 in place, bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules
+    outside the safe list, then blocks, then root.
+
+    Args:
+        model: the model (or pipeline stage) to shard.
+        mesh: the FSDP mesh (dp_shard x cp, with dp_replicate for HSDP).
+        plan: the precision plan: mixed-precision policies and which modules stay fp32.
+        reshard_policy: parallelism.fsdp_reshard_after_forward: "default", "always" or "never".
+        pp_enabled: True under pipeline parallel (changes the default resharding).
+        expert_mesh: the EP experts' FSDP mesh (None: no expert parallel).
+    """
     shard = partial(fully_shard, mesh=mesh)
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if expert_mesh is not None:
@@ -77,6 +86,13 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
     so FSDP's mean over the expert mesh alone would leave them ep times the other parameters';
     dividing by the full data-parallel size gives the mean over every rank's loss.
     On dim 1: dim 0 is already split by EP, and a second split of it would be a strided layout.
+
+    Args:
+        model: the model whose expert layers' experts are sharded.
+        mesh: the experts' FSDP mesh (efsdp ranks).
+        dp_size: the full data-parallel size the gradients are divided by.
+        plan: the precision plan, for the experts' mixed-precision policy.
+        reshard: rules.reshard_after_forward with the policy bound: is_last -> reshard or not.
     """
     for layer in expert_layers(model):
         experts = cast(nn.Module, layer.experts)  # an expert layer's (models/moe's MoE) routed experts
@@ -102,9 +118,14 @@ def group_by_block(
     modules): one per transformer block for those inside it, one for all those outside blocks
     (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
     a group per module would pay a collective's latency each; every parameter is padded and
-    sharded on its own either way, so bytes and numerics do not change. grouped=False: one unit
-    per module, except that modules sharing a weight are always one unit (FSDP holds a parameter
-    in one group)."""
+    sharded on its own either way, so bytes and numerics do not change.
+
+    Args:
+        model: the decoder whose `layers` define the blocks.
+        modules: the modules to group, in order.
+        grouped: False: one unit per module, except that modules sharing a weight are always one
+            unit (FSDP holds a parameter in one group).
+    """
     if not grouped:  # but modules sharing a weight (a tied embedding and output) stay one unit
         tie = {id(m): id(group[0][1]) for group in tied_modules(model) for _, m in group}
         by_key: dict[int, list[nn.Module]] = {}
@@ -126,8 +147,16 @@ def apply_ddp(
     bucket_cap_mb: float = 25.0,
     default_hook: Callable[..., Any] | None = None,
 ) -> None:
-    """DDP (`replicate`) with the plan's compress hook; without one, `default_hook` if given (the
-    traffic recorder's visible all-reduce: observability.traffic.default_ddp_hook)."""
+    """DDP (`replicate`) in place, with the plan's compress hook.
+
+    Args:
+        model: the model (or pipeline stage) to replicate.
+        mesh: the dp_replicate mesh.
+        plan: the precision plan, whose comm hook reduces the gradients.
+        bucket_cap_mb: DDP's gradient bucket size in MiB.
+        default_hook: the hook to install when the plan has none (None: DDP's own all-reduce); the
+            traffic recorder's visible all-reduce, observability.traffic.default_ddp_hook.
+    """
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
     comm_hooks.install_comm_hook(model, comm_hooks.comm_hook_state(plan, model, mesh.get_group()))
     if plan.comm_hook == "none" and default_hook is not None:

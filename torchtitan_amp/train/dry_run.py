@@ -157,7 +157,12 @@ def fsdp_groups_of(
 ) -> list[FsdpGroup]:
     """The FSDP2 groups `apply_fsdp` really created on a stage, as memory.FsdpGroup; one sharded
     over other than the `fsdp_shard` ranks is an EP-split experts group (kind "experts").
-    `fp8_params` (fp8_gathered_params): weights whose all-gather sends float8."""
+
+    Args:
+        part: one pipeline stage (or the whole model) after parallelization on meta.
+        fsdp_shard: the FSDP shard degree (dp_shard x cp).
+        fp8_params: ids of the weights whose all-gather sends float8 (fp8_gathered_params).
+    """
     groups, seen = [], set()
     names = {id(m): unwrapped_name(name) for name, m in part.named_modules()}
     for name, module in part.named_modules():
@@ -219,7 +224,14 @@ def resolve(config: JobConfig, world_size: int | None = None) -> Job:
 def run(
     config: JobConfig, *, world_size: int | None = None, rank: int | None = None, write: bool = True
 ) -> dict[str, Any]:
-    """Dry-run one rank; returns the report (and writes <dump_folder>/dry_run.json)."""
+    """Dry-run one rank; returns the report (and writes <dump_folder>/dry_run.json).
+
+    Args:
+        config: the job config of the job being sized.
+        world_size: the ranks of that job (None: dry_run.world_size, else the degrees' product).
+        rank: the rank to size (None: dry_run.rank).
+        write: False to return the report without writing it.
+    """
     start = time.perf_counter()
     res = resolve(config, world_size)
     world_size, dims = res.world_size, res.dims

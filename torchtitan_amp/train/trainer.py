@@ -88,11 +88,16 @@ class Trainer:
     def forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One micro-batch (a loader batch: the whole windows). `weight`: each valid label's weight,
-        `label_weight` of the step's count (None: of this micro-batch's over the data-parallel
-        ranks, as a one-micro-batch step). Returns this rank's loss (0 on pipeline stages without
-        the loss): its cross-entropy sum times the weight, so that the mean of the loss ranks'
-        losses (and the gradient wrappers' mean of their gradients) is the step's mean."""
+        """One micro-batch (a loader batch: the whole windows). Returns this rank's loss (0 on
+        pipeline stages without the loss): its cross-entropy sum times the weight, so that the mean of
+        the loss ranks' losses (and the gradient wrappers' mean of their gradients) is the step's mean.
+
+        Args:
+            inputs: [B, S] token ids.
+            labels: [B, S] target ids (the ignore index where not counted).
+            weight: each valid label's weight, `label_weight` of the step's count (None: of this
+                micro-batch's over the data-parallel ranks, as a one-micro-batch step).
+        """
         run = self.run
         self._label_weight = self._step_label_weight([labels]) if weight is None else weight
         inputs, labels, extra = run.model_inputs(inputs, labels)
