@@ -50,7 +50,7 @@ def _op_sac_policy(save_mm: str) -> Callable[..., CheckpointPolicy]:
     it in the recompute, where the count must start again)."""
     counts: dict[bool, int] = defaultdict(int)
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op is torch.ops.aten.mm.default:
             counts[ctx.is_recompute] += 1
             if save_mm == "alternate" and counts[ctx.is_recompute] % 2 == 0:

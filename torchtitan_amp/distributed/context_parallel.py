@@ -159,7 +159,7 @@ class _GatherSequence(torch.autograd.Function):
     tensor and hands each rank its own slice (a reduce-scatter), in `reduce_dtype`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, reduce_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, reduce_dtype: torch.dtype) -> torch.Tensor:
         """All-gather `x` over `group` along the sequence dim (dim 1), keeping what backward needs.
 
         Args:
@@ -172,7 +172,7 @@ class _GatherSequence(torch.autograd.Function):
         return _all_gather(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Summing the ranks' partial gradients in fp32 rounds once, at the end; in bf16 every
         # partial sum rounds, an error that grows with the cp degree.
         summed = collectives()[1](grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)

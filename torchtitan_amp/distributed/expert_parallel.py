@@ -93,7 +93,7 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_split, recv_split, self.group)
 
 
-def shard_experts(experts: nn.Module, mesh) -> None:
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over the mesh's first dim
     (ep) and replicated over the rest (tp, where the MoE layer under TP holds them replicated
     already): each rank keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP

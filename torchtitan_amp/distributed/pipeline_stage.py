@@ -28,7 +28,7 @@ class Stage(PipelineStage):
     (through the comm hook) carries the summed gradient.
     """
 
-    def __init__(self, submod: nn.Module, *args, reduce_per_microbatch: bool = False, **kwargs) -> None:
+    def __init__(self, submod: nn.Module, *args: Any, reduce_per_microbatch: bool = False, **kwargs: Any) -> None:
         super().__init__(submod, *args, **kwargs)
         # parallelism.pipeline_fsdp_reduce = "per_microbatch": FSDP runs every microbatch's
         # backward as a plain one (reshard, reduce-scatter) instead of torch's no-sync accumulation.
