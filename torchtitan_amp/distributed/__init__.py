@@ -1,1 +1,2 @@
-"""Meshes and how a model is spread over them: parallel dims, process groups, tensor / context / expert / pipeline parallel, activation checkpointing, compile."""
+"""Meshes and how a model is spread over them: parallel dims, process groups, tensor / context /
+expert / pipeline parallel, activation checkpointing, compile."""

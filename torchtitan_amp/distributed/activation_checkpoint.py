@@ -7,7 +7,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ def _op_sac_policy(save_mm: str) -> Callable[..., CheckpointPolicy]:
     it in the recompute, where the count must start again)."""
     counts: dict[bool, int] = defaultdict(int)
 
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op is torch.ops.aten.mm.default:
             counts[ctx.is_recompute] += 1
             if save_mm == "alternate" and counts[ctx.is_recompute] % 2 == 0:
@@ -88,19 +88,29 @@ def _wrap_block(block: nn.Module, ac: ActivationCheckpointConfig, regions: tuple
     # An MoE block: its regions (attention, feed-forward), not the block; the feed-forward whole.
     for name in regions:
         region = getattr(block, name)
-        kw = {} if recomputed_whole(region) else {"context_fn": sac}
+        kw: dict[str, Any] = {} if recomputed_whole(region) else {"context_fn": sac}
         block.register_module(name, checkpoint_wrapper(region, preserve_rng_state=False, **kw))
     return block
 
 
 def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[str, ...]) -> None:
-    """Recompute whole blocks (full), every N-th block, or all but the saved ops (op)."""
+    """Wrap the model's blocks for recomputation in backward, in place: whole blocks (full), every
+    N-th block (selective N), or all but the saved ops (selective op).
+
+    Args:
+        model: the decoder (models/spec.py's shape) whose `layers` are wrapped.
+        ac: the activation_checkpoint config section: mode, selective option and, for op-level
+            SAC, which matmuls to save.
+        regions: the family's block submodules op-level SAC wraps one by one in an MoE block
+            (attention, feed-forward) instead of the whole block.
+    """
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     every = int(ac.selective_ac_option) if ac.mode == "selective" and not op else 1
-    for i, (name, block) in enumerate(list(model.layers.named_children())):
+    layers = cast(nn.ModuleDict, model.layers)  # the decoder shape of models/spec.py
+    for i, (name, block) in enumerate(list(layers.named_children())):
         if i % every == 0:
-            model.layers.register_module(name, _wrap_block(block, ac, regions))
-    whole = op and any(recomputed_whole(block) for block in model.layers.children())
+            layers.register_module(name, _wrap_block(block, ac, regions))
+    whole = op and any(recomputed_whole(block) for block in layers.children())
     logger.info(
         "activation checkpointing: %s%s",
         ac.mode

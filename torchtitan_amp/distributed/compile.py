@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from torch import nn
 
@@ -11,6 +12,6 @@ logger = logging.getLogger("torchtitan_amp")
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile each block in place; in-place `compile()` keeps parameter names unchanged."""
-    for block in model.layers.children():
+    for block in cast(nn.ModuleDict, model.layers).children():  # the decoder shape of models/spec.py
         block.compile(fullgraph=fullgraph)
     logger.info("compiled each transformer block with torch.compile")

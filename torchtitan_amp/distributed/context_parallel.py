@@ -25,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,14 @@ def wrapped_collectives(wrap: Callable[[Any], Any]) -> Iterator[None]:
 
 def head_tail_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The positions (in the window) rank `cp_rank` of `cp` holds, in the order it holds them:
-    chunk r then chunk 2cp-1-r of 2cp equal chunks. [seq_len // cp] int64."""
+    chunk r then chunk 2cp-1-r of 2cp equal chunks. [seq_len // cp] int64.
+
+    Args:
+        seq_len: tokens in the whole window; a multiple of 2 x cp (check_seq_len).
+        cp: the context-parallel degree.
+        cp_rank: this rank's index in the cp group, 0 to cp - 1.
+        device: where the tensor is made (None: the default device).
+    """
     chunk = seq_len // (2 * cp)
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device)
@@ -74,7 +81,14 @@ def head_tail_positions(seq_len: int, cp: int, cp_rank: int, device: torch.devic
 
 
 def check_seq_len(seq_len: int, cp: int, field: str = "training.seq_len") -> None:
-    """The head-tail split needs 2 x cp equal chunks."""
+    """Refuse a sequence length the head-tail split cannot cut into 2 x cp equal chunks
+    (ConfigError naming `field`).
+
+    Args:
+        seq_len: tokens per window.
+        cp: the context-parallel degree; 1 accepts any length.
+        field: the config field the length came from, for the message.
+    """
     from torchtitan_amp.config import ConfigError
 
     if cp > 1 and seq_len % (2 * cp):
@@ -88,8 +102,16 @@ def check_causal_kernel(device_type: str, compute: str, head_dim: int, cp: int, 
     """Causal attention under CP runs each query chunk with a lower-right causal bias: refuse a
     CUDA setting where neither kernel that takes the bias as a flag qualifies, on which torch
     would silently build the chunk's mask and the whole score matrix in the math kernel (a whole
-    window's fp32 scores at 131072 tokens are 64 GiB per head and sequence). `where` names the fields that set the dtype
-    and head_dim. CPU builds one [n, end] mask per chunk by design: allowed."""
+    window's fp32 scores at 131072 tokens are 64 GiB per head and sequence). CPU builds one
+    [n, end] mask per chunk by design: allowed.
+
+    Args:
+        device_type: the device attention runs on ("cuda", "cpu", ...); only "cuda" is checked.
+        compute: the attention's compute dtype name ("bfloat16", "float32", ...).
+        head_dim: the attention heads' dimension.
+        cp: the context-parallel degree; 1 is never refused.
+        where: the config fields that set the dtype and head_dim, named in the message.
+    """
     from torchtitan_amp.config import ConfigError
 
     if cp > 1 and device_type == "cuda" and materialises_causal_mask(device_type, compute, head_dim):
@@ -109,7 +131,8 @@ class BatchSharder:
     with document ids, `kv_doc_ids` (the whole window's, in the keys' gathered order).
     With cp = 1 only the mask inputs are added."""
 
-    mask_inputs: object  # models.attention.MaskInputs: tokens -> {"doc_ids": ...} or {}
+    # models.attention.MaskInputs: tokens -> {"doc_ids": ...} or {}
+    mask_inputs: Callable[[torch.Tensor], dict[str, torch.Tensor]]
     cp: int = 1
     cp_rank: int = 0
 
@@ -136,12 +159,20 @@ class _GatherSequence(torch.autograd.Function):
     tensor and hands each rank its own slice (a reduce-scatter), in `reduce_dtype`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, reduce_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, reduce_dtype: torch.dtype) -> torch.Tensor:
+        """All-gather `x` over `group` along the sequence dim (dim 1), keeping what backward needs.
+
+        Args:
+            ctx: autograd's context; the group and dtypes are saved on it for backward.
+            x: this rank's [B, S/cp, ...] chunk.
+            group: the cp process group.
+            reduce_dtype: the dtype backward reduce-scatters the gradient in.
+        """
         ctx.group, ctx.reduce_dtype, ctx.dtype = group, reduce_dtype, x.dtype
         return _all_gather(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Summing the ranks' partial gradients in fp32 rounds once, at the end; in bf16 every
         # partial sum rounds, an error that grows with the cp degree.
         summed = collectives()[1](grad.to(ctx.reduce_dtype).transpose(0, 1).contiguous(), "sum", 0, ctx.group)
@@ -173,8 +204,14 @@ def lower_right_causal(n: int, end: int) -> Any:
 
 
 def gathered_positions(seq_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:
-    """The window positions of the keys all-gathered over cp ranks, in the order they arrive (made
-    on `device`: a host-to-device copy would wait for the stream on CUDA)."""
+    """The window positions of the keys all-gathered over cp ranks, in the order they arrive.
+
+    Args:
+        seq_len: tokens in the whole window.
+        cp: the context-parallel degree.
+        device: where the tensor is made (None: the default device); on CUDA, made there, since a
+            host-to-device copy would wait for the stream.
+    """
     return torch.cat([head_tail_positions(seq_len, cp, r, device) for r in range(cp)])
 
 
@@ -217,10 +254,16 @@ class ContextParallel:
     def causal_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False
     ) -> torch.Tensor:
-        """q [B, H, S/cp, D] (this rank's head and tail chunks), k and v [B, H, S, D] in window order
-        (or [B, H_kv, S, D] with `enable_gqa`: views of one window-ordered tensor either way)
-        -> [B, H, S/cp, D]. Chunk c of the window (positions [c n, (c+1) n)) attends to keys
-        [0, (c+1) n): a causal mask aligned to the lower right of that prefix."""
+        """Causal attention of this rank's query chunks over the window's keys: chunk c of the window
+        (positions [c n, (c+1) n)) attends to keys [0, (c+1) n), a causal mask aligned to the lower
+        right of that prefix. Returns [B, H, S/cp, D].
+
+        Args:
+            q: [B, H, S/cp, D] the queries of this rank's head and tail chunks.
+            k: [B, H, S, D] the keys in window order ([B, H_kv, S, D] with `enable_gqa`).
+            v: the values, shaped as `k`; k and v are views of one window-ordered tensor either way.
+            enable_gqa: True when k and v have fewer (grouped-query) heads than q.
+        """
         n = q.shape[2] // 2
         outs = []
         for part, chunk in zip((q[:, :, :n], q[:, :, n:]), self._chunks()):
@@ -254,10 +297,19 @@ class ContextParallel:
 def attention_mask(
     pos_q: torch.Tensor, pos_k: torch.Tensor, doc_q: torch.Tensor | None = None, doc_k: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """[B, Sq] query and [B, Sk] key positions (and documents) -> [B, 1, Sq, Sk] bool: a query may
-    attend to keys at or before its position (in its own document). Every query sees itself."""
+    """Which keys each query may attend to: a key at or before the query's position, in the query's
+    own document when documents are given. Every query sees itself. Returns [B, 1, Sq, Sk] bool.
+
+    Args:
+        pos_q: [B, Sq] the queries' positions in the window.
+        pos_k: [B, Sk] the keys' positions in the window.
+        doc_q: [B, Sq] the queries' document ids (None: one document, causal masking only).
+        doc_k: [B, Sk] the keys' document ids; needed whenever doc_q is given.
+    """
     mask = pos_k[:, None, :] <= pos_q[:, :, None]
     if doc_q is not None:
+        if doc_k is None:
+            raise ValueError("attention_mask: the queries' documents (doc_q) need the keys' (doc_k)")
         mask &= doc_k[:, None, :] == doc_q[:, :, None]
     return mask[:, None]
 
@@ -267,7 +319,7 @@ def apply_cp(model: nn.Module, cp: ContextParallel) -> None:
     declaring a `context_parallel` attribute: the model, for its mask, and each attention)."""
     for module in model.modules():
         if hasattr(type(module), "context_parallel"):
-            module.context_parallel = cp
+            cast(Any, module).context_parallel = cp  # the declared slot, not a parameter or submodule
     logger.info(
         "applied context parallel (degree %d): K/V all-gathered per layer, gradients reduce-scattered in %s",
         cp.group.size(),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ class ExpertParallel:
         return all_to_all_single_autograd(out[back], send_split, recv_split, self.group)
 
 
-def shard_experts(experts: nn.Module, mesh) -> None:
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over the mesh's first dim
     (ep) and replicated over the rest (tp, where the MoE layer under TP holds them replicated
     already): each rank keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP
@@ -103,6 +104,7 @@ def shard_experts(experts: nn.Module, mesh) -> None:
     placements = [Shard(0), *[Replicate()] * (mesh.ndim - 1)]
     for name in EXPERT_WEIGHTS:
         p = experts._parameters[name]
+        assert p is not None  # every expert module registers each of EXPERT_WEIGHTS as a parameter
         whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E
         sharded = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
@@ -125,11 +127,18 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh) -> 
     is replicated over tp (models/moe/parallelize.py), so every TP rank routes the whole sequence
     and exchanges the same tokens with its EP peers of the same tp coordinate (redundantly:
     torchtitan's ETP = 1 instead takes the tp ranks into the ep group and splits the tokens).
+
+    Args:
+        model: the model whose expert layers (a class declaring `expert_parallel`) are split.
+        ep_mesh: the one-dim ep mesh; its group carries the all-to-alls.
+        expert_mesh: the mesh the experts' weights are distributed on: (ep) or, under TP, (ep, tp).
     """
     layers = expert_layers(model)
     for layer in layers:
-        shard_experts(layer.experts, expert_mesh)
-        layer.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
+        # An expert layer (models/moe's MoE) has `experts` and an `expert_parallel` slot; nn.Module's
+        # stubs type unknown attributes as Tensor | Module.
+        shard_experts(cast(nn.Module, layer.experts), expert_mesh)
+        cast(Any, layer).expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size())
     logger.info(
         "applied expert parallel (degree %d) to %d MoE layers: tokens dispatched and combined by "
         "all-to-all in the activations' dtype",

@@ -23,8 +23,16 @@ def _grad_groups(params: list[nn.Parameter]) -> list[list[torch.Tensor]]:
 def clip_grad_norm_(
     params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None, *, device: torch.device
 ) -> torch.Tensor:
-    """Global grad norm (over every shard and pipeline stage), clipping when max_norm > 0. `device`
-    is the rank's (the trainer's): a stage with nothing trained has no parameter to take it from."""
+    """The global gradient norm (over every shard and pipeline stage), clipping the gradients in
+    place when `max_norm` > 0. Returns the norm before clipping.
+
+    Args:
+        params: this rank's trained parameters (any mix of plain tensors and DTensors).
+        max_norm: the norm to clip to; 0 or less: measure only.
+        pp_group: the pipeline group whose stages' squared norms are summed (None: no PP).
+        device: the rank's device (the trainer's): a stage with nothing trained has no parameter
+            to take it from.
+    """
     groups = _grad_groups(params)
     squares = []
     for grads in groups:

@@ -137,7 +137,9 @@ class ParallelDims:
         """This rank's index along each mesh dim (all 0 in a single process: no mesh is built)."""
         if world_size == 1:
             return dict.fromkeys(MESH_DIMS, 0)
-        return dict(zip(MESH_DIMS, self.mesh.get_coordinate()))
+        coordinate = self.mesh.get_coordinate()
+        assert coordinate is not None  # the mesh spans every rank of the world, this one included
+        return dict(zip(MESH_DIMS, coordinate))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh with every dim named, plus flattened views: `dp` (the data loader's ranks),

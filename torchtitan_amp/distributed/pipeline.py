@@ -6,7 +6,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -73,11 +73,18 @@ class Pipeline:
         else:
             run(target=targets, losses=losses, return_outputs=False, **extra)
         # Under loss parallel (TP) each loss is a replicated DTensor: hand back plain tensors.
-        return [x.detach().full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
+        return [cast(DTensor, x.detach()).full_tensor() if isinstance(x, DTensor) else x.detach() for x in losses]
 
 
 def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) -> list[int]:
-    """First layer index of each stage; `split_points` names them as 'layers.N'."""
+    """The first layer index of each pipeline stage; ConfigError for split points that do not
+    name increasing layers, or more stages than layers.
+
+    Args:
+        n_layers: the model's transformer blocks.
+        num_stages: how many stages the model is cut into.
+        split_points: each later stage's first block as 'layers.N' (empty: an even split).
+    """
     if split_points:
         try:
             starts = [int(s.removeprefix("layers.")) for s in split_points]
@@ -97,11 +104,20 @@ def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) ->
 
 
 def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Module:
-    """A copy of the model holding only this stage's layers (FQNs unchanged) and ends."""
-    n_layers = len(model.layers)
+    """A copy of the model holding only one stage's layers (FQNs unchanged) and ends: the embedding
+    on the first stage, the final norm and output on the last, None elsewhere.
+
+    Args:
+        model: the whole decoder (on meta or materialized); left unchanged.
+        stage: the stage's index, 0 to len(boundaries) - 1.
+        boundaries: every stage's first layer index (stage_boundaries).
+    """
+    n_layers = len(cast(nn.ModuleDict, model.layers))
     start = boundaries[stage]
     end = boundaries[stage + 1] if stage + 1 < len(boundaries) else n_layers
-    part = copy.deepcopy(model)
+    # Any: the decoder shape of models/spec.py, whose ends a stage sets to None (nn.Module's stubs
+    # allow only a Tensor or Module there).
+    part: Any = copy.deepcopy(model)
     for i in range(n_layers):
         if not start <= i < end:
             del part.layers[str(i)]
@@ -116,7 +132,14 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
 def validate_pipeline(
     dims: ParallelDims, p: ParallelismConfig, n_layers: int, local_batch_size: int
 ) -> tuple[list[int], int]:
-    """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count)."""
+    """Config-time checks of a pipeline layout; returns (stage boundaries, microbatch count).
+
+    Args:
+        dims: the parallel degrees (pp and the data-parallel ones).
+        p: the parallelism config section: schedule, stages per rank, split points, microbatches.
+        n_layers: the model's transformer blocks.
+        local_batch_size: sequences per rank per step, which the microbatches divide.
+    """
     stages_per_rank = STAGES_PER_RANK[p.pipeline_parallel_schedule]
     boundaries = stage_boundaries(n_layers, dims.pp * stages_per_rank, p.pipeline_parallel_split_points)
     if local_batch_size % p.pipeline_parallel_microbatch_size:
@@ -160,7 +183,22 @@ def build_pipeline(
 ) -> Pipeline:
     """Wrap this rank's parallelized stages (job.build_model_parts) in a schedule, each stage's
     forward (only) in the precision plan's forward context: the schedule interleaves forward and
-    backward, so a context around `schedule.step` would also cover backward."""
+    backward, so a context around `schedule.step` would also cover backward.
+
+    Args:
+        parts: this rank's stage modules, parallelized, in `stage_ids` order.
+        stage_ids: the global stage index of each part.
+        num_stages: stages in the whole pipeline.
+        n_microbatches: microbatches each local batch is split into.
+        dims: the parallel degrees; the pp mesh and group come from them.
+        schedule_name: torch's schedule ("1F1B", "Interleaved1F1B", "GPipe", ...).
+        device: this rank's device, where stage inputs are received.
+        loss_fn: the loss the last stage computes in training.
+        eval_loss_fn: the loss the last stage computes in validation (the eval schedule's).
+        apply_forward_context: installs the plan's forward context on one stage module.
+        fsdp_reduce: parallelism.pipeline_fsdp_reduce: "per_step" (reduce-scatter once per step) or
+            "per_microbatch" (after every microbatch's backward).
+    """
     # Imported here: torch.distributed.pipelining imports dynamo (0.7 s of every process's start).
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 

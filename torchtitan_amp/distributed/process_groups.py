@@ -103,8 +103,16 @@ def values_by_rank(
 ) -> list[str]:
     """Every rank's `value` for `name`, in rank order, through the default group's store (the
     torchrun rendezvous): a start-up fact the ranks must agree on, exchanged without a collective,
-    so no traffic counter or predicted collective count sees it. `store`/`rank`/`world_size`
-    default to the default group's."""
+    so no traffic counter or predicted collective count sees it.
+
+    Args:
+        name: the fact's key in the store; unique per exchange.
+        value: this rank's value.
+        store: the store to exchange through (None: the default group's; one process or no group:
+            just `value`).
+        rank: this rank's index (None: the default group's); needed with `store`.
+        world_size: how many ranks write (None: the default group's); needed with `store`.
+    """
     if store is None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return [value]
@@ -125,6 +133,7 @@ def set_timeouts(timeout_s: float, dims: ParallelDims) -> None:
     groups: list[dist.ProcessGroup | None] = [None]
     if dims.world_size > 1:
         mesh = dims.mesh
+        assert mesh.mesh_dim_names is not None  # build_mesh names every dim
         groups += [mesh.get_group(name) for name in mesh.mesh_dim_names]
         groups += [dims.get_mesh("dp").get_group(), dims.get_mesh("loss").get_group()]
         fsdp = dims.get_mesh("fsdp")

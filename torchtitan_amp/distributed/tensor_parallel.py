@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -42,23 +44,34 @@ def apply_tp(
     loss_parallel_on: bool,
     sequence_parallel: bool,
 ) -> None:
-    """Megatron-style TP: each block by its family's `block_plan(sequence layout, block)` (Llama: q/k/v and w1/w3 column-wise, wo
-    and w2 row-wise), its `block_norms` sequence-parallel; the embedding row-wise, the output column-wise.
+    """Megatron-style TP: each block by its family's plan (Llama: q/k/v and w1/w3 column-wise, wo
+    and w2 row-wise), its norms sequence-parallel; the embedding row-wise, the output column-wise.
 
     Absent stage ends (pipeline parallel sets them to None) are skipped.
+
+    Args:
+        model: the decoder (models/spec.py's shape), parallelized in place.
+        block_plan: the family's `block_plan(sequence layout, block)`: submodule name -> torch
+            ParallelStyle for one block.
+        block_norms: the block's norm submodules: sequence-parallel with SP, else replicated.
+        mesh: the one-dim tp mesh.
+        loss_parallel_on: True when the output stays vocab-sharded for loss parallel.
+        sequence_parallel: True to shard activations along the sequence between blocks (SP).
     """
     seq = Shard(1) if sequence_parallel else Replicate()
+    # Any: the decoder shape of models/spec.py, whose ends a pipeline stage may set to None.
+    decoder: Any = model
     tied = (
-        model.tok_embeddings is not None
-        and model.output is not None
-        and model.output.weight is model.tok_embeddings.weight
+        decoder.tok_embeddings is not None
+        and decoder.output is not None
+        and decoder.output.weight is decoder.tok_embeddings.weight
     )
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
+    top: dict[str, ParallelStyle] = {}
+    if decoder.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and sequence_parallel:
+    if decoder.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
-    if model.output is not None:
+    if decoder.output is not None:
         top["output"] = ColwiseParallel(
             input_layouts=seq,
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
@@ -68,8 +81,8 @@ def apply_tp(
     if tied:
         # Each style distributed its own module's copy; both shard the vocab rows (Shard(0)), so
         # the embedding's DTensor serves the output too, and both uses add into one gradient.
-        model.output.weight = model.tok_embeddings.weight
-    for block in model.layers.values():
+        decoder.output.weight = decoder.tok_embeddings.weight
+    for block in decoder.layers.values():
         styles = block_plan(seq, block)
         if sequence_parallel:
             styles.update({name: SequenceParallel() for name in block_norms})
@@ -77,8 +90,8 @@ def apply_tp(
             for name in block_norms:
                 _replicate_params(getattr(block, name), mesh)
         parallelize_module(block, mesh, styles)
-    if model.norm is not None and not sequence_parallel:
-        _replicate_params(model.norm, mesh)
+    if decoder.norm is not None and not sequence_parallel:
+        _replicate_params(decoder.norm, mesh)
     logger.info(
         "applied tensor parallel (degree %d, sequence parallel %s, loss parallel %s)",
         mesh.size(),
@@ -91,7 +104,7 @@ def linear_shard_dims(model: nn.Module, block_plan: Callable[[object, nn.Module]
     """The weight dim apply_tp shards, by module name: 0 for the blocks' column-wise Linears, 1 for
     the row-wise ones (what a check of per-rank shapes needs before the model is split)."""
     dims = {}
-    for block_name, block in model.layers.items():
+    for block_name, block in cast(nn.ModuleDict, model.layers).items():  # the decoder shape of models/spec.py
         for name, style in block_plan(Replicate(), block).items():
             if isinstance(style, (ColwiseParallel, RowwiseParallel)):
                 dims[f"layers.{block_name}.{name}"] = 0 if isinstance(style, ColwiseParallel) else 1
@@ -119,7 +132,9 @@ def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(
         module,
         mesh,
-        input_fn=lambda _m, args, mesh: tuple(
+        # torch's stub types input_fn as returning None; distribute_module's pre-hook passes on what
+        # it returns (torch/distributed/tensor/_api.py), the replicated DTensors here.
+        input_fn=lambda _m, args, mesh: tuple(  # type: ignore[arg-type]
             DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args
         ),
         output_fn=lambda _m, out, _mesh: out.to_local(),

@@ -1,1 +1,2 @@
-"""The setup path (job: every check, then the model's parts parallelized as the plan says), the training loop, the optimizer and the dry run."""
+"""The setup path (job: every check, then the model's parts parallelized as the plan says), the
+training loop, the optimizer and the dry run."""

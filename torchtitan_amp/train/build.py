@@ -138,7 +138,13 @@ class TrainingSetup:
 def sr_rank(config: JobConfig, dims: ParallelDims, rank: int) -> int:
     """The rank that keys block-scaled stochastic rounding (block_scaled.seed_step): one per
     (data share, cp rank, tp rank), the ranks that round different values of one step; pipeline
-    stages hold different modules, whose streams differ already."""
+    stages hold different modules, whose streams differ already.
+
+    Args:
+        config: the job config (fault tolerance's groups change the data share).
+        dims: the parallel degrees.
+        rank: this rank's global rank.
+    """
     data_rank, _ = fault_tolerance.data_position(config, dims, rank)
     return (data_rank * dims.cp + dims.cp_rank(rank)) * dims.tp + rank % dims.tp
 
@@ -168,13 +174,22 @@ def build_loaders(
     config: JobConfig, job: Job, info: process_groups.DistInfo
 ) -> tuple[ParallelAwareDataLoader, ParallelAwareDataLoader | None]:
     """The training loader and the validation one (None: validation off). Bad data is a
-    config-time error too, so they are built before any process group."""
+    config-time error too, so they are built before any process group.
+
+    Args:
+        config: the job config (its training section: dataset, sequence length, batch, seed).
+        job: the resolved job; its tokenizer, validation spec and accumulation steps.
+        info: this process's rank and device (torchrun's environment).
+    """
     t, dims = config.training, job.dims
+    tokenizer = job.tokenizer
+    if tokenizer is None:  # only a dry run's job lacks one (dry_run.vocab_size), and it builds no loader
+        raise RuntimeError("the data loaders need the job's tokenizer; this job was resolved for a dry run")
     # Under fault tolerance every replica group reads its own share of the global order.
     dp_rank, dp_degree = fault_tolerance.data_position(config, dims, info.rank)
     loader = build_dataloader(
         t.dataset,
-        job.tokenizer,
+        tokenizer,
         t.seq_len,
         t.local_batch_size,
         dp_rank,
@@ -185,7 +200,7 @@ def build_loaders(
         samples_per_step=t.local_batch_size * dp_degree * job.accum,
     )
     spec = job.validation
-    val_loader = validation.build_loader(spec, job.tokenizer, dp_rank, dp_degree, t.seed) if spec is not None else None
+    val_loader = validation.build_loader(spec, tokenizer, dp_rank, dp_degree, t.seed) if spec is not None else None
     return loader, val_loader
 
 
@@ -213,8 +228,16 @@ def build_model(
     pipeline_loss: StageLoss,
     pipeline_eval_loss: StageLoss,
 ) -> tuple[ModelParts, Pipeline | None]:
-    """This rank's model parts (job.build_model_parts); under PP also the schedule over them, which
-    calls `pipeline_loss` (training) or `pipeline_eval_loss` (validation) on the last stage."""
+    """This rank's model parts (job.build_model_parts); under PP also the schedule over them.
+
+    Args:
+        config: the job config (its pipeline schedule and reduction).
+        job: the resolved job: layout, plan, the stages this rank holds.
+        device: this rank's device.
+        is_logging_rank: True on the rank that logs the model summary (rank 0).
+        pipeline_loss: the loss the last pipeline stage computes in training (used only under PP).
+        pipeline_eval_loss: the loss the last pipeline stage computes in validation (only under PP).
+    """
     dims, plan = job.dims, job.plan
     pp_rank = dims.mesh["pp"].get_local_rank() if dims.pp_enabled else 0
     built = build_model_parts(job, device, job.stage_ids(pp_rank))
@@ -246,7 +269,14 @@ def build_model(
 
 def build_optimization(config: JobConfig, job: Job, device: torch.device, model_parts: list[nn.Module]) -> Optimization:
     """The optimizer (its state dtype and rounding from the plan), the LR schedule and the plan's
-    reducer of the gradients DTensor leaves partial, over the parts' trainable parameters."""
+    reducer of the gradients DTensor leaves partial, over the parts' trainable parameters.
+
+    Args:
+        config: the job config: optimizer, LR schedule and step count.
+        job: the resolved job: the precision plan and layout.
+        device: this rank's device (the fused kernel's).
+        model_parts: this rank's parallelized model parts.
+    """
     plan = job.plan
     params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
     optimizer = build_optimizer(
@@ -284,7 +314,16 @@ def build_metrics(
     flops_per_token: float,
     precision_report: dict[str, object],
 ) -> MetricsLogger:
-    """The metrics logger and its trackers, which get the job config and the precision report."""
+    """The metrics logger and its trackers, which get the job config and the precision report.
+
+    Args:
+        config: the job config: metrics and tracker sections, the dump folder.
+        job: the resolved job: tokens per step and the precision plan.
+        device: this rank's device, whose peak FLOP/s MFU is measured against.
+        is_logging_rank: True on the rank that logs and writes metrics (rank 0).
+        flops_per_token: the model's training FLOPs per token.
+        precision_report: the precision plan's report (report.log_and_write_report), for trackers.
+    """
     dims, dtypes = job.dims, job.plan.compute_dtypes
     metrics = MetricsLogger(
         config.job.dump_folder,
@@ -311,8 +350,15 @@ def build_metrics(
 def start_deadline(
     config: JobConfig, checkpointer: CheckpointManager, is_logging_rank: bool
 ) -> tuple[DeadlineCheck, float]:
-    """The pre-emption deadline check and, when a warning is configured, a save's estimated time
-    (a probe write), so that a job that cannot save in time is told before its first step."""
+    """The pre-emption deadline check and, when a warning is configured, a save's estimated time in
+    seconds (a probe write; 0 otherwise), so that a job that cannot save in time is told before
+    its first step.
+
+    Args:
+        config: the job config: its checkpoint section's deadline and warning.
+        checkpointer: the run's checkpoint manager, which the probe write goes through.
+        is_logging_rank: True on the rank that logs the warning (rank 0).
+    """
     deadline = DeadlineCheck(config.checkpoint.preemption_warning_s if checkpointer.enabled else 0)
     if not deadline.warning_s:
         return deadline, 0.0
@@ -331,9 +377,15 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     """Everything one rank trains with, in order: the config checks and data loaders before any
     process group, then the process groups, model parts, validator, optimizer, precision report,
     metrics and checkpoint manager, loading the checkpoint to resume from when there is one.
-    `pipeline_loss` / `pipeline_eval_loss`: the loss the pipeline schedule computes on the last
-    stage (used only under PP). Under fault tolerance the config is the replica group's
-    (fault_tolerance.group_config: its own output folder)."""
+
+    Args:
+        config: the job config; under fault tolerance replaced by the replica group's
+            (fault_tolerance.group_config: its own output folder).
+        pipeline_loss: the loss the pipeline schedule computes on the last stage in training (used
+            only under PP).
+        pipeline_eval_loss: the loss the pipeline schedule computes on the last stage in validation
+            (used only under PP).
+    """
     config = fault_tolerance.group_config(config)
     info, job = resolve_process_and_job(config)
     dataloader, val_loader = build_loaders(config, job, info)
@@ -352,25 +404,9 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
     ft = fault_tolerance.build(config, job.plan, device.type)
     if ft is not None and not job.plan.sync_steps:  # DiLoCo: no per-step cross-group all-reduce
         ft.attach(built.parts)
-    spec, parts = job.validation, built.parts
-    validator = (
-        None
-        if spec is None
-        else validation.Validator(
-            spec,
-            val_loader,
-            config=config,
-            plan=job.plan,
-            dims=job.dims,
-            model_parts=parts,
-            pipeline=pipeline,
-            loss_fn=loss_fn,
-            model_inputs=model_inputs,
-            device=device,
-            loss_group=groups.loss,
-            pp_group=groups.pp,
-            is_logging_rank=is_logging_rank,
-        )
+    parts = built.parts
+    validator = _build_validator(
+        config, job, val_loader, parts, pipeline, model_inputs, groups, device, is_logging_rank
     )
     optimization = build_optimization(config, job, device, parts)
     # Before the checkpoint manager: a checkpoint holds DiLoCo's state (its "diloco" part).
@@ -421,4 +457,36 @@ def build_training(config: JobConfig, *, pipeline_loss: StageLoss, pipeline_eval
         outer,
         replica_hooks(ft, outer),
         rounding_rank,
+    )
+
+
+def _build_validator(
+    config: JobConfig,
+    job: Job,
+    val_loader: ParallelAwareDataLoader | None,
+    parts: list[nn.Module],
+    pipeline: Pipeline | None,
+    model_inputs: BatchSharder,
+    groups: LoopGroups,
+    device: torch.device,
+    is_logging_rank: bool,
+) -> validation.Validator | None:
+    """The validator over this rank's model parts (None: validation off)."""
+    spec = job.validation
+    if spec is None:
+        return None
+    return validation.Validator(
+        spec,
+        val_loader,
+        config=config,
+        plan=job.plan,
+        dims=job.dims,
+        model_parts=parts,
+        pipeline=pipeline,
+        loss_fn=loss_fn,
+        model_inputs=model_inputs,
+        device=device,
+        loss_group=groups.loss,
+        pp_group=groups.pp,
+        is_logging_rank=is_logging_rank,
     )

@@ -7,16 +7,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
+from torch.distributed._composable.replicate import DDP as ReplicateModule
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard
 
-from torchtitan_amp.core.rules import reshard_after_forward
+from torchtitan_amp.core.rules import ReshardPolicy, reshard_after_forward
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.distributed.expert_parallel import expert_layers
 from torchtitan_amp.precision import PrecisionPlan, comm_hooks, freeze, fsdp
@@ -29,12 +30,21 @@ def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
     plan: PrecisionPlan,
-    reshard_policy: str,
+    reshard_policy: ReshardPolicy,
     pp_enabled: bool = False,
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules outside
-    the safe list, then blocks, then root."""
+    """FSDP2 in place, bottom-up: expert-parallel experts on their own mesh, fp32 groups for modules
+    outside the safe list, then blocks, then root.
+
+    Args:
+        model: the model (or pipeline stage) to shard.
+        mesh: the FSDP mesh (dp_shard x cp, with dp_replicate for HSDP).
+        plan: the precision plan: mixed-precision policies and which modules stay fp32.
+        reshard_policy: parallelism.fsdp_reshard_after_forward: "default", "always" or "never".
+        pp_enabled: True under pipeline parallel (changes the default resharding).
+        expert_mesh: the EP experts' FSDP mesh (None: no expert parallel).
+    """
     shard = partial(fully_shard, mesh=mesh)
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if expert_mesh is not None:
@@ -47,7 +57,7 @@ def apply_fsdp(
         # Frozen modules stored in param_dtype: no group mixes them with fp32 trained parameters.
         for group in reversed(group_by_block(model, freeze.frozen_low_precision_modules(plan, model))):
             shard(group, mp_policy=fsdp.fsdp_policy(plan, low_precision=True), reshard_after_forward=reshard(False))
-    blocks = list(model.layers.children())
+    blocks = list(cast(nn.ModuleDict, model.layers).children())  # the decoder shape of models/spec.py
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
         shard(
@@ -76,9 +86,16 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
     so FSDP's mean over the expert mesh alone would leave them ep times the other parameters';
     dividing by the full data-parallel size gives the mean over every rank's loss.
     On dim 1: dim 0 is already split by EP, and a second split of it would be a strided layout.
+
+    Args:
+        model: the model whose expert layers' experts are sharded.
+        mesh: the experts' FSDP mesh (efsdp ranks).
+        dp_size: the full data-parallel size the gradients are divided by.
+        plan: the precision plan, for the experts' mixed-precision policy.
+        reshard: rules.reshard_after_forward with the policy bound: is_last -> reshard or not.
     """
     for layer in expert_layers(model):
-        experts = layer.experts
+        experts = cast(nn.Module, layer.experts)  # an expert layer's (models/moe's MoE) routed experts
         fully_shard(
             experts,
             mesh=mesh,
@@ -86,11 +103,12 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
             reshard_after_forward=reshard(False),
             shard_placement_fn=lambda _: Shard(1),
         )
-        experts.set_gradient_divide_factor(float(dp_size))
+        sharded = cast(FSDPModule, experts)  # fully_shard made it one
+        sharded.set_gradient_divide_factor(float(dp_size))
         # Gloo has no pre-multiplied sum: sum, then FSDP divides the shard itself. Not on one
         # efsdp rank, where torch divides its copy already and forcing would divide twice.
         efsdp = mesh.get_group(mesh.ndim - 1)
-        experts.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
+        sharded.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
 
 
 def group_by_block(
@@ -100,16 +118,22 @@ def group_by_block(
     modules): one per transformer block for those inside it, one for all those outside blocks
     (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
     a group per module would pay a collective's latency each; every parameter is padded and
-    sharded on its own either way, so bytes and numerics do not change. grouped=False: one unit
-    per module, except that modules sharing a weight are always one unit (FSDP holds a parameter
-    in one group)."""
+    sharded on its own either way, so bytes and numerics do not change.
+
+    Args:
+        model: the decoder whose `layers` define the blocks.
+        modules: the modules to group, in order.
+        grouped: False: one unit per module, except that modules sharing a weight are always one
+            unit (FSDP holds a parameter in one group).
+    """
     if not grouped:  # but modules sharing a weight (a tied embedding and output) stay one unit
         tie = {id(m): id(group[0][1]) for group in tied_modules(model) for _, m in group}
         by_key: dict[int, list[nn.Module]] = {}
         for m in modules:
             by_key.setdefault(tie.get(id(m), id(m)), []).append(m)
         return [unit[0] if len(unit) == 1 else unit for unit in by_key.values()]
-    block_of = {id(m): name for name, block in model.layers.named_children() for m in block.modules()}
+    layers = cast(nn.ModuleDict, model.layers)  # the decoder shape of models/spec.py
+    block_of = {id(m): name for name, block in layers.named_children() for m in block.modules()}
     units: dict[str | None, list[nn.Module]] = {}
     for m in modules:
         units.setdefault(block_of.get(id(m)), []).append(m)
@@ -123,10 +147,18 @@ def apply_ddp(
     bucket_cap_mb: float = 25.0,
     default_hook: Callable[..., Any] | None = None,
 ) -> None:
-    """DDP (`replicate`) with the plan's compress hook; without one, `default_hook` if given (the
-    traffic recorder's visible all-reduce: observability.traffic.default_ddp_hook)."""
+    """DDP (`replicate`) in place, with the plan's compress hook.
+
+    Args:
+        model: the model (or pipeline stage) to replicate.
+        mesh: the dp_replicate mesh.
+        plan: the precision plan, whose comm hook reduces the gradients.
+        bucket_cap_mb: DDP's gradient bucket size in MiB.
+        default_hook: the hook to install when the plan has none (None: DDP's own all-reduce); the
+            traffic recorder's visible all-reduce, observability.traffic.default_ddp_hook.
+    """
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
     comm_hooks.install_comm_hook(model, comm_hooks.comm_hook_state(plan, model, mesh.get_group()))
     if plan.comm_hook == "none" and default_hook is not None:
-        model.register_comm_hook(mesh.get_group(), default_hook)
+        cast(ReplicateModule, model).register_comm_hook(mesh.get_group(), default_hook)  # replicate() made it one
     logger.info("applied DDP (replicate) over mesh %s, comm hook %s", mesh.mesh_dim_names, plan.comm_hook)

@@ -111,7 +111,14 @@ def pseudo_gradient(
     parameters' dtype, as the sync copied them in; the global weights themselves when that dtype
     is theirs). Taken against the global weights instead, a bf16 model would send the rounding
     of the global weights back as part of its pseudo-gradient, every sync. Computed in the global
-    weights' dtype (float32), then rounded once to `wire_dtype`, `chunk` elements at a time."""
+    weights' dtype (float32), then rounded once to `wire_dtype`.
+
+    Args:
+        global_weights: the outer (fp32) weights, one per trained tensor.
+        weights: the model's local tensors, in the same order.
+        wire_dtype: the dtype the pseudo-gradient is all-reduced in.
+        chunk: elements converted at a time, bounding the temporaries (None: whole tensors).
+    """
     total = sum(g.numel() for g in global_weights)
     state_dtype = global_weights[0].dtype if global_weights else torch.float32
     wire = torch.empty(total, dtype=wire_dtype, device=global_weights[0].device if global_weights else None)
@@ -149,10 +156,18 @@ def outer_step(
     mu: float,
     chunk: int | None = None,
 ) -> None:
-    """Nesterov SGD on the global weights with the groups' mean pseudo-gradient `mean` (flat, any
-    dtype; upcast to the state's `chunk` elements at a time): m = mu m + d; g -= lr (d + mu m),
+    """Nesterov SGD on the global weights, in place: m = mu m + d; g -= lr (d + mu m),
     torch.optim.SGD's nesterov rule with zero dampening, in the state's dtype. Elementwise, so the
-    chunking changes no value."""
+    chunking changes no value.
+
+    Args:
+        global_weights: the outer weights, updated in place.
+        momentum: the outer momentum, one per global weight, updated in place.
+        mean: the groups' mean pseudo-gradient d, flat, any dtype (upcast to the state's).
+        lr: the outer learning rate.
+        mu: the Nesterov momentum.
+        chunk: elements upcast at a time (None: whole tensors).
+    """
     if not global_weights:  # a rank holding no trained shard still joined the all-reduce
         return
     dtype = global_weights[0].dtype
@@ -326,7 +341,14 @@ class DiLoCoReplicas(ReplicaGroups):
         return counters.new_batches() if self.diloco.sync(counters) else batches
 
     def after_step(self, counters: Any, batches: Iterator[Any], last_step: int) -> Iterator[Any]:
-        """A due sync; healed by it, step, counters and data are the live group's."""
+        """A due sync after the step; healed by it, step, counters and data are the live group's.
+        Returns the batches to go on with.
+
+        Args:
+            counters: the training loop (its step counter, new_batches and run).
+            batches: the batch iterator the loop is reading.
+            last_step: the run's final step, when a sync is due whatever the interval.
+        """
         if self.diloco.due(counters.step, last_step) and self.diloco.sync(counters):
             return counters.new_batches()
         return batches
@@ -357,8 +379,15 @@ def build(
     params: list[nn.Parameter],
     plan: PrecisionPlan,
 ) -> DiLoCo | None:
-    """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None;
-    `params` named as in `model_parts` (the checkpoint's keys)."""
+    """The rank's DiLoCo state under fault_tolerance.semi_sync_method = "diloco", else None.
+
+    Args:
+        config: the job config: fault tolerance's sync steps and outer optimizer.
+        ft: the replica group's fault tolerance (None: off, and then no DiLoCo).
+        model_parts: this rank's model parts, whose names key the checkpoint's state.
+        params: the trained parameters, named as in `model_parts`.
+        plan: the precision plan: the pseudo-gradient's wire dtype and the outer state's dtype.
+    """
     if ft is None or not plan.sync_steps:
         return None
     by_id = {id(p): unwrapped_name(n) for part in model_parts for n, p in part.named_parameters()}

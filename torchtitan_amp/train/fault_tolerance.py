@@ -43,6 +43,8 @@ from torchtitan_amp.models.spec import persistent_buffers
 from torchtitan_amp.precision import PrecisionPlan
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from torchtitan_amp.data.loader import ParallelAwareDataLoader
 
 logger = logging.getLogger("torchtitan_amp")
@@ -51,7 +53,13 @@ logger = logging.getLogger("torchtitan_amp")
 def data_position(config: JobConfig, dims: ParallelDims, rank: int) -> tuple[int, int]:
     """(data rank, data degree) of `rank`: each replica group reads its own share of the global
     order, as if its data-parallel ranks followed those of the groups before it (torchtitan's
-    split). Without fault tolerance, the data-parallel rank and degree."""
+    split). Without fault tolerance, the data-parallel rank and degree.
+
+    Args:
+        config: the job config: fault tolerance's replica group id and group count.
+        dims: the parallel degrees within a group.
+        rank: this rank's global rank within its group.
+    """
     ft = config.fault_tolerance
     if not ft.enable:
         return dims.dp_rank(rank), dims.dp_degree
@@ -118,8 +126,14 @@ BUCKET_BYTES = 25 << 20
 def grad_buckets(
     grads: list[torch.Tensor], wire_dtype: Callable[[torch.dtype], torch.dtype], cap_bytes: int
 ) -> list[tuple[torch.dtype, list[torch.Tensor]]]:
-    """`grads` in order, grouped by (device, wire dtype) into buckets of at most `cap_bytes` on
-    the wire (a larger gradient is a bucket of its own)."""
+    """`grads` in order, grouped by (device, wire dtype) into buckets; returns (wire dtype, grads)
+    per bucket.
+
+    Args:
+        grads: the gradients to all-reduce across the groups.
+        wire_dtype: each gradient's dtype -> the dtype it is sent in.
+        cap_bytes: a bucket's most bytes on the wire (a larger gradient is a bucket of its own).
+    """
     open_buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     used: dict[tuple[torch.device, torch.dtype], int] = {}
     done: list[tuple[torch.dtype, list[torch.Tensor]]] = []
@@ -223,7 +237,7 @@ class FaultTolerance:
     ) -> None:
         """`manager`: torchft's Manager for this group (None: built from `ft` for a job training on
         `device_type`; tests pass a stand-in)."""
-        self._store = None  # the group's own TCPStore when it runs as one process without torchrun
+        self._store: TCPStore | None = None  # the group's own TCPStore when it runs as one process without torchrun
         self.manager = manager if manager is not None else self._build_manager(ft, device_type)
         self.max_retries = ft.max_retries
         self.plan, self.replica_id = plan, ft.replica_id
@@ -253,7 +267,13 @@ class FaultTolerance:
     def allreduce(self, kind: str, sources: tuple[torch.dtype, ...], wire: torch.Tensor) -> Any:
         """torchft's average of `wire` over the quorum's groups (in place; returns its work), the
         recorders told first: every cross-group collective of values goes through here (the
-        integer counts of sum_across_groups are exact in any case, and not recorded)."""
+        integer counts of sum_across_groups are exact in any case, and not recorded).
+
+        Args:
+            kind: the traffic recorders' name for the collective.
+            sources: the dtypes of the tensors packed into `wire`, for the recorders.
+            wire: the flat buffer to average, in its wire dtype.
+        """
         for record in self.recorders:
             record(kind, sources, wire)
         return self.manager.allreduce(wire)
@@ -402,8 +422,8 @@ class FaultTolerance:
                 )
             from torch.distributed import TCPStore
 
-            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            where = {"store_addr": "127.0.0.1", "store_port": self._store.port, "rank": 0, "world_size": 1}
+            store = self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            where = {"store_addr": "127.0.0.1", "store_port": store.port, "rank": 0, "world_size": 1}
         # Synchronous quorum: a healing group loads the live state before its forward, and the live
         # group serves it while its own weights stand still (between its optimizer steps).
         # init_sync off: every group initialises the same weights from training.seed.
@@ -468,7 +488,13 @@ class ReplicaHooks:
         return batches, loss, grad_norm, lr
 
     def after_step(self, counters: Any, batches: Iterator[Any], last_step: int) -> Iterator[Any]:
-        """After a step the loop counted (its tokens too): the batches to go on with."""
+        """After a step the loop counted (its tokens too): the batches to go on with.
+
+        Args:
+            counters: the training loop (its step counter, new_batches and run).
+            batches: the batch iterator the loop is reading; returned as it is here.
+            last_step: the run's final step.
+        """
         return batches
 
     def audited_step(self, counters: Any, batches: Iterator[Any]) -> None:
@@ -591,6 +617,13 @@ def lighthouse_address(ft: FaultToleranceConfig) -> str:
 
 def build(config: JobConfig, plan: PrecisionPlan, device_type: str = "cpu") -> FaultTolerance | None:
     """The group's Manager when fault_tolerance.enable is on (after the group's process group:
-    it reads torchrun's store), else None."""
+    it reads torchrun's store), else None.
+
+    Args:
+        config: the job config: the fault_tolerance section.
+        plan: the precision plan: the cross-group wire dtypes.
+        device_type: the device the job trains on ("cpu", "cuda"): picks the cross-group process
+            group's backend.
+    """
     ft = config.fault_tolerance
     return FaultTolerance(ft, plan, device_type=device_type) if ft.enable else None

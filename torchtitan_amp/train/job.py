@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -126,7 +126,14 @@ class Job:
 
 def check_mask_type(mask_type: str, family: ModelFamily, cp: int = 1) -> None:
     """A family takes document masking by accepting `doc_ids` in its model's forward, and context
-    parallel by accepting `positions` (context_parallel.BatchSharder hands both)."""
+    parallel by accepting `positions` (context_parallel.BatchSharder hands both): ConfigError
+    otherwise.
+
+    Args:
+        mask_type: model.attn_mask_type ("causal", "block_causal").
+        family: the model family whose model's forward is inspected.
+        cp: the context-parallel degree; above 1 the forward must take `positions`.
+    """
     forward = getattr(family.model_cls, "forward", family.model_cls)
     takes = inspect.signature(forward).parameters
     if mask_type != "causal" and "doc_ids" not in takes:
@@ -156,10 +163,18 @@ def resolve(
     config: JobConfig, world_size: int, device_type: str, *, dry_run: bool = False, preflight: bool = False
 ) -> Job:
     """Every config-time check, in order; raises ConfigError (or PrecisionError, DataError from
-    the tokenizer) naming the field. `dry_run`: the machine is not the one being sized, so its CPU
-    is not asked whether bf16 is native ("auto" means on), `dry_run.vocab_size` may replace the
-    tokenizer's, and this machine's checkpoint folder and profiler are not checked. `preflight`: the
-    launcher's check before torchrun starts: the precision probes run no kernel (capability only)."""
+    the tokenizer) naming the field.
+
+    Args:
+        config: the job config.
+        world_size: the job's ranks (torchrun's WORLD_SIZE, or the dry run's).
+        device_type: the device the job trains on ("cuda", "cpu").
+        dry_run: True when the machine is not the one being sized: its CPU is not asked whether
+            bf16 is native ("auto" means on), `dry_run.vocab_size` may replace the tokenizer's, and
+            this machine's checkpoint folder and profiler are not checked.
+        preflight: True for the launcher's check before torchrun starts: the precision probes run
+            no kernel (capability only).
+    """
     t, p = config.training, config.parallelism
     dims = ParallelDims.from_config(p, world_size)
     accum = grad_accum_steps(t, dims.dp_degree)
@@ -231,7 +246,14 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     """Build on meta in the plan's storage dtype, split into `stage_ids`, parallelize each part
     (TP, AC, compile, FSDP/DDP). Models up to FULL_INIT_MAX_PARAMS are initialised from the seed
     on every rank before sharding, so every layout starts from identical weights; larger ones are
-    initialised on their shards. `materialize=False` (dry run): everything stays on meta."""
+    initialised on their shards.
+
+    Args:
+        job: the resolved job: family, model args, layout, plan.
+        device: where the parts are materialized.
+        stage_ids: the pipeline stages this rank holds ([0] without PP).
+        materialize: False (dry run): everything stays on meta, uninitialised.
+    """
     args, t, family = job.model_args, job.config.training, job.family
     with torch.device("meta"):
         model = family.build_model(args)
@@ -268,7 +290,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     if initialised:
         model.to_empty(device="cpu")
         with torch.no_grad():
-            model.init_weights()
+            cast(Any, model).init_weights()  # every family's model defines it (models/spec.py)
         model.to(device)
     parts = []
     for sid in stage_ids:
@@ -278,7 +300,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
             if not initialised:
                 part.to_empty(device=device)
                 with torch.no_grad():
-                    part.init_weights(buffer_device=device)
+                    cast(Any, part).init_weights(buffer_device=device)
             part.train()
         parts.append(part)
     if materialize:

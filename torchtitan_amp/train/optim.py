@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,10 +28,20 @@ def build_optimizer(
     seed: int = 0,
     fused_ok: bool = True,
 ) -> torch.optim.Optimizer:
-    """torch's AdamW, or with `state_dtype` (the precision plan's `mixed_state_optimizer`
-    decides when) `AdamWMixedState`, which keeps its moments in that dtype and computes the update
-    in fp32. `fused_ok`: the plan's `fused_optimizer_ok` (whether its loss scaler can drive the
-    fused kernel)."""
+    """torch's AdamW, or with `state_dtype` `AdamWMixedState`, which keeps its moments in that dtype
+    and computes the update in fp32.
+
+    Args:
+        params: the trained parameters.
+        cfg: the optimizer config section: lr, betas, eps, weight decay, implementation.
+        device: the parameters' device (the fused kernel's).
+        state_dtype: the moments' dtype (None: the parameters'); the precision plan's
+            `mixed_state_optimizer` decides when it is set.
+        stochastic_rounding: True to round the fp32 update into bf16 parameters stochastically
+            (AdamWMixedState only).
+        seed: the stochastic rounding streams' seed.
+        fused_ok: the plan's `fused_optimizer_ok`: whether its loss scaler can drive the fused kernel.
+    """
     if state_dtype is not None:
         return AdamWMixedState(
             params,
@@ -65,8 +75,11 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor:
     trainer sums those once per step) or replicated where the parameter is sharded (a TP
     embedding's gradient, torch 2.13)."""
     g = p.grad
-    if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-        g = g.redistribute(p.device_mesh, p.placements)
+    assert g is not None  # called on parameters the step found a gradient for
+    if isinstance(g, DTensor):
+        d = cast(DTensor, p)  # a DTensor parameter's gradient is a DTensor, and only its
+        if tuple(g.placements) != tuple(d.placements):
+            g = g.redistribute(d.device_mesh, d.placements)
     return _local(g)
 
 
@@ -110,7 +123,7 @@ class AdamWMixedState(torch.optim.AdamW):
         return gen
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -178,9 +191,17 @@ def lr_factor(
     """Multiplier of the peak LR after `step` optimizer steps (step 0 = before the first step).
 
     Warm-up runs from 1/(warmup+1) to 1 so the first step never uses LR 0; then a stable phase,
-    then decay over the last `decay_ratio` of steps (-1: all steps after warm-up) down to
-    `min_lr_factor`, reached at step `total`. Decay never overlaps warm-up: when warmup + decay
-    exceed `total`, decay is shortened so that it starts from the peak at the end of warm-up.
+    then decay down to `min_lr_factor`, reached at step `total`. Decay never overlaps warm-up: when
+    warmup + decay exceed `total`, decay is shortened so that it starts from the peak at the end of
+    warm-up.
+
+    Args:
+        step: optimizer steps taken.
+        warmup: warm-up steps.
+        total: the run's steps, where decay ends.
+        decay_ratio: the share of the steps that decays (-1: all steps after warm-up).
+        decay_type: the decay's shape ("linear", "sqrt", "cosine").
+        min_lr_factor: the multiplier decay ends at.
     """
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -202,6 +223,13 @@ def lr_factor(
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule (lr_factor: warm-up, stable, decay) as a LambdaLR over `optimizer`.
+
+    Args:
+        optimizer: the optimizer whose learning rate is scheduled.
+        cfg: the lr_scheduler config section: warm-up steps, decay ratio and type, minimum factor.
+        total_steps: the run's steps (training.steps).
+    """
     fn = partial(
         lr_factor,
         warmup=cfg.warmup_steps,

@@ -9,6 +9,7 @@ Precision is not decided here: every dtype choice comes from the `PrecisionPlan`
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,16 @@ def validate_layout(
     dims: ParallelDims, config: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int, device_type: str
 ) -> tuple[list[int], int]:
     """Refuse combinations torch cannot run, naming the working alternative. Returns the pipeline
-    split (first layer of each stage, microbatches per local batch): ([0], 1) without PP."""
+    split (first layer of each stage, microbatches per local batch): ([0], 1) without PP.
+
+    Args:
+        dims: the parallel degrees.
+        config: the job config.
+        n_heads: the model's attention heads (TP must divide them).
+        n_kv_heads: the model's key/value heads (TP must divide them).
+        n_layers: the model's transformer blocks (the pipeline split).
+        device_type: the device the job trains on ("cuda", "cpu").
+    """
     if dims.ddp_enabled and dims.tp_enabled:
         raise ConfigError(
             "'parallelism.data_parallel_replicate_degree' > 1 with tensor_parallel_degree > 1 and no "
@@ -94,8 +104,14 @@ def validate_ep(dims: ParallelDims, config: JobConfig) -> None:
 
 
 def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
-    """A tied output projection is the embedding table: under pipeline parallel the first and
-    last stages would each hold and update a copy (torchtitan refuses it too)."""
+    """Refuse a tied output projection under pipeline parallel: it is the embedding table, and the
+    first and last stages would each hold and update a copy (torchtitan refuses it too).
+
+    Args:
+        args: the model args (their `enable_weight_tying`, when the family has it).
+        dims: the parallel degrees (pp).
+        flavor: model.flavor, named in the message.
+    """
     if dims.pp_enabled and getattr(args, "enable_weight_tying", False):
         raise ConfigError(
             f"'parallelism.pipeline_parallel_degree' = {dims.pp} cannot split model.flavor '{flavor}', whose "
@@ -107,6 +123,16 @@ def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
 def parallelize_model(
     model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig
 ) -> nn.Module:
+    """Apply the layout to one model part in place, in torchtitan's order: fp32 islands, TP, CP, EP,
+    expert kernels, AC, compile, then FSDP or DDP. Returns the part.
+
+    Args:
+        model: the model or pipeline stage, on meta.
+        family: the model family: TP plan, block norms, AC regions, compile settings.
+        dims: the parallel degrees and meshes.
+        plan: the precision plan.
+        config: the job config (AC, compile, parallelism options).
+    """
     autocast.apply_fp32_islands(plan, model)
     if dims.tp_enabled:
         apply_tp(
@@ -153,11 +179,17 @@ def parallelize_model(
 
 def apply_expert_kernels(model: nn.Module, plan: PrecisionPlan, compiled: bool) -> None:
     """Decide once, here, whether each MoE layer's experts run the grouped matmul or the loop
-    (moe.grouped_mm_kernel), for the dtype the plan has them compute in on this device."""
+    (moe.grouped_mm_kernel), for the dtype the plan has them compute in on this device.
+
+    Args:
+        model: the model whose expert layers are set.
+        plan: the precision plan: device type and each module's compute dtype.
+        compiled: True when the blocks are compiled (compile.enable).
+    """
     layers = expert_layers(model)
     if not layers or (plan.device_type == "cuda" and not torch.cuda.is_available()):
         return  # nothing to decide, or a dry run sizing GPUs on a machine without one (nothing runs)
     device = f"cuda:{torch.cuda.current_device()}" if plan.device_type == "cuda" else plan.device_type
     for layer in layers:
-        experts = layer.experts
+        experts: Any = layer.experts  # an expert layer's (models/moe's MoE) routed experts and their kernel slot
         experts.grouped_mm = grouped_mm_kernel(device, plan.compute_dtype(experts), compiled)

@@ -76,7 +76,13 @@ def _resolve(world_size: int, argv: list[str]) -> None:
 
 def is_training_entry(script: str, *, module: bool = False, no_python: bool = False) -> bool:
     """Whether torchrun's SCRIPT is this project's training entry point, whose arguments are a
-    job config; any other script's arguments mean nothing here."""
+    job config; any other script's arguments mean nothing here.
+
+    Args:
+        script: torchrun's training script argument (a path, or a module with `module`).
+        module: True when torchrun runs it as a module (`-m`).
+        no_python: True when torchrun runs it as an executable (`--no-python`).
+    """
     if module:
         return script in ENTRY_MODULES
     if no_python:

@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from torchtitan_amp.precision.lowbit import float8
 from torchtitan_amp.train.build import build_training
 
 if TYPE_CHECKING:
+    from torch.distributed._composable.replicate import DDP as ReplicateModule
+    from torch.distributed.fsdp import FSDPModule
+
     from torchtitan_amp.precision.audit import AuditResult
 
 logger = logging.getLogger("torchtitan_amp")
@@ -85,11 +88,16 @@ class Trainer:
     def forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One micro-batch (a loader batch: the whole windows). `weight`: each valid label's weight,
-        `label_weight` of the step's count (None: of this micro-batch's over the data-parallel
-        ranks, as a one-micro-batch step). Returns this rank's loss (0 on pipeline stages without
-        the loss): its cross-entropy sum times the weight, so that the mean of the loss ranks'
-        losses (and the gradient wrappers' mean of their gradients) is the step's mean."""
+        """One micro-batch (a loader batch: the whole windows). Returns this rank's loss (0 on
+        pipeline stages without the loss): its cross-entropy sum times the weight, so that the mean of
+        the loss ranks' losses (and the gradient wrappers' mean of their gradients) is the step's mean.
+
+        Args:
+            inputs: [B, S] token ids.
+            labels: [B, S] target ids (the ignore index where not counted).
+            weight: each valid label's weight, `label_weight` of the step's count (None: of this
+                micro-batch's over the data-parallel ranks, as a one-micro-batch step).
+        """
         run = self.run
         self._label_weight = self._step_label_weight([labels]) if weight is None else weight
         inputs, labels, extra = run.model_inputs(inputs, labels)
@@ -237,7 +245,8 @@ class Trainer:
         dtype). Plain FSDP reduce-scatters every micro-batch (sharded gradients accumulate)."""
         for part in self.run.model_parts:
             if self.run.dims.ddp_enabled or self.run.replicas.syncs_once(part):
-                part.set_requires_gradient_sync(sync)
+                # DDP's replicate() or FSDP2 made every part one of these.
+                cast("ReplicateModule | FSDPModule", part).set_requires_gradient_sync(sync)
 
     def _next_micro_batches(
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
@@ -396,10 +405,11 @@ class Trainer:
 def train_in_turn(
     runs: list[tuple[Path, list[str]]], inspect: Callable[[Trainer], dict] | None = None
 ) -> Iterator[tuple[int, float]]:
-    """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each
-    (dump folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run that raises writes FOLDER/error_rank{R}.txt and re-raises, so later
-    runs do not start. With `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer)
-    after training. Yields (index of the run, seconds it took) once every rank has finished it."""
+    """Several jobs in one launch (tests, numerics_matrix), process start-up paid once: for each (dump
+    folder, overrides) in turn, a fresh Trainer and `train()`, exactly what train.py does. A run
+    that raises writes FOLDER/error_rank{R}.txt and re-raises, so later runs do not start. With
+    `inspect`, every rank writes FOLDER/rank{R}.json = inspect(trainer) after training. Yields
+    (index of the run, seconds it took) once every rank has finished it."""
     rank = os.environ.get("RANK", "0")
     for index, (folder, args) in enumerate(runs):
         folder.mkdir(parents=True, exist_ok=True)
