@@ -70,7 +70,7 @@ def load(
     choice = choose_verified(config, folder, ranks, state.model_args)
     if choice is None:
         return None
-    path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
+    path, kind, initial = Path(choice.path), choice.kind, choice.initial
     begin = time.monotonic()
     every = tuple(p.name for p in state.parts)
     names = tuple(n for n in (("model",) if initial or kind != "full" else every) if n not in c.exclude_from_loading)

@@ -144,7 +144,10 @@ class HFTokenizer:
 
 # Llama 3's pre-tokenizer pattern and special tokens (meta-llama/llama3 tokenizer.py): the 256
 # specials follow the file's ranks, so Llama 3's 128,000 ranks give vocab 128,256, BOS 128,000.
-_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_SPECIALS = (
     ["<|begin_of_text|>", "<|end_of_text|>"]
     + [f"<|reserved_special_token_{i}|>" for i in range(4)]
