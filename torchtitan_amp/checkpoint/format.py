@@ -101,13 +101,13 @@ def scan_folder(folder: str | Path) -> tuple[dict[int, CheckpointInfo], list[str
     for entry in sorted(folder.iterdir()):
         if _TMP_DIR.match(entry.name):
             problems.append(f"ignoring {entry}: an unfinished save")
-        elif _STEP_DIR.match(entry.name) and entry.is_dir():
+        elif (step_dir := _STEP_DIR.match(entry.name)) and entry.is_dir():
             try:
                 info = inspect_checkpoint(entry)
             except CheckpointError as e:
                 problems.append(f"skipping {e}")
                 continue
-            if info.step != int(_STEP_DIR.match(entry.name).group(1)):
+            if info.step != int(step_dir.group(1)):
                 problems.append(f"skipping {entry}: its marker says step {info.step}")
                 continue
             complete[info.step] = info
@@ -176,10 +176,11 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
     merged = nn.Module()
     for part in parts:
         for name, child in part.named_children():
-            if isinstance(child, nn.ModuleDict) and isinstance(merged._modules.get(name), nn.ModuleDict):
-                merged._modules[name].update(child)
+            present = merged._modules.get(name)
+            if isinstance(child, nn.ModuleDict) and isinstance(present, nn.ModuleDict):
+                present.update(dict(child.items()))
             elif isinstance(child, nn.ModuleDict):
-                merged.add_module(name, nn.ModuleDict(child))
+                merged.add_module(name, nn.ModuleDict(dict(child.items())))
             elif child is not None:
                 merged.add_module(name, child)
     return merged

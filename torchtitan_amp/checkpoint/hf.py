@@ -29,7 +29,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -272,10 +272,10 @@ class HFReader(HuggingFaceStorageReader):
         if fqn in self.parts:
             tensor = self._read_stacked(fqn, list(req.storage_offsets), list(req.lengths))
         elif heads is None:
-            tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length), *rest)]
+            tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length),) + rest]
         else:
             piece = f.get_slice(self.hf_name[fqn])
-            tensor = rotary_rows(lambda rows: piece[(rows, *rest)], piece.get_shape()[0] // heads, start, length)
+            tensor = rotary_rows(lambda rows: piece[(rows,) + rest], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointError(
@@ -340,7 +340,7 @@ def load_hf(
     except Exception as e:
         raise CheckpointError(f"could not load {folder}: {one_line(e)}") from None
     for key in absent:
-        sd[key].zero_()
+        cast(torch.Tensor, sd[key]).zero_()  # a model state dict holds tensors (DTensors)
     set_model_state_dict(model, sd)
 
 
@@ -381,10 +381,17 @@ def _checkpoint_tensors(
         sd = torch.load(info.path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
         return {k: sd[k].shape for k in order if k in sd}, lambda keys: {k: sd[k] for k in keys}
     saved = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
-    shapes = {k: saved[f"model.{k}"].size for k in order if f"model.{k}" in saved}
+
+    def tensor(key: str) -> TensorStorageMetadata:
+        meta = saved[f"model.{key}"]
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{info.path}: model entry '{key}' is not a tensor")
+        return meta
+
+    shapes = {k: tensor(k).size for k in order if f"model.{k}" in saved}
 
     def load(keys: list[str]) -> dict[str, torch.Tensor]:
-        part = {k: torch.empty(saved[f"model.{k}"].size, dtype=saved[f"model.{k}"].properties.dtype) for k in keys}
+        part = {k: torch.empty(tensor(k).size, dtype=tensor(k).properties.dtype) for k in keys}
         with quiet_single_process():
             dcp.load({"model": part}, checkpoint_id=str(info.path), no_dist=True)
         return part

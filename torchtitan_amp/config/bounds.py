@@ -39,6 +39,10 @@ class Range:
     also: tuple[tuple[float, str], ...] = ()
     note: str = ""
 
+    def __post_init__(self) -> None:
+        if self.low is None and self.high is None:
+            raise ValueError("a Range needs low or high (a field with no bounds declares none)")
+
     def contains(self, value: float) -> bool:
         if any(value == special for special, _ in self.also):
             return True
@@ -55,6 +59,7 @@ class Range:
         elif self.low is not None:
             span = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         else:
+            assert self.high is not None  # __post_init__: a Range has low or high
             span = f"{'<' if self.high_open else '<='} {_number(self.high)}"
         if self.note:
             span += f" ({self.note})"

@@ -32,7 +32,7 @@ FORMAT = "torchtitan_amp.tokens/1"
 INDEX_NAME = "index.json"
 WORK_DIR = ".prepare"  # a prepare in progress (or killed); gone once index.json exists
 SPLITS = ("train", "validation")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _HASH_BLOCK = 1 << 24
 
 

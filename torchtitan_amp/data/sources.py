@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from torchtitan_amp.core.errors import DataError
 
@@ -80,7 +80,7 @@ def _jsonl_ranges(path: Path, size: int, unit_bytes: int) -> list[tuple[int, int
 
 def _file_units(path: Path, kind: str, unit_bytes: int) -> list[Unit]:
     stat = path.stat()
-    base = dict(path=str(path.resolve()), kind=kind, mtime_ns=stat.st_mtime_ns)
+    base: dict[str, Any] = dict(path=str(path.resolve()), kind=kind, mtime_ns=stat.st_mtime_ns)
     if kind == "jsonl" and path.suffix == ".jsonl":
         return [Unit(**base, start=a, stop=b, size=b - a) for a, b in _jsonl_ranges(path, stat.st_size, unit_bytes)]
     if kind == "parquet":
@@ -142,7 +142,7 @@ def plan_units(inputs: list[str], unit_bytes: int, hf_config: str | None = None,
 
 def _open_binary(path: Path) -> IO[bytes]:
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))  # a GzipFile: typeshed does not count it an IO[bytes]
     if path.suffix == ".zst":
         import zstandard
 

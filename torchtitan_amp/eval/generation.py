@@ -120,7 +120,8 @@ class ModelRunner:
     @property
     def max_seq_len(self) -> int:
         """The longest sequence the model's rotary tables cover (training.seq_len)."""
-        return self.model.model_args.max_seq_len
+        args: Any = self.model.model_args
+        return args.max_seq_len
 
 
 def sequence_multiple(tp: int, sequence_parallel: bool) -> int:
@@ -133,7 +134,7 @@ def sequence_multiple(tp: int, sequence_parallel: bool) -> int:
 def kv_caches(model: nn.Module, max_len: int) -> Iterator[list[KVCache]]:
     """A fresh KV cache of max_len positions on every module declaring a `kv_cache` slot (each
     attention), removed on exit."""
-    layers = [m for m in model.modules() if hasattr(type(m), "kv_cache")]
+    layers: list[Any] = [m for m in model.modules() if hasattr(type(m), "kv_cache")]  # each an attention
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention with a kv_cache slot")
     caches = [KVCache(max_len) for _ in layers]
