@@ -112,7 +112,15 @@ def _hub_files(spec: str, config: str | None, split: str) -> list[Path]:
 
 
 def plan_units(inputs: list[str], unit_bytes: int, hf_config: str | None = None, hf_split: str = "train") -> list[Unit]:
-    """Every input expanded, in order, to units of at most ~unit_bytes (files are never merged)."""
+    """Every input expanded, in order, to units of at most ~unit_bytes (files are never merged).
+
+    Args:
+        inputs: the inputs: files, folders (their supported files, sorted) or `hf:<name>` datasets.
+        unit_bytes: the largest unit, in bytes (a JSONL file is cut at line starts, a Parquet file at
+            row groups; other files are one unit each).
+        hf_config: the configuration name of an `hf:` dataset; None for its default.
+        hf_split: the split of an `hf:` dataset.
+    """
     units: list[Unit] = []
     for spec in inputs:
         if spec.startswith("hf:"):

@@ -27,7 +27,15 @@ class Tokenizer(Protocol):
     eos_id: int
     fingerprint: str
 
-    def encode(self, text: str, bos: bool, eos: bool) -> list[int]: ...
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The ids of `text`, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
+        ...
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text without BOS/EOS (the prepare step's bulk path)."""
@@ -51,6 +59,13 @@ class ByteTokenizer:
     fingerprint = "byte:utf8-258"
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The UTF-8 bytes of `text` as ids, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         return _add_specials(list(text.encode("utf-8")), self.bos_id, self.eos_id, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -132,6 +147,14 @@ class HFTokenizer:
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         # add_special_tokens=False stops the file's post-processor from adding its own BOS/EOS twice.
+        """The ids of `text` by the tokenizer file (without its post-processor's specials), with BOS and
+        EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return _add_specials(ids, self.bos_id, self.eos_id, bos, eos)
 
@@ -205,6 +228,13 @@ class TiktokenTokenizer:
         return [i for piece in _tiktoken_pieces(text) for i in self._encoding.encode_ordinary(piece)]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The ids of `text` by the tiktoken ranks, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         return _add_specials(self._ids(text), self.bos_id, self.eos_id, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
