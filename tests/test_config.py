@@ -344,6 +344,13 @@ def _outside(bounds: Range) -> list[float]:
     return [x for x in near if not bounds.contains(x)]
 
 
+def test_a_range_without_either_end_is_refused_where_it_is_declared() -> None:
+    # It would bound nothing, and --help could not describe it (describe() had no end to print).
+    with pytest.raises(ValueError, match="low or high"):
+        Range()
+    assert Range(high=3).describe() == "<= 3" and Range(low=0).describe() == ">= 0"
+
+
 def bounded_fields() -> list[tuple[str, str, object]]:
     return [(s, f.name, f.metadata["bounds"]) for s, f in all_fields() if "bounds" in f.metadata]
 

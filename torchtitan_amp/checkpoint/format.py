@@ -101,13 +101,13 @@ def scan_folder(folder: str | Path) -> tuple[dict[int, CheckpointInfo], list[str
     for entry in sorted(folder.iterdir()):
         if _TMP_DIR.match(entry.name):
             problems.append(f"ignoring {entry}: an unfinished save")
-        elif _STEP_DIR.match(entry.name) and entry.is_dir():
+        elif (step_dir := _STEP_DIR.match(entry.name)) and entry.is_dir():
             try:
                 info = inspect_checkpoint(entry)
             except CheckpointError as e:
                 problems.append(f"skipping {e}")
                 continue
-            if info.step != int(_STEP_DIR.match(entry.name).group(1)):
+            if info.step != int(step_dir.group(1)):
                 problems.append(f"skipping {entry}: its marker says step {info.step}")
                 continue
             complete[info.step] = info
@@ -123,8 +123,18 @@ def describe_steps(complete: dict[int, CheckpointInfo]) -> str:
 def check_model_fits(
     path: Path, saved_metadata: dict[str, Any], model_sd: dict[str, Any], prefix: str, complete_model: bool
 ) -> None:
-    """Name the first key whose presence or global shape differs between checkpoint (its DCP
-    state_dict_metadata) and model."""
+    """Raise a CheckpointError naming the first key whose presence or global shape differs between a
+    checkpoint and the model; return None when the model fits.
+
+    Args:
+        path: the checkpoint folder, named in the error.
+        saved_metadata: the checkpoint's DCP state_dict_metadata (key -> tensor metadata).
+        model_sd: the model's state dict (this rank's part; global shapes for DTensors).
+        prefix: the prefix of the model's keys in the checkpoint ("model." in a full checkpoint, ""
+            in a model-only one); keys without it are not compared.
+        complete_model: whether `model_sd` is the whole model; then a checkpoint key the model lacks
+            is refused too (a pipeline stage holds only part of the keys, so it passes False).
+    """
     saved = {k[len(prefix) :]: v for k, v in saved_metadata.items() if k.startswith(prefix)}
     for key, value in model_sd.items():
         if key not in saved:
@@ -148,7 +158,13 @@ def export_checkpoint(step_dir: str | Path, output: str | Path, dtype: str = "fl
     """Write a checkpoint's model as one torch.save file of a plain state dict (single process).
 
     The result loads with `family.build_model(family.args_from_dict(meta['model_args']))
-    .load_state_dict`, the family being meta's job_config model.name.
+    .load_state_dict`, the family being meta's job_config model.name. Returns the path written.
+
+    Args:
+        step_dir: the checkpoint's step folder (a full DCP checkpoint or a model-only export).
+        output: the file to write; its parent folders are created.
+        dtype: the dtype name floating-point tensors are cast to (a key of TORCH_DTYPES, e.g.
+            "float32", "bfloat16"); integer tensors keep theirs.
     """
     info = inspect_checkpoint(step_dir)
     if info.kind == "model_only":
@@ -176,10 +192,11 @@ def merge_parts(parts: list[nn.Module]) -> nn.Module:
     merged = nn.Module()
     for part in parts:
         for name, child in part.named_children():
-            if isinstance(child, nn.ModuleDict) and isinstance(merged._modules.get(name), nn.ModuleDict):
-                merged._modules[name].update(child)
+            present = merged._modules.get(name)
+            if isinstance(child, nn.ModuleDict) and isinstance(present, nn.ModuleDict):
+                present.update(dict(child.items()))
             elif isinstance(child, nn.ModuleDict):
-                merged.add_module(name, nn.ModuleDict(child))
+                merged.add_module(name, nn.ModuleDict(dict(child.items())))
             elif child is not None:
                 merged.add_module(name, child)
     return merged
@@ -194,7 +211,16 @@ def checkpoint_family(meta: dict[str, Any]) -> Any:
 
 
 def merge_export_parts(tmp: Path, pp_degree: int, model_args: Any, family: Any) -> None:
-    """model.stage<p>.pt of every pipeline stage -> one model.pt in the plain model's key order."""
+    """Merge model.stage<p>.pt of every pipeline stage into one model.pt in the plain model's key order.
+
+    Raises CheckpointError when the stages' keys are not exactly the plain model's.
+
+    Args:
+        tmp: the folder holding the stage files; model.pt is written there and the stage files removed.
+        pp_degree: the number of pipeline stages, so of stage files.
+        model_args: the model's arguments, to build the plain model on the meta device for its keys.
+        family: the model family (models.FAMILIES) that builds it.
+    """
     merged: dict[str, torch.Tensor] = {}
     parts = [tmp / f"model.stage{p}.pt" for p in range(pp_degree)]
     for part in parts:

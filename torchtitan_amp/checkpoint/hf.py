@@ -29,7 +29,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,15 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def check_config(folder: Path, args: Any, flavor: str = "", family: ModelFamily | None = None) -> dict[str, Any]:
-    """config.json must describe exactly this run's model; the first differing field as one
-    line. Returns the config."""
+    """Check that a Hugging Face folder's config.json describes exactly this run's model; raise a
+    CheckpointError naming the first differing field in one line. Returns the config.
+
+    Args:
+        folder: the Hugging Face folder.
+        args: this run's model arguments.
+        flavor: the run's model.flavor, named in the error as where a differing field came from.
+        family: the model family whose adapter reads the config; None takes the family of `args`.
+    """
     cfg = read_config(folder)
     hf = _adapter(family_of(args, family))
     theirs, ours = hf.config_fields(cfg, folder), hf.args_fields(args)
@@ -131,7 +138,15 @@ def _adapter(family: ModelFamily) -> HFAdapter:
 def hf_config(
     args: Any, dtype: str, bos_id: int | None, eos_id: int | None, family: ModelFamily | None = None
 ) -> dict[str, Any]:
-    """config.json for `args`, as its family writes it."""
+    """The config.json for `args`, as its family writes it.
+
+    Args:
+        args: the model arguments to describe.
+        dtype: the torch_dtype the folder's weights are stored in ("bfloat16", "float32", ...).
+        bos_id: the tokenizer's beginning-of-sequence id, or None when it has none.
+        eos_id: the tokenizer's end-of-sequence id, or None when it has none.
+        family: the model family whose adapter writes it; None takes the family of `args`.
+    """
     return _adapter(family_of(args, family)).hf_config(args, dtype, bos_id, eos_id)
 
 
@@ -272,10 +287,10 @@ class HFReader(HuggingFaceStorageReader):
         if fqn in self.parts:
             tensor = self._read_stacked(fqn, list(req.storage_offsets), list(req.lengths))
         elif heads is None:
-            tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length), *rest)]
+            tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length),) + rest]
         else:
             piece = f.get_slice(self.hf_name[fqn])
-            tensor = rotary_rows(lambda rows: piece[(rows, *rest)], piece.get_shape()[0] // heads, start, length)
+            tensor = rotary_rows(lambda rows: piece[(rows,) + rest], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointError(
@@ -286,8 +301,15 @@ class HFReader(HuggingFaceStorageReader):
 
 
 def rotary_rows(read: Callable[[slice], torch.Tensor], head_dim: int, start: int, length: int) -> torch.Tensor:
-    """Rows [start, start + length) of a q/k weight in our layout, given `read(rows)` of the HF
-    one: the whole heads the range touches are read and permuted (a row's partner is in its head)."""
+    """Rows [start, start + length) of a q/k weight in our layout, read from the HF one: the whole heads
+    the range touches are read and permuted (a row's partner is in its head).
+
+    Args:
+        read: reads a slice of rows of the HF weight, returning them as a tensor.
+        head_dim: rows per head.
+        start: the first row wanted, in our layout.
+        length: how many rows are wanted.
+    """
     lo, hi = start // head_dim * head_dim, -(-(start + length) // head_dim) * head_dim
     block = permute_from_hf(read(slice(lo, hi)), (hi - lo) // head_dim)
     return block[start - lo : start - lo + length]
@@ -317,8 +339,20 @@ def load_hf(
     family: ModelFamily | None = None,
 ) -> None:
     """Load a Hugging Face folder into `model` (this rank's part, any layout) in place.
-    Collective under a process group. `agree(error)` gathers every rank's error and raises the
-    first on all of them, so that a bad folder fails everywhere with the same line."""
+
+    Collective under a process group. Raises CheckpointError on every rank when the folder does not
+    fit the model or cannot be read.
+
+    Args:
+        model: this rank's model (its part under pipeline parallel; DTensors read their own shards).
+        folder: the Hugging Face folder (config.json and safetensors files).
+        args: this run's model arguments.
+        complete_model: whether `model` is the whole model; then a tensor of the folder the model lacks
+            is refused too.
+        agree: gathers every rank's error (None: none) and raises the first on all of them, so that a
+            bad folder fails everywhere with the same line; the default raises this rank's own.
+        family: the model family whose adapter maps names; None takes the family of `args`.
+    """
     sd = get_model_state_dict(model)
     # A tied model's state dict has no output.weight: it reads the embeddings once, as they are.
     tied = bool(read_config(folder).get("tie_word_embeddings", False)) and "output.weight" in sd
@@ -340,7 +374,7 @@ def load_hf(
     except Exception as e:
         raise CheckpointError(f"could not load {folder}: {one_line(e)}") from None
     for key in absent:
-        sd[key].zero_()
+        cast(torch.Tensor, sd[key]).zero_()  # a model state dict holds tensors (DTensors)
     set_model_state_dict(model, sd)
 
 
@@ -381,10 +415,17 @@ def _checkpoint_tensors(
         sd = torch.load(info.path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
         return {k: sd[k].shape for k in order if k in sd}, lambda keys: {k: sd[k] for k in keys}
     saved = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
-    shapes = {k: saved[f"model.{k}"].size for k in order if f"model.{k}" in saved}
+
+    def tensor(key: str) -> TensorStorageMetadata:
+        meta = saved[f"model.{key}"]
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{info.path}: model entry '{key}' is not a tensor")
+        return meta
+
+    shapes = {k: tensor(k).size for k in order if f"model.{k}" in saved}
 
     def load(keys: list[str]) -> dict[str, torch.Tensor]:
-        part = {k: torch.empty(saved[f"model.{k}"].size, dtype=saved[f"model.{k}"].properties.dtype) for k in keys}
+        part = {k: torch.empty(tensor(k).size, dtype=tensor(k).properties.dtype) for k in keys}
         with quiet_single_process():
             dcp.load({"model": part}, checkpoint_id=str(info.path), no_dist=True)
         return part
@@ -407,9 +448,17 @@ def _tokenizer_files(spec: str) -> dict[str, Path]:
 
 
 def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where: Path) -> dict[str, torch.Tensor]:
-    """One of our tensors as the HF tensors it becomes: renamed (rotary rows permuted), split into
-    its stacked parts, or nothing for one HF has no place for (refused unless zero: the HF model
-    would compute something else)."""
+    """One of our tensors as the HF tensors it becomes: renamed (rotary rows permuted), split into its
+    stacked parts, or nothing for one HF has no place for (refused unless zero: the HF model would
+    compute something else). Returns HF name -> tensor.
+
+    Args:
+        hf: the family's Hugging Face adapter (names, stacked parts, rotary permutation).
+        key: our state-dict key of the tensor.
+        value: the tensor (full, on the CPU).
+        args: the model arguments.
+        where: the checkpoint folder, named in errors.
+    """
     if hf.zero_in_hf is not None and hf.zero_in_hf.search(key):
         if value.count_nonzero():
             raise CheckpointError(
@@ -432,9 +481,19 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     tokenizer: str | None = None,
 ) -> Path:
-    """Write a checkpoint as a Hugging Face folder of its family (single process). Converts one output
-    shard at a time: peak memory is about one shard in the checkpoint's dtype plus the same
-    shard in `dtype`, never the whole model."""
+    """Write a checkpoint as a Hugging Face folder of its family (single process); returns the folder.
+
+    Converts one output shard at a time: peak memory is about one shard in the checkpoint's dtype
+    plus the same shard in `dtype`, never the whole model.
+
+    Args:
+        step_dir: the checkpoint's step folder (a full DCP checkpoint or a model-only export).
+        output: the folder to write (config.json, safetensors shards and their index, tokenizer files).
+        dtype: the dtype name the weights are written in ("bfloat16", "float32", ...).
+        max_shard_bytes: the largest safetensors file, in bytes (a larger tensor gets one of its own).
+        tokenizer: the tokenizer spec whose files are copied and whose ids config.json names; None
+            takes the checkpoint's job config model.tokenizer ("byte" if it has none).
+    """
     from safetensors.torch import save_file
 
     from torchtitan_amp.data.tokenizer import build_tokenizer

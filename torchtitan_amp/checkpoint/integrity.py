@@ -20,8 +20,15 @@ def file_crc32(path: Path, chunk: int = 16 << 20) -> str:
 
 
 def verify_checksums(path: str | Path, meta: dict[str, Any], part: tuple[int, int] = (0, 1)) -> str | None:
-    """Recompute the manifest's CRC-32s of files part[0], part[0] + part[1], ... (ranks split the
-    work); the first mismatch as one line, or None. Checkpoints saved without checksums pass."""
+    """Recompute the manifest's CRC-32s of one share of the files; the first mismatch as one line, or
+    None. Checkpoints saved without checksums pass.
+
+    Args:
+        path: the checkpoint's step folder.
+        meta: the checkpoint's manifest (its "crc32" maps file name -> CRC-32).
+        part: (index, count): this caller checks files index, index + count, ... of the sorted names,
+            so that count ranks split the work; (0, 1) checks every file.
+    """
     path = Path(path)
     crcs = meta.get("crc32") or {}
     for name in sorted(crcs)[part[0] :: part[1]]:

@@ -62,15 +62,23 @@ class Restored(NamedTuple):
 def load(
     config: JobConfig, folder: Path, state: RunState, replica: replicas.ReplicaGroup | None = None
 ) -> Restored | None:
-    """Resume from the newest complete checkpoint in `folder` (or load_step), else
-    initial_load_path, into `state`. None when starting fresh. Collective. A fault-tolerant
-    replica group reads its per-rank parts from its own folder (replicas.py)."""
+    """Resume from the newest complete checkpoint in `folder` (or checkpoint.load_step), else from
+    checkpoint.initial_load_path, into `state`. Collective. Returns the restored train state and the
+    path it came from, or None when starting fresh.
+
+    Args:
+        config: the job config (its checkpoint section says what to load and what to leave out).
+        folder: the run's checkpoint folder.
+        state: the live objects the checkpoint's parts are loaded into.
+        replica: this fault-tolerant replica group, which reads its per-rank parts from its own
+            folder (replicas.py); None outside fault tolerance.
+    """
     c = config.checkpoint
     ranks = state.ranks
     choice = choose_verified(config, folder, ranks, state.model_args)
     if choice is None:
         return None
-    path, kind, meta, initial = Path(choice.path), choice.kind, choice.meta, choice.initial
+    path, kind, initial = Path(choice.path), choice.kind, choice.initial
     begin = time.monotonic()
     every = tuple(p.name for p in state.parts)
     names = tuple(n for n in (("model",) if initial or kind != "full" else every) if n not in c.exclude_from_loading)
@@ -111,8 +119,16 @@ def load(
 
 
 def choose_verified(config: JobConfig, folder: Path, ranks: RankLayout, model_args: Any) -> Choice | None:
-    """Rank 0 picks a checkpoint, every rank checks the CRC-32s of a share of its files; a
-    corrupt one is named and the next older one is tried (unless it was asked for by name)."""
+    """Pick the checkpoint to load, with its files' CRC-32s checked: rank 0 picks one, every rank
+    checks a share of its files; a corrupt one is named and the next older one is tried (unless it
+    was asked for by name). Collective. Returns the choice, or None when starting fresh.
+
+    Args:
+        config: the job config (checkpoint.checksums, load_step, initial_load_path).
+        folder: the run's checkpoint folder.
+        ranks: where this rank sits in the job (rank and world size split the checksum work).
+        model_args: this run's model arguments, which a Hugging Face initial_load_path must match.
+    """
     corrupt: dict[int, str] = {}
     while True:
         choice = agree(ranks, lambda: choose(config, folder, model_args, corrupt))
@@ -130,8 +146,16 @@ def choose_verified(config: JobConfig, folder: Path, ranks: RankLayout, model_ar
 
 
 def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, str]) -> Choice | None:
-    """Rank 0 picks the checkpoint; every rank then loads the same one. `corrupt`: steps
-    that failed their checksum, with the reason (already logged)."""
+    """The checkpoint rank 0 picks (every rank then loads the same one): the newest complete one in
+    `folder`, or checkpoint.load_step, else checkpoint.initial_load_path; None when starting fresh.
+
+    Args:
+        config: the job config (checkpoint.load_step, initial_load_path).
+        folder: the run's checkpoint folder.
+        model_args: this run's model arguments, which a Hugging Face initial_load_path must match.
+        corrupt: steps that failed their checksum, each with the reason (already logged): skipped,
+            or an error when the step was asked for by name.
+    """
     c = config.checkpoint
     complete, problems = scan_folder(folder)
     if not corrupt:
@@ -172,8 +196,15 @@ def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, 
 
 
 def choose_initial(path: Path, model_args: Any, flavor: str, family: Any = None) -> Choice:
-    """checkpoint.initial_load_path: one of ours, a Hugging Face folder, a foreign DCP checkpoint,
-    or a checkpoint folder (its newest complete one)."""
+    """Resolve checkpoint.initial_load_path: one of ours, a Hugging Face folder, a foreign DCP checkpoint,
+    or a checkpoint folder (its newest complete one). Raises CheckpointError when it is none of them.
+
+    Args:
+        path: the initial_load_path.
+        model_args: this run's model arguments, which a Hugging Face folder's config.json must match.
+        flavor: this run's model.flavor, named when a Hugging Face config.json differs.
+        family: the model family reading a Hugging Face config; None takes the family of `model_args`.
+    """
     if not path.exists():
         raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
     if (path / MARKER).is_file():
@@ -196,7 +227,14 @@ def choose_initial(path: Path, model_args: Any, flavor: str, family: Any = None)
 
 
 def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
-    """Load the DCP parts among `names`; the saved TrainState, or a fresh one without it."""
+    """Load the DCP parts among `names` into `state`; returns the saved TrainState, or a fresh one when
+    the train state is not among them. Collective; a part that does not fit fails every rank alike.
+
+    Args:
+        state: the live objects the parts are loaded into.
+        path: the checkpoint's step folder (DCP files and .metadata).
+        names: the parts to load (names of the PARTS table).
+    """
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     sd = state.dcp_state(names, TrainState())
     error = None
@@ -258,7 +296,15 @@ def _rank_files(
 
 
 def load_rank_state(state: RunState, path: Path, meta: dict[str, Any], names: tuple[str, ...]) -> None:
-    """The per-rank parts among `names`, each from the file its `source_rank` names."""
+    """Load the per-rank parts among `names` into `state`, each from the rank_<r>.pt file its
+    `source_rank` names.
+
+    Args:
+        state: the live objects the parts are loaded into.
+        path: the folder holding the rank files.
+        meta: that checkpoint's manifest (the layout it was saved with, which picks the source rank).
+        names: the parts to load (names of the PARTS table).
+    """
 
     @functools.cache
     def rank_file(rank: int) -> dict[str, Any]:  # the parts usually share one file

@@ -36,7 +36,14 @@ logger = logging.getLogger("torchtitan_amp")
 
 
 def validate_config(config: JobConfig, world_size: int, device_type: str) -> None:
-    """Config checks that need the world size or device (the rest are in config.validate)."""
+    """Config checks that need the world size or device (the rest are in config.validate); raises
+    ConfigError.
+
+    Args:
+        config: the job config.
+        world_size: the number of ranks in the job.
+        device_type: the training device's type ("cuda", "cpu").
+    """
     c = config.checkpoint
     names = [p.name for p in parts.PARTS]  # read at call time: a part added to PARTS counts at once
     unknown = [n for n in c.exclude_from_loading if n not in names]
@@ -137,7 +144,15 @@ class CheckpointManager:
         return self.saver.estimate_save_s(probe_bytes)
 
     def maybe_save(self, step: int, tokens_seen: int, *, last: bool = False, force: bool = False) -> None:
-        """Save at every `interval` steps, at the last step, and when forced (preemption)."""
+        """Save at every `interval` steps, at the last step, and when forced (preemption).
+
+        Args:
+            step: the step just finished.
+            tokens_seen: tokens trained on so far, saved in the train state.
+            last: whether it is the run's last step (saved whatever the interval, model-only or also as a
+                Hugging Face folder when the config asks).
+            force: save whatever the interval (a stop signal).
+        """
         self.saver.maybe_save(step, tokens_seen, last=last, force=force)
 
     def export_hf(self, step: int) -> Path:
@@ -149,6 +164,13 @@ class CheckpointManager:
         self.saver.save_seed()
 
     def save(self, step: int, tokens_seen: int, *, kind: str = "full") -> None:
+        """Save step `step` now (Saver.save). Collective.
+
+        Args:
+            step: the step the checkpoint is of (its folder is step-<step>).
+            tokens_seen: tokens trained on so far, saved in the train state.
+            kind: "full" (every part), "model_only" (the model as one file) or "seed" (the model alone, DCP).
+        """
         self.saver.save(step, tokens_seen, kind=kind)
 
     def should_stop(self) -> bool:

@@ -74,7 +74,7 @@ class StatePart:
     name: str
     in_dcp: bool
     get: Callable[[RunState], Any]
-    put: Callable[[RunState, Any], None]
+    put: Callable[[RunState, Any], object]  # what it returns is ignored
     loadable: Callable[[RunState, Path, dict[str, Any], Any], bool] = _always
     source_rank: Callable[[RunState, Path, dict[str, Any]], int | None] = lambda m, path, meta: m.ranks.rank
     # A per-rank part that checkpoints written before it existed lack: absent there means "nothing
@@ -243,6 +243,22 @@ class RunState:
     over all of them or a list: the stages are merged into one module for the state_dict
     helpers, which works because stage FQNs never collide.
     """
+
+    model_parts: list[nn.Module]
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    lr_scheduler: Any
+    scaler: Any
+    dataloader: Any
+    validator: Any
+    model_args: Any
+    device: torch.device
+    ranks: RankLayout
+    outer_state: Any
+    train_state: TrainState
+    parts: tuple[StatePart, ...]
+    dcp_parts: tuple[StatePart, ...]
+    rank_parts: tuple[StatePart, ...]
 
     def __init__(
         self,

@@ -56,7 +56,15 @@ class DeadlineCheck:
         self._said: set[str] = set()
 
     def problem(self, step_s: float, save_s: float, basis: str) -> str | None:
-        """The warning to log when step_s + save_s exceed the warning (first time for this basis)."""
+        """The warning to log when step_s + save_s exceed the pre-emption warning (first time for this
+        basis), else None.
+
+        Args:
+            step_s: seconds one training step takes.
+            save_s: seconds one full save takes.
+            basis: where the numbers come from, leading the warning ("start-up estimate:", "measured",
+                ...); each basis warns once.
+        """
         if self.warning_s <= 0 or step_s + save_s <= self.warning_s or basis in self._said:
             return None
         self._said.add(basis)
@@ -77,6 +85,11 @@ def maybe_inject_fault(config: JobConfig, step: int, rank: int) -> None:
 
     The marker file makes it fire once, so a job restarted by `torchrun --max-restarts` (or a
     requeued one) runs through; delete the marker to fire it again.
+
+    Args:
+        config: the job config (debug.fault_inject_at_step, fault_inject_rank, job.dump_folder).
+        step: the step just finished.
+        rank: this process's global rank.
     """
     d = config.debug
     if not d.fault_inject_at_step or step != d.fault_inject_at_step or rank != d.fault_inject_rank:

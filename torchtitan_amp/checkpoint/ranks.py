@@ -67,7 +67,14 @@ def agree(ranks: RankLayout, fn: Callable[[], Any]) -> Any:
 
 
 def all_ok(ranks: RankLayout, error: str | None, extra: Any = None) -> list[Any]:
-    """Gather (error, extra) from every rank; raise the first error everywhere."""
+    """Gather (error, extra) from every rank; raise the first error everywhere as a CheckpointError.
+    Returns every rank's `extra`, in rank order. Collective when a process group of several ranks is up.
+
+    Args:
+        ranks: where this rank sits in the job (the world size to gather over).
+        error: this rank's error line, or None when it has none.
+        extra: anything picklable to hand to every rank alongside.
+    """
     gathered: list[Any] = [(error, extra)]
     if dist.is_initialized() and ranks.world_size > 1:
         gathered = [None] * ranks.world_size

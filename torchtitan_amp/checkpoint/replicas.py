@@ -59,8 +59,15 @@ def folder(checkpoint_folder: Path, replica_id: int) -> Path:
 def own_files(
     checkpoint_folder: Path, replica: ReplicaGroup, step: int, world_size: int
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The group's own complete `step-N` (path, marker) when it was saved by a group of this
-    layout, else None (the shared checkpoint's files are read instead). Rank 0 only."""
+    """The group's own complete `step-N` (path, marker) when it was saved by a group of this layout,
+    else None (the shared checkpoint's files are read instead). Rank 0 only.
+
+    Args:
+        checkpoint_folder: the run's checkpoint folder (the groups' own folders are inside it).
+        replica: this replica group.
+        step: the step being loaded.
+        world_size: this group's number of ranks; files saved by a group of another size are not read.
+    """
     path = folder(checkpoint_folder, replica.replica_id) / f"step-{step}"
     if not path.is_dir():
         logger.info(

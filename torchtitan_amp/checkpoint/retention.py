@@ -13,12 +13,18 @@ logger = logging.getLogger("torchtitan_amp")
 
 
 def purge(folder: Path, keep_latest_k: int, saved_step: int, kind: str = "full") -> None:
-    """keep_latest_k counts full checkpoints only (in a replica group's own folder, its `replica`
-    ones); it runs (on rank 0) after a newer one is complete.
+    """Remove the oldest checkpoints of one kind beyond the newest keep_latest_k; runs (on rank 0) after
+    a newer one is complete.
 
     Checkpoints of later steps than the one just saved (left by a run resumed from an older
     step: a load_step, or a newer checkpoint that failed its checksum) are neither counted
     nor removed: counting them would delete the checkpoint just written.
+
+    Args:
+        folder: the checkpoint folder (the run's, or a replica group's own).
+        keep_latest_k: how many to keep; 0 keeps all.
+        saved_step: the step just saved.
+        kind: the kind counted ("full"; "replica" in a replica group's own folder); others are kept.
     """
     if not keep_latest_k:
         return

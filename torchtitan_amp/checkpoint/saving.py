@@ -96,7 +96,15 @@ class Saver:
             self.async_group = dist.new_group(backend="gloo")
 
     def maybe_save(self, step: int, tokens_seen: int, *, last: bool = False, force: bool = False) -> None:
-        """Save at every `interval` steps, at the last step, and when forced (preemption)."""
+        """Save at every `interval` steps, at the last step, and when forced (preemption).
+
+        Args:
+            step: the step just finished.
+            tokens_seen: tokens trained on so far, saved in the train state.
+            last: whether it is the run's last step (saved whatever the interval, model-only when
+                checkpoint.last_save_model_only, then exported when checkpoint.last_save_hf).
+            force: save whatever the interval (a stop signal).
+        """
         if not self.enabled or step == self.last_saved_step:
             return
         if not (force or last or step % self.config.checkpoint.interval == 0):
@@ -128,6 +136,14 @@ class Saver:
 
     @torch.no_grad()
     def save(self, step: int, tokens_seen: int, *, kind: str = "full") -> None:
+        """Save step `step` now: every rank writes into step-N.tmp, then the commit renames it (at once, or
+        after the background upload under checkpoint.async_mode). Collective.
+
+        Args:
+            step: the step the checkpoint is of (its folder is step-<step>).
+            tokens_seen: tokens trained on so far, saved in the train state.
+            kind: "full" (every part), "model_only" (the model as one file) or "seed" (the model alone, DCP).
+        """
         self.finish_pending()
         if self.replica is not None and kind != "seed" and not self._writes_shared(step, tokens_seen, kind):
             return
@@ -287,7 +303,15 @@ class Saver:
             )
 
     def commit(self, state: TrainState, tmp: Path, final: Path, kind: str, begin: float) -> None:
-        """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final."""
+        """Every rank has finished writing: rank 0 writes the marker and renames tmp -> final. Collective.
+
+        Args:
+            state: the train state saved (step and tokens seen, written into the marker).
+            tmp: the written step-N.tmp folder.
+            final: the step-N folder it becomes.
+            kind: the checkpoint's kind, written into the marker ("full", "model_only", "seed", "replica").
+            begin: time.monotonic() when the save was asked for, to log its duration.
+        """
         r = self.ranks
         c = self.config.checkpoint
         crcs, error = self._checksum_share(tmp)
@@ -388,7 +412,14 @@ def prepare_tmp(folder: Path, tmp: Path) -> None:
 
 def publish(folder: Path, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Rank 0 only: the marker into tmp, then tmp -> final (a complete checkpoint already there is
-    replaced, a broken one kept aside as .corrupt), then the folder fsynced."""
+    replaced, a broken one kept aside as .corrupt), then the folder fsynced.
+
+    Args:
+        folder: the checkpoint folder holding both, fsynced last.
+        tmp: the written step-N.tmp folder.
+        final: the step-N folder it becomes.
+        meta: the manifest to write as the marker (its file sizes are added here).
+    """
     meta["files"] = dir_sizes(tmp)
     with open(tmp / MARKER, "w") as fh:
         json.dump(meta, fh, indent=1)

@@ -18,11 +18,16 @@ logger = logging.getLogger("torchtitan_amp")
 
 
 def should_stop(ranks: RankLayout, group: dist.ProcessGroup | None, saver: Saver) -> bool:
-    """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a
-    finished background save is committed here too. Call once per step on every rank.
+    """All ranks agree (one tiny all-reduce) whether a stop signal reached any of them; a finished
+    background save is committed here too. Call once per step on every rank.
 
-    The flags travel as a CPU tensor on `group`, a gloo group (distributed.control_group; None:
-    the default group, gloo already): reading the result back never waits for the GPU."""
+    Args:
+        ranks: where this rank sits in the job (the world size).
+        group: the group the flags travel on as a CPU tensor, a gloo group
+            (distributed.control_group), so reading the result back never waits for the GPU; None:
+            the default group, gloo already.
+        saver: the run's saver, whose background upload is checked and committed.
+    """
     stop = stop_requested()
     signum = int(signal.Signals[stop]) if stop else 0
     flags = [signum, int(saver.uploading())]

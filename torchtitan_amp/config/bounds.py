@@ -39,6 +39,10 @@ class Range:
     also: tuple[tuple[float, str], ...] = ()
     note: str = ""
 
+    def __post_init__(self) -> None:
+        if self.low is None and self.high is None:
+            raise ValueError("a Range needs low or high (a field with no bounds declares none)")
+
     def contains(self, value: float) -> bool:
         if any(value == special for special, _ in self.also):
             return True
@@ -55,6 +59,7 @@ class Range:
         elif self.low is not None:
             span = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         else:
+            assert self.high is not None  # __post_init__: a Range has low or high
             span = f"{'<' if self.high_open else '<='} {_number(self.high)}"
         if self.note:
             span += f" ({self.note})"
@@ -66,7 +71,14 @@ class Range:
 
 
 def at_least(low: float, *, also: dict[float, str] | None = None, note: str = "") -> Range:
-    """value >= low, or one of `also` (value -> what it means)."""
+    """value >= low, or one of `also`.
+
+    Args:
+        low: the smallest allowed value.
+        also: values below `low` that are allowed too, each with what it means ("" when the help says
+            it); None for none.
+        note: what a value inside the range means, shown by --help (e.g. "0: off").
+    """
     return Range(low=low, also=tuple((also or {}).items()), note=note)
 
 
@@ -78,7 +90,16 @@ def above(low: float) -> Range:
 def between(
     low: float, high: float, *, low_open: bool = False, high_open: bool = False, also: dict[float, str] | None = None
 ) -> Range:
-    """low <= value <= high (strict at an open end), or one of `also` (value -> what it means)."""
+    """low <= value <= high (strict at an open end), or one of `also`.
+
+    Args:
+        low: the lower end.
+        high: the upper end.
+        low_open: whether `low` itself is refused.
+        high_open: whether `high` itself is refused.
+        also: values outside the range that are allowed too, each with what it means ("" when the
+            help says it); None for none.
+    """
     return Range(low, high, low_open, high_open, tuple((also or {}).items()))
 
 

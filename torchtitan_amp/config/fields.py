@@ -12,7 +12,8 @@ import typing
 from typing import Any, Literal
 
 from torchtitan_amp.config.bounds import Bounds
-from torchtitan_amp.config.sections import _AUTO, MOVED_FIELDS, BoolOrAuto, JobConfig, section_names
+from torchtitan_amp.config.option import _AUTO, BoolOrAuto
+from torchtitan_amp.config.sections import MOVED_FIELDS, JobConfig, section_names
 from torchtitan_amp.core.errors import ConfigError
 
 

@@ -46,7 +46,7 @@ def help_text() -> str:
     for section in section_names():
         lines += ["", f"[{section}]"]
         for f in dataclasses.fields(_section_type(section)):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             choices = field_choices(section, f.name)
             allowed = f"  {{{', '.join(_format_choice(c) for c in choices if c != '')}}}" if choices else ""
             bounds = field_bounds(section, f.name)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from torchtitan_amp.config.sections import FaultToleranceConfig, JobConfig
+from torchtitan_amp.config.hardware_sections import FaultToleranceConfig
+from torchtitan_amp.config.sections import JobConfig
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.core.rules import flavor_names
 

@@ -1,1 +1,3 @@
-"""What every other package may import: errors, the torch-free rules and dtype tables, the torch-version answers, the environment checks and the matmul-speed probe. Imports nothing of the package above it."""
+"""What every other package may import: errors, the torch-free rules and dtype tables, the
+torch-version answers, the environment checks and the matmul-speed probe. Imports nothing of the
+package above it."""

@@ -106,7 +106,14 @@ def even_stage_starts(n_layers: int, num_stages: int) -> list[int]:
 
 
 def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Iterable[int] = ()) -> list[range]:
-    """Layers of each stage: after the given split points (first layers of stages 1..), else even."""
+    """The layers of each pipeline stage: after the given split points, else an even split.
+
+    Args:
+        n_layers: the model's number of transformer layers.
+        num_stages: the number of pipeline stages (used when `split_points` is empty).
+        split_points: the first layer of each of stages 1, 2, ...; empty for an even split
+            (even_stage_starts).
+    """
     starts = list(split_points)
     starts = [0] + starts if starts else even_stage_starts(n_layers, num_stages)
     ends = starts[1:] + [n_layers]
@@ -114,7 +121,14 @@ def stage_layer_ranges(n_layers: int, num_stages: int, split_points: Iterable[in
 
 
 def stage_ids(pp_rank: int, pp: int, schedule: str) -> list[int]:
-    """The stages pipeline rank `pp_rank` of `pp` holds under `schedule`."""
+    """The stages pipeline rank `pp_rank` of `pp` holds under `schedule` (one per rank, or several
+    interleaved: rank r holds r, r + pp, ...).
+
+    Args:
+        pp_rank: this rank's position in the pipeline, 0 .. pp - 1.
+        pp: the pipeline-parallel degree.
+        schedule: the pipeline schedule (a key of STAGES_PER_RANK: "GPipe", "1F1B", "Interleaved1F1B").
+    """
     return [pp_rank + i * pp for i in range(STAGES_PER_RANK[schedule])]
 
 
@@ -133,6 +147,11 @@ def reshard_after_forward(policy: ReshardPolicy, is_last: bool, pp_enabled: bool
     "default" follows torchtitan: yes, except the last group (backward needs it at once), and no
     group at all under pipeline parallel, where each stage runs forward once per microbatch and
     resharding would all-gather again every time.
+
+    Args:
+        policy: parallelism.fsdp_reshard_after_forward: "default", "always" or "never".
+        is_last: whether the group is the last one to run forward (the model's final norm and output).
+        pp_enabled: whether pipeline parallel is on.
     """
     if policy == "always":
         return True
@@ -193,15 +212,25 @@ def attention_kernel(
           12.0-12.1; else "efficient" (float32 too; head_dim a multiple of 8 in 16 bits, of 4 in
           float32, on sm80 and newer), which takes the lower-right bias as a flag and a bool mask
           as an additive copy; else "math": the scores materialised (and the lower-right bias as
-          a mask tensor). `capability` None (not asked: the memory model, a dry run) means a
-          data-centre part (8.0, 9.0, 10.0); `training`: the inputs require gradients.
+          a mask tensor).
     cpu   "cpu_flash" (any float dtype, any head_dim, masks taken); the lower-right bias is
           built as an [n, end] mask per call by design (torch.nn.attention.bias).
     other "unknown" (nothing is assumed about it).
 
     torch's own checks: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (flash: 16-bit,
     head_dim <= 256, grouped heads taken; efficient: check_batch_size_and_num_heads_dense<false>,
-    no grouped heads) and torch/nn/attention/bias.py (the lower-right dispatch)."""
+    no grouped heads) and torch/nn/attention/bias.py (the lower-right dispatch).
+
+    Args:
+        device: the device type the call runs on ("cuda", "cpu", or another).
+        dtype: the dtype name of q, k and v ("bfloat16", "float16", "float32", "float64").
+        head_dim: the size of one attention head.
+        mask: the mask kind (AttentionMask): "causal" (a causal flag or the lower-right causal bias)
+            or "mask" (an explicit bool mask).
+        capability: the CUDA compute capability (major, minor); None when not asked (the memory model,
+            a dry run) means a data-centre part (8.0, 9.0, 10.0).
+        training: whether the inputs require gradients.
+    """
     if device == "cpu":
         return "cpu_flash"
     if device != "cuda":
@@ -224,7 +253,16 @@ def takes_grouped_kv(
     gradients, as repeat_kv's backward does; the efficient kernel refuses them (with enable_gqa
     SDPA would fall to math). CPU's flash kernel takes them, bitwise as repeated in float32 and
     float64; in 16 bits its backward accumulates dK/dV over a group in 16 bits (measured, torch
-    2.13: 1.5x the error of repeat_kv at 8 query heads per kv head, 2.6x at 32), so those repeat."""
+    2.13: 1.5x the error of repeat_kv at 8 query heads per kv head, 2.6x at 32), so those repeat.
+
+    Args:
+        device: the device type the call runs on ("cuda", "cpu", or another).
+        dtype: the dtype name of q, k and v.
+        head_dim: the size of one attention head.
+        mask: the mask kind: "causal" or "mask" (attention_kernel).
+        capability: the CUDA compute capability (major, minor); None: a data-centre part.
+        training: whether the inputs require gradients.
+    """
     kernel = attention_kernel(device, dtype, head_dim, mask, capability, training)
     return kernel == "flash" or (kernel == "cpu_flash" and dtype in ("float32", "float64"))
 
@@ -234,13 +272,27 @@ def materialises_causal_mask(
 ) -> bool:
     """Whether a lower-right causal bias becomes a mask tensor: always on CPU (by design, one
     [n, end] mask per chunk shared by the batch and heads), on CUDA only where neither flash nor
-    efficient takes the call (the math fallback: a mask and the whole score matrix)."""
+    efficient takes the call (the math fallback: a mask and the whole score matrix).
+
+    Args:
+        device: the device type the call runs on ("cuda", "cpu", or another).
+        dtype: the dtype name of q, k and v.
+        head_dim: the size of one attention head.
+        capability: the CUDA compute capability (major, minor); None: a data-centre part.
+        training: whether the inputs require gradients.
+    """
     return attention_kernel(device, dtype, head_dim, "causal", capability, training) in ("cpu_flash", "math")
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Llama 3 SwiGLU width: 2/3 of 4*dim (keeps the param count of a 4*dim
-    two-matrix MLP), times the multiplier, rounded up to multiple_of."""
+    """Llama 3 SwiGLU width: 2/3 of 4*dim (keeps the param count of a 4*dim two-matrix MLP), times the
+    multiplier, rounded up to multiple_of.
+
+    Args:
+        dim: the model width.
+        multiple_of: the width is rounded up to a multiple of this.
+        ffn_dim_multiplier: a factor on the width before rounding; None for 1.
+    """
     hidden = int(2 * 4 * dim / 3)
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)

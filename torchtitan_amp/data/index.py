@@ -32,7 +32,7 @@ FORMAT = "torchtitan_amp.tokens/1"
 INDEX_NAME = "index.json"
 WORK_DIR = ".prepare"  # a prepare in progress (or killed); gone once index.json exists
 SPLITS = ("train", "validation")
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _HASH_BLOCK = 1 << 24
 
 
@@ -152,7 +152,14 @@ def open_split(spec: str, tokenizer: Any) -> TokenSplit:
 
 
 def hash_and_max(path: Path, dtype: np.dtype, progress: Callable[[int], None] | None = None) -> tuple[str, int]:
-    """sha256 of the file and its largest token id, reading it once in 16 MiB blocks."""
+    """sha256 of the file and its largest token id (-1 for an empty file), reading it once in 16 MiB
+    blocks.
+
+    Args:
+        path: the shard file.
+        dtype: the shard's token dtype (a value of DTYPES).
+        progress: called with the bytes of each block read; None for no progress.
+    """
     digest, largest = hashlib.sha256(), -1
     with path.open("rb") as f:
         while block := f.read(_HASH_BLOCK):
@@ -167,7 +174,14 @@ def hash_and_max(path: Path, dtype: np.dtype, progress: Callable[[int], None] | 
 
 def verify(folder: Path, tokenizer: Any | None = None, progress: Callable[[int], None] | None = None) -> dict[str, int]:
     """Reads every shard: sha256 against the index and every id against the vocab size.
-    Returns tokens per split; raises DataError naming the first bad file."""
+    Returns tokens per split; raises DataError naming the first bad file.
+
+    Args:
+        folder: the prepared data folder (index.json and its shards).
+        tokenizer: the tokenizer the shards must have been made with (checked against the index);
+            None checks only against the index's own vocab size.
+        progress: called with the bytes of each block read; None for no progress.
+    """
     index = read_index(folder)
     index_path = folder / INDEX_NAME
     if tokenizer is not None:

@@ -190,13 +190,23 @@ def build_dataloader(
     pin_memory: bool = False,
     samples_per_step: int = 0,
 ) -> ParallelAwareDataLoader:
-    """Yields (inputs, labels), both int64 [local_batch_size, seq_len], forever.
+    """A data loader yielding (inputs, labels), both int64 [local_batch_size, seq_len], forever.
 
-    `dataset` is 'pydoc', 'path:<file or folder>' (tokenised in memory here) or
-    'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is checked).
-    `pin_memory` (CUDA only): batches come in page-locked memory, for non-blocking copies (to_device).
-    `samples_per_step`: sequences per optimizer step over all ranks (0: one batch per rank), saved
-    with the position so that a resume with another global batch says so."""
+    Args:
+        dataset: 'pydoc', 'path:<file or folder>' (tokenised in memory here) or
+            'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is
+            checked).
+        tokenizer: the tokenizer that makes (or made) the ids.
+        seq_len: tokens per sequence.
+        local_batch_size: sequences per batch on this rank.
+        dp_rank: this rank's data-parallel index, 0 .. dp_world_size - 1 (which share of the data it reads).
+        dp_world_size: the data-parallel degree.
+        seed: the seed of the sequence order.
+        num_workers: background worker processes loading batches (0: in the training process).
+        pin_memory: CUDA only: batches come in page-locked memory, for non-blocking copies (to_device).
+        samples_per_step: sequences per optimizer step over all ranks (0: one batch per rank), saved
+            with the position so that a resume with another global batch says so.
+    """
     if dataset.startswith("tokens:"):
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from torchtitan_amp.core.errors import DataError
 
@@ -80,7 +80,7 @@ def _jsonl_ranges(path: Path, size: int, unit_bytes: int) -> list[tuple[int, int
 
 def _file_units(path: Path, kind: str, unit_bytes: int) -> list[Unit]:
     stat = path.stat()
-    base = dict(path=str(path.resolve()), kind=kind, mtime_ns=stat.st_mtime_ns)
+    base: dict[str, Any] = dict(path=str(path.resolve()), kind=kind, mtime_ns=stat.st_mtime_ns)
     if kind == "jsonl" and path.suffix == ".jsonl":
         return [Unit(**base, start=a, stop=b, size=b - a) for a, b in _jsonl_ranges(path, stat.st_size, unit_bytes)]
     if kind == "parquet":
@@ -112,7 +112,15 @@ def _hub_files(spec: str, config: str | None, split: str) -> list[Path]:
 
 
 def plan_units(inputs: list[str], unit_bytes: int, hf_config: str | None = None, hf_split: str = "train") -> list[Unit]:
-    """Every input expanded, in order, to units of at most ~unit_bytes (files are never merged)."""
+    """Every input expanded, in order, to units of at most ~unit_bytes (files are never merged).
+
+    Args:
+        inputs: the inputs: files, folders (their supported files, sorted) or `hf:<name>` datasets.
+        unit_bytes: the largest unit, in bytes (a JSONL file is cut at line starts, a Parquet file at
+            row groups; other files are one unit each).
+        hf_config: the configuration name of an `hf:` dataset; None for its default.
+        hf_split: the split of an `hf:` dataset.
+    """
     units: list[Unit] = []
     for spec in inputs:
         if spec.startswith("hf:"):
@@ -142,7 +150,7 @@ def plan_units(inputs: list[str], unit_bytes: int, hf_config: str | None = None,
 
 def _open_binary(path: Path) -> IO[bytes]:
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))  # a GzipFile: typeshed does not count it an IO[bytes]
     if path.suffix == ".zst":
         import zstandard
 

@@ -27,7 +27,15 @@ class Tokenizer(Protocol):
     eos_id: int
     fingerprint: str
 
-    def encode(self, text: str, bos: bool, eos: bool) -> list[int]: ...
+    def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The ids of `text`, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
+        ...
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text without BOS/EOS (the prepare step's bulk path)."""
@@ -51,6 +59,13 @@ class ByteTokenizer:
     fingerprint = "byte:utf8-258"
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The UTF-8 bytes of `text` as ids, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         return _add_specials(list(text.encode("utf-8")), self.bos_id, self.eos_id, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -132,6 +147,14 @@ class HFTokenizer:
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         # add_special_tokens=False stops the file's post-processor from adding its own BOS/EOS twice.
+        """The ids of `text` by the tokenizer file (without its post-processor's specials), with BOS and
+        EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return _add_specials(ids, self.bos_id, self.eos_id, bos, eos)
 
@@ -144,7 +167,10 @@ class HFTokenizer:
 
 # Llama 3's pre-tokenizer pattern and special tokens (meta-llama/llama3 tokenizer.py): the 256
 # specials follow the file's ranks, so Llama 3's 128,000 ranks give vocab 128,256, BOS 128,000.
-_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_SPECIALS = (
     ["<|begin_of_text|>", "<|end_of_text|>"]
     + [f"<|reserved_special_token_{i}|>" for i in range(4)]
@@ -202,6 +228,13 @@ class TiktokenTokenizer:
         return [i for piece in _tiktoken_pieces(text) for i in self._encoding.encode_ordinary(piece)]
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
+        """The ids of `text` by the tiktoken ranks, with BOS and EOS as asked.
+
+        Args:
+            text: the text to encode.
+            bos: whether to put bos_id first.
+            eos: whether to put eos_id last.
+        """
         return _add_specials(self._ids(text), self.bos_id, self.eos_id, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -87,7 +87,13 @@ def filter_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """fp32 logits [B, V] -> the chosen token ids [B]."""
+    """The chosen token ids [B] from fp32 logits [B, V].
+
+    Args:
+        logits: the fp32 logits [B, V] after the last position.
+        sampling: how the token is chosen (greedy, or drawn after temperature, top_k and top_p).
+        generator: the generator the draw uses (seeded by the sampling's seed); None when greedy.
+    """
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, sampling).softmax(dim=-1)
@@ -110,6 +116,15 @@ class ModelRunner:
 
     @classmethod
     def for_plan(cls, model: nn.Module, plan: PrecisionPlan, tp: int, sequence_parallel: bool) -> ModelRunner:
+        """A runner for `model` under the precision plan: its forward context and output cast, each step
+        padded as sequence parallel needs.
+
+        Args:
+            model: the model (this rank's part under tensor parallel).
+            plan: the precision plan, whose forward context and output cast generation runs under.
+            tp: the tensor-parallel degree.
+            sequence_parallel: whether sequence parallel is on (then a step's token count must divide by tp).
+        """
         return cls(
             model,
             functools.partial(autocast.forward_context, plan),
@@ -120,7 +135,8 @@ class ModelRunner:
     @property
     def max_seq_len(self) -> int:
         """The longest sequence the model's rotary tables cover (training.seq_len)."""
-        return self.model.model_args.max_seq_len
+        args: Any = self.model.model_args
+        return args.max_seq_len
 
 
 def sequence_multiple(tp: int, sequence_parallel: bool) -> int:
@@ -133,7 +149,7 @@ def sequence_multiple(tp: int, sequence_parallel: bool) -> int:
 def kv_caches(model: nn.Module, max_len: int) -> Iterator[list[KVCache]]:
     """A fresh KV cache of max_len positions on every module declaring a `kv_cache` slot (each
     attention), removed on exit."""
-    layers = [m for m in model.modules() if hasattr(type(m), "kv_cache")]
+    layers: list[Any] = [m for m in model.modules() if hasattr(type(m), "kv_cache")]  # each an attention
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention with a kv_cache slot")
     caches = [KVCache(max_len) for _ in layers]
@@ -148,7 +164,13 @@ def kv_caches(model: nn.Module, max_len: int) -> Iterator[list[KVCache]]:
 
 def step_logits(runner: ModelRunner, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
     """One forward of `tokens` [B, S], continuing what `caches` hold -> the fp32 logits [B, V]
-    after the last of them."""
+    after the last of them.
+
+    Args:
+        runner: the model as generation runs it (context, output cast, padding multiple).
+        tokens: the new token ids [B, S].
+        caches: every attention's KV cache (kv_caches), holding the positions before `tokens`.
+    """
     seq = tokens.shape[1]
     pad = -seq % runner.multiple
     if pad:
@@ -164,7 +186,13 @@ def step_logits(runner: ModelRunner, tokens: torch.Tensor, caches: list[KVCache]
 
 def positions_needed(prompt_len: int, max_new_tokens: int, multiple: int = 1) -> int:
     """Rotary positions (and cache entries) a generation may use: the prompt, the continuation,
-    and the padding of the last step."""
+    and the padding of the last step.
+
+    Args:
+        prompt_len: the prompt's length in tokens.
+        max_new_tokens: the most tokens generated.
+        multiple: what each step's token count is padded to a multiple of (sequence_multiple).
+    """
     return prompt_len + max_new_tokens + multiple - 1
 
 
@@ -172,7 +200,14 @@ def first_too_long(
     prompts: Iterable[Sequence[int]], max_new_tokens: int, max_seq_len: int, multiple: int = 1
 ) -> tuple[int, int, int] | None:
     """(index, length, positions needed) of the first prompt that cannot be continued by
-    max_new_tokens within max_seq_len positions, or None: the callers name their own fields."""
+    max_new_tokens within max_seq_len positions, or None: the callers name their own fields.
+
+    Args:
+        prompts: the prompts, as token ids.
+        max_new_tokens: the most tokens generated for each.
+        max_seq_len: the positions the model's rotary tables cover.
+        multiple: what each step's token count is padded to a multiple of (sequence_multiple).
+    """
     for i, prompt in enumerate(prompts):
         needed = positions_needed(len(prompt), max_new_tokens, multiple)
         if needed > max_seq_len:
@@ -203,7 +238,17 @@ def generate(
     eos_id: int | None = None,
 ) -> Completion:
     """Continue `prompt` (token ids) by up to max_new_tokens tokens. Every rank holding part of
-    the model must call it with the same arguments. The model should be in eval mode."""
+    the model must call it with the same arguments. The model should be in eval mode. Raises
+    ValueError for an empty prompt or one that leaves no room within the model's max_seq_len.
+
+    Args:
+        runner: the model as generation runs it (context, output cast, padding multiple).
+        prompt: the prompt's token ids (not empty).
+        max_new_tokens: the most tokens generated (>= 1).
+        sampling: how each token is chosen (greedy by default).
+        eos_id: the token that ends the continuation early (it is kept in the completion); None:
+            always run max_new_tokens.
+    """
     needed = positions_needed(len(prompt), max_new_tokens, runner.multiple)
     if not prompt or max_new_tokens < 1 or needed > runner.max_seq_len:
         raise ValueError(
@@ -225,7 +270,13 @@ def generate(
 
 def record(prompt: str, completion: Completion, tokenizer: Tokenizer) -> dict[str, Any]:
     """What a generation reports (the tool's --output lines, samples.jsonl): the prompt, the
-    continuation's text (without EOS), its token ids and why it stopped."""
+    continuation's text (without EOS), its token ids and why it stopped.
+
+    Args:
+        prompt: the prompt's text.
+        completion: the continuation `generate` returned.
+        tokenizer: the tokenizer decoding it.
+    """
     text_ids = completion.tokens[:-1] if completion.stop == "eos" else completion.tokens
     return {"prompt": prompt, "text": tokenizer.decode(text_ids), "tokens": completion.tokens, "stop": completion.stop}
 
@@ -258,8 +309,15 @@ class SamplePrompts:
 
 
 def resolve_samples(config: JobConfig, tokenizer: Tokenizer | None, max_seq_len: int) -> SamplePrompts | None:
-    """None without validation.sample_prompts (or without a tokenizer: a dry run generates nothing).
-    Refuses the layouts generation does not run on and prompts too long for the model."""
+    """The sample prompts generated at each validation, encoded; None without
+    validation.sample_prompts (or without a tokenizer: a dry run generates nothing).
+    Refuses (ConfigError) the layouts generation does not run on and prompts too long for the model.
+
+    Args:
+        config: the job config (validation.sample_prompts and their sampling, the parallel layout).
+        tokenizer: the run's tokenizer, encoding the prompts; None: a dry run.
+        max_seq_len: the positions the model's rotary tables cover.
+    """
     v, p = config.validation, config.parallelism
     if not v.sample_prompts:
         return None

@@ -65,10 +65,16 @@ class ValidationSpec:
 def resolve_spec(
     config: JobConfig, max_seq_len: int, pp_microbatches: int | None, tokenizer: Tokenizer | None = None
 ) -> ValidationSpec | None:
-    """None when validation is off. Checks what needs training's settings or the layout:
-    `max_seq_len` is the rotary tables' length, `pp_microbatches` the schedule's fixed
-    micro-batch count (None without pipeline parallelism); `tokenizer` encodes the sample
-    prompts (None: a dry run, which generates none)."""
+    """What validation runs on, from the config; None when validation is off. Checks what needs
+    training's settings or the layout (ConfigError).
+
+    Args:
+        config: the job config (its validation section, falling back to training's values).
+        max_seq_len: the rotary tables' length, which a validation seq_len must fit.
+        pp_microbatches: the pipeline schedule's fixed micro-batch count, which the validation
+            local batch size must divide by; None without pipeline parallelism.
+        tokenizer: encodes the sample prompts; None: a dry run, which generates none.
+    """
     v, t = config.validation, config.training
     if not v.enable:
         return None
@@ -101,7 +107,15 @@ def build_loader(
     spec: ValidationSpec, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, seed: int
 ) -> ParallelAwareDataLoader:
     """The validation loader; a split that cannot fill one batch per rank is a DataError naming
-    validation.dataset (raised before any process group exists)."""
+    validation.dataset (raised before any process group exists).
+
+    Args:
+        spec: what validation runs on (dataset, seq_len, local batch size).
+        tokenizer: the run's tokenizer.
+        dp_rank: this rank's data-parallel index, 0 .. dp_degree - 1.
+        dp_degree: the data-parallel degree.
+        seed: the seed of the sequence order.
+    """
     try:
         loader = build_dataloader(
             spec.dataset, tokenizer, spec.seq_len, spec.local_batch_size, dp_rank, dp_degree, seed
