@@ -414,8 +414,8 @@ def format_plan(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_job_options(ap: argparse.ArgumentParser) -> None:
+    """The options saying what is trained: model, GPUs and their memory, sequence and batch."""
     ap.add_argument("--model", default="llama3", help="Model family (model.name).")
     ap.add_argument("--flavor", required=True, help="Model flavor (llama3_8b, llama3_70b, llama3_405b, ...).")
     ap.add_argument("--gpus", type=int, required=True, help="Number of GPUs (the world size).")
@@ -440,6 +440,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Sequences per optimizer step (default: gpus x local batch size).",
     )
     ap.add_argument("--vocab-size", type=int, default=128256, help="Vocabulary (default Llama 3's 128256).")
+
+
+def _add_machine_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the time model: compute rate, bandwidths, and how much traffic is exposed."""
     ap.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation of the compute (default 0.4).")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989: H100 SXM).")
     ap.add_argument(
@@ -473,6 +477,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1.0,
         help="Fraction of TP traffic on the critical path (default 1.0: no async TP).",
     )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_job_options(ap)
+    _add_machine_options(ap)
     ap.add_argument(
         "--min-cp-tokens",
         type=int,
