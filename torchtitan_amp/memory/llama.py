@@ -147,10 +147,11 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul
     dtype (bf16: 2, fp32: 4). `layer` sizes a GPU (CUDA's kernels); `layer_cpu` is what CPU's
     attention saves beyond it: its causal masks (cp_causal_terms) and, where CUDA repeats K/V and
-    CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
-    one block at a time in backward. Op-level SAC keeps the block's input, SDPA's output and
-    logsumexp and the kept matmul outputs (saved_mm: all, or the 1st, 3rd... of q, k, v, wo, w1,
-    w3, w2), and likewise recomputes one block at a time.
+    CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each
+    block's input (r x d / sp, r = bytes of the residual dtype) and recomputes one block at a time
+    in backward. Op-level SAC keeps the block's input, SDPA's output and logsumexp and the kept
+    matmul outputs (saved_mm: all, or the 1st, 3rd... of q, k, v, wo, w1, w3, w2), and likewise
+    recomputes one block at a time.
 
     Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
     token of this rank except what does not shrink with cp. SDPA saves the keys and values of the

@@ -96,7 +96,7 @@ class MoEDims(ModelDims):
             p = f"layers.{i}."
             if spec.name.endswith("attention.wo.weight") and self.qk_norm:
                 out += [ParamSpec(p + f"attention.{n}_norm.weight", (hd,), "norm", None, i) for n in "qk"]
-            if spec.name.endswith("ffn_norm.weight") and self.is_moe(i):
+            if i is not None and spec.name.endswith("ffn_norm.weight") and self.is_moe(i):
                 f = p + "feed_forward."
                 out.append(ParamSpec(f + "router.weight", (e, d), "router", None, i))
                 shapes = {"w1": (e, d, h), "w2": (e, h, d), "w3": (e, d, h)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
+from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, ReshardPolicy, stage_ids
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Layout:
     ac_mode: str = "none"  # "none" | "full" | "selective"
     ac_option: str = "2"  # selective: every N-th block, or "op"
     op_sac_save_mm: str = "alternate"  # op-level SAC's matmul outputs kept: "alternate" | "all"
-    reshard_after_forward: str = "default"  # "default" | "always" | "never"
+    reshard_after_forward: ReshardPolicy = "default"
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)

@@ -39,7 +39,7 @@ class KVCache:
         start, end = self.end, self.end + xk.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions cannot take positions {start}..{end - 1}")
-        if self.k is None:
+        if self.k is None or self.v is None:
             shape = (xk.shape[0], self.max_len, *xk.shape[2:])
             self.k = torch.empty(shape, dtype=xk.dtype, device=xk.device)
             self.v = torch.empty(shape, dtype=xv.dtype, device=xv.device)

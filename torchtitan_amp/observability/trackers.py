@@ -125,7 +125,9 @@ class WandbTracker:
             tags=list(tags) or None,
             notes=notes or None,
             dir=str(dump_folder),
-            mode=wandb_mode(),
+            # WANDB_MODE passes through for W&B to check: init's Literal omits the 'dryrun' and 'run'
+            # its own settings accept.
+            mode=wandb_mode(),  # type: ignore[arg-type]
             # The folder's run when it has one (resume="allow": created if W&B does not know it yet).
             id=id_file.read_text().strip() if id_file.is_file() else None,
             resume="allow",

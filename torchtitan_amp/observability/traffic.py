@@ -33,10 +33,13 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 Categorize = Callable[[str, Any], str]
 
@@ -69,7 +72,7 @@ def group_name(group: Any) -> str:
 
 
 def group_size(group: Any) -> int:
-    return dist.distributed_c10d._get_group_size_by_name(group_name(group))
+    return dist.distributed_c10d._get_group_size_by_name(cast("GroupName", group_name(group)))
 
 
 def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
@@ -89,7 +92,7 @@ def _wrap(module: Any, name: str, op: str, tensor_arg: str, factor: Callable[[An
     sig = inspect.signature(original)
 
     @functools.wraps(original)
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(*args: Any, **kwargs: Any) -> Any:
         outer = getattr(_state, "inside", False)
         if _settings["on"] and not outer:  # a collective built on another counts once
             bound = sig.bind(*args, **kwargs)
@@ -111,7 +114,7 @@ def _wrap_batch_p2p() -> None:
     original = schedules._batch_p2p
 
     @functools.wraps(original)
-    def counted(p2p_ops, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> Any:
         if _settings["on"]:
             for op in p2p_ops:
                 record("send" if op.op is dist.distributed_c10d.isend else "recv", op.group, op.tensor)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -401,6 +402,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _InitWeights(Protocol):
+    """What TransformerBlock.build_feed_forward's module has beside forward."""
+
+    def init_weights(self, init_std: float) -> None: ...
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
 
@@ -425,7 +432,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        cast(_InitWeights, self.feed_forward).init_weights(self.weight_init_std)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -444,6 +451,9 @@ class Transformer(nn.Module):
     block_cls: type[TransformerBlock] = TransformerBlock
     # Set by parallelize.apply_cp, like every Attention's.
     context_parallel: ContextParallel | None = None
+    # Registered as non-persistent buffers in __init__ (declared here for the type checker).
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__()
@@ -492,7 +502,7 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             if layer is not None:
-                layer.init_weights()
+                cast(TransformerBlock, layer).init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:

@@ -53,7 +53,7 @@ def after_backward(
     stats = torch.zeros(2, device=next(p.device for part in model_parts for p in part.parameters()))
     stats[1:].fill_(float("-inf"))
     if layers:
-        counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] int64
+        counts = torch.stack([layer.tokens_per_expert for layer in layers])  # [layers, E] int64
         if group is not None:
             dist.all_reduce(counts, group=group)
         if cross_group is not None:

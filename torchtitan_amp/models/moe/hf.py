@@ -167,7 +167,7 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
             "rope_theta": theta,
             "use_scaled_rope": False,
             "qk_norm": True,
-            "n_routed_experts": int(cfg.get("num_experts", cfg.get("num_local_experts"))),
+            "n_routed_experts": int(need("num_experts" if "num_experts" in cfg else "num_local_experts")),
             "top_k": int(need("num_experts_per_tok")),
             "moe_inter_dim": int(need("moe_intermediate_size")),
             "route_norm": bool(cfg.get("norm_topk_prob", False)),

@@ -43,6 +43,7 @@ class Router(nn.Module):
     # The precision plan writes the dtype of the routing arithmetic here
     # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
     router_dtype: torch.dtype = torch.float32
+    expert_bias: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, route_scale: float
@@ -221,6 +222,7 @@ class MoE(nn.Module):
     # Set by parallelize.apply_cp under context parallel (context_parallel.ContextParallel): the
     # sequence-wise aux loss then sums its per-sequence statistics over the cp ranks.
     context_parallel: Any = None
+    tokens_per_expert: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,
