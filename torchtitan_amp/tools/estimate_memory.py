@@ -44,11 +44,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_amp import memory  # pure Python: no torch import
 from torchtitan_amp.config import ConfigError, JobConfig, load_config
 from torchtitan_amp.tools.common import child_env, module_cmd
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
 
 MODULE = "torchtitan_amp.tools.estimate_memory"  # how this tool relaunches itself under torchrun
 
@@ -138,7 +143,8 @@ def format_estimate(d: dict[str, Any]) -> str:
         + (f", {d['active_params']:,} active" if d.get("active_params", d["total_params"]) != d["total_params"] else "")
         + f"), rank 0 of {d['world_size']}: "
         f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x cp {lay['cp']} x "
-        f"tp {lay['tp']}{ep}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
+        f"tp {lay['tp']}{ep}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) "
+        f"x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
         f"AC {lay['ac']}" + ("; activations as this CPU saves them (--measure)" if d.get("device") == "cpu" else ""),
         f"precision: path={pr['path']} storage={pr['storage']} param={pr['param']} reduce={pr['reduce']} "
         f"comm_hook={pr['comm_hook']}" + (f" cp_reduce={pr['cp_reduce']}" if lay["cp"] > 1 else ""),
@@ -191,7 +197,7 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def _by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
     from torchtitan_amp.precision import dtype_name
@@ -203,7 +209,7 @@ def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return out
 
 
-def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
+def _warm_up(param_dtype: torch.dtype) -> None:
     """Load what the first step would load lazily (kernels, autograd and OpenMP threads, the
     cached CPU peak-FLOPs measurement) so that it is not counted as the model's memory."""
     import torch
@@ -240,7 +246,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     marks: dict[str, int] = {}
     build_model = train_build.build_model
 
-    def build_and_mark(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def build_and_mark(*args: Any, **kwargs: Any) -> Any:
         gc.collect()
         reset_peak_rss()
         marks["baseline"] = rss_bytes()
@@ -255,7 +261,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     gc.collect()
     peak, end = peak_rss_bytes(), rss_bytes()
     params = [p for part in trainer.run.model_parts for p in part.parameters()]
-    result = {
+    result: dict[str, Any] = {
         "rank": trainer.run.info.rank,
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
@@ -268,7 +274,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
         "steps": steps,
     }
     trainer.run.metrics.close()
-    results = [result]
+    results: list[dict[str, Any] | None] = [result]
     if dist.is_initialized():
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)

@@ -18,7 +18,8 @@ Each prompt is encoded with BOS first and continued greedily (--temperature 0, t
 sampling (--top-k, --top-p, a --seed), until EOS or --max-new-tokens. Rank 0 prints every prompt
 and its continuation on stdout (logs go to stderr); --output also writes one JSON line per
 prompt: prompt, text, tokens (the new ids, EOS included), stop ("eos" or "length"). With --hf, the
-folder's tokenizer.json is used unless the config or the command line sets model.tokenizer. Exit 0, or 2 after one `error:` line.
+folder's tokenizer.json is used unless the config or the command line sets model.tokenizer. Exit 0,
+or 2 after one `error:` line.
 See docs/generation.md.
 """
 
@@ -189,6 +190,7 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
     info = process_groups.resolve(config)
     process_groups.set_device(info)
     job = resolve_job(config, info.world_size, info.device.type)
+    assert job.tokenizer is not None  # resolve builds one outside a dry run
     ids = [job.tokenizer.encode(text, bos=True, eos=False) for text in prompts]
     _check_lengths(ids, max_new_tokens, job.model_args.max_seq_len)
     process_groups.init(info, config.comm.init_timeout_seconds)

@@ -8,7 +8,8 @@ this tool starts with torchrun (train.py with the given overrides, metrics logge
 
     # run both: 1 process vs FSDP over 2 processes, same global batch, same seed and data
     python -m torchtitan_amp.tools.loss_compare \\
-        --common "--model.flavor debugmodel --training.seq_len 64 --training.steps 10 --mixed_precision.enabled false" \\
+        --common "--model.flavor debugmodel --training.seq_len 64 --training.steps 10 \\
+                  --mixed_precision.enabled false" \\
         --run-a "--training.local_batch_size 4" --nproc-a 1 \\
         --run-b "--training.local_batch_size 2" --nproc-b 2 \\
         --rtol 1e-4
@@ -42,8 +43,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchtitan_amp.tools.plot import METRICS, PlotError, metrics_file, read_run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Started runs run from the checkout holding this package, so that relative paths in their
 # overrides mean what they mean for train.py.
@@ -75,7 +80,12 @@ def read_metric(path: str | Path, metric: str = "loss") -> dict[int, float]:
     lacking = [row["step"] for row in run.rows if metric not in row]
     if lacking:
         raise CompareError(f"{metrics_path(path)}: step {lacking[0]} has no '{metric}' field")
-    return {int(row["step"]): math.nan if row[metric] is None else float(row[metric]) for row in run.rows}
+    out: dict[int, float] = {}
+    for row in run.rows:
+        step, value = row["step"], row[metric]
+        assert step is not None  # read_run keys every row by int(step)
+        out[int(step)] = math.nan if value is None else float(value)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +189,7 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
-def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss"):  # type: ignore[no-untyped-def]
+def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss") -> Figure:
     """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure."""
     from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
 

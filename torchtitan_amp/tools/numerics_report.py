@@ -131,8 +131,8 @@ def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline:
     """Per run: the mean of its last `tail` losses, that minus the `baseline` run's (± the standard
     error of the per-step differences' mean) and the run's wall time."""
     base = results.get(baseline)
-    ok = base is not None and not base.error
-    base_mean = tail_mean(base.losses, tail) if ok else math.nan
+    base_losses = base.losses if base is not None and not base.error else None
+    base_mean = tail_mean(base_losses, tail) if base_losses is not None else math.nan
     lines = [
         f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
         "| --- | ---: | ---: | ---: |",
@@ -142,7 +142,11 @@ def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline:
         if res is None or res.error:
             continue
         mean = tail_mean(res.losses, tail)
-        se = tail_gap_se(res.losses, base.losses, tail) if ok and run.label != baseline else math.nan
+        se = (
+            tail_gap_se(res.losses, base_losses, tail)
+            if base_losses is not None and run.label != baseline
+            else math.nan
+        )
         gap = fmt(mean - base_mean, "+.4f") + (f" (± {se:.4f})" if math.isfinite(se) else "")
         lines.append(f"| {run.label} | {mean:.4f} | {gap} | {res.wall_s:.0f} s |")
     return "\n".join(lines)
