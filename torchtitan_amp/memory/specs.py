@@ -40,6 +40,19 @@ class PrecisionSpec:
         storage: str = "float32",
         comm_hook: bool = False,
     ) -> PrecisionSpec:
+        """A spec from the plan's main dtypes, every other field at its default (no lower-precision
+        exceptions, fp32 cp reduce and router, nothing frozen).
+
+        Args:
+            path: the precision path: "fsdp" (FSDP's mixed-precision policy), "autocast" or "full"
+                (one dtype everywhere).
+            param: the dtype parameters compute in (mixed_precision.param_dtype).
+            reduce: the dtype gradients are reduced in (mixed_precision.reduce_dtype).
+            storage: the dtype parameters, gradients and optimizer state are stored in
+                (training.dtype).
+            comm_hook: whether DDP compresses gradients with a comm hook (autocast path with a
+                reduce dtype below fp32).
+        """
         return cls(
             path,
             storage,
