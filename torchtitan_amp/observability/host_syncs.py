@@ -71,7 +71,13 @@ def _has_bool_index(indices: Any) -> bool:
 
 def sync_name(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The name under which the dispatcher op `func` called with `args` counts as a host sync, or
-    None when it does not sync."""
+    None when it does not sync.
+
+    Args:
+        func: the dispatcher op (an OpOverload).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+    """
     name = func.overloadpacket.__name__
     if name in SIZE_READING_OPS:
         return name

@@ -42,7 +42,13 @@ def _trace_handler(folder: Path, rank: int):
 
 @contextlib.contextmanager
 def maybe_profile(config: JobConfig, rank: int, start_step: int) -> Iterator[torch.profiler.profile | None]:
-    """Yields a profiler whose `.step()` the loop calls once per train step, or None."""
+    """Yields a profiler whose `.step()` the loop calls once per train step, or None.
+
+    Args:
+        config: the job config (its profiling section and dump folder).
+        rank: this rank (traces are named by it).
+        start_step: the step training starts from (a resumed run's), so the schedule counts from it.
+    """
     p = config.profiling
     if not p.enable_profiling:
         yield None

@@ -158,6 +158,12 @@ def default_log_path(log_dir: str | None, tmp_root: str) -> Path:
 
 
 def pump(stream: TextIO, output: RankOutput, err: bool) -> None:
-    """Read the agent's stream to its end (a reader thread's body)."""
+    """Read the agent's stream to its end (a reader thread's body).
+
+    Args:
+        stream: the agent's stdout or stderr.
+        output: where each line is routed.
+        err: whether `stream` is stderr.
+    """
     for line in stream:
         output.route(line, err)

@@ -76,7 +76,14 @@ def group_size(group: Any) -> int:
 
 
 def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
-    """Count one call's tensor (times `factor`) under its category and dtype."""
+    """Count one call's tensor (times `factor`) under its category and dtype.
+
+    Args:
+        op: the collective ("all_gather", "reduce_scatter", "all_reduce", "send", ...).
+        group: its process group, in any form group_name accepts.
+        tensor: the tensor whose bytes are counted.
+        factor: how many times it counts (e.g. the ranks of an all-to-all).
+    """
     category = _settings["categorize"](op, group)
     dtype = str(tensor.dtype).removeprefix("torch.")
     COUNTS[category][dtype] += tensor.numel() * tensor.element_size() * factor
@@ -130,7 +137,14 @@ def install(
     functional: bool = False,
     record_calls: bool = False,
 ) -> None:
-    """Wrap the collectives (once per process; counting starts with `counting()`)."""
+    """Wrap the collectives (once per process; counting starts with `counting()`).
+
+    Args:
+        categorize: names a call's category from its op and group; None: the op's name.
+        point_to_point: also count send, recv and the pipeline's batched p2p.
+        functional: also count the functional collectives (DTensor's, TP's).
+        record_calls: also keep every call (category, dtype, shape, factor) in CALLS.
+    """
     if _settings["installed"]:
         raise RuntimeError("collective counters are already installed in this process")
     _settings.update(installed=True, categorize=categorize or _by_op, record_calls=record_calls)
