@@ -66,7 +66,14 @@ MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap an
 
 def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
     """--shape dim=512,n_layers=8: change the flavor's shape in this process (a what-if, or a
-    model size between the registered flavors). Nothing on disk changes."""
+    model size between the registered flavors). Nothing on disk changes.
+
+    Args:
+        family_name: the model family (model.name).
+        flavor: the flavor changed (model.flavor).
+        shape: comma-separated field=value pairs of the family's model arguments; None or empty: no
+            change.
+    """
     if not shape:
         return
     import dataclasses
@@ -90,7 +97,13 @@ def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
 
 def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[str, Any]:
     """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict; device
-    "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves)."""
+    "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves).
+
+    Args:
+        config: the job config (model, layout, precision, batch).
+        ngpu: the world size; None: dry_run.world_size, else the product of the config's degrees.
+        device: "cuda" (the default) sizes a GPU; "cpu" for a measurement here.
+    """
     from torchtitan_amp.train.dry_run import resolve
 
     res = resolve(config, ngpu)
@@ -233,6 +246,16 @@ def _warm_up(param_dtype: torch.dtype) -> None:
 
 
 def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None) -> int:
+    """Train `steps` steps of `argv`'s job in this process (a torchrun rank) and write each rank's
+    measured bytes (parameters, gradients, optimizer state by dtype; resident-memory
+    baseline, peak and end) to `out_path` as JSON on rank 0; returns the exit code.
+
+    Args:
+        argv: the job's config overrides.
+        steps: training steps run before the peak is read.
+        out_path: the JSON file rank 0 writes.
+        shape: a --shape change of the flavor (apply_shape); None: none.
+    """
     import torch
     import torch.distributed as dist
 
@@ -287,7 +310,15 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
 def measure(
     overrides: list[str], ngpu: int, steps: int, out_dir: Path, shape: str | None = None
 ) -> list[dict[str, Any]]:
-    """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1)."""
+    """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1).
+
+    Args:
+        overrides: the job's config overrides.
+        ngpu: the ranks (CPU processes).
+        steps: training steps measured.
+        out_dir: the folder of the child's JSON and log.
+        shape: a --shape change of the flavor (apply_shape); None: none.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "measured.json"
     out.unlink(missing_ok=True)

@@ -180,7 +180,14 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
 
 def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
     """Every config-time check (the prompts' lengths included) before any process group, then the
-    model built on this rank's layout with the checkpoint's weights. Every rank calls it."""
+    model built on this rank's layout with the checkpoint's weights. Every rank calls it.
+
+    Args:
+        config: the job config (model, checkpoint, layout).
+        prompts: the prompts' texts, encoded with BOS first.
+        max_new_tokens: the tokens generated at most per prompt (with the prompt, they must fit
+            training.seq_len).
+    """
     from torchtitan_amp.checkpoint import CheckpointManager
     from torchtitan_amp.distributed import process_groups
     from torchtitan_amp.eval.generation import ModelRunner

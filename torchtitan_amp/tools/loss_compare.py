@@ -150,6 +150,15 @@ def compare(a: dict[int, float], b: dict[int, float]) -> Comparison:
 
 
 def format_table(c: Comparison, label_a: str = "A", label_b: str = "B", metric: str = "loss") -> str:
+    """The step-by-step table of both runs' `metric`, their differences, and a summary line (max
+    differences, bit identity, steps logged by one run only).
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        label_a: run A's name in the header.
+        label_b: run B's name.
+        metric: the metric compared (its name in the header).
+    """
     lines = [
         f"{'step':>6}  {metric + ' ' + label_a:>14}  {metric + ' ' + label_b:>14}  {'abs diff':>10}  {'rel diff':>10}"
     ]
@@ -165,7 +174,14 @@ def format_table(c: Comparison, label_a: str = "A", label_b: str = "B", metric: 
 
 
 def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float | None) -> list[str]:
-    """The violated checks, as messages (empty: all passed)."""
+    """The violated checks, as messages (empty: all passed).
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        assert_equal: require the runs bit-identical.
+        rtol: the largest relative difference allowed; None: not checked.
+        atol: the largest absolute difference allowed; None: not checked.
+    """
     failures = []
     if assert_equal and not c.bit_identical:
         worst = max(c.rows, key=lambda r: (math.isnan(r.a) or math.isnan(r.b), r.abs_diff))
@@ -190,7 +206,14 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
 def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss") -> Figure:
-    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure."""
+    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure.
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        label_a: run A's name in the legend.
+        label_b: run B's name.
+        metric: the metric compared (the axis label).
+    """
     from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
 
     steps = [r.step for r in c.rows]
@@ -214,6 +237,15 @@ def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "
 
 
 def train_command(nproc: int, dump_folder: Path, common: list[str], overrides: list[str]) -> list[str]:
+    """The torchrun command line of one side: train.py on `nproc` CPU ranks, logging every step to
+    `dump_folder`.
+
+    Args:
+        nproc: the CPU ranks.
+        dump_folder: the run's job.dump_folder.
+        common: config overrides both sides share.
+        overrides: this side's own overrides (after the common ones, so they win).
+    """
     return [
         sys.executable,
         "-m",
@@ -231,6 +263,17 @@ def train_command(nproc: int, dump_folder: Path, common: list[str], overrides: l
 
 
 def run_side(name: str, nproc: int, common: list[str], overrides: list[str], out: Path, timeout: float) -> Path:
+    """Train one side and return its dump folder (its output in `out`/NAME.log); CompareError if it
+    fails or times out.
+
+    Args:
+        name: the side's name: its dump folder's and log's.
+        nproc: the CPU ranks.
+        common: config overrides both sides share.
+        overrides: this side's own overrides.
+        out: the folder holding both sides' dump folders and logs.
+        timeout: seconds before the run is stopped.
+    """
     dump = out / name
     if (dump / METRICS).exists():
         (dump / METRICS).unlink()  # metrics.jsonl appends: a stale file would mix two runs

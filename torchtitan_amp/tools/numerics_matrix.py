@@ -354,13 +354,26 @@ def read_result(run: Run, folder: Path) -> Result:
 
 
 def reusable(run: Run, a: argparse.Namespace, out: Path) -> bool:
-    """Whether `out` holds this run finished with exactly these training arguments (--reuse)."""
+    """Whether `out` holds this run finished with exactly these training arguments (--reuse).
+
+    Args:
+        run: the run looked for.
+        a: the command line (its training settings make the run's arguments).
+        out: the --out folder.
+    """
     done = out / run.key / "done.json"
     return done.is_file() and json.loads(done.read_text()).get("args") == train_args(run, a)
 
 
 def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dict[str, Result]:
-    """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest."""
+    """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest.
+
+    Args:
+        runs: the runs, all of `nproc` processes, trained in this order.
+        nproc: the processes of the launch.
+        a: the command line (training settings, --reuse, --timeout).
+        out: the --out folder: one dump folder per run, the specs and launch logs.
+    """
     results: dict[str, Result] = {}
     pending = [r for r in runs if not (a.reuse and reusable(r, a, out))]
     for r in runs:

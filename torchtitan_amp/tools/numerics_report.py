@@ -31,7 +31,13 @@ def max_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
 
 def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
     """One row per run; "single" means the one-process run of the row's model (MoE rows: MoE
-    single), and a model with routers shows its router_dtype after the path."""
+    single), and a model with routers shows its router_dtype after the path.
+
+    Args:
+        results: each run's result by its label ('layout / precision').
+        runs: the runs, in the table's order (a run without a result is left out).
+        steps: the steps each run trained.
+    """
     lines = [
         "| layout | precision | path | final loss | Δ final vs fp32 single | max \\|Δ\\| over steps vs fp32 single "
         "(rel) | max \\|Δ\\| vs same precision, single | skipped fp16 steps | val loss | Δ val loss vs fp32 single |",
@@ -118,7 +124,13 @@ def tail_mean(losses: dict[int, float], tail: int) -> float:
 
 def tail_gap_se(losses: dict[int, float], base: dict[int, float], tail: int) -> float:
     """The standard error of the mean of (loss - base loss) over the last `tail` common steps, as
-    if the steps were independent: how much of a tail gap one batch's noise alone could make."""
+    if the steps were independent: how much of a tail gap one batch's noise alone could make.
+
+    Args:
+        losses: the run's loss by step.
+        base: the baseline's loss by step.
+        tail: how many of the last common steps count.
+    """
     steps = sorted(losses.keys() & base.keys())[-tail:]
     d = [losses[s] - base[s] for s in steps]
     if len(d) < 2:
@@ -129,7 +141,14 @@ def tail_gap_se(losses: dict[int, float], base: dict[int, float], tail: int) -> 
 
 def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline: str) -> str:
     """Per run: the mean of its last `tail` losses, that minus the `baseline` run's (± the standard
-    error of the per-step differences' mean) and the run's wall time."""
+    error of the per-step differences' mean) and the run's wall time.
+
+    Args:
+        results: each run's result by its label ('layout / precision').
+        runs: the runs, in the table's order (a run without a result is left out).
+        tail: how many of the last logged steps are averaged.
+        baseline: the label of the run the others are compared with.
+    """
     base = results.get(baseline)
     base_losses = base.losses if base is not None and not base.error else None
     base_mean = tail_mean(base_losses, tail) if base_losses is not None else math.nan
@@ -154,7 +173,13 @@ def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline:
 
 def results_json(results: dict[str, Result], runs: list[Run], header: dict[str, object]) -> dict[str, object]:
     """Every run's per-step losses and the facts of its table row, for figures drawn without
-    retraining (tools/numerics_figures.py); non-finite losses are null."""
+    retraining (tools/numerics_figures.py); non-finite losses are null.
+
+    Args:
+        results: each run's result by its label ('layout / precision').
+        runs: the runs, in the table's order (a run without a result is left out).
+        header: the command, the settings and the notes, put before the runs.
+    """
     rows = []
     for run in runs:
         res = results.get(run.label)

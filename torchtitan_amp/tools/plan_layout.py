@@ -142,7 +142,13 @@ def factorizations(gpus: int) -> list[Degrees]:
 def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
     """The planner's own rules on top of the trainer's validation: TP stays within a node; CP
     splits sequences of at least --min-cp-tokens tokens per rank (shorter chunks leave attention
-    too little work to hide the K/V all-gathers behind)."""
+    too little work to hide the K/V all-gathers behind).
+
+    Args:
+        degrees: the candidate's parallel degrees.
+        args: the command line (--gpus-per-node, --min-cp-tokens, --seq-len).
+        n_layers: the model's layers (no more pipeline stages than layers).
+    """
     _r, _s, tp, pp, cp = degrees
     return args.gpus_per_node % tp == 0 and pp <= n_layers and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens)
 
@@ -209,7 +215,13 @@ def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: An
 
 def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     """Fill in memory and time estimates for a candidate validated by dry_run.resolve (whether
-    it fits is plan's to decide, for the --gpu-mem-gib at hand)."""
+    it fits is plan's to decide, for the --gpu-mem-gib at hand).
+
+    Args:
+        cand: the candidate, filled in place.
+        res: its dry_run.resolve result (the job's model, layout and precision).
+        args: the command line (the machine's rates and bandwidths).
+    """
     model, prec, layout = res.model_dims, res.precision, res.layout
     # Pipeline rank 0 holds the most in-flight microbatches, the last one the output head.
     pp_ranks = sorted({0, layout.pp - 1})

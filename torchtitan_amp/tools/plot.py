@@ -86,7 +86,13 @@ def read_run(path: str | Path) -> Run:
 
 def series(run: Run, key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x values, `key` values) over the steps that logged `key`; a non-finite value (written as
-    null) is NaN, which draws as a gap."""
+    null) is NaN, which draws as a gap.
+
+    Args:
+        run: the run read (read_run).
+        key: the metric drawn.
+        x: the x axis: "step", or another of X_KEYS (e.g. "tokens").
+    """
     x_key = X_KEYS[x]
     xs, ys = [], []
     for row in run.rows:
