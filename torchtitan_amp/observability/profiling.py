@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ def validate(config: JobConfig, device_type: str) -> None:
         )
 
 
-def _trace_handler(folder: Path, rank: int):
+def _trace_handler(folder: Path, rank: int) -> Callable[[torch.profiler.profile], None]:
     def handler(prof: torch.profiler.profile) -> None:
         step_folder = folder / f"iteration_{prof.step_num}"
         step_folder.mkdir(parents=True, exist_ok=True)

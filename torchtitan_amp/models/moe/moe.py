@@ -164,7 +164,7 @@ class _CountOnBackward(torch.autograd.Function):
     backpropagated (its saved tensors serve the original forward's backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
         """x unchanged, with what backward needs kept on `ctx`.
 
         Args:
@@ -177,7 +177,7 @@ class _CountOnBackward(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.total += ctx.counts.to(ctx.total.dtype)
         return grad, None, None
 
@@ -189,7 +189,7 @@ class _AddAuxLoss(torch.autograd.Function):
     scale / accumulation steps / microbatches), so the aux loss keeps its weight on every path."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         """x unchanged, with what backward needs kept on `ctx`.
 
         Args:
@@ -202,7 +202,7 @@ class _AddAuxLoss(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
