@@ -12,5 +12,6 @@ command (pyproject.toml); the command `torchtitan-amp-NAME` is also
 
 `python -m` works from a checkout without installing (run it from the repository root).
 memory_table.py is no command: the dry-run memory table benchmarks/torchtitan_memory.py prints;
-numerics_report.py neither: the numerics matrix's tables, JSON and --diff.
+numerics_runs.py and numerics_report.py neither: the numerics matrix's runs, and its tables, JSON and
+--diff.
 """

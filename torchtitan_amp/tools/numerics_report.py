@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchtitan_amp.tools.numerics_matrix import Result, Run
+    from torchtitan_amp.tools.numerics_runs import Result, Run
 
 
 def fmt(x: float, spec: str = ".2e") -> str:
