@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from torchtitan_amp.tools import numerics_matrix
+from torchtitan_amp.tools import numerics_matrix, numerics_report
 
 
 def _write(out: Path, run: str, rows: list[dict]) -> None:
@@ -59,6 +59,6 @@ def test_reuse_keeps_runs_finished_with_the_same_arguments(tmp_path: Path, capsy
     assert "single / fp32: reused from" in out and "launching" not in out
     assert "| single | fp32 |  | 5.25000 |" in out and "| single / fp32 | 5.3750 |" in out
     # The tail gap's standard error: differences 0.1 and 0.3 -> sd 0.1414, / sqrt(2) = 0.1.
-    assert math.isclose(numerics_matrix.tail_gap_se({1: 5.1, 2: 5.3}, {1: 5.0, 2: 5.0}, 2), 0.1, rel_tol=1e-9)
+    assert math.isclose(numerics_report.tail_gap_se({1: 5.1, 2: 5.3}, {1: 5.0, 2: 5.0}, 2), 0.1, rel_tol=1e-9)
     done.write_text(json.dumps({"wall_s": 1.5}))
     assert not numerics_matrix.reusable(run, a, tmp_path)

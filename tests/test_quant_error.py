@@ -141,6 +141,7 @@ def test_bad_input_is_refused() -> None:
 def test_matrix_low_precision_rows_resolve_to_their_configs() -> None:
     from torchtitan_amp.config import load_config
     from torchtitan_amp.tools import numerics_matrix as nm
+    from torchtitan_amp.tools import numerics_runs
     from torchtitan_amp.train.job import resolve
 
     a = nm.parse_args(["--preset", "blockscaled", "--steps", "300"])
@@ -187,7 +188,7 @@ def test_matrix_low_precision_rows_resolve_to_their_configs() -> None:
         if options is not None:
             assert (recipe.weight_2d, recipe.rht, recipe.stochastic_rounding) == options, run.label
     # Opt-in: the default matrix, and any multi-process layout, has none of them.
-    names = {p.name for p in nm.LOW_PRECISION_GEMMS}
+    names = {p.name for p in numerics_runs.LOW_PRECISION_GEMMS}
     assert not any(r.precision.name in names for r in nm.select_runs(8, None)[0])
     assert not any(r.precision.name in names for r in nm.select_runs(8, "nvfp4|mxfp8|fp8")[0] if r.layout.nproc > 1)
     with pytest.raises(SystemExit):

@@ -96,6 +96,7 @@ def test_loss_compare_checks_and_exit_codes(tmp_path: Path) -> None:
 
 def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     from torchtitan_amp.tools import numerics_matrix as nm
+    from torchtitan_amp.tools import numerics_runs
 
     runs, notes = nm.select_runs(8, None)
     got = {(r.layout.name, r.precision.name) for r in runs}
@@ -103,7 +104,7 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     cp = {"CP 2", "FSDP 2 x CP 2"}
     moe = {"MoE single", "MoE FSDP 2", "MoE EP 2", "MoE TP 2"}  # debugmodel_moe, its own reference
     layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp, *three_d, *moe}
-    assert {layout.name for layout in nm.LAYOUTS} == layouts
+    assert {layout.name for layout in numerics_runs.LAYOUTS} == layouts
     for layout in layouts:
         assert (layout, "fp32") in got and (layout, "bf16") in got, layout
     assert {p for lay, p in got if lay in moe} == {"fp32", "bf16", "bf16 + bf16 router"}
@@ -132,10 +133,10 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     assert {lay for lay, p in got if p == "pure bf16"} == {"single", "DDP 2", "FSDP 2"}
     # Every combination left out says why; --max-procs drops the larger layouts (the default 4:
     # the 3-D ones).
-    assert all("not run (" in n for n in notes) and len(notes) == len(nm.SKIPPED)
+    assert all("not run (" in n for n in notes) and len(notes) == len(numerics_runs.SKIPPED)
     runs4, notes4 = nm.select_runs(nm.parse_args([]).max_procs, None)
     assert {r.label for r in runs4} == {r.label for r in runs if r.layout.nproc <= 4}
-    assert len([n for n in notes4 if "--max-procs 4" in n]) == 4 and len(notes4) == len(nm.SKIPPED) + 4
+    assert len([n for n in notes4 if "--max-procs 4" in n]) == 4 and len(notes4) == len(numerics_runs.SKIPPED) + 4
     runs2, notes2 = nm.select_runs(2, None)
     assert max(r.layout.nproc for r in runs2) == 2 and any("--max-procs 2" in n for n in notes2)
     # Data-parallel layouts split the same global batch.

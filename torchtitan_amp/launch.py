@@ -58,7 +58,8 @@ The ranks' output is shown as --local-ranks-filter asks; torchrun's own output g
 
 On SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGUSR1 it sends SIGTERM to the training ranks only and
 waits for them: they finish the step, save a checkpoint (checkpoint.enable) and exit 0, and so
-does this launcher. A second signal stops the ranks at once. torchrun's own options: python -m torch.distributed.run --help"""
+does this launcher. A second signal stops the ranks at once. torchrun's own options:
+python -m torch.distributed.run --help"""
 
 
 def worker_pids(agent_pid: int, proc: Path = Path("/proc")) -> list[int]:

@@ -45,7 +45,20 @@ def activation_bytes(
     """peak = tokens x (sum over stages of in-flight microbatches x (layers x per-layer + ends)
     + one recomputed block's full activations under a recomputing mode). `device`
     "cpu" adds what only CPU's attention saves (ActivationTerms.layer_cpu), to compare with a
-    measurement on this machine; GPUs are sized without it."""
+    measurement on this machine; GPUs are sized without it.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        device: "cuda" (the default) sizes a GPU; "cpu" adds what only CPU's attention saves, to
+            compare with a measurement on this machine.
+    """
     terms = model.activation_terms(prec, layout)
     if device == "cpu":
         terms = dataclasses.replace(

@@ -32,7 +32,20 @@ def ddp_comm(params: list[tuple[int, bool]], prec: PrecisionSpec) -> dict[str, B
 def dp_comm(
     model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
 ) -> dict[str, ByDtype]:
-    """Data-parallel traffic of one rank per step (fsdp_comm, or ddp_comm for replicate-only)."""
+    """Data-parallel traffic of one rank per step (fsdp_comm, or ddp_comm for replicate-only).
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+    """
     stages = rank_stages(model, layout, pp_rank)
     if layout.fsdp_shard > 1:
         return fsdp_comm([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
@@ -62,7 +75,18 @@ def dp_comm(
 def tp_partial_grad_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0) -> ByDtype:
     """Under sequence parallel without FSDP, the trained norm weights' Partial gradients, summed
     over TP once per optimizer step in one flat all-reduce (precision.PartialGradReducer): reduce
-    dtype if norms are lower-precision-safe, else their own."""
+    dtype if norms are lower-precision-safe, else their own.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+    """
     if layout.tp == 1 or not layout.sp or layout.fsdp_shard > 1:
         return {}
     wire = prec.reduce if prec.low("norm") else prec.storage
@@ -80,7 +104,20 @@ def grad_comm(
 ) -> dict[str, ByDtype]:
     """Every gradient collective of one rank per optimizer step, by dtype: FSDP's reduce-scatters
     (and HSDP's all-reduce), DDP's all-reduce, TP's partial-gradient all-reduce (under FSDP x TP
-    FSDP sums those itself: in tp_comm's tp_all_reduce). Pipeline stages exchange no gradients."""
+    FSDP sums those itself: in tp_comm's tp_all_reduce). Pipeline stages exchange no gradients.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+    """
     out = {k: v for k, v in dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank).items() if "reduce" in k}
     tp = tp_partial_grad_comm(model, prec, layout, pp_rank=pp_rank)
     if tp:
@@ -137,6 +174,16 @@ def tp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     last if it is a region's exit (Llama's w2 reduce-scatter, the shared expert's all-reduce):
     non-reentrant checkpointing stops recomputing once the last saved tensor is rebuilt.
     x microbatches (PP) x gradient-accumulation steps.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
     """
     if layout.tp == 1:
         return {}
@@ -198,7 +245,18 @@ def pp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     output [mb, seq / sp, dim] forward and receives its gradient back, and the mirror image at the
     stage's input, in the residual stream's dtype (PrecisionSpec.residual: param dtype under FSDP,
     whose non-last stage roots do not cast to output_dtype; fp32 under autocast).
-    x microbatches x gradient-accumulation steps."""
+    x microbatches x gradient-accumulation steps.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+    """
     if layout.pp == 1:
         return {}
     r = prec.residual
@@ -244,6 +302,16 @@ def cp_comm(model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: i
     x microbatches (PP) x gradient-accumulation steps. Nothing per stage: block_causal's mask
     takes the keys' positions from the shape (ContextParallel.key_positions) and their documents
     from the batch (BatchSharder's kv_doc_ids); causal's chunks need neither.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
     """
     if layout.cp == 1:
         return {}
@@ -266,7 +334,20 @@ def comm(
     model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
 ) -> dict[str, ByDtype]:
     """All traffic categories of one rank per step (see dp_comm, tp_comm, cp_comm, pp_comm, and
-    the family's expert-parallel exchange, ModelDims.ep_comm)."""
+    the family's expert-parallel exchange, ModelDims.ep_comm).
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+    """
     return {
         **dp_comm(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),
         **tp_comm(model, prec, layout, pp_rank=pp_rank),

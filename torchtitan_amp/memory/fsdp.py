@@ -61,7 +61,20 @@ def fsdp_groups(
     the safe list form one fp32 group per block (its norms) and one for those outside blocks; each
     block is a group; the root holds the rest. Which reshard after forward:
     rules.reshard_after_forward. Under EP each layer's routed experts are a group of their own
-    over efsdp ranks, sharded first (parallelize.shard_ep_experts)."""
+    over efsdp ranks, sharded first (parallelize.shard_ep_experts).
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        stage: the pipeline stage (its layers, and whether it holds the embedding or the output
+            head) whose groups are listed.
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+    """
     specs = model.param_specs(stage)
 
     def numel(ss: list[ParamSpec]) -> int:
@@ -142,6 +155,16 @@ def fsdp_gathers_per_step(
     reverse post-forward order, which then still lists the earlier microbatch's forward, and the
     stage's first group in that order reaches back to its last group, already resharded by this
     backward (measured, torch 2.13).
+
+    Args:
+        group: the FSDP group counted.
+        ops: the stage's passes in order, "F" (a microbatch's forward) or "B" (its backward):
+            schedule_ops.
+        pp: whether pipeline parallel is on (a pass then gathers only when the group is sharded).
+        per_microbatch: pipeline_fsdp_reduce = "per_microbatch": every B reshards; False:
+            "per_step".
+        mistargeted: whether FSDP2's backward prefetch reaches the wrong group
+            (fsdp_prefetch_target), described above.
     """
     if not pp:
         return sum(1 if op == "F" else int(group.reshard_after_forward) for op in ops)

@@ -74,7 +74,16 @@ class ModelDims:
         return (self.kv_dim // tp,) * 2
 
     def ep_comm(self, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, dict[str, int]]:
-        """Expert-parallel traffic of these stages (a family with routed experts overrides this)."""
+        """Expert-parallel traffic of these stages (a family with routed experts overrides this).
+
+        Args:
+            prec: the precision settings: the path, the storage, param, reduce and matmul dtypes,
+                and which parameter kinds compute in lower precision.
+            layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the
+                batch and sequence, the pipeline schedule and activation checkpointing.
+            stages: the pipeline stages this rank holds (rank_stages), whose MoE layers exchange
+                tokens.
+        """
         return {}
 
     def active_params(self) -> int:
@@ -147,10 +156,11 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     H = heads, t = TP degree, sp = t under sequence parallel (else 1), c = bytes of the matmul
     dtype (bf16: 2, fp32: 4). `layer` sizes a GPU (CUDA's kernels); `layer_cpu` is what CPU's
     attention saves beyond it: its causal masks (cp_causal_terms) and, where CUDA repeats K/V and
-    CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each block's input (r x d / sp, r = bytes of the residual dtype) and recomputes
-    one block at a time in backward. Op-level SAC keeps the block's input, SDPA's output and
-    logsumexp and the kept matmul outputs (saved_mm: all, or the 1st, 3rd... of q, k, v, wo, w1,
-    w3, w2), and likewise recomputes one block at a time.
+    CPU does not or the other way round (saved_kv_width), the difference. Full AC keeps only each
+    block's input (r x d / sp, r = bytes of the residual dtype) and recomputes one block at a time
+    in backward. Op-level SAC keeps the block's input, SDPA's output and logsumexp and the kept
+    matmul outputs (saved_mm: all, or the 1st, 3rd... of q, k, v, wo, w1, w3, w2), and likewise
+    recomputes one block at a time.
 
     Context parallel (cp ranks, each holding S / cp tokens of a window of S): every term is per
     token of this rank except what does not shrink with cp. SDPA saves the keys and values of the
@@ -161,6 +171,14 @@ def activation_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> A
     does the same). Once per stage (`stage`): that bool mask itself, S bytes per query token,
     alive through the forward and kept by activation checkpointing for the recompute, and under
     cp the rotary tables picked per token (cos, sin: 2 x 4 x head_dim / 2).
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
     """
     d, f, h = model.dim, model.ffn_hidden, model.n_heads
     t = layout.tp
@@ -204,7 +222,18 @@ def saved_kv_width(model: ModelDims, prec: PrecisionSpec, layout: Layout, device
     """Elements per token of each of the keys and values SDPA saves on `device`: the local kv
     heads where its kernel takes them grouped (rules.takes_grouped_kv), else repeat_kv's copy to
     the local query heads, unless that reshape is a view: no repetition, or a single kv head on
-    this rank (e.g. 8 kv heads over TP 8)."""
+    this rank (e.g. 8 kv heads over TP 8).
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        device: "cuda" or "cpu": whose SDPA kernel decides whether grouped kv heads are taken as
+            they are.
+    """
     t = layout.tp
     local_kv_heads = max(model.kv_heads // t, 1)
     mask = "mask" if layout.masked else "causal"
@@ -237,7 +266,16 @@ def attention_sdpa_op_sac(model: ModelDims, prec: PrecisionSpec, layout: Layout)
     """What op-level SAC keeps of attention beyond matmuls: SDPA's output and logsumexp. A
     llama block is one checkpointed region (parallelize._wrap_block): its input, these and the
     kept matmul outputs are its bytes, equal to what a real forward keeps alive on CPU
-    (tests/test_memory_moe.py); its norms, rotary and residual adds are recomputed."""
+    (tests/test_memory_moe.py); its norms, rotary and residual adds are recomputed.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+    """
     t, c = layout.tp, DTYPE_BYTES[prec.compute]
     return (c * model.n_heads * model.head_dim + 4 * model.n_heads) / t
 
@@ -256,6 +294,14 @@ def cp_causal_terms(model: ModelDims, prec: PrecisionSpec, layout: Layout) -> tu
     query's dtype per chunk (end = the chunk's last position + 1), shared by the batch and heads:
     c x n x (sum of ends) per microbatch, counted for a rank r > 0 (chunks r and 2cp-1-r: ends sum
     to (2cp + 1) n); rank 0's first chunk is square, plain is_causal with no mask, c x n^2 less.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
     """
     cp = layout.cp
     if cp == 1 or layout.masked:

@@ -96,7 +96,7 @@ class MoEDims(ModelDims):
             p = f"layers.{i}."
             if spec.name.endswith("attention.wo.weight") and self.qk_norm:
                 out += [ParamSpec(p + f"attention.{n}_norm.weight", (hd,), "norm", None, i) for n in "qk"]
-            if spec.name.endswith("ffn_norm.weight") and self.is_moe(i):
+            if i is not None and spec.name.endswith("ffn_norm.weight") and self.is_moe(i):
                 f = p + "feed_forward."
                 out.append(ParamSpec(f + "router.weight", (e, d), "router", None, i))
                 shapes = {"w1": (e, d, h), "w2": (e, h, d), "w3": (e, d, h)}
@@ -134,6 +134,17 @@ class MoEDims(ModelDims):
         return ("split", "replicated_split" if self.n_shared_experts else "replicated")
 
     def ep_comm(self, prec: PrecisionSpec, layout: Layout, stages: list[Stage]) -> dict[str, ByDtype]:
+        """Expert-parallel traffic of these stages: this module's ep_comm (the routed experts' all-
+        to-alls).
+
+        Args:
+            prec: the precision settings: the path, the storage, param, reduce and matmul dtypes,
+                and which parameter kinds compute in lower precision.
+            layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the
+                batch and sequence, the pipeline schedule and activation checkpointing.
+            stages: the pipeline stages this rank holds (rank_stages), whose MoE layers exchange
+                tokens.
+        """
         return ep_comm(self, prec, layout, stages)
 
 
@@ -168,6 +179,14 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
     the whole sequence on every rank (not divided by t). Op-level SAC checkpoints an MoE block by
     region and recomputes its feed-forward whole (parallelize.recomputed_whole): moe_op_sac; the
     dense blocks, one region each, keep Llama's.
+
+    Args:
+        model: the MoE model's dimensions: Llama's plus the experts, their hidden size, top_k and
+            the dense layers.
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
     """
     base = activation_terms(model, prec, layout)
     t = layout.tp
@@ -206,7 +225,16 @@ def moe_op_sac(model: MoEDims, prec: PrecisionSpec, layout: Layout) -> float:
     """An MoE block under op-level SAC, checkpointed by region (parallelize._wrap_block): its
     norms (outside the regions: fp32 input, normalized x, rstd each), both regions' inputs, the
     attention region's kept matmul outputs (its own mm count) and SDPA's; the feed-forward is
-    recomputed whole."""
+    recomputed whole.
+
+    Args:
+        model: the MoE model's dimensions: Llama's plus the experts, their hidden size, top_k and
+            the dense layers.
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+    """
     sp = layout.tp if layout.sp else 1
     c, r = DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual]
     norm = (8 * model.dim + 4) / sp
@@ -235,6 +263,15 @@ def ep_comm(model: MoEDims, prec: PrecisionSpec, layout: Layout, stages: list[St
     loads there, and an unbalanced step sends more to the hot experts' ranks). A recomputed block
     (full or selective AC; op-level SAC too: an all-to-all is not saved) repeats its forward's
     row exchanges, not its count exchange. x microbatches (PP) x gradient-accumulation steps.
+
+    Args:
+        model: the MoE model's dimensions: Llama's plus the experts, their hidden size, top_k and
+            the dense layers.
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        stages: the pipeline stages this rank holds (rank_stages), whose MoE layers exchange tokens.
     """
     if layout.ep == 1:
         return {}

@@ -8,6 +8,13 @@ ByDtype = dict[str, int]
 
 
 def add_bytes(into: dict[str, int], dtype: str, nbytes: int) -> None:
+    """Add `nbytes` to `into[dtype]` in place; zero bytes add no entry.
+
+    Args:
+        into: the bytes by dtype name, updated in place.
+        dtype: the dtype name ("bfloat16", "float32", ...).
+        nbytes: the bytes to add (rounded down to an int).
+    """
     if nbytes:
         into[dtype] = into.get(dtype, 0) + int(nbytes)
 

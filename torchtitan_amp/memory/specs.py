@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, stage_ids
+from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, ReshardPolicy, stage_ids
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,19 @@ class PrecisionSpec:
         storage: str = "float32",
         comm_hook: bool = False,
     ) -> PrecisionSpec:
+        """A spec from the plan's main dtypes, every other field at its default (no lower-precision
+        exceptions, fp32 cp reduce and router, nothing frozen).
+
+        Args:
+            path: the precision path: "fsdp" (FSDP's mixed-precision policy), "autocast" or "full"
+                (one dtype everywhere).
+            param: the dtype parameters compute in (mixed_precision.param_dtype).
+            reduce: the dtype gradients are reduced in (mixed_precision.reduce_dtype).
+            storage: the dtype parameters, gradients and optimizer state are stored in
+                (training.dtype).
+            comm_hook: whether DDP compresses gradients with a comm hook (autocast path with a
+                reduce dtype below fp32).
+        """
         return cls(
             path,
             storage,
@@ -111,7 +124,7 @@ class Layout:
     ac_mode: str = "none"  # "none" | "full" | "selective"
     ac_option: str = "2"  # selective: every N-th block, or "op"
     op_sac_save_mm: str = "alternate"  # op-level SAC's matmul outputs kept: "alternate" | "all"
-    reshard_after_forward: str = "default"  # "default" | "always" | "never"
+    reshard_after_forward: ReshardPolicy = "default"
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)

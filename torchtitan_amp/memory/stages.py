@@ -10,6 +10,16 @@ from torchtitan_amp.memory.specs import Layout, Stage
 
 
 def rank_stages(model: ModelDims, layout: Layout, pp_rank: int = 0) -> list[Stage]:
+    """The pipeline stages one rank holds (one per rank, or several under an interleaved schedule),
+    each with its layers and whether it is the first or last of the model.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank, from 0.
+    """
     ranges = stage_layer_ranges(model.n_layers, layout.num_stages, layout.split_points)
     n = layout.num_stages
     return [Stage(s, ranges[s], s == 0, s == n - 1) for s in layout.stage_ids(pp_rank)]
@@ -18,7 +28,14 @@ def rank_stages(model: ModelDims, layout: Layout, pp_rank: int = 0) -> list[Stag
 def schedule_ops(schedule: str, n_microbatches: int, num_stages: int, stage: int) -> list[str]:
     """Order of forward (F) and backward (B) microbatch passes of one stage in a step: GPipe runs
     every forward then every backward; 1F1B runs min(M, stages - stage) forwards, then
-    alternates B and F, then the remaining Bs (torch.distributed.pipelining.Schedule1F1B)."""
+    alternates B and F, then the remaining Bs (torch.distributed.pipelining.Schedule1F1B).
+
+    Args:
+        schedule: the pipeline schedule ("GPipe" or "1F1B").
+        n_microbatches: microbatches per step (M).
+        num_stages: stages of the pipeline.
+        stage: this stage's index, from 0.
+    """
     m = n_microbatches
     if schedule == "GPipe":
         return ["F"] * m + ["B"] * m
@@ -32,7 +49,14 @@ def schedule_ops(schedule: str, n_microbatches: int, num_stages: int, stage: int
 def interleaved_order(pp: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> list[tuple[int, str]]:
     """(stage, F|B) passes of one rank under Interleaved1F1B, in torch's order
     (ScheduleInterleaved1F1B: rounds of pp microbatches, a warm-up of (v - 1) x per-round + 2 x
-    (pp - 1 - rank) forwards, then one forward and one backward per slot, then the backwards)."""
+    (pp - 1 - rank) forwards, then one forward and one backward per slot, then the backwards).
+
+    Args:
+        pp: the pipeline degree (ranks).
+        n_microbatches: microbatches per step.
+        stages_per_rank: the virtual stages each rank holds (v).
+        pp_rank: this rank, from 0.
+    """
     m, v = n_microbatches, stages_per_rank
     per_round = m // max(1, m // pp)
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)
@@ -65,7 +89,14 @@ def in_flight_at_peak(layout: Layout, pp_rank: int, weights: dict[int, float]) -
     step when sum(held x weights[stage]) is largest (weights: a microbatch's saved bytes on each
     stage). Measured equal in real runs (tests/workers/pp_held.py). 1F1B: the warm-up depth
     min(m, stages - stage); GPipe: m; Interleaved1F1B: the first stage's chunk holds up to its
-    warm-up forwards while the later chunks start to drain."""
+    warm-up forwards while the later chunks start to drain.
+
+    Args:
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank, from 0.
+        weights: a microbatch's saved bytes on each stage of this rank, by stage index.
+    """
     held: dict[int, int] = {s: 0 for s in weights}
     best, best_bytes = dict(held), -1.0
     for stage, op in rank_order(layout, pp_rank):
@@ -77,7 +108,14 @@ def in_flight_at_peak(layout: Layout, pp_rank: int, weights: dict[int, float]) -
 
 
 def in_flight_microbatches(layout: Layout, stage: int, pp_rank: int) -> int:
-    """The most microbatches one stage holds at once in a step (1 without PP)."""
+    """The most microbatches one stage holds at once in a step (1 without PP).
+
+    Args:
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        stage: the stage's index in the whole pipeline.
+        pp_rank: the rank holding it.
+    """
     held = most = 0
     for s, op in rank_order(layout, pp_rank):
         if s == stage:

@@ -53,6 +53,19 @@ def state_bytes(
     optimizer = 2 x params (exp_avg, exp_avg_sq in optimizer.state_dtype) + 4 bytes per tensor (step)
     frozen parameters (training.freeze): their compute dtype (PrecisionSpec.stored), no gradient,
                 no optimizer state
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+        dp_shard_rank: this rank's index among FSDP's shards (dp_shard x cp), from 0.
     """
     out = StateBytes()
     mb = DTYPE_BYTES[prec.state]
@@ -95,7 +108,15 @@ DILOCO_CHUNK_TEMPORARIES = 3
 
 def diloco_bytes(local_numel: int, wire: str, outer: str, chunk_elements: int) -> tuple[ByDtype, ByDtype]:
     """(outer state: global weights + momentum, a sync's buffers: wire + chunk temporaries) of a
-    rank holding `local_numel` trained elements, by dtype."""
+    rank holding `local_numel` trained elements, by dtype.
+
+    Args:
+        local_numel: the trained elements this rank holds.
+        wire: the dtype a sync sends the pseudo-gradients in.
+        outer: the outer optimizer's dtype (global weights and momentum).
+        chunk_elements: the elements a sync handles at a time (its temporaries are this long at
+            most).
+    """
     sync: ByDtype = {}
     add_bytes(sync, wire, local_numel * DTYPE_BYTES[wire])
     add_bytes(sync, outer, DILOCO_CHUNK_TEMPORARIES * min(local_numel, chunk_elements) * DTYPE_BYTES[outer])
@@ -104,6 +125,13 @@ def diloco_bytes(local_numel: int, wire: str, outer: str, chunk_elements: int) -
 
 def peak_with_diloco(peak: dict[str, int], outer_state: ByDtype, sync: ByDtype, state_total: int) -> dict[str, int]:
     """Each training peak with DiLoCo: plus the outer state, or the sync's peak (state + outer state
-    + its buffers) where that is higher."""
+    + its buffers) where that is higher.
+
+    Args:
+        peak: each training peak's bytes, by name.
+        outer_state: the outer state by dtype (diloco_bytes' first).
+        sync: a sync's buffers by dtype (diloco_bytes' second).
+        state_total: the bytes of parameters, gradients and optimizer state held during a sync.
+    """
     outer, at_sync = sum(outer_state.values()), state_total + sum(outer_state.values()) + sum(sync.values())
     return {k: max(v + outer, at_sync) for k, v in peak.items()}

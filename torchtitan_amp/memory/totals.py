@@ -19,7 +19,20 @@ def transient_bytes(
     model: ModelDims, prec: PrecisionSpec, layout: Layout, *, pp_rank: int = 0, tp_rank: int = 0
 ) -> ByDtype:
     """Short-lived buffers at the peak, by dtype: fsdp_transient under FSDP; under DDP the
-    gradient buckets, a copy of the grads in storage dtype."""
+    gradient buckets, a copy of the grads in storage dtype.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+    """
     if layout.fsdp_shard > 1:
         stages = rank_stages(model, layout, pp_rank)
         return fsdp_transient([(s, fsdp_groups(model, prec, layout, s, tp_rank)) for s in stages], layout)
@@ -66,7 +79,23 @@ def estimate(
     device: str = "cuda",
 ) -> MemoryEstimate:
     """Everything for one rank. Rank 0 of each dimension is the largest (uneven shards put the
-    short chunks last), and pipeline rank 0 holds the most in-flight microbatches."""
+    short chunks last), and pipeline rank 0 holds the most in-flight microbatches.
+
+    Args:
+        model: the model's dimensions (the family's ModelDims: Llama's, or MoEDims with the
+            experts).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+        pp_rank: the pipeline rank whose stages are counted (0, the default, holds the most
+            in-flight microbatches).
+        tp_rank: the tensor-parallel rank whose shards are counted (uneven shards: rank 0's are the
+            largest).
+        dp_shard_rank: this rank's index among FSDP's shards (dp_shard x cp), from 0.
+        device: "cuda" (the default) sizes a GPU; "cpu" adds what only CPU's attention saves
+            (activation_bytes).
+    """
     return MemoryEstimate(
         state_bytes(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank, dp_shard_rank=dp_shard_rank),
         transient_bytes(model, prec, layout, pp_rank=pp_rank, tp_rank=tp_rank),

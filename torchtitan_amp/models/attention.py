@@ -19,7 +19,13 @@ from torchtitan_amp.core.rules import SDPA_PRIORITY
 
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
     """[B, S] ids -> [B, S] int32: per token, which document of its window it belongs to (0 for the
-    part of a document the window starts in)."""
+    part of a document the window starts in).
+
+    Args:
+        tokens: the token ids [B, S].
+        bos_id: the tokenizer's beginning-of-sequence id (a document starts at it).
+        eos_id: the tokenizer's end-of-sequence id (a document ends with it).
+    """
     starts = tokens == bos_id
     starts[:, 1:] |= tokens[:, :-1] == eos_id
     return starts.cumsum(dim=1, dtype=torch.int32)

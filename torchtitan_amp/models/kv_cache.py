@@ -39,7 +39,7 @@ class KVCache:
         start, end = self.end, self.end + xk.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions cannot take positions {start}..{end - 1}")
-        if self.k is None:
+        if self.k is None or self.v is None:
             shape = (xk.shape[0], self.max_len, *xk.shape[2:])
             self.k = torch.empty(shape, dtype=xk.dtype, device=xk.device)
             self.v = torch.empty(shape, dtype=xv.dtype, device=xv.device)
@@ -55,7 +55,14 @@ class KVCache:
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
         """q [B, H, S, D] at the last S of the key positions, k and v [B, H, end, D] (or their
-        kv heads, `enable_gqa`)."""
+        kv heads, `enable_gqa`).
+
+        Args:
+            q: the queries [B, H, S, D] of the newest S positions.
+            k: the cached and new keys [B, H, end, D] (kv heads only under `enable_gqa`).
+            v: the values, shaped as `k`.
+            enable_gqa: whether k and v hold the kv heads only, SDPA repeating them per query head.
+        """
         s, end = q.shape[2], k.shape[2]
         if s == 1:  # the newest token sees every cached one
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)

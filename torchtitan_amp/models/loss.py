@@ -23,7 +23,13 @@ IGNORE_INDEX = -100
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy on fp32 logits, whatever dtype the model produced them in, over the labels
     that are not IGNORE_INDEX. Training takes the sum and divides by the step's global count
-    (`label_weight`); "mean" divides by this batch's own count (NaN when it has none)."""
+    (`label_weight`); "mean" divides by this batch's own count (NaN when it has none).
+
+    Args:
+        logits: [B, S, vocab] in any dtype (upcast to fp32).
+        labels: [B, S] target ids, IGNORE_INDEX where nothing is predicted.
+        reduction: "mean" (over this batch's counted labels) or "sum".
+    """
     return F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
     )

@@ -73,7 +73,15 @@ class HFAdapter(ABC, Generic[ArgsT]):
     @abstractmethod
     def hf_config(self, args: ArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for `args`, with `dtype` as torch_dtype and the tokenizer's bos / eos ids
-        (None: left out); CheckpointError for args the HF form cannot say."""
+        (None: left out); CheckpointError for args the HF form cannot say.
+
+        Args:
+            args: the model's arguments (its flavor with the run's vocab size and sequence length).
+            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
+                "float32").
+            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
+            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
+        """
 
     def describe(self, key: str, value: Any) -> Any:
         """A config_fields value as an error message shows it (config.json's spelling)."""
@@ -147,7 +155,13 @@ class ModelFamily:
     compile_fullgraph: bool = True
 
     def build_args(self, flavor: str, vocab_size: int, max_seq_len: int) -> Any:
-        """A copy of the flavor with the tokenizer's vocab and the training seq len."""
+        """A copy of the flavor with the tokenizer's vocab and the training seq len.
+
+        Args:
+            flavor: the registered flavor's name (model.flavor).
+            vocab_size: the tokenizer's vocabulary size.
+            max_seq_len: the training sequence length (training.seq_len), the rotary tables' length.
+        """
         if flavor not in self.flavors:
             allowed = ", ".join(self.flavors)
             raise ValueError(f"unknown model flavor {flavor!r}; allowed flavors: {allowed}")

@@ -3,10 +3,10 @@ wait for a GPU's stream, whatever device the code runs on.
 
 On CUDA these stall the stream (the host waits for every queued kernel): a device -> host scalar
 read (`.item()`, `bool(t)`, `float(t)`, `int(t)`: `aten._local_scalar_dense`), `.tolist()`, a
-copy between host and device without non_blocking (either way), and the ops whose output size depends on the data (`nonzero`,
-`bincount`, `unique`, `masked_select`, boolean-mask indexing, `repeat_interleave` without
-`output_size`, `equal`). On a CPU they cost nothing, which is why they are counted instead: the
-ops at the dispatcher (a TorchDispatchMode), `.tolist()` at the Python API (on a CPU tensor it
+copy between host and device without non_blocking (either way), and the ops whose output size
+depends on the data (`nonzero`, `bincount`, `unique`, `masked_select`, boolean-mask indexing,
+`repeat_interleave` without `output_size`, `equal`). On a CPU they cost nothing, which is why they
+are counted instead: the ops at the dispatcher (a TorchDispatchMode), `.tolist()` at the Python API (on a CPU tensor it
 reads memory without dispatching an op).
 
     with HostSyncs() as syncs:
@@ -71,7 +71,13 @@ def _has_bool_index(indices: Any) -> bool:
 
 def sync_name(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """The name under which the dispatcher op `func` called with `args` counts as a host sync, or
-    None when it does not sync."""
+    None when it does not sync.
+
+    Args:
+        func: the dispatcher op (an OpOverload).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+    """
     name = func.overloadpacket.__name__
     if name in SIZE_READING_OPS:
         return name
@@ -134,7 +140,9 @@ class _OpSyncs(TorchDispatchMode):
         if self.where is not None:
             self.where.append(f"{name} at {_caller()}")
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = sync_name(func, args, kwargs)
         if name == "_local_scalar_dense" and self.host_tensors is not None and id(args[0]) in self.host_tensors():

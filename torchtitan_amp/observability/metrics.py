@@ -181,7 +181,15 @@ class MetricsLogger:
         extra: dict[str, float] | None = None,
     ) -> StepMetrics | None:
         """Close the interval at `step`: its metrics on the logging rank (logged, written to
-        every sink, returned), None elsewhere."""
+        every sink, returned), None elsewhere.
+
+        Args:
+            step: the step that closes the interval.
+            loss: the step's loss.
+            grad_norm: the step's gradient norm before clipping.
+            lr: the learning rate the step used.
+            extra: further metrics of the step by name (validation, MoE load, ...); None: none.
+        """
         # Validated on every rank so a bad call fails everywhere instead of hanging the others.
         extra = checked_extra(extra)
         now = time.perf_counter()
@@ -243,7 +251,13 @@ class MetricsLogger:
         )
 
     def log_summary(self, steps: int, tokens: int, checkpoints: int) -> None:
-        """The end-of-run line (logging rank): step_metrics.RunSummary of this run's logged steps."""
+        """The end-of-run line (logging rank): step_metrics.RunSummary of this run's logged steps.
+
+        Args:
+            steps: the optimizer steps this run took.
+            tokens: the tokens it trained on (this rank's).
+            checkpoints: the checkpoints it saved.
+        """
         if not self._is_logging_rank or self._run_start is None:
             return
         wall_s = time.perf_counter() - self._run_start
@@ -262,7 +276,13 @@ class MetricsLogger:
                 sink.attach_file(path)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
-        """A text (e.g. generated samples) to every sink at `step` (logging rank)."""
+        """A text (e.g. generated samples) to every sink at `step` (logging rank).
+
+        Args:
+            step: the training step it belongs to.
+            tag: the name it is filed under (e.g. "samples").
+            text: the text, markdown where the tracker renders it.
+        """
         for sink in self._sinks:
             sink.log_text(step, tag, text)
 

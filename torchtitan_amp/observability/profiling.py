@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ def validate(config: JobConfig, device_type: str) -> None:
         )
 
 
-def _trace_handler(folder: Path, rank: int):
+def _trace_handler(folder: Path, rank: int) -> Callable[[torch.profiler.profile], None]:
     def handler(prof: torch.profiler.profile) -> None:
         step_folder = folder / f"iteration_{prof.step_num}"
         step_folder.mkdir(parents=True, exist_ok=True)
@@ -42,7 +42,13 @@ def _trace_handler(folder: Path, rank: int):
 
 @contextlib.contextmanager
 def maybe_profile(config: JobConfig, rank: int, start_step: int) -> Iterator[torch.profiler.profile | None]:
-    """Yields a profiler whose `.step()` the loop calls once per train step, or None."""
+    """Yields a profiler whose `.step()` the loop calls once per train step, or None.
+
+    Args:
+        config: the job config (its profiling section and dump folder).
+        rank: this rank (traces are named by it).
+        start_step: the step training starts from (a resumed run's), so the schedule counts from it.
+    """
     p = config.profiling
     if not p.enable_profiling:
         yield None

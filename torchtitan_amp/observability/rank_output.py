@@ -142,7 +142,9 @@ def parse_ranks(value: str) -> set[int] | None:
     try:
         return {int(v) for v in value.split(",")}
     except ValueError:
-        raise ValueError(f"--local-ranks-filter takes local ranks separated by commas (e.g. 0,1), got {value!r}")
+        raise ValueError(
+            f"--local-ranks-filter takes local ranks separated by commas (e.g. 0,1), got {value!r}"
+        ) from None
 
 
 def default_log_path(log_dir: str | None, tmp_root: str) -> Path:
@@ -156,6 +158,12 @@ def default_log_path(log_dir: str | None, tmp_root: str) -> Path:
 
 
 def pump(stream: TextIO, output: RankOutput, err: bool) -> None:
-    """Read the agent's stream to its end (a reader thread's body)."""
+    """Read the agent's stream to its end (a reader thread's body).
+
+    Args:
+        stream: the agent's stdout or stderr.
+        output: where each line is routed.
+        err: whether `stream` is stderr.
+    """
     for line in stream:
         output.route(line, err)

@@ -42,7 +42,14 @@ class Throughput:
 
 def throughput(tokens: int, seconds: float, flops_per_token: float, num_ranks_for_mfu: int) -> Throughput:
     """`tokens` recorded by this rank over `seconds`. The ranks that jointly process the same tokens
-    (TP x PP x CP) each do 1/num_ranks_for_mfu of their FLOPs; tps is not divided."""
+    (TP x PP x CP) each do 1/num_ranks_for_mfu of their FLOPs; tps is not divided.
+
+    Args:
+        tokens: the tokens this rank processed.
+        seconds: the interval's wall time.
+        flops_per_token: the model's training FLOPs per token.
+        num_ranks_for_mfu: the ranks sharing each token's FLOPs (TP x PP x CP).
+    """
     tps = tokens / seconds if seconds > 0 else 0.0
     return Throughput(tps, tps * flops_per_token / num_ranks_for_mfu)
 
@@ -92,7 +99,14 @@ def _format_extra(value: float) -> str:
 
 def format_progress(step: int, total_steps: int, first_step: int, run_s: float) -> str | None:
     """The line after a log line: steps done, time so far and the estimate of the rest, from the
-    mean step time since the run (or its resume at `first_step`) started; None before a step."""
+    mean step time since the run (or its resume at `first_step`) started; None before a step.
+
+    Args:
+        step: the step just done.
+        total_steps: the steps the run trains to.
+        first_step: the step the run (or its resume) started from.
+        run_s: seconds since then.
+    """
     steps_done = step - first_step
     if not steps_done:
         return None
@@ -120,7 +134,15 @@ class RunSummary:
         )
 
     def line(self, steps: int, tokens: int, wall_s: float, checkpoints: int, peak: str) -> str:
-        """The end-of-run line; `peak` says what MFU is relative to."""
+        """The end-of-run line; `peak` says what MFU is relative to.
+
+        Args:
+            steps: the steps the run took.
+            tokens: the tokens it trained on.
+            wall_s: its wall time, in seconds.
+            checkpoints: the checkpoints it saved.
+            peak: the peak FLOPs MFU is relative to, in words.
+        """
         return (
             f"summary: {steps} steps, {tokens:,} tokens, mean tps {self.mean_tps:,.0f}, "
             f"mean mfu {self.mean_mfu:.2f}%, peak memory {self.peak_memory_gib:.2f}GiB, "

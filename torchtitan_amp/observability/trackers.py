@@ -31,7 +31,14 @@ class Tracker(Protocol):
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
-    def log_text(self, step: int, tag: str, text: str) -> None: ...
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text at `step` under `tag`.
+
+        Args:
+            step: the training step it belongs to.
+            tag: the name it is filed under (e.g. "samples").
+            text: the text, markdown where the tracker renders it.
+        """
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """The run's description: the job config's sections and the precision report."""
@@ -61,6 +68,13 @@ class JsonlTracker:
         self._file.flush()
 
     def log_text(self, step: int, tag: str, text: str) -> None:
+        """Nothing: metrics.jsonl holds no text.
+
+        Args:
+            step: the training step it belongs to.
+            tag: the name it is filed under (e.g. "samples").
+            text: the text, markdown where the tracker renders it.
+        """
         pass
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -95,6 +109,13 @@ class TensorBoardTracker:
         self._writer.flush()
 
     def log_text(self, step: int, tag: str, text: str) -> None:
+        """TensorBoard: the text under `tag` at `step`.
+
+        Args:
+            step: the training step it belongs to.
+            tag: the name it is filed under (e.g. "samples").
+            text: the text, markdown where the tracker renders it.
+        """
         self._writer.add_text(tag, text, step)
         self._writer.flush()
 
@@ -125,7 +146,9 @@ class WandbTracker:
             tags=list(tags) or None,
             notes=notes or None,
             dir=str(dump_folder),
-            mode=wandb_mode(),
+            # WANDB_MODE passes through for W&B to check: init's Literal omits the 'dryrun' and 'run'
+            # its own settings accept.
+            mode=wandb_mode(),  # type: ignore[arg-type]
             # The folder's run when it has one (resume="allow": created if W&B does not know it yet).
             id=id_file.read_text().strip() if id_file.is_file() else None,
             resume="allow",
@@ -139,6 +162,13 @@ class WandbTracker:
         self._run.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
+        """W&B: the text under `tag` at `step`.
+
+        Args:
+            step: the training step it belongs to.
+            tag: the name it is filed under (e.g. "samples").
+            text: the text, markdown where the tracker renders it.
+        """
         self._run.log({tag: self._html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:

@@ -33,10 +33,13 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 Categorize = Callable[[str, Any], str]
 
@@ -69,11 +72,18 @@ def group_name(group: Any) -> str:
 
 
 def group_size(group: Any) -> int:
-    return dist.distributed_c10d._get_group_size_by_name(group_name(group))
+    return dist.distributed_c10d._get_group_size_by_name(cast("GroupName", group_name(group)))
 
 
 def record(op: str, group: Any, tensor: torch.Tensor, factor: int = 1) -> None:
-    """Count one call's tensor (times `factor`) under its category and dtype."""
+    """Count one call's tensor (times `factor`) under its category and dtype.
+
+    Args:
+        op: the collective ("all_gather", "reduce_scatter", "all_reduce", "send", ...).
+        group: its process group, in any form group_name accepts.
+        tensor: the tensor whose bytes are counted.
+        factor: how many times it counts (e.g. the ranks of an all-to-all).
+    """
     category = _settings["categorize"](op, group)
     dtype = str(tensor.dtype).removeprefix("torch.")
     COUNTS[category][dtype] += tensor.numel() * tensor.element_size() * factor
@@ -89,7 +99,7 @@ def _wrap(module: Any, name: str, op: str, tensor_arg: str, factor: Callable[[An
     sig = inspect.signature(original)
 
     @functools.wraps(original)
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(*args: Any, **kwargs: Any) -> Any:
         outer = getattr(_state, "inside", False)
         if _settings["on"] and not outer:  # a collective built on another counts once
             bound = sig.bind(*args, **kwargs)
@@ -111,7 +121,7 @@ def _wrap_batch_p2p() -> None:
     original = schedules._batch_p2p
 
     @functools.wraps(original)
-    def counted(p2p_ops, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> Any:
         if _settings["on"]:
             for op in p2p_ops:
                 record("send" if op.op is dist.distributed_c10d.isend else "recv", op.group, op.tensor)
@@ -127,7 +137,14 @@ def install(
     functional: bool = False,
     record_calls: bool = False,
 ) -> None:
-    """Wrap the collectives (once per process; counting starts with `counting()`)."""
+    """Wrap the collectives (once per process; counting starts with `counting()`).
+
+    Args:
+        categorize: names a call's category from its op and group; None: the op's name.
+        point_to_point: also count send, recv and the pipeline's batched p2p.
+        functional: also count the functional collectives (DTensor's, TP's).
+        record_calls: also keep every call (category, dtype, shape, factor) in CALLS.
+    """
     if _settings["installed"]:
         raise RuntimeError("collective counters are already installed in this process")
     _settings.update(installed=True, categorize=categorize or _by_op, record_calls=record_calls)

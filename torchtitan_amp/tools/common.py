@@ -39,7 +39,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def module_cmd(module: str, nproc: int, args: list[str]) -> list[str]:
-    """`python -m MODULE ARGS`, under torchrun with nproc CPU ranks when nproc > 1."""
+    """`python -m MODULE ARGS`, under torchrun with nproc CPU ranks when nproc > 1.
+
+    Args:
+        module: the module run with python -m.
+        nproc: the CPU ranks; 1 runs the module in one plain process.
+        args: the module's arguments.
+    """
     if nproc == 1:
         return [sys.executable, "-m", module, *args]
     return [
@@ -58,7 +64,16 @@ def torchrun(
     module: str, nproc: int, args: list[str], log: Path, timeout: float = 3600, env: dict[str, str] | None = None
 ) -> int:
     """Run `python -m MODULE ARGS` under torchrun with nproc CPU ranks; output to `log`. Past
-    `timeout` seconds torchrun and its workers are killed (the log says so) and the exit code is -9."""
+    `timeout` seconds torchrun and its workers are killed (the log says so) and the exit code is -9.
+
+    Args:
+        module: the module run with python -m.
+        nproc: the CPU ranks (module_cmd).
+        args: the module's arguments.
+        log: the file that receives stdout and stderr.
+        timeout: seconds before the launch is killed.
+        env: variables added to child_env's environment; None: none.
+    """
     cmd = [
         sys.executable,
         "-m",

@@ -44,11 +44,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_amp import memory  # pure Python: no torch import
 from torchtitan_amp.config import ConfigError, JobConfig, load_config
 from torchtitan_amp.tools.common import child_env, module_cmd
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
 
 MODULE = "torchtitan_amp.tools.estimate_memory"  # how this tool relaunches itself under torchrun
 
@@ -61,7 +66,14 @@ MMAP_THRESHOLD = "131072"  # bytes; glibc serves larger allocations with mmap an
 
 def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
     """--shape dim=512,n_layers=8: change the flavor's shape in this process (a what-if, or a
-    model size between the registered flavors). Nothing on disk changes."""
+    model size between the registered flavors). Nothing on disk changes.
+
+    Args:
+        family_name: the model family (model.name).
+        flavor: the flavor changed (model.flavor).
+        shape: comma-separated field=value pairs of the family's model arguments; None or empty: no
+            change.
+    """
     if not shape:
         return
     import dataclasses
@@ -85,7 +97,13 @@ def apply_shape(family_name: str, flavor: str, shape: str | None) -> None:
 
 def estimate(config: JobConfig, ngpu: int | None, device: str = "cuda") -> dict[str, Any]:
     """The analytic estimate for rank 0 (the largest shard and pipeline rank 0), as a dict; device
-    "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves)."""
+    "cpu" for a measurement here (memory.activation_bytes: what only CPU's attention saves).
+
+    Args:
+        config: the job config (model, layout, precision, batch).
+        ngpu: the world size; None: dry_run.world_size, else the product of the config's degrees.
+        device: "cuda" (the default) sizes a GPU; "cpu" for a measurement here.
+    """
     from torchtitan_amp.train.dry_run import resolve
 
     res = resolve(config, ngpu)
@@ -138,7 +156,8 @@ def format_estimate(d: dict[str, Any]) -> str:
         + (f", {d['active_params']:,} active" if d.get("active_params", d["total_params"]) != d["total_params"] else "")
         + f"), rank 0 of {d['world_size']}: "
         f"pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x cp {lay['cp']} x "
-        f"tp {lay['tp']}{ep}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
+        f"tp {lay['tp']}{ep}; seq {lay['seq_len']} ({lay['local_seq_len']} per rank, {lay['attn_mask_type']}) "
+        f"x local batch {lay['local_batch_size']}, {lay['grad_accum']} accumulation step(s), "
         f"AC {lay['ac']}" + ("; activations as this CPU saves them (--measure)" if d.get("device") == "cpu" else ""),
         f"precision: path={pr['path']} storage={pr['storage']} param={pr['param']} reduce={pr['reduce']} "
         f"comm_hook={pr['comm_hook']}" + (f" cp_reduce={pr['cp_reduce']}" if lay["cp"] > 1 else ""),
@@ -191,7 +210,7 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def _by_dtype(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
     from torchtitan_amp.precision import dtype_name
@@ -203,7 +222,7 @@ def _by_dtype(tensors) -> dict[str, int]:  # type: ignore[no-untyped-def]
     return out
 
 
-def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
+def _warm_up(param_dtype: torch.dtype) -> None:
     """Load what the first step would load lazily (kernels, autograd and OpenMP threads, the
     cached CPU peak-FLOPs measurement) so that it is not counted as the model's memory."""
     import torch
@@ -227,6 +246,16 @@ def _warm_up(param_dtype) -> None:  # type: ignore[no-untyped-def]
 
 
 def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None) -> int:
+    """Train `steps` steps of `argv`'s job in this process (a torchrun rank) and write each rank's
+    measured bytes (parameters, gradients, optimizer state by dtype; resident-memory
+    baseline, peak and end) to `out_path` as JSON on rank 0; returns the exit code.
+
+    Args:
+        argv: the job's config overrides.
+        steps: training steps run before the peak is read.
+        out_path: the JSON file rank 0 writes.
+        shape: a --shape change of the flavor (apply_shape); None: none.
+    """
     import torch
     import torch.distributed as dist
 
@@ -240,7 +269,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     marks: dict[str, int] = {}
     build_model = train_build.build_model
 
-    def build_and_mark(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def build_and_mark(*args: Any, **kwargs: Any) -> Any:
         gc.collect()
         reset_peak_rss()
         marks["baseline"] = rss_bytes()
@@ -255,7 +284,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
     gc.collect()
     peak, end = peak_rss_bytes(), rss_bytes()
     params = [p for part in trainer.run.model_parts for p in part.parameters()]
-    result = {
+    result: dict[str, Any] = {
         "rank": trainer.run.info.rank,
         "params": _by_dtype(params),
         "grads": _by_dtype(p.grad for p in params if p.grad is not None),
@@ -268,7 +297,7 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
         "steps": steps,
     }
     trainer.run.metrics.close()
-    results = [result]
+    results: list[dict[str, Any] | None] = [result]
     if dist.is_initialized():
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
@@ -281,7 +310,15 @@ def measure_child(argv: list[str], steps: int, out_path: str, shape: str | None)
 def measure(
     overrides: list[str], ngpu: int, steps: int, out_dir: Path, shape: str | None = None
 ) -> list[dict[str, Any]]:
-    """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1)."""
+    """Run measure_child in a fresh process (torchrun with ngpu ranks if ngpu > 1).
+
+    Args:
+        overrides: the job's config overrides.
+        ngpu: the ranks (CPU processes).
+        steps: training steps measured.
+        out_dir: the folder of the child's JSON and log.
+        shape: a --shape change of the flavor (apply_shape); None: none.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "measured.json"
     out.unlink(missing_ok=True)

@@ -57,7 +57,8 @@ def evaluate(config_argv: list[str]) -> dict[str, Any]:
                     "checkpoint.load_step, or checkpoint.initial_load_path)"
                 )
             result = trainer.evaluate()
-            samples = {"samples": trainer.run.validator.samples} if trainer.run.validator.samples else {}
+            validator = trainer.run.validator  # not None: evaluate() raised otherwise
+            samples = {"samples": validator.samples} if validator is not None and validator.samples else {}
             return {
                 **result,
                 "step": trainer.step,

@@ -18,7 +18,8 @@ Each prompt is encoded with BOS first and continued greedily (--temperature 0, t
 sampling (--top-k, --top-p, a --seed), until EOS or --max-new-tokens. Rank 0 prints every prompt
 and its continuation on stdout (logs go to stderr); --output also writes one JSON line per
 prompt: prompt, text, tokens (the new ids, EOS included), stop ("eos" or "length"). With --hf, the
-folder's tokenizer.json is used unless the config or the command line sets model.tokenizer. Exit 0, or 2 after one `error:` line.
+folder's tokenizer.json is used unless the config or the command line sets model.tokenizer. Exit 0,
+or 2 after one `error:` line.
 See docs/generation.md.
 """
 
@@ -179,7 +180,14 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
 
 def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
     """Every config-time check (the prompts' lengths included) before any process group, then the
-    model built on this rank's layout with the checkpoint's weights. Every rank calls it."""
+    model built on this rank's layout with the checkpoint's weights. Every rank calls it.
+
+    Args:
+        config: the job config (model, checkpoint, layout).
+        prompts: the prompts' texts, encoded with BOS first.
+        max_new_tokens: the tokens generated at most per prompt (with the prompt, they must fit
+            training.seq_len).
+    """
     from torchtitan_amp.checkpoint import CheckpointManager
     from torchtitan_amp.distributed import process_groups
     from torchtitan_amp.eval.generation import ModelRunner
@@ -189,6 +197,7 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
     info = process_groups.resolve(config)
     process_groups.set_device(info)
     job = resolve_job(config, info.world_size, info.device.type)
+    assert job.tokenizer is not None  # resolve builds one outside a dry run
     ids = [job.tokenizer.encode(text, bos=True, eos=False) for text in prompts]
     _check_lengths(ids, max_new_tokens, job.model_args.max_seq_len)
     process_groups.init(info, config.comm.init_timeout_seconds)

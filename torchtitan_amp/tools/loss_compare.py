@@ -8,7 +8,8 @@ this tool starts with torchrun (train.py with the given overrides, metrics logge
 
     # run both: 1 process vs FSDP over 2 processes, same global batch, same seed and data
     python -m torchtitan_amp.tools.loss_compare \\
-        --common "--model.flavor debugmodel --training.seq_len 64 --training.steps 10 --mixed_precision.enabled false" \\
+        --common "--model.flavor debugmodel --training.seq_len 64 --training.steps 10 \\
+                  --mixed_precision.enabled false" \\
         --run-a "--training.local_batch_size 4" --nproc-a 1 \\
         --run-b "--training.local_batch_size 2" --nproc-b 2 \\
         --rtol 1e-4
@@ -42,8 +43,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchtitan_amp.tools.plot import METRICS, PlotError, metrics_file, read_run
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Started runs run from the checkout holding this package, so that relative paths in their
 # overrides mean what they mean for train.py.
@@ -75,7 +80,12 @@ def read_metric(path: str | Path, metric: str = "loss") -> dict[int, float]:
     lacking = [row["step"] for row in run.rows if metric not in row]
     if lacking:
         raise CompareError(f"{metrics_path(path)}: step {lacking[0]} has no '{metric}' field")
-    return {int(row["step"]): math.nan if row[metric] is None else float(row[metric]) for row in run.rows}
+    out: dict[int, float] = {}
+    for row in run.rows:
+        step, value = row["step"], row[metric]
+        assert step is not None  # read_run keys every row by int(step)
+        out[int(step)] = math.nan if value is None else float(value)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +150,15 @@ def compare(a: dict[int, float], b: dict[int, float]) -> Comparison:
 
 
 def format_table(c: Comparison, label_a: str = "A", label_b: str = "B", metric: str = "loss") -> str:
+    """The step-by-step table of both runs' `metric`, their differences, and a summary line (max
+    differences, bit identity, steps logged by one run only).
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        label_a: run A's name in the header.
+        label_b: run B's name.
+        metric: the metric compared (its name in the header).
+    """
     lines = [
         f"{'step':>6}  {metric + ' ' + label_a:>14}  {metric + ' ' + label_b:>14}  {'abs diff':>10}  {'rel diff':>10}"
     ]
@@ -155,7 +174,14 @@ def format_table(c: Comparison, label_a: str = "A", label_b: str = "B", metric: 
 
 
 def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float | None) -> list[str]:
-    """The violated checks, as messages (empty: all passed)."""
+    """The violated checks, as messages (empty: all passed).
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        assert_equal: require the runs bit-identical.
+        rtol: the largest relative difference allowed; None: not checked.
+        atol: the largest absolute difference allowed; None: not checked.
+    """
     failures = []
     if assert_equal and not c.bit_identical:
         worst = max(c.rows, key=lambda r: (math.isnan(r.a) or math.isnan(r.b), r.abs_diff))
@@ -179,8 +205,15 @@ def check(c: Comparison, *, assert_equal: bool, rtol: float | None, atol: float 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
-def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss"):  # type: ignore[no-untyped-def]
-    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure."""
+def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "loss") -> Figure:
+    """Both curves (top) and B - A (bottom) against the step: a matplotlib Figure.
+
+    Args:
+        c: the two runs' comparison (compare's result).
+        label_a: run A's name in the legend.
+        label_b: run B's name.
+        metric: the metric compared (the axis label).
+    """
     from matplotlib.figure import Figure  # only --plot needs matplotlib; no pyplot, no display
 
     steps = [r.step for r in c.rows]
@@ -204,6 +237,15 @@ def comparison_figure(c: Comparison, label_a: str, label_b: str, metric: str = "
 
 
 def train_command(nproc: int, dump_folder: Path, common: list[str], overrides: list[str]) -> list[str]:
+    """The torchrun command line of one side: train.py on `nproc` CPU ranks, logging every step to
+    `dump_folder`.
+
+    Args:
+        nproc: the CPU ranks.
+        dump_folder: the run's job.dump_folder.
+        common: config overrides both sides share.
+        overrides: this side's own overrides (after the common ones, so they win).
+    """
     return [
         sys.executable,
         "-m",
@@ -221,6 +263,17 @@ def train_command(nproc: int, dump_folder: Path, common: list[str], overrides: l
 
 
 def run_side(name: str, nproc: int, common: list[str], overrides: list[str], out: Path, timeout: float) -> Path:
+    """Train one side and return its dump folder (its output in `out`/NAME.log); CompareError if it
+    fails or times out.
+
+    Args:
+        name: the side's name: its dump folder's and log's.
+        nproc: the CPU ranks.
+        common: config overrides both sides share.
+        overrides: this side's own overrides.
+        out: the folder holding both sides' dump folders and logs.
+        timeout: seconds before the run is stopped.
+    """
     dump = out / name
     if (dump / METRICS).exists():
         (dump / METRICS).unlink()  # metrics.jsonl appends: a stale file would mix two runs

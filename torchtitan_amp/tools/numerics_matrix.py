@@ -43,261 +43,16 @@ import datetime
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan_amp.tools.common import machine, torchrun
+from torchtitan_amp.tools.numerics_report import diff_main, results_json, table, tail_table
+from torchtitan_amp.tools.numerics_runs import PRESETS, Result, Run, select_runs, train_args
 
 MODULE = "torchtitan_amp.tools.numerics_matrix"  # how this tool relaunches itself under torchrun
-
-SHARD = "--parallelism.data_parallel_shard_degree"
-REPLICATE = "--parallelism.data_parallel_replicate_degree"
-TP = "--parallelism.tensor_parallel_degree"
-PP = "--parallelism.pipeline_parallel_degree"
-CP = "--parallelism.context_parallel_degree"
-EP = "--parallelism.expert_parallel_degree"
-MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
-MOE_PRECISIONS = ("fp32", "bf16", "bf16 + bf16 router")
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    name: str
-    nproc: int
-    dp: int  # data-parallel degree: local batch = global batch / dp
-    args: tuple[str, ...]
-    cp: int = 1  # context-parallel degree (its ranks share each sequence, and FSDP shards over them)
-    # The model, when not the --flavor Llama: its rows compare with the single layout of the same
-    # model ("reference"), and run only the precisions named (None: all).
-    model: tuple[str, ...] = ()
-    reference: str = "single"
-    precisions: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class PrecisionSpec:
-    name: str
-    args: tuple[str, ...]
-    needs_dp: bool = False  # only meaningful where gradients are reduced over data parallel ranks
-    needs_cp: bool = False  # only meaningful under context parallel
-    needs_moe: bool = False  # only meaningful for a model with routers
-    # Low-precision GEMM rows (fp8, block-scaled): one process only, and only when --only or
-    # --preset names them (the default matrix is layouts x the PyTorch-native precisions).
-    opt_in: bool = False
-
-
-LAYOUTS = (
-    LayoutSpec("single", 1, 1, ()),
-    LayoutSpec("DDP 2", 2, 2, (REPLICATE, "2", SHARD, "1")),
-    LayoutSpec("FSDP 2", 2, 2, (SHARD, "2")),
-    LayoutSpec("TP 2", 2, 1, (SHARD, "1", TP, "2")),
-    LayoutSpec("PP 2", 2, 1, (SHARD, "1", PP, "2")),
-    LayoutSpec("HSDP 2x2", 4, 4, (REPLICATE, "2", SHARD, "2")),
-    LayoutSpec("FSDP 2 x TP 2", 4, 2, (SHARD, "2", TP, "2")),
-    LayoutSpec("CP 2", 2, 1, (SHARD, "1", CP, "2"), cp=2),
-    LayoutSpec("FSDP 2 x CP 2", 4, 2, (SHARD, "2", CP, "2"), cp=2),
-    LayoutSpec("FSDP 2 x TP 2 x PP 2", 8, 2, (SHARD, "2", TP, "2", PP, "2")),
-    LayoutSpec("HSDP 2x2 x TP 2", 8, 4, (REPLICATE, "2", SHARD, "2", TP, "2")),
-    *(
-        LayoutSpec(f"MoE {name}", nproc, dp, args, model=MOE, reference="MoE single", precisions=MOE_PRECISIONS)
-        for name, nproc, dp, args in (
-            ("single", 1, 1, ()),
-            ("FSDP 2", 2, 2, (SHARD, "2")),
-            ("EP 2", 2, 2, (SHARD, "2", EP, "2")),
-            ("TP 2", 2, 1, (SHARD, "1", TP, "2")),
-        )
-    ),
-)
-
-NATIVE_PRECISIONS = (
-    PrecisionSpec("fp32", ("--mixed_precision.enabled", "false")),
-    PrecisionSpec("bf16", ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")),
-    PrecisionSpec(
-        "bf16 + bf16 reduce",
-        ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "bfloat16"),
-        needs_dp=True,
-    ),
-    PrecisionSpec(
-        "fp16 + loss scaling", ("--mixed_precision.param_dtype", "float16", "--mixed_precision.reduce_dtype", "float32")
-    ),
-    PrecisionSpec("pure bf16", ("--training.dtype", "bfloat16", "--mixed_precision.enabled", "false")),
-    PrecisionSpec(
-        "bf16 + bf16 cp reduce",
-        ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.cp_reduce_dtype", "bfloat16"),
-        needs_cp=True,
-    ),
-    # Routers score, choose and weight in bf16 (the default routes in fp32 under any precision).
-    PrecisionSpec(
-        "bf16 + bf16 router",
-        (
-            "--mixed_precision.param_dtype",
-            "bfloat16",
-            "--mixed_precision.reduce_dtype",
-            "float32",
-            "--mixed_precision.router_dtype",
-            "bfloat16",
-        ),
-        needs_moe=True,
-    ),
-)
-
-BF16 = ("--mixed_precision.param_dtype", "bfloat16", "--mixed_precision.reduce_dtype", "float32")
-BLOCK_SCALED = (*BF16, "--mixed_precision.block_scaled_emulate", "true", "--mixed_precision.block_scaled")
-NVFP4 = (*BLOCK_SCALED, "nvfp4")
-# The GEMM formats on top of bf16 (the Linears they leave out compute in bf16): torchao's fp8
-# rowwise (torch._scaled_mm, which runs on CPU too), and the emulated block-scaled recipes with
-# their defaults (output and the first and last block in bf16; nvfp4: NVIDIA's full recipe).
-LOW_PRECISION_GEMMS = (
-    PrecisionSpec("fp8 rowwise", (*BF16, "--mixed_precision.fp8", "rowwise"), opt_in=True),
-    PrecisionSpec("mxfp8", (*BLOCK_SCALED, "mxfp8"), opt_in=True),
-    PrecisionSpec("nvfp4", NVFP4, opt_in=True),
-    PrecisionSpec("nvfp4, RHT off", (*NVFP4, "--mixed_precision.nvfp4_rht", "false"), opt_in=True),
-    PrecisionSpec("nvfp4, SR off", (*NVFP4, "--mixed_precision.nvfp4_stochastic_rounding", "false"), opt_in=True),
-    PrecisionSpec("nvfp4, 1x16 W", (*NVFP4, "--mixed_precision.nvfp4_weight_2d", "false"), opt_in=True),
-)
-PRECISIONS = (*NATIVE_PRECISIONS, *LOW_PRECISION_GEMMS)
-# Named selections (--preset): an --only regex and the settings their docs table was measured with.
-PRESETS = {
-    "blockscaled": {
-        "only": r"^single / (bf16|fp8 rowwise|mxfp8|nvfp4|nvfp4, RHT off|nvfp4, SR off)$",
-        "help": "single process: bf16, fp8 rowwise, mxfp8, nvfp4 (full recipe, RHT off, SR off; "
-        "'nvfp4, 1x16 W' by --only)",
-    },
-}
-
-# Combinations left out, with the reason printed under the table. fp16 matmuls have no fast CPU
-# kernel (~10x slower than fp32 at these sizes), so fp16 runs on the 2-process layouts only.
-SKIPPED = {
-    ("HSDP 2x2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by FSDP 2 and DDP 2",
-    ("FSDP 2 x TP 2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by FSDP 2 and TP 2",
-    ("TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("PP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("HSDP 2x2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("FSDP 2 x TP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("FSDP 2 x CP 2", "pure bf16"): "one pure-bf16 run per family is enough: single, DDP 2, FSDP 2",
-    ("FSDP 2 x CP 2", "fp16 + loss scaling"): "fp16 is ~10x slower than fp32 on CPU; covered by CP 2",
-    **{
-        (layout, prec): "8 processes on a few cores: the 3-D layouts run fp32 and bf16 only"
-        for layout in ("FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2")
-        for prec in ("bf16 + bf16 reduce", "fp16 + loss scaling", "pure bf16")
-    },
-}
-
-
-@dataclass
-class Run:
-    layout: LayoutSpec
-    precision: PrecisionSpec
-
-    @property
-    def key(self) -> str:
-        return re.sub(r"[^a-z0-9]+", "_", f"{self.layout.name} {self.precision.name}".lower()).strip("_")
-
-    @property
-    def label(self) -> str:
-        return f"{self.layout.name} / {self.precision.name}"
-
-    @property
-    def reference(self) -> str:
-        """The label of the run this one is compared with: its model's fp32 single process."""
-        return f"{self.layout.reference} / fp32"
-
-
-@dataclass
-class Result:
-    run: Run
-    losses: dict[int, float] = field(default_factory=dict)
-    path: str = ""
-    skipped_steps: int = 0
-    val_loss: float = math.nan  # after the last step
-    router_dtype: str = ""  # models with routers: the plan's router_dtype
-    error: str = ""
-    wall_s: float = 0.0
-
-
-def select_runs(max_procs: int, only: str | None) -> tuple[list[Run], list[str]]:
-    """The runs --only matches, plus the fp32 single-process reference of each model they train."""
-    candidates = []
-    for layout in LAYOUTS:
-        for prec in PRECISIONS:
-            run = Run(layout, prec)
-            # FSDP shards over the cp ranks too: a cp layout reduces gradients.
-            if prec.needs_dp and layout.dp * layout.cp == 1 or prec.needs_cp and layout.cp == 1:
-                continue
-            if prec.needs_moe and not layout.model or prec.name not in (layout.precisions or (prec.name,)):
-                continue
-            if prec.opt_in and (layout.nproc > 1 or layout.model or not only or not re.search(only, run.label)):
-                continue
-            candidates.append(run)
-    matched = {r.label for r in candidates if not only or re.search(only, r.label)}
-    # Without --only (or when it matches nothing) the Llama reference runs, as it always has.
-    wanted = (
-        matched
-        | {r.reference for r in candidates if r.label in matched}
-        | ({"single / fp32"} if not matched else set())
-    )
-    runs, notes = [], []
-    for run in candidates:
-        layout, prec = run.layout, run.precision
-        if run.label not in wanted:
-            continue
-        if (layout.name, prec.name) in SKIPPED:
-            notes.append(f"{run.label}: not run ({SKIPPED[layout.name, prec.name]})")
-            continue
-        if layout.nproc > max_procs:
-            notes.append(f"{run.label}: not run (needs {layout.nproc} processes, --max-procs {max_procs})")
-            continue
-        runs.append(run)
-    return runs, notes
-
-
-def train_args(run: Run, a: argparse.Namespace) -> list[str]:
-    if a.global_batch % run.layout.dp:
-        raise SystemExit(f"--global-batch {a.global_batch} is not divisible by {run.layout.name}'s dp degree")
-    local_batch = str(a.global_batch // run.layout.dp)
-    # One evaluation after the last step, of the same val_batches x global batch windows on every
-    # layout (the bundled data has no held-out split: this is the loss on training windows).
-    validation = (
-        [
-            "--validation.enable",
-            "true",
-            "--validation.freq",
-            str(a.steps),
-            "--validation.steps",
-            str(a.val_batches),
-            "--validation.local_batch_size",
-            local_batch,
-        ]
-        if a.val_batches
-        else []
-    )
-    model = list(run.layout.model) or ["--model.flavor", a.flavor]
-    return [
-        *model,
-        "--training.seq_len",
-        str(a.seq_len),
-        "--training.local_batch_size",
-        local_batch,
-        "--training.steps",
-        str(a.steps),
-        "--training.seed",
-        str(a.seed),
-        "--optimizer.lr",
-        str(a.lr),
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--metrics.log_freq",
-        "1",
-        *validation,
-        *run.layout.args,
-        *run.precision.args,
-    ]
-
 
 # ---------------------------------------------------------------------------------------------
 # Worker: runs inside torchrun, trains each run of the spec in turn
@@ -353,13 +108,26 @@ def read_result(run: Run, folder: Path) -> Result:
 
 
 def reusable(run: Run, a: argparse.Namespace, out: Path) -> bool:
-    """Whether `out` holds this run finished with exactly these training arguments (--reuse)."""
+    """Whether `out` holds this run finished with exactly these training arguments (--reuse).
+
+    Args:
+        run: the run looked for.
+        a: the command line (its training settings make the run's arguments).
+        out: the --out folder.
+    """
     done = out / run.key / "done.json"
     return done.is_file() and json.loads(done.read_text()).get("args") == train_args(run, a)
 
 
 def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dict[str, Result]:
-    """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest."""
+    """Train `runs` in one torchrun launch; if one fails, record it and relaunch the rest.
+
+    Args:
+        runs: the runs, all of `nproc` processes, trained in this order.
+        nproc: the processes of the launch.
+        a: the command line (training settings, --reuse, --timeout).
+        out: the --out folder: one dump folder per run, the specs and launch logs.
+    """
     results: dict[str, Result] = {}
     pending = [r for r in runs if not (a.reuse and reusable(r, a, out))]
     for r in runs:
@@ -404,180 +172,6 @@ def launch(runs: list[Run], nproc: int, a: argparse.Namespace, out: Path) -> dic
         pending = still
         attempt += 1
     return results
-
-
-def fmt(x: float, spec: str = ".2e") -> str:
-    return "nan" if math.isnan(x) else format(x, spec)
-
-
-def max_diff(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
-    """(max abs, max rel) difference over common steps."""
-    steps = sorted(a.keys() & b.keys())
-    diffs = [abs(a[s] - b[s]) for s in steps]
-    rels = [abs(a[s] - b[s]) / max(abs(a[s]), abs(b[s]), 1e-12) for s in steps]
-    if any(math.isnan(d) for d in diffs):
-        return math.nan, math.nan
-    return max(diffs, default=0.0), max(rels, default=0.0)
-
-
-def table(results: dict[str, Result], runs: list[Run], steps: int) -> str:
-    """One row per run; "single" means the one-process run of the row's model (MoE rows: MoE
-    single), and a model with routers shows its router_dtype after the path."""
-    lines = [
-        "| layout | precision | path | final loss | Δ final vs fp32 single | max \\|Δ\\| over steps vs fp32 single (rel) "
-        "| max \\|Δ\\| vs same precision, single | skipped fp16 steps | val loss | Δ val loss vs fp32 single |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for run in runs:
-        res = results.get(run.label)
-        if res is None:
-            continue
-        if res.error:
-            lines.append(
-                f"| {run.layout.name} | {run.precision.name} | - | FAILED: {res.error.replace('|', '/')} | | | | | | |"
-            )
-            continue
-        final = res.losses[max(res.losses)]
-        path = f"{res.path}, router {res.router_dtype}" if res.router_dtype else res.path
-        cells = [run.layout.name, run.precision.name, path, f"{final:.5f}"]
-        ref = results.get(run.reference)
-        if ref is not None and not ref.error:
-            ref_final = ref.losses[max(ref.losses)]
-            mabs, mrel = max_diff(res.losses, ref.losses)
-            cells += [f"{final - ref_final:+.2e}", f"{fmt(mabs)} ({fmt(mrel)})"]
-        else:
-            cells += ["-", "-"]
-        single = run.layout.reference
-        same = results.get(f"{single} / {run.precision.name}")
-        if run.layout.name == single:
-            cells.append("(reference)")
-        elif same is not None and not same.error:
-            cells.append(fmt(max_diff(res.losses, same.losses)[0]))
-        elif run.precision.needs_dp or run.precision.needs_cp:
-            bf16 = results.get(f"{single} / bf16")
-            cells.append(
-                f"{fmt(max_diff(res.losses, bf16.losses)[0])} (vs single bf16)" if bf16 and not bf16.error else "-"
-            )
-        else:
-            cells.append("-")
-        cells.append(str(res.skipped_steps) if "fp16" in run.precision.name else "")
-        cells.append(f"{res.val_loss:.5f}" if math.isfinite(res.val_loss) else "-")
-        ref_val = ref.val_loss if ref is not None and not ref.error else math.nan
-        cells.append(f"{res.val_loss - ref_val:+.2e}" if math.isfinite(res.val_loss - ref_val) else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-# What a run's training is judged by: every step's row of these, compared bit for bit.
-DIFF_KEYS = ("step", "loss", "grad_norm", "loss_scale", "skipped_steps", "val_loss")
-
-
-def run_names(out: Path) -> set[str]:
-    """The runs an --out folder holds: its subfolders with a metrics.jsonl."""
-    return {p.parent.name for p in out.glob("*/metrics.jsonl")}
-
-
-def diff_outputs(before: Path, after: Path) -> list[str]:
-    """Runs of two --out folders (e.g. the matrix before and after a refactor) whose metrics.jsonl
-    rows differ in any DIFF_KEYS value, or that only one folder holds; [] when all are identical."""
-
-    def rows(folder: Path) -> list[dict]:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if k in DIFF_KEYS} for line in lines if line.strip()]
-
-    names = {before: run_names(before), after: run_names(after)}
-    problems = []
-    for name in sorted(names[before] | names[after]):
-        if name not in names[before] or name not in names[after]:
-            problems.append(f"{name}: only in {before if name in names[before] else after}")
-            continue
-        a, b = rows(before / name), rows(after / name)
-        if a != b:
-            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            problems.append(
-                f"{name}: differs from row {i + 1} ({len(a)} vs {len(b)} rows): "
-                f"{a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}"
-            )
-    return problems
-
-
-def tail_mean(losses: dict[int, float], tail: int) -> float:
-    """The mean loss of the last `tail` logged steps (one step's loss is mostly its batch's noise)."""
-    last = [losses[s] for s in sorted(losses)[-tail:]]
-    return sum(last) / len(last) if last else math.nan
-
-
-def tail_gap_se(losses: dict[int, float], base: dict[int, float], tail: int) -> float:
-    """The standard error of the mean of (loss - base loss) over the last `tail` common steps, as
-    if the steps were independent: how much of a tail gap one batch's noise alone could make."""
-    steps = sorted(losses.keys() & base.keys())[-tail:]
-    d = [losses[s] - base[s] for s in steps]
-    if len(d) < 2:
-        return math.nan
-    mean = sum(d) / len(d)
-    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
-
-
-def tail_table(results: dict[str, Result], runs: list[Run], tail: int, baseline: str) -> str:
-    """Per run: the mean of its last `tail` losses, that minus the `baseline` run's (± the standard
-    error of the per-step differences' mean) and the run's wall time."""
-    base = results.get(baseline)
-    ok = base is not None and not base.error
-    base_mean = tail_mean(base.losses, tail) if ok else math.nan
-    lines = [
-        f"| run | mean loss, last {tail} steps | minus {baseline}'s (± s.e.) | wall time |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for run in runs:
-        res = results.get(run.label)
-        if res is None or res.error:
-            continue
-        mean = tail_mean(res.losses, tail)
-        se = tail_gap_se(res.losses, base.losses, tail) if ok and run.label != baseline else math.nan
-        gap = fmt(mean - base_mean, "+.4f") + (f" (± {se:.4f})" if math.isfinite(se) else "")
-        lines.append(f"| {run.label} | {mean:.4f} | {gap} | {res.wall_s:.0f} s |")
-    return "\n".join(lines)
-
-
-def results_json(results: dict[str, Result], runs: list[Run], header: dict[str, object]) -> dict[str, object]:
-    """Every run's per-step losses and the facts of its table row, for figures drawn without
-    retraining (tools/numerics_figures.py); non-finite losses are null."""
-    rows = []
-    for run in runs:
-        res = results.get(run.label)
-        if res is None:
-            continue
-        rows.append(
-            {
-                "label": run.label,
-                "layout": run.layout.name,
-                "precision": run.precision.name,
-                "reference": run.reference,
-                "path": res.path,
-                "router_dtype": res.router_dtype,
-                "error": res.error,
-                "skipped_steps": res.skipped_steps,
-                "val_loss": res.val_loss if math.isfinite(res.val_loss) else None,
-                "losses": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(res.losses.items())},
-            }
-        )
-    return {**header, "runs": rows}
-
-
-def diff_main(before: str, after: str) -> int:
-    folders = (Path(before), Path(after))
-    for out in folders:
-        if not run_names(out):
-            print(f"error: '{out}' holds no run (no */metrics.jsonl): give two --out folders", file=sys.stderr)
-            return 2
-    problems = diff_outputs(*folders)
-    count = len(run_names(folders[0]) | run_names(folders[1]))
-    print(
-        "\n".join(problems)
-        if problems
-        else f"all {count} runs identical (every step's {', '.join(DIFF_KEYS[1:])}, bit for bit)"
-    )
-    return 1 if problems else 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -142,7 +142,13 @@ def factorizations(gpus: int) -> list[Degrees]:
 def structurally_valid(degrees: Degrees, args: Any, n_layers: int) -> bool:
     """The planner's own rules on top of the trainer's validation: TP stays within a node; CP
     splits sequences of at least --min-cp-tokens tokens per rank (shorter chunks leave attention
-    too little work to hide the K/V all-gathers behind)."""
+    too little work to hide the K/V all-gathers behind).
+
+    Args:
+        degrees: the candidate's parallel degrees.
+        args: the command line (--gpus-per-node, --min-cp-tokens, --seq-len).
+        n_layers: the model's layers (no more pipeline stages than layers).
+    """
     _r, _s, tp, pp, cp = degrees
     return args.gpus_per_node % tp == 0 and pp <= n_layers and (cp == 1 or args.seq_len // cp >= args.min_cp_tokens)
 
@@ -209,7 +215,13 @@ def _collective_seconds(category: str, nbytes: float, degrees: Degrees, args: An
 
 def evaluate(cand: Candidate, res: Any, args: Any) -> Candidate:
     """Fill in memory and time estimates for a candidate validated by dry_run.resolve (whether
-    it fits is plan's to decide, for the --gpu-mem-gib at hand)."""
+    it fits is plan's to decide, for the --gpu-mem-gib at hand).
+
+    Args:
+        cand: the candidate, filled in place.
+        res: its dry_run.resolve result (the job's model, layout and precision).
+        args: the command line (the machine's rates and bandwidths).
+    """
     model, prec, layout = res.model_dims, res.precision, res.layout
     # Pipeline rank 0 holds the most in-flight microbatches, the last one the output head.
     pp_ranks = sorted({0, layout.pp - 1})
@@ -414,8 +426,8 @@ def format_plan(result: dict[str, Any], top: int) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_job_options(ap: argparse.ArgumentParser) -> None:
+    """The options saying what is trained: model, GPUs and their memory, sequence and batch."""
     ap.add_argument("--model", default="llama3", help="Model family (model.name).")
     ap.add_argument("--flavor", required=True, help="Model flavor (llama3_8b, llama3_70b, llama3_405b, ...).")
     ap.add_argument("--gpus", type=int, required=True, help="Number of GPUs (the world size).")
@@ -440,6 +452,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="Sequences per optimizer step (default: gpus x local batch size).",
     )
     ap.add_argument("--vocab-size", type=int, default=128256, help="Vocabulary (default Llama 3's 128256).")
+
+
+def _add_machine_options(ap: argparse.ArgumentParser) -> None:
+    """The options of the time model: compute rate, bandwidths, and how much traffic is exposed."""
     ap.add_argument("--mfu", type=float, default=0.4, help="Model FLOPs utilisation of the compute (default 0.4).")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (default 989: H100 SXM).")
     ap.add_argument(
@@ -473,6 +489,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1.0,
         help="Fraction of TP traffic on the critical path (default 1.0: no async TP).",
     )
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_job_options(ap)
+    _add_machine_options(ap)
     ap.add_argument(
         "--min-cp-tokens",
         type=int,

@@ -86,19 +86,26 @@ def read_run(path: str | Path) -> Run:
 
 def series(run: Run, key: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(x values, `key` values) over the steps that logged `key`; a non-finite value (written as
-    null) is NaN, which draws as a gap."""
+    null) is NaN, which draws as a gap.
+
+    Args:
+        run: the run read (read_run).
+        key: the metric drawn.
+        x: the x axis: "step", or another of X_KEYS (e.g. "tokens").
+    """
     x_key = X_KEYS[x]
     xs, ys = [], []
     for row in run.rows:
         if key not in row:
             continue
-        if row.get(x_key) is None:
+        x_value, value = row.get(x_key), row[key]
+        if x_value is None:
             raise PlotError(
                 f"run '{run.name}' step {row['step']} has no '{x_key}' (written by runs since "
                 f"tokens were logged); draw it with --x step"
             )
-        xs.append(float(row[x_key]))
-        ys.append(math.nan if row[key] is None else float(row[key]))
+        xs.append(float(x_value))
+        ys.append(math.nan if value is None else float(value))
     return xs, ys
 
 

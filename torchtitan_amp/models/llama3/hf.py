@@ -45,7 +45,14 @@ IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 def layer_mapped_name(fqn: str, layer_names: dict[str, str], top_names: dict[str, str]) -> str:
     """Our FQN -> the HF name, through a family's table of a layer's tensors and of the others
-    (the HF layout every decoder here shares: model.layers.N.<name>)."""
+    (the HF layout every decoder here shares: model.layers.N.<name>).
+
+    Args:
+        fqn: our parameter name (layers.N.<name> or a top-level one).
+        layer_names: a layer tensor's name in our model -> its HF name inside model.layers.N.
+        top_names: the names outside the layers (embedding, final norm, output head) -> their HF
+            names.
+    """
     if m := _OUR_LAYER.match(fqn):
         return f"model.layers.{m[1]}.{layer_names[m[2]]}"
     return top_names[fqn]
@@ -186,7 +193,15 @@ class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
     def hf_config(self, args: LlamaArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
         transformers version and inference server reads. A tied model says so (tie_word_embeddings)
-        and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
+        and, like Hugging Face's tied checkpoints, has no lm_head.weight.
+
+        Args:
+            args: the model's arguments (its flavor with the run's vocab size and sequence length).
+            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
+                "float32").
+            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
+            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
+        """
         cfg: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

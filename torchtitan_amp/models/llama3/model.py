@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,13 @@ def register_flavor(name: str, args: LlamaModelArgs) -> None:
 
 
 def build_model_args(flavor: str, vocab_size: int, max_seq_len: int) -> LlamaModelArgs:
-    """A copy of the flavor with the tokenizer's vocab and the training seq len."""
+    """A copy of the flavor with the tokenizer's vocab and the training seq len.
+
+    Args:
+        flavor: the registered flavor's name (model.flavor).
+        vocab_size: the tokenizer's vocabulary size.
+        max_seq_len: the training sequence length (training.seq_len), the rotary tables' length.
+    """
     if flavor not in LLAMA3_FLAVORS:
         allowed = ", ".join(LLAMA3_FLAVORS)
         raise ValueError(f"unknown model flavor {flavor!r}; allowed flavors: {allowed}")
@@ -203,6 +210,14 @@ def precompute_rope(
 
     Real tables rather than complex ones: complex tensors are poorly supported
     by torch.compile and DTensor.
+
+    Args:
+        head_dim: the attention head size (the tables are half as wide).
+        max_seq_len: the positions the tables cover.
+        theta: the rotary base (rope_theta).
+        use_scaled_rope: whether Llama 3.1's frequency scaling applies (`scaling` says how).
+        device: where the tables are made; None: the default device.
+        scaling: the scaling's factors (Llama 3.1's by default).
     """
     device = torch.device(device) if device is not None else torch.get_default_device()
     # An enclosing autocast (e.g. init_weights called inside a forward context)
@@ -232,6 +247,13 @@ def apply_rotary_emb(
 
     Rotates interleaved pairs (x[2i], x[2i+1]), the layout of Meta's Llama
     checkpoints and of torchtitan's complex implementation.
+
+    Args:
+        xq: the queries [B, S, H, head_dim].
+        xk: the keys [B, S, kv_heads, head_dim].
+        cos: the rotary cosine table [max_seq_len, head_dim // 2], or picked per token [B, S,
+            head_dim // 2] under context parallel.
+        sin: the rotary sine table, shaped as `cos`.
     """
     if cos.dim() == 3:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -277,7 +299,15 @@ def grouped_kv(
     """Whether this call's kernel takes the kv_heads keys and values as they are (SDPA's
     enable_gqa; rules.takes_grouped_kv says where: CUDA's flash kernel, CPU's in float32): the
     queries' device and dtype are the call's, whatever path (FSDP, autocast) made them, and
-    whether they require gradients says training (flash refuses some head sizes' backward)."""
+    whether they require gradients says training (flash refuses some head sizes' backward).
+
+    Args:
+        xq: this call's queries (their device, dtype and requires_grad decide).
+        head_dim: the head size (flash refuses some sizes' backward).
+        mask: the call's attention mask; None: causal.
+        capability: the CUDA device's (major, minor) compute capability; None: read from the
+            queries' device.
+    """
     dtype = _DTYPE_NAMES.get(xq.dtype, "other")
     return takes_grouped_kv(
         xq.device.type,
@@ -345,9 +375,18 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """mask: None (causal) or [B, 1, S, Sk] bool (True = may attend; Sk = cp x S under context
-        parallel, whose keys and values are the whole window's). With a KV cache: causal over
-        the cached positions and these (generation hands no mask)."""
+        """Attention's output [B, S, dim]. Under context parallel the keys and values are the whole
+        window's; with a KV cache, attention is causal over the cached positions and these
+        (generation hands no mask).
+
+        Args:
+            x: the block's normalised input [B, S, dim].
+            cos: the rotary cosine table [max_seq_len, head_dim // 2], or picked per token [B, S,
+                head_dim // 2] under context parallel.
+            sin: the rotary sine table, shaped as `cos`.
+            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key (Sk = cp
+                x S under context parallel).
+        """
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
         # produce only this rank's heads; n_rep is unchanged by that.
@@ -401,6 +440,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class _InitWeights(Protocol):
+    """What TransformerBlock.build_feed_forward's module has beside forward."""
+
+    def init_weights(self, init_std: float) -> None: ...
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
 
@@ -425,12 +470,22 @@ class TransformerBlock(nn.Module):
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        cast(_InitWeights, self.feed_forward).init_weights(self.weight_init_std)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         # The mask as a keyword: TP's PrepareModuleInput lays out the positional inputs only.
+        """x + attention(norm(x)), then h + feed_forward(norm(h)): [B, S, dim] in and out.
+
+        Args:
+            x: the residual stream [B, S, dim].
+            cos: the rotary cosine table [max_seq_len, head_dim // 2], or picked per token [B, S,
+                head_dim // 2] under context parallel.
+            sin: the rotary sine table, shaped as `cos`.
+            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key (Sk = cp
+                x S under context parallel).
+        """
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -444,6 +499,9 @@ class Transformer(nn.Module):
     block_cls: type[TransformerBlock] = TransformerBlock
     # Set by parallelize.apply_cp, like every Attention's.
     context_parallel: ContextParallel | None = None
+    # Registered as non-persistent buffers in __init__ (declared here for the type checker).
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__()
@@ -492,7 +550,7 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
             if layer is not None:
-                layer.init_weights()
+                cast(TransformerBlock, layer).init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
@@ -506,12 +564,20 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         kv_doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [B, S] int64 -> logits [B, S, vocab]; on a pipeline stage
-        without embeddings/output, hidden states [B, S, dim] in and/or out. doc_ids [B, S]
-        (models/attention.py) restricts attention to each token's document. positions [B, S]:
-        the tokens' places in their window when they are not 0..S-1 (context parallel hands each
-        rank two chunks of it: context_parallel.BatchSharder); kv_doc_ids [B, cp x S]: under
-        context parallel, the documents of the whole window's keys in their gathered order."""
+        """Logits [B, S, vocab]; on a pipeline stage without the output head, hidden states
+        [B, S, dim].
+
+        Args:
+            tokens: the token ids [B, S] int64, or hidden states [B, S, dim] on a pipeline stage
+                without the embedding.
+            doc_ids: [B, S] each token's document in its window (models/attention.py); attention
+                stays inside it. None: causal over the window.
+            positions: [B, S] the tokens' places in their window when they are not 0..S-1 (context
+                parallel hands each rank two chunks of it: context_parallel.BatchSharder); None:
+                0..S-1.
+            kv_doc_ids: [B, cp x S] under context parallel with documents, the documents of the
+                whole window's keys in their gathered order; None otherwise.
+        """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -557,6 +623,11 @@ def flops_per_token(args: LlamaModelArgs, num_params_excl_embedding: int, seq_le
     12 * L * H * head_dim * seq_len: 2 matmuls (scores, values) x 3 (fwd +
     bwd) x 2 FLOPs; the causal mask's skipped half is by convention not
     subtracted, and flash-attention recomputation is not counted.
+
+    Args:
+        args: the model's arguments (layers, heads, head size).
+        num_params_excl_embedding: the parameters without the embedding table (N).
+        seq_len: the training sequence length (the attention term grows with it).
     """
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * num_params_excl_embedding + attention

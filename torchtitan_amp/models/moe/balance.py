@@ -46,14 +46,23 @@ def after_backward(
     takes the same bias update), compute the expert-bias updates of
     layers balanced by bias (applied by `after_step`), reset the counts; returns the step's load
     metrics: the most and least loaded expert of any layer relative to a uniform load (1.0 is
-    perfect balance), over every pipeline stage. Every rank must call it (collectives)."""
+    perfect balance), over every pipeline stage. Every rank must call it (collectives).
+
+    Args:
+        model_parts: the model (its pipeline stages on this rank), whose MoE layers are balanced.
+        group: the data-parallel group the counts are summed over; None: this rank's alone.
+        pp_group: the pipeline group the load metrics are maxed over; None without pipeline
+            parallel.
+        cross_group: sums a tensor in place over the fault-tolerance replica groups; None without
+            them.
+    """
     layers = moe_layers(model_parts)
     # A pipeline stage without MoE layers still joins the stages' all-reduce, with neutral values.
     # Made on the device, not copied from a host list (on CUDA a blocking copy waits for the stream).
     stats = torch.zeros(2, device=next(p.device for part in model_parts for p in part.parameters()))
     stats[1:].fill_(float("-inf"))
     if layers:
-        counts = torch.stack([l.tokens_per_expert for l in layers])  # [layers, E] int64
+        counts = torch.stack([layer.tokens_per_expert for layer in layers])  # [layers, E] int64
         if group is not None:
             dist.all_reduce(counts, group=group)
         if cross_group is not None:

@@ -167,7 +167,7 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
             "rope_theta": theta,
             "use_scaled_rope": False,
             "qk_norm": True,
-            "n_routed_experts": int(cfg.get("num_experts", cfg.get("num_local_experts"))),
+            "n_routed_experts": int(need("num_experts" if "num_experts" in cfg else "num_local_experts")),
             "top_k": int(need("num_experts_per_tok")),
             "moe_inter_dim": int(need("moe_intermediate_size")),
             "route_norm": bool(cfg.get("norm_topk_prob", False)),
@@ -209,7 +209,15 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
 
     def hf_config(self, args: MoEModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for `args`, in the published Qwen3-MoE spelling (num_experts, rope_theta), which
-        transformers 4.51+ and inference servers read; tie_word_embeddings as the args say."""
+        transformers 4.51+ and inference servers read; tie_word_embeddings as the args say.
+
+        Args:
+            args: the model's arguments (its flavor with the run's vocab size and sequence length).
+            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
+                "float32").
+            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
+            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
+        """
         _check_exportable(args)
         cfg: dict[str, Any] = {
             "architectures": ["Qwen3MoeForCausalLM"],

@@ -209,5 +209,11 @@ def active_params(args: MoEModelArgs, total_excl_embedding: int) -> int:
 
 
 def flops_per_token(args: MoEModelArgs, num_params_excl_embedding: int, seq_len: int) -> int:
-    """Llama's count (6N plus attention) with N the active parameters: only the chosen experts' FLOPs."""
+    """Llama's count (6N plus attention) with N the active parameters: only the chosen experts' FLOPs.
+
+    Args:
+        args: the MoE model's arguments (experts, top_k, their hidden size).
+        num_params_excl_embedding: the parameters without the embedding table (N).
+        seq_len: the training sequence length (the attention term grows with it).
+    """
     return llama_flops_per_token(args, active_params(args, num_params_excl_embedding), seq_len)

@@ -43,6 +43,7 @@ class Router(nn.Module):
     # The precision plan writes the dtype of the routing arithmetic here
     # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
     router_dtype: torch.dtype = torch.float32
+    expert_bias: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, route_scale: float
@@ -138,7 +139,13 @@ def grouped_mm_kernel(device: str, dtype: torch.dtype, compiled: bool) -> bool:
     """Whether experts computing in `dtype` on `device` run torch._grouped_mm: where the device's
     kernel runs it and, under torch.compile, only in bf16: the compiler traces _grouped_mm with its
     meta kernel, which takes bf16 only (torch 2.11-2.13) whatever the eager kernels take; fp32
-    then runs the loop over experts, with its host read of the counts (a graph break)."""
+    then runs the loop over experts, with its host read of the counts (a graph break).
+
+    Args:
+        device: the device type ("cuda", "cpu").
+        dtype: the dtype the experts compute in.
+        compiled: whether the model runs under torch.compile.
+    """
     return grouped_mm_supported(device, dtype) and (not compiled or dtype == torch.bfloat16)
 
 
@@ -157,12 +164,20 @@ class _CountOnBackward(torch.autograd.Function):
     backpropagated (its saved tensors serve the original forward's backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, counts: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """x unchanged, with what backward needs kept on `ctx`.
+
+        Args:
+            ctx: autograd's context.
+            x: the tensor passed through.
+            counts: this forward's tokens per expert.
+            total: the running counts backward adds `counts` to, in place.
+        """
         ctx.counts, ctx.total = counts, total
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.total += ctx.counts.to(ctx.total.dtype)
         return grad, None, None
 
@@ -174,12 +189,20 @@ class _AddAuxLoss(torch.autograd.Function):
     scale / accumulation steps / microbatches), so the aux loss keeps its weight on every path."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        """x unchanged, with what backward needs kept on `ctx`.
+
+        Args:
+            ctx: autograd's context.
+            x: the tensor passed through.
+            aux: the auxiliary loss that receives `scale` as its gradient.
+            scale: the trainer's loss multiplier (loss scale / accumulation steps / microbatches).
+        """
         ctx.aux_dtype, ctx.scale = aux.dtype, scale
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
@@ -192,7 +215,16 @@ def sequence_aux_loss(
     Under context parallel a rank holds 2 of a sequence's 2 x cp chunks: the per-sequence counts and
     score sums of the cp ranks are summed first (one all-reduce), so f and P are the sequence's.
     The returned value is the sequence's loss on every cp rank; its gradient is cp x this rank's
-    share of it, because the data-parallel gradient mean also divides by the cp ranks."""
+    share of it, because the data-parallel gradient mean also divides by the cp ranks.
+
+    Args:
+        scores: the router's scores [B, S, E] of this rank's tokens.
+        experts: the chosen experts' ids, k per token, int64.
+        batch: the sequences B in the microbatch.
+        alpha: the loss's weight (aux_loss_alpha).
+        cp_group: the context-parallel group the statistics are summed over; None without context
+            parallel.
+    """
     n_experts, top_k = scores.shape[-1], experts.shape[-1]
     scores = scores.float().view(batch, -1, n_experts)
     prob_sums = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)  # [B, E], this rank's tokens
@@ -221,6 +253,7 @@ class MoE(nn.Module):
     # Set by parallelize.apply_cp under context parallel (context_parallel.ContextParallel): the
     # sequence-wise aux loss then sums its per-sequence statistics over the cp ranks.
     context_parallel: Any = None
+    tokens_per_expert: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,

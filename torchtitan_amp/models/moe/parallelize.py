@@ -12,7 +12,7 @@ complete: no TP reduction is needed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,7 +45,8 @@ class ReplicatedMoE(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # The shared expert is a dense MLP: split like Llama's (tp_block_plan), not replicated.
-        for sub in (module.router, module.experts):
+        moe = cast(MoE, module)  # the plan puts this style on MoE modules only
+        for sub in (moe.router, moe.experts):
             for name, param in list(sub.named_parameters(recurse=False)):
                 replicated = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
                 sub.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
@@ -61,7 +62,8 @@ class HeadShardedNorm(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            input_fn=lambda _m, args, mesh: tuple(
+            # torch types input_fn as returning None; the inputs it returns replace the module's.
+            input_fn=lambda _m, args, mesh: tuple(  # type: ignore[arg-type]
                 DTensor.from_local(a, mesh, [Shard(2)], run_check=False) for a in args
             ),
             output_fn=lambda _m, out, _mesh: out.to_local(),
