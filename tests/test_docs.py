@@ -52,7 +52,7 @@ def test_the_docs_carry_no_development_history():
 @pytest.mark.parametrize(
     "text, kind",
     [
-        ("the suite takes", "issue/round/session number"),
+        ("the suite (issue 41) takes", "issue/round/session number"),
         ("measured in round 3", "issue/round/session number"),
         ("session 12's numbers", "issue/round/session number"),
         ("since commit 37f38da", "commit hash"),
