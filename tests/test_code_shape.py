@@ -342,3 +342,17 @@ def test_the_checkpoint_package_keeps_no_seam_for_tests():
         if any(s in line for s in SEAM)
     ]
     assert seams == []
+
+
+def test_tests_import_no_benchmark():
+    """benchmarks/ measure; tests check. A test runs a benchmark as a command (`python -m
+    benchmarks.x`) when it checks one, and shares no code with it."""
+    tests = PACKAGE.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                found.append(f"{path.relative_to(tests)}:{node.lineno}")
+    assert found == []

@@ -393,38 +393,37 @@ def test_gpu_mfu_tiny_fsdp_policy_compiles(gpu_tiny: dict) -> None:
     assert gpu_tiny["returncode"] == 0
 
 
-def test_gpu_mfu_frees_a_configurations_model_before_its_closing_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+# Run in a child process (tests import no benchmark): counts the live Transformers at each of
+# run_config's reset_memory calls, one eager fp32 step of the tiny shape.
+GPU_MFU_RESET_PROBE = """
+import gc, json, torch, torch.distributed as dist
+from benchmarks import gpu_mfu
+live, reset = [], gpu_mfu.reset_memory
+def counting_reset(device):
+    gc.collect()
+    live.append(sum(type(o).__name__ == "Transformer" for o in gc.get_objects()))
+    return reset(device)
+gpu_mfu.reset_memory = counting_reset
+a = gpu_mfu.parse_args(["--tiny", "--steps", "1", "--max-measure-s", "0"])
+device = torch.device("cpu")
+gpu_mfu.init_process_group(device)
+mesh = gpu_mfu.ParallelDims.from_config(gpu_mfu.load_config([]).parallelism, 1)
+mesh.build_mesh(device.type)
+r = gpu_mfu.run_config("fp32", False, 2, a, device, mesh)
+dist.destroy_process_group()
+print(json.dumps({"live": live, "finite": r["loss_finite"], "steps": r["steps_timed"]}))
+"""
+
+
+def test_gpu_mfu_frees_a_configurations_model_before_its_closing_reset() -> None:
     """A configuration's model, optimizer and step closure are gone when run_config's closing
     reset_memory runs (its empty_cache is what hands the memory back before the next one starts):
-    nothing in run_config still holds the model then. One eager fp32 step of the tiny shape."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
-    from benchmarks import gpu_mfu
-
-    live_models = []
-    reset = gpu_mfu.reset_memory
-
-    def counting_reset(device: torch.device) -> int:
-        gc.collect()
-        live_models.append(sum(type(o).__name__ == "Transformer" for o in gc.get_objects()))
-        return reset(device)
-
-    monkeypatch.setattr(gpu_mfu, "reset_memory", counting_reset)
-    a = gpu_mfu.parse_args(["--tiny", "--steps", "1", "--max-measure-s", "0"])
-    device = torch.device("cpu")
-    assert not dist.is_initialized(), "a process group already exists in this process"
-    gpu_mfu.init_process_group(device)
-    try:
-        mesh = gpu_mfu.ParallelDims.from_config(gpu_mfu.load_config([]).parallelism, 1)
-        mesh.build_mesh(device.type)
-        r = gpu_mfu.run_config("fp32", False, 2, a, device, mesh)
-    finally:
-        dist.destroy_process_group()
-    assert r["loss_finite"] and r["steps_timed"] == 1
-    assert live_models == [0, 0]  # at the reset before the build and at the one after the run
+    nothing in run_config still holds the model then."""
+    r = run_python("-c", GPU_MFU_RESET_PROBE, timeout=180)
+    assert r.returncode == 0, r.describe()
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["finite"] and out["steps"] == 1
+    assert out["live"] == [0, 0]  # at the reset before the build and at the one after the run
 
 
 def test_reduce_precision_emulation() -> None:
