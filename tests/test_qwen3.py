@@ -3,9 +3,10 @@ random ones (GQA 4 heads over 2, head_dim 32 = twice hidden / heads, norm weight
 that the q/k-norm permutation matters, weights drawn at std 0.05 so that attention is far from
 uniform), saved by save_pretrained in small safetensors shards, untied and tied. Import gives
 transformers' logits; a run trained from the import in process exports a folder that transformers
-loads with our logits; the published sizes' config.json files fit their flavors; under the bf16
-plan the q/k norms compute in fp32 (the audit's hooks) and a q/k norm run in bf16 is a breach;
-bad input is one line. All in process, on tiny shapes.
+loads with our logits; greedy generation is transformers' generate token for token; the published
+sizes' config.json files fit their flavors; under the bf16 plan the q/k norms compute in fp32 (the
+audit's hooks) and a q/k norm run in bf16 is a breach; bad input is one line. All in process, on
+tiny shapes. The layouts (FSDP, TP, PP, CP, FSDP x TP) against one process: tests/test_parallelisms.py.
 """
 
 from __future__ import annotations
@@ -119,6 +120,19 @@ def test_import_matches_transformers(exports, tied: bool) -> None:  # type: igno
         sd[f"layers.{layer}.attention.q_norm.weight"] = theirs.model.layers[layer].self_attn.q_norm.weight.detach()
     ours.load_state_dict(sd)
     assert (_logits(ours) - reference).abs().max() > 100 * LOGITS_ATOL
+
+
+def test_greedy_generation_equals_transformers_generate(exports) -> None:  # type: ignore[no-untyped-def]
+    """Our KV-cached greedy generation on the imported model, token for token transformers' generate."""
+    from torchtitan_amp.eval.generation import ModelRunner, generate
+
+    folder, theirs, _ = exports[False]
+    prompt, new = [256, *b"Hello"], 16
+    ours = generate(ModelRunner(_ours(folder, ARGS)), prompt, new).tokens
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert ours == out[0, len(prompt) :].tolist()
+    assert len(set(ours)) > 1  # not one token repeated
 
 
 def _job(dump: Path, *extra: str) -> list[str]:
