@@ -390,3 +390,57 @@ def test_family_is_llamas_with_qwen3s_parts() -> None:
         plan["attention.k_norm"], HeadShardedNorm
     )
     assert block.feed_forward.w1.weight.shape == (96, 64) and block.attention.wq.weight.shape == (128, 64)
+
+
+@pytest.mark.parametrize("name", ["debugmodel", "qwen3_0_6b", "qwen3_8b"])
+def test_memory_model_names_and_sizes_every_parameter(name: str) -> None:
+    """The memory model's parameter specs (MoEDims with every block dense) are the model's
+    parameters, names and shapes, the tied table once."""
+    from torchtitan_amp.memory import Stage
+
+    args = FAMILY.flavors[name]
+    with torch.device("meta"):
+        model = FAMILY.build_model(args)
+    specs = FAMILY.memory_dims(args).param_specs(Stage(0, range(args.n_layers), True, True))
+    assert {s.name: s.shape for s in specs} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+def test_activation_formula_matches_saved_tensors(precision: str) -> None:
+    """A block's saved-for-backward bytes (3 blocks minus 1, per token) equal the memory model's
+    terms for this CPU, q/k norms included (their term alone: the same blocks without the norms
+    save exactly that much less). 120 tokens: the measure skips tensors shaped like a parameter,
+    so the token count must be none of the parameters' dims (128 = n_heads x head_dim would hide
+    the [tokens, dim] inputs of wq, wk and wv)."""
+    import functools
+
+    from tests.test_memory_moe import _saved_bytes
+    from torchtitan_amp import memory
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.memory.llama import activation_terms
+    from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
+
+    enabled = "false" if precision == "fp32" else "true"
+    config = load_config(["--model.name", "qwen3", "--mixed_precision.enabled", enabled])
+    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
+    b, s = 3, 40
+    per_block = {}
+    for qk_norm in (True, False):
+        measured = []
+        for layers in (1, 3):
+            torch.manual_seed(0)
+            model = FAMILY.build_model(dataclasses.replace(ARGS, n_layers=layers, max_seq_len=s))
+            model.init_weights()
+            if not qk_norm:
+                for block in model.layers.values():
+                    block.attention.normalize_qk = Attention.normalize_qk.__get__(block.attention)
+            autocast.apply_fp32_islands(plan, model)
+            context = functools.partial(autocast.forward_context, plan)
+            measured.append(_saved_bytes(model, torch.randint(0, 258, (b, s)), context))
+        per_block[qk_norm] = (measured[1] - measured[0]) / 2
+    layout = memory.Layout(seq_len=s, local_batch_size=b)
+    dims, prec = FAMILY.memory_dims(ARGS), memory_spec.from_plan(plan, FAMILY.norm_cls)
+    terms, llama = dims.activation_terms(prec, layout), activation_terms(dims, prec, layout)
+    tokens = layout.microbatch_tokens
+    assert per_block[True] == (terms.layer_at(0) + terms.layer_cpu) * tokens
+    assert per_block[True] - per_block[False] == (terms.layer_at(0) - llama.layer) * tokens
