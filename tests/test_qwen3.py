@@ -115,11 +115,14 @@ def test_import_matches_transformers(exports, tied: bool) -> None:  # type: igno
     llama = _ours(folder, args)
     for layer in llama.layers.values():
         layer.attention.normalize_qk = Attention.normalize_qk.__get__(layer.attention)  # Llama's: none
-    assert (_logits(llama) - reference).abs().max() > 100 * LOGITS_ATOL
+    no_norms = (_logits(llama) - reference).abs().max().item()
+    assert no_norms > 100 * LOGITS_ATOL
     for layer in range(args.n_layers):
         sd[f"layers.{layer}.attention.q_norm.weight"] = theirs.model.layers[layer].self_attn.q_norm.weight.detach()
     ours.load_state_dict(sd)
-    assert (_logits(ours) - reference).abs().max() > 100 * LOGITS_ATOL
+    unpermuted = (_logits(ours) - reference).abs().max().item()
+    print(f"without q/k norms {no_norms:.3g}, q norms in HF's order {unpermuted:.3g}")
+    assert unpermuted > 100 * LOGITS_ATOL
 
 
 def test_greedy_generation_equals_transformers_generate(exports) -> None:  # type: ignore[no-untyped-def]
