@@ -447,3 +447,25 @@ def test_activation_formula_matches_saved_tensors(precision: str) -> None:
     tokens = layout.microbatch_tokens
     assert per_block[True] == (terms.layer_at(0) + terms.layer_cpu) * tokens
     assert per_block[True] - per_block[False] == (terms.layer_at(0) - llama.layer) * tokens
+
+
+def test_block_compiles_in_one_graph() -> None:
+    """A Qwen3 block under torch.compile with the family's fullgraph setting (what apply_compile
+    uses: one graph, the q/k norms inside it) computes eager's output and gradients, fp32.
+    aot_eager: dynamo, fake tensors and AOT autograd as inductor sees them, without the C++ compile."""
+    assert FAMILY.compile_fullgraph
+    torch.manual_seed(0)
+    model = Qwen3Transformer(ARGS)
+    model.init_weights()
+    block = model.layers["0"]
+    x = torch.randn(2, 16, ARGS.dim, requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (compiled, block):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn(x, model.rope_cos, model.rope_sin)
+        y.square().sum().backward()
+        results.append([y.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
