@@ -59,6 +59,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "qwen3_30b_a3b",
         "deepseek_v3_16b",
     ),
+    "qwen3": ("debugmodel", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "qwen3_14b", "qwen3_32b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"
