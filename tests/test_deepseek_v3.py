@@ -212,3 +212,85 @@ def test_flavors_build_on_meta():
 def test_bad_args_say_why(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(ARGS, **change)
+
+
+def _job(dump: Path, *extra: str) -> list[str]:
+    return [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        FLAVOR,
+        "--model.tokenizer",
+        "byte",
+        "--training.seq_len",
+        "48",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
+
+
+FLAVOR = "deepseek_v3_hf_test"
+
+
+def _trainer(monkeypatch: pytest.MonkeyPatch, argv: list[str]):  # type: ignore[no-untyped-def]
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
+
+    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, ARGS)
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
+    return trainer_module.Trainer(load_config(argv))
+
+
+def test_import_through_the_trainer_then_train(hf, tmp_path, monkeypatch):
+    """model.name / model.flavor pick the family; checkpoint.initial_load_path = the folder (its
+    config.json checked against the flavor) gives transformers' logits; 6 fp32 steps on the bundled
+    data lower the loss."""
+    argv = ["--mixed_precision.enabled", "false", "--training.steps", "6", "--checkpoint.enable"]
+    trainer = _trainer(monkeypatch, _job(tmp_path, *argv, "--checkpoint.initial_load_path", str(hf[0])))
+    try:
+        assert (_logits(trainer.run.model.eval()) - hf[2]).abs().max() <= LOGITS_ATOL
+        trainer.run.model.train()
+        trainer.train()
+    finally:
+        trainer.run.metrics.close()
+    losses = [
+        json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
+    # Batches differ (bundled text): the mean of the last three against the first.
+    assert len(losses) == 6 and sum(losses[3:]) / 3 < losses[0] - 0.4, losses
+
+
+def test_bf16_plan_keeps_latent_norms_router_and_rotary_in_fp32(tmp_path, monkeypatch):
+    """One audited bf16 step (mixed_precision.audit, the dtypes its dispatch hooks see): MLA's latent
+    norms and the block norms compute in fp32, the router's matmul in fp32, every projection and
+    the experts in bf16; with the kv latent norm made to compute in bf16, the audit names it."""
+    import torch.nn.functional as F
+
+    argv = ["--mixed_precision.enabled", "true", "--mixed_precision.audit", "true", "--training.steps", "1"]
+    result = _trainer(monkeypatch, _job(tmp_path / "ok", *argv)).audit()
+    assert result.ok, result.breaches
+    modules = result.modules
+    for name in ("attention.q_norm", "attention.kv_norm", "attention_norm", "ffn_norm"):
+        assert modules[f"layers.1.{name}"] == {"compute": ["float32"]}, (name, modules)
+    assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
+    for name in ("attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b", "attention.wo"):
+        assert modules[f"layers.1.{name}"]["forward matmul"] == ["bfloat16"], (name, modules)
+    assert modules["layers.1.feed_forward.experts"]["forward matmul"] == ["bfloat16"], modules
+
+    def bf16_norm(self, x):  # type: ignore[no-untyped-def]
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+    trainer = _trainer(monkeypatch, _job(tmp_path / "breach", *argv))
+    norm = trainer.run.model.layers["1"].attention.kv_norm
+    monkeypatch.setattr(norm, "forward", bf16_norm.__get__(norm))
+    result = trainer.audit()
+    assert not result.ok and any("layers.1.attention.kv_norm" in str(b) for b in result.breaches), result.breaches

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_amp.core.errors import CheckpointError
-from torchtitan_amp.models.deepseek_v3.model import DeepSeekV3Args
 from torchtitan_amp.models.llama3.hf import LAYER_NAMES, rope_settings
 from torchtitan_amp.models.moe.hf import Qwen3MoeHFAdapter
 
@@ -106,11 +105,11 @@ def _yarn_fields(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
 
 class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
     """DeepseekV3ForCausalLM: the Qwen3-MoE adapter's expert stacking with DeepSeek-V3's names
-    and config.json."""
+    and config.json (its methods take DeepSeekV3Args, typed Any: the base types MoEModelArgs)."""
 
     display_name = "DeepSeek-V3"
     field_names = _HF_FIELD
-    zero_in_hf = None  # the expert bias is e_score_correction_bias
+    zero_in_hf = None  # type: ignore[assignment]  # the expert bias is e_score_correction_bias
     layer_names = _LAYER_NAMES
 
     def rotary_heads(self, fqn: str, args: Any) -> int | None:
@@ -163,7 +162,7 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
             fields["dense_hidden"] = int(need("intermediate_size"))
         return fields
 
-    def args_fields(self, args: DeepSeekV3Args) -> dict[str, Any]:
+    def args_fields(self, args: Any) -> dict[str, Any]:
         """The same fields as config_fields, from our model args (YaRN's only when scaled, the
         dense width only where there are dense blocks)."""
         names = [k for k in _HF_FIELD if k not in ("dense_hidden", "enable_weight_tying")]
@@ -175,7 +174,7 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
         fields["enable_weight_tying"] = args.enable_weight_tying
         return fields
 
-    def hf_config(self, args: DeepSeekV3Args, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    def hf_config(self, args: Any, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         """config.json for `args`, in the published DeepSeek-V3 spelling (rope_theta + rope_scaling).
 
         Args:

@@ -85,7 +85,7 @@ class DeepSeekV3Block(TransformerBlock):
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         nn.Module.__init__(self)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MLAttention(args)
+        self.attention = MLAttention(args)  # type: ignore[assignment]  # Llama's slot, MLA's module
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward: nn.Module
         if args.is_moe_layer(layer_id):

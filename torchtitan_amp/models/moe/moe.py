@@ -90,7 +90,13 @@ class Router(nn.Module):
 def group_limited(choice: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
     """The choice scores [T, E] with every expert outside a token's `topk_groups` best of
     `n_groups` equal groups set to -inf; a group's score is the sum of its two best (transformers'
-    DeepseekV3TopkRouter)."""
+    DeepseekV3TopkRouter).
+
+    Args:
+        choice: the scores the choice is made on (bias added) [T, E].
+        n_groups: the equal groups the E experts are split into (n_group).
+        topk_groups: the groups a token may choose from (topk_group).
+    """
     tokens, n_experts = choice.shape
     grouped = choice.view(tokens, n_groups, n_experts // n_groups)
     group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
