@@ -294,3 +294,58 @@ def test_bf16_plan_keeps_latent_norms_router_and_rotary_in_fp32(tmp_path, monkey
     monkeypatch.setattr(norm, "forward", bf16_norm.__get__(norm))
     result = trainer.audit()
     assert not result.ok and any("layers.1.attention.kv_norm" in str(b) for b in result.breaches), result.breaches
+
+
+def test_a_flavor_of_another_family_is_one_line():
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.core.errors import ConfigError
+
+    for name, flavor, allowed in (
+        ("deepseek_v3", "debugmodel_moe", "'debugmodel', '16b', '671b'"),
+        ("moe", "671b", ""),
+    ):
+        with pytest.raises(ConfigError) as e:
+            load_config(["--model.name", name, "--model.flavor", flavor])
+        assert f"'model.flavor' = '{flavor}' is not a flavor of model.name = '{name}'" in str(e.value)
+        assert allowed in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "qwen3_moe"}, "'model_type' = 'qwen3_moe'; only 'deepseek_v3' can be loaded"),
+        ({"model_type": "deepseek_v2"}, "'model_type' = 'deepseek_v2'; only 'deepseek_v3' can be loaded"),
+        ({"rope_interleave": False}, "'rope_interleave' = False; this model supports only True"),
+        ({"scoring_func": "softmax"}, "'scoring_func' = 'softmax'; this model supports only 'sigmoid'"),
+        ({"attention_bias": True}, "'attention_bias' = True; this model supports only False"),
+        (
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+            "rope scaling type 'linear' is not supported",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, **YARN, "truncate": False}},
+            "rope_scaling 'truncate' = False is not supported",
+        ),
+    ],
+)
+def test_hf_folders_it_cannot_take_are_one_line(hf, tmp_path, change, message):
+    cfg = {**json.loads((hf[0] / CONFIG).read_text()), **change}
+    (tmp_path / CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        check_config(tmp_path, ARGS, "test", FAMILY)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_deepseek_folder_under_the_moe_family_is_one_line(hf):
+    from torchtitan_amp.models.moe import FAMILY as MOE
+    from torchtitan_amp.models.moe.model import MOE_FLAVORS
+
+    with pytest.raises(CheckpointError, match="'model_type' = 'deepseek_v3'; only 'qwen3_moe' can be loaded"):
+        check_config(hf[0], MOE_FLAVORS["debugmodel_moe"], "debugmodel_moe", MOE)
+
+
+def test_tensor_parallel_is_refused_in_one_line():
+    from torchtitan_amp.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for multi-head latent attention"):
+        FAMILY.tp_block_plan(None, None)

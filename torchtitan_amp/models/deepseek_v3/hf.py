@@ -88,8 +88,8 @@ def _yarn_fields(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{where}: rope scaling type {scaling['rope_type']!r} is not supported (allowed: 'yarn', or none)"
         )
-    for field in ("attention_factor", "truncate"):
-        if scaling.get(field) not in (None, True) or (field == "attention_factor" and field in scaling):
+    for field, allowed in (("attention_factor", None), ("truncate", True)):
+        if scaling.get(field, allowed) != allowed:
             raise CheckpointError(f"{where}: rope_scaling '{field}' = {scaling[field]!r} is not supported")
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or cfg["max_position_embeddings"] / original
