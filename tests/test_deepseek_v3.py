@@ -349,3 +349,27 @@ def test_tensor_parallel_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="no tensor-parallel plan for multi-head latent attention"):
         FAMILY.tp_block_plan(None, None)
+
+
+def test_greedy_generation_equals_transformers_and_the_cache_equals_recompute(hf):
+    """Our generation (a KV cache of MLA's expanded keys and narrower values on every layer) on
+    the imported model gives transformers' greedy tokens, token for token; each cached decode
+    step's logits equal one forward over the whole text."""
+    from torchtitan_amp.eval.generation import ModelRunner, generate, kv_caches, step_logits
+
+    prompt, new = [256, *b"Hello"], 24
+    ours = _ours(hf[0])
+    completion = generate(ModelRunner(ours), prompt, new)
+    with torch.no_grad():
+        theirs = hf[1].generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=257, pad_token_id=257
+        )
+    assert completion.tokens == theirs[0, len(prompt) :].tolist()
+    tokens = prompt + completion.tokens
+    runner = ModelRunner(ours)
+    with torch.no_grad(), kv_caches(ours, len(tokens)) as caches:
+        steps = [step_logits(runner, torch.tensor([prompt]), caches)]
+        steps += [step_logits(runner, torch.tensor([[t]]), caches) for t in tokens[len(prompt) : -1]]
+    with torch.no_grad():
+        full = ours(torch.tensor([tokens]))[0, len(prompt) - 1 : -1]
+    assert (torch.cat(steps) - full).abs().max() <= LOGITS_ATOL
