@@ -195,8 +195,8 @@ def test_flavors_build_on_meta():
     for name, flavor in DEEPSEEK_V3_FLAVORS.items():
         with torch.device("meta"):
             counts[name] = count_params(DeepSeekV3Transformer(flavor))
-    assert 671e9 < counts["671b"] < 672e9, counts
-    assert 15e9 < counts["16b"] < 16.5e9, counts
+    assert 671e9 < counts["deepseek_v3_671b"] < 672e9, counts
+    assert 15e9 < counts["deepseek_v3_16b"] < 16.5e9, counts
 
 
 @pytest.mark.parametrize(
@@ -301,8 +301,8 @@ def test_a_flavor_of_another_family_is_one_line():
     from torchtitan_amp.core.errors import ConfigError
 
     for name, flavor, allowed in (
-        ("deepseek_v3", "debugmodel_moe", "'debugmodel', '16b', '671b'"),
-        ("moe", "671b", ""),
+        ("deepseek_v3", "debugmodel_moe", "'debugmodel', 'deepseek_v3_16b', 'deepseek_v3_671b'"),
+        ("moe", "deepseek_v3_671b", ""),
     ):
         with pytest.raises(ConfigError) as e:
             load_config(["--model.name", name, "--model.flavor", flavor])

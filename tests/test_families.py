@@ -38,7 +38,10 @@ def test_llama3_is_the_built_in_family() -> None:
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
-    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'deepseek_v3', 'tiny_gelu'"
+    assert (
+        str(e.value)
+        == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'deepseek_v3', 'tiny_gelu'"
+    )
     config = load_config(["--model.name", "tiny_gelu", "--model.flavor", "tiny"])
     assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
 
@@ -61,7 +64,7 @@ def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, 16b, 671b, tiny, tiny_3l}"
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, deepseek_v3_671b, tiny, tiny_3l}"
     ) in flavor
 
 

@@ -59,7 +59,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "qwen3_30b_a3b",
         "deepseek_v3_16b",
     ),
-    "deepseek_v3": ("debugmodel", "16b", "671b"),
+    "deepseek_v3": ("debugmodel", "deepseek_v3_16b", "deepseek_v3_671b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"

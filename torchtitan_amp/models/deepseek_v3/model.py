@@ -145,7 +145,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     "debugmodel": _DEBUG,
     # 16B class (DeepSeek-V2-Lite's shapes, torchtitan's deepseek_v3 "16B"): no query LoRA, latent
     # 512, 27 layers with the first dense, 64 experts top 6 plus 2 shared, V3's sigmoid routing.
-    "16b": DeepSeekV3Args(
+    "deepseek_v3_16b": DeepSeekV3Args(
         dim=2048,
         n_layers=27,
         n_heads=16,
@@ -162,7 +162,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
     # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context.
-    "671b": DeepSeekV3Args(
+    "deepseek_v3_671b": DeepSeekV3Args(
         dim=7168,
         n_layers=61,
         n_heads=128,
