@@ -64,7 +64,8 @@ def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, deepseek_v3_671b, tiny, tiny_3l}"
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, "
+        "deepseek_v3_671b, tiny, tiny_3l}"
     ) in flavor
 
 
