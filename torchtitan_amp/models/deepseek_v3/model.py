@@ -140,7 +140,7 @@ _DEBUG = DeepSeekV3Args(
 )
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
-    # ~0.5M parameters: 4 heads of MLA (latent ranks 32, 16 + 8 qk, 16 v), the first block dense,
+    # 0.29M parameters: 4 heads of MLA (latent ranks 32, 16 + 8 qk, 16 v), the first block dense,
     # 8 experts in 4 groups, top 3 from the best 2 groups, one shared expert, scale 2.5.
     "debugmodel": _DEBUG,
     # 16B class (DeepSeek-V2-Lite's shapes, torchtitan's deepseek_v3 "16B"): no query LoRA, latent
