@@ -373,3 +373,30 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_recompute(hf
     with torch.no_grad():
         full = ours(torch.tensor([tokens]))[0, len(prompt) - 1 : -1]
     assert (torch.cat(steps) - full).abs().max() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("flavor", list(DEEPSEEK_V3_FLAVORS))
+def test_memory_terms_hold_the_models_parameters(flavor):
+    """The memory model's parameter specs are the model's, name for name and shape for shape."""
+    from torchtitan_amp.memory import Stage
+    from torchtitan_amp.models.deepseek_v3.memory import MLADims
+
+    args = DEEPSEEK_V3_FLAVORS[flavor]
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(args)
+    specs = {s.name: s.shape for s in MLADims.from_args(args).param_specs(Stage(0, range(args.n_layers), True, True))}
+    assert specs == {k: tuple(v.shape) for k, v in model.named_parameters()}
+
+
+def test_dry_run_of_671b_on_256_ranks(tmp_path):
+    """The 671B flavor dry-runs on 256 fake ranks with EP 32: the model's parameter count (671.0B,
+    37.6B active), and the analytic state (memory model) equal to the fake run's shards."""
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import dry_run
+
+    argv = ["--model.name", "deepseek_v3", "--model.flavor", "deepseek_v3_671b", "--job.dump_folder", str(tmp_path)]
+    argv += ["--dry_run.vocab_size", "129280", "--training.seq_len", "4096", "--training.local_batch_size", "1"]
+    report = dry_run.run(load_config([*argv, "--parallelism.expert_parallel_degree", "32"]), world_size=256, rank=0)
+    model = report["model"]
+    assert model["total_params"] == 671_026_404_352 and 37.5e9 < model["active_params"] < 37.6e9, model
+    assert report["memory"]["analytic_state_matches"]
