@@ -344,13 +344,6 @@ def test_deepseek_folder_under_the_moe_family_is_one_line(hf):
         check_config(hf[0], MOE_FLAVORS["debugmodel_moe"], "debugmodel_moe", MOE)
 
 
-def test_tensor_parallel_is_refused_in_one_line():
-    from torchtitan_amp.core.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="no tensor-parallel plan for multi-head latent attention"):
-        FAMILY.tp_block_plan(None, None)
-
-
 def test_greedy_generation_equals_transformers_and_the_cache_equals_recompute(hf):
     """Our generation (a KV cache of MLA's expanded keys and narrower values on every layer) on
     the imported model gives transformers' greedy tokens, token for token; each cached decode

@@ -68,6 +68,14 @@ def yarn_tables(args: Any, device: torch.device | None) -> tuple[torch.Tensor, t
     """cos and sin [max_seq_len, qk_rope_head_dim // 2] in fp32, times YaRN's attention factor
     mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1 for DeepSeek-V3's config)."""
     device = torch.device(device) if device is not None else torch.get_default_device()
+    # As Llama's precompute_rope: an enclosing autocast must not round the angles (meta has none).
+    if torch.amp.is_autocast_available(device.type):
+        with torch.autocast(device.type, enabled=False):
+            return _yarn_tables(args, device)
+    return _yarn_tables(args, device)
+
+
+def _yarn_tables(args: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = yarn_inv_freq(
         args.qk_rope_head_dim,
         args.rope_theta,
