@@ -299,7 +299,8 @@ def test_help_lists_every_field_with_default_and_doc() -> None:
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b}"
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, "
+        "deepseek_v3_671b}"
     ) in flavor
 
 
@@ -454,7 +455,7 @@ def test_a_flavor_registered_at_run_time_is_accepted(tmp_path: Path, monkeypatch
 LLAMA_SIZES = ", 'llama3_2_1b', 'llama3_2_3b', 'llama3_0_8b', 'llama3_0_70b'"
 MOE_FLAVORS = (
     ", 'debugmodel_moe', 'debugmodel_moe_sigmoid', 'debugmodel_moe_aux', 'debugmodel_qwen3', 'qwen3_30b_a3b', "
-    "'deepseek_v3_16b'"
+    "'deepseek_v3_16b', 'deepseek_v3_671b'"
 )
 
 

@@ -38,7 +38,9 @@ def test_llama3_is_the_built_in_family() -> None:
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
-    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'qwen3', 'tiny_gelu'"
+    assert str(e.value) == (
+        "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'qwen3', 'deepseek_v3', 'tiny_gelu'"
+    )
     config = load_config(["--model.name", "tiny_gelu", "--model.flavor", "tiny"])
     assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
 
@@ -57,12 +59,12 @@ def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no
     lines = help_text().splitlines()
     name = next(line for line in lines if line.strip().startswith("--model.name "))
     flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
-    assert "{llama3, moe, qwen3, tiny_gelu}" in name
+    assert "{llama3, moe, qwen3, deepseek_v3, tiny_gelu}" in name
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
         "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, "
-        "qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, qwen3_14b, qwen3_32b, tiny, tiny_3l}"
+        "qwen3_0_6b, qwen3_1_7b, qwen3_4b, qwen3_8b, qwen3_14b, qwen3_32b, deepseek_v3_671b, tiny, tiny_3l}"
     ) in flavor
 
 
@@ -75,7 +77,7 @@ def test_family_names_are_torch_free_before_models_is_imported() -> None:
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
     assert result.stdout.splitlines() == [
-        "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'qwen3'",
+        "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'qwen3', 'deepseek_v3'",
         "False",
     ]
 

@@ -38,7 +38,9 @@ class Router(nn.Module):
     Scores are softmax or sigmoid of the gate logits. With load_balance "bias" (DeepSeek-V3's
     auxiliary-loss-free balancing) a per-expert bias is added to the scores for the choice only;
     the combine weights are the unbiased scores of the chosen experts (renormalised to sum to 1
-    when `route_norm`), times `route_scale`."""
+    when `route_norm`), times `route_scale`. With `n_groups` > 1 (DeepSeek-V3's group-limited
+    routing, n_group / topk_group) a token chooses only among the experts of its `topk_groups`
+    best groups, a group scored by the sum of its two best biased scores."""
 
     # The precision plan writes the dtype of the routing arithmetic here
     # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
@@ -46,10 +48,20 @@ class Router(nn.Module):
     expert_bias: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
-        self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, route_scale: float
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        score_func: str,
+        route_norm: bool,
+        route_scale: float,
+        *,
+        n_groups: int = 1,
+        topk_groups: int = 1,
     ) -> None:
         super().__init__()
         self.top_k, self.score_func, self.route_norm, self.route_scale = top_k, score_func, route_norm, route_scale
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         # Persistent fp32 buffers: the balancing state is part of a checkpoint.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
@@ -64,12 +76,33 @@ class Router(nn.Module):
         logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         # The bias moves the choice only (zero until balancing updates it: adding it is then exact).
-        experts = (scores + self.expert_bias.to(dtype)).topk(self.top_k, dim=-1).indices
+        choice = scores + self.expert_bias.to(dtype)
+        if self.n_groups > 1:
+            choice = group_limited(choice, self.n_groups, self.topk_groups)
+        experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.route_norm:
             # The epsilon keeps a token whose k sigmoid scores all underflow finite (torchtitan's).
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, experts, scores
+
+
+def group_limited(choice: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """The choice scores [T, E] with every expert outside a token's `topk_groups` best of
+    `n_groups` equal groups set to -inf; a group's score is the sum of its two best (transformers'
+    DeepseekV3TopkRouter).
+
+    Args:
+        choice: the scores the choice is made on (bias added) [T, E].
+        n_groups: the equal groups the E experts are split into (n_group).
+        topk_groups: the groups a token may choose from (topk_group).
+    """
+    tokens, n_experts = choice.shape
+    grouped = choice.view(tokens, n_groups, n_experts // n_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(topk_groups, dim=-1).indices
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
+    return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
 
 
 class GroupedExperts(nn.Module):
@@ -268,12 +301,17 @@ class MoE(nn.Module):
         load_balance: str,
         aux_loss_alpha: float,
         bias_update_speed: float,
+        *,
+        n_groups: int = 1,
+        topk_groups: int = 1,
     ) -> None:
         super().__init__()
         from torchtitan_amp.models.llama3.model import FeedForward
 
         self.n_experts = n_experts
-        self.router = Router(dim, n_experts, top_k, score_func, route_norm, route_scale)
+        self.router = Router(
+            dim, n_experts, top_k, score_func, route_norm, route_scale, n_groups=n_groups, topk_groups=topk_groups
+        )
         self.experts = GroupedExperts(dim, hidden, n_experts)
         self.shared_expert = FeedForward(dim, hidden * n_shared) if n_shared else None
         self.load_balance, self.aux_loss_alpha, self.bias_update_speed = load_balance, aux_loss_alpha, bias_update_speed
