@@ -59,6 +59,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "qwen3_30b_a3b",
         "deepseek_v3_16b",
     ),
+    "gpt_oss": ("debugmodel", "20b", "120b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]
 _MODELS_PACKAGE = "torchtitan_amp.models"

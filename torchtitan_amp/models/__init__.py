@@ -2,12 +2,13 @@
 `ModelFamily` (models/spec.py) for everything model-specific. Adding a family is its folder plus
 one line here (or one register_family call, as the test-only families do)."""
 
-from torchtitan_amp.models import llama3, moe
+from torchtitan_amp.models import gpt_oss, llama3, moe
 from torchtitan_amp.models.spec import ModelFamily, count_params
 
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": llama3.FAMILY,
     "moe": moe.FAMILY,
+    "gpt_oss": gpt_oss.FAMILY,
 }
 
 
