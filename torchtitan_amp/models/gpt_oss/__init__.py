@@ -7,6 +7,7 @@ MoE family's, with what differs replaced."""
 import dataclasses
 
 from torchtitan_amp.models import moe
+from torchtitan_amp.models.gpt_oss.hf import ADAPTER
 from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssModelArgs, GptOssTransformer, flops_per_token
 
 FAMILY = dataclasses.replace(
@@ -16,5 +17,5 @@ FAMILY = dataclasses.replace(
     args_cls=GptOssModelArgs,
     flavors=GPT_OSS_FLAVORS,
     flops_per_token=flops_per_token,
-    hf=None,
+    hf=ADAPTER,
 )
