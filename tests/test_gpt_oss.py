@@ -99,3 +99,15 @@ def test_flavors_have_the_published_shapes() -> None:
 def test_bad_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window 0"):
         dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], sliding_window=0)
+
+
+def test_flavor_of_another_family_is_one_line() -> None:
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["--model.name", "gpt_oss", "--model.flavor", "debugmodel_moe"])
+    assert str(e.value) == (
+        "'model.flavor' = 'debugmodel_moe' is not a flavor of model.name = 'gpt_oss'; "
+        "choose one of: 'debugmodel', '20b', '120b'"
+    )
