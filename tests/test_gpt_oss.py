@@ -111,3 +111,51 @@ def test_flavor_of_another_family_is_one_line() -> None:
         "'model.flavor' = 'debugmodel_moe' is not a flavor of model.name = 'gpt_oss'; "
         "choose one of: 'debugmodel', '20b', '120b'"
     )
+
+
+def _recorded_under_bf16_plan() -> dict:
+    """The audit's recorder over one forward and backward of the debug model under the bf16
+    autocast plan on one process (its forward context and fp32 islands, as the trainer applies
+    them): module -> op kind -> dtypes."""
+    from tests.test_precision import plan
+    from torchtitan_amp.precision import autocast
+    from torchtitan_amp.precision.audit import _module_stack, _Recorder
+
+    p = plan("single")
+    assert p.autocast_dtype == torch.bfloat16
+    args = dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=32)
+    torch.manual_seed(0)
+    model = GptOssTransformer(args)
+    model.init_weights()
+    autocast.apply_fp32_islands(p, model)
+    # the plan keeps the sinks' and the routers' parameters fp32 (outside the safe list)
+    fp32_params = {type(m).__name__ for m in p.fp32_modules(model)}
+    assert {"SinkAttention", "Router", "RMSNorm"} <= fp32_params
+    fp32 = {n for n, m in model.named_modules() if getattr(m, "computes_in_fp32", False)}
+    recorder = _Recorder(fp32)
+    with _module_stack([model], recorder), recorder, autocast.forward_context(p):
+        model(torch.randint(0, args.vocab_size, (2, 32))).float().sum().backward()
+    return recorder.seen
+
+
+def test_sinks_and_their_softmax_compute_in_fp32_under_the_bf16_plan() -> None:
+    """The sink attention computes every op, its two matmuls included, in fp32; the router routes
+    in fp32; the q/k/v/o Linears and the experts run in bf16."""
+    seen = _recorded_under_bf16_plan()
+    for layer in range(GPT_OSS_FLAVORS["debugmodel"].n_layers):
+        core = seen[f"layers.{layer}.attention.core"]
+        assert core["forward matmul"] == {"float32"} and core["compute"] == {"float32"}, dict(core)
+        assert seen[f"layers.{layer}.feed_forward.router"]["forward matmul"] == {"float32"}
+        assert seen[f"layers.{layer}.attention.wq"]["forward matmul"] == {"bfloat16"}
+        assert seen[f"layers.{layer}.feed_forward.experts"]["forward matmul"] == {"bfloat16"}
+
+
+def test_sink_attention_in_bf16_would_be_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its autocast guard the sink attention's matmuls run in bf16, and the recorder the
+    audit checks (computes_in_fp32 module matmul: promised float32) sees them."""
+    import contextlib
+
+    from torchtitan_amp.models.gpt_oss import model as gpt_oss_model
+
+    monkeypatch.setattr(gpt_oss_model, "_no_autocast", lambda device: contextlib.nullcontext())
+    assert "bfloat16" in _recorded_under_bf16_plan()["layers.0.attention.core"]["forward matmul"]

@@ -125,8 +125,13 @@ class SinkAttention(nn.Module):
             v: the values, shaped as `k`.
             mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key.
         """
+        # Autocast would run the two matmuls in bf16: off here, as the fp32 island promises.
+        with _no_autocast(q.device):
+            return self._attend(q.float(), k.float(), v.float(), mask).to(v.dtype)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         seq, keys = q.shape[2], k.shape[2]
-        logits = torch.matmul(q.float(), k.float().transpose(2, 3)) * self.scale
+        logits = torch.matmul(q, k.transpose(2, 3)) * self.scale
         q_pos = torch.arange(keys - seq, keys, device=q.device)[:, None]
         k_pos = torch.arange(keys, device=q.device)[None, :]
         allowed = k_pos <= q_pos
@@ -139,7 +144,7 @@ class SinkAttention(nn.Module):
         combined = torch.cat([logits, sink], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = combined.softmax(dim=-1)[..., :-1]
-        return torch.matmul(probs, v.float()).to(v.dtype)
+        return torch.matmul(probs, v)
 
 
 class GptOssAttention(Attention):
