@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb, repeat_kv
 from torchtitan_amp.models.moe.model import MoEModelArgs
 from torchtitan_amp.models.moe.model import flops_per_token as moe_flops_per_token
@@ -149,7 +150,7 @@ class SinkAttention(nn.Module):
 
 class GptOssAttention(Attention):
     """Grouped-query attention with biases on q, k, v, o, sinks, and a sliding window on the
-    sliding layers. Context parallel and the generation KV cache are not supported."""
+    sliding layers. Context parallel and the generation KV cache are refused (ConfigError)."""
 
     def __init__(self, args: GptOssModelArgs, layer_id: int) -> None:
         super().__init__(args)
@@ -159,6 +160,27 @@ class GptOssAttention(Attention):
         self.wv = nn.Linear(args.dim, args.kv_heads * hd, bias=True)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=True)
         self.core = SinkAttention(args.n_heads, hd, args.sliding_window if args.is_sliding(layer_id) else None)
+
+    # Context parallel and the KV cache set these slots (distributed/context_parallel.apply_cp,
+    # eval/generation.kv_caches): refused in one line, since the sinks and the window are not in
+    # their attention.
+    @property
+    def context_parallel(self) -> None:
+        return None
+
+    @context_parallel.setter
+    def context_parallel(self, cp: object) -> None:
+        if cp is not None:
+            raise ConfigError("gpt-oss attention (sinks, sliding window) does not run under context parallel")
+
+    @property
+    def kv_cache(self) -> None:
+        return None
+
+    @kv_cache.setter
+    def kv_cache(self, cache: object) -> None:
+        if cache is not None:
+            raise ConfigError("gpt-oss attention (sinks, sliding window) has no KV-cache generation yet")
 
     def init_weights(self, init_std: float) -> None:
         super().init_weights(init_std)
@@ -177,8 +199,6 @@ class GptOssAttention(Attention):
             sin: the rotary sine table, shaped as `cos`.
             mask: None (causal) or [B, 1, S, S] bool, True where a query may attend a key.
         """
-        if self.context_parallel is not None or self.kv_cache is not None:
-            raise NotImplementedError("gpt-oss attention (sinks, sliding window) runs without CP or a KV cache")
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
