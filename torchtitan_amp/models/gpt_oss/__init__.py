@@ -9,6 +9,7 @@ import dataclasses
 from torchtitan_amp.models import moe
 from torchtitan_amp.models.gpt_oss.hf import ADAPTER
 from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssModelArgs, GptOssTransformer, flops_per_token
+from torchtitan_amp.models.gpt_oss.parallelize import tp_block_plan
 
 FAMILY = dataclasses.replace(
     moe.FAMILY,
@@ -18,4 +19,5 @@ FAMILY = dataclasses.replace(
     flavors=GPT_OSS_FLAVORS,
     flops_per_token=flops_per_token,
     hf=ADAPTER,
+    tp_block_plan=tp_block_plan,
 )

@@ -29,7 +29,7 @@ from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb, repeat_kv
 from torchtitan_amp.models.moe.model import MoEModelArgs
 from torchtitan_amp.models.moe.model import flops_per_token as moe_flops_per_token
-from torchtitan_amp.models.moe.moe import ClampedSwiGLU, MoE
+from torchtitan_amp.models.moe.moe import ClampedSwiGLU, MoE, local
 
 
 @dataclass
@@ -141,7 +141,7 @@ class SinkAttention(nn.Module):
         if mask is not None:
             allowed = allowed & mask
         logits = logits.masked_fill(~allowed, float("-inf"))
-        sink = self.sinks.float().reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq, 1)
+        sink = local(self.sinks).float().reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq, 1)
         combined = torch.cat([logits, sink], dim=-1)
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = combined.softmax(dim=-1)[..., :-1]
