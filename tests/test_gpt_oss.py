@@ -171,3 +171,20 @@ def test_context_parallel_and_kv_cache_are_one_line() -> None:
         apply_cp(model, object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="has no KV-cache generation yet$"), kv_caches(model, 8):
         pass
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "20b", "120b"])
+def test_memory_model_names_and_sizes_every_parameter(flavor: str) -> None:
+    """The memory model's parameter specs (memory.GptOssDims: the MoE family's plus biases and
+    sinks) are exactly the model's parameters, name for name and in total."""
+    from torchtitan_amp.memory import Stage
+    from torchtitan_amp.models.spec import count_params
+
+    family = get_family("gpt_oss")
+    args = family.build_args(flavor, family.flavors[flavor].vocab_size, 128)
+    with torch.device("meta"):
+        model = family.build_model(args)
+    dims = family.memory_dims(args)
+    specs = {s.name: s.shape for s in dims.param_specs(Stage(0, range(args.n_layers), True, True))}
+    assert specs == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert dims.total_params() == count_params(model)

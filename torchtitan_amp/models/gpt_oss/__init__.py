@@ -6,6 +6,7 @@ MoE family's, with what differs replaced."""
 
 import dataclasses
 
+from torchtitan_amp.memory import GptOssDims
 from torchtitan_amp.models import moe
 from torchtitan_amp.models.gpt_oss.hf import ADAPTER
 from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssModelArgs, GptOssTransformer, flops_per_token
@@ -20,4 +21,5 @@ FAMILY = dataclasses.replace(
     flops_per_token=flops_per_token,
     hf=ADAPTER,
     tp_block_plan=tp_block_plan,
+    memory_dims=GptOssDims.from_args,
 )
