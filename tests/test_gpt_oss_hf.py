@@ -17,7 +17,7 @@ from tests.support.gpt_oss import sharpened_hf
 from tests.test_gpt_oss import TOL
 from torchtitan_amp.checkpoint import mxfp4
 from torchtitan_amp.checkpoint.format import EXPORT_FILE, FORMAT_VERSION, MARKER
-from torchtitan_amp.checkpoint.hf import INDEX, check_config, export_hf, load_hf
+from torchtitan_amp.checkpoint.hf import INDEX, HFReader, check_config, export_hf, load_hf
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models.gpt_oss import FAMILY
 from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssModelArgs, GptOssTransformer
@@ -198,3 +198,20 @@ def test_other_architecture_is_one_line(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     with pytest.raises(CheckpointError, match="'model_type' = 'llama'; only 'gpt_oss' can be loaded"):
         check_config(folder, GPT_OSS_FLAVORS["debugmodel"], "debugmodel", FAMILY)
+
+
+def test_a_rank_reads_only_its_experts(saved, tmp_path: Path) -> None:
+    """A slice of a derived expert tensor (what an FSDP or EP rank asks for: some experts, some
+    columns) equals that slice of the whole, read from MXFP4 sources expert by expert."""
+    from torchtitan_amp.checkpoint.hf_sources import DerivedSources
+
+    args = saved[0]
+    _mxfp4_folder(saved, tmp_path / "mx")
+    reader = HFReader(tmp_path / "mx", args, False, FAMILY.hf)
+    reader.read_metadata()
+    sources: DerivedSources = reader.derived
+    for fqn in ("layers.1.feed_forward.experts.w3", "layers.2.feed_forward.experts.w2"):
+        shape = reader.read_metadata().state_dict_metadata[fqn].size
+        whole = sources.read(fqn, [0, 0, 0], list(shape))
+        part = sources.read(fqn, [3, 8, 16], [2, shape[1] - 8, 16])
+        assert torch.equal(part, whole[3:5, 8:, 16:32])

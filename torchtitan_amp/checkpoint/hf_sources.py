@@ -1,11 +1,13 @@
-"""The Hugging Face tensors an import reads whole, for the tensors of ours that an adapter derives
-from them (models.spec.Derived: gpt-oss's w1 and w3 are the even and odd columns of
-`gate_up_proj`), and MXFP4 pairs (`X_blocks` + `X_scales`) read as the tensor X they encode
-(checkpoint/mxfp4.py), wherever a derived tensor names X as a source.
+"""The Hugging Face tensors an import reads for the tensors of ours that an adapter derives from
+them (models.spec.Derived: gpt-oss's w1 and w3 are the even and odd columns of `gate_up_proj`),
+and MXFP4 pairs (`X_blocks` + `X_scales`) read as the tensor X they encode (checkpoint/mxfp4.py),
+wherever a derived tensor names X as a source.
 
-HFReader (checkpoint/hf.py) gives each tensor of the folder that is wanted here (`wants`, `take`), then adds
-the derived tensors' metadata (`resolve`) and reads them (`read`): each read decodes its sources
-whole and cuts the rank's slice, so a rank holds one such tensor in full at a time.
+HFReader (checkpoint/hf.py) gives each tensor of the folder that is wanted here (`wants`,
+`take`), then adds the derived tensors' metadata (`resolve`) and reads them (`read`). A derived
+tensor whose rows are its sources' rows (`by_row`: stacked experts) is read one row (expert) at a
+time, only the rows of the rank's slice, so an import of gpt-oss-120b decodes one expert's
+MXFP4 weight at a time (about 66 MB in fp32); any other is computed from whole sources and cut.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class DerivedSources:
         return out
 
     def read(self, fqn: str, offsets: list[int], lengths: list[int]) -> torch.Tensor:
-        """Our slice of a derived tensor, its sources read whole.
+        """Our slice of a derived tensor: its rows of the sources, one row at a time (by_row), or the
+        whole sources.
 
         Args:
             fqn: our tensor's FQN (a key of the adapter's derived tensors).
@@ -101,21 +104,28 @@ class DerivedSources:
         from safetensors import safe_open
 
         how = self.derived[fqn]
-        values: dict[str, torch.Tensor] = {}
+        rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
         with contextlib.ExitStack() as stack:
             files: dict[str, Any] = {}
 
-            def get(path: str, name: str) -> torch.Tensor:
+            def _get(path: str, name: str, rows: slice) -> torch.Tensor:
                 if path not in files:
                     files[path] = stack.enter_context(safe_open(path, framework="pt"))
-                return files[path].get_tensor(name)
+                return files[path].get_slice(name)[rows]
 
-            for name in how.sources:
-                if name in self.plain:
-                    values[name] = get(self.plain[name][0], name)
-                else:
-                    parts = self.packed[name]
-                    blocks, scales = (get(parts[s][0], name + s) for s in _SUFFIXES)
-                    values[name] = mxfp4.dequantize(name, blocks, scales)
-        full = how.compute(values)
-        return full[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            def sources(rows: slice) -> dict[str, torch.Tensor]:
+                values = {}
+                for name in how.sources:
+                    if name in self.plain:
+                        values[name] = _get(self.plain[name][0], name, rows)
+                    else:
+                        parts = self.packed[name]
+                        blocks, scales = (_get(parts[s][0], name + s, rows) for s in _SUFFIXES)
+                        values[name] = mxfp4.dequantize(name, blocks, scales)
+                return values
+
+            if how.by_row:  # only this slice's rows, one at a time
+                rows = range(offsets[0], offsets[0] + lengths[0])
+                return torch.cat([how.compute(sources(slice(r, r + 1)))[(slice(None),) + rest] for r in rows])
+            full = how.compute(sources(slice(None)))
+            return full[(slice(offsets[0], offsets[0] + lengths[0]),) + rest]

@@ -42,6 +42,9 @@ class Derived:
 
     sources: tuple[str, ...]
     compute: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    # Whether dim 0 of ours is dim 0 of every source, row for row (stacked experts): a read then
+    # takes only its rows of the sources, one at a time, never the whole tensor.
+    by_row: bool = False
 
 
 class HFAdapter(ABC, Generic[ArgsT]):

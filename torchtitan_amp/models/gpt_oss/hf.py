@@ -150,11 +150,11 @@ _HF_FIELD = {
 
 
 def _interleaved(name: str, parity: int) -> Derived:
-    return Derived((name,), lambda d: d[name][..., parity::2])
+    return Derived((name,), lambda d: d[name][..., parity::2], by_row=True)
 
 
 def _whole(name: str) -> Derived:
-    return Derived((name,), lambda d: d[name])
+    return Derived((name,), lambda d: d[name], by_row=True)
 
 
 def _interleave(parts: list[torch.Tensor]) -> torch.Tensor:
