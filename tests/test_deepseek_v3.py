@@ -371,8 +371,7 @@ def test_greedy_generation_equals_transformers_and_the_cache_equals_recompute(hf
 @pytest.mark.parametrize("flavor", list(DEEPSEEK_V3_FLAVORS))
 def test_memory_terms_hold_the_models_parameters(flavor):
     """The memory model's parameter specs are the model's, name for name and shape for shape."""
-    from torchtitan_amp.memory import Stage
-    from torchtitan_amp.models.deepseek_v3.memory import MLADims
+    from torchtitan_amp.memory import MLADims, Stage
 
     args = DEEPSEEK_V3_FLAVORS[flavor]
     with torch.device("meta"):

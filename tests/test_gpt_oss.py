@@ -81,8 +81,8 @@ def test_state_dict_round_trip(pair) -> None:
 
 def test_flavors_have_the_published_shapes() -> None:
     family = get_family("gpt_oss")
-    assert set(family.flavors) == {"debugmodel", "20b", "120b"}
-    for name, layers, experts, total in (("20b", 24, 32, 20.9e9), ("120b", 36, 128, 116.8e9)):
+    assert set(family.flavors) == {"debugmodel", "gpt_oss_20b", "gpt_oss_120b"}
+    for name, layers, experts, total in (("gpt_oss_20b", 24, 32, 20.9e9), ("gpt_oss_120b", 36, 128, 116.8e9)):
         args = family.flavors[name]
         assert (args.n_layers, args.n_routed_experts, args.top_k, args.dim, args.head_dim) == (
             layers,
@@ -109,7 +109,7 @@ def test_flavor_of_another_family_is_one_line() -> None:
         load_config(["--model.name", "gpt_oss", "--model.flavor", "debugmodel_moe"])
     assert str(e.value) == (
         "'model.flavor' = 'debugmodel_moe' is not a flavor of model.name = 'gpt_oss'; "
-        "choose one of: 'debugmodel', '20b', '120b'"
+        "choose one of: 'debugmodel', 'gpt_oss_20b', 'gpt_oss_120b'"
     )
 
 
@@ -173,7 +173,7 @@ def test_context_parallel_and_kv_cache_are_one_line() -> None:
         pass
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "20b", "120b"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "gpt_oss_20b", "gpt_oss_120b"])
 def test_memory_model_names_and_sizes_every_parameter(flavor: str) -> None:
     """The memory model's parameter specs (memory.GptOssDims: the MoE family's plus biases and
     sinks) are exactly the model's parameters, name for name and in total."""

@@ -11,6 +11,8 @@ per-layer activation term against the tensors autograd saves (exact).
 The model family's terms are apart from the shared accounting:
 - `llama.py`:       Llama 3's shapes (`ModelDims`), parameters with their TP sharding
                     (`param_specs`) and activation bytes per token (`activation_terms`);
+- `deepseek_v3.py`: DeepSeek-V3's (`MLADims`): the MoE family's with MLA's parameters in place of
+                    grouped-query attention's;
 - `gpt_oss.py`:     gpt-oss's (`GptOssDims`): the MoE family's with biases and attention sinks;
 - `moe.py`:         the MoE family's (`MoEDims`): routers, experts split by EP, total vs active
                     parameters, routed-token activations, the EP all-to-all;
@@ -50,6 +52,7 @@ from torchtitan_amp.memory.collectives import (
     tp_comm,
     tp_partial_grad_comm,
 )
+from torchtitan_amp.memory.deepseek_v3 import MLADims
 from torchtitan_amp.memory.fsdp import (
     FsdpGroup,
     fsdp_calls,
@@ -90,6 +93,7 @@ __all__ = [
     "ModelDims",
     "MoEDims",
     "GptOssDims",
+    "MLADims",
     "ParamSpec",
     "PrecisionSpec",
     "Stage",

@@ -290,8 +290,8 @@ GPT_OSS_FLAVORS: dict[str, GptOssModelArgs] = {
         yarn_original_max_position=256,
         **_MOE,  # type: ignore[arg-type]
     ),
-    "20b": _GPT_OSS_20B,
-    "120b": dataclasses.replace(_GPT_OSS_20B, n_layers=36, n_routed_experts=128),
+    "gpt_oss_20b": _GPT_OSS_20B,
+    "gpt_oss_120b": dataclasses.replace(_GPT_OSS_20B, n_layers=36, n_routed_experts=128),
 }
 
 

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_amp.memory import MoEDims, ParamSpec, Stage
+from torchtitan_amp.memory.moe import MoEDims
+from torchtitan_amp.memory.specs import ParamSpec, Stage
 
 _GQA = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight")
 
