@@ -33,12 +33,12 @@ class Replicated(ParallelStyle):
     handed back local."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        def _replicate(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for name, param in list(mod.named_parameters(recurse=False)):
                 dist = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad)
                 mod.register_parameter(name, dist)
 
-        def to_dtensor(_m: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        def _to_dtensor(_m: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             return tuple(
                 a if isinstance(a, DTensor) else DTensor.from_local(a, mesh, [Replicate()], run_check=False)
                 for a in args
@@ -47,8 +47,8 @@ class Replicated(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            replicate,
-            input_fn=to_dtensor,  # type: ignore[arg-type]  # torch types it as returning None
+            _replicate,
+            input_fn=_to_dtensor,  # type: ignore[arg-type]  # torch types it as returning None
             output_fn=lambda _m, out, _mesh: out.to_local(),
         )
 
@@ -58,6 +58,13 @@ class _SumGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """x unchanged, with the group backward sums over kept on `ctx`.
+
+        Args:
+            ctx: autograd's context.
+            x: the tensor passed through.
+            group: the TP ranks' process group.
+        """
         ctx.group = group
         return x.view_as(x)
 
@@ -78,11 +85,11 @@ class SharedKey(Replicated):
         module = super()._apply(module, device_mesh)
         group, rope = device_mesh.get_group(), self.rope_dim
 
-        def sum_key_grad(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        def _sum_key_grad(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
             latent, key = out.split([out.shape[-1] - rope, rope], dim=-1)
             return torch.cat([latent, _SumGrad.apply(key, group)], dim=-1)
 
-        module.register_forward_hook(sum_key_grad)
+        module.register_forward_hook(_sum_key_grad)
         return module
 
 
