@@ -466,7 +466,9 @@ def test_an_unknown_flavor_is_refused_in_one_line_listing_the_registry(
     message = error_of(tmp_path, None, "--model.flavor", "llama3_8b_2l")
     assert message == (
         "'model.flavor' = 'llama3_8b_2l' is not allowed; choose one of: 'debugmodel', "
-        "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'" + LLAMA_SIZES + OTHER_FAMILIES_FLAVORS
+        "'debugmodel_h64', 'debugmodel_tiny', 'llama3_8b', 'llama3_70b', 'llama3_405b'"
+        + LLAMA_SIZES
+        + OTHER_FAMILIES_FLAVORS
     )
     monkeypatch.setitem(llama.LLAMA3_FLAVORS, "llama3_8b_2l", llama.LLAMA3_FLAVORS["llama3_8b"])
     assert "'llama3_0_70b', 'llama3_8b_2l'" in error_of(tmp_path, '[model]\nflavor = "llama3_8b_3l"\n')
