@@ -38,7 +38,8 @@ def test_llama3_is_the_built_in_family() -> None:
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
-    assert str(e.value) == "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe', 'tiny_gelu'"
+    names = ", ".join(repr(name) for name in FAMILIES)  # the built-in families, then tiny_gelu
+    assert str(e.value) == f"'model.name' = 'gpt' is not allowed; choose one of: {names}"
     config = load_config(["--model.name", "tiny_gelu", "--model.flavor", "tiny"])
     assert (config.model.name, config.model.flavor) == ("tiny_gelu", "tiny")
 
@@ -57,12 +58,15 @@ def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no
     lines = help_text().splitlines()
     name = next(line for line in lines if line.strip().startswith("--model.name "))
     flavor = next(line for line in lines if line.strip().startswith("--model.flavor "))
-    assert "{llama3, moe, tiny_gelu}" in name
+    assert "{" + ", ".join(FAMILIES) + "}" in name and name.endswith(", tiny_gelu}")
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, tiny, tiny_3l}"
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, "
     ) in flavor
+    # every family's flavors, each name once, in registry order (tiny_gelu's last)
+    every = dict.fromkeys(f for family in FAMILIES.values() for f in family.flavors)
+    assert "{" + ", ".join(every) + "}" in flavor and flavor.endswith("tiny, tiny_3l}")
 
 
 def test_family_names_are_torch_free_before_models_is_imported() -> None:
@@ -73,10 +77,8 @@ def test_family_names_are_torch_free_before_models_is_imported() -> None:
     )
     result = run_python("-c", code, timeout=60)
     assert result.returncode == 0, result.describe()
-    assert result.stdout.splitlines() == [
-        "'model.name' = 'gpt' is not allowed; choose one of: 'llama3', 'moe'",
-        "False",
-    ]
+    names = ", ".join(repr(name) for name in rules.FAMILIES)  # the torch-free table's
+    assert result.stdout.splitlines() == [f"'model.name' = 'gpt' is not allowed; choose one of: {names}", "False"]
 
 
 def test_tiny_gelu_builds_through_the_spec(registered) -> None:  # type: ignore[no-untyped-def]

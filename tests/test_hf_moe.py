@@ -6,7 +6,8 @@ shards, half of one layer's experts moved to a shard of their own so that one st
 ours spans several files. Import gives transformers' logits on
 one process, through the trainer, and on FSDP 2 / TP 2 / PP 2; an export of a run trained from it
 loads in transformers with no missing or unexpected keys and gives our logits; export -> reimport
-is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line.
+is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line. The
+dense Qwen3 family's import (tests/test_qwen3.py's folder) joins the launch on FSDP 2 and TP 2.
 
 Run as a script, this file is tests/workers/ckpt_jobs.py with this file's flavor registered (the
 worker knows only Llama flavors).
@@ -187,14 +188,44 @@ LAYOUTS = {
 }
 
 
+# The dense Qwen3 family's import (tests/test_qwen3.py's untied folder) joins this launch on FSDP 2
+# and TP 2 (q/k norms split by head).
+QWEN3_LAYOUTS = ("fsdp", "tp")
+
+
 @pytest.fixture(scope="module")
-def dist_run(hf, tmp_path_factory) -> Path:
+def qwen3_hf(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(folder, model, logits of TOKENS) of tests/test_qwen3.py's untied Qwen3ForCausalLM."""
+    from tests import test_qwen3
+    from tests.support.hf import save_hf_export
+
+    return save_hf_export(test_qwen3.EXPORTS[False], tmp_path_factory.mktemp("qwen3_hf"))
+
+
+def _qwen3_job(dump: Path, hf_folder: Path, *extra: str) -> list[str]:
+    from tests import test_qwen3
+
+    args = _job(dump, hf_folder, *extra)
+    args[args.index("moe")], args[args.index(FLAVOR)] = "qwen3", test_qwen3.FLAVOR
+    return args
+
+
+@pytest.fixture(scope="module")
+def dist_run(hf, qwen3_hf, tmp_path_factory) -> Path:
     """One 2-rank launch: import on each layout (logits of TOKENS), then import on FSDP 2 and
     train STEPS steps with a checkpoint and its Hugging Face export (last_save_hf) at the end."""
     root = tmp_path_factory.mktemp("dist")
     jobs = [
         {"args": _job(root / layout, hf[0], *extra), "logits": str(root / f"{layout}.pt"), "tokens": TOKENS.tolist()}
         for layout, extra in LAYOUTS.items()
+    ]
+    jobs += [
+        {
+            "args": _qwen3_job(root / f"qwen3_{layout}", qwen3_hf[0], *LAYOUTS[layout]),
+            "logits": str(root / f"qwen3_{layout}.pt"),
+            "tokens": TOKENS.tolist(),
+        }
+        for layout in QWEN3_LAYOUTS
     ]
     jobs.append(
         {
@@ -222,6 +253,18 @@ def test_import_matches_transformers_on_two_ranks(hf, dist_run, layout):
     assert got.shape == hf[2].shape
     print(f"{layout}: max abs error {(got - hf[2]).abs().max().item():.3g}")
     assert (got - hf[2]).abs().max() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("layout", QWEN3_LAYOUTS)
+def test_qwen3_import_matches_transformers_on_two_ranks(qwen3_hf, dist_run, layout):
+    """The dense Qwen3 family's import on FSDP 2 / TP 2: transformers' logits (tests/test_qwen3.py's
+    bound)."""
+    from tests import test_qwen3
+
+    got = torch.load(dist_run / f"qwen3_{layout}.pt", weights_only=True)
+    assert got.shape == qwen3_hf[2].shape
+    print(f"qwen3 {layout}: max abs error {(got - qwen3_hf[2]).abs().max().item():.3g}")
+    assert (got - qwen3_hf[2]).abs().max() <= test_qwen3.LOGITS_ATOL
 
 
 def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -468,4 +511,8 @@ if __name__ == "__main__":  # the worker: ckpt_jobs.py with FLAVOR registered in
     import runpy
 
     MOE_FLAVORS[FLAVOR] = ARGS
+    from tests import test_qwen3
+    from torchtitan_amp.models.qwen3.model import QWEN3_FLAVORS
+
+    QWEN3_FLAVORS[test_qwen3.FLAVOR] = test_qwen3.ARGS
     runpy.run_path(str(WORKERS / "ckpt_jobs.py"), run_name="__main__")

@@ -13,6 +13,8 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
 - Block-scaled experts (mxfp8, mixed_precision.block_scaled_experts) under EP 2 with FSDP 2:
   within the bf16 step-1 and curve tolerances of one process's mxfp8 run (each rank's local
   experts run their per-expert GEMMs on the tokens dispatched to them).
+- DeepSeek-V3's debug shape (MLA, group-limited routing): FSDP 2, PP 2, EP 2, TP 2, CP 2 in fp32
+  as above.
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
   norms and loads, bitwise (the expert biases are in the checkpoint).
 
@@ -71,6 +73,16 @@ MXFP8_EXPERTS = (
     "true",
 )
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+# DeepSeek-V3's debug shape (models/deepseek_v3/: MLA, group-limited sigmoid routing with the
+# correction bias, routed scale 2.5) on the MoE family's layouts.
+DSV3 = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
+DSV3_LAYOUTS = {
+    "dsv3_fsdp2": Layout(2, (SHARD, "2"), dp=2),
+    "dsv3_pp2": Layout(2, (PP, "2")),
+    "dsv3_ep2": Layout(2, (SHARD, "2", *EP2), dp=2),
+    "dsv3_tp2": Layout(2, (TP, "2")),
+    "dsv3_cp2": Layout(2, (CP, "2")),
+}
 
 
 def _runs_for(nproc: int, root: Path) -> list[dict]:
@@ -81,6 +93,7 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
             {"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3), "grads": True},
             {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True},
             {"name": "single_mxfp8_experts", "args": SINGLE.args("bf16", *MOE, *MXFP8_EXPERTS)},
+            {"name": "dsv3_single_fp32", "args": SINGLE.args("fp32", *DSV3), "grads": True},
         ]
     runs += [
         {"name": f"{name}_fp32", "args": layout.args("fp32", *MOE), "grads": True}
@@ -95,6 +108,11 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     runs += [
         {"name": f"{name}_fp32", "args": layout.args("fp32", *MOE_AUX), "grads": True}
         for name, layout in AUX_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *DSV3), "grads": True}
+        for name, layout in DSV3_LAYOUTS.items()
         if layout.nproc == nproc
     ]
     if nproc == 2:
@@ -181,6 +199,13 @@ def test_fp32_qwen3_shape_matches_one_process(trained: Launches, name: str) -> N
     """QK-norm under TP: each rank normalises its own heads; the norm weights' gradients are summed
     over the TP ranks."""
     _compare(trained.run(f"{name}_fp32", QWEN3_LAYOUTS[name].nproc), trained.run("qwen3_single_fp32", 1), name)
+
+
+@pytest.mark.parametrize("name", list(DSV3_LAYOUTS))
+def test_fp32_deepseek_v3_matches_one_process(trained: Launches, name: str) -> None:
+    """MLA and DeepSeek-V3's routing on FSDP 2, PP 2, EP 2, TP 2 (heads split, latents replicated)
+    and CP 2 (the expanded keys and values gathered): one process's losses, gradients and loads."""
+    _compare(trained.run(f"{name}_fp32", DSV3_LAYOUTS[name].nproc), trained.run("dsv3_single_fp32", 1), name)
 
 
 @pytest.mark.parametrize("name", list(AUX_LAYOUTS))

@@ -161,6 +161,17 @@ LAYOUTS = {
     "pp2_tp2": Layout(4, (PP, "2", TP, "2", SCHEDULE, "1F1B"), tp=True),
 }
 SINGLE = Layout(1, ())
+# The Qwen3 dense family's debug shape (models/qwen3/: per-head q/k RMSNorm, GQA 4 heads over 2, head_dim
+# 32 on a 64-wide stream) on the layouts its parts meet: FSDP, TP (the q/k norms split by head), PP,
+# FSDP x TP, context parallel (the q/k norms run on each rank's chunk before the keys are gathered).
+QWEN3 = ("--model.name", "qwen3", "--model.flavor", "debugmodel")
+QWEN3_LAYOUTS = {
+    "fsdp2": LAYOUTS["fsdp2"],
+    "tp2": LAYOUTS["tp2"],
+    "pp2_1f1b": LAYOUTS["pp2_1f1b"],
+    "cp2": Layout(2, ("--parallelism.context_parallel_degree", "2")),
+    "fsdp2_tp2": LAYOUTS["fsdp2_tp2"],
+}
 # 8 processes on 2 cores cost ~1.5 min more: opt in with TORCHTITAN_AMP_TEST_8_RANKS=1.
 LAYOUTS_8 = {
     "fsdp2_tp2_pp2": Layout(8, (SHARD, "2", TP, "2", PP, "2", SCHEDULE, "1F1B"), dp=2, tp=True),
@@ -227,6 +238,14 @@ def _runs_for(nproc: int, docs: Path = Path("docs.jsonl")) -> list[dict]:
     runs = _block_scaled_runs(nproc)
     if nproc == 1:
         runs += [{"name": f"single_{p}", "args": SINGLE.args(p)} for p in ("fp32", "bf16")]
+        runs.append({"name": "qwen3_single_fp32", "args": SINGLE.args("fp32", *QWEN3)})
+    runs += [
+        {"name": f"qwen3_{name}_fp32", "args": layout.args("fp32", *QWEN3)}
+        for name, layout in QWEN3_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    if nproc == 2:
+        runs.append({"name": "qwen3_fsdp2_bf16", "args": LAYOUTS["fsdp2"].args("bf16", *QWEN3)})
     for name, layout in LAYOUTS.items():
         if layout.nproc == nproc:
             runs += [{"name": f"{name}_{p}", "args": layout.args(p)} for p in ("fp32", "bf16")]
@@ -391,6 +410,28 @@ def test_fp32_loss_parity(trained: Launches, name: str) -> None:
     assert run.report["path"] == "full"
     # The curve is a real training curve, not a constant that trivially matches.
     assert ref.losses[-1] < ref.losses[0] - 2
+
+
+@pytest.mark.parametrize("name", list(QWEN3_LAYOUTS))
+def test_fp32_qwen3_loss_parity(trained: Launches, name: str) -> None:
+    """The Qwen3 family on each layout against its one-process curve, fp32 (FP32_REL_TOL)."""
+    ref = trained.run("qwen3_single_fp32", 1)
+    run = trained.run(f"qwen3_{name}_fp32", QWEN3_LAYOUTS[name].nproc)
+    loss_rel, norm_rel = max_rel(run.losses, ref.losses), max_rel(run.grad_norms, ref.grad_norms)
+    print(f"\n[parity fp32] qwen3 {name}: max rel loss diff {loss_rel:.2e}, grad norm {norm_rel:.2e}")
+    assert loss_rel < FP32_REL_TOL, (run.losses, ref.losses)
+    assert norm_rel < FP32_REL_TOL, (run.grad_norms, ref.grad_norms)
+    assert ref.losses[-1] < ref.losses[0] - 1
+
+
+def test_bf16_qwen3_within_precision_tolerance(trained: Launches) -> None:
+    """The Qwen3 family under bf16 FSDP (q/k norms in fp32 groups) within the whole-curve
+    tolerances of its fp32 curve."""
+    fp32, run = trained.run("qwen3_single_fp32", 1), trained.run("qwen3_fsdp2_bf16", 2)
+    deltas = [a - b for a, b in zip(run.losses, fp32.losses)]
+    print(f"\n[bf16] qwen3 fsdp2: vs fp32 max |d| {max(map(abs, deltas)):.2e}, mean {sum(deltas) / len(deltas):+.2e}")
+    assert len(deltas) == STEPS and run.report["path"] == "fsdp"
+    assert max(map(abs, deltas)) < CURVE_TOL and abs(sum(deltas) / len(deltas)) < CURVE_MEAN_TOL, deltas
 
 
 @pytest.mark.skipif(

@@ -57,6 +57,7 @@ from torchtitan_amp.checkpoint.format import (
     one_line,
     quiet_single_process,
 )
+from torchtitan_amp.checkpoint.hf_sources import DerivedSources
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import FAMILIES, ModelFamily
 from torchtitan_amp.models.spec import HFAdapter
@@ -187,6 +188,7 @@ class HFReader(HuggingFaceStorageReader):
         # our FQN of a stacked tensor -> its parts' (file, HF name) in stacking order, and whether
         # each part is transposed
         self.parts: dict[str, tuple[list[tuple[str, str]], bool]] = {}
+        self.derived = DerivedSources(folder, adapter.derived(args))  # tensors computed from whole HF ones
 
     def read_metadata(self) -> Metadata:
         from safetensors import SafetensorError, safe_open
@@ -198,6 +200,10 @@ class HFReader(HuggingFaceStorageReader):
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():
+                        if self.derived.wants(name):
+                            piece = f.get_slice(name)
+                            self.derived.take(name, path, piece.get_shape(), _dtype(piece.get_dtype(), path, name))
+                            continue
                         ours = self.adapter.from_hf_name(name)
                         if ours is None and self.adapter.ignored.search(name):
                             continue
@@ -219,8 +225,9 @@ class HFReader(HuggingFaceStorageReader):
                         storage[MetadataIndex(ours, [0] * len(shape))] = _HFStorageInfo(str(path), shape, dtype)
             except SafetensorError as e:
                 raise CheckpointError(f"{path} is not a readable safetensors file ({one_line(e)})") from None
-        for ours, parts in found.items():
-            shape, dtype, first = self._stack(ours, parts)
+        stacked = [(ours, *self._stack(ours, parts)) for ours, parts in found.items()]
+        derived = [(ours, *got) for ours, got in self.derived.resolve().items()]
+        for ours, shape, dtype, first in stacked + derived:
             tensors[ours] = TensorStorageMetadata(
                 TensorProperties(dtype=dtype), shape, [ChunkStorageMetadata(torch.Size([0] * len(shape)), shape)]
             )
@@ -284,7 +291,9 @@ class HFReader(HuggingFaceStorageReader):
         rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
         start, length = req.storage_offsets[0], req.lengths[0]
         heads = self.adapter.rotary_heads(fqn, self.args)
-        if fqn in self.parts:
+        if fqn in self.derived.derived:
+            tensor = self.derived.read(fqn, list(req.storage_offsets), list(req.lengths))
+        elif fqn in self.parts:
             tensor = self._read_stacked(fqn, list(req.storage_offsets), list(req.lengths))
         elif heads is None:
             tensor = f.get_slice(self.hf_name[fqn])[(slice(start, start + length),) + rest]
@@ -447,7 +456,14 @@ def _tokenizer_files(spec: str) -> dict[str, Path]:
     raise CheckpointError(f"the run's tokenizer {spec} no longer exists; pass --tokenizer PATH or --tokenizer byte")
 
 
-def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where: Path) -> dict[str, torch.Tensor]:
+def to_hf_tensors(
+    hf: HFAdapter,
+    key: str,
+    value: torch.Tensor,
+    args: Any,
+    where: Path,
+    load: Callable[[list[str]], dict[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
     """One of our tensors as the HF tensors it becomes: renamed (rotary rows permuted), split into its
     stacked parts, or nothing for one HF has no place for (refused unless zero: the HF model would
     compute something else). Returns HF name -> tensor.
@@ -458,7 +474,16 @@ def to_hf_tensors(hf: HFAdapter, key: str, value: torch.Tensor, args: Any, where
         value: the tensor (full, on the CPU).
         args: the model arguments.
         where: the checkpoint folder, named in errors.
+        load: reads our other tensors by key, for a merged one (HFAdapter.merged: written with the
+            first of its parts); None: no merged tensors.
     """
+    merged = hf.merged(key, args)
+    if merged is not None and load is not None:
+        name, group, combine = merged
+        if key != group[0]:
+            return {}  # written with the first part
+        others = load(group[1:])
+        return {name: combine([value, *(others[k] for k in group[1:])])}
     if hf.zero_in_hf is not None and hf.zero_in_hf.search(key):
         if value.count_nonzero():
             raise CheckpointError(
@@ -536,7 +561,7 @@ def export_hf(
         out, loaded = {}, load(keys)
         for key in keys:
             # each source tensor is freed as soon as it is converted
-            for hf_name, value in to_hf_tensors(hf, key, loaded.pop(key), args, info.path).items():
+            for hf_name, value in to_hf_tensors(hf, key, loaded.pop(key), args, info.path, load).items():
                 out[hf_name] = value.to(target).contiguous()
                 total += out[hf_name].nbytes
         save_file(out, str(output / name), metadata={"format": "pt"})

@@ -11,6 +11,9 @@ per-layer activation term against the tensors autograd saves (exact).
 The model family's terms are apart from the shared accounting:
 - `llama.py`:       Llama 3's shapes (`ModelDims`), parameters with their TP sharding
                     (`param_specs`) and activation bytes per token (`activation_terms`);
+- `deepseek_v3.py`: DeepSeek-V3's (`MLADims`): the MoE family's with MLA's parameters in place of
+                    grouped-query attention's;
+- `gpt_oss.py`:     gpt-oss's (`GptOssDims`): the MoE family's with biases and attention sinks;
 - `moe.py`:         the MoE family's (`MoEDims`): routers, experts split by EP, total vs active
                     parameters, routed-token activations, the EP all-to-all;
 - `specs.py`:       what the accounting is told: `PrecisionSpec`, `Layout`, `Stage`, `ParamSpec`,
@@ -49,6 +52,7 @@ from torchtitan_amp.memory.collectives import (
     tp_comm,
     tp_partial_grad_comm,
 )
+from torchtitan_amp.memory.deepseek_v3 import MLADims
 from torchtitan_amp.memory.fsdp import (
     FsdpGroup,
     fsdp_calls,
@@ -57,6 +61,7 @@ from torchtitan_amp.memory.fsdp import (
     fsdp_groups,
     fsdp_transient,
 )
+from torchtitan_amp.memory.gpt_oss import GptOssDims
 from torchtitan_amp.memory.llama import ModelDims, activation_terms, param_specs
 from torchtitan_amp.memory.moe import MoEDims
 from torchtitan_amp.memory.shards import chunk_size, fsdp_local_numel, fsdp_padded_numel, tp_local_shape
@@ -87,6 +92,8 @@ __all__ = [
     "MemoryEstimate",
     "ModelDims",
     "MoEDims",
+    "GptOssDims",
+    "MLADims",
     "ParamSpec",
     "PrecisionSpec",
     "Stage",

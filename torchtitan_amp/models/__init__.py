@@ -2,12 +2,15 @@
 `ModelFamily` (models/spec.py) for everything model-specific. Adding a family is its folder plus
 one line here (or one register_family call, as the test-only families do)."""
 
-from torchtitan_amp.models import llama3, moe
+from torchtitan_amp.models import deepseek_v3, gpt_oss, llama3, moe, qwen3
 from torchtitan_amp.models.spec import ModelFamily, count_params
 
 FAMILIES: dict[str, ModelFamily] = {
     "llama3": llama3.FAMILY,
     "moe": moe.FAMILY,
+    "qwen3": qwen3.FAMILY,
+    "deepseek_v3": deepseek_v3.FAMILY,
+    "gpt_oss": gpt_oss.FAMILY,
 }
 
 

@@ -40,9 +40,9 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache of {self.max_len} positions cannot take positions {start}..{end - 1}")
         if self.k is None or self.v is None:
-            shape = (xk.shape[0], self.max_len, *xk.shape[2:])
-            self.k = torch.empty(shape, dtype=xk.dtype, device=xk.device)
-            self.v = torch.empty(shape, dtype=xv.dtype, device=xv.device)
+            # Each its own head size: MLA's values are narrower than its keys.
+            self.k = torch.empty((xk.shape[0], self.max_len, *xk.shape[2:]), dtype=xk.dtype, device=xk.device)
+            self.v = torch.empty((xv.shape[0], self.max_len, *xv.shape[2:]), dtype=xv.dtype, device=xv.device)
         self.k[:, start:end] = xk
         self.v[:, start:end] = xv
         self.end = end

@@ -34,6 +34,19 @@ from torch import nn
 ArgsT = TypeVar("ArgsT")  # a family's model-args dataclass
 
 
+@dataclass(frozen=True)
+class Derived:
+    """One of our tensors computed from whole HF tensors (gpt-oss: w1 is the even columns of
+    `gate_up_proj`): `compute` maps {HF name: tensor} of `sources` to ours (torch ops only, so
+    it also runs on meta tensors for the shape). Import only; `HFAdapter.merged` is the way back."""
+
+    sources: tuple[str, ...]
+    compute: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    # Whether dim 0 of ours is dim 0 of every source, row for row (stacked experts): a read then
+    # takes only its rows of the sources, one at a time, never the whole tensor.
+    by_row: bool = False
+
+
 class HFAdapter(ABC, Generic[ArgsT]):
     """How a family's checkpoints look in Hugging Face form; checkpoint/hf.py does the reading,
     writing, slicing and permuting for every family through these methods (torchtitan's
@@ -91,6 +104,19 @@ class HFAdapter(ABC, Generic[ArgsT]):
         """For one of our tensors that HF stores as several stacked along a new dim 0 (MoE experts:
         our [E, dim, hidden] is E HF [hidden, dim] weights), the HF names of its parts and whether
         each is transposed; None for the one-to-one tensors. from_hf_name maps each part to our FQN."""
+        return None
+
+    def derived(self, args: ArgsT) -> dict[str, Derived]:
+        """Our FQN -> how it is computed from whole HF tensors, for the tensors that are neither one
+        to one nor stacked; their sources are read for them alone. {}: none."""
+        return {}
+
+    def merged(
+        self, fqn: str, args: ArgsT
+    ) -> tuple[str, list[str], Callable[[list[torch.Tensor]], torch.Tensor]] | None:
+        """For a derived tensor on export: (the HF name, our FQNs it is made of in order, how they
+        combine into it); written when the first of them comes, nothing for the others. None: not
+        merged."""
         return None
 
 

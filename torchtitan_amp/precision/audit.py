@@ -7,8 +7,8 @@ Promises checked, each by module name or collective:
 - every nn.Linear's forward matmuls run in its compute dtype (the plan's param_dtype for modules
   in mixed_precision.lower_precision_safe_modules, the storage dtype for the others);
 - attention (scaled dot product) runs in param_dtype on the low-precision paths;
-- modules that declare `computes_in_fp32` (RMSNorm) compute every op in fp32 (their input and
-  output casts aside);
+- modules that declare `computes_in_fp32` (RMSNorm, gpt-oss's sink attention) compute every op,
+  matmuls included, in fp32 (their input and output casts aside);
 - the loss's log-softmax takes fp32 logits;
 - backward matmuls run only in param_dtype or the storage dtype;
 - parameters, gradients and optimizer state are stored in the storage dtype;
@@ -567,6 +567,8 @@ class Auditor:
                 expect(f"{name}: attention", {low}, ops["attention"])
             if "compute" in ops:
                 expect(f"{name}: computes_in_fp32 module", {"float32"}, ops["compute"])
+            if getattr(module, "computes_in_fp32", False) and "forward matmul" in ops:  # gpt-oss's sink attention
+                expect(f"{name}: computes_in_fp32 module matmul", {"float32"}, ops["forward matmul"])
         expect("loss: log_softmax input", {"float32"}, r.modules.get("<loss>", {}).get("log_softmax", []))
         routed = {dtype_name(plan.router_dtype)} if any(plan.routes(m) for m in self.named.values()) else set()
         emulated = {"float32"} if plan.block_scaled is not None else set()  # the emulation's fp32 GEMMs

@@ -76,9 +76,10 @@ class MoEModelArgs(LlamaModelArgs):
 
 
 class QKNormAttention(Attention):
-    """Llama's attention with Qwen3's RMSNorm over each query and key head before rotary."""
+    """Llama's attention with Qwen3's RMSNorm over each query and key head before rotary (the
+    Qwen3-MoE blocks here, the dense Qwen3 family's in models/qwen3/)."""
 
-    def __init__(self, args: MoEModelArgs) -> None:
+    def __init__(self, args: LlamaModelArgs) -> None:
         super().__init__(args)
         self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)

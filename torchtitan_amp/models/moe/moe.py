@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,9 @@ class Router(nn.Module):
     Scores are softmax or sigmoid of the gate logits. With load_balance "bias" (DeepSeek-V3's
     auxiliary-loss-free balancing) a per-expert bias is added to the scores for the choice only;
     the combine weights are the unbiased scores of the chosen experts (renormalised to sum to 1
-    when `route_norm`), times `route_scale`."""
+    when `route_norm`), times `route_scale`. With `n_groups` > 1 (DeepSeek-V3's group-limited
+    routing, n_group / topk_group) a token chooses only among the experts of its `topk_groups`
+    best groups, a group scored by the sum of its two best biased scores."""
 
     # The precision plan writes the dtype of the routing arithmetic here
     # (mixed_precision.router_dtype; PrecisionPlan.apply_router_dtype).
@@ -46,25 +49,44 @@ class Router(nn.Module):
     expert_bias: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
-        self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, route_scale: float
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        score_func: str,
+        route_norm: bool,
+        route_scale: float,
+        *,
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.top_k, self.score_func, self.route_norm, self.route_scale = top_k, score_func, route_norm, route_scale
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        # A learned bias on the gate logits (gpt-oss's router): a parameter, unlike expert_bias.
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias else None
         # Persistent fp32 buffers: the balancing state is part of a checkpoint.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.weight, mean=0.0, std=init_std)
         nn.init.zeros_(self.expert_bias)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (weights [T, k] in router_dtype, experts [T, k] int64, scores [T, E])."""
         dtype = self.router_dtype
-        logits = F.linear(x.to(dtype), local(self.weight).to(dtype))
+        bias = local(self.bias).to(dtype) if self.bias is not None else None
+        logits = F.linear(x.to(dtype), local(self.weight).to(dtype), bias)
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         # The bias moves the choice only (zero until balancing updates it: adding it is then exact).
-        experts = (scores + self.expert_bias.to(dtype)).topk(self.top_k, dim=-1).indices
+        choice = scores + self.expert_bias.to(dtype)
+        if self.n_groups > 1:
+            choice = group_limited(choice, self.n_groups, self.topk_groups)
+        experts = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.route_norm:
             # The epsilon keeps a token whose k sigmoid scores all underflow finite (torchtitan's).
@@ -72,11 +94,50 @@ class Router(nn.Module):
         return weights * self.route_scale, experts, scores
 
 
+def group_limited(choice: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """The choice scores [T, E] with every expert outside a token's `topk_groups` best of
+    `n_groups` equal groups set to -inf; a group's score is the sum of its two best (transformers'
+    DeepseekV3TopkRouter).
+
+    Args:
+        choice: the scores the choice is made on (bias added) [T, E].
+        n_groups: the equal groups the E experts are split into (n_group).
+        topk_groups: the groups a token may choose from (topk_group).
+    """
+    tokens, n_experts = choice.shape
+    grouped = choice.view(tokens, n_groups, n_experts // n_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept = group_scores.topk(topk_groups, dim=-1).indices
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
+    return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The experts' default activation: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation, as transformers' GptOssExperts computes it: the gate clamped
+    above at `limit`, the up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
+    gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as three [E, ...] weights: w2(silu(w1 x) * w3 x) per expert, applied to
-    tokens sorted by expert. `torch._grouped_mm` (one kernel for all experts) where this torch and
-    device run it for the dtype, a loop over experts otherwise; both give each token its
-    expert's product."""
+    """E SwiGLU experts as three [E, ...] weights: w2(act(w1 x, w3 x)) per expert (act: silu(gate)
+    * up by default, gpt-oss's ClampedSwiGLU on request), with per-expert biases b1, b3, b2 where
+    `bias` (gpt-oss), applied to tokens sorted by expert. `torch._grouped_mm` (one kernel for all
+    experts) where this torch and device run it for the dtype, a loop over experts otherwise;
+    both give each token its expert's product."""
 
     # Linears in another form: in lower_precision_safe_modules whenever nn.Linear is (the plan's
     # is_safe), so they compute, gather and reduce like the Linears.
@@ -90,26 +151,51 @@ class GroupedExperts(nn.Module):
     # for each of the three GEMMs, in place of the grouped matmul.
     block_scaled_mm: Callable[[torch.Tensor, torch.Tensor, list[int], str], torch.Tensor] | None = None
 
-    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+    ) -> None:
         super().__init__()
+        self.activation = activation
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.b1 = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
 
     def reset_parameters(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
         for w in (self.w2, self.w3):
             nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def _biased(self, y: torch.Tensor, name: str, rows: torch.Tensor | None) -> torch.Tensor:
+        """y plus each row's expert's bias `name` (b1, b2, b3); y itself without biases."""
+        b = getattr(self, name)
+        return y if b is None or rows is None else y + local(b).to(y.dtype)[rows]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, dim] sorted by expert, counts [E] tokens per expert -> [N, dim]."""
+        # Each row's expert, for the biases (no host read: the output size is the rows').
+        rows = None
+        if self.b1 is not None:
+            experts = torch.arange(counts.shape[0], device=counts.device)
+            rows = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
+        act, bias = self.activation, self._biased
         if self.block_scaled_mm is not None:
             # As a block-scaled Linear: the operands as they come (it quantizes them), its
             # output in x's dtype. One host read of the counts (the loop path's).
             mm, sizes = self.block_scaled_mm, counts.tolist()
             w1, w2, w3 = (local(w) for w in (self.w1, self.w2, self.w3))
-            h = F.silu(mm(x, w1, sizes, "w1")) * mm(x, w3, sizes, "w3")
-            return mm(h, w2, sizes, "w2")
+            h = act(bias(mm(x, w1, sizes, "w1"), "b1", rows), bias(mm(x, w3, sizes, "w3"), "b3", rows))
+            return bias(mm(h, w2, sizes, "w2"), "b2", rows)
         # Autocast has no rule for grouped matmuls: on the autocast path take its dtype explicitly
         # (the plan's param dtype), as a Linear would get it; on the FSDP path x is in it already.
         device = x.device.type
@@ -118,12 +204,18 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm if self.grouped_mm is not None else _use_grouped_mm(x):
             offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-            return torch._grouped_mm(h, w2, offs=offsets)
+            gate = bias(torch._grouped_mm(x, w1, offs=offsets), "b1", rows)
+            h = act(gate, bias(torch._grouped_mm(x, w3, offs=offsets), "b3", rows))
+            return bias(torch._grouped_mm(h, w2, offs=offsets), "b2", rows)
         out = []
+        b1, b2, b3 = (None if b is None else local(b).to(x.dtype) for b in (self.b1, self.b2, self.b3))
         # The one host read of this path (a devices or dtype without the grouped kernel).
         for e, part in enumerate(x.split(counts.tolist())):
-            out.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
+            gate, up = part @ w1[e], part @ w3[e]
+            if b1 is not None and b3 is not None:
+                gate, up = gate + b1[e], up + b3[e]
+            y = act(gate, up) @ w2[e]
+            out.append(y if b2 is None else y + b2[e])
         return torch.cat(out)
 
 
@@ -268,13 +360,29 @@ class MoE(nn.Module):
         load_balance: str,
         aux_loss_alpha: float,
         bias_update_speed: float,
+        *,
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        biases: bool = False,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
     ) -> None:
+        # biases: a learned router bias and per-expert biases (gpt-oss); activation: the experts'.
         super().__init__()
         from torchtitan_amp.models.llama3.model import FeedForward
 
         self.n_experts = n_experts
-        self.router = Router(dim, n_experts, top_k, score_func, route_norm, route_scale)
-        self.experts = GroupedExperts(dim, hidden, n_experts)
+        self.router = Router(
+            dim,
+            n_experts,
+            top_k,
+            score_func,
+            route_norm,
+            route_scale,
+            n_groups=n_groups,
+            topk_groups=topk_groups,
+            bias=biases,
+        )
+        self.experts = GroupedExperts(dim, hidden, n_experts, bias=biases, activation=activation)
         self.shared_expert = FeedForward(dim, hidden * n_shared) if n_shared else None
         self.load_balance, self.aux_loss_alpha, self.bias_update_speed = load_balance, aux_loss_alpha, bias_update_speed
         # Set by the trainer before each micro-batch's forward (balance.set_aux_grad_scale): the
