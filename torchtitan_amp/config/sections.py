@@ -71,6 +71,14 @@ class ModelConfig:
         "(document masking): only to those of its own document (a BOS, or the token after an EOS, "
         "starts one), as if each packed document were trained alone.",
     )
+    attention_backend: Literal["auto", "sdpa", "flex"] = option(
+        "auto",
+        "'sdpa': scaled_dot_product_attention with a dense bool mask where the mask is not plain "
+        "causal; 'flex': FlexAttention with block-sparse BlockMasks built once per batch (CUDA for "
+        "training: torch has no FlexAttention backward on CPU); 'auto': flex on CUDA where the mask "
+        "is not plain causal (documents, sliding windows, sinks), SDPA otherwise, on CPU and under "
+        "context parallel.",
+    )
 
 
 @dataclass

@@ -128,6 +128,7 @@ class Layout:
     split_points: tuple[int, ...] = ()  # first layer of each stage after the first
     cp: int = 1  # context parallel: each rank holds seq_len / cp tokens of every window
     attn_mask_type: str = "causal"  # "causal" | "block_causal" (model.attn_mask_type)
+    attention_backend: str = "sdpa"  # the plan's: "flex" builds BlockMasks, no [S, S] bool mask
     ep: int = 1  # expert parallel: routed experts split over ep of the dp_shard x cp ranks
     pp_fsdp_reduce: str = "per_step"  # "per_step" | "per_microbatch" (parallelism.pipeline_fsdp_reduce)
     # fault_tolerance.group_size when on: groups whose gradients torchft averages (1: off)
@@ -166,8 +167,9 @@ class Layout:
     @property
     def masked(self) -> bool:
         """Whether attention gets an explicit [B, 1, S/cp, S] bool mask (block_causal) instead of
-        a causal flag (SDPA's is_causal; under CP each query chunk's lower-right causal bias)."""
-        return self.attn_mask_type != "causal"
+        a causal flag (SDPA's is_causal; under CP each query chunk's lower-right causal bias).
+        FlexAttention's BlockMask holds (S/128)^2 block indices per batch row, no [S, S] term."""
+        return self.attn_mask_type != "causal" and self.attention_backend != "flex"
 
     @property
     def sp(self) -> bool:

@@ -3,17 +3,33 @@
 "causal": every earlier token of the window. "block_causal" (document masking): only the earlier
 tokens of its own document, so that packed windows train as if each document were alone; the
 boundaries come from the tokens themselves (a BOS starts a document, so does the token after an
-EOS), whatever the dataset kind. The mask is handed to SDPA as a boolean tensor: it runs on CPU and
-CUDA alike (FlexAttention has no CPU backward in torch 2.13), at the cost of one B x S x S bool per
-forward and, on CUDA, SDPA's memory-efficient kernel instead of flash.
+EOS), whatever the dataset kind.
+
+Two backends run it (`model.attention_backend`, decided once by `decide_backend`, which the
+precision plan records and reports):
+
+- "sdpa": the mask is handed to SDPA as a boolean tensor: it runs on CPU and CUDA alike, at the
+  cost of one B x S x S bool per forward and, on CUDA, SDPA's memory-efficient kernel instead of
+  flash. Plain causal attention takes SDPA's is_causal (flash on CUDA).
+- "flex": FlexAttention with one BlockMask per distinct mask of the forward (documents, causal,
+  a sliding window), built once from the document ids by `FlexMasks` and shared by every layer:
+  block-sparse, no [S, S] tensor. flex_attention is compiled once at module level (as torchtitan
+  does). Measured on torch 2.11 and 2.13 CPU builds: forward runs eager and compiled, but any input
+  that requires grad raises NotImplementedError (no CPU backward), and the compiled CPU kernel
+  refuses return_lse (the sinks' merge then runs flex eagerly on CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.core.rules import SDPA_PRIORITY
 
 
@@ -67,3 +83,147 @@ def cuda_capability() -> tuple[int, int] | None:
     """This process's CUDA device's compute capability, or None without one; read when a model
     is built (eager), kept on its attention modules, so that a compiled forward reads a constant."""
     return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None  # type: ignore[return-value]
+
+
+def flex_missing() -> str | None:
+    """Why this torch cannot run FlexAttention (the APIs the flex path uses), or None."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention  # noqa: F401
+    except ImportError as err:
+        return f"torch {torch.__version__} has no FlexAttention ({err})"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """`decide_backend`'s answer: which kernel every layer's attention calls, and why."""
+
+    backend: str  # "sdpa" | "flex"
+    reason: str
+
+    def describe(self, masks: tuple[str, ...] = ()) -> str:
+        """The start-up line."""
+        extra = f" (layers with {', '.join(masks)})" if masks else ""
+        return f"attention: {self.backend} in every layer{extra}: {self.reason}"
+
+
+def decide_backend(
+    setting: str, device_type: str, mask_type: str, masks: tuple[str, ...], cp: int, training: bool = True
+) -> AttentionBackend:
+    """model.attention_backend resolved for one job; a combination that cannot run is refused in
+    one line (ConfigError). "auto": flex on CUDA where the mask is not plain causal (documents,
+    sliding windows, sinks), SDPA otherwise, on CPU and under context parallel.
+
+    Args:
+        setting: model.attention_backend ("sdpa", "flex", "auto").
+        device_type: the device the job runs on ("cuda", "cpu").
+        mask_type: model.attn_mask_type ("causal", "block_causal").
+        masks: what the family's layers add to the mask ("sliding window", "sinks"; empty for none).
+        cp: the context-parallel degree.
+        training: whether the job runs backward (evaluation alone may run flex on CPU).
+    """
+    special = ([f"{mask_type} documents"] if mask_type != "causal" else []) + list(masks)
+    if setting == "sdpa":
+        return AttentionBackend("sdpa", "model.attention_backend = 'sdpa'")
+    missing = flex_missing()
+    where = "'model.attention_backend' = 'flex'"
+    if setting == "flex":
+        if missing is not None:
+            raise ConfigError(f"{where}: {missing}; use 'sdpa' or 'auto'")
+        if cp > 1:
+            raise ConfigError(f"{where} does not run under context parallel (degree {cp}); use 'sdpa' or 'auto'")
+        if training and device_type != "cuda":
+            raise ConfigError(
+                f"{where} cannot train on {device_type}: torch {torch.__version__} has no FlexAttention "
+                "backward there (NotImplementedError); use 'sdpa' or 'auto'"
+            )
+        return AttentionBackend("flex", "model.attention_backend = 'flex'")
+    if device_type != "cuda":
+        return AttentionBackend("sdpa", f"auto on {device_type}: FlexAttention has no backward there")
+    if cp > 1:
+        return AttentionBackend("sdpa", "auto under context parallel: its chunked SDPA path (flex is not wired there)")
+    if missing is not None:
+        return AttentionBackend("sdpa", f"auto: {missing}")
+    if not special:
+        return AttentionBackend("sdpa", "auto, plain causal: SDPA's is_causal kernel (flash)")
+    return AttentionBackend("flex", f"auto on CUDA with {', '.join(special)}: block-sparse BlockMask, no [S, S] mask")
+
+
+@functools.cache
+def _flex(compiled: bool) -> Callable[..., Any]:
+    """flex_attention, compiled once for the process (torchtitan's choice) or eager."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+@dataclass
+class FlexMasks:
+    """The BlockMasks of one forward, built on first use from the document ids (None: one
+    document) and kept for the other layers: one per (window, queries, keys). Queries are the last
+    of the keys' positions (a KV cache's newest tokens), so causal is lower-right aligned."""
+
+    doc_ids: torch.Tensor | None
+    batch: int
+    device: torch.device
+    built: dict[tuple[int | None, int, int], Any] = field(default_factory=dict)
+
+    def block_mask(self, window: int | None, q_len: int, kv_len: int) -> Any:
+        """The BlockMask for `window` (keys q - k < window; None: no window), built once."""
+        key = (window, q_len, kv_len)
+        if key not in self.built:
+            self.built[key] = _build_block_mask(self.doc_ids, self.batch, window, q_len, kv_len, self.device)
+        return self.built[key]
+
+
+def _build_block_mask(
+    doc_ids: torch.Tensor | None, batch: int, window: int | None, q_len: int, kv_len: int, device: torch.device
+) -> Any:
+    """create_block_mask of causal (lower-right), documents and window mask_mods."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = kv_len - q_len
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        q_pos = q_idx + offset
+        allowed = kv_idx <= q_pos
+        if window is not None:
+            allowed = allowed & (q_pos - kv_idx < window)
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[b, q_pos] == doc_ids[b, kv_idx])
+        return allowed
+
+    rows = batch if doc_ids is not None else None
+    return create_block_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+
+
+def flex_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    masks: FlexMasks,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """FlexAttention's output [B, H, S, Dv] in v's dtype (its softmax statistics are fp32 inside
+    the kernel). With `sinks` ([H]), each query's softmax gains a sink column: the output is
+    rescaled by sigmoid(lse - sink), in fp32 (softmax over [scores, sink] = softmax(scores) x
+    e^lse / (e^lse + e^sink)).
+
+    Args:
+        q: the queries [B, H, S, D].
+        k: the keys [B, Hkv, Sk, D] (Hkv dividing H: grouped-query attention).
+        v: the values [B, Hkv, Sk, Dv].
+        masks: the forward's FlexMasks.
+        window: this layer's sliding window (None: none).
+        sinks: this layer's per-head sink logits, or None.
+    """
+    block_mask = masks.block_mask(window, q.shape[2], k.shape[2])
+    gqa = q.shape[1] != k.shape[1]
+    # Compiled, except where the compiled CPU kernel cannot: the log-sum-exp the sinks need.
+    compiled = sinks is None or q.device.type == "cuda"
+    if sinks is None:
+        return _flex(compiled)(q, k, v, block_mask=block_mask, enable_gqa=gqa).to(v.dtype)
+    out, lse = _flex(compiled)(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+    scale = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
+    return (out.float() * scale[..., None]).to(v.dtype)

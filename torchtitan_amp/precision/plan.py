@@ -34,6 +34,8 @@ from torchtitan_amp.core.matmul_speed import LOWP_ENV, LowPrecisionSpeed, low_pr
 from torchtitan_amp.core.rules import DTYPES, dtype_name, short_name
 from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.models import get_family
+from torchtitan_amp.models.attention import decide_backend
 from torchtitan_amp.precision.lowbit import capability
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe, recipe_of
 from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
@@ -401,6 +403,10 @@ class PrecisionPlan:
     sync_steps: int = 0
     pseudo_gradient_dtype: torch.dtype = torch.float32
     outer_state_dtype: torch.dtype = torch.float32
+    # model.attention_backend resolved (models.attention.decide_backend): "sdpa" or "flex", and why.
+    # Either way softmax statistics are fp32 and the output is in q/k/v's dtype.
+    attention_backend: str = "sdpa"
+    attention_reason: str = ""
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -460,6 +466,10 @@ class PrecisionPlan:
             config, dims, device_type, on_hardware=probe is not None, run_kernels=run_kernels
         )
         decision += words
+        masks = getattr(get_family(config.model.name).model_cls, "attention_masks", ())
+        attention = decide_backend(
+            config.model.attention_backend, device_type, config.model.attn_mask_type, masks, dims.cp
+        )
         plan = cls(
             path=path,
             device_type=device_type,
@@ -494,6 +504,8 @@ class PrecisionPlan:
             expert_parallel_degree=dims.ep,
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
             **_diloco(config),
+            attention_backend=attention.backend,
+            attention_reason=attention.reason,
         )
         _check_plan_composes(plan, config)
         return plan

@@ -143,6 +143,29 @@ def context_parallel_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
     }
 
 
+def attention_summary(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
+    """The report's attention section: the backend every layer calls and why (the plan's
+    decision), each layer's mask (window, sinks), and the dtypes of the op."""
+    layers = {}
+    for name, module in _named_modules(model):
+        if not (name.endswith("attention") and hasattr(module, "wo")):
+            continue
+        core = getattr(module, "core", None)
+        window, sinks = getattr(core, "window", None), hasattr(core, "sinks")
+        masks = ", ".join(([f"sliding window {window}"] if window else []) + (["sinks (fp32 merge)"] if sinks else []))
+        op = "flex_attention (BlockMask)" if plan.attention_backend == "flex" else "scaled_dot_product_attention"
+        if plan.attention_backend == "sdpa" and core is not None:
+            op = "matmul + softmax in fp32 (sinks: no SDPA kernel takes a sink column)"
+        layers[name] = f"{op}{'; ' + masks if masks else ''}"
+    return {
+        "backend": plan.attention_backend,
+        "reason": plan.attention_reason,
+        "softmax_statistics_dtype": "float32",
+        "output_dtype": "the dtype of q, k, v (the compute dtype; float32 in fp32 islands)",
+        "layers": layers,
+    }
+
+
 def fault_tolerance_summary(plan: PrecisionPlan) -> dict[str, Any] | None:
     """The report's fault-tolerance section (None when fault_tolerance.enable is off); the
     report adds the dtypes the param groups reduce in, or under DiLoCo the bytes of a sync."""
@@ -230,6 +253,7 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "fp32_module_names": list(plan.fp32_names),
         "optimizer": optimizer_summary(plan),
         "context_parallel": context_parallel_summary(plan),
+        "attention": attention_summary(plan, model),
         "router": router_summary(plan, model),
         "expert_parallel": expert_parallel_summary(plan),
         "fault_tolerance": _fault_tolerance(plan, groups, model),
@@ -262,6 +286,9 @@ def log_and_write_report(
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
         (Path(dump_folder) / "precision_report.json").write_text(json.dumps(written, indent=2) + "\n")
         logger.info("precision: %s", plan.decision)
+        logger.info("attention: %s (%s)", plan.attention_backend, plan.attention_reason)
+        for name, what in written["attention"]["layers"].items():
+            logger.info("  %s: %s", name, what)
         for warning in plan.warnings:
             logger.warning("precision: %s", warning)
         logger.info(

@@ -94,6 +94,7 @@ class Job:
             split_points=self.boundaries[1:],
             cp=dims.cp,
             attn_mask_type=self.config.model.attn_mask_type,
+            attention_backend=self.plan.attention_backend,
             ep=dims.ep,
             pp_fsdp_reduce=p.pipeline_fsdp_reduce,
             replica_groups=self.config.fault_tolerance.group_size if self.config.fault_tolerance.enable else 1,
@@ -257,6 +258,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     args, t, family = job.model_args, job.config.training, job.family
     with torch.device("meta"):
         model = family.build_model(args)
+    model.attention_backend = job.plan.attention_backend  # the plan's decide_backend: "sdpa" | "flex"
     freeze.apply_storage_dtype(job.plan, model)
     job.plan.apply_router_dtype(model)
     by_name.mark_fp32_by_name(job.plan, model)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.models.attention import FlexMasks, flex_attend
 from torchtitan_amp.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb, repeat_kv
 from torchtitan_amp.models.moe.model import MoEModelArgs
 from torchtitan_amp.models.moe.model import flops_per_token as moe_flops_per_token
@@ -116,7 +117,9 @@ class SinkAttention(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.sinks, mean=0.0, std=0.02)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FlexMasks | None
+    ) -> torch.Tensor:
         """The attention's output [B, H, S, D] in v's dtype.
 
         Args:
@@ -124,8 +127,11 @@ class SinkAttention(nn.Module):
             k: the rotated keys [B, H, Sk, D], one per query head (repeated under GQA); the last S
                 of the Sk positions are the queries'.
             v: the values, shaped as `k`.
-            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key.
+            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key;
+                FlexMasks on the flex backend (the same fp32 island, on FlexAttention).
         """
+        if isinstance(mask, FlexMasks):  # flex: the window a mask_mod, the sinks the fp32 lse merge
+            return flex_attend(q.float(), k.float(), v.float(), mask, self.window, local(self.sinks)).to(v.dtype)
         # Autocast would run the two matmuls in bf16: off here, as the fp32 island promises.
         with _no_autocast(q.device):
             return self._attend(q.float(), k.float(), v.float(), mask).to(v.dtype)
@@ -235,6 +241,7 @@ class GptOssBlock(TransformerBlock):
 
 class GptOssTransformer(Transformer):
     block_cls = GptOssBlock
+    attention_masks = ("sliding window", "sinks")
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(self.model_args, GptOssModelArgs)

@@ -20,7 +20,13 @@ from torch import nn
 
 from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask
-from torchtitan_amp.models.attention import block_causal_mask, cuda_capability, pinned_kernels
+from torchtitan_amp.models.attention import (
+    FlexMasks,
+    block_causal_mask,
+    cuda_capability,
+    flex_attend,
+    pinned_kernels,
+)
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.spec import count_params  # noqa: F401  (the family's count, re-exported)
 
@@ -373,7 +379,7 @@ class Attention(nn.Module):
         return xq, xk
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | FlexMasks | None = None
     ) -> torch.Tensor:
         """Attention's output [B, S, dim]. Under context parallel the keys and values are the whole
         window's; with a KV cache, attention is causal over the cached positions and these
@@ -385,7 +391,7 @@ class Attention(nn.Module):
                 head_dim // 2] under context parallel.
             sin: the rotary sine table, shaped as `cos`.
             mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key (Sk = cp
-                x S under context parallel).
+                x S under context parallel); FlexMasks on the flex backend.
         """
         bs, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv are column-sharded and
@@ -400,6 +406,9 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
         if cache is not None:
             xk, xv = cache.update(xk, xv)
+        if isinstance(mask, FlexMasks):  # model.attention_backend "flex": GQA inside the kernel
+            out = flex_attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
+            return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
         cp = self.context_parallel
         if cp is not None:
             # Before any repeat: GQA's fewer kv heads are what travels.
@@ -473,7 +482,7 @@ class TransformerBlock(nn.Module):
         cast(_InitWeights, self.feed_forward).init_weights(self.weight_init_std)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | FlexMasks | None = None
     ) -> torch.Tensor:
         # The mask as a keyword: TP's PrepareModuleInput lays out the positional inputs only.
         """x + attention(norm(x)), then h + feed_forward(norm(h)): [B, S, dim] in and out.
@@ -499,6 +508,11 @@ class Transformer(nn.Module):
     block_cls: type[TransformerBlock] = TransformerBlock
     # Set by parallelize.apply_cp, like every Attention's.
     context_parallel: ContextParallel | None = None
+    # "sdpa" or "flex": the precision plan's attention decision (attention.decide_backend), set
+    # when the model is built; "flex" hands every layer FlexMasks instead of a bool mask.
+    attention_backend: str = "sdpa"
+    # What a family's layers add to the causal / document mask (decide_backend's `masks`).
+    attention_masks: tuple[str, ...] = ()
     # Registered as non-persistent buffers in __init__ (declared here for the type checker).
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -587,9 +601,12 @@ class Transformer(nn.Module):
 
     def _attention_inputs(
         self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_doc_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FlexMasks | None]:
         """Rotary tables (picked per token when positions are given) and the mask, built once per
-        forward for every block: None is plain causal attention."""
+        forward for every block: None is plain causal attention; FlexMasks on the flex backend."""
+        if positions is None and self.attention_backend == "flex":
+            batch = doc_ids.shape[0] if doc_ids is not None else 1
+            return self.rope_cos, self.rope_sin, FlexMasks(doc_ids, batch, self.rope_cos.device)
         if positions is None:
             mask = block_causal_mask(doc_ids) if doc_ids is not None else None
             return self.rope_cos, self.rope_sin, mask

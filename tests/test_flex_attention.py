@@ -1,0 +1,207 @@
+"""FlexAttention as an attention backend (model.attention_backend): the decision and its one-line
+refusals, and on CPU the flex forward (no grad: torch has no FlexAttention backward on CPU) equal
+to SDPA with the dense mask for causal, documents, sliding windows and sinks, at kernel and model
+level (validation's forward, generation). The flex-vs-SDPA training comparison on CUDA is in
+tests/gpu/test_flex_attention_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan_amp.config import load_config
+from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.eval.generation import ModelRunner, generate
+from torchtitan_amp.memory.specs import Layout
+from torchtitan_amp.models import attention as attn
+from torchtitan_amp.models.attention import FlexMasks, block_causal_mask, decide_backend, flex_attend
+from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssTransformer, SinkAttention
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer
+from torchtitan_amp.precision.plan import PrecisionPlan
+
+U = 2.0**-24  # fp32 unit roundoff
+
+
+def kernel_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """What two fp32 orders of summation of softmax(q k^T / sqrt(D)) v may differ by, per output.
+    A score is a D-term dot product: its error is at most D u |q||k| / sqrt(D) (gamma_D), which
+    exp turns into a relative error of each weight of at most that (and twice over through the
+    normaliser); the normaliser and the weighted sum of v each add at most S u relative (gamma_S,
+    S keys). An output is a convex combination of v's rows: |error| <= (2 D u s_max + 2 S u) max|v|,
+    doubled as both kernels carry such an error."""
+    d, s = q.shape[-1], k.shape[-2]
+    s_max = (q.norm(dim=-1).max() * k.norm(dim=-1).max() / d**0.5).item()
+    return 2 * (2 * d * U * s_max + 2 * s * U) * v.abs().max().item()
+
+
+def _qkv(b: int = 2, h: int = 4, s: int = 64, d: int = 16, kv_heads: int | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    q = torch.randn(b, h, s, d)
+    k, v = (torch.randn(b, kv_heads or h, s, d) for _ in range(2))
+    return [q, k, v]
+
+
+def _docs(b: int, s: int) -> torch.Tensor:
+    """Three documents per row at different places (row 1 starts mid-document at id 0)."""
+    ids = torch.zeros(b, s, dtype=torch.int32)
+    ids[0, s // 4 :] += 1
+    ids[0, s // 2 :] += 1
+    ids[1, 5:] += 1
+    ids[1, 40:] += 1
+    return ids
+
+
+def _dense(s: int, window: int | None, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    pos = torch.arange(s)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed = allowed & (pos[:, None] - pos[None, :] < window)
+    if doc_ids is not None:
+        return block_causal_mask(doc_ids) & allowed
+    return allowed
+
+
+@pytest.mark.parametrize(
+    "case", ["causal", "block_causal", "sliding_window", "block_causal_window", "gqa_block_causal"]
+)
+def test_flex_forward_equals_sdpa_with_the_dense_mask(case: str) -> None:
+    """Compiled flex_attention (CPU, no grad) vs SDPA given the same mask as a bool tensor."""
+    q, k, v = _qkv(kv_heads=2 if case.startswith("gqa") else None)
+    docs = _docs(2, 64) if "block_causal" in case else None
+    window = 8 if "window" in case else None
+    out = flex_attend(q, k, v, FlexMasks(docs, 2, q.device), window=window)
+    ref = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=_dense(64, window, docs), enable_gqa=q.shape[1] != k.shape[1]
+    )
+    err, bound = (out - ref).abs().max().item(), kernel_bound(q, k, v)
+    print(f"\n[flex vs sdpa] {case}: max |diff| {err:.2e}, bound {bound:.2e}")
+    assert out.dtype == v.dtype and err <= bound
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_sinks_by_the_fp32_lse_merge_equal_the_sink_column(window: int | None) -> None:
+    """gpt-oss's sinks on flex (output x sigmoid(lse - sink), fp32) vs SinkAttention's explicit
+    softmax over [scores, sink] in fp32, with documents: the same sums in other orders."""
+    q, k, v = _qkv()
+    docs = _docs(2, 64)
+    core = SinkAttention(4, 16, window)
+    with torch.no_grad():
+        core.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 3.0]))  # from negligible to dominant
+        out = core(q, k, v, FlexMasks(docs, 2, q.device))
+        ref = core(q, k, v, block_causal_mask(docs))
+    err, bound = (out - ref).abs().max().item(), kernel_bound(q, k, v)
+    print(f"\n[flex sinks] window {window}: max |diff| {err:.2e}, bound {bound:.2e}")
+    assert err <= bound
+
+
+def _llama() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64))
+    model.init_weights()
+    return model.eval()
+
+
+# A model's logits pass L blocks of attention whose outputs differ by the kernel bound above;
+# measured at most ~1e-6 on logits of magnitude ~1 (CPU, both models below); 1e-5 keeps ~10x.
+MODEL_ATOL = 1e-5
+
+
+def test_validation_forward_on_flex_equals_sdpa_with_documents() -> None:
+    """Validation's forward (no grad, document masking) on the flex path: the loss and logits of
+    the SDPA path with its [B, 1, S, S] mask."""
+    model = _llama()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    docs = _docs(2, 64)
+    with torch.no_grad():
+        ref = model(tokens, doc_ids=docs)
+        model.attention_backend = "flex"
+        out = model(tokens, doc_ids=docs)
+    labels = tokens.roll(-1, dims=1)
+    loss = [F.cross_entropy(x.flatten(0, 1), labels.flatten()).item() for x in (out, ref)]
+    print(f"\n[flex model] max |logit diff| {(out - ref).abs().max():.2e}, losses {loss}")
+    assert (out - ref).abs().max().item() <= MODEL_ATOL and abs(loss[0] - loss[1]) <= MODEL_ATOL
+
+
+def test_gpt_oss_forward_on_flex_equals_sdpa() -> None:
+    """gpt-oss (sinks, sliding and full layers) with documents: flex masks per window, shared."""
+    torch.manual_seed(0)
+    model = GptOssTransformer(dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64))
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    docs = _docs(2, 64)
+    with torch.no_grad():
+        ref = model(tokens, doc_ids=docs)
+        model.attention_backend = "flex"
+        out = model(tokens, doc_ids=docs)
+    print(f"\n[flex gpt-oss] max |logit diff| {(out - ref).abs().max():.2e}")
+    assert (out - ref).abs().max().item() <= MODEL_ATOL
+
+
+def test_generation_on_flex_equals_sdpa() -> None:
+    """Greedy KV-cache generation on the flex path (lower-right causal BlockMasks over the cache)
+    gives the SDPA path's tokens."""
+    model = _llama()
+    prompt = [3, 17, 5, 9, 30, 2]
+    reference = generate(ModelRunner(model), prompt, 8).tokens
+    model.attention_backend = "flex"
+    assert generate(ModelRunner(model), prompt, 8).tokens == reference
+
+
+@pytest.mark.parametrize(
+    "device, mask, masks, cp, expected",
+    [
+        ("cuda", "block_causal", (), 1, "flex"),
+        ("cuda", "causal", ("sliding window", "sinks"), 1, "flex"),
+        ("cuda", "causal", (), 1, "sdpa"),
+        ("cpu", "block_causal", ("sinks",), 1, "sdpa"),
+        ("cuda", "block_causal", (), 2, "sdpa"),
+    ],
+)
+def test_auto_picks_flex_on_cuda_where_the_mask_is_not_plain_causal(
+    device: str, mask: str, masks: tuple[str, ...], cp: int, expected: str
+) -> None:
+    decided = decide_backend("auto", device, mask, masks, cp)
+    assert decided.backend == expected and decided.reason
+
+
+@pytest.mark.parametrize(
+    "device, cp, training, missing, message",
+    [
+        ("cpu", 1, True, None, "cannot train on cpu: torch .* has no FlexAttention backward"),
+        ("cuda", 2, True, None, "does not run under context parallel"),
+        ("cuda", 1, True, "torch 2.x has no FlexAttention (x)", "torch 2.x has no FlexAttention"),
+    ],
+)
+def test_flex_refusals_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, device: str, cp: int, training: bool, missing: str | None, message: str
+) -> None:
+    monkeypatch.setattr(attn, "flex_missing", lambda: missing)
+    with pytest.raises(ConfigError, match=message) as err:
+        decide_backend("flex", device, "block_causal", (), cp, training)
+    assert "\n" not in str(err.value)
+
+
+def test_flex_on_cpu_for_evaluation_is_allowed() -> None:
+    assert decide_backend("flex", "cpu", "causal", (), 1, training=False).backend == "flex"
+
+
+def test_the_plan_decides_and_reports_the_backend() -> None:
+    """The precision plan holds the decision; flex for CPU training is refused at config time."""
+    dims = ParallelDims(1, 1, 1, 1, 1)
+    config = load_config(["--model.attn_mask_type", "block_causal"])
+    cuda = PrecisionPlan.from_config(config, dims, "cuda", probe=None)
+    assert cuda.attention_backend == "flex" and "block_causal" in cuda.attention_reason
+    assert PrecisionPlan.from_config(config, dims, "cpu", probe=None).attention_backend == "sdpa"
+    with pytest.raises(ConfigError, match="attention_backend' = 'flex' cannot train on cpu"):
+        PrecisionPlan.from_config(load_config(["--model.attention_backend", "flex"]), dims, "cpu", probe=None)
+
+
+def test_no_dense_mask_term_under_flex() -> None:
+    """The memory model's [S, S] bool mask is SDPA's; flex's BlockMask has none."""
+    assert Layout(attn_mask_type="block_causal").masked
+    assert not Layout(attn_mask_type="block_causal", attention_backend="flex").masked
