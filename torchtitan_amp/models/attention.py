@@ -154,7 +154,7 @@ def _flex(compiled: bool) -> Callable[..., Any]:
     """flex_attention, compiled once for the process (torchtitan's choice) or eager."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention  # type: ignore[return-value]
 
 
 @dataclass
@@ -169,7 +169,13 @@ class FlexMasks:
     built: dict[tuple[int | None, int, int], Any] = field(default_factory=dict)
 
     def block_mask(self, window: int | None, q_len: int, kv_len: int) -> Any:
-        """The BlockMask for `window` (keys q - k < window; None: no window), built once."""
+        """The BlockMask for `window` (keys q - k < window; None: no window), built once.
+
+        Args:
+            window: the layer's sliding window, or None.
+            q_len: the queries, the last q_len of the kv_len positions.
+            kv_len: the keys.
+        """
         key = (window, q_len, kv_len)
         if key not in self.built:
             self.built[key] = _build_block_mask(self.doc_ids, self.batch, window, q_len, kv_len, self.device)
@@ -179,12 +185,21 @@ class FlexMasks:
 def _build_block_mask(
     doc_ids: torch.Tensor | None, batch: int, window: int | None, q_len: int, kv_len: int, device: torch.device
 ) -> Any:
-    """create_block_mask of causal (lower-right), documents and window mask_mods."""
+    """create_block_mask of causal (lower-right), documents and window mask_mods.
+
+    Args:
+        doc_ids: [B, kv_len] the keys' documents, or None (one document).
+        batch: the batch rows (with doc_ids).
+        window: the sliding window, or None.
+        q_len: the queries, the last q_len of the kv_len positions.
+        kv_len: the keys.
+        device: where the BlockMask is built.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     offset = kv_len - q_len
 
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    def _mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_pos = q_idx + offset
         allowed = kv_idx <= q_pos
         if window is not None:
@@ -194,7 +209,7 @@ def _build_block_mask(
         return allowed
 
     rows = batch if doc_ids is not None else None
-    return create_block_mask(mask_mod, rows, None, q_len, kv_len, device=device)
+    return create_block_mask(_mask_mod, rows, None, q_len, kv_len, device=device)
 
 
 def flex_attend(

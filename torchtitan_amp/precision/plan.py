@@ -259,6 +259,14 @@ def _diloco(config: JobConfig) -> dict[str, Any]:
     }
 
 
+def _attention(config: JobConfig, device_type: str, dims: ParallelDims) -> dict[str, Any]:
+    """model.attention_backend resolved (models.attention.decide_backend, which refuses what
+    cannot run in one line), with the family's masks beyond causal / documents."""
+    masks = getattr(get_family(config.model.name).model_cls, "attention_masks", ())
+    decided = decide_backend(config.model.attention_backend, device_type, config.model.attn_mask_type, masks, dims.cp)
+    return {"attention_backend": decided.backend, "attention_reason": decided.reason}
+
+
 def _optimizer_state_dtype(config: JobConfig, storage: torch.dtype) -> torch.dtype:
     """optimizer.state_dtype, with 'auto' = the storage dtype (what torch's AdamW keeps), and the
     optimizer settings no machine can honour refused."""
@@ -466,10 +474,6 @@ class PrecisionPlan:
             config, dims, device_type, on_hardware=probe is not None, run_kernels=run_kernels
         )
         decision += words
-        masks = getattr(get_family(config.model.name).model_cls, "attention_masks", ())
-        attention = decide_backend(
-            config.model.attention_backend, device_type, config.model.attn_mask_type, masks, dims.cp
-        )
         plan = cls(
             path=path,
             device_type=device_type,
@@ -504,8 +508,7 @@ class PrecisionPlan:
             expert_parallel_degree=dims.ep,
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
             **_diloco(config),
-            attention_backend=attention.backend,
-            attention_reason=attention.reason,
+            **_attention(config, device_type, dims),
         )
         _check_plan_composes(plan, config)
         return plan

@@ -258,7 +258,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     args, t, family = job.model_args, job.config.training, job.family
     with torch.device("meta"):
         model = family.build_model(args)
-    model.attention_backend = job.plan.attention_backend  # the plan's decide_backend: "sdpa" | "flex"
+    model.attention_backend = job.plan.attention_backend  # type: ignore[assignment]  # "sdpa" | "flex"
     freeze.apply_storage_dtype(job.plan, model)
     job.plan.apply_router_dtype(model)
     by_name.mark_fp32_by_name(job.plan, model)

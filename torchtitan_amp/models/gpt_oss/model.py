@@ -195,7 +195,7 @@ class GptOssAttention(Attention):
         self.core.reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | FlexMasks | None = None
     ) -> torch.Tensor:
         """Attention's output [B, S, dim].
 
@@ -203,7 +203,8 @@ class GptOssAttention(Attention):
             x: the block's normalised input [B, S, dim].
             cos: the rotary cosine table [max_seq_len, head_dim // 2].
             sin: the rotary sine table, shaped as `cos`.
-            mask: None (causal) or [B, 1, S, S] bool, True where a query may attend a key.
+            mask: None (causal) or [B, 1, S, S] bool, True where a query may attend a key;
+                FlexMasks on the flex backend.
         """
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
