@@ -9,7 +9,7 @@ reads a sub-folder's conftest too late for command-line options; scripts/gpu_run
     GPU_CHECKS_BUDGET   seconds for all checks: each check's limit is cut to what is left, and one
                         is not started with under MIN_START_S left (default: no budget)
     GPU_CHECKS_LIMITS   NAME=S[,NAME=S]: a check's own limit (CUDA default: CUDA_LIMITS_S; CPU: none)
-    GPU_CHECKS_SPEED    1: also run fp8_speed (two compiled 8B-shaped runs, 150 s)
+    GPU_CHECKS_SPEED    1: also run fp8_speed (two compiled 8B-shaped runs, 150 s) and flex (flex vs SDPA)
     GPU_CHECKS_JSON     write the results here: env, then per check its status ("passed",
                         "failed", "error", "timeout", "killed", "skipped", "running" while it runs,
                         "not run"), seconds, limit_s, compile_s and what it recorded
@@ -53,11 +53,14 @@ CUDA_LIMITS_S = {
     "fp8": 30.0,
     "curves": 50.0,
     "fp8_speed": 150.0,
+    # flex vs SDPA on the debug model at seq 8192 with packed documents: two compiles of
+    # flex_attention (forward, backward) and 2 x 3 steps; an estimate, not yet run on a GPU.
+    "flex": 40.0,
 }
 CHECKS = list(CUDA_LIMITS_S)
 # What runs without GPU_CHECKS_SPEED=1: every check but fp8_speed. Its caps sum to
 # DEFAULT_BUDGET_S or less (tests/test_gpu_checks.py), scripts/gpu_run.sh's default budget.
-DEFAULT_CHECKS = [name for name in CHECKS if name != "fp8_speed"]
+DEFAULT_CHECKS = [name for name in CHECKS if name not in ("fp8_speed", "flex")]
 DEFAULT_BUDGET_S = 200.0
 # A check is not started with less time than this left in the budget.
 MIN_START_S = 5.0
@@ -119,8 +122,8 @@ class Settings:
         """Why check `name` does not run here, or None."""
         if self.device == "cuda" and not torch.cuda.is_available():
             return "no CUDA device here (GPU_CHECKS_DEVICE=cpu GPU_CHECKS_TINY=1 runs a CPU trial)"
-        if name == "fp8_speed" and not self.speed:
-            return "fp8_speed runs with GPU_CHECKS_SPEED=1 only"
+        if name in ("fp8_speed", "flex") and not self.speed:
+            return f"{name} runs with GPU_CHECKS_SPEED=1 only"
         return unavailable(name)
 
 
