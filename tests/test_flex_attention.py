@@ -19,6 +19,7 @@ from torchtitan_amp.eval.generation import ModelRunner, generate
 from torchtitan_amp.memory.specs import Layout
 from torchtitan_amp.models import attention as attn
 from torchtitan_amp.models.attention import FlexMasks, block_causal_mask, decide_backend, flex_attend
+from torchtitan_amp.models.deepseek_v3.model import DEEPSEEK_V3_FLAVORS, DeepSeekV3Transformer
 from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS, GptOssTransformer, SinkAttention
 from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS, Transformer
 from torchtitan_amp.precision.plan import PrecisionPlan
@@ -139,6 +140,23 @@ def test_gpt_oss_forward_on_flex_equals_sdpa() -> None:
         model.attention_backend = "flex"
         out = model(tokens, doc_ids=docs)
     print(f"\n[flex gpt-oss] max |logit diff| {(out - ref).abs().max():.2e}")
+    assert (out - ref).abs().max().item() <= MODEL_ATOL
+
+
+def test_deepseek_v3_forward_on_flex_equals_sdpa() -> None:
+    """MLA (values narrower than queries and keys, the rotated key shared by every head) with
+    documents: flex's logits are SDPA's."""
+    torch.manual_seed(0)
+    model = DeepSeekV3Transformer(dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64))
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    docs = _docs(2, 64)
+    with torch.no_grad():
+        ref = model(tokens, doc_ids=docs)
+        model.attention_backend = "flex"
+        out = model(tokens, doc_ids=docs)
+    print(f"\n[flex deepseek_v3] max |logit diff| {(out - ref).abs().max():.2e}")
     assert (out - ref).abs().max().item() <= MODEL_ATOL
 
 

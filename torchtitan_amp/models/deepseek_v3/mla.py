@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_amp.distributed.context_parallel import ContextParallel
+from torchtitan_amp.models.attention import FlexMasks, flex_attend
 from torchtitan_amp.models.kv_cache import KVCache
 from torchtitan_amp.models.llama3.model import RMSNorm, apply_rotary_emb
 
@@ -143,7 +144,7 @@ class MLAttention(nn.Module):
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | FlexMasks | None = None
     ) -> torch.Tensor:
         """Attention's output [B, S, dim], as Llama's Attention.forward (same arguments).
 
@@ -152,7 +153,8 @@ class MLAttention(nn.Module):
             cos: the rotary cosine table [max_seq_len, qk_rope_head_dim // 2], or picked per token
                 [B, S, qk_rope_head_dim // 2] under context parallel.
             sin: the rotary sine table, shaped as `cos`.
-            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key.
+            mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key;
+                FlexMasks on the flex backend (values narrower than queries and keys: flex takes them).
         """
         bs, seqlen, _ = x.shape
         q = self._queries(x).view(bs, seqlen, -1, self.nope + self.rope)
@@ -177,7 +179,9 @@ class MLAttention(nn.Module):
             if mask is None:
                 k, v = cp.to_window_order(k), cp.to_window_order(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
+        if isinstance(mask, FlexMasks):
+            out = flex_attend(q, k, v, mask)
+        elif cache is not None:
             out = cache.attend(q, k, v)
         elif cp is not None and mask is None:
             out = cp.causal_attention(q, k, v, enable_gqa=False)
