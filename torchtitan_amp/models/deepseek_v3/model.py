@@ -9,9 +9,10 @@ by routed_scaling_factor, plus shared experts. Balancing, expert parallel and th
 are the MoE family's (balance.py, expert_parallel).
 
 Multi-token prediction (mtp_depth D > 0, DeepSeek-V3 report sec. 2.2): D sequential modules
-(`mtp.0` .. `mtp.{D-1}`), depth k combining the previous depth's hidden state at position i (the
-main model's before its final norm for k = 1) with the embedding of token i + k, through one more
-block, into a prediction of token i + k + 1 by the shared output head. Their cross-entropy, weighted
+(`mtp.{n_layers}` .. `mtp.{n_layers + D - 1}`, HF's layer numbers), depth k combining the previous
+depth's hidden state at position i (the main model's before its final norm for k = 1) with the
+embedding of token i + k, through one more block, into a prediction of token i + k + 1 by the
+shared output head. Their cross-entropy, weighted
 by mtp_loss_weight / D, is added to the training loss when the forward is given the labels; the
 logits (the main path) never depend on it.
 """
@@ -171,12 +172,12 @@ class DeepSeekV3Transformer(Transformer):
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__(args)
-        # mtp_depth > 0: the prediction modules, keyed by depth - 1 (mtp.0 is depth 1).
+        # mtp_depth > 0: the prediction modules, keyed as Hugging Face numbers them, after the
+        # layers: depth k is mtp.{n_layers + k - 1} (model.layers.61 of the 671B).
         self.mtp: nn.ModuleDict | None = None
         if args.mtp_depth:
-            self.mtp = nn.ModuleDict(
-                {str(k): MultiTokenPrediction(args.n_layers + k, args) for k in range(args.mtp_depth)}
-            )
+            ids = range(args.n_layers, args.n_layers + args.mtp_depth)
+            self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
         self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
 
     @property
