@@ -207,6 +207,8 @@ def test_flavors_build_on_meta():
         ({"top_k": 7}, "top_k 7 exceeds the experts of topk_group 2 groups"),
         ({"n_kv_heads": 2}, "MLA has one key/value per head"),
         ({"qk_rope_head_dim": 7}, "must be even for rope"),
+        ({"mtp_depth": -1}, "mtp_depth -1 must be >= 0"),
+        ({"mtp_depth": 64}, r"mtp_depth 64 must be below the sequence length 64 \(training.seq_len\)"),
     ],
 )
 def test_bad_args_say_why(change, message):
@@ -239,13 +241,14 @@ def _job(dump: Path, *extra: str) -> list[str]:
 
 
 FLAVOR = "deepseek_v3_hf_test"
+MTP_ONE = dataclasses.replace(ARGS, mtp_depth=1)  # its module is mtp.3, HF's model.layers.3
 
 
-def _trainer(monkeypatch: pytest.MonkeyPatch, argv: list[str]):  # type: ignore[no-untyped-def]
+def _trainer(monkeypatch: pytest.MonkeyPatch, argv: list[str], args: DeepSeekV3Args = ARGS):  # type: ignore[no-untyped-def]
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train import trainer as trainer_module
 
-    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, ARGS)
+    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, args)
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
     return trainer_module.Trainer(load_config(argv))
 
@@ -270,15 +273,19 @@ def test_import_through_the_trainer_then_train(hf, tmp_path, monkeypatch):
 
 
 def test_bf16_plan_keeps_latent_norms_router_and_rotary_in_fp32(tmp_path, monkeypatch):
-    """One audited bf16 step (mixed_precision.audit, the dtypes its dispatch hooks see): MLA's latent
-    norms and the block norms compute in fp32, the router's matmul in fp32, every projection and
+    """One audited bf16 step (mixed_precision.audit, the dtypes its dispatch hooks see), with one MTP
+    depth: MLA's latent norms, the block norms and the MTP module's enorm / hnorm / norm compute in
+    fp32, the router's matmul in fp32, every projection and
     the experts in bf16; with the kv latent norm made to compute in bf16, the audit names it."""
     import torch.nn.functional as F
 
     argv = ["--mixed_precision.enabled", "true", "--mixed_precision.audit", "true", "--training.steps", "1"]
-    result = _trainer(monkeypatch, _job(tmp_path / "ok", *argv)).audit()
+    result = _trainer(monkeypatch, _job(tmp_path / "ok", *argv), MTP_ONE).audit()
     assert result.ok, result.breaches
     modules = result.modules
+    for name in ("enorm", "hnorm", "norm", "block.attention.kv_norm"):  # the MTP module's norms
+        assert modules[f"mtp.3.{name}"] == {"compute": ["float32"]}, (name, modules)
+    assert modules["mtp.3.eh_proj"]["forward matmul"] == ["bfloat16"], modules
     for name in ("attention.q_norm", "attention.kv_norm", "attention_norm", "ffn_norm"):
         assert modules[f"layers.1.{name}"] == {"compute": ["float32"]}, (name, modules)
     assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
