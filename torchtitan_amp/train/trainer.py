@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ class Trainer:
                 run.plan, run.model(inputs, **extra, **({"labels": labels} if takes_labels else {}))
             )
             loss = loss_fn(logits, labels, reduction="sum") * self._label_weight
-            extra_loss = run.model.pop_mtp_loss() * self._label_weight if takes_labels else None
+            extra_loss = cast(Any, run.model).pop_mtp_loss() * self._label_weight if takes_labels else None
         with parallel_context(run.dims, self.config), autocast.backward_context(run.plan):
             run.scaler.scale(loss if extra_loss is None else loss + extra_loss).backward()
         if extra_loss is not None:

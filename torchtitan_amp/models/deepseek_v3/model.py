@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -194,7 +195,7 @@ class DeepSeekV3Transformer(Transformer):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         super().init_weights(buffer_device)
         for module in (self.mtp or {}).values():
-            module.init_weights()
+            cast(MultiTokenPrediction, module).init_weights()
 
     def forward(
         self,
@@ -206,7 +207,15 @@ class DeepSeekV3Transformer(Transformer):
     ) -> torch.Tensor:
         """Llama's forward (the logits, or hidden states on a pipeline stage without the head);
         with `labels` [B, S] and mtp_depth > 0, the multi-token prediction loss is computed from
-        the last block's output and kept for pop_mtp_loss. Arguments as Transformer.forward's."""
+        the last block's output and kept for pop_mtp_loss.
+
+        Args:
+            tokens: the token ids [B, S] (or hidden states on a stage without the embedding).
+            doc_ids: [B, S] each token's document (attention stays inside it); None: causal.
+            positions: [B, S] the tokens' places in their window; None: 0..S-1.
+            kv_doc_ids: [B, cp x S] the gathered keys' documents under context parallel, or None.
+            labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
+        """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -225,12 +234,14 @@ class DeepSeekV3Transformer(Transformer):
         the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
         assert self.mtp is not None and self.tok_embeddings is not None and self.output is not None
         seq, total = tokens.shape[1], torch.zeros((), device=h.device)
-        for k, module in enumerate(self.mtp.values(), start=1):
+        args = cast(DeepSeekV3Args, self.model_args)
+        for k, mtp in enumerate(self.mtp.values(), start=1):
+            module = cast(MultiTokenPrediction, mtp)
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
             cos, sin, mask = self._attention_inputs(docs, None)
             h = module(h[:, : seq - k], self.tok_embeddings(tokens[:, k:]), cos, sin, mask)
             total = total + loss_fn(self.output(module.norm(h)), labels[:, k:], reduction="sum")
-        return total * (self.model_args.mtp_loss_weight / len(self.mtp))
+        return total * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         return yarn_tables(self.model_args, device)
