@@ -207,6 +207,8 @@ def test_flavors_build_on_meta():
         ({"top_k": 7}, "top_k 7 exceeds the experts of topk_group 2 groups"),
         ({"n_kv_heads": 2}, "MLA has one key/value per head"),
         ({"qk_rope_head_dim": 7}, "must be even for rope"),
+        ({"mtp_depth": -1}, "mtp_depth -1 must be >= 0"),
+        ({"mtp_depth": 64}, r"mtp_depth 64 must be below the sequence length 64 \(training.seq_len\)"),
     ],
 )
 def test_bad_args_say_why(change, message):
@@ -239,13 +241,14 @@ def _job(dump: Path, *extra: str) -> list[str]:
 
 
 FLAVOR = "deepseek_v3_hf_test"
+MTP_ONE = dataclasses.replace(ARGS, mtp_depth=1)  # its module is mtp.3, HF's model.layers.3
 
 
-def _trainer(monkeypatch: pytest.MonkeyPatch, argv: list[str]):  # type: ignore[no-untyped-def]
+def _trainer(monkeypatch: pytest.MonkeyPatch, argv: list[str], args: DeepSeekV3Args = ARGS):  # type: ignore[no-untyped-def]
     from torchtitan_amp.config import load_config
     from torchtitan_amp.train import trainer as trainer_module
 
-    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, ARGS)
+    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, args)
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)  # MFU is not read here
     return trainer_module.Trainer(load_config(argv))
 
@@ -270,15 +273,19 @@ def test_import_through_the_trainer_then_train(hf, tmp_path, monkeypatch):
 
 
 def test_bf16_plan_keeps_latent_norms_router_and_rotary_in_fp32(tmp_path, monkeypatch):
-    """One audited bf16 step (mixed_precision.audit, the dtypes its dispatch hooks see): MLA's latent
-    norms and the block norms compute in fp32, the router's matmul in fp32, every projection and
+    """One audited bf16 step (mixed_precision.audit, the dtypes its dispatch hooks see), with one MTP
+    depth: MLA's latent norms, the block norms and the MTP module's enorm / hnorm / norm compute in
+    fp32, the router's matmul in fp32, every projection and
     the experts in bf16; with the kv latent norm made to compute in bf16, the audit names it."""
     import torch.nn.functional as F
 
     argv = ["--mixed_precision.enabled", "true", "--mixed_precision.audit", "true", "--training.steps", "1"]
-    result = _trainer(monkeypatch, _job(tmp_path / "ok", *argv)).audit()
+    result = _trainer(monkeypatch, _job(tmp_path / "ok", *argv), MTP_ONE).audit()
     assert result.ok, result.breaches
     modules = result.modules
+    for name in ("enorm", "hnorm", "norm", "block.attention.kv_norm"):  # the MTP module's norms
+        assert modules[f"mtp.3.{name}"] == {"compute": ["float32"]}, (name, modules)
+    assert modules["mtp.3.eh_proj"]["forward matmul"] == ["bfloat16"], modules
     for name in ("attention.q_norm", "attention.kv_norm", "attention_norm", "ffn_norm"):
         assert modules[f"layers.1.{name}"] == {"compute": ["float32"]}, (name, modules)
     assert modules["layers.1.feed_forward.router"]["forward matmul"] == ["float32"], modules
@@ -392,3 +399,155 @@ def test_dry_run_of_671b_on_256_ranks(tmp_path):
     model = report["model"]
     assert model["total_params"] == 671_026_404_352 and 37.5e9 < model["active_params"] < 37.6e9, model
     assert report["memory"]["analytic_state_matches"]
+
+
+# --- Multi-token prediction ------------------------------------------------------------------
+#
+# Tolerance of the loss against the hand-written formula (fp32): both sides run the same block
+# module (TRM_k, checked against transformers' decoder layer above); what differs is the rest in
+# another order of the same ops (RMSNorm as x * rsqrt(mean x^2 + eps) * w instead of F.rms_norm,
+# log_softmax + gather instead of F.cross_entropy). Those differ by a few fp32 roundings (2**-24
+# relative) of values of size ~1..10, carried through one block and the 64-term output sums into
+# per-token losses of ~10 (the head sharpened x20); the mean over ~90 targets then differs by well under 1e-5 relative:
+# MTP_RTOL = 1e-5 (the measured one is printed). An off-by-one shift changes the loss by ~1e-2 or
+# more (asserted > 100 x the bound).
+
+MTP_RTOL = 1e-5
+MTP_ARGS = dataclasses.replace(ARGS, mtp_depth=2, mtp_loss_weight=0.3)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_mtp_loss(model: DeepSeekV3Transformer, tokens, labels, emb_shift: int = 0, label_shift: int = 0):
+    """The report's L_MTP = (lambda / D) sum_k (1 / T) sum_i CE(P^k_{i+k+1}, t_{i+k+1}) from plain ops
+    on the model's weights (h^0: the last layer's output, before the final norm); `emb_shift` /
+    `label_shift` move the tokens read / predicted (an off-by-one implementation)."""
+    a, emb, head = model.model_args, model.tok_embeddings.weight, model.output.weight
+    seen: list[torch.Tensor] = []
+    last = model.layers[str(a.n_layers - 1)].register_forward_hook(lambda m, i, o: seen.append(o))
+    model(tokens)
+    last.remove()
+    h, seq, n = seen[0], tokens.shape[1], (labels != -100).sum()
+    total = torch.zeros(())
+    for k in range(1, a.mtp_depth + 1):
+        m = model.mtp[str(a.n_layers + k - 1)]
+        s, j = seq - k - max(emb_shift, label_shift), k
+        e = emb[tokens[:, j + emb_shift : j + emb_shift + s]]
+        x = torch.cat([_rms(e, m.enorm.weight, a.norm_eps), _rms(h[:, :s], m.hnorm.weight, a.norm_eps)], -1)
+        h = m.block(x @ m.eh_proj.weight.T, model.rope_cos, model.rope_sin)
+        logp = torch.log_softmax(_rms(h, m.norm.weight, a.norm_eps) @ head.T, dim=-1)
+        target = labels[:, j + label_shift : j + label_shift + s]
+        valid = target != -100
+        total = total - logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)[valid].sum() / n
+    return a.mtp_loss_weight / a.mtp_depth * total
+
+
+def test_mtp_loss_is_the_reports_formula():
+    """Our MTP loss (depth 2, a routed block each, some labels ignored, the output head sharpened x20
+    so that the target token matters) divided by the main loss's label count equals the hand-written
+    formula; reading or predicting one token off does not."""
+    torch.manual_seed(1)
+    model = DeepSeekV3Transformer(MTP_ARGS)
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.5 * torch.randn_like(p))
+        model.output.weight.mul_(20.0)  # logits spread out: which token is the target matters
+    labels = torch.roll(TOKENS, -1, dims=1)
+    labels[0, 5] = labels[1, 30] = -100
+    with torch.no_grad():
+        model(TOKENS, labels=labels)
+        ours = model.pop_mtp_loss() / (labels != -100).sum()
+        reference = _reference_mtp_loss(model, TOKENS, labels)
+        error = abs(ours.item() - reference.item()) / reference.item()
+        print(f"MTP loss {ours.item():.6f}, relative error {error:.3g}")
+        assert error <= MTP_RTOL
+        assert model.pop_mtp_loss() is None  # handed over once
+        for shift in ({"emb_shift": 1}, {"label_shift": 1}):
+            off = _reference_mtp_loss(model, TOKENS, labels, **shift)
+            assert abs(ours.item() - off.item()) / reference.item() > 100 * MTP_RTOL, shift
+
+
+def _mtp_folder(hf, tmp_path: Path) -> tuple[Path, DeepSeekV3Transformer]:
+    """transformers' weights plus one random MTP module, exported as the export writes (to_hf_tensors,
+    hf_config): a folder with num_nextn_predict_layers 1 and model.layers.3.*."""
+    from safetensors.torch import save_file
+
+    args = dataclasses.replace(ARGS, mtp_depth=1)
+    torch.manual_seed(2)
+    model = DeepSeekV3Transformer(args)
+    model.init_weights()
+    missing = model.load_state_dict(_ours(hf[0]).state_dict(), strict=False).missing_keys
+    assert missing and all(k.startswith("mtp.3.") for k in missing), missing
+    with torch.no_grad():
+        for p in model.mtp.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        out.update({k: v.contiguous() for k, v in to_hf_tensors(FAMILY.hf, key, value, args, tmp_path).items()})
+    save_file(out, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / CONFIG).write_text(json.dumps(hf_config(args, "float32", None, None, FAMILY)))
+    return tmp_path, model.eval()
+
+
+def test_mtp_in_hf_layout_round_trips_and_leaves_the_logits_alone(hf, tmp_path):
+    """The MTP module goes out as HF's layer num_hidden_layers (its own names, the block's usual ones,
+    the embedding and head again) and comes back bit for bit; the logits with it are those without
+    it, bit for bit, and transformers' on the main weights; a flavor without MTP refuses the folder."""
+    from safetensors import safe_open
+
+    folder, exported = _mtp_folder(hf, tmp_path)
+    args = exported.model_args
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        names = {n.removeprefix("model.layers.3.") for n in f.keys() if n.startswith("model.layers.3.")}
+        assert torch.equal(f.get_tensor("model.layers.3.shared_head.head.weight"), exported.output.weight)
+        assert torch.equal(f.get_tensor("model.layers.3.embed_tokens.weight"), exported.tok_embeddings.weight)
+    expected = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight"}
+    expected |= {"embed_tokens.weight", "self_attn.q_a_proj.weight", "mlp.experts.7.down_proj.weight"}
+    expected |= {"mlp.gate.e_score_correction_bias", "mlp.shared_experts.up_proj.weight", "input_layernorm.weight"}
+    assert expected <= names, expected - names
+    assert json.loads((folder / CONFIG).read_text())["num_nextn_predict_layers"] == 1
+    check_config(folder, args, "test", FAMILY)
+    back = _ours(folder, args)
+    assert back.state_dict().keys() == exported.state_dict().keys()
+    for key, value in exported.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    without = _logits(_ours(hf[0]))
+    with torch.no_grad():
+        with_labels = back(TOKENS, labels=torch.roll(TOKENS, -1, dims=1))
+    assert back.pop_mtp_loss() is not None
+    assert torch.equal(_logits(back), without) and torch.equal(with_labels, without)
+    assert (without - hf[2]).abs().max() <= LOGITS_ATOL
+    with pytest.raises(CheckpointError) as e:
+        check_config(folder, ARGS, "test", FAMILY)
+    assert "'num_nextn_predict_layers' = 1 but model.flavor 'test' has mtp_depth = 0" in str(e.value)
+
+
+def test_training_with_mtp_lowers_both_losses(tmp_path, monkeypatch):
+    """6 fp32 steps through the trainer with mtp_depth 1 from random weights: the main loss and the
+    logged mtp_loss fall; more than one process is refused in one line."""
+    from torchtitan_amp.config import ConfigError
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.train.parallelize import check_mtp
+
+    monkeypatch.setitem(DEEPSEEK_V3_FLAVORS, FLAVOR, dataclasses.replace(ARGS, mtp_depth=1))
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.train import trainer as trainer_module
+
+    argv = ["--mixed_precision.enabled", "false", "--training.steps", "6", "--checkpoint.enable", "false"]
+    trainer = trainer_module.Trainer(load_config(_job(tmp_path, *argv)))
+    try:
+        trainer.train()
+    finally:
+        trainer.run.metrics.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    for key in ("loss", "mtp_loss"):
+        values = [r[key] for r in rows]
+        assert len(values) == 6 and sum(values[3:]) / 3 < values[0] - 0.2, (key, values)
+    with pytest.raises(ConfigError) as e:
+        check_mtp(DEEPSEEK_V3_FLAVORS["debugmodel_mtp"], ParallelDims(1, 2, 1, 1, 2), "debugmodel_mtp")
+    assert "has mtp_depth = 1: multi-token prediction trains on one process only, not on 2 ranks" in str(e.value)

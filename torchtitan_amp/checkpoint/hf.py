@@ -496,7 +496,10 @@ def to_hf_tensors(
         names, transposed = stacked
         return {n: value[i].T if transposed else value[i].clone() for i, n in enumerate(names)}  # own storage each
     heads = hf.rotary_heads(key, args)
-    return {hf.to_hf_name(key): permute_to_hf(value, heads) if heads else value}
+    return {
+        hf.to_hf_name(key): permute_to_hf(value, heads) if heads else value,
+        **{n: value.clone() for n in hf.copies(key, args)},  # own storage each (safetensors)
+    }
 
 
 def export_hf(

@@ -3,6 +3,9 @@ parameters in place of grouped-query attention's. Parameters are exact (tests/te
 compares the count with the model's); activations are the MoE family's with H heads of the qk head
 size for queries, keys and values (MLA's values are narrower, v_head_dim, and its latents add
 (q_lora_rank + kv_lora_rank + qk_rope_head_dim) per token: both left out of the estimate).
+Multi-token prediction's modules (mtp_depth) are parameters of the last stage, exact too (each
+depth's block is the model's layer n_layers + k - 1, routed or dense as that layer would be); their
+activations are left out of the estimate (one more block's per depth).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class MLADims(MoEDims):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_depth: int = 0
 
     @classmethod
     def from_args(cls, args: Any) -> MLADims:
@@ -38,9 +42,33 @@ class MLADims(MoEDims):
             qk_nope_head_dim=args.qk_nope_head_dim,
             qk_rope_head_dim=args.qk_rope_head_dim,
             v_head_dim=args.v_head_dim,
+            mtp_depth=args.mtp_depth,
         )
 
+    def moe_layers(self) -> int:
+        """The routed blocks, the multi-token prediction modules' included (active_params drops
+        their unused experts as the layers')."""
+        return sum(self.is_moe(i) for i in range(self.n_layers + self.mtp_depth))
+
     def param_specs(self, stage: Stage) -> list[ParamSpec]:
+        """The decoder's (`_decoder_specs`) and, on the last stage, each multi-token prediction
+        module's: its block as layer n_layers + k - 1 is, renamed under `mtp.{that}.block.`, with its
+        two input norms, its 2 dim -> dim projection and its output norm (all replicated)."""
+        out = self._decoder_specs(stage)
+        if not (stage.last and self.mtp_depth):
+            return out
+        d, ids = self.dim, range(self.n_layers, self.n_layers + self.mtp_depth)
+        blocks = self._decoder_specs(Stage(stage.index, ids, False, False))
+        for i in ids:
+            p = f"mtp.{i}."
+            out += [ParamSpec(p + n, (d,), "norm", None, i) for n in ("enorm.weight", "hnorm.weight")]
+            out.append(ParamSpec(p + "eh_proj.weight", (d, 2 * d), "linear", None, i))
+            block = [s for s in blocks if s.block == i]
+            out += [dataclasses.replace(s, name=s.name.replace(f"layers.{i}.", p + "block.", 1)) for s in block]
+            out.append(ParamSpec(p + "norm.weight", (d,), "norm", None, i))
+        return out
+
+    def _decoder_specs(self, stage: Stage) -> list[ParamSpec]:
         """The MoE family's, MLA's projections and latent norms in place of wq / wk / wv / wo
         (wq_b, wkv_b split by head and wo by its input under TP's usual rule; the latent
         projections and norms replicated)."""

@@ -106,6 +106,12 @@ class HFAdapter(ABC, Generic[ArgsT]):
         each is transposed; None for the one-to-one tensors. from_hf_name maps each part to our FQN."""
         return None
 
+    def copies(self, fqn: str, args: ArgsT) -> list[str]:
+        """More HF names one of our tensors is written under, beside its own, on export (DeepSeek-V3's
+        multi-token prediction layers repeat the embedding and output head); an import skips them
+        (`ignored`). []: none."""
+        return []
+
     def derived(self, args: ArgsT) -> dict[str, Derived]:
         """Our FQN -> how it is computed from whole HF tensors, for the tensors that are neither one
         to one nor stacked; their sources are read for them alone. {}: none."""

@@ -30,7 +30,7 @@ from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
 from torchtitan_amp.precision import PrecisionPlan, block_scaled, by_name, freeze, memory_spec
 from torchtitan_amp.precision.lowbit import capability, float8, torchao_kernels
-from torchtitan_amp.train.parallelize import check_weight_tying, parallelize_model, validate_layout
+from torchtitan_amp.train.parallelize import check_mtp, check_weight_tying, parallelize_model, validate_layout
 
 # Below this size every rank initialises the full model from the seed and then shards it, so any
 # parallel layout starts from bit-identical weights; above it, init happens on the sharded params.
@@ -198,6 +198,7 @@ def resolve(
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
     boundaries, n_microbatches = validate_layout(dims, config, args.n_heads, args.kv_heads, args.n_layers, device_type)
     check_weight_tying(args, dims, config.model.flavor)
+    check_mtp(args, dims, config.model.flavor)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None, tokenizer)
     if plan.fp8 != "none" or plan.block_scaled is not None or plan.fp32_names or plan.frozen_names:
         with torch.device("meta"):

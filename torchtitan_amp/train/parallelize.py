@@ -120,6 +120,24 @@ def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
         )
 
 
+def check_mtp(args: object, dims: ParallelDims, flavor: str) -> None:
+    """Refuse multi-token prediction (DeepSeek-V3's mtp_depth > 0) on more than one process: its
+    modules sit outside `layers`, which every layout splits, shards and wraps.
+
+    Args:
+        args: the model args (their `mtp_depth`, when the family has it).
+        dims: the parallel degrees.
+        flavor: model.flavor, named in the message.
+    """
+    depth = getattr(args, "mtp_depth", 0)
+    if depth and dims.world_size > 1:
+        raise ConfigError(
+            f"model.flavor '{flavor}' has mtp_depth = {depth}: multi-token prediction trains on one process "
+            f"only, not on {dims.world_size} ranks (use a flavor with mtp_depth 0 for data, tensor, pipeline, "
+            "context or expert parallel)"
+        )
+
+
 def parallelize_model(
     model: nn.Module, family: ModelFamily, dims: ParallelDims, plan: PrecisionPlan, config: JobConfig
 ) -> nn.Module:

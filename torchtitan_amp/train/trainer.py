@@ -13,7 +13,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ class Trainer:
         self.step = resumed.step if resumed is not None else 0
         self.tokens_seen = resumed.tokens_seen if resumed is not None else 0
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
+        self.extra_losses: dict[str, torch.Tensor] = {}  # the step's losses a model adds (logged apart)
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
         if self.run.deadline.warning_s:
@@ -113,11 +114,19 @@ class Trainer:
         # Before the forward: the aux loss captures its factor there, and the factor must be the
         # one this micro-batch's loss is scaled by (the scale changes only between steps).
         self._set_loss_factor(run.accum)
+        # A model that adds a loss of its own from the labels (DeepSeek-V3's multi-token prediction)
+        # takes them; its loss is weighted as the main one, trained on, and logged apart.
+        takes_labels = getattr(run.model, "takes_labels", False)
         with parallel_context(run.dims, self.config), autocast.forward_context(run.plan):
-            logits = autocast.cast_output(run.plan, run.model(inputs, **extra))
+            logits = autocast.cast_output(
+                run.plan, run.model(inputs, **extra, **({"labels": labels} if takes_labels else {}))
+            )
             loss = loss_fn(logits, labels, reduction="sum") * self._label_weight
+            extra_loss = cast(Any, run.model).pop_mtp_loss() * self._label_weight if takes_labels else None
         with parallel_context(run.dims, self.config), autocast.backward_context(run.plan):
-            run.scaler.scale(loss).backward()
+            run.scaler.scale(loss if extra_loss is None else loss + extra_loss).backward()
+        if extra_loss is not None:
+            self.extra_losses["mtp_loss"] = self.extra_losses.get("mtp_loss", 0) + extra_loss.detach()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -191,6 +200,8 @@ class Trainer:
         self.family_metrics = run.job.family.after_backward(
             run.model_parts, run.groups.loss, run.groups.pp, cross_group=run.replicas.sum_across_groups
         )
+        self.family_metrics.update(self.extra_losses)
+        self.extra_losses = {}
 
     def unscale_and_clip(self) -> torch.Tensor:
         """Phase 3: gradients unscaled (fp16's loss scale) and clipped; returns the global norm."""

@@ -8,16 +8,28 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj), the router `mlp.gate` wi
 shared experts `mlp.shared_experts.*`, and the experts as the MoE family's Qwen3-MoE adapter
 stacks them. No rows are permuted: the published weights are in transformers' `rope_interleave`
 layout, which is ours (a folder with rope_interleave false is refused).
+
+Multi-token prediction (num_nextn_predict_layers, our mtp_depth): depth k is HF's layer
+num_hidden_layers + k - 1 and our `mtp.{that number}`: `enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm` (our `norm`) and the block's tensors under the usual names. HF also stores the
+embedding and output head there (`embed_tokens`, `shared_head.head`): ours are the main model's,
+so an import skips them and an export writes the main model's there. Reading goes through
+`derived` (a layer number past num_hidden_layers is an MTP module only given the args).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from torchtitan_amp.core.errors import CheckpointError
-from torchtitan_amp.models.llama3.hf import LAYER_NAMES, rope_settings
-from torchtitan_amp.models.moe.hf import Qwen3MoeHFAdapter
+from torchtitan_amp.models.llama3.hf import IGNORED, LAYER_NAMES, rope_settings
+from torchtitan_amp.models.moe.hf import _EXPERT_NAMES, Qwen3MoeHFAdapter
+from torchtitan_amp.models.spec import Derived
 
 CONFIG = "config.json"
 
@@ -37,6 +49,26 @@ _LAYER_NAMES = {
     "feed_forward.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
+
+# A multi-token prediction module's own tensors (its block's are _LAYER_NAMES').
+_MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+_OUR_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_OUR_MTP_EXPERTS = re.compile(r"^mtp\.(\d+)\.block\.feed_forward\.experts\.(w[123])$")
+_IGNORED = re.compile(rf"{IGNORED.pattern}|^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")
+
+
+def _one(name: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    return lambda tensors: tensors[name]
+
+
+def _experts(names: list[str]) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    return lambda tensors: torch.stack([tensors[n].T for n in names])
+
 
 # config.json's name for each model-args field, for the error message.
 _HF_FIELD = {
@@ -69,6 +101,7 @@ _HF_FIELD = {
     "mscale": "rope_scaling.mscale",
     "mscale_all_dim": "rope_scaling.mscale_all_dim",
     "enable_weight_tying": "tie_word_embeddings",
+    "mtp_depth": "num_nextn_predict_layers",
 }
 _ALLOWED = (
     ("hidden_act", "silu"),
@@ -111,6 +144,45 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
     field_names = _HF_FIELD
     zero_in_hf = None  # type: ignore[assignment]  # the expert bias is e_score_correction_bias
     layer_names = _LAYER_NAMES
+    ignored = _IGNORED
+
+    def to_hf_name(self, fqn: str) -> str:
+        """Our FQN -> its HF name; an MTP module's tensors in its HF layer."""
+        if m := _OUR_MTP.match(fqn):
+            rest = m[2]
+            inner = _MTP_NAMES[rest] if rest in _MTP_NAMES else _LAYER_NAMES[rest.removeprefix("block.")]
+            return f"model.layers.{m[1]}.{inner}"
+        return super().to_hf_name(fqn)
+
+    def stacked(self, fqn: str, args: Any) -> tuple[list[str], bool] | None:
+        """The experts of the layers and of an MTP module's block, each expert its HF tensor."""
+        if m := _OUR_MTP_EXPERTS.match(fqn):
+            proj = _EXPERT_NAMES[m[2]]
+            return [f"model.layers.{m[1]}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_routed_experts)], True
+        return super().stacked(fqn, args)
+
+    def derived(self, args: Any) -> dict[str, Derived]:
+        """Every tensor an MTP module may have, read from its HF layer as it is (experts stacked);
+        those a folder lacks are left to the model-fits check."""
+        out: dict[str, Derived] = {}
+        for i in range(args.n_layers, args.n_layers + args.mtp_depth):
+            names = {**_MTP_NAMES, **{f"block.{k}": v for k, v in _LAYER_NAMES.items()}}
+            for ours, theirs in names.items():
+                source = f"model.layers.{i}.{theirs}"
+                out[f"mtp.{i}.{ours}"] = Derived((source,), _one(source))
+            for w, proj in _EXPERT_NAMES.items():
+                parts = [f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" for e in range(args.n_routed_experts)]
+                out[f"mtp.{i}.block.feed_forward.experts.{w}"] = Derived(tuple(parts), _experts(parts))
+        return out
+
+    def copies(self, fqn: str, args: Any) -> list[str]:
+        """The embedding and output head again in every MTP module's HF layer, as HF lays them out
+        (a tied output head is the embedding, so the embedding goes to both places)."""
+        inner = {"tok_embeddings.weight": ["embed_tokens.weight"], "output.weight": ["shared_head.head.weight"]}
+        names = inner.get(fqn, [])
+        if fqn == "tok_embeddings.weight" and args.enable_weight_tying:
+            names = [*names, "shared_head.head.weight"]
+        return [f"model.layers.{i}.{n}" for i in range(args.n_layers, args.n_layers + args.mtp_depth) for n in names]
 
     def rotary_heads(self, fqn: str, args: Any) -> int | None:
         """None: the interleaved rotary layout is HF's too (rope_interleave)."""
@@ -156,6 +228,7 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
             "qk_rope_head_dim": int(need("qk_rope_head_dim")),
             "v_head_dim": int(need("v_head_dim")),
             "enable_weight_tying": bool(cfg.get("tie_word_embeddings", False)),
+            "mtp_depth": int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
             **_yarn_fields(cfg, where),
         }
         if n_dense:
@@ -213,7 +286,7 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
             "qk_nope_head_dim": args.qk_nope_head_dim,
             "qk_rope_head_dim": args.qk_rope_head_dim,
             "v_head_dim": args.v_head_dim,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": args.mtp_depth,
             "vocab_size": args.vocab_size,
             "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta,

@@ -7,17 +7,28 @@ sigmoid scores, the auxiliary-loss-free expert bias (e_score_correction_bias) mo
 only, group-limited choice (n_group, topk_group), top-k renormalised (norm_topk_prob) and scaled
 by routed_scaling_factor, plus shared experts. Balancing, expert parallel and the load metrics
 are the MoE family's (balance.py, expert_parallel).
+
+Multi-token prediction (mtp_depth D > 0, DeepSeek-V3 report sec. 2.2): D sequential modules
+(`mtp.{n_layers}` .. `mtp.{n_layers + D - 1}`, HF's layer numbers), depth k combining the previous
+depth's hidden state at position i (the main model's before its final norm for k = 1) with the
+embedding of token i + k, through one more block, into a prediction of token i + k + 1 by the
+shared output head. Their cross-entropy, weighted
+by mtp_loss_weight / D, is added to the training loss when the forward is given the labels; the
+logits (the main path) never depend on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from torchtitan_amp.models.deepseek_v3.mla import MLAttention, yarn_tables
 from torchtitan_amp.models.llama3.model import FeedForward, RMSNorm, Transformer, TransformerBlock
+from torchtitan_amp.models.loss import loss_fn
 from torchtitan_amp.models.moe.model import LOAD_BALANCE, SCORE_FUNCS, MoEModelArgs
 from torchtitan_amp.models.moe.moe import MoE
 
@@ -43,6 +54,10 @@ class DeepSeekV3Args(MoEModelArgs):
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # Multi-token prediction: D extra modules (0: off) and the weight lambda of their mean loss.
+    # 0.3 is the report's weight for its first 10T tokens (0.1 after).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         # Not MoEModelArgs': MLA has no dim / n_heads head size and one latent for all heads.
@@ -68,6 +83,13 @@ class DeepSeekV3Args(MoEModelArgs):
                 f"top_k {self.top_k} exceeds the experts of topk_group {self.topk_group} groups",
             ),
             (not self.use_scaled_rope, "use_scaled_rope (Llama 3.1 scaling) does not apply; DeepSeek-V3 uses YaRN"),
+            (self.mtp_depth >= 0, f"mtp_depth {self.mtp_depth} must be >= 0 (0: no multi-token prediction)"),
+            (
+                self.mtp_depth < self.max_seq_len,
+                f"mtp_depth {self.mtp_depth} must be below the sequence length {self.max_seq_len} "
+                f"(training.seq_len): depth k predicts the token k + 1 places ahead",
+            ),
+            (self.mtp_loss_weight >= 0, f"mtp_loss_weight {self.mtp_loss_weight} must be >= 0"),
         )
         for ok, message in checks:
             if not ok:
@@ -110,8 +132,116 @@ class DeepSeekV3Block(TransformerBlock):
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
 
+class MultiTokenPrediction(nn.Module):
+    """One depth of multi-token prediction: h' = eh_proj([enorm(embedding); hnorm(h)]), then one
+    block (dense or MoE as the model's layer `layer_id`), then `norm` (HF's shared_head.norm) before
+    the model's output head. The concatenation puts the embedding first, as the published
+    checkpoints' eh_proj columns are laid out (vLLM and SGLang read them so)."""
+
+    def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = DeepSeekV3Block(layer_id, args)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def init_weights(self) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.reset_parameters()
+        nn.init.trunc_normal_(self.eh_proj.weight, mean=0.0, std=0.02)
+        self.block.init_weights()
+
+    def forward(
+        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The depth's hidden states [B, S', dim] (before `norm`).
+
+        Args:
+            h: the previous depth's hidden states at positions 0 .. S'-1 [B, S', dim].
+            embedded: the embeddings of the tokens k places later [B, S', dim].
+            cos: the rotary cosine table.
+            sin: the rotary sine table.
+            mask: None (causal) or the block-causal mask of the S' positions.
+        """
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        return self.block(x, cos, sin, mask=mask)
+
+
 class DeepSeekV3Transformer(Transformer):
     block_cls = DeepSeekV3Block
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__(args)
+        # mtp_depth > 0: the prediction modules, keyed as Hugging Face numbers them, after the
+        # layers: depth k is mtp.{n_layers + k - 1} (model.layers.61 of the 671B).
+        self.mtp: nn.ModuleDict | None = None
+        if args.mtp_depth:
+            ids = range(args.n_layers, args.n_layers + args.mtp_depth)
+            self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
+        self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
+
+    @property
+    def takes_labels(self) -> bool:
+        """Whether the trainer passes the labels to the forward (multi-token prediction's loss)."""
+        return self.mtp is not None
+
+    def pop_mtp_loss(self) -> torch.Tensor | None:
+        """The last labelled forward's multi-token prediction loss (a sum over the targets, to be
+        weighted like the main loss's sum), handed over once."""
+        loss, self.mtp_loss = self.mtp_loss, None
+        return loss
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        super().init_weights(buffer_device)
+        for module in (self.mtp or {}).values():
+            cast(MultiTokenPrediction, module).init_weights()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        kv_doc_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Llama's forward (the logits, or hidden states on a pipeline stage without the head);
+        with `labels` [B, S] and mtp_depth > 0, the multi-token prediction loss is computed from
+        the last block's output and kept for pop_mtp_loss.
+
+        Args:
+            tokens: the token ids [B, S] (or hidden states on a stage without the embedding).
+            doc_ids: [B, S] each token's document (attention stays inside it); None: causal.
+            positions: [B, S] the tokens' places in their window; None: 0..S-1.
+            kv_doc_ids: [B, cp x S] the gathered keys' documents under context parallel, or None.
+            labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
+        """
+        cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask=mask)
+        if labels is not None and self.mtp is not None:
+            self.mtp_loss = self._mtp_loss(h, tokens, labels, doc_ids)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def _mtp_loss(
+        self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(mtp_loss_weight / D) x the sum over depths k of the cross-entropy summed over the valid
+        targets: position i (0-based) combines h^{k-1}_i with the embedding of tokens[i + k] and
+        predicts labels[i + k] (the token i + k + 1), for i < S - k. A sum, like the main loss's:
+        the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
+        assert self.mtp is not None and self.tok_embeddings is not None and self.output is not None
+        seq, total = tokens.shape[1], torch.zeros((), device=h.device)
+        args = cast(DeepSeekV3Args, self.model_args)
+        for k, mtp in enumerate(self.mtp.values(), start=1):
+            module = cast(MultiTokenPrediction, mtp)
+            docs = doc_ids[:, : seq - k] if doc_ids is not None else None
+            cos, sin, mask = self._attention_inputs(docs, None)
+            h = module(h[:, : seq - k], self.tok_embeddings(tokens[:, k:]), cos, sin, mask)
+            total = total + loss_fn(self.output(module.norm(h)), labels[:, k:], reduction="sum")
+        return total * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         return yarn_tables(self.model_args, device)
@@ -161,7 +291,9 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         dense_inter_dim=10944,
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
-    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context.
+    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context. Without
+    # the published multi-token prediction module (num_nextn_predict_layers 1): multi-token
+    # prediction trains on one process only, and this flavor is for the layouts that size it.
     "deepseek_v3_671b": DeepSeekV3Args(
         dim=7168,
         n_layers=61,
@@ -184,6 +316,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         mscale=1.0,
         mscale_all_dim=1.0,
     ),
+    # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
+    "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
 }
 
 
