@@ -92,12 +92,15 @@ def _hf_config():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    return save_hf(tmp_path_factory.mktemp("hf"))
+
+
+def save_hf(folder: Path):  # type: ignore[no-untyped-def]
     """(folder, transformers model, its logits of TOKENS), saved in 20 KB shards (a layer's experts
     span files) after sharpening: norm weights moved off 1, router weights x8, a random
-    correction bias."""
+    correction bias. tests/test_hf_moe.py's launch imports it on layouts too."""
     from transformers import DeepseekV3ForCausalLM
 
-    folder = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(_hf_config()).eval()
     with torch.no_grad():

@@ -215,3 +215,29 @@ def test_a_rank_reads_only_its_experts(saved, tmp_path: Path) -> None:
         whole = sources.read(fqn, [0, 0, 0], list(shape))
         part = sources.read(fqn, [3, 8, 16], [2, shape[1] - 8, 16])
         assert torch.equal(part, whole[3:5, 8:, 16:32])
+
+
+def test_greedy_generation_equals_transformers_and_the_cache_equals_recompute(saved) -> None:
+    """Our generation (a KV cache on every layer; the sinks and the 16-key window applied to the
+    cached keys by position) on the imported model gives transformers' greedy tokens, token for
+    token, over 40 positions (past twice the window, so that the sliding layers drop keys); each
+    cached decode step's logits equal one forward over the whole text."""
+    from torchtitan_amp.eval.generation import ModelRunner, generate, kv_caches, step_logits
+
+    args, hf, _, _, folder = saved
+    prompt, new = [256, *b"Hello"], 34
+    ours = _imported(folder, args)
+    completion = generate(ModelRunner(ours), prompt, new)
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=257, pad_token_id=257
+        )
+    assert completion.tokens == theirs[0, len(prompt) :].tolist()
+    tokens = prompt + completion.tokens
+    runner = ModelRunner(ours)
+    with torch.no_grad(), kv_caches(ours, len(tokens)) as caches:
+        steps = [step_logits(runner, torch.tensor([prompt]), caches)]
+        steps += [step_logits(runner, torch.tensor([[t]]), caches) for t in tokens[len(prompt) : -1]]
+    with torch.no_grad():
+        full = ours(torch.tensor([tokens]))[0, len(prompt) - 1 : -1]
+    assert _close(torch.cat(steps), full)

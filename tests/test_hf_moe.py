@@ -7,7 +7,9 @@ ours spans several files. Import gives transformers' logits on
 one process, through the trainer, and on FSDP 2 / TP 2 / PP 2; an export of a run trained from it
 loads in transformers with no missing or unexpected keys and gives our logits; export -> reimport
 is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line. The
-dense Qwen3 family's import (tests/test_qwen3.py's folder) joins the launch on FSDP 2 and TP 2.
+dense Qwen3 family's import (tests/test_qwen3.py's folder) joins the launch on FSDP 2 and TP 2,
+DeepSeek-V3's (tests/test_deepseek_v3.py's) and gpt-oss's (tests/test_gpt_oss_hf.py's) on FSDP 2,
+TP 2 and EP 2.
 
 Run as a script, this file is tests/workers/ckpt_jobs.py with this file's flavor registered (the
 worker knows only Llama flavors).
@@ -210,8 +212,55 @@ def _qwen3_job(dump: Path, hf_folder: Path, *extra: str) -> list[str]:
     return args
 
 
+# DeepSeek-V3 (tests/test_deepseek_v3.py's folder) and gpt-oss (tests/test_gpt_oss_hf.py's random
+# GptOssForCausalLM) join this launch on FSDP 2, TP 2 and EP 2 (FSDP 2 with the experts split).
+FAMILY_LAYOUTS = {
+    **{k: LAYOUTS[k] for k in QWEN3_LAYOUTS},
+    "ep": [*LAYOUTS["fsdp"], "--parallelism.expert_parallel_degree", "2"],
+}
+
+
 @pytest.fixture(scope="module")
-def dist_run(hf, qwen3_hf, tmp_path_factory) -> Path:
+def deepseek_v3_hf(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(folder, model, logits of test_deepseek_v3.TOKENS) of tests/test_deepseek_v3.py's model."""
+    from tests import test_deepseek_v3
+
+    return test_deepseek_v3.save_hf(tmp_path_factory.mktemp("deepseek_v3_hf"))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hf(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(folder, model, logits of TOKENS) of tests/test_gpt_oss_hf.py's sharpened GptOssForCausalLM
+    (the debug flavor: 32 tokens see past twice its 16-key window)."""
+    from tests.support.gpt_oss import sharpened_hf
+    from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS
+
+    folder = tmp_path_factory.mktemp("gpt_oss_hf")
+    model = sharpened_hf(dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=64))
+    model.save_pretrained(folder, max_shard_size="300KB")
+    with torch.no_grad():
+        return folder, model, model(TOKENS).logits
+
+
+def _family_jobs(root: Path, deepseek_v3_folder: Path, gpt_oss_folder: Path) -> list[dict]:
+    """The logits jobs of DeepSeek-V3's and gpt-oss's imports on FAMILY_LAYOUTS."""
+    from tests import test_deepseek_v3
+
+    jobs = []
+    for layout, extra in FAMILY_LAYOUTS.items():
+        load = ("--mixed_precision.enabled", "false", "--checkpoint.enable", "--checkpoint.initial_load_path")
+        dsv3 = test_deepseek_v3._job(root / f"deepseek_v3_{layout}", *load, str(deepseek_v3_folder), *extra)
+        jobs.append(
+            {"args": dsv3, "logits": str(root / f"deepseek_v3_{layout}.pt"), "tokens": test_deepseek_v3.TOKENS.tolist()}
+        )
+        gpt_oss = _job(root / f"gpt_oss_{layout}", gpt_oss_folder, *extra)
+        gpt_oss[gpt_oss.index("moe")], gpt_oss[gpt_oss.index(FLAVOR)] = "gpt_oss", "debugmodel"
+        jobs.append({"args": gpt_oss, "logits": str(root / f"gpt_oss_{layout}.pt"), "tokens": TOKENS.tolist()})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def dist_run(hf, qwen3_hf, deepseek_v3_hf, gpt_oss_hf, tmp_path_factory) -> Path:
     """One 2-rank launch: import on each layout (logits of TOKENS), then import on FSDP 2 and
     train STEPS steps with a checkpoint and its Hugging Face export (last_save_hf) at the end."""
     root = tmp_path_factory.mktemp("dist")
@@ -227,6 +276,7 @@ def dist_run(hf, qwen3_hf, tmp_path_factory) -> Path:
         }
         for layout in QWEN3_LAYOUTS
     ]
+    jobs += _family_jobs(root, deepseek_v3_hf[0], gpt_oss_hf[0])
     jobs.append(
         {
             "args": _job(
@@ -265,6 +315,32 @@ def test_qwen3_import_matches_transformers_on_two_ranks(qwen3_hf, dist_run, layo
     assert got.shape == qwen3_hf[2].shape
     print(f"qwen3 {layout}: max abs error {(got - qwen3_hf[2]).abs().max().item():.3g}")
     assert (got - qwen3_hf[2]).abs().max() <= test_qwen3.LOGITS_ATOL
+
+
+@pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
+def test_deepseek_v3_import_matches_transformers_on_two_ranks(deepseek_v3_hf, dist_run, layout):
+    """DeepSeek-V3's import (MLA, group-limited routing, a shared expert) on FSDP 2 / TP 2 / EP 2:
+    transformers' logits (tests/test_deepseek_v3.py's bound)."""
+    from tests import test_deepseek_v3
+
+    got, want = torch.load(dist_run / f"deepseek_v3_{layout}.pt", weights_only=True), deepseek_v3_hf[2]
+    assert got.shape == want.shape
+    print(f"deepseek_v3 {layout}: max abs error {(got - want).abs().max().item():.3g}")
+    assert (got - want).abs().max() <= test_deepseek_v3.LOGITS_ATOL
+
+
+@pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
+def test_gpt_oss_import_matches_transformers_on_two_ranks(gpt_oss_hf, dist_run, layout):
+    """gpt-oss's import (sinks split with the heads under TP, expert biases with the experts under
+    EP) on FSDP 2 / TP 2 / EP 2: transformers' logits within tests/test_gpt_oss.py's bound
+    (relative to the logits' scale)."""
+    from tests import test_gpt_oss
+
+    got, want = torch.load(dist_run / f"gpt_oss_{layout}.pt", weights_only=True), gpt_oss_hf[2]
+    assert got.shape == want.shape
+    scale = want.abs().max().item()
+    print(f"gpt_oss {layout}: max abs error {(got - want).abs().max().item():.3g} on a scale of {scale:.3g}")
+    assert (got - want).abs().max().item() <= test_gpt_oss.TOL * scale
 
 
 def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -515,4 +591,8 @@ if __name__ == "__main__":  # the worker: ckpt_jobs.py with FLAVOR registered in
     from torchtitan_amp.models.qwen3.model import QWEN3_FLAVORS
 
     QWEN3_FLAVORS[test_qwen3.FLAVOR] = test_qwen3.ARGS
+    from tests import test_deepseek_v3
+    from torchtitan_amp.models.deepseek_v3.model import DEEPSEEK_V3_FLAVORS
+
+    DEEPSEEK_V3_FLAVORS[test_deepseek_v3.FLAVOR] = test_deepseek_v3.ARGS
     runpy.run_path(str(WORKERS / "ckpt_jobs.py"), run_name="__main__")

@@ -15,6 +15,8 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
   experts run their per-expert GEMMs on the tokens dispatched to them).
 - DeepSeek-V3's debug shape (MLA, group-limited routing): FSDP 2, PP 2, EP 2, TP 2, CP 2 in fp32
   as above.
+- gpt-oss's debug shape (sinks, sliding windows, biased router and experts): FSDP 2, TP 2, PP 2,
+  EP 2 in fp32 as above (its attention refuses CP).
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
   norms and loads, bitwise (the expert biases are in the checkpoint).
 
@@ -83,6 +85,15 @@ DSV3_LAYOUTS = {
     "dsv3_tp2": Layout(2, (TP, "2")),
     "dsv3_cp2": Layout(2, (CP, "2")),
 }
+# gpt-oss's debug shape (models/gpt_oss/: sinks, alternating 16-key sliding and full layers, YaRN,
+# biases, a biased router and the clamped SwiGLU) on the layouts its attention allows (no CP).
+GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "debugmodel")
+GPT_OSS_LAYOUTS = {
+    "gpt_oss_fsdp2": Layout(2, (SHARD, "2"), dp=2),
+    "gpt_oss_tp2": Layout(2, (TP, "2")),
+    "gpt_oss_pp2": Layout(2, (PP, "2")),
+    "gpt_oss_ep2": Layout(2, (SHARD, "2", *EP2), dp=2),
+}
 
 
 def _runs_for(nproc: int, root: Path) -> list[dict]:
@@ -94,6 +105,7 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
             {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True},
             {"name": "single_mxfp8_experts", "args": SINGLE.args("bf16", *MOE, *MXFP8_EXPERTS)},
             {"name": "dsv3_single_fp32", "args": SINGLE.args("fp32", *DSV3), "grads": True},
+            {"name": "gpt_oss_single_fp32", "args": SINGLE.args("fp32", *GPT_OSS), "grads": True},
         ]
     runs += [
         {"name": f"{name}_fp32", "args": layout.args("fp32", *MOE), "grads": True}
@@ -113,6 +125,11 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     runs += [
         {"name": f"{name}_fp32", "args": layout.args("fp32", *DSV3), "grads": True}
         for name, layout in DSV3_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *GPT_OSS), "grads": True}
+        for name, layout in GPT_OSS_LAYOUTS.items()
         if layout.nproc == nproc
     ]
     if nproc == 2:
@@ -206,6 +223,14 @@ def test_fp32_deepseek_v3_matches_one_process(trained: Launches, name: str) -> N
     """MLA and DeepSeek-V3's routing on FSDP 2, PP 2, EP 2, TP 2 (heads split, latents replicated)
     and CP 2 (the expanded keys and values gathered): one process's losses, gradients and loads."""
     _compare(trained.run(f"{name}_fp32", DSV3_LAYOUTS[name].nproc), trained.run("dsv3_single_fp32", 1), name)
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS_LAYOUTS))
+def test_fp32_gpt_oss_matches_one_process(trained: Launches, name: str) -> None:
+    """Sinks, sliding windows and biased experts on FSDP 2, TP 2 (heads, their biases and their
+    sinks split), PP 2 (a sliding and a full block per stage) and EP 2 (the expert biases split
+    with their experts): one process's losses, gradients and loads."""
+    _compare(trained.run(f"{name}_fp32", GPT_OSS_LAYOUTS[name].nproc), trained.run("gpt_oss_single_fp32", 1), name)
 
 
 @pytest.mark.parametrize("name", list(AUX_LAYOUTS))

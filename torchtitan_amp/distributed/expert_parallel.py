@@ -38,6 +38,9 @@ logger = logging.getLogger("torchtitan_amp")
 # GroupedExperts computes on its weights' local values (moe.local): the dispatched rows are this
 # rank's share of a ragged exchange, which no DTensor layout describes.
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+# Per-expert biases [E, ...] (gpt-oss's), where the experts have them: split with the weights, since
+# the experts index them by local expert.
+EXPERT_BIASES = ("b1", "b2", "b3")
 
 
 @dataclass
@@ -94,15 +97,16 @@ class ExpertParallel:
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
-    """Turn the experts' [E, ...] weights into DTensors sharded on dim 0 over the mesh's first dim
-    (ep) and replicated over the rest (tp, where the MoE layer under TP holds them replicated
-    already): each rank keeps its E / ep experts, a checkpoint sees the full [E, ...] tensors (DCP
-    reshards them to another EP degree), and FSDP shards them further over the rest of the
-    data-parallel ranks."""
+    """Turn the experts' [E, ...] weights (and biases, where they have them) into DTensors sharded
+    on dim 0 over the mesh's first dim (ep) and replicated over the rest (tp, where the MoE layer
+    under TP holds them replicated already): each rank keeps its E / ep experts, a checkpoint sees
+    the full [E, ...] tensors (DCP reshards them to another EP degree), and FSDP shards them further
+    over the rest of the data-parallel ranks."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     placements = [Shard(0), *[Replicate()] * (mesh.ndim - 1)]
-    for name in EXPERT_WEIGHTS:
+    biases = [name for name in EXPERT_BIASES if experts._parameters.get(name) is not None]
+    for name in (*EXPERT_WEIGHTS, *biases):
         p = experts._parameters[name]
         assert p is not None  # every expert module registers each of EXPERT_WEIGHTS as a parameter
         whole = p.to_local() if isinstance(p, DTensor) else p.data  # TP-replicated: every rank holds all E

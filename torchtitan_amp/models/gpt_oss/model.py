@@ -156,7 +156,10 @@ class SinkAttention(nn.Module):
 
 class GptOssAttention(Attention):
     """Grouped-query attention with biases on q, k, v, o, sinks, and a sliding window on the
-    sliding layers. Context parallel and the generation KV cache are refused (ConfigError)."""
+    sliding layers. Context parallel is refused (ConfigError). With a generation KV cache
+    (Attention.kv_cache) the step's keys and values join the cached ones and SinkAttention takes
+    them all: its queries sit at the last positions, so the causal mask and the window apply by
+    position (a sliding layer's cache keeps every key; the window hides the old ones)."""
 
     def __init__(self, args: GptOssModelArgs, layer_id: int) -> None:
         super().__init__(args)
@@ -167,9 +170,8 @@ class GptOssAttention(Attention):
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=True)
         self.core = SinkAttention(args.n_heads, hd, args.sliding_window if args.is_sliding(layer_id) else None)
 
-    # Context parallel and the KV cache set these slots (distributed/context_parallel.apply_cp,
-    # eval/generation.kv_caches): refused in one line, since the sinks and the window are not in
-    # their attention.
+    # Context parallel sets this slot (distributed/context_parallel.apply_cp): refused in one line,
+    # since the sinks and the window are not in its attention.
     @property
     def context_parallel(self) -> None:
         return None
@@ -178,15 +180,6 @@ class GptOssAttention(Attention):
     def context_parallel(self, cp: object) -> None:
         if cp is not None:
             raise ConfigError("gpt-oss attention (sinks, sliding window) does not run under context parallel")
-
-    @property
-    def kv_cache(self) -> None:
-        return None
-
-    @kv_cache.setter
-    def kv_cache(self, cache: object) -> None:
-        if cache is not None:
-            raise ConfigError("gpt-oss attention (sinks, sliding window) has no KV-cache generation yet")
 
     def init_weights(self, init_std: float) -> None:
         super().init_weights(init_std)
@@ -204,13 +197,18 @@ class GptOssAttention(Attention):
             cos: the rotary cosine table [max_seq_len, head_dim // 2].
             sin: the rotary sine table, shaped as `cos`.
             mask: None (causal) or [B, 1, S, S] bool, True where a query may attend a key;
-                FlexMasks on the flex backend.
+                FlexMasks on the flex backend (generation hands none).
         """
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        cache = self.kv_cache
+        if cache is not None:
+            cos, sin = cache.rotary_rows(cos, sin)
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
+        if cache is not None:  # this rank's kv heads, before GQA's repeat
+            xk, xv = cache.update(xk, xv)
         xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
         out = self.core(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
