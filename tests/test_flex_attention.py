@@ -170,6 +170,21 @@ def test_generation_on_flex_equals_sdpa() -> None:
     assert generate(ModelRunner(model), prompt, 8).tokens == reference
 
 
+def test_gpt_oss_generation_on_flex_equals_sdpa() -> None:
+    """gpt-oss's cached decode on flex (sinks by the fp32 merge, the sliding window as a
+    lower-right BlockMask over the cache) gives the SDPA path's tokens, past the window."""
+    torch.manual_seed(0)
+    args = dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64)
+    model = GptOssTransformer(args)
+    model.init_weights()
+    model.eval()
+    prompt = [3, 17, 5, 9, 30, 2]
+    steps = 2 * args.sliding_window
+    reference = generate(ModelRunner(model), prompt, steps).tokens
+    model.attention_backend = "flex"
+    assert generate(ModelRunner(model), prompt, steps).tokens == reference
+
+
 @pytest.mark.parametrize(
     "device, mask, masks, cp, expected",
     [
