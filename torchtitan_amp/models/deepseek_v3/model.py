@@ -29,8 +29,7 @@ from torch import nn
 from torchtitan_amp.models.deepseek_v3.mla import MLAttention, yarn_tables
 from torchtitan_amp.models.llama3.model import FeedForward, RMSNorm, Transformer, TransformerBlock
 from torchtitan_amp.models.loss import loss_fn
-from torchtitan_amp.models.moe.model import LOAD_BALANCE, SCORE_FUNCS, MoEModelArgs
-from torchtitan_amp.models.moe.moe import MoE
+from torchtitan_amp.models.moe.model import LOAD_BALANCE, SCORE_FUNCS, MoEModelArgs, moe_layer
 
 
 @dataclass
@@ -111,21 +110,7 @@ class DeepSeekV3Block(TransformerBlock):
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward: nn.Module
         if args.is_moe_layer(layer_id):
-            self.feed_forward = MoE(
-                args.dim,
-                args.moe_inter_dim,
-                args.n_routed_experts,
-                args.top_k,
-                args.n_shared_experts,
-                args.score_func,
-                args.route_norm,
-                args.route_scale,
-                args.load_balance,
-                args.aux_loss_alpha,
-                args.bias_update_speed,
-                n_groups=args.n_group,
-                topk_groups=args.topk_group,
-            )
+            self.feed_forward = moe_layer(args, n_groups=args.n_group, topk_groups=args.topk_group)
         else:
             self.feed_forward = FeedForward(args.dim, args.dense_hidden)
         depth = layer_id + 1 if args.depth_init else args.n_layers

@@ -28,9 +28,9 @@ from torch import nn
 from torchtitan_amp.core.errors import ConfigError
 from torchtitan_amp.models.attention import FlexMasks, flex_attend
 from torchtitan_amp.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb, repeat_kv
-from torchtitan_amp.models.moe.model import MoEModelArgs
+from torchtitan_amp.models.moe.model import MoEModelArgs, moe_layer
 from torchtitan_amp.models.moe.model import flops_per_token as moe_flops_per_token
-from torchtitan_amp.models.moe.moe import ClampedSwiGLU, MoE, local
+from torchtitan_amp.models.moe.moe import ClampedSwiGLU, local
 
 
 @dataclass
@@ -221,21 +221,7 @@ class GptOssBlock(TransformerBlock):
 
     @staticmethod
     def build_feed_forward(args: GptOssModelArgs) -> nn.Module:  # type: ignore[override]
-        return MoE(
-            args.dim,
-            args.moe_inter_dim,
-            args.n_routed_experts,
-            args.top_k,
-            args.n_shared_experts,
-            args.score_func,
-            args.route_norm,
-            args.route_scale,
-            args.load_balance,
-            args.aux_loss_alpha,
-            args.bias_update_speed,
-            biases=True,
-            activation=ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit),
-        )
+        return moe_layer(args, biases=True, activation=ClampedSwiGLU(args.swiglu_alpha, args.swiglu_limit))
 
 
 class GptOssTransformer(Transformer):

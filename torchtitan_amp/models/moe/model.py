@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,25 +94,32 @@ class QKNormAttention(Attention):
         return self.q_norm(xq), self.k_norm(xk)
 
 
+def moe_layer(args: MoEModelArgs, **variant: Any) -> MoE:
+    """The MoE layer the args describe; `variant` passes a family's own routing or experts to MoE
+    (DeepSeek-V3's expert groups, gpt-oss's biases and activation)."""
+    return MoE(
+        args.dim,
+        args.moe_inter_dim,
+        args.n_routed_experts,
+        args.top_k,
+        args.n_shared_experts,
+        args.score_func,
+        args.route_norm,
+        args.route_scale,
+        args.load_balance,
+        args.aux_loss_alpha,
+        args.bias_update_speed,
+        **variant,
+    )
+
+
 class MoEBlock(TransformerBlock):
     def __init__(self, layer_id: int, args: MoEModelArgs) -> None:
         super().__init__(layer_id, args)
         if args.qk_norm:
             self.attention = QKNormAttention(args)
         if args.is_moe_layer(layer_id):
-            self.feed_forward = MoE(
-                args.dim,
-                args.moe_inter_dim,
-                args.n_routed_experts,
-                args.top_k,
-                args.n_shared_experts,
-                args.score_func,
-                args.route_norm,
-                args.route_scale,
-                args.load_balance,
-                args.aux_loss_alpha,
-                args.bias_update_speed,
-            )
+            self.feed_forward = moe_layer(args)
 
     @staticmethod
     def build_feed_forward(args: MoEModelArgs) -> nn.Module:  # type: ignore[override]
