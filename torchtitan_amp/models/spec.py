@@ -83,10 +83,9 @@ class HFAdapter(ABC, Generic[ArgsT]):
     def args_fields(self, args: ArgsT) -> dict[str, Any]:
         """The same fields as config_fields, from our model args (check_config compares the two)."""
 
-    @abstractmethod
     def hf_config(self, args: ArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-        """config.json for `args`, with `dtype` as torch_dtype and the tokenizer's bos / eos ids
-        (None: left out); CheckpointError for args the HF form cannot say.
+        """config.json for `args`: the architecture's fields with the tokenizer's bos / eos ids;
+        CheckpointError for args the HF form cannot say.
 
         Args:
             args: the model's arguments (its flavor with the run's vocab size and sequence length).
@@ -95,6 +94,16 @@ class HFAdapter(ABC, Generic[ArgsT]):
             bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
             eos_id: the tokenizer's end-of-sequence id; None leaves it out.
         """
+        cfg = self.architecture_config(args, dtype)
+        for key, token in (("bos_token_id", bos_id), ("eos_token_id", eos_id)):
+            if token is not None:
+                cfg[key] = token
+        return cfg
+
+    @abstractmethod
+    def architecture_config(self, args: ArgsT, dtype: str) -> dict[str, Any]:
+        """config.json's architecture fields for `args` (the published spelling), with `dtype` as
+        torch_dtype; CheckpointError for args the HF form cannot say."""
 
     def describe(self, key: str, value: Any) -> Any:
         """A config_fields value as an error message shows it (config.json's spelling)."""

@@ -29,8 +29,8 @@ class GeluHFAdapter(LlamaHFAdapter[GeluArgs]):
     def args_fields(self, args: GeluArgs) -> dict[str, Any]:
         return {**super().args_fields(args), "ffn_hidden": args.ffn_hidden}
 
-    def hf_config(self, args: GeluArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-        cfg = super().hf_config(args, dtype, bos_id, eos_id)
+    def architecture_config(self, args: GeluArgs, dtype: str) -> dict[str, Any]:
+        cfg = super().architecture_config(args, dtype)
         return {**cfg, "hidden_act": "gelu", "intermediate_size": args.ffn_hidden}
 
 

@@ -247,16 +247,8 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
         fields["enable_weight_tying"] = args.enable_weight_tying
         return fields
 
-    def hf_config(self, args: Any, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-        """config.json for `args`, in the published DeepSeek-V3 spelling (rope_theta + rope_scaling).
-
-        Args:
-            args: the model's arguments (its flavor with the run's vocab size and sequence length).
-            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
-                "float32").
-            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
-            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
-        """
+    def architecture_config(self, args: Any, dtype: str) -> dict[str, Any]:
+        """config.json for `args`, in the published DeepSeek-V3 spelling (rope_theta + rope_scaling)."""
         if args.score_func != "sigmoid":
             raise CheckpointError(
                 "model args score_func = 'softmax', but DeepSeek-V3 routes on sigmoid scores; "
@@ -308,10 +300,6 @@ class DeepSeekV3HFAdapter(Qwen3MoeHFAdapter):
                 "mscale": args.mscale,
                 "mscale_all_dim": args.mscale_all_dim,
             }
-        if bos_id is not None:
-            cfg["bos_token_id"] = bos_id
-        if eos_id is not None:
-            cfg["eos_token_id"] = eos_id
         return cfg
 
     def describe(self, key: str, value: Any) -> Any:

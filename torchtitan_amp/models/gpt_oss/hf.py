@@ -271,15 +271,8 @@ class GptOssHFAdapter(HFAdapter[GptOssModelArgs]):
     def args_fields(self, args: GptOssModelArgs) -> dict[str, Any]:
         return {key: getattr(args, key) for key in _HF_FIELD}
 
-    def hf_config(self, args: GptOssModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-        """config.json for `args` in the published gpt-oss spelling (rope_theta + rope_scaling).
-
-        Args:
-            args: the model's arguments (its flavor with the run's vocab size and sequence length).
-            dtype: the dtype the weights are saved in, written as torch_dtype.
-            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
-            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
-        """
+    def architecture_config(self, args: GptOssModelArgs, dtype: str) -> dict[str, Any]:
+        """config.json for `args` in the published gpt-oss spelling (rope_theta + rope_scaling)."""
         if args.route_scale != 1.0 or args.score_func != "softmax" or not args.route_norm or args.n_shared_experts:
             raise CheckpointError(
                 "gpt-oss routes on the softmax of the top-k logits, unscaled, without shared experts; "
@@ -317,10 +310,6 @@ class GptOssHFAdapter(HFAdapter[GptOssModelArgs]):
             "tie_word_embeddings": args.enable_weight_tying,
             "torch_dtype": dtype,
         }
-        if bos_id is not None:
-            cfg["bos_token_id"] = bos_id
-        if eos_id is not None:
-            cfg["eos_token_id"] = eos_id
         return cfg
 
 

@@ -190,18 +190,10 @@ class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
             )
         return fields
 
-    def hf_config(self, args: LlamaArgsT, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    def architecture_config(self, args: LlamaArgsT, dtype: str) -> dict[str, Any]:
         """config.json for `args`, in the long-standing spelling (rope_theta + rope_scaling) that every
         transformers version and inference server reads. A tied model says so (tie_word_embeddings)
-        and, like Hugging Face's tied checkpoints, has no lm_head.weight.
-
-        Args:
-            args: the model's arguments (its flavor with the run's vocab size and sequence length).
-            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
-                "float32").
-            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
-            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
-        """
+        and, like Hugging Face's tied checkpoints, has no lm_head.weight."""
         cfg: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -234,10 +226,6 @@ class LlamaHFAdapter(HFAdapter[LlamaArgsT]):
             cfg["max_position_embeddings"] = max(
                 args.max_seq_len, int(args.rope_original_max_position * args.rope_scaling_factor)
             )
-        if bos_id is not None:
-            cfg["bos_token_id"] = bos_id
-        if eos_id is not None:
-            cfg["eos_token_id"] = eos_id
         return cfg
 
     def describe(self, key: str, value: Any) -> Any:

@@ -207,17 +207,9 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
             fields["dense_hidden"] = args.dense_hidden
         return fields
 
-    def hf_config(self, args: MoEModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    def architecture_config(self, args: MoEModelArgs, dtype: str) -> dict[str, Any]:
         """config.json for `args`, in the published Qwen3-MoE spelling (num_experts, rope_theta), which
-        transformers 4.51+ and inference servers read; tie_word_embeddings as the args say.
-
-        Args:
-            args: the model's arguments (its flavor with the run's vocab size and sequence length).
-            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
-                "float32").
-            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
-            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
-        """
+        transformers 4.51+ and inference servers read; tie_word_embeddings as the args say."""
         _check_exportable(args)
         cfg: dict[str, Any] = {
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -247,10 +239,6 @@ class Qwen3MoeHFAdapter(LlamaHFAdapter[MoEModelArgs]):
             "tie_word_embeddings": args.enable_weight_tying,
             "torch_dtype": dtype,
         }
-        if bos_id is not None:
-            cfg["bos_token_id"] = bos_id
-        if eos_id is not None:
-            cfg["eos_token_id"] = eos_id
         return cfg
 
     def describe(self, key: str, value: Any) -> Any:

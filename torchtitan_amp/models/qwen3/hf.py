@@ -116,17 +116,9 @@ class Qwen3HFAdapter(LlamaHFAdapter[Qwen3ModelArgs]):
             fields["enable_weight_tying"] = True
         return fields
 
-    def hf_config(self, args: Qwen3ModelArgs, dtype: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    def architecture_config(self, args: Qwen3ModelArgs, dtype: str) -> dict[str, Any]:
         """config.json for `args`, in the published Qwen3 spelling (rope_theta, rope_scaling null),
-        which transformers 4.51+ and inference servers read.
-
-        Args:
-            args: the model's arguments (its flavor with the run's vocab size and sequence length).
-            dtype: the dtype the weights are saved in, written as torch_dtype ("bfloat16",
-                "float32").
-            bos_id: the tokenizer's beginning-of-sequence id; None leaves it out.
-            eos_id: the tokenizer's end-of-sequence id; None leaves it out.
-        """
+        which transformers 4.51+ and inference servers read."""
         if args.use_scaled_rope:
             raise CheckpointError(
                 "model args use_scaled_rope = True, but Qwen3 has no llama3 rope scaling; "
@@ -154,10 +146,6 @@ class Qwen3HFAdapter(LlamaHFAdapter[Qwen3ModelArgs]):
             "tie_word_embeddings": args.enable_weight_tying,
             "torch_dtype": dtype,
         }
-        if bos_id is not None:
-            cfg["bos_token_id"] = bos_id
-        if eos_id is not None:
-            cfg["eos_token_id"] = eos_id
         return cfg
 
     def describe(self, key: str, value: Any) -> Any:
