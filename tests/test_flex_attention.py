@@ -238,3 +238,85 @@ def test_no_dense_mask_term_under_flex() -> None:
     """The memory model's [S, S] bool mask is SDPA's; flex's BlockMask has none."""
     assert Layout(attn_mask_type="block_causal").masked
     assert not Layout(attn_mask_type="block_causal", attention_backend="flex").masked
+
+
+def test_op_sac_saves_the_flex_op() -> None:
+    """Op-level SAC keeps FlexAttention's output (torch.ops.higher_order.flex_attention, the op a
+    compiled block's checkpoint region sees) as it keeps SDPA's: backward does not rerun it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchtitan_amp.distributed.activation_checkpoint import _op_sac_policy
+
+    ctx = type("Ctx", (), {"is_recompute": False})()
+    policy = _op_sac_policy("alternate")
+    assert policy(ctx, torch.ops.higher_order.flex_attention) == CheckpointPolicy.MUST_SAVE
+    assert policy(ctx, torch.ops.aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _family(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cls, flavors = {
+        "llama3": (Transformer, LLAMA3_FLAVORS),
+        "deepseek_v3": (DeepSeekV3Transformer, DEEPSEEK_V3_FLAVORS),
+        "gpt_oss": (GptOssTransformer, GPT_OSS_FLAVORS),
+    }[name]
+    model = cls(dataclasses.replace(flavors["debugmodel"], max_seq_len=64, vocab_size=64))
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_audit_records_the_attention_op_each_layer_ran(family: str, backend: str) -> None:
+    """The precision audit's recorder names the attention op each layer ran (a forward with
+    documents, no grad: CPU), and the start-up report's per-layer line says the same op."""
+    from types import SimpleNamespace
+
+    from torchtitan_amp.precision.audit import _module_stack, _Recorder
+    from torchtitan_amp.precision.report import attention_summary
+
+    model = _family(family)
+    model.attention_backend = backend
+    recorder = _Recorder(set())
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), _module_stack([model], recorder), recorder:
+        model(tokens, doc_ids=_docs(2, 64))
+    ran = {}
+    for module, ops in recorder.seen.items():
+        for op in ops.get("attention op", ()):
+            ran[module.removesuffix(".core")] = op
+    reported = attention_summary(SimpleNamespace(attention_backend=backend, attention_reason=""), model)["layers"]
+    layers = [f"layers.{i}.attention" for i in range(len(model.layers))]
+    assert sorted(reported) == layers
+    for layer in layers:
+        if family == "gpt_oss" and backend == "sdpa":  # the sink column: matmuls, no SDPA kernel
+            assert layer not in ran and reported[layer].startswith("matmul + softmax in fp32")
+        else:
+            expected = {"sdpa": "scaled_dot_product_attention", "flex": "flex_attention"}[backend]
+            assert ran[layer] == expected and reported[layer].startswith(expected)
+
+
+def test_micro_batches_with_one_layout_share_one_block_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forwards whose document ids are equal (micro-batches of one step with one layout: other
+    tensors, same content) build each BlockMask once; other documents build anew. Without
+    documents (gpt-oss's windows and sinks on causal) the masks depend on the shapes alone."""
+    import torch.nn.attention.flex_attention as fa
+
+    built = []
+    real = fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    attn.clear_shared_masks()
+    model = _family("llama3")
+    model.attention_backend = "flex"
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for docs in (_docs(2, 64), _docs(2, 64), _docs(2, 64).roll(3, dims=1)):
+            model(tokens, doc_ids=docs)
+    assert len(built) == 2
+    built.clear()
+    model = _family("gpt_oss")
+    model.attention_backend = "flex"
+    with torch.no_grad():
+        for _ in range(3):
+            model(tokens)
+    assert len(built) == 2  # the sliding window's and the full layers'

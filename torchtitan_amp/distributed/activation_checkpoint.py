@@ -20,8 +20,8 @@ from torchtitan_amp.distributed.expert_parallel import is_expert_layer
 logger = logging.getLogger("torchtitan_amp")
 
 
-# Op-level selective AC keeps the outputs of these (expensive to recompute) ops: every SDPA
-# kernel torch may dispatch (cuDNN's comes first on sm90 with a recent cuDNN, flash/efficient on
+# Op-level selective AC keeps the outputs of these (expensive to recompute) ops: FlexAttention and
+# every SDPA kernel torch may dispatch (cuDNN's comes first on sm90 with a recent cuDNN, flash/efficient on
 # other GPUs, the CPU flash kernel here) and the TP collectives, so that backward neither reruns
 # attention nor repeats a reduce-scatter / all-reduce (torchtitan's list, plus the all-reduce of
 # TP without sequence parallel).
@@ -35,6 +35,9 @@ SAC_SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    # FlexAttention (model.attention_backend = "flex"), as torchtitan keeps it: the op a compiled
+    # block's checkpoint region sees (torch 2.11 and 2.13 name it so); eager flex on CUDA runs it too.
+    torch.ops.higher_order.flex_attention,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
     # fp8 scales come from amax: recomputing it in backward could give another scale.

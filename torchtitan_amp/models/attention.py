@@ -12,8 +12,9 @@ precision plan records and reports):
   cost of one B x S x S bool per forward and, on CUDA, SDPA's memory-efficient kernel instead of
   flash. Plain causal attention takes SDPA's is_causal (flash on CUDA).
 - "flex": FlexAttention with one BlockMask per distinct mask of the forward (documents, causal,
-  a sliding window), built once from the document ids by `FlexMasks` and shared by every layer:
-  block-sparse, no [S, S] tensor. flex_attention is compiled once at module level (as torchtitan
+  a sliding window), built once from the document ids by `FlexMasks` and shared by every layer
+  (and by later forwards with the same layout: `_shared_block_mask`): block-sparse, no [S, S]
+  tensor. flex_attention is compiled once at module level (as torchtitan
   does). Measured on torch 2.11 and 2.13 CPU builds: forward runs eager and compiled, but any input
   that requires grad raises NotImplementedError (no CPU backward), and the compiled CPU kernel
   refuses return_lse (the sinks' merge then runs flex eagerly on CPU).
@@ -150,11 +151,32 @@ def decide_backend(
 
 
 @functools.cache
-def _flex(compiled: bool) -> Callable[..., Any]:
-    """flex_attention, compiled once for the process (torchtitan's choice) or eager."""
+def _compiled_flex(compiled: bool) -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention  # type: ignore[return-value]
+
+
+def _flex(compiled: bool) -> Callable[..., Any]:
+    """flex_attention, compiled once for the process (torchtitan's choice) or eager. Under a
+    dispatch mode that dynamo steps aside for (the precision audit's recorder) nothing compiles,
+    and torch 2.13's eager flex_attention compiles its higher-order op with fullgraph=True, which
+    then finds no frame and raises: there the op runs uncompiled (its dense reference
+    implementation, which the mode sees), through torch's own switch for that."""
+    from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
+
+    if not any_torch_dispatch_mode_on_stack():
+        return _compiled_flex(compiled)
+    import torch.nn.attention.flex_attention as fa
+
+    def uncompiled(*args: Any, **kwargs: Any) -> Any:
+        saved, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, True
+        try:
+            return fa.flex_attention(*args, **kwargs)
+        finally:
+            fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
+
+    return uncompiled
 
 
 @dataclass
@@ -178,8 +200,48 @@ class FlexMasks:
         """
         key = (window, q_len, kv_len)
         if key not in self.built:
-            self.built[key] = _build_block_mask(self.doc_ids, self.batch, window, q_len, kv_len, self.device)
+            self.built[key] = _shared_block_mask(self.doc_ids, self.batch, window, q_len, kv_len, self.device)
         return self.built[key]
+
+
+# BlockMasks shared across forwards (the micro-batches of a step, and steps) that have one layout:
+# by shapes, window and device, each with the document ids it was built from. At most _SHARED_MAX.
+_SHARED: dict[tuple[Any, ...], tuple[torch.Tensor | None, Any]] = {}
+_SHARED_MAX = 16
+
+
+def clear_shared_masks() -> None:
+    """Forget the shared BlockMasks."""
+    _SHARED.clear()
+
+
+def _same_layout(built_from: torch.Tensor | None, doc_ids: torch.Tensor | None) -> bool:
+    """Whether a BlockMask built from `built_from` serves `doc_ids`: neither has documents, the same
+    tensor, or equal ids on the host. On a GPU comparing the contents is a host sync (the host
+    would wait for every queued kernel), costlier than create_block_mask (measured sync-free):
+    there other tensors build their own mask."""
+    if built_from is None or doc_ids is None:
+        return built_from is None and doc_ids is None
+    if built_from is doc_ids:
+        return True
+    on_host = built_from.device.type == "cpu" and doc_ids.device.type == "cpu"
+    return on_host and built_from.shape == doc_ids.shape and torch.equal(built_from, doc_ids)
+
+
+def _shared_block_mask(
+    doc_ids: torch.Tensor | None, batch: int, window: int | None, q_len: int, kv_len: int, device: torch.device
+) -> Any:
+    """`_build_block_mask`'s BlockMask, or the one an earlier forward with the same layout built."""
+    key = (window, q_len, kv_len, batch if doc_ids is not None else None, str(device))
+    hit = _SHARED.get(key)
+    if hit is not None and _same_layout(hit[0], doc_ids):
+        return hit[1]
+    mask = _build_block_mask(doc_ids, batch, window, q_len, kv_len, device)
+    _SHARED.pop(key, None)
+    _SHARED[key] = (doc_ids, mask)
+    while len(_SHARED) > _SHARED_MAX:
+        _SHARED.pop(next(iter(_SHARED)))
+    return mask
 
 
 def _build_block_mask(

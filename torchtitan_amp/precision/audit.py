@@ -6,7 +6,8 @@ table, and exit 1 naming every breach (0 when there is none). Off, nothing here 
 Promises checked, each by module name or collective:
 - every nn.Linear's forward matmuls run in its compute dtype (the plan's param_dtype for modules
   in mixed_precision.lower_precision_safe_modules, the storage dtype for the others);
-- attention (scaled dot product) runs in param_dtype on the low-precision paths;
+- attention (scaled dot product or FlexAttention) runs in param_dtype on the low-precision paths;
+  the op each module ran is recorded by name ("attention op");
 - modules that declare `computes_in_fp32` (RMSNorm, gpt-oss's sink attention) compute every op,
   matmuls included, in fp32 (their input and output casts aside);
 - the loss's log-softmax takes fp32 logits;
@@ -82,6 +83,10 @@ _EP_A2A = "all_to_all:ep"
 # runs in C++ autograd, out of traffic's Python wrappers' sight): the rows (functional collective,
 # group by name) and the per-expert counts before them (c10d, group as a boxed ProcessGroup).
 _ALL_TO_ALLS = {"all_to_all_single": 0, "alltoall_base_": 1}  # op -> index of the tensor sent
+# The attention ops by the name the audit reports, SDPA's fused kernels aside (all
+# "scaled_dot_product_attention"): FlexAttention, and SDPA's math path, which decomposes (its
+# matmuls seen as forward matmuls) around a softmax only it calls (MLA's narrower values on CPU).
+_ATTENTION_OPS = {"flex_attention": "flex_attention", "_safe_softmax": "scaled_dot_product_attention"}
 
 
 @dataclass
@@ -138,7 +143,11 @@ def _dtype_computed(t: torch.Tensor) -> str:
 
 
 class _Recorder(TorchDispatchMode):
-    """Float input dtypes of the ops that matter, by the innermost module running them."""
+    """Float input dtypes of the ops that matter, by the innermost module running them, and which
+    attention op each module ran ("attention op": SDPA or FlexAttention, a higher-order op that
+    reaches a mode only where the mode says it takes them)."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, fp32_modules: set[str]) -> None:
         super().__init__()
@@ -156,7 +165,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        name = func.overloadpacket.__name__
+        # Higher-order ops (FlexAttention's forward and backward) have no overload packet.
+        name = func.name() if isinstance(func, torch._ops.HigherOrderOperator) else func.overloadpacket.__name__
         if name in _ALL_TO_ALLS:
             self._record_all_to_all(name, args)
         dtypes = {_dtype_computed(a) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
@@ -167,8 +177,10 @@ class _Recorder(TorchDispatchMode):
                 self.backward_matmuls |= dtypes
         elif name in _MATMULS:
             self.seen[module]["forward matmul"] |= dtypes
-        elif name.startswith("_scaled_dot_product"):
-            self.seen[module]["attention"] |= dtypes
+        elif name.startswith("_scaled_dot_product") or name in _ATTENTION_OPS:
+            if name != "_safe_softmax":  # the math path's inputs are its matmuls'
+                self.seen[module]["attention"] |= dtypes
+            self.seen[module]["attention op"].add(_ATTENTION_OPS.get(name, "scaled_dot_product_attention"))
         elif name in ("_log_softmax", "log_softmax"):
             self.seen["<loss>"]["log_softmax"] |= dtypes
         elif module in self.fp32_modules and name not in _CASTS and dtypes:
