@@ -35,6 +35,14 @@ def test_llama3_is_the_built_in_family() -> None:
         get_family("gpt")
 
 
+def test_the_torch_free_table_names_every_built_in_familys_flavors_in_order() -> None:
+    """core.rules.FAMILIES (what config parsing and --help read before torch is imported) is each
+    built-in family's flavor registry, name for name and in order."""
+    assert list(rules.FAMILIES) == list(FAMILIES)
+    for name, family in FAMILIES.items():
+        assert rules.FAMILIES[name] == tuple(family.flavors), name
+
+
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
