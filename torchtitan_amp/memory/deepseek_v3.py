@@ -122,6 +122,13 @@ def mla_attention_delta(model: MLADims, prec: PrecisionSpec, layout: Layout) -> 
     Under CP the gathered k and v are copies (c (H qk + H v) x cp per local token) and causal
     CP's chunking adds Llama's cp_causal_terms. The rotary part computes in fp32 and saves only
     the stage's tables.
+
+    Args:
+        model: the model's dimensions (MLADims: the MoE family's plus MLA's head sizes and latent ranks).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
     """
     t, cp, h = layout.tp, layout.cp, model.n_heads
     c = DTYPE_BYTES[prec.compute]

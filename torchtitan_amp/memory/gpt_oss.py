@@ -95,6 +95,13 @@ def sink_attention_delta(model: GptOssDims, prec: PrecisionSpec, layout: Layout)
 
     in place of SDPA's c (2 H hd + 2 kv') + 4 H (q, k, v, the output, logsumexp) and its
     additive mask (c S under a document mask). No logsumexp; nothing differs on CPU.
+
+    Args:
+        model: the model's dimensions (GptOssDims: the MoE family's with gpt-oss's biases and sinks).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
     """
     t, h, hd = layout.tp, model.n_heads, model.head_dim
     c = DTYPE_BYTES[prec.compute]
