@@ -7,6 +7,7 @@ sliding window, clamped SwiGLU) compile (aot_eager) to eager's output and gradie
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,9 +56,9 @@ def test_block_compiles_to_eagers_output_and_gradients(family: str) -> None:
     without the C++ compile. Tolerance: the same fp32 ops in another order at most (rtol 1e-5)."""
     spec = get_family(family)
     torch.manual_seed(0)
-    model = spec.build_model(spec.flavors["debugmodel"])
+    model: Any = spec.build_model(spec.flavors["debugmodel"])
     model.init_weights()
-    block = model.layers["1" if family == "deepseek_v3" else "0"]
+    block: Any = model.layers["1" if family == "deepseek_v3" else "0"]
     x = torch.randn(2, 24, model.model_args.dim, requires_grad=True)
     compiled = torch.compile(block, backend="aot_eager", fullgraph=spec.compile_fullgraph)
     results = []
@@ -66,6 +67,7 @@ def test_block_compiles_to_eagers_output_and_gradients(family: str) -> None:
         x.grad = None
         y = fn(x, model.rope_cos, model.rope_sin)
         y.square().sum().backward()
+        assert x.grad is not None
         results.append(
             [y.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters() if p.grad is not None)]
         )
