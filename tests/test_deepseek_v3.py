@@ -554,3 +554,47 @@ def test_training_with_mtp_lowers_both_losses(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         check_mtp(DEEPSEEK_V3_FLAVORS["debugmodel_mtp"], ParallelDims(1, 2, 1, 1, 2), "debugmodel_mtp")
     assert "has mtp_depth = 1: multi-token prediction trains on one process only, not on 2 ranks" in str(e.value)
+
+
+def saved_bytes_per_block(family, args, precision: str, layers=(1, 3), s: int = 40, b: int = 3):  # type: ignore[no-untyped-def]
+    """Saved-for-backward bytes per token of the blocks each model of `layers` blocks adds to the
+    one before it, per block (default: (3 blocks - 1 block) / 2), and the memory model's terms for
+    the same shape and precision plan on this CPU. 120 tokens: none of the parameters' dims (the
+    measure skips tensors shaped like a parameter)."""
+    import functools
+
+    from tests.test_memory_moe import _saved_bytes
+    from torchtitan_amp import memory
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
+
+    enabled = "false" if precision == "fp32" else "true"
+    config = load_config(["--model.name", family.name, "--mixed_precision.enabled", enabled])
+    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
+    measured = []
+    for n in layers:
+        torch.manual_seed(0)
+        model = family.build_model(dataclasses.replace(args, n_layers=n, max_seq_len=s))
+        model.init_weights()
+        autocast.apply_fp32_islands(plan, model)
+        context = functools.partial(autocast.forward_context, plan)
+        measured.append(_saved_bytes(model, torch.randint(0, 258, (b, s)), context))
+    layout = memory.Layout(seq_len=s, local_batch_size=b)
+    terms = family.memory_dims(args).activation_terms(memory_spec.from_plan(plan, family.norm_cls), layout)
+    steps = [
+        (m1 - m0) / (n1 - n0) / layout.microbatch_tokens
+        for m0, m1, n0, n1 in zip(measured, measured[1:], layers, layers[1:])
+    ]
+    return steps, terms
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, 0])
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+def test_mla_activation_formula_matches_saved_tensors(precision, q_lora_rank):
+    """A dense MLA block's saved-for-backward bytes per token equal the memory model's terms for
+    this CPU (MLA's latents and norms, its narrower values, CPU's math-path attention), exactly:
+    with and without the query latent, fp32 and bf16 autocast (the latent inputs cast twice)."""
+    args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel"], n_dense_layers=4, q_lora_rank=q_lora_rank)
+    (per_block,), terms = saved_bytes_per_block(FAMILY, args, precision)
+    assert per_block == terms.layer_at(0) + terms.layer_cpu

@@ -185,3 +185,18 @@ def test_memory_model_names_and_sizes_every_parameter(flavor: str) -> None:
     specs = {s.name: s.shape for s in dims.param_specs(Stage(0, range(args.n_layers), True, True))}
     assert specs == {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert dims.total_params() == count_params(model)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+def test_activation_formula_matches_saved_tensors(precision: str) -> None:
+    """A full layer's and a sliding layer's saved-for-backward bytes per token (2 blocks - 1, 3
+    - 2) both equal the memory model's terms: the sink attention's fp32 S x S scores (the window
+    masks the whole S x S, so a sliding layer saves as much), the clamped SwiGLU, the biases'
+    rows. Less the grouped matmul's [E] int32 offsets, which the measure skips: they are shaped
+    like the router's bias."""
+    from tests.test_deepseek_v3 import saved_bytes_per_block
+
+    args = GPT_OSS_FLAVORS["debugmodel"]
+    (full, sliding), terms = saved_bytes_per_block(get_family("gpt_oss"), args, precision, layers=(1, 2, 3))
+    expected = terms.layer_at(1) + terms.layer_cpu - 4 * args.n_routed_experts / (3 * 40)
+    assert full == sliding == pytest.approx(expected, rel=1e-12)

@@ -254,3 +254,39 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
     assert "2 torchft replica groups of 8 GPUs" in pl.format_plan(result, 3)
     with pytest.raises(SystemExit):
         pl.parse_args(["--flavor", "llama3_8b", "--gpus", "16", "--replica-groups", "3"])
+
+
+# Each family's largest flavor at the GPU count docs/scaling.md shows, searched over the degrees of
+# that table's best layout only (the whole search takes minutes at 256 GPUs; its ranking is what the
+# tests above check): a proposal fits the GPU (90% of it) with the family's terms sized.
+FAMILY_PLANS = {
+    "qwen3": ("qwen3_32b", 32, 80, (1, 2, 8, 2, 1), "151936"),
+    "deepseek_v3": ("deepseek_v3_671b", 256, 80, (1, 4, 2, 32, 1), "129280"),
+    "gpt_oss": ("gpt_oss_120b", 32, 141, (1, 16, 1, 2, 1), "201088"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_PLANS))
+def test_largest_flavor_of_each_family_gets_a_layout_that_fits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout is proposed, its estimate fits (sized with the flavor's own vocabulary, as with
+    --vocab-size given), and its overrides resolve to the same layout in the trainer's dry run; the
+    MoE families' proposals split the experts (EP > 1), and gpt-oss's all checkpoint every block (a
+    block's fp32 S x S sink scores, 8 H (S + 1) bytes per token, are 8.6 GB a sequence)."""
+    flavor, gpus, mem, degrees, vocab = FAMILY_PLANS[family]
+    monkeypatch.setattr(pl, "factorizations", lambda n: [degrees])
+    argv = ["--model", family, "--flavor", flavor, "--gpus", str(gpus), "--seq-len", "4096", "--gpu-mem-gib", str(mem)]
+    result = pl.plan(pl.parse_args(argv))  # the flavor's vocabulary unless --vocab-size says otherwise
+    best = result["fitting"][0]
+    given = pl.plan(pl.parse_args([*argv, "--vocab-size", vocab]))["fitting"][0]
+    assert (given.overrides, given.memory_gib) == (best.overrides, best.memory_gib)
+    assert best.memory_gib <= mem * 0.9, pl.format_plan(result, 3)
+    assert (best.layout.ep > 1) == (family != "qwen3")
+    res = dry_run.resolve(load_config(best.overrides + ["--dry_run.vocab_size", vocab]), gpus)
+    assert (res.layout.dp_shard, res.layout.tp, res.layout.pp, res.layout.ep) == (
+        best.layout.dp_shard,
+        best.layout.tp,
+        best.layout.pp,
+        best.layout.ep,
+    )
+    if family == "gpt_oss":
+        assert {c.layout.ac_mode for c in result["fitting"]} == {"full"}

@@ -103,8 +103,22 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     three_d = {"FSDP 2 x TP 2 x PP 2", "HSDP 2x2 x TP 2"}  # 8 processes: fp32 and bf16 only
     cp = {"CP 2", "FSDP 2 x CP 2"}
     moe = {"MoE single", "MoE FSDP 2", "MoE EP 2", "MoE TP 2"}  # debugmodel_moe, its own reference
+    families = {"Qwen3 single", "DeepSeek-V3 single", "gpt-oss single"}  # each family's debugmodel
     layouts = {"single", "DDP 2", "FSDP 2", "TP 2", "PP 2", "HSDP 2x2", "FSDP 2 x TP 2", *cp, *three_d, *moe}
-    assert {layout.name for layout in numerics_runs.LAYOUTS} == layouts
+    assert {layout.name for layout in numerics_runs.LAYOUTS} == layouts | families
+    family_runs = {r.label: r for r in runs if r.layout.name in families}
+    assert set(family_runs) == {
+        "Qwen3 single / fp32",
+        "Qwen3 single / bf16",
+        *(f"{f} single / {p}" for f in ("DeepSeek-V3", "gpt-oss") for p in ("fp32", "bf16", "bf16 + bf16 router")),
+    }
+    assert all(r.reference == r.layout.name + " / fp32" for r in family_runs.values())
+    for label, name in (("Qwen3", "qwen3"), ("DeepSeek-V3", "deepseek_v3"), ("gpt-oss", "gpt_oss")):
+        family_args = nm.train_args(family_runs[f"{label} single / bf16"], nm.parse_args([]))
+        assert family_args[family_args.index("--model.name") + 1] == name
+        assert family_args[family_args.index("--model.flavor") + 1] == "debugmodel"
+    runs = [r for r in runs if r.layout.name not in families]
+    got = {(r.layout.name, r.precision.name) for r in runs}
     for layout in layouts:
         assert (layout, "fp32") in got and (layout, "bf16") in got, layout
     assert {p for lay, p in got if lay in moe} == {"fp32", "bf16", "bf16 + bf16 router"}
@@ -135,7 +149,7 @@ def test_numerics_matrix_covers_every_layout_and_precision() -> None:
     # the 3-D ones).
     assert all("not run (" in n for n in notes) and len(notes) == len(numerics_runs.SKIPPED)
     runs4, notes4 = nm.select_runs(nm.parse_args([]).max_procs, None)
-    assert {r.label for r in runs4} == {r.label for r in runs if r.layout.nproc <= 4}
+    assert {r.label for r in runs4} == {r.label for r in runs if r.layout.nproc <= 4} | set(family_runs)
     assert len([n for n in notes4 if "--max-procs 4" in n]) == 4 and len(notes4) == len(numerics_runs.SKIPPED) + 4
     runs2, notes2 = nm.select_runs(2, None)
     assert max(r.layout.nproc for r in runs2) == 2 and any("--max-procs 2" in n for n in notes2)

@@ -1,8 +1,8 @@
 """DeepSeek-V3's terms in the memory model: the MoE family's (memory/moe.py) with MLA's
 parameters in place of grouped-query attention's. Parameters are exact (tests/test_deepseek_v3.py
-compares the count with the model's); activations are the MoE family's with H heads of the qk head
-size for queries, keys and values (MLA's values are narrower, v_head_dim, and its latents add
-(q_lora_rank + kv_lora_rank + qk_rope_head_dim) per token: both left out of the estimate).
+compares the count with the model's); activations are the MoE family's with MLA's attention in
+place of grouped-query attention's (MLADims.activation_terms: the latents and their norms, the
+narrower values; equal to what autograd saves on CPU, tests/test_deepseek_v3.py).
 Multi-token prediction's modules (mtp_depth) are parameters of the last stage, exact too (each
 depth's block is the model's layer n_layers + k - 1, routed or dense as that layer would be); their
 activations are left out of the estimate (one more block's per depth).
@@ -14,8 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan_amp.core.rules import DTYPE_BYTES
+from torchtitan_amp.memory.llama import cp_causal_terms, saved_kv_width
 from torchtitan_amp.memory.moe import MoEDims
-from torchtitan_amp.memory.specs import ParamSpec, Stage
+from torchtitan_amp.memory.specs import ActivationTerms, Layout, ParamSpec, PrecisionSpec, Stage
 
 _GQA = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight")
 
@@ -28,6 +30,8 @@ class MLADims(MoEDims):
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     mtp_depth: int = 0
+    n_group: int = 1
+    topk_group: int = 1
 
     @classmethod
     def from_args(cls, args: Any) -> MLADims:
@@ -43,6 +47,8 @@ class MLADims(MoEDims):
             qk_rope_head_dim=args.qk_rope_head_dim,
             v_head_dim=args.v_head_dim,
             mtp_depth=args.mtp_depth,
+            n_group=args.n_group,
+            topk_group=args.topk_group,
         )
 
     def moe_layers(self) -> int:
@@ -98,3 +104,76 @@ class MLADims(MoEDims):
                 ParamSpec(p + "wo.weight", (d, h * self.v_head_dim), "linear", 1, i),
             ]
         return out
+
+    def activation_terms(self, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
+        """The MoE family's terms, each block's attention MLA's (mla_attention_delta), its MoE
+        blocks' routing group-limited."""
+        base = super().activation_terms(prec, layout)
+        gpu, cpu = mla_attention_delta(self, prec, layout)
+        # Group-limited routing saves each group's two best ids (int64), the chosen groups' ids
+        # (int64) and the [T, groups] bool of the groups left out.
+        groups = 17 * self.n_group + 8 * self.topk_group if self.n_group > 1 else 0
+        return dataclasses.replace(
+            base,
+            layer=base.layer + gpu + groups,
+            layer_by_index=tuple((i, v + gpu) for i, v in base.layer_by_index),
+            layer_cpu=cpu,
+        )
+
+
+def mla_attention_delta(model: MLADims, prec: PrecisionSpec, layout: Layout) -> tuple[float, float]:
+    """(bytes per token MLA's attention saves beyond the grouped-query attention Llama's terms
+    count for H heads of the qk head size, what CPU saves beyond a GPU), per block. With
+    qk = qk_nope + qk_rope, v = v_head_dim, rq / rkv = the q / kv latent ranks, H heads (H / t
+    under TP), c / r bytes of the matmul / residual dtype:
+
+        latent inputs  k x c x d          wq_a (or wq) and wkv_a read the normalised x: one tensor,
+                                          or 2 separate casts under autocast (k = 2, Llama's 3)
+        q latent       (8 rq + 4) + c rq  q_norm's fp32 input, normalised x and rstd; wq_b's input
+        kv latent      4 rkv' + 4 rkv + 4 + c rkv
+                                          kv_norm's likewise: its fp32 input is a slice of wkv_a's
+                                          output, whose storage (rkv + qk_rope wide) it keeps
+                                          whole when that output is fp32 (rkv' = rkv + qk_rope),
+                                          a copy of the slice otherwise (rkv' = rkv)
+        SDPA (GPU)     c (2 H qk + H (qk_nope + v) + H v) + 4H
+                                          q and k (H heads of qk: the rotary key repeated per
+                                          head), v (a slice of wkv_b's output: its storage,
+                                          H (qk_nope + v) wide), the output (wo's input) and
+                                          logsumexp. Flash needs one head size for q, k and v,
+                                          so CUDA runs the efficient kernel: no S^2 term
+        SDPA (CPU)     4 (2 H qk + H v + H S) + c H v
+                                          CPU's flash kernel likewise refuses, its math path
+                                          upcasts to fp32 and saves the scaled q and k, the
+                                          probabilities [S x S per head] and v; wo's input is a
+                                          copy of the output
+
+    Under CP the gathered k and v are copies (c (H qk + H v) x cp per local token) and causal
+    CP's chunking adds Llama's cp_causal_terms. The rotary part computes in fp32 and saves only
+    the stage's tables.
+
+    Args:
+        model: the model's dimensions (MLADims: the MoE family's plus MLA's head sizes and latent ranks).
+        prec: the precision settings: the path, the storage, param, reduce and matmul dtypes, and
+            which parameter kinds compute in lower precision.
+        layout: the parallel layout: dp_replicate, dp_shard, tp, pp, cp and ep degrees, the batch
+            and sequence, the pipeline schedule and activation checkpointing.
+    """
+    t, cp, h = layout.tp, layout.cp, model.n_heads
+    c = DTYPE_BYTES[prec.compute]
+    casts = prec.path == "autocast" and prec.compute != prec.residual
+    qk, v, nope = model.head_dim, model.v_head_dim, model.qk_nope_head_dim
+    rq, rkv = model.q_lora_rank, model.kv_lora_rank
+    # What Llama's terms count for this attention (activation_terms: linear in, SDPA, CP).
+    kv_saved = saved_kv_width(model, prec, layout, "cuda")
+    chunked, cpu_mask = cp_causal_terms(model, prec, layout)
+    mask = c * layout.seq_len if layout.masked else 0.0
+    llama = (3 if casts else 1) * c * model.dim + c * (2 * h * qk / t + 2 * kv_saved * cp) + 4 * h / t
+    llama += mask + chunked
+    latents = (2 if casts else 1) * c * model.dim
+    if rq:
+        latents += 8 * rq + 4 + c * rq
+    latents += 4 * (rkv + (model.qk_rope_head_dim if c == 4 else 0)) + 4 * rkv + 4 + c * rkv
+    kv = (h * qk + h * v) * cp if cp > 1 else h * qk + h * (nope + v)
+    gpu = c * (h * qk + kv + h * v) / t + 4 * h / t + mask + chunked
+    cpu = 4 * (2 * h * qk + h * v * cp + h * layout.seq_len) / t + c * h * v / t
+    return latents + gpu - llama, cpu + mask + chunked + cpu_mask - gpu

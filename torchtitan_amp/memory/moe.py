@@ -50,6 +50,7 @@ class MoEDims(ModelDims):
     qk_norm: bool = False
     explicit_head_dim: int = 0
     aux_loss: bool = False  # the sequence-wise balance loss is computed in forward
+    route_norm: bool = False  # the top-k scores renormalised (their sum divides them)
 
     @classmethod
     def from_args(cls, args: Any) -> MoEDims:
@@ -71,6 +72,7 @@ class MoEDims(ModelDims):
             args.qk_norm,
             args.explicit_head_dim or 0,
             args.load_balance in ("aux_loss", "bias_and_aux_loss") and args.aux_loss_alpha > 0,
+            bool(getattr(args, "route_norm", False)),
         )
 
     @property
@@ -174,6 +176,7 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
                                            router's when both take the hidden states uncast)
         aux loss      4 + 4E / S           the sequence-wise balance loss: the scores' per-token
                                            sum, each sequence's expert fractions [B, E] (fp32)
+        route norm    q x (k + 1)          the top-k scores and their sum, which divides them
 
     in place of the MLP's k_ffn x c x d + 4 c f / t. Under TP the router and routed experts see
     the whole sequence on every rank (not divided by t). Op-level SAC checkpoints an MoE block by
@@ -205,6 +208,7 @@ def moe_activation_terms(model: MoEDims, prec: PrecisionSpec, layout: Layout) ->
         + 4 * k
         + 4 * k * d
         + (4 + 4 * e / layout.local_seq_len if model.aux_loss else 0)
+        + (q * (k + 1) if model.route_norm else 0)
     )
     shared = k_ffn * c * d + 4 * c * model.n_shared_experts * h / t if model.n_shared_experts else 0.0
     if shared and k_ffn == 1 and prec.residual == prec.router:

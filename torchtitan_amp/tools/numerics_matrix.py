@@ -21,7 +21,9 @@ FSDP 2 x TP 2 x PP 2 and HSDP 2x2 x TP 2 (8: fp32 and bf16 only, and only with -
 test suite's time budget leaves them out, so this tool is where they run). The mixture-of-experts
 rows train debugmodel_moe instead, against their own one-process reference: MoE single (1); MoE
 FSDP 2, MoE EP 2 (dp_shard 2 with expert_parallel_degree 2), MoE TP 2 (2); fp32, bf16 (routers in
-fp32, the default) and bf16 + bf16 router (mixed_precision.router_dtype = bfloat16) only.
+fp32, the default) and bf16 + bf16 router (mixed_precision.router_dtype = bfloat16) only. The
+families beside Llama train their own debugmodel on one process, against their own fp32 run:
+Qwen3 single (fp32, bf16), DeepSeek-V3 single and gpt-oss single (the MoE rows' three).
 Precisions: fp32 (mixed_precision.enabled = false); bf16 (param bf16, reduce fp32: the default,
 realised by autocast or the FSDP policy depending on the layout); bf16 + bf16 reduce (layouts with
 data parallelism); fp16 + loss scaling (GradScaler / ShardedGradScaler); pure bf16

@@ -17,6 +17,13 @@ CP = "--parallelism.context_parallel_degree"
 EP = "--parallelism.expert_parallel_degree"
 MOE = ("--model.name", "moe", "--model.flavor", "debugmodel_moe")
 MOE_PRECISIONS = ("fp32", "bf16", "bf16 + bf16 router")
+# The model families beside Llama, each on its debug shape, one process: bf16 against fp32, and
+# for the routed ones bf16 with a bf16 router.
+FAMILY_ROWS = (
+    ("Qwen3", "qwen3", ("fp32", "bf16")),
+    ("DeepSeek-V3", "deepseek_v3", MOE_PRECISIONS),
+    ("gpt-oss", "gpt_oss", MOE_PRECISIONS),
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,18 @@ LAYOUTS = (
             ("EP 2", 2, 2, (SHARD, "2", EP, "2")),
             ("TP 2", 2, 1, (SHARD, "1", TP, "2")),
         )
+    ),
+    *(
+        LayoutSpec(
+            f"{label} single",
+            1,
+            1,
+            (),
+            model=("--model.name", name, "--model.flavor", "debugmodel"),
+            reference=f"{label} single",
+            precisions=precisions,
+        )
+        for label, name, precisions in FAMILY_ROWS
     ),
 )
 

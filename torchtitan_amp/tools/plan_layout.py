@@ -322,6 +322,8 @@ def candidates(args: Any) -> tuple[list[Candidate], int]:
     from torchtitan_amp.train import dry_run
 
     flavor = get_family(args.model).flavors[args.flavor]
+    if args.vocab_size is None:
+        args.vocab_size = flavor.vocab_size
     n_layers, n_experts = flavor.n_layers, getattr(flavor, "n_routed_experts", 0)
     out: list[Candidate] = []
     rejected = 0
@@ -451,7 +453,7 @@ def _add_job_options(ap: argparse.ArgumentParser) -> None:
         default=0,
         help="Sequences per optimizer step (default: gpus x local batch size).",
     )
-    ap.add_argument("--vocab-size", type=int, default=128256, help="Vocabulary (default Llama 3's 128256).")
+    ap.add_argument("--vocab-size", type=int, default=None, help="Vocabulary (default: the flavor's own).")
 
 
 def _add_machine_options(ap: argparse.ArgumentParser) -> None:
