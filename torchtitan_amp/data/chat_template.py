@@ -192,7 +192,8 @@ def template_for(tokenizer: Any) -> ChatTemplate:
     path = getattr(tokenizer, "path", None)
     if not hasattr(tokenizer, "encode_with_offsets") or path is None:
         raise DataError(
-            f"chat data needs model.tokenizer = 'byte' or a Hugging Face tokenizer folder, not {type(tokenizer).__name__}"
+            "chat data needs model.tokenizer = 'byte' or a Hugging Face tokenizer folder, not "
+            f"{type(tokenizer).__name__}"
         )
     source = _folder_template(Path(path).parent)
     if source is None:
