@@ -280,9 +280,9 @@ def chat_windows(dataset: str, tokenizer: Tokenizer, seq_len: int) -> tuple[torc
     examples = []
     inner_bos = 0
     for where, messages in load_conversations(path):
-        ids, trained = example_tokens(messages, template, tokenizer, where)
+        ids, mask = example_tokens(messages, template, tokenizer, where)
         inner_bos += tokenizer.bos_id in ids[1:]
-        examples.append((where, ids, trained))
+        examples.append((where, ids, mask))
     tokens, trained, stats = pack(examples, seq_len + 1, tokenizer.eos_id)
     logger.info(stats.describe(str(path), seq_len + 1))
     if inner_bos:

@@ -137,8 +137,8 @@ class HFTokenizer:
         self.bos_id: int = bos_id
         self.eos_id: int = eos_id
         # The specials' strings, which chat templates render as `bos_token` / `eos_token`.
-        self.bos_token: str = self._tokenizer.id_to_token(bos_id)
-        self.eos_token: str = self._tokenizer.id_to_token(eos_id)
+        self.bos_token: str = self._tokenizer.id_to_token(bos_id) or ""
+        self.eos_token: str = self._tokenizer.id_to_token(eos_id) or ""
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.cache_key = f"hf:{self.path.resolve()}"
         # The library's own serialisation, not the file's bytes: re-saving or re-indenting the file
