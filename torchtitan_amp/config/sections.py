@@ -129,7 +129,8 @@ class TrainingConfig:
         "'pydoc' (CPython's bundled docs, no download), 'path:/file/or/folder' (.txt, .md, .jsonl; "
         "tokenised in memory at start-up) or 'tokens:/prepared/folder' (shards from "
         "`python -m torchtitan_amp.data prepare`, memory-mapped; ':validation' appended names the "
-        "held-out split). See docs/data.md.",
+        "held-out split) or 'chat:/file.jsonl' (conversations for fine-tuning, loss on assistant tokens; "
+        "docs/post_training.md). See docs/data.md.",
     )
     dataloader_num_workers: int = option(
         0,

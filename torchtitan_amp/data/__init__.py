@@ -1,6 +1,7 @@
 """Datasets -> packed, data-parallel-sharded, resumable (inputs, labels) batches.
 
     pydoc / path:   text.py (read + tokenised in memory at start-up) -> packed.py
+    chat:           chat.py (conversations rendered by chat_template.py, packed whole, assistant labels)
     tokens:         prepare.py (once, offline: sources.py -> shards + index.py) -> tokens.py (memmap)
     both            -> loader.py: ParallelAwareDataLoader, build_dataloader
 

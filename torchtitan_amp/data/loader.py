@@ -69,7 +69,7 @@ class ParallelAwareDataLoader(StatefulDataLoader):
             raise DataError(f"num_workers must be >= 0, got {num_workers}")
         if num_workers and not isinstance(dataset, TokenWindowDataset):
             raise DataError(
-                "num_workers > 0 needs a 'tokens:' dataset (pydoc and path: are tokenised in memory "
+                "num_workers > 0 needs a 'tokens:' dataset (pydoc, path: and chat: are tokenised in memory "
                 "and every worker would repeat the same samples)"
             )
         with _no_set_vital_warning():
@@ -193,9 +193,9 @@ def build_dataloader(
     """A data loader yielding (inputs, labels), both int64 [local_batch_size, seq_len], forever.
 
     Args:
-        dataset: 'pydoc', 'path:<file or folder>' (tokenised in memory here) or
+        dataset: 'pydoc', 'path:<file or folder>' (tokenised in memory here),
             'tokens:<folder>[:split]' (prepared shards, memory-mapped; data/index.py says what is
-            checked).
+            checked) or 'chat:<file.jsonl>' (conversations, loss on assistant tokens: data/chat.py).
         tokenizer: the tokenizer that makes (or made) the ids.
         seq_len: tokens per sequence.
         local_batch_size: sequences per batch on this rank.
@@ -220,6 +220,14 @@ def build_dataloader(
         windows = TokenWindowDataset(split, seq_len, local_batch_size, dp_rank, dp_world_size, seed)
         return ParallelAwareDataLoader(
             windows, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed, samples_per_step
+        )
+    if dataset.startswith("chat:"):
+        from torchtitan_amp.data.chat import ChatWindows, chat_windows
+
+        stream, trained = chat_windows(dataset, tokenizer, seq_len)
+        packed: PackedTextDataset = ChatWindows(stream, trained, seq_len, dp_rank, dp_world_size, seed)
+        return ParallelAwareDataLoader(
+            packed, dp_rank, dp_world_size, local_batch_size, num_workers, pin_memory, seed, samples_per_step
         )
     tokens = text.corpus_tokens(dataset, tokenizer)
     packed = PackedTextDataset(tokens, seq_len, dp_rank, dp_world_size, seed)

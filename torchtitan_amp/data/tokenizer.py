@@ -136,6 +136,9 @@ class HFTokenizer:
             )
         self.bos_id: int = bos_id
         self.eos_id: int = eos_id
+        # The specials' strings, which chat templates render as `bos_token` / `eos_token`.
+        self.bos_token: str = self._tokenizer.id_to_token(bos_id) or ""
+        self.eos_token: str = self._tokenizer.id_to_token(eos_id) or ""
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.cache_key = f"hf:{self.path.resolve()}"
         # The library's own serialisation, not the file's bytes: re-saving or re-indenting the file
@@ -160,6 +163,12 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` as `encode` (no BOS/EOS added; specials spelled in the text are
+        matched, as transformers' apply_chat_template tokenises), with each token's character span."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(o) for o in encoding.offsets]  # type: ignore[misc]  # pairs
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

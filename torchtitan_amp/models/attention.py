@@ -3,7 +3,8 @@
 "causal": every earlier token of the window. "block_causal" (document masking): only the earlier
 tokens of its own document, so that packed windows train as if each document were alone; the
 boundaries come from the tokens themselves (a BOS starts a document, so does the token after an
-EOS), whatever the dataset kind.
+EOS), whatever the dataset kind; for chat data only a BOS does (every conversation starts with one,
+and an end-of-turn EOS inside a conversation must not cut it).
 
 Two backends run it (`model.attention_backend`, decided once by `decide_backend`, which the
 precision plan records and reports):
@@ -41,10 +42,12 @@ def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor
     Args:
         tokens: the token ids [B, S].
         bos_id: the tokenizer's beginning-of-sequence id (a document starts at it).
-        eos_id: the tokenizer's end-of-sequence id (a document ends with it).
+        eos_id: the tokenizer's end-of-sequence id (a document ends with it); -1: only BOS starts
+            documents (chat data, whose turns may end with EOS inside one conversation).
     """
     starts = tokens == bos_id
-    starts[:, 1:] |= tokens[:, :-1] == eos_id
+    if eos_id >= 0:
+        starts[:, 1:] |= tokens[:, :-1] == eos_id
     return starts.cumsum(dim=1, dtype=torch.int32)
 
 

@@ -14,7 +14,8 @@ tokenizer, the precision (the job config's: bf16 autocast where the run trained 
 which a prompt and its continuation must fit in. The layout is the tool's own: N ranks are tensor
 parallel N (no sequence parallel), whatever the run trained on. Only the model is loaded.
 
-Each prompt is encoded with BOS first and continued greedily (--temperature 0, the default) or by
+Each prompt is encoded with BOS first (with --chat: as a user message through the tokenizer's chat
+template, ending with the assistant's generation prompt) and continued greedily (--temperature 0, the default) or by
 sampling (--top-k, --top-p, a --seed), until EOS or --max-new-tokens. Rank 0 prints every prompt
 and its continuation on stdout (logs go to stderr); --output also writes one JSON line per
 prompt: prompt, text, tokens (the new ids, EOS included), stop ("eos" or "length"). With --hf, the
@@ -77,6 +78,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens holding this mass")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     p.add_argument("--output", metavar="FILE", help="also write one JSON line per prompt here")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the tokenizer's chat template: each prompt is a user message and the model answers "
+        "as the assistant (docs/post_training.md)",
+    )
     return p.parse_known_args(argv)
 
 
@@ -178,7 +185,9 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, max_seq_len: i
         )
 
 
-def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Loaded, list[list[int]]]:
+def load(
+    config: JobConfig, prompts: list[str], max_new_tokens: int, chat: bool = False
+) -> tuple[Loaded, list[list[int]]]:
     """Every config-time check (the prompts' lengths included) before any process group, then the
     model built on this rank's layout with the checkpoint's weights. Every rank calls it.
 
@@ -187,6 +196,8 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
         prompts: the prompts' texts, encoded with BOS first.
         max_new_tokens: the tokens generated at most per prompt (with the prompt, they must fit
             training.seq_len).
+        chat: each prompt is a user message, rendered by the tokenizer's chat template with the
+            generation prompt (data/chat.py's chat_prompt_ids).
     """
     from torchtitan_amp.checkpoint import CheckpointManager
     from torchtitan_amp.distributed import process_groups
@@ -198,7 +209,12 @@ def load(config: JobConfig, prompts: list[str], max_new_tokens: int) -> tuple[Lo
     process_groups.set_device(info)
     job = resolve_job(config, info.world_size, info.device.type)
     assert job.tokenizer is not None  # resolve builds one outside a dry run
-    ids = [job.tokenizer.encode(text, bos=True, eos=False) for text in prompts]
+    if chat:
+        from torchtitan_amp.data.chat import chat_prompt_ids
+
+        ids = [chat_prompt_ids([{"role": "user", "content": text}], job.tokenizer) for text in prompts]
+    else:
+        ids = [job.tokenizer.encode(text, bos=True, eos=False) for text in prompts]
     _check_lengths(ids, max_new_tokens, job.model_args.max_seq_len)
     process_groups.init(info, config.comm.init_timeout_seconds)
     if info.world_size > 1:
@@ -229,7 +245,7 @@ def generate_texts(args: argparse.Namespace, config_argv: list[str]) -> list[dic
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     with tempfile.TemporaryDirectory(prefix="torchtitan_amp_generate_") as scratch:
         config = load_config(weights_only_overrides(_config_argv(args, config_argv, world_size), scratch))
-        loaded, ids = load(config, prompts, args.max_new_tokens)
+        loaded, ids = load(config, prompts, args.max_new_tokens, args.chat)
     _log_start(loaded, world_size, sampling)
     return [
         record(

@@ -112,8 +112,12 @@ class Job:
     @functools.cached_property
     def mask_inputs(self) -> MaskInputs:
         """The extra forward arguments model.attn_mask_type needs (document ids for block_causal).
-        A dry run without a tokenizer has no BOS / EOS: every window is one document."""
+        A dry run without a tokenizer has no BOS / EOS: every window is one document. On chat data
+        (`chat:`) only BOS starts a document: each conversation starts with one, and its turns may
+        end with EOS inside it (data/chat.py)."""
         bos, eos = (self.tokenizer.bos_id, self.tokenizer.eos_id) if self.tokenizer is not None else (-1, -1)
+        if self.config.training.dataset.startswith("chat:"):
+            eos = -1
         return MaskInputs(self.config.model.attn_mask_type, bos, eos)
 
     @property

@@ -1,0 +1,206 @@
+"""Chat templates: Hugging Face tokenizers' `chat_template` (jinja2), rendered as transformers'
+`apply_chat_template` renders it, and the assistant spans that SFT trains on.
+
+The template comes from a tokenizer folder (its chat_template.jinja, or tokenizer_config.json's
+`chat_template`: a string, or a list of {"name", "template"} where "default" is taken), or, for the
+byte tokenizer, the template shipped here (`BYTE_TEMPLATE`). It renders in a sandboxed jinja2
+environment set up like transformers' (trim_blocks, lstrip_blocks, loop controls, `tojson`,
+`raise_exception`, `{% generation %}`) with the variables `messages`, `bos_token`, `eos_token` and
+`add_generation_prompt`.
+
+Assistant spans: where the template marks them with `{% generation %}...{% endgeneration %}`, those
+character ranges; otherwise found incrementally: assistant turn i is what rendering messages[:i+1]
+adds to messages[:i] rendered with the generation prompt (its content and end-of-turn marker).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from torchtitan_amp.core.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+
+# The byte tokenizer's template: role headers in plain text; `eos_token` ends each assistant turn
+# (the chat encoder maps the byte tokenizer's "</s>" to its EOS id, so generation stops there).
+BYTE_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+# The byte tokenizer's specials as templates spell them.
+BYTE_BOS_TOKEN = "<s>"
+BYTE_EOS_TOKEN = "</s>"
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> Any:
+    """The template compiled in transformers' sandboxed environment (cached per source)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTracker(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` renders its body and records its character
+        range in the output (transformers' AssistantTracker)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+        def _track(self, caller: Any) -> str:
+            text = caller()
+            tracking = getattr(self.environment, "tracking", None)
+            if tracking is not None:
+                parts, spans = tracking
+                start = sum(len(p) for p in parts)
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def _tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise DataError(f"chat template: jinja2 syntax error on line {e.lineno}: {e.message}") from None
+
+
+class ChatTemplate:
+    """A chat template with the special-token strings it renders.
+
+    Args:
+        source: the jinja2 template text.
+        bos_token: what `{{ bos_token }}` renders.
+        eos_token: what `{{ eos_token }}` renders.
+        where: where the template came from (for error messages).
+    """
+
+    def __init__(self, source: str, bos_token: str, eos_token: str, where: str) -> None:
+        self.source, self.bos_token, self.eos_token, self.where = source, bos_token, eos_token, where
+        self.marked = bool(_GENERATION_TAG.search(source))
+        self._template = _compile(source)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The conversation's text, as apply_chat_template(messages, tokenize=False) gives it.
+
+        Args:
+            messages: the conversation ({"role", "content"} dicts).
+            add_generation_prompt: whether to end with the header that opens an assistant turn.
+        """
+        return self._render(messages, add_generation_prompt, None)
+
+    def _render(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, spans: list[tuple[int, int]] | None
+    ) -> str:
+        import jinja2
+
+        env = self._template.environment
+        parts: list[str] = []
+        # The generation tracker reads this while the render runs (renders are sequential).
+        env.tracking = (parts, spans) if spans is not None else None
+        try:
+            for block in self._template.generate(
+                messages=messages,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt,
+            ):
+                parts.append(block)
+        except jinja2.exceptions.TemplateError as e:
+            raise DataError(f"chat template ({self.where}) failed to render: {' '.join(str(e).split())}") from None
+        finally:
+            env.tracking = None
+        return "".join(parts)
+
+    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation's text and the character ranges [start, end) of its assistant
+        turns (what SFT trains on); an empty list when the template renders none.
+
+        Args:
+            messages: the conversation ({"role", "content"} dicts).
+        """
+        if self.marked:
+            spans: list[tuple[int, int]] = []
+            text = self._render(messages, False, spans)
+            return text, [s for s in spans if s[1] > s[0]]
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not upto.startswith(prompt) or not text.startswith(upto):
+                raise DataError(
+                    f"chat template ({self.where}) does not render the conversation prefix by prefix (turn "
+                    f"{i}): its assistant text cannot be found; mark it with {{% generation %}}"
+                )
+            if len(upto) > len(prompt):
+                spans.append((len(prompt), len(upto)))
+        return text, spans
+
+
+def _folder_template(folder: Path) -> str | None:
+    """A tokenizer folder's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        value = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"{config_path}: unreadable ({' '.join(str(e).split())})") from None
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{config_path}: 'chat_template' must be a string or a list with a 'default' template")
+    return value
+
+
+def template_for(tokenizer: Any) -> ChatTemplate:
+    """The chat template of `tokenizer`: the byte tokenizer's shipped one, or its folder's.
+
+    Args:
+        tokenizer: a data.tokenizer tokenizer (ByteTokenizer, or an HFTokenizer from a folder).
+    """
+    if getattr(tokenizer, "cache_key", None) == "byte":
+        return ChatTemplate(BYTE_TEMPLATE, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN, "the byte tokenizer's shipped template")
+    path = getattr(tokenizer, "path", None)
+    if not hasattr(tokenizer, "encode_with_offsets") or path is None:
+        raise DataError(
+            "chat data needs model.tokenizer = 'byte' or a Hugging Face tokenizer folder, not "
+            f"{type(tokenizer).__name__}"
+        )
+    source = _folder_template(Path(path).parent)
+    if source is None:
+        raise DataError(
+            f"tokenizer folder {Path(path).parent} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json's 'chat_template'); add one or use model.tokenizer = 'byte'"
+        )
+    return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, str(Path(path).parent))
