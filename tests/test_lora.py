@@ -137,3 +137,130 @@ def test_audit_names_a_base_gradient_and_a_low_precision_adapter_gradient(tmp_pa
         "adapter gradients": ["bfloat16"],
         "base parameters with a gradient": ["layers.0.attention.wq.weight"],
     }
+
+
+# --- against PEFT, on the same transformers model and init (fp32) -------------------------------
+
+HF_ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, use_scaled_rope=False)
+TARGETS = "layers.*.attention.wq,layers.*.attention.wk,layers.*.feed_forward.w2"
+PEFT_TARGETS = ["q_proj", "k_proj", "down_proj"]
+TOKENS = torch.randint(0, 258, (2, 17), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random transformers LlamaForCausalLM (GQA), saved: the base both sides start from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchtitan_amp.models.llama3.model import ffn_hidden_dim
+
+    config = LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=ffn_hidden_dim(64, 32, None),
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf_base")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _ours(folder: Path) -> tuple[torch.nn.Module, object]:
+    """Our model imported from the HF folder, with fp32 adapters on TARGETS; B drawn at random (a
+    zero B would leave A's gradient zero and the comparison empty)."""
+    from torchtitan_amp.checkpoint.hf import load_hf
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    model = Transformer(args)
+    lora.apply_lora(_plan(*FP32, "--lora.target_modules", TARGETS, "--lora.alpha", "4"), model)
+    load_hf(model, folder, args, complete_model=True)
+    torch.manual_seed(1)
+    lora.init_adapters(model)
+    with torch.no_grad():
+        for m in lora.lora_modules(model):
+            m.lora_B.weight.normal_(0, 0.02)
+    return model, args
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), TOKENS[:, 1:].flatten())
+
+
+def test_loss_and_adapter_gradients_equal_peft(hf_folder: Path) -> None:
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.hf import _adapter, permute_to_hf
+    from torchtitan_amp.checkpoint.lora_export import peft_tensors
+    from torchtitan_amp.models import get_family
+
+    ours, args = _ours(hf_folder)
+    base = LlamaForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=4, lora_dropout=0.0, target_modules=PEFT_TARGETS)
+    theirs = peft.get_peft_model(base, config)
+    # Our A and B copied under PEFT's names (B's rows in HF's rotary layout for q / k): the export's mapping.
+    mine = peft_tensors(ours, args)
+    result = peft.set_peft_model_state_dict(theirs, mine)
+    assert not result.unexpected_keys
+    ours_loss = _loss(ours(TOKENS))
+    ours_loss.backward()
+    their_loss = _loss(theirs(input_ids=TOKENS).logits)
+    their_loss.backward()
+    ours_loss, their_loss = ours_loss.detach(), their_loss.detach()
+    # fp32 both; the same products summed in other orders (fused attention vs eager, SwiGLU, the
+    # rotary layouts): each side's rounding is at most ~n u |terms| with n <= 176 (the longest
+    # reduction, the FFN's hidden width) and u = 2**-24, so 1e-5 relative (~176 u) bounds the gap.
+    # Measured (torch 2.13 CPU, peft 0.21.2): losses bitwise equal, adapter gradients 7.6e-7 of their largest entry.
+    assert abs(float(ours_loss) - float(their_loss)) <= 1e-5 * abs(float(their_loss))
+    hf = _adapter(get_family("llama3"))
+    named = {n: p for n, p in theirs.named_parameters() if "lora_" in n}
+    assert len(named) == len(mine) == 2 * 3 * args.n_layers
+    worst = 0.0
+    for m_name, m in ours.named_modules():
+        if not isinstance(m, lora.LoraLinear):
+            continue
+        module = hf.to_hf_name(f"{m_name}.weight").removesuffix(".weight")
+        heads = hf.rotary_heads(f"{m_name}.weight", args)
+        for ab in "AB":
+            grad = getattr(m, f"lora_{ab}").weight.grad
+            if ab == "B" and heads:
+                grad = permute_to_hf(grad, heads)
+            their = named[f"base_model.model.{module}.lora_{ab}.default.weight"].grad
+            scale = float(their.abs().max())
+            assert scale > 0, (m_name, ab)
+            worst = max(worst, float((grad - their).abs().max()) / scale)
+    assert worst <= 1e-5, worst
+
+
+def test_merged_export_and_peft_adapters_give_our_logits(hf_folder: Path, tmp_path: Path) -> None:
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.lora_export import export_merged_hf, export_peft
+
+    ours, args = _ours(hf_folder)
+    with torch.no_grad():
+        want = ours(TOKENS)
+    merged = LlamaForCausalLM.from_pretrained(export_merged_hf(ours, args, "llama3", tmp_path / "merged"))
+    adapters = export_peft(ours, args, tmp_path / "peft", base_model=str(hf_folder))
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], len(config["target_modules"])) == (8, 4.0, 3 * args.n_layers)
+    loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_folder), adapters)
+    with torch.no_grad():
+        got_merged = merged(input_ids=TOKENS).logits
+        got_peft = loaded(input_ids=TOKENS).logits
+    # fp32 on both sides: the import's own tolerance (test_hf.py's LOGITS_ATOL); the merge adds one
+    # rounding of W + s * B @ A (~u |W|). Measured: 1.5e-7 (merged) and 1.8e-7 (PEFT).
+    assert (got_merged - want).abs().max() <= 1e-5
+    assert (got_peft - want).abs().max() <= 1e-5
+    base = LlamaForCausalLM.from_pretrained(hf_folder)
+    with torch.no_grad():
+        assert (base(input_ids=TOKENS).logits - want).abs().max() > 1e-3  # the adapters change the logits
