@@ -264,3 +264,78 @@ def test_merged_export_and_peft_adapters_give_our_logits(hf_folder: Path, tmp_pa
     base = LlamaForCausalLM.from_pretrained(hf_folder)
     with torch.no_grad():
         assert (base(input_ids=TOKENS).logits - want).abs().max() > 1e-3  # the adapters change the logits
+
+
+# --- QLoRA ----------------------------------------------------------------------------------------
+
+
+def _nf4_inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {n: getattr(t, n).clone() for n in t.__tensor_flatten__()[0]}
+
+
+def test_qlora_step_leaves_the_nf4_base_bit_identical(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *FP32, "--lora.quantize_base", "nf4", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        )
+    )
+    model = t.run.model
+    bases = {n: m.weight for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
+    assert bases and all(lora.is_nf4(w) and not w.requires_grad for w in bases.values())
+    before = {n: _nf4_inner(w) for n, w in bases.items()}
+    t.train()
+    for n, w in bases.items():
+        after = _nf4_inner(w)
+        assert before[n].keys() == after.keys() and all(torch.equal(before[n][k], after[k]) for k in after), n
+        assert w.grad is None
+    assert any(float(m.lora_B.weight.abs().max()) > 0 for m in lora.lora_modules(model))  # the adapters learned
+    report = json.loads((tmp_path / "precision_report.json").read_text())["lora"]
+    assert report["base"]["storage_dtype"] == "nf4" and report["adapters"]["grad_dtype"] == "float32"
+
+
+def test_qlora_forward_is_lora_on_torchaos_dequantized_base() -> None:
+    """Our QLoRA computes on torchao's dequantization (NF4Tensor.get_original_weight) and nothing of
+    its own: its loss and adapter gradients equal, bitwise, a LoRA model whose fp32 base is that
+    dequantized weight; the merge dequantizes the same way."""
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("nf4", "none")}
+    models = {}
+    for q, plan in plans.items():
+        torch.manual_seed(0)
+        models[q] = Transformer(args)
+        models[q].init_weights()
+        lora.apply_lora(plan, models[q])
+        torch.manual_seed(1)
+        lora.init_adapters(models[q])
+    lora.quantize_base(plans["nf4"], models["nf4"])
+    with torch.no_grad():
+        for q_mod, f_mod in zip(lora.lora_modules(models["nf4"]), lora.lora_modules(models["none"])):
+            deq = q_mod.weight.get_original_weight()
+            assert deq.dtype == torch.float32 and not torch.equal(deq, f_mod.weight)  # NF4 rounds
+            f_mod.weight.copy_(deq)
+            q_mod.lora_B.weight.normal_(0, 0.02)
+            f_mod.lora_B.weight.copy_(q_mod.lora_B.weight)
+            assert torch.equal(q_mod.merged_weight(), f_mod.merged_weight())
+    losses = {q: _loss(m(TOKENS)) for q, m in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    assert torch.equal(losses["nf4"], losses["none"])
+    for q_mod, f_mod in zip(lora.lora_modules(models["nf4"]), lora.lora_modules(models["none"])):
+        assert torch.equal(q_mod.lora_A.weight.grad, f_mod.lora_A.weight.grad)
+        assert torch.equal(q_mod.lora_B.weight.grad, f_mod.lora_B.weight.grad)
+
+
+def test_nf4_shape_torchao_cannot_quantize_is_one_line() -> None:
+    with pytest.raises(PrecisionError, match="'layers.0.x.weight' has 100 elements, not a multiple of NF4's block"):
+        lora.nf4_blocks("layers.0.x", 100)
+    assert lora.nf4_blocks("w", 64 * 512) == (64, 256) and lora.nf4_blocks("w", 64 * 96) == (64, 32)
+
+
+def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import fails: as if torchao lacked it
+    with pytest.raises(PrecisionError, match="needs torchao's NF4Tensor") as e:
+        lora.nf4_api()
+    assert "\n" not in str(e.value)

@@ -167,9 +167,30 @@ def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
     if plan.lora is None or not plan.lora.nf4:
         return
     api = nf4_api()
-    for m in lora_modules(model):
-        if not is_nf4(m.weight):
-            m.weight = nn.Parameter(api.to_nf4(m.weight.detach()), requires_grad=False)
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLinear) and not is_nf4(m.weight):
+            blocks, scaler_block = nf4_blocks(name, m.weight.numel())
+            m.weight = nn.Parameter(api.to_nf4(m.weight.detach(), blocks, scaler_block), requires_grad=False)
+
+
+NF4_BLOCK = 64  # QLoRA's: 64 weights share one absmax scale
+NF4_SCALER_BLOCK = 256  # and 256 scales share one (double quantization)
+
+
+def nf4_blocks(name: str, numel: int) -> tuple[int, int]:
+    """QLoRA's block sizes for a weight of `numel` elements: 64, and 256 scales per scaler block, or
+    the largest power of two below 256 that divides a small weight's scale count (torchao needs both
+    to divide); a weight that is no whole number of 64-blocks is one PrecisionError line."""
+    if numel % NF4_BLOCK:
+        raise PrecisionError(
+            f"'lora.quantize_base' = 'nf4': '{name}.weight' has {numel} elements, not a multiple of "
+            f"NF4's block of {NF4_BLOCK}; leave it out of lora.target_modules or use quantize_base = 'none'"
+        )
+    scales = numel // NF4_BLOCK
+    scaler = NF4_SCALER_BLOCK
+    while scales % scaler:
+        scaler //= 2
+    return NF4_BLOCK, scaler
 
 
 def merge(model: nn.Module) -> dict[str, torch.Tensor]:
