@@ -339,3 +339,53 @@ def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(PrecisionError, match="needs torchao's NF4Tensor") as e:
         lora.nf4_api()
     assert "\n" not in str(e.value)
+
+
+# --- checkpoints: the adapters and their optimizer state, resumed bitwise -------------------------
+
+
+def _run(folder: Path, *extra: str) -> trainer_module.Trainer:
+    args = [*BASE, *FP32, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    t = trainer_module.Trainer(load_config([*args, "--job.dump_folder", str(folder), *extra]))
+    t.train()
+    return t
+
+
+def _adapters(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in lora.adapter_parameters(t.run.model).items()}
+
+
+def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    # The base: another seed's weights as a seed checkpoint, so a resume that kept its own seed
+    # init instead of reloading initial_load_path would train on a different base.
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    base = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+    straight = _run(tmp_path / "straight", *base)
+    step2 = tmp_path / "straight" / "checkpoint" / "step-2"
+    saved = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
+    model_keys = {k for k in saved if k.startswith("model.")}
+    assert model_keys == {f"model.{n}" for n in lora.adapter_parameters(straight.run.model)}
+    optim = {k for k in saved if k.startswith("optimizer.state.")}
+    assert optim and all(".lora_A." in k or ".lora_B." in k for k in optim)
+    meta = json.loads((step2 / "checkpoint.json").read_text())
+    assert meta["lora_base"] == base[1]
+    # Resume from step 2 of a copy (its step-4 removed) and train to step 4.
+    resumed_folder = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoint", resumed_folder / "checkpoint")
+    shutil.rmtree(resumed_folder / "checkpoint" / "step-4")
+    resumed = _run(resumed_folder, *base)
+    want, got = _adapters(straight), _adapters(resumed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    named = dict(resumed.run.model.named_parameters())
+    for n, p in straight.run.model.named_parameters():
+        assert torch.equal(p, named[n]), n  # the base too: reloaded from initial_load_path

@@ -333,6 +333,10 @@ class Saver:
             "torch": torch.__version__,
             "job_config": self.config.to_dict(),
         }
+        if self.state.adapters:  # LoRA: the model part holds the adapters; this is their base
+            meta["lora_base"] = (
+                self.config.checkpoint.initial_load_path or f"seed init (training.seed {self.config.training.seed})"
+            )
         if self.replica is not None:
             meta["replica_group"] = self.replica.replica_id  # the group that wrote this folder
         if c.checksums:

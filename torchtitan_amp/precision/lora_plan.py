@@ -71,6 +71,12 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP) only: tensor / pipeline / context / "
             "expert parallel would need the adapters' A and B split to match the base's plan, not built here"
         )
+    c = config.checkpoint
+    if c.last_save_model_only or c.last_save_hf:
+        raise PrecisionError(
+            "'lora.enable' with checkpoint.last_save_model_only / last_save_hf: a LoRA checkpoint holds the "
+            "adapters; merge and export them with torchtitan_amp.checkpoint.lora_export (export_merged_hf, export_peft)"
+        )
     if lo.quantize_base == "nf4" and dims.dp_degree > 1:
         raise PrecisionError(
             "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process here: the NF4 base is not wired "
