@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,11 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(t).__name__ == "NF4Tensor"
 
 
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or an NF4Tensor dequantized by torchao (NF4Tensor.get_original_weight)."""
+    return cast(Any, t).get_original_weight() if is_nf4(t) else t
+
+
 class LoraLinear(nn.Linear):
     """A frozen base Linear plus a trained low-rank update (module docstring)."""
 
@@ -83,7 +88,7 @@ class LoraLinear(nn.Linear):
 
     def merged_weight(self) -> torch.Tensor:
         """W + scaling * B @ A in fp32 (the base dequantized from NF4 under QLoRA)."""
-        w = self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+        w = dequantized(self.weight)
         b, a = self.lora_B.weight.detach().float(), self.lora_A.weight.detach().float()
         return w.detach().float() + self.scaling * (b @ a)
 
@@ -204,7 +209,7 @@ def merge(model: nn.Module) -> dict[str, torch.Tensor]:
         for pname, p in module.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
             value = merged[module] if pname == "weight" and module in merged else p.detach()
-            out[key] = value.get_original_weight() if is_nf4(value) else value.float()
+            out[key] = dequantized(value).float()
     return out
 
 

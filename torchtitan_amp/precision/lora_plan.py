@@ -31,7 +31,7 @@ class LoraPlan:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
-    def parts(self) -> dict[str, dict[str, str]]:
+    def parts(self) -> dict[str, dict[str, str | None]]:
         """Storage / compute / gradient dtype of each part, for the precision report."""
         compute, adapter = dtype_name(self.compute_dtype), dtype_name(self.adapter_dtype)
         return {
