@@ -389,3 +389,37 @@ def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
     named = dict(resumed.run.model.named_parameters())
     for n, p in straight.run.model.named_parameters():
         assert torch.equal(p, named[n]), n  # the base too: reloaded from initial_load_path
+
+
+# --- the memory model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> None:
+    """memory.state_bytes on one process equals the built model: the frozen base in its storage
+    (bf16 Linears, fp32 norms and embeddings; NF4's codes, scales and factors under QLoRA), the
+    fp32 adapters with their fp32 gradients and AdamW moments, and nothing else trained."""
+    from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, state_bytes
+
+    job = job_mod.resolve(load_config([*BASE, *BF16, "--lora.quantize_base", quantize]), 1, "cpu")
+    model = job_mod.build_model_parts(job, torch.device("cpu"), [0]).parts[0]
+    params: dict[str, int] = {}
+    for p in model.parameters():
+        key = "uint8" if lora.is_nf4(p) else str(p.dtype).removeprefix("torch.")
+        inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if lora.is_nf4(p) else [p]
+        params[key] = params.get(key, 0) + sum(t.numel() * t.element_size() for t in inner)
+    adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
+    got = state_bytes(job.model_dims, job.precision, job.layout)
+    assert got.params == params, (got.params, params)
+    assert got.grads == {"float32": 4 * adapters}
+    assert got.optimizer == {"float32": 8 * adapters + ADAMW_STEP_BYTES * len(lora.adapter_parameters(model))}
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Path) -> None:
+    """The dry run's meta model (NF4 quantized on meta by torchao) and memory.state_bytes agree."""
+    from torchtitan_amp.train import dry_run
+
+    config = load_config([*BASE, *BF16, "--lora.quantize_base", quantize, "--job.dump_folder", str(tmp_path)])
+    report = dry_run.run(config, world_size=1, rank=0, write=False)
+    assert report["memory"]["analytic_state_matches"], report["memory"]

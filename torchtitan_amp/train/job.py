@@ -299,6 +299,8 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
             lora.init_adapters(model)
         lora.quantize_base(job.plan, model)
         model.to(device)
+    elif not materialize:
+        lora.quantize_base(job.plan, model)  # torchao quantizes on meta too: the dry run measures NF4's bytes
     parts = []
     for sid in stage_ids:
         part = stage_module(model, sid, list(job.boundaries)) if job.dims.pp_enabled else model
