@@ -423,3 +423,32 @@ def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Pa
     config = load_config([*BASE, *BF16, "--lora.quantize_base", quantize, "--job.dump_folder", str(tmp_path)])
     report = dry_run.run(config, world_size=1, rank=0, write=False)
     assert report["memory"]["analytic_state_matches"], report["memory"]
+
+
+def test_qlora_base_from_initial_load_path_is_torchaos_nf4_of_it(tmp_path: Path) -> None:
+    """The frozen base comes from checkpoint.initial_load_path into the NF4 parameters: each equals
+    torchao's NF4 of the saved weight (torchao's NF4Tensor.copy_ quantizes what DCP loads)."""
+    import torch.distributed.checkpoint as dcp
+
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    step0 = seed / "checkpoint" / "step-0"
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *FP32, "--lora.quantize_base", "nf4", "--training.steps", "1", "--checkpoint.enable"]
+            + ["--checkpoint.initial_load_path", str(step0), "--job.dump_folder", str(tmp_path / "run")]
+        )
+    )
+    t.train()  # one step: the frozen base does not move
+    api = lora.nf4_api()
+    for name, m in t.run.model.named_modules():
+        if isinstance(m, lora.LoraLinear):
+            saved = {"model": {f"{name}.weight": torch.empty(m.weight.shape)}}
+            dcp.load(saved, checkpoint_id=str(step0), no_dist=True)
+            want = api.to_nf4(saved["model"][f"{name}.weight"], *lora.nf4_blocks(name, m.weight.numel()))
+            assert torch.equal(lora.dequantized(m.weight), lora.dequantized(want)), name
