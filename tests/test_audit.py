@@ -83,7 +83,7 @@ LAYOUTS = {
         ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "lora", "nvfp4", "mxfp8"),
     ),
     "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8")),
-    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "lora", "nvfp4")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
     # cp alone: FSDP shards over the cp ranks themselves (dp_shard_cp is the cp group); bf16_reduce:

@@ -452,3 +452,12 @@ def test_qlora_base_from_initial_load_path_is_torchaos_nf4_of_it(tmp_path: Path)
             dcp.load(saved, checkpoint_id=str(step0), no_dist=True)
             want = api.to_nf4(saved["model"][f"{name}.weight"], *lora.nf4_blocks(name, m.weight.numel()))
             assert torch.equal(lora.dequantized(m.weight), lora.dequantized(want)), name
+
+
+def test_adapters_of_an_fp32_by_name_linear_compute_in_fp32() -> None:
+    job = job_mod.resolve(load_config([*BASE, *BF16, "--mixed_precision.fp32_module_names", "layers.0"]), 1, "cpu")
+    model = job_mod.build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
+    for i, want in ((0, torch.float32), (1, torch.bfloat16)):
+        wq = model.get_submodule(f"layers.{i}.attention.wq")
+        assert {job.plan.compute_dtype(m) for m in (wq, wq.lora_A, wq.lora_B)} == {want}, i
+        assert wq.weight.dtype == want  # the frozen base in what it computes in

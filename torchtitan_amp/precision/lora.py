@@ -24,7 +24,7 @@ from torch import nn
 
 from torchtitan_amp.core.errors import PrecisionError
 from torchtitan_amp.precision.lora_plan import LoraPlan
-from torchtitan_amp.precision.tags import FROZEN
+from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
 
 if TYPE_CHECKING:
     from torchtitan_amp.precision.plan import PrecisionPlan
@@ -128,7 +128,8 @@ def apply_lora(plan: PrecisionPlan, model: nn.Module) -> list[str]:
     targets = target_modules(model, lp.targets)
     made: dict[int, nn.Parameter] = {}  # a shared (tied) parameter stays one
     for module in model.modules():
-        dtype = lp.base_dtype if id(module) in {id(m) for m in targets.values()} else plan.frozen_dtype(module)
+        # What it computes in (lp.base_dtype for a lower-precision-safe target; fp32 by name: fp32).
+        dtype = plan.frozen_dtype(module)
         for pname, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
@@ -139,8 +140,11 @@ def apply_lora(plan: PrecisionPlan, model: nn.Module) -> list[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         wrapped = LoraLinear(linear, lp.rank, lp.alpha, lp.dropout, lp.adapter_dtype)
         for tag, value in vars(linear).items():
-            if tag.startswith("_torchtitan_amp"):
+            if tag.startswith("_torchtitan_amp"):  # the plan's marks (fp32 by name, frozen)
                 setattr(wrapped, tag, value)
+                if tag == FP32_BY_NAME:  # an fp32-by-name Linear's adapters compute in fp32 too
+                    setattr(wrapped.lora_A, tag, value)
+                    setattr(wrapped.lora_B, tag, value)
         setattr(parent, child, wrapped)
     return sorted(targets)
 
