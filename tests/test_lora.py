@@ -461,3 +461,44 @@ def test_adapters_of_an_fp32_by_name_linear_compute_in_fp32() -> None:
         wq = model.get_submodule(f"layers.{i}.attention.wq")
         assert {job.plan.compute_dtype(m) for m in (wq, wq.lora_A, wq.lora_B)} == {want}, i
         assert wq.weight.dtype == want  # the frozen base in what it computes in
+
+
+def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_path: Path) -> None:
+    """`python -m torchtitan_amp.checkpoint export --format hf|peft` of a LoRA checkpoint (bf16 base
+    from a seed-5 initial_load_path): it rebuilds the run's model bitwise (base in the dtypes it
+    trained against, adapters), transformers gives the merged model's logits, and the PEFT folder
+    holds every adapter."""
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.cli import main as checkpoint_cli
+    from torchtitan_amp.checkpoint.lora_export import load_lora_checkpoint
+
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    args = [*BASE, *BF16, "--training.steps", "2", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "run")]
+    t = trainer_module.Trainer(load_config([*args, "--checkpoint.initial_load_path", str(seed / "checkpoint/step-0")]))
+    t.train()
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    model, model_args, *_ = load_lora_checkpoint(step)
+    want = dict(t.run.model.named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert checkpoint_cli(["export", "--format", "hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert checkpoint_cli(["export", "--format", "peft", str(step), str(tmp_path / "peft")]) == 0
+    from torchtitan_amp.models.llama3.model import Transformer
+
+    merged = Transformer(model_args)
+    merged.load_state_dict(lora.merge(model), strict=False)
+    with torch.no_grad():
+        ours = merged(TOKENS)
+        theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf")(input_ids=TOKENS).logits
+    assert (ours - theirs).abs().max() <= 1e-5  # fp32 both: test_hf.py's import tolerance
+    from safetensors.torch import load_file
+
+    assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(lora.adapter_parameters(model))

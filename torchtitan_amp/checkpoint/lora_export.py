@@ -132,3 +132,81 @@ def export_peft(model: nn.Module, args: Any, output: str | Path, base_model: str
         raise CheckpointError("PEFT's adapter_config.json holds one rank and alpha; the adapters differ")
     (output / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return output
+
+
+def _load_base(model: nn.Module, base: str, args: Any, flavor: str, family: Any) -> None:
+    """The frozen base from the path a LoRA checkpoint names (an HF folder, one of our step
+    folders or a model-only export); a seed init needs nothing (the model was initialised so)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_amp.checkpoint.format import quiet_single_process
+    from torchtitan_amp.checkpoint.hf import load_hf
+    from torchtitan_amp.checkpoint.loading import choose_initial
+    from torchtitan_amp.precision.lora import adapter_parameters
+
+    if base.startswith("seed init"):
+        return
+    choice = choose_initial(Path(base), args, flavor, family)
+    adapters = set(adapter_parameters(model))
+    if choice.kind == "hf":
+        load_hf(model, Path(choice.path), args, complete_model=True, family=family)
+        return
+    sd = {k: v for k, v in model.state_dict().items() if k not in adapters}
+    if choice.kind == "model_only":
+        saved = torch.load(Path(choice.path) / EXPORT_FILE, map_location="cpu", weights_only=True)
+        sd = {k: saved[k] for k in sd}
+    else:
+        with quiet_single_process():
+            dcp.load({"model": sd}, checkpoint_id=choice.path, no_dist=True)
+    model.load_state_dict(sd, strict=False)
+
+
+def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str, str]:
+    """A LoRA checkpoint as the whole model on one process: its base (the manifest's lora_base, in
+    the dtypes the adapters trained against: lora_base_dtypes, NF4 re-quantized by torchao) plus
+    its adapters. Returns (model, model args, family name, tokenizer spec, base)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_amp.checkpoint.format import checkpoint_family, inspect_checkpoint, quiet_single_process
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.precision import PrecisionPlan
+    from torchtitan_amp.precision.lora import adapter_parameters, apply_lora, nf4_api, nf4_blocks
+
+    info = inspect_checkpoint(step_dir)
+    base = info.meta.get("lora_base")
+    if base is None:
+        raise CheckpointError(f"{info.path} is not a LoRA checkpoint (its manifest names no lora_base)")
+    family = checkpoint_family(info.meta)
+    args = family.args_from_dict(info.meta["model_args"])
+    job = info.meta["job_config"]
+    lo = job["lora"]
+    config = load_config(
+        ["--model.name", family.name, "--mixed_precision.enabled", "false", "--lora.enable"]
+        + ["--lora.rank", str(lo["rank"]), "--lora.alpha", str(lo["alpha"])]
+        + ["--lora.target_modules", ",".join(lo["target_modules"])]
+    )
+    plan = PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, 1), "cpu", probe=None)
+    with torch.device("meta"):
+        model = family.build_model(args)
+    apply_lora(plan, model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(job["training"]["seed"])  # a seed-init base: as build_model_parts draws it
+    with torch.no_grad():
+        model.init_weights()
+    _load_base(model, base, args, job["model"]["flavor"], family)
+    adapters = {k: v.detach().clone() for k, v in adapter_parameters(model).items()}
+    with quiet_single_process():
+        dcp.load({"model": adapters}, checkpoint_id=str(info.path), no_dist=True)
+    model.load_state_dict(adapters, strict=False)
+    with torch.no_grad():  # round the base as the run stored it
+        for name, module in model.named_modules():
+            for pname, p in list(module.named_parameters(recurse=False)):
+                stored = info.meta.get("lora_base_dtypes", {}).get(f"{name}.{pname}" if name else pname)
+                if stored is None:
+                    continue
+                rounded = p.detach().to(getattr(torch, stored.removeprefix("nf4:")))
+                if stored.startswith("nf4:"):
+                    rounded = nf4_api().to_nf4(rounded, *nf4_blocks(name, p.numel()))
+                module.register_parameter(pname, nn.Parameter(rounded, requires_grad=False))
+    return model, args, family.name, job["model"].get("tokenizer", "byte"), base

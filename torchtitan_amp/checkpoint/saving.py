@@ -48,6 +48,7 @@ from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.models import get_family
+from torchtitan_amp.precision.lora import base_dtypes
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -337,6 +338,7 @@ class Saver:
             meta["lora_base"] = (
                 self.config.checkpoint.initial_load_path or f"seed init (training.seed {self.config.training.seed})"
             )
+            meta["lora_base_dtypes"] = base_dtypes(self.state.model)  # what the adapters trained against
         if self.replica is not None:
             meta["replica_group"] = self.replica.replica_id  # the group that wrote this folder
         if c.checksums:

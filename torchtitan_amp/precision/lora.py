@@ -232,3 +232,15 @@ def audit(plan: PrecisionPlan, parts: list[nn.Module]) -> dict[str, list[str]]:
             elif name not in adapters and p.grad is not None:
                 based.add(name)
     return {"adapter gradients": sorted(grads), "base parameters with a gradient": sorted(based)}
+
+
+def base_dtypes(model: nn.Module) -> dict[str, str]:
+    """Each frozen base parameter's storage ("nf4:<dtype>" for QLoRA's, the dtype it was quantized
+    from): a LoRA checkpoint records them, so that its export rebuilds the base the adapters
+    trained against."""
+    adapters = adapter_parameters(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if name not in adapters:
+            out[name] = ("nf4:" if is_nf4(p) else "") + str(p.dtype).removeprefix("torch.")
+    return out
