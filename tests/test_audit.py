@@ -54,6 +54,8 @@ PRECISIONS = {
         "--mixed_precision.fp32_module_names",
         "output,layers.0",
     ],
+    # LoRA: the base frozen in bf16, fp32 adapters whose gradients alone cross, in reduce_dtype.
+    "lora": [*BF16, "--mixed_precision.reduce_dtype", "bfloat16", "--lora.enable"],
     # Frozen modules in bf16: no gradient, so nothing of theirs on the wire.
     "frozen": [
         *BF16,
@@ -73,15 +75,15 @@ LAYOUTS = {
     "ddp": (
         2,
         [REPLICATE, "2", SHARD, "1"],
-        ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8"),
+        ("bf16", "bf16_reduce", "fp32", "fp16", "fp8", "fp32_names", "frozen", "lora", "nvfp4", "mxfp8"),
     ),
     "fsdp": (
         2,
         [SHARD, "2"],
-        ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8"),
+        ("bf16", "bf16_reduce", "fp32", "pure_bf16", "fp8", "fp32_names", "frozen", "lora", "nvfp4", "mxfp8"),
     ),
     "tp": (2, [TP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4", "mxfp8")),
-    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "nvfp4")),
+    "pp": (2, [PP, "2", SHARD, "1"], ("bf16", "fp32", "fp8", "fp32_names", "frozen", "lora", "nvfp4")),
     "hsdp": (4, [REPLICATE, "2", SHARD, "2"], ("bf16_reduce",)),
     "fsdp_tp": (4, [SHARD, "2", TP, "2"], ("bf16",)),
     # cp alone: FSDP shards over the cp ranks themselves (dp_shard_cp is the cp group); bf16_reduce:
@@ -280,7 +282,11 @@ def test_audit_passes_on_every_layout(audits: dict, run: str) -> None:
     if run.endswith("fp32_names"):
         assert result["modules"]["layers.0.feed_forward.w1"]["forward matmul"] == ["float32"], result["modules"]
         assert result["modules"]["layers.1.feed_forward.w1"]["forward matmul"] == ["bfloat16"], result["modules"]
-    if run.endswith(("_reduce", "fp32_names", "frozen")) and not run.startswith(("tp", "pp")) or run == "ddp_fp16":
+    if (
+        run.endswith(("_reduce", "fp32_names", "frozen", "lora"))
+        and not run.startswith(("tp", "pp"))
+        or run == "ddp_fp16"
+    ):
         # The reduction was seen, in the reduce dtype: the audit did not pass by seeing nothing.
         reduce = "float16" if run == "ddp_fp16" else "bfloat16"
         assert any(
@@ -311,6 +317,24 @@ def test_frozen_parameters_send_no_gradients(audits: dict, layout: str, collecti
     # debugmodel_tiny (dim 64, FFN hidden 256): layers.0's attention and FFN, layers.1's attention.
     assert frozen_linear == 4 * 64 * 64 + 3 * 64 * 256 + 4 * 64 * 64, frozen_linear
     assert full - frozen >= 2 * frozen_linear, (full, frozen, frozen_linear)
+
+
+@pytest.mark.parametrize(
+    "layout, collective", [("ddp", "all_reduce:dp_replicate"), ("fsdp", "reduce_scatter:dp_shard")]
+)
+def test_lora_sends_only_adapter_gradients(audits: dict, layout: str, collective: str) -> None:
+    """LoRA on DDP 2 (the bf16 compress hook) and FSDP 2 (adapters sharded in groups of their own):
+    the gradient reduction carries the adapters' gradients, 2 bytes each in bf16, and nothing of
+    the frozen base."""
+    from torchtitan_amp.precision import lora
+    from torchtitan_amp.train.job import build_model_parts, resolve
+
+    job = resolve(load_config([*BASE, *PRECISIONS["lora"]]), 1, "cpu")
+    model = build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
+    adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
+    # debugmodel_tiny (dim 64, 4 layers): rank 8 on wq and wv, (64 + 64) * 8 each.
+    assert adapters == 4 * 2 * (64 + 64) * 8, adapters
+    assert audits[f"{layout}_lora"]["collectives"][collective]["bfloat16"] == 2 * adapters
 
 
 def test_fsdp_reduce_in_the_wrong_dtype_is_named(audits: dict) -> None:

@@ -312,13 +312,18 @@ def test_a_subpackage_takes_its_parents_layer_and_keeps_its_cycles_visible(tmp_p
         test_no_import_cycle_within_a_package()
 
 
-PLAN_MAY_IMPORT = ("torchtitan_amp.precision.tags", "torchtitan_amp.precision.lowbit.")
+PLAN_MAY_IMPORT = (
+    "torchtitan_amp.precision.tags",
+    "torchtitan_amp.precision.lowbit.",
+    "torchtitan_amp.precision.lora_plan",  # [lora]'s decision (a part of the plan), not its applier
+)
 
 
 def test_the_plan_imports_no_applier():
     """precision/plan.py decides; the modules that apply its decision take the plan and are called
-    with it. Of precision/ it imports the module tags (the marks it reads) and the low-bit formats'
-    probes, recipe and Linear class (precision/lowbit/), nothing else, lazily or not."""
+    with it. Of precision/ it imports the module tags (the marks it reads), the low-bit formats'
+    probes, recipe and Linear class (precision/lowbit/) and [lora]'s decision (lora_plan.py, which
+    imports no applier), nothing else, lazily or not."""
     modules = _modules()
     name = "torchtitan_amp.precision.plan"
     imported = {

@@ -22,6 +22,9 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
              "audit": "file"                     instead of training: Trainer.audit(), to file
              "logits": "file", "tokens": [[...]] instead of training: the full fp32 logits of
                                                  `tokens` on this layout, torch.save'd to file
+             "lora_grads": "file", "tokens": [[...]] after training: LoRA's adapters (full tensors), the
+                                                 loss of `tokens` (next-token cross-entropy) and the
+                                                 adapters' gradients of it, torch.save'd to file
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
@@ -235,6 +238,28 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
         return h
 
 
+def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
+    """After training: the adapters, the loss of `tokens` and its adapter gradients (every rank
+    computes the same tokens, so FSDP's mean of the gradients is the one-process gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_amp.precision import lora
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+    adapters = lora.adapter_parameters(trainer.run.model)
+    for p in adapters.values():
+        p.grad = None
+    logits = trainer.run.model(tokens.to(trainer.run.device))
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    values = {n: full(p) for n, p in adapters.items()}
+    grads = {n: full(p.grad) for n, p in adapters.items()}
+    return {"loss": float(loss), "values": values, "grads": grads} if _rank() == 0 else None
+
+
 def _record_rows(trainer: Trainer) -> list[str]:
     """Digests of the input rows this rank's loader hands out, in order (the windows it trains on)."""
     rows: list[str] = []
@@ -306,6 +331,10 @@ def main(spec_path: str) -> int:
             continue
         rows = _record_rows(trainer) if job.get("record_batches") else []
         trainer.train()
+        if job.get("lora_grads"):
+            result = _lora_grads(trainer, torch.tensor(job["tokens"]))
+            if result is not None:
+                torch.save(result, job["lora_grads"])
         if job.get("record_batches"):
             gathered = _gather([trainer.run.dataloader.dp_rank, rows])
             if _rank() == 0:

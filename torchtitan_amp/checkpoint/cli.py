@@ -2,7 +2,9 @@
 
 export STEP_DIR OUTPUT.pt [DTYPE]: the model as one torch.save file;
 export --format hf STEP_DIR OUTPUT_DIR [--dtype D] [--max-shard-size 5GB] [--tokenizer T]: a
-Hugging Face Llama folder (checkpoint/hf.py).
+Hugging Face Llama folder (checkpoint/hf.py); of a LoRA checkpoint, its base with the adapters merged;
+export --format peft STEP_DIR OUTPUT_DIR: a LoRA checkpoint's adapters in PEFT's format
+(checkpoint/lora_export.py).
 """
 
 from __future__ import annotations
@@ -18,15 +20,34 @@ USAGE = (
     "       python -m torchtitan_amp.checkpoint verify STEP_DIR\n"
     "       python -m torchtitan_amp.checkpoint export STEP_DIR OUTPUT.pt [float32|bfloat16|float16]\n"
     "       python -m torchtitan_amp.checkpoint export --format hf STEP_DIR OUTPUT_DIR [--dtype bfloat16] "
-    "[--max-shard-size 5GB] [--tokenizer byte|PATH]"
+    "[--max-shard-size 5GB] [--tokenizer byte|PATH]\n"
+    "       python -m torchtitan_amp.checkpoint export --format peft STEP_DIR OUTPUT_DIR"
 )
+
+
+def _is_lora(step_dir: str) -> bool:
+    from torchtitan_amp.checkpoint.format import inspect_checkpoint
+
+    return "lora_base" in inspect_checkpoint(step_dir).meta
+
+
+def _export_lora(fmt: str, step_dir: str, output: str, dtype: str, shard: str, tokenizer: str | None) -> object:
+    """A LoRA checkpoint (adapters + the base its manifest names): merged into a Hugging Face
+    folder, or its adapters in PEFT's format."""
+    from torchtitan_amp.checkpoint.hf import parse_size
+    from torchtitan_amp.checkpoint.lora_export import export_merged_hf, export_peft, load_lora_checkpoint
+
+    model, args, family, run_tokenizer, base = load_lora_checkpoint(step_dir)
+    if fmt == "peft":
+        return export_peft(model, args, output, base_model=base)
+    return export_merged_hf(model, args, family, output, dtype, tokenizer or run_tokenizer, parse_size(shard))
 
 
 def _export_hf(argv: list[str]) -> int:
     from torchtitan_amp.checkpoint.hf import export_hf, parse_size
 
     parser = argparse.ArgumentParser(prog="python -m torchtitan_amp.checkpoint export --format hf")
-    parser.add_argument("--format", choices=["hf"], required=True)
+    parser.add_argument("--format", choices=["hf", "peft"], required=True)
     parser.add_argument("step_dir")
     parser.add_argument("output")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the written weights")
@@ -36,7 +57,10 @@ def _export_hf(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.step_dir, args.output, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
+        if args.format == "peft" or _is_lora(args.step_dir):
+            out = _export_lora(args.format, args.step_dir, args.output, args.dtype, args.max_shard_size, args.tokenizer)
+        else:
+            out = export_hf(args.step_dir, args.output, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
     except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ from torchtitan_amp.checkpoint.hf_sources import DerivedSources
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import FAMILIES, ModelFamily
 from torchtitan_amp.models.spec import HFAdapter
+from torchtitan_amp.precision.lora import adapter_parameters
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -368,7 +369,9 @@ def load_hf(
     adapter = _adapter(family_of(args, family))
     reader = HFReader(folder, args, tied, adapter)
     absent = [k for k in sd if adapter.zero_in_hf is not None and adapter.zero_in_hf.search(k)]
-    read = {k: v for k, v in sd.items() if k not in absent}  # the same tensors: DCP fills them in place
+    # LoRA's adapters are not the base's: they keep their own init (B zero: the model is the base).
+    adapters = set(adapter_parameters(model))
+    read = {k: v for k, v in sd.items() if k not in absent and k not in adapters}  # DCP fills them in place
     error = None
     try:
         check_model_fits(folder, reader.read_metadata().state_dict_metadata, read, "", complete_model)

@@ -79,23 +79,17 @@ def load(
     if choice is None:
         return None
     path, kind, initial = Path(choice.path), choice.kind, choice.initial
+    if state.adapters and not initial and c.initial_load_path:
+        # LoRA: a checkpoint holds the adapters; the frozen base comes from initial_load_path first.
+        base = choose_initial(
+            Path(c.initial_load_path), state.model_args, config.model.flavor, get_family(config.model.name)
+        )
+        _load_model(config, state, Path(base.path), base.kind, ("model",))
     begin = time.monotonic()
     every = tuple(p.name for p in state.parts)
     names = tuple(n for n in (("model",) if initial or kind != "full" else every) if n not in c.exclude_from_loading)
-    train_state = TrainState()
-    if kind == "hf":
-        from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
-
-        load_hf(
-            state.model,
-            path,
-            state.model_args,
-            complete_model=ranks.pp_degree == 1,
-            agree=lambda error: all_ok(ranks, error),
-            family=get_family(config.model.name),
-        )
-    elif kind == "model_only":
-        load_export(state, path)
+    if initial or kind in ("hf", "model_only"):
+        train_state = _load_model(config, state, path, kind, names)
     else:
         train_state = load_dcp(state, path, names)
     if kind == "full":
@@ -226,6 +220,32 @@ def choose_initial(path: Path, model_args: Any, flavor: str, family: Any = None)
     return Choice(str(info.path), info.kind, info.meta, True, info.step)
 
 
+def _load_model(config: JobConfig, state: RunState, path: Path, kind: str, names: tuple[str, ...]) -> TrainState:
+    """Starting weights (an initial_load_path): an HF folder, a model-only export or a DCP step
+    folder. Under LoRA they are the base's: the adapters keep their init."""
+    ranks = state.ranks
+    if kind == "hf":
+        from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
+
+        load_hf(
+            state.model,
+            path,
+            state.model_args,
+            complete_model=ranks.pp_degree == 1,
+            agree=lambda error: all_ok(ranks, error),
+            family=get_family(config.model.name),
+        )
+        return TrainState()
+    if kind == "model_only":
+        load_export(state, path)
+        return TrainState()
+    state.model_keys = "base"
+    try:
+        return load_dcp(state, path, names)
+    finally:
+        state.model_keys = "adapters"
+
+
 def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
     """Load the DCP parts among `names` into `state`; returns the saved TrainState, or a fresh one when
     the train state is not among them. Collective; a part that does not fit fails every rank alike.
@@ -262,7 +282,7 @@ def load_export(state: RunState, path: Path) -> None:
     sd = torch.load(path / EXPORT_FILE, map_location="cpu", weights_only=True, mmap=True)
     error = None
     try:
-        own = state.model_state_dict()
+        own = {k: v for k, v in state.model_state_dict().items() if k not in state.adapters}
         for key, value in own.items():
             if key not in sd or tuple(sd[key].shape) != tuple(value.shape):
                 got = tuple(sd[key].shape) if key in sd else "nothing"
@@ -278,7 +298,7 @@ def load_export(state: RunState, path: Path) -> None:
         error = str(e)
     all_ok(state.ranks, error)
     mine = {k: v for k, v in sd.items() if k in own}
-    set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True, strict=not state.adapters))
 
 
 def _rank_files(

@@ -34,6 +34,7 @@ from torchtitan_amp.checkpoint.format import check_model_fits, merge_parts
 from torchtitan_amp.checkpoint.ranks import RankLayout
 from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.core.errors import CheckpointError
+from torchtitan_amp.precision.lora import adapter_parameters
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -188,7 +189,7 @@ def _put_train_state(m: RunState, state: dict[str, Any]) -> None:
 # In load order. exclude_from_loading names entries of this table.
 PARTS: tuple[StatePart, ...] = (
     StatePart(
-        "model", True, lambda m: m.model_state_dict(), lambda m, sd: set_model_state_dict(m.model, sd), _model_fits
+        "model", True, lambda m: m.checkpoint_model_state(), lambda m, sd: m.set_checkpoint_model_state(sd), _model_fits
     ),
     StatePart(
         "optimizer",
@@ -286,12 +287,32 @@ class RunState:
         self.ranks = ranks
         self.outer_state = outer_state
         self.train_state = TrainState()
+        self.model_keys = "adapters"  # under LoRA: which keys the "model" part holds ("adapters" / "base")
         self.parts = PARTS  # read once: the table in force when the run started
         self.dcp_parts = tuple(p for p in PARTS if p.in_dcp)
         self.rank_parts = tuple(p for p in PARTS if not p.in_dcp)
 
     def model_state_dict(self, options: StateDictOptions | None = None) -> dict[str, Any]:
         return get_model_state_dict(self.model, options=options)
+
+    @property
+    def adapters(self) -> set[str]:
+        """LoRA's adapter keys (empty without [lora])."""
+        return set(adapter_parameters(self.model))
+
+    def checkpoint_model_state(self) -> dict[str, Any]:
+        """The "model" part: the whole model, or under LoRA the adapters alone (`model_keys`
+        "adapters"; the frozen base is the run's initial_load_path or its seed init, recorded in
+        the checkpoint's meta) or the base alone ("base": an initial_load_path that holds one)."""
+        sd = self.model_state_dict()
+        adapters = self.adapters
+        if not adapters:
+            return sd
+        keep = (lambda k: k in adapters) if self.model_keys == "adapters" else (lambda k: k not in adapters)
+        return {k: v for k, v in sd.items() if keep(k)}
+
+    def set_checkpoint_model_state(self, sd: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, sd, options=StateDictOptions(strict=not self.adapters))
 
     def dcp_state(self, names: tuple[str, ...], train_state: TrainState) -> dict[str, Any]:
         """The DCP parts among `names`, as state dicts (also the templates DCP loads into)."""

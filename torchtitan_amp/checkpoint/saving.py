@@ -48,6 +48,7 @@ from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.models import get_family
+from torchtitan_amp.precision.lora import base_dtypes
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -333,6 +334,11 @@ class Saver:
             "torch": torch.__version__,
             "job_config": self.config.to_dict(),
         }
+        if self.state.adapters:  # LoRA: the model part holds the adapters; this is their base
+            meta["lora_base"] = (
+                self.config.checkpoint.initial_load_path or f"seed init (training.seed {self.config.training.seed})"
+            )
+            meta["lora_base_dtypes"] = base_dtypes(self.state.model)  # what the adapters trained against
         if self.replica is not None:
             meta["replica_group"] = self.replica.replica_id  # the group that wrote this folder
         if c.checksums:

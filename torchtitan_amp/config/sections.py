@@ -317,6 +317,27 @@ class ProfilingConfig:
 
 
 @dataclass
+class LoraConfig:
+    """[lora]: low-rank adapters on frozen base Linears (LoRA; QLoRA with quantize_base = "nf4")."""
+
+    enable: bool = option(False, "Train low-rank adapters on the target Linears; every base parameter is frozen.")
+    rank: int = option(8, "Adapter rank r: A is [r, in_features], B is [out_features, r].", bounds=at_least(1))
+    alpha: float = option(16.0, "Adapter scaling numerator: the update is (alpha / rank) * B @ A.", bounds=above(0))
+    dropout: float = option(0.0, "Dropout on the adapter's input (the input of A); 0: none.", bounds=between(0, 1))
+    target_modules: list[str] = option(
+        ["layers.*.attention.wq", "layers.*.attention.wv"],
+        "fnmatch patterns of the nn.Linear module names that get adapters (e.g. 'layers.*.attention.wq'); "
+        "a pattern matching nothing, or a match that is not an nn.Linear, is an error.",
+    )
+    quantize_base: Literal["none", "nf4"] = option(
+        "none",
+        "'none': frozen base weights stored in the plan's compute dtype of the Linears (param_dtype in "
+        "mixed precision, else fp32); 'nf4': QLoRA, the target Linears' base weights stored as torchao "
+        "NF4Tensor (dequantized to the compute dtype for each matmul).",
+    )
+
+
+@dataclass
 class DebugConfig:
     """[debug]: switches for testing the job itself; none of them belongs in a real run."""
 
@@ -348,6 +369,7 @@ class JobConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # "section.key" of every field set by TOML or CLI -> where it was last set ("toml" or "cli"):
     # an alias and its canonical name conflict only within one source; across sources the usual
     # precedence (CLI > TOML) applies.

@@ -13,6 +13,24 @@ from dataclasses import dataclass
 from torchtitan_amp.core.rules import DTYPE_BYTES, STAGES_PER_RANK, ReshardPolicy, stage_ids
 
 
+def nf4_bytes(numel: int, itemsize: int, block: int = 64, scaler_block: int = 256) -> int:
+    """torchao's NF4Tensor of `numel` weights quantized from a dtype of `itemsize` bytes: 4-bit codes,
+    one int8 scale per block of 64, one factor per scaler block of scales (256, or the largest
+    power of two dividing a small weight's scale count: precision/lora.py's nf4_blocks), the
+    scales' mean and the 16-entry code table, those three in the weight's dtype.
+
+    Args:
+        numel: the weight's elements.
+        itemsize: bytes per element of the dtype it was quantized from.
+        block: weights per absmax scale.
+        scaler_block: scales per double-quantization factor, at most (halved until it divides).
+    """
+    scales = numel // block
+    while scales % scaler_block:
+        scaler_block //= 2
+    return numel // 2 + scales + itemsize * (scales // scaler_block + 1 + 16)
+
+
 @dataclass(frozen=True)
 class PrecisionSpec:
     """What the precision plan decided, as names (precision.memory_spec.from_plan builds it)."""
@@ -30,6 +48,12 @@ class PrecisionSpec:
     frozen: tuple[str, ...] = ()  # training.freeze patterns (module names)
     cp_reduce: str = "float32"  # context parallel: the K/V gradients' reduce-scatter
     router: str = "float32"  # MoE routing arithmetic (mixed_precision.router_dtype)
+    # [lora]: every base parameter frozen; each target Linear (fnmatch over module names) gains
+    # adapters of lora_rank x (in + out) trained elements in storage dtype; lora_nf4: the target
+    # base weights are NF4 (nf4_bytes), not their compute dtype
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_nf4: bool = False
 
     @classmethod
     def simple(
@@ -72,10 +96,22 @@ class PrecisionSpec:
         return self.optimizer_state or self.storage
 
     def is_frozen(self, param_name: str) -> bool:
-        """training.freeze matches a module; everything inside it is frozen."""
+        """training.freeze matches a module; everything inside it is frozen (everything under LoRA)."""
+        if self.lora_rank:
+            return True
         parts = param_name.split(".")[:-1]
         modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
         return any(fnmatch.fnmatchcase(m, pat) for m in modules for pat in self.frozen)
+
+    def lora_target(self, spec: ParamSpec) -> bool:
+        """A Linear weight that LoRA adapts (its module name matches lora_targets)."""
+        module = spec.name.removesuffix(".weight")
+        return (
+            bool(self.lora_rank)
+            and spec.name.endswith(".weight")
+            and spec.kind == "linear"
+            and (any(fnmatch.fnmatchcase(module, pat) for pat in self.lora_targets))
+        )
 
     def stored(self, spec: ParamSpec) -> str:
         """A parameter's storage dtype: frozen ones keep their compute dtype (PrecisionPlan.frozen_dtype)."""

@@ -11,7 +11,7 @@ from torchtitan_amp.core.rules import DTYPE_BYTES
 from torchtitan_amp.memory.llama import ModelDims
 from torchtitan_amp.memory.shards import efsdp_rank, fsdp_local_numel, fsdp_padded_numel, fsdp_split, tp_local_shape
 from torchtitan_amp.memory.sizes import ByDtype, add_bytes
-from torchtitan_amp.memory.specs import Layout, PrecisionSpec
+from torchtitan_amp.memory.specs import Layout, PrecisionSpec, nf4_bytes
 from torchtitan_amp.memory.stages import rank_stages
 
 # Bytes of AdamW's `step` counter per parameter tensor (a 0-d fp32 tensor per param).
@@ -84,8 +84,15 @@ def state_bytes(
             out.num_tensors += 1
             dtype = prec.stored(spec)
             sb = DTYPE_BYTES[dtype]
-            add_bytes(out.params, dtype, numel * sb)
-            add_bytes(out.params_padded, dtype, padded * sb)
+            if prec.lora_nf4 and prec.lora_target(spec):
+                add_bytes(out.params, "uint8", nf4_bytes(numel, sb))
+                add_bytes(out.params_padded, "uint8", nf4_bytes(padded, sb))
+            else:
+                add_bytes(out.params, dtype, numel * sb)
+                add_bytes(out.params_padded, dtype, padded * sb)
+            if prec.lora_target(spec):
+                trained_tensors += 2
+                add_adapter_bytes(out, prec, spec.shape, layout.fsdp_shard)
             if prec.is_frozen(spec.name):
                 continue
             trained_tensors += 1
@@ -96,6 +103,28 @@ def state_bytes(
             add_bytes(out.optimizer, prec.state, 2 * numel * mb)
     add_bytes(out.optimizer, "float32", ADAMW_STEP_BYTES * trained_tensors)
     return out
+
+
+def add_adapter_bytes(out: StateBytes, prec: PrecisionSpec, shape: tuple[int, ...], fsdp_shard: int) -> None:
+    """LoRA's two adapters on a [out, in] base weight: A [r, in] and B [out, r], each sharded on
+    dim 0 by FSDP (rank 0's share, the largest), in storage dtype with their gradient and AdamW
+    moments.
+
+    Args:
+        out: the rank's state bytes, added to in place.
+        prec: the precision spec (lora_rank, storage and optimizer-state dtypes).
+        shape: the base weight's [out, in] shape.
+        fsdp_shard: the FSDP shard degree the adapters are split over.
+    """
+    r, sb, mb = prec.lora_rank, DTYPE_BYTES[prec.storage], DTYPE_BYTES[prec.state]
+    for rows, cols in ((r, shape[1]), (shape[0], r)):
+        numel = -(-rows // fsdp_shard) * cols
+        out.num_params += numel
+        out.num_tensors += 1
+        add_bytes(out.params, prec.storage, numel * sb)
+        add_bytes(out.params_padded, prec.storage, numel * sb)
+        add_bytes(out.grads, prec.storage, numel * sb)
+        add_bytes(out.optimizer, prec.state, 2 * numel * mb)
 
 
 # DiLoCo (train/diloco.py): the outer optimizer's state beside the model all along, and a sync's

@@ -11,6 +11,8 @@ the plan imports none of them):
 - `tags.py`:        the marks left on modules (fp32 by name, frozen) and tied-weight groups;
 - `by_name.py`:     `mark_fp32_by_name`: modules kept in fp32 by name, tied modules aligned;
 - `freeze.py`:      parameter storage dtype, training.freeze, `refreeze` after TP;
+- `lora.py`:        [lora]: adapters on frozen base Linears (NF4 for QLoRA), their init, the merge;
+                    `lora_plan.py` is the plan's decision for it (what plan.py imports);
 - `autocast.py`:    forward / backward contexts, fp32 islands, output cast (the autocast path);
 - `fsdp.py`:        `MixedPrecisionPolicy` per `fully_shard` group, block input cast (the FSDP path);
 - `comm_hooks.py`:  the DDP gradient compress hook (safe modules in reduce_dtype, on gloo and nccl);

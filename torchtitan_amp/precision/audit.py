@@ -61,7 +61,7 @@ from torchtitan_amp.distributed.process_groups import local_tensor as _local
 from torchtitan_amp.distributed.process_groups import unwrapped_name
 from torchtitan_amp.models.moe.moe import GroupedExperts
 from torchtitan_amp.observability import traffic
-from torchtitan_amp.precision import block_scaled
+from torchtitan_amp.precision import block_scaled, lora
 from torchtitan_amp.precision.lowbit import torchao_kernels
 from torchtitan_amp.precision.lowbit.linear import GemmRecord, observe_gemms
 from torchtitan_amp.precision.plan import PrecisionPlan
@@ -593,6 +593,7 @@ class Auditor:
         for kind in ("parameters", "gradients", "optimizer_state"):
             expect(kind, {storage}, r.tensors.get(kind, []))
         breaches += self._check_gradient_reductions(r.collectives)
+        breaches += self._check_lora()
         sends = any(p.requires_grad for p in self.params)
         breaches += check_cross_group(r.cross_group, plan, sends)
         for category, by_dtype in r.collectives.items():
@@ -606,6 +607,25 @@ class Auditor:
         if ep is not None or any(c.startswith("all_to_all:") for c in r.collectives):
             holds = any(getattr(m, "expert_parallel", None) is not None for m in self.named.values())
             breaches += check_expert_parallel(r.collectives, ep["dispatch_dtype"] if ep else "none", holds)
+        return breaches
+
+    def _check_lora(self) -> list[Breach]:
+        """[lora]: the adapters' gradients are fp32 (adapter_dtype) and no base parameter has one,
+        on every rank."""
+        if self.plan.lora is None:
+            return []
+        merged: dict[str, set[str]] = defaultdict(set)
+        for rank in self._gather_list(lora.audit(self.plan, self.model_parts)):
+            for k, v in rank.items():
+                merged[k] |= set(v)
+        breaches = []
+        want = dtype_name(self.plan.lora.adapter_dtype)
+        if merged["adapter gradients"] - {want}:
+            breaches.append(Breach("lora: adapter gradients", [want], sorted(merged["adapter gradients"])))
+        if merged["base parameters with a gradient"]:
+            breaches.append(
+                Breach("lora: frozen base gradients", ["none"], sorted(merged["base parameters with a gradient"]))
+            )
         return breaches
 
     def _kv_dtypes(self, low: str) -> set[str]:

@@ -35,4 +35,7 @@ def from_plan(plan: PrecisionPlan, norm_cls: type | None = None) -> PrecisionSpe
         frozen=tuple(plan.frozen_names),
         cp_reduce=name(plan.cp_reduce_dtype),
         router=name(plan.router_dtype),
+        lora_rank=plan.lora.rank if plan.lora is not None else 0,
+        lora_targets=plan.lora.targets if plan.lora is not None else (),
+        lora_nf4=plan.lora is not None and plan.lora.nf4,
     )

@@ -36,6 +36,8 @@ from torchtitan_amp.distributed.context_parallel import ContextParallel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 from torchtitan_amp.models import get_family
 from torchtitan_amp.models.attention import decide_backend
+from torchtitan_amp.precision.lora_plan import LoraPlan
+from torchtitan_amp.precision.lora_plan import decide as decide_lora
 from torchtitan_amp.precision.lowbit import capability
 from torchtitan_amp.precision.lowbit.formats import BlockScaledRecipe, recipe_of
 from torchtitan_amp.precision.lowbit.linear import BlockScaledLinear
@@ -415,6 +417,8 @@ class PrecisionPlan:
     # Either way softmax statistics are fp32 and the output is in q/k/v's dtype.
     attention_backend: str = "sdpa"
     attention_reason: str = ""
+    # [lora]: adapters on frozen base Linears (lora_plan.py), None when off
+    lora: LoraPlan | None = None
 
     # -----------------------------------------------------------------------------------------
     # Construction
@@ -509,6 +513,7 @@ class PrecisionPlan:
             replica_groups=config.fault_tolerance.group_size if config.fault_tolerance.enable else 0,
             **_diloco(config),
             **_attention(config, device_type, dims),
+            lora=decide_lora(config, dims, param if path != "full" else storage),
         )
         _check_plan_composes(plan, config)
         return plan

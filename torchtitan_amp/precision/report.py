@@ -225,6 +225,27 @@ def _fault_tolerance(plan: PrecisionPlan, groups: list[dict[str, Any]], model: n
     return summary
 
 
+def _stored_as(p: nn.Parameter) -> str:
+    return "nf4" if type(p).__name__ == "NF4Tensor" else dtype_name(p.dtype)
+
+
+def _lora(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any] | None:
+    """[lora]: each part's storage / compute / grad dtype as decided, and the adapted modules."""
+    if plan.lora is None:
+        return None
+    lp = plan.lora
+    adapted = sorted(n for n, m in _named_modules(model) if hasattr(m, "lora_A"))
+    return {
+        "rank": lp.rank,
+        "alpha": lp.alpha,
+        "scaling": lp.scaling,
+        "dropout": lp.dropout,
+        "target_modules": list(lp.targets),
+        "adapted_modules": adapted,
+        **lp.parts(),
+    }
+
+
 def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
     groups = param_groups(plan, model)
     return {
@@ -257,7 +278,8 @@ def report(plan: PrecisionPlan, model: nn.Module) -> dict[str, Any]:
         "router": router_summary(plan, model),
         "expert_parallel": expert_parallel_summary(plan),
         "fault_tolerance": _fault_tolerance(plan, groups, model),
-        "frozen": {n: dtype_name(p.dtype) for n, p in _named_parameters(model) if not p.requires_grad},
+        "frozen": {n: _stored_as(p) for n, p in _named_parameters(model) if not p.requires_grad},
+        "lora": _lora(plan, model),
         "fp32_by_name": sorted(
             n
             for n, m in _named_modules(model)

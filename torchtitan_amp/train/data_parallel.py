@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 from torchtitan_amp.core.rules import ReshardPolicy, reshard_after_forward
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
 from torchtitan_amp.distributed.expert_parallel import expert_layers
-from torchtitan_amp.precision import PrecisionPlan, comm_hooks, freeze, fsdp
+from torchtitan_amp.precision import PrecisionPlan, comm_hooks, freeze, fsdp, lora
 from torchtitan_amp.precision.tags import tied_modules
 
 logger = logging.getLogger("torchtitan_amp")
@@ -49,6 +49,9 @@ def apply_fsdp(
     reshard = partial(reshard_after_forward, reshard_policy, pp_enabled=pp_enabled)
     if expert_mesh is not None:
         shard_ep_experts(model, expert_mesh, mesh.size(), plan, reshard)
+    # LoRA's adapters (fp32 masters) in groups of their own, before the frozen base's take them in.
+    for group in reversed(group_by_block(model, lora.adapter_modules(model))):
+        shard(group, mp_policy=fsdp.fsdp_policy(plan, low_precision=True), reshard_after_forward=reshard(False))
     if plan.path == "fsdp":
         fp32 = [m for m in plan.fp32_modules(model) if m is not model]
         # A group's output_dtype must reach each norm's output (torch_compat says where it does).

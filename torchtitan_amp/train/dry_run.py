@@ -29,7 +29,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,11 @@ def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
     return out
 
 
+def _nf4_inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """An NF4Tensor's inner tensors (torch's subclass flattening protocol)."""
+    return [getattr(t, n) for n in cast(Any, t).__tensor_flatten__()[0]]
+
+
 def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None) -> memory.StateBytes:
     """This rank's params, grads and AdamW state (exp_avg and exp_avg_sq in `state_dtype`, None: the
     param's, plus a 0-d fp32 `step` per trained tensor), read off the meta model. Grads have the
@@ -117,6 +122,13 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
                 seen.add(id(p))
                 local = _local(p)
                 dtype, size = dtype_name(local.dtype), local.element_size()
+                if type(local).__name__ == "NF4Tensor":  # QLoRA's frozen base: its codes, scales and tables
+                    nf4 = sum(t.numel() * t.element_size() for t in _nf4_inner(local))
+                    memory.add_bytes(out.params, "uint8", nf4)
+                    memory.add_bytes(out.params_padded, "uint8", nf4)
+                    out.num_params += local.numel()
+                    out.num_tensors += 1
+                    continue
                 fp = fsdp.get(id(p))
                 padded = fp.padded_sharded_param_size.numel() if fp is not None else local.numel()
                 out.num_params += local.numel()

@@ -28,7 +28,7 @@ from torchtitan_amp.eval.validation import ValidationSpec, resolve_spec
 from torchtitan_amp.models import ModelFamily, count_params, get_family
 from torchtitan_amp.models.attention import MaskInputs
 from torchtitan_amp.observability import profiling
-from torchtitan_amp.precision import PrecisionPlan, block_scaled, by_name, freeze, memory_spec
+from torchtitan_amp.precision import PrecisionPlan, block_scaled, by_name, freeze, lora, memory_spec
 from torchtitan_amp.precision.lowbit import capability, float8, torchao_kernels
 from torchtitan_amp.train.parallelize import check_mtp, check_weight_tying, parallelize_model, validate_layout
 
@@ -204,11 +204,12 @@ def resolve(
     check_weight_tying(args, dims, config.model.flavor)
     check_mtp(args, dims, config.model.flavor)
     validation = resolve_spec(config, args.max_seq_len, n_microbatches if dims.pp_enabled else None, tokenizer)
-    if plan.fp8 != "none" or plan.block_scaled is not None or plan.fp32_names or plan.frozen_names:
+    if plan.fp8 != "none" or plan.block_scaled is not None or plan.fp32_names or plan.frozen_names or plan.lora:
         with torch.device("meta"):
             model = family.build_model(args)
         by_name.mark_fp32_by_name(plan, model)
         freeze.freeze(plan, model)
+        lora.apply_lora(plan, model)
         float8.check_fp8_modules(model, plan.fp8, plan.fp8_skip)
         block_scaled.check_modules(
             model, plan.block_scaled, plan.block_scaled_skip, plan.block_scaled_edge_layers, plan.block_scaled_experts
@@ -268,6 +269,7 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     job.plan.apply_router_dtype(model)
     by_name.mark_fp32_by_name(job.plan, model)
     freeze.freeze(job.plan, model)
+    lora.apply_lora(job.plan, model)
     if (
         materialize
         or job.plan.fp8 == "none"
@@ -298,7 +300,11 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
         model.to_empty(device="cpu")
         with torch.no_grad():
             cast(Any, model).init_weights()  # every family's model defines it (models/spec.py)
+            lora.init_adapters(model)
+        lora.quantize_base(job.plan, model)
         model.to(device)
+    elif not materialize:
+        lora.quantize_base(job.plan, model)  # torchao quantizes on meta too: the dry run measures NF4's bytes
     parts = []
     for sid in stage_ids:
         part = stage_module(model, sid, list(job.boundaries)) if job.dims.pp_enabled else model
@@ -308,6 +314,8 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
                 part.to_empty(device=device)
                 with torch.no_grad():
                     cast(Any, part).init_weights(buffer_device=device)
+                    lora.init_adapters(part)
+                lora.quantize_base(job.plan, part)
             part.train()
         parts.append(part)
     if materialize:

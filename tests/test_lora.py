@@ -1,0 +1,504 @@
+"""LoRA / QLoRA ([lora], precision/lora.py and lora_plan.py): the plan decides each part's dtypes
+(the frozen base in the Linears' compute dtype or NF4, fp32 adapters), the report lists them, the
+audit checks the adapters' gradients are fp32 and the base has none; bad targets are one line; a
+LoRA model equals PEFT's on the same transformers model and init (loss and every adapter
+gradient, fp32); merged and PEFT-format exports give our logits; a QLoRA step leaves its NF4 base
+bit-identical. In-process only (no ranks launched)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_amp.config import load_config
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.distributed.parallel_dims import ParallelDims
+from torchtitan_amp.precision import PrecisionPlan, lora
+from torchtitan_amp.train import job as job_mod
+from torchtitan_amp.train import trainer as trainer_module
+
+BASE = [
+    "--model.flavor",
+    "debugmodel_tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.gc_freq",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--optimizer.lr",
+    "1e-2",
+    "--lora.enable",
+]
+BF16 = ["--mixed_precision.enabled", "true"]
+FP32 = ["--mixed_precision.enabled", "false"]
+
+
+@pytest.fixture(autouse=True)
+def _no_peak_flops_measurement(monkeypatch):
+    monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
+
+
+def _plan(*overrides: str, world: int = 1) -> PrecisionPlan:
+    config = load_config([*BASE, *overrides])
+    return PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, world), "cpu", probe=None)
+
+
+def test_plan_decides_each_part() -> None:
+    off = PrecisionPlan.from_config(load_config([]), ParallelDims.from_config(load_config([]).parallelism, 1), "cpu")
+    assert off.lora is None
+    bf16 = _plan(*BF16).lora
+    assert bf16 is not None and (bf16.base_dtype, bf16.compute_dtype, bf16.adapter_dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+    )
+    fp32 = _plan(*FP32, "--lora.rank", "4", "--lora.alpha", "2").lora
+    assert fp32 is not None and (fp32.base_dtype, fp32.adapter_dtype, fp32.scaling) == (
+        torch.float32,
+        torch.float32,
+        0.5,
+    )
+    assert fp32.parts()["base"]["grad_dtype"] is None and fp32.parts()["adapters"]["grad_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
+        (["--parallelism.tensor_parallel_degree", "2"], "data-parallel layouts"),
+        (["--lora.quantize_base", "nf4", "--parallelism.data_parallel_shard_degree", "2"], "one process"),
+    ],
+)
+def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
+    world = 2 if any(o.endswith("degree") for o in overrides) else 1
+    with pytest.raises(PrecisionError, match=message) as e:
+        _plan(*overrides, world=world)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("layers.*.attention.wz", "'layers.*.attention.wz' matches no module"),
+        ("layers.*.attention_norm", "matches 'layers.0.attention_norm', a RMSNorm: LoRA adapts nn.Linear modules only"),
+    ],
+)
+def test_bad_target_is_one_line(target: str, message: str) -> None:
+    with pytest.raises(PrecisionError, match=message.replace("*", r"\*").replace(".", r"\.")) as e:
+        job_mod.resolve(load_config([*BASE, *FP32, "--lora.target_modules", target]), 1, "cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_bf16_lora_trains_adapters_only_and_passes_the_audit(tmp_path: Path) -> None:
+    args = [*BASE, *BF16, "--training.steps", "3", "--job.dump_folder", str(tmp_path)]
+    t = trainer_module.Trainer(load_config(args))
+    named = dict(t.run.model.named_parameters())
+    adapters = lora.adapter_parameters(t.run.model)
+    assert set(adapters) == {
+        f"layers.{i}.attention.w{w}.lora_{ab}.weight"
+        for i in range(len(t.run.model.layers))
+        for w in "qv"
+        for ab in "AB"
+    }
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in adapters.values())
+    base = {n: p for n, p in named.items() if n not in adapters}
+    assert not any(p.requires_grad for p in base.values())
+    assert base["layers.0.attention.wq.weight"].dtype == base["layers.0.attention.wk.weight"].dtype == torch.bfloat16
+    assert base["layers.0.attention_norm.weight"].dtype == torch.float32  # an fp32 island stays fp32
+    before = {n: p.detach().clone() for n, p in base.items()}
+    t.train()
+    assert all(torch.equal(base[n], before[n]) and base[n].grad is None for n in base)
+    assert {id(p) for p in t.run.optimizer.state} == {id(p) for p in adapters.values()}
+    assert all(v.dtype == torch.float32 for s in t.run.optimizer.state.values() for v in s.values() if v.dim())
+    assert any(adapters[n].abs().max() > 0 for n in adapters if ".lora_B." in n)  # B left zero: it learned
+    report = json.loads((tmp_path / "precision_report.json").read_text())["lora"]
+    assert report["base"] == {"storage_dtype": "bfloat16", "compute_dtype": "bfloat16", "grad_dtype": None}
+    assert report["adapters"] == {"storage_dtype": "float32", "compute_dtype": "bfloat16", "grad_dtype": "float32"}
+    assert len(report["adapted_modules"]) == 2 * len(t.run.model.layers)
+    audited = trainer_module.Trainer(load_config([*args[:-1], str(tmp_path / "audit")])).audit()
+    assert audited.ok, [str(b) for b in audited.breaches]
+
+
+def test_audit_names_a_base_gradient_and_a_low_precision_adapter_gradient(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(load_config([*BASE, *BF16, "--training.steps", "1", "--job.dump_folder", str(tmp_path)]))
+    model = t.run.model
+    wq = model.get_submodule("layers.0.attention.wq")
+    wq.weight.grad = torch.zeros_like(wq.weight)
+    wq.lora_A.weight.grad_dtype = None  # let a bf16 gradient in, as a broken path would leave it
+    wq.lora_A.weight.grad = torch.zeros_like(wq.lora_A.weight, dtype=torch.bfloat16)
+    seen = lora.audit(t.run.plan, [model])
+    assert seen == {
+        "adapter gradients": ["bfloat16"],
+        "base parameters with a gradient": ["layers.0.attention.wq.weight"],
+    }
+
+
+# --- against PEFT, on the same transformers model and init (fp32) -------------------------------
+
+HF_ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, use_scaled_rope=False)
+TARGETS = "layers.*.attention.wq,layers.*.attention.wk,layers.*.feed_forward.w2"
+PEFT_TARGETS = ["q_proj", "k_proj", "down_proj"]
+TOKENS = torch.randint(0, 258, (2, 17), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random transformers LlamaForCausalLM (GQA), saved: the base both sides start from."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torchtitan_amp.models.llama3.model import ffn_hidden_dim
+
+    config = LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=ffn_hidden_dim(64, 32, None),
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf_base")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _ours(folder: Path) -> tuple[torch.nn.Module, object]:
+    """Our model imported from the HF folder, with fp32 adapters on TARGETS; B drawn at random (a
+    zero B would leave A's gradient zero and the comparison empty)."""
+    from torchtitan_amp.checkpoint.hf import load_hf
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    model = Transformer(args)
+    lora.apply_lora(_plan(*FP32, "--lora.target_modules", TARGETS, "--lora.alpha", "4"), model)
+    load_hf(model, folder, args, complete_model=True)
+    torch.manual_seed(1)
+    lora.init_adapters(model)
+    with torch.no_grad():
+        for m in lora.lora_modules(model):
+            m.lora_B.weight.normal_(0, 0.02)
+    return model, args
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), TOKENS[:, 1:].flatten())
+
+
+def test_loss_and_adapter_gradients_equal_peft(hf_folder: Path) -> None:
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.hf import _adapter, permute_to_hf
+    from torchtitan_amp.checkpoint.lora_export import peft_tensors
+    from torchtitan_amp.models import get_family
+
+    ours, args = _ours(hf_folder)
+    base = LlamaForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=4, lora_dropout=0.0, target_modules=PEFT_TARGETS)
+    theirs = peft.get_peft_model(base, config)
+    # Our A and B copied under PEFT's names (B's rows in HF's rotary layout for q / k): the export's mapping.
+    mine = peft_tensors(ours, args)
+    result = peft.set_peft_model_state_dict(theirs, mine)
+    assert not result.unexpected_keys
+    ours_loss = _loss(ours(TOKENS))
+    ours_loss.backward()
+    their_loss = _loss(theirs(input_ids=TOKENS).logits)
+    their_loss.backward()
+    ours_loss, their_loss = ours_loss.detach(), their_loss.detach()
+    # fp32 both; the same products summed in other orders (fused attention vs eager, SwiGLU, the
+    # rotary layouts): each side's rounding is at most ~n u |terms| with n <= 176 (the longest
+    # reduction, the FFN's hidden width) and u = 2**-24, so 1e-5 relative (~176 u) bounds the gap.
+    # Measured (torch 2.13 CPU, peft 0.21.2): losses bitwise equal, adapter gradients 7.6e-7 of their largest entry.
+    assert abs(float(ours_loss) - float(their_loss)) <= 1e-5 * abs(float(their_loss))
+    hf = _adapter(get_family("llama3"))
+    named = {n: p for n, p in theirs.named_parameters() if "lora_" in n}
+    assert len(named) == len(mine) == 2 * 3 * args.n_layers
+    worst = 0.0
+    for m_name, m in ours.named_modules():
+        if not isinstance(m, lora.LoraLinear):
+            continue
+        module = hf.to_hf_name(f"{m_name}.weight").removesuffix(".weight")
+        heads = hf.rotary_heads(f"{m_name}.weight", args)
+        for ab in "AB":
+            grad = getattr(m, f"lora_{ab}").weight.grad
+            if ab == "B" and heads:
+                grad = permute_to_hf(grad, heads)
+            their = named[f"base_model.model.{module}.lora_{ab}.default.weight"].grad
+            scale = float(their.abs().max())
+            assert scale > 0, (m_name, ab)
+            worst = max(worst, float((grad - their).abs().max()) / scale)
+    assert worst <= 1e-5, worst
+
+
+def test_merged_export_and_peft_adapters_give_our_logits(hf_folder: Path, tmp_path: Path) -> None:
+    import peft
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.lora_export import export_merged_hf, export_peft
+
+    ours, args = _ours(hf_folder)
+    with torch.no_grad():
+        want = ours(TOKENS)
+    merged = LlamaForCausalLM.from_pretrained(export_merged_hf(ours, args, "llama3", tmp_path / "merged"))
+    adapters = export_peft(ours, args, tmp_path / "peft", base_model=str(hf_folder))
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], len(config["target_modules"])) == (8, 4.0, 3 * args.n_layers)
+    loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(hf_folder), adapters)
+    with torch.no_grad():
+        got_merged = merged(input_ids=TOKENS).logits
+        got_peft = loaded(input_ids=TOKENS).logits
+    # fp32 on both sides: the import's own tolerance (test_hf.py's LOGITS_ATOL); the merge adds one
+    # rounding of W + s * B @ A (~u |W|). Measured: 1.5e-7 (merged) and 1.8e-7 (PEFT).
+    assert (got_merged - want).abs().max() <= 1e-5
+    assert (got_peft - want).abs().max() <= 1e-5
+    base = LlamaForCausalLM.from_pretrained(hf_folder)
+    with torch.no_grad():
+        assert (base(input_ids=TOKENS).logits - want).abs().max() > 1e-3  # the adapters change the logits
+
+
+# --- QLoRA ----------------------------------------------------------------------------------------
+
+
+def _nf4_inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {n: getattr(t, n).clone() for n in t.__tensor_flatten__()[0]}
+
+
+def test_qlora_step_leaves_the_nf4_base_bit_identical(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *FP32, "--lora.quantize_base", "nf4", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        )
+    )
+    model = t.run.model
+    bases = {n: m.weight for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
+    assert bases and all(lora.is_nf4(w) and not w.requires_grad for w in bases.values())
+    before = {n: _nf4_inner(w) for n, w in bases.items()}
+    t.train()
+    for n, w in bases.items():
+        after = _nf4_inner(w)
+        assert before[n].keys() == after.keys() and all(torch.equal(before[n][k], after[k]) for k in after), n
+        assert w.grad is None
+    assert any(float(m.lora_B.weight.abs().max()) > 0 for m in lora.lora_modules(model))  # the adapters learned
+    report = json.loads((tmp_path / "precision_report.json").read_text())["lora"]
+    assert report["base"]["storage_dtype"] == "nf4" and report["adapters"]["grad_dtype"] == "float32"
+
+
+def test_qlora_forward_is_lora_on_torchaos_dequantized_base() -> None:
+    """Our QLoRA computes on torchao's dequantization (NF4Tensor.get_original_weight) and nothing of
+    its own: its loss and adapter gradients equal, bitwise, a LoRA model whose fp32 base is that
+    dequantized weight; the merge dequantizes the same way."""
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("nf4", "none")}
+    models = {}
+    for q, plan in plans.items():
+        torch.manual_seed(0)
+        models[q] = Transformer(args)
+        models[q].init_weights()
+        lora.apply_lora(plan, models[q])
+        torch.manual_seed(1)
+        lora.init_adapters(models[q])
+    lora.quantize_base(plans["nf4"], models["nf4"])
+    with torch.no_grad():
+        for q_mod, f_mod in zip(lora.lora_modules(models["nf4"]), lora.lora_modules(models["none"])):
+            deq = q_mod.weight.get_original_weight()
+            assert deq.dtype == torch.float32 and not torch.equal(deq, f_mod.weight)  # NF4 rounds
+            f_mod.weight.copy_(deq)
+            q_mod.lora_B.weight.normal_(0, 0.02)
+            f_mod.lora_B.weight.copy_(q_mod.lora_B.weight)
+            assert torch.equal(q_mod.merged_weight(), f_mod.merged_weight())
+    losses = {q: _loss(m(TOKENS)) for q, m in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    assert torch.equal(losses["nf4"], losses["none"])
+    for q_mod, f_mod in zip(lora.lora_modules(models["nf4"]), lora.lora_modules(models["none"])):
+        assert torch.equal(q_mod.lora_A.weight.grad, f_mod.lora_A.weight.grad)
+        assert torch.equal(q_mod.lora_B.weight.grad, f_mod.lora_B.weight.grad)
+
+
+def test_nf4_shape_torchao_cannot_quantize_is_one_line() -> None:
+    with pytest.raises(PrecisionError, match="'layers.0.x.weight' has 100 elements, not a multiple of NF4's block"):
+        lora.nf4_blocks("layers.0.x", 100)
+    assert lora.nf4_blocks("w", 64 * 512) == (64, 256) and lora.nf4_blocks("w", 64 * 96) == (64, 32)
+
+
+def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import fails: as if torchao lacked it
+    with pytest.raises(PrecisionError, match="needs torchao's NF4Tensor") as e:
+        lora.nf4_api()
+    assert "\n" not in str(e.value)
+
+
+# --- checkpoints: the adapters and their optimizer state, resumed bitwise -------------------------
+
+
+def _run(folder: Path, *extra: str) -> trainer_module.Trainer:
+    args = [*BASE, *FP32, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    t = trainer_module.Trainer(load_config([*args, "--job.dump_folder", str(folder), *extra]))
+    t.train()
+    return t
+
+
+def _adapters(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in lora.adapter_parameters(t.run.model).items()}
+
+
+def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    # The base: another seed's weights as a seed checkpoint, so a resume that kept its own seed
+    # init instead of reloading initial_load_path would train on a different base.
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    base = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+    straight = _run(tmp_path / "straight", *base)
+    step2 = tmp_path / "straight" / "checkpoint" / "step-2"
+    saved = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
+    model_keys = {k for k in saved if k.startswith("model.")}
+    assert model_keys == {f"model.{n}" for n in lora.adapter_parameters(straight.run.model)}
+    optim = {k for k in saved if k.startswith("optimizer.state.")}
+    assert optim and all(".lora_A." in k or ".lora_B." in k for k in optim)
+    meta = json.loads((step2 / "checkpoint.json").read_text())
+    assert meta["lora_base"] == base[1]
+    # Resume from step 2 of a copy (its step-4 removed) and train to step 4.
+    resumed_folder = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoint", resumed_folder / "checkpoint")
+    shutil.rmtree(resumed_folder / "checkpoint" / "step-4")
+    resumed = _run(resumed_folder, *base)
+    want, got = _adapters(straight), _adapters(resumed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    named = dict(resumed.run.model.named_parameters())
+    for n, p in straight.run.model.named_parameters():
+        assert torch.equal(p, named[n]), n  # the base too: reloaded from initial_load_path
+
+
+# --- the memory model ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> None:
+    """memory.state_bytes on one process equals the built model: the frozen base in its storage
+    (bf16 Linears, fp32 norms and embeddings; NF4's codes, scales and factors under QLoRA), the
+    fp32 adapters with their fp32 gradients and AdamW moments, and nothing else trained."""
+    from torchtitan_amp.memory.state import ADAMW_STEP_BYTES, state_bytes
+
+    job = job_mod.resolve(load_config([*BASE, *BF16, "--lora.quantize_base", quantize]), 1, "cpu")
+    model = job_mod.build_model_parts(job, torch.device("cpu"), [0]).parts[0]
+    params: dict[str, int] = {}
+    for p in model.parameters():
+        key = "uint8" if lora.is_nf4(p) else str(p.dtype).removeprefix("torch.")
+        inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if lora.is_nf4(p) else [p]
+        params[key] = params.get(key, 0) + sum(t.numel() * t.element_size() for t in inner)
+    adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
+    got = state_bytes(job.model_dims, job.precision, job.layout)
+    assert got.params == params, (got.params, params)
+    assert got.grads == {"float32": 4 * adapters}
+    assert got.optimizer == {"float32": 8 * adapters + ADAMW_STEP_BYTES * len(lora.adapter_parameters(model))}
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Path) -> None:
+    """The dry run's meta model (NF4 quantized on meta by torchao) and memory.state_bytes agree."""
+    from torchtitan_amp.train import dry_run
+
+    config = load_config([*BASE, *BF16, "--lora.quantize_base", quantize, "--job.dump_folder", str(tmp_path)])
+    report = dry_run.run(config, world_size=1, rank=0, write=False)
+    assert report["memory"]["analytic_state_matches"], report["memory"]
+
+
+def test_qlora_base_from_initial_load_path_is_torchaos_nf4_of_it(tmp_path: Path) -> None:
+    """The frozen base comes from checkpoint.initial_load_path into the NF4 parameters: each equals
+    torchao's NF4 of the saved weight (torchao's NF4Tensor.copy_ quantizes what DCP loads)."""
+    import torch.distributed.checkpoint as dcp
+
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    step0 = seed / "checkpoint" / "step-0"
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *FP32, "--lora.quantize_base", "nf4", "--training.steps", "1", "--checkpoint.enable"]
+            + ["--checkpoint.initial_load_path", str(step0), "--job.dump_folder", str(tmp_path / "run")]
+        )
+    )
+    t.train()  # one step: the frozen base does not move
+    api = lora.nf4_api()
+    for name, m in t.run.model.named_modules():
+        if isinstance(m, lora.LoraLinear):
+            saved = {"model": {f"{name}.weight": torch.empty(m.weight.shape)}}
+            dcp.load(saved, checkpoint_id=str(step0), no_dist=True)
+            want = api.to_nf4(saved["model"][f"{name}.weight"], *lora.nf4_blocks(name, m.weight.numel()))
+            assert torch.equal(lora.dequantized(m.weight), lora.dequantized(want)), name
+
+
+def test_adapters_of_an_fp32_by_name_linear_compute_in_fp32() -> None:
+    job = job_mod.resolve(load_config([*BASE, *BF16, "--mixed_precision.fp32_module_names", "layers.0"]), 1, "cpu")
+    model = job_mod.build_model_parts(job, torch.device("meta"), [0], materialize=False).parts[0]
+    for i, want in ((0, torch.float32), (1, torch.bfloat16)):
+        wq = model.get_submodule(f"layers.{i}.attention.wq")
+        assert {job.plan.compute_dtype(m) for m in (wq, wq.lora_A, wq.lora_B)} == {want}, i
+        assert wq.weight.dtype == want  # the frozen base in what it computes in
+
+
+def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_path: Path) -> None:
+    """`python -m torchtitan_amp.checkpoint export --format hf|peft` of a LoRA checkpoint (bf16 base
+    from a seed-5 initial_load_path): it rebuilds the run's model bitwise (base in the dtypes it
+    trained against, adapters), transformers gives the merged model's logits, and the PEFT folder
+    holds every adapter."""
+    from transformers import LlamaForCausalLM
+
+    from torchtitan_amp.checkpoint.cli import main as checkpoint_cli
+    from torchtitan_amp.checkpoint.lora_export import load_lora_checkpoint
+
+    seed = tmp_path / "base"
+    trainer_module.Trainer(
+        load_config(
+            [*BASE[:-1], *FP32, "--training.seed", "5", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+            + ["--job.dump_folder", str(seed)]
+        )
+    ).train()
+    args = [*BASE, *BF16, "--training.steps", "2", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "run")]
+    t = trainer_module.Trainer(load_config([*args, "--checkpoint.initial_load_path", str(seed / "checkpoint/step-0")]))
+    t.train()
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    model, model_args, *_ = load_lora_checkpoint(step)
+    want = dict(t.run.model.named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert checkpoint_cli(["export", "--format", "hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert checkpoint_cli(["export", "--format", "peft", str(step), str(tmp_path / "peft")]) == 0
+    from torchtitan_amp.models.llama3.model import Transformer
+
+    merged = Transformer(model_args)
+    merged.load_state_dict(lora.merge(model), strict=False)
+    with torch.no_grad():
+        ours = merged(TOKENS)
+        theirs = LlamaForCausalLM.from_pretrained(tmp_path / "hf")(input_ids=TOKENS).logits
+    assert (ours - theirs).abs().max() <= 1e-5  # fp32 both: test_hf.py's import tolerance
+    from safetensors.torch import load_file
+
+    assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(lora.adapter_parameters(model))

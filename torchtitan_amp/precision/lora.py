@@ -1,0 +1,246 @@
+"""LoRA / QLoRA: low-rank adapters on frozen base Linears, in the dtypes the plan decides.
+
+`LoraLinear` is an nn.Linear (so `weight` / `bias` keep their names: base checkpoints, Hugging Face
+import and export and every path that asks "is this a Linear" see the base) with two adapter
+Linears beside it, `lora_A` [r, in] and `lora_B` [out, r], as PEFT names them:
+
+    y = x @ W.T (+ b) + scaling * lora_B(lora_A(dropout(x))),   scaling = alpha / r
+
+The base parameters are frozen and stored in `plan.lora.base_dtype` (or torchao's NF4Tensor for
+QLoRA); the adapters are trained with fp32 master weights. `apply_lora` runs on the whole model
+after freeze.freeze and before it is split or parallelized; `init_adapters` after the model's own
+init_weights (A kaiming-uniform, as PEFT's default, B zero: the model starts as the base).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_amp.core.errors import PrecisionError
+from torchtitan_amp.precision.lora_plan import LoraPlan
+from torchtitan_amp.precision.tags import FP32_BY_NAME, FROZEN
+
+if TYPE_CHECKING:
+    from torchtitan_amp.precision.plan import PrecisionPlan
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+__all__ = ["LoraLinear", "LoraPlan", "apply_lora", "init_adapters", "merge", "quantize_base"]
+
+
+def nf4_api() -> Any:
+    """torchao's NF4 module (to_nf4, NF4Tensor, linear_nf4), or a PrecisionError line saying why not."""
+    for name in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+        try:
+            module = __import__(name, fromlist=["to_nf4"])
+        except ImportError:
+            continue
+        if all(hasattr(module, a) for a in ("to_nf4", "NF4Tensor", "linear_nf4")):
+            return module
+    raise PrecisionError(
+        "'lora.quantize_base' = 'nf4' needs torchao's NF4Tensor (torchao.dtypes.nf4tensor or "
+        "torchao.quantization's nf4 workflow), which this environment lacks: pip install torchao"
+    )
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "NF4Tensor"
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or an NF4Tensor dequantized by torchao (NF4Tensor.get_original_weight)."""
+    return cast(Any, t).get_original_weight() if is_nf4(t) else t
+
+
+class LoraLinear(nn.Linear):
+    """A frozen base Linear plus a trained low-rank update (module docstring)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, adapter_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=adapter_dtype)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=adapter_dtype)
+        self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_nf4(self.weight):
+            out = nf4_api().linear_nf4(x, self.weight)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def reset_adapters(self) -> None:
+        """PEFT's default init: A kaiming-uniform (a = sqrt(5), nn.Linear's own), B zero."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B @ A in fp32 (the base dequantized from NF4 under QLoRA)."""
+        w = dequantized(self.weight)
+        b, a = self.lora_B.weight.detach().float(), self.lora_A.weight.detach().float()
+        return w.detach().float() + self.scaling * (b @ a)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
+
+
+def target_modules(model: nn.Module, patterns: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """The Linears `patterns` name; a pattern matching nothing, or a match that is not an nn.Linear,
+    is one PrecisionError line."""
+    named = {n: m for n, m in model.named_modules() if n}
+    matched: dict[str, nn.Linear] = {}
+    for pattern in patterns:
+        hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise PrecisionError(
+                f"'lora.target_modules' entry {pattern!r} matches no module of the model "
+                "(names such as 'layers.*.attention.wq', 'layers.*.feed_forward.w1')"
+            )
+        for n in hits:
+            if not isinstance(named[n], nn.Linear) or isinstance(named[n], LoraLinear):
+                raise PrecisionError(
+                    f"'lora.target_modules' entry {pattern!r} matches '{n}', a {type(named[n]).__name__}: "
+                    "LoRA adapts nn.Linear modules only"
+                )
+            matched[n] = named[n]
+    return matched
+
+
+def apply_lora(plan: PrecisionPlan, model: nn.Module) -> list[str]:
+    """Freeze every parameter of the model, and replace each target Linear by a LoraLinear whose
+    base is stored in the plan's base dtype (NF4 is applied later, on materialized weights:
+    `quantize_base`). Returns the adapted modules' names."""
+    lp = plan.lora
+    if lp is None:
+        return []
+    targets = target_modules(model, lp.targets)
+    made: dict[int, nn.Parameter] = {}  # a shared (tied) parameter stays one
+    for module in model.modules():
+        # What it computes in (lp.base_dtype for a lower-precision-safe target; fp32 by name: fp32).
+        dtype = plan.frozen_dtype(module)
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            module.register_parameter(pname, made[id(p)])
+            setattr(module, FROZEN, True)
+    for name, linear in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapped = LoraLinear(linear, lp.rank, lp.alpha, lp.dropout, lp.adapter_dtype)
+        for tag, value in vars(linear).items():
+            if tag.startswith("_torchtitan_amp"):  # the plan's marks (fp32 by name, frozen)
+                setattr(wrapped, tag, value)
+                if tag == FP32_BY_NAME:  # an fp32-by-name Linear's adapters compute in fp32 too
+                    setattr(wrapped.lora_A, tag, value)
+                    setattr(wrapped.lora_B, tag, value)
+        setattr(parent, child, wrapped)
+    return sorted(targets)
+
+
+def lora_modules(model: nn.Module) -> list[LoraLinear]:
+    return [m for m in model.modules() if isinstance(m, LoraLinear)]
+
+
+def adapter_modules(model: nn.Module) -> list[nn.Module]:
+    """Every LoraLinear's lora_A and lora_B, in model order: FSDP shards them in groups of their
+    own (per block) before the frozen base's groups, which would otherwise take them in."""
+    return [a for m in lora_modules(model) for a in (m.lora_A, m.lora_B)]
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapters' parameters by name: what trains, is checkpointed and exported."""
+    return {n: p for n, p in model.named_parameters() if any(f".{a}." in f".{n}" for a in ADAPTER_NAMES)}
+
+
+def init_adapters(model: nn.Module) -> None:
+    """A kaiming-uniform, B zero on every LoraLinear (after the model's init_weights)."""
+    with torch.no_grad():
+        for m in lora_modules(model):
+            m.reset_adapters()
+
+
+def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
+    """QLoRA: each LoraLinear's (materialized) base weight becomes a torchao NF4Tensor."""
+    if plan.lora is None or not plan.lora.nf4:
+        return
+    api = nf4_api()
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLinear) and not is_nf4(m.weight):
+            blocks, scaler_block = nf4_blocks(name, m.weight.numel())
+            m.weight = nn.Parameter(api.to_nf4(m.weight.detach(), blocks, scaler_block), requires_grad=False)
+
+
+NF4_BLOCK = 64  # QLoRA's: 64 weights share one absmax scale
+NF4_SCALER_BLOCK = 256  # and 256 scales share one (double quantization)
+
+
+def nf4_blocks(name: str, numel: int) -> tuple[int, int]:
+    """QLoRA's block sizes for a weight of `numel` elements: 64, and 256 scales per scaler block, or
+    the largest power of two below 256 that divides a small weight's scale count (torchao needs both
+    to divide); a weight that is no whole number of 64-blocks is one PrecisionError line."""
+    if numel % NF4_BLOCK:
+        raise PrecisionError(
+            f"'lora.quantize_base' = 'nf4': '{name}.weight' has {numel} elements, not a multiple of "
+            f"NF4's block of {NF4_BLOCK}; leave it out of lora.target_modules or use quantize_base = 'none'"
+        )
+    scales = numel // NF4_BLOCK
+    scaler = NF4_SCALER_BLOCK
+    while scales % scaler:
+        scaler //= 2
+    return NF4_BLOCK, scaler
+
+
+def merge(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter merged in (W + scaling * B @ A), in fp32 and
+    without adapter keys: what a base checkpoint or a Hugging Face export holds."""
+    merged = {m: m.merged_weight() for m in lora_modules(model)}
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if any(part in ADAPTER_NAMES for part in name.split(".")):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            value = merged[module] if pname == "weight" and module in merged else p.detach()
+            out[key] = dequantized(value).float()
+    return out
+
+
+def audit(plan: PrecisionPlan, parts: list[nn.Module]) -> dict[str, list[str]]:
+    """What one step left for the audit to check against the plan: the adapters' gradient dtypes
+    (promised: adapter_dtype, fp32) and the base parameters holding a gradient (promised: none).
+    Empty without [lora]."""
+    if plan.lora is None:
+        return {}
+    grads, based = set(), set()
+    for part in parts:
+        adapters = adapter_parameters(part)
+        for name, p in part.named_parameters():
+            if name in adapters and p.grad is not None:
+                grads.add(str(p.grad.dtype).removeprefix("torch."))
+            elif name not in adapters and p.grad is not None:
+                based.add(name)
+    return {"adapter gradients": sorted(grads), "base parameters with a gradient": sorted(based)}
+
+
+def base_dtypes(model: nn.Module) -> dict[str, str]:
+    """Each frozen base parameter's storage ("nf4:<dtype>" for QLoRA's, the dtype it was quantized
+    from): a LoRA checkpoint records them, so that its export rebuilds the base the adapters
+    trained against."""
+    adapters = adapter_parameters(model)
+    out = {}
+    for name, p in model.named_parameters():
+        if name not in adapters:
+            out[name] = ("nf4:" if is_nf4(p) else "") + str(p.dtype).removeprefix("torch.")
+    return out
