@@ -743,11 +743,3 @@ def test_train_py_rejects_world_size_mismatch() -> None:
         "train.py", "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "16", timeout=120
     )
     assert_one_line_error(result, "differs from the world size 1")
-
-
-def test_initial_load_path_without_the_checkpointer_is_refused(tmp_path: Path) -> None:
-    """checkpoint.initial_load_path is read by the checkpointer: with checkpoint.enable false the run
-    would silently start from random weights, so the config is refused in one line."""
-    message = error_of(tmp_path, None, "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.enable", "false")
-    assert message.startswith("'checkpoint.initial_load_path' is loaded by the checkpointer: set checkpoint.enable")
-    load(tmp_path, None, "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.enable", "true")

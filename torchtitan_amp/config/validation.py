@@ -34,11 +34,6 @@ def validate(config: JobConfig) -> None:
         config.checkpoint.enable or not config.checkpoint.last_save_hf,
         "'checkpoint.last_save_hf' converts the last checkpoint: it needs checkpoint.enable = true",
     )
-    _require(
-        config.checkpoint.enable or config.checkpoint.create_seed_checkpoint or not config.checkpoint.initial_load_path,
-        "'checkpoint.initial_load_path' is loaded by the checkpointer: set checkpoint.enable = true "
-        "(with it off the run would start from random weights)",
-    )
     ac = config.activation_checkpoint
     # Read only under mode = selective, so a stale value elsewhere is harmless.
     _require(
