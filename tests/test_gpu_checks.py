@@ -175,8 +175,9 @@ def test_the_default_selection_fits_its_budget_and_the_call_fits_five_minutes() 
     gpu_run.sh gives them (its timeout less the 20 s margin), the cheap probes run before the
     compiled ones, and the checks plus the MFU benchmark take at most 300 s by their own limits."""
     caps = settings.CUDA_LIMITS_S
-    default = [n for n in settings.CHECKS if n != "fp8_speed"]
-    assert "GPU_CHECKS_SPEED=1" in str(settings.Settings(device="cpu").why_skipped("fp8_speed"))
+    default = [n for n in settings.CHECKS if n not in settings.SPEED_CHECKS]
+    for name in settings.SPEED_CHECKS:
+        assert "GPU_CHECKS_SPEED=1" in str(settings.Settings(device="cpu").why_skipped(name))
     assert default == settings.DEFAULT_CHECKS and set(caps) == set(settings.CHECKS)
     assert sum(caps[n] for n in default) <= settings.DEFAULT_BUDGET_S, sum(caps[n] for n in default)
     timeout, mfu = float(_script_default("GPU_CHECKS_TIMEOUT")), float(_script_default("GPU_MFU_TIMEOUT"))

@@ -436,7 +436,7 @@ def test_an_untied_export_does_not_load_into_a_tied_model(tmp_path: Path) -> Non
 
     tied = Transformer(TIED_ARGS)
     # One process: all_ok raises this rank's error itself.
-    manager = SimpleNamespace(model=tied, model_state_dict=tied.state_dict, ranks=RankLayout())
+    manager = SimpleNamespace(model=tied, model_state_dict=tied.state_dict, ranks=RankLayout(), adapters=set())
     untied = Transformer(dataclasses.replace(TIED_ARGS, enable_weight_tying=False))
     torch.save(untied.state_dict(), tmp_path / EXPORT_FILE)
     with pytest.raises(CheckpointError, match=r"does not fit this model: the model has no 'output.weight'") as e:

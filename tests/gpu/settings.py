@@ -58,9 +58,10 @@ CUDA_LIMITS_S = {
     "flex": 40.0,
 }
 CHECKS = list(CUDA_LIMITS_S)
-# What runs without GPU_CHECKS_SPEED=1: every check but fp8_speed. Its caps sum to
+# What runs without GPU_CHECKS_SPEED=1: every check but the speed ones. Its caps sum to
 # DEFAULT_BUDGET_S or less (tests/test_gpu_checks.py), scripts/gpu_run.sh's default budget.
-DEFAULT_CHECKS = [name for name in CHECKS if name not in ("fp8_speed", "flex")]
+SPEED_CHECKS = ("fp8_speed", "flex")  # run only with GPU_CHECKS_SPEED=1
+DEFAULT_CHECKS = [name for name in CHECKS if name not in SPEED_CHECKS]
 DEFAULT_BUDGET_S = 200.0
 # A check is not started with less time than this left in the budget.
 MIN_START_S = 5.0
@@ -122,7 +123,7 @@ class Settings:
         """Why check `name` does not run here, or None."""
         if self.device == "cuda" and not torch.cuda.is_available():
             return "no CUDA device here (GPU_CHECKS_DEVICE=cpu GPU_CHECKS_TINY=1 runs a CPU trial)"
-        if name in ("fp8_speed", "flex") and not self.speed:
+        if name in SPEED_CHECKS and not self.speed:
             return f"{name} runs with GPU_CHECKS_SPEED=1 only"
         return unavailable(name)
 
