@@ -127,10 +127,17 @@ def test_validation_forward_on_flex_equals_sdpa_with_documents() -> None:
     assert (out - ref).abs().max().item() <= MODEL_ATOL and abs(loss[0] - loss[1]) <= MODEL_ATOL
 
 
-def test_gpt_oss_forward_on_flex_equals_sdpa() -> None:
-    """gpt-oss (sinks, sliding and full layers) with documents: flex masks per window, shared."""
+@pytest.mark.parametrize(
+    "model_cls, flavors",
+    [(GptOssTransformer, GPT_OSS_FLAVORS), (DeepSeekV3Transformer, DEEPSEEK_V3_FLAVORS)],
+    ids=["gpt_oss", "deepseek_v3"],
+)
+def test_family_forward_on_flex_equals_sdpa(model_cls: type, flavors: dict) -> None:
+    """With documents, flex's logits are SDPA's: gpt-oss (sinks, sliding and full layers: flex masks
+    per window, shared) and DeepSeek-V3 (MLA: values narrower than queries and keys, the rotated key
+    shared by every head)."""
     torch.manual_seed(0)
-    model = GptOssTransformer(dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64))
+    model = model_cls(dataclasses.replace(flavors["debugmodel"], max_seq_len=64, vocab_size=64))
     model.init_weights()
     model.eval()
     tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -139,24 +146,7 @@ def test_gpt_oss_forward_on_flex_equals_sdpa() -> None:
         ref = model(tokens, doc_ids=docs)
         model.attention_backend = "flex"
         out = model(tokens, doc_ids=docs)
-    print(f"\n[flex gpt-oss] max |logit diff| {(out - ref).abs().max():.2e}")
-    assert (out - ref).abs().max().item() <= MODEL_ATOL
-
-
-def test_deepseek_v3_forward_on_flex_equals_sdpa() -> None:
-    """MLA (values narrower than queries and keys, the rotated key shared by every head) with
-    documents: flex's logits are SDPA's."""
-    torch.manual_seed(0)
-    model = DeepSeekV3Transformer(dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel"], max_seq_len=64, vocab_size=64))
-    model.init_weights()
-    model.eval()
-    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
-    docs = _docs(2, 64)
-    with torch.no_grad():
-        ref = model(tokens, doc_ids=docs)
-        model.attention_backend = "flex"
-        out = model(tokens, doc_ids=docs)
-    print(f"\n[flex deepseek_v3] max |logit diff| {(out - ref).abs().max():.2e}")
+    print(f"\n[flex {model_cls.__name__}] max |logit diff| {(out - ref).abs().max():.2e}")
     assert (out - ref).abs().max().item() <= MODEL_ATOL
 
 
