@@ -114,19 +114,20 @@ class Trainer:
         # Before the forward: the aux loss captures its factor there, and the factor must be the
         # one this micro-batch's loss is scaled by (the scale changes only between steps).
         self._set_loss_factor(run.accum)
-        # A model that adds a loss of its own from the labels (DeepSeek-V3's multi-token prediction)
-        # takes them; its loss is weighted as the main one, trained on, and logged apart.
+        # A model that adds losses of its own from the labels (DeepSeek-V3's multi-token prediction)
+        # takes them; each is weighted as the main one, trained on, and logged apart by its name.
         takes_labels = getattr(run.model, "takes_labels", False)
         with parallel_context(run.dims, self.config), autocast.forward_context(run.plan):
             logits = autocast.cast_output(
                 run.plan, run.model(inputs, **extra, **({"labels": labels} if takes_labels else {}))
             )
             loss = loss_fn(logits, labels, reduction="sum") * self._label_weight
-            extra_loss = cast(Any, run.model).pop_mtp_loss() * self._label_weight if takes_labels else None
+            extras = cast(Any, run.model).pop_extra_losses() if takes_labels else {}
+            extras = {name: value * self._label_weight for name, value in extras.items()}
         with parallel_context(run.dims, self.config), autocast.backward_context(run.plan):
-            run.scaler.scale(loss if extra_loss is None else loss + extra_loss).backward()
-        if extra_loss is not None:
-            self.extra_losses["mtp_loss"] = self.extra_losses.get("mtp_loss", 0) + extra_loss.detach()
+            run.scaler.scale(loss + sum(extras.values()) if extras else loss).backward()
+        for name, value in extras.items():
+            self.extra_losses[name] = self.extra_losses.get(name, 0) + value.detach()
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss

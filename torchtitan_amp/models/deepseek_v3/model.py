@@ -171,6 +171,13 @@ class DeepSeekV3Transformer(Transformer):
         """Whether the trainer passes the labels to the forward (multi-token prediction's loss)."""
         return self.mtp is not None
 
+    def pop_extra_losses(self) -> dict[str, torch.Tensor]:
+        """The losses the last labelled forward added, by the name the trainer logs them under
+        (sums over the targets, weighted like the main loss's sum); the trainer asks after every
+        labelled forward."""
+        loss = self.pop_mtp_loss()
+        return {"mtp_loss": loss} if loss is not None else {}
+
     def pop_mtp_loss(self) -> torch.Tensor | None:
         """The last labelled forward's multi-token prediction loss (a sum over the targets, to be
         weighted like the main loss's sum), handed over once."""
