@@ -270,14 +270,60 @@ def test_bundled_data_loads_and_holds_out_validation() -> None:
     assert isinstance(template_for(ByteTokenizer()), ChatTemplate)
 
 
-def test_finetune_from_a_checkpoint_lowers_the_assistant_loss(tmp_path: Path) -> None:
+SFT_ARGS = [*TINY, "--training.seq_len", "128", "--training.local_batch_size", "4", "--optimizer.lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A seed checkpoint of the debug model (training.seed 0): its step folder and its weights."""
+    seed_dump = tmp_path_factory.mktemp("seed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
+        seeded = Trainer(
+            load_config(["--job.dump_folder", str(seed_dump), *SFT_ARGS, "--checkpoint.create_seed_checkpoint"])
+        )
+        seeded.train()
+    start = {k: v.detach().clone() for k, v in seeded.run.model.state_dict().items()}
+    return seed_dump / "checkpoint" / "step-0", start
+
+
+def test_initial_load_path_loads_with_checkpointing_disabled(
+    tmp_path: Path, seed_checkpoint: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    """checkpoint.enable governs saving and resuming; checkpoint.initial_load_path is loaded either
+    way: with enable = false the run starts from those weights (bitwise), not from its own init,
+    and writes no checkpoint."""
+    step0, start = seed_checkpoint
+    dump = tmp_path / "sft"
+    trainer = Trainer(
+        load_config(
+            [
+                "--job.dump_folder",
+                str(dump),
+                *SFT_ARGS,
+                "--training.seed",
+                "1",  # another init: the checkpoint's weights must replace it
+                "--checkpoint.enable",
+                "false",
+                "--checkpoint.initial_load_path",
+                str(step0),
+            ]
+        )
+    )
+    state = trainer.run.model.state_dict()
+    assert state.keys() == start.keys()
+    assert all(torch.equal(v, start[k]) for k, v in state.items())
+    assert trainer.run.resumed is not None and trainer.run.resumed.step == 0
+    assert not (dump / "checkpoint").exists()
+
+
+def test_finetune_from_a_checkpoint_lowers_the_assistant_loss(
+    tmp_path: Path, seed_checkpoint: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
     """A seed checkpoint of the debug model is the starting point (checkpoint.initial_load_path);
     fine-tuning on the bundled conversations lowers the loss on assistant tokens."""
-    seed_dump = tmp_path / "seed"
-    args = [*TINY, "--training.seq_len", "128", "--training.local_batch_size", "4", "--optimizer.lr", "3e-3"]
-    seeded = Trainer(load_config(["--job.dump_folder", str(seed_dump), *args, "--checkpoint.create_seed_checkpoint"]))
-    seeded.train()
-    start = {k: v.clone() for k, v in seeded.run.model.state_dict().items()}
+    step0, start = seed_checkpoint
+    args = SFT_ARGS
     trainer = Trainer(
         load_config(
             [
@@ -290,7 +336,7 @@ def test_finetune_from_a_checkpoint_lowers_the_assistant_loss(tmp_path: Path) ->
                 "--checkpoint.interval",
                 "1000",
                 "--checkpoint.initial_load_path",
-                str(seed_dump / "checkpoint" / "step-0"),
+                str(step0),
                 "--lr_scheduler.warmup_steps",
                 "2",
             ]
@@ -300,3 +346,4 @@ def test_finetune_from_a_checkpoint_lowers_the_assistant_loss(tmp_path: Path) ->
     batches = trainer.new_batches()
     losses = [float(trainer.train_step(batches)[0]) for _ in range(12)]
     assert sum(losses[-3:]) / 3 < 0.75 * sum(losses[:3]) / 3, losses
+

@@ -60,7 +60,7 @@ class Restored(NamedTuple):
 
 @torch.no_grad()
 def load(
-    config: JobConfig, folder: Path, state: RunState, replica: replicas.ReplicaGroup | None = None
+    config: JobConfig, folder: Path | None, state: RunState, replica: replicas.ReplicaGroup | None = None
 ) -> Restored | None:
     """Resume from the newest complete checkpoint in `folder` (or checkpoint.load_step), else from
     checkpoint.initial_load_path, into `state`. Collective. Returns the restored train state and the
@@ -68,7 +68,7 @@ def load(
 
     Args:
         config: the job config (its checkpoint section says what to load and what to leave out).
-        folder: the run's checkpoint folder.
+        folder: the run's checkpoint folder; None: checkpointing is off, only initial_load_path loads.
         state: the live objects the checkpoint's parts are loaded into.
         replica: this fault-tolerant replica group, which reads its per-rank parts from its own
             folder (replicas.py); None outside fault tolerance.
@@ -112,7 +112,7 @@ def load(
     return Restored(train_state, path)
 
 
-def choose_verified(config: JobConfig, folder: Path, ranks: RankLayout, model_args: Any) -> Choice | None:
+def choose_verified(config: JobConfig, folder: Path | None, ranks: RankLayout, model_args: Any) -> Choice | None:
     """Pick the checkpoint to load, with its files' CRC-32s checked: rank 0 picks one, every rank
     checks a share of its files; a corrupt one is named and the next older one is tried (unless it
     was asked for by name). Collective. Returns the choice, or None when starting fresh.
@@ -139,18 +139,22 @@ def choose_verified(config: JobConfig, folder: Path, ranks: RankLayout, model_ar
         corrupt[choice.step] = bad
 
 
-def choose(config: JobConfig, folder: Path, model_args: Any, corrupt: dict[int, str]) -> Choice | None:
+def choose(config: JobConfig, folder: Path | None, model_args: Any, corrupt: dict[int, str]) -> Choice | None:
     """The checkpoint rank 0 picks (every rank then loads the same one): the newest complete one in
     `folder`, or checkpoint.load_step, else checkpoint.initial_load_path; None when starting fresh.
 
     Args:
         config: the job config (checkpoint.load_step, initial_load_path).
-        folder: the run's checkpoint folder.
+        folder: the run's checkpoint folder; None: not read (checkpointing off), initial_load_path only.
         model_args: this run's model arguments, which a Hugging Face initial_load_path must match.
         corrupt: steps that failed their checksum, each with the reason (already logged): skipped,
             or an error when the step was asked for by name.
     """
     c = config.checkpoint
+    if folder is None:
+        if not c.initial_load_path:
+            return None
+        return choose_initial(Path(c.initial_load_path), model_args, config.model.flavor, get_family(config.model.name))
     complete, problems = scan_folder(folder)
     if not corrupt:
         for line in problems:
@@ -302,12 +306,16 @@ def load_export(state: RunState, path: Path) -> None:
 
 
 def _rank_files(
-    folder: Path, replica: replicas.ReplicaGroup | None, ranks: RankLayout, choice: Choice, names: tuple[str, ...]
+    folder: Path | None,
+    replica: replicas.ReplicaGroup | None,
+    ranks: RankLayout,
+    choice: Choice,
+    names: tuple[str, ...],
 ) -> tuple[Path, dict[str, Any], tuple[str, ...]]:
     """Where the per-rank parts come from: the chosen checkpoint, or a replica group's own files of
     its step. A group without them takes the (global) positions from the shared checkpoint and
     keeps its seeded RNG states: the saving group's would be another group's."""
-    if replica is None or choice.initial:
+    if replica is None or choice.initial or folder is None:
         return Path(choice.path), choice.meta, names
     own = agree(ranks, lambda: replicas.own_files(folder, replica, choice.step, ranks.world_size))
     if own is not None:

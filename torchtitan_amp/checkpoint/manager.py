@@ -184,11 +184,14 @@ class CheckpointManager:
     def load(self) -> TrainState | None:
         """Resume from the newest complete checkpoint (or load_step), else initial_load_path.
 
+        checkpoint.enable governs saving and resuming; initial_load_path is the user's request for
+        starting weights, so it is loaded with checkpointing off too (the run's folder unread).
         Returns the restored step and tokens, or None when starting fresh.
         """
-        if not self.enabled or self.config.checkpoint.create_seed_checkpoint:
+        c = self.config.checkpoint
+        if c.create_seed_checkpoint or not (self.enabled or c.initial_load_path):
             return None
-        restored = loading.load(self.config, self.folder, self.state, self.replica)
+        restored = loading.load(self.config, self.folder if self.enabled else None, self.state, self.replica)
         if restored is None:
             return None
         self.saver.last_saved_step = restored.train_state.step

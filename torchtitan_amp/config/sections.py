@@ -197,7 +197,8 @@ class CheckpointConfig:
         "Weights to start from when the folder holds no checkpoint: a step folder (seed, full "
         "or model-only export), a folder of them, or a Hugging Face Llama folder (config.json + "
         "*.safetensors; config.json must match model.flavor and the tokenizer's vocab). Loads the "
-        "model only; training starts at step 0.",
+        "model only; training starts at step 0. Loaded with checkpoint.enable = false too (then "
+        "the run's own folder is neither read nor written).",
     )
     last_save_model_only: bool = option(
         False,
