@@ -5,6 +5,7 @@ and a debug model started from a checkpoint learns the bundled conversations."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -13,12 +14,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.hf import HFExport
 from torchtitan_amp.config import load_config
 from torchtitan_amp.core.errors import DataError
 from torchtitan_amp.data.chat import ChatWindows, chat_windows, encode_chat, example_tokens, load_conversations, pack
 from torchtitan_amp.data.chat_template import ChatTemplate, template_for
 from torchtitan_amp.data.loader import build_dataloader
 from torchtitan_amp.data.tokenizer import ByteTokenizer, build_tokenizer
+from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
 from torchtitan_amp.models.loss import IGNORE_INDEX
 from torchtitan_amp.train.trainer import Trainer
 
@@ -347,3 +350,66 @@ def test_finetune_from_a_checkpoint_lowers_the_assistant_loss(
     losses = [float(trainer.train_step(batches)[0]) for _ in range(12)]
     assert sum(losses[-3:]) / 3 < 0.75 * sum(losses[:3]) / 3, losses
 
+
+def _tiny_hf_config() -> Any:
+    """transformers' LlamaConfig of debugmodel_tiny with the byte tokenizer's vocabulary (as our
+    export writes it): the HF folder an SFT run starts from."""
+    from transformers import LlamaConfig
+
+    from torchtitan_amp.checkpoint.hf import hf_config
+
+    tok = ByteTokenizer()
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel_tiny"], vocab_size=tok.vocab_size)
+    return LlamaConfig.from_dict(hf_config(args, "float32", tok.bos_id, tok.eos_id))
+
+
+# One conversation as training sees it (BOS first): the tokens both models' logits are compared on.
+HF_TOKENS = torch.tensor([example_tokens(CONVERSATION[:3], template_for(ByteTokenizer()), ByteTokenizer())[0]])
+HF_EXPORT = HFExport("LlamaForCausalLM", _tiny_hf_config, HF_TOKENS, max_shard_size="200KB")  # conftest's `hf`
+# fp32 logits of the same weights in transformers' LlamaForCausalLM and ours: the two differ only
+# in the order of fp32 operations (rotary as rotate_half vs interleaved pairs on permuted rows,
+# eager vs SDPA attention, norm and softmax reductions), each a few units of 2**-24 relative to
+# values of order one, accumulated over 4 layers and sums of at most 256 terms:
+# 4 x sqrt(256) x 2**-24 = 64 units of 2**-24, times max|logit|. Measured: 1.8e-7 at max|logit| 0.56
+# (bound 2.1e-6); the 3 steps moved the logits by 0.14.
+HF_LOGITS_RTOL = 64 * 2.0**-24
+
+
+def test_sft_from_a_hugging_face_folder_exports_to_transformers_with_our_logits(
+    hf: tuple[Path, Any, torch.Tensor], tmp_path: Path
+) -> None:
+    """SFT end to end: start from a Hugging Face Llama folder (checkpoint.initial_load_path),
+    fine-tune 3 steps on the bundled conversations, export at the last step
+    (checkpoint.last_save_hf, fp32); transformers loads the export with no missing or unexpected
+    keys and gives our fine-tuned model's logits; the fine-tune moved them away from the start."""
+    from transformers import LlamaForCausalLM
+
+    folder, _, start_logits = hf
+    dump = tmp_path / "sft"
+    trainer = Trainer(
+        load_config(
+            [
+                "--job.dump_folder",
+                str(dump),
+                *SFT_ARGS,
+                "--training.steps",
+                "3",
+                "--checkpoint.initial_load_path",
+                str(folder),
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "1000",
+                "--checkpoint.last_save_hf",
+            ]
+        )
+    )
+    trainer.train()
+    model, info = LlamaForCausalLM.from_pretrained(dump / "checkpoint" / "hf-step-3", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours_model = trainer.run.model.eval()
+    with torch.no_grad():
+        theirs = model.eval()(HF_TOKENS).logits
+        ours = ours_model(HF_TOKENS, **trainer.run.job.mask_inputs(HF_TOKENS))
+    bound = HF_LOGITS_RTOL * float(ours.abs().max())
+    assert (theirs - ours).abs().max() <= bound
+    assert (start_logits - ours).abs().max() > 1000 * bound  # trained: not the import compared to itself
