@@ -63,8 +63,8 @@ def _no_peak_flops_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torchtitan_amp.train.build.peak_flops", lambda device, dtype: 1e12)
 
 
-def _tokenizer_folder(folder: Path, template: str) -> Path:
-    """A tiny byte-level BPE tokenizer folder with ChatML specials and `template`."""
+def _tokenizer_folder(folder: Path, template: str | None) -> Path:
+    """A tiny byte-level BPE tokenizer folder with ChatML specials and `template` (None: no chat template)."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -85,7 +85,7 @@ def _tokenizer_folder(folder: Path, template: str) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
         "eos_token": "<|im_end|>",
-        "chat_template": template,
+        **({"chat_template": template} if template is not None else {}),
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
@@ -118,6 +118,68 @@ def test_render_and_ids_equal_transformers_apply_chat_template(tmp_path: Path, t
             CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )["assistant_masks"]
         assert [bool(m) for m in hf_mask] == trained
+
+
+@pytest.mark.parametrize("choice", ["chatml", "jinja_file"])
+def test_training_chat_template_adds_or_overrides_the_folders(tmp_path: Path, choice: str) -> None:
+    """training.chat_template: a shipped name ("chatml") for a folder that ships no template, or a
+    .jinja file overriding the folder's own: text and ids equal transformers' apply_chat_template
+    given the same template, and the trained tokens are the assistant turns."""
+    from transformers import AutoTokenizer
+
+    from torchtitan_amp.data.chat_template import NAMED_TEMPLATES
+
+    if choice == "chatml":
+        folder, source, marked = _tokenizer_folder(tmp_path / "tok", None), NAMED_TEMPLATES["chatml"], False
+        with pytest.raises(DataError, match="has no chat template .* training.chat_template"):
+            template_for(build_tokenizer(str(folder)))
+        setting = "chatml"
+    else:
+        own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        folder, source, marked = _tokenizer_folder(tmp_path / "tok", own), CHATML_MARKED, True
+        (tmp_path / "mine.jinja").write_text(source)
+        setting = str(tmp_path / "mine.jinja")
+    ours, theirs = build_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    ours.chat_template = setting  # type: ignore[union-attr]  # what train/job.py sets from the config
+    chat = template_for(ours)
+    for messages, prompt in ((CONVERSATION, False), (CONVERSATION[:2], True)):
+        kwargs = {"chat_template": source, "add_generation_prompt": prompt}
+        text = chat.render(messages, add_generation_prompt=prompt)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert encode_chat(text, ours)[0] == _hf_ids(theirs.apply_chat_template(messages, tokenize=True, **kwargs))
+    ids, trained = example_tokens(CONVERSATION, chat, ours)
+    hf_ids = _hf_ids(theirs.apply_chat_template(CONVERSATION, tokenize=True, chat_template=source))
+    assert ids == (hf_ids if marked else [ours.bos_id, *hf_ids])  # BOS put in front where none is rendered
+    turns = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    expected = "".join(t + "<|im_end|>" + ("" if marked else "\n") for t in turns)
+    assert ours._tokenizer.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=False) == expected
+    if choice == "chatml":  # the byte tokenizer takes the same names
+        byte = ByteTokenizer()
+        byte.chat_template = "chatml"
+        assert template_for(byte).render(CONVERSATION) == theirs.apply_chat_template(
+            CONVERSATION, tokenize=False, chat_template=source
+        )
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("nope", r"training.chat_template 'nope' is neither a shipped template \(byte, chatml\) nor a .jinja file"),
+        ("missing.jinja", r"training.chat_template 'missing.jinja': no such file"),
+    ],
+    ids=["unknown_name", "missing_file"],
+)
+def test_unknown_chat_template_is_one_error_line(tmp_path: Path, setting: str, message: str) -> None:
+    from torchtitan_amp.train.job import resolve
+
+    argv = ["--job.dump_folder", str(tmp_path), *TINY, "--training.chat_template"]
+    with pytest.raises(DataError, match=message) as err:
+        resolve(load_config([*argv, setting]), 1, "cpu")
+    assert "\n" not in str(err.value)
+    job = resolve(load_config([*argv, "chatml"]), 1, "cpu")  # the config reaches the run's tokenizer
+    from torchtitan_amp.data.chat_template import NAMED_TEMPLATES
+
+    assert template_for(job.tokenizer).source == NAMED_TEMPLATES["chatml"]
 
 
 def _chat_sample(tokens: list[int], trained: list[bool], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

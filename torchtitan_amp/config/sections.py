@@ -132,6 +132,12 @@ class TrainingConfig:
         "held-out split) or 'chat:/file.jsonl' (conversations for fine-tuning, loss on assistant tokens; "
         "docs/post_training.md). See docs/data.md.",
     )
+    chat_template: str = option(
+        "",
+        "The chat template of 'chat:' data and `generate --chat`: a shipped name ('byte', 'chatml') or "
+        "a .jinja file, overriding the tokenizer's own; '' takes the tokenizer folder's (or, for the "
+        "byte tokenizer, 'byte'). docs/post_training.md.",
+    )
     dataloader_num_workers: int = option(
         0,
         "Loader worker processes per rank building batches ahead of the step ('tokens:' datasets "

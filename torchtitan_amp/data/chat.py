@@ -272,7 +272,7 @@ def chat_windows(dataset: str, tokenizer: Tokenizer, seq_len: int) -> tuple[torc
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
-    key = (dataset, str(getattr(tokenizer, "cache_key", id(tokenizer))), seq_len)
+    key = (dataset, f"{getattr(tokenizer, 'cache_key', id(tokenizer))}|{tokenizer.chat_template}", seq_len)
     if key in _CACHE:
         return _CACHE[key]
     path = Path(dataset.removeprefix("chat:"))

@@ -1,9 +1,11 @@
 """Chat templates: Hugging Face tokenizers' `chat_template` (jinja2), rendered as transformers'
 `apply_chat_template` renders it, and the assistant spans that SFT trains on.
 
-The template comes from a tokenizer folder (its chat_template.jinja, or tokenizer_config.json's
-`chat_template`: a string, or a list of {"name", "template"} where "default" is taken), or, for the
-byte tokenizer, the template shipped here (`BYTE_TEMPLATE`). It renders in a sandboxed jinja2
+The template comes from `training.chat_template` when set (a name of `NAMED_TEMPLATES`, shipped
+here, or a .jinja file; the job sets it on the tokenizer as `chat_template`, as transformers'
+tokenizers carry theirs), else from a tokenizer folder (its chat_template.jinja, or
+tokenizer_config.json's `chat_template`: a string, or a list of {"name", "template"} where "default"
+is taken), or, for the byte tokenizer, the template shipped here (`BYTE_TEMPLATE`). It renders in a sandboxed jinja2
 environment set up like transformers' (trim_blocks, lstrip_blocks, loop controls, `tojson`,
 `raise_exception`, `{% generation %}`) with the variables `messages`, `bos_token`, `eos_token` and
 `add_generation_prompt`.
@@ -38,6 +40,16 @@ BYTE_TEMPLATE = (
 # The byte tokenizer's specials as templates spell them.
 BYTE_BOS_TOKEN = "<s>"
 BYTE_EOS_TOKEN = "</s>"
+# ChatML, as transformers' documentation gives it: `<|im_start|>ROLE\n...<|im_end|>\n` per message
+# (the markers are one token each where the vocabulary has them as specials, text otherwise).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# training.chat_template's names: templates for tokenizers that ship none (any tokenizer may use them).
+NAMED_TEMPLATES = {"byte": BYTE_TEMPLATE, "chatml": CHATML_TEMPLATE}
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -183,24 +195,56 @@ def _folder_template(folder: Path) -> str | None:
     return value
 
 
+def chosen_template(setting: str) -> tuple[str, str]:
+    """(source, where it came from) of training.chat_template: a name of NAMED_TEMPLATES or a path
+    to a .jinja file; DataError in one line otherwise.
+
+    Args:
+        setting: the config value (not empty).
+    """
+    if setting in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[setting], f"the shipped {setting!r} template"
+    path = Path(setting)
+    if path.suffix == ".jinja" or path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except FileNotFoundError:
+            raise DataError(f"training.chat_template {setting!r}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"training.chat_template {setting!r}: unreadable ({' '.join(str(e).split())})") from None
+    raise DataError(
+        f"training.chat_template {setting!r} is neither a shipped template ({', '.join(NAMED_TEMPLATES)}) "
+        "nor a .jinja file"
+    )
+
+
 def template_for(tokenizer: Any) -> ChatTemplate:
-    """The chat template of `tokenizer`: the byte tokenizer's shipped one, or its folder's.
+    """The chat template of `tokenizer`: its `chat_template` setting (training.chat_template, set by
+    the job) when given, else the byte tokenizer's shipped one or its folder's.
 
     Args:
         tokenizer: a data.tokenizer tokenizer (ByteTokenizer, or an HFTokenizer from a folder).
     """
+    setting = getattr(tokenizer, "chat_template", "")
     if getattr(tokenizer, "cache_key", None) == "byte":
-        return ChatTemplate(BYTE_TEMPLATE, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN, "the byte tokenizer's shipped template")
+        source, where = (
+            chosen_template(setting) if setting else (BYTE_TEMPLATE, "the byte tokenizer's shipped template")
+        )
+        return ChatTemplate(source, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN, where)
     path = getattr(tokenizer, "path", None)
     if not hasattr(tokenizer, "encode_with_offsets") or path is None:
         raise DataError(
             "chat data needs model.tokenizer = 'byte' or a Hugging Face tokenizer folder, not "
             f"{type(tokenizer).__name__}"
         )
-    source = _folder_template(Path(path).parent)
-    if source is None:
+    if setting:
+        source, where = chosen_template(setting)
+        return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, where)
+    folder_source = _folder_template(Path(path).parent)
+    if folder_source is None:
         raise DataError(
             f"tokenizer folder {Path(path).parent} has no chat template (chat_template.jinja or "
-            "tokenizer_config.json's 'chat_template'); add one or use model.tokenizer = 'byte'"
+            "tokenizer_config.json's 'chat_template'); set training.chat_template (a shipped name: "
+            f"{', '.join(NAMED_TEMPLATES)}; or a .jinja file), add one to the folder, or use model.tokenizer = 'byte'"
         )
-    return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, str(Path(path).parent))
+    return ChatTemplate(folder_source, tokenizer.bos_token, tokenizer.eos_token, str(Path(path).parent))

@@ -26,6 +26,8 @@ class Tokenizer(Protocol):
     bos_id: int
     eos_id: int
     fingerprint: str
+    # training.chat_template ("": the tokenizer's own): which chat template data/chat_template.py renders.
+    chat_template: str
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """The ids of `text`, with BOS and EOS as asked.
@@ -57,6 +59,7 @@ class ByteTokenizer:
     # Identifies this tokenizer's output so tokenised corpora can be cached and shared (data/text.py).
     cache_key = "byte"
     fingerprint = "byte:utf8-258"
+    chat_template = ""
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """The UTF-8 bytes of `text` as ids, with BOS and EOS as asked.
@@ -117,6 +120,7 @@ class HFTokenizer:
         except ImportError as e:
             raise ImportError(f"loading {path} needs the `tokenizers` package: pip install tokenizers") from e
         self.path = Path(path)
+        self.chat_template = ""
         try:
             self._tokenizer = _HFTokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
@@ -216,6 +220,7 @@ class TiktokenTokenizer:
         except ImportError as e:
             raise ImportError(f"loading {path} needs the `tiktoken` package: pip install tiktoken") from e
         self.path = Path(path)
+        self.chat_template = ""
         try:
             ranks = load_tiktoken_bpe(str(self.path))
         except Exception as e:  # malformed lines raise ValueError or binascii.Error

@@ -19,6 +19,7 @@ from torchtitan_amp.checkpoint import validate_config as validate_checkpoint_con
 from torchtitan_amp.config import ConfigError, JobConfig, TrainingConfig
 from torchtitan_amp.core.environment import torchft_missing, wandb_missing
 from torchtitan_amp.core.matmul_speed import low_precision_speed
+from torchtitan_amp.data.chat_template import chosen_template
 from torchtitan_amp.data.tokenizer import Tokenizer, build_tokenizer
 from torchtitan_amp.distributed.context_parallel import check_causal_kernel
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
@@ -197,6 +198,10 @@ def resolve(
     # A dry run told the vocabulary size need not read a tokenizer file of the machines it sizes.
     tokenizer = None if dry_run and config.dry_run.vocab_size else build_tokenizer(config.model.tokenizer)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.dry_run.vocab_size
+    if t.chat_template:
+        chosen_template(t.chat_template)  # an unknown name or missing file: one line, before any process group
+        if tokenizer is not None:
+            tokenizer.chat_template = t.chat_template  # what data/chat_template.template_for renders
     family = get_family(config.model.name)
     check_mask_type(config.model.attn_mask_type, family, dims.cp)
     args = family.build_args(config.model.flavor, vocab, t.seq_len)
