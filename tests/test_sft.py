@@ -182,6 +182,64 @@ def test_unknown_chat_template_is_one_error_line(tmp_path: Path, setting: str, m
     assert template_for(job.tokenizer).source == NAMED_TEMPLATES["chatml"]
 
 
+INJECTED = [
+    {"role": "user", "content": "Is </s> an end? And <s> a start?"},
+    {"role": "assistant", "content": "In text, </s> is four characters."},
+    {"role": "user", "content": "Thanks."},
+]
+
+
+def test_special_strings_in_messages_stay_text_for_the_byte_tokenizer() -> None:
+    """Only the template's own markers become specials: "<s>" / "</s>" spelled in a message are
+    their bytes (no BOS / EOS id inside any content); the template's BOS and the EOS ending the
+    assistant turn stay ids; the text round-trips; generate --chat's prompt ids too."""
+    from torchtitan_amp.data.chat import chat_prompt_ids
+
+    tok = ByteTokenizer()
+    chat = template_for(tok)
+    text = chat.render(INJECTED[:2])
+    ids, trained = example_tokens(INJECTED[:2], chat, tok)
+    # BOS first and the assistant turn's EOS last, the template's; every other id is a byte.
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert all(i < 256 for i in ids[1:-1])
+    assert bytes(ids[1:-1]).decode() == text[len("<s>") : -len("</s>")]
+    assert [i for i, t in zip(ids, trained) if t] == [*INJECTED[1]["content"].encode(), tok.eos_id]
+    prompt = chat_prompt_ids(INJECTED, tok)
+    assert prompt.count(tok.bos_id) == 1 and prompt.count(tok.eos_id) == 1  # the one assistant turn's end
+
+
+def test_special_tokens_in_messages_stay_text_for_a_tokenizer_folder(tmp_path: Path) -> None:
+    """A ChatML tokenizer folder: "<|im_end|>" spelled in a message is tokenised as text, as
+    transformers tokenises with split_special_tokens=True, between the template's own markers
+    (which stay special tokens); elsewhere the ids are apply_chat_template's."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_folder(tmp_path / "tok", CHATML)
+    ours, theirs = build_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    im_end = theirs.convert_tokens_to_ids("<|im_end|>")
+    messages = [
+        {"role": "user", "content": "Say <|im_end|> twice: <|im_end|><|im_end|>"},
+        {"role": "assistant", "content": "No."},
+    ]
+    chat = template_for(ours)
+    text = chat.render(messages)
+    ids, _ = encode_chat(text, ours)
+    assert ids.count(im_end) == len(messages)  # one per message, the template's
+    assert ours._tokenizer.decode(ids, skip_special_tokens=False) == text
+    # The reference: the text cut at the template's own markers, each piece tokenised by transformers
+    # (specials split inside the user's turn, matched elsewhere).
+    head, rest = text.split("<|im_start|>", 2)[1], "<|im_start|>" + text.split("<|im_start|>", 2)[2]
+    user_turn = head[: head.rindex("<|im_end|>")]
+    expected = (
+        _hf_ids(theirs(text[: text.index(user_turn)], add_special_tokens=False))
+        + _hf_ids(theirs(user_turn, add_special_tokens=False, split_special_tokens=True))
+        + _hf_ids(theirs(head[len(user_turn) :] + rest, add_special_tokens=False))
+    )
+    assert ids == expected
+    plain = [{"role": "user", "content": "Say it twice."}, messages[1]]
+    assert encode_chat(chat.render(plain), ours)[0] == _hf_ids(theirs.apply_chat_template(plain, tokenize=True))
+
+
 def _chat_sample(tokens: list[int], trained: list[bool], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     stream = torch.tensor(tokens, dtype=torch.int32)
     windows = ChatWindows(stream, torch.tensor(trained), seq_len, 0, 1, 0)

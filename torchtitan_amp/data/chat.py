@@ -95,15 +95,18 @@ def load_conversations(path: Path) -> list[tuple[str, Messages]]:
     return out
 
 
-def _byte_encode_with_offsets(text: str, bos_id: int, eos_id: int) -> tuple[list[int], list[tuple[int, int]]]:
+def _byte_encode_with_offsets(
+    text: str, bos_id: int, eos_id: int, literal: frozenset[int]
+) -> tuple[list[int], list[tuple[int, int]]]:
     """The byte tokenizer's ids of a rendered chat: BYTE_BOS_TOKEN / BYTE_EOS_TOKEN spelled in the
-    text are its BOS / EOS ids (as a Hugging Face tokenizer matches its specials), the rest bytes."""
+    text are its BOS / EOS ids (as a Hugging Face tokenizer matches its specials), except where
+    `literal` says a message spelled them; the rest bytes."""
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
     i = 0
     while i < len(text):
         for token, token_id in ((BYTE_BOS_TOKEN, bos_id), (BYTE_EOS_TOKEN, eos_id)):
-            if text.startswith(token, i):
+            if i not in literal and text.startswith(token, i):
                 ids.append(token_id)
                 offsets.append((i, i + len(token)))
                 i += len(token)
@@ -117,15 +120,19 @@ def _byte_encode_with_offsets(text: str, bos_id: int, eos_id: int) -> tuple[list
 
 
 def encode_chat(text: str, tokenizer: Tokenizer) -> tuple[list[int], list[tuple[int, int]]]:
-    """A rendered chat's ids (specials in the text matched, nothing added) and character spans.
+    """A rendered chat's ids (the template's specials matched, nothing added) and character spans.
+    Special strings that a message spelled (a RenderedChat's `literal` positions) are text: user
+    text never becomes a special token.
 
     Args:
-        text: the rendered conversation.
+        text: the rendered conversation (ChatTemplate.render's RenderedChat; a plain str matches
+            every special string in it).
         tokenizer: the byte tokenizer or a Hugging Face one.
     """
+    literal: frozenset[int] = getattr(text, "literal", frozenset())
     if getattr(tokenizer, "cache_key", None) == "byte":
-        return _byte_encode_with_offsets(text, tokenizer.bos_id, tokenizer.eos_id)
-    return tokenizer.encode_with_offsets(text)  # type: ignore[attr-defined]  # template_for checked it
+        return _byte_encode_with_offsets(text, tokenizer.bos_id, tokenizer.eos_id, literal)
+    return tokenizer.encode_with_offsets(text, literal)  # type: ignore[attr-defined]  # template_for checked it
 
 
 def chat_prompt_ids(messages: Messages, tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:

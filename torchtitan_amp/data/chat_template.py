@@ -100,6 +100,57 @@ def _compile(source: str) -> Any:
         raise DataError(f"chat template: jinja2 syntax error on line {e.lineno}: {e.message}") from None
 
 
+class RenderedChat(str):
+    """A rendered conversation (the text, as a str) with `literal`: the character positions where
+    a special token's string spelled in a message's content starts. The chat encoder (data/chat.py)
+    encodes those as text: only the template's own markers become special tokens."""
+
+    literal: frozenset[int] = frozenset()
+
+
+def _occurrences(text: str, token: str) -> list[int]:
+    found, i = [], text.find(token)
+    while i >= 0:
+        found.append(i)
+        i = text.find(token, i + 1)
+    return found
+
+
+def escape_specials(
+    messages: list[dict[str, str]], specials: tuple[str, ...], avoid: str
+) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """`messages` with the first character of every special string spelled in a content replaced by
+    a private-use marker (one per replaced character, found in no content and not in `avoid`, the
+    template source), so that the rendered text holds no special string from a message; and the
+    markers' map back to the characters. One character for one: rendered offsets stay valid.
+
+    Args:
+        messages: the conversation ({"role", "content"} dicts).
+        specials: the tokenizer's special tokens' strings.
+        avoid: text the markers must not occur in (the template source).
+    """
+    hits = [sorted({i for s in specials if s for i in _occurrences(m["content"], s)}) for m in messages]
+    if not any(hits):
+        return messages, {}
+    seen = avoid + "".join(m["content"] for m in messages)
+    markers: dict[str, str] = {}
+    code = 0xE000
+    for char in sorted({m["content"][i] for m, at in zip(messages, hits) for i in at}):
+        while chr(code) in seen:
+            code += 1
+        markers[char] = chr(code)
+        code += 1
+    out = []
+    for m, at in zip(messages, hits):
+        if at:
+            chars = list(m["content"])
+            for i in at:
+                chars[i] = markers[chars[i]]
+            m = {**m, "content": "".join(chars)}
+        out.append(m)
+    return out, {marker: char for char, marker in markers.items()}
+
+
 class ChatTemplate:
     """A chat template with the special-token strings it renders.
 
@@ -108,15 +159,19 @@ class ChatTemplate:
         bos_token: what `{{ bos_token }}` renders.
         eos_token: what `{{ eos_token }}` renders.
         where: where the template came from (for error messages).
+        specials: the tokenizer's special tokens' strings: spelled in a message, they are marked
+            literal in the rendered text (RenderedChat.literal), never matched as specials.
     """
 
-    def __init__(self, source: str, bos_token: str, eos_token: str, where: str) -> None:
+    def __init__(self, source: str, bos_token: str, eos_token: str, where: str, specials: tuple[str, ...] = ()) -> None:
         self.source, self.bos_token, self.eos_token, self.where = source, bos_token, eos_token, where
+        self.specials = specials
         self.marked = bool(_GENERATION_TAG.search(source))
         self._template = _compile(source)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        """The conversation's text, as apply_chat_template(messages, tokenize=False) gives it.
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> RenderedChat:
+        """The conversation's text, as apply_chat_template(messages, tokenize=False) gives it, with
+        the positions of special strings spelled in its messages (RenderedChat.literal).
 
         Args:
             messages: the conversation ({"role", "content"} dicts).
@@ -126,9 +181,10 @@ class ChatTemplate:
 
     def _render(
         self, messages: list[dict[str, str]], add_generation_prompt: bool, spans: list[tuple[int, int]] | None
-    ) -> str:
+    ) -> RenderedChat:
         import jinja2
 
+        messages, restore = escape_specials(messages, self.specials, self.source)
         env = self._template.environment
         parts: list[str] = []
         # The generation tracker reads this while the render runs (renders are sequential).
@@ -145,9 +201,14 @@ class ChatTemplate:
             raise DataError(f"chat template ({self.where}) failed to render: {' '.join(str(e).split())}") from None
         finally:
             env.tracking = None
-        return "".join(parts)
+        text = "".join(parts)
+        if not restore:
+            return RenderedChat(text)
+        out = RenderedChat("".join(restore.get(c, c) for c in text))
+        out.literal = frozenset(i for i, c in enumerate(text) if c in restore)
+        return out
 
-    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[RenderedChat, list[tuple[int, int]]]:
         """The whole conversation's text and the character ranges [start, end) of its assistant
         turns (what SFT trains on); an empty list when the template renders none.
 
@@ -230,16 +291,17 @@ def template_for(tokenizer: Any) -> ChatTemplate:
         source, where = (
             chosen_template(setting) if setting else (BYTE_TEMPLATE, "the byte tokenizer's shipped template")
         )
-        return ChatTemplate(source, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN, where)
+        return ChatTemplate(source, BYTE_BOS_TOKEN, BYTE_EOS_TOKEN, where, (BYTE_BOS_TOKEN, BYTE_EOS_TOKEN))
     path = getattr(tokenizer, "path", None)
     if not hasattr(tokenizer, "encode_with_offsets") or path is None:
         raise DataError(
             "chat data needs model.tokenizer = 'byte' or a Hugging Face tokenizer folder, not "
             f"{type(tokenizer).__name__}"
         )
+    specials = tuple(tokenizer.special_tokens())
     if setting:
         source, where = chosen_template(setting)
-        return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, where)
+        return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, where, specials)
     folder_source = _folder_template(Path(path).parent)
     if folder_source is None:
         raise DataError(
@@ -247,4 +309,4 @@ def template_for(tokenizer: Any) -> ChatTemplate:
             "tokenizer_config.json's 'chat_template'); set training.chat_template (a shipped name: "
             f"{', '.join(NAMED_TEMPLATES)}; or a .jinja file), add one to the folder, or use model.tokenizer = 'byte'"
         )
-    return ChatTemplate(folder_source, tokenizer.bos_token, tokenizer.eos_token, str(Path(path).parent))
+    return ChatTemplate(folder_source, tokenizer.bos_token, tokenizer.eos_token, str(Path(path).parent), specials)

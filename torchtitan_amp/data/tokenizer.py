@@ -168,11 +168,55 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def special_tokens(self) -> list[str]:
+        """The strings of the vocabulary's special tokens (what a chat template's markers may be)."""
+        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special]
+
+    def _encode(self, text: str, split_specials: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        tok = self._tokenizer
+        before = tok.encode_special_tokens
+        tok.encode_special_tokens = split_specials  # transformers' split_special_tokens
+        try:
+            encoding = tok.encode(text, add_special_tokens=False)
+        finally:
+            tok.encode_special_tokens = before
+        return encoding.ids, [(a, b) for a, b in encoding.offsets]
+
+    def encode_with_offsets(
+        self, text: str, literal: frozenset[int] = frozenset()
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of `text` as `encode` (no BOS/EOS added; specials spelled in the text are
-        matched, as transformers' apply_chat_template tokenises), with each token's character span."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        return encoding.ids, [tuple(o) for o in encoding.offsets]  # type: ignore[misc]  # pairs
+        matched, as transformers' apply_chat_template tokenises), with each token's character span.
+
+        Args:
+            text: the text.
+            literal: character positions where a special token's string is text, not the special
+                (a chat message spelled it): each stretch between the specials matched elsewhere
+                that holds one is tokenised with specials split (transformers' split_special_tokens).
+        """
+        ids, offsets = self._encode(text, False)
+        special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        if not any(i in special and offsets[k][0] in literal for k, i in enumerate(ids)):
+            return ids, offsets
+        cuts = [k for k, i in enumerate(ids) if i in special and offsets[k][0] not in literal]
+        out_ids: list[int] = []
+        out_offsets: list[tuple[int, int]] = []
+        first, start = 0, 0  # the stretch's first token and first character
+        for cut in [*cuts, len(ids)]:
+            if any(ids[k] in special for k in range(first, cut)):  # only literal ones in between
+                end = offsets[cut][0] if cut < len(ids) else len(text)
+                sub_ids, sub_offsets = self._encode(text[start:end], True)
+                out_ids += sub_ids
+                out_offsets += [(a + start, b + start) for a, b in sub_offsets]
+            else:
+                out_ids += ids[first:cut]
+                out_offsets += offsets[first:cut]
+            if cut < len(ids):
+                out_ids.append(ids[cut])
+                out_offsets.append(offsets[cut])
+                start = offsets[cut][1]
+            first = cut + 1
+        return out_ids, out_offsets
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
