@@ -533,3 +533,38 @@ def test_sft_from_a_hugging_face_folder_exports_to_transformers_with_our_logits(
     bound = HF_LOGITS_RTOL * float(ours.abs().max())
     assert (theirs - ours).abs().max() <= bound
     assert (start_logits - ours).abs().max() > 1000 * bound  # trained: not the import compared to itself
+
+
+def test_causal_packing_of_chat_data_warns_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Packed conversations under model.attn_mask_type = 'causal' see the ones before them in their
+    window: one warning naming the fields (training and validation data both chat: still one);
+    none under block_causal."""
+    from torchtitan_amp.train.build import build_loaders, resolve_process_and_job
+
+    def warnings(mask: str) -> list[str]:
+        config = load_config(
+            [
+                "--job.dump_folder",
+                str(tmp_path),
+                *TINY,
+                "--model.attn_mask_type",
+                mask,
+                "--training.seq_len",
+                "128",
+                "--validation.enable",
+                "--validation.dataset",
+                f"chat:{BUNDLED / 'chat_val.jsonl'}",
+            ]
+        )
+        info, job = resolve_process_and_job(config)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torchtitan_amp"):
+            build_loaders(config, job, info)
+        return [r.getMessage() for r in caplog.records if "attn_mask_type" in r.getMessage()]
+
+    assert warnings("causal") == [
+        "chat data (training.dataset, validation.dataset) packs several conversations into a window and "
+        "model.attn_mask_type = 'causal' lets each attend to the conversations before it in its window; "
+        "set model.attn_mask_type = 'block_causal' to train each conversation on its own"
+    ]
+    assert warnings("block_causal") == []

@@ -170,6 +170,28 @@ def resolve_process_and_job(config: JobConfig) -> tuple[process_groups.DistInfo,
     return info, resolve_job(config, info.world_size, info.device.type)
 
 
+def warn_causal_chat_packing(config: JobConfig, job: Job, rank: int) -> None:
+    """One warning (rank 0) when chat data is packed under a plain causal mask: its conversations
+    then attend to the ones before them in their window (data/chat.py packs several per window).
+
+    Args:
+        config: the job config (model.attn_mask_type, training.dataset).
+        job: the resolved job (its validation spec's dataset).
+        rank: this process's global rank.
+    """
+    datasets = {"training.dataset": config.training.dataset}
+    if job.validation is not None:
+        datasets["validation.dataset"] = job.validation.dataset
+    chat = [name for name, dataset in datasets.items() if dataset.startswith("chat:")]
+    if chat and config.model.attn_mask_type == "causal" and rank == 0:
+        logger.warning(
+            "chat data (%s) packs several conversations into a window and model.attn_mask_type = 'causal' "
+            "lets each attend to the conversations before it in its window; set model.attn_mask_type = "
+            "'block_causal' to train each conversation on its own",
+            ", ".join(chat),
+        )
+
+
 def build_loaders(
     config: JobConfig, job: Job, info: process_groups.DistInfo
 ) -> tuple[ParallelAwareDataLoader, ParallelAwareDataLoader | None]:
@@ -185,6 +207,7 @@ def build_loaders(
     tokenizer = job.tokenizer
     if tokenizer is None:  # only a dry run's job lacks one (dry_run.vocab_size), and it builds no loader
         raise RuntimeError("the data loaders need the job's tokenizer; this job was resolved for a dry run")
+    warn_causal_chat_packing(config, job, info.rank)
     # Under fault tolerance every replica group reads its own share of the global order.
     dp_rank, dp_degree = fault_tolerance.data_position(config, dims, info.rank)
     loader = build_dataloader(
