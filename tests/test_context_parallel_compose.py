@@ -13,7 +13,12 @@
   blocks meet empty context_parallel caches, as in a fresh process: run after the eager ones it
   passed while a fresh compiled CP run failed (dynamo cannot trace CausalBias's creation).
 
-One launch (tests/workers/layouts.py): CP 2, the compiled run first (fresh caches), then eager and AC.
+- FlexAttention on CP 2 (forward, no grad: torch has no FlexAttention backward on CPU): over the
+  gathered keys with a BlockMask placed by window position, its logits equal SDPA's on CP 2 and
+  one process's, for documents (Llama), gpt-oss's sliding window and sinks, and both.
+
+Two launches: the training one (tests/workers/layouts.py): CP 2, the compiled run first (fresh
+caches), then eager and AC; and the flex forwards' (tests/workers/cp_flex.py, 2 ranks).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import pytest
 from tests.support.inputs import write_short_documents
 from tests.support.launch import launch_worker
 from tests.support.machine import NO_COMPILER, c_compiler
+from tests.test_flex_attention import MODEL_ATOL
 
 pytestmark = pytest.mark.dist
 
@@ -164,3 +170,34 @@ def test_compile_keeps_the_loss_under_cp(launches: Launches) -> None:
     assert [loss for loss, _ in got] == [loss for loss, _ in eager]
     for rank in _ranks(compiled):
         assert rank["compiled"] == COMPILED and rank["dynamo_unique_graphs"] >= 1
+
+
+CP_CASES = {
+    "block_causal": {"family": "llama3", "documents": True},
+    "sliding_window_sinks": {"family": "gpt_oss", "documents": False},
+    "sliding_window_sinks_block_causal": {"family": "gpt_oss", "documents": True},
+}
+
+
+@pytest.fixture(scope="module")
+def cp_forwards() -> dict[str, dict[str, float]]:
+    """One 2-rank gloo launch (tests/workers/cp_flex.py): every case's no-grad forward on cp 2."""
+    from tests.support.launch import run_distributed
+    from tests.workers import cp_flex
+
+    return run_distributed(cp_flex.forward_under_cp, 2, CP_CASES, timeout=400)[0]
+
+
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_flex_under_context_parallel_equals_sdpa_and_one_process(cp_forwards: dict, case: str) -> None:
+    """Under CP 2 (head-tail chunks: rank 0 holds window positions [0, 16) and [48, 64), rank 1
+    [16, 48)), flex over the gathered keys with the BlockMask placed by window position equals
+    SDPA on CP and one process: Llama with documents, gpt-oss's sinks (the fp32 lse merge) with its
+    16-key sliding window (which cuts every query past position 15) without and with documents.
+    Every layer ran FlexAttention on the flex forward, none on SDPA's. Bound: MODEL_ATOL, as for
+    flex vs SDPA on one process (tests/test_flex_attention.py: the same sums in other orders)."""
+    got = cp_forwards[case]
+    print(f"\n[flex cp2] {case}: {got}")
+    assert got["flex_calls"] == got["layers"] and got["sdpa_flex_calls"] == 0, got
+    for key in ("flex_vs_one", "sdpa_vs_one", "flex_vs_sdpa"):
+        assert got[key] <= MODEL_ATOL, (key, got)

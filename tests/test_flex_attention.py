@@ -182,7 +182,10 @@ def test_gpt_oss_generation_on_flex_equals_sdpa() -> None:
         ("cuda", "causal", ("sliding window", "sinks"), 1, "flex"),
         ("cuda", "causal", (), 1, "sdpa"),
         ("cpu", "block_causal", ("sinks",), 1, "sdpa"),
-        ("cuda", "block_causal", (), 2, "sdpa"),
+        ("cuda", "block_causal", (), 2, "flex"),
+        ("cuda", "causal", ("sliding window", "sinks"), 2, "flex"),
+        ("cuda", "causal", (), 2, "sdpa"),
+        ("cpu", "block_causal", (), 2, "sdpa"),
     ],
 )
 def test_auto_picks_flex_on_cuda_where_the_mask_is_not_plain_causal(
@@ -190,13 +193,15 @@ def test_auto_picks_flex_on_cuda_where_the_mask_is_not_plain_causal(
 ) -> None:
     decided = decide_backend("auto", device, mask, masks, cp)
     assert decided.backend == expected and decided.reason
+    if cp > 1 and device == "cuda":  # the start-up line says which path context parallel takes
+        assert f"context parallel {cp}" in decided.describe()
 
 
 @pytest.mark.parametrize(
     "device, cp, training, missing, message",
     [
         ("cpu", 1, True, None, "cannot train on cpu: torch .* has no FlexAttention backward"),
-        ("cuda", 2, True, None, "does not run under context parallel"),
+        ("cpu", 2, True, None, "cannot train on cpu: torch .* has no FlexAttention backward"),
         ("cuda", 1, True, "torch 2.x has no FlexAttention (x)", "torch 2.x has no FlexAttention"),
     ],
 )
@@ -211,6 +216,8 @@ def test_flex_refusals_are_one_line(
 
 def test_flex_on_cpu_for_evaluation_is_allowed() -> None:
     assert decide_backend("flex", "cpu", "causal", (), 1, training=False).backend == "flex"
+    assert decide_backend("flex", "cpu", "causal", (), 2, training=False).backend == "flex"
+    assert decide_backend("flex", "cuda", "block_causal", (), 2).backend == "flex"
 
 
 def test_the_plan_decides_and_reports_the_backend() -> None:

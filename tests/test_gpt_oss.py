@@ -161,15 +161,6 @@ def test_sink_attention_in_bf16_would_be_seen(monkeypatch: pytest.MonkeyPatch) -
     assert "bfloat16" in _recorded_under_bf16_plan()["layers.0.attention.core"]["forward matmul"]
 
 
-def test_context_parallel_is_one_line() -> None:
-    from torchtitan_amp.core.errors import ConfigError
-    from torchtitan_amp.distributed.context_parallel import apply_cp
-
-    model = GptOssTransformer(dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=32))
-    with pytest.raises(ConfigError, match="^gpt-oss attention .* does not run under context parallel$"):
-        apply_cp(model, object())  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("flavor", ["debugmodel", "gpt_oss_20b", "gpt_oss_120b"])
 def test_memory_model_names_and_sizes_every_parameter(flavor: str) -> None:
     """The memory model's parameter specs (memory.GptOssDims: the MoE family's plus biases and

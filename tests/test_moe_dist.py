@@ -16,7 +16,7 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
 - DeepSeek-V3's debug shape (MLA, group-limited routing): FSDP 2, PP 2, EP 2, TP 2, CP 2 in fp32
   as above.
 - gpt-oss's debug shape (sinks, sliding windows, biased router and experts): FSDP 2, TP 2, PP 2,
-  EP 2 in fp32 as above (its attention refuses CP).
+  EP 2 and CP 2 in fp32 as above.
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
   norms and loads, bitwise (the expert biases are in the checkpoint).
 
@@ -86,13 +86,18 @@ DSV3_LAYOUTS = {
     "dsv3_cp2": Layout(2, (CP, "2")),
 }
 # gpt-oss's debug shape (models/gpt_oss/: sinks, alternating 16-key sliding and full layers, YaRN,
-# biases, a biased router and the clamped SwiGLU) on the layouts its attention allows (no CP).
+# biases, a biased router and the clamped SwiGLU) on its layouts.
 GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "debugmodel")
 GPT_OSS_LAYOUTS = {
     "gpt_oss_fsdp2": Layout(2, (SHARD, "2"), dp=2),
     "gpt_oss_tp2": Layout(2, (TP, "2")),
     "gpt_oss_pp2": Layout(2, (PP, "2")),
     "gpt_oss_ep2": Layout(2, (SHARD, "2", *EP2), dp=2),
+    # Seq 32 is twice the debug window (16): a sliding layer's queries at positions 16..31 lose
+    # their earliest keys. CP 2 cuts the window into chunks [0, 8) [8, 16) [16, 24) [24, 32): rank 0
+    # holds [0, 8) and [24, 32), rank 1 [8, 24), so a window taken from local indices (0..15) or from
+    # the keys' gathered order would keep or drop other keys than the window positions do.
+    "gpt_oss_cp2": Layout(2, (CP, "2")),
 }
 
 
@@ -228,8 +233,9 @@ def test_fp32_deepseek_v3_matches_one_process(trained: Launches, name: str) -> N
 @pytest.mark.parametrize("name", list(GPT_OSS_LAYOUTS))
 def test_fp32_gpt_oss_matches_one_process(trained: Launches, name: str) -> None:
     """Sinks, sliding windows and biased experts on FSDP 2, TP 2 (heads, their biases and their
-    sinks split), PP 2 (a sliding and a full block per stage) and EP 2 (the expert biases split
-    with their experts): one process's losses, gradients and loads."""
+    sinks split), PP 2 (a sliding and a full block per stage), EP 2 (the expert biases split
+    with their experts) and CP 2 (keys and values gathered, the window and causal masks by window
+    position, the sinks in the fp32 softmax): one process's losses, gradients and loads."""
     _compare(trained.run(f"{name}_fp32", GPT_OSS_LAYOUTS[name].nproc), trained.run("gpt_oss_single_fp32", 1), name)
 
 

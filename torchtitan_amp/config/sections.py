@@ -76,8 +76,8 @@ class ModelConfig:
         "'sdpa': scaled_dot_product_attention with a dense bool mask where the mask is not plain "
         "causal; 'flex': FlexAttention with block-sparse BlockMasks built once per batch (CUDA for "
         "training: torch has no FlexAttention backward on CPU); 'auto': flex on CUDA where the mask "
-        "is not plain causal (documents, sliding windows, sinks), SDPA otherwise, on CPU and under "
-        "context parallel.",
+        "is not plain causal (documents, sliding windows, sinks), under context parallel too (over "
+        "the gathered keys), SDPA otherwise and on CPU.",
     )
 
 

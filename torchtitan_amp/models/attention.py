@@ -15,9 +15,12 @@ precision plan records and reports):
 - "flex": FlexAttention with one BlockMask per distinct mask of the forward (documents, causal,
   a sliding window), built once from the document ids by `FlexMasks` and shared by every layer
   (and by later forwards with the same layout: `_shared_block_mask`): block-sparse, no [S, S]
-  tensor. flex_attention is compiled once at module level (as torchtitan
-  does). Measured on torch 2.11 and 2.13 CPU builds: forward runs eager and compiled, but any input
-  that requires grad raises NotImplementedError (no CPU backward), and the compiled CPU kernel
+  tensor. flex_attention is compiled once at module level (as torchtitan does). Under context
+  parallel the keys are the all-gathered window's and the BlockMask covers [this rank's queries,
+  the gathered keys], its mask_mod comparing window positions (`ShardedQueries`: the head-tail
+  order makes a rank's queries two separate chunks). Measured on torch 2.11 and 2.13 CPU builds:
+  forward runs eager and compiled, but any input that requires grad raises NotImplementedError
+  (no CPU backward), and the compiled CPU kernel
   refuses return_lse (the sinks' merge then runs flex eagerly on CPU).
 """
 
@@ -116,7 +119,9 @@ def decide_backend(
 ) -> AttentionBackend:
     """model.attention_backend resolved for one job; a combination that cannot run is refused in
     one line (ConfigError). "auto": flex on CUDA where the mask is not plain causal (documents,
-    sliding windows, sinks), SDPA otherwise, on CPU and under context parallel.
+    sliding windows, sinks), under context parallel too (over the gathered keys, masked by window
+    position); SDPA otherwise (plain causal: under context parallel its chunked causal path) and
+    on CPU.
 
     Args:
         setting: model.attention_backend ("sdpa", "flex", "auto").
@@ -134,8 +139,6 @@ def decide_backend(
     if setting == "flex":
         if missing is not None:
             raise ConfigError(f"{where}: {missing}; use 'sdpa' or 'auto'")
-        if cp > 1:
-            raise ConfigError(f"{where} does not run under context parallel (degree {cp}); use 'sdpa' or 'auto'")
         if training and device_type != "cuda":
             raise ConfigError(
                 f"{where} cannot train on {device_type}: torch {torch.__version__} has no FlexAttention "
@@ -144,12 +147,18 @@ def decide_backend(
         return AttentionBackend("flex", "model.attention_backend = 'flex'")
     if device_type != "cuda":
         return AttentionBackend("sdpa", f"auto on {device_type}: FlexAttention has no backward there")
-    if cp > 1:
-        return AttentionBackend("sdpa", "auto under context parallel: its chunked SDPA path (flex is not wired there)")
     if missing is not None:
         return AttentionBackend("sdpa", f"auto: {missing}")
+    if not special and cp > 1:
+        return AttentionBackend("sdpa", f"auto, plain causal under context parallel {cp}: SDPA's chunked causal path")
     if not special:
         return AttentionBackend("sdpa", "auto, plain causal: SDPA's is_causal kernel (flash)")
+    if cp > 1:
+        return AttentionBackend(
+            "flex",
+            f"auto on CUDA with {', '.join(special)} under context parallel {cp}: a BlockMask over this rank's "
+            "queries and the gathered keys by window position, no [S/cp, S] mask",
+        )
     return AttentionBackend("flex", f"auto on CUDA with {', '.join(special)}: block-sparse BlockMask, no [S, S] mask")
 
 
@@ -182,16 +191,31 @@ def _flex(compiled: bool) -> Callable[..., Any]:
     return uncompiled
 
 
+@dataclass(frozen=True)
+class ShardedQueries:
+    """Under context parallel: where this rank's queries and the all-gathered keys sit in the
+    window (the head-tail order: a rank's queries are two separate chunks), so that a BlockMask
+    over [local queries, gathered keys] masks by window position."""
+
+    q_pos: torch.Tensor  # [Sq] the queries' window positions
+    kv_pos: torch.Tensor  # [Skv] the gathered keys' window positions, in their gathered order
+    kv_doc_ids: torch.Tensor | None  # [B, Skv] the gathered keys' documents (None: one document)
+    rank: tuple[int, int]  # (cp degree, cp rank): masks differ by rank
+
+
 @dataclass
 class FlexMasks:
     """The BlockMasks of one forward, built on first use from the document ids (None: one
     document) and kept for the other layers: one per (window, queries, keys). Queries are the last
-    of the keys' positions (a KV cache's newest tokens), so causal is lower-right aligned."""
+    of the keys' positions (a KV cache's newest tokens), so causal is lower-right aligned; under
+    context parallel (`sharded`) queries and keys are placed by their window positions instead,
+    and `doc_ids` are the rank's queries' documents."""
 
     doc_ids: torch.Tensor | None
     batch: int
     device: torch.device
     built: dict[tuple[int | None, int, int], Any] = field(default_factory=dict)
+    sharded: ShardedQueries | None = None
 
     def block_mask(self, window: int | None, q_len: int, kv_len: int) -> Any:
         """The BlockMask for `window` (keys q - k < window; None: no window), built once.
@@ -203,7 +227,9 @@ class FlexMasks:
         """
         key = (window, q_len, kv_len)
         if key not in self.built:
-            self.built[key] = _shared_block_mask(self.doc_ids, self.batch, window, q_len, kv_len, self.device)
+            self.built[key] = _shared_block_mask(
+                self.doc_ids, self.batch, window, q_len, kv_len, self.device, self.sharded
+            )
         return self.built[key]
 
 
@@ -232,16 +258,29 @@ def _same_layout(built_from: torch.Tensor | None, doc_ids: torch.Tensor | None) 
 
 
 def _shared_block_mask(
-    doc_ids: torch.Tensor | None, batch: int, window: int | None, q_len: int, kv_len: int, device: torch.device
+    doc_ids: torch.Tensor | None,
+    batch: int,
+    window: int | None,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    sharded: ShardedQueries | None = None,
 ) -> Any:
-    """`_build_block_mask`'s BlockMask, or the one an earlier forward with the same layout built."""
-    key = (window, q_len, kv_len, batch if doc_ids is not None else None, str(device))
+    """`_build_block_mask`'s BlockMask, or the one an earlier forward with the same layout built
+    (under context parallel: the same rank, and the same gathered keys' documents, which fix the
+    queries')."""
+    rank = sharded.rank if sharded is not None else None
+    key = (window, q_len, kv_len, batch if doc_ids is not None else None, str(device), rank)
+    layout = sharded.kv_doc_ids if sharded is not None else doc_ids
     hit = _SHARED.get(key)
-    if hit is not None and _same_layout(hit[0], doc_ids):
+    if hit is not None and _same_layout(hit[0], layout):
         return hit[1]
-    mask = _build_block_mask(doc_ids, batch, window, q_len, kv_len, device)
+    if sharded is not None:
+        mask = _build_sharded_block_mask(doc_ids, sharded, batch, window, q_len, kv_len, device)
+    else:
+        mask = _build_block_mask(doc_ids, batch, window, q_len, kv_len, device)
     _SHARED.pop(key, None)
-    _SHARED[key] = (doc_ids, mask)
+    _SHARED[key] = (layout, mask)
     while len(_SHARED) > _SHARED_MAX:
         _SHARED.pop(next(iter(_SHARED)))
     return mask
@@ -271,6 +310,46 @@ def _build_block_mask(
             allowed = allowed & (q_pos - kv_idx < window)
         if doc_ids is not None:
             allowed = allowed & (doc_ids[b, q_pos] == doc_ids[b, kv_idx])
+        return allowed
+
+    rows = batch if doc_ids is not None else None
+    return create_block_mask(_mask_mod, rows, None, q_len, kv_len, device=device)
+
+
+def _build_sharded_block_mask(
+    doc_ids: torch.Tensor | None,
+    sharded: ShardedQueries,
+    batch: int,
+    window: int | None,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> Any:
+    """create_block_mask over [this rank's queries, the gathered keys]: causal, window and
+    documents by window position (q_pos[q_idx] against kv_pos[kv_idx]).
+
+    Args:
+        doc_ids: [B, q_len] the queries' documents, or None (one document).
+        sharded: the queries' and keys' window positions and the keys' documents.
+        batch: the batch rows (with doc_ids).
+        window: the sliding window, or None.
+        q_len: this rank's queries.
+        kv_len: the gathered keys.
+        device: where the BlockMask is built.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q_pos, kv_pos, kv_docs = sharded.q_pos, sharded.kv_pos, sharded.kv_doc_ids
+    if doc_ids is not None and kv_docs is None:
+        raise ValueError("FlexMasks under context parallel: the queries' documents need the keys' (kv_doc_ids)")
+
+    def _mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        qp, kp = q_pos[q_idx], kv_pos[kv_idx]
+        allowed = kp <= qp
+        if window is not None:
+            allowed = allowed & (qp - kp < window)
+        if doc_ids is not None and kv_docs is not None:
+            allowed = allowed & (doc_ids[b, q_idx] == kv_docs[b, kv_idx])
         return allowed
 
     rows = batch if doc_ids is not None else None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtitan_amp.core.errors import ConfigError
+from torchtitan_amp.distributed.context_parallel import attention_mask
 from torchtitan_amp.models.attention import FlexMasks, flex_attend
 from torchtitan_amp.models.llama3.model import Attention, Transformer, TransformerBlock, apply_rotary_emb, repeat_kv
 from torchtitan_amp.models.moe.model import MoEModelArgs, moe_layer
@@ -99,6 +99,38 @@ def yarn_rope(args: GptOssModelArgs, device: torch.device | None = None) -> tupl
         return angles.cos() * scale, angles.sin() * scale
 
 
+@dataclass(frozen=True)
+class PositionMasks:
+    """Under context parallel (sdpa backend): which of the gathered keys each of this rank's
+    queries may attend to, decided by window positions (the head-tail order makes a rank's queries
+    two separate chunks, so local indices would be wrong): `full` is causal and documents,
+    `sliding` also keeps keys within the window. [B, 1, S/cp, S] bool each, built once per forward."""
+
+    full: torch.Tensor
+    sliding: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        window: int,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        q_doc: torch.Tensor | None,
+        k_doc: torch.Tensor | None,
+    ) -> PositionMasks:
+        """The two masks of one forward.
+
+        Args:
+            window: the sliding layers' window (keys q - k < window).
+            q_pos: [B, Sq] this rank's queries' window positions.
+            k_pos: [B, Sk] the gathered keys' window positions, in their gathered order.
+            q_doc: [B, Sq] the queries' documents (None: one document).
+            k_doc: [B, Sk] the keys' documents; needed whenever q_doc is given.
+        """
+        full = attention_mask(q_pos, k_pos, q_doc, k_doc)
+        return cls(full, full & (q_pos[:, :, None] - k_pos[:, None, :] < window)[:, None])
+
+
 class SinkAttention(nn.Module):
     """softmax([q k^T * scale, sink]) without its sink column, times v, in fp32: the sinks and
     the softmax that adds them stay fp32 under every precision plan (`computes_in_fp32`). Eager
@@ -118,34 +150,41 @@ class SinkAttention(nn.Module):
         nn.init.normal_(self.sinks, mean=0.0, std=0.02)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FlexMasks | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FlexMasks | PositionMasks | None
     ) -> torch.Tensor:
         """The attention's output [B, H, S, D] in v's dtype.
 
         Args:
             q: the rotated queries [B, H, S, D].
             k: the rotated keys [B, H, Sk, D], one per query head (repeated under GQA); the last S
-                of the Sk positions are the queries'.
+                of the Sk positions are the queries' (but under context parallel).
             v: the values, shaped as `k`.
             mask: None (causal) or [B, 1, S, Sk] bool, True where a query may attend a key;
-                FlexMasks on the flex backend (the same fp32 island, on FlexAttention).
+                FlexMasks on the flex backend (the same fp32 island, on FlexAttention);
+                PositionMasks under context parallel (the keys gathered, masks by window position).
         """
         if isinstance(mask, FlexMasks):  # flex: the window a mask_mod, the sinks the fp32 lse merge
             return flex_attend(q.float(), k.float(), v.float(), mask, self.window, local(self.sinks)).to(v.dtype)
+        if isinstance(mask, PositionMasks):
+            allowed = mask.sliding if self.window is not None else mask.full
+        else:
+            allowed = self._allowed(q.shape[2], k.shape[2], mask, q.device)
         # Autocast would run the two matmuls in bf16: off here, as the fp32 island promises.
         with _no_autocast(q.device):
-            return self._attend(q.float(), k.float(), v.float(), mask).to(v.dtype)
+            return self._attend(q.float(), k.float(), v.float(), allowed).to(v.dtype)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        seq, keys = q.shape[2], k.shape[2]
-        logits = torch.matmul(q, k.transpose(2, 3)) * self.scale
-        q_pos = torch.arange(keys - seq, keys, device=q.device)[:, None]
-        k_pos = torch.arange(keys, device=q.device)[None, :]
+    def _allowed(self, seq: int, keys: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Causal and window by position (the queries the last `seq` of `keys`), and `mask`."""
+        q_pos = torch.arange(keys - seq, keys, device=device)[:, None]
+        k_pos = torch.arange(keys, device=device)[None, :]
         allowed = k_pos <= q_pos
         if self.window is not None:
             allowed = allowed & (q_pos - k_pos < self.window)
-        if mask is not None:
-            allowed = allowed & mask
+        return allowed & mask if mask is not None else allowed
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        seq = q.shape[2]
+        logits = torch.matmul(q, k.transpose(2, 3)) * self.scale
         logits = logits.masked_fill(~allowed, float("-inf"))
         sink = local(self.sinks).float().reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq, 1)
         combined = torch.cat([logits, sink], dim=-1)
@@ -156,7 +195,8 @@ class SinkAttention(nn.Module):
 
 class GptOssAttention(Attention):
     """Grouped-query attention with biases on q, k, v, o, sinks, and a sliding window on the
-    sliding layers. Context parallel is refused (ConfigError). With a generation KV cache
+    sliding layers. Under context parallel the keys and values (GQA's fewer heads) are all-gathered
+    and the masks come by window position (PositionMasks, or FlexMasks on flex). With a generation KV cache
     (Attention.kv_cache) the step's keys and values join the cached ones and SinkAttention takes
     them all: its queries sit at the last positions, so the causal mask and the window apply by
     position (a sliding layer's cache keeps every key; the window hides the old ones)."""
@@ -170,17 +210,6 @@ class GptOssAttention(Attention):
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=True)
         self.core = SinkAttention(args.n_heads, hd, args.sliding_window if args.is_sliding(layer_id) else None)
 
-    # Context parallel sets this slot (distributed/context_parallel.apply_cp): refused in one line,
-    # since the sinks and the window are not in its attention.
-    @property
-    def context_parallel(self) -> None:
-        return None
-
-    @context_parallel.setter
-    def context_parallel(self, cp: object) -> None:
-        if cp is not None:
-            raise ConfigError("gpt-oss attention (sinks, sliding window) does not run under context parallel")
-
     def init_weights(self, init_std: float) -> None:
         super().init_weights(init_std)
         for linear in (self.wq, self.wk, self.wv, self.wo):
@@ -188,7 +217,11 @@ class GptOssAttention(Attention):
         self.core.reset_parameters()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | FlexMasks | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | FlexMasks | PositionMasks | None = None,
     ) -> torch.Tensor:
         """Attention's output [B, S, dim].
 
@@ -197,7 +230,8 @@ class GptOssAttention(Attention):
             cos: the rotary cosine table [max_seq_len, head_dim // 2].
             sin: the rotary sine table, shaped as `cos`.
             mask: None (causal) or [B, 1, S, S] bool, True where a query may attend a key;
-                FlexMasks on the flex backend (generation hands none).
+                FlexMasks on the flex backend (generation hands none); PositionMasks under
+                context parallel.
         """
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
@@ -209,6 +243,8 @@ class GptOssAttention(Attention):
         xq, xk = apply_rotary_emb(xq, xk, cos, sin)
         if cache is not None:  # this rank's kv heads, before GQA's repeat
             xk, xv = cache.update(xk, xv)
+        if self.context_parallel is not None:  # the whole window's keys, in the gathered order
+            xk, xv = self.context_parallel.gather_kv(xk), self.context_parallel.gather_kv(xv)
         xk, xv = repeat_kv(xk, self.n_rep), repeat_kv(xv, self.n_rep)
         out = self.core(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
@@ -231,6 +267,20 @@ class GptOssTransformer(Transformer):
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(self.model_args, GptOssModelArgs)
         return yarn_rope(self.model_args, device)
+
+    def _attention_inputs(  # type: ignore[override]
+        self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FlexMasks | PositionMasks | None]:
+        """Llama's, but under context parallel on sdpa: PositionMasks (causal attention included,
+        since the sinks and the window are not in the chunked causal path)."""
+        cp = self.context_parallel
+        if cp is None or positions is None or self.attention_backend == "flex":
+            return super()._attention_inputs(doc_ids, positions, kv_doc_ids)
+        assert isinstance(self.model_args, GptOssModelArgs)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        kv_pos = cp.key_positions(positions.shape[1], positions.device).expand(positions.shape[0], -1)
+        kv_doc = kv_doc_ids if kv_doc_ids is not None or doc_ids is None else cp.gather_ids(doc_ids)
+        return cos, sin, PositionMasks.build(self.model_args.sliding_window, positions, kv_pos, doc_ids, kv_doc)
 
 
 _MOE = {

@@ -22,6 +22,7 @@ from torchtitan_amp.core.rules import ffn_hidden_dim, takes_grouped_kv
 from torchtitan_amp.distributed.context_parallel import ContextParallel, attention_mask
 from torchtitan_amp.models.attention import (
     FlexMasks,
+    ShardedQueries,
     block_causal_mask,
     cuda_capability,
     flex_attend,
@@ -407,6 +408,8 @@ class Attention(nn.Module):
         if cache is not None:
             xk, xv = cache.update(xk, xv)
         if isinstance(mask, FlexMasks):  # model.attention_backend "flex": GQA inside the kernel
+            if self.context_parallel is not None:  # the window's keys; the mask places them
+                xk, xv = self.context_parallel.gather_kv(xk), self.context_parallel.gather_kv(xv)
             out = flex_attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
             return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
         cp = self.context_parallel
@@ -612,6 +615,8 @@ class Transformer(nn.Module):
             return self.rope_cos, self.rope_sin, mask
         cp = self.context_parallel
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if cp is not None and self.attention_backend == "flex":
+            return cos, sin, cp_flex_masks(cp, positions, doc_ids, kv_doc_ids)
         if cp is not None and doc_ids is None:
             cp.prepare_causal(positions.shape[1], positions.device)
             return cos, sin, None  # causal under CP: Attention attends chunk by chunk, no mask
@@ -622,6 +627,24 @@ class Transformer(nn.Module):
         kv_pos = cp.key_positions(positions.shape[1], positions.device).expand(positions.shape[0], -1)
         kv_doc = kv_doc_ids if kv_doc_ids is not None or doc_ids is None else cp.gather_ids(doc_ids)
         return cos, sin, attention_mask(positions, kv_pos, doc_ids, kv_doc)
+
+
+def cp_flex_masks(
+    cp: ContextParallel, positions: torch.Tensor, doc_ids: torch.Tensor | None, kv_doc_ids: torch.Tensor | None
+) -> FlexMasks:
+    """Under context parallel on flex: FlexMasks over this rank's queries and the gathered keys,
+    placed by window position (attention.ShardedQueries).
+
+    Args:
+        cp: the model's context-parallel group.
+        positions: [B, S/cp] this rank's tokens' window positions (the same in every row).
+        doc_ids: [B, S/cp] their documents, or None (causal).
+        kv_doc_ids: [B, S] the gathered keys' documents (None: gathered here from doc_ids).
+    """
+    kv_pos = cp.key_positions(positions.shape[1], positions.device)
+    kv_doc = kv_doc_ids if kv_doc_ids is not None or doc_ids is None else cp.gather_ids(doc_ids)
+    sharded = ShardedQueries(positions[0], kv_pos, kv_doc, (cp.degree, cp.rank))
+    return FlexMasks(doc_ids, positions.shape[0], positions.device, sharded=sharded)
 
 
 def _drop_tied_output(model: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
