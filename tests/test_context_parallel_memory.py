@@ -330,6 +330,7 @@ def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: 
     a flavor with head_dim 6 in fp32 has neither (efficient needs a multiple of 4); block_causal
     and CP 1 are not refused."""
     from torchtitan_amp.config import ConfigError, load_config
+    from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS
     from torchtitan_amp.models.llama3.model import LLAMA3_FLAVORS
     from torchtitan_amp.train import dry_run
 
@@ -354,3 +355,10 @@ def test_dry_run_refuses_cp_causal_that_cuda_would_run_with_a_mask(monkeypatch: 
         load_config([*base, "--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"]), 2
     )
     dry_run.resolve(load_config(base), 1)
+    # gpt-oss under CP computes its own fp32 softmax over the gathered keys (sinks, windows): no
+    # SDPA call takes the bias there, so the same head_dim 6 in fp32 is not refused.
+    monkeypatch.setitem(
+        GPT_OSS_FLAVORS, "head_dim_6", dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], explicit_head_dim=6)
+    )
+    gpt_oss = ["--model.name", "gpt_oss", *base, "--parallelism.context_parallel_degree", "2"]
+    assert dry_run.resolve(load_config(gpt_oss), 2).layout.cp == 2

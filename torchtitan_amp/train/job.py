@@ -156,8 +156,12 @@ def check_mask_type(mask_type: str, family: ModelFamily, cp: int = 1) -> None:
 
 def check_cp_attention(job: Job, device_type: str) -> None:
     """Causal context parallel on a kernel that takes its lower-right bias (no mask tensor on
-    CUDA): context_parallel.check_causal_kernel, with the job's compute dtype and head_dim."""
+    CUDA): context_parallel.check_causal_kernel, with the job's compute dtype and head_dim. Not
+    asked where no SDPA call takes that bias: the flex backend (a BlockMask over the gathered keys)
+    and a family with masks beyond causal (gpt-oss's sinks and windows: its own fp32 softmax)."""
     if job.config.model.attn_mask_type != "causal" or not job.dims.cp_enabled:
+        return
+    if job.plan.attention_backend == "flex" or getattr(job.family.model_cls, "attention_masks", ()):
         return
     prec = job.precision
     field = "mixed_precision.param_dtype" if prec.low("linear") else "training.dtype"
