@@ -9,7 +9,9 @@ that the generic code relies on (pipeline splitting, TP of the ends, FSDP units,
 - top-level `tok_embeddings`, `layers` (an nn.ModuleDict keyed by global layer index: the
   pipeline split unit and the FSDP / AC / compile unit), `norm` and `output`, any of which a
   pipeline stage may set to None (or delete from `layers`);
-- `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`.
+- `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`;
+- optionally `mtp`, an nn.ModuleDict of modules the root's forward runs after `layers` (DeepSeek-V3's
+  multi-token prediction depths): FSDP units like blocks, each computing all it does in its forward.
 
 A module that counts something per step (MoE token loads) defines `reset_step_counters()`: the
 pipeline calls it after torch's metadata pass ran a forward/backward through the stage.

@@ -138,19 +138,30 @@ class MultiTokenPrediction(nn.Module):
         self.block.init_weights()
 
     def forward(
-        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The depth's hidden states [B, S', dim] (before `norm`).
+        self,
+        h: torch.Tensor,
+        embedded: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        labels: torch.Tensor,
+        head: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the depth's hidden states [B, S', dim] before `norm`, the cross-entropy summed over
+        `labels`): everything the depth computes, inside this forward, so that FSDP's hooks around
+        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered.
 
         Args:
             h: the previous depth's hidden states at positions 0 .. S'-1 [B, S', dim].
             embedded: the embeddings of the tokens k places later [B, S', dim].
-            cos: the rotary cosine table.
-            sin: the rotary sine table.
-            mask: None (causal) or the block-causal mask of the S' positions.
+            rope: (cos, sin, mask): the rotary tables and None (causal) or the block-causal mask of
+                the S' positions.
+            labels: [B, S'] the targets (the tokens k + 1 places later; IGNORE_INDEX where none).
+            head: the model's output projection (shared; the root's parameters, gathered during
+                the root's forward).
         """
+        cos, sin, mask = rope
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
-        return self.block(x, cos, sin, mask=mask)
+        h = self.block(x, cos, sin, mask=mask)
+        return h, loss_fn(head(self.norm(h)), labels, reduction="sum")
 
 
 class DeepSeekV3Transformer(Transformer):
@@ -209,30 +220,29 @@ class DeepSeekV3Transformer(Transformer):
             labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = embedded = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
         if labels is not None and self.mtp is not None:
-            self.mtp_loss = self._mtp_loss(h, tokens, labels, doc_ids)
+            self.mtp_loss = self._mtp_loss(h, embedded, labels, doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
     def _mtp_loss(
-        self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
+        self, h: torch.Tensor, embedded: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """(mtp_loss_weight / D) x the sum over depths k of the cross-entropy summed over the valid
         targets: position i (0-based) combines h^{k-1}_i with the embedding of tokens[i + k] and
-        predicts labels[i + k] (the token i + k + 1), for i < S - k. A sum, like the main loss's:
-        the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
-        assert self.mtp is not None and self.tok_embeddings is not None and self.output is not None
-        seq, total = tokens.shape[1], torch.zeros((), device=h.device)
+        predicts labels[i + k] (the token i + k + 1), for i < S - k. A sum, like the main
+        loss's: the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
+        assert self.mtp is not None and self.output is not None
+        seq, total = labels.shape[1], torch.zeros((), device=h.device)
         args = cast(DeepSeekV3Args, self.model_args)
         for k, mtp in enumerate(self.mtp.values(), start=1):
-            module = cast(MultiTokenPrediction, mtp)
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
-            cos, sin, mask = self._attention_inputs(docs, None)
-            h = module(h[:, : seq - k], self.tok_embeddings(tokens[:, k:]), cos, sin, mask)
-            total = total + loss_fn(self.output(module.norm(h)), labels[:, k:], reduction="sum")
+            rope = self._attention_inputs(docs, None)
+            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, labels[:, k:], self.output)
+            total = total + loss
         return total * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
