@@ -28,7 +28,7 @@ from torch import nn
 
 from torchtitan_amp.models.deepseek_v3.mla import MLAttention, yarn_tables
 from torchtitan_amp.models.llama3.model import FeedForward, RMSNorm, Transformer, TransformerBlock
-from torchtitan_amp.models.loss import loss_fn
+from torchtitan_amp.models.loss import IGNORE_INDEX, loss_fn
 from torchtitan_amp.models.moe.model import LOAD_BALANCE, SCORE_FUNCS, MoEModelArgs, moe_layer
 
 
@@ -164,6 +164,25 @@ class MultiTokenPrediction(nn.Module):
         return h, loss_fn(head(self.norm(h)), labels, reduction="sum")
 
 
+def mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Depth k's targets [B, S - k]: position i predicts labels[i + k] (the token i + k + 1),
+    IGNORE_INDEX where that token is in another document than token i (document masking: the
+    depth's attention and its input h_i stay in token i's document). The token after the window
+    (the last label's) is taken to be in the last token's document, as nothing says otherwise.
+
+    Args:
+        labels: [B, S] the main loss's targets.
+        doc_ids: [B, S] each token's document, or None (causal: one stream, nothing ignored).
+        k: the depth (1-based).
+    """
+    seq = labels.shape[1]
+    if doc_ids is None:
+        return labels[:, k:]
+    target_docs = torch.cat([doc_ids[:, 1:], doc_ids[:, -1:]], dim=1)[:, k:]  # the doc of label j's token
+    crossed = doc_ids[:, : seq - k] != target_docs
+    return labels[:, k:].masked_fill(crossed, IGNORE_INDEX)
+
+
 class DeepSeekV3Transformer(Transformer):
     block_cls = DeepSeekV3Block
 
@@ -233,7 +252,8 @@ class DeepSeekV3Transformer(Transformer):
     ) -> torch.Tensor:
         """(mtp_loss_weight / D) x the sum over depths k of the cross-entropy summed over the valid
         targets: position i (0-based) combines h^{k-1}_i with the embedding of tokens[i + k] and
-        predicts labels[i + k] (the token i + k + 1), for i < S - k. A sum, like the main
+        predicts labels[i + k] (the token i + k + 1), for i < S - k; under document masking a
+        target in another document than token i is ignored (mtp_labels). A sum, like the main
         loss's: the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
         assert self.mtp is not None and self.output is not None
         seq, total = labels.shape[1], torch.zeros((), device=h.device)
@@ -241,7 +261,7 @@ class DeepSeekV3Transformer(Transformer):
         for k, mtp in enumerate(self.mtp.values(), start=1):
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
             rope = self._attention_inputs(docs, None)
-            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, labels[:, k:], self.output)
+            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, mtp_labels(labels, doc_ids, k), self.output)
             total = total + loss
         return total * (args.mtp_loss_weight / len(self.mtp))
 
