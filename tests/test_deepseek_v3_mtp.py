@@ -90,3 +90,48 @@ def test_mtp_labels_ignore_other_documents():
     assert mtp_labels(labels, docs, 1).tolist() == [[11, -100, -100, 14, 15]]
     assert mtp_labels(labels, docs, 2).tolist() == [[-100, -100, -100, 15]]
     assert mtp_labels(labels, None, 2).tolist() == [[12, 13, 14, 15]]
+
+
+def _saved_by_mtp(precision: str, s: int, b: int):  # type: ignore[no-untyped-def]
+    """(bytes autograd saves in a labelled forward with one dense MTP depth minus without it, the
+    memory model's MTP bytes for that microbatch on this CPU)."""
+    import functools
+
+    from tests.test_memory_moe import _saved_bytes
+    from torchtitan_amp import memory
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.models.deepseek_v3 import FAMILY
+    from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
+
+    enabled = "false" if precision == "fp32" else "true"
+    config = load_config(["--model.name", "deepseek_v3", "--mixed_precision.enabled", enabled])
+    plan = PrecisionPlan.from_config(config, ParallelDims(1, 1, 1, 1, 1), "cpu")
+    tokens, labels = torch.randint(0, 258, (2, b, s), generator=torch.Generator().manual_seed(0))
+    measured = []
+    # Two dense layers and a dense depth: the routed blocks' bytes vary with the routing.
+    base = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel"], n_layers=2, n_dense_layers=3, max_seq_len=s)
+    for depth in (0, 1):
+        torch.manual_seed(0)
+        model = FAMILY.build_model(dataclasses.replace(base, mtp_depth=depth))
+        model.init_weights()
+        autocast.apply_fp32_islands(plan, model)
+        forward = functools.partial(model, labels=labels)
+        forward.parameters = model.parameters  # type: ignore[attr-defined]  # what _saved_bytes skips
+        measured.append(_saved_bytes(forward, tokens, functools.partial(autocast.forward_context, plan)))
+    args, spec = dataclasses.replace(base, mtp_depth=1), memory_spec.from_plan(plan, FAMILY.norm_cls)
+    dims = FAMILY.memory_dims(args)
+    layout = memory.Layout(seq_len=s, local_batch_size=b)
+    # CPU's attention beyond a GPU's, on the depth's window of s - 1 positions (as for a layer).
+    cpu = dims.activation_terms(spec, memory.Layout(seq_len=s - 1, local_batch_size=b)).layer_cpu
+    formula = dims.mtp_bytes(spec, layout) * layout.microbatch_tokens + cpu * b * (s - 1)
+    return measured[1] - measured[0], formula
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast_bf16"])
+def test_mtp_activation_formula_matches_saved_tensors(precision):
+    """One dense MTP depth's saved-for-backward bytes (a labelled forward with it minus one
+    without) equal the memory model's (MLADims.mtp_bytes, which the last stage's head term adds,
+    and so the dry run) to the byte, but for cross-entropy's 4-byte total weight per depth."""
+    measured, formula = _saved_by_mtp(precision, s=40, b=3)
+    print(f"{precision}: one MTP depth saves {measured} B, formula {formula:.0f} B")
+    assert measured - formula == 4

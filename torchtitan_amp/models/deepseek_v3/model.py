@@ -159,7 +159,9 @@ class MultiTokenPrediction(nn.Module):
                 the root's forward).
         """
         cos, sin, mask = rope
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        # In the residual stream's dtype (h's): under autocast eh_proj's output is bf16, and the
+        # block's residual adds would otherwise run in bf16 where the layers' run in fp32.
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)).to(h.dtype)
         h = self.block(x, cos, sin, mask=mask)
         return h, loss_fn(head(self.norm(h)), labels, reduction="sum")
 
