@@ -135,3 +135,92 @@ def test_mtp_activation_formula_matches_saved_tensors(precision):
     measured, formula = _saved_by_mtp(precision, s=40, b=3)
     print(f"{precision}: one MTP depth saves {measured} B, formula {formula:.0f} B")
     assert measured - formula == 4
+
+
+def test_flops_count_the_mtp_depth_as_a_routed_block_and_a_head():
+    """The 671B flavor's published depth adds to a token's FLOPs one routed block's active
+    parameters (8 of its 256 experts), eh_proj, the shared head run again and one block's attention,
+    x 6; not its unused experts (11.3B parameters, a quarter of the model's active ones)."""
+    from torchtitan_amp.models.deepseek_v3.model import DeepSeekV3Transformer, flops_per_token
+    from torchtitan_amp.models.spec import count_params
+
+    with_mtp = DEEPSEEK_V3_FLAVORS["deepseek_v3_671b"]
+    without = dataclasses.replace(with_mtp, mtp_depth=0)
+    n = {}
+    for args in (with_mtp, without):
+        with torch.device("meta"):
+            model = DeepSeekV3Transformer(args)
+        n[args.mtp_depth] = count_params(model) - model.tok_embeddings.weight.numel()
+    a, s = with_mtp, 4096
+    unused = (a.n_routed_experts - a.top_k) * 3 * a.dim * a.moe_inter_dim
+    attention = 6 * a.n_heads * (a.head_dim + a.v_head_dim) * s
+    want = 6 * (n[1] - n[0] - unused + a.dim * a.vocab_size) + attention
+    assert flops_per_token(with_mtp, n[1], s) - flops_per_token(without, n[0], s) == want
+
+
+# deepseek-ai/DeepSeek-V3's config.json as published (its fp8 quantization_config aside: the
+# block-scaled fp8 weights are another question than the shape).
+PUBLISHED_671B = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_published_671b_config_fits_the_flavor(tmp_path):
+    """The published config.json (num_nextn_predict_layers 1) describes deepseek_v3_671b exactly."""
+    import json
+
+    from torchtitan_amp.checkpoint.hf import CONFIG, check_config
+
+    (tmp_path / CONFIG).write_text(json.dumps(PUBLISHED_671B))
+    args = DEEPSEEK_V3_FLAVORS["deepseek_v3_671b"]
+    check_config(tmp_path, dataclasses.replace(args, max_seq_len=4096), "deepseek_v3_671b")

@@ -315,9 +315,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         dense_inter_dim=10944,
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
-    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context. Without
-    # the published multi-token prediction module (num_nextn_predict_layers 1): multi-token
-    # prediction trains on one process only, and this flavor is for the layouts that size it.
+    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context, and the
+    # published multi-token prediction depth (num_nextn_predict_layers 1: FSDP / HSDP / DDP / EP only).
     "deepseek_v3_671b": DeepSeekV3Args(
         dim=7168,
         n_layers=61,
@@ -339,6 +338,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         rope_original_seq_len=4096,
         mscale=1.0,
         mscale_all_dim=1.0,
+        mtp_depth=1,
     ),
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
@@ -346,20 +346,25 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
 
 
 def active_params(args: DeepSeekV3Args, total_excl_embedding: int) -> int:
-    """Parameters a token's forward uses (embeddings excluded): top_k of the routed experts."""
+    """Parameters a token's forward uses (embeddings excluded): top_k of the routed experts, in
+    the layers and the multi-token prediction depths' blocks."""
     per_expert = 3 * args.dim * args.moe_inter_dim
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_depth))
     return total_excl_embedding - moe_layers * (args.n_routed_experts - args.top_k) * per_expert
 
 
 def flops_per_token(args: DeepSeekV3Args, num_params_excl_embedding: int, seq_len: int) -> int:
     """6N with N the active parameters, plus attention's two matmuls per layer and head (scores
     over the qk head size, values over v_head_dim), x 3 for forward and backward, 2 FLOPs each.
+    A multi-token prediction depth counts as one more layer, plus the shared output head run again
+    (its dim x vocab_size weight is in N once); its S - k positions are counted as S.
 
     Args:
         args: the model's arguments (layers, heads, head sizes, experts).
         num_params_excl_embedding: the parameters without the embedding table (N).
         seq_len: the training sequence length (the attention term grows with it).
     """
-    attention = 6 * args.n_layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
-    return 6 * active_params(args, num_params_excl_embedding) + attention
+    layers = args.n_layers + args.mtp_depth
+    attention = 6 * layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
+    head_again = args.mtp_depth * args.dim * args.vocab_size
+    return 6 * (active_params(args, num_params_excl_embedding) + head_again) + attention
