@@ -54,6 +54,16 @@ def test_no_two_families_share_a_flavor_name() -> None:
     assert {f: o for f, o in owners.items() if len(o) > 1 and f != "debugmodel"} == {}
 
 
+def test_takes_labels_is_the_familys(registered) -> None:  # type: ignore[no-untyped-def]
+    """The trainer passes the labels to the forwards of the flavors whose family says so
+    (ModelFamily.takes_labels): DeepSeek-V3's with multi-token prediction depths; every other
+    family, a registered one included, has the default (no)."""
+    takers = {
+        (n, f) for n, family in FAMILIES.items() for f, args in family.flavors.items() if family.takes_labels(args)
+    }
+    assert takers == {("deepseek_v3", "deepseek_v3_671b"), ("deepseek_v3", "debugmodel_mtp")}
+
+
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])

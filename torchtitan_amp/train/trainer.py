@@ -117,7 +117,7 @@ class Trainer:
         self._set_loss_factor(run.accum)
         # A model that adds losses of its own from the labels (DeepSeek-V3's multi-token prediction)
         # takes them; each is weighted as the main one, trained on, and logged apart by its name.
-        takes_labels = getattr(run.model, "takes_labels", False)
+        takes_labels = run.job.family.takes_labels(run.job.model_args)
         with parallel_context(run.dims, self.config), autocast.forward_context(run.plan):
             logits = autocast.cast_output(
                 run.plan, run.model(inputs, **extra, **({"labels": labels} if takes_labels else {}))

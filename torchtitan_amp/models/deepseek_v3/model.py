@@ -198,11 +198,6 @@ class DeepSeekV3Transformer(Transformer):
             self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
         self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
 
-    @property
-    def takes_labels(self) -> bool:
-        """Whether the trainer passes the labels to the forward (multi-token prediction's loss)."""
-        return self.mtp is not None
-
     def pop_extra_losses(self) -> dict[str, torch.Tensor]:
         """The losses the last labelled forward added, by the name the trainer logs them under
         (sums over the targets, weighted like the main loss's sum); the trainer asks after every
@@ -343,6 +338,12 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
 }
+
+
+def takes_labels(args: DeepSeekV3Args) -> bool:
+    """The family's takes_labels: the forward computes multi-token prediction's loss from the
+    labels when the flavor has depths (pop_extra_losses hands it over)."""
+    return args.mtp_depth > 0
 
 
 def active_params(args: DeepSeekV3Args, total_excl_embedding: int) -> int:
