@@ -43,6 +43,27 @@ def test_the_torch_free_table_names_every_built_in_familys_flavors_in_order() ->
         assert rules.FAMILIES[name] == tuple(family.flavors), name
 
 
+def test_no_two_families_share_a_flavor_name() -> None:
+    """A flavor name says which model it is: none is two families' (a GQA approximation under the
+    moe family named like DeepSeek-V3's MLA flavor would be read as it), but for `debugmodel`, each
+    family's debug shape (torchtitan's name), whose family model.name says."""
+    owners: dict[str, list[str]] = {}
+    for name, family in FAMILIES.items():
+        for flavor in family.flavors:
+            owners.setdefault(flavor, []).append(name)
+    assert {f: o for f, o in owners.items() if len(o) > 1 and f != "debugmodel"} == {}
+
+
+def test_takes_labels_is_the_familys(registered) -> None:  # type: ignore[no-untyped-def]
+    """The trainer passes the labels to the forwards of the flavors whose family says so
+    (ModelFamily.takes_labels): DeepSeek-V3's with multi-token prediction depths; every other
+    family, a registered one included, has the default (no)."""
+    takers = {
+        (n, f) for n, family in FAMILIES.items() for f, args in family.flavors.items() if family.takes_labels(args)
+    }
+    assert takers == {("deepseek_v3", "deepseek_v3_671b"), ("deepseek_v3", "debugmodel_mtp")}
+
+
 def test_model_name_is_checked_against_the_registry(registered) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError) as e:
         load_config(["--model.name", "gpt"])
@@ -70,7 +91,7 @@ def test_help_lists_families_and_flavors(registered) -> None:  # type: ignore[no
     assert (
         "{debugmodel, debugmodel_h64, debugmodel_tiny, llama3_8b, llama3_70b, llama3_405b, llama3_2_1b, "
         "llama3_2_3b, llama3_0_8b, llama3_0_70b, debugmodel_moe, "
-        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, deepseek_v3_16b, "
+        "debugmodel_moe_sigmoid, debugmodel_moe_aux, debugmodel_qwen3, qwen3_30b_a3b, moe_16b_gqa, "
     ) in flavor
     # every family's flavors, each name once, in registry order (tiny_gelu's last)
     every = dict.fromkeys(f for family in FAMILIES.values() for f in family.flavors)

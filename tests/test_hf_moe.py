@@ -460,7 +460,7 @@ def test_published_qwen3_30b_a3b_config_fits_its_flavor(tmp_path):
     )
     check_config(tmp_path, FAMILY.build_args("qwen3_30b_a3b", 151936, 4096), "qwen3_30b_a3b", FAMILY)
     with pytest.raises(CheckpointError, match=r"'num_hidden_layers' = 48 but model.flavor 'qwen3_x' has n_layers = 27"):
-        check_config(tmp_path, FAMILY.build_args("deepseek_v3_16b", 151936, 4096), "qwen3_x", FAMILY)
+        check_config(tmp_path, FAMILY.build_args("moe_16b_gqa", 151936, 4096), "qwen3_x", FAMILY)
     # A flavor of the right shapes with a shared expert is named by that field.
     shared = dataclasses.replace(FAMILY.build_args("qwen3_30b_a3b", 151936, 4096), n_shared_experts=1)
     with pytest.raises(

@@ -21,7 +21,7 @@ from torchtitan_amp.precision import PrecisionPlan, autocast, memory_spec
 FAMILY = get_family("moe")
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel_moe", "debugmodel_qwen3", "qwen3_30b_a3b", "deepseek_v3_16b"])
+@pytest.mark.parametrize("flavor", ["debugmodel_moe", "debugmodel_qwen3", "qwen3_30b_a3b", "moe_16b_gqa"])
 def test_total_and_active_params_match_the_model(flavor: str) -> None:
     args = FAMILY.flavors[flavor]
     with torch.device("meta"):

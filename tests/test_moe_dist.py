@@ -15,6 +15,8 @@ balancing) and debugmodel_qwen3 (QK-norm, GQA, explicit head_dim, every block Mo
   experts run their per-expert GEMMs on the tokens dispatched to them).
 - DeepSeek-V3's debug shape (MLA, group-limited routing): FSDP 2, PP 2, EP 2, TP 2, CP 2 in fp32
   as above.
+- DeepSeek-V3's debug shape with multi-token prediction (one depth): FSDP 2 and EP 2 in fp32 as
+  above, the logged MTP loss too.
 - gpt-oss's debug shape (sinks, sliding windows, biased router and experts): FSDP 2, TP 2, PP 2,
   EP 2 and CP 2 in fp32 as above.
 - Resume: FSDP 2 stopped at step 3 and resumed continues with the straight run's losses, grad
@@ -85,6 +87,13 @@ DSV3_LAYOUTS = {
     "dsv3_tp2": Layout(2, (TP, "2")),
     "dsv3_cp2": Layout(2, (CP, "2")),
 }
+# DeepSeek-V3's debug shape with one multi-token prediction depth (a routed block): each depth one
+# FSDP unit (its fp32 norms a nested one), its loss computed inside the depth's forward.
+DSV3_MTP = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp")
+DSV3_MTP_LAYOUTS = {
+    "dsv3_mtp_fsdp2": Layout(2, (SHARD, "2"), dp=2),
+    "dsv3_mtp_ep2": Layout(2, (SHARD, "2", *EP2), dp=2),
+}
 # gpt-oss's debug shape (models/gpt_oss/: sinks, alternating 16-key sliding and full layers, YaRN,
 # biases, a biased router and the clamped SwiGLU) on its layouts.
 GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "debugmodel")
@@ -110,6 +119,7 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
             {"name": "aux_single_fp32", "args": SINGLE.args("fp32", *MOE_AUX), "grads": True},
             {"name": "single_mxfp8_experts", "args": SINGLE.args("bf16", *MOE, *MXFP8_EXPERTS)},
             {"name": "dsv3_single_fp32", "args": SINGLE.args("fp32", *DSV3), "grads": True},
+            {"name": "dsv3_mtp_single_fp32", "args": SINGLE.args("fp32", *DSV3_MTP), "grads": True},
             {"name": "gpt_oss_single_fp32", "args": SINGLE.args("fp32", *GPT_OSS), "grads": True},
         ]
     runs += [
@@ -130,6 +140,11 @@ def _runs_for(nproc: int, root: Path) -> list[dict]:
     runs += [
         {"name": f"{name}_fp32", "args": layout.args("fp32", *DSV3), "grads": True}
         for name, layout in DSV3_LAYOUTS.items()
+        if layout.nproc == nproc
+    ]
+    runs += [
+        {"name": f"{name}_fp32", "args": layout.args("fp32", *DSV3_MTP), "grads": True}
+        for name, layout in DSV3_MTP_LAYOUTS.items()
         if layout.nproc == nproc
     ]
     runs += [
@@ -228,6 +243,18 @@ def test_fp32_deepseek_v3_matches_one_process(trained: Launches, name: str) -> N
     """MLA and DeepSeek-V3's routing on FSDP 2, PP 2, EP 2, TP 2 (heads split, latents replicated)
     and CP 2 (the expanded keys and values gathered): one process's losses, gradients and loads."""
     _compare(trained.run(f"{name}_fp32", DSV3_LAYOUTS[name].nproc), trained.run("dsv3_single_fp32", 1), name)
+
+
+@pytest.mark.parametrize("name", list(DSV3_MTP_LAYOUTS))
+def test_fp32_deepseek_v3_mtp_matches_one_process(trained: Launches, name: str) -> None:
+    """Multi-token prediction on FSDP 2 and EP 2 (the depth's routed experts split too): one
+    process's losses, logged MTP losses, step-1 gradients (the depth's included) and loads."""
+    run, ref = trained.run(f"{name}_fp32", DSV3_MTP_LAYOUTS[name].nproc), trained.run("dsv3_mtp_single_fp32", 1)
+    _compare(run, ref, name)
+    mtp, want = [r["mtp_loss"] for r in run.rows], [r["mtp_loss"] for r in ref.rows]
+    print(f"[moe mtp] {name}: max rel MTP loss diff {max_rel(mtp, want):.2e}")
+    assert max_rel(mtp, want) < FP32_LOSS_RTOL, (mtp, want)
+    assert any(n.startswith("mtp.4.") for n in _grads(run)), sorted(_grads(run))
 
 
 @pytest.mark.parametrize("name", list(GPT_OSS_LAYOUTS))

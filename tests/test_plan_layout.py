@@ -261,7 +261,7 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
 # tests above check): a proposal fits the GPU (90% of it) with the family's terms sized.
 FAMILY_PLANS = {
     "qwen3": ("qwen3_32b", 32, 80, (1, 2, 8, 2, 1), "151936"),
-    "deepseek_v3": ("deepseek_v3_671b", 256, 80, (1, 4, 2, 32, 1), "129280"),
+    "deepseek_v3": ("deepseek_v3_671b", 256, 80, (1, 256, 1, 1, 1), "129280"),
     "gpt_oss": ("gpt_oss_120b", 32, 141, (1, 16, 1, 2, 1), "201088"),
 }
 

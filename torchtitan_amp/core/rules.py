@@ -57,7 +57,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "debugmodel_moe_aux",
         "debugmodel_qwen3",
         "qwen3_30b_a3b",
-        "deepseek_v3_16b",
+        "moe_16b_gqa",
     ),
     "qwen3": ("debugmodel", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "qwen3_14b", "qwen3_32b"),
     "deepseek_v3": ("debugmodel", "deepseek_v3_16b", "deepseek_v3_671b", "debugmodel_mtp"),

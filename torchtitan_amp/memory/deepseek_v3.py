@@ -5,7 +5,8 @@ place of grouped-query attention's (MLADims.activation_terms: the latents and th
 narrower values; equal to what autograd saves on CPU, tests/test_deepseek_v3.py).
 Multi-token prediction's modules (mtp_depth) are parameters of the last stage, exact too (each
 depth's block is the model's layer n_layers + k - 1, routed or dense as that layer would be); their
-activations are left out of the estimate (one more block's per depth).
+activations (each depth's block, norms, projection input and its own logits and loss) are part of
+the last stage's `head` term (MLADims.mtp_bytes).
 """
 
 from __future__ import annotations
@@ -107,7 +108,37 @@ class MLADims(MoEDims):
 
     def activation_terms(self, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
         """The MoE family's terms, each block's attention MLA's (mla_attention_delta), its MoE
-        blocks' routing group-limited."""
+        blocks' routing group-limited; the last stage's `head` with the multi-token prediction
+        depths' bytes (mtp_bytes)."""
+        terms = self._block_terms(prec, layout)
+        return dataclasses.replace(terms, head=terms.head + self.mtp_bytes(prec, layout))
+
+    def mtp_bytes(self, prec: PrecisionSpec, layout: Layout) -> float:
+        """Saved-for-backward bytes per token of the microbatch of the multi-token prediction
+        depths (0 without): depth k runs on S - k of the S positions, each saving its block's
+        bytes (as layer n_layers + k - 1 on a window of S - k; never recomputed: AC wraps the
+        layers only) and, with d = dim, V = vocab_size, c / r the matmul / residual bytes:
+
+            enorm, hnorm   2 (4d + 4)      each norm's normalised x and rstd (its input is the
+                           + 2 x 4d if r < 4   embedding's / last block's output, saved already;
+                                           a bf16 residual adds each norm's fp32 copy)
+            eh_proj        2 c d           its input, the two norms' outputs concatenated
+            norm, head     8d + 4 + c d    the output norm (Llama's) and the head's input
+            loss           4V + 8          cross-entropy's fp32 log-softmax and its int64
+                                           targets (the bf16 logits' fp32 copy is what it saves)
+
+        Equal to what autograd saves on CPU with a dense depth, fp32 and bf16 autocast
+        (tests/test_deepseek_v3_mtp.py; CPU's attention adds `layer_cpu` there, as for a layer)."""
+        d, c, r = self.dim, DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual]
+        extra = 2 * (4 * d + 4) + (8 * d if r < 4 else 0) + 2 * c * d + 8 * d + 4 + c * d + 4 * self.vocab_size + 8
+        total, s = 0.0, layout.seq_len
+        for k in range(1, self.mtp_depth + 1):
+            block = self._block_terms(prec, dataclasses.replace(layout, seq_len=s - k)).layer_at(self.n_layers + k - 1)
+            total += (s - k) / s * (block + extra)
+        return total
+
+    def _block_terms(self, prec: PrecisionSpec, layout: Layout) -> ActivationTerms:
+        """activation_terms without the multi-token prediction depths."""
         base = super().activation_terms(prec, layout)
         gpu, cpu = mla_attention_delta(self, prec, layout)
         # Group-limited routing saves each group's two best ids (int64), the chosen groups' ids

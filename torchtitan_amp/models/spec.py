@@ -9,7 +9,9 @@ that the generic code relies on (pipeline splitting, TP of the ends, FSDP units,
 - top-level `tok_embeddings`, `layers` (an nn.ModuleDict keyed by global layer index: the
   pipeline split unit and the FSDP / AC / compile unit), `norm` and `output`, any of which a
   pipeline stage may set to None (or delete from `layers`);
-- `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`.
+- `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`;
+- optionally `mtp`, an nn.ModuleDict of modules the root's forward runs after `layers` (DeepSeek-V3's
+  multi-token prediction depths): FSDP units like blocks, each computing all it does in its forward.
 
 A module that counts something per step (MoE token loads) defines `reset_step_counters()`: the
 pipeline calls it after torch's metadata pass ran a forward/backward through the stage.
@@ -148,6 +150,11 @@ def no_loss_factor(model_parts: list[nn.Module], factor: float) -> None:
     """ModelFamily.set_loss_factor of a family whose model adds no loss of its own."""
 
 
+def no_labels(args: Any) -> bool:
+    """ModelFamily.takes_labels of a family whose forward adds no loss of its own from the labels."""
+    return False
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str  # the value of model.name that picks it
@@ -191,6 +198,10 @@ class ModelFamily:
     # backward), for losses the model adds itself (MoE's auxiliary balance loss), which must be
     # scaled alike.
     set_loss_factor: Callable[[list[nn.Module], float], None] = no_loss_factor
+    # takes_labels: args -> whether the trainer passes the labels to the forward (`labels=`) and
+    # then takes the losses it added (`model.pop_extra_losses()`: {metric name: summed loss},
+    # weighted like the main loss, trained on and logged apart): DeepSeek-V3's multi-token prediction.
+    takes_labels: Callable[[Any], bool] = no_labels
     # Whether torch.compile may require one graph per block (fullgraph). False for a family whose
     # blocks read sizes on the host (MoE's per-expert token counts): they compile with breaks.
     compile_fullgraph: bool = True

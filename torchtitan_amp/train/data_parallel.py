@@ -61,6 +61,15 @@ def apply_fsdp(
         for group in reversed(group_by_block(model, freeze.frozen_low_precision_modules(plan, model))):
             shard(group, mp_policy=fsdp.fsdp_policy(plan, low_precision=True), reshard_after_forward=reshard(False))
     blocks = list(cast(nn.ModuleDict, model.layers).children())  # the decoder shape of models/spec.py
+    # Multi-token prediction's depths (models/spec.py's optional `mtp`): a unit each, like a block,
+    # whose forward computes all the depth does (its fp32 norms are the nested units above).
+    for depth in side_blocks(model):
+        shard(
+            depth,
+            mp_policy=fsdp.fsdp_policy(plan, low_precision=True, cast_forward_inputs=False),
+            reshard_after_forward=reshard(False),
+        )
+        fsdp.cast_block_inputs(plan, depth)
     for i, block in enumerate(blocks):
         # Only the hidden state is cast to param dtype: the rotary tables must stay fp32.
         shard(
@@ -114,12 +123,20 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
         sharded.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
 
 
+def side_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules a model runs beside its `layers` that are FSDP units of their own, like blocks
+    (models/spec.py: the optional `mtp` ModuleDict, DeepSeek-V3's multi-token prediction depths)."""
+    mtp = getattr(model, "mtp", None)
+    return list(mtp.children()) if isinstance(mtp, nn.ModuleDict) else []
+
+
 def group_by_block(
     model: nn.Module, modules: list[nn.Module], grouped: bool = True
 ) -> list[nn.Module | list[nn.Module]]:
     """FSDP units for modules that must not share their blocks' groups (fp32 norms, frozen
     modules): one per transformer block for those inside it, one for all those outside blocks
-    (embeddings, final norm), in first-appearance order. Each unit gathers and reduces once where
+    (embeddings, final norm), in first-appearance order; a side block (multi-token prediction's
+    depth) counts as a block. Each unit gathers and reduces once where
     a group per module would pay a collective's latency each; every parameter is padded and
     sharded on its own either way, so bytes and numerics do not change.
 
@@ -136,7 +153,9 @@ def group_by_block(
             by_key.setdefault(tie.get(id(m), id(m)), []).append(m)
         return [unit[0] if len(unit) == 1 else unit for unit in by_key.values()]
     layers = cast(nn.ModuleDict, model.layers)  # the decoder shape of models/spec.py
-    block_of = {id(m): name for name, block in layers.named_children() for m in block.modules()}
+    blocks = [(name, block) for name, block in layers.named_children()]
+    blocks += [(f"mtp.{i}", depth) for i, depth in enumerate(side_blocks(model))]
+    block_of = {id(m): name for name, block in blocks for m in block.modules()}
     units: dict[str | None, list[nn.Module]] = {}
     for m in modules:
         units.setdefault(block_of.get(id(m)), []).append(m)

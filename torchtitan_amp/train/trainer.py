@@ -58,6 +58,7 @@ class Trainer:
         self.tokens_seen = resumed.tokens_seen if resumed is not None else 0
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
         self.extra_losses: dict[str, torch.Tensor] = {}  # the step's losses a model adds (logged apart)
+        self.step_extra_losses: dict[str, torch.Tensor] = {}  # the last step's, this rank's share
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
         if self.run.deadline.warning_s:
@@ -116,7 +117,7 @@ class Trainer:
         self._set_loss_factor(run.accum)
         # A model that adds losses of its own from the labels (DeepSeek-V3's multi-token prediction)
         # takes them; each is weighted as the main one, trained on, and logged apart by its name.
-        takes_labels = getattr(run.model, "takes_labels", False)
+        takes_labels = run.job.family.takes_labels(run.job.model_args)
         with parallel_context(run.dims, self.config), autocast.forward_context(run.plan):
             logits = autocast.cast_output(
                 run.plan, run.model(inputs, **extra, **({"labels": labels} if takes_labels else {}))
@@ -201,8 +202,7 @@ class Trainer:
         self.family_metrics = run.job.family.after_backward(
             run.model_parts, run.groups.loss, run.groups.pp, cross_group=run.replicas.sum_across_groups
         )
-        self.family_metrics.update(self.extra_losses)
-        self.extra_losses = {}
+        self.step_extra_losses, self.extra_losses = self.extra_losses, {}
 
     def unscale_and_clip(self) -> torch.Tensor:
         """Phase 3: gradients unscaled (fp16's loss scale) and clipped; returns the global norm."""
@@ -391,6 +391,8 @@ class Trainer:
             "step_time_s": run.metrics.step_time_s(self.step),
             "data_time_s": self.data_time_s,
             **{k: float(v) for k, v in self.family_metrics.items()},
+            # Like the loss: each rank's share times the loss group's size, their mean the step's.
+            **{k: process_groups.mean_across(v, run.groups.loss) for k, v in self.step_extra_losses.items()},
             **(val or {}),
         }
         self.data_time_s = 0.0

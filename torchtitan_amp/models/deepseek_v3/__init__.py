@@ -15,6 +15,7 @@ from torchtitan_amp.models.deepseek_v3.model import (
     DeepSeekV3Args,
     DeepSeekV3Transformer,
     flops_per_token,
+    takes_labels,
 )
 from torchtitan_amp.models.deepseek_v3.parallelize import tp_block_plan
 
@@ -28,4 +29,5 @@ FAMILY = dataclasses.replace(
     tp_block_plan=tp_block_plan,
     memory_dims=MLADims.from_args,
     hf=ADAPTER,
+    takes_labels=takes_labels,
 )

@@ -28,7 +28,7 @@ from torch import nn
 
 from torchtitan_amp.models.deepseek_v3.mla import MLAttention, yarn_tables
 from torchtitan_amp.models.llama3.model import FeedForward, RMSNorm, Transformer, TransformerBlock
-from torchtitan_amp.models.loss import loss_fn
+from torchtitan_amp.models.loss import IGNORE_INDEX, loss_fn
 from torchtitan_amp.models.moe.model import LOAD_BALANCE, SCORE_FUNCS, MoEModelArgs, moe_layer
 
 
@@ -138,19 +138,51 @@ class MultiTokenPrediction(nn.Module):
         self.block.init_weights()
 
     def forward(
-        self, h: torch.Tensor, embedded: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The depth's hidden states [B, S', dim] (before `norm`).
+        self,
+        h: torch.Tensor,
+        embedded: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        labels: torch.Tensor,
+        head: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the depth's hidden states [B, S', dim] before `norm`, the cross-entropy summed over
+        `labels`): everything the depth computes, inside this forward, so that FSDP's hooks around
+        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered.
 
         Args:
             h: the previous depth's hidden states at positions 0 .. S'-1 [B, S', dim].
             embedded: the embeddings of the tokens k places later [B, S', dim].
-            cos: the rotary cosine table.
-            sin: the rotary sine table.
-            mask: None (causal) or the block-causal mask of the S' positions.
+            rope: (cos, sin, mask): the rotary tables and None (causal) or the block-causal mask of
+                the S' positions.
+            labels: [B, S'] the targets (the tokens k + 1 places later; IGNORE_INDEX where none).
+            head: the model's output projection (shared; the root's parameters, gathered during
+                the root's forward).
         """
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
-        return self.block(x, cos, sin, mask=mask)
+        cos, sin, mask = rope
+        # In the residual stream's dtype (h's): under autocast eh_proj's output is bf16, and the
+        # block's residual adds would otherwise run in bf16 where the layers' run in fp32.
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)).to(h.dtype)
+        h = self.block(x, cos, sin, mask=mask)
+        return h, loss_fn(head(self.norm(h)), labels, reduction="sum")
+
+
+def mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Depth k's targets [B, S - k]: position i predicts labels[i + k] (the token i + k + 1),
+    IGNORE_INDEX where that token is in another document than token i (document masking: the
+    depth's attention and its input h_i stay in token i's document). The token after the window
+    (the last label's) is taken to be in the last token's document, as nothing says otherwise.
+
+    Args:
+        labels: [B, S] the main loss's targets.
+        doc_ids: [B, S] each token's document, or None (causal: one stream, nothing ignored).
+        k: the depth (1-based).
+    """
+    seq = labels.shape[1]
+    if doc_ids is None:
+        return labels[:, k:]
+    target_docs = torch.cat([doc_ids[:, 1:], doc_ids[:, -1:]], dim=1)[:, k:]  # the doc of label j's token
+    crossed = doc_ids[:, : seq - k] != target_docs
+    return labels[:, k:].masked_fill(crossed, IGNORE_INDEX)
 
 
 class DeepSeekV3Transformer(Transformer):
@@ -165,11 +197,6 @@ class DeepSeekV3Transformer(Transformer):
             ids = range(args.n_layers, args.n_layers + args.mtp_depth)
             self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
         self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
-
-    @property
-    def takes_labels(self) -> bool:
-        """Whether the trainer passes the labels to the forward (multi-token prediction's loss)."""
-        return self.mtp is not None
 
     def pop_extra_losses(self) -> dict[str, torch.Tensor]:
         """The losses the last labelled forward added, by the name the trainer logs them under
@@ -209,30 +236,30 @@ class DeepSeekV3Transformer(Transformer):
             labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = embedded = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
         if labels is not None and self.mtp is not None:
-            self.mtp_loss = self._mtp_loss(h, tokens, labels, doc_ids)
+            self.mtp_loss = self._mtp_loss(h, embedded, labels, doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
     def _mtp_loss(
-        self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
+        self, h: torch.Tensor, embedded: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """(mtp_loss_weight / D) x the sum over depths k of the cross-entropy summed over the valid
         targets: position i (0-based) combines h^{k-1}_i with the embedding of tokens[i + k] and
-        predicts labels[i + k] (the token i + k + 1), for i < S - k. A sum, like the main loss's:
-        the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
-        assert self.mtp is not None and self.tok_embeddings is not None and self.output is not None
-        seq, total = tokens.shape[1], torch.zeros((), device=h.device)
+        predicts labels[i + k] (the token i + k + 1), for i < S - k; under document masking a
+        target in another document than token i is ignored (mtp_labels). A sum, like the main
+        loss's: the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
+        assert self.mtp is not None and self.output is not None
+        seq, total = labels.shape[1], torch.zeros((), device=h.device)
         args = cast(DeepSeekV3Args, self.model_args)
         for k, mtp in enumerate(self.mtp.values(), start=1):
-            module = cast(MultiTokenPrediction, mtp)
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
-            cos, sin, mask = self._attention_inputs(docs, None)
-            h = module(h[:, : seq - k], self.tok_embeddings(tokens[:, k:]), cos, sin, mask)
-            total = total + loss_fn(self.output(module.norm(h)), labels[:, k:], reduction="sum")
+            rope = self._attention_inputs(docs, None)
+            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, mtp_labels(labels, doc_ids, k), self.output)
+            total = total + loss
         return total * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,9 +310,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         dense_inter_dim=10944,
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
-    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context. Without
-    # the published multi-token prediction module (num_nextn_predict_layers 1): multi-token
-    # prediction trains on one process only, and this flavor is for the layouts that size it.
+    # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context, and the
+    # published multi-token prediction depth (num_nextn_predict_layers 1: FSDP / HSDP / DDP / EP only).
     "deepseek_v3_671b": DeepSeekV3Args(
         dim=7168,
         n_layers=61,
@@ -307,27 +333,39 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         rope_original_seq_len=4096,
         mscale=1.0,
         mscale_all_dim=1.0,
+        mtp_depth=1,
     ),
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
 }
 
 
+def takes_labels(args: DeepSeekV3Args) -> bool:
+    """The family's takes_labels: the forward computes multi-token prediction's loss from the
+    labels when the flavor has depths (pop_extra_losses hands it over)."""
+    return args.mtp_depth > 0
+
+
 def active_params(args: DeepSeekV3Args, total_excl_embedding: int) -> int:
-    """Parameters a token's forward uses (embeddings excluded): top_k of the routed experts."""
+    """Parameters a token's forward uses (embeddings excluded): top_k of the routed experts, in
+    the layers and the multi-token prediction depths' blocks."""
     per_expert = 3 * args.dim * args.moe_inter_dim
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers + args.mtp_depth))
     return total_excl_embedding - moe_layers * (args.n_routed_experts - args.top_k) * per_expert
 
 
 def flops_per_token(args: DeepSeekV3Args, num_params_excl_embedding: int, seq_len: int) -> int:
     """6N with N the active parameters, plus attention's two matmuls per layer and head (scores
     over the qk head size, values over v_head_dim), x 3 for forward and backward, 2 FLOPs each.
+    A multi-token prediction depth counts as one more layer, plus the shared output head run again
+    (its dim x vocab_size weight is in N once); its S - k positions are counted as S.
 
     Args:
         args: the model's arguments (layers, heads, head sizes, experts).
         num_params_excl_embedding: the parameters without the embedding table (N).
         seq_len: the training sequence length (the attention term grows with it).
     """
-    attention = 6 * args.n_layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
-    return 6 * active_params(args, num_params_excl_embedding) + attention
+    layers = args.n_layers + args.mtp_depth
+    attention = 6 * layers * args.n_heads * (args.head_dim + args.v_head_dim) * seq_len
+    head_again = args.mtp_depth * args.dim * args.vocab_size
+    return 6 * (active_params(args, num_params_excl_embedding) + head_again) + attention

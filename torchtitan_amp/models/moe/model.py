@@ -188,7 +188,7 @@ MOE_FLAVORS: dict[str, MoEModelArgs] = {
     ),
     # A DeepSeek-V3-16B-like size on the Llama backbone (GQA instead of MLA): 27 layers, the first
     # dense (10944 wide), 64 routed experts top 6 plus 2 shared, sigmoid scores with bias balancing.
-    "deepseek_v3_16b": MoEModelArgs(
+    "moe_16b_gqa": MoEModelArgs(
         dim=2048,
         n_layers=27,
         n_heads=16,
