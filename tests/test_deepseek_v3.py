@@ -204,6 +204,7 @@ def test_flavors_build_on_meta():
     assert DEEPSEEK_V3_FLAVORS["deepseek_v3_671b"].mtp_depth == 1  # the published num_nextn_predict_layers
     assert 671e9 < counts["deepseek_v3_671b"] - mtp["deepseek_v3_671b"] < 672e9, counts
     assert 11.6e9 < mtp["deepseek_v3_671b"] < 11.7e9, mtp
+    assert counts["deepseek_v3_671b_no_mtp"] == counts["deepseek_v3_671b"] - mtp["deepseek_v3_671b"]
     assert 15e9 < counts["deepseek_v3_16b"] < 16.5e9, counts
 
 

@@ -262,6 +262,8 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
 FAMILY_PLANS = {
     "qwen3": ("qwen3_32b", 32, 80, (1, 2, 8, 2, 1), "151936"),
     "deepseek_v3": ("deepseek_v3_671b", 256, 80, (1, 256, 1, 1, 1), "129280"),
+    # Without its prediction depth the 671B takes TP and PP: the table's FSDP 4 x TP 2 x PP 32.
+    "deepseek_v3 no_mtp": ("deepseek_v3_671b_no_mtp", 256, 80, (1, 4, 2, 32, 1), "129280"),
     "gpt_oss": ("gpt_oss_120b", 32, 141, (1, 16, 1, 2, 1), "201088"),
 }
 
@@ -273,6 +275,7 @@ def test_largest_flavor_of_each_family_gets_a_layout_that_fits(family: str, monk
     MoE families' proposals split the experts (EP > 1), and gpt-oss's all checkpoint every block (a
     block's fp32 S x S sink scores, 8 H (S + 1) bytes per token, are 8.6 GB a sequence)."""
     flavor, gpus, mem, degrees, vocab = FAMILY_PLANS[family]
+    family = family.split()[0]
     monkeypatch.setattr(pl, "factorizations", lambda n: [degrees])
     argv = ["--model", family, "--flavor", flavor, "--gpus", str(gpus), "--seq-len", "4096", "--gpu-mem-gib", str(mem)]
     result = pl.plan(pl.parse_args(argv))  # the flavor's vocabulary unless --vocab-size says otherwise

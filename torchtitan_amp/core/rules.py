@@ -60,7 +60,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "moe_16b_gqa",
     ),
     "qwen3": ("debugmodel", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "qwen3_14b", "qwen3_32b"),
-    "deepseek_v3": ("debugmodel", "deepseek_v3_16b", "deepseek_v3_671b", "debugmodel_mtp"),
+    "deepseek_v3": ("debugmodel", "deepseek_v3_16b", "deepseek_v3_671b", "deepseek_v3_671b_no_mtp", "debugmodel_mtp"),
     "gpt_oss": ("debugmodel", "gpt_oss_20b", "gpt_oss_120b"),
 }
 FLAVORS: tuple[str, ...] = FAMILIES["llama3"]

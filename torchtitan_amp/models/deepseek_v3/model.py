@@ -288,6 +288,30 @@ _DEBUG = DeepSeekV3Args(
     route_scale=2.5,
 )
 
+_V3_671B = DeepSeekV3Args(
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    vocab_size=129280,
+    max_seq_len=163840,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    n_routed_experts=256,
+    top_k=8,
+    n_group=8,
+    topk_group=4,
+    n_shared_experts=1,
+    moe_inter_dim=2048,
+    n_dense_layers=3,
+    dense_inter_dim=18432,
+    route_scale=2.5,
+    rope_factor=40.0,
+    rope_original_seq_len=4096,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+    mtp_depth=1,
+)
+
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     # 0.29M parameters: 4 heads of MLA (latent ranks 32, 16 + 8 qk, 16 v), the first block dense,
     # 8 experts in 4 groups, top 3 from the best 2 groups, one shared expert, scale 2.5.
@@ -312,29 +336,11 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
     # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context, and the
     # published multi-token prediction depth (num_nextn_predict_layers 1: FSDP / HSDP / DDP / EP only).
-    "deepseek_v3_671b": DeepSeekV3Args(
-        dim=7168,
-        n_layers=61,
-        n_heads=128,
-        vocab_size=129280,
-        max_seq_len=163840,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        n_routed_experts=256,
-        top_k=8,
-        n_group=8,
-        topk_group=4,
-        n_shared_experts=1,
-        moe_inter_dim=2048,
-        n_dense_layers=3,
-        dense_inter_dim=18432,
-        route_scale=2.5,
-        rope_factor=40.0,
-        rope_original_seq_len=4096,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-        mtp_depth=1,
-    ),
+    "deepseek_v3_671b": _V3_671B,
+    # The 671B without its prediction depth (671.0B): what runs on every layout, TP and PP included
+    # (the depth does not), for pre-training at scale where MTP is not wanted; docs/scaling.md
+    # plans both. An import of the published folder needs the flavor above.
+    "deepseek_v3_671b_no_mtp": dataclasses.replace(_V3_671B, mtp_depth=0),
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
 }
