@@ -24,7 +24,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
                                                  `tokens` on this layout, torch.save'd to file
              "lora_grads": "file", "tokens": [[...]] after training: LoRA's adapters (full tensors), the
                                                  loss of `tokens` (next-token cross-entropy) and the
-                                                 adapters' gradients of it, torch.save'd to file
+                                                 adapters' gradients of it and their DTensor
+                                                 placements, torch.save'd to file
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
@@ -257,7 +258,9 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     loss.backward()
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
-    return {"loss": float(loss), "values": values, "grads": grads} if _rank() == 0 else None
+    placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
+    result = {"loss": float(loss), "values": values, "grads": grads, "placements": placements}
+    return result if _rank() == 0 else None
 
 
 def _record_rows(trainer: Trainer) -> list[str]:

@@ -66,10 +66,11 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with mixed_precision.fp8 / block_scaled: the converted Linears are not LoRA's "
             "target Linears; train the adapters in bf16 or fp32"
         )
-    if dims.tp_enabled or dims.cp_enabled or dims.ep_enabled:
+    if dims.cp_enabled or dims.ep_enabled:
         raise PrecisionError(
-            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP) and pipeline parallel only: tensor / "
-            "context / expert parallel would need the adapters' A and B split to match the base's plan, not built here"
+            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP), tensor parallel and pipeline parallel: "
+            "context parallel is not tested with adapters here, and expert parallel's experts are grouped "
+            "weights, not nn.Linear modules LoRA can adapt"
         )
     c = config.checkpoint
     if c.last_save_model_only or c.last_save_hf:
@@ -77,7 +78,7 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with checkpoint.last_save_model_only / last_save_hf: a LoRA checkpoint holds the "
             "adapters; merge and export them with torchtitan_amp.checkpoint.lora_export (export_merged_hf, export_peft)"
         )
-    if lo.quantize_base == "nf4" and (dims.dp_degree > 1 or dims.pp_enabled):
+    if lo.quantize_base == "nf4" and (dims.dp_degree > 1 or dims.pp_enabled or dims.tp_enabled):
         raise PrecisionError(
             "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process here: the NF4 base is not wired "
             "through FSDP's, DDP's or the pipeline split's parameter handling; use 'none' (a bf16 base) to shard"
