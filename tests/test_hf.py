@@ -211,6 +211,7 @@ LAYOUTS = {
 
 LORA_STEP = ["--lora.enable", "--training.steps", "1", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"]
 COLWISE = ("attention.wq", "attention.wv")
+QLORA = ["--lora.quantize_base", "nf4"]
 LORA_BOTH_WAYS = [
     "--lora.target_modules",
     "layers.*.attention.wq,layers.*.attention.wv,layers.*.attention.wo,layers.*.feed_forward.w2",
@@ -247,14 +248,19 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
         }
     )
     # LoRA from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS; on
-    # FSDP 2, and on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases.
+    # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
+    # QLoRA (NF4 bases) on FSDP 2.
     jobs += [
         {
             "args": _job(root / name, folder, tokenizer_folder, *LAYOUTS[layout], *LORA_STEP, *extra),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
         }
-        for name, layout, extra in (("lora", "fsdp", []), ("lora_tp", "tp", LORA_BOTH_WAYS))
+        for name, layout, extra in (
+            ("lora", "fsdp", []),
+            ("lora_tp", "tp", LORA_BOTH_WAYS),
+            ("qlora", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+        )
     ]
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
     jobs += [
@@ -316,15 +322,20 @@ def test_lora_on_fsdp_2_equals_peft(hf, dist_run):
         assert (grad - their).abs().max() <= 1e-5 * their.abs().max(), key
 
 
-def _one_process_lora(folder: Path, run: dict, *overrides: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _one_process_lora(
+    folder: Path, run: dict, *overrides: str, nf4_shards: int = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One process, fp32: the folder's base with the run's adapters (`overrides`: its [lora]
-    options): the loss of TOKENS and every adapter's gradient of it."""
+    options; QLoRA's NF4 in the blocks FSDP over `nf4_shards` ranks uses): the loss of TOKENS and
+    every adapter's gradient of it."""
     from torchtitan_amp.config import load_config
     from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan, lora
 
     config = load_config(["--lora.enable", "--mixed_precision.enabled", "false", *overrides])
     plan = PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, 1), "cpu", probe=None)
+    assert plan.lora is not None
+    plan = dataclasses.replace(plan, lora=dataclasses.replace(plan.lora, nf4_shards=nf4_shards))
     model = _ours(folder).train()
     lora.apply_lora(plan, model)
     model.load_state_dict(run["values"], strict=False)
@@ -380,6 +391,27 @@ def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     ]
     launch_worker("ckpt_jobs", root, jobs, 4, flavor=FLAVOR)
     return root
+
+
+def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
+    """QLoRA (NF4 bases of wq, wv, wo, w2, each quantized whole by torchao and then split by FSDP
+    through NF4Tensor's fsdp_pre/post_all_gather) after one step on FSDP 2: every base, its shards
+    dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
+    unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
+    the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows
+    (1e-5); measured (torch 2.13 CPU, gloo): loss and every gradient bitwise equal."""
+    from torchtitan_amp.precision import lora
+
+    run = torch.load(dist_run / "qlora.pt", weights_only=True)
+    reference = _ours(hf[0]).state_dict()
+    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+    assert len(bases) == 4 * ARGS.n_layers
+    for name in bases:
+        blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
+        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+        want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
+        assert torch.equal(run["nf4"][name], want), name
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):

@@ -47,6 +47,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -259,8 +260,30 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
     placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
-    result = {"loss": float(loss), "values": values, "grads": grads, "placements": placements}
+    result = {
+        "loss": float(loss),
+        "values": values,
+        "grads": grads,
+        "placements": placements,
+        "nf4": _nf4_base(trainer),
+    }
     return result if _rank() == 0 else None
+
+
+def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """QLoRA's NF4 base weights, each rank's shard dequantized by torchao and the shards joined
+    in rank order (FSDP's dim-0 split), with the scaler block they were quantized in."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_amp.precision import lora
+
+    out = {}
+    for name, p in trainer.run.model.named_parameters():
+        if lora.is_nf4(p):
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out[name] = torch.cat([cast(torch.Tensor, t) for t in _gather(local.get_original_weight())])
+            out[f"{name}:scaler_block"] = torch.tensor(local.scaler_block_size)
+    return out
 
 
 def _record_rows(trainer: Trainer) -> list[str]:
