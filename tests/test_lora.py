@@ -459,6 +459,33 @@ def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Pa
     assert report["memory"]["analytic_state_matches"], report["memory"]
 
 
+def test_dry_run_on_fsdp_counts_the_adapters_for_reduce_and_checkpoint(tmp_path: Path) -> None:
+    """FSDP 2 under LoRA (bf16 gathers, fp32 reduce): the frozen base is all-gathered but reduces
+    nothing, so the reduce-scatter carries the A adapter parameters once (one call per block's
+    adapter group), the largest block's buffers are its frozen Linears and adapters gathered twice
+    plus the adapters' gradient and reduce input, and the checkpoint holds the adapters' shards and
+    their AdamW state, not the base."""
+    from torchtitan_amp.train import dry_run
+
+    config = load_config(
+        [*BASE, *BF16, "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)]
+    )
+    report = dry_run.run(config, world_size=2, rank=0, write=False)
+    m, r = report["model"], config.lora.rank
+    kv = m["dim"] // m["n_heads"] * m["n_kv_heads"]
+    per_block = r * (m["dim"] + m["dim"]) + r * (m["dim"] + kv)  # wq [dim, dim] and wv [kv, dim]
+    base_block = m["dim"] * (2 * m["dim"] + 2 * kv) + 3 * m["dim"] * m["ffn_hidden"]
+    adapters, tensors = per_block * m["n_layers"], 4 * m["n_layers"]
+    assert report["communication"]["fsdp_reduce_scatter"] == {"float32": 4 * adapters}
+    assert report["fsdp_collective_calls"]["fsdp_reduce_scatter"] == m["n_layers"]
+    assert report["communication"]["fsdp_all_gather"]["bfloat16"] >= 2 * 2 * base_block * m["n_layers"]
+    assert report["memory"]["transient"] == {
+        "bfloat16": 2 * 2 * (base_block + per_block) + 2 * per_block,
+        "float32": 4 * per_block,
+    }
+    assert report["memory"]["checkpoint"] == 4 * adapters // 2 + 8 * adapters // 2 + 4 * tensors
+
+
 def test_qlora_base_from_initial_load_path_is_torchaos_nf4_of_it(tmp_path: Path) -> None:
     """The frozen base comes from checkpoint.initial_load_path into the NF4 parameters: each equals
     torchao's NF4 of the saved weight (torchao's NF4Tensor.copy_ quantizes what DCP loads)."""
