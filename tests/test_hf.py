@@ -209,6 +209,15 @@ LAYOUTS = {
 }
 
 
+LORA_STEP = ["--lora.enable", "--training.steps", "1", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"]
+COLWISE = ("attention.wq", "attention.wv")
+QLORA = ["--lora.quantize_base", "nf4"]
+LORA_BOTH_WAYS = [
+    "--lora.target_modules",
+    "layers.*.attention.wq,layers.*.attention.wv,layers.*.attention.wo,layers.*.feed_forward.w2",
+]
+
+
 @pytest.fixture(scope="module")
 def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     """One 2-rank launch: import on FSDP 2, TP 2 and PP 2 (logits of TOKENS), then import on
@@ -238,15 +247,21 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             )
         }
     )
-    # LoRA on FSDP 2 from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS.
-    jobs.append(
+    # LoRA from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS; on
+    # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
+    # QLoRA (NF4 bases) on FSDP 2.
+    jobs += [
         {
-            "args": _job(root / "lora", folder, tokenizer_folder, *LAYOUTS["fsdp"], "--lora.enable")
-            + ["--training.steps", "1", "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1"],
-            "lora_grads": str(root / "lora.pt"),
+            "args": _job(root / name, folder, tokenizer_folder, *LAYOUTS[layout], *LORA_STEP, *extra),
+            "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
         }
-    )
+        for name, layout, extra in (
+            ("lora", "fsdp", []),
+            ("lora_tp", "tp", LORA_BOTH_WAYS),
+            ("qlora", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+        )
+    ]
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
     jobs += [
         {"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
@@ -307,29 +322,115 @@ def test_lora_on_fsdp_2_equals_peft(hf, dist_run):
         assert (grad - their).abs().max() <= 1e-5 * their.abs().max(), key
 
 
-def test_import_matches_transformers_on_fsdp_x_tp(hf, tokenizer_folder, tmp_path):
+def _one_process_lora(
+    folder: Path, run: dict, *overrides: str, nf4_shards: int = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, fp32: the folder's base with the run's adapters (`overrides`: its [lora]
+    options; QLoRA's NF4 in the blocks FSDP over `nf4_shards` ranks uses): the loss of TOKENS and
+    every adapter's gradient of it."""
+    from torchtitan_amp.config import load_config
+    from torchtitan_amp.distributed.parallel_dims import ParallelDims
+    from torchtitan_amp.precision import PrecisionPlan, lora
+
+    config = load_config(["--lora.enable", "--mixed_precision.enabled", "false", *overrides])
+    plan = PrecisionPlan.from_config(config, ParallelDims.from_config(config.parallelism, 1), "cpu", probe=None)
+    assert plan.lora is not None
+    plan = dataclasses.replace(plan, lora=dataclasses.replace(plan.lora, nf4_shards=nf4_shards))
+    model = _ours(folder).train()
+    lora.apply_lora(plan, model)
+    model.load_state_dict(run["values"], strict=False)
+    lora.quantize_base(plan, model)
+    logits = model(TOKENS)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), TOKENS[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in lora.adapter_parameters(model).items()}
+
+
+def _assert_lora_matches(run: dict, loss: torch.Tensor, grads: dict[str, torch.Tensor], bound: float) -> None:
+    """The run's loss and each adapter gradient within `bound` (relative to the loss, and to each
+    gradient's largest entry) of the one-process ones; B moved off zero in the run's step."""
+    assert any(float(v.abs().max()) > 0 for n, v in run["values"].items() if ".lora_B." in n)
+    assert run["grads"].keys() == grads.keys()
+    assert abs(run["loss"] - float(loss)) <= bound * float(loss)
+    for key, grad in run["grads"].items():
+        assert (grad - grads[key]).abs().max() <= bound * grads[key].abs().max(), key
+
+
+def test_lora_on_tp_2_equals_one_process(hf, dist_run):
+    """LoRA on TP 2 with sequence parallel: wq / wv (column-wise: A replicated, B split by output
+    rows) and wo / w2 (row-wise: A split by input columns, B replicated, one reduce of base + B(A x))
+    after one step: the loss of TOKENS and every adapter gradient equal one process fp32's with the
+    same adapters. Bound: the row-wise partial sums add in another order than one process's matmul,
+    a few fp32 ulps per sum over 64 to 192 terms (1e-5 relative, as the FSDP comparison); measured
+    (torch 2.13 CPU, gloo): losses bitwise equal, gradients within 7.1e-7 of their largest entry."""
+    run = torch.load(dist_run / "lora_tp.pt", weights_only=True)
+    assert len(run["grads"]) == 2 * 4 * ARGS.n_layers
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS), 1e-5)
+
+
+FSDP_X_TP = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
+    """One 4-rank launch on FSDP 2 x TP 2: the import's logits of TOKENS, then LoRA's step as
+    dist_run's TP row."""
+    root = tmp_path_factory.mktemp("fsdp_x_tp")
+    jobs = [
+        {
+            "args": _job(root / "run", hf[0], tokenizer_folder, *FSDP_X_TP),
+            "logits": str(root / "logits.pt"),
+            "tokens": TOKENS.tolist(),
+            "hf_reads": str(root / "reads.json"),
+        },
+        {
+            "args": _job(root / "lora", hf[0], tokenizer_folder, *FSDP_X_TP, *LORA_STEP, *LORA_BOTH_WAYS),
+            "lora_grads": str(root / "lora.pt"),
+            "tokens": TOKENS.tolist(),
+        },
+    ]
+    launch_worker("ckpt_jobs", root, jobs, 4, flavor=FLAVOR)
+    return root
+
+
+def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
+    """QLoRA (NF4 bases of wq, wv, wo, w2, each quantized whole by torchao and then split by FSDP
+    through NF4Tensor's fsdp_pre/post_all_gather) after one step on FSDP 2: every base, its shards
+    dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
+    unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
+    the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows
+    (1e-5); measured (torch 2.13 CPU, gloo): loss and every gradient bitwise equal."""
+    from torchtitan_amp.precision import lora
+
+    run = torch.load(dist_run / "qlora.pt", weights_only=True)
+    reference = _ours(hf[0]).state_dict()
+    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+    assert len(bases) == 4 * ARGS.n_layers
+    for name in bases:
+        blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
+        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+        want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
+        assert torch.equal(run["nf4"][name], want), name
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
+
+
+def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):
     """FSDP 2 x TP 2 (4 ranks): 2-D DTensors, FSDP sharding TP's column shards of q and k again
     (one head per rank)."""
-    extra = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
-    launch_worker(
-        "ckpt_jobs",
-        tmp_path,
-        [
-            {
-                "args": _job(tmp_path / "run", hf[0], tokenizer_folder, *extra),
-                "logits": str(tmp_path / "logits.pt"),
-                "tokens": TOKENS.tolist(),
-                "hf_reads": str(tmp_path / "reads.json"),
-            }
-        ],
-        4,
-        flavor=FLAVOR,
-    )
+    tmp_path = fsdp_x_tp_run
     assert (torch.load(tmp_path / "logits.pt", weights_only=True) - hf[2]).abs().max() <= LOGITS_ATOL
     # No rank read the whole model: each read about its quarter (norms are sharded by FSDP only,
     # so a little more), and together the ranks read each element about once.
     reads, total = json.loads((tmp_path / "reads.json").read_text()), sum(p.numel() for p in hf[1].parameters())
     assert all(0 < r < 0.3 * total for r in reads) and total <= sum(reads) < 1.05 * total, (reads, total)
+
+
+def test_lora_on_fsdp_2_x_tp_2_equals_one_process(hf, fsdp_x_tp_run):
+    """As the TP 2 row, with FSDP sharding the adapters' TP shards again (2-D DTensors); the same
+    bound; measured (torch 2.13 CPU, gloo): losses bitwise equal, gradients within 6.7e-7 of their largest entry."""
+    run = torch.load(fsdp_x_tp_run / "lora.pt", weights_only=True)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS), 1e-5)
+    assert run["placements"]["layers.0.attention.wo.lora_A.weight"] == "(Shard(dim=0), Shard(dim=1))"
 
 
 def _checkpoint_model(step_dir: Path) -> dict[str, torch.Tensor]:

@@ -71,8 +71,12 @@ def test_plan_decides_each_part() -> None:
     ("overrides", "message"),
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
-        (["--parallelism.tensor_parallel_degree", "2"], "data-parallel layouts"),
-        (["--lora.quantize_base", "nf4", "--parallelism.data_parallel_shard_degree", "2"], "one process"),
+        (["--parallelism.context_parallel_degree", "2"], "context parallel is not tested with adapters"),
+        (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
+        (
+            ["--lora.quantize_base", "nf4", "--parallelism.data_parallel_replicate_degree", "2"],
+            "one process and on FSDP",
+        ),
     ],
 )
 def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
@@ -331,6 +335,36 @@ def test_nf4_shape_torchao_cannot_quantize_is_one_line() -> None:
     with pytest.raises(PrecisionError, match="'layers.0.x.weight' has 100 elements, not a multiple of NF4's block"):
         lora.nf4_blocks("layers.0.x", 100)
     assert lora.nf4_blocks("w", 64 * 512) == (64, 256) and lora.nf4_blocks("w", 64 * 96) == (64, 32)
+    # On FSDP each of torchao's inner tensors splits over the ranks: a whole number of scaler blocks each.
+    assert lora.nf4_blocks("w", 64 * 32, 2) == (64, 16) and lora.nf4_blocks("w", 64 * 192, 2) == (64, 32)
+    with pytest.raises(PrecisionError, match="'layers.0.x.weight' has 3 NF4 blocks, which 2 ranks do not split"):
+        lora.nf4_blocks("layers.0.x", 64 * 3, 2)
+
+
+def test_qlora_blocks_of_an_fsdp_split_are_recorded_for_the_export() -> None:
+    """Where FSDP's split shrinks a weight's scaler block below one process's, base_dtypes records
+    it, and nf4_of (what the export re-quantizes with) rebuilds the base bitwise."""
+    import dataclasses
+
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    plan = _plan(*FP32, "--lora.quantize_base", "nf4", "--lora.target_modules", TARGETS)
+    assert plan.lora is not None
+    plan = dataclasses.replace(plan, lora=dataclasses.replace(plan.lora, nf4_shards=2))
+    torch.manual_seed(0)
+    model = Transformer(LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32))  # type: ignore[arg-type]
+    model.init_weights()
+    lora.apply_lora(plan, model)
+    whole = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, lora.LoraLinear)}
+    lora.quantize_base(plan, model)
+    stored = lora.base_dtypes(model)
+    for name, weight in whole.items():
+        entry = stored[f"{name}.weight"]
+        blocks = lora.nf4_blocks(name, weight.numel(), 2)
+        assert entry == "nf4:float32" + ("" if blocks == lora.nf4_blocks(name, weight.numel()) else f":{blocks[1]}")
+        rebuilt = lora.nf4_of(name, weight, entry).get_original_weight()
+        assert torch.equal(rebuilt, model.get_submodule(name).weight.get_original_weight()), name
+    assert any(entry.count(":") == 2 for entry in stored.values())
 
 
 def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -423,6 +457,33 @@ def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Pa
     config = load_config([*BASE, *BF16, "--lora.quantize_base", quantize, "--job.dump_folder", str(tmp_path)])
     report = dry_run.run(config, world_size=1, rank=0, write=False)
     assert report["memory"]["analytic_state_matches"], report["memory"]
+
+
+def test_dry_run_on_fsdp_counts_the_adapters_for_reduce_and_checkpoint(tmp_path: Path) -> None:
+    """FSDP 2 under LoRA (bf16 gathers, fp32 reduce): the frozen base is all-gathered but reduces
+    nothing, so the reduce-scatter carries the A adapter parameters once (one call per block's
+    adapter group), the largest block's buffers are its frozen Linears and adapters gathered twice
+    plus the adapters' gradient and reduce input, and the checkpoint holds the adapters' shards and
+    their AdamW state, not the base."""
+    from torchtitan_amp.train import dry_run
+
+    config = load_config(
+        [*BASE, *BF16, "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)]
+    )
+    report = dry_run.run(config, world_size=2, rank=0, write=False)
+    m, r = report["model"], config.lora.rank
+    kv = m["dim"] // m["n_heads"] * m["n_kv_heads"]
+    per_block = r * (m["dim"] + m["dim"]) + r * (m["dim"] + kv)  # wq [dim, dim] and wv [kv, dim]
+    base_block = m["dim"] * (2 * m["dim"] + 2 * kv) + 3 * m["dim"] * m["ffn_hidden"]
+    adapters, tensors = per_block * m["n_layers"], 4 * m["n_layers"]
+    assert report["communication"]["fsdp_reduce_scatter"] == {"float32": 4 * adapters}
+    assert report["fsdp_collective_calls"]["fsdp_reduce_scatter"] == m["n_layers"]
+    assert report["communication"]["fsdp_all_gather"]["bfloat16"] >= 2 * 2 * base_block * m["n_layers"]
+    assert report["memory"]["transient"] == {
+        "bfloat16": 2 * 2 * (base_block + per_block) + 2 * per_block,
+        "float32": 4 * per_block,
+    }
+    assert report["memory"]["checkpoint"] == 4 * adapters // 2 + 8 * adapters // 2 + 4 * tensors
 
 
 def test_qlora_base_from_initial_load_path_is_torchaos_nf4_of_it(tmp_path: Path) -> None:

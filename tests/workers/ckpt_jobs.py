@@ -24,7 +24,8 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
                                                  `tokens` on this layout, torch.save'd to file
              "lora_grads": "file", "tokens": [[...]] after training: LoRA's adapters (full tensors), the
                                                  loss of `tokens` (next-token cross-entropy) and the
-                                                 adapters' gradients of it, torch.save'd to file
+                                                 adapters' gradients of it and their DTensor
+                                                 placements, torch.save'd to file
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
@@ -46,6 +47,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -257,7 +259,31 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     loss.backward()
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
-    return {"loss": float(loss), "values": values, "grads": grads} if _rank() == 0 else None
+    placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
+    result = {
+        "loss": float(loss),
+        "values": values,
+        "grads": grads,
+        "placements": placements,
+        "nf4": _nf4_base(trainer),
+    }
+    return result if _rank() == 0 else None
+
+
+def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """QLoRA's NF4 base weights, each rank's shard dequantized by torchao and the shards joined
+    in rank order (FSDP's dim-0 split), with the scaler block they were quantized in."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_amp.precision import lora
+
+    out = {}
+    for name, p in trainer.run.model.named_parameters():
+        if lora.is_nf4(p):
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out[name] = torch.cat([cast(torch.Tensor, t) for t in _gather(local.get_original_weight())])
+            out[f"{name}:scaler_block"] = torch.tensor(local.scaler_block_size)
+    return out
 
 
 def _record_rows(trainer: Trainer) -> list[str]:

@@ -61,7 +61,7 @@ from torchtitan_amp.checkpoint.hf_sources import DerivedSources
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import FAMILIES, ModelFamily
 from torchtitan_amp.models.spec import HFAdapter
-from torchtitan_amp.precision.lora import adapter_parameters
+from torchtitan_amp.precision.lora import adapter_parameters, is_nf4, nf4_rows
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -302,6 +302,12 @@ class HFReader(HuggingFaceStorageReader):
             piece = f.get_slice(self.hf_name[fqn])
             tensor = rotary_rows(lambda rows: piece[(rows,) + rest], piece.get_shape()[0] // heads, start, length)
         target = planner.resolve_tensor(req).detach()
+        if is_nf4(target) and length < (rows := f.get_slice(self.hf_name[fqn]).get_shape()[0]):
+            # QLoRA on FSDP: this rank's rows of torchao's NF4 of the whole weight (one scaler
+            # mean for every shard, as FSDP's all-gather assumes), not an NF4 of the rows alone.
+            piece = f.get_slice(self.hf_name[fqn])
+            whole = piece[:] if heads is None else rotary_rows(lambda r: piece[r], rows // heads, 0, rows)
+            tensor = nf4_rows(whole, target, start)
         if target.size() != tensor.size():
             raise CheckpointError(
                 f"{self.folder}: '{fqn}' slice has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

@@ -37,6 +37,7 @@ from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import get_family
+from torchtitan_amp.precision.lora import is_nf4
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -228,6 +229,12 @@ def _load_model(config: JobConfig, state: RunState, path: Path, kind: str, names
     """Starting weights (an initial_load_path): an HF folder, a model-only export or a DCP step
     folder. Under LoRA they are the base's: the adapters keep their init."""
     ranks = state.ranks
+    if kind != "hf" and any(is_nf4(p) and hasattr(p, "_local_tensor") for p in state.model.parameters()):
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {path}: QLoRA on FSDP loads its NF4 base from a Hugging Face "
+            "folder only (each rank quantizes the whole weight and keeps its rows); a DCP or model-only "
+            "base would be quantized rows by rows"
+        )
     if kind == "hf":
         from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
 

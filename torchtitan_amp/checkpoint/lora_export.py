@@ -171,7 +171,7 @@ def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str
     from torchtitan_amp.config import load_config
     from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan
-    from torchtitan_amp.precision.lora import adapter_parameters, apply_lora, nf4_api, nf4_blocks
+    from torchtitan_amp.precision.lora import adapter_parameters, apply_lora, nf4_of
 
     info = inspect_checkpoint(step_dir)
     base = info.meta.get("lora_base")
@@ -205,8 +205,8 @@ def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str
                 stored = info.meta.get("lora_base_dtypes", {}).get(f"{name}.{pname}" if name else pname)
                 if stored is None:
                     continue
-                rounded = p.detach().to(getattr(torch, stored.removeprefix("nf4:")))
+                rounded = p.detach().to(getattr(torch, stored.removeprefix("nf4:").partition(":")[0]))
                 if stored.startswith("nf4:"):
-                    rounded = nf4_api().to_nf4(rounded, *nf4_blocks(name, p.numel()))
+                    rounded = nf4_of(name, rounded, stored)
                 module.register_parameter(pname, nn.Parameter(rounded, requires_grad=False))
     return model, args, family.name, job["model"].get("tokenizer", "byte"), base

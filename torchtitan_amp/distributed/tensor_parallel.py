@@ -1,6 +1,7 @@
 """Megatron-style tensor parallel (DTensor): a block's plan comes from its family, the decoder's ends
 (embedding row-wise, output column-wise, final norm) are the same for every family; loss parallel and
-async TP (inductor's micro-pipelining) are switched here."""
+async TP (inductor's micro-pipelining) are switched here. A LoRA-adapted Linear (one with `lora_A` /
+`lora_B` adapter Linears, precision/lora.py) splits its adapters to match its base's style."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -89,7 +90,7 @@ def apply_tp(
         else:
             for name in block_norms:
                 _replicate_params(getattr(block, name), mesh)
-        parallelize_module(block, mesh, styles)
+        parallelize_module(block, mesh, {name: _adapted(style, block, name) for name, style in styles.items()})
     if decoder.norm is not None and not sequence_parallel:
         _replicate_params(decoder.norm, mesh)
     logger.info(
@@ -97,6 +98,53 @@ def apply_tp(
         mesh.size(),
         sequence_parallel,
         loss_parallel_on,
+    )
+
+
+class AdaptedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a LoRA-adapted Linear: base weight (and bias) Shard(0), lora_A [r, in]
+    replicated, lora_B [out, r] Shard(0). Both paths end in output columns: B(A(x)) is Shard(-1)
+    like the base's x @ W.T, and their sum leaves as the base's output would."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _split_adapted(name, module, device_mesh, {"": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)})
+
+
+class AdaptedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for a LoRA-adapted Linear: base weight Shard(1) (bias replicated), lora_A
+    [r, in] Shard(1), lora_B [out, r] replicated. A(x) is a partial sum over the input shards, and
+    B of it stays partial (B is linear), so base + B(A(x)) is one partial sum: reduced (or
+    reduce-scattered under SP) once, by the same collective as the base's output."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _split_adapted(name, module, device_mesh, {"": Shard(1), "lora_A": Shard(1), "lora_B": Replicate()})
+
+
+def _split_adapted(name: str, module: nn.Module, mesh: DeviceMesh, weights: dict[str, Placement]) -> None:
+    """distribute_module's partition_fn, called for the adapted Linear ("") and each submodule:
+    its own weight by `weights`, a bias replicated unless the weight is Shard(0) (then Shard(0))."""
+    if name not in weights:  # lora_dropout: no parameters
+        return
+    for pname, p in list(module.named_parameters(recurse=False)):
+        placement = weights[name] if pname == "weight" or weights[name] == Shard(0) else Replicate()
+        module.register_parameter(
+            pname, nn.Parameter(distribute_tensor(p, mesh, [placement]), requires_grad=p.requires_grad)
+        )
+
+
+def _adapted(style: ParallelStyle, block: nn.Module, name: str) -> ParallelStyle:
+    """The style for `block.name`: a LoRA-adapted Linear's ColwiseParallel / RowwiseParallel becomes
+    its Adapted twin (same layouts), every other style is itself."""
+    module = block.get_submodule(name)
+    if not (hasattr(module, "lora_A") and isinstance(style, (ColwiseParallel, RowwiseParallel))):
+        return style
+    if type(style) not in (ColwiseParallel, RowwiseParallel):
+        raise NotImplementedError(f"LoRA under tensor parallel: {name}'s {type(style).__name__} has no adapter split")
+    twin = AdaptedColwiseParallel if isinstance(style, ColwiseParallel) else AdaptedRowwiseParallel
+    return twin(
+        input_layouts=style.input_layouts[0],
+        output_layouts=style.output_layouts[0],
+        use_local_output=style.use_local_output,
     )
 
 

@@ -33,12 +33,24 @@ class FsdpGroup:
     # all-gathers them in float8_e4m3fn (1 byte on the wire and unsharded); their unsharded
     # gradients stay in gather_dtype (the fp8 weight computes in the policy's param dtype).
     fp8_shard_numel: int = 0
+    # Of padded_shard_numel, the frozen parameters' (LoRA's base, training.freeze): gathered as
+    # any other, but FSDP2 reduces no gradient of them and holds none (a group of only frozen
+    # ones issues no reduce-scatter).
+    frozen_shard_numel: int = 0
 
     def degree(self, layout_shards: int) -> int:
         return self.shards or layout_shards
 
     def unsharded_numel(self, shards: int) -> int:
         return self.padded_shard_numel * self.degree(shards)
+
+    def trained_numel(self, shards: int) -> int:
+        """The unsharded (padded) elements that get a gradient: what the reduce-scatter takes."""
+        return (self.padded_shard_numel - self.frozen_shard_numel) * self.degree(shards)
+
+    @property
+    def trained(self) -> bool:
+        return self.padded_shard_numel > self.frozen_shard_numel
 
     def gathered(self, shards: int) -> ByDtype:
         """The unsharded (padded) params as the all-gather delivers them, bytes by dtype."""
@@ -233,7 +245,7 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
     the same across torchft's replica groups (layout.replica_groups, category
     ft_cross_group_all_reduce; none under DiLoCo). EP-split experts gather and reduce over their efsdp ranks
     (categories expert_fsdp_*; none when efsdp is 1: FSDP2 skips a one-rank collective), and
-    still all-reduce over dp_replicate under HSDP.
+    still all-reduce over dp_replicate under HSDP. A frozen group (not `trained`) only gathers.
     """
     out: dict[str, ByDtype] = {}
     ar: ByDtype = {}
@@ -241,20 +253,21 @@ def fsdp_comm(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout)
         ops = stage_ops(layout, stage)
         reduces = _reductions_per_step(layout, ops)
         for g in groups:
-            full = g.unsharded_numel(layout.fsdp_shard)
             if g.degree(layout.fsdp_shard) > 1:
                 gathers = _gathers(g, groups, stage, ops, layout)
                 for dtype, nbytes in g.gathered(layout.fsdp_shard).items():
                     add_bytes(
                         out.setdefault(f"{g.category}_all_gather", {}), dtype, layout.grad_accum * gathers * nbytes
                     )
-                add_bytes(
-                    out.setdefault(f"{g.category}_reduce_scatter", {}),
-                    g.reduce_dtype,
-                    reduces * full * DTYPE_BYTES[g.reduce_dtype],
-                )
-            if layout.dp_replicate > 1 or layout.cross_group_every_step:
-                add_bytes(ar, g.reduce_dtype, reduces * g.padded_shard_numel * DTYPE_BYTES[g.reduce_dtype])
+                if g.trained:
+                    add_bytes(
+                        out.setdefault(f"{g.category}_reduce_scatter", {}),
+                        g.reduce_dtype,
+                        reduces * g.trained_numel(layout.fsdp_shard) * DTYPE_BYTES[g.reduce_dtype],
+                    )
+            if g.trained and (layout.dp_replicate > 1 or layout.cross_group_every_step):
+                shard = g.padded_shard_numel - g.frozen_shard_numel
+                add_bytes(ar, g.reduce_dtype, reduces * shard * DTYPE_BYTES[g.reduce_dtype])
     if ar:
         out[_replicate_key(layout)] = ar
     return out
@@ -267,20 +280,20 @@ def _replicate_key(layout: Layout) -> str:
 
 def fsdp_calls(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: Layout) -> dict[str, int]:
     """FSDP collective calls of one rank per optimizer step: one all-gather per group per gather,
-    one reduce-scatter (and HSDP all-reduce) per group per reduction (see fsdp_comm)."""
+    one reduce-scatter (and HSDP all-reduce) per trained group per reduction (see fsdp_comm)."""
     out = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0}
     for stage, groups in stage_groups:
         ops = stage_ops(layout, stage)
         reduces = _reductions_per_step(layout, ops)
         for g in groups:
-            if layout.dp_replicate > 1 or layout.cross_group_every_step:
+            if g.trained and (layout.dp_replicate > 1 or layout.cross_group_every_step):
                 key = _replicate_key(layout)
                 out[key] = out.get(key, 0) + reduces
             if g.degree(layout.fsdp_shard) == 1:
                 continue
             for op, n in (
                 ("all_gather", layout.grad_accum * _gathers(g, groups, stage, ops, layout)),
-                ("reduce_scatter", reduces),
+                ("reduce_scatter", reduces if g.trained else 0),
             ):
                 key = f"{g.category}_{op}"
                 out[key] = out.get(key, 0) + n
@@ -301,7 +314,7 @@ def _pp_transient(groups: list[FsdpGroup], n: int, per_microbatch: bool, out: By
         for dtype, nbytes in g.gathered(n).items():  # fp8 weights gathered in float8
             add_bytes(out, dtype, nbytes)
         if not per_microbatch:
-            _add(out, g.reduce_dtype, g.unsharded_numel(n))
+            _add(out, g.reduce_dtype, g.trained_numel(n))
     resharding = [g for g in groups if g.reshard_after_forward]
     if per_microbatch and resharding:
         big = max(resharding, key=lambda g: g.unsharded_numel(n))
@@ -334,9 +347,9 @@ def _reducing(group: FsdpGroup, groups: list[FsdpGroup], stage: Stage, n: int, p
     resharded by then (its own and those of the groups whose backward ran before it)."""
     here: ByDtype = {}
     for g in {id(g): g for g in (group, *(g for g in groups if g.kind == "root"))}.values():
-        _add(here, g.gather_dtype, g.unsharded_numel(n))
+        _add(here, g.gather_dtype, g.trained_numel(n))
     if per_microbatch:
-        _add(here, group.reduce_dtype, group.unsharded_numel(n))
+        _add(here, group.reduce_dtype, group.trained_numel(n))
         for g in groups:
             if not g.reshard_after_forward and _freed_before(g, group, stage):
                 _add(here, g.gather_dtype, -g.unsharded_numel(n))
@@ -383,14 +396,27 @@ def fsdp_transient(stage_groups: list[tuple[Stage, list[FsdpGroup]]], layout: La
                 out = merge(out, g.gathered(n))
             if layout.cross_group_every_step and layout.grad_accum > 1:
                 # Gradient sync off until the last micro-batch: unsharded, accumulated in the reduce dtype.
-                _add(out, g.reduce_dtype, g.unsharded_numel(n))
+                _add(out, g.reduce_dtype, g.trained_numel(n))
         for kind in ("block", "experts"):
-            blocks = [g for g in groups if g.kind == kind and g.reshard_after_forward]
-            if blocks:
-                big = max(blocks, key=lambda g: g.unsharded_numel(n))
-                # In use and prefetched as gathered (fp8 weights: 1 byte); the gradient in gather dtype.
-                gathered = big.gathered(n)
-                out = merge(out, gathered, gathered)
-                add_bytes(out, big.gather_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.gather_dtype])
-                add_bytes(out, big.reduce_dtype, big.unsharded_numel(n) * DTYPE_BYTES[big.reduce_dtype])
+            out = merge(out, _largest_block(groups, kind, n))
+    return out
+
+
+def _largest_block(groups: list[FsdpGroup], kind: str, n: int) -> ByDtype:
+    """The largest block's buffers at the peak: its groups of `kind` (one, or under LoRA the frozen
+    Linears' and the adapters') gathered twice, in use and prefetched (fp8 weights: 1 byte), and
+    the unsharded gradient (gather dtype) and reduce-scatter input of its trained parameters."""
+    units: dict[object, list[FsdpGroup]] = {}
+    for g in groups:
+        if g.kind == kind and g.reshard_after_forward:
+            units.setdefault(_block_of(g) if kind == "block" else g.name, []).append(g)
+    if not units:
+        return {}
+    big = max(units.values(), key=lambda unit: sum(g.unsharded_numel(n) for g in unit))
+    out: ByDtype = {}
+    for g in big:
+        gathered = g.gathered(n)
+        out = merge(out, gathered, gathered)
+        _add(out, g.gather_dtype, g.trained_numel(n))
+        _add(out, g.reduce_dtype, g.trained_numel(n))
     return out

@@ -49,7 +49,8 @@ def nf4_api() -> Any:
 
 
 def is_nf4(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "NF4Tensor"
+    """An NF4Tensor, or FSDP's DTensor shard of one."""
+    return type(getattr(t, "_local_tensor", t)).__name__ == "NF4Tensor"
 
 
 def dequantized(t: torch.Tensor) -> torch.Tensor:
@@ -172,24 +173,59 @@ def init_adapters(model: nn.Module) -> None:
 
 
 def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
-    """QLoRA: each LoraLinear's (materialized) base weight becomes a torchao NF4Tensor."""
+    """QLoRA: each LoraLinear's (materialized, whole) base weight becomes a torchao NF4Tensor, in
+    blocks that FSDP's plan.lora.nf4_shards ranks split evenly."""
     if plan.lora is None or not plan.lora.nf4:
         return
     api = nf4_api()
+    shards = plan.lora.nf4_shards
     for name, m in model.named_modules():
         if isinstance(m, LoraLinear) and not is_nf4(m.weight):
-            blocks, scaler_block = nf4_blocks(name, m.weight.numel())
+            if hasattr(m.weight, "_local_tensor"):  # a DTensor: the model was split before its init
+                raise PrecisionError(
+                    f"'lora.quantize_base' = 'nf4' on FSDP quantizes each base weight whole before FSDP "
+                    f"splits it; '{name}.weight' was split first (a model above the full-init size "
+                    "initialises on its shards): run QLoRA on one process, or LoRA with quantize_base = 'none'"
+                )
+            if m.weight.shape[0] % shards:
+                raise PrecisionError(
+                    f"'lora.quantize_base' = 'nf4' on FSDP {shards}: '{name}.weight' has {m.weight.shape[0]} rows, "
+                    f"which {shards} ranks do not split evenly (NF4 shards whole rows); leave it out of "
+                    "lora.target_modules or change data_parallel_shard_degree"
+                )
+            blocks, scaler_block = nf4_blocks(name, m.weight.numel(), shards)
             m.weight = nn.Parameter(api.to_nf4(m.weight.detach(), blocks, scaler_block), requires_grad=False)
+
+
+def nf4_rows(whole: torch.Tensor, shard: torch.Tensor, start: int) -> torch.Tensor:
+    """The rows [start, start + len(shard)) of torchao's NF4 of the `whole` weight, in `shard`'s
+    blocks: what FSDP's split of the whole NF4 gives that rank (what a checkpoint load copies in).
+
+    Args:
+        whole: the whole weight, as one process holds it.
+        shard: this rank's NF4 shard (its row count and block sizes).
+        start: the shard's first row in the whole weight.
+    """
+    local = cast(Any, shard)
+    whole_nf4 = nf4_api().to_nf4(whole.to(local.dtype), local.block_size, local.scaler_block_size)
+    return whole_nf4.split(shard.shape[0])[start // shard.shape[0]]
 
 
 NF4_BLOCK = 64  # QLoRA's: 64 weights share one absmax scale
 NF4_SCALER_BLOCK = 256  # and 256 scales share one (double quantization)
 
 
-def nf4_blocks(name: str, numel: int) -> tuple[int, int]:
+def nf4_blocks(name: str, numel: int, shards: int = 1) -> tuple[int, int]:
     """QLoRA's block sizes for a weight of `numel` elements: 64, and 256 scales per scaler block, or
     the largest power of two below 256 that divides a small weight's scale count (torchao needs both
-    to divide); a weight that is no whole number of 64-blocks is one PrecisionError line."""
+    to divide) into a multiple of `shards` scaler blocks (FSDP splits each of torchao's inner tensors
+    over its ranks); a weight that is no whole number of 64-blocks is one PrecisionError line.
+
+    Args:
+        name: the module's name, for the message.
+        numel: the weight's element count.
+        shards: the ranks FSDP splits the weight over (1 on one process).
+    """
     if numel % NF4_BLOCK:
         raise PrecisionError(
             f"'lora.quantize_base' = 'nf4': '{name}.weight' has {numel} elements, not a multiple of "
@@ -197,8 +233,13 @@ def nf4_blocks(name: str, numel: int) -> tuple[int, int]:
         )
     scales = numel // NF4_BLOCK
     scaler = NF4_SCALER_BLOCK
-    while scales % scaler:
+    while scaler > 1 and (scales % scaler or (scales // scaler) % shards):
         scaler //= 2
+    if (scales // scaler) % shards:
+        raise PrecisionError(
+            f"'lora.quantize_base' = 'nf4' on FSDP {shards}: '{name}.weight' has {scales} NF4 blocks, "
+            f"which {shards} ranks do not split evenly; leave it out of lora.target_modules"
+        )
     return NF4_BLOCK, scaler
 
 
@@ -236,11 +277,27 @@ def audit(plan: PrecisionPlan, parts: list[nn.Module]) -> dict[str, list[str]]:
 
 def base_dtypes(model: nn.Module) -> dict[str, str]:
     """Each frozen base parameter's storage ("nf4:<dtype>" for QLoRA's, the dtype it was quantized
-    from): a LoRA checkpoint records them, so that its export rebuilds the base the adapters
-    trained against."""
+    from, then ":<scaler block>" where FSDP's split chose a smaller one than one process's): a
+    LoRA checkpoint records them, so that its export rebuilds the base the adapters trained against."""
     adapters = adapter_parameters(model)
     out = {}
     for name, p in model.named_parameters():
         if name not in adapters:
             out[name] = ("nf4:" if is_nf4(p) else "") + str(p.dtype).removeprefix("torch.")
+            scaler = getattr(getattr(p, "_local_tensor", p), "scaler_block_size", None)
+            if is_nf4(p) and scaler != nf4_blocks(name, p.numel())[1]:
+                out[name] += f":{scaler}"
     return out
+
+
+def nf4_of(name: str, weight: torch.Tensor, stored: str) -> torch.Tensor:
+    """`weight` quantized as base_dtypes recorded it.
+
+    Args:
+        name: the module's name, for messages.
+        weight: the whole base weight, in the dtype it was quantized from.
+        stored: base_dtypes' entry, "nf4:<dtype>" or "nf4:<dtype>:<scaler block>".
+    """
+    _, _, scaler = stored.removeprefix("nf4:").partition(":")
+    blocks = (NF4_BLOCK, int(scaler)) if scaler else nf4_blocks(name, weight.numel())
+    return nf4_api().to_nf4(weight, *blocks)

@@ -26,6 +26,7 @@ class LoraPlan:
     nf4: bool  # QLoRA: the target Linears' base weights are torchao NF4Tensors
     adapter_dtype: torch.dtype  # the adapters' master weights, gradients and optimizer state
     compute_dtype: torch.dtype  # what the base and adapter matmuls run in
+    nf4_shards: int = 1  # QLoRA on FSDP: the ranks each NF4 base is split over (lora.nf4_blocks)
 
     @property
     def scaling(self) -> float:
@@ -49,7 +50,7 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
 
     Args:
         config: the job config ([lora], training.dtype, mixed_precision's fp8 / block_scaled).
-        dims: the parallel layout (TP, CP and EP are refused; QLoRA runs on one process).
+        dims: the parallel layout (CP and EP are refused; QLoRA runs on one process or FSDP).
         compute: what the plan's Linears compute in (param_dtype off the full path, else storage).
     """
     lo = config.lora
@@ -66,10 +67,11 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with mixed_precision.fp8 / block_scaled: the converted Linears are not LoRA's "
             "target Linears; train the adapters in bf16 or fp32"
         )
-    if dims.tp_enabled or dims.cp_enabled or dims.ep_enabled:
+    if dims.cp_enabled or dims.ep_enabled:
         raise PrecisionError(
-            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP) and pipeline parallel only: tensor / "
-            "context / expert parallel would need the adapters' A and B split to match the base's plan, not built here"
+            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP), tensor parallel and pipeline parallel: "
+            "context parallel is not tested with adapters here, and expert parallel's experts are grouped "
+            "weights, not nn.Linear modules LoRA can adapt"
         )
     c = config.checkpoint
     if c.last_save_model_only or c.last_save_hf:
@@ -77,10 +79,11 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with checkpoint.last_save_model_only / last_save_hf: a LoRA checkpoint holds the "
             "adapters; merge and export them with torchtitan_amp.checkpoint.lora_export (export_merged_hf, export_peft)"
         )
-    if lo.quantize_base == "nf4" and (dims.dp_degree > 1 or dims.pp_enabled):
+    if lo.quantize_base == "nf4" and (dims.dp_replicate > 1 or dims.pp_enabled or dims.tp_enabled):
         raise PrecisionError(
-            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process here: the NF4 base is not wired "
-            "through FSDP's, DDP's or the pipeline split's parameter handling; use 'none' (a bf16 base) to shard"
+            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process and on FSDP (data_parallel_shard_degree) "
+            "only: DDP / HSDP replication, tensor parallel and the pipeline split do not carry torchao's "
+            "NF4Tensor here; use 'none' (a bf16 base) for them"
         )
     return LoraPlan(
         rank=lo.rank,
@@ -91,4 +94,5 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
         nf4=lo.quantize_base == "nf4",
         adapter_dtype=torch.float32,
         compute_dtype=compute,
+        nf4_shards=dims.fsdp_shard if lo.quantize_base == "nf4" else 1,
     )

@@ -186,15 +186,14 @@ def fsdp_groups_of(
             orig = dtype_name(g.fsdp_params[0].sharded_param.dtype)
             gather = dtype_name(g.mp_policy.param_dtype) if g.mp_policy.param_dtype else orig
             reduce = dtype_name(g.mp_policy.reduce_dtype) if g.mp_policy.reduce_dtype else gather
-            kind = (
-                "root" if module is part else "block" if name.count(".") == 1 and name.startswith("layers.") else "fp32"
-            )
+            group = "+".join(names[id(m)] for m in g.modules) or "root"
+            kind = "root" if module is part else "block" if _block_group(name, group, list(g.modules)) else "fp32"
             shards = g.mesh_info.shard_mesh_size
             if shards != fsdp_shard:
                 kind = "experts"
             groups.append(
                 FsdpGroup(
-                    "+".join(names[id(m)] for m in g.modules) or "root",
+                    group,
                     sum(fp.padded_sharded_param_size.numel() for fp in g.fsdp_params),
                     gather,
                     reduce,
@@ -206,9 +205,25 @@ def fsdp_groups_of(
                         for fp in g.fsdp_params
                         if id(fp.sharded_param) in fp8_params
                     ),
+                    sum(
+                        fp.padded_sharded_param_size.numel()
+                        for fp in g.fsdp_params
+                        if not fp.sharded_param.requires_grad
+                    ),
                 )
             )
     return groups
+
+
+def _block_group(name: str, group: str, modules: list[nn.Module]) -> bool:
+    """A block's own group (module "layers.N"), or under LoRA one of the two that replace it (the
+    `group` of modules "a+b+..."): the block's frozen Linears (LoraLinears among them) or its
+    adapters (lora_A / lora_B)."""
+    if name.count(".") == 1 and name.startswith("layers."):
+        return True
+    names = group.split("+")
+    lora = any(hasattr(m, "lora_A") or n.endswith((".lora_A", ".lora_B")) for n, m in zip(names, modules))
+    return lora and names[0].startswith("layers.") and len({".".join(n.split(".")[:2]) for n in names}) == 1
 
 
 def _ddp_params(parts: list[nn.Module], plan: PrecisionPlan) -> list[tuple[int, bool]]:

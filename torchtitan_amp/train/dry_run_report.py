@@ -164,7 +164,10 @@ def _memory(res: Job, m: Measured) -> dict[str, Any]:
         "peak_estimate": _with_outer_state(estimate.to_dict()["peak"], m.diloco, estimate.state_total),
         # What this rank writes in a full checkpoint (DCP shards; the per-rank data/RNG file is
         # kilobytes): the pre-emption save's size, see docs/checkpointing.md (Pre-emption).
-        "checkpoint": memory.sum_bytes(state.params) + memory.sum_bytes(state.optimizer),
+        # Under LoRA the model part holds the adapters only: each trains, in its storage dtype and
+        # shard, so its bytes are its gradient's.
+        "checkpoint": memory.sum_bytes(state.grads if res.plan.lora is not None else state.params)
+        + memory.sum_bytes(state.optimizer),
         "bytes_per_param": res.precision.bytes_per_param(),
     }
 
@@ -210,12 +213,14 @@ FORMULAS = {
     "trained tensor; frozen parameters (training.freeze) have no gradient and no state",
     "bytes_per_param": "per trained parameter: param + grad (storage dtype) + 2 moments (state dtype), "
     "per frozen Linear: its compute dtype; divide by dp_shard for one FSDP rank",
-    "checkpoint": "params + optimizer of this rank, unsharded-padding excluded (DCP writes the shards); "
+    "checkpoint": "params + optimizer of this rank (under LoRA the adapters' only: the frozen base is not "
+    "saved), unsharded-padding excluded (DCP writes the shards); "
     "a tensor replicated across ranks (DDP, TP-replicated norms) is written by one rank only, "
     "so there it is an upper bound",
-    "transient": "FSDP: unsharded groups kept after forward (root, last block) + 3 x the largest block "
-    "unsharded in gather dtype (in use, prefetched, its grad; the first two 1 byte per fp8 "
-    "Linear weight under fp8_all_gather) + its reduce-scatter input; "
+    "transient": "FSDP: unsharded groups kept after forward (root, last block) + 2 x the largest block "
+    "unsharded in gather dtype (in use, prefetched; 1 byte per fp8 Linear weight under fp8_all_gather; "
+    "under LoRA its frozen Linears' and adapters' groups) + the grad (gather dtype) and reduce-scatter "
+    "input of its trained params (under LoRA the adapters'); "
     "FSDP under PP: per_step, every group's unsharded params and reduce-dtype grads; "
     "per_microbatch, the params kept after forward; + one backward's unsharded grads "
     "(parallelism.pipeline_fsdp_reduce; see torchtitan_amp.memory.fsdp_transient); "
@@ -232,7 +237,8 @@ FORMULAS = {
     "rest; fp8 Linears' weights 1 byte under fp8_all_gather) per forward, x2 for groups "
     "resharded after forward (backward re-gathers); "
     "under PP only when the group is sharded at that pass",
-    "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward (under PP: per schedule step, "
+    "fsdp_reduce_scatter": "unsharded padded grads in reduce dtype per backward, of trained params only (a "
+    "group of frozen ones, such as LoRA's base, reduces nothing; under PP: per schedule step, "
     "or per microbatch with pipeline_fsdp_reduce = per_microbatch)",
     "cp": "per block: all-gather of K and V ([B x seq, kv_heads/tp x head_dim], activations' dtype) in "
     "forward, again when the block is recomputed (AC); reduce-scatter of their gradients in "
