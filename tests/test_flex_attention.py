@@ -317,3 +317,59 @@ def test_micro_batches_with_one_layout_share_one_block_mask(monkeypatch: pytest.
         for _ in range(3):
             model(tokens)
     assert len(built) == 2  # the sliding window's and the full layers'
+
+
+def _count_block_masks(monkeypatch: pytest.MonkeyPatch, build: bool = True) -> list[int]:
+    """Counts create_block_mask calls (building the real BlockMask, or standing in for it)."""
+    import torch.nn.attention.flex_attention as fa
+
+    built: list[int] = []
+    real = fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(1) or (real(*a, **k) if build else None))
+    attn.clear_shared_masks()
+    return built
+
+
+def _packed(layout: list[int], vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    """[2, 64] host tokens, random in [3, vocab), with a BOS (id 1) at each position of `layout`."""
+    tokens = torch.randint(3, vocab, (2, 64), generator=torch.Generator().manual_seed(seed))
+    tokens[:, layout] = 1
+    return tokens
+
+
+def test_device_micro_batches_with_one_layout_share_one_block_mask_by_host_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a device, each micro-batch's document ids are a new tensor whose values the host cannot
+    read without a sync: the trainer's path (data.loader.to_device, then MaskInputs) computes them
+    from the host batch as well, and the cache compares those. The meta device stands in for the
+    GPU (its values cannot be read at all): micro-batches with other tokens in one layout build one
+    BlockMask, another layout a second, the first layout again none."""
+    from torchtitan_amp.data.loader import to_device
+
+    built = _count_block_masks(monkeypatch, build=False)
+    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2)
+    meta = torch.device("meta")
+    for seed, layout in enumerate([[0, 20], [0, 20], [0, 20], [0, 33], [0, 20]]):
+        docs = mask_inputs(to_device(_packed(layout, seed=seed), meta))["doc_ids"]
+        assert docs.device == meta
+        FlexMasks(docs, 2, meta).block_mask(None, 64, 64)
+    assert len(built) == 2
+
+
+def test_alternating_layouts_each_build_once_and_give_sdpa_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation's batches repeat every run: layouts A, B, A, B build two BlockMasks (one per
+    layout, never one for both), and each forward's logits are SDPA's with that batch's mask."""
+    built = _count_block_masks(monkeypatch)
+    model = _llama()
+    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2)
+    with torch.no_grad():
+        for seed, layout in enumerate([[0, 20], [0, 33, 50], [0, 20], [0, 33, 50]]):
+            tokens = _packed(layout, seed=seed)
+            docs = mask_inputs(tokens)["doc_ids"]
+            model.attention_backend = "sdpa"
+            ref = model(tokens, doc_ids=docs)
+            model.attention_backend = "flex"
+            out = model(tokens, doc_ids=mask_inputs(tokens.clone())["doc_ids"])
+            assert (out - ref).abs().max().item() <= MODEL_ATOL
+    assert len(built) == 2

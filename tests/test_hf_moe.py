@@ -9,7 +9,7 @@ loads in transformers with no missing or unexpected keys and gives our logits; e
 is bit for bit; config.json round-trips; what Qwen3-MoE cannot say is refused in one line. The
 dense Qwen3 family's import (tests/test_qwen3.py's folder) joins the launch on FSDP 2 and TP 2,
 DeepSeek-V3's (tests/test_deepseek_v3.py's) and gpt-oss's (tests/test_gpt_oss_hf.py's) on FSDP 2,
-TP 2 and EP 2.
+TP 2 and EP 2, gpt-oss's also on TP 2 with FlexAttention (forward only: CPU).
 
 Run as a script, this file is tests/workers/ckpt_jobs.py with this file's flavor registered (the
 worker knows only Llama flavors).
@@ -256,6 +256,11 @@ def _family_jobs(root: Path, deepseek_v3_folder: Path, gpt_oss_folder: Path) -> 
         gpt_oss = _job(root / f"gpt_oss_{layout}", gpt_oss_folder, *extra)
         gpt_oss[gpt_oss.index("moe")], gpt_oss[gpt_oss.index(FLAVOR)] = "gpt_oss", "debugmodel"
         jobs.append({"args": gpt_oss, "logits": str(root / f"gpt_oss_{layout}.pt"), "tokens": TOKENS.tolist()})
+    # gpt-oss's forward on FlexAttention under TP 2 (the sinks split with the heads).
+    gpt_oss = _job(root / "gpt_oss_tp_flex", gpt_oss_folder, *FAMILY_LAYOUTS["tp"])
+    gpt_oss[gpt_oss.index("moe")], gpt_oss[gpt_oss.index(FLAVOR)] = "gpt_oss", "debugmodel"
+    logits = str(root / "gpt_oss_tp_flex.pt")
+    jobs.append({"args": gpt_oss, "logits": logits, "tokens": TOKENS.tolist(), "attention_backend": "flex"})
     return jobs
 
 
@@ -581,6 +586,28 @@ def test_broken_experts_are_one_line(hf, tmp_path, break_it, message):
     with pytest.raises(CheckpointError, match=message) as e:
         _ours(folder)
     assert "\n" not in str(e.value)
+
+
+def test_gpt_oss_flex_under_tp_equals_one_process_sdpa(gpt_oss_hf, dist_run):
+    """gpt-oss's forward on FlexAttention under TP 2 (each rank's sinks are its heads' shard; the
+    windows' BlockMasks; no grad: CPU) gives the one-process SDPA forward's logits and the TP 2
+    SDPA forward's. Flex sums each attention output in another order, as TP does its row-parallel
+    sums: tests/test_gpt_oss.py's fp32 bound for this model (TOL of the logits' scale, derived from
+    the blocks' chains of fp32 sums in other orders) covers both. Measured (2-core CPU): 1.5e-5 vs
+    TP SDPA, 8.3e-6 vs one process, on a scale below 1; every rank taking rank 0's sinks: 0.72."""
+    from tests.test_gpt_oss import TOL
+    from tests.test_gpt_oss_hf import _imported
+    from torchtitan_amp.models.gpt_oss.model import GPT_OSS_FLAVORS
+
+    with torch.no_grad():
+        want = _imported(gpt_oss_hf[0], dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], max_seq_len=64))(TOKENS)
+    got = torch.load(dist_run / "gpt_oss_tp_flex.pt", weights_only=True)
+    sdpa_tp = torch.load(dist_run / "gpt_oss_tp.pt", weights_only=True)
+    assert got.shape == want.shape
+    scale = want.abs().max().item()
+    diffs = [(got - want).abs().max().item(), (got - sdpa_tp).abs().max().item()]
+    print(f"gpt_oss tp 2 flex: max |logit diff| {diffs[0]:.3g} vs one process, {diffs[1]:.3g} vs tp sdpa ({scale:.3g})")
+    assert max(diffs) <= TOL * scale
 
 
 if __name__ == "__main__":  # the worker: ckpt_jobs.py with FLAVOR registered in this process

@@ -25,6 +25,7 @@ from torchtitan_amp.data import build_dataloader
 from torchtitan_amp.data.loader import to_device
 from torchtitan_amp.data.tokenizer import ByteTokenizer
 from torchtitan_amp.distributed import process_groups
+from torchtitan_amp.models.attention import host_copy
 from torchtitan_amp.train import trainer as trainer_mod
 from torchtitan_amp.train.trainer import Trainer
 
@@ -193,8 +194,16 @@ def test_a_stop_signal_during_a_step_saves_and_exits_after_that_step(
 # Host -> device copies
 
 
+class _OnDevice(str):
+    """Stands for the device copy (a str subclass takes attributes, as a tensor does)."""
+
+    device = torch.device("cuda", 0)
+
+
 class _FakeBatch:
     """Stands for a host tensor: records what to_device does with it."""
+
+    device = torch.device("cpu")
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
@@ -209,14 +218,16 @@ class _FakeBatch:
 
     def to(self, device: torch.device, **kwargs: Any) -> str:
         self.calls.append(("to", device, kwargs))
-        return "on device"
+        return _OnDevice("on device")
 
 
 def test_to_device_copies_from_pinned_memory_without_blocking_on_cuda_only() -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     pageable = _FakeBatch(pinned=False)
-    assert to_device(pageable, cuda) == "on device"  # type: ignore[arg-type]
+    copy = to_device(pageable, cuda)  # type: ignore[arg-type]
+    assert copy == "on device"
     assert pageable.calls == [("pin_memory",), ("to", cuda, {"non_blocking": True})]
+    assert host_copy(copy) is pageable  # kept with the copy: document ids are read on the host
     pinned = _FakeBatch(pinned=True)  # the loader pinned it already: no second copy
     to_device(pinned, cuda)  # type: ignore[arg-type]
     assert pinned.calls == [("to", cuda, {"non_blocking": True})]

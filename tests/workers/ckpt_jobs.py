@@ -22,6 +22,9 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
              "audit": "file"                     instead of training: Trainer.audit(), to file
              "logits": "file", "tokens": [[...]] instead of training: the full fp32 logits of
                                                  `tokens` on this layout, torch.save'd to file
+             "attention_backend": "flex"         with "logits": the forward on that backend (set on
+                                                 the built model: the config would refuse flex for
+                                                 training on CPU, which has no flex backward)
              "lora_grads": "file", "tokens": [[...]] after training: LoRA's adapters (full tensors), the
                                                  loss of `tokens` (next-token cross-entropy) and the
                                                  adapters' gradients of it and their DTensor
@@ -344,6 +347,8 @@ def main(spec_path: str) -> int:
             _HF_READS[0] = 0
             if job.get("hf_reads") and _rank() == 0:
                 Path(job["hf_reads"]).write_text(json.dumps(reads))
+            if job.get("attention_backend"):
+                trainer.run.model.attention_backend = job["attention_backend"]
             logits = _logits(trainer, torch.tensor(job["tokens"]))
             if logits is not None and (_rank() == 0 or trainer.run.dims.pp_enabled):
                 torch.save(logits.cpu(), job["logits"])

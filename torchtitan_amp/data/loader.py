@@ -14,6 +14,7 @@ from torchtitan_amp.data.index import open_split
 from torchtitan_amp.data.packed import PackedTextDataset, Sample
 from torchtitan_amp.data.tokenizer import Tokenizer
 from torchtitan_amp.data.tokens import Batch, TokenWindowDataset
+from torchtitan_amp.models.attention import remember_host_copy
 from torchtitan_amp.observability.host_syncs import uncounted
 
 
@@ -22,12 +23,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     pageable memory first waits for everything queued on the stream (CUDA's rule for pageable
     sources), which would drain the GPU once per micro-batch. The trainer's loader pins already
     (build_dataloader's pin_memory); pinning here covers batches from anywhere else. The pinned
-    block is not reused before the copy is done: torch's host allocator records the copy's stream."""
-    if device.type != "cuda":
+    block is not reused before the copy is done: torch's host allocator records the copy's stream.
+    The copy keeps `t` (models.attention.remember_host_copy): document ids and the BlockMask cache
+    key are then computed from the host batch, with no device sync."""
+    if device.type == "cpu" or t.device.type != "cpu":
         return t.to(device)
+    if device.type != "cuda":
+        return remember_host_copy(t.to(device), t)
     if not t.is_pinned():
         t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    return remember_host_copy(t.to(device, non_blocking=True), t)
 
 
 @contextlib.contextmanager

@@ -14,14 +14,15 @@ precision plan records and reports):
   flash. Plain causal attention takes SDPA's is_causal (flash on CUDA).
 - "flex": FlexAttention with one BlockMask per distinct mask of the forward (documents, causal,
   a sliding window), built once from the document ids by `FlexMasks` and shared by every layer
-  (and by later forwards with the same layout: `_shared_block_mask`): block-sparse, no [S, S]
-  tensor. flex_attention is compiled once at module level (as torchtitan does). Under context
-  parallel the keys are the all-gathered window's and the BlockMask covers [this rank's queries,
-  the gathered keys], its mask_mod comparing window positions (`ShardedQueries`: the head-tail
-  order makes a rank's queries two separate chunks). Measured on torch 2.11 and 2.13 CPU builds:
-  forward runs eager and compiled, but any input that requires grad raises NotImplementedError
-  (no CPU backward), and the compiled CPU kernel
-  refuses return_lse (the sinks' merge then runs flex eagerly on CPU).
+  (and by later forwards with the same layout: `_shared_block_mask`, keyed by the document ids'
+  values on the host, where a device batch's are known from the host batch it was copied from:
+  `remember_host_copy`, no device sync): block-sparse, no [S, S] tensor. flex_attention is
+  compiled once at module level (as torchtitan does). Under context parallel the keys are the
+  all-gathered window's and the BlockMask covers [this rank's queries, the gathered keys], its
+  mask_mod comparing window positions (`ShardedQueries`: the head-tail order makes a rank's
+  queries two separate chunks). Measured on torch 2.11 and 2.13 CPU builds: forward runs eager and
+  compiled, but any input that requires grad raises NotImplementedError (no CPU backward), and the
+  compiled CPU kernel refuses return_lse (the sinks' merge then runs flex eagerly on CPU).
 """
 
 from __future__ import annotations
@@ -74,7 +75,27 @@ class MaskInputs:
     def __call__(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.mask_type == "causal":
             return {}
-        return {"doc_ids": document_ids(tokens, self.bos_id, self.eos_id)}
+        ids = document_ids(tokens, self.bos_id, self.eos_id)
+        host = host_copy(tokens)
+        if host is not None and host is not tokens:  # the same ids on the host: the BlockMask cache key
+            remember_host_copy(ids, document_ids(host, self.bos_id, self.eos_id))
+        return {"doc_ids": ids}
+
+
+_HOST_COPY = "_host_copy"
+
+
+def remember_host_copy(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> torch.Tensor:
+    """Keeps on `device_tensor` the host tensor that holds the same values (the batch it was copied
+    from: data.loader.to_device), so that its contents can be compared without a device sync."""
+    setattr(device_tensor, _HOST_COPY, host_tensor)
+    return device_tensor
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s values on the host: `t` itself on the CPU, else the host tensor remembered with it, or
+    None."""
+    return t if t.device.type == "cpu" else getattr(t, _HOST_COPY, None)
 
 
 def pinned_kernels() -> contextlib.AbstractContextManager[object]:
@@ -216,6 +237,18 @@ class FlexMasks:
     device: torch.device
     built: dict[tuple[int | None, int, int], Any] = field(default_factory=dict)
     sharded: ShardedQueries | None = None
+    # The shared cache's layout key, read here (eagerly): the ids' values from their host copy
+    # (host_copy), the ids' identity where none is known, None without documents. Under context
+    # parallel the gathered keys' documents (with the rank they fix the queries').
+    layout: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = None if self.layout_ids is None else _layout_key(self.layout_ids)
+
+    @property
+    def layout_ids(self) -> torch.Tensor | None:
+        """The document ids the masks' layout follows: the gathered keys' under context parallel."""
+        return self.sharded.kv_doc_ids if self.sharded is not None else self.doc_ids
 
     def block_mask(self, window: int | None, q_len: int, kv_len: int) -> Any:
         """The BlockMask for `window` (keys q - k < window; None: no window), built once.
@@ -227,14 +260,24 @@ class FlexMasks:
         """
         key = (window, q_len, kv_len)
         if key not in self.built:
-            self.built[key] = _shared_block_mask(
-                self.doc_ids, self.batch, window, q_len, kv_len, self.device, self.sharded
-            )
+            self.built[key] = _shared_block_mask(self, window, q_len, kv_len)
         return self.built[key]
 
 
-# BlockMasks shared across forwards (the micro-batches of a step, and steps) that have one layout:
-# by shapes, window and device, each with the document ids it was built from. At most _SHARED_MAX.
+def _layout_key(doc_ids: torch.Tensor) -> tuple[Any, ...]:
+    """Document ids -> a hashable key equal for equal ids: their shape and bytes, read from the host
+    copy (host_copy); without one (a device tensor from elsewhere) the tensor's identity, since reading
+    a GPU's values would be a host sync (the host would wait for every queued kernel), costlier than
+    create_block_mask (measured sync-free)."""
+    host = host_copy(doc_ids)
+    if host is None:
+        return ("tensor", id(doc_ids))
+    return ("ids", tuple(host.shape), str(host.dtype), host.detach().contiguous().numpy().tobytes())
+
+
+# BlockMasks shared across forwards (the micro-batches of a step, steps, validation's batches) that
+# have one layout: by shapes, window, device and layout key, each with the document ids it was built
+# from, the least recently used dropped past _SHARED_MAX.
 _SHARED: dict[tuple[Any, ...], tuple[torch.Tensor | None, Any]] = {}
 _SHARED_MAX = 16
 
@@ -244,43 +287,22 @@ def clear_shared_masks() -> None:
     _SHARED.clear()
 
 
-def _same_layout(built_from: torch.Tensor | None, doc_ids: torch.Tensor | None) -> bool:
-    """Whether a BlockMask built from `built_from` serves `doc_ids`: neither has documents, the same
-    tensor, or equal ids on the host. On a GPU comparing the contents is a host sync (the host
-    would wait for every queued kernel), costlier than create_block_mask (measured sync-free):
-    there other tensors build their own mask."""
-    if built_from is None or doc_ids is None:
-        return built_from is None and doc_ids is None
-    if built_from is doc_ids:
-        return True
-    on_host = built_from.device.type == "cpu" and doc_ids.device.type == "cpu"
-    return on_host and built_from.shape == doc_ids.shape and torch.equal(built_from, doc_ids)
-
-
-def _shared_block_mask(
-    doc_ids: torch.Tensor | None,
-    batch: int,
-    window: int | None,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-    sharded: ShardedQueries | None = None,
-) -> Any:
+def _shared_block_mask(masks: FlexMasks, window: int | None, q_len: int, kv_len: int) -> Any:
     """`_build_block_mask`'s BlockMask, or the one an earlier forward with the same layout built
-    (under context parallel: the same rank, and the same gathered keys' documents, which fix the
-    queries')."""
+    (under context parallel: the same rank and the same gathered keys' documents)."""
+    doc_ids, batch, device, sharded = masks.doc_ids, masks.batch, masks.device, masks.sharded
     rank = sharded.rank if sharded is not None else None
-    key = (window, q_len, kv_len, batch if doc_ids is not None else None, str(device), rank)
-    layout = sharded.kv_doc_ids if sharded is not None else doc_ids
-    hit = _SHARED.get(key)
-    if hit is not None and _same_layout(hit[0], layout):
+    key = (window, q_len, kv_len, batch if doc_ids is not None else None, str(device), rank, masks.layout)
+    hit = _SHARED.pop(key, None)
+    # A key by identity holds its tensor (so that its id is not reused while the entry lives).
+    if hit is not None:
+        _SHARED[key] = hit  # now the most recently used
         return hit[1]
     if sharded is not None:
         mask = _build_sharded_block_mask(doc_ids, sharded, batch, window, q_len, kv_len, device)
     else:
         mask = _build_block_mask(doc_ids, batch, window, q_len, kv_len, device)
-    _SHARED.pop(key, None)
-    _SHARED[key] = (layout, mask)
+    _SHARED[key] = (masks.layout_ids, mask)
     while len(_SHARED) > _SHARED_MAX:
         _SHARED.pop(next(iter(_SHARED)))
     return mask
