@@ -7,6 +7,7 @@ tests/gpu/test_flex_attention_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -373,3 +374,91 @@ def test_alternating_layouts_each_build_once_and_give_sdpa_outputs(monkeypatch: 
             out = model(tokens, doc_ids=mask_inputs(tokens.clone())["doc_ids"])
             assert (out - ref).abs().max().item() <= MODEL_ATOL
     assert len(built) == 2
+
+
+# Graphs of a model's compiled blocks: one per kind of block, the same code with other constants
+# (gpt-oss: sliding and full layers; DeepSeek-V3: the dense first layer and the MoE ones).
+BLOCK_KINDS = {"llama3": 1, "gpt_oss": 2, "deepseek_v3": 2}
+
+
+@pytest.mark.parametrize("family", ["llama3", "gpt_oss", "deepseek_v3"])
+def test_compiled_blocks_on_flex_equal_eager_sdpa(family: str) -> None:
+    """apply_compile's blocks (fullgraph, aot_eager: dynamo and AOT autograd as inductor sees them)
+    on flex, with documents (gpt-oss: sinks and sliding windows too), no grad (CPU): dynamo traces
+    flex_attention as its higher-order op over the BlockMasks the model's forward built before the
+    blocks (compile.enable's default GPU recipe: attention_backend auto is flex there), one graph per
+    kind of block and no graph break, and the logits are eager SDPA's within MODEL_ATOL. A second
+    layout reuses the graphs (no recompile) and gives its own SDPA logits."""
+    from torch._dynamo.utils import counters
+
+    from torchtitan_amp.distributed.compile import apply_compile
+
+    model = _family(family)
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    layouts = [_docs(2, 64), _docs(2, 64).roll(3, dims=1)]
+    with torch.no_grad():
+        refs = [model(tokens, doc_ids=docs) for docs in layouts]
+        torch._dynamo.reset()
+        counters.clear()
+        attn.clear_shared_masks()
+        model.attention_backend = "flex"
+        apply_compile(model, fullgraph=True, backend="aot_eager")
+        outs = [model(tokens, doc_ids=docs) for docs in layouts]
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    errs = [(out - ref).abs().max().item() for out, ref in zip(outs, refs)]
+    print(f"\n[compiled flex {family}] graphs {graphs}, breaks {breaks}, max |logit diff| {errs}")
+    assert (graphs, breaks) == (BLOCK_KINDS[family], 0), dict(counters["graph_break"])
+    assert max(errs) <= MODEL_ATOL
+
+
+@pytest.mark.parametrize("mode", ["op", "full"])
+def test_compiled_ac_blocks_on_flex_keep_or_rerun_the_flex_op(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Activation checkpointing around compiled blocks on flex (apply_ac, then apply_compile), with
+    grad: op-level SAC keeps FlexAttention's output (SAC_SAVE_LIST's higher-order op), so the
+    compiled backward holds flex_attention_backward alone; full AC reruns flex_attention there.
+    Gradients are eager SDPA's. CPU has no FlexAttention backward by torch's check in the
+    flex_attention wrapper alone (_validate_device); the op's dense implementation, which
+    aot_eager runs, has one: the test steps past the check to see the graphs CUDA's would be."""
+    import torch.nn.attention.flex_attention as fa
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from torchtitan_amp.config import ActivationCheckpointConfig
+    from torchtitan_amp.distributed.activation_checkpoint import apply_ac
+    from torchtitan_amp.distributed.compile import apply_compile
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2, max_seq_len=64, vocab_size=64))
+    model.init_weights()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    model(tokens, doc_ids=_docs(2, 64)).square().mean().backward()
+    ref = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+
+    graphs: dict[str, list[set[str]]] = {"forward": [], "backward": []}
+
+    def recorded(kind: str) -> Any:
+        def compiler(gm: torch.fx.GraphModule, _: Any) -> Any:
+            graphs[kind].append({str(n.target) for n in gm.graph.nodes if "flex" in str(n.target)})
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    torch._dynamo.reset()
+    attn.clear_shared_masks()
+    model.attention_backend = "flex"
+    ac = ActivationCheckpointConfig(mode="selective", selective_ac_option="op") if mode == "op" else None
+    apply_ac(model, ac or ActivationCheckpointConfig(mode="full"), ())
+    backend = aot_autograd(fw_compiler=recorded("forward"), bw_compiler=recorded("backward"))
+    apply_compile(model, fullgraph=True, backend=backend)
+    model(tokens, doc_ids=_docs(2, 64)).square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    errs = [((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, ref)]
+    print(f"\n[compiled {mode} AC flex] graphs {graphs}, max relative |grad diff| {max(errs):.1e}")
+    assert graphs["forward"] == [{"flex_attention"}]
+    rerun = {"flex_attention"} if mode == "full" else set()
+    assert graphs["backward"] == [{"flex_attention_backward"} | rerun]
+    # The same fp32 ops in other orders (flex's dense backward vs SDPA's): measured 3e-7 of each
+    # gradient's largest element; 1e-5 as the family block-compile tests' rtol.
+    assert len(grads) == len(ref) and max(errs) <= 1e-5

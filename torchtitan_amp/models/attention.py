@@ -17,7 +17,9 @@ precision plan records and reports):
   (and by later forwards with the same layout: `_shared_block_mask`, keyed by the document ids'
   values on the host, where a device batch's are known from the host batch it was copied from:
   `remember_host_copy`, no device sync): block-sparse, no [S, S] tensor. flex_attention is
-  compiled once at module level (as torchtitan does). Under context parallel the keys are the
+  compiled once at module level (as torchtitan does); inside a compiled block (compile.enable)
+  dynamo traces flex_attention itself over BlockMasks the model's forward built before the blocks
+  (`FlexMasks.prepare`), so that no mask is built inside a graph. Under context parallel the keys are the
   all-gathered window's and the BlockMask covers [this rank's queries, the gathered keys], its
   mask_mod comparing window positions (`ShardedQueries`: the head-tail order makes a rank's
   queries two separate chunks). Measured on torch 2.11 and 2.13 CPU builds: forward runs eager and
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +118,12 @@ def cuda_capability() -> tuple[int, int] | None:
 def flex_missing() -> str | None:
     """Why this torch cannot run FlexAttention (the APIs the flex path uses), or None."""
     try:
-        from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention  # noqa: F401
+        from torch.nn.attention.flex_attention import (  # noqa: F401
+            AuxRequest,
+            BlockMask,
+            create_block_mask,
+            flex_attention,
+        )
     except ImportError as err:
         return f"torch {torch.__version__} has no FlexAttention ({err})"
     return None
@@ -250,8 +257,24 @@ class FlexMasks:
         """The document ids the masks' layout follows: the gathered keys' under context parallel."""
         return self.sharded.kv_doc_ids if self.sharded is not None else self.doc_ids
 
+    def prepare(self, windows: Iterable[int | None], q_len: int) -> FlexMasks:
+        """Builds now (eagerly, before the blocks: torch.compile's units) the BlockMask of each of
+        `windows` for `q_len` queries against this forward's keys (the same positions; under
+        context parallel the gathered window), so that a compiled block only looks it up: dynamo
+        traces flex_attention over it, and no BlockMask is built inside a graph.
+
+        Args:
+            windows: the layers' sliding windows (None: a layer without one).
+            q_len: the forward's queries (this rank's under context parallel).
+        """
+        kv_len = self.sharded.kv_pos.shape[0] if self.sharded is not None else q_len
+        for window in windows:
+            self.block_mask(window, q_len, kv_len)
+        return self
+
     def block_mask(self, window: int | None, q_len: int, kv_len: int) -> Any:
-        """The BlockMask for `window` (keys q - k < window; None: no window), built once.
+        """The BlockMask for `window` (keys q - k < window; None: no window), built once; inside a
+        compiled region only looked up (`prepare` built it).
 
         Args:
             window: the layer's sliding window, or None.
@@ -260,6 +283,11 @@ class FlexMasks:
         """
         key = (window, q_len, kv_len)
         if key not in self.built:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"FlexMasks: no BlockMask for window {window}, {q_len} queries, {kv_len} keys inside a "
+                    "compiled block: the model's forward prepares each before the blocks (FlexMasks.prepare)"
+                )
             self.built[key] = _shared_block_mask(self, window, q_len, kv_len)
         return self.built[key]
 
@@ -399,12 +427,16 @@ def flex_attend(
         window: this layer's sliding window (None: none).
         sinks: this layer's per-head sink logits, or None.
     """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
     block_mask = masks.block_mask(window, q.shape[2], k.shape[2])
     gqa = q.shape[1] != k.shape[1]
-    # Compiled, except where the compiled CPU kernel cannot: the log-sum-exp the sinks need.
-    compiled = sinks is None or q.device.type == "cuda"
+    flex: Callable[..., Any] = flex_attention  # in a compiled block: dynamo traces the op itself
+    if not torch.compiler.is_compiling():
+        # Compiled on its own, except where the compiled CPU kernel cannot: the sinks' lse.
+        flex = _flex(sinks is None or q.device.type == "cuda")
     if sinks is None:
-        return _flex(compiled)(q, k, v, block_mask=block_mask, enable_gqa=gqa).to(v.dtype)
-    out, lse = _flex(compiled)(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
-    scale = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa).to(v.dtype)
+    out, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    scale = torch.sigmoid(aux.lse.float() - sinks.float()[None, :, None])
     return (out.float() * scale[..., None]).to(v.dtype)

@@ -236,6 +236,7 @@ class DeepSeekV3Transformer(Transformer):
             labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
+        self.prepare_flex(mask, tokens.shape[1])
         h = embedded = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)

@@ -268,6 +268,12 @@ class GptOssTransformer(Transformer):
         assert isinstance(self.model_args, GptOssModelArgs)
         return yarn_rope(self.model_args, device)
 
+    def flex_windows(self) -> set[int | None]:
+        """The windows of the layers this model (or pipeline stage) holds: sliding and full."""
+        args = self.model_args
+        assert isinstance(args, GptOssModelArgs)
+        return {args.sliding_window if args.is_sliding(int(i)) else None for i in self.layers}
+
     def _attention_inputs(  # type: ignore[override]
         self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | FlexMasks | PositionMasks | None]:

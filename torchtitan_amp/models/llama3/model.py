@@ -596,11 +596,22 @@ class Transformer(nn.Module):
                 whole window's keys in their gathered order; None otherwise.
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
+        self.prepare_flex(mask, tokens.shape[1])
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def flex_windows(self) -> set[int | None]:
+        """The sliding windows of this model's layers (None: a layer without one)."""
+        return {None}
+
+    def prepare_flex(self, mask: object, seq: int) -> None:
+        """On flex, builds every layer's BlockMask for this forward's `seq` queries before the
+        blocks (FlexMasks.prepare), so that a compiled block only looks it up."""
+        if isinstance(mask, FlexMasks):
+            mask.prepare(self.flex_windows(), seq)
 
     def _attention_inputs(
         self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, kv_doc_ids: torch.Tensor | None = None
