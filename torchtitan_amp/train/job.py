@@ -161,7 +161,8 @@ def check_cp_attention(job: Job, device_type: str) -> None:
     and a family with masks beyond causal (gpt-oss's sinks and windows: its own fp32 softmax)."""
     if job.config.model.attn_mask_type != "causal" or not job.dims.cp_enabled:
         return
-    if job.plan.attention_backend == "flex" or getattr(job.family.model_cls, "attention_masks", ()):
+    family_masks: tuple[str, ...] = getattr(job.family.model_cls, "attention_masks", ())
+    if job.plan.attention_backend == "flex" or family_masks:
         return
     prec = job.precision
     field = "mixed_precision.param_dtype" if prec.low("linear") else "training.dtype"
