@@ -128,7 +128,10 @@ class Trainer:
         with parallel_context(run.dims, self.config), autocast.backward_context(run.plan):
             run.scaler.scale(loss + sum(extras.values()) if extras else loss).backward()
         for name, value in extras.items():
-            self.extra_losses[name] = self.extra_losses.get(name, 0) + value.detach()
+            value = value.detach()  # under loss parallel a replicated DTensor, as the main loss
+            self.extra_losses[name] = self.extra_losses.get(name, 0) + (
+                value.full_tensor() if isinstance(value, DTensor) else value
+            )
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss

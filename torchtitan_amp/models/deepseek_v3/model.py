@@ -125,6 +125,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         super().__init__()
+        self.k = layer_id - args.n_layers + 1  # the depth (1-based): the TP plan reads it
         self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
@@ -147,11 +148,15 @@ class MultiTokenPrediction(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the depth's hidden states [B, S', dim] before `norm`, the cross-entropy summed over
         `labels`): everything the depth computes, inside this forward, so that FSDP's hooks around
-        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered.
+        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered. The
+        shift happens here, on whole sequences: under TP with sequence parallel the plan gathers
+        `h` and `embedded` at this forward's entry (deepseek_v3/parallelize.py).
 
         Args:
-            h: the previous depth's hidden states at positions 0 .. S'-1 [B, S', dim].
-            embedded: the embeddings of the tokens k places later [B, S', dim].
+            h: the previous depth's hidden states [B, >= S', dim] (the last block's, S long, for
+                depth 1); positions 0 .. S'-1 are read.
+            embedded: the embeddings of the window's tokens [B, S, dim]; the last S' are read
+                (the tokens k places later).
             rope: (cos, sin, mask): the rotary tables and None (causal) or the block-causal mask of
                 the S' positions.
             labels: [B, S'] the targets (the tokens k + 1 places later; IGNORE_INDEX where none).
@@ -159,6 +164,8 @@ class MultiTokenPrediction(nn.Module):
                 the root's forward).
         """
         cos, sin, mask = rope
+        n = labels.shape[1]
+        h, embedded = h[:, :n], embedded[:, embedded.shape[1] - n :]
         # In the residual stream's dtype (h's): under autocast eh_proj's output is bf16, and the
         # block's residual adds would otherwise run in bf16 where the layers' run in fp32.
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)).to(h.dtype)
@@ -253,14 +260,15 @@ class DeepSeekV3Transformer(Transformer):
         target in another document than token i is ignored (mtp_labels). A sum, like the main
         loss's: the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
         assert self.mtp is not None and self.output is not None
-        seq, total = labels.shape[1], torch.zeros((), device=h.device)
+        seq, losses = labels.shape[1], []
         args = cast(DeepSeekV3Args, self.model_args)
         for k, mtp in enumerate(self.mtp.values(), start=1):
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
             rope = self._attention_inputs(docs, None)
-            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, mtp_labels(labels, doc_ids, k), self.output)
-            total = total + loss
-        return total * (args.mtp_loss_weight / len(self.mtp))
+            h, loss = mtp(h, embedded, rope, mtp_labels(labels, doc_ids, k), self.output)
+            losses.append(loss)
+        # Under TP's loss parallel each loss is a replicated DTensor, as the main loss is.
+        return sum(losses[1:], losses[0]) * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         return yarn_tables(self.model_args, device)
