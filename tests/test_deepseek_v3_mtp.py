@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-token prediction beyond its formula (tests/test_deepseek_v3.py): the
 layouts it refuses, document boundaries under block-causal packing, and its memory terms. Its
-FSDP 2, EP 2 and TP 2 runs against one process: tests/test_moe_dist.py."""
+FSDP 2, EP 2, TP 2 and PP 2 runs against one process: tests/test_moe_dist.py."""
 
 from __future__ import annotations
 
@@ -21,16 +21,15 @@ MTP_FLAVOR = DEEPSEEK_V3_FLAVORS["debugmodel_mtp"]
 @pytest.mark.parametrize(
     "dims,option,why",
     [
-        (ParallelDims(1, 1, 1, 2, 2), "pipeline_parallel_degree", "a depth needs the first stage's embeddings"),
         (ParallelDims(1, 1, 1, 1, 2, cp=2), "context_parallel_degree", "depth k shifts each sequence"),
     ],
 )
-def test_mtp_refuses_pp_cp_in_one_line(dims, option, why):
+def test_mtp_refuses_cp_in_one_line(dims, option, why):
     with pytest.raises(ConfigError) as e:
         check_mtp(MTP_FLAVOR, dims, "debugmodel_mtp")
     message = str(e.value)
     assert "\n" not in message and f"'parallelism.{option}' = 2 cannot train model.flavor 'debugmodel_mtp'" in message
-    assert "runs on FSDP, HSDP, DDP, EP and TP" in message and why in message, message
+    assert "runs on FSDP, HSDP, DDP, EP, TP and PP" in message and why in message, message
 
 
 @pytest.mark.parametrize(
@@ -42,11 +41,13 @@ def test_mtp_refuses_pp_cp_in_one_line(dims, option, why):
         ParallelDims(1, 2, 1, 1, 2, ep=2),
         ParallelDims(1, 1, 2, 1, 2),
         ParallelDims(1, 2, 2, 1, 4),
+        ParallelDims(1, 1, 1, 2, 2),
+        ParallelDims(1, 1, 2, 2, 4),
     ],
 )
-def test_mtp_runs_on_data_expert_and_tensor_parallel(dims):
-    """FSDP, HSDP, DDP, EP and TP take it (FSDP 2, EP 2 and TP 2 trained against one process in
-    tests/test_moe_dist.py); without MTP nothing is refused."""
+def test_mtp_runs_on_data_expert_tensor_and_pipeline_parallel(dims):
+    """FSDP, HSDP, DDP, EP, TP and PP take it (FSDP 2, EP 2, TP 2 and PP 2 trained against one
+    process in tests/test_moe_dist.py); without MTP nothing is refused."""
     check_mtp(MTP_FLAVOR, dims, "debugmodel_mtp")
     check_mtp(DEEPSEEK_V3_FLAVORS["debugmodel"], ParallelDims(1, 1, 2, 2, 4, cp=1), "debugmodel")
 

@@ -205,10 +205,19 @@ class DeepSeekV3Transformer(Transformer):
             self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
         self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
 
+    @property
+    def carries_embeddings(self) -> bool:
+        """Whether this is a pipeline stage (an end missing) of a model with multi-token
+        prediction: the embeddings travel beside the hidden states to the last stage's depths."""
+        stage = self.tok_embeddings is None or self.output is None
+        return stage and cast(DeepSeekV3Args, self.model_args).mtp_depth > 0
+
     def pop_extra_losses(self) -> dict[str, torch.Tensor]:
         """The losses the last labelled forward added, by the name the trainer logs them under
         (sums over the targets, weighted like the main loss's sum); the trainer asks after every
-        labelled forward."""
+        labelled forward. A pipeline stage without the depths holds 0, as it does of the main loss."""
+        if self.mtp is None and cast(DeepSeekV3Args, self.model_args).mtp_depth > 0:
+            return {"mtp_loss": torch.zeros((), device=self.rope_cos.device)}
         loss = self.pop_mtp_loss()
         return {"mtp_loss": loss} if loss is not None else {}
 
@@ -233,19 +242,28 @@ class DeepSeekV3Transformer(Transformer):
     ) -> torch.Tensor:
         """Llama's forward (the logits, or hidden states on a pipeline stage without the head);
         with `labels` [B, S] and mtp_depth > 0, the multi-token prediction loss is computed from
-        the last block's output and kept for pop_mtp_loss.
+        the last block's output and kept for pop_mtp_loss. Under pipeline parallel with
+        mtp_depth > 0 the stages pass the embeddings along beside the hidden states,
+        [h; embedded] on the last dim, to the last stage, which holds the depths (and the
+        embeddings' gradient flows back to the first stage's table the same way).
 
         Args:
-            tokens: the token ids [B, S] (or hidden states on a stage without the embedding).
+            tokens: the token ids [B, S] (or hidden states on a stage without the embedding;
+                [h; embedded] when `carries_embeddings`).
             doc_ids: [B, S] each token's document (attention stays inside it); None: causal.
             positions: [B, S] the tokens' places in their window; None: 0..S-1.
             kv_doc_ids: [B, cp x S] the gathered keys' documents under context parallel, or None.
             labels: [B, S] the main loss's targets; given, the MTP loss is computed (mtp_depth > 0).
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
-        h = embedded = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = embedded = self.tok_embeddings(tokens)
+        else:
+            h, embedded = tokens.chunk(2, dim=-1) if self.carries_embeddings else (tokens, tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
+        if self.output is None and self.carries_embeddings:
+            return torch.cat([h, embedded], dim=-1)
         if labels is not None and self.mtp is not None:
             self.mtp_loss = self._mtp_loss(h, embedded, labels, doc_ids)
         h = self.norm(h) if self.norm is not None else h
