@@ -361,11 +361,11 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
     # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context, and the
-    # published multi-token prediction depth (num_nextn_predict_layers 1: FSDP / HSDP / DDP / EP only).
+    # published multi-token prediction depth (num_nextn_predict_layers 1: every layout but CP).
     "deepseek_v3_671b": _V3_671B,
-    # The 671B without its prediction depth (671.0B): what runs on every layout, TP and PP included
-    # (the depth does not), for pre-training at scale where MTP is not wanted; docs/scaling.md
-    # plans both. An import of the published folder needs the flavor above.
+    # The 671B without its prediction depth (671.0B): for pre-training where MTP is not wanted, and
+    # on context parallel (which the depth does not run on); docs/scaling.md plans both. An import
+    # of the published folder needs the flavor above.
     "deepseek_v3_671b_no_mtp": dataclasses.replace(_V3_671B, mtp_depth=0),
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),
