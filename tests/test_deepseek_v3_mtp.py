@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-token prediction beyond its formula (tests/test_deepseek_v3.py): the
 layouts it refuses, document boundaries under block-causal packing, and its memory terms. Its
-FSDP 2 and EP 2 runs against one process: tests/test_moe_dist.py."""
+FSDP 2, EP 2, TP 2 and PP 2 runs against one process: tests/test_moe_dist.py."""
 
 from __future__ import annotations
 
@@ -21,17 +21,15 @@ MTP_FLAVOR = DEEPSEEK_V3_FLAVORS["debugmodel_mtp"]
 @pytest.mark.parametrize(
     "dims,option,why",
     [
-        (ParallelDims(1, 1, 2, 1, 2), "tensor_parallel_degree", "its depths are not in the TP plan"),
-        (ParallelDims(1, 1, 1, 2, 2), "pipeline_parallel_degree", "a depth needs the first stage's embeddings"),
         (ParallelDims(1, 1, 1, 1, 2, cp=2), "context_parallel_degree", "depth k shifts each sequence"),
     ],
 )
-def test_mtp_refuses_tp_pp_cp_in_one_line(dims, option, why):
+def test_mtp_refuses_cp_in_one_line(dims, option, why):
     with pytest.raises(ConfigError) as e:
         check_mtp(MTP_FLAVOR, dims, "debugmodel_mtp")
     message = str(e.value)
     assert "\n" not in message and f"'parallelism.{option}' = 2 cannot train model.flavor 'debugmodel_mtp'" in message
-    assert "runs on FSDP, HSDP, DDP and EP" in message and why in message, message
+    assert "runs on FSDP, HSDP, DDP, EP, TP and PP" in message and why in message, message
 
 
 @pytest.mark.parametrize(
@@ -41,11 +39,15 @@ def test_mtp_refuses_tp_pp_cp_in_one_line(dims, option, why):
         ParallelDims(2, 2, 1, 1, 4),
         ParallelDims(2, 1, 1, 1, 2),
         ParallelDims(1, 2, 1, 1, 2, ep=2),
+        ParallelDims(1, 1, 2, 1, 2),
+        ParallelDims(1, 2, 2, 1, 4),
+        ParallelDims(1, 1, 1, 2, 2),
+        ParallelDims(1, 1, 2, 2, 4),
     ],
 )
-def test_mtp_runs_on_data_and_expert_parallel(dims):
-    """FSDP, HSDP, DDP and EP take it (FSDP 2 and EP 2 trained against one process in
-    tests/test_moe_dist.py); without MTP nothing is refused."""
+def test_mtp_runs_on_data_expert_tensor_and_pipeline_parallel(dims):
+    """FSDP, HSDP, DDP, EP, TP and PP take it (FSDP 2, EP 2, TP 2 and PP 2 trained against one
+    process in tests/test_moe_dist.py); without MTP nothing is refused."""
     check_mtp(MTP_FLAVOR, dims, "debugmodel_mtp")
     check_mtp(DEEPSEEK_V3_FLAVORS["debugmodel"], ParallelDims(1, 1, 2, 2, 4, cp=1), "debugmodel")
 
@@ -224,3 +226,25 @@ def test_published_671b_config_fits_the_flavor(tmp_path):
     (tmp_path / CONFIG).write_text(json.dumps(PUBLISHED_671B))
     args = DEEPSEEK_V3_FLAVORS["deepseek_v3_671b"]
     check_config(tmp_path, dataclasses.replace(args, max_seq_len=4096), "deepseek_v3_671b")
+
+
+def test_compiled_mtp_depth_on_flex_equals_eager_sdpa() -> None:
+    """The depth's S - k queries get their BlockMask before its compiled block runs (a compiled
+    block only looks masks up): MTP with document masking on flex, blocks compiled (aot_eager,
+    fullgraph), gives SDPA's logits and MTP loss within the fp32 reorderings of the sums."""
+    from torchtitan_amp.distributed.compile import apply_compile
+
+    torch.manual_seed(0)
+    model = DeepSeekV3Transformer(DEEPSEEK_V3_FLAVORS["debugmodel_mtp"])
+    model.init_weights()
+    tokens, labels = torch.randint(0, 258, (2, 32)), torch.randint(0, 258, (2, 32))
+    doc_ids = torch.zeros(2, 32, dtype=torch.long)
+    doc_ids[:, 13:] = 1
+    with torch.no_grad():
+        logits = model(tokens, doc_ids=doc_ids, labels=labels)
+        mtp_loss = model.mtp_loss.clone()
+        model.attention_backend = "flex"
+        apply_compile(model, fullgraph=True, backend="aot_eager")
+        flex_logits = model(tokens, doc_ids=doc_ids, labels=labels)
+    torch.testing.assert_close(flex_logits, logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.mtp_loss, mtp_loss, rtol=MTP_RTOL, atol=0)

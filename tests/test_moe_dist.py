@@ -93,6 +93,11 @@ DSV3_MTP = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp")
 DSV3_MTP_LAYOUTS = {
     "dsv3_mtp_fsdp2": Layout(2, (SHARD, "2"), dp=2),
     "dsv3_mtp_ep2": Layout(2, (SHARD, "2", *EP2), dp=2),
+    # The depth in the TP plan (sequence parallel and loss parallel on, as by default): the last
+    # block's sequence-sharded output gathered, the depth's S - 1 positions replicated.
+    "dsv3_mtp_tp2": Layout(2, (TP, "2")),
+    # The depth on the last stage, the embeddings passed along beside the hidden states.
+    "dsv3_mtp_pp2": Layout(2, (PP, "2")),
 }
 # gpt-oss's debug shape (models/gpt_oss/: sinks, alternating 16-key sliding and full layers, YaRN,
 # biases, a biased router and the clamped SwiGLU) on its layouts.
@@ -247,7 +252,9 @@ def test_fp32_deepseek_v3_matches_one_process(trained: Launches, name: str) -> N
 
 @pytest.mark.parametrize("name", list(DSV3_MTP_LAYOUTS))
 def test_fp32_deepseek_v3_mtp_matches_one_process(trained: Launches, name: str) -> None:
-    """Multi-token prediction on FSDP 2 and EP 2 (the depth's routed experts split too): one
+    """Multi-token prediction on FSDP 2, EP 2 (the depth's routed experts split too), TP 2 (the
+    depth's block split as the main blocks, eh_proj row-wise, the shared head loss-parallel) and
+    PP 2 (the depth on the last stage, the embeddings passed along to it): one
     process's losses, logged MTP losses, step-1 gradients (the depth's included) and loads."""
     run, ref = trained.run(f"{name}_fp32", DSV3_MTP_LAYOUTS[name].nproc), trained.run("dsv3_mtp_single_fp32", 1)
     _compare(run, ref, name)

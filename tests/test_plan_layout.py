@@ -262,7 +262,9 @@ def test_replica_groups_plan_one_group_and_price_the_cross_group_allreduce() -> 
 FAMILY_PLANS = {
     "qwen3": ("qwen3_32b", 32, 80, (1, 2, 8, 2, 1), "151936"),
     "deepseek_v3": ("deepseek_v3_671b", 256, 80, (1, 256, 1, 1, 1), "129280"),
-    # Without its prediction depth the 671B takes TP and PP: the table's FSDP 4 x TP 2 x PP 32.
+    # With its prediction depth under TP and on the last stage: the table's H200 FSDP 4 x TP 2 x PP 32.
+    "deepseek_v3 h200": ("deepseek_v3_671b", 256, 141, (1, 4, 2, 32, 1), "129280"),
+    # Without the depth that pipelined layout fits on H100s too.
     "deepseek_v3 no_mtp": ("deepseek_v3_671b_no_mtp", 256, 80, (1, 4, 2, 32, 1), "129280"),
     "gpt_oss": ("gpt_oss_120b", 32, 141, (1, 16, 1, 2, 1), "201088"),
 }

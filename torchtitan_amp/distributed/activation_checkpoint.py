@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan_amp.config import ActivationCheckpointConfig
+from torchtitan_amp.distributed.blocks import side_blocks
 from torchtitan_amp.distributed.expert_parallel import is_expert_layer
 
 logger = logging.getLogger("torchtitan_amp")
@@ -101,7 +102,8 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[st
     N-th block (selective N), or all but the saved ops (selective op).
 
     Args:
-        model: the decoder (models/spec.py's shape) whose `layers` are wrapped.
+        model: the decoder (models/spec.py's shape) whose `layers` (and side blocks' `block`)
+            are wrapped.
         ac: the activation_checkpoint config section: mode, selective option and, for op-level
             SAC, which matmuls to save.
         regions: the family's block submodules op-level SAC wraps one by one in an MoE block
@@ -113,6 +115,11 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpointConfig, regions: tuple[st
     for i, (name, block) in enumerate(list(layers.named_children())):
         if i % every == 0:
             layers.register_module(name, _wrap_block(block, ac, regions))
+    # A side block's (multi-token prediction depth's) block, counted on after the layers: its
+    # norms, projection and the shared head around it stay outside, as the decoder's ends do.
+    for i, depth in enumerate(side_blocks(model), start=len(layers)):
+        if i % every == 0:
+            depth.register_module("block", _wrap_block(depth.get_submodule("block"), ac, regions))
     whole = op and any(recomputed_whole(block) for block in layers.children())
     logger.info(
         "activation checkpointing: %s%s",

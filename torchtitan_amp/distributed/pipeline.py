@@ -45,11 +45,22 @@ class Pipeline:
     n_microbatches: int
     loss: _ModalLoss
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> list[torch.Tensor]:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, forward_labels: bool = False, **extra: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Forward + backward of one batch; returns the last stage's per-microbatch losses.
-        `extra`: keyword inputs of every stage's forward (e.g. doc_ids), split into microbatches
-        like the inputs."""
-        return self._run(self.schedule.step, inputs, labels, extra)
+
+        Args:
+            inputs: [B, S] token ids (the first stage's input).
+            labels: [B, S] targets (the last stage's loss).
+            forward_labels: True to hand every stage's forward the labels too, as `labels` (a
+                model that adds losses of its own from them: models/spec.py's takes_labels).
+            extra: keyword inputs of every stage's forward (e.g. doc_ids), split into
+                microbatches like the inputs.
+        """
+        return self._run(
+            self.schedule.step, inputs, labels, {**extra, **({"labels": labels} if forward_labels else {})}
+        )
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> list[torch.Tensor]:
         """Forward only (the schedule's eval mode, every stage takes part): the last stage's
@@ -105,7 +116,7 @@ def stage_boundaries(n_layers: int, num_stages: int, split_points: list[str]) ->
 
 def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Module:
     """A copy of the model holding only one stage's layers (FQNs unchanged) and ends: the embedding
-    on the first stage, the final norm and output on the last, None elsewhere.
+    on the first stage, the final norm, output and side blocks (`mtp`) on the last, None elsewhere.
 
     Args:
         model: the whole decoder (on meta or materialized); left unchanged.
@@ -126,6 +137,8 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     if stage != len(boundaries) - 1:
         part.norm = None
         part.output = None
+        if getattr(part, "mtp", None) is not None:
+            part.mtp = None  # side blocks (models/spec.py's `mtp`) run after the last layer: the last stage's
     return part
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_amp.config import JobConfig
+from torchtitan_amp.distributed.blocks import side_blocks
 from torchtitan_amp.distributed.parallel_dims import ParallelDims
 
 logger = logging.getLogger("torchtitan_amp")
@@ -53,7 +54,8 @@ def apply_tp(
     Args:
         model: the decoder (models/spec.py's shape), parallelized in place.
         block_plan: the family's `block_plan(sequence layout, block)`: submodule name -> torch
-            ParallelStyle for one block.
+            ParallelStyle for one block, or for one side block (models/spec.py's `mtp` depths),
+            its norms included.
         block_norms: the block's norm submodules: sequence-parallel with SP, else replicated.
         mesh: the one-dim tp mesh.
         loss_parallel_on: True when the output stays vocab-sharded for loss parallel.
@@ -91,6 +93,10 @@ def apply_tp(
             for name in block_norms:
                 _replicate_params(getattr(block, name), mesh)
         parallelize_module(block, mesh, {name: _adapted(style, block, name) for name, style in styles.items()})
+    for depth in side_blocks(model):
+        # A side block (multi-token prediction depth): the family's plan covers all of it, norms too.
+        styles = block_plan(seq, depth)
+        parallelize_module(depth, mesh, {name: _adapted(style, depth, name) for name, style in styles.items()})
     if decoder.norm is not None and not sequence_parallel:
         _replicate_params(decoder.norm, mesh)
     logger.info(

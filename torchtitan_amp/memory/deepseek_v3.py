@@ -60,7 +60,8 @@ class MLADims(MoEDims):
     def param_specs(self, stage: Stage) -> list[ParamSpec]:
         """The decoder's (`_decoder_specs`) and, on the last stage, each multi-token prediction
         module's: its block as layer n_layers + k - 1 is, renamed under `mtp.{that}.block.`, with its
-        two input norms, its 2 dim -> dim projection and its output norm (all replicated)."""
+        two input norms and its output norm (replicated) and its 2 dim -> dim projection (split by
+        its input under TP)."""
         out = self._decoder_specs(stage)
         if not (stage.last and self.mtp_depth):
             return out
@@ -69,7 +70,7 @@ class MLADims(MoEDims):
         for i in ids:
             p = f"mtp.{i}."
             out += [ParamSpec(p + n, (d,), "norm", None, i) for n in ("enorm.weight", "hnorm.weight")]
-            out.append(ParamSpec(p + "eh_proj.weight", (d, 2 * d), "linear", None, i))
+            out.append(ParamSpec(p + "eh_proj.weight", (d, 2 * d), "linear", 1, i))  # row-wise under TP
             block = [s for s in blocks if s.block == i]
             out += [dataclasses.replace(s, name=s.name.replace(f"layers.{i}.", p + "block.", 1)) for s in block]
             out.append(ParamSpec(p + "norm.weight", (d,), "norm", None, i))
@@ -116,24 +117,29 @@ class MLADims(MoEDims):
     def mtp_bytes(self, prec: PrecisionSpec, layout: Layout) -> float:
         """Saved-for-backward bytes per token of the microbatch of the multi-token prediction
         depths (0 without): depth k runs on S - k of the S positions, each saving its block's
-        bytes (as layer n_layers + k - 1 on a window of S - k; never recomputed: AC wraps the
-        layers only) and, with d = dim, V = vocab_size, c / r the matmul / residual bytes:
+        bytes (as layer n_layers + k - 1 on a window of S - k, without sequence parallel: under TP
+        the depth's positions are replicated; counted whole under AC too, an upper bound) and,
+        with d = dim, V = vocab_size, c / r the matmul / residual bytes, t the TP degree:
 
             enorm, hnorm   2 (4d + 4)      each norm's normalised x and rstd (its input is the
                            + 2 x 4d if r < 4   embedding's / last block's output, saved already;
                                            a bf16 residual adds each norm's fp32 copy)
-            eh_proj        2 c d           its input, the two norms' outputs concatenated
+            eh_proj        2 c d / t       its input, the two norms' outputs concatenated (each
+                                           TP rank's slice: row-wise)
             norm, head     8d + 4 + c d    the output norm (Llama's) and the head's input
-            loss           4V + 8          cross-entropy's fp32 log-softmax and its int64
-                                           targets (the bf16 logits' fp32 copy is what it saves)
+            loss           4V / t' + 8     cross-entropy's fp32 log-softmax (t' = t under loss
+                                           parallel, else 1) and its int64 targets (the bf16
+                                           logits' fp32 copy is what it saves)
 
         Equal to what autograd saves on CPU with a dense depth, fp32 and bf16 autocast
         (tests/test_deepseek_v3_mtp.py; CPU's attention adds `layer_cpu` there, as for a layer)."""
-        d, c, r = self.dim, DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual]
-        extra = 2 * (4 * d + 4) + (8 * d if r < 4 else 0) + 2 * c * d + 8 * d + 4 + c * d + 4 * self.vocab_size + 8
+        d, c, r, t = self.dim, DTYPE_BYTES[prec.compute], DTYPE_BYTES[prec.residual], layout.tp
+        vocab = self.vocab_size / (t if layout.loss_parallel else 1)
+        extra = 2 * (4 * d + 4) + (8 * d if r < 4 else 0) + 2 * c * d / t + 8 * d + 4 + c * d + 4 * vocab + 8
         total, s = 0.0, layout.seq_len
         for k in range(1, self.mtp_depth + 1):
-            block = self._block_terms(prec, dataclasses.replace(layout, seq_len=s - k)).layer_at(self.n_layers + k - 1)
+            window = dataclasses.replace(layout, seq_len=s - k, sequence_parallel=False)
+            block = self._block_terms(prec, window).layer_at(self.n_layers + k - 1)
             total += (s - k) / s * (block + extra)
         return total
 

@@ -11,7 +11,9 @@ that the generic code relies on (pipeline splitting, TP of the ends, FSDP units,
   pipeline stage may set to None (or delete from `layers`);
 - `init_weights(buffer_device=None)` filling every parameter and buffer after `to_empty`;
 - optionally `mtp`, an nn.ModuleDict of modules the root's forward runs after `layers` (DeepSeek-V3's
-  multi-token prediction depths): FSDP units like blocks, each computing all it does in its forward.
+  multi-token prediction depths): FSDP units like blocks, each computing all it does in its forward,
+  each with a `block` of the layers' kind that AC and compile wrap as they wrap the layers, and
+  split under TP by the family's `tp_block_plan` (given the depth: its whole plan, norms included).
 
 A module that counts something per step (MoE token loads) defines `reset_step_counters()`: the
 pipeline calls it after torch's metadata pass ran a forward/backward through the stage.

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 
 from torchtitan_amp.core.rules import ReshardPolicy, reshard_after_forward
 from torchtitan_amp.core.torch_compat import grouped_fsdp_casts_every_output
+from torchtitan_amp.distributed.blocks import side_blocks
 from torchtitan_amp.distributed.expert_parallel import expert_layers
 from torchtitan_amp.precision import PrecisionPlan, comm_hooks, freeze, fsdp, lora
 from torchtitan_amp.precision.tags import tied_modules
@@ -121,13 +122,6 @@ def shard_ep_experts(model: nn.Module, mesh: DeviceMesh, dp_size: int, plan: Pre
         # efsdp rank, where torch divides its copy already and forcing would divide twice.
         efsdp = mesh.get_group(mesh.ndim - 1)
         sharded.set_force_sum_reduction_for_comms(efsdp.size() > 1 and dist.get_backend(efsdp) == "gloo")
-
-
-def side_blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules a model runs beside its `layers` that are FSDP units of their own, like blocks
-    (models/spec.py: the optional `mtp` ModuleDict, DeepSeek-V3's multi-token prediction depths)."""
-    mtp = getattr(model, "mtp", None)
-    return list(mtp.children()) if isinstance(mtp, nn.ModuleDict) else []
 
 
 def group_by_block(

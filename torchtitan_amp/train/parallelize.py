@@ -122,10 +122,10 @@ def check_weight_tying(args: object, dims: ParallelDims, flavor: str) -> None:
 
 def check_mtp(args: object, dims: ParallelDims, flavor: str) -> None:
     """Refuse multi-token prediction (DeepSeek-V3's mtp_depth > 0) on the layouts it does not run
-    on: TP (its depths are not in the TP plan, and their input is the last block's sequence-sharded
-    output), PP (a depth needs the first stage's embeddings on the last stage) and CP (depth k
-    shifts every sequence by k tokens, across the cp ranks' chunks). FSDP, HSDP, DDP and EP run it:
-    each depth is an FSDP unit like a block (train/data_parallel.py), its MoE layer split as any.
+    on: CP (depth k shifts every sequence by k tokens, across the cp ranks' chunks). FSDP, HSDP,
+    DDP, EP, TP and PP run it: each depth is an FSDP unit like a block (train/data_parallel.py),
+    its MoE layer split as any, in the family's TP plan (models/deepseek_v3/parallelize.py), and
+    on the last pipeline stage, the embeddings passed along the stages to it.
 
     Args:
         args: the model args (their `mtp_depth`, when the family has it).
@@ -134,15 +134,13 @@ def check_mtp(args: object, dims: ParallelDims, flavor: str) -> None:
     """
     depth = getattr(args, "mtp_depth", 0)
     refused = [
-        (dims.tp_enabled, "tensor_parallel_degree", dims.tp, "its depths are not in the TP plan"),
-        (dims.pp_enabled, "pipeline_parallel_degree", dims.pp, "a depth needs the first stage's embeddings"),
         (dims.cp_enabled, "context_parallel_degree", dims.cp, "depth k shifts each sequence across the cp chunks"),
     ]
     for on, option, degree, why in refused:
         if depth and on:
             raise ConfigError(
                 f"'parallelism.{option}' = {degree} cannot train model.flavor '{flavor}' with mtp_depth = {depth}: "
-                f"multi-token prediction runs on FSDP, HSDP, DDP and EP, not here ({why}); use a flavor "
+                f"multi-token prediction runs on FSDP, HSDP, DDP, EP, TP and PP, not here ({why}); use a flavor "
                 "with mtp_depth 0 for this layout"
             )
 

@@ -59,6 +59,7 @@ class Trainer:
         self.family_metrics: dict[str, torch.Tensor] = {}  # the family's per-step numbers (MoE load)
         self.extra_losses: dict[str, torch.Tensor] = {}  # the step's losses a model adds (logged apart)
         self.step_extra_losses: dict[str, torch.Tensor] = {}  # the last step's, this rank's share
+        self._microbatch_extras: list[dict[str, torch.Tensor]] = []  # under PP: each loss call's
         self.nonfinite_skipped = 0
         self.data_time_s = 0.0
         if self.run.deadline.warning_s:
@@ -80,6 +81,14 @@ class Trainer:
         over its valid labels times the step's label weight, so that the microbatches of all
         accumulation steps and ranks make the step's mean."""
         loss = loss_fn(autocast.cast_output(self.run.plan, output), labels, reduction="sum") * self._label_weight
+        if self.run.job.family.takes_labels(self.run.job.model_args):
+            # The losses the last stage's forward added (multi-token prediction), weighted as the
+            # main one: trained on through the returned loss, whose value stays the main loss's
+            # (x - x.detach() is 0 with x's gradient), and logged apart.
+            last = next(part for part in self.run.model_parts if cast(Any, part).output is not None)
+            extras = {name: value * self._label_weight for name, value in cast(Any, last).pop_extra_losses().items()}
+            loss = loss + sum(value - value.detach() for value in extras.values())
+            self._microbatch_extras.append(extras)
         return self.run.scaler.scale(loss)
 
     def _pipeline_eval_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -105,8 +114,18 @@ class Trainer:
         inputs, labels, extra = run.model_inputs(inputs, labels)
         if run.pipeline is not None:
             self._set_loss_factor(run.accum * run.pipeline.n_microbatches)
+            takes_labels, self._microbatch_extras = run.job.family.takes_labels(run.job.model_args), []
             with parallel_context(run.dims, self.config):
-                losses = run.pipeline.step(inputs, labels, **extra)
+                # Labels as a keyword reach every stage: the last one's forward computes the
+                # losses the model adds (_pipeline_loss takes them there).
+                losses = run.pipeline.step(inputs, labels, forward_labels=takes_labels, **extra)
+            # The microbatches' (the first step's metadata pass called the loss once before them);
+            # a stage without the loss holds 0 of each.
+            taken = self._microbatch_extras[len(self._microbatch_extras) - len(losses) :]
+            for part in run.model_parts if takes_labels and not losses else []:
+                taken.append(cast(Any, part).pop_extra_losses())
+            for name, value in (item for extras in taken for item in extras.items()):
+                self._add_extra_loss(name, value)
             if not losses:
                 return torch.zeros((), device=run.device)
             # The schedule saw scaled, pre-divided fp32 losses (Pipeline.step detached them): their
@@ -128,10 +147,18 @@ class Trainer:
         with parallel_context(run.dims, self.config), autocast.backward_context(run.plan):
             run.scaler.scale(loss + sum(extras.values()) if extras else loss).backward()
         for name, value in extras.items():
-            self.extra_losses[name] = self.extra_losses.get(name, 0) + value.detach()
+            self._add_extra_loss(name, value)
         loss = loss.detach()
         # Under loss parallel the loss is a replicated DTensor.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _add_extra_loss(self, name: str, value: torch.Tensor) -> None:
+        """Add one forward's weighted `name` loss to the step's log (under loss parallel a
+        replicated DTensor, as the main loss)."""
+        value = value.detach()
+        self.extra_losses[name] = self.extra_losses.get(name, 0) + (
+            value.full_tensor() if isinstance(value, DTensor) else value
+        )
 
     def _step_label_weight(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """`label_weight` of the valid labels in `labels` (loader batches: whole windows) over
@@ -385,6 +412,8 @@ class Trainer:
         """One metrics row: the step's mean loss over the loss ranks (NonFiniteError when it is not
         finite and nothing may skip it), the gradient norm, LR and the run's counters."""
         run = self.run
+        for value in self.step_extra_losses.values() if run.groups.pp is not None else []:
+            dist.all_reduce(value, group=run.groups.pp)  # the last stage's; the others hold 0
         extra = {
             "tokens_seen": float(self.tokens_seen),
             "epoch": float(run.dataloader.epoch),

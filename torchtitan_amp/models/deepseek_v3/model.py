@@ -125,6 +125,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, layer_id: int, args: DeepSeekV3Args) -> None:
         super().__init__()
+        self.k = layer_id - args.n_layers + 1  # the depth (1-based): the TP plan reads it
         self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
@@ -147,11 +148,15 @@ class MultiTokenPrediction(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the depth's hidden states [B, S', dim] before `norm`, the cross-entropy summed over
         `labels`): everything the depth computes, inside this forward, so that FSDP's hooks around
-        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered.
+        it (one unit per depth, its fp32 norms a nested unit) have its parameters gathered. The
+        shift happens here, on whole sequences: under TP with sequence parallel the plan gathers
+        `h` and `embedded` at this forward's entry (deepseek_v3/parallelize.py).
 
         Args:
-            h: the previous depth's hidden states at positions 0 .. S'-1 [B, S', dim].
-            embedded: the embeddings of the tokens k places later [B, S', dim].
+            h: the previous depth's hidden states [B, >= S', dim] (the last block's, S long, for
+                depth 1); positions 0 .. S'-1 are read.
+            embedded: the embeddings of the window's tokens [B, S, dim]; the last S' are read
+                (the tokens k places later).
             rope: (cos, sin, mask): the rotary tables and None (causal) or the block-causal mask of
                 the S' positions.
             labels: [B, S'] the targets (the tokens k + 1 places later; IGNORE_INDEX where none).
@@ -159,6 +164,8 @@ class MultiTokenPrediction(nn.Module):
                 the root's forward).
         """
         cos, sin, mask = rope
+        n = labels.shape[1]
+        h, embedded = h[:, :n], embedded[:, embedded.shape[1] - n :]
         # In the residual stream's dtype (h's): under autocast eh_proj's output is bf16, and the
         # block's residual adds would otherwise run in bf16 where the layers' run in fp32.
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)).to(h.dtype)
@@ -198,10 +205,19 @@ class DeepSeekV3Transformer(Transformer):
             self.mtp = nn.ModuleDict({str(i): MultiTokenPrediction(i, args) for i in ids})
         self.mtp_loss: torch.Tensor | None = None  # set by a forward given labels, taken by pop_mtp_loss
 
+    @property
+    def carries_embeddings(self) -> bool:
+        """Whether this is a pipeline stage (an end missing) of a model with multi-token
+        prediction: the embeddings travel beside the hidden states to the last stage's depths."""
+        stage = self.tok_embeddings is None or self.output is None
+        return stage and cast(DeepSeekV3Args, self.model_args).mtp_depth > 0
+
     def pop_extra_losses(self) -> dict[str, torch.Tensor]:
         """The losses the last labelled forward added, by the name the trainer logs them under
         (sums over the targets, weighted like the main loss's sum); the trainer asks after every
-        labelled forward."""
+        labelled forward. A pipeline stage without the depths holds 0, as it does of the main loss."""
+        if self.mtp is None and cast(DeepSeekV3Args, self.model_args).mtp_depth > 0:
+            return {"mtp_loss": torch.zeros((), device=self.rope_cos.device)}
         loss = self.pop_mtp_loss()
         return {"mtp_loss": loss} if loss is not None else {}
 
@@ -226,10 +242,14 @@ class DeepSeekV3Transformer(Transformer):
     ) -> torch.Tensor:
         """Llama's forward (the logits, or hidden states on a pipeline stage without the head);
         with `labels` [B, S] and mtp_depth > 0, the multi-token prediction loss is computed from
-        the last block's output and kept for pop_mtp_loss.
+        the last block's output and kept for pop_mtp_loss. Under pipeline parallel with
+        mtp_depth > 0 the stages pass the embeddings along beside the hidden states,
+        [h; embedded] on the last dim, to the last stage, which holds the depths (and the
+        embeddings' gradient flows back to the first stage's table the same way).
 
         Args:
-            tokens: the token ids [B, S] (or hidden states on a stage without the embedding).
+            tokens: the token ids [B, S] (or hidden states on a stage without the embedding;
+                [h; embedded] when `carries_embeddings`).
             doc_ids: [B, S] each token's document (attention stays inside it); None: causal.
             positions: [B, S] the tokens' places in their window; None: 0..S-1.
             kv_doc_ids: [B, cp x S] the gathered keys' documents under context parallel, or None.
@@ -237,9 +257,14 @@ class DeepSeekV3Transformer(Transformer):
         """
         cos, sin, mask = self._attention_inputs(doc_ids, positions, kv_doc_ids)
         self.prepare_flex(mask, tokens.shape[1])
-        h = embedded = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = embedded = self.tok_embeddings(tokens)
+        else:
+            h, embedded = tokens.chunk(2, dim=-1) if self.carries_embeddings else (tokens, tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask=mask)
+        if self.output is None and self.carries_embeddings:
+            return torch.cat([h, embedded], dim=-1)
         if labels is not None and self.mtp is not None:
             self.mtp_loss = self._mtp_loss(h, embedded, labels, doc_ids)
         h = self.norm(h) if self.norm is not None else h
@@ -254,14 +279,16 @@ class DeepSeekV3Transformer(Transformer):
         target in another document than token i is ignored (mtp_labels). A sum, like the main
         loss's: the trainer divides both by the main loss's count of labels (the report's 1 / T)."""
         assert self.mtp is not None and self.output is not None
-        seq, total = labels.shape[1], torch.zeros((), device=h.device)
+        seq, losses = labels.shape[1], []
         args = cast(DeepSeekV3Args, self.model_args)
         for k, mtp in enumerate(self.mtp.values(), start=1):
             docs = doc_ids[:, : seq - k] if doc_ids is not None else None
             rope = self._attention_inputs(docs, None)
-            h, loss = mtp(h[:, : seq - k], embedded[:, k:], rope, mtp_labels(labels, doc_ids, k), self.output)
-            total = total + loss
-        return total * (args.mtp_loss_weight / len(self.mtp))
+            self.prepare_flex(rope[2], seq - k)  # the depth's S - k queries: built before its compiled block
+            h, loss = mtp(h, embedded, rope, mtp_labels(labels, doc_ids, k), self.output)
+            losses.append(loss)
+        # Under TP's loss parallel each loss is a replicated DTensor, as the main loss is.
+        return sum(losses[1:], losses[0]) * (args.mtp_loss_weight / len(self.mtp))
 
     def _precompute_rope(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         return yarn_tables(self.model_args, device)
@@ -336,11 +363,11 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     ),
     # DeepSeek-V3 / R1 671B (its published config.json): 61 layers, the first 3 dense, 256 experts
     # in 8 groups, top 8 from 4 groups, one shared, scale 2.5; YaRN x40 over a 4096 context, and the
-    # published multi-token prediction depth (num_nextn_predict_layers 1: FSDP / HSDP / DDP / EP only).
+    # published multi-token prediction depth (num_nextn_predict_layers 1: every layout but CP).
     "deepseek_v3_671b": _V3_671B,
-    # The 671B without its prediction depth (671.0B): what runs on every layout, TP and PP included
-    # (the depth does not), for pre-training at scale where MTP is not wanted; docs/scaling.md
-    # plans both. An import of the published folder needs the flavor above.
+    # The 671B without its prediction depth (671.0B): for pre-training where MTP is not wanted, and
+    # on context parallel (which the depth does not run on); docs/scaling.md plans both. An import
+    # of the published folder needs the flavor above.
     "deepseek_v3_671b_no_mtp": dataclasses.replace(_V3_671B, mtp_depth=0),
     # debugmodel with one multi-token prediction depth (its block routed, as the 671B's is).
     "debugmodel_mtp": dataclasses.replace(_DEBUG, mtp_depth=1),

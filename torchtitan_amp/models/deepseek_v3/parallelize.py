@@ -19,9 +19,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torchtitan_amp.models.deepseek_v3.model import MultiTokenPrediction
 from torchtitan_amp.models.moe.parallelize import tp_block_plan as moe_plan
 
 _REPLICATED = ("attention.wq_a", "attention.q_norm", "attention.wkv_a", "attention.kv_norm")
@@ -30,7 +31,11 @@ _REPLICATED = ("attention.wq_a", "attention.q_norm", "attention.wkv_a", "attenti
 class Replicated(ParallelStyle):
     """A module computed whole on every TP rank: its parameters replicated DTensors (one kind of
     parameter for FSDP x TP and the optimizer), its input made a replicated DTensor, its output
-    handed back local."""
+    handed back local (or, with `local_output` False, as the replicated DTensor)."""
+
+    def __init__(self, local_output: bool = True) -> None:
+        super().__init__()
+        self.local_output = local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def _replicate(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,7 +54,7 @@ class Replicated(ParallelStyle):
             device_mesh,
             _replicate,
             input_fn=_to_dtensor,  # type: ignore[arg-type]  # torch types it as returning None
-            output_fn=lambda _m, out, _mesh: out.to_local(),
+            output_fn=lambda _m, out, _mesh: out.to_local() if self.local_output else out,
         )
 
 
@@ -94,12 +99,15 @@ class SharedKey(Replicated):
 
 
 def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
-    """The MoE family's plan with MLA's attention entries in place of grouped-query attention's.
+    """The MoE family's plan with MLA's attention entries in place of grouped-query attention's;
+    for a multi-token prediction depth (the model's `mtp`), mtp_plan.
 
     Args:
         seq: the residual stream's sequence-dim placement (Shard(1) with sequence parallel).
-        block: the block being planned (its attention's projections decide the entries).
+        block: the block or depth being planned (its attention's projections decide the entries).
     """
+    if isinstance(block, MultiTokenPrediction):
+        return mtp_plan(seq, block)
     gqa = ("attention.wq", "attention.wk", "attention.wv", "attention.q_norm", "attention.k_norm")
     plan = {k: v for k, v in moe_plan(seq, block).items() if k not in gqa}
     attention = block.attention if block is not None else None
@@ -111,4 +119,33 @@ def tp_block_plan(seq: Any, block: Any = None) -> dict[str, Any]:
             plan[name] = Replicated()
     if attention is not None:
         plan["attention.wkv_a"] = SharedKey(attention.rope)
+    return plan
+
+
+def mtp_plan(seq: Any, depth: MultiTokenPrediction) -> dict[str, Any]:
+    """A multi-token prediction depth under TP: its S - k positions replicated over the TP ranks
+    (sequence parallel would need the TP degree to divide S - k), so its entry gathers `h` (the
+    last block's output, sequence-sharded under SP, for depth 1; the previous depth's, replicated,
+    after) and the embeddings, whose shifted slices it then takes. Its block is split as the main
+    blocks are without SP (heads, latents replicated, MoE replicated with the shared expert split),
+    its norms replicated; eh_proj row-wise (each rank reads its slice of the concatenated
+    [enorm(e); hnorm(h)] and the partial sums are all-reduced, the gradient of its input gathered);
+    `norm` hands the shared head a replicated DTensor, which the head takes whatever its own input
+    layout (vocab-sharded logits under loss parallel, as the main path's).
+
+    Args:
+        seq: the residual stream's sequence-dim placement (Shard(1) with sequence parallel).
+        depth: the depth being planned (its `k`: 1 reads the last block's output).
+    """
+    whole = Replicate()
+    plan: dict[str, Any] = {f"block.{name}": style for name, style in tp_block_plan(whole, depth.block).items()}
+    plan.update({name: Replicated() for name in ("block.attention_norm", "block.ffn_norm", "enorm", "hnorm")})
+    plan["eh_proj"] = RowwiseParallel(input_layouts=whole, output_layouts=whole)
+    plan["norm"] = Replicated(local_output=False)
+    h_layout = seq if depth.k == 1 else whole
+    plan[""] = PrepareModuleInput(
+        input_layouts=(h_layout, seq, None, None, None),
+        desired_input_layouts=(whole, whole, None, None, None),
+        use_local_output=True,
+    )
     return plan
