@@ -250,11 +250,14 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     # LoRA from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS; on
     # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
     # QLoRA (NF4 bases) on FSDP 2.
+    # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
+    # materialised: its NF4 base comes from the folder only).
     jobs += [
         {
             "args": _job(root / name, folder, tokenizer_folder, *LAYOUTS[layout], *LORA_STEP, *extra),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
+            **({"full_init_max_params": 0} if name == "qlora" else {}),
         }
         for name, layout, extra in (
             ("lora", "fsdp", []),
@@ -394,8 +397,10 @@ def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
 
 
 def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
-    """QLoRA (NF4 bases of wq, wv, wo, w2, each quantized whole by torchao and then split by FSDP
-    through NF4Tensor's fsdp_pre/post_all_gather) after one step on FSDP 2: every base, its shards
+    """QLoRA (NF4 bases of wq, wv, wo, w2, quantized on meta and split by FSDP, whose all-gather
+    goes through NF4Tensor's fsdp_pre/post_all_gather; the load reads each weight whole, quantizes
+    it and keeps the rank's rows), built as a model above the full-init size is (on meta, sharded,
+    then materialised, the NF4 bases left to the load) after one step on FSDP 2: every base, its shards
     dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
     unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
     the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows

@@ -29,6 +29,9 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
                                                  loss of `tokens` (next-token cross-entropy) and the
                                                  adapters' gradients of it and their DTensor
                                                  placements, torch.save'd to file
+             "full_init_max_params": N           for this job, models above N parameters take the
+                                                 large-model path (build on meta, shard, then
+                                                 materialise: train/job.py FULL_INIT_MAX_PARAMS)
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
@@ -289,6 +292,19 @@ def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _full_init_max_params(limit: int | None):  # type: ignore[no-untyped-def]
+    """train/job.py's full-init size set to `limit` while a Trainer builds (None: unchanged)."""
+    from torchtitan_amp.train import job
+
+    saved = job.FULL_INIT_MAX_PARAMS
+    job.FULL_INIT_MAX_PARAMS = saved if limit is None else limit
+    try:
+        yield
+    finally:
+        job.FULL_INIT_MAX_PARAMS = saved
+
+
 def _record_rows(trainer: Trainer) -> list[str]:
     """Digests of the input rows this rank's loader hands out, in order (the windows it trains on)."""
     rows: list[str] = []
@@ -338,7 +354,8 @@ def main(spec_path: str) -> int:
             if _rank() == 0:
                 Path(job["audit"]).write_text(json.dumps(result.to_json()))
             continue
-        trainer = Trainer(load_config(job["args"]))
+        with _full_init_max_params(job.get("full_init_max_params")):
+            trainer = Trainer(load_config(job["args"]))
         if job.get("perturb_rng"):
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())

@@ -14,8 +14,10 @@ init_weights (A kaiming-uniform, as PEFT's default, B zero: the model starts as 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -172,6 +174,32 @@ def init_adapters(model: nn.Module) -> None:
             m.reset_adapters()
 
 
+@contextlib.contextmanager
+def nf4_bases_aside(model: nn.Module) -> Iterator[None]:
+    """While a model initialises on its shards: every NF4 base weight replaced by a meta stand-in
+    of its shape (the init's writes to it go nowhere: the load fills the NF4 base), then put back."""
+    aside = {m: m.weight for m in lora_modules(model) if is_nf4(m.weight)}
+    for m, w in aside.items():
+        m._parameters["weight"] = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, w in aside.items():
+            m._parameters["weight"] = w
+
+
+def materialize_nf4(model: nn.Module, device: torch.device) -> None:
+    """After `to_empty` of a model whose NF4 bases were quantized on meta: torchao's empty_like
+    moves only the sharded inner tensors, so each base's scaler mean and NF4 code table get
+    storage on `device` too (the load's copy_ fills all five)."""
+    for m in lora_modules(model):
+        if is_nf4(m.weight):
+            local = cast(Any, getattr(m.weight, "_local_tensor", m.weight))
+            for attr in ("scaler_mean", "nf4"):
+                if getattr(local, attr).is_meta:
+                    setattr(local, attr, torch.empty_like(getattr(local, attr), device=device))
+
+
 def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
     """QLoRA: each LoraLinear's (materialized, whole) base weight becomes a torchao NF4Tensor, in
     blocks that FSDP's plan.lora.nf4_shards ranks split evenly."""
@@ -185,7 +213,8 @@ def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
                 raise PrecisionError(
                     f"'lora.quantize_base' = 'nf4' on FSDP quantizes each base weight whole before FSDP "
                     f"splits it; '{name}.weight' was split first (a model above the full-init size "
-                    "initialises on its shards): run QLoRA on one process, or LoRA with quantize_base = 'none'"
+                    "initialises on its shards): start QLoRA from a pretrained base "
+                    "(checkpoint.initial_load_path), whose load quantizes each weight whole"
                 )
             if m.weight.shape[0] % shards:
                 raise PrecisionError(
