@@ -71,7 +71,6 @@ def test_plan_decides_each_part() -> None:
     ("overrides", "message"),
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
-        (["--parallelism.context_parallel_degree", "2"], "context parallel is not tested with adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
         (
             ["--lora.quantize_base", "nf4", "--parallelism.data_parallel_replicate_degree", "2"],

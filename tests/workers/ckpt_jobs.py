@@ -62,6 +62,7 @@ from tests.support.launch import digest, exit_process, probe_trainer, read_spec
 from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.checkpoint.saving import Saver
 from torchtitan_amp.config import load_config
+from torchtitan_amp.models.loss import IGNORE_INDEX
 from torchtitan_amp.precision import PrecisionPlan, fsdp
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
@@ -248,7 +249,9 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     """After training: the adapters, the loss of `tokens` and its adapter gradients (every rank
-    computes the same tokens, so FSDP's mean of the gradients is the one-process gradient)."""
+    computes the same tokens, so FSDP's mean of the gradients is the one-process gradient; under
+    context parallel each rank its chunks of them, through Trainer.forward_backward, whose losses'
+    mean over the ranks is the loss)."""
     from torch.distributed.tensor import DTensor
 
     from torchtitan_amp.precision import lora
@@ -259,10 +262,15 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     adapters = lora.adapter_parameters(trainer.run.model)
     for p in adapters.values():
         p.grad = None
-    logits = trainer.run.model(tokens.to(trainer.run.device))
-    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    if trainer.run.dims.cp_enabled:  # each rank its chunks of the windows: the trainer's own step
+        labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+        share = trainer.forward_backward(tokens.to(trainer.run.device), labels.to(trainer.run.device))
+        loss = torch.stack([cast(torch.Tensor, s).cpu() for s in _gather(share)]).mean()
+    else:
+        logits = trainer.run.model(tokens.to(trainer.run.device))
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
     placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
