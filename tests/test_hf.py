@@ -256,12 +256,21 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     )
     # LoRA from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS; on
     # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
-    # QLoRA (NF4 bases) on FSDP 2.
+    # QLoRA (NF4 bases) on FSDP 2, also from a DCP checkpoint of the folder's weights (qlora_dcp).
     # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
-    # materialised: its NF4 base comes from the folder only).
+    # materialised: its NF4 base comes from the load only).
+    with quiet_single_process():
+        dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(root / "dcp_base"), no_dist=True)
     jobs += [
         {
-            "args": _job(root / name, folder, tokenizer_folder, *LORA_LAYOUTS[layout], *LORA_STEP, *extra),
+            "args": _job(
+                root / name,
+                root / "dcp_base" if name == "qlora_dcp" else folder,
+                tokenizer_folder,
+                *LORA_LAYOUTS[layout],
+                *LORA_STEP,
+                *extra,
+            ),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
             **({"full_init_max_params": 0} if name == "qlora" else {}),
@@ -270,6 +279,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ("lora", "fsdp", []),
             ("lora_tp", "tp", LORA_BOTH_WAYS),
             ("qlora", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_dcp", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
             ("lora_cp", "cp", LORA_BOTH_WAYS),
             ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
         )
@@ -421,23 +431,25 @@ def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
     """QLoRA (NF4 bases of wq, wv, wo, w2, quantized on meta and split by FSDP, whose all-gather
     goes through NF4Tensor's fsdp_pre/post_all_gather; the load reads each weight whole, quantizes
     it and keeps the rank's rows), built as a model above the full-init size is (on meta, sharded,
-    then materialised, the NF4 bases left to the load) after one step on FSDP 2: every base, its shards
-    dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
+    then materialised, the NF4 bases left to the load), from the folder and from a DCP checkpoint
+    of its weights (each rank reads every base weight whole there too), after one step on FSDP 2:
+    every base, its shards dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
     unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
     the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows
     (1e-5); measured (torch 2.13 CPU, gloo): loss and every gradient bitwise equal."""
     from torchtitan_amp.precision import lora
 
-    run = torch.load(dist_run / "qlora.pt", weights_only=True)
     reference = _ours(hf[0]).state_dict()
-    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
-    assert len(bases) == 4 * ARGS.n_layers
-    for name in bases:
-        blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
-        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
-        want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
-        assert torch.equal(run["nf4"][name], want), name
-    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
+    for job in ("qlora", "qlora_dcp"):  # from the folder, and from a DCP checkpoint of its weights
+        run = torch.load(dist_run / f"{job}.pt", weights_only=True)
+        bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+        assert len(bases) == 4 * ARGS.n_layers
+        for name in bases:
+            blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
+            assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+            want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
+            assert torch.equal(run["nf4"][name], want), (job, name)
+        _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -238,6 +238,35 @@ def nf4_rows(whole: torch.Tensor, shard: torch.Tensor, start: int) -> torch.Tens
     local = cast(Any, shard)
     whole_nf4 = nf4_api().to_nf4(whole.to(local.dtype), local.block_size, local.scaler_block_size)
     return whole_nf4.split(shard.shape[0])[start // shard.shape[0]]
+
+
+def is_split_nf4(t: Any) -> bool:
+    """QLoRA's NF4 base split by FSDP (a DTensor over an NF4Tensor)."""
+    return isinstance(t, torch.Tensor) and is_nf4(t) and hasattr(t, "_local_tensor")
+
+
+def load_nf4_whole(params: dict[str, Any], read: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Fill FSDP's NF4 shards from a checkpoint of whole weights, a block at a time: `read` fills
+    each weight whole, and each rank keeps its rows of torchao's NF4 of it (nf4_rows), the split
+    of one quantization as FSDP's all-gather assumes, not an NF4 of the rows alone.
+
+    Args:
+        params: the NF4 DTensor parameters by state-dict key.
+        read: fills a {key: empty full tensor} dict with the checkpoint's weights (in place).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    blocks: dict[str, list[str]] = {}
+    for key in params:  # one block's whole weights in memory at once, not the model's
+        blocks.setdefault(".".join(key.split(".")[:2]) if key.startswith("layers.") else key, []).append(key)
+    for keys in blocks.values():
+        whole = {k: torch.empty(params[k].shape, dtype=params[k].dtype) for k in keys}
+        read(whole)
+        for k in keys:
+            p = params[k]
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = p._local_tensor
+            local.copy_(nf4_rows(whole[k], local, offset[0]).to(local.device))
 
 
 NF4_BLOCK = 64  # QLoRA's: 64 weights share one absmax scale
