@@ -259,13 +259,14 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     # QLoRA (NF4 bases) on FSDP 2, also from a DCP checkpoint of the folder's weights (qlora_dcp).
     # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
     # materialised: its NF4 base comes from the load only).
+    bases = {"qlora_dcp": root / "dcp_base", "qlora_export": _model_only_base(folder, root / "export_base")}
     with quiet_single_process():
-        dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(root / "dcp_base"), no_dist=True)
+        dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(bases["qlora_dcp"]), no_dist=True)
     jobs += [
         {
             "args": _job(
                 root / name,
-                root / "dcp_base" if name == "qlora_dcp" else folder,
+                bases.get(name, folder),
                 tokenizer_folder,
                 *LORA_LAYOUTS[layout],
                 *LORA_STEP,
@@ -280,6 +281,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ("lora_tp", "tp", LORA_BOTH_WAYS),
             ("qlora", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
             ("qlora_dcp", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_export", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
             ("lora_cp", "cp", LORA_BOTH_WAYS),
             ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
         )
@@ -291,6 +293,17 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     ]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
+
+
+def _model_only_base(folder: Path, step: Path) -> Path:
+    """A model-only export (model.pt and its marker) of the folder's weights, as a base to load."""
+    from torchtitan_amp.checkpoint.format import EXPORT_FILE, FORMAT_VERSION, MARKER
+
+    step.mkdir(parents=True)
+    torch.save(_ours(folder).state_dict(), step / EXPORT_FILE)
+    files = {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}
+    (step / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "step": 0, "kind": "model_only", "files": files}))
+    return step
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -432,7 +445,8 @@ def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
     goes through NF4Tensor's fsdp_pre/post_all_gather; the load reads each weight whole, quantizes
     it and keeps the rank's rows), built as a model above the full-init size is (on meta, sharded,
     then materialised, the NF4 bases left to the load), from the folder and from a DCP checkpoint
-    of its weights (each rank reads every base weight whole there too), after one step on FSDP 2:
+    and a model-only export of its weights (each rank reads every base weight whole there too),
+    after one step on FSDP 2:
     every base, its shards dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
     unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
     the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows
@@ -440,7 +454,7 @@ def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
     from torchtitan_amp.precision import lora
 
     reference = _ours(hf[0]).state_dict()
-    for job in ("qlora", "qlora_dcp"):  # from the folder, and from a DCP checkpoint of its weights
+    for job in ("qlora", "qlora_dcp", "qlora_export"):  # from the folder, a DCP checkpoint, a model-only export
         run = torch.load(dist_run / f"{job}.pt", weights_only=True)
         bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
         assert len(bases) == 4 * ARGS.n_layers
