@@ -178,7 +178,7 @@ def init_adapters(model: nn.Module) -> None:
 def nf4_bases_aside(model: nn.Module) -> Iterator[None]:
     """While a model initialises on its shards: every NF4 base weight replaced by a meta stand-in
     of its shape (the init's writes to it go nowhere: the load fills the NF4 base), then put back."""
-    aside = {m: m.weight for m in lora_modules(model) if is_nf4(m.weight)}
+    aside = {m: cast(nn.Parameter, m.weight) for m in lora_modules(model) if is_nf4(m.weight)}
     for m, w in aside.items():
         m._parameters["weight"] = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
     try:
