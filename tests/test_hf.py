@@ -218,6 +218,13 @@ LORA_BOTH_WAYS = [
 ]
 
 
+# Context parallel 2 (FSDP shards over its 2 ranks): LoRA's runs only.
+LORA_LAYOUTS = {
+    **LAYOUTS,
+    "cp": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+}
+
+
 @pytest.fixture(scope="module")
 def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     """One 2-rank launch: import on FSDP 2, TP 2 and PP 2 (logits of TOKENS), then import on
@@ -249,17 +256,34 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     )
     # LoRA from the folder: one step (B leaves zero), then the adapters' gradients of TOKENS; on
     # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
-    # QLoRA (NF4 bases) on FSDP 2.
+    # QLoRA (NF4 bases) on FSDP 2, also from a DCP checkpoint of the folder's weights (qlora_dcp).
+    # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
+    # materialised: its NF4 base comes from the load only).
+    bases = {"qlora_dcp": root / "dcp_base", "qlora_export": _model_only_base(folder, root / "export_base")}
+    with quiet_single_process():
+        dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(bases["qlora_dcp"]), no_dist=True)
     jobs += [
         {
-            "args": _job(root / name, folder, tokenizer_folder, *LAYOUTS[layout], *LORA_STEP, *extra),
+            "args": _job(
+                root / name,
+                bases.get(name, folder),
+                tokenizer_folder,
+                *LORA_LAYOUTS[layout],
+                *LORA_STEP,
+                *extra,
+            ),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
+            **({"full_init_max_params": 0} if name == "qlora" else {}),
         }
         for name, layout, extra in (
             ("lora", "fsdp", []),
             ("lora_tp", "tp", LORA_BOTH_WAYS),
             ("qlora", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_dcp", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_export", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("lora_cp", "cp", LORA_BOTH_WAYS),
+            ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
         )
     ]
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
@@ -269,6 +293,17 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     ]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
+
+
+def _model_only_base(folder: Path, step: Path) -> Path:
+    """A model-only export (model.pt and its marker) of the folder's weights, as a base to load."""
+    from torchtitan_amp.checkpoint.format import EXPORT_FILE, FORMAT_VERSION, MARKER
+
+    step.mkdir(parents=True)
+    torch.save(_ours(folder).state_dict(), step / EXPORT_FILE)
+    files = {EXPORT_FILE: (step / EXPORT_FILE).stat().st_size}
+    (step / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "step": 0, "kind": "model_only", "files": files}))
+    return step
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -368,6 +403,18 @@ def test_lora_on_tp_2_equals_one_process(hf, dist_run):
     _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS), 1e-5)
 
 
+def test_lora_on_cp_2_equals_one_process(hf, dist_run):
+    """LoRA (wq, wv, wo, w2) and QLoRA trained one step on context parallel 2 (the adapters are
+    Linears on each rank's chunks of the sequence; only attention gathers K/V): the loss of TOKENS
+    and the adapter gradients, each rank's chunks through the trainer's step, equal one process
+    fp32's with the same adapters (QLoRA's NF4 in FSDP 2's blocks: FSDP shards over the cp ranks).
+    Bound as the FSDP rows (1e-5); measured (torch 2.13 CPU, gloo): LoRA's loss within 8.6e-8
+    relative, QLoRA's bitwise equal, gradients within 5.5e-7 of their largest entry."""
+    for name, extra, shards in (("lora_cp", (), 1), ("qlora_cp", QLORA, 2)):
+        run = torch.load(dist_run / f"{name}.pt", weights_only=True)
+        _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *extra, nf4_shards=shards), 1e-5)
+
+
 FSDP_X_TP = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
 
 
@@ -394,24 +441,29 @@ def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
 
 
 def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
-    """QLoRA (NF4 bases of wq, wv, wo, w2, each quantized whole by torchao and then split by FSDP
-    through NF4Tensor's fsdp_pre/post_all_gather) after one step on FSDP 2: every base, its shards
-    dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
+    """QLoRA (NF4 bases of wq, wv, wo, w2, quantized on meta and split by FSDP, whose all-gather
+    goes through NF4Tensor's fsdp_pre/post_all_gather; the load reads each weight whole, quantizes
+    it and keeps the rank's rows), built as a model above the full-init size is (on meta, sharded,
+    then materialised, the NF4 bases left to the load), from the folder and from a DCP checkpoint
+    and a model-only export of its weights (each rank reads every base weight whole there too),
+    after one step on FSDP 2:
+    every base, its shards dequantized and joined, is bitwise torchao's NF4 of the folder's weight (the step left it
     unchanged, and the shards are one quantization, not one per rank), and the loss of TOKENS and
     the adapter gradients equal one process QLoRA's with the same blocks. Bound as the FSDP rows
     (1e-5); measured (torch 2.13 CPU, gloo): loss and every gradient bitwise equal."""
     from torchtitan_amp.precision import lora
 
-    run = torch.load(dist_run / "qlora.pt", weights_only=True)
     reference = _ours(hf[0]).state_dict()
-    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
-    assert len(bases) == 4 * ARGS.n_layers
-    for name in bases:
-        blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
-        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
-        want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
-        assert torch.equal(run["nf4"][name], want), name
-    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
+    for job in ("qlora", "qlora_dcp", "qlora_export"):  # from the folder, a DCP checkpoint, a model-only export
+        run = torch.load(dist_run / f"{job}.pt", weights_only=True)
+        bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+        assert len(bases) == 4 * ARGS.n_layers
+        for name in bases:
+            blocks = lora.nf4_blocks(name, reference[name].numel(), 2)
+            assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+            want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
+            assert torch.equal(run["nf4"][name], want), (job, name)
+        _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):

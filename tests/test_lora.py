@@ -71,7 +71,6 @@ def test_plan_decides_each_part() -> None:
     ("overrides", "message"),
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
-        (["--parallelism.context_parallel_degree", "2"], "context parallel is not tested with adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
         (
             ["--lora.quantize_base", "nf4", "--parallelism.data_parallel_replicate_degree", "2"],
@@ -563,3 +562,29 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_
     from safetensors.torch import load_file
 
     assert len(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == len(lora.adapter_parameters(model))
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_memory_model_fsdp_groups_are_the_dry_runs(quantize: str, tmp_path: Path, monkeypatch) -> None:
+    """FSDP 2 under LoRA (bf16 gathers, fp32 reduce): the planner's groups (memory.fsdp_groups, what
+    tools/plan_layout sizes layouts with) are the ones apply_fsdp creates on the meta model, which the
+    dry run reads: per block the norms' fp32 group, the frozen Linears' group (gathered, never
+    reduced) and the adapters' (gathered and reduced), and the root; so are the traffic and the
+    transient buffers computed from them."""
+    from torchtitan_amp import memory
+    from torchtitan_amp.train import dry_run
+
+    config = load_config(
+        [*BASE, *BF16, "--lora.quantize_base", quantize, "--parallelism.data_parallel_shard_degree", "2"]
+        + ["--job.dump_folder", str(tmp_path)]
+    )
+    real: list = []
+    measured = dry_run.fsdp_groups_of
+    monkeypatch.setattr(dry_run, "fsdp_groups_of", lambda *a, **k: real.append(measured(*a, **k)) or real[-1])
+    dry_run.run(config, world_size=2, rank=0, write=False)
+    job = job_mod.resolve(config, 2, "cpu")
+    stage = memory.rank_stages(job.model_dims, job.layout, 0)[0]
+    planned = memory.fsdp_groups(job.model_dims, job.precision, job.layout, stage)
+    assert sorted(planned, key=lambda g: g.name) == sorted(real[0], key=lambda g: g.name)
+    for f in (memory.fsdp_comm, memory.fsdp_transient, memory.fsdp_calls):
+        assert f([(stage, planned)], job.layout) == f([(stage, real[0])], job.layout), f.__name__

@@ -29,6 +29,9 @@ Usage: [torchrun ...] ckpt_jobs.py SPEC.json, where SPEC is tests/support/launch
                                                  loss of `tokens` (next-token cross-entropy) and the
                                                  adapters' gradients of it and their DTensor
                                                  placements, torch.save'd to file
+             "full_init_max_params": N           for this job, models above N parameters take the
+                                                 large-model path (build on meta, shard, then
+                                                 materialise: train/job.py FULL_INIT_MAX_PARAMS)
              "hf_reads": "file"                  with "logits": every rank's count of tensor
                                                  elements read from a Hugging Face folder (JSON)
              "break": "fsdp_reduce_in_fp32"      for this job, FSDP reduces every gradient in fp32
@@ -59,6 +62,7 @@ from tests.support.launch import digest, exit_process, probe_trainer, read_spec
 from torchtitan_amp.checkpoint import preemption
 from torchtitan_amp.checkpoint.saving import Saver
 from torchtitan_amp.config import load_config
+from torchtitan_amp.models.loss import IGNORE_INDEX
 from torchtitan_amp.precision import PrecisionPlan, fsdp
 from torchtitan_amp.tools.evaluate import evaluate
 from torchtitan_amp.tools.generate import generate_texts, parse_args
@@ -245,7 +249,9 @@ def _logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     """After training: the adapters, the loss of `tokens` and its adapter gradients (every rank
-    computes the same tokens, so FSDP's mean of the gradients is the one-process gradient)."""
+    computes the same tokens, so FSDP's mean of the gradients is the one-process gradient; under
+    context parallel each rank its chunks of them, through Trainer.forward_backward, whose losses'
+    mean over the ranks is the loss)."""
     from torch.distributed.tensor import DTensor
 
     from torchtitan_amp.precision import lora
@@ -256,10 +262,15 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     adapters = lora.adapter_parameters(trainer.run.model)
     for p in adapters.values():
         p.grad = None
-    logits = trainer.run.model(tokens.to(trainer.run.device))
-    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    if trainer.run.dims.cp_enabled:  # each rank its chunks of the windows: the trainer's own step
+        labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
+        share = trainer.forward_backward(tokens.to(trainer.run.device), labels.to(trainer.run.device))
+        loss = torch.stack([cast(torch.Tensor, s).cpu() for s in _gather(share)]).mean()
+    else:
+        logits = trainer.run.model(tokens.to(trainer.run.device))
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
     placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
@@ -287,6 +298,19 @@ def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
             out[name] = torch.cat([cast(torch.Tensor, t) for t in _gather(local.get_original_weight())])
             out[f"{name}:scaler_block"] = torch.tensor(local.scaler_block_size)
     return out
+
+
+@contextlib.contextmanager
+def _full_init_max_params(limit: int | None):  # type: ignore[no-untyped-def]
+    """train/job.py's full-init size set to `limit` while a Trainer builds (None: unchanged)."""
+    from torchtitan_amp.train import job
+
+    saved = job.FULL_INIT_MAX_PARAMS
+    job.FULL_INIT_MAX_PARAMS = saved if limit is None else limit
+    try:
+        yield
+    finally:
+        job.FULL_INIT_MAX_PARAMS = saved
 
 
 def _record_rows(trainer: Trainer) -> list[str]:
@@ -338,7 +362,8 @@ def main(spec_path: str) -> int:
             if _rank() == 0:
                 Path(job["audit"]).write_text(json.dumps(result.to_json()))
             continue
-        trainer = Trainer(load_config(job["args"]))
+        with _full_init_max_params(job.get("full_init_max_params")):
+            trainer = Trainer(load_config(job["args"]))
         if job.get("perturb_rng"):
             torch.manual_seed(1000 + _rank())
             random.seed(2000 + _rank())

@@ -37,7 +37,7 @@ from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import get_family
-from torchtitan_amp.precision.lora import is_nf4
+from torchtitan_amp.precision.lora import is_split_nf4, load_nf4_whole
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -229,12 +229,6 @@ def _load_model(config: JobConfig, state: RunState, path: Path, kind: str, names
     """Starting weights (an initial_load_path): an HF folder, a model-only export or a DCP step
     folder. Under LoRA they are the base's: the adapters keep their init."""
     ranks = state.ranks
-    if kind != "hf" and any(is_nf4(p) and hasattr(p, "_local_tensor") for p in state.model.parameters()):
-        raise CheckpointError(
-            f"checkpoint.initial_load_path {path}: QLoRA on FSDP loads its NF4 base from a Hugging Face "
-            "folder only (each rank quantizes the whole weight and keeps its rows); a DCP or model-only "
-            "base would be quantized rows by rows"
-        )
     if kind == "hf":
         from torchtitan_amp.checkpoint.hf import load_hf  # needs safetensors, only for HF folders
 
@@ -276,6 +270,8 @@ def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
     except CheckpointError as e:
         error = str(e)
     all_ok(state.ranks, error)
+    # QLoRA on FSDP: the NF4 bases are read whole afterwards (load_nf4_whole), not row by row.
+    split_nf4 = {k: sd["model"].pop(k) for k in list(sd.get("model", {})) if is_split_nf4(sd["model"][k])}
     try:
         with quiet_single_process():
             dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
@@ -285,7 +281,17 @@ def load_dcp(state: RunState, path: Path, names: tuple[str, ...]) -> TrainState:
     for part in state.dcp_parts:
         if part.name in sd:
             part.put(state, sd[part.name])
+    load_nf4_whole(split_nf4, lambda whole: _dcp_read(path, whole))
     return state.train_state
+
+
+def _dcp_read(path: Path, whole: dict[str, torch.Tensor]) -> None:
+    """Full tensors of the checkpoint's "model" part into `whole` (its keys), on every rank."""
+    try:
+        with quiet_single_process():
+            dcp.load({"model": whole}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as e:
+        raise CheckpointError(f"could not load {path}: {one_line(e)}") from None
 
 
 def load_export(state: RunState, path: Path) -> None:
@@ -308,8 +314,10 @@ def load_export(state: RunState, path: Path) -> None:
     except CheckpointError as e:
         error = str(e)
     all_ok(state.ranks, error)
-    mine = {k: v for k, v in sd.items() if k in own}
+    split_nf4 = {k: v for k, v in own.items() if is_split_nf4(v)}
+    mine = {k: v for k, v in sd.items() if k in own and k not in split_nf4}
     set_model_state_dict(state.model, mine, options=StateDictOptions(full_state_dict=True, strict=not state.adapters))
+    load_nf4_whole(split_nf4, lambda whole: whole.update({k: sd[k] for k in whole}))
 
 
 def _rank_files(

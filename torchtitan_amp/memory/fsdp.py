@@ -115,6 +115,14 @@ def fsdp_groups(
             )
         )
     specs = [s for s in specs if not (s.expert and layout.ep > 1)]
+    if prec.lora_rank:
+        groups += lora_groups(specs, prec, layout, tp_rank)
+        if mp:  # the frozen low-precision modules are in groups of their own (data_parallel.apply_fsdp)
+            specs = [s for s in specs if not prec.low(s.kind)]
+
+    def frozen(ss: list[ParamSpec]) -> int:  # under LoRA every base parameter (training.freeze: not modelled)
+        return numel(ss) if prec.lora_rank else 0
+
     own = [s for s in specs if mp and not prec.low(s.kind)]
     units: dict[object, list[ParamSpec]] = {}  # by block; None: outside blocks
     grouped = grouped_fsdp_casts_every_output()  # else one group per module (parallelize.apply_fsdp)
@@ -129,27 +137,69 @@ def fsdp_groups(
                 "float32",
                 reshard_after_forward(policy, False, pp),
                 "fp32",
+                frozen_shard_numel=frozen(unit),
             )
         )
     rest = [s for s in specs if s not in own]
     layers = list(stage.layers)
     for j, i in enumerate(layers):
         block = [s for s in rest if s.block == i]
-        groups.append(
-            FsdpGroup(
-                f"layers.{i}",
-                numel(block),
-                low_gather,
-                low_reduce,
-                reshard_after_forward(policy, j == len(layers) - 1, pp),
-                "block",
+        if block or not prec.lora_rank:  # FSDP2 makes no group of a block left without parameters
+            groups.append(
+                FsdpGroup(
+                    f"layers.{i}",
+                    numel(block),
+                    low_gather,
+                    low_reduce,
+                    reshard_after_forward(policy, j == len(layers) - 1, pp),
+                    "block",
+                    frozen_shard_numel=frozen(block),
+                )
             )
-        )
     root = [s for s in rest if s.block is None]
+    last = reshard_after_forward(policy, True, pp)
     if root:
-        groups.append(
-            FsdpGroup("root", numel(root), low_gather, low_reduce, reshard_after_forward(policy, True, pp), "root")
-        )
+        groups.append(FsdpGroup("root", numel(root), low_gather, low_reduce, last, "root", 0, 0, frozen(root)))
+    return groups
+
+
+def lora_groups(specs: list[ParamSpec], prec: PrecisionSpec, layout: Layout, tp_rank: int = 0) -> list[FsdpGroup]:
+    """LoRA's groups (data_parallel.apply_fsdp): per block, and one for the modules outside blocks,
+    the adapters (lora_A [r, in] and lora_B [out, r] of each target, split by TP as their base is and
+    sharded on dim 0: gathered and reduced in the low-precision policy's dtypes) and, on the "fsdp"
+    path, the frozen low-precision modules (the base's Linears: gathered in param dtype, never
+    reduced). Each reshards after forward as a non-last group does; a unit over a block that holds an
+    adapted Linear counts as the block's (dry_run's kind "block"), one outside blocks as "fp32".
+
+    Args:
+        specs: the stage's parameters (routed experts under EP left out).
+        prec: the precision spec: lora_rank and targets, the path and its dtypes.
+        layout: the parallel layout (tp, the FSDP shard degree, the reshard policy, pp).
+        tp_rank: the tensor-parallel rank whose shards are counted.
+    """
+    mp = prec.path == "fsdp"
+    gather, red = (prec.param, prec.reduce) if mp else (prec.storage, prec.storage)
+    reshard = reshard_after_forward(layout.reshard_after_forward, False, layout.pp > 1)
+    blocks = sorted({s.block for s in specs}, key=lambda b: (b is None, b or 0))  # outside blocks last
+    groups = []
+    for block in blocks:
+        inside = [s for s in specs if s.block == block]
+        targets = [s for s in inside if prec.lora_target(s)]
+        kind = "block" if block is not None and targets else "fp32"
+        base = [s for s in inside if mp and prec.low(s.kind)]
+        if base:
+            n = sum(fsdp_padded_numel(*fsdp_split(s, tp_local_shape(s, layout.tp, tp_rank), layout)) for s in base)
+            name = "+".join(s.name.rsplit(".", 1)[0] for s in base)
+            groups.append(FsdpGroup(name, n, gather, red, reshard, kind, frozen_shard_numel=n))
+        if targets:
+            n, names = 0, []
+            for s in targets:
+                rows, cols = tp_local_shape(s, layout.tp, tp_rank)
+                module = s.name.removesuffix(".weight")
+                n += fsdp_padded_numel((prec.lora_rank, cols), layout.fsdp_shard)
+                n += fsdp_padded_numel((rows, prec.lora_rank), layout.fsdp_shard)
+                names += [f"{module}.lora_A", f"{module}.lora_B"]
+            groups.append(FsdpGroup("+".join(names), n, gather, red, reshard, kind))
     return groups
 
 

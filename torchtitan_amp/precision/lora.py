@@ -14,8 +14,10 @@ init_weights (A kaiming-uniform, as PEFT's default, B zero: the model starts as 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -172,6 +174,32 @@ def init_adapters(model: nn.Module) -> None:
             m.reset_adapters()
 
 
+@contextlib.contextmanager
+def nf4_bases_aside(model: nn.Module) -> Iterator[None]:
+    """While a model initialises on its shards: every NF4 base weight replaced by a meta stand-in
+    of its shape (the init's writes to it go nowhere: the load fills the NF4 base), then put back."""
+    aside = {m: cast(nn.Parameter, m.weight) for m in lora_modules(model) if is_nf4(m.weight)}
+    for m, w in aside.items():
+        m._parameters["weight"] = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, w in aside.items():
+            m._parameters["weight"] = w
+
+
+def materialize_nf4(model: nn.Module, device: torch.device) -> None:
+    """After `to_empty` of a model whose NF4 bases were quantized on meta: torchao's empty_like
+    moves only the sharded inner tensors, so each base's scaler mean and NF4 code table get
+    storage on `device` too (the load's copy_ fills all five)."""
+    for m in lora_modules(model):
+        if is_nf4(m.weight):
+            local = cast(Any, getattr(m.weight, "_local_tensor", m.weight))
+            for attr in ("scaler_mean", "nf4"):
+                if getattr(local, attr).is_meta:
+                    setattr(local, attr, torch.empty_like(getattr(local, attr), device=device))
+
+
 def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
     """QLoRA: each LoraLinear's (materialized, whole) base weight becomes a torchao NF4Tensor, in
     blocks that FSDP's plan.lora.nf4_shards ranks split evenly."""
@@ -185,7 +213,8 @@ def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
                 raise PrecisionError(
                     f"'lora.quantize_base' = 'nf4' on FSDP quantizes each base weight whole before FSDP "
                     f"splits it; '{name}.weight' was split first (a model above the full-init size "
-                    "initialises on its shards): run QLoRA on one process, or LoRA with quantize_base = 'none'"
+                    "initialises on its shards): start QLoRA from a pretrained base "
+                    "(checkpoint.initial_load_path), whose load quantizes each weight whole"
                 )
             if m.weight.shape[0] % shards:
                 raise PrecisionError(
@@ -209,6 +238,35 @@ def nf4_rows(whole: torch.Tensor, shard: torch.Tensor, start: int) -> torch.Tens
     local = cast(Any, shard)
     whole_nf4 = nf4_api().to_nf4(whole.to(local.dtype), local.block_size, local.scaler_block_size)
     return whole_nf4.split(shard.shape[0])[start // shard.shape[0]]
+
+
+def is_split_nf4(t: Any) -> bool:
+    """QLoRA's NF4 base split by FSDP (a DTensor over an NF4Tensor)."""
+    return isinstance(t, torch.Tensor) and is_nf4(t) and hasattr(t, "_local_tensor")
+
+
+def load_nf4_whole(params: dict[str, Any], read: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Fill FSDP's NF4 shards from a checkpoint of whole weights, a block at a time: `read` fills
+    each weight whole, and each rank keeps its rows of torchao's NF4 of it (nf4_rows), the split
+    of one quantization as FSDP's all-gather assumes, not an NF4 of the rows alone.
+
+    Args:
+        params: the NF4 DTensor parameters by state-dict key.
+        read: fills a {key: empty full tensor} dict with the checkpoint's weights (in place).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    blocks: dict[str, list[str]] = {}
+    for key in params:  # one block's whole weights in memory at once, not the model's
+        blocks.setdefault(".".join(key.split(".")[:2]) if key.startswith("layers.") else key, []).append(key)
+    for keys in blocks.values():
+        whole = {k: torch.empty(params[k].shape, dtype=params[k].dtype) for k in keys}
+        read(whole)
+        for k in keys:
+            p = params[k]
+            _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = p._local_tensor
+            local.copy_(nf4_rows(whole[k], local, offset[0]).to(local.device))
 
 
 NF4_BLOCK = 64  # QLoRA's: 64 weights share one absmax scale

@@ -50,7 +50,7 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
 
     Args:
         config: the job config ([lora], training.dtype, mixed_precision's fp8 / block_scaled).
-        dims: the parallel layout (CP and EP are refused; QLoRA runs on one process or FSDP).
+        dims: the parallel layout (EP is refused; QLoRA runs on one process, FSDP and CP).
         compute: what the plan's Linears compute in (param_dtype off the full path, else storage).
     """
     lo = config.lora
@@ -67,11 +67,10 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with mixed_precision.fp8 / block_scaled: the converted Linears are not LoRA's "
             "target Linears; train the adapters in bf16 or fp32"
         )
-    if dims.cp_enabled or dims.ep_enabled:
+    if dims.ep_enabled:
         raise PrecisionError(
-            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP), tensor parallel and pipeline parallel: "
-            "context parallel is not tested with adapters here, and expert parallel's experts are grouped "
-            "weights, not nn.Linear modules LoRA can adapt"
+            "'lora.enable' runs on data-parallel layouts (FSDP, DDP, HSDP), tensor, context and pipeline "
+            "parallel: expert parallel's experts are grouped weights, not nn.Linear modules LoRA can adapt"
         )
     c = config.checkpoint
     if c.last_save_model_only or c.last_save_hf:

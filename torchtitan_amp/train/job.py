@@ -259,6 +259,31 @@ class ModelParts:
     flops_per_token: float  # of the whole model, training (forward + backward)
 
 
+def nf4_base_loaded(job: Job) -> bool:
+    """QLoRA on FSDP starting from checkpoint.initial_load_path (a resume too: LoRA's checkpoint
+    points at that base): whatever the model's size, it is built on meta, its bases quantized there
+    and split, and the load fills each rank's NF4 rows of the whole weight; nothing initialises them."""
+    lp = job.plan.lora
+    return lp is not None and lp.nf4 and lp.nf4_shards > 1 and bool(job.config.checkpoint.initial_load_path)
+
+
+def init_on_shards(job: Job, part: nn.Module, device: torch.device) -> None:
+    """Materialise a parallelized part on `device` and initialise it on its shards: the model's own
+    init_weights (NF4 bases left out: they come from the load) and the adapters'.
+
+    Args:
+        job: the resolved job (its plan's [lora]).
+        part: a parallelized part still on meta.
+        device: where it is materialized.
+    """
+    part.to_empty(device=device)
+    lora.materialize_nf4(part, device)
+    with torch.no_grad(), lora.nf4_bases_aside(part):
+        cast(Any, part).init_weights(buffer_device=device)
+        lora.init_adapters(part)
+    lora.quantize_base(job.plan, part)
+
+
 def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, materialize: bool = True) -> ModelParts:
     """Build on meta in the plan's storage dtype, split into `stage_ids`, parallelize each part
     (TP, AC, compile, FSDP/DDP). Models up to FULL_INIT_MAX_PARAMS are initialised from the seed
@@ -305,7 +330,8 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
     num_params = count_params(model)
     fpt = family.flops_per_token(args, count_params(model, exclude_embedding=True), t.seq_len)
     torch.manual_seed(t.seed)
-    initialised = materialize and num_params <= FULL_INIT_MAX_PARAMS
+    base_loaded = nf4_base_loaded(job)
+    initialised = materialize and num_params <= FULL_INIT_MAX_PARAMS and not base_loaded
     if initialised:
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -313,19 +339,17 @@ def build_model_parts(job: Job, device: torch.device, stage_ids: list[int], *, m
             lora.init_adapters(model)
         lora.quantize_base(job.plan, model)
         model.to(device)
-    elif not materialize:
-        lora.quantize_base(job.plan, model)  # torchao quantizes on meta too: the dry run measures NF4's bytes
+    elif not materialize or base_loaded:
+        # torchao quantizes on meta too: the dry run measures NF4's bytes, and FSDP splits the
+        # meta NF4 bases that the load then fills (each weight read whole, quantized, rows kept).
+        lora.quantize_base(job.plan, model)
     parts = []
     for sid in stage_ids:
         part = stage_module(model, sid, list(job.boundaries)) if job.dims.pp_enabled else model
         parallelize_model(part, family, job.dims, job.plan, job.config)
         if materialize:
             if not initialised:
-                part.to_empty(device=device)
-                with torch.no_grad():
-                    cast(Any, part).init_weights(buffer_device=device)
-                    lora.init_adapters(part)
-                lora.quantize_base(job.plan, part)
+                init_on_shards(job, part, device)
             part.train()
         parts.append(part)
     if materialize:
