@@ -24,7 +24,7 @@ _TORCH_OK="$_TORCH_NEW"'; sys.exit(not new)'
 _DEPS_CHECK="$_TORCH_NEW"'
 import torchdata, tensorboard, pytest, hypothesis, numpy, tokenizers, tiktoken, pyarrow, zstandard, tqdm, importlib.util
 sys.version_info >= (3, 11) or __import__("tomli")
-sys.exit(not new or any(importlib.util.find_spec(m) is None for m in ("torchao", "safetensors", "transformers", "datasets", "matplotlib", "wandb", "torchft")))'
+sys.exit(not new or any(importlib.util.find_spec(m) is None for m in ("torchao", "safetensors", "transformers", "peft", "jinja2", "datasets", "matplotlib", "wandb", "torchft")))'
 
 _find_python() {
   if [ -n "${PYTHON:-}" ]; then
