@@ -222,6 +222,7 @@ LORA_BOTH_WAYS = [
 LORA_LAYOUTS = {
     **LAYOUTS,
     "cp": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "ddp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
 }
 
 
@@ -284,8 +285,11 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ("qlora_export", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
             ("lora_cp", "cp", LORA_BOTH_WAYS),
             ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_ddp", "ddp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_pp", "pp", [*LORA_BOTH_WAYS, *QLORA]),
         )
     ]
+    jobs += [_qlora_ddp_audit(root, folder, tokenizer_folder)]
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
     jobs += [
         {"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
@@ -293,6 +297,16 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     ]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
+
+
+QLORA_BF16 = ["--mixed_precision.enabled", "true", "--mixed_precision.reduce_dtype", "bfloat16"]
+
+
+def _qlora_ddp_audit(root: Path, folder: Path, tokenizer_folder: Path) -> dict:
+    """QLoRA on DDP 2 in bf16 with bf16 gradient reduction (the compress hook): the audit's
+    record of one step's collectives."""
+    args = _job(root / "qlora_ddp_audit", folder, tokenizer_folder, *LORA_LAYOUTS["ddp"], *LORA_STEP)
+    return {"audit": str(root / "qlora_ddp_audit.json"), "args": [*args, *LORA_BOTH_WAYS, *QLORA, *QLORA_BF16]}
 
 
 def _model_only_base(folder: Path, step: Path) -> Path:
