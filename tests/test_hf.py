@@ -480,6 +480,51 @@ def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
         _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
+def _assert_nf4_bases(run: dict, folder: Path, shards: int) -> None:
+    """Every NF4 base of the run (wq, wv, wo, w2 of each block), dequantized, is bitwise torchao's
+    NF4 of the folder's weight in the blocks a split over `shards` ranks uses."""
+    from torchtitan_amp.precision import lora
+
+    reference = _ours(folder).state_dict()
+    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+    assert len(bases) == 4 * ARGS.n_layers
+    for name in bases:
+        blocks = lora.nf4_blocks(name, reference[name].numel(), shards)
+        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+        assert torch.equal(run["nf4"][name], lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()), (
+            name
+        )
+
+
+def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
+    """QLoRA on DDP 2 (each rank the whole NF4 model; DDP's reducer holds the adapters only, and
+    its broadcast, which would requantize the NF4 bases, is off) after one step: every base is
+    bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS and every adapter gradient
+    are bitwise one process QLoRA's (both ranks compute the same tokens: the mean of two equal fp32
+    gradients is each). In bf16 with the bf16 compress hook (the audit's record of a step), the
+    gradient all-reduce carries the adapters' gradients, 2 bytes each, and nothing of the base.
+    Measured (torch 2.13 CPU, gloo): loss and gradients bitwise; 19456 bf16 bytes, 9728 adapters."""
+    run = torch.load(dist_run / "qlora_ddp.pt", weights_only=True)
+    _assert_nf4_bases(run, hf[0], 1)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA), 0.0)
+    adapters = sum(g.numel() for g in run["grads"].values())
+    audit = json.loads((dist_run / "qlora_ddp_audit.json").read_text())
+    assert audit["collectives"]["all_reduce:dp_replicate"]["bfloat16"] == 2 * adapters, audit["collectives"]
+
+
+def test_qlora_on_pp_2_equals_one_process(hf, dist_run):
+    """QLoRA on PP 2 (each stage its blocks' NF4 bases: the stage split shares them, as torchao's
+    clone would requantize) after one step: every base is bitwise torchao's NF4 of the folder's
+    weight, and the loss of TOKENS (the trainer's pipeline step, two microbatches) and every
+    adapter gradient equal one process QLoRA's. Bound as the FSDP rows (1e-5): the microbatches'
+    losses and gradients add in another order than one batch's; measured (torch 2.13 CPU, gloo):
+    loss within 1.8e-7 relative, gradients within 3.1e-7 of their largest entry."""
+    run = torch.load(dist_run / "qlora_pp.pt", weights_only=True)
+    assert len(run["grads"]) == 2 * 4 * ARGS.n_layers
+    _assert_nf4_bases(run, hf[0], 1)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA), 1e-5)
+
+
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):
     """FSDP 2 x TP 2 (4 ranks): 2-D DTensors, FSDP sharding TP's column shards of q and k again
     (one head per rank)."""

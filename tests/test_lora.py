@@ -73,13 +73,26 @@ def test_plan_decides_each_part() -> None:
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
         (
-            ["--lora.quantize_base", "nf4", "--parallelism.data_parallel_replicate_degree", "2"],
-            "one process and on FSDP",
+            [
+                "--lora.quantize_base",
+                "nf4",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+            ],
+            "HSDP's replicated shards",
         ),
     ],
 )
 def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
-    world = 2 if any(o.endswith("degree") for o in overrides) else 1
+    world = (
+        4
+        if "--parallelism.data_parallel_shard_degree" in overrides
+        else 2
+        if any(o.endswith("degree") for o in overrides)
+        else 1
+    )
     with pytest.raises(PrecisionError, match=message) as e:
         _plan(*overrides, world=world)
     assert "\n" not in str(e.value)
