@@ -430,12 +430,13 @@ def test_lora_on_cp_2_equals_one_process(hf, dist_run):
 
 
 FSDP_X_TP = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
 
 
 @pytest.fixture(scope="module")
 def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     """One 4-rank launch on FSDP 2 x TP 2: the import's logits of TOKENS, then LoRA's step as
-    dist_run's TP row."""
+    dist_run's TP row; and QLoRA's step on HSDP 2 x 2."""
     root = tmp_path_factory.mktemp("fsdp_x_tp")
     jobs = [
         {
@@ -447,6 +448,11 @@ def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
         {
             "args": _job(root / "lora", hf[0], tokenizer_folder, *FSDP_X_TP, *LORA_STEP, *LORA_BOTH_WAYS),
             "lora_grads": str(root / "lora.pt"),
+            "tokens": TOKENS.tolist(),
+        },
+        {
+            "args": _job(root / "qlora_hsdp", hf[0], tokenizer_folder, *HSDP, *LORA_STEP, *LORA_BOTH_WAYS, *QLORA),
+            "lora_grads": str(root / "qlora_hsdp.pt"),
             "tokens": TOKENS.tolist(),
         },
     ]
@@ -523,6 +529,17 @@ def test_qlora_on_pp_2_equals_one_process(hf, dist_run):
     assert len(run["grads"]) == 2 * 4 * ARGS.n_layers
     _assert_nf4_bases(run, hf[0], 1)
     _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA), 1e-5)
+
+
+def test_qlora_on_hsdp_2x2_equals_one_process(hf, fsdp_x_tp_run):
+    """QLoRA on HSDP (2 replicas of FSDP 2; the NF4 bases split over dp_shard, each replica a whole
+    copy) after one step: every base, each shard once, is bitwise torchao's NF4 of the folder's
+    weight in FSDP 2's blocks, and the loss of TOKENS and every adapter gradient equal one process
+    QLoRA's with those blocks. Bound as the FSDP rows (1e-5); measured (torch 2.13 CPU, gloo): loss
+    and every gradient bitwise equal."""
+    run = torch.load(fsdp_x_tp_run / "qlora_hsdp.pt", weights_only=True)
+    _assert_nf4_bases(run, hf[0], 2)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):

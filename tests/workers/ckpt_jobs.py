@@ -290,10 +290,11 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
 
 
 def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """QLoRA's NF4 base weights, dequantized by torchao: FSDP's shards joined in rank order (its
+    """QLoRA's NF4 base weights, dequantized by torchao: FSDP's shards joined in row order (its
     dim-0 split), a replica (DDP) or stage (PP) whole, every stage's; with the scaler block they
     were quantized in."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from torchtitan_amp.precision import lora
 
@@ -301,9 +302,11 @@ def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
     for part in trainer.run.model_parts:
         for name, p in part.named_parameters():
             if lora.is_nf4(p):
-                if isinstance(p, DTensor):
+                if isinstance(p, DTensor):  # each shard once, by its first row (HSDP's replicas repeat them)
                     local = p.to_local()
-                    out[name] = torch.cat([cast(torch.Tensor, t) for t in _gather(local.get_original_weight())])
+                    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    rows = dict(cast(list, _gather((offset[0], local.get_original_weight()))))
+                    out[name] = torch.cat([rows[start] for start in sorted(rows)])
                 else:
                     local = p
                     out[name] = local.get_original_weight().detach().cpu()

@@ -50,7 +50,7 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
 
     Args:
         config: the job config ([lora], training.dtype, mixed_precision's fp8 / block_scaled).
-        dims: the parallel layout (EP is refused; QLoRA on HSDP and TP too).
+        dims: the parallel layout (EP is refused; QLoRA on TP too).
         compute: what the plan's Linears compute in (param_dtype off the full path, else storage).
     """
     lo = config.lora
@@ -78,11 +78,11 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with checkpoint.last_save_model_only / last_save_hf: a LoRA checkpoint holds the "
             "adapters; merge and export them with torchtitan_amp.checkpoint.lora_export (export_merged_hf, export_peft)"
         )
-    if lo.quantize_base == "nf4" and (dims.hsdp_enabled or dims.tp_enabled):
+    if lo.quantize_base == "nf4" and dims.tp_enabled:
         raise PrecisionError(
-            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process, FSDP, DDP, context and pipeline parallel: "
-            "HSDP's replicated shards and tensor parallel's split of the base do not carry torchao's NF4Tensor "
-            "here; use FSDP or DDP alone, or 'none' (a bf16 base) for them"
+            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process, FSDP, HSDP, DDP, context and pipeline "
+            "parallel: tensor parallel's split of the base weight is not carried for torchao's NF4Tensor here; "
+            "use 'none' (a bf16 base) under tensor parallel"
         )
     return LoraPlan(
         rank=lo.rank,
