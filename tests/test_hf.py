@@ -259,7 +259,8 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
     # QLoRA (NF4 bases) on FSDP 2, also from a DCP checkpoint of the folder's weights (qlora_dcp).
     # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
-    # materialised: its NF4 base comes from the load only).
+    # materialised: its NF4 base comes from the load only). QLoRA on DDP 2 and PP 2 takes that
+    # size's path too (each rank or stage initialises its whole part, quantizes it, then loads).
     bases = {"qlora_dcp": root / "dcp_base", "qlora_export": _model_only_base(folder, root / "export_base")}
     with quiet_single_process():
         dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(bases["qlora_dcp"]), no_dist=True)
@@ -275,7 +276,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
-            **({"full_init_max_params": 0} if name == "qlora" else {}),
+            **({"full_init_max_params": 0} if name in ("qlora", "qlora_ddp", "qlora_pp") else {}),
         }
         for name, layout, extra in (
             ("lora", "fsdp", []),
@@ -503,8 +504,9 @@ def _assert_nf4_bases(run: dict, folder: Path, shards: int) -> None:
 
 
 def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
-    """QLoRA on DDP 2 (each rank the whole NF4 model; DDP's reducer holds the adapters only, and
-    its broadcast, which would requantize the NF4 bases, is off) after one step: every base is
+    """QLoRA on DDP 2 (each rank the whole NF4 model, built as a model above the full-init size
+    is; DDP's reducer holds the adapters only, and its broadcast, which would requantize the NF4
+    bases, is off) after one step: every base is
     bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS and every adapter gradient
     are bitwise one process QLoRA's (both ranks compute the same tokens: the mean of two equal fp32
     gradients is each). In bf16 with the bf16 compress hook (the audit's record of a step), the
@@ -520,7 +522,7 @@ def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
 
 def test_qlora_on_pp_2_equals_one_process(hf, dist_run):
     """QLoRA on PP 2 (each stage its blocks' NF4 bases: the stage split shares them, as torchao's
-    clone would requantize) after one step: every base is bitwise torchao's NF4 of the folder's
+    clone would requantize; built as a model above the full-init size is) after one step: every base is bitwise torchao's NF4 of the folder's
     weight, and the loss of TOKENS (the trainer's pipeline step, two microbatches) and every
     adapter gradient equal one process QLoRA's. Bound as the FSDP rows (1e-5): the microbatches'
     losses and gradients add in another order than one batch's; measured (torch 2.13 CPU, gloo):
