@@ -523,10 +523,11 @@ def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
 def test_qlora_on_pp_2_equals_one_process(hf, dist_run):
     """QLoRA on PP 2 (each stage its blocks' NF4 bases: the stage split shares them, as torchao's
     clone would requantize; built as a model above the full-init size is) after one step: every
-    base is bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS (the trainer's pipeline step, two microbatches) and every
-    adapter gradient equal one process QLoRA's. Bound as the FSDP rows (1e-5): the microbatches'
-    losses and gradients add in another order than one batch's; measured (torch 2.13 CPU, gloo):
-    loss within 1.8e-7 relative, gradients within 3.1e-7 of their largest entry."""
+    base is bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS (the trainer's
+    pipeline step, two microbatches) and every adapter gradient equal one process QLoRA's. Bound
+    as the FSDP rows (1e-5): the microbatches' losses and gradients add in another order than one
+    batch's; measured (torch 2.13 CPU, gloo): loss within 1.8e-7 relative, gradients within 3.1e-7
+    of their largest entry."""
     run = torch.load(dist_run / "qlora_pp.pt", weights_only=True)
     assert len(run["grads"]) == 2 * 4 * ARGS.n_layers
     _assert_nf4_bases(run, hf[0], 1)
