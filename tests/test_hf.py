@@ -222,6 +222,7 @@ LORA_BOTH_WAYS = [
 LORA_LAYOUTS = {
     **LAYOUTS,
     "cp": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "ddp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
 }
 
 
@@ -258,7 +259,8 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     # FSDP 2, on TP 2 (+SP) with column-wise (wq, wv) and row-wise (wo, w2) adapted bases, and
     # QLoRA (NF4 bases) on FSDP 2, also from a DCP checkpoint of the folder's weights (qlora_dcp).
     # QLoRA takes the path a model above the full-init size takes (built on meta, sharded, then
-    # materialised: its NF4 base comes from the load only).
+    # materialised: its NF4 base comes from the load only). QLoRA on DDP 2 and PP 2 takes that
+    # size's path too (each rank or stage initialises its whole part, quantizes it, then loads).
     bases = {"qlora_dcp": root / "dcp_base", "qlora_export": _model_only_base(folder, root / "export_base")}
     with quiet_single_process():
         dcp.save({"model": _ours(folder).state_dict()}, checkpoint_id=str(bases["qlora_dcp"]), no_dist=True)
@@ -274,7 +276,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
-            **({"full_init_max_params": 0} if name == "qlora" else {}),
+            **({"full_init_max_params": 0} if name in ("qlora", "qlora_ddp", "qlora_pp") else {}),
         }
         for name, layout, extra in (
             ("lora", "fsdp", []),
@@ -284,8 +286,11 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ("qlora_export", "fsdp", [*LORA_BOTH_WAYS, *QLORA]),
             ("lora_cp", "cp", LORA_BOTH_WAYS),
             ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_ddp", "ddp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("qlora_pp", "pp", [*LORA_BOTH_WAYS, *QLORA]),
         )
     ]
+    jobs += [_qlora_ddp_audit(root, folder, tokenizer_folder)]
     # tools/generate.py on 2 ranks (TP 2) from the trained step: greedy and seeded sampling.
     jobs += [
         {"generate": str(root / f"generate_tp_{name}.json"), "args": _generate_args(root, tokenizer_folder, *extra)}
@@ -293,6 +298,16 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     ]
     launch_worker("ckpt_jobs", root, jobs, 2, flavor=FLAVOR)
     return root
+
+
+QLORA_BF16 = ["--mixed_precision.enabled", "true", "--mixed_precision.reduce_dtype", "bfloat16"]
+
+
+def _qlora_ddp_audit(root: Path, folder: Path, tokenizer_folder: Path) -> dict:
+    """QLoRA on DDP 2 in bf16 with bf16 gradient reduction (the compress hook): the audit's
+    record of one step's collectives."""
+    args = _job(root / "qlora_ddp_audit", folder, tokenizer_folder, *LORA_LAYOUTS["ddp"], *LORA_STEP)
+    return {"audit": str(root / "qlora_ddp_audit.json"), "args": [*args, *LORA_BOTH_WAYS, *QLORA, *QLORA_BF16]}
 
 
 def _model_only_base(folder: Path, step: Path) -> Path:
@@ -416,12 +431,13 @@ def test_lora_on_cp_2_equals_one_process(hf, dist_run):
 
 
 FSDP_X_TP = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
 
 
 @pytest.fixture(scope="module")
 def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
     """One 4-rank launch on FSDP 2 x TP 2: the import's logits of TOKENS, then LoRA's step as
-    dist_run's TP row."""
+    dist_run's TP row; and QLoRA's step on HSDP 2 x 2."""
     root = tmp_path_factory.mktemp("fsdp_x_tp")
     jobs = [
         {
@@ -433,6 +449,11 @@ def fsdp_x_tp_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
         {
             "args": _job(root / "lora", hf[0], tokenizer_folder, *FSDP_X_TP, *LORA_STEP, *LORA_BOTH_WAYS),
             "lora_grads": str(root / "lora.pt"),
+            "tokens": TOKENS.tolist(),
+        },
+        {
+            "args": _job(root / "qlora_hsdp", hf[0], tokenizer_folder, *HSDP, *LORA_STEP, *LORA_BOTH_WAYS, *QLORA),
+            "lora_grads": str(root / "qlora_hsdp.pt"),
             "tokens": TOKENS.tolist(),
         },
     ]
@@ -464,6 +485,64 @@ def test_qlora_on_fsdp_2_equals_one_process(hf, dist_run):
             want = lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()
             assert torch.equal(run["nf4"][name], want), (job, name)
         _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
+
+
+def _assert_nf4_bases(run: dict, folder: Path, shards: int) -> None:
+    """Every NF4 base of the run (wq, wv, wo, w2 of each block), dequantized, is bitwise torchao's
+    NF4 of the folder's weight in the blocks a split over `shards` ranks uses."""
+    from torchtitan_amp.precision import lora
+
+    reference = _ours(folder).state_dict()
+    bases = [n for n in run["nf4"] if not n.endswith(":scaler_block")]
+    assert len(bases) == 4 * ARGS.n_layers
+    for name in bases:
+        blocks = lora.nf4_blocks(name, reference[name].numel(), shards)
+        assert int(run["nf4"][f"{name}:scaler_block"]) == blocks[1]
+        assert torch.equal(run["nf4"][name], lora.nf4_api().to_nf4(reference[name], *blocks).get_original_weight()), (
+            name
+        )
+
+
+def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
+    """QLoRA on DDP 2 (each rank the whole NF4 model, built as a model above the full-init size
+    is; DDP's reducer holds the adapters only, and its broadcast, which would requantize the NF4
+    bases, is off) after one step: every base is
+    bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS and every adapter gradient
+    are bitwise one process QLoRA's (both ranks compute the same tokens: the mean of two equal fp32
+    gradients is each). In bf16 with the bf16 compress hook (the audit's record of a step), the
+    gradient all-reduce carries the adapters' gradients, 2 bytes each, and nothing of the base.
+    Measured (torch 2.13 CPU, gloo): loss and gradients bitwise; 19456 bf16 bytes, 9728 adapters."""
+    run = torch.load(dist_run / "qlora_ddp.pt", weights_only=True)
+    _assert_nf4_bases(run, hf[0], 1)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA), 0.0)
+    adapters = sum(g.numel() for g in run["grads"].values())
+    audit = json.loads((dist_run / "qlora_ddp_audit.json").read_text())
+    assert audit["collectives"]["all_reduce:dp_replicate"]["bfloat16"] == 2 * adapters, audit["collectives"]
+
+
+def test_qlora_on_pp_2_equals_one_process(hf, dist_run):
+    """QLoRA on PP 2 (each stage its blocks' NF4 bases: the stage split shares them, as torchao's
+    clone would requantize; built as a model above the full-init size is) after one step: every
+    base is bitwise torchao's NF4 of the folder's weight, and the loss of TOKENS (the trainer's
+    pipeline step, two microbatches) and every adapter gradient equal one process QLoRA's. Bound
+    as the FSDP rows (1e-5): the microbatches' losses and gradients add in another order than one
+    batch's; measured (torch 2.13 CPU, gloo): loss bitwise equal, gradients within 3.3e-7 of their
+    largest entry."""
+    run = torch.load(dist_run / "qlora_pp.pt", weights_only=True)
+    assert len(run["grads"]) == 2 * 4 * ARGS.n_layers
+    _assert_nf4_bases(run, hf[0], 1)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA), 1e-5)
+
+
+def test_qlora_on_hsdp_2x2_equals_one_process(hf, fsdp_x_tp_run):
+    """QLoRA on HSDP (2 replicas of FSDP 2; the NF4 bases split over dp_shard, each replica a whole
+    copy) after one step: every base, each shard once, is bitwise torchao's NF4 of the folder's
+    weight in FSDP 2's blocks, and the loss of TOKENS and every adapter gradient equal one process
+    QLoRA's with those blocks. Bound as the FSDP rows (1e-5); measured (torch 2.13 CPU, gloo): loss
+    and every gradient bitwise equal."""
+    run = torch.load(fsdp_x_tp_run / "qlora_hsdp.pt", weights_only=True)
+    _assert_nf4_bases(run, hf[0], 2)
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, *QLORA, nf4_shards=2), 1e-5)
 
 
 def test_import_matches_transformers_on_fsdp_x_tp(hf, fsdp_x_tp_run):

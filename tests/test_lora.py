@@ -72,10 +72,6 @@ def test_plan_decides_each_part() -> None:
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
-        (
-            ["--lora.quantize_base", "nf4", "--parallelism.data_parallel_replicate_degree", "2"],
-            "one process and on FSDP",
-        ),
     ],
 )
 def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
@@ -83,6 +79,21 @@ def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None
     with pytest.raises(PrecisionError, match=message) as e:
         _plan(*overrides, world=world)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("layout", "world", "shards"),
+    [
+        (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2, 1),
+        (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"], 4, 2),
+        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"], 2, 1),
+    ],
+)
+def test_qlora_plans_on_ddp_hsdp_and_pp(layout: list[str], world: int, shards: int) -> None:
+    """QLoRA on DDP 2, HSDP 2 x 2 and PP 2: NF4 bases, split in blocks over FSDP's shard ranks only
+    (a DDP replica or a pipeline stage holds each base whole; tests/test_hf.py trains them)."""
+    got = _plan(*FP32, "--lora.quantize_base", "nf4", *layout, world=world).lora
+    assert got is not None and got.nf4 and got.nf4_shards == shards
 
 
 @pytest.mark.parametrize(

@@ -259,13 +259,15 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
-    adapters = lora.adapter_parameters(trainer.run.model)
+    adapters = {n: p for part in trainer.run.model_parts for n, p in lora.adapter_parameters(part).items()}
     for p in adapters.values():
         p.grad = None
-    if trainer.run.dims.cp_enabled:  # each rank its chunks of the windows: the trainer's own step
+    dims = trainer.run.dims
+    if dims.cp_enabled or dims.pp_enabled:  # each rank its chunks or its stage: the trainer's own step
         labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
         share = trainer.forward_backward(tokens.to(trainer.run.device), labels.to(trainer.run.device))
-        loss = torch.stack([cast(torch.Tensor, s).cpu() for s in _gather(share)]).mean()
+        shares = torch.stack([cast(torch.Tensor, s).cpu() for s in _gather(share)])
+        loss = shares.sum() if dims.pp_enabled else shares.mean()  # PP: the last stage's loss, 0 elsewhere
     else:
         logits = trainer.run.model(tokens.to(trainer.run.device))
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -273,6 +275,9 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
         loss.backward()
     values = {n: full(p) for n, p in adapters.items()}
     grads = {n: full(p.grad) for n, p in adapters.items()}
+    if dims.pp_enabled:  # each stage its blocks' adapters: all of them, from every rank
+        values = {n: v for part in _gather(values) for n, v in cast(dict, part).items()}
+        grads = {n: g for part in _gather(grads) for n, g in cast(dict, part).items()}
     placements = {n: str(p.placements) for n, p in adapters.items() if isinstance(p, DTensor)}
     result = {
         "loss": float(loss),
@@ -285,18 +290,29 @@ def _lora_grads(trainer: Trainer, tokens: torch.Tensor) -> dict | None:
 
 
 def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """QLoRA's NF4 base weights, each rank's shard dequantized by torchao and the shards joined
-    in rank order (FSDP's dim-0 split), with the scaler block they were quantized in."""
+    """QLoRA's NF4 base weights, dequantized by torchao: FSDP's shards joined in row order (its
+    dim-0 split), a replica (DDP) or stage (PP) whole, every stage's; with the scaler block they
+    were quantized in."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from torchtitan_amp.precision import lora
 
     out = {}
-    for name, p in trainer.run.model.named_parameters():
-        if lora.is_nf4(p):
-            local = p.to_local() if isinstance(p, DTensor) else p
-            out[name] = torch.cat([cast(torch.Tensor, t) for t in _gather(local.get_original_weight())])
-            out[f"{name}:scaler_block"] = torch.tensor(local.scaler_block_size)
+    for part in trainer.run.model_parts:
+        for name, p in part.named_parameters():
+            if lora.is_nf4(p):
+                if isinstance(p, DTensor):  # each shard once, by its first row (HSDP's replicas repeat them)
+                    local = p.to_local()
+                    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    rows = dict(cast(list, _gather((offset[0], local.get_original_weight()))))
+                    out[name] = torch.cat([rows[start] for start in sorted(rows)])
+                else:
+                    local = p
+                    out[name] = local.get_original_weight().detach().cpu()
+                out[f"{name}:scaler_block"] = torch.tensor(local.scaler_block_size)
+    if trainer.run.dims.pp_enabled:
+        out = {n: t for stage in _gather(out) for n, t in cast(dict, stage).items()}
     return out
 
 

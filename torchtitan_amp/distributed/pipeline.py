@@ -128,7 +128,11 @@ def stage_module(model: nn.Module, stage: int, boundaries: list[int]) -> nn.Modu
     end = boundaries[stage + 1] if stage + 1 < len(boundaries) else n_layers
     # Any: the decoder shape of models/spec.py, whose ends a stage sets to None (nn.Module's stubs
     # allow only a Tensor or Module there).
-    part: Any = copy.deepcopy(model)
+    # A frozen tensor-subclass parameter (QLoRA's NF4 base) is the stage's own, not a copy: torchao's
+    # NF4Tensor clones by dequantizing and requantizing in its default blocks, which a small
+    # weight's block count does not divide and which would not be bitwise the base it quantized.
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad and type(p) is not nn.Parameter}
+    part: Any = copy.deepcopy(model, shared)
     for i in range(n_layers):
         if not start <= i < end:
             del part.layers[str(i)]

@@ -50,7 +50,7 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
 
     Args:
         config: the job config ([lora], training.dtype, mixed_precision's fp8 / block_scaled).
-        dims: the parallel layout (EP is refused; QLoRA runs on one process, FSDP and CP).
+        dims: the parallel layout (EP is refused; QLoRA on TP too).
         compute: what the plan's Linears compute in (param_dtype off the full path, else storage).
     """
     lo = config.lora
@@ -78,11 +78,11 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "'lora.enable' with checkpoint.last_save_model_only / last_save_hf: a LoRA checkpoint holds the "
             "adapters; merge and export them with torchtitan_amp.checkpoint.lora_export (export_merged_hf, export_peft)"
         )
-    if lo.quantize_base == "nf4" and (dims.dp_replicate > 1 or dims.pp_enabled or dims.tp_enabled):
+    if lo.quantize_base == "nf4" and dims.tp_enabled:
         raise PrecisionError(
-            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process and on FSDP (data_parallel_shard_degree) "
-            "only: DDP / HSDP replication, tensor parallel and the pipeline split do not carry torchao's "
-            "NF4Tensor here; use 'none' (a bf16 base) for them"
+            "'lora.quantize_base' = 'nf4' (QLoRA) runs on one process, FSDP, HSDP, DDP, context and pipeline "
+            "parallel: tensor parallel's split of the base weight is not carried for torchao's NF4Tensor here; "
+            "use 'none' (a bf16 base) under tensor parallel"
         )
     return LoraPlan(
         rank=lo.rank,
