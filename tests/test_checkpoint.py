@@ -174,35 +174,43 @@ def _export(layout: str, precision: str) -> list[str]:
     return []
 
 
+# Layouts whose jobs share one launch (the same ranks): the worker runs them one after another.
+MATRIX_LAUNCHES = (("single",), ("ddp", "fsdp"))
+
+
+def _matrix_jobs(layout: str, root: Path) -> list[dict]:
+    """Each precision's job A and its resume B on `layout`."""
+    jobs = []
+    for precision in PRECISIONS:
+        a, b = root / precision / "a", root / precision / "b"
+        jobs.append(
+            {
+                "args": job_args(layout, precision, a, *_async(layout, precision)),
+                "perturb_rng": True,
+                "rng_out": str(root / precision / "rng_a.json"),
+            }
+        )
+        jobs.append(
+            {
+                "args": job_args(layout, precision, b, *_async(layout, precision), *_export(layout, precision)),
+                "copy": [
+                    [str(a / "checkpoint" / f"step-{RESUME_FROM}"), str(b / "checkpoint" / f"step-{RESUME_FROM}")]
+                ],
+                "rng_out": str(root / precision / "rng_b.json"),
+            }
+        )
+    return jobs
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     def run(layout: str) -> Path:
         if layout not in _MATRIX:
-            root = tmp_path_factory.mktemp(f"matrix_{layout}")
-            jobs = []
-            for precision in PRECISIONS:
-                a, b = root / precision / "a", root / precision / "b"
-                jobs.append(
-                    {
-                        "args": job_args(layout, precision, a, *_async(layout, precision)),
-                        "perturb_rng": True,
-                        "rng_out": str(root / precision / "rng_a.json"),
-                    }
-                )
-                jobs.append(
-                    {
-                        "args": job_args(layout, precision, b, *_async(layout, precision), *_export(layout, precision)),
-                        "copy": [
-                            [
-                                str(a / "checkpoint" / f"step-{RESUME_FROM}"),
-                                str(b / "checkpoint" / f"step-{RESUME_FROM}"),
-                            ]
-                        ],
-                        "rng_out": str(root / precision / "rng_b.json"),
-                    }
-                )
-            launch_worker("ckpt_jobs", root, jobs, LAYOUTS[layout][0])
-            _MATRIX[layout] = root
+            (launch,) = [group for group in MATRIX_LAUNCHES if layout in group]
+            roots = {name: tmp_path_factory.mktemp(f"matrix_{name}") for name in launch}
+            jobs = [job for name in launch for job in _matrix_jobs(name, roots[name])]
+            launch_worker("ckpt_jobs", roots[layout], jobs, LAYOUTS[layout][0], timeout=240 * len(launch))
+            _MATRIX.update(roots)
         return _MATRIX[layout]
 
     return run

@@ -162,12 +162,20 @@ def _alive_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, contex
         found[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), Made():
-        out = model(tokens)
-    gc.collect()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and _data_ptr(obj) in made:
-            found.setdefault(obj.untyped_storage().data_ptr(), (tuple(obj.shape), obj.untyped_storage().nbytes()))
+    # The objects from before the forward (most of a test session's heap) go to the permanent
+    # generation, which neither collect() nor get_objects() walks: the collection and the scan see
+    # the objects made since, every tensor object of the forward among them, at a cost that is not
+    # the heap's.
+    gc.freeze()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context(), Made():
+            out = model(tokens)
+        gc.collect()
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor) and _data_ptr(obj) in made:
+                found.setdefault(obj.untyped_storage().data_ptr(), (tuple(obj.shape), obj.untyped_storage().nbytes()))
+    finally:
+        gc.unfreeze()
     skip = params | {out.untyped_storage().data_ptr()}
     return sum(n for ptr, (shape, n) in found.items() if ptr not in skip and shape not in shapes)
 
