@@ -156,9 +156,7 @@ def test_generation_on_flex_equals_sdpa() -> None:
     gives the SDPA path's tokens."""
     model = _llama()
     prompt = [3, 17, 5, 9, 30, 2]
-    reference = generate(ModelRunner(model), prompt, 8).tokens
-    model.attention_backend = "flex"
-    assert generate(ModelRunner(model), prompt, 8).tokens == reference
+    _assert_cached_decode_on_flex_equals_sdpa(model, prompt, 8)
 
 
 def test_gpt_oss_generation_on_flex_equals_sdpa() -> None:
@@ -170,10 +168,27 @@ def test_gpt_oss_generation_on_flex_equals_sdpa() -> None:
     model.init_weights()
     model.eval()
     prompt = [3, 17, 5, 9, 30, 2]
-    steps = 2 * args.sliding_window
-    reference = generate(ModelRunner(model), prompt, steps).tokens
+    _assert_cached_decode_on_flex_equals_sdpa(model, prompt, 2 * args.sliding_window)
+
+
+def _assert_cached_decode_on_flex_equals_sdpa(model: torch.nn.Module, prompt: list[int], steps: int) -> None:
+    """Greedy generation on flex and on SDPA: the same tokens, and every step's logits (prefill
+    and each cached decode step) within MODEL_ATOL x their scale: greedy tokens alone survive a
+    wrong sink or window on a small random model, the logits do not."""
+
+    def run() -> tuple[list[int], list[torch.Tensor]]:
+        logits: list[torch.Tensor] = []
+        runner = ModelRunner(model, cast_output=lambda out: logits.append(out.detach().clone()) or out)
+        return generate(runner, prompt, steps).tokens, logits
+
+    model.attention_backend = "sdpa"
+    tokens, reference = run()
     model.attention_backend = "flex"
-    assert generate(ModelRunner(model), prompt, steps).tokens == reference
+    flex_tokens, flex = run()
+    assert flex_tokens == tokens and len(flex) == len(reference) == steps
+    scale = max(r.abs().max().item() for r in reference)
+    for step, (got, want) in enumerate(zip(flex, reference)):
+        torch.testing.assert_close(got, want, rtol=0, atol=MODEL_ATOL * max(scale, 1.0), msg=f"step {step}")
 
 
 @pytest.mark.parametrize(
