@@ -72,10 +72,15 @@ def test_plan_decides_each_part() -> None:
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
+        (["--lora.quantize_base", "fp8", "--parallelism.data_parallel_shard_degree", "2"], "one process, DDP"),
+        (["--lora.quantize_base", "fp8", "--parallelism.tensor_parallel_degree", "2"], "one process, DDP"),
+        (["--lora.quantize_base", "fp8", "--mixed_precision.fp8", "tensorwise"], "fp8 / block_scaled"),
     ],
 )
 def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
     world = 2 if any(o.endswith("degree") for o in overrides) else 1
+    if "--parallelism.tensor_parallel_degree" in overrides and "fp8" in overrides:
+        overrides = [*overrides, "--parallelism.data_parallel_shard_degree", "1"]
     with pytest.raises(PrecisionError, match=message) as e:
         _plan(*overrides, world=world)
     assert "\n" not in str(e.value)
@@ -383,6 +388,104 @@ def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(PrecisionError, match="needs torchao's NF4Tensor") as e:
         lora.nf4_api()
     assert "\n" not in str(e.value)
+
+
+# --- an fp8 base: float8_e4m3fn codes with fp32 row scales -----------------------------------------
+
+
+def test_fp8_base_plans_on_ddp_and_pp_and_reports_its_dtypes() -> None:
+    """quantize_base = 'fp8': the base stored float8_e4m3fn with fp32 row scales, dequantized to the
+    compute dtype (bf16 here) for its matmul, no gradient; fp32 adapters; DDP 2 and PP 2 plan it."""
+    got = _plan(*BF16, "--lora.quantize_base", "fp8").lora
+    assert got is not None and got.fp8 and not got.nf4
+    assert got.parts()["base"] == {
+        "storage_dtype": "float8_e4m3fn",
+        "scale_dtype": "float32",
+        "compute_dtype": "bfloat16",
+        "grad_dtype": None,
+    }
+    assert got.parts()["adapters"] == {"storage_dtype": "float32", "compute_dtype": "bfloat16", "grad_dtype": "float32"}
+    for layout in (
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    ):
+        lp = _plan(*FP32, "--lora.quantize_base", "fp8", *layout, world=2).lora
+        assert lp is not None and lp.fp8
+
+
+def test_fp8_row_error_is_within_e4m3s_bound() -> None:
+    """rowwise_e4m3: scale = amax / 448 per row (fp32); e4m3 keeps 3 mantissa bits, so round to
+    nearest moves a normal code (|w / s| >= 2^-6) by at most 2^-4 of itself and a subnormal one by at
+    most half its 2^-9 spacing: |w - deq| <= 2^-4 |w| + s 2^-9 (the fp32 division and product add
+    2^-24 relative, inside the slack of the subnormal term). Rows of very different magnitudes,
+    and an all-zero row, which stays zero."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 64) * torch.tensor([1e-4, 1e-2, 1.0, 30.0, 1e3, 0.0])[:, None]
+    w[2, :8] = torch.tensor([1e-6, -1e-5, 3e-4, 2.0, -5.0, 0.0, 7e-3, 1e-3])  # codes of every size
+    codes, scale = lora.rowwise_e4m3(w)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (6, 1)
+    assert torch.equal(scale[:5, 0], w[:5].abs().amax(dim=1) / 448)
+    deq = lora.dequantize_e4m3(codes, scale, torch.float32)
+    assert bool(((w - deq).abs() <= 2**-4 * w.abs() + scale * 2**-9).all())
+    assert torch.equal(deq[5], torch.zeros(64)) and codes.float().abs().max() == 448
+    codes2, scale2 = lora.rowwise_e4m3(w)  # deterministic
+    assert torch.equal(codes2.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(scale2, scale)
+
+
+def test_fp8_step_leaves_the_base_bit_identical_and_passes_the_audit(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *BF16, "--lora.quantize_base", "fp8", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        )
+    )
+    mods = lora.lora_modules(t.run.model)
+    assert mods and all(m.weight.dtype == torch.float8_e4m3fn and not m.weight.requires_grad for m in mods)
+    assert all(m.weight_scale.dtype == torch.float32 and m.compute_dtype == torch.bfloat16 for m in mods)
+    before = [(m.weight.detach().view(torch.uint8).clone(), m.weight_scale.clone()) for m in mods]
+    t.train()
+    for m, (codes, scale) in zip(mods, before):
+        assert torch.equal(m.weight.view(torch.uint8), codes) and torch.equal(m.weight_scale, scale)
+        assert m.weight.grad is None
+    assert any(float(m.lora_B.weight.detach().abs().max()) > 0 for m in mods)  # the adapters learned
+    audit = lora.audit(t.run.plan, [t.run.model])
+    assert audit == {"adapter gradients": ["float32"], "base parameters with a gradient": []}
+    report = json.loads((tmp_path / "precision_report.json").read_text())["lora"]
+    assert report["base"]["storage_dtype"] == "float8_e4m3fn" and report["base"]["scale_dtype"] == "float32"
+    assert report["base"]["compute_dtype"] == "bfloat16" and report["adapters"]["grad_dtype"] == "float32"
+
+
+def test_fp8_forward_is_lora_on_the_dequantized_base() -> None:
+    """An fp8 base computes on its dequantization (codes * scale in fp32, rounded once to the compute
+    dtype) and nothing else: loss and adapter gradients equal, bitwise, plain LoRA whose base is that
+    dequantized weight; the merge dequantizes the same way."""
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("fp8", "none")}
+    models = {}
+    for q, plan in plans.items():
+        torch.manual_seed(0)
+        models[q] = Transformer(args)
+        models[q].init_weights()
+        lora.apply_lora(plan, models[q])
+        torch.manual_seed(1)
+        lora.init_adapters(models[q])
+    lora.quantize_base(plans["fp8"], models["fp8"])
+    with torch.no_grad():
+        for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
+            deq = q_mod.base_weight()
+            assert deq.dtype == f_mod.weight.dtype and not torch.equal(deq, f_mod.weight)  # e4m3 rounds
+            f_mod.weight.copy_(deq)
+            q_mod.lora_B.weight.normal_(0, 0.02)
+            f_mod.lora_B.weight.copy_(q_mod.lora_B.weight)
+            assert torch.equal(q_mod.merged_weight(), f_mod.merged_weight())
+    losses = {q: _loss(m(TOKENS)) for q, m in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    assert torch.equal(losses["fp8"], losses["none"])
+    for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
+        assert torch.equal(q_mod.lora_A.weight.grad, f_mod.lora_A.weight.grad)
+        assert torch.equal(q_mod.lora_B.weight.grad, f_mod.lora_B.weight.grad)
 
 
 # --- checkpoints: the adapters and their optimizer state, resumed bitwise -------------------------
