@@ -502,7 +502,9 @@ def _adapters(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in lora.adapter_parameters(t.run.model).items()}
 
 
-def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_checkpoint_holds_adapters_and_resumes_bitwise(quantize: str, tmp_path: Path) -> None:
+    """Also with an fp8 base: re-quantized from initial_load_path on resume, bitwise the same codes."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -517,7 +519,7 @@ def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
         )
     ).train()
     base = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
-    straight = _run(tmp_path / "straight", *base)
+    straight = _run(tmp_path / "straight", *base, "--lora.quantize_base", quantize)
     step2 = tmp_path / "straight" / "checkpoint" / "step-2"
     saved = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
     model_keys = {k for k in saved if k.startswith("model.")}
@@ -530,18 +532,31 @@ def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
     resumed_folder = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "checkpoint", resumed_folder / "checkpoint")
     shutil.rmtree(resumed_folder / "checkpoint" / "step-4")
-    resumed = _run(resumed_folder, *base)
+    resumed = _run(resumed_folder, *base, "--lora.quantize_base", quantize)
     want, got = _adapters(straight), _adapters(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     named = dict(resumed.run.model.named_parameters())
     for n, p in straight.run.model.named_parameters():
-        assert torch.equal(p, named[n]), n  # the base too: reloaded from initial_load_path
+        # the base too: reloaded from initial_load_path (an fp8 base compared as its bits)
+        assert p.dtype == named[n].dtype and torch.equal(p.view(torch.uint8), named[n].view(torch.uint8)), n
+    if quantize == "fp8":
+        import torch.distributed.checkpoint as dcp
+
+        mods = dict(resumed.run.model.named_modules())
+        fp8 = [n for n, m in mods.items() if isinstance(m, lora.LoraLinear)]
+        assert fp8 and all(mods[n].weight.dtype == torch.float8_e4m3fn for n in fp8)
+        for n in fp8:  # the rowwise e4m3 of the saved weight, in the compute dtype (fp32 here)
+            saved_w = {"model": {f"{n}.weight": torch.empty(mods[n].weight.shape)}}
+            dcp.load(saved_w, checkpoint_id=base[1], no_dist=True)
+            codes, scale = lora.rowwise_e4m3(saved_w["model"][f"{n}.weight"])
+            assert torch.equal(mods[n].weight.view(torch.uint8), codes.view(torch.uint8)), n
+            assert torch.equal(mods[n].weight_scale, scale), n
 
 
 # --- the memory model ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", "nf4", "fp8"])
 def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> None:
     """memory.state_bytes on one process equals the built model: the frozen base in its storage
     (bf16 Linears, fp32 norms and embeddings; NF4's codes, scales and factors under QLoRA), the
@@ -555,6 +570,9 @@ def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> 
         key = "uint8" if lora.is_nf4(p) else str(p.dtype).removeprefix("torch.")
         inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if lora.is_nf4(p) else [p]
         params[key] = params.get(key, 0) + sum(t.numel() * t.element_size() for t in inner)
+    for m in lora.lora_modules(model):  # an fp8 base's fp32 row scales
+        if hasattr(m, "weight_scale"):
+            params["float32"] += m.weight_scale.numel() * 4
     adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
     got = state_bytes(job.model_dims, job.precision, job.layout)
     assert got.params == params, (got.params, params)
@@ -562,7 +580,7 @@ def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> 
     assert got.optimizer == {"float32": 8 * adapters + ADAMW_STEP_BYTES * len(lora.adapter_parameters(model))}
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", "nf4", "fp8"])
 def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Path) -> None:
     """The dry run's meta model (NF4 quantized on meta by torchao) and memory.state_bytes agree."""
     from torchtitan_amp.train import dry_run
@@ -637,7 +655,8 @@ def test_adapters_of_an_fp32_by_name_linear_compute_in_fp32() -> None:
         assert wq.weight.dtype == want  # the frozen base in what it computes in
 
 
-def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(quantize: str, tmp_path: Path) -> None:
     """`python -m torchtitan_amp.checkpoint export --format hf|peft` of a LoRA checkpoint (bf16 base
     from a seed-5 initial_load_path): it rebuilds the run's model bitwise (base in the dtypes it
     trained against, adapters), transformers gives the merged model's logits, and the PEFT folder
@@ -655,6 +674,7 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_
         )
     ).train()
     args = [*BASE, *BF16, "--training.steps", "2", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "run")]
+    args += ["--lora.quantize_base", quantize]  # fp8: the export re-quantizes the bf16 base, then merges
     t = trainer_module.Trainer(load_config([*args, "--checkpoint.initial_load_path", str(seed / "checkpoint/step-0")]))
     t.train()
     step = tmp_path / "run" / "checkpoint" / "step-2"
@@ -662,7 +682,9 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_
     want = dict(t.run.model.named_parameters())
     got = dict(model.named_parameters())
     assert got.keys() == want.keys()
-    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert all(
+        got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want
+    )
     assert checkpoint_cli(["export", "--format", "hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     assert checkpoint_cli(["export", "--format", "peft", str(step), str(tmp_path / "peft")]) == 0
     from torchtitan_amp.models.llama3.model import Transformer
