@@ -479,10 +479,20 @@ def test_fp8_forward_is_lora_on_the_dequantized_base() -> None:
             q_mod.lora_B.weight.normal_(0, 0.02)
             f_mod.lora_B.weight.copy_(q_mod.lora_B.weight)
             assert torch.equal(q_mod.merged_weight(), f_mod.merged_weight())
-    losses = {q: _loss(m(TOKENS)) for q, m in models.items()}
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        losses = {"fp8": _loss(models["fp8"](TOKENS))}
+    losses["none"] = _loss(models["none"](TOKENS))
     for loss in losses.values():
         loss.backward()
     assert torch.equal(losses["fp8"], losses["none"])
+    # backward keeps the 1-byte codes, not a dequantized copy of any base
+    # backward keeps the 1-byte codes (of every adapted Linear whose input needs a gradient: not
+    # layer 0's wq and wk, fed by the frozen embedding), never a dequantized copy of a base
+    deq = [m.base_weight() for m in lora.lora_modules(models["fp8"])]
+    assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == len(deq) - 2
+    same = [(t, v) for t in saved for w in deq for v in (w, w.t()) if t.dtype == v.dtype and t.shape == v.shape]
+    assert same and not any(torch.equal(t, v) for t, v in same)
     for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
         assert torch.equal(q_mod.lora_A.weight.grad, f_mod.lora_A.weight.grad)
         assert torch.equal(q_mod.lora_B.weight.grad, f_mod.lora_B.weight.grad)

@@ -79,6 +79,24 @@ def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (codes.float() * scale).to(dtype)
 
 
+class _Fp8BaseLinear(torch.autograd.Function):
+    """x @ deq(W).T (+ b) for a frozen fp8 base, saving the 1-byte codes and the scales for backward
+    (not the dequantized weight, which would keep a compute-dtype copy of every base alive between
+    forward and backward), dequantized again there: the input's gradient g @ deq(W), as F.linear's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Any, dtype: Any) -> Any:
+        ctx.save_for_backward(codes, scale)
+        ctx.dtype = dtype
+        return F.linear(x, dequantize_e4m3(codes, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        codes, scale = ctx.saved_tensors
+        w = dequantize_e4m3(codes, scale, ctx.dtype)
+        return grad.to(w.dtype) @ w, None, None, None, None
+
+
 def is_fp8_base(m: nn.Module) -> bool:
     return isinstance(m, LoraLinear) and m.weight.dtype == torch.float8_e4m3fn
 
@@ -109,7 +127,11 @@ class LoraLinear(nn.Linear):
         if is_nf4(self.weight):
             out = nf4_api().linear_nf4(x, self.weight)
             return out if self.bias is None else out + self.bias.to(out.dtype)
-        return F.linear(x, self.base_weight(), self.bias)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return cast(
+                torch.Tensor, _Fp8BaseLinear.apply(x, self.weight, self.weight_scale, self.bias, self.compute_dtype)
+            )
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
