@@ -75,7 +75,13 @@ def rowwise_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """rowwise_e4m3's codes back to `dtype`: codes * scale in fp32, rounded once to `dtype`."""
+    """rowwise_e4m3's codes back to `dtype`: codes * scale in fp32, rounded once to `dtype`.
+
+    Args:
+        codes: float8_e4m3fn [out, in].
+        scale: fp32 [out, 1], one per output row.
+        dtype: the compute dtype the matmul runs in.
+    """
     return (codes.float() * scale).to(dtype)
 
 
@@ -86,6 +92,16 @@ class _Fp8BaseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Any, dtype: Any) -> Any:
+        """F.linear(x, dequantize_e4m3(codes, scale, dtype), bias).
+
+        Args:
+            ctx: autograd's context (keeps codes, scale and dtype for backward).
+            x: the input, in the compute dtype.
+            codes: the frozen float8_e4m3fn base [out, in].
+            scale: its fp32 row scales [out, 1].
+            bias: the frozen base bias, or None.
+            dtype: the compute dtype.
+        """
         ctx.save_for_backward(codes, scale)
         ctx.dtype = dtype
         return F.linear(x, dequantize_e4m3(codes, scale, dtype), bias)
