@@ -136,7 +136,7 @@ class LoraLinear(nn.Linear):
     def base_weight(self) -> torch.Tensor:
         """The base weight as the matmul takes it: an fp8 base dequantized to the compute dtype."""
         if self.weight.dtype == torch.float8_e4m3fn:
-            return dequantize_e4m3(self.weight, self.weight_scale, self.compute_dtype)
+            return dequantize_e4m3(self.weight, cast(torch.Tensor, self.weight_scale), self.compute_dtype)
         return dequantized(self.weight)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
