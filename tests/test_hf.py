@@ -276,7 +276,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ),
             "lora_grads": str(root / f"{name}.pt"),
             "tokens": TOKENS.tolist(),
-            **({"full_init_max_params": 0} if name in ("qlora", "qlora_ddp", "qlora_pp") else {}),
+            **({"full_init_max_params": 0} if name in ("qlora", "qlora_ddp", "qlora_pp", "lora_fp8_ddp") else {}),
         }
         for name, layout, extra in (
             ("lora", "fsdp", []),
@@ -288,6 +288,7 @@ def dist_run(hf, tokenizer_folder, tmp_path_factory) -> Path:
             ("qlora_cp", "cp", [*LORA_BOTH_WAYS, *QLORA]),
             ("qlora_ddp", "ddp", [*LORA_BOTH_WAYS, *QLORA]),
             ("qlora_pp", "pp", [*LORA_BOTH_WAYS, *QLORA]),
+            ("lora_fp8_ddp", "ddp", [*LORA_BOTH_WAYS, "--lora.quantize_base", "fp8"]),
         )
     ]
     jobs += [_qlora_ddp_audit(root, folder, tokenizer_folder)]
@@ -518,6 +519,25 @@ def test_qlora_on_ddp_2_equals_one_process(hf, dist_run):
     adapters = sum(g.numel() for g in run["grads"].values())
     audit = json.loads((dist_run / "qlora_ddp_audit.json").read_text())
     assert audit["collectives"]["all_reduce:dp_replicate"]["bfloat16"] == 2 * adapters, audit["collectives"]
+
+
+def test_lora_fp8_base_on_ddp_2_equals_one_process(hf, dist_run):
+    """An fp8 base on DDP 2 (each rank the whole model, built as a model above the full-init size
+    is, then the folder's weights loaded and re-quantized; DDP's broadcast is off, the reducer
+    holds the adapters only) after one step: every base is bitwise the rowwise e4m3 of the folder's
+    weight (codes and fp32 scales), and the loss of TOKENS and every adapter gradient are bitwise
+    one process's with the same fp8 base (both ranks compute the same tokens)."""
+    from torchtitan_amp.precision import lora
+
+    run = torch.load(dist_run / "lora_fp8_ddp.pt", weights_only=True)
+    reference = _ours(hf[0]).state_dict()
+    bases = [n.removesuffix(":fp8") for n in run["nf4"] if n.endswith(":fp8")]
+    assert len(bases) == 4 * ARGS.n_layers
+    for name in bases:
+        codes, scale = lora.rowwise_e4m3(reference[name])
+        assert torch.equal(run["nf4"][f"{name}:fp8"], codes.view(torch.uint8)), name
+        assert torch.equal(run["nf4"][f"{name}:scale"], scale), name
+    _assert_lora_matches(run, *_one_process_lora(hf[0], run, *LORA_BOTH_WAYS, "--lora.quantize_base", "fp8"), 0.0)
 
 
 def test_qlora_on_pp_2_equals_one_process(hf, dist_run):

@@ -72,10 +72,15 @@ def test_plan_decides_each_part() -> None:
     [
         (["--training.dtype", "bfloat16", *FP32], "trains fp32 master adapters"),
         (["--lora.quantize_base", "nf4", "--parallelism.tensor_parallel_degree", "2"], "one process"),
+        (["--lora.quantize_base", "fp8", "--parallelism.data_parallel_shard_degree", "2"], "one process, DDP"),
+        (["--lora.quantize_base", "fp8", "--parallelism.tensor_parallel_degree", "2"], "one process, DDP"),
+        (["--lora.quantize_base", "fp8", "--mixed_precision.fp8", "tensorwise"], "fp8 / block_scaled"),
     ],
 )
 def test_what_cannot_run_is_one_line(overrides: list[str], message: str) -> None:
     world = 2 if any(o.endswith("degree") for o in overrides) else 1
+    if "--parallelism.tensor_parallel_degree" in overrides and "fp8" in overrides:
+        overrides = [*overrides, "--parallelism.data_parallel_shard_degree", "1"]
     with pytest.raises(PrecisionError, match=message) as e:
         _plan(*overrides, world=world)
     assert "\n" not in str(e.value)
@@ -385,6 +390,114 @@ def test_qlora_without_torchaos_nf4_is_one_line(monkeypatch: pytest.MonkeyPatch)
     assert "\n" not in str(e.value)
 
 
+# --- an fp8 base: float8_e4m3fn codes with fp32 row scales -----------------------------------------
+
+
+def test_fp8_base_plans_on_ddp_and_pp_and_reports_its_dtypes() -> None:
+    """quantize_base = 'fp8': the base stored float8_e4m3fn with fp32 row scales, dequantized to the
+    compute dtype (bf16 here) for its matmul, no gradient; fp32 adapters; DDP 2 and PP 2 plan it."""
+    got = _plan(*BF16, "--lora.quantize_base", "fp8").lora
+    assert got is not None and got.fp8 and not got.nf4
+    assert got.parts()["base"] == {
+        "storage_dtype": "float8_e4m3fn",
+        "scale_dtype": "float32",
+        "compute_dtype": "bfloat16",
+        "grad_dtype": None,
+    }
+    assert got.parts()["adapters"] == {"storage_dtype": "float32", "compute_dtype": "bfloat16", "grad_dtype": "float32"}
+    for layout in (
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    ):
+        lp = _plan(*FP32, "--lora.quantize_base", "fp8", *layout, world=2).lora
+        assert lp is not None and lp.fp8
+
+
+def test_fp8_row_error_is_within_e4m3s_bound() -> None:
+    """rowwise_e4m3: scale = amax / 448 per row (fp32); e4m3 keeps 3 mantissa bits, so round to
+    nearest moves a normal code (|w / s| >= 2^-6) by at most 2^-4 of itself and a subnormal one by at
+    most half its 2^-9 spacing: |w - deq| <= 2^-4 |w| + s 2^-9 (the fp32 division and product add
+    2^-24 relative, inside the slack of the subnormal term). Rows of very different magnitudes,
+    and an all-zero row, which stays zero."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 64) * torch.tensor([1e-4, 1e-2, 1.0, 30.0, 1e3, 0.0])[:, None]
+    w[2, :8] = torch.tensor([1e-6, -1e-5, 3e-4, 2.0, -5.0, 0.0, 7e-3, 1e-3])  # codes of every size
+    codes, scale = lora.rowwise_e4m3(w)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (6, 1)
+    assert torch.equal(scale[:5, 0], w[:5].abs().amax(dim=1) / 448)
+    deq = lora.dequantize_e4m3(codes, scale, torch.float32)
+    assert bool(((w - deq).abs() <= 2**-4 * w.abs() + scale * 2**-9).all())
+    assert torch.equal(deq[5], torch.zeros(64)) and codes.float().abs().max() == 448
+    codes2, scale2 = lora.rowwise_e4m3(w)  # deterministic
+    assert torch.equal(codes2.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(scale2, scale)
+
+
+def test_fp8_step_leaves_the_base_bit_identical_and_passes_the_audit(tmp_path: Path) -> None:
+    t = trainer_module.Trainer(
+        load_config(
+            [*BASE, *BF16, "--lora.quantize_base", "fp8", "--training.steps", "2", "--job.dump_folder", str(tmp_path)]
+        )
+    )
+    mods = lora.lora_modules(t.run.model)
+    assert mods and all(m.weight.dtype == torch.float8_e4m3fn and not m.weight.requires_grad for m in mods)
+    assert all(m.weight_scale.dtype == torch.float32 and m.compute_dtype == torch.bfloat16 for m in mods)
+    before = [(m.weight.detach().view(torch.uint8).clone(), m.weight_scale.clone()) for m in mods]
+    t.train()
+    for m, (codes, scale) in zip(mods, before):
+        assert torch.equal(m.weight.view(torch.uint8), codes) and torch.equal(m.weight_scale, scale)
+        assert m.weight.grad is None
+    assert any(float(m.lora_B.weight.detach().abs().max()) > 0 for m in mods)  # the adapters learned
+    audit = lora.audit(t.run.plan, [t.run.model])
+    assert audit == {"adapter gradients": ["float32"], "base parameters with a gradient": []}
+    report = json.loads((tmp_path / "precision_report.json").read_text())["lora"]
+    assert report["base"]["storage_dtype"] == "float8_e4m3fn" and report["base"]["scale_dtype"] == "float32"
+    assert report["base"]["compute_dtype"] == "bfloat16" and report["adapters"]["grad_dtype"] == "float32"
+
+
+def test_fp8_forward_is_lora_on_the_dequantized_base() -> None:
+    """An fp8 base computes on its dequantization (codes * scale in fp32, rounded once to the compute
+    dtype) and nothing else: loss and adapter gradients equal, bitwise, plain LoRA whose base is that
+    dequantized weight; the merge dequantizes the same way."""
+    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
+
+    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
+    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("fp8", "none")}
+    models = {}
+    for q, plan in plans.items():
+        torch.manual_seed(0)
+        models[q] = Transformer(args)
+        models[q].init_weights()
+        lora.apply_lora(plan, models[q])
+        torch.manual_seed(1)
+        lora.init_adapters(models[q])
+    lora.quantize_base(plans["fp8"], models["fp8"])
+    with torch.no_grad():
+        for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
+            deq = q_mod.base_weight()
+            assert deq.dtype == f_mod.weight.dtype and not torch.equal(deq, f_mod.weight)  # e4m3 rounds
+            f_mod.weight.copy_(deq)
+            q_mod.lora_B.weight.normal_(0, 0.02)
+            f_mod.lora_B.weight.copy_(q_mod.lora_B.weight)
+            assert torch.equal(q_mod.merged_weight(), f_mod.merged_weight())
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        losses = {"fp8": _loss(models["fp8"](TOKENS))}
+    losses["none"] = _loss(models["none"](TOKENS))
+    for loss in losses.values():
+        loss.backward()
+    assert torch.equal(losses["fp8"], losses["none"])
+    # backward keeps the 1-byte codes, not a dequantized copy of any base
+    # backward keeps the 1-byte codes (of every adapted Linear whose input needs a gradient: not
+    # layer 0's wq and wk, fed by the frozen embedding), never a dequantized copy of a base
+    deq = [m.base_weight() for m in lora.lora_modules(models["fp8"])]
+    assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == len(deq) - 2
+    same = [(t, v) for t in saved for w in deq for v in (w, w.t()) if t.dtype == v.dtype and t.shape == v.shape]
+    assert same and not any(torch.equal(t, v) for t, v in same)
+    for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
+        assert torch.equal(q_mod.lora_A.weight.grad, f_mod.lora_A.weight.grad)
+        assert torch.equal(q_mod.lora_B.weight.grad, f_mod.lora_B.weight.grad)
+
+
 # --- checkpoints: the adapters and their optimizer state, resumed bitwise -------------------------
 
 
@@ -399,7 +512,9 @@ def _adapters(t: trainer_module.Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in lora.adapter_parameters(t.run.model).items()}
 
 
-def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_checkpoint_holds_adapters_and_resumes_bitwise(quantize: str, tmp_path: Path) -> None:
+    """Also with an fp8 base: re-quantized from initial_load_path on resume, bitwise the same codes."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -414,7 +529,7 @@ def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
         )
     ).train()
     base = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
-    straight = _run(tmp_path / "straight", *base)
+    straight = _run(tmp_path / "straight", *base, "--lora.quantize_base", quantize)
     step2 = tmp_path / "straight" / "checkpoint" / "step-2"
     saved = dcp.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
     model_keys = {k for k in saved if k.startswith("model.")}
@@ -427,18 +542,31 @@ def test_checkpoint_holds_adapters_and_resumes_bitwise(tmp_path: Path) -> None:
     resumed_folder = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight" / "checkpoint", resumed_folder / "checkpoint")
     shutil.rmtree(resumed_folder / "checkpoint" / "step-4")
-    resumed = _run(resumed_folder, *base)
+    resumed = _run(resumed_folder, *base, "--lora.quantize_base", quantize)
     want, got = _adapters(straight), _adapters(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     named = dict(resumed.run.model.named_parameters())
     for n, p in straight.run.model.named_parameters():
-        assert torch.equal(p, named[n]), n  # the base too: reloaded from initial_load_path
+        # the base too: reloaded from initial_load_path (an fp8 base compared as its bits)
+        assert p.dtype == named[n].dtype and torch.equal(p.view(torch.uint8), named[n].view(torch.uint8)), n
+    if quantize == "fp8":
+        import torch.distributed.checkpoint as dcp
+
+        mods = dict(resumed.run.model.named_modules())
+        fp8 = [n for n, m in mods.items() if isinstance(m, lora.LoraLinear)]
+        assert fp8 and all(mods[n].weight.dtype == torch.float8_e4m3fn for n in fp8)
+        for n in fp8:  # the rowwise e4m3 of the saved weight, in the compute dtype (fp32 here)
+            saved_w = {"model": {f"{n}.weight": torch.empty(mods[n].weight.shape)}}
+            dcp.load(saved_w, checkpoint_id=base[1], no_dist=True)
+            codes, scale = lora.rowwise_e4m3(saved_w["model"][f"{n}.weight"])
+            assert torch.equal(mods[n].weight.view(torch.uint8), codes.view(torch.uint8)), n
+            assert torch.equal(mods[n].weight_scale, scale), n
 
 
 # --- the memory model ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", "nf4", "fp8"])
 def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> None:
     """memory.state_bytes on one process equals the built model: the frozen base in its storage
     (bf16 Linears, fp32 norms and embeddings; NF4's codes, scales and factors under QLoRA), the
@@ -452,6 +580,9 @@ def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> 
         key = "uint8" if lora.is_nf4(p) else str(p.dtype).removeprefix("torch.")
         inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if lora.is_nf4(p) else [p]
         params[key] = params.get(key, 0) + sum(t.numel() * t.element_size() for t in inner)
+    for m in lora.lora_modules(model):  # an fp8 base's fp32 row scales
+        if hasattr(m, "weight_scale"):
+            params["float32"] += m.weight_scale.numel() * 4
     adapters = sum(p.numel() for p in lora.adapter_parameters(model).values())
     got = state_bytes(job.model_dims, job.precision, job.layout)
     assert got.params == params, (got.params, params)
@@ -459,7 +590,7 @@ def test_memory_model_counts_frozen_base_and_adapters_exactly(quantize: str) -> 
     assert got.optimizer == {"float32": 8 * adapters + ADAMW_STEP_BYTES * len(lora.adapter_parameters(model))}
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", "nf4", "fp8"])
 def test_dry_run_measures_what_the_memory_model_says(quantize: str, tmp_path: Path) -> None:
     """The dry run's meta model (NF4 quantized on meta by torchao) and memory.state_bytes agree."""
     from torchtitan_amp.train import dry_run
@@ -534,7 +665,8 @@ def test_adapters_of_an_fp32_by_name_linear_compute_in_fp32() -> None:
         assert wq.weight.dtype == want  # the frozen base in what it computes in
 
 
-def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(quantize: str, tmp_path: Path) -> None:
     """`python -m torchtitan_amp.checkpoint export --format hf|peft` of a LoRA checkpoint (bf16 base
     from a seed-5 initial_load_path): it rebuilds the run's model bitwise (base in the dtypes it
     trained against, adapters), transformers gives the merged model's logits, and the PEFT folder
@@ -552,6 +684,7 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_
         )
     ).train()
     args = [*BASE, *BF16, "--training.steps", "2", "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "run")]
+    args += ["--lora.quantize_base", quantize]  # fp8: the export re-quantizes the bf16 base, then merges
     t = trainer_module.Trainer(load_config([*args, "--checkpoint.initial_load_path", str(seed / "checkpoint/step-0")]))
     t.train()
     step = tmp_path / "run" / "checkpoint" / "step-2"
@@ -559,7 +692,9 @@ def test_a_lora_checkpoint_exports_merged_and_as_peft_from_the_command_line(tmp_
     want = dict(t.run.model.named_parameters())
     got = dict(model.named_parameters())
     assert got.keys() == want.keys()
-    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert all(
+        got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want
+    )
     assert checkpoint_cli(["export", "--format", "hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     assert checkpoint_cli(["export", "--format", "peft", str(step), str(tmp_path / "peft")]) == 0
     from torchtitan_amp.models.llama3.model import Transformer

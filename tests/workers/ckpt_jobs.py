@@ -300,6 +300,10 @@ def _nf4_base(trainer: Trainer) -> dict[str, torch.Tensor]:
 
     out = {}
     for part in trainer.run.model_parts:
+        for name, m in part.named_modules():  # an fp8 base (DDP / PP: whole): its codes and row scales
+            if isinstance(m, lora.LoraLinear) and m.weight.dtype == torch.float8_e4m3fn:
+                out[f"{name}.weight:fp8"] = m.weight.detach().view(torch.uint8).cpu()
+                out[f"{name}.weight:scale"] = m.weight_scale.detach().cpu()
         for name, p in part.named_parameters():
             if lora.is_nf4(p):
                 if isinstance(p, DTensor):  # each shard once, by its first row (HSDP's replicas repeat them)

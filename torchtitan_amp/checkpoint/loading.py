@@ -37,7 +37,7 @@ from torchtitan_amp.checkpoint.train_state import TrainState
 from torchtitan_amp.config import JobConfig
 from torchtitan_amp.core.errors import CheckpointError
 from torchtitan_amp.models import get_family
-from torchtitan_amp.precision.lora import is_split_nf4, load_nf4_whole
+from torchtitan_amp.precision.lora import fp8_bases_loadable, is_split_nf4, load_nf4_whole
 
 logger = logging.getLogger("torchtitan_amp")
 
@@ -74,11 +74,19 @@ def load(
         replica: this fault-tolerant replica group, which reads its per-rank parts from its own
             folder (replicas.py); None outside fault tolerance.
     """
-    c = config.checkpoint
-    ranks = state.ranks
-    choice = choose_verified(config, folder, ranks, state.model_args)
+    choice = choose_verified(config, folder, state.ranks, state.model_args)
     if choice is None:
         return None
+    with fp8_bases_loadable(state.model_parts):  # an fp8 LoRA base: loaded whole, then re-quantized
+        return _load_choice(config, folder, state, replica, choice)
+
+
+def _load_choice(
+    config: JobConfig, folder: Path | None, state: RunState, replica: replicas.ReplicaGroup | None, choice: Choice
+) -> Restored:
+    """`load` of the chosen checkpoint (its arguments, plus the choice)."""
+    c = config.checkpoint
+    ranks = state.ranks
     path, kind, initial = Path(choice.path), choice.kind, choice.initial
     if state.adapters and not initial and c.initial_load_path:
         # LoRA: a checkpoint holds the adapters; the frozen base comes from initial_load_path first.

@@ -163,7 +163,7 @@ def _load_base(model: nn.Module, base: str, args: Any, flavor: str, family: Any)
 
 def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str, str]:
     """A LoRA checkpoint as the whole model on one process: its base (the manifest's lora_base, in
-    the dtypes the adapters trained against: lora_base_dtypes, NF4 re-quantized by torchao) plus
+    the dtypes the adapters trained against: lora_base_dtypes, NF4 re-quantized by torchao, fp8 by rowwise_e4m3) plus
     its adapters. Returns (model, model args, family name, tokenizer spec, base)."""
     import torch.distributed.checkpoint as dcp
 
@@ -171,7 +171,7 @@ def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str
     from torchtitan_amp.config import load_config
     from torchtitan_amp.distributed.parallel_dims import ParallelDims
     from torchtitan_amp.precision import PrecisionPlan
-    from torchtitan_amp.precision.lora import adapter_parameters, apply_lora, nf4_of
+    from torchtitan_amp.precision.lora import adapter_parameters, apply_lora, nf4_of, to_fp8
 
     info = inspect_checkpoint(step_dir)
     base = info.meta.get("lora_base")
@@ -205,8 +205,10 @@ def load_lora_checkpoint(step_dir: str | Path) -> tuple[nn.Module, Any, str, str
                 stored = info.meta.get("lora_base_dtypes", {}).get(f"{name}.{pname}" if name else pname)
                 if stored is None:
                     continue
-                rounded = p.detach().to(getattr(torch, stored.removeprefix("nf4:").partition(":")[0]))
+                rounded = p.detach().to(getattr(torch, stored.split(":")[1 if ":" in stored else 0]))
                 if stored.startswith("nf4:"):
                     rounded = nf4_of(name, rounded, stored)
                 module.register_parameter(pname, nn.Parameter(rounded, requires_grad=False))
+                if stored.startswith("fp8:"):  # re-quantized as the run did: rowwise e4m3 of that base
+                    to_fp8(module)
     return model, args, family.name, job["model"].get("tokenizer", "byte"), base

@@ -336,11 +336,13 @@ class LoraConfig:
         "fnmatch patterns of the nn.Linear module names that get adapters (e.g. 'layers.*.attention.wq'); "
         "a pattern matching nothing, or a match that is not an nn.Linear, is an error.",
     )
-    quantize_base: Literal["none", "nf4"] = option(
+    quantize_base: Literal["none", "nf4", "fp8"] = option(
         "none",
         "'none': frozen base weights stored in the plan's compute dtype of the Linears (param_dtype in "
         "mixed precision, else fp32); 'nf4': QLoRA, the target Linears' base weights stored as torchao "
-        "NF4Tensor (dequantized to the compute dtype for each matmul).",
+        "NF4Tensor (dequantized to the compute dtype for each matmul); 'fp8': the target Linears' base "
+        "weights stored float8_e4m3fn with one fp32 scale per output row (amax / 448), dequantized to the "
+        "compute dtype for each matmul (weight-only: the matmul runs in the compute dtype).",
     )
 
 

@@ -50,10 +50,12 @@ class PrecisionSpec:
     router: str = "float32"  # MoE routing arithmetic (mixed_precision.router_dtype)
     # [lora]: every base parameter frozen; each target Linear (fnmatch over module names) gains
     # adapters of lora_rank x (in + out) trained elements in storage dtype; lora_nf4: the target
-    # base weights are NF4 (nf4_bytes), not their compute dtype
+    # base weights are NF4 (nf4_bytes), not their compute dtype; lora_fp8: float8_e4m3fn, 1 byte a
+    # weight plus one fp32 scale per output row
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_nf4: bool = False
+    lora_fp8: bool = False
 
     @classmethod
     def simple(

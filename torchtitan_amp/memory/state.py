@@ -87,6 +87,10 @@ def state_bytes(
             if prec.lora_nf4 and prec.lora_target(spec):
                 add_bytes(out.params, "uint8", nf4_bytes(numel, sb))
                 add_bytes(out.params_padded, "uint8", nf4_bytes(padded, sb))
+            elif prec.lora_fp8 and prec.lora_target(spec) and len(spec.shape) == 2:  # 1-byte codes + row scales
+                for held, n in ((out.params, numel), (out.params_padded, padded)):
+                    add_bytes(held, "float8_e4m3fn", n)
+                    add_bytes(held, "float32", 4 * spec.shape[0])
             else:
                 add_bytes(out.params, dtype, numel * sb)
                 add_bytes(out.params_padded, dtype, padded * sb)

@@ -60,6 +60,63 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
     return cast(Any, t).get_original_weight() if is_nf4(t) else t
 
 
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero row keeps a finite scale
+
+
+def rowwise_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [out, in] as float8_e4m3fn codes with one fp32 scale per output row, amax / 448 (torchao's
+    rowwise recipe): codes = RNE(w / scale), |codes| <= 448. Deterministic: the same `w` gives the
+    same bits on every rank and every run."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_FLOOR) / E4M3_MAX
+    codes = (wf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rowwise_e4m3's codes back to `dtype`: codes * scale in fp32, rounded once to `dtype`.
+
+    Args:
+        codes: float8_e4m3fn [out, in].
+        scale: fp32 [out, 1], one per output row.
+        dtype: the compute dtype the matmul runs in.
+    """
+    return (codes.float() * scale).to(dtype)
+
+
+class _Fp8BaseLinear(torch.autograd.Function):
+    """x @ deq(W).T (+ b) for a frozen fp8 base, saving the 1-byte codes and the scales for backward
+    (not the dequantized weight, which would keep a compute-dtype copy of every base alive between
+    forward and backward), dequantized again there: the input's gradient g @ deq(W), as F.linear's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: Any, dtype: Any) -> Any:
+        """F.linear(x, dequantize_e4m3(codes, scale, dtype), bias).
+
+        Args:
+            ctx: autograd's context (keeps codes, scale and dtype for backward).
+            x: the input, in the compute dtype.
+            codes: the frozen float8_e4m3fn base [out, in].
+            scale: its fp32 row scales [out, 1].
+            bias: the frozen base bias, or None.
+            dtype: the compute dtype.
+        """
+        ctx.save_for_backward(codes, scale)
+        ctx.dtype = dtype
+        return F.linear(x, dequantize_e4m3(codes, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        codes, scale = ctx.saved_tensors
+        w = dequantize_e4m3(codes, scale, ctx.dtype)
+        return grad.to(w.dtype) @ w, None, None, None, None
+
+
+def is_fp8_base(m: nn.Module) -> bool:
+    return isinstance(m, LoraLinear) and m.weight.dtype == torch.float8_e4m3fn
+
+
 class LoraLinear(nn.Linear):
     """A frozen base Linear plus a trained low-rank update (module docstring)."""
 
@@ -74,11 +131,22 @@ class LoraLinear(nn.Linear):
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
+        self.compute_dtype = base.weight.dtype  # what an fp8 base dequantizes to
+
+    def base_weight(self) -> torch.Tensor:
+        """The base weight as the matmul takes it: an fp8 base dequantized to the compute dtype."""
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return dequantize_e4m3(self.weight, cast(torch.Tensor, self.weight_scale), self.compute_dtype)
+        return dequantized(self.weight)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_nf4(self.weight):
             out = nf4_api().linear_nf4(x, self.weight)
             return out if self.bias is None else out + self.bias.to(out.dtype)
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return cast(
+                torch.Tensor, _Fp8BaseLinear.apply(x, self.weight, self.weight_scale, self.bias, self.compute_dtype)
+            )
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +158,8 @@ class LoraLinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scaling * B @ A in fp32 (the base dequantized from NF4 under QLoRA)."""
-        w = dequantized(self.weight)
+        """W + scaling * B @ A in fp32 (the base dequantized from NF4 or fp8 first)."""
+        w = self.base_weight()
         b, a = self.lora_B.weight.detach().float(), self.lora_A.weight.detach().float()
         return w.detach().float() + self.scaling * (b @ a)
 
@@ -200,9 +268,52 @@ def materialize_nf4(model: nn.Module, device: torch.device) -> None:
                     setattr(local, attr, torch.empty_like(getattr(local, attr), device=device))
 
 
+def to_fp8(m: LoraLinear) -> None:
+    """`m`'s base weight (in its compute dtype) becomes float8_e4m3fn codes plus a non-persistent
+    fp32 `weight_scale` buffer [out, 1] (rowwise_e4m3); the state dict keeps the `weight` key."""
+    codes, scale = rowwise_e4m3(m.weight)
+    m.compute_dtype = m.weight.dtype
+    m.weight = nn.Parameter(codes, requires_grad=False)
+    m.register_buffer("weight_scale", scale, persistent=False)
+
+
+@contextlib.contextmanager
+def fp8_bases_loadable(models: list[nn.Module]) -> Iterator[None]:
+    """While a checkpoint loads: each fp8 base weight replaced by its dequantized copy in the compute
+    dtype (what a load copies whole weights into), then re-quantized (rowwise_e4m3, bitwise the same
+    as the fresh run's); a copy the load left untouched gets its own fp8 codes back unchanged."""
+    aside = {}
+    for model in models:
+        for m in lora_modules(model):
+            if is_fp8_base(m):
+                w, held = m.weight, m.base_weight()
+                aside[m] = (w, held.clone())
+                m.weight = nn.Parameter(held, requires_grad=False)
+    try:
+        yield
+    finally:
+        for m, (w, before) in aside.items():
+            if torch.equal(m.weight, before):
+                m.weight = w
+            else:
+                to_fp8(m)
+
+
 def quantize_base(plan: PrecisionPlan, model: nn.Module) -> None:
     """QLoRA: each LoraLinear's (materialized, whole) base weight becomes a torchao NF4Tensor, in
-    blocks that FSDP's plan.lora.nf4_shards ranks split evenly."""
+    blocks that FSDP's plan.lora.nf4_shards ranks split evenly; an fp8 base: to_fp8."""
+    if plan.lora is not None and plan.lora.fp8:
+        for m in lora_modules(model):
+            if is_fp8_base(m):
+                continue
+            if not m.weight.is_meta:
+                to_fp8(m)
+            else:  # the dry run: 1-byte codes and the scales, on meta
+                codes = torch.empty(m.weight.shape, dtype=torch.float8_e4m3fn, device="meta")
+                m.compute_dtype = m.weight.dtype
+                m.weight = nn.Parameter(codes, requires_grad=False)
+                m.register_buffer("weight_scale", torch.empty(m.out_features, 1, device="meta"), persistent=False)
+        return
     if plan.lora is None or not plan.lora.nf4:
         return
     api = nf4_api()
@@ -341,6 +452,10 @@ def base_dtypes(model: nn.Module) -> dict[str, str]:
     out = {}
     for name, p in model.named_parameters():
         if name not in adapters:
+            if p.dtype == torch.float8_e4m3fn:  # quantized from the adapted module's compute dtype
+                owner = cast(LoraLinear, model.get_submodule(name.rpartition(".")[0]))
+                out[name] = "fp8:" + str(owner.compute_dtype).removeprefix("torch.")
+                continue
             out[name] = ("nf4:" if is_nf4(p) else "") + str(p.dtype).removeprefix("torch.")
             scaler = getattr(getattr(p, "_local_tensor", p), "scaler_block_size", None)
             if is_nf4(p) and scaler != nf4_blocks(name, p.numel())[1]:

@@ -27,6 +27,7 @@ class LoraPlan:
     adapter_dtype: torch.dtype  # the adapters' master weights, gradients and optimizer state
     compute_dtype: torch.dtype  # what the base and adapter matmuls run in
     nf4_shards: int = 1  # QLoRA on FSDP: the ranks each NF4 base is split over (lora.nf4_blocks)
+    fp8: bool = False  # the target Linears' base weights are float8_e4m3fn with fp32 row scales
 
     @property
     def scaling(self) -> float:
@@ -35,12 +36,15 @@ class LoraPlan:
     def parts(self) -> dict[str, dict[str, str | None]]:
         """Storage / compute / gradient dtype of each part, for the precision report."""
         compute, adapter = dtype_name(self.compute_dtype), dtype_name(self.adapter_dtype)
+        base: dict[str, str | None] = {
+            "storage_dtype": "nf4" if self.nf4 else "float8_e4m3fn" if self.fp8 else dtype_name(self.base_dtype),
+            "compute_dtype": compute,
+            "grad_dtype": None,  # frozen: no gradient
+        }
+        if self.fp8:
+            base["scale_dtype"] = "float32"  # one per output row: amax / 448
         return {
-            "base": {
-                "storage_dtype": "nf4" if self.nf4 else dtype_name(self.base_dtype),
-                "compute_dtype": compute,
-                "grad_dtype": None,  # frozen: no gradient
-            },
+            "base": base,
             "adapters": {"storage_dtype": adapter, "compute_dtype": compute, "grad_dtype": adapter},
         }
 
@@ -84,6 +88,12 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
             "parallel: tensor parallel's split of the base weight is not carried for torchao's NF4Tensor here; "
             "use 'none' (a bf16 base) under tensor parallel"
         )
+    if lo.quantize_base == "fp8" and (dims.tp_enabled or dims.fsdp_enabled):
+        raise PrecisionError(
+            "'lora.quantize_base' = 'fp8' runs on one process, DDP and pipeline parallel: its float8_e4m3fn "
+            "base is quantized after the base is loaded, by replacing each base weight, which the split "
+            "parameters of FSDP (context parallel included) and tensor parallel do not allow; use 'nf4' or 'none' there"
+        )
     return LoraPlan(
         rank=lo.rank,
         alpha=lo.alpha,
@@ -94,4 +104,5 @@ def decide(config: JobConfig, dims: ParallelDims, compute: torch.dtype) -> LoraP
         adapter_dtype=torch.float32,
         compute_dtype=compute,
         nf4_shards=dims.fsdp_shard if lo.quantize_base == "nf4" else 1,
+        fp8=lo.quantize_base == "fp8",
     )

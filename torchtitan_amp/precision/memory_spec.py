@@ -38,4 +38,5 @@ def from_plan(plan: PrecisionPlan, norm_cls: type | None = None) -> PrecisionSpe
         lora_rank=plan.lora.rank if plan.lora is not None else 0,
         lora_targets=plan.lora.targets if plan.lora is not None else (),
         lora_nf4=plan.lora is not None and plan.lora.nf4,
+        lora_fp8=plan.lora is not None and plan.lora.fp8,
     )

@@ -176,8 +176,8 @@ def apply_ddp(
     # QLoRA: DDP's first-forward broadcast of every parameter from rank 0 would carry each NF4 base
     # through a dense flatten and copy it back by requantizing (torchao's copy_), which is not the
     # base it was. Every rank already holds the same model (seeded init, the same base load).
-    nf4 = plan.lora is not None and plan.lora.nf4
-    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, init_sync=not nf4)
+    quantized = plan.lora is not None and (plan.lora.nf4 or plan.lora.fp8)  # every rank quantizes alike
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, init_sync=not quantized)
     comm_hooks.install_comm_hook(model, comm_hooks.comm_hook_state(plan, model, mesh.get_group()))
     if plan.comm_hook == "none" and default_hook is not None:
         cast(ReplicateModule, model).register_comm_hook(mesh.get_group(), default_hook)  # replicate() made it one

@@ -135,6 +135,10 @@ def measure_state(parts: list[nn.Module], state_dtype: torch.dtype | None = None
                 out.num_tensors += 1
                 memory.add_bytes(out.params, dtype, local.numel() * size)
                 memory.add_bytes(out.params_padded, dtype, padded * size)
+                scale = getattr(module, "weight_scale", None)  # an fp8 LoRA base's fp32 row scales
+                if scale is not None and p is getattr(module, "weight", None):
+                    memory.add_bytes(out.params, "float32", scale.numel() * 4)
+                    memory.add_bytes(out.params_padded, "float32", scale.numel() * 4)
                 if p.requires_grad:
                     replicated_grad = (
                         isinstance(module, nn.Embedding)
