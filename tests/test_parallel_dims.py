@@ -417,7 +417,7 @@ def test_ddp_gets_the_configured_bucket_size(monkeypatch, argv: list[str], expec
         mesh={"dp_replicate": mesh},
     )
     # What the appliers read of a plan: no autocast (no fp32 islands), no compress hook.
-    plan = SimpleNamespace(autocast_dtype=None, comm_hook="none")
+    plan = SimpleNamespace(autocast_dtype=None, comm_hook="none", lora=None)
     parallelize.parallelize_model(torch.nn.Linear(2, 2), get_family("llama3"), dims, plan, load_config(argv))
     assert seen["bucket_cap_mb"] == expected and seen["device_mesh"] is mesh
 
