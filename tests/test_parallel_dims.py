@@ -312,17 +312,18 @@ def test_async_tp_is_off_by_default() -> None:
     assert load_config([]).parallelism.enable_async_tensor_parallel is False
 
 
-def test_apply_async_tp_turns_on_inductor_micro_pipelining(monkeypatch) -> None:
+def test_apply_async_tp_turns_on_inductor_micro_pipelining() -> None:
+    # inductor's own patch(), not monkeypatch: on torch 2.11 monkeypatch's undo leaves the config
+    # without the key, and every later compile in the process fails ("... does not exist").
     import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
 
     class Mesh:
         def get_group(self):
             raise AssertionError("torch 2.13 registers symmetric memory itself: no group lookup expected")
 
-    apply_async_tp(Mesh())  # type: ignore[arg-type]
-    assert inductor_config._micro_pipeline_tp is True
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        apply_async_tp(Mesh())  # type: ignore[arg-type]
+        assert inductor_config._micro_pipeline_tp is True
 
 
 # ---------------------------------------------------------------------------------------------
