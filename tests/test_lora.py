@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -312,15 +313,14 @@ def test_qlora_step_leaves_the_nf4_base_bit_identical(tmp_path: Path) -> None:
     assert report["base"]["storage_dtype"] == "nf4" and report["adapters"]["grad_dtype"] == "float32"
 
 
-def test_qlora_forward_is_lora_on_torchaos_dequantized_base() -> None:
-    """Our QLoRA computes on torchao's dequantization (NF4Tensor.get_original_weight) and nothing of
-    its own: its loss and adapter gradients equal, bitwise, a LoRA model whose fp32 base is that
-    dequantized weight; the merge dequantizes the same way."""
+def _quantized_and_plain(quantize: str) -> dict[str, Any]:
+    """Two tiny Llamas with the same init and adapters on TARGETS, fp32: under `quantize` (its base
+    quantized by lora.quantize_base) and under "none"."""
     from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
 
     args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
-    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("nf4", "none")}
-    models = {}
+    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in (quantize, "none")}
+    models: dict[str, Any] = {}
     for q, plan in plans.items():
         torch.manual_seed(0)
         models[q] = Transformer(args)
@@ -328,7 +328,15 @@ def test_qlora_forward_is_lora_on_torchaos_dequantized_base() -> None:
         lora.apply_lora(plan, models[q])
         torch.manual_seed(1)
         lora.init_adapters(models[q])
-    lora.quantize_base(plans["nf4"], models["nf4"])
+    lora.quantize_base(plans[quantize], models[quantize])
+    return models
+
+
+def test_qlora_forward_is_lora_on_torchaos_dequantized_base() -> None:
+    """Our QLoRA computes on torchao's dequantization (NF4Tensor.get_original_weight) and nothing of
+    its own: its loss and adapter gradients equal, bitwise, a LoRA model whose fp32 base is that
+    dequantized weight; the merge dequantizes the same way."""
+    models = _quantized_and_plain("nf4")
     with torch.no_grad():
         for q_mod, f_mod in zip(lora.lora_modules(models["nf4"]), lora.lora_modules(models["none"])):
             deq = q_mod.weight.get_original_weight()
@@ -458,19 +466,7 @@ def test_fp8_forward_is_lora_on_the_dequantized_base() -> None:
     """An fp8 base computes on its dequantization (codes * scale in fp32, rounded once to the compute
     dtype) and nothing else: loss and adapter gradients equal, bitwise, plain LoRA whose base is that
     dequantized weight; the merge dequantizes the same way."""
-    from torchtitan_amp.models.llama3.model import LlamaModelArgs, Transformer
-
-    args = LlamaModelArgs(**HF_ARGS, vocab_size=258, max_seq_len=32)  # type: ignore[arg-type]
-    plans = {q: _plan(*FP32, "--lora.quantize_base", q, "--lora.target_modules", TARGETS) for q in ("fp8", "none")}
-    models = {}
-    for q, plan in plans.items():
-        torch.manual_seed(0)
-        models[q] = Transformer(args)
-        models[q].init_weights()
-        lora.apply_lora(plan, models[q])
-        torch.manual_seed(1)
-        lora.init_adapters(models[q])
-    lora.quantize_base(plans["fp8"], models["fp8"])
+    models = _quantized_and_plain("fp8")
     with torch.no_grad():
         for q_mod, f_mod in zip(lora.lora_modules(models["fp8"]), lora.lora_modules(models["none"])):
             deq = q_mod.base_weight()
