@@ -364,7 +364,7 @@ def test_device_micro_batches_with_one_layout_share_one_block_mask_by_host_ids(
     from torchtitan_amp.data.loader import to_device
 
     built = _count_block_masks(monkeypatch, build=False)
-    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2)
+    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2, host_ids=True)
     meta = torch.device("meta")
     for seed, layout in enumerate([[0, 20], [0, 20], [0, 20], [0, 33], [0, 20]]):
         docs = mask_inputs(to_device(_packed(layout, seed=seed), meta))["doc_ids"]
@@ -378,7 +378,7 @@ def test_alternating_layouts_each_build_once_and_give_sdpa_outputs(monkeypatch: 
     layout, never one for both), and each forward's logits are SDPA's with that batch's mask."""
     built = _count_block_masks(monkeypatch)
     model = _llama()
-    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2)
+    mask_inputs = attn.MaskInputs("block_causal", bos_id=1, eos_id=2, host_ids=True)
     with torch.no_grad():
         for seed, layout in enumerate([[0, 20], [0, 33, 50], [0, 20], [0, 33, 50]]):
             tokens = _packed(layout, seed=seed)

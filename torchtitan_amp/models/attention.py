@@ -68,17 +68,19 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 class MaskInputs:
     """The extra forward arguments a job's mask type needs: none for "causal", `doc_ids` for
     "block_causal". Computed from the input tokens on every rank (pipeline stages past the first
-    see hidden states, not tokens, so the trainer hands them the ids)."""
+    see hidden states, not tokens, so the trainer hands them the ids). With `host_ids` (the flex
+    backend) a device batch's ids also get their host copy, the BlockMask cache's key; SDPA needs
+    none, so its steps skip that CPU pass."""
 
-    def __init__(self, mask_type: str, bos_id: int, eos_id: int) -> None:
+    def __init__(self, mask_type: str, bos_id: int, eos_id: int, host_ids: bool = False) -> None:
         # mask_type comes from the config, whose Literal already refused any other value.
-        self.mask_type, self.bos_id, self.eos_id = mask_type, bos_id, eos_id
+        self.mask_type, self.bos_id, self.eos_id, self.host_ids = mask_type, bos_id, eos_id, host_ids
 
     def __call__(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.mask_type == "causal":
             return {}
         ids = document_ids(tokens, self.bos_id, self.eos_id)
-        host = host_copy(tokens)
+        host = host_copy(tokens) if self.host_ids else None
         if host is not None and host is not tokens:  # the same ids on the host: the BlockMask cache key
             remember_host_copy(ids, document_ids(host, self.bos_id, self.eos_id))
         return {"doc_ids": ids}

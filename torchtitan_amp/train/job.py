@@ -119,7 +119,7 @@ class Job:
         bos, eos = (self.tokenizer.bos_id, self.tokenizer.eos_id) if self.tokenizer is not None else (-1, -1)
         if self.config.training.dataset.startswith("chat:"):
             eos = -1
-        return MaskInputs(self.config.model.attn_mask_type, bos, eos)
+        return MaskInputs(self.config.model.attn_mask_type, bos, eos, host_ids=self.plan.attention_backend == "flex")
 
     @property
     def num_stages(self) -> int:
