@@ -125,6 +125,8 @@ class HFTokenizer:
             self._tokenizer = _HFTokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
             raise DataError(f"{self.path}: cannot load tokenizer: {' '.join(str(e).split())}") from e
+        # The vocabulary's special tokens, id -> string, read once (every chat conversation asks).
+        self._specials = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
             if token is not None and self._tokenizer.token_to_id(token) is None:
                 raise DataError(
@@ -170,7 +172,7 @@ class HFTokenizer:
 
     def special_tokens(self) -> list[str]:
         """The strings of the vocabulary's special tokens (what a chat template's markers may be)."""
-        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special]
+        return list(self._specials.values())
 
     def _encode(self, text: str, split_specials: bool) -> tuple[list[int], list[tuple[int, int]]]:
         tok = self._tokenizer
@@ -195,7 +197,7 @@ class HFTokenizer:
                 that holds one is tokenised with specials split (transformers' split_special_tokens).
         """
         ids, offsets = self._encode(text, False)
-        special = {i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special}
+        special = self._specials
         if not any(i in special and offsets[k][0] in literal for k, i in enumerate(ids)):
             return ids, offsets
         cuts = [k for k, i in enumerate(ids) if i in special and offsets[k][0] not in literal]
